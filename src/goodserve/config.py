@@ -1,0 +1,58 @@
+"""Engine configuration: one dataclass, shared by the offline API, the server and the CLI."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from goodserve.errors import InvalidRequestError
+
+SCHEDULER_POLICIES = ("continuous", "static", "dynamic")
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")
+QUANTIZATIONS = (None, "int8", "int4")
+
+
+@dataclass
+class EngineConfig:
+    model: str = "smollm2-135m"
+    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
+    device: str = "auto"  # auto: cuda when available
+    seed: int = 0
+    max_model_len: int | None = None  # default: the model's context window
+    # KV cache
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # overrides the memory-derived pool size
+    gpu_memory_utilization: float = 0.90
+    cpu_kv_cache_bytes: int = 1 << 30
+    kv_cache_dtype: str = "auto"
+    enable_prefix_caching: bool = True
+    # Scheduler
+    scheduler_policy: str = "continuous"
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    max_wait_ms: float = 10.0  # dynamic batching: how long a partial batch waits to fill
+    # Model execution
+    quantization: str | None = None
+    quantization_group_size: int = 128
+    attention_backend: str = "auto"  # auto | torch | triton
+    enforce_eager: bool = False  # True: no CUDA graphs
+    tokenizer: str | None = None  # tokenizer path when it differs from the model's
+
+    def validate(self) -> None:
+        checks = [
+            (self.scheduler_policy in SCHEDULER_POLICIES,
+             f"scheduler_policy must be one of {SCHEDULER_POLICIES}"),
+            (self.kv_cache_dtype in KV_CACHE_DTYPES, f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}"),
+            (self.quantization in QUANTIZATIONS, f"quantization must be one of {QUANTIZATIONS[1:]}"),
+            (self.attention_backend in ("auto", "torch", "triton"),
+             "attention_backend must be auto, torch or triton"),
+            (self.block_size in (8, 16, 32, 64, 128), "block_size must be 8, 16, 32, 64 or 128"),
+            (0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be in (0, 1]"),
+            (self.max_num_seqs >= 1, "max_num_seqs must be at least 1"),
+            (self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be at least 1"),
+            (self.dtype in ("auto", "float32", "bfloat16", "float16"),
+             "dtype must be auto, float32, bfloat16 or float16"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise InvalidRequestError(message)

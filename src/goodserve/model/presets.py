@@ -1,0 +1,86 @@
+"""Named model shapes, for `dummy:<preset>` random weights and for the calculators."""
+
+from __future__ import annotations
+
+from goodserve.model.spec import ModelSpec
+from goodserve.ops.rotary import RopeScaling
+
+_LLAMA3_SCALING = RopeScaling(
+    factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
+)
+_LLAMA32_SCALING = RopeScaling(
+    factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
+)
+
+PRESETS: dict[str, ModelSpec] = {
+    spec.name: spec
+    for spec in [
+        ModelSpec(
+            name="llama-3.1-8b", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+            num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
+            max_position_embeddings=131072, rope_theta=500000.0, rope_scaling=_LLAMA3_SCALING,
+            bos_token_id=128000, eos_token_ids=(128001, 128008, 128009),
+        ),
+        ModelSpec(
+            name="llama-3.2-1b", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+            num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64,
+            max_position_embeddings=131072, rope_theta=500000.0, rope_scaling=_LLAMA32_SCALING,
+            tie_word_embeddings=True, bos_token_id=128000, eos_token_ids=(128001, 128008, 128009),
+        ),
+        ModelSpec(
+            name="llama-2-7b", vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+            num_layers=32, num_heads=32, num_kv_heads=32, head_dim=128,
+            max_position_embeddings=4096, bos_token_id=1, eos_token_ids=(2,),
+        ),
+        ModelSpec(
+            name="llama-2-13b", vocab_size=32000, hidden_size=5120, intermediate_size=13824,
+            num_layers=40, num_heads=40, num_kv_heads=40, head_dim=128,
+            max_position_embeddings=4096, bos_token_id=1, eos_token_ids=(2,),
+        ),
+        ModelSpec(
+            name="llama-3.1-70b", vocab_size=128256, hidden_size=8192, intermediate_size=28672,
+            num_layers=80, num_heads=64, num_kv_heads=8, head_dim=128,
+            max_position_embeddings=131072, rope_theta=500000.0, rope_scaling=_LLAMA3_SCALING,
+            bos_token_id=128000, eos_token_ids=(128001, 128008, 128009),
+        ),
+        ModelSpec(
+            name="qwen2.5-0.5b", vocab_size=151936, hidden_size=896, intermediate_size=4864,
+            num_layers=24, num_heads=14, num_kv_heads=2, head_dim=64,
+            max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
+            tie_word_embeddings=True, attention_bias=True, eos_token_ids=(151645, 151643),
+        ),
+        ModelSpec(
+            name="smollm2-135m", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+            num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
+            max_position_embeddings=8192, rope_theta=100000.0, tie_word_embeddings=True,
+            bos_token_id=1, eos_token_ids=(2,),
+        ),
+        # Tiny random shapes for fast tests.
+        ModelSpec(
+            name="tiny", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
+            num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=1024,
+            eos_token_ids=(1,),
+        ),
+        ModelSpec(
+            name="tiny-qwen", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
+            num_heads=4, num_kv_heads=1, head_dim=16, max_position_embeddings=1024,
+            attention_bias=True, tie_word_embeddings=True, eos_token_ids=(1,),
+        ),
+        ModelSpec(
+            name="tiny-llama3", vocab_size=512, hidden_size=64, intermediate_size=128,
+            num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=1024,
+            rope_theta=500000.0,
+            rope_scaling=RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                     original_max_position_embeddings=64),
+            eos_token_ids=(1,),
+        ),
+    ]
+}
+
+
+def get_preset(name: str) -> ModelSpec:
+    from goodserve.errors import ModelLoadError
+
+    if name not in PRESETS:
+        raise ModelLoadError(f"unknown model preset {name!r}; known presets: {', '.join(PRESETS)}")
+    return PRESETS[name]

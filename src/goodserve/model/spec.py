@@ -1,0 +1,52 @@
+"""The shape of a Llama-family model: everything that sizes weights, KV cache and FLOPs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from goodserve.ops.rotary import RopeScaling
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2 puts biases on q/k/v
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def num_params(self) -> int:
+        h, i = self.hidden_size, self.intermediate_size
+        attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
+        if self.attention_bias:
+            attn += self.q_size + 2 * self.kv_size
+        per_layer = attn + 3 * h * i + 2 * h
+        embed = self.vocab_size * h
+        head = 0 if self.tie_word_embeddings else self.vocab_size * h
+        return self.num_layers * per_layer + embed + head + h
+
+    def num_matmul_params(self) -> int:
+        """Parameters that a token multiplies through (embedding lookup excluded, LM head included)."""
+        return self.num_params() - (0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size)
+
+    def kv_bytes_per_token(self, bytes_per_element: float) -> float:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_element
