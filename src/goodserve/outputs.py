@@ -52,3 +52,4 @@ class RequestOutput:
     metrics: RequestMetrics
     prompt_logprobs: list[LogprobsEntry | None] | None = None
     num_cached_tokens: int = 0
+    error: str | None = None  # set when the engine failed this request (it finishes as "abort")

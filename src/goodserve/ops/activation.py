@@ -3,7 +3,17 @@
 import torch
 import torch.nn.functional as F
 
+from goodserve.ops.attention import use_triton
+
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    if use_triton(gate_up):
+        from goodserve.ops.triton_ops import triton_silu_and_mul
+
+        return triton_silu_and_mul(gate_up)
+    return silu_and_mul_torch(gate_up)
+
+
+def silu_and_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up

@@ -6,18 +6,26 @@ so its new queries sit at positions seq_len_i - q_len_i ... seq_len_i - 1, and e
 cached key at a position <= its own (causal). K/V live in blocks of `block_size` token slots;
 slot = block_id * block_size + offset.
 
-The Triton kernels (ops/triton_attention.py) compute the same function; this file is their reference
-and the CPU path.
+The Triton kernels (ops/triton_attention.py) compute the same function; this file is their reference,
+the CPU path, and the dispatch between the two (`set_attention_backend`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import functools
+import os
+
 import torch
 import torch.nn.functional as F
 
 INT8_MAX = 127.0
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+
+# Process-wide kernel choice, set once by the engine from EngineConfig.attention_backend. It governs
+# every Triton kernel (attention, write_kv and the fused norm/rotary/activation ops).
+_backend = "auto"
 
 
 @dataclass
@@ -61,8 +69,64 @@ def quantize_int8_per_head(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return values, scale
 
 
+def set_attention_backend(name: str) -> None:
+    """"auto": Triton on CUDA tensors, torch elsewhere; "torch": never Triton; "triton": always Triton
+    (CPU tensors then need TRITON_INTERPRET=1, which is how the kernel tests run)."""
+    global _backend
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
+    if name == "triton" and not triton_available():
+        raise RuntimeError("attention_backend='triton' needs the triton package")
+    _backend = name
+
+
+def get_attention_backend() -> str:
+    return _backend
+
+
+@functools.cache
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    """Whether the op about to run on x should take its Triton kernel."""
+    if _backend == "torch":
+        return False
+    if _backend == "triton":
+        if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            raise RuntimeError("attention_backend='triton' on CPU tensors needs TRITON_INTERPRET=1")
+        return True
+    return x.is_cuda and triton_available()
+
+
 def write_kv(k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache, slot_mapping: torch.Tensor) -> None:
     """Store the new tokens' K/V ([T, Hk, D]) into their slots, quantizing for an int8/fp8 cache."""
+    if use_triton(k):
+        from goodserve.ops.triton_attention import triton_write_kv
+
+        triton_write_kv(k, v, cache, slot_mapping)
+    else:
+        write_kv_torch(k, v, cache, slot_mapping)
+
+
+def paged_attention(q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q: [T, Hq, D] -> [T, Hq, D], attending this step's context (K/V already written by write_kv)."""
+    if not use_triton(q):
+        return paged_attention_torch(q, cache, meta, scale)
+    from goodserve.ops.triton_attention import triton_decode_attention, triton_prefill_attention
+
+    if meta.is_decode_only:
+        return triton_decode_attention(q, cache, meta.block_tables, meta.seq_lens, scale)
+    return triton_prefill_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale)
+
+
+def write_kv_torch(k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache, slot_mapping: torch.Tensor) -> None:
+    """The reference cache write."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     k, v = k[keep], v[keep]
@@ -142,3 +206,10 @@ def paged_attention_torch(
     if meta.is_decode_only:
         return decode_attention_torch(q, cache, meta, scale)
     return paged_attention_reference(q, cache, meta, scale)
+
+
+def paged_attention(
+    q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """The entry point the model calls: q [T, Hq, D] -> [T, Hq, D], kernel chosen per device."""
+    return paged_attention_torch(q, cache, meta, scale)

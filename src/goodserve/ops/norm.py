@@ -1,20 +1,44 @@
-"""RMSNorm, optionally fused with the residual add that precedes it (plain-torch reference)."""
+"""RMSNorm, optionally fused with the residual add that precedes it.
+
+The *_torch functions are the references and the CPU path; rms_norm / add_rms_norm dispatch to the
+Triton kernels (ops/triton_ops.py) where ops.attention.use_triton says so.
+"""
 
 from __future__ import annotations
 
 import torch
 
+from goodserve.ops.attention import use_triton
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if use_triton(x):
+        from goodserve.ops.triton_ops import triton_rms_norm
+
+        return triton_rms_norm(x, weight, eps)
+    return rms_norm_torch(x, weight, eps)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """residual += x; return (rms_norm(residual), residual). The inputs are not modified."""
+    if use_triton(x):
+        from goodserve.ops.triton_ops import triton_add_rms_norm
+
+        return triton_add_rms_norm(x, residual, weight, eps)
+    return add_rms_norm_torch(x, residual, weight, eps)
+
+
+def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # Statistics in float32 whatever the activation dtype, as HF Llama does.
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
 
 
-def add_rms_norm(
+def add_rms_norm_torch(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """residual += x; return (rms_norm(residual), residual)."""
     residual = x + residual
-    return rms_norm(residual, weight, eps), residual
+    return rms_norm_torch(residual, weight, eps), residual

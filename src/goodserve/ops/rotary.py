@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from goodserve.ops.attention import use_triton
+
 
 @dataclass(frozen=True)
 class RopeScaling:
@@ -48,6 +50,16 @@ def apply_rotary(
     q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q: [T, Hq, D], k: [T, Hk, D], positions: [T]. Returns rotated copies in the input dtype."""
+    if use_triton(q):
+        from goodserve.ops.triton_ops import triton_rotary
+
+        return triton_rotary(q, k, positions, cache)
+    return apply_rotary_torch(q, k, positions, cache)
+
+
+def apply_rotary_torch(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     cos, sin = cache[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2] each
 
     def rotate(x: torch.Tensor) -> torch.Tensor:

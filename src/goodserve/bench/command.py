@@ -1,0 +1,300 @@
+"""`goodserve bench`: flags named as in `vllm bench serve`, so users' scripts port.
+
+`goodserve bench [serve] ...` runs a load test; `goodserve bench compare A.json B.json` compares.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import math
+import os
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from goodserve.bench.arrivals import ArrivalConfig, parse_sweep
+from goodserve.bench.compare import compare_files
+from goodserve.bench.metrics import LATENCY_METRICS, GpuCost, compute_metrics, parse_goodput_slos
+from goodserve.bench.records import RequestRecord
+from goodserve.bench.report import print_report, write_csv, write_html
+from goodserve.bench.result import build_result, save_json
+from goodserve.bench.runner import BenchRun, search_capacity
+from goodserve.bench.text import PromptText
+from goodserve.bench.workloads import DATASETS, LENGTH_DISTS, WorkloadConfig, build_workload
+from goodserve.errors import InvalidRequestError
+
+BACKENDS = ("openai", "openai-chat", "inprocess")
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("bench", help="load-test an OpenAI-compatible endpoint or the engine",
+                                   description=__doc__)
+    actions = parser.add_subparsers(dest="bench_action", metavar="ACTION")
+    serve = actions.add_parser("serve", help="run a benchmark (the default action)")
+    add_serve_arguments(serve)
+    serve.set_defaults(func=run_command)
+    compare = actions.add_parser("compare", help="compare two result JSON files side by side")
+    compare.add_argument("result_a")
+    compare.add_argument("result_b")
+    compare.set_defaults(func=lambda args: compare_files(args.result_a, args.result_b) or 0)
+    add_serve_arguments(parser)
+    parser.set_defaults(func=run_command)
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("target")
+    g.add_argument("--backend", choices=BACKENDS, default="openai",
+                   help="openai: /v1/completions; openai-chat: /v1/chat/completions; "
+                        "inprocess: goodserve's engine in this process, no HTTP")
+    g.add_argument("--base-url", help="server URL, e.g. http://127.0.0.1:8000 (overrides --host/--port)")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--endpoint", help="API path (default from --backend)")
+    g.add_argument("--model", default="smollm2-135m", help="model name sent to the server / loaded in-process")
+    g.add_argument("--tokenizer", help="tokenizer for prompts and counts (default: --model when loadable)")
+    g.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
+    g.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
+    g.add_argument("--dtype", default="auto", help="inprocess: engine dtype")
+    g.add_argument("--device", default="auto", help="inprocess: engine device")
+    g.add_argument("--max-num-seqs", type=int, default=256, help="inprocess: engine batch limit")
+
+    g = p.add_argument_group("workload")
+    g.add_argument("--dataset-name", choices=DATASETS, default="random")
+    g.add_argument("--dataset-path", help="ShareGPT JSON or custom JSONL file")
+    g.add_argument("--num-prompts", type=int, default=1000)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--random-input-len", type=int, default=1024)
+    g.add_argument("--random-output-len", type=int, default=128)
+    g.add_argument("--random-range-ratio", type=float, default=0.0)
+    g.add_argument("--random-prefix-len", type=int, default=0)
+    g.add_argument("--random-length-dist", choices=LENGTH_DISTS, default="uniform",
+                   help="how lengths spread around the mean; the spread is --random-range-ratio")
+    g.add_argument("--sharegpt-output-len", type=int)
+    g.add_argument("--prefix-repetition-prefix-len", type=int, default=256)
+    g.add_argument("--prefix-repetition-suffix-len", type=int, default=256)
+    g.add_argument("--prefix-repetition-num-prefixes", type=int, default=10)
+    g.add_argument("--prefix-repetition-output-len", type=int, default=128)
+    g.add_argument("--multiturn-num-turns", type=int, default=4)
+    g.add_argument("--custom-output-len", type=int, default=256)
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--temperature", type=float, default=0.0)
+
+    g = p.add_argument_group("load")
+    g.add_argument("--request-rate", type=float, default=math.inf, help="req/s; inf sends all at once")
+    g.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of gaps; 1 = Poisson")
+    g.add_argument("--constant-rate", action="store_true", help="fixed gaps of 1/rate")
+    g.add_argument("--max-concurrency", type=int)
+    g.add_argument("--num-warmups", type=int, default=0, help="requests sent first and left out")
+    g.add_argument("--sweep-request-rates", help="comma list: one run per rate")
+    g.add_argument("--sweep-max-concurrency", help="comma list: one run per concurrency")
+
+    g = p.add_argument_group("metrics")
+    g.add_argument("--goodput", nargs="+", metavar="NAME:MS", help="SLOs, e.g. ttft:200 tpot:50 e2el:5000")
+    g.add_argument("--goodput-capacity", action="store_true",
+                   help="search the highest Poisson rate whose SLO attainment >= the target")
+    g.add_argument("--slo-attainment-target", type=float, default=0.9)
+    g.add_argument("--capacity-start-rate", type=float, default=1.0)
+    g.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el")
+    g.add_argument("--metric-percentiles", default="90,95,99")
+    g.add_argument("--gpu-hourly-cost", type=float, help="$ per GPU-hour, for cost per 1M tokens")
+    g.add_argument("--num-gpus", type=int, default=1)
+
+    g = p.add_argument_group("output")
+    g.add_argument("--save-result", action="store_true")
+    g.add_argument("--result-dir", default=".")
+    g.add_argument("--result-filename")
+    g.add_argument("--save-csv", help="per-request CSV path")
+    g.add_argument("--save-html", help="HTML report path")
+    g.add_argument("--disable-tqdm", "--no-progress", dest="no_progress", action="store_true")
+
+
+def workload_config(args) -> WorkloadConfig:
+    names = WorkloadConfig.__dataclass_fields__
+    return WorkloadConfig(**{k: getattr(args, k) for k in names})
+
+
+def make_target(args, tokenizer):
+    if args.backend == "inprocess":
+        from goodserve.bench.inprocess import InProcessTarget
+        from goodserve.config import EngineConfig
+
+        config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
+                              max_num_seqs=args.max_num_seqs, seed=args.seed)
+        return InProcessTarget(config, ignore_eos=args.ignore_eos, temperature=args.temperature)
+    from goodserve.bench.client import HttpTarget, HttpTargetConfig, TokenCounter
+
+    endpoint = args.endpoint or ("/v1/chat/completions" if args.backend == "openai-chat" else "/v1/completions")
+    config = HttpTargetConfig(base_url=args.base_url or f"http://{args.host}:{args.port}", endpoint=endpoint,
+                              model=args.model, api_key=args.api_key, ignore_eos=args.ignore_eos,
+                              temperature=args.temperature, timeout_s=args.request_timeout)
+    counter = TokenCounter(tokenizer.encode if tokenizer else None)
+    return HttpTarget(config, counter)
+
+
+def settings_of(args, arrivals: ArrivalConfig, target, tokenizer_id: str | None) -> dict:
+    return {
+        "backend": args.backend, "base_url": getattr(target, "config", None) and target.config.base_url,
+        "endpoint": getattr(target, "config", None) and target.config.endpoint,
+        "model_id": args.model, "tokenizer_id": tokenizer_id, "dataset_name": args.dataset_name,
+        "num_prompts": args.num_prompts, "request_rate": arrivals.request_rate,
+        "burstiness": arrivals.burstiness, "max_concurrency": arrivals.max_concurrency,
+        "arrivals": arrivals.label, "num_warmups": args.num_warmups,
+    }
+
+
+class _Bench:
+    """One invocation: shared target and workload, one or more runs, results saved even on failure."""
+
+    def __init__(self, args, console: Console):
+        self.args = args
+        self.console = console
+        self.slos = parse_goodput_slos(args.goodput)
+        self.percentile_metrics = tuple(m.strip() for m in args.percentile_metrics.split(",") if m.strip())
+        unknown = set(self.percentile_metrics) - set(LATENCY_METRICS)
+        if unknown:
+            raise InvalidRequestError(f"--percentile-metrics: unknown {sorted(unknown)}; use {LATENCY_METRICS}")
+        self.percentiles = tuple(parse_sweep(args.metric_percentiles, "--metric-percentiles"))
+        self.cost = GpuCost(args.gpu_hourly_cost, args.num_gpus) if args.gpu_hourly_cost else None
+        if args.goodput_capacity and not self.slos:
+            raise InvalidRequestError("--goodput-capacity needs SLOs: add --goodput ttft:MS tpot:MS")
+        self.tokenizer = self._tokenizer()
+        self.requests = build_workload(workload_config(args), PromptText(self.tokenizer, args.seed))
+        self.target = make_target(args, self.tokenizer)
+        self.runs: list[dict] = []
+        self.capacity: dict | None = None
+
+    def _tokenizer(self):
+        from goodserve.bench.tokenizer import load_bench_tokenizer
+
+        name = self.args.tokenizer or self.args.model
+        tokenizer = load_bench_tokenizer(name)
+        if tokenizer is None:
+            self.console.print(f"[yellow]no tokenizer for {name!r} here: prompt lengths are approximate "
+                               f"(words) and output counts come from the server's usage[/yellow]")
+        return tokenizer
+
+    def arrival_plan(self) -> list[ArrivalConfig]:
+        a = self.args
+        base = ArrivalConfig(a.request_rate, a.burstiness, a.max_concurrency, a.constant_rate)
+        rates = parse_sweep(a.sweep_request_rates, "--sweep-request-rates")
+        concurrencies = parse_sweep(a.sweep_max_concurrency, "--sweep-max-concurrency", int)
+        plan = [ArrivalConfig(r, a.burstiness, a.max_concurrency, a.constant_rate) for r in rates]
+        plan += [ArrivalConfig(math.inf, a.burstiness, c) for c in concurrencies]
+        for arrivals in plan or [base]:
+            arrivals.validate()
+        return plan or [base]
+
+    async def run_one(self, arrivals: ArrivalConfig) -> dict:
+        run = BenchRun(self.target, [r for r in self.requests], arrivals, self.args.seed, self.args.num_warmups)
+        settings = settings_of(self.args, arrivals, self.target, self.args.tokenizer or self.args.model)
+        with self._progress(arrivals) as hook:
+            run.on_record = hook
+            try:
+                await run.run()
+            finally:
+                # Whatever finished is reported, even if the run was cut short.
+                self.runs.append(self._result(settings, run.records))
+        return self.runs[-1]
+
+    def _result(self, settings: dict, records: list[RequestRecord]) -> dict:
+        metrics = compute_metrics(records, slos=self.slos, percentile_metrics=self.percentile_metrics,
+                                  percentiles=self.percentiles, cost=self.cost)
+        return build_result(settings, metrics, records)
+
+    @contextlib.contextmanager
+    def _progress(self, arrivals: ArrivalConfig):
+        """A rich progress bar; yields the hook that advances it per finished request."""
+        columns = (TextColumn(f"[bold]{arrivals.label}"), BarColumn(), MofNCompleteColumn(),
+                   TextColumn("failed {task.fields[failed]}"), TimeElapsedColumn())
+        with Progress(*columns, console=self.console, disable=self.args.no_progress) as progress:
+            task = progress.add_task("bench", total=len(self.requests), failed=0)
+            failed = 0
+
+            def hook(record: RequestRecord) -> None:
+                nonlocal failed
+                failed += not record.success
+                progress.update(task, advance=1, failed=failed)
+
+            yield hook
+
+    async def search_capacity(self) -> None:
+        a = self.args
+
+        async def attainment_at(rate: float) -> float:
+            result = await self.run_one(ArrivalConfig(rate, 1.0, a.max_concurrency))
+            return result["slo_attainment"] / 100.0
+
+        rate, probes = await search_capacity(attainment_at, a.slo_attainment_target, a.capacity_start_rate)
+        self.capacity = {"rate": rate, "target_attainment": a.slo_attainment_target, "slos_ms": self.slos,
+                         "probes": [{"request_rate": r, "slo_attainment": s * 100} for r, s in probes]}
+
+    async def execute(self) -> None:
+        try:
+            if self.args.goodput_capacity:
+                await self.search_capacity()
+            else:
+                for arrivals in self.arrival_plan():
+                    await self.run_one(arrivals)
+        finally:
+            await self.target.close()
+
+    def result(self) -> dict:
+        if len(self.runs) == 1 and self.capacity is None:
+            return self.runs[0]
+        result = {"model_id": self.args.model, "backend": self.args.backend, "sweep": self.runs}
+        if self.capacity is not None:
+            result["capacity"] = self.capacity
+        return result
+
+    def save(self, result: dict) -> None:
+        a = self.args
+        if a.save_result or a.result_filename:
+            name = a.result_filename or (f"{a.backend}-{a.request_rate}qps-"
+                                         f"{Path(a.model).name.replace(':', '_')}-{result.get('date', 'sweep')}.json")
+            path = Path(a.result_dir) / name
+            save_json(result, path)
+            self.console.print(f"result written to {path}")
+        if a.save_csv:
+            write_csv(result, Path(a.save_csv))
+            self.console.print(f"per-request CSV written to {a.save_csv}")
+        if a.save_html:
+            write_html(result, Path(a.save_html))
+            self.console.print(f"HTML report written to {a.save_html}")
+
+
+def run_command(args) -> int:
+    console = Console(stderr=False)
+    bench = _Bench(args, console)
+    interrupted = False
+    try:
+        asyncio.run(bench.execute())
+    except KeyboardInterrupt:
+        interrupted = True
+        console.print("[yellow]interrupted: reporting the requests that finished[/yellow]")
+    if not bench.runs:
+        return 130 if interrupted else 1
+    result = bench.result()
+    print_report(result, console)
+    bench.save(result)
+    return _exit_status(bench.runs, interrupted)
+
+
+def _exit_status(runs: list[dict], interrupted: bool) -> int:
+    """0 when every request succeeded; 1 (with the errors summarized) when any failed."""
+    if interrupted:
+        return 130
+    errors = [e for run in runs for e in run["errors"]]
+    if not errors:
+        return 0
+    total = sum(run["num_requests"] for run in runs)
+    counts: dict[str, int] = {}
+    for e in errors:
+        counts[e] = counts.get(e, 0) + 1
+    print(f"goodserve bench: {len(errors)} of {total} requests failed; most common errors:", file=sys.stderr)
+    for message, count in sorted(counts.items(), key=lambda kv: -kv[1])[:3]:
+        print(f"  {count} x {message}", file=sys.stderr)
+    return 1

@@ -1,0 +1,261 @@
+"""Workloads: what each benchmark request asks (prompt, its token length, how many tokens to generate).
+
+- random: synthetic prompts with lengths from a distribution (fixed, uniform, normal, lognormal)
+  and an optional prefix shared by every request.
+- sharegpt: the first human/assistant exchange of each ShareGPT conversation in a file; with no
+  file, a synthetic length profile shaped like ShareGPT (long-tailed, lognormal).
+- prefix_repetition: K system prompts of P tokens, each request one of them plus a unique suffix.
+- multiturn: chat conversations whose history grows; turn t+1 is sent after turn t's answer.
+- copy: "repeat this passage" prompts whose answer copies spans of the input (prompt lookup).
+- custom: a JSONL file, one {"prompt": ..., "output_tokens": ...} object per line.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from goodserve.bench.text import PromptText
+from goodserve.errors import InvalidRequestError
+
+DATASETS = ("random", "sharegpt", "prefix_repetition", "multiturn", "copy", "custom")
+LENGTH_DISTS = ("fixed", "uniform", "normal", "lognormal")
+
+
+class DatasetError(InvalidRequestError):
+    """A dataset file that is missing or malformed; the message names the file and line."""
+
+
+@dataclass
+class BenchRequest:
+    prompt: str
+    prompt_len: int
+    output_len: int
+    conversation_id: int | None = None
+    turn: int = 0
+    # Multi-turn: earlier turns, filled in by the runner with the server's real answers.
+    history: list[dict] = field(default_factory=list)
+
+    def chat_messages(self) -> list[dict]:
+        return [*self.history, {"role": "user", "content": self.prompt}]
+
+    def completion_prompt(self) -> str:
+        if not self.history:
+            return self.prompt
+        lines = [f"{m['role'].capitalize()}: {m['content']}" for m in self.chat_messages()]
+        return "\n".join(lines) + "\nAssistant:"
+
+
+@dataclass
+class WorkloadConfig:
+    dataset_name: str = "random"
+    dataset_path: str | None = None
+    num_prompts: int = 100
+    seed: int = 0
+    random_input_len: int = 1024
+    random_output_len: int = 128
+    random_range_ratio: float = 0.0
+    random_prefix_len: int = 0
+    random_length_dist: str = "uniform"
+    sharegpt_output_len: int | None = None
+    prefix_repetition_prefix_len: int = 256
+    prefix_repetition_suffix_len: int = 256
+    prefix_repetition_num_prefixes: int = 10
+    prefix_repetition_output_len: int = 128
+    multiturn_num_turns: int = 4
+    custom_output_len: int = 256
+
+
+def sample_lengths(rng: np.random.Generator, mean: int, ratio: float, dist: str, n: int) -> list[int]:
+    """n lengths >= 1 centred on `mean`; `ratio` sets the spread (uniform: +-ratio*mean,
+    normal: std = ratio*mean, lognormal: sigma = ratio around a median of `mean`)."""
+    if dist not in LENGTH_DISTS:
+        raise InvalidRequestError(f"unknown length distribution {dist!r}; choose from {LENGTH_DISTS}")
+    if dist == "fixed" or ratio == 0:
+        values = np.full(n, mean, dtype=np.float64)
+    elif dist == "uniform":
+        if not 0 <= ratio < 1:
+            raise InvalidRequestError(f"--random-range-ratio must be in [0, 1), got {ratio}")
+        values = rng.integers(int(mean * (1 - ratio)), int(mean * (1 + ratio)) + 1, size=n)
+    elif dist == "normal":
+        values = rng.normal(mean, ratio * mean, size=n)
+    else:
+        values = rng.lognormal(np.log(mean), ratio, size=n)
+    return np.maximum(1, np.rint(values)).astype(int).tolist()
+
+
+def build_workload(cfg: WorkloadConfig, text: PromptText) -> list[BenchRequest]:
+    if cfg.num_prompts < 1:
+        raise InvalidRequestError(f"--num-prompts must be at least 1, got {cfg.num_prompts}")
+    builders = {
+        "random": _random, "sharegpt": _sharegpt, "prefix_repetition": _prefix_repetition,
+        "multiturn": _multiturn, "copy": _copy, "custom": _custom,
+    }
+    if cfg.dataset_name not in builders:
+        raise InvalidRequestError(f"unknown --dataset-name {cfg.dataset_name!r}; choose from {DATASETS}")
+    return builders[cfg.dataset_name](cfg, text, np.random.default_rng(cfg.seed))
+
+
+def _random(cfg: WorkloadConfig, text: PromptText, rng: np.random.Generator) -> list[BenchRequest]:
+    n = cfg.num_prompts
+    input_lens = sample_lengths(rng, cfg.random_input_len, cfg.random_range_ratio, cfg.random_length_dist, n)
+    output_lens = sample_lengths(rng, cfg.random_output_len, cfg.random_range_ratio, cfg.random_length_dist, n)
+    prefix = text.make(cfg.random_prefix_len)
+    requests = []
+    for input_len, output_len in zip(input_lens, output_lens):
+        prompt = (prefix + " " + text.make(input_len)) if prefix else text.make(input_len)
+        requests.append(BenchRequest(prompt, cfg.random_prefix_len + input_len, output_len))
+    return requests
+
+
+# ShareGPT-like profile: lognormal fits to ShareGPT V3 first exchanges (median prompt ~100 tokens,
+# median answer ~200, both long-tailed), clipped to the filter vLLM applies to the real file.
+_SHAREGPT_INPUT = (100, 1.1)
+_SHAREGPT_OUTPUT = (200, 0.9)
+_SHAREGPT_MIN, _SHAREGPT_MAX_PROMPT, _SHAREGPT_MAX_TOTAL = 4, 1024, 2048
+
+
+def _sharegpt(cfg: WorkloadConfig, text: PromptText, rng: np.random.Generator) -> list[BenchRequest]:
+    if cfg.dataset_path:
+        return _sharegpt_file(cfg, text, rng)
+    n = cfg.num_prompts
+    inputs = sample_lengths(rng, _SHAREGPT_INPUT[0], _SHAREGPT_INPUT[1], "lognormal", n)
+    outputs = sample_lengths(rng, _SHAREGPT_OUTPUT[0], _SHAREGPT_OUTPUT[1], "lognormal", n)
+    requests = []
+    for i, o in zip(inputs, outputs):
+        i = int(np.clip(i, _SHAREGPT_MIN, _SHAREGPT_MAX_PROMPT))
+        o = int(np.clip(o, _SHAREGPT_MIN, _SHAREGPT_MAX_TOTAL - i))
+        requests.append(BenchRequest(text.make(i), i, cfg.sharegpt_output_len or o))
+    return requests
+
+
+def _sharegpt_file(cfg: WorkloadConfig, text: PromptText, rng: np.random.Generator) -> list[BenchRequest]:
+    path = Path(cfg.dataset_path)
+    data = _read_json(path)
+    if not isinstance(data, list):
+        raise DatasetError(f"{path}: expected a JSON list of conversations, got {type(data).__name__}")
+    requests = []
+    for i in rng.permutation(len(data)):
+        turns = data[i].get("conversations") if isinstance(data[i], dict) else None
+        if not isinstance(turns, list):
+            raise DatasetError(f"{path}: entry {i} has no 'conversations' list")
+        if len(turns) < 2:
+            continue
+        prompt, answer = (_turn_text(path, i, t) for t in turns[:2])
+        prompt_len, answer_len = text.count(prompt), text.count(answer)
+        output_len = cfg.sharegpt_output_len or answer_len
+        # vLLM's filter: drop tiny and overlong exchanges so runs compare.
+        if prompt_len < _SHAREGPT_MIN or output_len < _SHAREGPT_MIN:
+            continue
+        if prompt_len > _SHAREGPT_MAX_PROMPT or prompt_len + output_len > _SHAREGPT_MAX_TOTAL:
+            continue
+        requests.append(BenchRequest(prompt, prompt_len, output_len))
+        if len(requests) == cfg.num_prompts:
+            break
+    if not requests:
+        raise DatasetError(f"{path}: no usable conversations (each needs two turns of 4+ tokens)")
+    return _cycle(requests, cfg.num_prompts)
+
+
+def _turn_text(path: Path, index: int, turn: object) -> str:
+    value = turn.get("value") if isinstance(turn, dict) else None
+    if not isinstance(value, str):
+        raise DatasetError(f"{path}: entry {index} has a turn without a string 'value'")
+    return value
+
+
+def _prefix_repetition(cfg: WorkloadConfig, text: PromptText, rng: np.random.Generator) -> list[BenchRequest]:
+    prefixes = [text.make(cfg.prefix_repetition_prefix_len) for _ in range(cfg.prefix_repetition_num_prefixes)]
+    requests = []
+    for k in range(cfg.num_prompts):
+        prefix = prefixes[k % len(prefixes)]
+        prompt = prefix + " " + text.make(cfg.prefix_repetition_suffix_len)
+        prompt_len = cfg.prefix_repetition_prefix_len + cfg.prefix_repetition_suffix_len
+        requests.append(BenchRequest(prompt, prompt_len, cfg.prefix_repetition_output_len))
+    order = rng.permutation(len(requests))  # interleave prefixes as independent users would
+    return [requests[i] for i in order]
+
+
+def _multiturn(cfg: WorkloadConfig, text: PromptText, rng: np.random.Generator) -> list[BenchRequest]:
+    turns = max(1, cfg.multiturn_num_turns)
+    num_conversations = -(-cfg.num_prompts // turns)
+    input_lens = sample_lengths(rng, cfg.random_input_len, cfg.random_range_ratio,
+                                cfg.random_length_dist, cfg.num_prompts)
+    output_lens = sample_lengths(rng, cfg.random_output_len, cfg.random_range_ratio,
+                                 cfg.random_length_dist, cfg.num_prompts)
+    # Conversation-major order with turns interleaved across conversations: all first turns, then
+    # all second turns, so the runner can start every conversation before any history exists.
+    requests = []
+    for turn in range(turns):
+        for conv in range(num_conversations):
+            k = len(requests)
+            if k == cfg.num_prompts:
+                break
+            requests.append(BenchRequest(text.make(input_lens[k]), input_lens[k], output_lens[k],
+                                         conversation_id=conv, turn=turn))
+    return requests
+
+
+_COPY_INSTRUCTION = "Repeat the following passage exactly, word for word:\n\n"
+
+
+def _copy(cfg: WorkloadConfig, text: PromptText, rng: np.random.Generator) -> list[BenchRequest]:
+    lens = sample_lengths(rng, cfg.random_input_len, cfg.random_range_ratio, cfg.random_length_dist,
+                          cfg.num_prompts)
+    instruction_len = text.count(_COPY_INSTRUCTION)
+    requests = []
+    for n in lens:
+        passage = text.make(n)
+        # The answer is the passage again: ask for about as many tokens as it holds.
+        requests.append(BenchRequest(_COPY_INSTRUCTION + passage, instruction_len + n,
+                                     min(n, cfg.random_output_len)))
+    return requests
+
+
+def _custom(cfg: WorkloadConfig, text: PromptText, rng: np.random.Generator) -> list[BenchRequest]:
+    if not cfg.dataset_path:
+        raise DatasetError("--dataset-name custom needs --dataset-path FILE.jsonl")
+    path = Path(cfg.dataset_path)
+    requests = []
+    for line_no, line in enumerate(_read_lines(path), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DatasetError(f"{path}:{line_no}: not valid JSON ({exc.msg})") from None
+        prompt = row.get("prompt") if isinstance(row, dict) else None
+        if not isinstance(prompt, str) or not prompt:
+            raise DatasetError(f"{path}:{line_no}: each line needs a non-empty string 'prompt'")
+        output_len = row.get("output_tokens", row.get("max_tokens", cfg.custom_output_len))
+        if not isinstance(output_len, int) or output_len < 1:
+            raise DatasetError(f"{path}:{line_no}: 'output_tokens' must be a positive integer")
+        requests.append(BenchRequest(prompt, text.count(prompt), output_len))
+    if not requests:
+        raise DatasetError(f"{path}: no requests (the file is empty)")
+    return _cycle(requests, cfg.num_prompts)
+
+
+def _cycle(requests: list[BenchRequest], n: int) -> list[BenchRequest]:
+    """Reuse a short file's requests in order until n are drawn."""
+    return [BenchRequest(r.prompt, r.prompt_len, r.output_len) for r in
+            (requests[i % len(requests)] for i in range(n))]
+
+
+def _read_lines(path: Path) -> list[str]:
+    try:
+        return path.read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        raise DatasetError(f"dataset file not found: {path}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DatasetError(f"cannot read dataset file {path}: {exc}") from None
+
+
+def _read_json(path: Path) -> object:
+    try:
+        return json.loads("\n".join(_read_lines(path)))
+    except json.JSONDecodeError as exc:
+        raise DatasetError(f"{path}:{exc.lineno}: not valid JSON ({exc.msg})") from None

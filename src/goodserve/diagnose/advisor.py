@@ -1,0 +1,158 @@
+"""From measured symptoms to ranked fixes: each names the goodserve option that applies it, the
+effect to expect, and the measurement that would confirm it worked.
+
+Each rule returns a severity (bigger = worse, None = symptom absent); advice is sorted by it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from goodserve.diagnose.observations import Observations
+from goodserve.diagnose.roofline import PhaseAnalysis
+
+# Thresholds that make a symptom, absent SLOs to compare against.
+HIGH_TTFT_S = 1.0
+HIGH_TPOT_S = 0.1
+LOW_MBU = 0.3
+LOW_PREFIX_HIT_RATE = 0.3
+LONG_CONTEXT_TOKENS = 4096
+
+
+@dataclass(frozen=True)
+class Fix:
+    option: str  # the goodserve flag that applies it
+    effect: str  # what to expect
+    confirm: str  # what to measure to see it worked
+
+
+@dataclass
+class Advice:
+    symptom: str
+    severity: float
+    evidence: str
+    fixes: list[Fix]
+
+
+@dataclass(frozen=True)
+class Rule:
+    symptom: str
+    severity: Callable[[Observations, dict[str, PhaseAnalysis]], float | None]
+    evidence: Callable[[Observations, dict[str, PhaseAnalysis]], str]
+    fixes: tuple[Fix, ...]
+
+
+def _over(value: float | None, limit: float | None) -> float | None:
+    """How far over its limit a value is (1.0 = 2x the limit); None when within it."""
+    if value is None or not limit or value <= limit:
+        return None
+    return value / limit - 1.0
+
+
+def _slo_s(obs: Observations, name: str, default_s: float) -> float:
+    slo_ms = (obs.slos_ms or {}).get(name)
+    return slo_ms / 1000 if slo_ms else default_s
+
+
+def _high_ttft(obs, phases):
+    return _over(obs.ttft_p99_s or obs.ttft_s, _slo_s(obs, "ttft", HIGH_TTFT_S))
+
+
+def _high_tpot(obs, phases):
+    return _over(obs.tpot_p99_s or obs.tpot_s, _slo_s(obs, "tpot", HIGH_TPOT_S))
+
+
+def _low_mbu(obs, phases):
+    decode = phases["decode"]
+    if decode.verdict != "bandwidth-bound" or decode.mbu >= LOW_MBU:
+        return None
+    return (LOW_MBU - decode.mbu) / LOW_MBU
+
+
+def _memory_pressure(obs, phases):
+    if (obs.num_preemptions or 0) > 0:
+        return 1.0 + min(obs.num_preemptions, 100) / 100
+    return 0.5 if phases["decode"].verdict == "capacity-bound" else None
+
+
+def _low_prefix_hits(obs, phases):
+    if not obs.repeated_prefixes or obs.prefix_cache_hit_rate is None:
+        return None
+    return _over(LOW_PREFIX_HIT_RATE, obs.prefix_cache_hit_rate or 1e-9)
+
+
+def _long_context(obs, phases):
+    return _over(obs.mean_prompt_len, LONG_CONTEXT_TOKENS)
+
+
+RULES: tuple[Rule, ...] = (
+    Rule("preemptions / KV cache full", _memory_pressure,
+         lambda o, p: f"{o.num_preemptions or 0:g} preemptions, KV usage {100 * (o.kv_cache_usage or 0):.0f}%, "
+                      f"decode verdict {p['decode'].verdict}",
+         (Fix("--kv-cache-dtype int8 (or fp8)", "about 2x the sequences in the same KV memory",
+              "num_preemptions stays 0 and kv_cache_usage_perc drops at the same load"),
+          Fix("--quantization int8", "weights shrink ~2x; the freed memory becomes KV blocks",
+              "num_kv_blocks in the startup log rises"),
+          Fix("--gpu-memory-utilization 0.95", "a few percent more KV blocks",
+              "num_kv_blocks rises; no CUDA OOM under load"),
+          Fix("--max-num-seqs (lower)", "fewer concurrent sequences, no recompute thrash",
+              "num_preemptions 0; p99 TPOT steadier"))),
+    Rule("high TTFT", _high_ttft,
+         lambda o, p: f"TTFT {1000 * (o.ttft_p99_s or o.ttft_s):.0f} ms (p99 where known), "
+                      f"waiting {o.num_waiting if o.num_waiting is not None else '?'}",
+         (Fix("--enable-chunked-prefill --max-num-batched-tokens 2048..8192",
+              "long prompts no longer block the queue; prefills share steps with decodes",
+              "p99 TTFT and request_queue_time_seconds fall at the same request rate"),
+          Fix("--enable-prefix-caching", "repeated prefixes skip prefill entirely",
+              "prefix_cache_hits / prefix_cache_queries rises; TTFT falls for repeated prompts"),
+          Fix("--max-waiting N (admission control) or more replicas",
+              "overload turns into fast 429s instead of minutes of queueing",
+              "goodserve bench --goodput ttft:MS: SLO attainment of admitted requests"))),
+    Rule("high TPOT", _high_tpot,
+         lambda o, p: f"TPOT {1000 * (o.tpot_p99_s or o.tpot_s):.1f} ms (p99 where known), "
+                      f"decode {p['decode'].verdict}, MBU {100 * p['decode'].mbu:.0f}%",
+         (Fix("--quantization int8 (or int4)", "decode reads 2x (4x) fewer weight bytes per step",
+              "median TPOT falls; goodserve diagnose shows the same MBU at lower TPOT"),
+          Fix("--max-num-batched-tokens (lower)", "smaller prefill chunks stall decodes less",
+              "p99 ITL falls while median ITL stays"),
+          Fix("--no-enforce-eager (CUDA graphs)", "removes per-kernel launch overhead from small batches",
+              "step_time_seconds{phase=forward} per step falls"))),
+    Rule("low throughput at low MBU", _low_mbu,
+         lambda o, p: f"decode MBU {100 * p['decode'].mbu:.0f}% with ~{o.concurrency:.1f} requests in flight",
+         (Fix("--max-num-seqs (higher) and more client concurrency",
+              "bigger decode batches share each weight read: throughput rises almost linearly",
+              "output_throughput rises and MBU climbs toward 60-80% in goodserve diagnose"),
+          Fix("--no-enforce-eager (CUDA graphs) and --attention-backend triton",
+              "less per-step overhead, so steps approach the bandwidth limit",
+              "goodserve:step_time_seconds split: forward share of step time rises"),
+          Fix("--scheduler-policy continuous", "new requests join the running batch every step",
+              "batch_fill_ratio{dimension=seqs} rises"))),
+    Rule("low prefix-cache hit rate on repeated prefixes", _low_prefix_hits,
+         lambda o, p: f"{100 * (o.prefix_cache_hit_rate or 0):.0f}% of prompt tokens hit the cache "
+                      f"though the workload repeats prefixes",
+         (Fix("--enable-prefix-caching", "shared prefixes are computed once",
+              "prefix_cache_hits / prefix_cache_queries approaches the shared fraction of each prompt"),
+          Fix("--block-size 16 (smaller)", "only full blocks are cached; smaller blocks cache more of a prefix",
+              "hit rate rises for prefixes that are not block-aligned"),
+          Fix("--num-kv-blocks / --gpu-memory-utilization (higher)",
+              "a bigger pool evicts cached prefixes later", "hit rate holds as the number of prefixes grows"))),
+    Rule("long contexts", _long_context,
+         lambda o, p: f"mean prompt {o.mean_prompt_len:.0f} tokens",
+         (Fix("--kv-cache-dtype int8", "halves the KV read that dominates long-context decode steps",
+              "TPOT falls more at long contexts than short ones"),
+          Fix("--enable-chunked-prefill", "a long prefill is split so decodes keep flowing",
+              "p99 ITL stays flat while long prompts arrive"),
+          Fix("--max-model-len (lower, if the workload allows)", "reserves fewer blocks per request",
+              "more concurrent sequences; num_preemptions falls"))),
+)
+
+
+def advise(obs: Observations, phases: list[PhaseAnalysis]) -> list[Advice]:
+    by_phase = {p.phase: p for p in phases}
+    advice = []
+    for rule in RULES:
+        severity = rule.severity(obs, by_phase)
+        if severity is not None:
+            advice.append(Advice(rule.symptom, severity, rule.evidence(obs, by_phase), list(rule.fixes)))
+    return sorted(advice, key=lambda a: -a.severity)

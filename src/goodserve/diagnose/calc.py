@@ -1,0 +1,96 @@
+"""Back-of-envelope serving arithmetic: KV cache size, concurrency a memory budget holds, whether a
+model fits a GPU at a tensor-parallel degree, and cost per 1M tokens.
+
+KV bytes = 2 (K and V) x layers x kv_heads x head_dim x bytes per element x tokens x batch.
+GQA shrinks kv_heads (Llama-3.1-8B keeps 8 KV heads for 32 query heads: 4x less KV than MHA).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from goodserve.errors import InvalidRequestError
+from goodserve.model.spec import ModelSpec
+
+DTYPE_BYTES = {"fp32": 4.0, "float32": 4.0, "fp16": 2.0, "float16": 2.0, "bf16": 2.0, "bfloat16": 2.0,
+               "auto": 2.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5}
+# Weight-only int4/int8 keep one bf16 scale per group of 128 weights.
+QUANT_GROUP_SIZE = 128
+
+
+def dtype_bytes(dtype: str) -> float:
+    if dtype not in DTYPE_BYTES:
+        raise InvalidRequestError(f"unknown dtype {dtype!r}; known: {', '.join(DTYPE_BYTES)}")
+    return DTYPE_BYTES[dtype]
+
+
+def kv_cache_bytes(spec: ModelSpec, tokens: int, batch: int = 1, kv_dtype: str = "fp16") -> float:
+    return spec.kv_bytes_per_token(dtype_bytes(kv_dtype)) * tokens * batch
+
+
+def weight_bytes(spec: ModelSpec, dtype: str = "bf16") -> float:
+    """Bytes of weights; quantized dtypes quantize the matmul weights and keep embeddings in bf16."""
+    bytes_per = dtype_bytes(dtype)
+    if dtype not in ("int8", "int4"):
+        return spec.num_params() * bytes_per
+    embed = spec.vocab_size * spec.hidden_size
+    matmul = spec.num_params() - embed
+    scales = matmul / QUANT_GROUP_SIZE * 2.0
+    return embed * 2.0 + matmul * bytes_per + scales
+
+
+def max_concurrent_sequences(spec: ModelSpec, kv_budget_bytes: float, seq_len: int,
+                             kv_dtype: str = "fp16") -> int:
+    """How many sequences of seq_len tokens the KV budget holds at once."""
+    per_seq = kv_cache_bytes(spec, seq_len, 1, kv_dtype)
+    return max(0, math.floor(kv_budget_bytes / per_seq))
+
+
+@dataclass
+class FitReport:
+    tp: int
+    gpu_memory_bytes: float
+    usable_bytes: float  # per GPU, after --gpu-memory-utilization
+    weight_bytes_per_gpu: float
+    kv_bytes_per_gpu: float  # for the requested batch x seq_len
+    kv_budget_per_gpu: float  # what is left for KV after the weights
+    max_sequences: int  # at seq_len, across the TP group
+
+    @property
+    def fits(self) -> bool:
+        return self.weight_bytes_per_gpu + self.kv_bytes_per_gpu <= self.usable_bytes
+
+    @property
+    def weights_fit(self) -> bool:
+        return self.weight_bytes_per_gpu < self.usable_bytes
+
+
+def kv_heads_per_gpu(spec: ModelSpec, tp: int) -> int:
+    """Tensor parallelism splits KV heads; with fewer KV heads than GPUs each GPU keeps a copy."""
+    return max(1, math.ceil(spec.num_kv_heads / tp))
+
+
+def fit(spec: ModelSpec, gpu_memory_bytes: float, tp: int = 1, seq_len: int = 4096, batch: int = 1,
+        dtype: str = "bf16", kv_dtype: str = "bf16", gpu_memory_utilization: float = 0.9,
+        activation_reserve_bytes: float = 1e9) -> FitReport:
+    """Weights + KV per GPU against its usable memory (activations keep a fixed reserve)."""
+    if tp < 1 or spec.num_heads % tp:
+        raise InvalidRequestError(f"tensor-parallel degree {tp} must divide {spec.num_heads} heads")
+    usable = gpu_memory_bytes * gpu_memory_utilization - activation_reserve_bytes
+    weights = weight_bytes(spec, dtype) / tp
+    kv_per_token_per_gpu = (2 * spec.num_layers * kv_heads_per_gpu(spec, tp) * spec.head_dim
+                            * dtype_bytes(kv_dtype))
+    kv_budget = max(0.0, usable - weights)
+    return FitReport(
+        tp=tp, gpu_memory_bytes=gpu_memory_bytes, usable_bytes=usable, weight_bytes_per_gpu=weights,
+        kv_bytes_per_gpu=kv_per_token_per_gpu * seq_len * batch, kv_budget_per_gpu=kv_budget,
+        max_sequences=math.floor(kv_budget / (kv_per_token_per_gpu * seq_len)),
+    )
+
+
+def cost_per_million_tokens(hourly_cost: float, tokens_per_s: float, num_gpus: int = 1) -> float:
+    """$ per 1M tokens when the GPUs sustain tokens_per_s all hour."""
+    if tokens_per_s <= 0:
+        raise InvalidRequestError("throughput must be positive to price tokens")
+    return hourly_cost * num_gpus / (tokens_per_s * 3600.0) * 1e6

@@ -1,0 +1,109 @@
+"""`goodserve calc`: KV cache size, concurrency, memory fit and cost, from a model's shape.
+
+    goodserve calc kv --model llama-2-13b --batch 32 --seq-len 2048 --kv-dtype fp16
+    goodserve calc kv --num-layers 40 --hidden-size 5120 --num-heads 40 --batch 32 --seq-len 2048
+    goodserve calc fit --model llama-3.1-70b --gpu h100-sxm --tp 4 --seq-len 8192 --batch 16
+    goodserve calc cost --gpu-hourly-cost 2.5 --tokens-per-s 2400
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from rich.console import Console
+
+from goodserve.diagnose.calc import (DTYPE_BYTES, cost_per_million_tokens, fit, kv_cache_bytes,
+                                     max_concurrent_sequences)
+from goodserve.diagnose.hardware import get_hardware
+from goodserve.diagnose.model_shape import resolve_spec
+from goodserve.errors import InvalidRequestError
+from goodserve.model.spec import ModelSpec
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("calc", help="KV cache size, concurrency, memory fit, cost per 1M tokens",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    actions = p.add_subparsers(dest="calc_action", metavar="WHAT", required=True)
+
+    kv = actions.add_parser("kv", help="KV cache bytes, and sequences a memory budget holds")
+    _add_model_arguments(kv)
+    kv.add_argument("--batch", type=int, default=1)
+    kv.add_argument("--seq-len", type=int, default=4096)
+    kv.add_argument("--memory-gb", type=float, help="KV budget (decimal GB): how many sequences fit")
+    kv.set_defaults(func=_kv)
+
+    fit_p = actions.add_parser("fit", help="do weights + KV fit a GPU at a tensor-parallel degree")
+    _add_model_arguments(fit_p)
+    fit_p.add_argument("--gpu", default="h100-sxm")
+    fit_p.add_argument("--tp", type=int, default=1)
+    fit_p.add_argument("--batch", type=int, default=1)
+    fit_p.add_argument("--seq-len", type=int, default=4096)
+    fit_p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16", help="weight dtype")
+    fit_p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    fit_p.set_defaults(func=_fit)
+
+    cost = actions.add_parser("cost", help="$ per 1M tokens from $/GPU-hour and throughput")
+    cost.add_argument("--gpu-hourly-cost", type=float, required=True)
+    cost.add_argument("--tokens-per-s", type=float, required=True)
+    cost.add_argument("--num-gpus", type=int, default=1)
+    cost.set_defaults(func=_cost)
+
+
+def _add_model_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="preset, dummy:<preset>, .gguf or HF dir; or give the shape below")
+    p.add_argument("--num-layers", type=int)
+    p.add_argument("--hidden-size", type=int)
+    p.add_argument("--num-heads", type=int)
+    p.add_argument("--num-kv-heads", type=int, help="default: --num-heads (MHA)")
+    p.add_argument("--head-dim", type=int, help="default: hidden / heads")
+    p.add_argument("--kv-dtype", choices=sorted(DTYPE_BYTES), default="fp16")
+
+
+def spec_from_args(args) -> ModelSpec:
+    if args.model:
+        return resolve_spec(args.model)
+    if not (args.num_layers and args.hidden_size and args.num_heads):
+        raise InvalidRequestError("give --model, or --num-layers, --hidden-size and --num-heads")
+    heads = args.num_heads
+    return ModelSpec(name="custom", vocab_size=0, hidden_size=args.hidden_size, intermediate_size=0,
+                     num_layers=args.num_layers, num_heads=heads, num_kv_heads=args.num_kv_heads or heads,
+                     head_dim=args.head_dim or args.hidden_size // heads, max_position_embeddings=0)
+
+
+def _kv(args) -> int:
+    spec = spec_from_args(args)
+    total = kv_cache_bytes(spec, args.seq_len, args.batch, args.kv_dtype)
+    per_token = spec.kv_bytes_per_token(DTYPE_BYTES[args.kv_dtype])
+    console = Console()
+    console.print(f"{spec.name}: {spec.num_layers} layers x {spec.num_kv_heads} KV heads x "
+                  f"{spec.head_dim} head dim, {args.kv_dtype}")
+    console.print(f"KV per token: {per_token / 1024:.1f} KiB; per sequence of {args.seq_len}: "
+                  f"{per_token * args.seq_len / 1e9:.3f} GB")
+    console.print(f"KV for batch {args.batch} x {args.seq_len} tokens: [bold]{total / 1e9:.1f} GB[/bold] "
+                  f"({total / 2**30:.1f} GiB)")
+    if args.memory_gb:
+        n = max_concurrent_sequences(spec, args.memory_gb * 1e9, args.seq_len, args.kv_dtype)
+        console.print(f"{args.memory_gb:g} GB of KV holds {n} sequences of {args.seq_len} tokens")
+    return 0
+
+
+def _fit(args) -> int:
+    spec = spec_from_args(args)
+    gpu = get_hardware(args.gpu)
+    report = fit(spec, gpu.memory_bytes, args.tp, args.seq_len, args.batch, args.dtype, args.kv_dtype,
+                 args.gpu_memory_utilization)
+    console = Console()
+    verdict = "[green]fits[/green]" if report.fits else "[red]does not fit[/red]"
+    console.print(f"{spec.name} ({args.dtype} weights, {args.kv_dtype} KV) on {args.tp} x {gpu.name}: {verdict}")
+    console.print(f"  per GPU: usable {report.usable_bytes / 1e9:.1f} GB, weights "
+                  f"{report.weight_bytes_per_gpu / 1e9:.1f} GB, KV for {args.batch} x {args.seq_len} "
+                  f"{report.kv_bytes_per_gpu / 1e9:.1f} GB")
+    console.print(f"  KV room after weights holds {report.max_sequences} sequences of {args.seq_len} tokens")
+    return 0 if report.fits else 1
+
+
+def _cost(args) -> int:
+    price = cost_per_million_tokens(args.gpu_hourly_cost, args.tokens_per_s, args.num_gpus)
+    Console().print(f"${price:.4f} per 1M tokens at {args.tokens_per_s:g} tok/s on {args.num_gpus} GPU(s) "
+                    f"at ${args.gpu_hourly_cost:g}/GPU-hour")
+    return 0

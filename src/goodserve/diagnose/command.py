@@ -1,0 +1,119 @@
+"""`goodserve diagnose`: the roofline of a model on a GPU, what a measured run achieved against it,
+and ranked advice.
+
+    goodserve diagnose --model llama-3.1-8b --hardware h100-sxm --result bench.json
+    goodserve diagnose --model smollm2-135m --measure --metrics-url http://127.0.0.1:8000/metrics
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from goodserve.diagnose.advisor import Advice, advise
+from goodserve.diagnose.calc import weight_bytes
+from goodserve.diagnose.hardware import HARDWARE, Hardware, get_hardware, measure_local
+from goodserve.diagnose.model_shape import resolve_spec
+from goodserve.diagnose.observations import Observations, from_bench_result, from_metrics_url
+from goodserve.diagnose.roofline import PhaseAnalysis, analyze, flops_per_token
+from goodserve.model.spec import ModelSpec
+
+DTYPES = ("bf16", "fp16", "fp32", "int8", "int4")
+KV_DTYPES = ("bf16", "fp16", "fp32", "int8", "fp8")
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("diagnose", help="roofline, MFU/MBU per phase, and advice",
+                              description=__doc__)
+    p.add_argument("--model", default="smollm2-135m",
+                   help="preset name, dummy:<preset>, .gguf file or HF directory (shapes only)")
+    p.add_argument("--hardware", default="h100-sxm", help=f"one of {', '.join(HARDWARE)}")
+    p.add_argument("--measure", action="store_true", help="probe this machine's bandwidth and matmul rate")
+    p.add_argument("--dtype", choices=DTYPES, default="bf16", help="weight dtype")
+    p.add_argument("--kv-cache-dtype", choices=KV_DTYPES, default="bf16")
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--result", help="a goodserve bench result JSON")
+    source.add_argument("--metrics-url", help="a live goodserve server's /metrics URL")
+    p.add_argument("--interval", type=float, default=10.0, help="seconds between /metrics scrapes")
+    p.add_argument("--json", dest="json_path", help="also write the diagnosis as JSON")
+    p.set_defaults(func=run_command)
+
+
+def model_table(spec: ModelSpec, hw: Hardware, dtype: str) -> Table:
+    weights = weight_bytes(spec, dtype)
+    ridge = hw.ridge_point(dtype)
+    table = Table(title=f"{spec.name} on {hw.name}", show_header=False)
+    table.add_column("what")
+    table.add_column("value", justify="right")
+    rows = [
+        ("parameters", f"{spec.num_params() / 1e9:.3f} B"),
+        (f"weights ({dtype})", f"{weights / 1e9:.2f} GB"),
+        ("FLOPs per token (short context)", f"{flops_per_token(spec, 0) / 1e9:.2f} GFLOP"),
+        ("peak compute", f"{hw.flops_for(dtype) / 1e12:.1f} TFLOP/s"),
+        ("peak bandwidth", f"{hw.memory_bandwidth / 1e12:.2f} TB/s"),
+        ("memory", f"{hw.memory_bytes / 1e9:.0f} GB"),
+        ("ridge point", f"{ridge:.0f} FLOP/byte"),
+        # One sequence: every step reads all weights, so bandwidth caps tokens/s at bw / weights.
+        ("batch-1 decode ceiling", f"{hw.memory_bandwidth / weights:.0f} tok/s"),
+        ("decode batch to reach the ridge", f"~{ridge * weights / (2 * spec.num_matmul_params()):.0f}"),
+    ]
+    for row in rows:
+        table.add_row(*row)
+    return table
+
+
+def phases_table(phases: list[PhaseAnalysis]) -> Table:
+    table = Table(title="measured against the roofline")
+    for column in ("phase", "TFLOP/s", "GB/s", "MFU", "MBU", "FLOP/B", "ridge", "verdict"):
+        table.add_column(column, justify="left" if column in ("phase", "verdict") else "right")
+    for p in phases:
+        table.add_row(p.phase, f"{p.flops_per_s / 1e12:.3f}", f"{p.bytes_per_s / 1e9:.1f}",
+                      f"{100 * p.mfu:.1f}%", f"{100 * p.mbu:.1f}%", f"{p.intensity:.1f}",
+                      f"{p.ridge_point:.0f}", f"[bold]{p.verdict}[/bold]")
+    return table
+
+
+def print_advice(console: Console, advice: list[Advice]) -> None:
+    if not advice:
+        console.print("[green]No symptom found: latencies within limits, no preemptions.[/green]")
+        return
+    for rank, item in enumerate(advice, start=1):
+        console.print(f"\n[bold]{rank}. {item.symptom}[/bold]  ({item.evidence})")
+        for fix in item.fixes:
+            console.print(f"   - [cyan]{fix.option}[/cyan]: {fix.effect}\n     confirm: {fix.confirm}")
+
+
+def observations_of(args) -> Observations | None:
+    if args.result:
+        return from_bench_result(args.result)
+    if args.metrics_url:
+        return from_metrics_url(args.metrics_url, args.interval)
+    return None
+
+
+def run_command(args) -> int:
+    console = Console()
+    spec = resolve_spec(args.model)
+    hw = measure_local() if args.measure else get_hardware(args.hardware)
+    console.print(model_table(spec, hw, args.dtype))
+    obs = observations_of(args)
+    report: dict = {"model": spec.name, "hardware": asdict(hw)}
+    if obs is not None:
+        phases = analyze(spec, hw, obs, args.dtype, args.kv_cache_dtype)
+        console.print(f"measured: {obs.source}: {obs.output_throughput:.1f} output tok/s, "
+                      f"~{obs.concurrency:.1f} requests in flight, TTFT {1000 * obs.ttft_s:.0f} ms, "
+                      f"TPOT {1000 * obs.tpot_s:.1f} ms")
+        console.print(phases_table(phases))
+        for p in phases:
+            console.print(f"  {p.phase}: {p.why}")
+        advice = advise(obs, phases)
+        print_advice(console, advice)
+        report.update(observations=asdict(obs), phases=[asdict(p) for p in phases],
+                      advice=[asdict(a) for a in advice])
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps(report, indent=2))
+    return 0

@@ -1,0 +1,126 @@
+"""Accelerator limits: peak dense FLOP/s per dtype, memory bandwidth and capacity.
+
+Numbers are the vendors' datasheet peaks for dense math (no 2:4 sparsity); real kernels reach
+roughly 60-80% of FLOP/s and 80-90% of bandwidth, which is why MFU/MBU near 100% never happen.
+`measure_local()` probes the machine it runs on instead (a copy and a matmul, with torch).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from goodserve.errors import InvalidRequestError
+
+TERA = 1e12
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    peak_flops: dict[str, float]  # dtype -> FLOP/s (int8: OP/s)
+    memory_bandwidth: float  # bytes/s
+    memory_bytes: float
+    note: str = ""
+    measured: bool = field(default=False)
+
+    def flops_for(self, dtype: str) -> float:
+        """Peak for a compute dtype; weight-only int8/int4 still multiply in bf16."""
+        key = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "auto": "bf16",
+               "int4": "bf16"}.get(dtype, dtype)
+        if key not in self.peak_flops:
+            key = "bf16" if "bf16" in self.peak_flops else next(iter(self.peak_flops))
+        return self.peak_flops[key]
+
+    def ridge_point(self, dtype: str = "bf16") -> float:
+        """FLOPs per byte at which a kernel turns from bandwidth- to compute-bound."""
+        return self.flops_for(dtype) / self.memory_bandwidth
+
+
+def _tensor_core(bf16_tflops: float, fp32_tflops: float, int8_tops: float,
+                 fp8_tflops: float | None = None) -> dict[str, float]:
+    flops = {"bf16": bf16_tflops * TERA, "fp16": bf16_tflops * TERA, "fp32": fp32_tflops * TERA,
+             "int8": int8_tops * TERA}
+    if fp8_tflops:
+        flops["fp8"] = fp8_tflops * TERA
+    return flops
+
+
+HARDWARE: dict[str, Hardware] = {
+    hw.name: hw
+    for hw in [
+        Hardware("h100-sxm", _tensor_core(989.4, 66.9, 1978.9, 1978.9), 3.35e12, 80 * GB),
+        Hardware("h100-pcie", _tensor_core(756.0, 51.2, 1513.0, 1513.0), 2.0e12, 80 * GB),
+        Hardware("h200", _tensor_core(989.4, 66.9, 1978.9, 1978.9), 4.8e12, 141 * GB),
+        Hardware("a100-40gb", _tensor_core(312.0, 19.5, 624.0), 1.555e12, 40 * GB),
+        Hardware("a100-80gb", _tensor_core(312.0, 19.5, 624.0), 2.039e12, 80 * GB),
+        Hardware("l4", _tensor_core(121.0, 30.3, 242.5, 242.5), 0.3e12, 24 * GB),
+        Hardware("a10g", _tensor_core(70.0, 31.2, 140.0), 0.6e12, 24 * GB,
+                 note="AWS A10G; tensor peaks are lower than the A10's"),
+        Hardware("cpu", {"fp32": 1.0 * TERA, "bf16": 1.0 * TERA, "fp16": 1.0 * TERA, "int8": 2.0 * TERA},
+                 0.1e12, 64 * GB, note="a generic server CPU; use --measure for this machine"),
+    ]
+}
+
+ALIASES = {"h100": "h100-sxm", "a100": "a100-80gb", "generic-cpu": "cpu"}
+
+
+def get_hardware(name: str) -> Hardware:
+    key = ALIASES.get(name.lower(), name.lower())
+    if key not in HARDWARE:
+        raise InvalidRequestError(f"unknown hardware {name!r}; known: {', '.join(HARDWARE)} "
+                                  f"(or --measure to probe this machine)")
+    return HARDWARE[key]
+
+
+def _best_of(fn, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure_local(device: str = "auto", copy_bytes: int | None = None, matmul_n: int | None = None,
+                  repeats: int = 5) -> Hardware:
+    """Measured copy bandwidth (bytes read + written per second) and bf16/fp32 matmul rate."""
+    import torch
+
+    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
+                       ("cpu" if device == "auto" else device))
+    on_gpu = dev.type == "cuda"
+    sync = torch.cuda.synchronize if on_gpu else (lambda: None)
+    copy_bytes = copy_bytes or (1 << 30 if on_gpu else 1 << 27)
+    src = torch.empty(copy_bytes, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+
+    def copy():
+        dst.copy_(src)
+        sync()
+
+    copy()  # first touch allocates pages / warms the driver
+    bandwidth = 2 * copy_bytes / _best_of(copy, repeats)
+    n = matmul_n or (8192 if on_gpu else 1024)
+    flops = {}
+    for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        a = torch.randn(n, n, dtype=dtype, device=dev)
+        b = torch.randn(n, n, dtype=dtype, device=dev)
+
+        def matmul():
+            torch.matmul(a, b)
+            sync()
+
+        matmul()
+        flops[name] = 2 * n**3 / _best_of(matmul, repeats)
+    flops["fp16"] = flops["bf16"]
+    memory = (torch.cuda.get_device_properties(dev).total_memory if on_gpu else _host_memory_bytes())
+    name = torch.cuda.get_device_name(dev) if on_gpu else "local cpu"
+    return Hardware(f"measured: {name}", flops, bandwidth, memory, note="measured here", measured=True)
+
+
+def _host_memory_bytes() -> float:
+    import os
+
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))

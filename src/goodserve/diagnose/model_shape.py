@@ -1,0 +1,36 @@
+"""A model's shape (ModelSpec) from any name the engine accepts, without loading its weights."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from goodserve.errors import ModelLoadError
+from goodserve.model.presets import PRESETS, get_preset
+from goodserve.model.spec import ModelSpec
+
+
+def resolve_spec(name: str) -> ModelSpec:
+    """A preset name, `dummy:<preset>`, the embedded model, a .gguf file, or a HF directory."""
+    from goodserve.model import loader
+
+    preset = name.removeprefix(loader.DUMMY_PREFIX)
+    if preset in PRESETS:
+        return get_preset(preset)
+    path = loader.embedded_gguf_path() if name == loader.EMBEDDED_MODEL else Path(name).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        from goodserve.model.gguf_loader import gguf_spec, open_gguf
+
+        return gguf_spec(open_gguf(path), path.stem)
+    if (path / "config.json").is_file():
+        from goodserve.model.hf_loader import hf_spec
+
+        def read(file: str) -> dict:
+            try:
+                return json.loads((path / file).read_text()) if (path / file).is_file() else {}
+            except (OSError, json.JSONDecodeError) as exc:
+                raise ModelLoadError(f"cannot read {path / file}: {exc}") from exc
+
+        return hf_spec(read("config.json"), path.name, read("generation_config.json"))
+    raise ModelLoadError(f"unknown model {name!r}: give a preset ({', '.join(PRESETS)}), "
+                         f"dummy:<preset>, a .gguf file or a Hugging Face model directory")

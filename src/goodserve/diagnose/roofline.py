@@ -1,0 +1,111 @@
+"""Roofline arithmetic: FLOPs and bytes per phase, MFU/MBU, and what bounds each phase.
+
+- FLOPs per token = 2 x matmul params + attention (4 x layers x context x q_size: QK^T and AV).
+- A decode step reads every weight once plus each sequence's KV cache; a batch of B shares the
+  weight read, so its arithmetic intensity is about B FLOPs per weight byte (x2 / bytes-per-weight).
+- Prefill of P tokens reuses each weight P times: intensity ~ P, far above the ridge point.
+- MBU = bytes moved per step / step time / peak bandwidth; MFU = FLOP/s achieved / peak FLOP/s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from goodserve.diagnose.calc import dtype_bytes, max_concurrent_sequences, weight_bytes
+from goodserve.diagnose.hardware import Hardware
+from goodserve.diagnose.observations import Observations
+from goodserve.model.spec import ModelSpec
+
+# KV pool this full (or any preemption) means memory, not speed, caps the batch.
+CAPACITY_KV_USAGE = 0.95
+
+
+def attention_flops_per_token(spec: ModelSpec, context_len: float) -> float:
+    return 4.0 * spec.num_layers * context_len * spec.q_size
+
+
+def flops_per_token(spec: ModelSpec, context_len: float) -> float:
+    return 2.0 * spec.num_matmul_params() + attention_flops_per_token(spec, context_len)
+
+
+def prefill_flops(spec: ModelSpec, prompt_len: float) -> float:
+    """Causal prefill: token i attends to i positions, so attention sums to 2 L q_size P (P + 1)."""
+    return (2.0 * spec.num_matmul_params() * prompt_len
+            + 2.0 * spec.num_layers * spec.q_size * prompt_len * (prompt_len + 1))
+
+
+def decode_step_bytes(spec: ModelSpec, batch: float, context_len: float, dtype: str = "bf16",
+                      kv_dtype: str = "bf16") -> float:
+    """Bytes one decode step reads: all weights once, plus every sequence's KV cache."""
+    return weight_bytes(spec, dtype) + batch * context_len * spec.kv_bytes_per_token(dtype_bytes(kv_dtype))
+
+
+def mbu(bytes_per_step: float, steps_per_s: float, bandwidth: float) -> float:
+    return bytes_per_step * steps_per_s / bandwidth
+
+
+def mfu(flops_per_s: float, peak_flops: float) -> float:
+    return flops_per_s / peak_flops
+
+
+@dataclass
+class PhaseAnalysis:
+    phase: str  # "prefill" | "decode"
+    flops_per_s: float
+    bytes_per_s: float
+    mfu: float
+    mbu: float
+    intensity: float  # FLOPs per byte moved
+    ridge_point: float
+    verdict: str  # "compute-bound" | "bandwidth-bound" | "capacity-bound"
+    why: str
+
+
+def analyze_decode(spec: ModelSpec, hw: Hardware, obs: Observations, dtype: str = "bf16",
+                   kv_dtype: str = "bf16") -> PhaseAnalysis:
+    batch = max(1.0, obs.concurrency)
+    context = obs.mean_context_len
+    step_bytes = decode_step_bytes(spec, batch, context, dtype, kv_dtype)
+    step_flops = batch * flops_per_token(spec, context)
+    steps_per_s = 1.0 / obs.tpot_s if obs.tpot_s > 0 else 0.0
+    ridge = hw.ridge_point(dtype)
+    intensity = step_flops / step_bytes
+    kv_budget = hw.memory_bytes * 0.9 - weight_bytes(spec, dtype)
+    fits = max_concurrent_sequences(spec, kv_budget, int(obs.mean_prompt_len + obs.mean_output_len), kv_dtype)
+    capacity = ((obs.num_preemptions or 0) > 0 or (obs.kv_cache_usage or 0.0) >= CAPACITY_KV_USAGE
+                or fits < batch)
+    if capacity:
+        verdict = "capacity-bound"
+        why = (f"the KV cache limits the batch (preemptions {obs.num_preemptions or 0:g}, "
+               f"KV usage {100 * (obs.kv_cache_usage or 0):.0f}%, about {fits} sequences fit)")
+    elif intensity >= ridge:
+        verdict, why = "compute-bound", f"batch {batch:.1f} puts intensity {intensity:.0f} above the ridge {ridge:.0f}"
+    else:
+        verdict = "bandwidth-bound"
+        why = (f"each step reads {step_bytes / 1e9:.2f} GB for {batch:.1f} tokens: intensity "
+               f"{intensity:.1f} FLOP/B is below the ridge {ridge:.0f}")
+    return PhaseAnalysis("decode", step_flops * steps_per_s, step_bytes * steps_per_s,
+                         mfu(step_flops * steps_per_s, hw.flops_for(dtype)),
+                         mbu(step_bytes, steps_per_s, hw.memory_bandwidth), intensity, ridge, verdict, why)
+
+
+def analyze_prefill(spec: ModelSpec, hw: Hardware, obs: Observations, dtype: str = "bf16",
+                    kv_dtype: str = "bf16") -> PhaseAnalysis:
+    """Per request from TTFT; TTFT includes queueing, so MFU and MBU here are lower bounds."""
+    prompt = max(1.0, obs.mean_prompt_len)
+    flops = prefill_flops(spec, prompt)
+    moved = weight_bytes(spec, dtype) + prompt * spec.kv_bytes_per_token(dtype_bytes(kv_dtype))
+    per_s = 1.0 / obs.ttft_s if obs.ttft_s > 0 else 0.0
+    ridge = hw.ridge_point(dtype)
+    intensity = flops / moved
+    verdict = "compute-bound" if intensity >= ridge else "bandwidth-bound"
+    why = (f"a {prompt:.0f}-token prompt does {intensity:.0f} FLOP per byte moved "
+           f"({'above' if intensity >= ridge else 'below'} the ridge {ridge:.0f}); "
+           f"MFU from TTFT, queueing included, so a lower bound")
+    return PhaseAnalysis("prefill", flops * per_s, moved * per_s, mfu(flops * per_s, hw.flops_for(dtype)),
+                         mbu(moved, per_s, hw.memory_bandwidth), intensity, ridge, verdict, why)
+
+
+def analyze(spec: ModelSpec, hw: Hardware, obs: Observations, dtype: str = "bf16",
+            kv_dtype: str = "bf16") -> list[PhaseAnalysis]:
+    return [analyze_prefill(spec, hw, obs, dtype, kv_dtype), analyze_decode(spec, hw, obs, dtype, kv_dtype)]

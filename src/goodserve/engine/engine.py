@@ -1,0 +1,345 @@
+"""The engine: add requests, call step() until done. Scheduler decides, runner executes, sampler samples.
+
+One step: schedule -> prepare inputs -> forward -> sample -> append tokens, check stops, detokenize.
+Every stage is timed, so the cost of Python around the GPU is visible (EngineStats).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from goodserve.config import EngineConfig
+from goodserve.engine.block_pool import BlockPool
+from goodserve.engine.kv_cache import kv_storage_dtype, num_blocks_for_memory
+from goodserve.engine.model_runner import ModelOutput, ModelRunner
+from goodserve.engine.request import Request
+from goodserve.engine.sampling_inputs import build_sampling_batch
+from goodserve.engine.scheduler import ScheduledBatch, Scheduler
+from goodserve.engine.sequence import Sequence
+from goodserve.errors import InvalidRequestError, PromptTooLongError
+from goodserve.model.detokenizer import IncrementalDetokenizer
+from goodserve.model.loader import load_model
+from goodserve.ops.attention import set_attention_backend
+from goodserve.ops.sampler import SamplerOutput, gather_logprobs, sample
+from goodserve.outputs import Logprob, LogprobsEntry, RequestOutput
+from goodserve.sampling_params import SamplingParams
+
+logger = logging.getLogger("goodserve.engine")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_kv_blocks: int
+    num_used_kv_blocks: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    num_steps: int
+    last_batch_tokens: int
+    last_batch_seqs: int
+    schedule_seconds_total: float
+    prepare_seconds_total: float
+    forward_seconds_total: float
+    sample_seconds_total: float
+    detokenize_seconds_total: float
+
+
+@dataclass
+class _StepTimes:
+    schedule: float = 0.0
+    prepare: float = 0.0
+    forward: float = 0.0
+    sample: float = 0.0
+    detokenize: float = 0.0
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise InvalidRequestError("device cuda was asked for, but no CUDA GPU is available here")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+class Engine:
+    def __init__(self, config: EngineConfig | None = None, **overrides) -> None:
+        config = config or EngineConfig()
+        for key, value in overrides.items():
+            if not hasattr(config, key):
+                raise InvalidRequestError(f"unknown engine option {key!r}")
+            setattr(config, key, value)
+        config.validate()
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        torch.manual_seed(config.seed)
+        set_attention_backend(config.attention_backend)
+        loaded = load_model(config.model, self.dtype, self.device, seed=config.seed)
+        if config.quantization:
+            from goodserve.quant.apply import quantize_model
+
+            quantize_model(loaded.model, config.quantization, config.quantization_group_size)
+        self.spec, self.model, self.tokenizer = loaded.spec, loaded.model, loaded.tokenizer
+        self.eos_token_ids = sorted(set(self.spec.eos_token_ids) | set(
+            self.tokenizer.eos_token_ids if self.tokenizer else []))
+        kv_dtype = kv_storage_dtype(config, self.dtype)
+        num_blocks = num_blocks_for_memory(self.spec, config, self.device, self.dtype, kv_dtype)
+        self.max_model_len = min(config.max_model_len or self.spec.max_position_embeddings,
+                                 self.spec.max_position_embeddings, num_blocks * config.block_size)
+        if not config.enable_chunked_prefill:  # a whole prompt must fit one step's budget
+            config.max_num_batched_tokens = max(config.max_num_batched_tokens, self.max_model_len)
+        self.runner = ModelRunner(config, self.model, num_blocks, kv_dtype, self.max_model_len, self.device)
+        salt = f"{loaded.revision}|{config.kv_cache_dtype}|{config.quantization}".encode()
+        self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching, salt)
+        self.scheduler = Scheduler(config, self.pool)
+        self.requests: dict[str, Request] = {}
+        self.num_steps = 0
+        self.last_batch = (0, 0)
+        self.times = _StepTimes()
+        logger.info(
+            "model %s (%s) dtype=%s device=%s kv_cache=%d blocks x %d tokens (%s) max_model_len=%d",
+            config.model, loaded.source, str(self.dtype).removeprefix("torch."), self.device,
+            num_blocks, config.block_size, str(kv_dtype).removeprefix("torch."), self.max_model_len,
+        )
+
+    # ---- requests ------------------------------------------------------------------------
+    def tokenize_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("this model has no tokenizer: pass prompt token ids instead")
+            return prompt, self.tokenizer.encode(prompt)
+        return None, list(prompt)
+
+    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """Raise a typed error for a request that can never run; return its maximum length."""
+        if not prompt_token_ids:
+            raise InvalidRequestError("the prompt is empty: give at least one token")
+        if any(not 0 <= t < self.spec.vocab_size for t in prompt_token_ids):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {self.spec.vocab_size})")
+        prompt_len = len(prompt_token_ids)
+        if prompt_len >= self.max_model_len:
+            raise PromptTooLongError(
+                f"the prompt has {prompt_len} tokens, but this model's context is {self.max_model_len} "
+                "tokens (room for at least one new token is needed): shorten the prompt"
+            )
+        if params.max_tokens is None:
+            return self.max_model_len
+        if prompt_len + params.max_tokens > self.max_model_len:
+            raise PromptTooLongError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but "
+                f"{prompt_len + params.max_tokens} were requested ({prompt_len} in the prompt, "
+                f"{params.max_tokens} max_tokens): lower max_tokens or shorten the prompt"
+            )
+        return prompt_len + params.max_tokens
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    arrival_time: float | None = None) -> None:
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        prompt_text, prompt_ids = self.tokenize_prompt(prompt)
+        max_len = self.validate_request(prompt_ids, params)
+        arrival_time = arrival_time or time.time()
+        seqs = [self._new_sequence(request_id, i, prompt_ids, params, max_len, arrival_time)
+                for i in range(params.n)]
+        request = Request(request_id, prompt_text, prompt_ids, seqs,
+                          holdback=max((len(s) for s in params.stop), default=1) - 1)
+        request.detokenizers = [
+            IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
+            if self.tokenizer else None
+            for _ in seqs
+        ]
+        self.requests[request_id] = request
+        for seq in seqs:
+            self.scheduler.add(seq)
+
+    def _new_sequence(self, request_id: str, index: int, prompt_ids: list[int], params: SamplingParams,
+                      max_len: int, arrival_time: float) -> Sequence:
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(params.seed + index)
+        seq = Sequence(
+            seq_id=f"{request_id}#{index}", request_id=request_id, index=index,
+            token_ids=list(prompt_ids), num_prompt_tokens=len(prompt_ids), params=params,
+            max_len=max_len, arrival_time=arrival_time, generator=generator,
+        )
+        if seq.wants_prompt_logprobs:
+            seq.prompt_logprobs.append(None)  # the first token has no context to be predicted from
+        return seq
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        for seq in request.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "abort")
+                seq.metrics.finished_time = time.time()
+        return request.output()
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- one step ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        batch = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        self.times.schedule += t1 - t0
+        if not batch:
+            return []
+        self.num_steps += 1
+        self.last_batch = (batch.num_tokens, len(batch.seqs))
+        try:
+            changed = self._run(batch, t1)
+        except Exception as exc:  # a failed step fails its requests, never the engine
+            logger.exception("step failed; aborting its %d sequences", len(batch.seqs))
+            changed = self._fail(batch, exc)
+        return self._collect(changed)
+
+    def _run(self, batch: ScheduledBatch, t_start: float) -> set[str]:
+        inputs = self.runner.prepare(batch)
+        t1 = time.perf_counter()
+        output = self.runner.execute(inputs)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        t2 = time.perf_counter()
+        sample_seqs = [batch.seqs[row] for row in inputs.sample_rows]
+        sampled = None
+        if sample_seqs:
+            sampling = build_sampling_batch(sample_seqs, self.spec.vocab_size, self.device, self.eos_token_ids)
+            sampled = sample(output.logits, sampling)
+        token_ids = sampled.token_ids.tolist() if sampled else []
+        t3 = time.perf_counter()
+        self.scheduler.advance(batch)
+        self._record_prompt_logprobs(batch, inputs.prompt_logit_spans, output)
+        for i, (seq, token) in enumerate(zip(sample_seqs, token_ids)):
+            self._append_token(seq, token, _logprobs_entry(sampled, i, seq.params.logprobs, self.tokenizer))
+        t4 = time.perf_counter()
+        self.times.prepare += t1 - t_start
+        self.times.forward += t2 - t1
+        self.times.sample += t3 - t2
+        self.times.detokenize += t4 - t3
+        return {seq.request_id for seq in batch.seqs}
+
+    def _fail(self, batch: ScheduledBatch, exc: Exception) -> set[str]:
+        for seq in batch.seqs:
+            if seq.request_id in self.requests:
+                self.requests[seq.request_id].error = f"{type(exc).__name__}: {exc}"
+                for sibling in self.requests[seq.request_id].seqs:
+                    if not sibling.is_finished:
+                        self.scheduler.finish(sibling, "abort")
+        return {seq.request_id for seq in batch.seqs}
+
+    def _collect(self, changed: set[str]) -> list[RequestOutput]:
+        outputs = []
+        for request_id in changed:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            outputs.append(request.output())
+            if request.finished:
+                del self.requests[request_id]
+        return outputs
+
+    # ---- after sampling ------------------------------------------------------------------
+    def _record_prompt_logprobs(self, batch: ScheduledBatch, spans: dict, output: ModelOutput) -> None:
+        for row, logits in output.prompt_logits.items():
+            seq = batch.seqs[row]
+            start = len(seq.prompt_logprobs)  # the prompt token these logits predict first
+            targets = torch.tensor(seq.token_ids[start : start + logits.shape[0]], device=logits.device)
+            values, ids, ranks = gather_logprobs(logits, targets, seq.params.prompt_logprobs)
+            for i in range(logits.shape[0]):
+                seq.prompt_logprobs.append(_entry(values[i].tolist(), ids[i].tolist(), int(ranks[i]), self.tokenizer))
+
+    def _append_token(self, seq: Sequence, token: int, logprobs: LogprobsEntry | None) -> None:
+        now = time.time()
+        seq.token_ids.append(token)
+        metrics = seq.metrics
+        metrics.token_times.append(now)
+        metrics.first_token_time = metrics.first_token_time or now
+        metrics.last_token_time = now
+        if logprobs is not None and seq.params.logprobs is not None:
+            seq.logprobs.append(logprobs)
+            seq.cumulative_logprob += logprobs[token].logprob
+        params = seq.params
+        may_stop = seq.num_output_tokens >= params.min_tokens
+        request = self.requests[seq.request_id]
+        detokenizer = request.detokenizers[seq.index]
+        if may_stop and (token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos)):
+            self._finish(seq, "stop", token if token in params.stop_token_ids else None, detokenizer)
+            return
+        if detokenizer is not None:
+            seq.text += detokenizer.add_tokens([token])
+            if may_stop and params.stop and self._truncate_at_stop_string(seq):
+                return
+        if seq.num_output_tokens >= (params.max_tokens or seq.max_len) or seq.num_tokens >= seq.max_len:
+            self._finish(seq, "length", None, detokenizer)
+
+    def _truncate_at_stop_string(self, seq: Sequence) -> bool:
+        for stop in seq.params.stop:
+            at = seq.text.find(stop)
+            if at >= 0:
+                seq.text = seq.text[: at + (len(stop) if seq.params.include_stop_str_in_output else 0)]
+                self._finish(seq, "stop", stop, None)
+                return True
+        return False
+
+    def _finish(self, seq: Sequence, reason: str, stop_reason, detokenizer) -> None:
+        if detokenizer is not None:
+            seq.text += detokenizer.flush()
+        self.scheduler.finish(seq, reason, stop_reason)
+        seq.metrics.finished_time = time.time()
+
+    # ---- introspection -------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        pool = self.pool
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_kv_blocks=pool.num_blocks,
+            num_used_kv_blocks=pool.num_used_blocks,
+            kv_cache_usage=pool.num_used_blocks / pool.num_blocks,
+            prefix_cache_queries=pool.counters.queries,
+            prefix_cache_hits=pool.counters.hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_steps=self.num_steps,
+            last_batch_tokens=self.last_batch[0],
+            last_batch_seqs=self.last_batch[1],
+            schedule_seconds_total=self.times.schedule,
+            prepare_seconds_total=self.times.prepare,
+            forward_seconds_total=self.times.forward,
+            sample_seconds_total=self.times.sample,
+            detokenize_seconds_total=self.times.detokenize,
+        )
+
+
+def _entry(values: list[float], ids: list[int], rank: int, tokenizer) -> LogprobsEntry:
+    """values/ids: the chosen token first, then the top alternatives (which may include it)."""
+    entry: LogprobsEntry = {}
+    for position, (token, value) in enumerate(zip(ids, values)):
+        if token not in entry:
+            decoded = tokenizer.decode([token], skip_special_tokens=False) if tokenizer else None
+            entry[token] = Logprob(value, rank if position == 0 else position, decoded)
+    return entry
+
+
+def _logprobs_entry(sampled: SamplerOutput, row: int, num_top: int | None, tokenizer) -> LogprobsEntry | None:
+    if sampled.logprobs is None or num_top is None:
+        return None
+    return _entry(sampled.logprobs[row, : 1 + num_top].tolist(),
+                  sampled.logprob_token_ids[row, : 1 + num_top].tolist(), int(sampled.ranks[row]), tokenizer)

@@ -1,0 +1,65 @@
+"""Allocating the KV cache tensors: how many blocks fit the memory we are allowed, in which dtype."""
+
+from __future__ import annotations
+
+import torch
+
+from goodserve.config import EngineConfig
+from goodserve.errors import InvalidRequestError
+from goodserve.model.spec import ModelSpec
+from goodserve.ops.attention import LayerKVCache
+
+_GiB = 1 << 30
+
+
+def kv_storage_dtype(config: EngineConfig, model_dtype: torch.dtype) -> torch.dtype:
+    return {"auto": model_dtype, "int8": torch.int8, "fp8": torch.float8_e4m3fn}[config.kv_cache_dtype]
+
+
+def bytes_per_block(spec: ModelSpec, block_size: int, dtype: torch.dtype) -> int:
+    per_token = spec.kv_bytes_per_token(dtype.itemsize)
+    if dtype == torch.int8:  # one float32 scale per token, head, and K or V
+        per_token += 2 * spec.num_layers * spec.num_kv_heads * 4
+    return int(per_token * block_size)
+
+
+def activation_reserve_bytes(spec: ModelSpec, config: EngineConfig, dtype: torch.dtype) -> int:
+    """A generous bound on the forward pass's transient memory, kept out of the KV budget."""
+    widest = max(spec.q_size + 2 * spec.kv_size, 2 * spec.intermediate_size)
+    per_token = (4 * spec.hidden_size + 2 * widest) * dtype.itemsize
+    logits = config.max_num_seqs * spec.vocab_size * 4 * 4  # logits, probs, sort buffers
+    return config.max_num_batched_tokens * per_token + logits + _GiB
+
+
+def num_blocks_for_memory(spec: ModelSpec, config: EngineConfig, device: torch.device,
+                          model_dtype: torch.dtype, kv_dtype: torch.dtype) -> int:
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        already_used = total - free
+        budget = total * config.gpu_memory_utilization - already_used
+        budget -= activation_reserve_bytes(spec, config, model_dtype)
+    else:
+        budget = config.cpu_kv_cache_bytes
+    num_blocks = int(budget // bytes_per_block(spec, config.block_size, kv_dtype))
+    if num_blocks < 2:
+        raise InvalidRequestError(
+            "no room for the KV cache: raise gpu_memory_utilization (or cpu_kv_cache_bytes), "
+            "lower max_num_batched_tokens, or use a smaller or quantized model"
+        )
+    return num_blocks
+
+
+def allocate_kv_cache(spec: ModelSpec, num_blocks: int, block_size: int, device: torch.device,
+                      kv_dtype: torch.dtype) -> list[LayerKVCache]:
+    shape = (spec.num_layers, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+    k, v = torch.zeros(shape, dtype=kv_dtype, device=device), torch.zeros(shape, dtype=kv_dtype, device=device)
+    scales = None
+    if kv_dtype == torch.int8:
+        scales = torch.ones((2, *shape[:-1]), dtype=torch.float32, device=device)
+    return [
+        LayerKVCache(k[i], v[i], scales[0, i] if scales is not None else None,
+                     scales[1, i] if scales is not None else None)
+        for i in range(spec.num_layers)
+    ]

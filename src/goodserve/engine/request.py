@@ -1,0 +1,53 @@
+"""A request as the engine tracks it: its sequences (n of them), detokenizers and output view."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from goodserve.engine.sequence import Sequence
+from goodserve.model.detokenizer import IncrementalDetokenizer
+from goodserve.outputs import CompletionOutput, RequestOutput
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    seqs: list[Sequence]
+    detokenizers: list[IncrementalDetokenizer | None] = field(default_factory=list)
+    # Characters held back from a streamed text: a stop string may still complete there.
+    holdback: int = 0
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(seq.is_finished for seq in self.seqs)
+
+    def output(self) -> RequestOutput:
+        first = self.seqs[0]
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=[self._completion(seq) for seq in self.seqs],
+            finished=self.finished,
+            metrics=first.metrics,
+            prompt_logprobs=first.prompt_logprobs if first.wants_prompt_logprobs else None,
+            num_cached_tokens=first.num_cached_tokens,
+            error=self.error,
+        )
+
+    def _completion(self, seq: Sequence) -> CompletionOutput:
+        text = seq.text
+        if not seq.is_finished and self.holdback:
+            text = text[: max(0, len(text) - self.holdback)]
+        return CompletionOutput(
+            index=seq.index,
+            text=text,
+            token_ids=list(seq.output_token_ids),
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+            logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
+            cumulative_logprob=seq.cumulative_logprob if seq.params.logprobs is not None else None,
+        )

@@ -1,0 +1,52 @@
+"""Builds the sampler's per-row tensors from the sequences that sample this step."""
+
+from __future__ import annotations
+
+import torch
+
+from goodserve.engine.sequence import Sequence
+from goodserve.ops.sampler import SamplingBatch
+
+
+def build_sampling_batch(seqs: list[Sequence], vocab_size: int, device: torch.device,
+                         eos_token_ids: list[int]) -> SamplingBatch:
+    params = [seq.params for seq in seqs]
+    top_k = [p.top_k if p.top_k > 0 else vocab_size for p in params]
+    batch = SamplingBatch(
+        temperature=torch.tensor([0.0 if p.greedy else p.temperature for p in params], device=device),
+        top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
+        top_p=torch.tensor([p.top_p for p in params], device=device),
+        min_p=torch.tensor([p.min_p for p in params], device=device),
+        generators=[seq.generator for seq in seqs],
+        needs_top_k_p=any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params if not p.greedy),
+        all_greedy=all(p.greedy for p in params),
+        max_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=-1),
+    )
+    if any(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty for p in params):
+        _add_penalties(batch, seqs, vocab_size, device)
+    if any(seq.num_output_tokens < seq.params.min_tokens for seq in seqs):
+        batch.banned = _banned_before_min_tokens(seqs, vocab_size, device, eos_token_ids)
+    return batch
+
+
+def _add_penalties(batch: SamplingBatch, seqs: list[Sequence], vocab_size: int, device) -> None:
+    params = [seq.params for seq in seqs]
+    batch.repetition_penalty = torch.tensor([p.repetition_penalty for p in params], device=device)
+    batch.presence_penalty = torch.tensor([p.presence_penalty for p in params], device=device)
+    batch.frequency_penalty = torch.tensor([p.frequency_penalty for p in params], device=device)
+    batch.prompt_mask = torch.zeros(len(seqs), vocab_size, dtype=torch.bool, device=device)
+    batch.output_counts = torch.zeros(len(seqs), vocab_size, device=device)
+    for row, seq in enumerate(seqs):
+        prompt = torch.tensor(seq.token_ids[: seq.num_prompt_tokens], device=device)
+        batch.prompt_mask[row, prompt] = True
+        output = torch.tensor(seq.output_token_ids, dtype=torch.int64, device=device)
+        batch.output_counts[row].index_add_(0, output, torch.ones(len(output), device=device))
+
+
+def _banned_before_min_tokens(seqs: list[Sequence], vocab_size: int, device, eos_token_ids: list[int]):
+    banned = torch.zeros(len(seqs), vocab_size, dtype=torch.bool, device=device)
+    for row, seq in enumerate(seqs):
+        if seq.num_output_tokens < seq.params.min_tokens:
+            stops = list(seq.params.stop_token_ids) + ([] if seq.params.ignore_eos else eos_token_ids)
+            banned[row, [t for t in stops if t < vocab_size]] = True
+    return banned

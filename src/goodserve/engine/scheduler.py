@@ -1,0 +1,160 @@
+"""Decides, each step, which sequences run and how many of their tokens.
+
+Token-budget scheduling in the manner of vLLM v1: there is no separate prefill or decode phase. A
+sequence needs (its tokens) - (tokens whose K/V are cached) tokens computed: 1 when decoding, the
+rest of its prompt when prefilling. Running sequences are served first, then waiting ones, until
+the step's token budget (max_num_batched_tokens) or the sequence cap (max_num_seqs) is reached. With
+chunked prefill a long prompt takes whatever budget is left and finishes in later steps, so decodes
+are never stalled behind it. When the KV pool runs out, the newest running sequence is preempted:
+its blocks are freed and it is recomputed later (its prefix may well still be cached).
+
+The batching policy only gates admission: "continuous" admits whenever there is room; "static"
+admits a new batch only once the previous one has entirely finished; "dynamic" also waits for the
+batch to fill up to max_num_seqs or for the oldest request to have waited max_wait_ms.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from goodserve.config import EngineConfig
+from goodserve.engine.block_pool import BlockPool
+from goodserve.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def __bool__(self) -> bool:
+        return bool(self.seqs)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, pool: BlockPool) -> None:
+        self.config = config
+        self.pool = pool
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    # ---- queue management ----------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
+        """Take seq out of the queues and release its blocks (finished, aborted or failed)."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.pool.free_sequence(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+
+    # ---- one step ------------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        continuous = self.config.scheduler_policy == "continuous"
+        if not continuous and self._next_batch_ready():
+            self._admit_whole_batch()
+        budget = self._schedule_running(batch, self.config.max_num_batched_tokens)
+        if continuous and not batch.preempted:
+            self._schedule_waiting(batch, budget)
+        return batch
+
+    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
+        for seq in sorted(self.running, key=Sequence.priority_key):
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            while not self.pool.allocate(seq, num_new):
+                victim = self._lowest_priority_running(exclude=batch.seqs)
+                self._preempt(victim, batch)
+                if victim is seq:
+                    break
+            if seq.status is SequenceStatus.RUNNING:
+                batch.seqs.append(seq)
+                batch.num_new_tokens.append(num_new)
+                budget -= num_new
+        return budget
+
+    def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        ordered = sorted(self.waiting, key=Sequence.priority_key)
+        for seq in ordered:
+            if budget == 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            if not seq.block_table:
+                self.pool.match_prefix(seq)
+            num_new = seq.num_uncomputed_tokens
+            if num_new > budget:
+                if not self.config.enable_chunked_prefill:
+                    self._release_prefix(seq)
+                    break
+                num_new = budget
+            if not self.pool.allocate(seq, num_new):
+                self._release_prefix(seq)
+                break
+            self._start_running(seq)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(num_new)
+            budget -= num_new
+
+    def _release_prefix(self, seq: Sequence) -> None:
+        """A sequence that could not be admitted gives back the cached blocks it had matched."""
+        self.pool.free_sequence(seq)
+
+    def _lowest_priority_running(self, exclude: list[Sequence]) -> Sequence:
+        return max((s for s in self.running if s not in exclude), key=Sequence.priority_key)
+
+    def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
+        """Recompute preemption: free the blocks, requeue at the front; its tokens are kept."""
+        self.running.remove(seq)
+        self.pool.free_sequence(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.metrics.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        batch.preempted.append(seq)
+
+    def _next_batch_ready(self) -> bool:
+        """Static and dynamic batching: a new batch starts only once the last one has finished."""
+        if self.running or not self.waiting:
+            return False
+        if self.config.scheduler_policy == "static":
+            return True
+        oldest_wait_ms = (time.time() - min(s.arrival_time for s in self.waiting)) * 1000
+        return len(self.waiting) >= self.config.max_num_seqs or oldest_wait_ms >= self.config.max_wait_ms
+
+    def _admit_whole_batch(self) -> None:
+        for seq in sorted(self.waiting, key=Sequence.priority_key)[: self.config.max_num_seqs]:
+            self.pool.match_prefix(seq)
+            self._start_running(seq)
+
+    def _start_running(self, seq: Sequence) -> None:
+        self.waiting.remove(seq)
+        seq.status = SequenceStatus.RUNNING
+        if seq.metrics.first_scheduled_time is None:
+            seq.metrics.first_scheduled_time = time.time()
+            seq.num_cached_tokens = seq.num_computed_tokens
+        self.running.append(seq)
+
+    # ---- after the step ------------------------------------------------------------------
+    def advance(self, batch: ScheduledBatch) -> None:
+        """The runner computed the scheduled tokens: their K/V are now cached."""
+        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += num_new
+            self.pool.register_full_blocks(seq)

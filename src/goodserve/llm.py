@@ -1,0 +1,94 @@
+"""The offline API, shaped like vLLM's: LLM(model=...).generate(prompts, params)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from goodserve.config import EngineConfig
+from goodserve.engine.engine import Engine
+from goodserve.errors import InvalidRequestError
+from goodserve.outputs import RequestOutput
+from goodserve.sampling_params import SamplingParams
+
+Prompt = str | dict
+
+
+class LLM:
+    def __init__(self, model: str = "smollm2-135m", **engine_options) -> None:
+        self.engine = Engine(EngineConfig(model=model), **engine_options)
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def spec(self):
+        return self.engine.spec
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in the prompts' order."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        params = _broadcast(sampling_params, len(prompts))
+        request_ids = []
+        try:
+            for prompt, p in zip(prompts, params):
+                request_id = f"offline-{next(self._ids)}"
+                self.engine.add_request(request_id, _prompt_input(prompt), p)
+                request_ids.append(request_id)
+            finished = self._run_to_completion()
+        except BaseException:
+            for request_id in request_ids:  # nothing stays allocated after an error
+                self.engine.abort_request(request_id)
+            raise
+        return [finished[request_id] for request_id in request_ids]
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        if self.tokenizer is None:
+            raise InvalidRequestError("this model has no tokenizer, so no chat template")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [
+            {"prompt_token_ids": self.tokenizer.encode(
+                self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt),
+                add_special_tokens=False),
+             "prompt": None}
+            for conv in conversations
+        ]
+        return self.generate(prompts, sampling_params)
+
+    def _run_to_completion(self) -> dict[str, RequestOutput]:
+        finished = {}
+        while self.engine.has_unfinished():
+            for output in self.engine.step():
+                if output.finished:
+                    finished[output.request_id] = output
+        return finished
+
+
+def _prompt_input(prompt: Prompt) -> str | list[int]:
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+        return list(prompt["prompt_token_ids"])
+    raise InvalidRequestError("a prompt is a string or {'prompt_token_ids': [...]}")
+
+
+def _broadcast(params, count: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams() for _ in range(count)]
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    if len(params) != count:
+        raise InvalidRequestError(f"got {len(params)} sampling params for {count} prompts")
+    return list(params)

@@ -1,0 +1,252 @@
+"""Load a GGUF file (llama.cpp's format): model shape, weights and tokenizer all come from it.
+
+Quantized tensors are dequantized to the target dtype at load (goodserve runs its own weight
+quantization). llama.cpp's converter permutes the rows of attn_q / attn_k so its rotary code can
+rotate adjacent pairs; we rotate halves (the Hugging Face layout), so the permutation is undone,
+exactly as transformers' GGUF loader does.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+
+from goodserve.errors import ModelLoadError
+from goodserve.model.llama import LlamaForCausalLM, WeightFiller, build_empty_model
+from goodserve.model.spec import ModelSpec
+from goodserve.model.tokenizer import Tokenizer
+from goodserve.ops.rotary import RopeScaling, inverse_frequencies
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+# Architectures whose converter permuted q/k rows (llama.cpp's LlamaModel.permute).
+_PERMUTED_ARCHITECTURES = ("llama", "mistral")
+
+# GGUF tensor name suffix -> (our parameter name, shard of a fused parameter or None).
+_LAYER_TENSORS = {
+    "attn_norm.weight": ("input_layernorm.weight", None),
+    "ffn_norm.weight": ("post_attention_layernorm.weight", None),
+    "attn_q.weight": ("self_attn.qkv_proj.weight", "q"),
+    "attn_k.weight": ("self_attn.qkv_proj.weight", "k"),
+    "attn_v.weight": ("self_attn.qkv_proj.weight", "v"),
+    "attn_q.bias": ("self_attn.qkv_proj.bias", "q"),
+    "attn_k.bias": ("self_attn.qkv_proj.bias", "k"),
+    "attn_v.bias": ("self_attn.qkv_proj.bias", "v"),
+    "attn_output.weight": ("self_attn.o_proj.weight", None),
+    "ffn_gate.weight": ("mlp.gate_up_proj.weight", "gate"),
+    "ffn_up.weight": ("mlp.gate_up_proj.weight", "up"),
+    "ffn_down.weight": ("mlp.down_proj.weight", None),
+}
+_GLOBAL_TENSORS = {
+    "token_embd.weight": ("model.embed_tokens.weight", None),
+    "output_norm.weight": ("model.norm.weight", None),
+    "output.weight": ("lm_head.weight", None),
+}
+_IGNORED_TENSORS = ("rope_freqs.weight",)  # folded into ModelSpec.rope_scaling
+
+# llama.cpp token types (tokenizer.ggml.token_type).
+_CONTROL, _USER_DEFINED = 3, 4
+
+# Split patterns per tokenizer.ggml.pre, as llama.cpp (llama-vocab.cpp) pre-tokenizes.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def open_gguf(path: Path) -> gguf.GGUFReader:
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as e:  # the reader raises bare ValueError/struct errors on a corrupt file
+        raise ModelLoadError(f"cannot read GGUF file {path}: {e}") from e
+
+
+def _meta(reader: gguf.GGUFReader, key: str, default=None):
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def gguf_spec(reader: gguf.GGUFReader, name: str) -> ModelSpec:
+    arch = _meta(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(
+            f"GGUF architecture {arch!r} is not supported; supported architectures: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)} (the Llama family)"
+        )
+    tensors = {t.name: t for t in reader.tensors}
+    key = lambda k, default=None: _meta(reader, f"{arch}.{k}", default)  # noqa: E731
+    hidden, heads = key("embedding_length"), key("attention.head_count")
+    head_dim = key("attention.key_length") or key("rope.dimension_count") or hidden // heads
+    theta = float(key("rope.freq_base", 10000.0))
+    bos = _meta(reader, "tokenizer.ggml.bos_token_id")
+    return ModelSpec(
+        name=name,
+        vocab_size=int(tensors["token_embd.weight"].shape[1]),  # GGML shapes are [cols, rows]
+        hidden_size=hidden,
+        intermediate_size=key("feed_forward_length"),
+        num_layers=key("block_count"),
+        num_heads=heads,
+        num_kv_heads=key("attention.head_count_kv", heads),
+        head_dim=head_dim,
+        max_position_embeddings=key("context_length"),
+        rope_theta=theta,
+        rope_scaling=_rope_scaling(tensors.get("rope_freqs.weight"), head_dim, theta),
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
+        tie_word_embeddings="output.weight" not in tensors,
+        attention_bias="blk.0.attn_q.bias" in tensors,
+        bos_token_id=bos,
+        eos_token_ids=tuple(_eos_token_ids(reader)),
+    )
+
+
+def _rope_scaling(rope_freqs, head_dim: int, theta: float) -> RopeScaling | None:
+    """Llama-3 GGUFs store the per-frequency divisors, not the parameters; recover them.
+
+    Every Llama 3.x model uses low/high frequency factors 1 and 4 over 8192 original positions;
+    only `factor` varies, and it is the largest divisor. We check the fit rather than trust it.
+    """
+    if rope_freqs is None:
+        return None
+    divisors = torch.from_numpy(_dequantize(rope_freqs).astype(np.float32).reshape(-1))
+    scaling = RopeScaling(factor=float(divisors.max()), low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=8192)
+    expected = inverse_frequencies(head_dim, theta, None) / inverse_frequencies(head_dim, theta, scaling)
+    if not torch.allclose(divisors, expected, rtol=1e-3):
+        raise ModelLoadError("this GGUF's rope_freqs do not follow Llama-3 rope scaling; not supported")
+    return scaling
+
+
+def _eos_token_ids(reader: gguf.GGUFReader) -> list[int]:
+    ids = [_meta(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    return list(dict.fromkeys(i for i in ids if i is not None))
+
+
+def _dequantize(tensor) -> np.ndarray:
+    """A GGUF tensor as a float array in PyTorch's [rows, cols] order."""
+    shape = tuple(int(d) for d in reversed(tensor.shape))
+    return gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape)
+
+
+def _unpermute_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's permute(): within each head, rows were interleaved (pairs) from halves."""
+    rows_per_half = w.shape[0] // num_heads // 2
+    return w.reshape(num_heads, rows_per_half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _our_name(gguf_name: str) -> tuple[str, str | None] | None:
+    if gguf_name in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[gguf_name]
+    prefix, _, rest = gguf_name.partition(".")  # "blk.3.attn_q.weight"
+    layer, _, suffix = rest.partition(".")
+    if prefix == "blk" and suffix in _LAYER_TENSORS:
+        param, shard = _LAYER_TENSORS[suffix]
+        return f"model.layers.{layer}.{param}", shard
+    return None
+
+
+def load_gguf_weights(model: LlamaForCausalLM, reader: gguf.GGUFReader, arch: str) -> None:
+    spec, filler = model.spec, WeightFiller(model)
+    for tensor in reader.tensors:
+        if tensor.name in _IGNORED_TENSORS:
+            continue
+        target = _our_name(tensor.name)
+        if target is None:
+            raise ModelLoadError(f"unexpected tensor {tensor.name!r} in GGUF file")
+        weight = torch.from_numpy(np.require(_dequantize(tensor), np.float32, ["C", "W"]))
+        if arch in _PERMUTED_ARCHITECTURES and target[1] in ("q", "k"):
+            weight = _unpermute_rows(weight, spec.num_heads if target[1] == "q" else spec.num_kv_heads)
+        filler.fill(*target, weight)
+    filler.finish()
+
+
+def architecture(reader: gguf.GGUFReader) -> str:
+    return _meta(reader, "general.architecture")
+
+
+def gguf_tokenizer(reader: gguf.GGUFReader) -> Tokenizer:
+    kind = _meta(reader, "tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ModelLoadError(
+            f"GGUF tokenizer model {kind!r} is not supported; only byte-level BPE ('gpt2') is"
+        )
+    tokens: list[str] = _meta(reader, "tokenizer.ggml.tokens")
+    token_types = _meta(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
+    merges = [tuple(m.split(" ", 1)) for m in _meta(reader, "tokenizer.ggml.merges", [])]
+    backend = HFTokenizer(models.BPE(vocab=_byte_level_vocab(tokens), merges=merges, fuse_unk=False))
+    _set_pre_tokenizer(backend, _meta(reader, "tokenizer.ggml.pre", "default"))
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens([
+        AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, token_types) if k == _CONTROL
+    ])
+    backend.add_tokens([
+        AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, token_types) if k == _USER_DEFINED
+    ])
+    return Tokenizer(
+        backend,
+        bos_token_id=_meta(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=_eos_token_ids(reader),
+        chat_template=_meta(reader, "tokenizer.chat_template"),
+        add_bos_token=bool(_meta(reader, "tokenizer.ggml.add_bos_token", False)),
+    )
+
+
+def _byte_level_vocab(tokens: list[str]) -> dict[str, int]:
+    """Tokens already spelled in the byte-level alphabet stay; others (rare mislabels) are re-spelled."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    byte_to_char = _bytes_to_unicode()
+    return {
+        token if set(token) <= set(alphabet) else "".join(byte_to_char[b] for b in token.encode()): i
+        for i, token in enumerate(tokens)
+    }
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
+def _set_pre_tokenizer(backend: HFTokenizer, pre: str) -> None:
+    """Split text the way the merges were learned, keyed by llama.cpp's pre-tokenizer name."""
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    if pre in ("smollm", "starcoder", "refact"):
+        # Digits alone, then GPT-2's split (ByteLevel's own regex).
+        backend.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ])
+    elif pre in ("llama-bpe", "llama3", "llama-v3", "smaug-bpe", "dbrx"):
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"), byte_level]
+        )
+    elif pre in ("qwen2", "deepseek-r1-qwen"):
+        backend.normalizer = normalizers.NFC()
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated"), byte_level]
+        )
+    else:  # "default", "gpt2" and unknown names: GPT-2's split
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+
+
+def load_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> tuple[ModelSpec, LlamaForCausalLM, Tokenizer]:
+    reader = open_gguf(path)
+    spec = gguf_spec(reader, name=path.stem)
+    tokenizer = gguf_tokenizer(reader)
+    model = build_empty_model(spec, dtype, device)
+    load_gguf_weights(model, reader, architecture(reader))
+    return spec, model, tokenizer

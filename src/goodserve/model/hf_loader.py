@@ -1,0 +1,179 @@
+"""Load a Hugging Face model directory: config.json, *.safetensors, tokenizer.json.
+
+Only safetensors are read: pickle checkpoints (*.bin, *.pt) can run arbitrary code when loaded, so
+they are refused rather than unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from tokenizers import Tokenizer as HFTokenizer
+
+from goodserve.errors import ModelLoadError
+from goodserve.model.llama import LlamaForCausalLM, WeightFiller, build_empty_model
+from goodserve.model.spec import ModelSpec
+from goodserve.model.tokenizer import Tokenizer
+from goodserve.ops.rotary import RopeScaling
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+# Checkpoint projections that are row blocks of one fused parameter here.
+_FUSED = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", "q"),
+    "self_attn.k_proj": ("self_attn.qkv_proj", "k"),
+    "self_attn.v_proj": ("self_attn.qkv_proj", "v"),
+    "mlp.gate_proj": ("mlp.gate_up_proj", "gate"),
+    "mlp.up_proj": ("mlp.gate_up_proj", "up"),
+}
+
+
+def is_hf_model_dir(path: Path) -> bool:
+    return path.is_dir() and (path / "config.json").is_file()
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"cannot read {path}: {e}") from e
+
+
+def hf_spec(config: dict[str, Any], name: str, generation_config: dict[str, Any]) -> ModelSpec:
+    arch = (config.get("architectures") or ["<none>"])[0]
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(
+            f"architecture {arch!r} is not supported; supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    is_qwen2 = arch == "Qwen2ForCausalLM"
+    if not is_qwen2 and config.get("attention_bias"):
+        raise ModelLoadError("attention_bias=True (a bias on o_proj too) is not supported")
+    if config.get("mlp_bias"):
+        raise ModelLoadError("mlp_bias=True is not supported")
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    # transformers 5 nests rope settings in rope_parameters; older configs keep them top level.
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
+    return ModelSpec(
+        name=name,
+        vocab_size=config["vocab_size"],
+        hidden_size=hidden,
+        intermediate_size=config["intermediate_size"],
+        num_layers=config["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=config.get("num_key_value_heads") or heads,
+        head_dim=config.get("head_dim") or hidden // heads,
+        max_position_embeddings=config.get("max_position_embeddings", 4096),
+        rope_theta=float(theta),
+        rope_scaling=_rope_scaling(rope),
+        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6 if is_qwen2 else 1e-5)),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        attention_bias=is_qwen2,  # Qwen2 always has q/k/v biases
+        bos_token_id=config.get("bos_token_id"),
+        eos_token_ids=tuple(_as_list(generation_config.get("eos_token_id")) or _as_list(config.get("eos_token_id"))),
+    )
+
+
+def _rope_scaling(rope: dict[str, Any]) -> RopeScaling | None:
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "default":
+        return None
+    if kind != "llama3":
+        raise ModelLoadError(f"rope scaling {kind!r} is not supported; supported: default, llama3")
+    return RopeScaling(
+        factor=float(rope["factor"]),
+        low_freq_factor=float(rope["low_freq_factor"]),
+        high_freq_factor=float(rope["high_freq_factor"]),
+        original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+    )
+
+
+def _as_list(x: int | list[int] | None) -> list[int]:
+    return [] if x is None else [x] if isinstance(x, int) else list(x)
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    files = sorted(path.glob("*.safetensors"))
+    if files:
+        return files
+    pickles = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
+    if pickles:
+        raise ModelLoadError(
+            f"{path} holds only pickle checkpoints ({', '.join(pickles[:3])}); goodserve loads safetensors "
+            "only, since unpickling can run arbitrary code. Convert them (e.g. save_pretrained(..., "
+            "safe_serialization=True)) and retry."
+        )
+    raise ModelLoadError(f"{path} has a config.json but no *.safetensors weights")
+
+
+def _our_name(name: str) -> tuple[str, str | None]:
+    for theirs, (ours, shard) in _FUSED.items():
+        if f".{theirs}." in name:
+            return name.replace(theirs, ours), shard
+    return name, None
+
+
+def load_hf_weights(model: LlamaForCausalLM, files: list[Path]) -> None:
+    filler = WeightFiller(model)
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                if name.endswith("rotary_emb.inv_freq"):  # recomputed, stored by old checkpoints
+                    continue
+                if name == "lm_head.weight" and model.spec.tie_word_embeddings:
+                    continue
+                filler.fill(*_our_name(name), f.get_tensor(name))
+    filler.finish()
+
+
+def hf_tokenizer(path: Path, spec: ModelSpec) -> Tokenizer | None:
+    """None when the directory has no tokenizer.json (then prompts must be token ids)."""
+    if not (path / "tokenizer.json").is_file():
+        return None
+    config = _read_json(path / "tokenizer_config.json")
+    backend = HFTokenizer.from_file(str(path / "tokenizer.json"))
+    token_id = lambda key: _special_token_id(backend, config.get(key))  # noqa: E731
+    eos_id, bos_id = token_id("eos_token"), token_id("bos_token")
+    eos_ids = list(dict.fromkeys([*spec.eos_token_ids, *([eos_id] if eos_id is not None else [])]))
+    return Tokenizer(
+        backend,
+        bos_token_id=bos_id if bos_id is not None else spec.bos_token_id,
+        eos_token_ids=eos_ids,
+        chat_template=_chat_template(path, config),
+        add_bos_token=bool(config.get("add_bos_token", False)),
+    )
+
+
+def _special_token_id(backend: HFTokenizer, token: str | dict | None) -> int | None:
+    if isinstance(token, dict):  # serialized AddedToken
+        token = token.get("content")
+    return backend.token_to_id(token) if token else None
+
+
+def _chat_template(path: Path, config: dict[str, Any]) -> str | None:
+    # transformers >= 4.43 saves the template beside the config as chat_template.jinja.
+    if (path / "chat_template.jinja").is_file():
+        return (path / "chat_template.jinja").read_text()
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
+        named = {t["name"]: t["template"] for t in template}
+        return named.get("default") or next(iter(named.values()), None)
+    return template
+
+
+def load_hf(path: Path, dtype: torch.dtype, device: torch.device) -> tuple[ModelSpec, LlamaForCausalLM, Tokenizer | None]:
+    try:
+        spec = hf_spec(_read_json(path / "config.json"), path.name, _read_json(path / "generation_config.json"))
+    except KeyError as e:
+        raise ModelLoadError(f"{path / 'config.json'} lacks the field {e}") from e
+    files = safetensors_files(path)
+    tokenizer = hf_tokenizer(path, spec)
+    model = build_empty_model(spec, dtype, device)
+    load_hf_weights(model, files)
+    return spec, model, tokenizer

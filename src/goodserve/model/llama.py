@@ -1,0 +1,188 @@
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) over a paged KV cache.
+
+Tokens of all sequences in a batch are laid end to end ([T, hidden]); the attention metadata says
+which sequence each belongs to. q/k/v and gate/up are fused into one matmul each; those linears are
+plain nn.Linear so quantization can swap them by name.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from goodserve.errors import ModelLoadError
+from goodserve.model.spec import ModelSpec
+from goodserve.ops.activation import silu_and_mul
+from goodserve.ops.attention import AttentionMetadata, LayerKVCache, paged_attention, write_kv
+from goodserve.ops.norm import add_rms_norm, rms_norm
+from goodserve.ops.rotary import apply_rotary, cos_sin_cache
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """With a residual: add it first and return (normed, new residual), one fused pass."""
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps)
+        return add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.q_size, self.kv_size = spec.q_size, spec.kv_size
+        self.scale = spec.head_dim**-0.5
+        self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=False)
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, rotary_cache: torch.Tensor,
+        kv_cache: LayerKVCache, meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = apply_rotary(q, k, positions, rotary_cache)
+        write_kv(k, v, kv_cache, meta.slot_mapping)
+        out = paged_attention(q, kv_cache, meta, self.scale)
+        return self.o_proj(out.flatten(1))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.self_attn = LlamaAttention(spec)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.mlp = LlamaMLP(spec)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+        rotary_cache: torch.Tensor, kv_cache: LayerKVCache, meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # The residual add of the previous sublayer is fused into this norm (vLLM style).
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, positions, rotary_cache, kv_cache, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(spec) for _ in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.spec = spec
+        self.model = LlamaModel(spec)
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.tie_weights()
+        # float32 whatever the model dtype: angles at large positions need the precision.
+        self.register_buffer("rotary_cache", self._rotary_table(), persistent=False)
+
+    def _rotary_table(self, device: torch.device | None = None) -> torch.Tensor:
+        s = self.spec
+        table = cos_sin_cache(s.head_dim, s.max_position_embeddings, s.rope_theta, s.rope_scaling)
+        return table.to(device) if device is not None else table
+
+    def tie_weights(self) -> None:
+        if self.spec.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor,
+        kv_caches: list[LayerKVCache], meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """input_ids, positions: [T] -> final-normed hidden states [T, hidden]."""
+        x, residual = self.model.embed_tokens(input_ids), None
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            x, residual = layer(x, residual, positions, self.rotary_cache, kv_cache, meta)
+        x, _ = self.model.norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] (only the rows to sample from) -> float32 logits [N, vocab]."""
+        return self.lm_head(hidden).float()
+
+
+def build_empty_model(spec: ModelSpec, dtype: torch.dtype, device: torch.device | str) -> LlamaForCausalLM:
+    """The model with uninitialized weights allocated straight on `device` in `dtype`.
+
+    Built on the meta device first, so no CPU copy and no init pass happen (an 8B model would spend
+    minutes in kaiming init); loaders then fill every parameter.
+    """
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            model = LlamaForCausalLM(spec)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    model = model.to_empty(device=device)
+    model.tie_weights()  # to_empty makes new Parameters, which unties them
+    model.rotary_cache = model._rotary_table(torch.device(device))
+    return model.eval().requires_grad_(False)
+
+
+class WeightFiller:
+    """Copies checkpoint tensors into the model's parameters, fused ones shard by shard.
+
+    Checkpoints store q, k, v (and gate, up) separately; here they are row blocks of one matrix.
+    `finish` fails if any parameter row was never written: the model would run on garbage.
+    """
+
+    def __init__(self, model: LlamaForCausalLM):
+        s = model.spec
+        self.params = dict(model.named_parameters())  # a tied lm_head appears once, as the embedding
+        self.shard_rows = {
+            "q": (0, s.q_size), "k": (s.q_size, s.kv_size), "v": (s.q_size + s.kv_size, s.kv_size),
+            "gate": (0, s.intermediate_size), "up": (s.intermediate_size, s.intermediate_size),
+        }
+        self.rows_filled = dict.fromkeys(self.params, 0)
+
+    @torch.no_grad()
+    def fill(self, name: str, shard: str | None, tensor: torch.Tensor) -> None:
+        if name not in self.params:
+            raise ModelLoadError(f"checkpoint tensor for {name!r} does not fit this model")
+        target = self.params[name]
+        if shard is not None:
+            start, rows = self.shard_rows[shard]
+            target = target[start : start + rows]
+        if target.shape != tensor.shape:
+            raise ModelLoadError(
+                f"checkpoint tensor {name}{f' ({shard})' if shard else ''} has shape "
+                f"{tuple(tensor.shape)}, the model expects {tuple(target.shape)}"
+            )
+        target.copy_(tensor)
+        self.rows_filled[name] += tensor.shape[0]
+
+    def finish(self) -> None:
+        missing = [n for n, p in self.params.items() if self.rows_filled[n] != p.shape[0]]
+        if missing:
+            raise ModelLoadError(f"checkpoint is missing weights for: {', '.join(missing[:5])}")

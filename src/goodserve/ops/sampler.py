@@ -1,0 +1,121 @@
+"""Turns a batch of next-token logits into tokens: penalties, temperature, top-k/top-p/min-p, draws.
+
+Every row is handled as in the reference semantics of vLLM / OpenAI:
+- repetition_penalty (HF/CTRL style) over prompt and output tokens: positive logits divided by it,
+  negative ones multiplied;
+- presence / frequency penalties (OpenAI) over output tokens: logit -= presence * [count > 0]
+  + frequency * count;
+- min_tokens: stop tokens masked until that many tokens are out;
+- temperature, then top-k, then top-p (smallest set whose mass reaches p), then min-p (drop tokens
+  under min_p * the top probability);
+- greedy rows take the argmax of the penalized logits.
+Draws use the exponential-race trick (argmax p / E, E ~ Exp(1)), with noise from the row's own
+generator when the request has a seed, so a seeded request samples the same tokens in any batch.
+Logprobs are those of the model's raw distribution (before penalties and temperature).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling settings, as tensors on the logits' device (built by the engine)."""
+
+    temperature: torch.Tensor  # [N] float32; 0 marks greedy
+    top_k: torch.Tensor  # [N] int64; vocab size when off
+    top_p: torch.Tensor  # [N] float32
+    min_p: torch.Tensor  # [N] float32
+    generators: list[torch.Generator | None]
+    # Penalties: None when no row in the batch uses any.
+    repetition_penalty: torch.Tensor | None = None  # [N]
+    presence_penalty: torch.Tensor | None = None  # [N]
+    frequency_penalty: torch.Tensor | None = None  # [N]
+    prompt_mask: torch.Tensor | None = None  # [N, V] bool: token appears in the prompt
+    output_counts: torch.Tensor | None = None  # [N, V] float32: times each token was generated
+    banned: torch.Tensor | None = None  # [N, V] bool: stop tokens before min_tokens is reached
+    needs_top_k_p: bool = True
+    all_greedy: bool = False
+    max_logprobs: int = -1  # most top alternatives any row asked for; -1: none asked
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # [N] int64
+    logprobs: torch.Tensor | None = None  # [N, 1 + K]: sampled token's, then the top K
+    logprob_token_ids: torch.Tensor | None = None  # [N, 1 + K]
+    ranks: torch.Tensor | None = None  # [N]: rank of the sampled token (1 = most likely)
+
+
+def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    if batch.repetition_penalty is not None:
+        seen = batch.prompt_mask | (batch.output_counts > 0)
+        penalty = batch.repetition_penalty.unsqueeze(1)
+        penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
+        logits = torch.where(seen, penalized, logits)
+    if batch.presence_penalty is not None:
+        counts = batch.output_counts
+        logits = logits - batch.presence_penalty.unsqueeze(1) * (counts > 0).float()
+        logits = logits - batch.frequency_penalty.unsqueeze(1) * counts
+    if batch.banned is not None:
+        logits = logits.masked_fill(batch.banned, float("-inf"))
+    return logits
+
+
+def top_k_top_p_min_p(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Mask to -inf every token outside each row's top-k / top-p / min-p set."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
+    drop = ranks >= batch.top_k.unsqueeze(1)
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    # Keep a token if the mass strictly before it is under top_p: the top token always survives.
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop |= mass_before >= batch.top_p.unsqueeze(1)
+    drop |= probs < (batch.min_p.unsqueeze(1) * probs[:, :1])
+    drop[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
+
+
+def exponential_noise(shape: torch.Size, generators: list[torch.Generator | None], device) -> torch.Tensor:
+    noise = torch.empty(shape, device=device).exponential_()
+    for row, generator in enumerate(generators):
+        if generator is not None:
+            noise[row].exponential_(generator=generator)
+    return noise
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+    """logits: [N, V] float32, one row per sequence that samples this step."""
+    raw_logits = logits
+    logits = apply_penalties(logits, batch)
+    greedy_tokens = logits.argmax(dim=-1)
+    if batch.all_greedy:
+        token_ids = greedy_tokens
+    else:
+        scaled = logits / batch.temperature.clamp(min=1e-5).unsqueeze(1)
+        if batch.needs_top_k_p:
+            scaled = top_k_top_p_min_p(scaled, batch)
+        probs = scaled.softmax(dim=-1)
+        noise = exponential_noise(probs.shape, batch.generators, probs.device)
+        sampled = (probs / noise).argmax(dim=-1)
+        token_ids = torch.where(batch.temperature == 0, greedy_tokens, sampled)
+    if batch.max_logprobs < 0:
+        return SamplerOutput(token_ids=token_ids)
+    return SamplerOutput(token_ids, *gather_logprobs(raw_logits, token_ids, batch.max_logprobs))
+
+
+def gather_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int):
+    """Logprob and rank of token_ids under softmax(logits), with the num_top most likely tokens."""
+    logprobs = logits.log_softmax(dim=-1)
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1))
+    ranks = (logprobs > chosen).sum(dim=-1) + 1
+    top_values, top_ids = logprobs.topk(num_top, dim=-1) if num_top else (chosen[:, :0], token_ids[:, None][:, :0])
+    values = torch.cat([chosen, top_values], dim=1)
+    ids = torch.cat([token_ids.unsqueeze(1), top_ids], dim=1)
+    return values, ids, ranks

@@ -1,0 +1,397 @@
+"""Triton kernels for the paged KV cache: the cache write, decode attention and prefill attention.
+
+They compute exactly the functions defined in ops/attention.py (write_kv_torch,
+paged_attention_reference) on the same layout: K/V pools [num_blocks, block_size, Hk, D], int8 pools
+with a float32 scale per (slot, head), or float8_e4m3fn pools without one.
+
+Every launch is CUDA-graph safe: grids depend only on tensor shapes and a fixed split count, and
+loop bounds come from the seq_lens / query_start_loc tensors, never from host copies.
+
+The interpreter (TRITON_INTERPRET=1, CPU tensors) multiplies bf16 tiles as raw uint16 bit patterns,
+so on CPU tensors the dot operands are upcast to float32 (UPCAST_DOT); GPU launches keep bf16 dots.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+# Adding then subtracting 1.5 * 2**23 rounds a float32 |x| < 2**22 to the nearest even integer,
+# matching torch.round without libdevice (which the interpreter lacks).
+ROUND_MAGIC = tl.constexpr(12582912.0)
+
+# How a pool stores values; fp8 pools have no scale: cast on store and load.
+KV_PLAIN = tl.constexpr(0)
+KV_INT8 = tl.constexpr(1)
+KV_FP8 = tl.constexpr(2)
+
+
+# ---------------------------------------------------------------------------------------------
+# write_kv
+
+
+@triton.jit
+def _store_token_kv(src_ptr, stride_t, stride_h, cache_ptr, scale_ptr, token, slot, num_heads, HEAD_DIM,
+                    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, KV_QUANT: tl.constexpr):
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    mask = (h[:, None] < num_heads) & (d[None, :] < HEAD_DIM)
+    x = tl.load(src_ptr + token * stride_t + h[:, None] * stride_h + d[None, :], mask=mask, other=0.0)
+    dst = cache_ptr + slot * num_heads * HEAD_DIM + h[:, None] * HEAD_DIM + d[None, :]
+    if KV_QUANT == KV_INT8:
+        x = x.to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-8) / 127.0
+        rounded = (x / scale[:, None] + ROUND_MAGIC) - ROUND_MAGIC
+        values = tl.minimum(tl.maximum(rounded, -127.0), 127.0)
+        tl.store(dst, values.to(tl.int8), mask=mask)
+        tl.store(scale_ptr + slot * num_heads + h, scale, mask=h < num_heads)
+    elif KV_QUANT == KV_FP8:  # round to nearest like torch's cast (the interpreter's default truncates)
+        tl.store(dst, x.to(cache_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+    else:
+        tl.store(dst, x.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _write_kv_kernel(k_ptr, v_ptr, slot_ptr, k_cache, v_cache, k_scale, v_scale,
+                     stride_kt, stride_kh, stride_vt, stride_vh, num_heads,
+                     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, KV_QUANT: tl.constexpr):
+    token = tl.program_id(0)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    if slot >= 0:  # -1 marks padding: nothing to store
+        _store_token_kv(k_ptr, stride_kt, stride_kh, k_cache, k_scale, token, slot, num_heads, HEAD_DIM,
+                        BLOCK_H, BLOCK_D, KV_QUANT)
+        _store_token_kv(v_ptr, stride_vt, stride_vh, v_cache, v_scale, token, slot, num_heads, HEAD_DIM,
+                        BLOCK_H, BLOCK_D, KV_QUANT)
+
+
+def triton_write_kv(k: torch.Tensor, v: torch.Tensor, cache, slot_mapping: torch.Tensor) -> None:
+    """k, v: [T, Hk, D] (last dim contiguous) -> cache slots; slot -1 is skipped."""
+    num_tokens, num_heads, head_dim = k.shape
+    _check_cache(cache)
+    if num_tokens == 0:
+        return
+    assert k.stride(-1) == 1 and v.stride(-1) == 1, "write_kv needs the head dim contiguous"
+    quant = _kv_quant(cache)
+    _write_kv_kernel[(num_tokens,)](
+        k, v, slot_mapping, cache.k, cache.v, *_scales(cache),
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), num_heads, head_dim,
+        BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+        KV_QUANT=quant, num_warps=4,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared pieces of the attention kernels
+
+
+@triton.jit
+def _load_kv_tile(cache_ptr, slot, kv_head, num_kv_heads, HEAD_DIM, tok_mask, d, d_mask,
+                  COMPUTE_DTYPE: tl.constexpr):
+    """[BLOCK_N, BLOCK_D] cached values in the compute dtype (int8 and fp8 convert exactly)."""
+    offs = slot[:, None] * (num_kv_heads * HEAD_DIM) + kv_head * HEAD_DIM + d[None, :]
+    return tl.load(cache_ptr + offs, mask=tok_mask[:, None] & d_mask[None, :], other=0.0).to(COMPUTE_DTYPE)
+
+
+@triton.jit
+def _load_scales(scale_ptr, slot, kv_head, num_kv_heads, tok_mask):
+    return tl.load(scale_ptr + slot * num_kv_heads + kv_head, mask=tok_mask, other=0.0)
+
+
+@triton.jit
+def _attend_tile(q, m_i, l_i, acc, k_cache, v_cache, k_scale, v_scale, slot, kv_head, num_kv_heads,
+                 HEAD_DIM, tok_mask, key_mask, d, d_mask, qk_scale,
+                 COMPUTE_DTYPE: tl.constexpr, KV_QUANT: tl.constexpr, UPCAST_DOT: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr):
+    """One online-softmax step over a key tile.
+
+    tok_mask [BLOCK_N]: keys that exist; key_mask [BLOCK_M or 1, BLOCK_N]: keys each row may see.
+    Scores live in the log2 domain (scaled by log2 e) so the exponentials are exp2.
+    """
+    k = _load_kv_tile(k_cache, slot, kv_head, num_kv_heads, HEAD_DIM, tok_mask, d, d_mask, COMPUTE_DTYPE)
+    if UPCAST_DOT:
+        k = k.to(tl.float32)
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    if KV_QUANT == KV_INT8:
+        # Scales multiply the scores and probabilities rather than the tiles: int8 is exact in bf16.
+        qk = qk * _load_scales(k_scale, slot, kv_head, num_kv_heads, tok_mask)[None, :]
+    qk = tl.where(key_mask, qk * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = _load_kv_tile(v_cache, slot, kv_head, num_kv_heads, HEAD_DIM, tok_mask, d, d_mask, COMPUTE_DTYPE)
+    if KV_QUANT == KV_INT8:
+        p = p * _load_scales(v_scale, slot, kv_head, num_kv_heads, tok_mask)[None, :]
+    if UPCAST_DOT:
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=DOT_PRECISION)
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE_DTYPE), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _slots_of(block_table_row, pos, valid, BLOCK_SIZE: tl.constexpr):
+    block = tl.load(block_table_row + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    return block * BLOCK_SIZE + pos % BLOCK_SIZE
+
+
+# ---------------------------------------------------------------------------------------------
+# Decode: one query per sequence; one program per (sequence, KV head, split) covers the whole
+# GQA group, so every K/V tile is read once per group. Splits cover contiguous key ranges; a
+# reduce kernel merges them by log-sum-exp (flash-decoding).
+
+
+@triton.jit
+def _decode_kernel(q_ptr, out_ptr, part_out_ptr, part_lse_ptr, k_cache, v_cache, k_scale, v_scale,
+                   block_tables, seq_lens, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+                   num_kv_heads, HEAD_DIM: tl.constexpr,
+                   GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, KV_QUANT: tl.constexpr,
+                   UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens + seq)
+    num_tiles = tl.cdiv(seq_len, BLOCK_N)
+    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    tile_begin = split * tiles_per_split
+    tile_end = tl.minimum(tile_begin + tiles_per_split, num_tiles)
+
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    head = kv_head * GROUP + g
+    row_mask = (g < GROUP)[:, None] & d_mask[None, :]
+    q = tl.load(q_ptr + seq * stride_qt + head[:, None] * stride_qh + d[None, :], mask=row_mask, other=0.0)
+    if UPCAST_DOT:
+        q = q.to(tl.float32)
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    block_table_row = block_tables + seq.to(tl.int64) * stride_bt
+    for tile in range(tile_begin, tile_end):
+        pos = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        valid = pos < seq_len
+        slot = _slots_of(block_table_row, pos, valid, BLOCK_SIZE)
+        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache, v_cache, k_scale, v_scale, slot, kv_head,
+                                     num_kv_heads, HEAD_DIM, valid, valid[None, :], d, d_mask, qk_scale,
+                                     q_ptr.dtype.element_ty, KV_QUANT, UPCAST_DOT, DOT_PRECISION)
+
+    has_keys = l_i > 0  # an empty split (or a zero-length padding sequence) contributes nothing
+    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    if NUM_SPLITS == 1:
+        dst = out_ptr + seq * stride_ot + head[:, None] * stride_oh + d[None, :]
+        tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=row_mask)
+    else:
+        num_q_heads = num_kv_heads * GROUP
+        part = (seq * num_q_heads + head) * NUM_SPLITS + split  # [B, Hq, S] index
+        tl.store(part_out_ptr + part[:, None] * HEAD_DIM + d[None, :], out, mask=row_mask)
+        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + part, lse, mask=g < GROUP)
+
+
+@triton.jit
+def _merge_splits_kernel(out_ptr, part_out_ptr, part_lse_ptr, stride_ot, stride_oh, num_q_heads, HEAD_DIM: tl.constexpr,
+                         NUM_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    s = tl.arange(0, NUM_SPLITS)
+    d = tl.arange(0, BLOCK_D)
+    part = (seq * num_q_heads + head) * NUM_SPLITS + s
+    lse = tl.load(part_lse_ptr + part)
+    lse_max = tl.max(lse, axis=0)
+    weight = tl.where(lse > float("-inf"), tl.exp2(lse - lse_max), 0.0)
+    parts = tl.load(part_out_ptr + part[:, None] * HEAD_DIM + d[None, :], mask=d[None, :] < HEAD_DIM, other=0.0)
+    total = tl.sum(weight, axis=0)
+    out = tl.sum(parts * weight[:, None], axis=0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + seq * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def default_num_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
+    """Splits that fill the GPU about twice over, from shapes only (so a captured graph stays valid).
+
+    max_context is the block table's capacity, not any sequence's length; each split keeps >= 256 keys.
+    """
+    if device.type != "cuda":
+        return 1
+    wanted = triton.cdiv(2 * _num_sms(device.index or 0), batch * num_kv_heads)
+    by_length = max(1, max_context // 256)
+    return min(triton.next_power_of_2(wanted), 32, triton.next_power_of_2(by_length))
+
+
+# Launch settings on sm_90 (compiled offline: no spills, ~90 / ~180 registers); `tuning` overrides them.
+DECODE_TUNING = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+PREFILL_TUNING = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
+# The interpreter runs every element in numpy: small tiles keep CPU tests fast.
+INTERPRETER_TUNING = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
+
+
+def _tuning(q: torch.Tensor, defaults: dict, tuning: dict | None) -> dict:
+    return {**(defaults if q.is_cuda else INTERPRETER_TUNING), **(tuning or {})}
+
+
+def triton_decode_attention(q: torch.Tensor, cache, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                            scale: float, num_splits: int | None = None, tuning: dict | None = None) -> torch.Tensor:
+    """q: [B, Hq, D], one query per sequence -> [B, Hq, D]. num_splits: a power of two, or None (auto)."""
+    batch, num_q_heads, head_dim = q.shape
+    _check_cache(cache)
+    assert seq_lens.shape[0] == batch, "decode attention takes exactly one query per sequence"
+    num_kv_heads, block_size = cache.k.shape[2], cache.k.shape[1]
+    group = num_q_heads // num_kv_heads
+    if num_splits is None:
+        num_splits = default_num_splits(batch, num_kv_heads, block_tables.shape[1] * block_size, q.device)
+    assert num_splits & (num_splits - 1) == 0, "num_splits must be a power of two"
+    out = torch.empty_like(q)
+    part_out = part_lse = out  # unused when num_splits == 1
+    if num_splits > 1:
+        part_out = torch.empty(batch, num_q_heads, num_splits, head_dim, device=q.device, dtype=torch.float32)
+        part_lse = torch.empty(batch, num_q_heads, num_splits, device=q.device, dtype=torch.float32)
+    quant = _kv_quant(cache)
+    block_d = triton.next_power_of_2(head_dim)
+    tune = _tuning(q, DECODE_TUNING, tuning)
+    _decode_kernel[(batch, num_kv_heads, num_splits)](
+        q, out, part_out, part_lse, cache.k, cache.v,
+        *_scales(cache),
+        block_tables, seq_lens, scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        block_tables.stride(0), num_kv_heads, head_dim,
+        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=tune["BLOCK_N"],
+        BLOCK_SIZE=block_size, NUM_SPLITS=num_splits, KV_QUANT=quant, UPCAST_DOT=not q.is_cuda,
+        DOT_PRECISION=_dot_precision(q.dtype), num_warps=tune["num_warps"], num_stages=tune["num_stages"],
+    )
+    if num_splits > 1:
+        _merge_splits_kernel[(batch, num_q_heads)](
+            out, part_out, part_lse, out.stride(0), out.stride(1), num_q_heads, head_dim,
+            NUM_SPLITS=num_splits, BLOCK_D=block_d, num_warps=4,
+        )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Prefill / mixed batches: FlashAttention-style tiles over a varlen batch. A program owns BLOCK_Q
+# query tokens of one sequence times all GROUP query heads of one KV head (BLOCK_M rows), so K/V
+# tiles are shared by the group. Programs map to sequences through query_start_loc: the grid is
+# T // BLOCK_Q + B programs (an upper bound from shapes alone), surplus programs exit at once.
+
+
+@triton.jit
+def _find_sequence(query_start_loc, num_seqs, program, BLOCK_Q: tl.constexpr):
+    """The sequence whose query blocks include `program` (block i starts at qsl[i] // BLOCK_Q + i)."""
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first_block = tl.load(query_start_loc + mid) // BLOCK_Q + mid
+        if first_block <= program:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, out_ptr, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens,
+                    query_start_loc, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+                    num_seqs, num_kv_heads, HEAD_DIM: tl.constexpr,
+                    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, KV_QUANT: tl.constexpr,
+                    UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    program = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = _find_sequence(query_start_loc, num_seqs, program, BLOCK_Q)
+    q_begin = tl.load(query_start_loc + seq)
+    q_len = tl.load(query_start_loc + seq + 1) - q_begin
+    first_token = (program - (q_begin // BLOCK_Q + seq)) * BLOCK_Q
+    if first_token < q_len:
+        seq_len = tl.load(seq_lens + seq)
+        context = seq_len - q_len  # tokens cached before this step's queries
+
+        rows = tl.arange(0, BLOCK_M)
+        token = first_token + rows // GROUP
+        head = kv_head * GROUP + rows % GROUP
+        row_valid = (rows < BLOCK_Q * GROUP) & (token < q_len)
+        d = tl.arange(0, BLOCK_D)
+        d_mask = d < HEAD_DIM
+        io_mask = row_valid[:, None] & d_mask[None, :]
+        q_tok = (q_begin + token).to(tl.int64)
+        q = tl.load(q_ptr + q_tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                    mask=io_mask, other=0.0)
+        if UPCAST_DOT:
+            q = q.to(tl.float32)
+        query_pos = context + token
+        # Keys past the block's last query are never visible to it.
+        key_end = context + tl.minimum(first_token + BLOCK_Q, q_len)
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        block_table_row = block_tables + seq.to(tl.int64) * stride_bt
+        for tile in range(0, tl.cdiv(key_end, BLOCK_N)):
+            pos = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+            valid = pos < key_end
+            slot = _slots_of(block_table_row, pos, valid, BLOCK_SIZE)
+            key_mask = valid[None, :] & (pos[None, :] <= query_pos[:, None])
+            m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache, v_cache, k_scale, v_scale, slot, kv_head,
+                                         num_kv_heads, HEAD_DIM, valid, key_mask, d, d_mask, qk_scale,
+                                         q_ptr.dtype.element_ty, KV_QUANT, UPCAST_DOT, DOT_PRECISION)
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + q_tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=io_mask)
+
+
+def triton_prefill_attention(q: torch.Tensor, cache, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                             query_start_loc: torch.Tensor, scale: float, tuning: dict | None = None) -> torch.Tensor:
+    """q: [T, Hq, D], a varlen batch (any mix of prefill chunks and decodes) -> [T, Hq, D]."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    _check_cache(cache)
+    num_kv_heads, block_size = cache.k.shape[2], cache.k.shape[1]
+    num_seqs = seq_lens.shape[0]
+    group = num_q_heads // num_kv_heads
+    tune = _tuning(q, PREFILL_TUNING, tuning)
+    block_m = max(tune["BLOCK_M"], triton.next_power_of_2(group))
+    block_q = block_m // group
+    out = torch.empty_like(q)
+    quant = _kv_quant(cache)
+    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    _prefill_kernel[grid](
+        q, out, cache.k, cache.v,
+        *_scales(cache),
+        block_tables, seq_lens, query_start_loc, scale * LOG2E, q.stride(0), q.stride(1),
+        out.stride(0), out.stride(1), block_tables.stride(0), num_seqs, num_kv_heads, head_dim,
+        GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_N=tune["BLOCK_N"], BLOCK_SIZE=block_size, KV_QUANT=quant, UPCAST_DOT=not q.is_cuda,
+        DOT_PRECISION=_dot_precision(q.dtype), num_warps=tune["num_warps"], num_stages=tune["num_stages"],
+    )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def _kv_quant(cache) -> int:
+    return {torch.int8: KV_INT8, torch.float8_e4m3fn: KV_FP8}.get(cache.k.dtype, KV_PLAIN).value
+
+
+def _scales(cache) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int8 scale pools, or the value pools as unused stand-ins (kernels take a pointer either way)."""
+    if cache.k_scale is None:
+        return cache.k, cache.v
+    return cache.k_scale, cache.v_scale
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # float32 models get exact dots; tf32 would cost them ~3 decimal digits.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _check_cache(cache) -> None:
+    assert cache.k.is_contiguous() and cache.v.is_contiguous(), "KV pools must be contiguous"
+    assert (cache.k_scale is not None) == (cache.k.dtype == torch.int8), "int8 pools need scales"

@@ -1,0 +1,70 @@
+"""Swap a model's transformer linears for quantized ones, in place.
+
+Only the per-layer projections are quantized: they hold nearly all the bytes a decode step reads.
+Embeddings stay as they are (a lookup reads one row per token) and so does lm_head, which is tied
+to the embeddings in small models and is where quantization error hurts the output distribution
+most directly.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from goodserve.errors import InvalidRequestError
+from goodserve.quant import schemes
+from goodserve.quant.linear import Int4Linear, Int8Linear
+
+TARGET_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def target_linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
+    """(parent module, attribute name, linear) for every linear quantize_model replaces."""
+    found = []
+    for parent in model.modules():
+        for name in TARGET_LINEARS:
+            child = getattr(parent, name, None)
+            if isinstance(child, nn.Linear):
+                found.append((parent, name, child))
+    return found
+
+
+def check_quantizable(targets: list[tuple[nn.Module, str, nn.Linear]], method: str, group_size: int) -> None:
+    schemes.check_method(method)
+    if not targets:
+        raise InvalidRequestError(f"no linear layers named {TARGET_LINEARS} to quantize in this model")
+    for _, name, linear in targets:
+        dtype = linear.weight.dtype
+        if dtype not in SUPPORTED_DTYPES:
+            raise InvalidRequestError(
+                f"weight-only {method} needs float32, bfloat16 or float16 activations; "
+                f"{name} is {str(dtype).removeprefix('torch.')} on {linear.weight.device}")
+        if method == "int4":
+            schemes.check_group_size(linear.in_features, group_size, name)
+
+
+def quantize_model(model: nn.Module, method: str, group_size: int = 128) -> nn.Module:
+    """Replace qkv_proj / o_proj / gate_up_proj / down_proj with Int8Linear or Int4Linear.
+
+    Checks every layer before changing any, so a bad group size leaves the model untouched.
+    """
+    targets = target_linears(model)
+    check_quantizable(targets, method, group_size)
+    for parent, name, linear in targets:
+        quantized = Int8Linear.from_linear(linear) if method == "int8" else Int4Linear.from_linear(linear, group_size)
+        setattr(parent, name, quantized)
+    return model
+
+
+def empty_quantized_like(model: nn.Module, method: str, group_size: int) -> nn.Module:
+    """Same swap without computing codes: the skeleton a pre-quantized checkpoint loads into."""
+    targets = target_linears(model)
+    check_quantizable(targets, method, group_size)
+    for parent, name, linear in targets:
+        w = linear.weight
+        args = (linear.in_features, linear.out_features, linear.bias is not None)
+        quantized = Int8Linear(*args, dtype=w.dtype, device=w.device) if method == "int8" \
+            else Int4Linear(*args, group_size=group_size, dtype=w.dtype, device=w.device)
+        setattr(parent, name, quantized)
+    return model

@@ -1,0 +1,92 @@
+"""Pre-quantized checkpoints: one safetensors file holding the whole quantized model's state.
+
+The header's metadata names the scheme, the group size and the model the codes came from (its
+spec and weight revision), so loading codes into a different model fails with a clear error
+instead of producing garbage text. Tensors are stored as they are in memory: a reload is
+bit-identical.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import safetensors
+import safetensors.torch
+from torch import nn
+
+from goodserve.errors import ModelLoadError
+from goodserve.quant.apply import empty_quantized_like
+from goodserve.quant.linear import Int4Linear, Int8Linear
+
+FORMAT = "goodserve-quantized/1"
+
+
+def model_identity(model: nn.Module, revision: str) -> dict[str, str]:
+    return {"model_spec": json.dumps(dataclasses.asdict(model.spec), sort_keys=True), "model_revision": revision}
+
+
+def quantization_of(model: nn.Module) -> tuple[str, int]:
+    """(method, group_size) of a model quantize_model has swapped; group_size is 0 for int8."""
+    layers = [m for m in model.modules() if isinstance(m, (Int8Linear, Int4Linear))]
+    if not layers:
+        raise ModelLoadError("this model is not quantized: run quantize_model(model, method) first")
+    if all(isinstance(m, Int8Linear) for m in layers):
+        return "int8", 0
+    group_sizes = {getattr(m, "group_size", None) for m in layers}  # None marks an Int8Linear
+    if len(group_sizes) != 1:
+        raise ModelLoadError("mixed quantization schemes in one model cannot be saved as one checkpoint")
+    return "int4", group_sizes.pop()
+
+
+def save_quantized(model: nn.Module, path: str | Path, revision: str) -> None:
+    """Write a quantized model (its spec on `model.spec`) and the identity of its source weights."""
+    method, group_size = quantization_of(model)
+    metadata = {"format": FORMAT, "method": method, "group_size": str(group_size), **model_identity(model, revision)}
+    # save_model (not save_file) drops the duplicate name of tied tensors (lm_head = embed_tokens).
+    safetensors.torch.save_model(model, str(path), metadata=metadata)
+
+
+def read_metadata(path: str | Path) -> dict[str, str]:
+    path = Path(path)
+    if not path.is_file():
+        raise ModelLoadError(f"quantized checkpoint {path} does not exist")
+    try:
+        with safetensors.safe_open(str(path), framework="pt") as f:
+            metadata = f.metadata() or {}
+    except Exception as exc:  # safetensors raises its own error types for a corrupt header
+        raise ModelLoadError(f"{path} is not a readable safetensors file: {exc}") from exc
+    if metadata.get("format") != FORMAT:
+        raise ModelLoadError(f"{path} is not a goodserve quantized checkpoint (no '{FORMAT}' format tag)")
+    return metadata
+
+
+def check_same_model(metadata: dict[str, str], model: nn.Module, revision: str, path: str | Path) -> None:
+    expected = model_identity(model, revision)
+    if metadata.get("model_spec") != expected["model_spec"]:
+        saved_name = json.loads(metadata.get("model_spec", "{}")).get("name", "?")
+        raise ModelLoadError(
+            f"quantized checkpoint {path} was made from another model ({saved_name!r}, different shapes "
+            f"or settings) than the one loaded ({model.spec.name!r}); quantize this model instead")
+    if metadata.get("model_revision") != revision:
+        raise ModelLoadError(
+            f"quantized checkpoint {path} was made from other weights (revision "
+            f"{metadata.get('model_revision')!r}) than the ones loaded ({revision!r}); quantize these weights instead")
+
+
+def load_quantized_into(model: nn.Module, path: str | Path, revision: str) -> nn.Module:
+    """Swap `model`'s linears for quantized ones and fill the whole model from the checkpoint.
+
+    `model` is the unquantized model the checkpoint was made from (its weights may be
+    uninitialized, e.g. build_empty_model); `revision` is the identity of its weights.
+    """
+    metadata = read_metadata(path)
+    check_same_model(metadata, model, revision, path)
+    empty_quantized_like(model, metadata["method"], int(metadata["group_size"]) or 128)
+    device = next(model.parameters()).device
+    missing, unexpected = safetensors.torch.load_model(model, str(path), strict=False, device=str(device))
+    if missing or unexpected:
+        raise ModelLoadError(f"quantized checkpoint {path} does not match the model: missing {sorted(missing)[:5]}, "
+                             f"unexpected {sorted(unexpected)[:5]}")
+    return model

@@ -1,0 +1,239 @@
+"""The quality gate: does an engine configuration still compute what the plain engine computes?
+
+A candidate EngineConfig (quantized weights, a quantized KV cache, prefix caching, kernels, ...)
+runs the same work as the unoptimized baseline on the same model:
+- perplexity on an offline text (Python's own documentation, pydoc_data.topics, by default), in
+  non-overlapping windows read through prompt logprobs;
+- top-1 agreement: how often the candidate's most likely next token at each text position is the
+  baseline's;
+- greedy agreement over a prompt set: the share of generated tokens before the first divergence.
+Each metric is checked against a threshold; defaults depend on what the candidate changes.
+The two engines run one after the other, so a GPU only ever holds one model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from goodserve.config import EngineConfig
+from goodserve.errors import InvalidRequestError
+from goodserve.sampling_params import SamplingParams
+
+# What "unoptimized" means: full-precision weights and KV, no cache reuse, reference attention,
+# eager execution. Every other field keeps the candidate's value, so both run the same model.
+BASELINE_OPTIONS = {"quantization": None, "kv_cache_dtype": "auto", "enable_prefix_caching": False,
+                    "attention_backend": "torch", "enforce_eager": True}
+
+# A shared preamble longer than a KV block, so a candidate with prefix caching reuses it.
+PREAMBLE = ("You are a careful assistant who answers questions about programming, science and history "
+            "in clear, complete sentences.\n\n")
+QUESTIONS = [
+    "What does a Python list comprehension do?",
+    "Why is the sky blue?",
+    "Explain what a hash table is.",
+    "Who was Ada Lovelace?",
+    "What is the difference between a process and a thread?",
+    "How does photosynthesis work?",
+    "What is recursion in programming?",
+    "Why do we have seasons on Earth?",
+    "What is a compiler?",
+    "Describe the water cycle.",
+    "What does HTTP stand for and what is it used for?",
+    "What causes earthquakes?",
+    "What is the purpose of a unit test?",
+    "Who built the first printing press in Europe?",
+    "What is binary search?",
+    "How do vaccines work?",
+]
+
+
+@dataclass
+class EvalSettings:
+    text_file: str | None = None  # default: pydoc_data.topics
+    max_text_tokens: int = 4096
+    window: int = 256
+    prompts: list[str] = field(default_factory=lambda: [f"{PREAMBLE}Question: {q}\nAnswer:" for q in QUESTIONS])
+    max_new_tokens: int = 32
+
+
+@dataclass
+class Thresholds:
+    max_perplexity_increase: float  # relative: 0.01 = candidate perplexity at most 1% above baseline
+    min_top1_agreement: float
+    min_greedy_agreement: float
+
+
+@dataclass
+class RunResult:
+    """What one configuration computed: per text window, the log-probability of each actual next
+    token and the top-1 token at each position; per prompt, the greedy continuation."""
+
+    token_logprobs: list[list[float]]
+    top1_tokens: list[list[int]]
+    greedy_tokens: list[list[int]]
+    seconds: float  # the workload only, not loading
+
+
+def default_thresholds(candidate: EngineConfig) -> Thresholds:
+    """Budgets add up per lossy change; changes meant to be exact get only rounding noise."""
+    ppl, top1, greedy = 0.005, 0.98, 0.90
+    if candidate.quantization == "int8":
+        ppl, top1, greedy = ppl + 0.01, top1 - 0.03, greedy - 0.2
+    elif candidate.quantization == "int4":
+        ppl, top1, greedy = ppl + 0.10, top1 - 0.13, greedy - 0.5
+    if candidate.kv_cache_dtype == "int8":
+        ppl, top1, greedy = ppl + 0.01, top1 - 0.03, greedy - 0.2
+    elif candidate.kv_cache_dtype == "fp8":
+        ppl, top1, greedy = ppl + 0.03, top1 - 0.06, greedy - 0.3
+    return Thresholds(ppl, max(top1, 0.0), max(greedy, 0.0))
+
+
+def evaluation_text(text_file: str | None) -> tuple[str, str]:
+    """(source name, text)."""
+    if text_file is None:
+        from pydoc_data.topics import topics
+
+        return "pydoc_data.topics", "\n\n".join(topics[name] for name in sorted(topics))
+    path = Path(text_file)
+    if not path.is_file():
+        raise InvalidRequestError(f"text file {text_file} does not exist")
+    return str(path), path.read_text(encoding="utf-8", errors="replace")
+
+
+def text_windows(token_ids: list[int], window: int, max_tokens: int) -> list[list[int]]:
+    """Non-overlapping windows of `window` tokens from the first `max_tokens`; a short tail is dropped."""
+    if window < 2:
+        raise InvalidRequestError("the perplexity window must be at least 2 tokens")
+    usable = token_ids[:max_tokens]
+    windows = [usable[i:i + window] for i in range(0, len(usable) - window + 1, window)]
+    if not windows:
+        raise InvalidRequestError(f"the text has {len(token_ids)} tokens, fewer than one {window}-token window")
+    return windows
+
+
+@dataclass
+class Workload:
+    text_source: str
+    windows: list[list[int]]  # perplexity / top-1 text windows
+    prompts: list[list[int]]  # greedy prompts
+
+
+def build_workload(tokenizer, settings: EvalSettings) -> Workload:
+    if tokenizer is None:
+        raise InvalidRequestError("this model has no tokenizer, which the evaluation text needs")
+    source, text = evaluation_text(settings.text_file)
+    # Tokenize only a prefix of a long text: a few characters per token is plenty of margin.
+    token_ids = tokenizer.encode(text[: settings.max_text_tokens * 8], add_special_tokens=False)
+    windows = text_windows(token_ids, settings.window, settings.max_text_tokens)
+    return Workload(source, windows, [tokenizer.encode(p) for p in settings.prompts])
+
+
+def measure(config: EngineConfig, settings: EvalSettings, workload: Workload | None = None
+            ) -> tuple[Workload, RunResult]:
+    """Open an engine for `config`, run the workload (built from its tokenizer when not given),
+    and free the engine before returning, so the next configuration has the memory."""
+    from goodserve.llm import LLM
+
+    llm = LLM(**dataclasses.asdict(config))
+    workload = workload or build_workload(llm.tokenizer, settings)
+    result = run_workload(llm, workload, settings.max_new_tokens)
+    del llm
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return workload, result
+
+
+def run_workload(llm, workload: Workload, max_new_tokens: int) -> RunResult:
+    start = time.perf_counter()
+    windows = workload.windows
+    scored = llm.generate([{"prompt_token_ids": w} for w in windows], SamplingParams(max_tokens=1, prompt_logprobs=1))
+    logprobs, top1 = zip(*(_score_window(w, out.prompt_logprobs) for w, out in zip(windows, scored)))
+    greedy_params = SamplingParams(max_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
+    # The first prompt alone first: with prefix caching on, the others then reuse its preamble.
+    prompts = workload.prompts
+    outputs = [out for part in (prompts[:1], prompts[1:]) if part
+               for out in llm.generate([{"prompt_token_ids": p} for p in part], greedy_params)]
+    greedy = [list(out.outputs[0].token_ids) for out in outputs]
+    return RunResult(list(logprobs), list(top1), greedy, time.perf_counter() - start)
+
+
+def _score_window(window: list[int], prompt_logprobs: list) -> tuple[list[float], list[int]]:
+    logprobs, top1 = [], []
+    for token, entry in zip(window[1:], prompt_logprobs[1:]):
+        logprobs.append(entry[token].logprob)
+        top1.append(next(t for t, lp in entry.items() if lp.rank == 1))
+    return logprobs, top1
+
+
+def perplexity(token_logprobs: list[list[float]]) -> float:
+    flat = [lp for window in token_logprobs for lp in window]
+    return math.exp(-sum(flat) / len(flat))
+
+
+def common_prefix_length(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def compare(baseline: RunResult, candidate: RunResult) -> dict[str, float]:
+    base_ppl, cand_ppl = perplexity(baseline.token_logprobs), perplexity(candidate.token_logprobs)
+    pairs = [(b, c) for bw, cw in zip(baseline.top1_tokens, candidate.top1_tokens) for b, c in zip(bw, cw)]
+    logprob_pairs = [(b, c) for bw, cw in zip(baseline.token_logprobs, candidate.token_logprobs)
+                     for b, c in zip(bw, cw)]
+    prefixes = [common_prefix_length(b, c) / max(len(b), 1)
+                for b, c in zip(baseline.greedy_tokens, candidate.greedy_tokens)]
+    return {
+        "baseline_perplexity": base_ppl,
+        "candidate_perplexity": cand_ppl,
+        "perplexity_increase": cand_ppl / base_ppl - 1.0,
+        "top1_agreement": sum(b == c for b, c in pairs) / len(pairs),
+        "mean_abs_logprob_diff": sum(abs(b - c) for b, c in logprob_pairs) / len(logprob_pairs),
+        "greedy_agreement": sum(prefixes) / len(prefixes),
+        "greedy_exact_match": sum(b == c for b, c in zip(baseline.greedy_tokens, candidate.greedy_tokens))
+        / len(prefixes),
+    }
+
+
+def checks(metrics: dict[str, float], thresholds: Thresholds) -> list[dict]:
+    rows = [("perplexity_increase", metrics["perplexity_increase"], "<=", thresholds.max_perplexity_increase),
+            ("top1_agreement", metrics["top1_agreement"], ">=", thresholds.min_top1_agreement),
+            ("greedy_agreement", metrics["greedy_agreement"], ">=", thresholds.min_greedy_agreement)]
+    return [{"metric": name, "value": value, "op": op, "limit": limit,
+             "passed": value <= limit if op == "<=" else value >= limit} for name, value, op, limit in rows]
+
+
+def changed_options(config: EngineConfig, reference: EngineConfig) -> dict:
+    base = dataclasses.asdict(reference)
+    return {k: v for k, v in dataclasses.asdict(config).items() if base[k] != v}
+
+
+def evaluate(candidate: EngineConfig, settings: EvalSettings, thresholds: Thresholds | None = None) -> dict:
+    """Run baseline and candidate; return the JSON-ready report (its "passed" is the verdict)."""
+    candidate.validate()
+    thresholds = thresholds or default_thresholds(candidate)
+    baseline = dataclasses.replace(candidate, **BASELINE_OPTIONS)
+    workload, base_run = measure(baseline, settings)
+    _, cand_run = measure(candidate, settings, workload)
+    metrics = compare(base_run, cand_run)
+    rows = checks(metrics, thresholds)
+    return {
+        "model": candidate.model,
+        "differs_from_baseline": changed_options(candidate, baseline),
+        "baseline": dataclasses.asdict(baseline),
+        "candidate": dataclasses.asdict(candidate),
+        "text": {"source": workload.text_source, "windows": len(workload.windows),
+                 "window_tokens": settings.window, "scored_tokens": sum(len(w) - 1 for w in workload.windows)},
+        "greedy": {"prompts": len(workload.prompts), "max_new_tokens": settings.max_new_tokens},
+        "metrics": metrics,
+        "thresholds": dataclasses.asdict(thresholds),
+        "checks": rows,
+        "passed": all(row["passed"] for row in rows),
+        "seconds": {"baseline": base_run.seconds, "candidate": cand_run.seconds},
+    }

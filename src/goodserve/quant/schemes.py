@@ -1,0 +1,94 @@
+"""Weight-only quantization schemes for an nn.Linear weight W [N, K] (out_features x in_features).
+
+- int8: per output channel, symmetric. W ~= q * scale[n], q in [-127, 127]; error <= scale / 2.
+- int4: per group of `group_size` input columns, asymmetric. W ~= q * scale[n, g] + zero[n, g],
+  q in [0, 15]; the zero point is stored as a float (the value code 0 stands for, i.e. the group
+  minimum, as gpt-fast / tinygemm do) so each group's [min, max] maps exactly onto the 16 codes and
+  the error is <= scale / 2. Two codes share a byte: column 2j in the low nibble, 2j + 1 in the high.
+
+Quantization math runs in float32 whatever the weight's dtype; scales and zeros stay float32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from goodserve.errors import InvalidRequestError
+
+INT8_MAX = 127
+INT4_MAX_CODE = 15
+INT4_GROUP_SIZES = (32, 64, 128)
+METHODS = ("int8", "int4")
+# Keeps all-zero rows / constant groups from dividing by zero; they then dequantize exactly.
+MIN_SCALE = 1e-10
+
+
+@dataclass
+class Int8Weight:
+    qweight: torch.Tensor  # [N, K] int8
+    scales: torch.Tensor  # [N] float32
+
+
+@dataclass
+class Int4Weight:
+    qweight: torch.Tensor  # [N, K // 2] uint8, two codes per byte
+    scales: torch.Tensor  # [N, K // group_size] float32
+    zeros: torch.Tensor  # [N, K // group_size] float32, value of code 0
+    group_size: int
+
+
+def check_method(method: str) -> None:
+    if method not in METHODS:
+        raise InvalidRequestError(f"quantization must be one of {METHODS}, got {method!r}")
+
+
+def check_group_size(in_features: int, group_size: int, layer: str = "weight") -> None:
+    if group_size not in INT4_GROUP_SIZES:
+        raise InvalidRequestError(f"int4 group size must be one of {INT4_GROUP_SIZES}, got {group_size}")
+    if in_features % group_size:
+        raise InvalidRequestError(
+            f"int4 group size {group_size} does not divide {layer}'s input dimension {in_features}; "
+            f"choose a group size from {INT4_GROUP_SIZES} that divides it"
+        )
+
+
+def quantize_int8(weight: torch.Tensor) -> Int8Weight:
+    w = weight.detach().float()
+    scales = (w.abs().amax(dim=1) / INT8_MAX).clamp(min=MIN_SCALE)
+    qweight = torch.round(w / scales[:, None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return Int8Weight(qweight, scales)
+
+
+def dequantize_int8(q: Int8Weight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return (q.qweight.float() * q.scales[:, None]).to(dtype)
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """codes [N, K] with values 0..15 -> [N, K // 2] uint8 (even column low nibble)."""
+    codes = codes.to(torch.uint8)
+    return codes[:, 0::2] | (codes[:, 1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """[N, K // 2] uint8 -> codes [N, K] uint8."""
+    low, high = packed & 0xF, packed >> 4
+    return torch.stack([low, high], dim=-1).reshape(packed.shape[0], -1)
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int) -> Int4Weight:
+    n, k = weight.shape
+    check_group_size(k, group_size)
+    w = weight.detach().float().reshape(n, k // group_size, group_size)
+    low, high = w.amin(dim=-1), w.amax(dim=-1)
+    scales = ((high - low) / INT4_MAX_CODE).clamp(min=MIN_SCALE)
+    codes = torch.round((w - low[..., None]) / scales[..., None]).clamp(0, INT4_MAX_CODE)
+    return Int4Weight(pack_int4(codes.reshape(n, k)), scales, low, group_size)
+
+
+def dequantize_int4(q: Int4Weight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    n = q.qweight.shape[0]
+    codes = unpack_int4(q.qweight).float().reshape(n, -1, q.group_size)
+    w = codes * q.scales[..., None] + q.zeros[..., None]
+    return w.reshape(n, -1).to(dtype)

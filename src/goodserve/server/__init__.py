@@ -1,0 +1,1 @@
+"""The HTTP service: OpenAI-compatible API, Prometheus metrics, admission control."""

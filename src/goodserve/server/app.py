@@ -1,0 +1,167 @@
+"""The HTTP service: FastAPI routes over an AsyncEngine, and the uvicorn server that drains on SIGTERM."""
+
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from goodserve.errors import InvalidRequestError
+from goodserve.server.admission import Admission
+from goodserve.server.auth import ApiKeyMiddleware, BodySizeLimitMiddleware
+from goodserve.server.errors import DrainingError, install_error_handlers
+from goodserve.server.metrics import ServerMetrics, Slo
+from goodserve.server.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from goodserve.server.serving import ServingContext
+from goodserve.server.serving_chat import create_chat_completion
+from goodserve.server.serving_completions import create_completion
+
+logger = logging.getLogger("goodserve.server")
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"  # loopback unless the operator opens it up
+    port: int = 8000
+    api_key: str | None = None
+    served_model_name: str | None = None  # default: the --model value
+    max_waiting: int = 1024
+    max_body_bytes: int = 4 << 20
+    request_timeout_s: float | None = None
+    drain_timeout_s: float = 30.0
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
+    log_level: str = "info"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 408, 413, 422, 429, 503)}
+
+
+def startup_message(engine, config: ServerConfig, model_name: str) -> str:
+    stats = engine.stats()
+    block_size = engine.config.block_size
+    inner = engine.engine  # dtype and device are resolved by the Engine, not the config
+    return (
+        f"serving {model_name} ({engine.config.model}) dtype={str(inner.dtype).removeprefix('torch.')} "
+        f"device={inner.device} kv_pool={stats.num_kv_blocks} blocks x {block_size} = "
+        f"{stats.num_kv_blocks * block_size} tokens max_model_len={engine.max_model_len} at {config.url}"
+    )
+
+
+def build_app(engine, config: ServerConfig) -> FastAPI:
+    model_name = config.served_model_name or engine.config.model
+    metrics = ServerMetrics(engine, model_name, Slo(config.slo_ttft_ms, config.slo_tpot_ms))
+    ctx = ServingContext(engine, model_name, Admission(config.max_waiting), metrics, config.request_timeout_s)
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await engine.start()
+        logger.info(startup_message(engine, config, model_name))
+        yield
+        logger.info("draining in-flight requests (up to %.0fs)", config.drain_timeout_s)
+        await engine.shutdown(config.drain_timeout_s)
+
+    app = FastAPI(title="goodserve", version="0.1.0", lifespan=lifespan)
+    app.state.draining = False
+    app.state.ctx = ctx
+    install_error_handlers(app, on_error=metrics.observe_rejected)
+    app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=config.max_body_bytes)
+    if config.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+
+    def ensure_accepting() -> None:
+        if app.state.draining:
+            raise DrainingError("the server is shutting down; send the request to another replica")
+
+    @app.post("/v1/completions", response_model=None, responses={200: {"model": CompletionResponse}, **_ERRORS})
+    async def completions(body: CompletionRequest, request: Request):
+        ensure_accepting()
+        return await create_completion(ctx, body, request)
+
+    @app.post("/v1/chat/completions", response_model=None,
+              responses={200: {"model": ChatCompletionResponse}, **_ERRORS})
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        ensure_accepting()
+        return await create_chat_completion(ctx, body, request)
+
+    @app.get("/v1/models", responses=_ERRORS)
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=model_name, created=created, max_model_len=engine.max_model_len)])
+
+    @app.post("/tokenize", responses=_ERRORS)
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        ctx.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise InvalidRequestError("give exactly one of 'prompt' or 'messages'")
+        if body.messages is not None:
+            ids = ctx.chat_prompt_ids(body.messages, body.add_generation_prompt)
+        else:
+            ids = ctx.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids)
+
+    @app.post("/detokenize", responses=_ERRORS)
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        ctx.check_model(body.model)
+        vocab_size = ctx.tokenizer.vocab_size
+        if any(t >= vocab_size for t in body.tokens):
+            raise InvalidRequestError(f"token ids must be in [0, {vocab_size})")
+        return DetokenizeResponse(prompt=ctx.tokenizer.decode(body.tokens))
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.dead is not None:
+            return JSONResponse({"status": "engine dead", "error": str(engine.dead)}, status_code=503)
+        if app.state.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn stops accepting on SIGTERM and waits for open requests; /health says so meanwhile."""
+
+    def __init__(self, config: uvicorn.Config, app: FastAPI):
+        super().__init__(config)
+        self.goodserve_app = app
+
+    def handle_exit(self, sig, frame) -> None:
+        self.goodserve_app.state.draining = True
+        super().handle_exit(sig, frame)
+
+
+def run_server(engine, config: ServerConfig) -> None:
+    """Serve until SIGTERM/SIGINT, then let in-flight requests finish (up to drain_timeout_s)."""
+    app = build_app(engine, config)
+    uv_config = uvicorn.Config(
+        app, host=config.host, port=config.port, log_level=config.log_level,
+        timeout_graceful_shutdown=int(config.drain_timeout_s), access_log=False,
+    )
+    _DrainingServer(uv_config, app).run()

@@ -1,0 +1,76 @@
+"""`goodserve serve`: the OpenAI-compatible server. With no arguments: the embedded model, on loopback."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import os
+
+from goodserve.errors import InvalidRequestError
+from goodserve.server.engine_args import (
+    add_dataclass_arguments,
+    add_engine_arguments,
+    dataclass_from_args,
+    engine_config_from_args,
+)
+
+_SERVER_HELP = {
+    "host": "address to bind; the default keeps the server on this machine (default: 127.0.0.1)",
+    "port": "TCP port",
+    "api_key": "require 'Authorization: Bearer <key>' (default: $GOODSERVE_API_KEY, else no key)",
+    "served_model_name": "the model name clients send (default: the --model value)",
+    "max_waiting": "most requests waiting for the engine; more get 429 with Retry-After",
+    "max_body_bytes": "largest request body; larger get 413",
+    "request_timeout_s": "abort requests not finished within this many seconds (408) (default: none)",
+    "drain_timeout_s": "on SIGTERM, how long in-flight requests may take to finish",
+    "slo_ttft_ms": "time-to-first-token target counted in goodserve:request_slo (default: none)",
+    "slo_tpot_ms": "time-per-output-token target counted in goodserve:request_slo (default: none)",
+    "log_level": "uvicorn and goodserve log level",
+}
+
+
+def register(subparsers) -> None:
+    from goodserve.server.app import ServerConfig
+
+    parser = subparsers.add_parser(
+        "serve",
+        help="serve a model over an OpenAI-compatible HTTP API",
+        description="OpenAI-compatible server (/v1/completions, /v1/chat/completions, /metrics, ...).",
+    )
+    add_dataclass_arguments(parser, ServerConfig, "server options", _SERVER_HELP,
+                            {"log_level": ("critical", "error", "warning", "info", "debug")})
+    parser.set_defaults(api_key=os.environ.get("GOODSERVE_API_KEY"))
+    add_engine_arguments(parser)
+    parser.set_defaults(func=run)
+
+
+def _check(config) -> None:
+    if config.max_waiting < 1:
+        raise InvalidRequestError("--max-waiting must be at least 1")
+    if config.max_body_bytes < 1024:
+        raise InvalidRequestError("--max-body-bytes must be at least 1024")
+    if not 0 <= config.port < 65536:
+        raise InvalidRequestError("--port must be in [0, 65535]")
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def run(args: argparse.Namespace) -> int:
+    from goodserve.engine.async_engine import AsyncEngine  # torch loads only when serving
+    from goodserve.server.app import ServerConfig, run_server
+
+    config = dataclass_from_args(ServerConfig, args)
+    _check(config)
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not _is_loopback(config.host) and not config.api_key:
+        logging.getLogger("goodserve.server").warning(
+            "binding %s without --api-key: anyone who can reach this port can use the model", config.host)
+    engine = AsyncEngine(engine_config_from_args(args))
+    run_server(engine, config)
+    return 0

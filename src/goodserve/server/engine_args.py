@@ -1,0 +1,86 @@
+"""Every EngineConfig field as a command-line flag, for each command that builds an engine.
+
+`--max-num-seqs 64` sets EngineConfig.max_num_seqs; booleans get --flag / --no-flag. The flags
+are derived from the dataclass, so a new config field is on the command line without edits here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+
+from goodserve.config import KV_CACHE_DTYPES, QUANTIZATIONS, SCHEDULER_POLICIES, EngineConfig
+
+_CHOICES = {
+    "dtype": ("auto", "float32", "bfloat16", "float16"),
+    "scheduler_policy": SCHEDULER_POLICIES,
+    "kv_cache_dtype": KV_CACHE_DTYPES,
+    "quantization": tuple(q for q in QUANTIZATIONS if q),
+    "attention_backend": ("auto", "torch", "triton"),
+    "block_size": (8, 16, 32, 64, 128),
+}
+
+_HELP = {
+    "model": "'smollm2-135m' (embedded), a .gguf file, a Hugging Face model directory, or dummy:<preset>",
+    "dtype": "weights and activations; auto is bfloat16 on CUDA, float32 on CPU",
+    "device": "auto picks cuda when available",
+    "max_model_len": "context length limit (default: the model's)",
+    "num_kv_blocks": "KV cache pool size in blocks (default: from memory)",
+    "gpu_memory_utilization": "fraction of GPU memory for weights + KV cache",
+    "cpu_kv_cache_bytes": "KV cache pool size on CPU, in bytes",
+    "max_num_seqs": "most sequences in one batch",
+    "max_num_batched_tokens": "most tokens in one step (prefill chunks + decodes)",
+    "max_wait_ms": "dynamic batching: how long a partial batch waits to fill",
+    "enforce_eager": "no CUDA graphs",
+    "tokenizer": "tokenizer path, when it differs from the model's",
+}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _base_type(hint) -> type:
+    """int | None -> int; the parser converts to the base type and keeps None as the default."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        return next(arg for arg in typing.get_args(hint) if arg is not type(None))
+    return hint
+
+
+def add_dataclass_arguments(
+    parser: argparse.ArgumentParser, cls: type, title: str,
+    helps: dict[str, str], choices: dict[str, tuple] | None = None,
+) -> None:
+    """Add a flag per dataclass field, skipping any flag the command already defines itself."""
+    group = parser.add_argument_group(title)
+    hints = typing.get_type_hints(cls)
+    for field in dataclasses.fields(cls):
+        flag = _flag(field.name)
+        if flag in parser._option_string_actions:
+            continue
+        kind = _base_type(hints[field.name])
+        help_text = helps.get(field.name, field.name.replace("_", " "))
+        if "default" not in help_text:
+            help_text += f" (default: {field.default})"
+        if kind is bool:
+            group.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction,
+                               default=field.default, help=help_text)
+        else:
+            group.add_argument(flag, dest=field.name, type=kind, default=field.default,
+                               choices=(choices or {}).get(field.name), help=help_text)
+
+
+def dataclass_from_args(cls: type, args: argparse.Namespace):
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)})
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    add_dataclass_arguments(parser, EngineConfig, "engine options", _HELP, _CHOICES)
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    config = dataclass_from_args(EngineConfig, args)
+    config.validate()
+    return config

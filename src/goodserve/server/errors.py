@@ -1,0 +1,109 @@
+"""OpenAI-style error bodies: every failure a client can see is {"error": {message, type, code}}."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from goodserve.errors import GoodserveError
+
+logger = logging.getLogger("goodserve.server")
+
+# Starlette/FastAPI raise these for routing and protocol problems; give them OpenAI names.
+_HTTP_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    408: "timeout_error",
+    413: "request_too_large",
+    422: "invalid_request_error",
+    429: "rate_limit_exceeded",
+    503: "service_unavailable",
+}
+
+
+class AuthenticationError(GoodserveError):
+    http_status = 401
+    error_type = "authentication_error"
+
+
+class RequestTooLargeError(GoodserveError):
+    http_status = 413
+    error_type = "request_too_large"
+
+
+class DeadlineExceededError(GoodserveError):
+    """The request's deadline passed before it finished; it was aborted to free its capacity."""
+
+    http_status = 408
+    error_type = "timeout_error"
+
+
+class ClientDisconnectedError(GoodserveError):
+    """Nobody reads this response; nginx's 499 names the case."""
+
+    http_status = 499
+    error_type = "client_closed_request"
+
+
+class DrainingError(GoodserveError):
+    """SIGTERM received: in-flight requests finish, new ones go elsewhere."""
+
+    http_status = 503
+    error_type = "service_unavailable"
+
+
+def error_body(message: str, error_type: str, status: int, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": error_type, "param": param, "code": status}}
+
+
+def _describe_validation_error(exc: RequestValidationError) -> tuple[int, str]:
+    """Malformed JSON is a 400; well-formed JSON of the wrong shape is a 422, as FastAPI has it."""
+    errors = exc.errors()
+    if any(e.get("type") == "json_invalid" for e in errors):
+        return 400, "request body is not valid JSON"
+    parts = []
+    for e in errors[:5]:
+        # loc is ("body", field, ...); the client only knows the field path.
+        loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
+        parts.append(f"{loc or 'body'}: {e.get('msg', 'invalid')}")
+    return 422, "; ".join(parts) or "invalid request"
+
+
+def install_error_handlers(app: FastAPI, on_error: Callable[[int], None]) -> None:
+    """on_error(status) hears of every refused request (for the rejection counter)."""
+
+    @app.exception_handler(GoodserveError)
+    async def _goodserve_error(request: Request, exc: GoodserveError) -> JSONResponse:
+        on_error(exc.http_status)
+        headers = {"Retry-After": str(getattr(exc, "retry_after_s", 1))} if exc.http_status in (429, 503) else None
+        body = error_body(str(exc), exc.error_type, exc.http_status)
+        return JSONResponse(body, status_code=exc.http_status, headers=headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        status, message = _describe_validation_error(exc)
+        on_error(status)
+        return JSONResponse(error_body(message, "invalid_request_error", status), status_code=status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        error_type = _HTTP_ERROR_TYPES.get(exc.status_code, "invalid_request_error")
+        return JSONResponse(
+            error_body(str(exc.detail), error_type, exc.status_code),
+            status_code=exc.status_code,
+            headers=getattr(exc, "headers", None),
+        )
+
+    @app.exception_handler(Exception)
+    async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+        # A bug, not a client error: log the traceback here, keep it out of the response.
+        logger.exception("unhandled error serving %s %s", request.method, request.url.path)
+        body = error_body(f"internal error: {type(exc).__name__}", "internal_error", 500)
+        return JSONResponse(body, status_code=500)

@@ -1,0 +1,189 @@
+"""One API call's trip through the engine: its prompts' requests, merged, diffed into choice deltas.
+
+Cancellation is the abort path: when the client goes away, the task serving it is cancelled, the
+engine streams are closed, and AsyncEngine aborts their requests (their KV blocks are freed at the
+engine's next step). A deadline does the same thing on a timer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from starlette.requests import Request
+
+from goodserve.outputs import LogprobsEntry, RequestOutput
+from goodserve.sampling_params import SamplingParams
+from goodserve.server.admission import Admission
+from goodserve.server.errors import ClientDisconnectedError, DeadlineExceededError
+from goodserve.server.metrics import ServerMetrics
+from goodserve.server.protocol import PromptTokensDetails, Usage
+
+T = TypeVar("T")
+
+
+@dataclass
+class ChoiceDelta:
+    """What one choice gained since the last delta."""
+
+    index: int  # prompt_index * n + output index, as OpenAI numbers choices
+    text: str
+    token_ids: list[int]
+    logprobs: list[LogprobsEntry] | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+    first: bool  # the choice's first delta (chat sends the role with it)
+    text_offset: int  # characters of this choice's text sent before this delta
+
+
+@dataclass
+class _Sent:
+    text_len: int = 0
+    num_tokens: int = 0
+    finished: bool = False
+
+
+@dataclass
+class GenerationJob:
+    engine: object  # AsyncEngine
+    request_id: str
+    prompts: list[list[int]]
+    params: SamplingParams
+    admission: Admission
+    metrics: ServerMetrics
+    deadline: float | None = None  # time.monotonic() by which the whole call must finish
+    final: dict[int, RequestOutput] = field(default_factory=dict)  # latest output per prompt
+    _sent: dict[int, _Sent] = field(default_factory=dict)
+    _queued: set[int] = field(default_factory=set)  # prompts holding a place in the waiting queue
+
+    def _engine_request_id(self, prompt_index: int) -> str:
+        return self.request_id if len(self.prompts) == 1 else f"{self.request_id}-{prompt_index}"
+
+    async def _pump(self, index: int, queue: asyncio.Queue) -> None:
+        """Forward one engine request's outputs; (index, None) marks its end, an exception its failure."""
+        try:
+            stream = self.engine.generate(self._engine_request_id(index), self.prompts[index], self.params)
+            async with aclosing(stream):
+                async for out in stream:
+                    queue.put_nowait((index, out))
+            queue.put_nowait((index, None))
+        except Exception as exc:  # handed to the consumer, which raises it in the request's context
+            queue.put_nowait((index, exc))
+
+    def admit(self) -> None:
+        """Take queue places for every prompt, or raise 429 before anything is sent."""
+        self.admission.admit(len(self.prompts))
+        self._queued = set(range(len(self.prompts)))
+
+    def release(self) -> None:
+        """Give back the queue places of prompts that never started; safe to call more than once."""
+        self.admission.started(len(self._queued))
+        self._queued.clear()
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, cumulative output) as each engine request advances, all prompts at once."""
+        queue: asyncio.Queue = asyncio.Queue()
+        tasks = [asyncio.create_task(self._pump(i, queue)) for i in range(len(self.prompts))]
+        remaining = len(tasks)
+        finished_cleanly = False
+        try:
+            while remaining:
+                index, item = await self._next(queue)
+                if index in self._queued:
+                    self._queued.discard(index)
+                    self.admission.started()
+                if item is None:
+                    remaining -= 1
+                    continue
+                if isinstance(item, Exception):
+                    raise item
+                self.final[index] = item
+                if item.finished:
+                    self.metrics.observe_finished(item)
+                yield index, item
+            finished_cleanly = True
+        finally:
+            # Bookkeeping before any await: under a cancelled scope (client gone) awaits fail at once.
+            self.release()
+            if not finished_cleanly:
+                self.metrics.observe_aborted()
+            for task in tasks:
+                task.cancel()  # closes the engine streams, which aborts their requests
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _next(self, queue: asyncio.Queue) -> tuple[int, object]:
+        if self.deadline is None:
+            return await queue.get()
+        try:
+            return await asyncio.wait_for(queue.get(), timeout=max(0.0, self.deadline - time.monotonic()))
+        except TimeoutError:
+            raise DeadlineExceededError("the request did not finish within its timeout; it was aborted") from None
+
+    async def deltas(self) -> AsyncIterator[ChoiceDelta]:
+        """Per-choice increments; concatenating a choice's deltas gives its final text."""
+        async with aclosing(self.outputs()) as outputs:
+            async for prompt_index, out in outputs:
+                for completion in out.outputs:
+                    delta = self._diff(prompt_index * self.params.n + completion.index, completion)
+                    if delta is not None:
+                        yield delta
+
+    def _diff(self, index: int, completion) -> ChoiceDelta | None:
+        sent = self._sent.setdefault(index, _Sent())
+        if sent.finished:
+            return None
+        new_text = completion.text[sent.text_len:]
+        new_tokens = completion.token_ids[sent.num_tokens:]
+        finished = completion.finish_reason is not None
+        if not new_text and not new_tokens and not finished:
+            return None
+        logprobs = completion.logprobs[sent.num_tokens:] if completion.logprobs is not None else None
+        delta = ChoiceDelta(
+            index=index, text=new_text, token_ids=list(new_tokens), logprobs=logprobs,
+            finish_reason=completion.finish_reason, stop_reason=completion.stop_reason,
+            first=sent.num_tokens == 0 and sent.text_len == 0, text_offset=sent.text_len,
+        )
+        sent.text_len, sent.num_tokens, sent.finished = len(completion.text), len(completion.token_ids), finished
+        return delta
+
+    async def run(self) -> list[RequestOutput]:
+        """Run to completion; the final output of each prompt, in prompt order."""
+        async with aclosing(self.outputs()) as outputs:
+            async for _ in outputs:
+                pass
+        return [self.final[i] for i in range(len(self.prompts))]
+
+    def usage(self) -> Usage:
+        outs = list(self.final.values())
+        prompt = sum(len(o.prompt_token_ids) for o in outs)
+        completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
+        cached = sum(o.num_cached_tokens for o in outs)
+        return Usage(
+            prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+        )
+
+
+async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it if the client hangs up first (non-streaming responses)."""
+    work_task = asyncio.ensure_future(work)
+    watch_task = asyncio.create_task(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({work_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch_task.cancel()
+        if not work_task.done():
+            work_task.cancel()
+            await asyncio.gather(work_task, return_exceptions=True)
+    if work_task.cancelled():
+        raise ClientDisconnectedError("client disconnected; request aborted")
+    return work_task.result()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

@@ -1,0 +1,161 @@
+"""Prometheus metrics under vLLM's names with a `goodserve:` prefix, so vLLM dashboards port over.
+
+Per-request histograms are observed when a request finishes, from the timestamps the engine
+recorded on it. Engine-wide numbers (queue depths, KV usage, cache hits, step times) are read
+from `engine.stats()` at scrape time by a collector, so they are never stale or double-counted.
+Beyond vLLM: batch fill ratio, step time split by phase, and SLO attainment (live goodput).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from goodserve.outputs import RequestOutput
+
+PREFIX = "goodserve:"
+# vLLM's buckets: sub-second resolution for token latencies, minutes for whole requests.
+TOKEN_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+                         1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0,
+                           20.0, 30.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+@dataclass(frozen=True)
+class Slo:
+    """Latency targets a request must meet to count toward goodput; None: not checked."""
+
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+
+    def met(self, ttft_s: float | None, tpot_s: float | None) -> bool:
+        ttft_ok = self.ttft_ms is None or (ttft_s is not None and ttft_s * 1000 <= self.ttft_ms)
+        # A one-token answer has no time per output token, so it cannot miss that target.
+        tpot_ok = self.tpot_ms is None or tpot_s is None or tpot_s * 1000 <= self.tpot_ms
+        return ttft_ok and tpot_ok
+
+
+def _since(start: float | None, end: float | None) -> float | None:
+    return None if start is None or end is None else max(0.0, end - start)
+
+
+def time_per_output_token(out: RequestOutput) -> float | None:
+    times = out.metrics.token_times
+    if len(times) >= 2:
+        return (times[-1] - times[0]) / (len(times) - 1)
+    return None
+
+
+class EngineStatsCollector:
+    """Reads the engine's counters and gauges at scrape time."""
+
+    def __init__(self, engine, model_name: str):
+        self.engine = engine
+        self.model_name = model_name
+        self.config = engine.config
+
+    def _gauge(self, name: str, doc: str, value: float, **labels: str) -> GaugeMetricFamily:
+        family = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name", *labels])
+        family.add_metric([self.model_name, *labels.values()], value)
+        return family
+
+    def _counter(self, name: str, doc: str, value: float) -> CounterMetricFamily:
+        family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+        family.add_metric([self.model_name], value)
+        return family
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.engine.stats()
+        yield self._gauge("num_requests_running", "Requests in the running batch.", s.num_running)
+        yield self._gauge("num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting)
+        yield self._gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1).", s.kv_cache_usage)
+        yield self._gauge("num_kv_blocks", "KV cache blocks in the pool.", s.num_kv_blocks)
+        yield self._gauge("num_used_kv_blocks", "KV cache blocks held by requests.", s.num_used_kv_blocks)
+        yield self._counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                            s.prefix_cache_queries)
+        yield self._counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits)
+        yield self._counter("num_preemptions", "Requests preempted to free KV cache.", s.num_preemptions)
+        yield self._counter("engine_steps", "Engine steps run.", s.num_steps)
+        fill = GaugeMetricFamily(
+            PREFIX + "batch_fill_ratio",
+            "Last step's batch over its limit: tokens / max_num_batched_tokens, seqs / max_num_seqs.",
+            labels=["model_name", "dimension"],
+        )
+        fill.add_metric([self.model_name, "tokens"], s.last_batch_tokens / self.config.max_num_batched_tokens)
+        fill.add_metric([self.model_name, "seqs"], s.last_batch_seqs / self.config.max_num_seqs)
+        yield fill
+        split = CounterMetricFamily(
+            PREFIX + "step_time_seconds", "Engine step time by phase.", labels=["model_name", "phase"]
+        )
+        for phase in ("schedule", "prepare", "forward", "sample", "detokenize"):
+            split.add_metric([self.model_name, phase], getattr(s, f"{phase}_seconds_total"))
+        yield split
+
+
+class ServerMetrics:
+    def __init__(self, engine, model_name: str, slo: Slo):
+        # A registry per server, not the process-global one, so several servers can share a process.
+        self.registry = CollectorRegistry()
+        self.slo = slo
+        self.model_name = model_name
+        self.registry.register(EngineStatsCollector(engine, model_name))
+        labels = ["model_name"]
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=self.registry)
+
+        def counter(name: str, doc: str, extra_labels: tuple[str, ...] = ()) -> Counter:
+            return Counter(PREFIX + name, doc, [*labels, *extra_labels], registry=self.registry)
+
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", TOKEN_LATENCY_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between output tokens.", TOKEN_LATENCY_BUCKETS)
+        self.tpot = histogram("request_time_per_output_token_seconds", "Mean time per output token, per request.",
+                              TOKEN_LATENCY_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", REQUEST_LATENCY_BUCKETS)
+        self.queue = histogram("request_queue_time_seconds", "Arrival to first scheduled.", REQUEST_LATENCY_BUCKETS)
+        self.prefill = histogram("request_prefill_time_seconds", "First scheduled to first token.",
+                                 REQUEST_LATENCY_BUCKETS)
+        self.decode = histogram("request_decode_time_seconds", "First token to finish.", REQUEST_LATENCY_BUCKETS)
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens of finished requests.")
+        self.request_success = counter("request_success", "Finished requests by finish reason.",
+                                       ("finished_reason",))
+        self.request_slo = counter("request_slo", "Finished requests that met (or missed) the SLO.", ("attained",))
+        self.request_rejected = counter("request_rejected", "Requests refused before reaching the engine.",
+                                        ("status",))
+
+    def observe_finished(self, out: RequestOutput) -> None:
+        m = out.metrics
+        finished = m.finished_time or time.time()
+        ttft = _since(m.arrival_time, m.first_token_time)
+        tpot = time_per_output_token(out)
+        name = self.model_name
+        for hist, value in [
+            (self.e2e, _since(m.arrival_time, finished)),
+            (self.queue, _since(m.arrival_time, m.first_scheduled_time)),
+            (self.ttft, ttft),
+            (self.prefill, _since(m.first_scheduled_time, m.first_token_time)),
+            (self.decode, _since(m.first_token_time, finished)),
+            (self.tpot, tpot),
+        ]:
+            if value is not None:
+                hist.labels(name).observe(value)
+        for earlier, later in zip(m.token_times, m.token_times[1:]):
+            self.itl.labels(name).observe(max(0.0, later - earlier))
+        self.prompt_tokens.labels(name).inc(len(out.prompt_token_ids))
+        self.generation_tokens.labels(name).inc(sum(len(c.token_ids) for c in out.outputs))
+        self.request_success.labels(name, out.outputs[0].finish_reason or "abort").inc()
+        self.request_slo.labels(name, str(self.slo.met(ttft, tpot)).lower()).inc()
+
+    def observe_aborted(self) -> None:
+        self.request_success.labels(self.model_name, "abort").inc()
+
+    def observe_rejected(self, status: int) -> None:
+        self.request_rejected.labels(self.model_name, str(status)).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,80 @@
+"""Start `goodserve serve` as a child process on a free loopback port (tests, bench's local mode)."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ServerProcess:
+    process: subprocess.Popen
+    url: str
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 60.0) -> int:
+        """Signal the server and wait for it to exit; returns its exit code."""
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
+
+    def wait_ready(self, timeout_s: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"goodserve serve exited with {self.process.returncode}:\n{self.log()[-4000:]}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        self.stop(signal.SIGKILL)
+        raise RuntimeError(f"goodserve serve did not become healthy in {timeout_s}s:\n{self.log()[-4000:]}")
+
+    def __enter__(self) -> "ServerProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def start_server(args: list[str]) -> ServerProcess:
+    """Start `goodserve serve ARGS --port <free>` without waiting for it (load something else meanwhile)."""
+    port = free_port()
+    log_path = Path(tempfile.mkstemp(prefix="goodserve-serve-", suffix=".log")[1])
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "goodserve.cli", "serve", "--port", str(port), *args],
+            stdout=log, stderr=subprocess.STDOUT,
+        )
+    return ServerProcess(process, f"http://127.0.0.1:{port}", log_path)
+
+
+def launch_server(args: list[str], timeout_s: float = 180.0) -> ServerProcess:
+    """Start the server and return once /health answers 200."""
+    server = start_server(args)
+    server.wait_ready(timeout_s)
+    return server

@@ -1,0 +1,121 @@
+"""What the OpenAI endpoints share: model check, tokenization, validation, jobs, SSE framing."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from pydantic import BaseModel
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from goodserve.errors import GoodserveError, InvalidRequestError, ModelLoadError
+from goodserve.sampling_params import SamplingParams
+from goodserve.server.admission import Admission
+from goodserve.server.errors import error_body
+from goodserve.server.generation import GenerationJob, cancel_on_disconnect
+from goodserve.server.logprobs import TokenTexts
+from goodserve.server.metrics import ServerMetrics
+from goodserve.server.protocol import ChatMessage
+
+logger = logging.getLogger("goodserve.server")
+
+
+@dataclass
+class ServingContext:
+    engine: object  # AsyncEngine
+    model_name: str
+    admission: Admission
+    metrics: ServerMetrics
+    request_timeout_s: float | None = None  # server-wide deadline; a request may ask for less
+
+    def __post_init__(self) -> None:
+        self.token_texts = TokenTexts(self.engine.tokenizer) if self.engine.tokenizer is not None else None
+
+    @property
+    def tokenizer(self):
+        if self.engine.tokenizer is None:
+            raise InvalidRequestError("this model has no tokenizer; send prompts as token ids")
+        return self.engine.tokenizer
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise ModelLoadError(f"model '{model}' is not served here; this server serves '{self.model_name}'")
+
+    def chat_prompt_ids(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+        if not messages:
+            raise InvalidRequestError("messages must contain at least one message")
+        conversation = [{"role": m.role, "content": m.text()} for m in messages]
+        text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
+        # The template writes the special tokens itself (as transformers' apply_chat_template).
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def completion_prompt_ids(self, prompt: str | list[str] | list[int] | list[list[int]]) -> list[list[int]]:
+        if isinstance(prompt, str):
+            prompt = [prompt]
+        if not prompt:
+            raise InvalidRequestError("prompt must not be empty")
+        if isinstance(prompt[0], int):
+            return [list(prompt)]
+        return [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompt]
+
+    def new_job(self, kind: str, prompts: list[list[int]], params: SamplingParams,
+                request_timeout_s: float | None) -> GenerationJob:
+        """Validate every prompt (a request that can never fit is a 400 now), then take queue places."""
+        for ids in prompts:
+            self.engine.validate_request(ids, params)
+        timeouts = [t for t in (self.request_timeout_s, request_timeout_s) if t is not None]
+        deadline = time.monotonic() + min(timeouts) if timeouts else None
+        job = GenerationJob(
+            engine=self.engine, request_id=f"{kind}-{uuid.uuid4().hex}", prompts=prompts, params=params,
+            admission=self.admission, metrics=self.metrics, deadline=deadline,
+        )
+        job.admit()
+        return job
+
+    async def run_to_end(self, job: GenerationJob, request: Request):
+        try:
+            return await cancel_on_disconnect(request, job.run())
+        finally:
+            job.release()
+
+
+def sse(payload: BaseModel | dict | str) -> str:
+    if isinstance(payload, BaseModel):
+        payload = payload.model_dump_json()
+    elif isinstance(payload, dict):
+        payload = json.dumps(payload)
+    return f"data: {payload}\n\n"
+
+
+async def _sse_events(chunks: AsyncIterator[BaseModel]) -> AsyncIterator[str]:
+    """Frame chunks as server-sent events; a failure mid-stream becomes an error event, then [DONE]."""
+    try:
+        async for chunk in chunks:
+            yield sse(chunk)
+    except GoodserveError as exc:
+        yield sse(error_body(str(exc), exc.error_type, exc.http_status))
+    except Exception as exc:
+        logger.exception("stream failed")
+        yield sse(error_body(f"internal error: {type(exc).__name__}", "internal_error", 500))
+    yield sse("[DONE]")
+
+
+class JobStreamingResponse(StreamingResponse):
+    """An SSE response that gives back its job's queue places even if the stream never starts."""
+
+    def __init__(self, chunks: AsyncIterator[BaseModel], job: GenerationJob):
+        super().__init__(_sse_events(chunks), media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache"})
+        self.job = job
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.job.release()

@@ -1,0 +1,38 @@
+"""Shared fixtures. The embedded model and its Hugging Face twin load once per test session."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="session")
+def embedded_llm():
+    from goodserve import LLM
+
+    return LLM("smollm2-135m", cpu_kv_cache_bytes=256 << 20)
+
+
+@pytest.fixture(scope="session")
+def hf_embedded():
+    """transformers' own model read from the same GGUF file: the independent reference."""
+    import transformers
+
+    from goodserve.model.loader import embedded_gguf_path
+
+    path = embedded_gguf_path()
+    model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                              dtype=torch.float32)
+    return model.eval()
+
+
+@torch.no_grad()
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """Plain greedy decoding with HF's own KV cache, never stopping at EOS."""
+    out = model(torch.tensor([prompt_ids]), use_cache=True)
+    tokens = []
+    for _ in range(max_new_tokens):
+        token = int(out.logits[0, -1].argmax())
+        tokens.append(token)
+        out = model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
+    return tokens

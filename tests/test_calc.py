@@ -1,0 +1,106 @@
+"""Calculators against worked examples computed by hand."""
+
+import argparse
+
+import pytest
+
+from goodserve.diagnose import calc_command
+from goodserve.diagnose.calc import (cost_per_million_tokens, fit, kv_cache_bytes,
+                                     max_concurrent_sequences, weight_bytes)
+from goodserve.diagnose.roofline import mbu
+from goodserve.errors import InvalidRequestError
+from goodserve.model.presets import get_preset
+from goodserve.model.spec import ModelSpec
+
+
+def llama2_13b_shape():
+    # 40 layers, 5120 hidden, 40 heads of 128, MHA: exactly what the worked example states.
+    return ModelSpec(name="llama-2-13b", vocab_size=32000, hidden_size=5120, intermediate_size=13824,
+                     num_layers=40, num_heads=40, num_kv_heads=40, head_dim=128, max_position_embeddings=4096)
+
+
+def test_llama2_13b_kv_at_batch_32_x_2048_fp16_is_53_7_gb():
+    kv = kv_cache_bytes(llama2_13b_shape(), tokens=2048, batch=32, kv_dtype="fp16")
+    assert kv == 2 * 40 * 40 * 128 * 2 * 2048 * 32
+    assert round(kv / 1e9, 1) == 53.7
+    assert kv_cache_bytes(get_preset("llama-2-13b"), 2048, 32, "fp16") == kv  # the preset agrees
+
+
+def test_llama31_8b_gqa_kv():
+    spec = get_preset("llama-3.1-8b")
+    # 2 x 32 layers x 8 KV heads x 128 x 2 bytes = 128 KiB per token: 4x less than 32-head MHA.
+    assert kv_cache_bytes(spec, 1, 1, "bf16") == 131072
+    assert kv_cache_bytes(spec, 8192, 1, "bf16") / 2**30 == pytest.approx(1.0)  # 1 GiB per 8K sequence
+    assert kv_cache_bytes(spec, 8192, 1, "int8") == kv_cache_bytes(spec, 8192, 1, "bf16") / 2
+    # 40 GB of KV budget holds floor(40e9 / 1 GiB) = 37 such sequences.
+    assert max_concurrent_sequences(spec, 40e9, 8192, "bf16") == 37
+
+
+def test_mbu_of_7b_fp16_at_100_tok_s_on_2_tb_s_is_70_percent():
+    bytes_per_token = 7e9 * 2  # batch 1: every token reads all 14 GB of weights
+    assert mbu(bytes_per_token, 100.0, 2e12) == pytest.approx(0.70)
+
+
+def test_fit_at_tensor_parallel_degrees():
+    spec = get_preset("llama-3.1-70b")
+    weights = weight_bytes(spec, "bf16")
+    assert weights / 1e9 == pytest.approx(141.1, abs=0.1)  # 70.55 B params x 2 bytes
+    one = fit(spec, 80e9, tp=1, seq_len=8192, batch=1)
+    assert not one.weights_fit and not one.fits
+    four = fit(spec, 80e9, tp=4, seq_len=8192, batch=16)
+    assert four.weight_bytes_per_gpu == pytest.approx(weights / 4)
+    # 8 KV heads over 4 GPUs: 2 heads each -> 2 x 80 x 2 x 128 x 2 B = 81920 B per token per GPU.
+    assert four.kv_bytes_per_gpu == pytest.approx(81920 * 8192 * 16)
+    assert four.fits
+    usable = 80e9 * 0.9 - 1e9
+    assert four.max_sequences == int((usable - weights / 4) // (81920 * 8192))
+    # 16 GPUs > 8 KV heads: each GPU keeps one head's copy, not half of one.
+    sixteen = fit(spec, 80e9, tp=16, seq_len=1, batch=1)
+    assert sixteen.kv_bytes_per_gpu == 2 * 80 * 1 * 128 * 2
+    with pytest.raises(InvalidRequestError):
+        fit(spec, 80e9, tp=3)
+
+
+def test_int4_weights_count_group_scales():
+    spec = get_preset("llama-2-7b")
+    embed = spec.vocab_size * spec.hidden_size
+    matmul = spec.num_params() - embed
+    assert weight_bytes(spec, "int4") == pytest.approx(embed * 2 + matmul * 0.5 + matmul / 128 * 2)
+
+
+def test_cost_per_million_tokens():
+    # $2/h for 1000 tok/s: 3.6M tokens per hour -> $0.5556 per 1M.
+    assert cost_per_million_tokens(2.0, 1000.0) == pytest.approx(2.0 / 3.6)
+    assert cost_per_million_tokens(2.0, 1000.0, num_gpus=8) == pytest.approx(8 * 2.0 / 3.6)
+    with pytest.raises(InvalidRequestError):
+        cost_per_million_tokens(2.0, 0.0)
+
+
+def run_calc(*argv):
+    parser = argparse.ArgumentParser()
+    calc_command.register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["calc", *argv])
+    return args.func(args)
+
+
+def test_calc_command_kv_from_shape(capsys):
+    assert run_calc("kv", "--num-layers", "40", "--hidden-size", "5120", "--num-heads", "40",
+                    "--batch", "32", "--seq-len", "2048", "--kv-dtype", "fp16") == 0
+    assert "53.7 GB" in capsys.readouterr().out
+
+
+def test_calc_command_fit_and_cost(capsys):
+    assert run_calc("fit", "--model", "llama-3.1-70b", "--gpu", "h100-sxm", "--tp", "1") == 1
+    assert "does not fit" in capsys.readouterr().out
+    assert run_calc("fit", "--model", "llama-3.1-8b", "--gpu", "h100", "--tp", "1") == 0
+    assert run_calc("cost", "--gpu-hourly-cost", "2", "--tokens-per-s", "1000") == 0
+    assert "$0.5556 per 1M tokens" in capsys.readouterr().out
+
+
+def test_calc_command_bad_input():
+    with pytest.raises(InvalidRequestError, match="give --model"):
+        run_calc("kv", "--num-layers", "40")
+    from goodserve.errors import ModelLoadError
+
+    with pytest.raises(ModelLoadError, match="unknown model"):
+        run_calc("kv", "--model", "no-such-model")

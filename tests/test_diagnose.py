@@ -1,0 +1,153 @@
+"""Roofline math, verdicts, advice, and the diagnose command, against hand-computed values."""
+
+import argparse
+import json
+
+import pytest
+
+from goodserve.bench.metrics import compute_metrics
+from goodserve.bench.records import RequestRecord
+from goodserve.bench.result import build_result, save_json
+from goodserve.diagnose import command as diagnose_command
+from goodserve.diagnose.advisor import advise
+from goodserve.diagnose.hardware import Hardware, get_hardware, measure_local
+from goodserve.diagnose.observations import Observations, from_bench_result, observations_from_scrapes
+from goodserve.diagnose.roofline import (analyze, analyze_decode, decode_step_bytes, flops_per_token,
+                                         prefill_flops)
+from goodserve.errors import InvalidRequestError
+from goodserve.model.presets import get_preset
+
+SPEC = get_preset("llama-2-7b")  # 32 layers, 32 heads x 128, MHA: KV 524288 B/token in bf16
+GPU = Hardware("test-gpu", {"bf16": 312e12}, 2e12, 80e9)  # ridge 156 FLOP/B
+
+
+def obs(**overrides):
+    values = dict(source="test", mean_prompt_len=100, mean_output_len=100, concurrency=1.0, ttft_s=0.05,
+                  tpot_s=0.01, input_throughput=1000.0, output_throughput=100.0, request_throughput=1.0)
+    values.update(overrides)
+    return Observations(**values)
+
+
+def test_flops_per_token_and_prefill():
+    n = SPEC.num_matmul_params()
+    assert flops_per_token(SPEC, 0) == 2 * n
+    assert flops_per_token(SPEC, 1000) == 2 * n + 4 * 32 * 1000 * 4096
+    # Prefill of P tokens = the sum of per-token FLOPs at contexts 1..P (causal attention).
+    assert prefill_flops(SPEC, 50) == pytest.approx(sum(flops_per_token(SPEC, i) for i in range(1, 51)))
+
+
+def test_decode_mbu_batch_1():
+    # 100 tok/s, batch 1, context 100 + 100/2 = 150: weights + 150 tokens of KV per step.
+    step_bytes = SPEC.num_params() * 2 + 150 * 524288
+    assert decode_step_bytes(SPEC, 1, 150) == step_bytes
+    d = analyze_decode(SPEC, GPU, obs())
+    assert d.mbu == pytest.approx(step_bytes * 100 / 2e12)
+    assert d.mfu == pytest.approx(flops_per_token(SPEC, 150) * 100 / 312e12)
+    assert d.ridge_point == pytest.approx(156)
+    assert d.verdict == "bandwidth-bound" and d.intensity < 2
+
+
+def test_decode_verdicts_compute_and_capacity():
+    big_batch = analyze_decode(SPEC, GPU, obs(concurrency=512, mean_prompt_len=10, mean_output_len=10))
+    assert big_batch.intensity > 156 and big_batch.verdict == "compute-bound"
+    assert analyze_decode(SPEC, GPU, obs(num_preemptions=3)).verdict == "capacity-bound"
+    assert analyze_decode(SPEC, GPU, obs(kv_cache_usage=0.99)).verdict == "capacity-bound"
+    # 2000 sequences of 200 tokens need 210 GB of KV: more than an 80 GB GPU holds.
+    assert analyze_decode(SPEC, GPU, obs(concurrency=2000)).verdict == "capacity-bound"
+
+
+def test_prefill_is_compute_bound_for_long_prompts():
+    prefill, _ = analyze(SPEC, GPU, obs(mean_prompt_len=2000, ttft_s=0.2))
+    assert prefill.verdict == "compute-bound"
+    assert prefill.mfu == pytest.approx(prefill_flops(SPEC, 2000) / 0.2 / 312e12)
+
+
+def test_advice_ranked_with_options_and_confirmations():
+    o = obs(num_preemptions=5, tpot_p99_s=0.2, slos_ms={"tpot": 50.0})
+    advice = advise(o, analyze(SPEC, GPU, o))
+    symptoms = [a.symptom for a in advice]
+    # TPOT at 4x its SLO (severity 3) outranks 5 preemptions (severity 1.05).
+    assert symptoms[:2] == ["high TPOT", "preemptions / KV cache full"]
+    kv_fix = advice[1].fixes[0]
+    assert kv_fix.option.startswith("--kv-cache-dtype") and "num_preemptions" in kv_fix.confirm
+    assert all(f.option.startswith("--") and f.effect and f.confirm for a in advice for f in a.fixes)
+
+
+def test_no_advice_when_healthy_and_prefix_rule():
+    healthy = obs()  # 100 tok/s at batch 1 on an H100 is 40% MBU: no symptom
+    assert advise(healthy, analyze(SPEC, get_hardware("h100-sxm"), healthy)) == []
+    slow = obs(tpot_s=0.05)  # 8% MBU at batch 1
+    assert [a.symptom for a in advise(slow, analyze(SPEC, get_hardware("h100-sxm"), slow))] == [
+        "low throughput at low MBU"]
+    missing = obs(repeated_prefixes=True, prefix_cache_hit_rate=0.05)
+    assert "low prefix-cache hit rate on repeated prefixes" in [
+        a.symptom for a in advise(missing, analyze(SPEC, GPU, missing))]
+
+
+def records():
+    return [
+        RequestRecord(0, 100, 4, 0.0, 0.1, [0.1, 0.2, 0.3, 0.4], 0.4, 4, "usage", 50, True),
+        RequestRecord(1, 300, 4, 0.0, 0.2, [0.2, 0.4], 0.6, 2, "usage", 0, True),
+        RequestRecord(2, 50, 4, 0.5, None, [], 1.0, 0, "none", None, False, "boom"),
+    ]
+
+
+def test_observations_from_bench_result(tmp_path):
+    result = build_result({"dataset_name": "prefix_repetition"}, compute_metrics(records()), records())
+    save_json(result, tmp_path / "r.json")
+    o = from_bench_result(str(tmp_path / "r.json"))
+    assert o.mean_prompt_len == 200 and o.mean_output_len == 3
+    assert o.concurrency == pytest.approx((0.4 + 0.6) / 1.0)  # Little's law over the 1 s run
+    assert o.prefix_cache_hit_rate == pytest.approx(50 / 400)
+    assert o.repeated_prefixes and o.ttft_s == pytest.approx(0.15)
+
+
+def test_observations_from_two_scrapes():
+    before = {"e2e_request_latency_seconds_count": 10, "e2e_request_latency_seconds_sum": 20.0,
+              "prompt_tokens_total": 1000, "generation_tokens_total": 500,
+              "time_to_first_token_seconds_count": 10, "time_to_first_token_seconds_sum": 1.0,
+              "prefix_cache_queries_total": 1000, "prefix_cache_hits_total": 0}
+    after = {"e2e_request_latency_seconds_count": 30, "e2e_request_latency_seconds_sum": 60.0,
+             "prompt_tokens_total": 5000, "generation_tokens_total": 2500,
+             "time_to_first_token_seconds_count": 30, "time_to_first_token_seconds_sum": 5.0,
+             "prefix_cache_queries_total": 5000, "prefix_cache_hits_total": 1000,
+             "kv_cache_usage_perc": 0.5, "num_preemptions_total": 2}
+    o = observations_from_scrapes(before, after, 10.0, "http://x/metrics")
+    assert (o.mean_prompt_len, o.mean_output_len) == (200, 100)  # 4000 / 20 and 2000 / 20
+    assert o.concurrency == pytest.approx(4.0)  # 40 request-seconds over 10 s
+    assert o.ttft_s == pytest.approx(0.2) and o.output_throughput == pytest.approx(200)
+    assert o.prefix_cache_hit_rate == pytest.approx(0.25) and o.num_preemptions == 2
+    with pytest.raises(InvalidRequestError, match="no request finished"):
+        observations_from_scrapes(before, before, 10.0, "http://x/metrics")
+
+
+def test_measure_local_probes_this_machine():
+    hw = measure_local("cpu", copy_bytes=1 << 20, matmul_n=64, repeats=2)
+    assert hw.measured and hw.memory_bandwidth > 0 and hw.flops_for("bf16") > 0 and hw.memory_bytes > 1e9
+
+
+def run_diagnose(*argv):
+    parser = argparse.ArgumentParser()
+    diagnose_command.register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["diagnose", *argv])
+    return args.func(args)
+
+
+def test_diagnose_command_from_result(tmp_path, capsys):
+    result = build_result({"dataset_name": "random"}, compute_metrics(records()), records())
+    save_json(result, tmp_path / "r.json")
+    out = tmp_path / "d.json"
+    assert run_diagnose("--model", "llama-2-7b", "--hardware", "a100-80gb", "--result",
+                        str(tmp_path / "r.json"), "--json", str(out)) == 0
+    text = capsys.readouterr().out
+    assert "bandwidth-bound" in text and "ridge point" in text
+    report = json.loads(out.read_text())
+    assert [p["phase"] for p in report["phases"]] == ["prefill", "decode"]
+
+
+def test_diagnose_command_bad_input(tmp_path):
+    with pytest.raises(InvalidRequestError, match="unknown hardware"):
+        run_diagnose("--model", "llama-2-7b", "--hardware", "tpu-v9")
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(InvalidRequestError, match="not a bench result"):
+        run_diagnose("--model", "llama-2-7b", "--result", str(tmp_path / "bad.json"))

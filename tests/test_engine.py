@@ -1,0 +1,124 @@
+"""The engine end to end on the embedded model: HF agreement, batch invariance, preemption, errors."""
+
+import pytest
+import torch
+
+from conftest import hf_greedy
+from goodserve import LLM, SamplingParams
+from goodserve.errors import InvalidRequestError, ModelLoadError, PromptTooLongError
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a land far away,",
+    "List three colors:",
+]
+GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+
+
+def test_greedy_matches_transformers_raw_and_chat(embedded_llm, hf_embedded):
+    tok = embedded_llm.tokenizer
+    chat = tok.apply_chat_template([{"role": "user", "content": "Name a fruit."}])
+    prompts = [tok.encode(p) for p in PROMPTS[:2]] + [tok.encode(chat, add_special_tokens=False)]
+    outputs = embedded_llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    for prompt, output in zip(prompts, outputs):
+        assert output.outputs[0].token_ids == hf_greedy(hf_embedded, prompt, 32)
+
+
+def test_batch_invariance(embedded_llm):
+    """A prompt's greedy tokens do not depend on its batch, chunking or prefix-cache state."""
+    tok = embedded_llm.tokenizer
+    probe = tok.encode("Here is a short story about a robot who learns to paint. It lived in a small town "
+                       "by the sea, and every morning it watched the fishing boats leave the harbour:")
+    assert len(probe) > 32
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    alone = embedded_llm.generate({"prompt_token_ids": probe}, params)[0].outputs[0].token_ids
+    torch.manual_seed(0)
+    others = [torch.randint(100, 20000, (int(n),)).tolist() for n in torch.randint(3, 90, (15,))]
+    batch = [{"prompt_token_ids": probe}] + [{"prompt_token_ids": p} for p in others]
+    for engine in (embedded_llm, LLM("smollm2-135m", enable_chunked_prefill=True, max_num_batched_tokens=32,
+                                     cpu_kv_cache_bytes=128 << 20)):
+        outputs = engine.generate(batch, params)
+        assert outputs[0].outputs[0].token_ids == alone
+        # Now probe's blocks are in the prefix cache: a hit must give the same tokens.
+        hit = engine.generate({"prompt_token_ids": probe}, params)[0]
+        assert hit.num_cached_tokens > 0
+        assert hit.outputs[0].token_ids == alone
+
+
+def test_preemption_keeps_outputs(embedded_llm):
+    tok = embedded_llm.tokenizer
+    prompts = [tok.encode(p) for p in PROMPTS]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in embedded_llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], params)]
+    # 6 blocks of 16 tokens: all four requests together need ~8, so some must be preempted.
+    small = LLM("smollm2-135m", num_kv_blocks=6, block_size=16, enable_prefix_caching=False)
+    outputs = small.generate([{"prompt_token_ids": p} for p in prompts], params)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert small.engine.stats().num_preemptions > 0
+    assert small.engine.pool.num_free_blocks == 6
+
+
+@pytest.mark.parametrize("policy", ["static", "dynamic"])
+def test_batching_policies_give_the_same_tokens(policy):
+    prompts = [{"prompt_token_ids": list(range(5 + i, 20 + 3 * i))} for i in range(5)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    reference = LLM("dummy:tiny", num_kv_blocks=64).generate(prompts, params)
+    outputs = LLM("dummy:tiny", num_kv_blocks=64, scheduler_policy=policy, max_num_seqs=2).generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in reference]
+
+
+def test_stop_strings_n_and_logprobs(embedded_llm):
+    out = embedded_llm.generate("def fibonacci(n):", SamplingParams(temperature=0, max_tokens=40, stop=["return"]))[0]
+    completion = out.outputs[0]
+    assert completion.finish_reason == "stop" and completion.stop_reason == "return"
+    assert "return" not in completion.text
+    full = embedded_llm.generate("def fibonacci(n):", SamplingParams(temperature=0, max_tokens=40))[0]
+    assert full.outputs[0].text.startswith(completion.text)
+    out = embedded_llm.generate("Hello", SamplingParams(temperature=0.9, n=3, seed=5, max_tokens=8, logprobs=2))[0]
+    assert len(out.outputs) == 3 and len({tuple(c.token_ids) for c in out.outputs}) > 1
+    for completion in out.outputs:
+        assert len(completion.logprobs) == len(completion.token_ids)
+        for token, entry in zip(completion.token_ids, completion.logprobs):
+            assert token in entry and len(entry) <= 3
+
+
+def test_logprobs_match_transformers(embedded_llm, hf_embedded):
+    ids = embedded_llm.tokenizer.encode("The quick brown fox jumps over the lazy dog")
+    out = embedded_llm.generate({"prompt_token_ids": ids},
+                                SamplingParams(temperature=0, max_tokens=3, logprobs=1, prompt_logprobs=1))[0]
+    with torch.no_grad():
+        reference = torch.log_softmax(hf_embedded(torch.tensor([ids + out.outputs[0].token_ids])).logits[0], -1)
+    assert out.prompt_logprobs[0] is None
+    for pos in range(1, len(ids)):
+        entry = out.prompt_logprobs[pos]
+        assert entry[ids[pos]].logprob == pytest.approx(reference[pos - 1, ids[pos]].item(), abs=1e-3)
+    for i, token in enumerate(out.outputs[0].token_ids):
+        logprob = out.outputs[0].logprobs[i][token].logprob
+        assert logprob == pytest.approx(reference[len(ids) - 1 + i, token].item(), abs=1e-3)
+
+
+def test_seeded_sampling_reproducible(embedded_llm):
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=123, max_tokens=10)
+    first = embedded_llm.generate("Tell me a joke", params)[0].outputs[0].token_ids
+    batch = embedded_llm.generate(["Tell me a joke", "Another prompt"], params)
+    assert batch[0].outputs[0].token_ids == first
+
+
+def test_bad_input_is_typed_and_leaks_nothing(embedded_llm, tmp_path):
+    engine = embedded_llm.engine
+    with pytest.raises(InvalidRequestError, match="empty"):
+        embedded_llm.generate({"prompt_token_ids": []})
+    with pytest.raises(PromptTooLongError, match="context"):
+        embedded_llm.generate({"prompt_token_ids": [5] * (engine.max_model_len + 1)})
+    with pytest.raises(PromptTooLongError, match="max_tokens"):
+        embedded_llm.generate("hi", SamplingParams(max_tokens=engine.max_model_len))
+    with pytest.raises(InvalidRequestError, match="top_p"):
+        SamplingParams(top_p=1.5)
+    with pytest.raises(InvalidRequestError, match="temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ModelLoadError):
+        LLM(str(tmp_path / "no-such-model"))
+    assert not engine.has_unfinished()
+    assert engine.pool.num_used_blocks == 0

@@ -1,0 +1,103 @@
+"""Int8Linear / Int4Linear on the CPU equal nn.Linear on the dequantized weight; quantize_model swaps
+exactly the transformer projections; a saved quantized checkpoint reloads bit-identically."""
+
+import pytest
+import torch
+from torch import nn
+
+from goodserve.errors import InvalidRequestError, ModelLoadError
+from goodserve.model.llama import LlamaForCausalLM
+from goodserve.model.spec import ModelSpec
+from goodserve.quant import linear as qlinear
+from goodserve.quant.apply import quantize_model
+from goodserve.quant.checkpoint import load_quantized_into, save_quantized
+from goodserve.quant.linear import Int4Linear, Int8Linear
+
+TINY = ModelSpec(name="tiny", vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                 num_kv_heads=2, head_dim=16, max_position_embeddings=64, tie_word_embeddings=True)
+
+
+def _reference(module, x):
+    return nn.functional.linear(x, module.dequantize(x.dtype), module.bias)
+
+
+@pytest.mark.parametrize("rows", [1, qlinear.CPU_PACKED_MAX_M, 17])  # packed-kernel and dequantize paths
+@pytest.mark.parametrize("out_features", [48, 40])  # 40: the int4 CPU kernel's N % 16 fallback
+@pytest.mark.parametrize("make,float_tolerance", [(Int8Linear.from_linear, 0.02),
+                                                  (lambda lin: Int4Linear.from_linear(lin, 32), 0.2)])
+def test_cpu_forward_matches_dequantized_linear(rows, out_features, make, float_tolerance):
+    torch.manual_seed(rows + out_features)
+    lin = nn.Linear(96, out_features, bias=True)
+    module = make(lin)
+    x = torch.randn(2, rows, 96)
+    out = module(x)
+    assert out.shape == (2, rows, out_features)
+    torch.testing.assert_close(out, _reference(module, x), rtol=1e-4, atol=1e-4)
+    # and close to the float layer it replaced
+    assert (out - lin(x)).abs().max() < float_tolerance
+
+
+def test_int4_cpu_layout_follows_reloaded_codes():
+    torch.manual_seed(0)
+    a, b = Int4Linear.from_linear(nn.Linear(64, 32), 32), Int4Linear.from_linear(nn.Linear(64, 32), 32)
+    x = torch.randn(1, 64)
+    a(x)  # builds a's CPU kernel layout
+    a.load_state_dict(b.state_dict())
+    torch.testing.assert_close(a(x), _reference(b, x), rtol=1e-4, atol=1e-4)
+
+
+def _tiny_model(seed: int) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(TINY)
+    for p in model.parameters():
+        nn.init.normal_(p, std=0.1)
+    return model.eval().requires_grad_(False)
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantize_model_swaps_the_projections_only(method):
+    model = quantize_model(_tiny_model(0), method, group_size=32)
+    kinds = {name: type(m).__name__ for name, m in model.named_modules()
+             if name.rsplit(".", 1)[-1] in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")}
+    expected = "Int8Linear" if method == "int8" else "Int4Linear"
+    assert sorted(set(kinds.values())) == sorted({expected, "Linear"})
+    assert kinds["lm_head"] == "Linear" and sum(v == expected for v in kinds.values()) == 8
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_quantize_model_refuses_bad_input_and_leaves_model_untouched():
+    model = _tiny_model(0)
+    with pytest.raises(InvalidRequestError, match="does not divide"):
+        quantize_model(model, "int4", group_size=128)  # hidden size 64
+    assert isinstance(model.model.layers[0].self_attn.qkv_proj, nn.Linear)
+    with pytest.raises(InvalidRequestError, match="quantization must be one of"):
+        quantize_model(model, "int3")
+    with pytest.raises(InvalidRequestError, match="float64"):
+        quantize_model(model.double(), "int8")
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_checkpoint_reloads_bit_identically(tmp_path, method):
+    path = tmp_path / "q.safetensors"
+    source = quantize_model(_tiny_model(0), method, group_size=32)
+    save_quantized(source, path, revision="r1")
+    target = load_quantized_into(_tiny_model(1), path, revision="r1")  # other random weights first
+    saved, loaded = source.state_dict(), target.state_dict()
+    assert saved.keys() == loaded.keys()
+    for name, tensor in saved.items():
+        assert loaded[name].dtype == tensor.dtype and torch.equal(loaded[name], tensor), name
+    assert target.lm_head.weight is target.model.embed_tokens.weight
+
+
+def test_checkpoint_of_another_model_is_rejected(tmp_path):
+    path = tmp_path / "q.safetensors"
+    save_quantized(quantize_model(_tiny_model(0), "int8"), path, revision="r1")
+    with pytest.raises(ModelLoadError, match="other weights"):
+        load_quantized_into(_tiny_model(0), path, revision="r2")
+    other = LlamaForCausalLM(ModelSpec(**{**TINY.__dict__, "name": "wider", "intermediate_size": 256}))
+    with pytest.raises(ModelLoadError, match="another model .*'tiny'"):
+        load_quantized_into(other, path, revision="r1")
+    plain = tmp_path / "plain.safetensors"
+    plain.write_bytes(path.read_bytes()[:100])
+    with pytest.raises(ModelLoadError, match="not a readable safetensors"):
+        load_quantized_into(_tiny_model(0), plain, revision="r1")

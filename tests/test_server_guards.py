@@ -1,0 +1,106 @@
+"""Auth, body size limit, admission control (429) and deadlines, on a fast random-weight model.
+
+dummy:tiny has no tokenizer, so prompts are token ids; one request runs at a time
+(--max-num-seqs 1) and one may wait (--max-waiting 1), which makes "queue full" deterministic.
+"""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from goodserve.server.process import launch_server
+
+KEY = "test-key-123"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+MODEL = "dummy:tiny"
+MAX_BODY = 4096
+LONG = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 900, "ignore_eos": True, "stream": True}
+
+
+@pytest.fixture(scope="module")
+def url():
+    server = launch_server([
+        "--model", MODEL, "--api-key", KEY, "--max-body-bytes", str(MAX_BODY), "--max-num-seqs", "1",
+        "--max-waiting", "1", "--max-model-len", "1024",
+    ])
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+def assert_error(resp: httpx.Response, status: int) -> dict:
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert error["message"] and error["type"] and error["code"] == status
+    return error
+
+
+def assert_healthy_and_serving(url: str) -> None:
+    assert httpx.get(f"{url}/health").status_code == 200
+    resp = httpx.post(f"{url}/v1/completions", headers=AUTH, json={"prompt": [3, 4], "max_tokens": 2}, timeout=30)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["usage"]["completion_tokens"] == 2
+
+
+def test_missing_or_wrong_key_is_401(url):
+    body = {"prompt": [3, 4], "max_tokens": 2}
+    assert_error(httpx.post(f"{url}/v1/completions", json=body), 401)
+    assert_error(httpx.post(f"{url}/v1/completions", json=body, headers={"Authorization": "Bearer nope"}), 401)
+    assert_error(httpx.get(f"{url}/v1/models"), 401)
+    assert httpx.get(f"{url}/v1/models", headers=AUTH).json()["data"][0]["id"] == MODEL
+    assert httpx.get(f"{url}/metrics").status_code == 200  # scrapers and probes need no key
+    assert_healthy_and_serving(url)
+
+
+def test_oversized_body_is_413_declared_or_chunked(url):
+    big = {"prompt": list(range(2, 2000)), "max_tokens": 2}
+    assert_error(httpx.post(f"{url}/v1/completions", headers=AUTH, json=big), 413)
+
+    def chunked():  # no Content-Length: the limit is enforced while reading
+        yield b'{"prompt": ['
+        for _ in range(1000):
+            yield b"2, 3, 4, 5, "
+        yield b"6]}"
+
+    resp = httpx.post(f"{url}/v1/completions", headers={**AUTH, "content-type": "application/json"},
+                      content=chunked())
+    assert_error(resp, 413)
+    assert_healthy_and_serving(url)
+
+
+def test_request_that_can_never_fit_is_400_at_once(url):
+    body = {"prompt": [5] * 1000, "max_tokens": 100}
+    assert "context" in assert_error(httpx.post(f"{url}/v1/completions", headers=AUTH, json=body), 400)["message"]
+
+
+def test_full_waiting_queue_is_429_with_retry_after(url):
+    with httpx.Client(headers=AUTH, timeout=60) as client:
+        with client.stream("POST", f"{url}/v1/completions", json=LONG) as running:
+            assert running.status_code == 200
+            next(line for line in running.iter_lines() if line.startswith("data: "))  # it is running
+            with client.stream("POST", f"{url}/v1/completions", json=LONG) as waiting:
+                assert waiting.status_code == 200  # admitted: it holds the one waiting place
+                refused = client.post(f"{url}/v1/completions", json={"prompt": [3, 4], "max_tokens": 2})
+                assert_error(refused, 429)
+                assert int(refused.headers["Retry-After"]) >= 1
+    # both streams closed: their requests are aborted and the queue has room again
+    deadline = time.monotonic() + 30
+    while "goodserve:num_requests_running" in (m := httpx.get(f"{url}/metrics").text) and \
+            'goodserve:num_requests_running{model_name="dummy:tiny"} 0.0' not in m:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert_healthy_and_serving(url)
+
+
+def test_request_past_its_deadline_is_408_and_aborted(url):
+    body = {**LONG, "stream": False, "request_timeout_s": 0.3}
+    assert_error(httpx.post(f"{url}/v1/completions", headers=AUTH, json=body, timeout=60), 408)
+    stream_body = {**LONG, "request_timeout_s": 0.3}
+    with httpx.stream("POST", f"{url}/v1/completions", headers=AUTH, json=stream_body, timeout=60) as resp:
+        lines = [line for line in resp.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]" and '"code": 408' in lines[-2]
+    assert_healthy_and_serving(url)

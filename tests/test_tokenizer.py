@@ -1,0 +1,149 @@
+"""Our GGUF-built tokenizer and chat template against Hugging Face's for the same GGUF file, and
+the streaming detokenizer against a full decode."""
+
+from __future__ import annotations
+
+import pytest
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import models
+
+from goodserve.errors import InvalidRequestError
+from goodserve.model.detokenizer import IncrementalDetokenizer
+from goodserve.model.loader import embedded_gguf_path, embedded_tokenizer
+from goodserve.model.tokenizer import Tokenizer
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return embedded_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def hf_tok():
+    path = embedded_gguf_path()
+    return transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+
+
+TEXTS = [
+    "Hello, world!",
+    "def add(a, b):\n\treturn a + b  # sum\n",
+    "Prices: 1234567 and 3.14159, phone 555-0199, year 2024",
+    "   leading spaces, trailing tabs\t\t\n\n\nand   runs     of      blanks   ",
+    "naïve café, Straße, Ελληνικά, русский, 日本語のテキスト, 한국어",
+    "emoji 🤖🚀👩‍👩‍👧‍👦 and flags 🇫🇷🇯🇵 and skin tones 👍🏽",
+    "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
+    "<|endoftext|><repo_name>goodserve<file_sep>x = [i**2 for i in range(10)]",
+    "don't won't it's we've I'm you'll they'd",
+    "",
+]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_encode_matches_hf(tok: Tokenizer, hf_tok, text: str):
+    assert tok.encode(text) == hf_tok.encode(text)
+    assert tok.encode(text, add_special_tokens=False) == hf_tok.encode(text, add_special_tokens=False)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+@pytest.mark.parametrize("skip", [True, False])
+def test_decode_matches_hf(tok: Tokenizer, hf_tok, text: str, skip: bool):
+    ids = hf_tok.encode(text)
+    assert tok.decode(ids, skip_special_tokens=skip) == hf_tok.decode(ids, skip_special_tokens=skip)
+
+
+def test_digits_are_single_tokens(tok: Tokenizer):
+    # SmolLM's pre-tokenizer splits every digit; "2024" must be four tokens.
+    ids = tok.encode("2024", add_special_tokens=False)
+    assert [tok.id_to_token(i) for i in ids] == ["2", "0", "2", "4"]
+
+
+def test_special_ids_and_vocab(tok: Tokenizer, hf_tok):
+    assert tok.vocab_size == len(hf_tok) == 49152
+    assert tok.eos_token_ids == [hf_tok.eos_token_id]
+    assert tok.bos_token_id == hf_tok.bos_token_id
+    assert tok.id_to_token(tok.eos_token_ids[0]) == "<|im_end|>"
+
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "Hi there"}],
+    [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Name a prime."}],
+    [
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "and 日本? 🤖"},
+    ],
+]
+
+
+@pytest.mark.parametrize("messages", CONVERSATIONS)
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_chat_template_matches_hf(tok: Tokenizer, hf_tok, messages, add_generation_prompt: bool):
+    ours = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    ref = hf_tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+    assert ours == ref
+
+
+@pytest.mark.parametrize("messages", [[], "hello", [{"content": "no role"}], [{"role": "user", "content": 3}]])
+def test_bad_messages_are_invalid_request(tok: Tokenizer, messages):
+    with pytest.raises(InvalidRequestError):
+        tok.apply_chat_template(messages)
+
+
+def test_template_raise_exception_becomes_invalid_request(tok: Tokenizer):
+    template = "{% if messages[0]['role'] != 'user' %}{{ raise_exception('first must be user') }}{% endif %}ok"
+    strict = Tokenizer(tok.backend, bos_token_id=None, eos_token_ids=[2], chat_template=template)
+    assert strict.apply_chat_template([{"role": "user", "content": "x"}]) == "ok"
+    with pytest.raises(InvalidRequestError, match="first must be user"):
+        strict.apply_chat_template([{"role": "assistant", "content": "x"}])
+
+
+def test_template_sees_bos_and_eos_tokens():
+    backend = HFTokenizer(models.BPE(vocab={"a": 0, "<s>": 1, "</s>": 2}, merges=[]))
+    tokenizer = Tokenizer(backend, bos_token_id=1, eos_token_ids=[2], chat_template="{{ bos_token }}|{{ eos_token }}")
+    assert tokenizer.apply_chat_template([{"role": "user", "content": ""}]) == "<s>|</s>"
+
+
+def test_no_chat_template_is_invalid_request(tok: Tokenizer):
+    bare = Tokenizer(tok.backend, bos_token_id=None, eos_token_ids=[2], chat_template=None)
+    with pytest.raises(InvalidRequestError, match="chat template"):
+        bare.apply_chat_template([{"role": "user", "content": "x"}])
+
+
+STREAM_TEXT = "Emoji 🤖🚀👩‍👩‍👧‍👦 then 日本語のテキスト and 한국어 — done. ñ é 🇫🇷"
+
+
+def stream(tok: Tokenizer, ids: list[int], prompt: list[int] = (), skip: bool = True) -> list[str]:
+    detok = IncrementalDetokenizer(tok, prompt_token_ids=prompt, skip_special_tokens=skip)
+    deltas = [detok.add_tokens([i]) for i in ids]
+    deltas.append(detok.flush())
+    assert detok.text == "".join(deltas)
+    return deltas
+
+
+def test_stream_never_emits_partial_characters(tok: Tokenizer):
+    ids = tok.encode(STREAM_TEXT)
+    # The test only means something if some tokens really are partial characters on their own.
+    assert any("\ufffd" in tok.decode([i]) for i in ids)
+    deltas = stream(tok, ids)
+    assert not any("\ufffd" in d for d in deltas)
+    assert "".join(deltas) == tok.decode(ids) == STREAM_TEXT
+
+
+def test_stream_after_prompt_and_with_special_tokens(tok: Tokenizer):
+    prompt = tok.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    ids = tok.encode("Sure 👍🏽 — 日本<|im_end|>")
+    for skip in (True, False):
+        deltas = stream(tok, ids, prompt=prompt, skip=skip)
+        assert not any("\ufffd" in d for d in deltas)
+        assert "".join(deltas) == tok.decode(ids, skip_special_tokens=skip)
+    assert "".join(stream(tok, ids, prompt=prompt, skip=False)).endswith("<|im_end|>")
+
+
+def test_stream_cut_mid_character_flushes_the_rest(tok: Tokenizer):
+    ids = tok.encode("ok 🤖")
+    cut = next(n for n in range(1, len(ids)) if tok.decode(ids[:n]).endswith("\ufffd"))
+    deltas = stream(tok, ids[:cut])
+    assert not any("\ufffd" in d for d in deltas[:-1])  # held back until the final flush
+    assert "".join(deltas) == tok.decode(ids[:cut])

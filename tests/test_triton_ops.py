@@ -1,0 +1,109 @@
+"""Fused Triton norm / rotary / activation kernels under TRITON_INTERPRET=1 against the torch references.
+
+The fixture imports the kernel module with TRITON_INTERPRET=1 (Triton reads it when kernels are
+decorated) and reloads it without the variable afterwards, so the rest of a one-process suite is
+unaffected. The interpreter truncates float32 -> bf16 casts where a GPU rounds to nearest, so bf16
+results are compared to within one bf16 step.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import pytest
+import torch
+
+from goodserve.ops import attention
+from goodserve.ops.activation import silu_and_mul, silu_and_mul_torch
+from goodserve.ops.norm import add_rms_norm, add_rms_norm_torch, rms_norm_torch
+from goodserve.ops.rotary import RopeScaling, apply_rotary, apply_rotary_torch, cos_sin_cache
+
+KERNEL_MODULE = "goodserve.ops.triton_ops"
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _import_with_interpret(name: str, interpret: str | None):
+    os.environ.pop("TRITON_INTERPRET", None)
+    if interpret is not None:
+        os.environ["TRITON_INTERPRET"] = interpret
+    module = sys.modules.get(name)
+    return importlib.reload(module) if module else importlib.import_module(name)
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    old = os.environ.get("TRITON_INTERPRET")
+    yield _import_with_interpret(KERNEL_MODULE, "1")
+    _import_with_interpret(KERNEL_MODULE, old)
+
+
+def assert_close(out, ref):
+    if ref.dtype == torch.bfloat16:
+        torch.testing.assert_close(out.float(), ref.float(), atol=1e-2, rtol=1.6e-2)
+    else:
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm(kernels, dtype):
+    x = torch.randn(5, 96).to(dtype)  # hidden not a power of two
+    weight = (1 + 0.1 * torch.randn(96)).to(dtype)
+    assert_close(kernels.triton_rms_norm(x, weight, 1e-5), rms_norm_torch(x, weight, 1e-5))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_rms_norm_returns_normed_and_new_residual(kernels, dtype):
+    x, residual = torch.randn(2, 4, 64).to(dtype)
+    weight = (1 + 0.1 * torch.randn(64)).to(dtype)
+    before = residual.clone()
+    normed, new_residual = kernels.triton_add_rms_norm(x, residual, weight, 1e-6)
+    ref_normed, ref_residual = add_rms_norm_torch(x, residual, weight, 1e-6)
+    assert torch.equal(residual, before)  # out of place, like the reference
+    assert_close(new_residual, ref_residual)
+    assert_close(normed, ref_normed)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inplace", [False, True])
+def test_rotary_on_fused_qkv_views(kernels, dtype, inplace):
+    num_tokens, hq, hk, head_dim = 6, 3, 1, 32  # head counts not powers of two
+    cache = cos_sin_cache(head_dim, 64, 10000.0, RopeScaling(8.0, 1.0, 4.0, 16))
+    qkv = torch.randn(num_tokens, (hq + 2 * hk) * head_dim).to(dtype)
+    q = qkv[:, : hq * head_dim].view(num_tokens, hq, head_dim)  # strided views, as the model has them
+    k = qkv[:, hq * head_dim : (hq + hk) * head_dim].view(num_tokens, hk, head_dim)
+    positions = torch.tensor([0, 1, 2, 40, 63, 7])
+    ref_q, ref_k = apply_rotary_torch(q, k, positions, cache)
+    out_q, out_k = kernels.triton_rotary(q, k, positions, cache, inplace=inplace)
+    assert_close(out_q, ref_q)
+    assert_close(out_k, ref_k)
+    if inplace:
+        assert out_q.data_ptr() == q.data_ptr()
+        assert_close(q, ref_q)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul(kernels, dtype):
+    gate_up = (3 * torch.randn(2, 3, 2 * 80)).to(dtype)
+    assert_close(kernels.triton_silu_and_mul(gate_up), silu_and_mul_torch(gate_up))
+
+
+def test_public_functions_dispatch_to_triton_when_forced(kernels):
+    x, residual = torch.randn(2, 3, 32)
+    weight = torch.rand(32)
+    q, k = torch.randn(3, 2, 16), torch.randn(3, 1, 16)
+    positions = torch.tensor([5, 0, 2])
+    cache = cos_sin_cache(16, 8, 10000.0, None)
+    attention.set_attention_backend("triton")
+    try:
+        normed, new_residual = add_rms_norm(x, residual, weight, 1e-5)
+        rotated = apply_rotary(q, k, positions, cache)
+        activated = silu_and_mul(x)
+    finally:
+        attention.set_attention_backend("auto")
+    assert_close(normed, add_rms_norm_torch(x, residual, weight, 1e-5)[0])
+    assert_close(new_residual, x + residual)
+    for ours, ref in zip(rotated, apply_rotary_torch(q, k, positions, cache)):
+        assert_close(ours, ref)
+    assert_close(activated, silu_and_mul_torch(x))
