@@ -206,10 +206,3 @@ def paged_attention_torch(
     if meta.is_decode_only:
         return decode_attention_torch(q, cache, meta, scale)
     return paged_attention_reference(q, cache, meta, scale)
-
-
-def paged_attention(
-    q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, scale: float
-) -> torch.Tensor:
-    """The entry point the model calls: q [T, Hq, D] -> [T, Hq, D], kernel chosen per device."""
-    return paged_attention_torch(q, cache, meta, scale)

@@ -1,0 +1,235 @@
+"""The engine on the GPU: correctness against the torch path, then the issue's headline numbers.
+
+Parts (run any subset, in one process, with --parts):
+  check       embedded model on CUDA: Triton kernels vs the torch path, CUDA graphs vs eager (greedy
+              tokens must agree in float32; bf16 logits close to float32)
+  decode      dummy llama-3.1-8b bf16, batch 1, 128-token prompt, 256 new tokens: tok/s and MBU
+  throughput  500 requests, ShareGPT-like lengths (input mean ~200, output mean ~180, ignore_eos),
+              all at once: requests/s, output tok/s; also every output fixed at 180 (the peer's shape)
+  nano        256 requests, input and output lengths uniform in 100..1024 (nano-vllm's workload)
+  peer        Hugging Face transformers on the same shape: generate() at batch 1 (eager) and
+              generate_batch (continuous batching, paged attention) on the fixed-180 workload
+Writes $OUT/gpu_engine.json and prints a summary table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import time
+
+import numpy as np
+import torch
+
+from goodserve import LLM, SamplingParams
+
+OUT = os.environ.get("OUT", "out")
+results: dict = {}
+
+
+def copy_bandwidth_gbps() -> float:
+    from triton.testing import do_bench
+
+    src = torch.randn(1 << 28, device="cuda")  # 1 GiB of float32
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), warmup=10, rep=50, return_mode="median")
+    return 2 * src.numel() * 4 / (ms * 1e-3) / 1e9
+
+
+def free_gpu(*objects) -> None:
+    for obj in objects:
+        del obj
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+# ---- check ---------------------------------------------------------------------------------
+def part_check() -> None:
+    """Random-weight models (the embedded GGUF is too large to carry to the GPU machine)."""
+    rng = np.random.default_rng(5)
+    prompts = [{"prompt_token_ids": rng.integers(100, 20000, n).tolist()} for n in (5, 40, 130, 300)]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=0)
+    results["check"] = {}
+    for model in ("dummy:llama-3.2-1b", "dummy:qwen2.5-0.5b"):
+        runs = {}
+        for name, options in {
+            "torch_eager_fp32": dict(attention_backend="torch", enforce_eager=True, dtype="float32"),
+            "triton_eager_fp32": dict(attention_backend="triton", enforce_eager=True, dtype="float32"),
+            "triton_graphs_fp32": dict(attention_backend="triton", dtype="float32"),
+            "triton_graphs_chunked_fp32": dict(attention_backend="triton", dtype="float32",
+                                               max_num_batched_tokens=64),
+            "triton_graphs_bf16": dict(attention_backend="triton", dtype="bfloat16"),
+        }.items():
+            llm = LLM(model, device="cuda", max_num_seqs=8, **options)
+            outputs = llm.generate(prompts, params)
+            runs[name] = [(o.outputs[0].token_ids, [e[t].logprob for t, e in zip(o.outputs[0].token_ids,
+                                                                                o.outputs[0].logprobs)])
+                          for o in outputs]
+            free_gpu(llm)
+        reference = runs["torch_eager_fp32"]
+        results["check"][model] = {
+            name: {"tokens_identical_to_torch_fp32": [r[0] for r in run] == [r[0] for r in reference],
+                   "first_divergence": [_first_diff(a[0], b[0]) for a, b in zip(run, reference)],
+                   "max_abs_logprob_diff_first_token": max(abs(a[1][0] - b[1][0]) for a, b in zip(run, reference))}
+            for name, run in runs.items()
+        }
+
+
+def _first_diff(a: list[int], b: list[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+
+
+# ---- decode --------------------------------------------------------------------------------
+def part_decode(bandwidth_gbps: float, model: str) -> None:
+    llm = LLM(model, device="cuda", max_num_seqs=64)
+    spec = llm.spec
+    prompt = {"prompt_token_ids": list(np.random.default_rng(0).integers(100, 20000, 128))}
+    params = SamplingParams(temperature=0, max_tokens=256, ignore_eos=True)
+    llm.generate(prompt, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))  # warm-up
+    runs = []
+    for _ in range(3):
+        start = time.perf_counter()
+        out = llm.generate(prompt, params)[0]
+        elapsed = time.perf_counter() - start
+        times = out.metrics.token_times
+        decode_s = times[-1] - times[0]
+        runs.append({"e2e_tok_s": 256 / elapsed, "decode_tok_s": 255 / decode_s,
+                     "ttft_ms": (out.metrics.first_token_time - out.metrics.arrival_time) * 1e3})
+    best = max(runs, key=lambda r: r["decode_tok_s"])
+    weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.model.parameters())
+    kv_bytes = spec.kv_bytes_per_token(2) * (128 + 128)  # mean context over the decode
+    step_s = 1 / best["decode_tok_s"]
+    results["decode"] = {
+        "model": model, "runs": runs, "weight_bytes": weight_bytes,
+        "bandwidth_limit_tok_s": bandwidth_gbps * 1e9 / (weight_bytes + kv_bytes),
+        "mbu": (weight_bytes + kv_bytes) / step_s / (bandwidth_gbps * 1e9),
+        "step_breakdown_s": _breakdown(llm),
+    }
+    free_gpu(llm)
+
+
+def _breakdown(llm: LLM) -> dict:
+    stats = llm.engine.stats()
+    return {"steps": stats.num_steps, "schedule": stats.schedule_seconds_total,
+            "prepare": stats.prepare_seconds_total, "forward": stats.forward_seconds_total,
+            "sample": stats.sample_seconds_total, "detokenize": stats.detokenize_seconds_total}
+
+
+# ---- throughput ----------------------------------------------------------------------------
+def sharegpt_like_lengths(n: int, seed: int = 0) -> tuple[list[int], list[int]]:
+    rng = np.random.default_rng(seed)
+
+    def lognormal(mean: float, sigma: float) -> np.ndarray:
+        mu = np.log(mean) - sigma**2 / 2  # so that the mean before clipping is `mean`
+        return np.clip(rng.lognormal(mu, sigma, n), 4, 1024).astype(int)
+
+    return lognormal(200, 0.9).tolist(), lognormal(180, 0.9).tolist()
+
+
+def random_prompts(lengths: list[int], seed: int = 1) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    return [{"prompt_token_ids": rng.integers(100, 20000, n).tolist()} for n in lengths]
+
+
+def run_offline(llm: LLM, prompts: list[dict], output_lens: list[int]) -> dict:
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in output_lens]
+    llm.generate(prompts[:8], params[:8])  # warm-up
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    in_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
+    return {"requests": len(prompts), "seconds": elapsed, "requests_per_s": len(prompts) / elapsed,
+            "output_tok_s": out_tokens / elapsed, "total_tok_s": (in_tokens + out_tokens) / elapsed,
+            "input_tokens": in_tokens, "output_tokens": out_tokens}
+
+
+def part_throughput(model: str, num_batched_tokens: int) -> None:
+    llm = LLM(model, device="cuda", max_num_seqs=256, max_num_batched_tokens=num_batched_tokens)
+    inputs, outputs = sharegpt_like_lengths(500)
+    prompts = random_prompts(inputs)
+    results["throughput_sharegpt_like"] = run_offline(llm, prompts, outputs)
+    results["throughput_fixed_180"] = run_offline(llm, prompts, [180] * len(prompts))
+    results["throughput_breakdown_s"] = _breakdown(llm)
+    rng = np.random.default_rng(2)
+    nano_in, nano_out = rng.integers(100, 1025, 256).tolist(), rng.integers(100, 1025, 256).tolist()
+    results["nano_vllm_workload"] = run_offline(llm, random_prompts(nano_in, 3), nano_out)
+    free_gpu(llm)
+
+
+# ---- peer ----------------------------------------------------------------------------------
+def part_peer(model: str) -> None:
+    import transformers
+
+    from goodserve.model.presets import get_preset
+
+    spec = get_preset(model.removeprefix("dummy:"))
+    config = transformers.LlamaConfig(
+        vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads, max_position_embeddings=8192, rope_theta=spec.rope_theta,
+    )
+    with torch.device("cuda"):
+        hf = transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    peer: dict = {"transformers": transformers.__version__}
+    ids = torch.tensor([np.random.default_rng(0).integers(100, 20000, 128).tolist()], device="cuda")
+    try:
+        hf.generate(ids, max_new_tokens=8, do_sample=False, min_new_tokens=8)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        hf.generate(ids, max_new_tokens=256, min_new_tokens=256, do_sample=False)
+        torch.cuda.synchronize()
+        peer["hf_generate_batch1_tok_s"] = 256 / (time.perf_counter() - start)
+    except Exception as exc:  # noqa: BLE001 - a peer failure is recorded, not fatal
+        peer["hf_generate_error"] = repr(exc)
+    try:
+        inputs, _ = sharegpt_like_lengths(500)
+        prompts = [p["prompt_token_ids"] for p in random_prompts(inputs)]
+        hf.config._attn_implementation = "paged|sdpa"
+        gen_config = transformers.GenerationConfig(max_new_tokens=180, do_sample=False, eos_token_id=-1,
+                                                   pad_token_id=0)
+        hf.generate_batch(inputs=prompts[:8], generation_config=gen_config)
+        start = time.perf_counter()
+        out = hf.generate_batch(inputs=prompts, generation_config=gen_config)
+        elapsed = time.perf_counter() - start
+        tokens = sum(len(o.generated_tokens) for o in out.values())
+        peer["hf_generate_batch"] = {"requests_per_s": len(prompts) / elapsed, "output_tok_s": tokens / elapsed,
+                                     "seconds": elapsed, "output_tokens": tokens}
+    except Exception as exc:  # noqa: BLE001
+        peer["hf_generate_batch_error"] = repr(exc)
+    results["peer"] = peer
+    free_gpu(hf)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--parts", default="check,decode,throughput,peer")
+    parser.add_argument("--model", default="dummy:llama-3.1-8b")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    args = parser.parse_args()
+    os.makedirs(OUT, exist_ok=True)
+    results["card"] = torch.cuda.get_device_name()
+    results["torch"] = torch.__version__
+    bandwidth = copy_bandwidth_gbps()
+    results["copy_bandwidth_gbps"] = bandwidth
+    for part in args.parts.split(","):
+        start = time.perf_counter()
+        try:
+            {"check": part_check, "decode": lambda: part_decode(bandwidth, args.model),
+             "throughput": lambda: part_throughput(args.model, args.max_num_batched_tokens),
+             "peer": lambda: part_peer(args.model)}[part]()
+        except Exception as exc:  # noqa: BLE001 - keep the other parts' numbers
+            import traceback
+
+            traceback.print_exc()
+            results[f"{part}_error"] = repr(exc)
+        print(f"[{part}] {time.perf_counter() - start:.1f}s", flush=True)
+        with open(os.path.join(OUT, "gpu_engine.json"), "w") as f:
+            json.dump(results, f, indent=2)
+    print(json.dumps(results, indent=1)[-6000:])
+
+
+if __name__ == "__main__":
+    main()
