@@ -38,9 +38,8 @@ def copy_bandwidth_gbps() -> float:
     return 2 * src.numel() * 4 / (ms * 1e-3) / 1e9
 
 
-def free_gpu(*objects) -> None:
-    for obj in objects:
-        del obj
+def free_gpu() -> None:
+    """Call after `del` of the last reference to an engine: its KV pool and graphs go back."""
     gc.collect()
     torch.cuda.empty_cache()
 
@@ -67,7 +66,8 @@ def part_check() -> None:
             runs[name] = [(o.outputs[0].token_ids, [e[t].logprob for t, e in zip(o.outputs[0].token_ids,
                                                                                 o.outputs[0].logprobs)])
                           for o in outputs]
-            free_gpu(llm)
+            del llm
+            free_gpu()
         reference = runs["torch_eager_fp32"]
         results["check"][model] = {
             name: {"tokens_identical_to_torch_fp32": [r[0] for r in run] == [r[0] for r in reference],
@@ -107,7 +107,8 @@ def part_decode(bandwidth_gbps: float, model: str) -> None:
         "mbu": (weight_bytes + kv_bytes) / step_s / (bandwidth_gbps * 1e9),
         "step_breakdown_s": _breakdown(llm),
     }
-    free_gpu(llm)
+    del llm
+    free_gpu()
 
 
 def _breakdown(llm: LLM) -> dict:
@@ -156,7 +157,8 @@ def part_throughput(model: str, num_batched_tokens: int) -> None:
     rng = np.random.default_rng(2)
     nano_in, nano_out = rng.integers(100, 1025, 256).tolist(), rng.integers(100, 1025, 256).tolist()
     results["nano_vllm_workload"] = run_offline(llm, random_prompts(nano_in, 3), nano_out)
-    free_gpu(llm)
+    del llm
+    free_gpu()
 
 
 # ---- peer ----------------------------------------------------------------------------------
@@ -200,7 +202,8 @@ def part_peer(model: str) -> None:
     except Exception as exc:  # noqa: BLE001
         peer["hf_generate_batch_error"] = repr(exc)
     results["peer"] = peer
-    free_gpu(hf)
+    del hf
+    free_gpu()
 
 
 def main() -> None:

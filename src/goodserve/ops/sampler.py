@@ -25,11 +25,12 @@ import torch
 class SamplingBatch:
     """Per-row sampling settings, as tensors on the logits' device (built by the engine)."""
 
-    temperature: torch.Tensor  # [N] float32; 0 marks greedy
-    top_k: torch.Tensor  # [N] int64; vocab size when off
-    top_p: torch.Tensor  # [N] float32
-    min_p: torch.Tensor  # [N] float32
-    generators: list[torch.Generator | None]
+    # Per-row settings; None on the all-greedy fast path, which needs none of them.
+    temperature: torch.Tensor | None = None  # [N] float32; 0 marks greedy
+    top_k: torch.Tensor | None = None  # [N] int64; vocab size when off
+    top_p: torch.Tensor | None = None  # [N] float32
+    min_p: torch.Tensor | None = None  # [N] float32
+    generators: list[torch.Generator | None] | None = None
     # Penalties: None when no row in the batch uses any.
     repetition_penalty: torch.Tensor | None = None  # [N]
     presence_penalty: torch.Tensor | None = None  # [N]

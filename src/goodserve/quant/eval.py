@@ -62,6 +62,15 @@ class EvalSettings:
     prompts: list[str] = field(default_factory=lambda: [f"{PREAMBLE}Question: {q}\nAnswer:" for q in QUESTIONS])
     max_new_tokens: int = 32
 
+    def validate(self) -> None:
+        """Fail before any model loads."""
+        if self.text_file is not None and not Path(self.text_file).is_file():
+            raise InvalidRequestError(f"text file {self.text_file} does not exist")
+        if self.window < 2 or self.max_text_tokens < self.window:
+            raise InvalidRequestError("need window >= 2 and max_text_tokens >= window")
+        if not self.prompts or self.max_new_tokens < 1:
+            raise InvalidRequestError("need at least one greedy prompt and max_new_tokens >= 1")
+
 
 @dataclass
 class Thresholds:
@@ -101,16 +110,11 @@ def evaluation_text(text_file: str | None) -> tuple[str, str]:
         from pydoc_data.topics import topics
 
         return "pydoc_data.topics", "\n\n".join(topics[name] for name in sorted(topics))
-    path = Path(text_file)
-    if not path.is_file():
-        raise InvalidRequestError(f"text file {text_file} does not exist")
-    return str(path), path.read_text(encoding="utf-8", errors="replace")
+    return text_file, Path(text_file).read_text(encoding="utf-8", errors="replace")
 
 
 def text_windows(token_ids: list[int], window: int, max_tokens: int) -> list[list[int]]:
     """Non-overlapping windows of `window` tokens from the first `max_tokens`; a short tail is dropped."""
-    if window < 2:
-        raise InvalidRequestError("the perplexity window must be at least 2 tokens")
     usable = token_ids[:max_tokens]
     windows = [usable[i:i + window] for i in range(0, len(usable) - window + 1, window)]
     if not windows:
@@ -217,6 +221,7 @@ def changed_options(config: EngineConfig, reference: EngineConfig) -> dict:
 def evaluate(candidate: EngineConfig, settings: EvalSettings, thresholds: Thresholds | None = None) -> dict:
     """Run baseline and candidate; return the JSON-ready report (its "passed" is the verdict)."""
     candidate.validate()
+    settings.validate()
     thresholds = thresholds or default_thresholds(candidate)
     baseline = dataclasses.replace(candidate, **BASELINE_OPTIONS)
     workload, base_run = measure(baseline, settings)

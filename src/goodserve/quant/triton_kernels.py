@@ -110,31 +110,40 @@ def _int4_gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm, str
     tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
+def _gemv_block_n(n: int) -> int:
+    # Small tiles keep enough programs in flight to saturate HBM when N is only a few thousand.
+    return 16 if n <= 8192 else 32
+
+
 def _gemm_block_m(m: int) -> int:
     return 16 if m <= 16 else 32 if m <= 64 else 64
 
 
-def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """x [M, K] (fp32/fp16/bf16), qweight [N, K] int8, scales [N] fp32 -> [M, N] in x's dtype."""
+def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, *,
+                block_n: int | None = None, block_k: int | None = None) -> torch.Tensor:
+    """x [M, K] (fp32/fp16/bf16), qweight [N, K] int8, scales [N] fp32 -> [M, N] in x's dtype.
+
+    block_n / block_k override the tile sizes (benchmarks/gpu_quant.py sweeps them)."""
     x = x.contiguous()
     m, k = x.shape
     n = qweight.shape[0]
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    strides = (x.stride(0), qweight.stride(0), y.stride(0))
     if m <= GEMV_MAX_M:
-        block_n = 32
+        block_n = block_n or _gemv_block_n(n)
         _int8_gemv_kernel[(triton.cdiv(n, block_n),)](
-            x, qweight, scales, y, m, n, k, x.stride(0), qweight.stride(0), y.stride(0),
-            BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=128)
+            x, qweight, scales, y, m, n, k, *strides,
+            BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k or 128)
         return y
-    block_m, block_n = _gemm_block_m(m), 64
+    block_m, block_n = _gemm_block_m(m), block_n or 64
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
-    _int8_gemm_kernel[grid](x, qweight, scales, y, m, n, k, x.stride(0), qweight.stride(0), y.stride(0),
-                            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64)
+    _int8_gemm_kernel[grid](x, qweight, scales, y, m, n, k, *strides,
+                            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k or 64)
     return y
 
 
 def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                group_size: int) -> torch.Tensor:
+                group_size: int, *, block_n: int | None = None) -> torch.Tensor:
     """x [M, K], qweight [N, K // 2] uint8, scales / zeros [N, K // group_size] fp32 -> [M, N]."""
     x = x.contiguous()
     m, k = x.shape
@@ -142,12 +151,12 @@ def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     strides = (x.stride(0), qweight.stride(0), scales.stride(0), y.stride(0))
     if m <= GEMV_MAX_M:
-        block_n = 32
+        block_n = block_n or _gemv_block_n(n)
         _int4_gemv_kernel[(triton.cdiv(n, block_n),)](
             x, qweight, scales, zeros, y, m, n, k, *strides,
             GROUP=group_size, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n)
         return y
-    block_m, block_n = _gemm_block_m(m), 64
+    block_m, block_n = _gemm_block_m(m), block_n or 64
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     _int4_gemm_kernel[grid](x, qweight, scales, zeros, y, m, n, k, *strides,
                             GROUP=group_size, BLOCK_M=block_m, BLOCK_N=block_n)

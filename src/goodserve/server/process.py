@@ -1,4 +1,4 @@
-"""Start `goodserve serve` as a child process on a free loopback port (tests, bench's local mode)."""
+"""Start `goodserve serve` as a child process on a free loopback port, and read its /metrics."""
 
 from __future__ import annotations
 
@@ -12,6 +12,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+
+def scrape_metrics(url: str) -> dict[str, float]:
+    """A server's /metrics as {'name{label=value,...}': value}, labels sorted, model_name left out."""
+    samples = {}
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=30).text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
+            samples[f"{s.name}{{{labels}}}"] = s.value
+    return samples
 
 
 def free_port() -> int:

@@ -19,7 +19,6 @@ from goodserve.sampling_params import SamplingParams
 from goodserve.server.admission import Admission
 from goodserve.server.errors import error_body
 from goodserve.server.generation import GenerationJob, cancel_on_disconnect
-from goodserve.server.logprobs import TokenTexts
 from goodserve.server.metrics import ServerMetrics
 from goodserve.server.protocol import ChatMessage
 
@@ -33,9 +32,6 @@ class ServingContext:
     admission: Admission
     metrics: ServerMetrics
     request_timeout_s: float | None = None  # server-wide deadline; a request may ask for less
-
-    def __post_init__(self) -> None:
-        self.token_texts = TokenTexts(self.engine.tokenizer) if self.engine.tokenizer is not None else None
 
     @property
     def tokenizer(self):

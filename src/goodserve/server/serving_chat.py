@@ -36,7 +36,7 @@ async def create_chat_completion(
     for c in out.outputs:
         logprobs = None
         if params.logprobs is not None and c.logprobs is not None:
-            logprobs = chat_logprobs(ctx.token_texts, c.token_ids, c.logprobs, params.logprobs)
+            logprobs = chat_logprobs(c.token_ids, c.logprobs, params.logprobs)
         choices.append(ChatChoice(
             index=c.index, message=AssistantMessage(content=c.text), logprobs=logprobs,
             finish_reason=c.finish_reason, stop_reason=c.stop_reason,
@@ -47,7 +47,7 @@ async def create_chat_completion(
 def _chunk_choice(ctx: ServingContext, k: int | None, delta: ChoiceDelta) -> ChatStreamChoice:
     logprobs = None
     if k is not None and delta.logprobs is not None:
-        logprobs = chat_logprobs(ctx.token_texts, delta.token_ids, delta.logprobs, k)
+        logprobs = chat_logprobs(delta.token_ids, delta.logprobs, k)
     message = DeltaMessage(role="assistant" if delta.first else None, content=delta.text)
     return ChatStreamChoice(index=delta.index, delta=message, logprobs=logprobs,
                             finish_reason=delta.finish_reason, stop_reason=delta.stop_reason)

@@ -26,7 +26,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, request
         for c in out.outputs:
             logprobs = None
             if params.logprobs is not None and c.logprobs is not None:
-                logprobs = completion_logprobs(ctx.token_texts, c.token_ids, c.logprobs, params.logprobs, 0)
+                logprobs = completion_logprobs(c.token_ids, c.logprobs, params.logprobs, 0)
             choices.append(CompletionChoice(
                 index=prompt_index * params.n + c.index, text=c.text, logprobs=logprobs,
                 finish_reason=c.finish_reason, stop_reason=c.stop_reason,
@@ -37,7 +37,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, request
 def _chunk_choice(ctx: ServingContext, k: int | None, delta: ChoiceDelta) -> CompletionChoice:
     logprobs = None
     if k is not None and delta.logprobs is not None:
-        logprobs = completion_logprobs(ctx.token_texts, delta.token_ids, delta.logprobs, k, delta.text_offset)
+        logprobs = completion_logprobs(delta.token_ids, delta.logprobs, k, delta.text_offset)
     return CompletionChoice(index=delta.index, text=delta.text, logprobs=logprobs,
                             finish_reason=delta.finish_reason, stop_reason=delta.stop_reason)
 

@@ -1,0 +1,88 @@
+"""The quality gate: metric math against hand-computed values, perplexity against Hugging Face
+transformers on the same windows, and the `goodserve eval` command end to end."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from goodserve.cli import main
+from goodserve.config import EngineConfig
+from goodserve.errors import InvalidRequestError
+from goodserve.quant import eval as qeval
+
+
+def test_compare_matches_hand_computed_metrics():
+    base = qeval.RunResult(token_logprobs=[[-1.0, -2.0], [-3.0]], top1_tokens=[[5, 6], [7]],
+                           greedy_tokens=[[1, 2, 3, 4], [9, 9]], seconds=0.0)
+    cand = qeval.RunResult(token_logprobs=[[-1.5, -2.0], [-3.0]], top1_tokens=[[5, 0], [7]],
+                           greedy_tokens=[[1, 2, 0, 0], [9, 9]], seconds=0.0)
+    m = qeval.compare(base, cand)
+    assert m["baseline_perplexity"] == pytest.approx(math.exp(2.0))
+    assert m["candidate_perplexity"] == pytest.approx(math.exp(6.5 / 3))
+    assert m["perplexity_increase"] == pytest.approx(math.exp(0.5 / 3) - 1)
+    assert m["top1_agreement"] == pytest.approx(2 / 3)
+    assert m["mean_abs_logprob_diff"] == pytest.approx(0.5 / 3)
+    assert m["greedy_agreement"] == pytest.approx((0.5 + 1.0) / 2)
+    assert m["greedy_exact_match"] == pytest.approx(0.5)
+    rows = qeval.checks(m, qeval.Thresholds(0.2, 0.7, 0.5))
+    assert [r["passed"] for r in rows] == [True, False, True]
+
+
+def test_text_windows_and_bad_settings(tmp_path):
+    assert qeval.text_windows(list(range(10)), 4, 9) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    with pytest.raises(InvalidRequestError, match="fewer than one"):
+        qeval.text_windows([1, 2], 4, 100)
+    with pytest.raises(InvalidRequestError, match="does not exist"):
+        qeval.EvalSettings(text_file=str(tmp_path / "missing.txt")).validate()
+    with pytest.raises(InvalidRequestError, match="window"):
+        qeval.EvalSettings(window=1).validate()
+
+
+def test_default_thresholds_add_budgets_per_lossy_change():
+    exact = qeval.default_thresholds(EngineConfig())
+    int4 = qeval.default_thresholds(EngineConfig(quantization="int4"))
+    both = qeval.default_thresholds(EngineConfig(quantization="int4", kv_cache_dtype="int8"))
+    assert exact.max_perplexity_increase < int4.max_perplexity_increase < both.max_perplexity_increase
+    assert exact.min_top1_agreement > int4.min_top1_agreement > both.min_top1_agreement
+
+
+def test_baseline_perplexity_matches_transformers(embedded_llm, hf_embedded):
+    settings = qeval.EvalSettings(max_text_tokens=128, window=64, prompts=["Hello"], max_new_tokens=2)
+    workload = qeval.build_workload(embedded_llm.tokenizer, settings)
+    ours = qeval.run_workload(embedded_llm, workload, settings.max_new_tokens)
+    with torch.no_grad():
+        logits = hf_embedded(torch.tensor(workload.windows)).logits.float()
+    logprobs = torch.log_softmax(logits[:, :-1], dim=-1)
+    targets = torch.tensor(workload.windows)[:, 1:]
+    hf_token_logprobs = logprobs.gather(-1, targets[..., None])[..., 0]
+    hf_ppl = math.exp(-hf_token_logprobs.mean().item())
+    assert qeval.perplexity(ours.token_logprobs) == pytest.approx(hf_ppl, rel=1e-3)
+    hf_top1 = logprobs.argmax(-1).tolist()
+    matches = sum(a == b for ow, hw in zip(ours.top1_tokens, hf_top1) for a, b in zip(ow, hw))
+    assert matches / targets.numel() > 0.98  # near-ties may flip between two float32 implementations
+
+
+def test_eval_command_fails_a_configuration_over_its_threshold(tmp_path, capsys):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("The capital of France is\nOnce upon a time\n")
+    report_path = tmp_path / "report.json"
+    code = main(["eval", "--quantization", "int4", "--quantization-group-size", "64",
+                 "--max-text-tokens", "128", "--window", "64", "--prompts-file", str(prompts),
+                 "--max-new-tokens", "4", "--max-perplexity-increase", "0", "--output", str(report_path)])
+    assert code == 1
+    report = json.loads(report_path.read_text())
+    assert report["differs_from_baseline"]["quantization"] == "int4"
+    assert report["baseline"]["quantization"] is None and not report["passed"]
+    m = report["metrics"]
+    assert m["candidate_perplexity"] > m["baseline_perplexity"]  # 4-bit weights cost something
+    assert 0.5 < m["top1_agreement"] < 1.0
+    assert report["checks"][0] == {"metric": "perplexity_increase", "value": m["perplexity_increase"],
+                                   "op": "<=", "limit": 0.0, "passed": False}
+    assert "FAIL  perplexity_increase" in capsys.readouterr().out
+
+
+def test_eval_command_reports_a_missing_text_file(tmp_path, capsys):
+    assert main(["eval", "--text-file", str(tmp_path / "nope.txt")]) == 2
+    assert "does not exist" in capsys.readouterr().err
