@@ -19,14 +19,16 @@ from goodserve.config import EngineConfig
 from goodserve.quant.eval import (BASELINE_OPTIONS, EvalSettings, checks, compare, default_thresholds,
                                   measure)
 
-CANDIDATES = {
-    "int8 weights": {"quantization": "int8"},
-    "int4 weights, group 128": {"quantization": "int4", "quantization_group_size": 128},
-    "int4 weights, group 64": {"quantization": "int4", "quantization_group_size": 64},
-    "int4 weights, group 32": {"quantization": "int4", "quantization_group_size": 32},
-    "int8 KV cache": {"kv_cache_dtype": "int8"},
-    "int8 weights + int8 KV cache": {"quantization": "int8", "kv_cache_dtype": "int8"},
-    "default engine (prefix caching, auto backend)": {},
+INT4_G128 = {"quantization": "int4", "quantization_group_size": 128}
+CANDIDATES = {  # name: (engine options, AWQ scaling)
+    "int8 weights": ({"quantization": "int8"}, False),
+    "int4 weights, group 128": (INT4_G128, False),
+    "int4 weights, group 128, AWQ": (INT4_G128, True),
+    "int4 weights, group 64": ({"quantization": "int4", "quantization_group_size": 64}, False),
+    "int4 weights, group 32": ({"quantization": "int4", "quantization_group_size": 32}, False),
+    "int8 KV cache": ({"kv_cache_dtype": "int8"}, False),
+    "int8 weights + int8 KV cache": ({"quantization": "int8", "kv_cache_dtype": "int8"}, False),
+    "default engine (prefix caching, auto backend)": ({}, False),
 }
 
 
@@ -36,17 +38,21 @@ def main() -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--max-text-tokens", type=int, default=4096)
     parser.add_argument("--output", default=None)
+    parser.add_argument("--only", nargs="*", help="candidate names to run (default: all)")
     args = parser.parse_args()
     settings = EvalSettings(max_text_tokens=args.max_text_tokens)
     base_config = dataclasses.replace(EngineConfig(model=args.model, device=args.device), **BASELINE_OPTIONS)
     workload, baseline = measure(base_config, settings)
     results = {}
-    for name, options in CANDIDATES.items():
+    selected = set(args.only or CANDIDATES)
+    for name, (options, awq) in CANDIDATES.items():
+        if name not in selected:
+            continue
         candidate = dataclasses.replace(EngineConfig(model=args.model, device=args.device), **options)
-        _, run = measure(candidate, settings, workload)
+        _, run = measure(candidate, settings, workload, awq=awq)
         metrics = compare(baseline, run)
         rows = checks(metrics, default_thresholds(candidate))
-        results[name] = {"options": options, "metrics": metrics, "checks": rows,
+        results[name] = {"options": options, "awq": awq, "metrics": metrics, "checks": rows,
                          "passed": all(r["passed"] for r in rows), "seconds": run.seconds}
         print(f"{name}: " + ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()), flush=True)
     report = {

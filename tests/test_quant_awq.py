@@ -38,5 +38,5 @@ def test_awq_keeps_the_float_model_and_lowers_int4_error():
     error_before = _quantized_output_error(model, ids, "int4")
     apply_awq(model, ids, "int4", group_size=32)
     after = capture_inputs(model, ids, [probe])[probe]
-    torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4)
     assert _quantized_output_error(model, ids, "int4") < error_before

@@ -22,7 +22,7 @@ from goodserve.engine.scheduler import ScheduledBatch, Scheduler
 from goodserve.engine.sequence import Sequence
 from goodserve.errors import InvalidRequestError, PromptTooLongError
 from goodserve.model.detokenizer import IncrementalDetokenizer
-from goodserve.model.loader import load_model
+from goodserve.model.loader import load_model, load_tokenizer
 from goodserve.ops.attention import set_attention_backend
 from goodserve.ops.sampler import SamplerOutput, gather_logprobs, sample
 from goodserve.outputs import Logprob, LogprobsEntry, RequestOutput
@@ -95,6 +95,8 @@ class Engine:
 
             quantize_model(loaded.model, config.quantization, config.quantization_group_size)
         self.spec, self.model, self.tokenizer = loaded.spec, loaded.model, loaded.tokenizer
+        if config.tokenizer:
+            self.tokenizer = load_tokenizer(config.tokenizer, self.spec)
         self.eos_token_ids = sorted(set(self.spec.eos_token_ids) | set(
             self.tokenizer.eos_token_ids if self.tokenizer else []))
         kv_dtype = kv_storage_dtype(config, self.dtype)

@@ -132,18 +132,21 @@ def load_hf_weights(model: LlamaForCausalLM, files: list[Path]) -> None:
     filler.finish()
 
 
-def hf_tokenizer(path: Path, spec: ModelSpec) -> Tokenizer | None:
-    """None when the directory has no tokenizer.json (then prompts must be token ids)."""
+def hf_tokenizer(path: Path, spec: ModelSpec | None) -> Tokenizer | None:
+    """None when the directory has no tokenizer.json (then prompts must be token ids).
+
+    spec (when the weights are known) contributes the model's own EOS and BOS ids."""
     if not (path / "tokenizer.json").is_file():
         return None
     config = _read_json(path / "tokenizer_config.json")
     backend = HFTokenizer.from_file(str(path / "tokenizer.json"))
     token_id = lambda key: _special_token_id(backend, config.get(key))  # noqa: E731
     eos_id, bos_id = token_id("eos_token"), token_id("bos_token")
-    eos_ids = list(dict.fromkeys([*spec.eos_token_ids, *([eos_id] if eos_id is not None else [])]))
+    model_eos = spec.eos_token_ids if spec else ()
+    eos_ids = list(dict.fromkeys([*model_eos, *([eos_id] if eos_id is not None else [])]))
     return Tokenizer(
         backend,
-        bos_token_id=bos_id if bos_id is not None else spec.bos_token_id,
+        bos_token_id=bos_id if bos_id is not None or spec is None else spec.bos_token_id,
         eos_token_ids=eos_ids,
         chat_template=_chat_template(path, config),
         add_bos_token=bool(config.get("add_bos_token", False)),

@@ -14,7 +14,7 @@ import torch
 from goodserve.errors import ModelLoadError
 from goodserve.model.dummy_loader import load_dummy
 from goodserve.model.gguf_loader import gguf_tokenizer, load_gguf, open_gguf
-from goodserve.model.hf_loader import is_hf_model_dir, load_hf, safetensors_files
+from goodserve.model.hf_loader import hf_tokenizer, is_hf_model_dir, load_hf, safetensors_files
 from goodserve.model.llama import LlamaForCausalLM
 from goodserve.model.presets import get_preset
 from goodserve.model.spec import ModelSpec
@@ -74,6 +74,22 @@ def load_model(name: str, dtype: torch.dtype, device: torch.device | str, seed: 
         files = [path / "config.json", *safetensors_files(path)]
         return LoadedModel(spec, model, tokenizer, source=str(path), revision=_files_digest(files))
     raise ModelLoadError(f"cannot load model {name!r}: expected {ACCEPTED_FORMS}")
+
+
+def load_tokenizer(name: str, spec: ModelSpec | None = None) -> Tokenizer:
+    """A tokenizer on its own (vLLM's --tokenizer): the embedded one, a GGUF's, or an HF directory's."""
+    if name == EMBEDDED_MODEL:
+        return embedded_tokenizer()
+    path = Path(name).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return gguf_tokenizer(open_gguf(path))
+    tokenizer = hf_tokenizer(path, spec) if path.is_dir() else None
+    if tokenizer is None:
+        raise ModelLoadError(
+            f"no tokenizer at {name!r}: expected '{EMBEDDED_MODEL}', a .gguf file, "
+            "or a directory with tokenizer.json"
+        )
+    return tokenizer
 
 
 def _load_dummy(preset: str, dtype: torch.dtype, device: torch.device, seed: int) -> LoadedModel:

@@ -44,13 +44,19 @@ def check_quantizable(targets: list[tuple[nn.Module, str, nn.Linear]], method: s
             schemes.check_group_size(linear.in_features, group_size, name)
 
 
-def quantize_model(model: nn.Module, method: str, group_size: int = 128) -> nn.Module:
+def quantize_model(model: nn.Module, method: str, group_size: int = 128,
+                   awq_calibration_ids: list[int] | None = None) -> nn.Module:
     """Replace qkv_proj / o_proj / gate_up_proj / down_proj with Int8Linear or Int4Linear.
 
     Checks every layer before changing any, so a bad group size leaves the model untouched.
+    With calibration token ids, AWQ rescales the float weights first (quant/awq.py).
     """
     targets = target_linears(model)
     check_quantizable(targets, method, group_size)
+    if awq_calibration_ids:
+        from goodserve.quant.awq import apply_awq
+
+        apply_awq(model, awq_calibration_ids, method, group_size)
     for parent, name, linear in targets:
         quantized = Int8Linear.from_linear(linear) if method == "int8" else Int4Linear.from_linear(linear, group_size)
         setattr(parent, name, quantized)

@@ -23,6 +23,14 @@ from goodserve.quant import schemes
 
 ALPHA_GRID = 20
 MAX_CALIBRATION_TOKENS = 512
+CALIBRATION_CHARS = 4000
+
+
+def default_calibration_text() -> str:
+    """The end of Python's pydoc_data.topics: offline, and apart from the start that eval scores."""
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[name] for name in sorted(topics))[-CALIBRATION_CHARS:]
 
 
 def fake_quantize(weight: torch.Tensor, method: str, group_size: int) -> torch.Tensor:

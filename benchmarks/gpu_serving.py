@@ -1,0 +1,82 @@
+"""Serving on the GPU: `goodserve serve` under Poisson load at rising rates, measured by `goodserve
+bench` over HTTP; then the goodput capacity at the SLO (TTFT <= 200 ms, TPOT <= 50 ms).
+
+The server runs dummy llama-3.1-8b (bf16) with the embedded model's tokenizer exported to a
+directory (benchmarks/export_tokenizer.py), since the GGUF package is not on the GPU machine.
+
+    python benchmarks/gpu_serving.py --tokenizer DIR [--rates 4,8,16,24,32] [--num-prompts 300]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+OUT = os.environ.get("OUT", "out")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, server: subprocess.Popen, timeout_s: float = 300) -> None:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if server.poll() is not None:
+            sys.exit(f"server exited with {server.returncode}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    sys.exit("server did not become healthy")
+
+
+def bench(url: str, args, extra: list[str], filename: str) -> dict:
+    command = [sys.executable, "-m", "goodserve.cli", "bench", "--base-url", url, "--model", args.model,
+               "--tokenizer", args.tokenizer, "--dataset-name", "sharegpt", "--num-prompts",
+               str(args.num_prompts), "--ignore-eos", "--goodput", "ttft:200", "tpot:50",
+               "--save-result", "--result-dir", OUT, "--result-filename", filename, "--disable-tqdm", *extra]
+    subprocess.run(command, check=False)
+    path = os.path.join(OUT, filename)
+    return json.load(open(path)) if os.path.exists(path) else {"error": "no result written"}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="dummy:llama-3.1-8b")
+    parser.add_argument("--tokenizer", required=True)
+    parser.add_argument("--rates", default="4,8,16,24,32")
+    parser.add_argument("--num-prompts", type=int, default=300)
+    parser.add_argument("--capacity", action="store_true", help="also search the goodput capacity")
+    args = parser.parse_args()
+    os.makedirs(OUT, exist_ok=True)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen([sys.executable, "-m", "goodserve.cli", "serve", "--model", args.model,
+                               "--tokenizer", args.tokenizer, "--port", str(port), "--max-num-seqs", "256",
+                               "--slo-ttft-ms", "200", "--slo-tpot-ms", "50", "--log-level", "warning"])
+    try:
+        wait_healthy(url, server)
+        sweep = bench(url, args, ["--sweep-request-rates", args.rates], "serving_sweep.json")
+        summary = {"sweep": sweep}
+        if args.capacity:
+            summary["capacity"] = bench(url, args, ["--goodput-capacity"], "serving_capacity.json")
+        json.dump(summary, open(os.path.join(OUT, "gpu_serving.json"), "w"), indent=1)
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+
+
+if __name__ == "__main__":
+    main()
