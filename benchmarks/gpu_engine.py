@@ -147,8 +147,9 @@ def run_offline(llm: LLM, prompts: list[dict], output_lens: list[int]) -> dict:
             "input_tokens": in_tokens, "output_tokens": out_tokens}
 
 
-def part_throughput(model: str, num_batched_tokens: int) -> None:
-    llm = LLM(model, device="cuda", max_num_seqs=256, max_num_batched_tokens=num_batched_tokens)
+def part_throughput(model: str, num_batched_tokens: int, max_num_seqs: int) -> None:
+    llm = LLM(model, device="cuda", max_num_seqs=max_num_seqs, max_num_batched_tokens=num_batched_tokens)
+    results["throughput_config"] = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": num_batched_tokens}
     inputs, outputs = sharegpt_like_lengths(500)
     prompts = random_prompts(inputs)
     results["throughput_sharegpt_like"] = run_offline(llm, prompts, outputs)
@@ -211,6 +212,7 @@ def main() -> None:
     parser.add_argument("--parts", default="check,decode,throughput,peer")
     parser.add_argument("--model", default="dummy:llama-3.1-8b")
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--max-num-seqs", type=int, default=512)
     args = parser.parse_args()
     os.makedirs(OUT, exist_ok=True)
     results["card"] = torch.cuda.get_device_name()
@@ -221,7 +223,7 @@ def main() -> None:
         start = time.perf_counter()
         try:
             {"check": part_check, "decode": lambda: part_decode(bandwidth, args.model),
-             "throughput": lambda: part_throughput(args.model, args.max_num_batched_tokens),
+             "throughput": lambda: part_throughput(args.model, args.max_num_batched_tokens, args.max_num_seqs),
              "peer": lambda: part_peer(args.model)}[part]()
         except Exception as exc:  # noqa: BLE001 - keep the other parts' numbers
             import traceback

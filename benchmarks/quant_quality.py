@@ -19,13 +19,14 @@ from goodserve.config import EngineConfig
 from goodserve.quant.eval import (BASELINE_OPTIONS, EvalSettings, checks, compare, default_thresholds,
                                   measure)
 
-INT4_G128 = {"quantization": "int4", "quantization_group_size": 128}
-CANDIDATES = {  # name: (engine options, AWQ scaling)
+INT4_G64 = {"quantization": "int4", "quantization_group_size": 64}
+INT4_G32 = {"quantization": "int4", "quantization_group_size": 32}
+CANDIDATES = {  # name: (engine options, AWQ scaling); smollm2's hidden size 576 rules out group 128
     "int8 weights": ({"quantization": "int8"}, False),
-    "int4 weights, group 128": (INT4_G128, False),
-    "int4 weights, group 128, AWQ": (INT4_G128, True),
-    "int4 weights, group 64": ({"quantization": "int4", "quantization_group_size": 64}, False),
-    "int4 weights, group 32": ({"quantization": "int4", "quantization_group_size": 32}, False),
+    "int4 weights, group 64": (INT4_G64, False),
+    "int4 weights, group 64, AWQ": (INT4_G64, True),
+    "int4 weights, group 32": (INT4_G32, False),
+    "int4 weights, group 32, AWQ": (INT4_G32, True),
     "int8 KV cache": ({"kv_cache_dtype": "int8"}, False),
     "int8 weights + int8 KV cache": ({"quantization": "int8", "kv_cache_dtype": "int8"}, False),
     "default engine (prefix caching, auto backend)": ({}, False),

@@ -122,3 +122,22 @@ def test_bad_input_is_typed_and_leaks_nothing(embedded_llm, tmp_path):
         LLM(str(tmp_path / "no-such-model"))
     assert not engine.has_unfinished()
     assert engine.pool.num_used_blocks == 0
+
+
+def test_a_failed_step_fails_its_requests_not_the_engine(monkeypatch):
+    llm = LLM("dummy:tiny", num_kv_blocks=32)
+    engine = llm.engine
+    real_execute = engine.runner.execute
+
+    def broken_once(inputs):
+        monkeypatch.setattr(engine.runner, "execute", real_execute)
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(engine.runner, "execute", broken_once)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    failed = llm.generate({"prompt_token_ids": [3, 4, 5]}, params)[0]
+    assert failed.error and "illegal memory access" in failed.error
+    assert failed.outputs[0].finish_reason == "abort"
+    assert engine.pool.num_used_blocks == 0
+    again = llm.generate({"prompt_token_ids": [3, 4, 5]}, params)[0]
+    assert again.error is None and len(again.outputs[0].token_ids) == 4

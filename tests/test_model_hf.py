@@ -101,7 +101,7 @@ def test_prefill_and_decode_logits_match_hf(ours: LoadedModel, hf_model, prompt:
 @pytest.mark.parametrize(
     ("prompt", "chat"), [(PROMPTS[0], False), (PROMPTS[2], False), (PROMPTS[1], True)], ids=["raw", "raw-digits", "chat"]
 )
-def test_greedy_continuation_matches_hf_generate(ours: LoadedModel, hf_model, prompt: str, chat: bool):
+def test_greedy_continuation_matches_hf(ours: LoadedModel, hf_model, prompt: str, chat: bool):
     tokenizer = ours.tokenizer
     if chat:
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}])

@@ -101,3 +101,9 @@ def test_checkpoint_of_another_model_is_rejected(tmp_path):
     plain.write_bytes(path.read_bytes()[:100])
     with pytest.raises(ModelLoadError, match="not a readable safetensors"):
         load_quantized_into(_tiny_model(0), plain, revision="r1")
+
+
+def test_automatic_group_size_is_the_largest_that_divides_every_layer():
+    model = quantize_model(_tiny_model(0), "int4", group_size=None)  # hidden 64, intermediate 128
+    sizes = {m.group_size for m in model.modules() if isinstance(m, Int4Linear)}
+    assert sizes == {64}

@@ -147,3 +147,39 @@ def test_stream_cut_mid_character_flushes_the_rest(tok: Tokenizer):
     deltas = stream(tok, ids[:cut])
     assert not any("\ufffd" in d for d in deltas[:-1])  # held back until the final flush
     assert "".join(deltas) == tok.decode(ids[:cut])
+
+
+def write_sentencepiece_gguf(path) -> None:
+    """A tiny Llama-2-style vocabulary: control tokens, byte fallbacks, "\u2581" pieces, scores."""
+    import gguf
+
+    pieces = ["\u2581", "h", "e", "l", "o", "w", "r", "d", "\u2581h", "he", "ll", "\u2581he", "llo", "\u2581hello",
+              "\u2581w", "or", "\u2581wor", "ld", "\u2581world", "\u2581\u2581"]
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *pieces]
+    types = [2, 3, 3, *[6] * 256, *[1] * len(pieces)]
+    scores = [0.0, 0.0, 0.0, *[0.0] * 256, *(-float(i) for i in range(len(pieces)))]
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("text", ["hello world", "  hello\u00e9 wor ld!", "hello</s>", "\u65e5"])
+def test_sentencepiece_gguf_tokenizer_matches_hf(tmp_path, text: str):
+    from goodserve.model.gguf_loader import gguf_tokenizer, open_gguf
+
+    path = tmp_path / "spm.gguf"
+    write_sentencepiece_gguf(path)
+    ours = gguf_tokenizer(open_gguf(path))
+    ref = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    ids = ours.encode(text)
+    assert ids == ref.encode(text)
+    assert ids[0] == 1  # BOS, as llama.cpp adds for a SentencePiece vocabulary
+    assert ours.decode(ids) == ref.decode(ids, skip_special_tokens=True)

@@ -33,3 +33,10 @@ class QueueFullError(GoodserveError):
 class EngineDeadError(GoodserveError):
     http_status = 503
     error_type = "service_unavailable"
+
+
+class EngineStepError(GoodserveError):
+    """The engine failed while running this request (it was aborted; the engine keeps serving)."""
+
+    http_status = 500
+    error_type = "internal_server_error"

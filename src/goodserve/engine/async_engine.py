@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from goodserve.config import EngineConfig
 from goodserve.engine.engine import Engine, EngineStats
-from goodserve.errors import EngineDeadError, GoodserveError
+from goodserve.errors import EngineDeadError, EngineStepError, GoodserveError
 from goodserve.outputs import RequestOutput
 from goodserve.sampling_params import SamplingParams
 
@@ -72,6 +72,14 @@ class AsyncEngine:
         return self.engine.spec
 
     @property
+    def dtype(self):
+        return self.engine.dtype
+
+    @property
+    def device(self):
+        return self.engine.device
+
+    @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
@@ -113,6 +121,9 @@ class AsyncEngine:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
                     raise item
+                if item.error is not None:
+                    finished = True
+                    raise EngineStepError(f"the engine failed on this request: {item.error}")
                 finished = item.finished
                 yield item
                 if finished:

@@ -173,16 +173,21 @@ def architecture(reader: gguf.GGUFReader) -> str:
 
 def gguf_tokenizer(reader: gguf.GGUFReader) -> Tokenizer:
     kind = _meta(reader, "tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise ModelLoadError(
-            f"GGUF tokenizer model {kind!r} is not supported; only byte-level BPE ('gpt2') is"
-        )
     tokens: list[str] = _meta(reader, "tokenizer.ggml.tokens")
     token_types = _meta(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
     merges = [tuple(m.split(" ", 1)) for m in _meta(reader, "tokenizer.ggml.merges", [])]
-    backend = HFTokenizer(models.BPE(vocab=_byte_level_vocab(tokens), merges=merges, fuse_unk=False))
-    _set_pre_tokenizer(backend, _meta(reader, "tokenizer.ggml.pre", "default"))
-    backend.decoder = decoders.ByteLevel()
+    if kind == "gpt2":
+        backend = HFTokenizer(models.BPE(vocab=_byte_level_vocab(tokens), merges=merges, fuse_unk=False))
+        _set_pre_tokenizer(backend, _meta(reader, "tokenizer.ggml.pre", "default"))
+        backend.decoder = decoders.ByteLevel()
+    elif kind == "llama":
+        scores = _meta(reader, "tokenizer.ggml.scores") or [0.0] * len(tokens)
+        backend = _sentencepiece_bpe(tokens, scores, merges, _meta(reader, "tokenizer.ggml.add_space_prefix", True))
+    else:
+        raise ModelLoadError(
+            f"GGUF tokenizer model {kind!r} is not supported; supported: 'gpt2' (byte-level BPE), "
+            "'llama' (SentencePiece BPE)"
+        )
     backend.add_special_tokens([
         AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, token_types) if k == _CONTROL
     ])
@@ -194,8 +199,40 @@ def gguf_tokenizer(reader: gguf.GGUFReader) -> Tokenizer:
         bos_token_id=_meta(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=_eos_token_ids(reader),
         chat_template=_meta(reader, "tokenizer.chat_template"),
-        add_bos_token=bool(_meta(reader, "tokenizer.ggml.add_bos_token", False)),
+        # llama.cpp adds BOS to a SentencePiece vocabulary unless the file says otherwise.
+        add_bos_token=bool(_meta(reader, "tokenizer.ggml.add_bos_token", kind == "llama")),
     )
+
+
+def _sentencepiece_bpe(tokens: list[str], scores: list[float], merges: list[tuple[str, str]],
+                       add_space_prefix: bool) -> HFTokenizer:
+    """Llama-2 / Mistral style: "▁" for spaces, unknown bytes as <0xNN> tokens."""
+    vocab = {token: i for i, token in enumerate(tokens)}
+    merges = merges or _merges_from_scores(vocab, scores)
+    backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement="▁", prepend_scheme="first" if add_space_prefix else "never", split=False
+    )
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if add_space_prefix:
+        steps.append(decoders.Strip(content=" ", left=1, right=0))
+    backend.decoder = decoders.Sequence(steps)
+    return backend
+
+
+def _merges_from_scores(vocab: dict[str, int], scores: list[float]) -> list[tuple[str, str]]:
+    """SentencePiece files list no merges: every split of a token into two vocabulary pieces is a
+    merge, ranked by the merged token's score (higher first), as transformers derives them."""
+    candidates = []
+    for token, score in zip(vocab, scores):
+        splits = [(token[:i], token[i:]) for i in range(1, len(token))]
+        splits = sorted(
+            ((left, right) for left, right in splits if left in vocab and right in vocab),
+            key=lambda pair: (vocab[pair[0]], vocab[pair[1]]),
+        )
+        candidates += [(left, right, score) for left, right in splits]
+    candidates.sort(key=lambda c: (c[2], len(c[0]), len(c[1])), reverse=True)
+    return [(left, right) for left, right, _ in candidates]
 
 
 def _byte_level_vocab(tokens: list[str]) -> dict[str, int]:

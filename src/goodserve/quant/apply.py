@@ -44,14 +44,25 @@ def check_quantizable(targets: list[tuple[nn.Module, str, nn.Linear]], method: s
             schemes.check_group_size(linear.in_features, group_size, name)
 
 
-def quantize_model(model: nn.Module, method: str, group_size: int = 128,
+def auto_group_size(targets: list[tuple[nn.Module, str, nn.Linear]]) -> int:
+    """The largest int4 group size dividing every layer's input (smollm2's 576 rules out 128)."""
+    for size in sorted(schemes.INT4_GROUP_SIZES, reverse=True):
+        if all(linear.in_features % size == 0 for _, _, linear in targets):
+            return size
+    return max(schemes.INT4_GROUP_SIZES)  # none fits: check_quantizable names the layer
+
+
+def quantize_model(model: nn.Module, method: str, group_size: int | None = 128,
                    awq_calibration_ids: list[int] | None = None) -> nn.Module:
     """Replace qkv_proj / o_proj / gate_up_proj / down_proj with Int8Linear or Int4Linear.
 
-    Checks every layer before changing any, so a bad group size leaves the model untouched.
-    With calibration token ids, AWQ rescales the float weights first (quant/awq.py).
+    group_size None picks the largest of 128 / 64 / 32 that divides every layer; a size given
+    explicitly that does not divide is an error. Checks every layer before changing any, so bad
+    input leaves the model untouched. With calibration token ids, AWQ rescales the float weights
+    first (quant/awq.py).
     """
     targets = target_linears(model)
+    group_size = group_size or auto_group_size(targets)
     check_quantizable(targets, method, group_size)
     if awq_calibration_ids:
         from goodserve.quant.awq import apply_awq

@@ -49,9 +49,9 @@ def capture_inputs(model: nn.Module, token_ids: list[int], linears: list[nn.Line
         spec, param = model.spec, next(model.parameters())
         ids = torch.tensor(token_ids[:MAX_CALIBRATION_TOKENS], device=param.device)
         t = len(ids)
-        caches = [LayerKVCache(torch.zeros(1, t, spec.num_kv_heads, spec.head_dim, dtype=param.dtype, device=ids.device),
-                               torch.zeros(1, t, spec.num_kv_heads, spec.head_dim, dtype=param.dtype, device=ids.device))
-                  for _ in range(spec.num_layers)]
+        # one block holding the whole calibration sequence
+        shape = (1, t, spec.num_kv_heads, spec.head_dim)
+        caches = [LayerKVCache(param.new_zeros(shape), param.new_zeros(shape)) for _ in range(spec.num_layers)]
         int32 = dict(dtype=torch.int32, device=ids.device)
         meta = AttentionMetadata(slot_mapping=torch.arange(t, device=ids.device),
                                  query_start_loc=torch.tensor([0, t], **int32), seq_lens=torch.tensor([t], **int32),
@@ -84,7 +84,8 @@ def apply_awq(model: nn.Module, calibration_ids: list[int], method: str, group_s
     """Rescale the float model in place (its outputs do not change); quantize_model comes next."""
     schemes.check_method(method)
     layers = list(model.model.layers)
-    linears = [lin for layer in layers for lin in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+    linears = [lin for layer in layers
+               for lin in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
     inputs = capture_inputs(model, calibration_ids, linears)
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp

@@ -62,10 +62,9 @@ _ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 408, 4
 def startup_message(engine, config: ServerConfig, model_name: str) -> str:
     stats = engine.stats()
     block_size = engine.config.block_size
-    inner = engine.engine  # dtype and device are resolved by the Engine, not the config
     return (
-        f"serving {model_name} ({engine.config.model}) dtype={str(inner.dtype).removeprefix('torch.')} "
-        f"device={inner.device} kv_pool={stats.num_kv_blocks} blocks x {block_size} = "
+        f"serving {model_name} ({engine.config.model}) dtype={str(engine.dtype).removeprefix('torch.')} "
+        f"device={engine.device} kv_pool={stats.num_kv_blocks} blocks x {block_size} = "
         f"{stats.num_kv_blocks * block_size} tokens max_model_len={engine.max_model_len} at {config.url}"
     )
 
