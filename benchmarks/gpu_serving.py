@@ -12,34 +12,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 
-import httpx
+from goodserve.server.process import launch_server
 
 OUT = os.environ.get("OUT", "out")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_healthy(url: str, server: subprocess.Popen, timeout_s: float = 300) -> None:
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        if server.poll() is not None:
-            sys.exit(f"server exited with {server.returncode}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    sys.exit("server did not become healthy")
 
 
 def bench(url: str, args, extra: list[str], filename: str) -> dict:
@@ -61,21 +39,17 @@ def main() -> None:
     parser.add_argument("--capacity", action="store_true", help="also search the goodput capacity")
     args = parser.parse_args()
     os.makedirs(OUT, exist_ok=True)
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen([sys.executable, "-m", "goodserve.cli", "serve", "--model", args.model,
-                               "--tokenizer", args.tokenizer, "--port", str(port), "--max-num-seqs", "256",
-                               "--slo-ttft-ms", "200", "--slo-tpot-ms", "50", "--log-level", "warning"])
+    server = launch_server(["--model", args.model, "--tokenizer", args.tokenizer, "--max-num-seqs", "256",
+                            "--slo-ttft-ms", "200", "--slo-tpot-ms", "50", "--log-level", "warning"], 600)
+    url = server.url
     try:
-        wait_healthy(url, server)
         sweep = bench(url, args, ["--sweep-request-rates", args.rates], "serving_sweep.json")
         summary = {"sweep": sweep}
         if args.capacity:
             summary["capacity"] = bench(url, args, ["--goodput-capacity"], "serving_capacity.json")
         json.dump(summary, open(os.path.join(OUT, "gpu_serving.json"), "w"), indent=1)
     finally:
-        server.terminate()
-        server.wait(timeout=60)
+        server.stop()
 
 
 if __name__ == "__main__":

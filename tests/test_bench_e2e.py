@@ -2,13 +2,7 @@
 in-process. The bench's request and token counts must agree with the server's own /metrics."""
 
 import asyncio
-import os
-import socket
-import subprocess
-import sys
-import time
 
-import httpx
 import pytest
 
 from goodserve.bench import command
@@ -18,44 +12,16 @@ from goodserve.bench.runner import BenchRun
 from goodserve.bench.text import PromptText
 from goodserve.bench.workloads import WorkloadConfig, build_workload
 from goodserve.diagnose.observations import scrape
+from goodserve.server.process import launch_server
 from tests.test_bench_client import bench_args
 
 MAX_MODEL_LEN = "128"
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server_url():
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "goodserve.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-         "--max-model-len", MAX_MODEL_LEN, "--log-level", "warning"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    try:
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                pytest.fail(f"goodserve serve exited: {proc.stdout.read().decode()[-2000:]}")
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
-        else:
-            pytest.fail("goodserve serve did not become healthy in 180 s")
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    with launch_server(["--max-model-len", MAX_MODEL_LEN, "--log-level", "warning"]) as server:
+        yield server.url
 
 
 def test_bench_counts_agree_with_server_metrics(server_url, tmp_path):

@@ -1,7 +1,7 @@
 """Auth, body size limit, admission control (429) and deadlines, on a fast random-weight model.
 
-dummy:tiny has no tokenizer, so prompts are token ids; one request runs at a time
-(--max-num-seqs 1) and one may wait (--max-waiting 1), which makes "queue full" deterministic.
+dummy:tiny has no tokenizer, so prompts are token ids. For "queue full", one request runs at a time
+(--max-num-seqs 1) and one may wait (--max-waiting 1) on a model slow enough to keep them there.
 """
 
 from __future__ import annotations
@@ -77,12 +77,25 @@ def test_request_that_can_never_fit_is_400_at_once(url):
     assert "context" in assert_error(httpx.post(f"{url}/v1/completions", headers=AUTH, json=body), 400)["message"]
 
 
-def test_full_waiting_queue_is_429_with_retry_after(url):
+@pytest.fixture(scope="module")
+def slow_url():
+    """A model slow enough on the CPU (~10 ms a step) that a 900-token request is still running while
+    the test fills the queue: dummy:tiny can finish it before the third request arrives."""
+    server = launch_server(["--model", "dummy:smollm2-135m", "--api-key", KEY, "--max-num-seqs", "1",
+                            "--max-waiting", "1", "--max-model-len", "1024"])
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+def test_full_waiting_queue_is_429_with_retry_after(slow_url):
+    url, long = slow_url, {**LONG, "model": "dummy:smollm2-135m"}
     with httpx.Client(headers=AUTH, timeout=60) as client:
-        with client.stream("POST", f"{url}/v1/completions", json=LONG) as running:
+        with client.stream("POST", f"{url}/v1/completions", json=long) as running:
             assert running.status_code == 200
             next(line for line in running.iter_lines() if line.startswith("data: "))  # it is running
-            with client.stream("POST", f"{url}/v1/completions", json=LONG) as waiting:
+            with client.stream("POST", f"{url}/v1/completions", json=long) as waiting:
                 assert waiting.status_code == 200  # admitted: it holds the one waiting place
                 refused = client.post(f"{url}/v1/completions", json={"prompt": [3, 4], "max_tokens": 2})
                 assert_error(refused, 429)

@@ -24,6 +24,7 @@ from goodserve.quant import schemes
 ALPHA_GRID = 20
 MAX_CALIBRATION_TOKENS = 512
 CALIBRATION_CHARS = 4000
+CALIBRATION_BLOCK_SIZE = 16
 
 
 def default_calibration_text() -> str:
@@ -49,13 +50,13 @@ def capture_inputs(model: nn.Module, token_ids: list[int], linears: list[nn.Line
         spec, param = model.spec, next(model.parameters())
         ids = torch.tensor(token_ids[:MAX_CALIBRATION_TOKENS], device=param.device)
         t = len(ids)
-        # one block holding the whole calibration sequence
-        shape = (1, t, spec.num_kv_heads, spec.head_dim)
+        num_blocks = -(-t // CALIBRATION_BLOCK_SIZE)
+        shape = (num_blocks, CALIBRATION_BLOCK_SIZE, spec.num_kv_heads, spec.head_dim)
         caches = [LayerKVCache(param.new_zeros(shape), param.new_zeros(shape)) for _ in range(spec.num_layers)]
         int32 = dict(dtype=torch.int32, device=ids.device)
         meta = AttentionMetadata(slot_mapping=torch.arange(t, device=ids.device),
                                  query_start_loc=torch.tensor([0, t], **int32), seq_lens=torch.tensor([t], **int32),
-                                 block_tables=torch.zeros(1, 1, **int32), max_query_len=t, max_seq_len=t,
+                                 block_tables=torch.arange(num_blocks, **int32)[None], max_query_len=t, max_seq_len=t,
                                  query_lens_host=[t], seq_lens_host=[t])
         model(ids, torch.arange(t, device=ids.device), caches, meta)
     finally:
