@@ -52,7 +52,8 @@ class ModelRunner:
         )
         self.graphs: dict[int, _DecodeGraph] = {}
         self._staging: dict[torch.dtype, torch.Tensor] = {}
-        if device.type == "cuda" and not config.enforce_eager:
+        # The torch attention path sizes tensors from the batch's lengths, so it cannot be captured.
+        if device.type == "cuda" and not config.enforce_eager and config.attention_backend != "torch":
             self._capture_graphs()
 
     # ---- inputs --------------------------------------------------------------------------

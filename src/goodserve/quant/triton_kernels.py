@@ -68,7 +68,8 @@ def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm, str
 
 @triton.jit
 def _int8_gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      DOT_PRECISION: tl.constexpr):
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -78,7 +79,7 @@ def _int8_gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_wn,
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=x_mask, other=0.0)
         w_mask = (offs_k[:, None] < K) & (offs_n[None, :] < N)
         w = tl.load(w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None], mask=w_mask, other=0)
-        acc = tl.dot(x, w.to(x.dtype), acc, input_precision="ieee")
+        acc = tl.dot(x, w.to(x.dtype), acc, input_precision=DOT_PRECISION)
     scales = tl.load(s_ptr + offs_n, mask=offs_n < N, other=0.0)
     acc = acc * scales[None, :]
     y_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
@@ -87,7 +88,8 @@ def _int8_gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_wn,
 
 @triton.jit
 def _int4_gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_ym,
-                      GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                      GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      DOT_PRECISION: tl.constexpr):
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask, n_mask = offs_m < M, offs_n < N
@@ -100,8 +102,8 @@ def _int4_gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm, str
         packed = tl.load(w_ptr + offs_n[None, :] * stride_wn + offs_b[:, None], mask=n_mask[None, :], other=0)
         low = (packed & 0xF).to(x_even.dtype)
         high = (packed >> 4).to(x_even.dtype)
-        dot = tl.dot(x_even, low, input_precision="ieee")
-        dot = tl.dot(x_odd, high, dot, input_precision="ieee")
+        dot = tl.dot(x_even, low, input_precision=DOT_PRECISION)
+        dot = tl.dot(x_odd, high, dot, input_precision=DOT_PRECISION)
         x_sum = tl.sum(x_even.to(tl.float32), axis=1) + tl.sum(x_odd.to(tl.float32), axis=1)
         scales = tl.load(s_ptr + offs_n * stride_sn + g, mask=n_mask, other=0.0)
         zeros = tl.load(z_ptr + offs_n * stride_sn + g, mask=n_mask, other=0.0)
@@ -113,6 +115,11 @@ def _int4_gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm, str
 def _gemv_block_n(n: int) -> int:
     # Small tiles keep enough programs in flight to saturate HBM when N is only a few thousand.
     return 16 if n <= 8192 else 32
+
+
+def _dot_precision(x: torch.Tensor) -> str:
+    # float32 activations: exact products (no TF32 rounding), as the CPU reference computes them
+    return "ieee" if x.dtype == torch.float32 else "tf32"
 
 
 def _gemm_block_m(m: int) -> int:
@@ -138,7 +145,8 @@ def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, *,
     block_m, block_n = _gemm_block_m(m), block_n or 64
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     _int8_gemm_kernel[grid](x, qweight, scales, y, m, n, k, *strides,
-                            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k or 64)
+                            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k or 64,
+                            DOT_PRECISION=_dot_precision(x))
     return y
 
 
@@ -159,5 +167,6 @@ def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
     block_m, block_n = _gemm_block_m(m), block_n or 64
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     _int4_gemm_kernel[grid](x, qweight, scales, zeros, y, m, n, k, *strides,
-                            GROUP=group_size, BLOCK_M=block_m, BLOCK_N=block_n)
+                            GROUP=group_size, BLOCK_M=block_m, BLOCK_N=block_n,
+                            DOT_PRECISION=_dot_precision(x))
     return y
