@@ -82,8 +82,8 @@ def _first_diff(a: list[int], b: list[int]) -> int | None:
 
 
 # ---- decode --------------------------------------------------------------------------------
-def part_decode(bandwidth_gbps: float, model: str) -> None:
-    llm = LLM(model, device="cuda", max_num_seqs=64)
+def part_decode(bandwidth_gbps: float, model: str, quantization: str | None = None) -> None:
+    llm = LLM(model, device="cuda", max_num_seqs=64, quantization=quantization)
     spec = llm.spec
     prompt = {"prompt_token_ids": list(np.random.default_rng(0).integers(100, 20000, 128))}
     params = SamplingParams(temperature=0, max_tokens=256, ignore_eos=True)
@@ -98,17 +98,39 @@ def part_decode(bandwidth_gbps: float, model: str) -> None:
         runs.append({"e2e_tok_s": 256 / elapsed, "decode_tok_s": 255 / decode_s,
                      "ttft_ms": (out.metrics.first_token_time - out.metrics.arrival_time) * 1e3})
     best = max(runs, key=lambda r: r["decode_tok_s"])
-    weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.model.parameters())
+    weight_bytes = _weight_bytes(llm.engine.model)
     kv_bytes = spec.kv_bytes_per_token(2) * (128 + 128)  # mean context over the decode
     step_s = 1 / best["decode_tok_s"]
-    results["decode"] = {
-        "model": model, "runs": runs, "weight_bytes": weight_bytes,
+    results["decode" if quantization is None else f"decode_{quantization}"] = {
+        "model": model, "quantization": quantization, "runs": runs, "weight_bytes": weight_bytes,
         "bandwidth_limit_tok_s": bandwidth_gbps * 1e9 / (weight_bytes + kv_bytes),
         "mbu": (weight_bytes + kv_bytes) / step_s / (bandwidth_gbps * 1e9),
         "step_breakdown_s": _breakdown(llm),
     }
     del llm
     free_gpu()
+
+
+def _weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes a decode step reads: parameters and buffers (quantized weights and scales live in buffers)."""
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    tensors.pop(id(model.rotary_cache), None)
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def part_kv_quant(model: str) -> None:
+    """High concurrency, every output 180 tokens: INT8 KV against the model-dtype KV at equal memory."""
+    inputs, _ = sharegpt_like_lengths(1000, seed=4)
+    prompts = random_prompts(inputs, seed=5)
+    for kv_dtype in ("auto", "int8"):
+        llm = LLM(model, device="cuda", max_num_seqs=1024, max_num_batched_tokens=8192, kv_cache_dtype=kv_dtype,
+                  gpu_memory_utilization=0.5)
+        run = run_offline(llm, prompts, [180] * len(prompts))
+        run["num_kv_blocks"] = llm.engine.pool.num_blocks
+        run["num_preemptions"] = llm.engine.stats().num_preemptions
+        results[f"kv_{kv_dtype}_1000_requests"] = run
+        del llm
+        free_gpu()
 
 
 def _breakdown(llm: LLM) -> dict:
@@ -224,7 +246,10 @@ def main() -> None:
         try:
             {"check": part_check, "decode": lambda: part_decode(bandwidth, args.model),
              "throughput": lambda: part_throughput(args.model, args.max_num_batched_tokens, args.max_num_seqs),
-             "peer": lambda: part_peer(args.model)}[part]()
+             "peer": lambda: part_peer(args.model),
+             "int8": lambda: part_decode(bandwidth, args.model, "int8"),
+             "int4": lambda: part_decode(bandwidth, args.model, "int4"),
+             "kvquant": lambda: part_kv_quant(args.model)}[part]()
         except Exception as exc:  # noqa: BLE001 - keep the other parts' numbers
             import traceback
 

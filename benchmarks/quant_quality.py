@@ -21,15 +21,16 @@ from goodserve.quant.eval import (BASELINE_OPTIONS, EvalSettings, checks, compar
 
 INT4_G64 = {"quantization": "int4", "quantization_group_size": 64}
 INT4_G32 = {"quantization": "int4", "quantization_group_size": 32}
-CANDIDATES = {  # name: (engine options, AWQ scaling); smollm2's hidden size 576 rules out group 128
-    "int8 weights": ({"quantization": "int8"}, False),
-    "int4 weights, group 64": (INT4_G64, False),
-    "int4 weights, group 64, AWQ": (INT4_G64, True),
-    "int4 weights, group 32": (INT4_G32, False),
-    "int4 weights, group 32, AWQ": (INT4_G32, True),
-    "int8 KV cache": ({"kv_cache_dtype": "int8"}, False),
-    "int8 weights + int8 KV cache": ({"quantization": "int8", "kv_cache_dtype": "int8"}, False),
-    "default engine (prefix caching, auto backend)": ({}, False),
+AWQ = {"quantization_awq": True}
+CANDIDATES = {  # name: engine options; smollm2's hidden size 576 rules out group 128
+    "int8 weights": {"quantization": "int8"},
+    "int4 weights, group 64": INT4_G64,
+    "int4 weights, group 64, AWQ": {**INT4_G64, **AWQ},
+    "int4 weights, group 32": INT4_G32,
+    "int4 weights, group 32, AWQ": {**INT4_G32, **AWQ},
+    "int8 KV cache": {"kv_cache_dtype": "int8"},
+    "int8 weights + int8 KV cache": {"quantization": "int8", "kv_cache_dtype": "int8"},
+    "default engine (prefix caching, auto backend)": {},
 }
 
 
@@ -46,14 +47,14 @@ def main() -> None:
     workload, baseline = measure(base_config, settings)
     results = {}
     selected = set(args.only or CANDIDATES)
-    for name, (options, awq) in CANDIDATES.items():
+    for name, options in CANDIDATES.items():
         if name not in selected:
             continue
         candidate = dataclasses.replace(EngineConfig(model=args.model, device=args.device), **options)
-        _, run = measure(candidate, settings, workload, awq=awq)
+        _, run = measure(candidate, settings, workload)
         metrics = compare(baseline, run)
         rows = checks(metrics, default_thresholds(candidate))
-        results[name] = {"options": options, "awq": awq, "metrics": metrics, "checks": rows,
+        results[name] = {"options": options, "metrics": metrics, "checks": rows,
                          "passed": all(r["passed"] for r in rows), "seconds": run.seconds}
         print(f"{name}: " + ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()), flush=True)
     report = {

@@ -16,6 +16,7 @@ SUBCOMMAND_MODULES = [
     "goodserve.diagnose.command",
     "goodserve.diagnose.calc_command",
     "goodserve.quant.eval_command",
+    "goodserve.quant.quantize_command",
 ]
 
 

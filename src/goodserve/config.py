@@ -32,8 +32,10 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     max_wait_ms: float = 10.0  # dynamic batching: how long a partial batch waits to fill
     # Model execution
-    quantization: str | None = None
-    quantization_group_size: int = 128
+    quantization: str | None = None  # weight-only: int8 (per channel) | int4 (per group)
+    quantization_group_size: int | None = None  # int4; None: the largest of 128/64/32 that divides
+    quantization_awq: bool = False  # activation-aware scales from a built-in calibration text
+    quantized_checkpoint: str | None = None  # a checkpoint saved by `goodserve quantize`
     attention_backend: str = "auto"  # auto | torch | triton
     enforce_eager: bool = False  # True: no CUDA graphs
     tokenizer: str | None = None  # tokenizer path when it differs from the model's

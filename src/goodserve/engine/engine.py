@@ -62,6 +62,24 @@ class _StepTimes:
     detokenize: float = 0.0
 
 
+def apply_quantization(loaded, config: EngineConfig) -> None:
+    """Weight-only quantization in place: from a saved checkpoint, or computed at load time."""
+    if config.quantized_checkpoint:
+        from goodserve.quant.checkpoint import load_quantized_into
+
+        load_quantized_into(loaded.model, config.quantized_checkpoint, loaded.revision)
+    elif config.quantization:
+        from goodserve.quant.apply import quantize_model
+        from goodserve.quant.awq import default_calibration_text
+
+        calibration = None
+        if config.quantization_awq:
+            if loaded.tokenizer is None:
+                raise InvalidRequestError("quantization_awq needs a tokenizer for its calibration text")
+            calibration = loaded.tokenizer.encode(default_calibration_text())
+        quantize_model(loaded.model, config.quantization, config.quantization_group_size, calibration)
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -90,10 +108,7 @@ class Engine:
         torch.manual_seed(config.seed)
         set_attention_backend(config.attention_backend)
         loaded = load_model(config.model, self.dtype, self.device, seed=config.seed)
-        if config.quantization:
-            from goodserve.quant.apply import quantize_model
-
-            quantize_model(loaded.model, config.quantization, config.quantization_group_size)
+        apply_quantization(loaded, config)
         self.spec, self.model, self.tokenizer = loaded.spec, loaded.model, loaded.tokenizer
         if config.tokenizer:
             self.tokenizer = load_tokenizer(config.tokenizer, self.spec)
@@ -106,7 +121,8 @@ class Engine:
         if not config.enable_chunked_prefill:  # a whole prompt must fit one step's budget
             config.max_num_batched_tokens = max(config.max_num_batched_tokens, self.max_model_len)
         self.runner = ModelRunner(config, self.model, num_blocks, kv_dtype, self.max_model_len, self.device)
-        salt = f"{loaded.revision}|{config.kv_cache_dtype}|{config.quantization}".encode()
+        salt = (f"{loaded.revision}|{config.kv_cache_dtype}|{config.quantization}|"
+                f"{config.quantized_checkpoint}|{config.quantization_awq}").encode()
         self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching, salt)
         self.scheduler = Scheduler(config, self.pool)
         self.requests: dict[str, Request] = {}

@@ -35,7 +35,8 @@ class ModelOutput:
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
-    sizes = [1, 2, 4, 8] + list(range(16, 257, 16))
+    """Decode batches run in the smallest captured size that holds them; the padding is wasted work."""
+    sizes = [1, 2, 4, 8] + list(range(16, 256, 16)) + list(range(256, max_num_seqs, 32))
     return [s for s in sizes if s < max_num_seqs] + [max_num_seqs]
 
 
@@ -120,8 +121,8 @@ class ModelRunner:
     def execute(self, inputs: ModelInput) -> ModelOutput:
         num_seqs = len(inputs.meta.seq_lens_host)
         graph = self._graph_for(inputs, num_seqs)
-        if graph is not None:
-            return ModelOutput(graph.replay(inputs)[inputs.logits_indices], {})
+        if graph is not None:  # decode-only: every sequence samples, in batch order
+            return ModelOutput(graph.replay(inputs), {})
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         prompt_logits = {

@@ -61,7 +61,6 @@ class EvalSettings:
     window: int = 256
     prompts: list[str] = field(default_factory=lambda: [f"{PREAMBLE}Question: {q}\nAnswer:" for q in QUESTIONS])
     max_new_tokens: int = 32
-    awq: bool = False  # quantize the candidate with AWQ scaling (calibrated on quant/awq.py's text)
 
     def validate(self) -> None:
         """Fail before any model loads."""
@@ -147,21 +146,13 @@ def build_workload(tokenizer, settings: EvalSettings) -> Workload:
     return Workload(source, windows, [tokenizer.encode(p) for p in settings.prompts])
 
 
-def measure(config: EngineConfig, settings: EvalSettings, workload: Workload | None = None,
-            awq: bool = False) -> tuple[Workload, RunResult]:
+def measure(config: EngineConfig, settings: EvalSettings,
+            workload: Workload | None = None) -> tuple[Workload, RunResult]:
     """Open an engine for `config`, run the workload (built from its tokenizer when not given),
     and free the engine before returning, so the next configuration has the memory."""
     from goodserve.llm import LLM
 
-    if not awq:
-        llm = LLM(**dataclasses.asdict(config))
-    else:  # the engine has no AWQ option: load unquantized, eager (no graphs of the old weights), then swap
-        llm = LLM(**{**dataclasses.asdict(config), "quantization": None, "enforce_eager": True})
-        from goodserve.quant.apply import quantize_model
-        from goodserve.quant.awq import default_calibration_text
-
-        quantize_model(llm.engine.model, config.quantization, config.quantization_group_size,
-                       awq_calibration_ids=llm.tokenizer.encode(default_calibration_text()))
+    llm = LLM(**dataclasses.asdict(config))
     workload = workload or build_workload(llm.tokenizer, settings)
     result = run_workload(llm, workload, settings.max_new_tokens)
     del llm
@@ -238,18 +229,17 @@ def evaluate(candidate: EngineConfig, settings: EvalSettings, thresholds: Thresh
     """Run baseline and candidate; return the JSON-ready report (its "passed" is the verdict)."""
     candidate.validate()
     settings.validate()
-    if settings.awq and not candidate.quantization:
-        raise InvalidRequestError("--awq scales weights for quantization: add --quantization int8 or int4")
+    if candidate.quantization_awq and not candidate.quantization:
+        raise InvalidRequestError("--quantization-awq scales weights for quantization: add --quantization int8 or int4")
     thresholds = thresholds or default_thresholds(candidate)
     baseline = dataclasses.replace(candidate, **BASELINE_OPTIONS)
     workload, base_run = measure(baseline, settings)
-    _, cand_run = measure(candidate, settings, workload, awq=settings.awq)
+    _, cand_run = measure(candidate, settings, workload)
     metrics = compare(base_run, cand_run)
     rows = checks(metrics, thresholds)
     return {
         "model": candidate.model,
         "differs_from_baseline": changed_options(candidate, baseline),
-        "awq": settings.awq,
         "baseline": dataclasses.asdict(baseline),
         "candidate": dataclasses.asdict(candidate),
         "text": {"source": workload.text_source, "windows": len(workload.windows),

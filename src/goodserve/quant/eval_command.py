@@ -25,8 +25,6 @@ def register(subparsers) -> None:
     work.add_argument("--window", type=int, default=256, help="tokens per perplexity window (default: 256)")
     work.add_argument("--prompts-file", help="greedy prompts, one per line (default: a built-in set of 16)")
     work.add_argument("--max-new-tokens", type=int, default=32, help="greedy tokens per prompt (default: 32)")
-    work.add_argument("--awq", action="store_true",
-                      help="quantize the candidate with activation-aware scaling (needs --quantization)")
     limits = parser.add_argument_group("thresholds (defaults depend on what the configuration changes)")
     limits.add_argument("--max-perplexity-increase", type=float, help="relative, e.g. 0.01 for 1%%")
     limits.add_argument("--min-top1-agreement", type=float)
@@ -42,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
 
     config = engine_config_from_args(args)
     settings = EvalSettings(text_file=args.text_file, max_text_tokens=args.max_text_tokens, window=args.window,
-                            max_new_tokens=args.max_new_tokens, awq=args.awq)
+                            max_new_tokens=args.max_new_tokens)
     if args.prompts_file:
         settings.prompts = _read_prompts(args.prompts_file)
     thresholds = default_thresholds(config)
@@ -70,7 +68,6 @@ def _read_prompts(path: str) -> list[str]:
 def summary(report: dict) -> str:
     m = report["metrics"]
     changes = ", ".join(f"{k}={v}" for k, v in report["differs_from_baseline"].items()) or "nothing"
-    changes += " (with AWQ scaling)" if report["awq"] else ""
     lines = [
         f"model {report['model']}; candidate changes: {changes}",
         f"text: {report['text']['source']}, {report['text']['scored_tokens']} tokens scored; "

@@ -17,7 +17,7 @@ from torch import nn
 
 from goodserve.quant import schemes
 
-CPU_PACKED_MAX_M = 4
+CPU_PACKED_MAX_M = 2
 # torch's CPU int4 kernel takes codes 0..15 as (q - 8) * scale + zero8, so zero8 = zero + 8 * scale;
 # it needs the output dimension to be a multiple of 16.
 INT4_CPU_CODE_OFFSET = 8

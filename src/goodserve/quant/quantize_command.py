@@ -1,0 +1,40 @@
+"""`goodserve quantize`: quantize a model's weights once and save them, so serving skips that work."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "quantize",
+        help="quantize a model's weights (int8 / int4) and save a checkpoint",
+        description="Load a model, quantize its linear layers and save them as safetensors; serve it "
+                    "with `goodserve serve --model M --quantized-checkpoint FILE`.",
+    )
+    parser.add_argument("--model", default="smollm2-135m", help="the model the checkpoint is made from")
+    parser.add_argument("--quantization", choices=["int8", "int4"], required=True)
+    parser.add_argument("--group-size", type=int, default=None, help="int4 group (default: largest that divides)")
+    parser.add_argument("--awq", action="store_true", help="activation-aware scaling before rounding")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--output", required=True, help="the .safetensors file to write")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from goodserve.config import EngineConfig
+    from goodserve.engine.engine import apply_quantization, resolve_device, resolve_dtype
+    from goodserve.model.loader import load_model
+    from goodserve.quant.checkpoint import save_quantized
+
+    device = resolve_device(args.device)
+    loaded = load_model(args.model, resolve_dtype("auto", device), device)
+    config = EngineConfig(model=args.model, quantization=args.quantization,
+                          quantization_group_size=args.group_size, quantization_awq=args.awq)
+    with torch.inference_mode():
+        apply_quantization(loaded, config)
+    save_quantized(loaded.model, args.output, loaded.revision)
+    print(f"wrote {args.output}")
+    return 0
