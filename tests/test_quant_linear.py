@@ -11,7 +11,9 @@ from goodserve.model.spec import ModelSpec
 from goodserve.quant import linear as qlinear
 from goodserve.quant.apply import quantize_model
 from goodserve.quant.checkpoint import load_quantized_into, save_quantized
-from goodserve.quant.linear import Int4Linear, Int8Linear
+from goodserve.quant import schemes
+from goodserve.quant.linear import (TINYGEMM_CHECK_MAX_REL_ERROR, Int4Linear, Int8Linear, int4_scales_and_zeros,
+                                    tinygemm_inner_k_tiles, tinygemm_nibbles)
 
 TINY = ModelSpec(name="tiny", vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                  num_kv_heads=2, head_dim=16, max_position_embeddings=64, tie_word_embeddings=True)
@@ -107,3 +109,58 @@ def test_automatic_group_size_is_the_largest_that_divides_every_layer():
     model = quantize_model(_tiny_model(0), "int4", group_size=None)  # hidden 64, intermediate 128
     sizes = {m.group_size for m in model.modules() if isinstance(m, Int4Linear)}
     assert sizes == {64}
+
+
+def _tinygemm_dequantize(nibbles: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Plain-torch transcription of tinygemm's reading of its inputs (torch int4mm.cu, and gpt-fast /
+    torchao's packing): byte j of a row holds column 2j in its high nibble and 2j + 1 in its low
+    one; w = (code - 8) * scale + zero, with scale, zero = scales_and_zeros[k // group_size, n]."""
+    codes = torch.stack([nibbles >> 4, nibbles & 0xF], dim=-1).reshape(nibbles.shape[0], -1).float()
+    per_column = scales_and_zeros.float().repeat_interleave(group_size, dim=0).transpose(0, 1)  # [N, K, 2]
+    return (codes - 8) * per_column[..., 0] + per_column[..., 1]
+
+
+def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("group_size", [32, 128])
+def test_tinygemm_conversion_reproduces_our_dequantized_weight(group_size):
+    torch.manual_seed(group_size)
+    weight = torch.randn(24, 256) * 0.05 + 0.02  # offset: zero points must matter
+    q = schemes.quantize_int4(weight, group_size)
+    ours = schemes.dequantize_int4(q)
+    scales_and_zeros = int4_scales_and_zeros(q.scales, q.zeros)
+    assert scales_and_zeros.shape == (256 // group_size, 24, 2)
+    exact = _tinygemm_dequantize(tinygemm_nibbles(q.qweight), scales_and_zeros, group_size)
+    torch.testing.assert_close(exact, ours, rtol=0, atol=1e-6)  # float32: z + 8 s - 8 s
+    # the kernel holds scales and zeros in bfloat16: close, and far inside the first-use check's bound
+    rounded = _tinygemm_dequantize(tinygemm_nibbles(q.qweight), scales_and_zeros.to(torch.bfloat16), group_size)
+    assert _relative_error(rounded, ours) < TINYGEMM_CHECK_MAX_REL_ERROR / 5
+    # ... which a wrong nibble order (our own, unconverted) or zero point (ours, no + 8 s) fails
+    assert _relative_error(_tinygemm_dequantize(q.qweight, scales_and_zeros, group_size), ours) \
+        > 5 * TINYGEMM_CHECK_MAX_REL_ERROR
+    no_offset = torch.stack([q.scales, q.zeros], dim=-1).transpose(0, 1)
+    assert _relative_error(_tinygemm_dequantize(tinygemm_nibbles(q.qweight), no_offset, group_size), ours) \
+        > 5 * TINYGEMM_CHECK_MAX_REL_ERROR
+
+
+def test_tinygemm_nibble_swap_round_trips_bytes():
+    every_byte = torch.arange(256, dtype=torch.uint8).reshape(4, 64)
+    assert torch.equal(tinygemm_nibbles(tinygemm_nibbles(every_byte)), every_byte)
+    assert tinygemm_nibbles(torch.tensor([[0x21]], dtype=torch.uint8)).item() == 0x12
+
+
+def test_tinygemm_shape_limits():
+    assert tinygemm_inner_k_tiles(4096, 6144, 128) == 8 and tinygemm_inner_k_tiles(14336, 4096, 128) == 8
+    assert tinygemm_inner_k_tiles(576, 1536, 64) == 4  # smollm2: 576 = 16 * 36
+    assert tinygemm_inner_k_tiles(96, 64, 32) == 2
+    assert tinygemm_inner_k_tiles(4096, 4100, 128) is None  # N not a multiple of 8
+    assert tinygemm_inner_k_tiles(4096, 4096, 16) is None
+
+
+def test_int4_checkpoint_keeps_no_kernel_layout(tmp_path):
+    """The kernels' packed copies live outside the state dict, so checkpoints hold our codes only."""
+    layer = Int4Linear.from_linear(nn.Linear(64, 32, bias=False), 32)
+    layer(torch.randn(1, 64))  # builds the CPU kernel layout
+    assert sorted(layer.state_dict()) == ["qweight", "scales", "zeros"]

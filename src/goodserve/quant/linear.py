@@ -1,7 +1,10 @@
 """Weight-only quantized linear layers: drop-in nn.Linear replacements holding int8 / int4 codes.
 
 forward(x) equals nn.Linear on the dequantized weight. Paths:
-- CUDA: the Triton dequantize-GEMV / GEMM kernels (quant/triton_kernels.py).
+- CUDA, int4 with bfloat16 activations: torch's tinygemm kernel (_weight_int4pack_mm, as gpt-fast
+  and torchao use it), on a copy of the codes repacked once into its tensor-core tile layout.
+- CUDA otherwise (and int4 where tinygemm is missing or fails its first-use check): the Triton
+  dequantize-GEMV / GEMM kernels (quant/triton_kernels.py).
 - CPU, few rows (decode): torch's packed-weight kernels (_weight_int8pack_mm,
   _weight_int4pack_mm_for_cpu), which read the codes without materializing the weight.
 - CPU, many rows (prefill): dequantize once, then one dense matmul; the dequantization is paid
@@ -11,17 +14,35 @@ benchmarks/cpu_quant_linear.py measured the crossover (CPU_PACKED_MAX_M); docs/q
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from goodserve.quant import schemes
 
+logger = logging.getLogger("goodserve.quant")
+
 CPU_PACKED_MAX_M = 2
-# torch's CPU int4 kernel takes codes 0..15 as (q - 8) * scale + zero8, so zero8 = zero + 8 * scale;
-# it needs the output dimension to be a multiple of 16.
-INT4_CPU_CODE_OFFSET = 8
+# On CUDA the fused dequantize kernels win while the weight read dominates (measured on an H100,
+# benchmarks/results/gpu_quant_kernels_h100.json); for larger batches (prefill, big decode
+# batches) dequantizing once and calling cuBLAS is several times faster.
+CUDA_KERNEL_MAX_M = 32
+# torch's int4 kernels (CPU and CUDA tinygemm) take codes 0..15 as (q - 8) * scale + zero8, so
+# zero8 = zero + 8 * scale. The CPU one needs the output dimension to be a multiple of 16.
+INT4_CODE_OFFSET = 8
 INT4_CPU_N_MULTIPLE = 16
+# tinygemm: N a multiple of its 8-wide n tile; K a multiple of 16 * inner k tiles (8 gives 16-byte
+# loads, the fastest; 4 and 2 take what 8 does not divide, e.g. smollm2's K = 576).
+TINYGEMM_N_MULTIPLE = 8
+TINYGEMM_INNER_K_TILES = (8, 4, 2)
+TINYGEMM_GROUP_SIZES = (32, 64, 128, 256)
+# First-use check of the repacked weight against our own dequantization: a right layout differs
+# by bfloat16 rounding (~0.3%), a wrong one (nibble order, zero point) by tens of percent.
+TINYGEMM_CHECK_ROWS = 64
+TINYGEMM_CHECK_MAX_REL_ERROR = 0.03
 
 
 class _QuantizedLinear(nn.Module):
@@ -36,7 +57,7 @@ class _QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if x.is_cuda:
+        if x.is_cuda and rows.shape[0] <= CUDA_KERNEL_MAX_M:
             y = self._cuda_matmul(rows)
         elif rows.shape[0] <= CPU_PACKED_MAX_M:
             y = self._cpu_packed_matmul(rows)
@@ -80,6 +101,41 @@ class Int8Linear(_QuantizedLinear):
         return torch._weight_int8pack_mm(rows.contiguous(), self.qweight, self.scales.to(rows.dtype))
 
 
+def int4_scales_and_zeros(scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """Our [N, G] scales and zeros (w = q * s + z) -> torch's int4 kernels' [G, N, 2] (s, z + 8 s)."""
+    zero8 = zeros + INT4_CODE_OFFSET * scales
+    return torch.stack([scales, zero8], dim=-1).transpose(0, 1).contiguous()
+
+
+def tinygemm_nibbles(qweight: torch.Tensor) -> torch.Tensor:
+    """Our packed codes (even column in the low nibble) -> the byte order the CUDA packer takes
+    (_convert_weight_to_int4pack with uint8 input, torch >= 2.5: even column in the high nibble)."""
+    return ((qweight & 0xF) << 4) | (qweight >> 4)
+
+
+def tinygemm_inner_k_tiles(in_features: int, out_features: int, group_size: int) -> int | None:
+    """The inner k-tile count tinygemm can pack this shape with, or None where it cannot."""
+    if out_features % TINYGEMM_N_MULTIPLE or group_size not in TINYGEMM_GROUP_SIZES:
+        return None
+    return next((t for t in TINYGEMM_INNER_K_TILES if in_features % (16 * t) == 0), None)
+
+
+def tinygemm_layout(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                    group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed int32 tiles, bf16 [G, N, 2] scales and zeros) for _weight_int4pack_mm; CUDA only."""
+    n, k = qweight.shape[0], qweight.shape[1] * 2
+    inner_k_tiles = tinygemm_inner_k_tiles(k, n, group_size)
+    if inner_k_tiles is None:
+        raise ValueError(f"tinygemm cannot take N={n}, K={k}, group size {group_size}")
+    packed = torch.ops.aten._convert_weight_to_int4pack(tinygemm_nibbles(qweight).contiguous(), inner_k_tiles)
+    return packed, int4_scales_and_zeros(scales, zeros).to(torch.bfloat16)
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_once(message: str) -> None:
+    logger.warning(message)
+
+
 class Int4Linear(_QuantizedLinear):
     def __init__(self, in_features: int, out_features: int, bias: bool = False, group_size: int = 128,
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None):
@@ -90,9 +146,12 @@ class Int4Linear(_QuantizedLinear):
         self.register_buffer("qweight", torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=device))
         self.register_buffer("scales", torch.ones(out_features, groups, dtype=torch.float32, device=device))
         self.register_buffer("zeros", torch.zeros(out_features, groups, dtype=torch.float32, device=device))
-        # CPU kernel's own weight layout, built on first use; not part of the state dict. Keyed by
-        # the buffers' versions so a load_state_dict (in-place copy) rebuilds it.
+        # The kernels' own weight layouts, built on first use and not part of the state dict (a
+        # checkpoint keeps our codes). Keyed by the buffers' versions and addresses, so a
+        # load_state_dict (in-place copy) or a move to another device rebuilds them.
         self._cpu_layout: tuple[tuple[int, ...], torch.Tensor, torch.Tensor] | None = None
+        self._tinygemm: tuple[tuple[int, ...], torch.Tensor, torch.Tensor] | None = None
+        self.tinygemm_disabled = False  # set for good once tinygemm fails here; Triton serves instead
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group_size: int = 128) -> Int4Linear:
@@ -113,10 +172,63 @@ class Int4Linear(_QuantizedLinear):
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, group_size={self.group_size}"
 
+    def _codes_key(self) -> tuple[int, ...]:
+        tensors = (self.qweight, self.scales, self.zeros)
+        try:
+            versions = tuple(t._version for t in tensors)
+        except RuntimeError:  # inference-mode tensors keep no version counter; addresses still tell
+            versions = ()
+        return versions + tuple(t.data_ptr() for t in tensors)
+
     def _cuda_matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        if rows.dtype == torch.bfloat16:  # tinygemm takes bfloat16 activations only
+            layout = self._tinygemm_layout()
+            if layout is not None:
+                try:
+                    return torch.ops.aten._weight_int4pack_mm(rows.contiguous(), layout[0], self.group_size, layout[1])
+                except RuntimeError as exc:
+                    self._disable_tinygemm(exc)
         from goodserve.quant.triton_kernels import int4_matmul
 
         return int4_matmul(rows, self.qweight, self.scales, self.zeros, self.group_size)
+
+    def _tinygemm_layout(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if self.tinygemm_disabled:
+            return None
+        key = self._codes_key()
+        if self._tinygemm is not None and self._tinygemm[0] == key:
+            return self._tinygemm[1], self._tinygemm[2]
+        if self.qweight.is_cuda and torch.cuda.is_current_stream_capturing():
+            return None  # repacking and checking need eager mode; the runner's warm-up calls build it
+        try:
+            packed, scales_and_zeros = tinygemm_layout(self.qweight, self.scales, self.zeros, self.group_size)
+            self._check_tinygemm(packed, scales_and_zeros)
+        except Exception as exc:  # op missing in this build, shape it refuses, or a failed check
+            self._disable_tinygemm(exc)
+            return None
+        self._tinygemm = (key, packed, scales_and_zeros)
+        return packed, scales_and_zeros
+
+    def _check_tinygemm(self, packed: torch.Tensor, scales_and_zeros: torch.Tensor) -> None:
+        """One-hot rows pick weight columns out of tinygemm; they must match our dequantization."""
+        k = self.in_features
+        cols = torch.linspace(0, k - 1, min(k, TINYGEMM_CHECK_ROWS), device=self.qweight.device).round().long()
+        probe = torch.zeros(len(cols), k, dtype=torch.bfloat16, device=self.qweight.device)
+        probe[torch.arange(len(cols), device=probe.device), cols] = 1
+        got = torch.ops.aten._weight_int4pack_mm(probe, packed, self.group_size, scales_and_zeros).float()
+        byte = self.qweight[:, cols // 2]
+        codes = torch.where(cols % 2 == 0, byte & 0xF, byte >> 4).float()
+        groups = cols // self.group_size
+        want = (codes * self.scales[:, groups] + self.zeros[:, groups]).T
+        error = ((got - want).norm() / want.norm().clamp(min=1e-12)).item()
+        if not error <= TINYGEMM_CHECK_MAX_REL_ERROR:
+            raise RuntimeError(f"tinygemm's repacked weight is off by {error:.3g} relative to our codes")
+
+    def _disable_tinygemm(self, exc: Exception) -> None:
+        self.tinygemm_disabled = True
+        self._tinygemm = None
+        _warn_once(f"int4 tinygemm kernel unavailable ({type(exc).__name__}: {exc}); "
+                   "using the Triton int4 kernels instead")
 
     def _cpu_packed_matmul(self, rows: torch.Tensor) -> torch.Tensor:
         if self.out_features % INT4_CPU_N_MULTIPLE:
@@ -126,11 +238,9 @@ class Int4Linear(_QuantizedLinear):
                                                  scales_and_zeros.to(rows.dtype))
 
     def _cpu_kernel_layout(self) -> tuple[torch.Tensor, torch.Tensor]:
-        key = (self.qweight._version, self.scales._version, self.zeros._version, self.qweight.data_ptr())
+        key = self._codes_key()
         if self._cpu_layout is None or self._cpu_layout[0] != key:
             codes = schemes.unpack_int4(self.qweight).to(torch.int32)
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
-            zero8 = self.zeros + INT4_CPU_CODE_OFFSET * self.scales
-            scales_and_zeros = torch.stack([self.scales, zero8], dim=-1).transpose(0, 1).contiguous()
-            self._cpu_layout = (key, packed, scales_and_zeros)
+            self._cpu_layout = (key, packed, int4_scales_and_zeros(self.scales, self.zeros))
         return self._cpu_layout[1], self._cpu_layout[2]
