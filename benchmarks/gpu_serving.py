@@ -34,19 +34,23 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="dummy:llama-3.1-8b")
     parser.add_argument("--tokenizer", required=True)
-    parser.add_argument("--rates", default="4,8,16,24,32")
+    parser.add_argument("--rates", default="4,8,16,24,32", help="rates to sweep ('' for none)")
     parser.add_argument("--num-prompts", type=int, default=300)
     parser.add_argument("--capacity", action="store_true", help="also search the goodput capacity")
+    parser.add_argument("--capacity-start-rate", type=float, default=8.0,
+                        help="first rate probed; a start near the answer saves probes")
     args = parser.parse_args()
     os.makedirs(OUT, exist_ok=True)
     server = launch_server(["--model", args.model, "--tokenizer", args.tokenizer, "--max-num-seqs", "256",
                             "--slo-ttft-ms", "200", "--slo-tpot-ms", "50", "--log-level", "warning"], 600)
     url = server.url
     try:
-        sweep = bench(url, args, ["--sweep-request-rates", args.rates], "serving_sweep.json")
-        summary = {"sweep": sweep}
+        summary = {}
+        if args.rates:
+            summary["sweep"] = bench(url, args, ["--sweep-request-rates", args.rates], "serving_sweep.json")
         if args.capacity:
-            summary["capacity"] = bench(url, args, ["--goodput-capacity"], "serving_capacity.json")
+            summary["capacity"] = bench(url, args, ["--goodput-capacity", "--capacity-start-rate",
+                                                    str(args.capacity_start_rate)], "serving_capacity.json")
         json.dump(summary, open(os.path.join(OUT, "gpu_serving.json"), "w"), indent=1)
     finally:
         server.stop()
