@@ -21,7 +21,6 @@ def register(subparsers) -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=-1)
-    parser.add_argument("--seed", type=int, default=None)
     add_engine_arguments(parser)
     parser.set_defaults(func=run)
 
@@ -35,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
         prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
         prompt = engine.tokenizer.encode(prompt, add_special_tokens=False)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+                            top_p=args.top_p, top_k=args.top_k, seed=args.seed)  # --seed: the engine's
     engine.add_request("cli", prompt, params)
     printed = 0
     while engine.has_unfinished():
