@@ -302,15 +302,16 @@ class Engine:
             self._finish(seq, "stop", token if token in params.stop_token_ids else None, detokenizer)
             return
         if detokenizer is not None:
-            seq.text += detokenizer.add_tokens([token])
-            if may_stop and params.stop and self._truncate_at_stop_string(seq):
+            delta = detokenizer.add_tokens([token])
+            seq.text += delta
+            if may_stop and params.stop and self._truncate_at_stop_string(seq, len(delta)):
                 return
         if seq.num_output_tokens >= (params.max_tokens or seq.max_len) or seq.num_tokens >= seq.max_len:
             self._finish(seq, "length", None, detokenizer)
 
-    def _truncate_at_stop_string(self, seq: Sequence) -> bool:
-        for stop in seq.params.stop:
-            at = seq.text.find(stop)
+    def _truncate_at_stop_string(self, seq: Sequence, new_chars: int) -> bool:
+        for stop in seq.params.stop:  # only where the new text could complete a stop string
+            at = seq.text.find(stop, max(0, len(seq.text) - new_chars - len(stop) + 1))
             if at >= 0:
                 seq.text = seq.text[: at + (len(stop) if seq.params.include_stop_str_in_output else 0)]
                 self._finish(seq, "stop", stop, None)
