@@ -67,7 +67,7 @@ def breakdown(llm: LLM) -> dict:
     s = llm.engine.stats()
     return {"steps": s.num_steps, "schedule_s": s.schedule_seconds_total, "prepare_s": s.prepare_seconds_total,
             "forward_s": s.forward_seconds_total, "sample_s": s.sample_seconds_total,
-            "detokenize_s": s.detokenize_seconds_total}
+            "detokenize_s": s.detokenize_seconds_total, "output_s": s.output_seconds_total}
 
 
 def main() -> None:

@@ -137,7 +137,8 @@ def _breakdown(llm: LLM) -> dict:
     stats = llm.engine.stats()
     return {"steps": stats.num_steps, "schedule": stats.schedule_seconds_total,
             "prepare": stats.prepare_seconds_total, "forward": stats.forward_seconds_total,
-            "sample": stats.sample_seconds_total, "detokenize": stats.detokenize_seconds_total}
+            "sample": stats.sample_seconds_total, "detokenize": stats.detokenize_seconds_total,
+            "output": stats.output_seconds_total}
 
 
 # ---- throughput ----------------------------------------------------------------------------

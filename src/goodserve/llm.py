@@ -70,9 +70,8 @@ class LLM:
     def _run_to_completion(self) -> dict[str, RequestOutput]:
         finished = {}
         while self.engine.has_unfinished():
-            for output in self.engine.step():
-                if output.finished:
-                    finished[output.request_id] = output
+            for output in self.engine.step(finished_only=True):
+                finished[output.request_id] = output
         return finished
 
 

@@ -51,6 +51,7 @@ class EngineStats:
     forward_seconds_total: float
     sample_seconds_total: float
     detokenize_seconds_total: float
+    output_seconds_total: float  # building RequestOutputs for callers
 
 
 @dataclass
@@ -60,6 +61,7 @@ class _StepTimes:
     forward: float = 0.0
     sample: float = 0.0
     detokenize: float = 0.0
+    output: float = 0.0
 
 
 def apply_quantization(loaded, config: EngineConfig) -> None:
@@ -213,7 +215,10 @@ class Engine:
         return self.scheduler.has_unfinished()
 
     # ---- one step ------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self, finished_only: bool = False) -> list[RequestOutput]:
+        """Run one step; return the outputs of the requests it advanced (cumulative), or with
+        finished_only only of those it finished: building a long request's output every step costs
+        time proportional to its length, which offline callers need not pay."""
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()
         t1 = time.perf_counter()
@@ -227,7 +232,10 @@ class Engine:
         except Exception as exc:  # a failed step fails its requests, never the engine
             logger.exception("step failed; aborting its %d sequences", len(batch.seqs))
             changed = self._fail(batch, exc)
-        return self._collect(changed)
+        t_collect = time.perf_counter()
+        outputs = self._collect(changed, finished_only)
+        self.times.output += time.perf_counter() - t_collect
+        return outputs
 
     def _run(self, batch: ScheduledBatch, t_start: float) -> set[str]:
         inputs = self.runner.prepare(batch)
@@ -263,11 +271,11 @@ class Engine:
                         self.scheduler.finish(sibling, "abort")
         return {seq.request_id for seq in batch.seqs}
 
-    def _collect(self, changed: set[str]) -> list[RequestOutput]:
+    def _collect(self, changed: set[str], finished_only: bool) -> list[RequestOutput]:
         outputs = []
         for request_id in changed:
             request = self.requests.get(request_id)
-            if request is None:
+            if request is None or (finished_only and not request.finished):
                 continue
             outputs.append(request.output())
             if request.finished:
@@ -344,6 +352,7 @@ class Engine:
             forward_seconds_total=self.times.forward,
             sample_seconds_total=self.times.sample,
             detokenize_seconds_total=self.times.detokenize,
+            output_seconds_total=self.times.output,
         )
 
 

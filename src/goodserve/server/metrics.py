@@ -91,7 +91,7 @@ class EngineStatsCollector:
         split = CounterMetricFamily(
             PREFIX + "step_time_seconds", "Engine step time by phase.", labels=["model_name", "phase"]
         )
-        for phase in ("schedule", "prepare", "forward", "sample", "detokenize"):
+        for phase in ("schedule", "prepare", "forward", "sample", "detokenize", "output"):
             split.add_metric([self.model_name, phase], getattr(s, f"{phase}_seconds_total"))
         yield split
 
