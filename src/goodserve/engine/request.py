@@ -45,7 +45,7 @@ class Request:
         return CompletionOutput(
             index=seq.index,
             text=text,
-            token_ids=list(seq.output_token_ids),
+            token_ids=seq.output_token_ids,  # a fresh slice: the caller may keep it
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
             logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
