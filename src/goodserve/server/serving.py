@@ -81,6 +81,18 @@ class ServingContext:
             job.release()
 
 
+async def stream_chunks(ctx: ServingContext, include_usage: bool, job: GenerationJob, chunk_type,
+                        make_choice) -> AsyncIterator[BaseModel]:
+    """The SSE payloads of one streamed request: a chunk per choice delta, then usage if asked.
+
+    chunk_type is the response model (completion or chat chunk); make_choice(delta) its choice."""
+    created = int(time.time())
+    async for delta in job.deltas():
+        yield chunk_type(id=job.request_id, created=created, model=ctx.model_name, choices=[make_choice(delta)])
+    if include_usage:
+        yield chunk_type(id=job.request_id, created=created, model=ctx.model_name, choices=[], usage=job.usage())
+
+
 def sse(payload: BaseModel | dict | str) -> str:
     if isinstance(payload, BaseModel):
         payload = payload.model_dump_json()

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import time
-from collections.abc import AsyncIterator
-
 from starlette.requests import Request
 from starlette.responses import Response
 
-from goodserve.server.generation import ChoiceDelta, GenerationJob
+from goodserve.server.generation import ChoiceDelta
 from goodserve.server.logprobs import chat_logprobs
 from goodserve.server.protocol import (
     AssistantMessage,
@@ -19,7 +16,7 @@ from goodserve.server.protocol import (
     ChatStreamChoice,
     DeltaMessage,
 )
-from goodserve.server.serving import JobStreamingResponse, ServingContext
+from goodserve.server.serving import JobStreamingResponse, ServingContext, stream_chunks
 
 
 async def create_chat_completion(
@@ -30,7 +27,10 @@ async def create_chat_completion(
     prompt = ctx.chat_prompt_ids(req.messages, req.add_generation_prompt)
     job = ctx.new_job("chatcmpl", [prompt], params, req.request_timeout_s)
     if req.stream:
-        return JobStreamingResponse(_stream(ctx, req, job), job)
+        k = job.params.logprobs
+        chunks = stream_chunks(ctx, req.include_usage_in_stream, job, ChatCompletionChunk,
+                               lambda delta: _chunk_choice(ctx, k, delta))
+        return JobStreamingResponse(chunks, job)
     (out,) = await ctx.run_to_end(job, request)
     choices = []
     for c in out.outputs:
@@ -52,13 +52,3 @@ def _chunk_choice(ctx: ServingContext, k: int | None, delta: ChoiceDelta) -> Cha
     return ChatStreamChoice(index=delta.index, delta=message, logprobs=logprobs,
                             finish_reason=delta.finish_reason, stop_reason=delta.stop_reason)
 
-
-async def _stream(ctx: ServingContext, req: ChatCompletionRequest, job: GenerationJob) -> AsyncIterator[ChatCompletionChunk]:
-    created = int(time.time())
-    k = job.params.logprobs
-    async for delta in job.deltas():
-        yield ChatCompletionChunk(id=job.request_id, created=created, model=ctx.model_name,
-                                  choices=[_chunk_choice(ctx, k, delta)])
-    if req.include_usage_in_stream:
-        yield ChatCompletionChunk(id=job.request_id, created=created, model=ctx.model_name, choices=[],
-                                  usage=job.usage())

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import time
-from collections.abc import AsyncIterator
-
 from starlette.requests import Request
 from starlette.responses import Response
 
-from goodserve.server.generation import ChoiceDelta, GenerationJob
+from goodserve.server.generation import ChoiceDelta
 from goodserve.server.logprobs import completion_logprobs
 from goodserve.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse
-from goodserve.server.serving import JobStreamingResponse, ServingContext
+from goodserve.server.serving import JobStreamingResponse, ServingContext, stream_chunks
 
 
 async def create_completion(ctx: ServingContext, req: CompletionRequest, request: Request) -> Response | CompletionResponse:
@@ -19,7 +16,10 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, request
     params = req.sampling_params()
     job = ctx.new_job("cmpl", ctx.completion_prompt_ids(req.prompt), params, req.request_timeout_s)
     if req.stream:
-        return JobStreamingResponse(_stream(ctx, req, job), job)
+        k = job.params.logprobs
+        chunks = stream_chunks(ctx, req.include_usage_in_stream, job, CompletionResponse,
+                               lambda delta: _chunk_choice(ctx, k, delta))
+        return JobStreamingResponse(chunks, job)
     outputs = await ctx.run_to_end(job, request)
     choices = []
     for prompt_index, out in enumerate(outputs):
@@ -41,13 +41,3 @@ def _chunk_choice(ctx: ServingContext, k: int | None, delta: ChoiceDelta) -> Com
     return CompletionChoice(index=delta.index, text=delta.text, logprobs=logprobs,
                             finish_reason=delta.finish_reason, stop_reason=delta.stop_reason)
 
-
-async def _stream(ctx: ServingContext, req: CompletionRequest, job: GenerationJob) -> AsyncIterator[CompletionResponse]:
-    created = int(time.time())
-    k = job.params.logprobs
-    async for delta in job.deltas():
-        yield CompletionResponse(id=job.request_id, created=created, model=ctx.model_name,
-                                 choices=[_chunk_choice(ctx, k, delta)])
-    if req.include_usage_in_stream:
-        yield CompletionResponse(id=job.request_id, created=created, model=ctx.model_name, choices=[],
-                                 usage=job.usage())
