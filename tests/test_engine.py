@@ -141,3 +141,19 @@ def test_a_failed_step_fails_its_requests_not_the_engine(monkeypatch):
     assert engine.pool.num_used_blocks == 0
     again = llm.generate({"prompt_token_ids": [3, 4, 5]}, params)[0]
     assert again.error is None and len(again.outputs[0].token_ids) == 4
+
+
+def test_n_samples_share_the_prompt_through_the_prefix_cache():
+    prompt = {"prompt_token_ids": list(range(10, 60))}  # 50 tokens: 3 full blocks of 16
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, n=3)
+    single = LLM("dummy:tiny", num_kv_blocks=64).generate(prompt, SamplingParams(temperature=0, max_tokens=5,
+                                                                               ignore_eos=True))[0]
+    llm = LLM("dummy:tiny", num_kv_blocks=64)
+    out = llm.generate(prompt, params)[0]
+    assert [c.token_ids for c in out.outputs] == [single.outputs[0].token_ids] * 3
+    assert llm.engine.stats().prefix_cache_hits == 2 * 48  # each later sample reused 3 blocks
+    assert llm.engine.pool.num_used_blocks == 0
+    aborted = LLM("dummy:tiny", num_kv_blocks=64)
+    aborted.engine.add_request("r", prompt["prompt_token_ids"], params)
+    assert aborted.engine.abort_request("r").outputs[2].finish_reason == "abort"
+    assert not aborted.engine.has_unfinished() and aborted.engine.pool.num_used_blocks == 0

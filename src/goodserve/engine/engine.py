@@ -184,7 +184,10 @@ class Engine:
             for _ in seqs
         ]
         self.requests[request_id] = request
-        for seq in seqs:
+        # n > 1 with prefix caching: the other samples wait until the first has cached the prompt.
+        sharing = len(seqs) > 1 and self.config.enable_prefix_caching
+        request.pending = seqs[1:] if sharing else []
+        for seq in seqs[:1] if sharing else seqs:
             self.scheduler.add(seq)
 
     def _new_sequence(self, request_id: str, index: int, prompt_ids: list[int], params: SamplingParams,
@@ -252,6 +255,7 @@ class Engine:
         token_ids = sampled.token_ids.tolist() if sampled else []
         t3 = time.perf_counter()
         self.scheduler.advance(batch)
+        self._release_siblings(batch)
         self._record_prompt_logprobs(batch, inputs.prompt_logit_spans, output)
         for i, (seq, token) in enumerate(zip(sample_seqs, token_ids)):
             self._append_token(seq, token, _logprobs_entry(sampled, i, seq.params.logprobs, self.tokenizer))
@@ -261,6 +265,14 @@ class Engine:
         self.times.sample += t3 - t2
         self.times.detokenize += t4 - t3
         return {seq.request_id for seq in batch.seqs}
+
+    def _release_siblings(self, batch: ScheduledBatch) -> None:
+        for seq in batch.seqs:
+            request = self.requests.get(seq.request_id)
+            if request is not None and request.pending and seq.num_computed_tokens >= seq.num_prompt_tokens:
+                for sibling in request.pending:
+                    self.scheduler.add(sibling)
+                request.pending = []
 
     def _fail(self, batch: ScheduledBatch, exc: Exception) -> set[str]:
         for seq in batch.seqs:

@@ -16,6 +16,7 @@ class Request:
     prompt_token_ids: list[int]
     seqs: list[Sequence]
     detokenizers: list[IncrementalDetokenizer | None] = field(default_factory=list)
+    pending: list[Sequence] = field(default_factory=list)  # n > 1: not yet handed to the scheduler
     # Characters held back from a streamed text: a stop string may still complete there.
     holdback: int = 0
     error: str | None = None

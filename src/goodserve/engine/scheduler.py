@@ -57,7 +57,7 @@ class Scheduler:
         """Take seq out of the queues and release its blocks (finished, aborted or failed)."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
-        elif seq.status is SequenceStatus.WAITING:
+        elif seq in self.waiting:  # a waiting sequence the engine has not handed over yet is in neither
             self.waiting.remove(seq)
         self.pool.free_sequence(seq)
         seq.status = SequenceStatus.FINISHED
