@@ -102,6 +102,16 @@ def test_observations_from_bench_result(tmp_path):
     assert o.repeated_prefixes and o.ttft_s == pytest.approx(0.15)
 
 
+def test_observations_from_a_result_without_records(tmp_path):
+    """vLLM's result files (and ours trimmed for the repository) carry summary keys only."""
+    result = build_result({"dataset_name": "random"}, compute_metrics(records()), records())
+    result.pop("records")
+    save_json(result, tmp_path / "r.json")
+    o = from_bench_result(str(tmp_path / "r.json"))
+    assert o.mean_prompt_len == 200 and o.mean_output_len == 3
+    assert o.concurrency == pytest.approx(1.0) and o.prefix_cache_hit_rate is None
+
+
 def test_observations_from_two_scrapes():
     before = {"e2e_request_latency_seconds_count": 10, "e2e_request_latency_seconds_sum": 20.0,
               "prompt_tokens_total": 1000, "generation_tokens_total": 500,

@@ -48,15 +48,18 @@ def from_bench_result(path: str) -> Observations:
     run = max(runs, key=lambda r: r.get("output_throughput", 0.0))
     if not run.get("completed"):
         raise InvalidRequestError(f"{path}: no request completed, nothing to diagnose")
-    records = [r for r in records_of(run) if r.success]
-    latency_sum = sum(r.e2e for r in records)
-    cached = [r.cached_tokens for r in records if r.cached_tokens is not None]
-    prompt_tokens = sum(r.prompt_len for r in records)
+    # Summary keys only (as vLLM's result files have them, or ours with records stripped);
+    # per-request records, where present, add the prefix-cache hit rate.
+    completed = run["completed"]
+    duration = run.get("duration") or 0.0
+    cached = [r.cached_tokens for r in records_of(run) if r.success and r.cached_tokens is not None]
+    prompt_tokens = run["total_input_tokens"]
     return Observations(
         source=f"bench result {path}",
-        mean_prompt_len=prompt_tokens / len(records),
-        mean_output_len=sum(r.output_len for r in records) / len(records),
-        concurrency=latency_sum / run["duration"] if run["duration"] else 1.0,
+        mean_prompt_len=prompt_tokens / completed,
+        mean_output_len=run["total_output_tokens"] / completed,
+        # Little's law: requests in flight = arrival rate x time in system.
+        concurrency=run.get("mean_e2el_ms", 0.0) / 1000 * completed / duration if duration else 1.0,
         ttft_s=run.get("median_ttft_ms", 0.0) / 1000, tpot_s=run.get("median_tpot_ms", 0.0) / 1000,
         ttft_p99_s=_ms(run.get("p99_ttft_ms")), tpot_p99_s=_ms(run.get("p99_tpot_ms")),
         input_throughput=run["input_throughput"], output_throughput=run["output_throughput"],
