@@ -23,3 +23,9 @@ def test_quantize_rejects_a_group_size_that_does_not_divide(tmp_path, capsys):
     code = main(["quantize", "--model", "dummy:tiny", "--quantization", "int4", "--group-size", "48",
                  "--output", str(tmp_path / "x.safetensors")])
     assert code == 2 and "group" in capsys.readouterr().err
+
+
+def test_quantize_refuses_an_output_folder_that_does_not_exist(tmp_path, capsys):
+    code = main(["quantize", "--model", "dummy:tiny", "--quantization", "int8",
+                 "--output", str(tmp_path / "missing" / "x.safetensors")])
+    assert code == 2 and "folder does not exist" in capsys.readouterr().err

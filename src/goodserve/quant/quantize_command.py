@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 
 def register(subparsers) -> None:
@@ -23,6 +24,11 @@ def register(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import torch
+
+    from goodserve.errors import InvalidRequestError
+
+    if not Path(args.output).expanduser().parent.is_dir():
+        raise InvalidRequestError(f"cannot write {args.output}: its folder does not exist")
 
     from goodserve.config import EngineConfig
     from goodserve.engine.engine import apply_quantization, resolve_device, resolve_dtype
