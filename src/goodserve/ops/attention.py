@@ -12,10 +12,10 @@ the CPU path, and the dispatch between the two (`set_attention_backend`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import functools
+import importlib.util
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -86,11 +86,7 @@ def get_attention_backend() -> str:
 
 @functools.cache
 def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return importlib.util.find_spec("triton") is not None
 
 
 def use_triton(x: torch.Tensor) -> bool:
