@@ -20,8 +20,7 @@ def load_bench_tokenizer(name: str | None) -> Tokenizer | None:
         return None
     if name.startswith(loader.DUMMY_PREFIX):
         preset = PRESETS.get(name.removeprefix(loader.DUMMY_PREFIX))
-        fits = preset is not None and preset.vocab_size >= PRESETS[loader.EMBEDDED_MODEL].vocab_size
-        return loader.embedded_tokenizer() if fits and loader.embedded_model_installed() else None
+        return loader.dummy_tokenizer(preset) if preset is not None else None
     try:
         return loader.load_tokenizer(name)
     except ModelLoadError:

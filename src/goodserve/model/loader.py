@@ -92,12 +92,16 @@ def load_tokenizer(name: str, spec: ModelSpec | None = None) -> Tokenizer:
     return tokenizer
 
 
+def dummy_tokenizer(spec: ModelSpec) -> Tokenizer | None:
+    """Random-weight models borrow the embedded tokenizer when its ids all fit their vocabulary."""
+    fits = spec.vocab_size >= get_preset(EMBEDDED_MODEL).vocab_size
+    return embedded_tokenizer() if fits and embedded_model_installed() else None
+
+
 def _load_dummy(preset: str, dtype: torch.dtype, device: torch.device, seed: int) -> LoadedModel:
     spec = get_preset(preset)
     model = load_dummy(spec, dtype, device, seed)
-    # Text prompts work when the embedded tokenizer's ids all fit the vocabulary.
-    fits = spec.vocab_size >= get_preset(EMBEDDED_MODEL).vocab_size
-    tokenizer = embedded_tokenizer() if fits and embedded_model_installed() else None
+    tokenizer = dummy_tokenizer(spec)
     return LoadedModel(spec, model, tokenizer, source=f"{DUMMY_PREFIX}{preset}", revision=f"dummy-{preset}-seed{seed}")
 
 
