@@ -53,6 +53,28 @@ def hf_offline(model, prompts: list[list[int]]) -> float:
     return time.perf_counter() - start
 
 
+def memory_probe(model) -> dict:
+    """What bounds decode here: plain copy bandwidth against the LM head's GEMV (113 MB, float32)."""
+    src = torch.randn(1 << 27)  # 512 MiB
+    dst = torch.empty_like(src)
+    weight = model.lm_head.weight.detach()
+    row = torch.randn(1, weight.shape[1])
+
+    def median_s(fn, repeats: int = 10) -> float:
+        fn()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return float(np.median(times))
+
+    copy_s = median_s(lambda: dst.copy_(src))
+    gemv_s = median_s(lambda: torch.nn.functional.linear(row, weight))
+    return {"copy_read_write_gb_s": 2 * src.numel() * 4 / copy_s / 1e9, "lm_head_gemv_ms": gemv_s * 1e3,
+            "lm_head_gemv_gb_s": weight.numel() * 4 / gemv_s / 1e9}
+
+
 def ours_single_stream(llm: LLM, prompt_ids: list[int]) -> dict:
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     llm.generate({"prompt_token_ids": prompt_ids}, SamplingParams(temperature=0, max_tokens=4))
@@ -78,6 +100,7 @@ def main() -> None:
     prompts = [rng.integers(100, 20000, n).tolist() for n in rng.integers(16, 257, 32)]
     result: dict = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
                     "torch": torch.__version__, "threads": torch.get_num_threads(), "model": "smollm2-135m fp32"}
+    result["memory_probe"] = memory_probe(llm.engine.model)
     ours = ours_single_stream(llm, prompt)
     llm.engine.times.__init__()  # the breakdown below covers the offline run only
     start = time.perf_counter()
