@@ -23,6 +23,7 @@ import transformers
 
 from goodserve import LLM, SamplingParams
 from goodserve.model.loader import embedded_gguf_path
+from goodserve.ops.cpu_linear import PackedCpuLinear
 
 NEW_TOKENS = 64
 
@@ -53,12 +54,15 @@ def hf_offline(model, prompts: list[list[int]]) -> float:
     return time.perf_counter() - start
 
 
-def memory_probe(model) -> dict:
-    """What bounds decode here: plain copy bandwidth against the LM head's GEMV (113 MB, float32)."""
+def memory_probe(spec) -> dict:
+    """What bounds decode here: memory bandwidth against the GEMV of an LM-head-sized matrix
+    (113 MB in float32), through torch's default F.linear and through the oneDNN packed weight the
+    engine uses on the CPU (ops/cpu_linear.py)."""
     src = torch.randn(1 << 27)  # 512 MiB
     dst = torch.empty_like(src)
-    weight = model.lm_head.weight.detach()
-    row = torch.randn(1, weight.shape[1])
+    linear = torch.nn.Linear(spec.hidden_size, spec.vocab_size, bias=False).requires_grad_(False)
+    packed = PackedCpuLinear(linear)
+    row = torch.randn(1, spec.hidden_size)
 
     def median_s(fn, repeats: int = 10) -> float:
         fn()
@@ -69,10 +73,13 @@ def memory_probe(model) -> dict:
             times.append(time.perf_counter() - start)
         return float(np.median(times))
 
-    copy_s = median_s(lambda: dst.copy_(src))
-    gemv_s = median_s(lambda: torch.nn.functional.linear(row, weight))
-    return {"copy_read_write_gb_s": 2 * src.numel() * 4 / copy_s / 1e9, "lm_head_gemv_ms": gemv_s * 1e3,
-            "lm_head_gemv_gb_s": weight.numel() * 4 / gemv_s / 1e9}
+    weight_gb = linear.weight.numel() * 4 / 1e9
+    plain_s = median_s(lambda: torch.nn.functional.linear(row, linear.weight))
+    packed_s = median_s(lambda: packed(row))
+    return {"read_gb_s": src.numel() * 4 / median_s(src.sum) / 1e9,
+            "copy_read_write_gb_s": 2 * src.numel() * 4 / median_s(lambda: dst.copy_(src)) / 1e9,
+            "lm_head_gemv_ms": plain_s * 1e3, "lm_head_gemv_gb_s": weight_gb / plain_s,
+            "lm_head_packed_gemv_ms": packed_s * 1e3, "lm_head_packed_gemv_gb_s": weight_gb / packed_s}
 
 
 def ours_single_stream(llm: LLM, prompt_ids: list[int]) -> dict:
@@ -100,7 +107,7 @@ def main() -> None:
     prompts = [rng.integers(100, 20000, n).tolist() for n in rng.integers(16, 257, 32)]
     result: dict = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
                     "torch": torch.__version__, "threads": torch.get_num_threads(), "model": "smollm2-135m fp32"}
-    result["memory_probe"] = memory_probe(llm.engine.model)
+    result["memory_probe"] = memory_probe(llm.engine.spec)
     ours = ours_single_stream(llm, prompt)
     llm.engine.times.__init__()  # the breakdown below covers the offline run only
     start = time.perf_counter()

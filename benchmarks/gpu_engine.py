@@ -143,11 +143,16 @@ def _breakdown(llm: LLM) -> dict:
 
 # ---- throughput ----------------------------------------------------------------------------
 def sharegpt_like_lengths(n: int, seed: int = 0) -> tuple[list[int], list[int]]:
+    """Lognormal input / output lengths clipped to 4..1024, means ~200 / ~180 after clipping."""
     rng = np.random.default_rng(seed)
 
     def lognormal(mean: float, sigma: float) -> np.ndarray:
-        mu = np.log(mean) - sigma**2 / 2  # so that the mean before clipping is `mean`
-        return np.clip(rng.lognormal(mu, sigma, n), 4, 1024).astype(int)
+        draws = rng.lognormal(0.0, sigma, n)
+        clipped = lambda scale: np.clip(draws * scale, 4, 1024)  # noqa: E731
+        scale = mean / draws.mean()
+        for _ in range(20):  # clipping the long tail lowers the mean: rescale until it is `mean`
+            scale *= mean / clipped(scale).mean()
+        return clipped(scale).astype(int)
 
     return lognormal(200, 0.9).tolist(), lognormal(180, 0.9).tolist()
 
@@ -157,17 +162,51 @@ def random_prompts(lengths: list[int], seed: int = 1) -> list[dict]:
     return [{"prompt_token_ids": rng.integers(100, 20000, n).tolist()} for n in lengths]
 
 
+STEP_BUCKETS = ((1, 1), (2, 8), (9, 64), (65, 256), (257, 1 << 30))
+
+
+def traced_steps(llm: LLM) -> list[tuple[int, int, float]]:
+    """Records (sequences, tokens, seconds) of every engine step from now on."""
+    trace, step = [], llm.engine.step
+
+    def timed_step(*args, **kwargs):
+        start = time.perf_counter()
+        out = step(*args, **kwargs)
+        stats = llm.engine.stats()
+        trace.append((stats.last_batch_seqs, stats.last_batch_tokens, time.perf_counter() - start))
+        return out
+
+    llm.engine.step = timed_step
+    return trace
+
+
+def summarize_steps(trace: list[tuple[int, int, float]]) -> dict:
+    """Where the time went: steps with prefill tokens, then decode-only steps by batch size."""
+    groups: dict[str, list[float]] = {}
+    for seqs, tokens, seconds in trace:
+        if tokens > seqs:
+            name = "with_prefill"
+        else:
+            name = next(f"decode_{lo}_{hi if hi < 1 << 30 else 'up'}" for lo, hi in STEP_BUCKETS if lo <= seqs <= hi)
+        groups.setdefault(name, []).append(seconds)
+    return {name: {"steps": len(t), "seconds": sum(t), "mean_ms": 1e3 * sum(t) / len(t)}
+            for name, t in groups.items()}
+
+
 def run_offline(llm: LLM, prompts: list[dict], output_lens: list[int]) -> dict:
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in output_lens]
     llm.generate(prompts[:8], params[:8])  # warm-up
+    trace = traced_steps(llm)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
+    del llm.engine.step  # back to the class's method
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     in_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
     return {"requests": len(prompts), "seconds": elapsed, "requests_per_s": len(prompts) / elapsed,
             "output_tok_s": out_tokens / elapsed, "total_tok_s": (in_tokens + out_tokens) / elapsed,
-            "input_tokens": in_tokens, "output_tokens": out_tokens}
+            "input_tokens": in_tokens, "output_tokens": out_tokens, "max_output_len": max(output_lens),
+            "steps": summarize_steps(trace)}
 
 
 def part_throughput(model: str, num_batched_tokens: int, max_num_seqs: int) -> None:

@@ -24,6 +24,7 @@ from goodserve.errors import InvalidRequestError, PromptTooLongError
 from goodserve.model.detokenizer import IncrementalDetokenizer
 from goodserve.model.loader import load_model, load_tokenizer
 from goodserve.ops.attention import set_attention_backend
+from goodserve.ops.cpu_linear import pack_linears_for_cpu
 from goodserve.ops.sampler import SamplerOutput, gather_logprobs, sample
 from goodserve.outputs import Logprob, LogprobsEntry, RequestOutput
 from goodserve.sampling_params import SamplingParams
@@ -111,6 +112,8 @@ class Engine:
         set_attention_backend(config.attention_backend)
         loaded = load_model(config.model, self.dtype, self.device, seed=config.seed)
         apply_quantization(loaded, config)
+        if self.device.type == "cpu":
+            pack_linears_for_cpu(loaded.model)
         self.spec, self.model, self.tokenizer = loaded.spec, loaded.model, loaded.tokenizer
         if config.tokenizer:
             self.tokenizer = load_tokenizer(config.tokenizer, self.spec)

@@ -142,11 +142,12 @@ def write_kv_torch(k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache, slot_m
 def gather_kv(cache: LayerKVCache, block_ids: torch.Tensor, length: int, dtype: torch.dtype):
     """The first `length` tokens' K and V of one sequence, [length, Hk, D], dequantized to dtype."""
 
+    # index_select, not pool[block_ids]: on the CPU it gathers blocks several times faster.
     def gather(pool: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-        x = pool[block_ids].flatten(0, 1)[:length]
+        x = pool.index_select(0, block_ids).flatten(0, 1)[:length]
         if scale is None:
             return x.to(dtype)
-        return (x.float() * scale[block_ids].flatten(0, 1)[:length].unsqueeze(-1)).to(dtype)
+        return (x.float() * scale.index_select(0, block_ids).flatten(0, 1)[:length].unsqueeze(-1)).to(dtype)
 
     return gather(cache.k, cache.k_scale), gather(cache.v, cache.v_scale)
 
