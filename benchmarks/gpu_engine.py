@@ -224,6 +224,29 @@ def part_throughput(model: str, num_batched_tokens: int, max_num_seqs: int) -> N
     free_gpu()
 
 
+def part_profile_mixed(model: str, num_batched_tokens: int, max_num_seqs: int) -> None:
+    """Per-kernel CUDA time of the ShareGPT-like run's first steps, where prefill chunks and
+    decodes share a batch."""
+    from torch.profiler import ProfilerActivity, profile
+
+    llm = LLM(model, device="cuda", max_num_seqs=max_num_seqs, max_num_batched_tokens=num_batched_tokens)
+    inputs, outputs = sharegpt_like_lengths(500)
+    for i, (prompt, n) in enumerate(zip(random_prompts(inputs), outputs)):
+        llm.engine.add_request(str(i), prompt["prompt_token_ids"], SamplingParams(max_tokens=n, ignore_eos=True))
+    llm.engine.step()  # the first, prefill-only step compiles what the warm-up did not
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            llm.engine.step()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70)
+    print(table)
+    with open(os.path.join(OUT, "gpu_profile_mixed.txt"), "w") as f:
+        f.write(table)
+    del llm
+    free_gpu()
+
+
 # ---- peer ----------------------------------------------------------------------------------
 def part_peer(model: str) -> None:
     import transformers
@@ -287,6 +310,7 @@ def main() -> None:
             {"check": part_check, "decode": lambda: part_decode(bandwidth, args.model),
              "throughput": lambda: part_throughput(args.model, args.max_num_batched_tokens, args.max_num_seqs),
              "peer": lambda: part_peer(args.model),
+             "profile_mixed": lambda: part_profile_mixed(args.model, args.max_num_batched_tokens, args.max_num_seqs),
              "int8": lambda: part_decode(bandwidth, args.model, "int8"),
              "int4": lambda: part_decode(bandwidth, args.model, "int4"),
              "kvquant": lambda: part_kv_quant(args.model)}[part]()
