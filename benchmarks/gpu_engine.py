@@ -189,8 +189,10 @@ def summarize_steps(trace: list[tuple[int, int, float]]) -> dict:
         else:
             name = next(f"decode_{lo}_{hi if hi < 1 << 30 else 'up'}" for lo, hi in STEP_BUCKETS if lo <= seqs <= hi)
         groups.setdefault(name, []).append(seconds)
-    return {name: {"steps": len(t), "seconds": sum(t), "mean_ms": 1e3 * sum(t) / len(t)}
-            for name, t in groups.items()}
+    summary = {name: {"steps": len(t), "seconds": sum(t), "mean_ms": 1e3 * sum(t) / len(t)}
+               for name, t in groups.items()}
+    summary["prefill_steps"] = [(seqs, tokens, round(1e3 * s, 1)) for seqs, tokens, s in trace if tokens > seqs]
+    return summary
 
 
 def run_offline(llm: LLM, prompts: list[dict], output_lens: list[int]) -> dict:
