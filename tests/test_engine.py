@@ -157,3 +157,28 @@ def test_n_samples_share_the_prompt_through_the_prefix_cache():
     aborted.engine.add_request("r", prompt["prompt_token_ids"], params)
     assert aborted.engine.abort_request("r").outputs[2].finish_reason == "abort"
     assert not aborted.engine.has_unfinished() and aborted.engine.pool.num_used_blocks == 0
+
+
+def test_offline_text_equals_streamed_text(embedded_llm):
+    """Offline generate detokenizes once at the finish; streaming detokenizes token by token. Both
+    must give the text the tokenizer decodes from the output ids, for length and stop-token finishes
+    (the stop token is not part of the text) and for an abort mid-request."""
+    tok, engine = embedded_llm.tokenizer, embedded_llm.engine
+    prompt = "Write a haiku about snow 雪 and 🌸:"  # its greedy answer has multi-token characters
+    length = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    stop_id = embedded_llm.generate([prompt], length)[0].outputs[0].token_ids[14]
+    for params in (length, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop_token_ids=[stop_id])):
+        offline = embedded_llm.generate([prompt], params)[0].outputs[0]
+        engine.add_request("streamed", prompt, params)
+        streamed = None
+        while engine.has_unfinished():
+            streamed = next((o for o in engine.step() if o.request_id == "streamed"), streamed)
+        ids = offline.token_ids[:-1] if offline.finish_reason == "stop" else offline.token_ids
+        assert streamed.outputs[0].token_ids == offline.token_ids
+        assert offline.text == streamed.outputs[0].text == tok.decode(ids)
+    assert offline.finish_reason == "stop"  # the second setting did hit its stop token
+    engine.add_request("aborted", "Count to ten: one, two,", length)
+    for _ in range(6):
+        engine.step(finished_only=True)
+    aborted = engine.abort_request("aborted").outputs[0]
+    assert aborted.text == tok.decode(aborted.token_ids) and len(aborted.token_ids) >= 4

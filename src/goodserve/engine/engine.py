@@ -211,8 +211,10 @@ class Engine:
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
-        for seq in request.seqs:
+        for seq, detokenizer in zip(request.seqs, request.detokenizers):
             if not seq.is_finished:
+                if detokenizer is not None:
+                    _detokenize_pending(seq, detokenizer)
                 self.scheduler.finish(seq, "abort")
                 seq.metrics.finished_time = time.time()
         return request.output()
@@ -234,7 +236,7 @@ class Engine:
         self.num_steps += 1
         self.last_batch = (batch.num_tokens, len(batch.seqs))
         try:
-            changed = self._run(batch, t1)
+            changed = self._run(batch, t1, stream_text=not finished_only)
         except Exception as exc:  # a failed step fails its requests, never the engine
             logger.exception("step failed; aborting its %d sequences", len(batch.seqs))
             changed = self._fail(batch, exc)
@@ -243,25 +245,26 @@ class Engine:
         self.times.output += time.perf_counter() - t_collect
         return outputs
 
-    def _run(self, batch: ScheduledBatch, t_start: float) -> set[str]:
+    def _run(self, batch: ScheduledBatch, t_start: float, stream_text: bool) -> set[str]:
         inputs = self.runner.prepare(batch)
         t1 = time.perf_counter()
         output = self.runner.execute(inputs)
+        sample_seqs = [batch.seqs[row] for row in inputs.sample_rows]
+        # Built while the GPU runs the forward: it needs only the requests' settings.
+        sampling = build_sampling_batch(sample_seqs, self.spec.vocab_size, self.device, self.eos_token_ids) \
+            if sample_seqs else None
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         t2 = time.perf_counter()
-        sample_seqs = [batch.seqs[row] for row in inputs.sample_rows]
-        sampled = None
-        if sample_seqs:
-            sampling = build_sampling_batch(sample_seqs, self.spec.vocab_size, self.device, self.eos_token_ids)
-            sampled = sample(output.logits, sampling)
+        sampled = sample(output.logits, sampling, output.logits_argmax) if sampling is not None else None
         token_ids = sampled.token_ids.tolist() if sampled else []
         t3 = time.perf_counter()
         self.scheduler.advance(batch)
         self._release_siblings(batch)
         self._record_prompt_logprobs(batch, inputs.prompt_logit_spans, output)
         for i, (seq, token) in enumerate(zip(sample_seqs, token_ids)):
-            self._append_token(seq, token, _logprobs_entry(sampled, i, seq.params.logprobs, self.tokenizer))
+            self._append_token(seq, token, _logprobs_entry(sampled, i, seq.params.logprobs, self.tokenizer),
+                               stream_text)
         t4 = time.perf_counter()
         self.times.prepare += t1 - t_start
         self.times.forward += t2 - t1
@@ -307,7 +310,13 @@ class Engine:
             for i in range(logits.shape[0]):
                 seq.prompt_logprobs.append(_entry(values[i].tolist(), ids[i].tolist(), int(ranks[i]), self.tokenizer))
 
-    def _append_token(self, seq: Sequence, token: int, logprobs: LogprobsEntry | None) -> None:
+    def _append_token(self, seq: Sequence, token: int, logprobs: LogprobsEntry | None, stream_text: bool) -> None:
+        """Record a sampled token and check the stop conditions.
+
+        Text is detokenized as tokens arrive only where it is read before the end: when streaming
+        (stream_text) or to find stop strings. Otherwise it is detokenized once, at the finish,
+        which costs one tokenizer call per request instead of two per token.
+        """
         now = time.time()
         seq.token_ids.append(token)
         metrics = seq.metrics
@@ -322,11 +331,12 @@ class Engine:
         request = self.requests[seq.request_id]
         detokenizer = request.detokenizers[seq.index]
         if may_stop and (token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos)):
-            self._finish(seq, "stop", token if token in params.stop_token_ids else None, detokenizer)
+            # the stop token itself is not part of the text
+            self._finish(seq, "stop", token if token in params.stop_token_ids else None, detokenizer,
+                         text_tokens=seq.num_tokens - 1)
             return
-        if detokenizer is not None:
-            delta = detokenizer.add_tokens([token])
-            seq.text += delta
+        if detokenizer is not None and (stream_text or params.stop):
+            delta = _detokenize_pending(seq, detokenizer)
             if may_stop and params.stop and self._truncate_at_stop_string(seq, len(delta)):
                 return
         if seq.num_output_tokens >= (params.max_tokens or seq.max_len) or seq.num_tokens >= seq.max_len:
@@ -341,8 +351,10 @@ class Engine:
                 return True
         return False
 
-    def _finish(self, seq: Sequence, reason: str, stop_reason, detokenizer) -> None:
+    def _finish(self, seq: Sequence, reason: str, stop_reason, detokenizer,
+                text_tokens: int | None = None) -> None:
         if detokenizer is not None:
+            _detokenize_pending(seq, detokenizer, text_tokens)
             seq.text += detokenizer.flush()
         self.scheduler.finish(seq, reason, stop_reason)
         seq.metrics.finished_time = time.time()
@@ -369,6 +381,13 @@ class Engine:
             detokenize_seconds_total=self.times.detokenize,
             output_seconds_total=self.times.output,
         )
+
+
+def _detokenize_pending(seq: Sequence, detokenizer: IncrementalDetokenizer, upto: int | None = None) -> str:
+    """Feed the detokenizer the tokens it has not seen (up to token index `upto`); returns the new text."""
+    delta = detokenizer.add_tokens(seq.token_ids[len(detokenizer.all_ids) : upto])
+    seq.text += delta
+    return delta
 
 
 def _entry(values: list[float], ids: list[int], rank: int, tokenizer) -> LogprobsEntry:
