@@ -76,6 +76,18 @@ def test_min_tokens_bans_stop_tokens_until_reached():
     assert out.token_ids[0] != 9 and out.token_ids[1] == 9
 
 
+def test_a_precomputed_argmax_stands_in_only_for_unchanged_logits():
+    logits = torch.zeros(2, VOCAB)
+    logits[:, 9] = 100.0
+    precomputed = torch.tensor([9, 9])
+    plain = build_sampling_batch([seq_with(SamplingParams(temperature=0)) for _ in range(2)], VOCAB,
+                                 torch.device("cpu"), [9])
+    assert sample(logits, plain, precomputed).token_ids is precomputed
+    banned = build_sampling_batch([seq_with(SamplingParams(temperature=0, min_tokens=3), output=(1,))] * 2,
+                                  VOCAB, torch.device("cpu"), [9])
+    assert 9 not in sample(logits, banned, precomputed).token_ids.tolist()  # eos banned: recomputed
+
+
 def test_greedy_is_argmax_and_logprobs_are_log_softmax():
     torch.manual_seed(2)
     logits = torch.randn(4, VOCAB)

@@ -1,4 +1,5 @@
-"""Triton paged-attention kernels under TRITON_INTERPRET=1 against the plain-torch reference.
+"""Triton paged-attention and RoPE + cache-write kernels under TRITON_INTERPRET=1 against the
+plain-torch references.
 
 Triton reads TRITON_INTERPRET when a kernel is decorated, so the fixture below imports (or reloads)
 the kernel module with the variable set, and reloads it again without it afterwards: the rest of a
@@ -21,8 +22,9 @@ import torch
 
 from goodserve.ops import attention
 from goodserve.ops.attention import (
-    AttentionMetadata, LayerKVCache, paged_attention_reference, quantize_int8_per_head, write_kv_torch,
+    AttentionMetadata, LayerKVCache, paged_attention_reference, rotary_write_kv_torch, write_kv_torch,
 )
+from goodserve.ops.rotary import RopeScaling, cos_sin_cache
 
 KERNEL_MODULE = "goodserve.ops.triton_attention"
 BLOCK_SIZE = 16
@@ -115,14 +117,49 @@ def test_decode_cache_dtypes(kernels, dtype, kv_dtype):
     assert_close(out, paged_attention_reference(q, cache, meta, 0.2), dtype)
 
 
+def column_major(block_tables: torch.Tensor) -> torch.Tensor:
+    """The same table with the decode graphs' layout: block j of every sequence side by side."""
+    return block_tables.t().contiguous().t()
+
+
+def graph_shaped_batch(num_q_heads, num_kv_heads, seq_lens, capacity_blocks=40):
+    """A decode batch as the engine's graphs see it: a table sized for the longest possible context,
+    column-major, and a padding row of length 0 (the last)."""
+    q, cache, meta = make_batch([(1, n) for n in seq_lens], num_q_heads, num_kv_heads, 32, torch.float32,
+                                torch.float32, seed=4)
+    tables = torch.zeros(len(seq_lens) + 1, capacity_blocks, dtype=torch.int32)
+    tables[: len(seq_lens), : meta.block_tables.shape[1]] = meta.block_tables
+    q = torch.cat([q, torch.randn(1, *q.shape[1:])])
+    return q, cache, meta, column_major(tables), torch.tensor(seq_lens + [0], dtype=torch.int32)
+
+
+@pytest.mark.parametrize("tuning", [
+    {"BLOCK_N": 16, "SPLIT_KEYS": 16},  # one tile per split
+    {"BLOCK_N": 32, "SPLIT_KEYS": 16},  # tiles wider than splits (masked)
+    {"BLOCK_N": 16, "SPLIT_KEYS": 48},  # several tiles per split
+])
+def test_decode_short_contexts_in_a_graph_sized_launch(kernels, tuning):
+    """Splits sized for 640 keys on contexts of 1..150: one split used (direct write), several
+    (merged by the last to arrive), empty splits, and a zero-length padding row (zeros)."""
+    seq_lens = [1, 16, 17, 40, 150]
+    q, cache, meta, tables, lens = graph_shaped_batch(6, 2, seq_lens)  # GQA group of 3
+    args = (q, cache, tables, lens, 0.3)
+    out = kernels.triton_decode_attention(*args, num_splits=8, tuning=tuning)
+    assert_close(out[:-1], paged_attention_reference(q[:-1], cache, meta, 0.3), torch.float32)
+    assert torch.equal(out[-1], torch.zeros_like(out[-1]))
+    assert kernels._arrival_counters(q.device, lens.shape[0] * 2).eq(0).all()  # ready for a replay
+    assert torch.equal(kernels.triton_decode_attention(*args, num_splits=8, tuning=tuning), out)
+
+
 # Prefill from empty, decodes, a chunk on top of cached context, lengths off block boundaries.
 MIXED_LENGTHS = [(5, 5), (1, 30), (20, 37), (3, 3), (1, 1)]
 
 
-@pytest.mark.parametrize("num_q_heads,num_kv_heads", [(2, 2), (6, 2)])
-def test_prefill_mixed_batch_matches_reference(kernels, num_q_heads, num_kv_heads):
+@pytest.mark.parametrize("num_q_heads,num_kv_heads,layout", [(2, 2, "row-major"), (6, 2, "column-major")])
+def test_prefill_mixed_batch_matches_reference(kernels, num_q_heads, num_kv_heads, layout):
     q, cache, meta = make_batch(MIXED_LENGTHS, num_q_heads, num_kv_heads, 32, torch.float32, torch.float32)
-    out = kernels.triton_prefill_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, 0.25)
+    tables = column_major(meta.block_tables) if layout == "column-major" else meta.block_tables
+    out = kernels.triton_prefill_attention(q, cache, tables, meta.seq_lens, meta.query_start_loc, 0.25)
     assert_close(out, paged_attention_reference(q, cache, meta, 0.25), torch.float32)
 
 
@@ -133,48 +170,67 @@ def test_prefill_cache_dtypes(kernels, dtype, kv_dtype):
     assert_close(out, paged_attention_reference(q, cache, meta, 0.25), dtype)
 
 
-def test_write_kv_skips_padding_and_matches_reference(kernels):
-    for dtype in (torch.float32, torch.bfloat16, torch.int8):
-        k, v = torch.randn(2, 6, 3, 24).to(torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)
-        slots = torch.tensor([3, -1, 40, 17, -1, 0])
-        ours, ref = make_cache(4, 3, 24, dtype), make_cache(4, 3, 24, dtype)
-        kernels.triton_write_kv(k, v, ours, slots)
-        write_kv_torch(k, v, ref, slots)
-        assert torch.equal(ours.k, ref.k) and torch.equal(ours.v, ref.v), dtype
-        if dtype == torch.int8:
-            assert torch.equal(ours.k_scale, ref.k_scale) and torch.equal(ours.v_scale, ref.v_scale)
-            values, scale = quantize_int8_per_head(k)  # independent of write_kv_torch
-            assert torch.equal(ours.k.view(-1, 3, 24)[3], values[0]) and torch.equal(ours.k_scale.view(-1, 3)[3], scale[0])
-        assert ours.k.view(-1, 3, 24)[[1, 2, 4, 5]].abs().sum() == 0  # untouched slots stay empty
+ROTARY = cos_sin_cache(24, 64, 10000.0, RopeScaling(8.0, 1.0, 4.0, 16))
 
 
-def test_write_kv_fp8_rounds_like_torch(kernels):
-    k, v = torch.randn(2, 5, 2, 16)
-    slots = torch.tensor([7, -1, 1, 30, 12])
-    ours, ref = make_cache(2, 2, 16, torch.float8_e4m3fn), make_cache(2, 2, 16, torch.float8_e4m3fn)
-    kernels.triton_write_kv(k, v, ours, slots)
-    write_kv_torch(k, v, ref, slots)
-    # The interpreter's fp8 rounding misses values that round up into the next binade (about 1 in
-    # 100 here); on a GPU the cast is exact. Everything else must match bit for bit.
-    for pool, ref_pool in ((ours.k, ref.k), (ours.v, ref.v)):
-        mismatched = pool.view(torch.uint8) != ref_pool.view(torch.uint8)
-        assert mismatched.float().mean() < 0.03
-    assert ours.v.float().view(-1, 2, 16)[[0, 2, 3]].abs().sum() == 0
+def dequantized(pool: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    return pool.float() if scale is None else pool.float() * scale.unsqueeze(-1)
+
+
+def fused_qkv(num_tokens, num_q_heads, num_kv_heads, head_dim, dtype, seed=0):
+    """q, k, v as the model has them: strided views into one projection output."""
+    gen = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(num_tokens, (num_q_heads + 2 * num_kv_heads) * head_dim, generator=gen).to(dtype)
+    q, k, v = qkv.split([num_q_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    return q.view(num_tokens, num_q_heads, head_dim), *(x.view(num_tokens, num_kv_heads, head_dim) for x in (k, v))
+
+
+@pytest.mark.parametrize("dtype,kv_dtype", [
+    (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.int8),
+    (torch.bfloat16, torch.int8), (torch.float32, torch.float8_e4m3fn),
+])
+def test_rotary_write_kv_matches_reference(kernels, dtype, kv_dtype):
+    q, k, v = fused_qkv(6, 5, 3, 24, dtype)  # head counts not powers of two
+    positions = torch.tensor([0, 1, 2, 40, 63, 7])
+    slots = torch.tensor([3, -1, 40, 17, -1, 0], dtype=torch.int32)  # -1: padding, not written
+    ref_q, k_before, v_before = q.clone(), k.clone(), v.clone()
+    ours, ref = make_cache(4, 3, 24, kv_dtype), make_cache(4, 3, 24, kv_dtype)
+    kernels.triton_rotary_write_kv(q, k, v, positions, ROTARY, ours, slots)
+    rotary_write_kv_torch(ref_q, k, v, positions, ROTARY, ref, slots)
+    assert torch.equal(k, k_before) and torch.equal(v, v_before)  # only q is rotated in place
+    assert_close(q, ref_q, dtype)
+    if dtype == torch.float32 and kv_dtype in (torch.float32, torch.int8):  # no float32 -> 16-bit casts
+        assert torch.equal(q, ref_q)
+        for pool, ref_pool in ((ours.k, ref.k), (ours.v, ref.v), (ours.k_scale, ref.k_scale),
+                               (ours.v_scale, ref.v_scale)):
+            assert pool is None or torch.equal(pool, ref_pool)
+    elif kv_dtype == torch.float8_e4m3fn:
+        # The interpreter's fp8 rounding misses values that round up into the next binade (about 1
+        # in 100 here); on a GPU the cast is exact. Everything else must match bit for bit.
+        for pool, ref_pool in ((ours.k, ref.k), (ours.v, ref.v)):
+            assert (pool.view(torch.uint8) != ref_pool.view(torch.uint8)).float().mean() < 0.03
+    else:  # the interpreter truncates the rotated bf16 k where torch rounds it: one step apart at most
+        for pool, scale, ref_pool, ref_scale in ((ours.k, ours.k_scale, ref.k, ref.k_scale),
+                                                 (ours.v, ours.v_scale, ref.v, ref.v_scale)):
+            torch.testing.assert_close(dequantized(pool, scale), dequantized(ref_pool, ref_scale), atol=0.05, rtol=0.02)
+    untouched = ours.k.view(-1, 3, 24)[[1, 2, 4, 5]]
+    assert untouched.float().abs().sum() == 0
 
 
 def test_public_dispatch_takes_triton_when_forced(kernels):
-    q, cache, meta = make_batch([(4, 9), (1, 20)], 4, 2, 16, torch.float32, torch.float32, seed=3)
-    k, v = torch.randn(2, 5, 2, 16)
-    ref_cache = LayerKVCache(cache.k.clone(), cache.v.clone())
+    q, cache, meta = make_batch([(4, 9), (1, 20)], 4, 2, 24, torch.float32, torch.float32, seed=3)
+    k, v = torch.randn(2, 5, 2, 24)
+    positions = torch.tensor([5, 6, 7, 8, 19])
+    ref_q, ref_cache = q.clone(), LayerKVCache(cache.k.clone(), cache.v.clone())
     attention.set_attention_backend("triton")
     try:
-        attention.write_kv(k, v, cache, meta.slot_mapping)
+        attention.rotary_write_kv(q, k, v, positions, ROTARY, cache, meta.slot_mapping)
         out = attention.paged_attention(q, cache, meta, 0.25)
     finally:
         attention.set_attention_backend("auto")
-    write_kv_torch(k, v, ref_cache, meta.slot_mapping)
-    assert torch.equal(cache.k, ref_cache.k)
-    assert_close(out, paged_attention_reference(q, ref_cache, meta, 0.25), torch.float32)
+    rotary_write_kv_torch(ref_q, k, v, positions, ROTARY, ref_cache, meta.slot_mapping)
+    assert torch.equal(cache.k, ref_cache.k) and torch.equal(q, ref_q)
+    assert_close(out, paged_attention_reference(ref_q, ref_cache, meta, 0.25), torch.float32)
 
 
 def test_backend_names_are_checked():

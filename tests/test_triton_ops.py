@@ -1,4 +1,4 @@
-"""Fused Triton norm / rotary / activation kernels under TRITON_INTERPRET=1 against the torch references.
+"""Fused Triton norm / activation / argmax kernels under TRITON_INTERPRET=1 against the torch references.
 
 The fixture imports the kernel module with TRITON_INTERPRET=1 (Triton reads it when kernels are
 decorated) and reloads it without the variable afterwards, so the rest of a one-process suite is
@@ -18,7 +18,7 @@ import torch
 from goodserve.ops import attention
 from goodserve.ops.activation import silu_and_mul, silu_and_mul_torch
 from goodserve.ops.norm import add_rms_norm, add_rms_norm_torch, rms_norm_torch
-from goodserve.ops.rotary import RopeScaling, apply_rotary, apply_rotary_torch, cos_sin_cache
+from goodserve.ops.sampler import argmax
 
 KERNEL_MODULE = "goodserve.ops.triton_ops"
 DTYPES = [torch.float32, torch.bfloat16]
@@ -66,44 +66,31 @@ def test_add_rms_norm_returns_normed_and_new_residual(kernels, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("inplace", [False, True])
-def test_rotary_on_fused_qkv_views(kernels, dtype, inplace):
-    num_tokens, hq, hk, head_dim = 6, 3, 1, 32  # head counts not powers of two
-    cache = cos_sin_cache(head_dim, 64, 10000.0, RopeScaling(8.0, 1.0, 4.0, 16))
-    qkv = torch.randn(num_tokens, (hq + 2 * hk) * head_dim).to(dtype)
-    q = qkv[:, : hq * head_dim].view(num_tokens, hq, head_dim)  # strided views, as the model has them
-    k = qkv[:, hq * head_dim : (hq + hk) * head_dim].view(num_tokens, hk, head_dim)
-    positions = torch.tensor([0, 1, 2, 40, 63, 7])
-    ref_q, ref_k = apply_rotary_torch(q, k, positions, cache)
-    out_q, out_k = kernels.triton_rotary(q, k, positions, cache, inplace=inplace)
-    assert_close(out_q, ref_q)
-    assert_close(out_k, ref_k)
-    if inplace:
-        assert out_q.data_ptr() == q.data_ptr()
-        assert_close(q, ref_q)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_and_mul(kernels, dtype):
     gate_up = (3 * torch.randn(2, 3, 2 * 80)).to(dtype)
     assert_close(kernels.triton_silu_and_mul(gate_up), silu_and_mul_torch(gate_up))
 
 
+def test_argmax_takes_the_first_maximum_like_torch(kernels):
+    x = torch.randn(4, 5000)  # three chunks per row
+    x[1, [100, 4000]] = 10.0  # a tie across chunks
+    x[2, [2049, 2050]] = 10.0  # a tie within a chunk
+    x[3] = float("-inf")  # nothing finite: index 0, as torch gives
+    assert torch.equal(kernels.triton_argmax(x), x.argmax(dim=-1))
+    assert torch.equal(kernels.triton_argmax(x[:, :300]), x[:, :300].argmax(dim=-1))  # strided rows, one chunk
+
+
 def test_public_functions_dispatch_to_triton_when_forced(kernels):
     x, residual = torch.randn(2, 3, 32)
     weight = torch.rand(32)
-    q, k = torch.randn(3, 2, 16), torch.randn(3, 1, 16)
-    positions = torch.tensor([5, 0, 2])
-    cache = cos_sin_cache(16, 8, 10000.0, None)
     attention.set_attention_backend("triton")
     try:
         normed, new_residual = add_rms_norm(x, residual, weight, 1e-5)
-        rotated = apply_rotary(q, k, positions, cache)
         activated = silu_and_mul(x)
+        tokens = argmax(x)
     finally:
         attention.set_attention_backend("auto")
     assert_close(normed, add_rms_norm_torch(x, residual, weight, 1e-5)[0])
     assert_close(new_residual, x + residual)
-    for ours, ref in zip(rotated, apply_rotary_torch(q, k, positions, cache)):
-        assert_close(ours, ref)
     assert_close(activated, silu_and_mul_torch(x))
+    assert torch.equal(tokens, x.argmax(dim=-1))

@@ -2,6 +2,9 @@
 
 The runner owns the model, its KV cache and, on CUDA, one captured graph per decode batch-size
 bucket: decode steps replay a graph (no per-kernel launch cost), everything else runs eagerly.
+Either way a step's inputs reach the device in one host-to-device copy: they are all int32, laid
+out in a pinned staging buffer exactly as the device tensors that read them (for a graph, its own
+input buffer).
 """
 
 from __future__ import annotations
@@ -16,6 +19,22 @@ from goodserve.engine.kv_cache import allocate_kv_cache
 from goodserve.engine.scheduler import ScheduledBatch
 from goodserve.model.llama import LlamaForCausalLM
 from goodserve.ops.attention import AttentionMetadata, LayerKVCache
+from goodserve.ops.sampler import argmax
+
+
+@dataclass
+class FlatBatch:
+    """A scheduled batch flattened on the host: the token-level lists every input is built from."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    query_lens: list[int]
+    seq_lens: list[int]
+    block_tables: list[list[int]]
+    sample_rows: list[int]  # index into batch.seqs of the sequences that sample a token this step
+    logits_indices: list[int]  # their last token's row in the flat batch
+    prompt_logit_spans: dict[int, tuple[int, int]]  # batch row -> flat [start, end) wanting logits
 
 
 @dataclass
@@ -23,21 +42,42 @@ class ModelInput:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     meta: AttentionMetadata
-    sample_rows: list[int]  # index into batch.seqs of the sequences that sample a token this step
-    logits_indices: torch.Tensor  # [len(sample_rows)]: their last token's row in the flat batch
-    prompt_logit_spans: dict[int, tuple[int, int]]  # batch row -> flat [start, end) wanting logits
+    sample_rows: list[int]
+    logits_indices: torch.Tensor | None  # [len(sample_rows)]; None when a graph replays (all rows, in order)
+    prompt_logit_spans: dict[int, tuple[int, int]]
+    graph: _DecodeGraph | None = None  # the captured graph whose input buffer already holds the batch
 
 
 @dataclass
 class ModelOutput:
     logits: torch.Tensor  # [len(sample_rows), V] float32
     prompt_logits: dict[int, torch.Tensor]  # batch row -> [n, V] float32
+    logits_argmax: torch.Tensor | None = None  # [len(sample_rows)]: argmax(logits), when a graph computed it
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     """Decode batches run in the smallest captured size that holds them; the padding is wasted work."""
     sizes = [1, 2, 4, 8] + list(range(16, 256, 16)) + list(range(256, max_num_seqs, 32))
     return [s for s in sizes if s < max_num_seqs] + [max_num_seqs]
+
+
+def flatten(batch: ScheduledBatch, block_size: int) -> FlatBatch:
+    flat = FlatBatch([], [], [], [], [], [], [], [], {})
+    for row, (seq, num_new) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+        start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
+        table, offset = seq.block_table, len(flat.input_ids)
+        flat.input_ids.extend(seq.token_ids[start:end])
+        flat.positions.extend(range(start, end))
+        flat.slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
+        flat.query_lens.append(num_new)
+        flat.seq_lens.append(end)
+        flat.block_tables.append(table)
+        if seq.wants_prompt_logprobs and start < seq.num_prompt_tokens - 1:
+            flat.prompt_logit_spans[row] = (offset, offset + min(end, seq.num_prompt_tokens - 1) - start)
+        if end == seq.num_tokens:
+            flat.sample_rows.append(row)
+            flat.logits_indices.append(offset + num_new - 1)
+    return flat
 
 
 class ModelRunner:
@@ -48,81 +88,66 @@ class ModelRunner:
         self.device = device
         self.block_size = config.block_size
         self.max_blocks_per_seq = -(-max_model_len // config.block_size)
+        assert num_blocks * config.block_size < 2**31, "slot numbers must fit int32"
         self.kv_caches: list[LayerKVCache] = allocate_kv_cache(
             model.spec, num_blocks, config.block_size, device, kv_dtype
         )
         self.graphs: dict[int, _DecodeGraph] = {}
-        self._staging: dict[torch.dtype, torch.Tensor] = {}
+        self._pinned = torch.empty(0, dtype=torch.int32)
         # The torch attention path sizes tensors from the batch's lengths, so it cannot be captured.
         if device.type == "cuda" and not config.enforce_eager and config.attention_backend != "torch":
             self._capture_graphs()
 
     # ---- inputs --------------------------------------------------------------------------
     def prepare(self, batch: ScheduledBatch) -> ModelInput:
-        """Flatten the batch into token-level arrays; two host-to-device copies in all."""
-        bs = self.block_size
-        input_ids, positions, slots = [], [], []
-        query_lens, seq_lens, sample_rows, logits_indices = [], [], [], []
-        prompt_spans: dict[int, tuple[int, int]] = {}
-        for row, (seq, num_new) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
-            table, offset = seq.block_table, len(input_ids)
-            input_ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            query_lens.append(num_new)
-            seq_lens.append(end)
-            if seq.wants_prompt_logprobs and start < seq.num_prompt_tokens - 1:
-                prompt_spans[row] = (offset, offset + min(end, seq.num_prompt_tokens - 1) - start)
-            if end == seq.num_tokens:
-                sample_rows.append(row)
-                logits_indices.append(offset + num_new - 1)
-        width = max(len(seq.block_table) for seq in batch.seqs)
-        tables = np.zeros((len(batch.seqs), width), dtype=np.int32)
-        for row, seq in enumerate(batch.seqs):
-            tables[row, : len(seq.block_table)] = seq.block_table
-        num_tokens, num_seqs = len(input_ids), len(batch.seqs)
-        longs = self._to_device(np.array(input_ids + positions + slots + logits_indices, dtype=np.int64))
-        ints = self._to_device(np.concatenate([np.cumsum([0] + query_lens, dtype=np.int32),
-                                               np.array(seq_lens, dtype=np.int32), tables.ravel()]))
+        """The batch's input tensors on the device, in one host-to-device copy."""
+        flat = flatten(batch, self.block_size)
+        graph = self._graph_for(flat)
+        if graph is not None:
+            return graph.load(flat, self._staging(graph.input_count(flat)))
+        return self._eager_input(flat)
+
+    def _eager_input(self, flat: FlatBatch) -> ModelInput:
+        num_tokens, num_seqs, num_samples = len(flat.input_ids), len(flat.seq_lens), len(flat.sample_rows)
+        width = max(map(len, flat.block_tables))
+        tables = np.zeros((num_seqs, width), dtype=np.int32)
+        for row, table in enumerate(flat.block_tables):
+            tables[row, : len(table)] = table
+        host = np.concatenate([
+            np.array(flat.input_ids + flat.positions + flat.slots + flat.logits_indices, dtype=np.int32),
+            np.cumsum([0] + flat.query_lens, dtype=np.int32), np.array(flat.seq_lens, dtype=np.int32),
+            tables.ravel(),
+        ])
+        ids, positions, slots, logits_indices, query_start_loc, seq_lens, block_tables = self._to_device(host).split(
+            [num_tokens, num_tokens, num_tokens, num_samples, num_seqs + 1, num_seqs, num_seqs * width])
         meta = AttentionMetadata(
-            slot_mapping=longs[2 * num_tokens : 3 * num_tokens],
-            query_start_loc=ints[: num_seqs + 1],
-            seq_lens=ints[num_seqs + 1 : 2 * num_seqs + 1],
-            block_tables=ints[2 * num_seqs + 1 :].view(num_seqs, width),
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
-            query_lens_host=query_lens,
-            seq_lens_host=seq_lens,
+            slot_mapping=slots, query_start_loc=query_start_loc, seq_lens=seq_lens,
+            block_tables=block_tables.view(num_seqs, width), max_query_len=max(flat.query_lens),
+            max_seq_len=max(flat.seq_lens), query_lens_host=flat.query_lens, seq_lens_host=flat.seq_lens,
         )
-        return ModelInput(
-            input_ids=longs[:num_tokens],
-            positions=longs[num_tokens : 2 * num_tokens],
-            meta=meta,
-            sample_rows=sample_rows,
-            logits_indices=longs[3 * num_tokens :],
-            prompt_logit_spans=prompt_spans,
-        )
+        return ModelInput(ids, positions, meta, flat.sample_rows, logits_indices, flat.prompt_logit_spans)
+
+    def _staging(self, count: int) -> torch.Tensor:
+        """A reusable int32 host buffer of >= count entries, pinned on CUDA (pinning fresh memory every
+        step costs more than the copy). Reuse is safe: the engine waits for each step's results, so
+        the previous step's copy has landed before the next prepare writes here."""
+        if self._pinned.numel() < count:
+            self._pinned = torch.empty(max(count, 1 << 16), dtype=torch.int32, pin_memory=self.device.type == "cuda")
+        return self._pinned
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        tensor = torch.from_numpy(array)
         if self.device.type != "cuda":
-            return tensor
-        # Reused pinned staging buffers: pinning fresh memory every step costs more than the copy.
-        staging = self._staging.get(tensor.dtype)
-        if staging is None or staging.numel() < tensor.numel():
-            staging = torch.empty(max(tensor.numel(), 1 << 16), dtype=tensor.dtype).pin_memory()
-            self._staging[tensor.dtype] = staging
-        staging[: tensor.numel()].copy_(tensor)
-        return staging[: tensor.numel()].to(self.device, non_blocking=True)
+            return torch.from_numpy(array)
+        staging = self._staging(array.size)[: array.size]
+        staging.numpy()[:] = array
+        return staging.to(self.device, non_blocking=True)
 
     # ---- execution -----------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, inputs: ModelInput) -> ModelOutput:
-        num_seqs = len(inputs.meta.seq_lens_host)
-        graph = self._graph_for(inputs, num_seqs)
-        if graph is not None:  # decode-only: every sequence samples, in batch order
-            return ModelOutput(graph.replay(inputs), {})
+        if inputs.graph is not None:  # decode: every sequence samples, in batch order
+            logits, logits_argmax = inputs.graph.replay(len(inputs.sample_rows))
+            return ModelOutput(logits, {}, logits_argmax)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         prompt_logits = {
@@ -131,11 +156,14 @@ class ModelRunner:
         }
         return ModelOutput(logits, prompt_logits)
 
-    def _graph_for(self, inputs: ModelInput, num_seqs: int) -> "_DecodeGraph | None":
-        if not self.graphs or not inputs.meta.is_decode_only or inputs.prompt_logit_spans:
+    def _graph_for(self, flat: FlatBatch) -> _DecodeGraph | None:
+        """The smallest captured graph that holds the batch, if every sequence computes one token and
+        samples (so none wants prompt logits)."""
+        num_seqs = len(flat.seq_lens)
+        if not self.graphs or max(flat.query_lens) != 1 or len(flat.sample_rows) != num_seqs:
             return None
         size = next((s for s in self.graphs if s >= num_seqs), None)
-        return self.graphs.get(size) if size is not None else None
+        return self.graphs[size] if size is not None else None
 
     def _capture_graphs(self) -> None:
         sizes = sorted(graph_batch_sizes(self.config.max_num_seqs), reverse=True)
@@ -145,43 +173,67 @@ class ModelRunner:
         self.graphs = dict(sorted(self.graphs.items()))
 
 
+# Rows past the batch: input id and position 0, slot -1 (no K/V write), length 0 (nothing to attend).
+_PADDING = (0, 0, -1, 0)
+
+
 class _DecodeGraph:
-    """A CUDA graph of one decode step (forward + logits) for up to `size` sequences."""
+    """A CUDA graph of one decode step (forward, logits, their argmax) for up to `size` sequences.
+
+    Its inputs live in one int32 device buffer, so a step's inputs arrive in one copy:
+    [input_ids | positions | slot_mapping | seq_lens | block tables, column-major]. Column-major
+    tables put the columns a step uses first, so the copy covers only those; columns past them keep
+    valid block ids from earlier steps, which the kernels never read (seq_lens bound them).
+    """
 
     def __init__(self, runner: ModelRunner, size: int, pool) -> None:
-        device = runner.device
+        device, max_blocks = runner.device, runner.max_blocks_per_seq
         self.size = size
-        self.input_ids = torch.zeros(size, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(size, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((size,), -1, dtype=torch.int64, device=device)
-        self.seq_lens = torch.zeros(size, dtype=torch.int32, device=device)  # padding rows attend nothing
-        self.query_start_loc = torch.arange(size + 1, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros(size, runner.max_blocks_per_seq, dtype=torch.int32, device=device)
-        max_len = runner.max_blocks_per_seq * runner.block_size
+        self.inputs = torch.zeros(4 * size + max_blocks * size, dtype=torch.int32, device=device)
+        self.input_ids, self.positions, self.slot_mapping, seq_lens = self.inputs[: 4 * size].view(4, size)
+        self.slot_mapping.fill_(-1)
+        max_len = max_blocks * runner.block_size
         self.meta = AttentionMetadata(
-            slot_mapping=self.slot_mapping, query_start_loc=self.query_start_loc,
-            seq_lens=self.seq_lens, block_tables=self.block_tables, max_query_len=1,
+            slot_mapping=self.slot_mapping, query_start_loc=torch.arange(size + 1, dtype=torch.int32, device=device),
+            seq_lens=seq_lens, block_tables=self.inputs[4 * size :].view(max_blocks, size).t(), max_query_len=1,
             max_seq_len=max_len, query_lens_host=[1] * size, seq_lens_host=[max_len] * size,
         )
-        model, caches = runner.model, runner.kv_caches
+        self.model, self.kv_caches = runner.model, runner.kv_caches
+        self._capture(pool)
+
+    def input_count(self, flat: FlatBatch) -> int:
+        """How many leading entries of the input buffer the batch fills."""
+        return self.size * (4 + max(map(len, flat.block_tables)))
+
+    def load(self, flat: FlatBatch, staging: torch.Tensor) -> ModelInput:
+        """Write the batch into `staging` in this graph's input layout and copy that to the device."""
+        num_seqs, count = len(flat.seq_lens), self.input_count(flat)
+        host = staging[:count].numpy()
+        rows = host[: 4 * self.size].reshape(4, self.size)
+        for row, values, pad in zip(rows, (flat.input_ids, flat.positions, flat.slots, flat.seq_lens), _PADDING):
+            row[:num_seqs] = values
+            row[num_seqs:] = pad
+        tables = host[4 * self.size :].reshape(-1, self.size)
+        tables[:] = 0
+        for seq, table in enumerate(flat.block_tables):
+            tables[: len(table), seq] = table
+        self.inputs[:count].copy_(staging[:count], non_blocking=True)
+        return ModelInput(self.input_ids, self.positions, self.meta, flat.sample_rows, None, {}, graph=self)
+
+    def _forward(self) -> None:
+        hidden = self.model(self.input_ids, self.positions, self.kv_caches, self.meta)
+        self.logits = self.model.compute_logits(hidden)
+        self.logits_argmax = argmax(self.logits)  # greedy tokens in the graph: no launch after it
+
+    def _capture(self, pool) -> None:
         with torch.inference_mode():
             for _ in range(2):  # warm up: autotuning and lazy initialization stay out of the graph
-                model.compute_logits(model(self.input_ids, self.positions, caches, self.meta))
+                self._forward()
             torch.cuda.synchronize()
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph, pool=pool):
-                hidden = model(self.input_ids, self.positions, caches, self.meta)
-                self.logits = model.compute_logits(hidden)
+                self._forward()
 
-    def replay(self, inputs: ModelInput) -> torch.Tensor:
-        n = len(inputs.meta.seq_lens_host)
-        width = inputs.meta.block_tables.shape[1]
-        self.input_ids[:n].copy_(inputs.input_ids)
-        self.positions[:n].copy_(inputs.positions)
-        self.slot_mapping[:n].copy_(inputs.meta.slot_mapping)
-        self.slot_mapping[n:].fill_(-1)
-        self.seq_lens[:n].copy_(inputs.meta.seq_lens)
-        self.seq_lens[n:].fill_(0)
-        self.block_tables[:n, :width].copy_(inputs.meta.block_tables)
+    def replay(self, num_seqs: int) -> tuple[torch.Tensor, torch.Tensor]:
         self.graph.replay()
-        return self.logits[:n]
+        return self.logits[:num_seqs], self.logits_argmax[:num_seqs]

@@ -13,9 +13,9 @@ from torch import nn
 from goodserve.errors import ModelLoadError
 from goodserve.model.spec import ModelSpec
 from goodserve.ops.activation import silu_and_mul
-from goodserve.ops.attention import AttentionMetadata, LayerKVCache, paged_attention, write_kv
+from goodserve.ops.attention import AttentionMetadata, LayerKVCache, paged_attention, rotary_write_kv
 from goodserve.ops.norm import add_rms_norm, rms_norm
-from goodserve.ops.rotary import apply_rotary, cos_sin_cache
+from goodserve.ops.rotary import cos_sin_cache
 
 
 class RMSNorm(nn.Module):
@@ -50,8 +50,7 @@ class LlamaAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, k, positions, rotary_cache)
-        write_kv(k, v, kv_cache, meta.slot_mapping)
+        rotary_write_kv(q, k, v, positions, rotary_cache, kv_cache, meta.slot_mapping)  # q rotated in place
         out = paged_attention(q, kv_cache, meta, self.scale)
         return self.o_proj(out.flatten(1))
 

@@ -20,20 +20,24 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from goodserve.ops.rotary import apply_rotary_torch
+
 INT8_MAX = 127.0
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 # Process-wide kernel choice, set once by the engine from EngineConfig.attention_backend. It governs
-# every Triton kernel (attention, write_kv and the fused norm/rotary/activation ops).
+# every Triton kernel (attention, the RoPE + cache write, and the fused norm/activation/argmax ops).
 _backend = "auto"
 
 
 @dataclass
 class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [T] int64; -1 marks a padding token whose K/V is not written
+    slot_mapping: torch.Tensor  # [T] int32; -1 marks a padding token whose K/V is not written
     query_start_loc: torch.Tensor  # [B + 1] int32, cumulative q lengths
     seq_lens: torch.Tensor  # [B] int32, context length after this step (cached + new)
-    block_tables: torch.Tensor  # [B, max_blocks] int32; entries past a sequence's blocks are 0
+    # [B, max_blocks] int32, any strides; entries past a sequence's blocks are never read for
+    # attention (0 on the eager path, whatever an earlier step left in a decode graph's table).
+    block_tables: torch.Tensor
     max_query_len: int
     max_seq_len: int
     # Host copies, so the torch path never synchronizes with the device to read lengths.
@@ -100,18 +104,20 @@ def use_triton(x: torch.Tensor) -> bool:
     return x.is_cuda and triton_available()
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache, slot_mapping: torch.Tensor) -> None:
-    """Store the new tokens' K/V ([T, Hk, D]) into their slots, quantizing for an int8/fp8 cache."""
-    if use_triton(k):
-        from goodserve.ops.triton_attention import triton_write_kv
+def rotary_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                    rotary_cache: torch.Tensor, cache: LayerKVCache, slot_mapping: torch.Tensor) -> None:
+    """RoPE on q ([T, Hq, D], in place) and k; then the new tokens' K/V ([T, Hk, D]) into their
+    slots, quantized for an int8/fp8 cache. One fused kernel on the Triton path."""
+    if use_triton(q):
+        from goodserve.ops.triton_attention import triton_rotary_write_kv
 
-        triton_write_kv(k, v, cache, slot_mapping)
+        triton_rotary_write_kv(q, k, v, positions, rotary_cache, cache, slot_mapping)
     else:
-        write_kv_torch(k, v, cache, slot_mapping)
+        rotary_write_kv_torch(q, k, v, positions, rotary_cache, cache, slot_mapping)
 
 
 def paged_attention(q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q: [T, Hq, D] -> [T, Hq, D], attending this step's context (K/V already written by write_kv)."""
+    """q: [T, Hq, D] -> [T, Hq, D], attending this step's context (K/V already written)."""
     if not use_triton(q):
         return paged_attention_torch(q, cache, meta, scale)
     from goodserve.ops.triton_attention import triton_decode_attention, triton_prefill_attention
@@ -119,6 +125,14 @@ def paged_attention(q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadat
     if meta.is_decode_only:
         return triton_decode_attention(q, cache, meta.block_tables, meta.seq_lens, scale)
     return triton_prefill_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale)
+
+
+def rotary_write_kv_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                          rotary_cache: torch.Tensor, cache: LayerKVCache, slot_mapping: torch.Tensor) -> None:
+    """The reference: rotate q and k, store the rotated k and v."""
+    rotated_q, rotated_k = apply_rotary_torch(q, k, positions, rotary_cache)
+    q.copy_(rotated_q)
+    write_kv_torch(rotated_k, v, cache, slot_mapping)
 
 
 def write_kv_torch(k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache, slot_mapping: torch.Tensor) -> None:

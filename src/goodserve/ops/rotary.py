@@ -7,8 +7,6 @@ from dataclasses import dataclass
 
 import torch
 
-from goodserve.ops.attention import use_triton
-
 
 @dataclass(frozen=True)
 class RopeScaling:
@@ -46,20 +44,13 @@ def cos_sin_cache(
     return torch.cat([angles.cos(), angles.sin()], dim=-1)
 
 
-def apply_rotary(
-    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """q: [T, Hq, D], k: [T, Hk, D], positions: [T]. Returns rotated copies in the input dtype."""
-    if use_triton(q):
-        from goodserve.ops.triton_ops import triton_rotary
-
-        return triton_rotary(q, k, positions, cache)
-    return apply_rotary_torch(q, k, positions, cache)
-
-
 def apply_rotary_torch(
     q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """q: [T, Hq, D], k: [T, Hk, D], positions: [T]. Returns rotated copies in the input dtype.
+
+    The reference for the fused RoPE + cache write (ops/attention.py rotary_write_kv).
+    """
     cos, sin = cache[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2] each
 
     def rotate(x: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from goodserve.ops.attention import use_triton
+
 
 @dataclass
 class SamplingBatch:
@@ -41,6 +43,11 @@ class SamplingBatch:
     needs_top_k_p: bool = True
     all_greedy: bool = False
     max_logprobs: int = -1  # most top alternatives any row asked for; -1: none asked
+
+    @property
+    def changes_logits(self) -> bool:
+        """Whether penalties or bans apply, so the greedy token may differ from the raw argmax."""
+        return self.repetition_penalty is not None or self.presence_penalty is not None or self.banned is not None
 
 
 @dataclass
@@ -91,11 +98,25 @@ def exponential_noise(shape: torch.Size, generators: list[torch.Generator | None
     return noise
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-    """logits: [N, V] float32, one row per sequence that samples this step."""
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """[N, V] -> [N] int64: each row's first maximum, as torch.argmax (a many-program kernel on GPUs)."""
+    if use_triton(x):
+        from goodserve.ops.triton_ops import triton_argmax
+
+        return triton_argmax(x)
+    return x.argmax(dim=-1)
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch, raw_argmax: torch.Tensor | None = None) -> SamplerOutput:
+    """logits: [N, V] float32, one row per sequence that samples this step.
+
+    raw_argmax: argmax(logits) if already computed (the decode graph computes it); it stands in for
+    the greedy tokens whenever no penalty changes the logits.
+    """
     raw_logits = logits
     logits = apply_penalties(logits, batch)
-    greedy_tokens = logits.argmax(dim=-1)
+    use_raw = raw_argmax is not None and not batch.changes_logits
+    greedy_tokens = raw_argmax if use_raw else argmax(logits)
     if batch.all_greedy:
         token_ids = greedy_tokens
     else:
@@ -104,7 +125,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
             scaled = top_k_top_p_min_p(scaled, batch)
         probs = scaled.softmax(dim=-1)
         noise = exponential_noise(probs.shape, batch.generators, probs.device)
-        sampled = (probs / noise).argmax(dim=-1)
+        sampled = argmax(probs / noise)
         token_ids = torch.where(batch.temperature == 0, greedy_tokens, sampled)
     if batch.max_logprobs < 0:
         return SamplerOutput(token_ids=token_ids)

@@ -1,11 +1,12 @@
-"""Triton kernels for the paged KV cache: the cache write, decode attention and prefill attention.
+"""Triton kernels for the paged KV cache: RoPE + cache write, decode attention and prefill attention.
 
-They compute exactly the functions defined in ops/attention.py (write_kv_torch,
+They compute exactly the functions defined in ops/attention.py and ops/rotary.py (rotary_write_kv_torch,
 paged_attention_reference) on the same layout: K/V pools [num_blocks, block_size, Hk, D], int8 pools
 with a float32 scale per (slot, head), or float8_e4m3fn pools without one.
 
 Every launch is CUDA-graph safe: grids depend only on tensor shapes and a fixed split count, and
-loop bounds come from the seq_lens / query_start_loc tensors, never from host copies.
+loop bounds come from the seq_lens / query_start_loc tensors, never from host copies. Block tables
+may be strided in both dimensions (the decode graphs keep theirs column-major).
 
 The interpreter (TRITON_INTERPRET=1, CPU tensors) multiplies bf16 tiles as raw uint16 bit patterns,
 so on CPU tensors the dot operands are upcast to float32 (UPCAST_DOT); GPU launches keep bf16 dots.
@@ -31,56 +32,102 @@ KV_FP8 = tl.constexpr(2)
 
 
 # ---------------------------------------------------------------------------------------------
-# write_kv
+# RoPE + cache write in one launch: a program per token rotates its q heads in place, rotates its
+# k heads on their way into the cache and stores v. Head vectors are handled as their two
+# rotate-half halves, so each thread reads and writes the same q elements (in place is safe).
 
 
 @triton.jit
-def _store_token_kv(src_ptr, stride_t, stride_h, cache_ptr, scale_ptr, token, slot, num_heads, HEAD_DIM,
-                    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, KV_QUANT: tl.constexpr):
-    h = tl.arange(0, BLOCK_H)
-    d = tl.arange(0, BLOCK_D)
-    mask = (h[:, None] < num_heads) & (d[None, :] < HEAD_DIM)
-    x = tl.load(src_ptr + token * stride_t + h[:, None] * stride_h + d[None, :], mask=mask, other=0.0)
-    dst = cache_ptr + slot * num_heads * HEAD_DIM + h[:, None] * HEAD_DIM + d[None, :]
-    if KV_QUANT == KV_INT8:
-        x = x.to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-8) / 127.0
-        rounded = (x / scale[:, None] + ROUND_MAGIC) - ROUND_MAGIC
-        values = tl.minimum(tl.maximum(rounded, -127.0), 127.0)
-        tl.store(dst, values.to(tl.int8), mask=mask)
+def _load_halves(row_ptr, d, half, mask):
+    """[H, HALF] first and second halves of the head vectors starting at row_ptr [H, 1]."""
+    return tl.load(row_ptr + d, mask=mask, other=0.0), tl.load(row_ptr + half + d, mask=mask, other=0.0)
+
+
+@triton.jit
+def _rotate(x1, x2, cos, sin, dtype: tl.constexpr):
+    """Rotate-half RoPE in float32, rounded to dtype as the torch reference rounds it."""
+    x1 = x1.to(tl.float32)
+    x2 = x2.to(tl.float32)
+    return (x1 * cos - x2 * sin).to(dtype), (x2 * cos + x1 * sin).to(dtype)
+
+
+@triton.jit
+def _to_int8(x, scale):
+    rounded = (x / scale[:, None] + ROUND_MAGIC) - ROUND_MAGIC
+    return tl.minimum(tl.maximum(rounded, -127.0), 127.0).to(tl.int8)
+
+
+@triton.jit
+def _store_kv(lo, hi, cache_ptr, scale_ptr, slot, h, d, half, num_heads, mask, KV_QUANT: tl.constexpr):
+    """One token's head vectors (as halves [H, HALF]) into its cache slot, quantized for int8 / fp8."""
+    dst = cache_ptr + (slot * num_heads + h[:, None]) * (2 * half) + d
+    if KV_QUANT == KV_INT8:  # one float32 scale per (slot, head), from the absmax over both halves
+        lo = lo.to(tl.float32)
+        hi = hi.to(tl.float32)
+        scale = tl.maximum(tl.maximum(tl.max(tl.abs(lo), axis=1), tl.max(tl.abs(hi), axis=1)), 1e-8) / 127.0
+        tl.store(dst, _to_int8(lo, scale), mask=mask)
+        tl.store(dst + half, _to_int8(hi, scale), mask=mask)
         tl.store(scale_ptr + slot * num_heads + h, scale, mask=h < num_heads)
     elif KV_QUANT == KV_FP8:  # round to nearest like torch's cast (the interpreter's default truncates)
-        tl.store(dst, x.to(cache_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+        tl.store(dst, lo.to(cache_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+        tl.store(dst + half, hi.to(cache_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
     else:
-        tl.store(dst, x.to(cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(dst, lo.to(cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(dst + half, hi.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _write_kv_kernel(k_ptr, v_ptr, slot_ptr, k_cache, v_cache, k_scale, v_scale,
-                     stride_kt, stride_kh, stride_vt, stride_vh, num_heads,
-                     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, KV_QUANT: tl.constexpr):
-    token = tl.program_id(0)
+def _rotary_write_kv_kernel(q_ptr, k_ptr, v_ptr, positions_ptr, rotary_ptr, slot_ptr, k_cache, v_cache,
+                            k_scale, v_scale, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                            stride_rotary, num_q_heads, num_kv_heads, HALF: tl.constexpr,
+                            BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                            KV_QUANT: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    pos = tl.load(positions_ptr + token).to(tl.int64)
+    d = tl.arange(0, BLOCK_HALF)[None, :]
+    cos = tl.load(rotary_ptr + pos * stride_rotary + d, mask=d < HALF, other=0.0)
+    sin = tl.load(rotary_ptr + pos * stride_rotary + HALF + d, mask=d < HALF, other=0.0)
+
+    hq = tl.arange(0, BLOCK_HQ)
+    q_mask = (hq[:, None] < num_q_heads) & (d < HALF)
+    q_rows = q_ptr + token * stride_qt + hq[:, None] * stride_qh
+    q1, q2 = _load_halves(q_rows, d, HALF, q_mask)
+    q1, q2 = _rotate(q1, q2, cos, sin, q_ptr.dtype.element_ty)
+    tl.store(q_rows + d, q1, mask=q_mask)
+    tl.store(q_rows + HALF + d, q2, mask=q_mask)
+
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot >= 0:  # -1 marks padding: nothing to store
-        _store_token_kv(k_ptr, stride_kt, stride_kh, k_cache, k_scale, token, slot, num_heads, HEAD_DIM,
-                        BLOCK_H, BLOCK_D, KV_QUANT)
-        _store_token_kv(v_ptr, stride_vt, stride_vh, v_cache, v_scale, token, slot, num_heads, HEAD_DIM,
-                        BLOCK_H, BLOCK_D, KV_QUANT)
+        hk = tl.arange(0, BLOCK_HK)
+        kv_mask = (hk[:, None] < num_kv_heads) & (d < HALF)
+        k1, k2 = _load_halves(k_ptr + token * stride_kt + hk[:, None] * stride_kh, d, HALF, kv_mask)
+        k1, k2 = _rotate(k1, k2, cos, sin, k_ptr.dtype.element_ty)
+        _store_kv(k1, k2, k_cache, k_scale, slot, hk, d, HALF, num_kv_heads, kv_mask, KV_QUANT)
+        v1, v2 = _load_halves(v_ptr + token * stride_vt + hk[:, None] * stride_vh, d, HALF, kv_mask)
+        _store_kv(v1, v2, v_cache, v_scale, slot, hk, d, HALF, num_kv_heads, kv_mask, KV_QUANT)
 
 
-def triton_write_kv(k: torch.Tensor, v: torch.Tensor, cache, slot_mapping: torch.Tensor) -> None:
-    """k, v: [T, Hk, D] (last dim contiguous) -> cache slots; slot -1 is skipped."""
-    num_tokens, num_heads, head_dim = k.shape
+def triton_rotary_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                           rotary_cache: torch.Tensor, cache, slot_mapping: torch.Tensor) -> None:
+    """q: [T, Hq, D] rotated in place; k (rotated) and v: [T, Hk, D] into the cache slots (-1 skipped).
+
+    Views into a fused qkv projection are fine: only the head dim must be contiguous.
+    rotary_cache: [P, D] float32, cos in the first half of each row, sin in the second.
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
     _check_cache(cache)
+    assert all(x.stride(-1) == 1 for x in (q, k, v, rotary_cache)), "the head dim must be contiguous"
+    assert head_dim % 2 == 0, "rotate-half RoPE needs an even head dim"
     if num_tokens == 0:
         return
-    assert k.stride(-1) == 1 and v.stride(-1) == 1, "write_kv needs the head dim contiguous"
-    quant = _kv_quant(cache)
-    _write_kv_kernel[(num_tokens,)](
-        k, v, slot_mapping, cache.k, cache.v, *_scales(cache),
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1), num_heads, head_dim,
-        BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_D=triton.next_power_of_2(head_dim),
-        KV_QUANT=quant, num_warps=4,
+    half = head_dim // 2
+    _rotary_write_kv_kernel[(num_tokens,)](
+        q, k, v, positions, rotary_cache, slot_mapping, cache.k, cache.v, *_scales(cache),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), rotary_cache.stride(0),
+        num_q_heads, num_kv_heads, half,
+        BLOCK_HQ=triton.next_power_of_2(num_q_heads), BLOCK_HK=triton.next_power_of_2(num_kv_heads),
+        BLOCK_HALF=triton.next_power_of_2(half), KV_QUANT=_kv_quant(cache), num_warps=4,
     )
 
 
@@ -134,81 +181,91 @@ def _attend_tile(q, m_i, l_i, acc, k_cache, v_cache, k_scale, v_scale, slot, kv_
 
 
 @triton.jit
-def _slots_of(block_table_row, pos, valid, BLOCK_SIZE: tl.constexpr):
-    block = tl.load(block_table_row + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+def _slots_of(block_table_row, stride_bb, pos, valid, BLOCK_SIZE: tl.constexpr):
+    block = tl.load(block_table_row + (pos // BLOCK_SIZE) * stride_bb, mask=valid, other=0).to(tl.int64)
     return block * BLOCK_SIZE + pos % BLOCK_SIZE
 
 
 # ---------------------------------------------------------------------------------------------
 # Decode: one query per sequence; one program per (sequence, KV head, split) covers the whole
-# GQA group, so every K/V tile is read once per group. Splits cover contiguous key ranges; a
-# reduce kernel merges them by log-sum-exp (flash-decoding).
+# GQA group, so every K/V tile is read once per group. Splits cover contiguous key ranges sized
+# from the sequence's actual length (the grid is sized for the longest possible one): a short
+# context spreads over fewer, but still several, splits of >= SPLIT_KEYS keys and the splits past
+# it exit at once. A sequence that fits one split writes its output directly; otherwise each split
+# stores a partial result and the last of the group to finish merges them by log-sum-exp
+# (flash-decoding's reduce, without a second kernel).
 
 
 @triton.jit
-def _decode_kernel(q_ptr, out_ptr, part_out_ptr, part_lse_ptr, k_cache, v_cache, k_scale, v_scale,
-                   block_tables, seq_lens, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+def _merge_splits(out_ptr, part_out_ptr, part_lse_ptr, seq, kv_head, num_used, num_q_heads, stride_ot, stride_oh,
+                  HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr):
+    s = tl.arange(0, NUM_SPLITS)
+    d = tl.arange(0, BLOCK_D)
+    used = s < num_used  # every used split has keys, so its log-sum-exp is finite
+    for g in tl.static_range(GROUP):  # unrolled, so the heads' loads are in flight together
+        head = kv_head * GROUP + g
+        part = (seq * num_q_heads + head) * NUM_SPLITS + s
+        # .cg reads L2, where the other programs' stores landed, never a stale L1 line.
+        lse = tl.load(part_lse_ptr + part, mask=used, other=float("-inf"), cache_modifier=".cg")
+        weight = tl.exp2(lse - tl.max(lse, axis=0))
+        parts = tl.load(part_out_ptr + part[:, None] * HEAD_DIM + d[None, :],
+                        mask=used[:, None] & (d < HEAD_DIM)[None, :], other=0.0, cache_modifier=".cg")
+        out = tl.sum(parts * weight[:, None], axis=0) / tl.sum(weight, axis=0)
+        tl.store(out_ptr + seq * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty),
+                 mask=d < HEAD_DIM)
+
+
+@triton.jit
+def _decode_kernel(q_ptr, out_ptr, part_out_ptr, part_lse_ptr, arrivals_ptr, k_cache, v_cache, k_scale, v_scale,
+                   block_tables, seq_lens, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_bb,
                    num_kv_heads, HEAD_DIM: tl.constexpr,
                    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, KV_QUANT: tl.constexpr,
-                   UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                   BLOCK_SIZE: tl.constexpr, SPLIT_KEYS: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                   KV_QUANT: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens + seq)
-    num_tiles = tl.cdiv(seq_len, BLOCK_N)
-    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
-    tile_begin = split * tiles_per_split
-    tile_end = tl.minimum(tile_begin + tiles_per_split, num_tiles)
-
-    g = tl.arange(0, BLOCK_G)
-    d = tl.arange(0, BLOCK_D)
-    d_mask = d < HEAD_DIM
-    head = kv_head * GROUP + g
-    row_mask = (g < GROUP)[:, None] & d_mask[None, :]
-    q = tl.load(q_ptr + seq * stride_qt + head[:, None] * stride_qh + d[None, :], mask=row_mask, other=0.0)
-    if UPCAST_DOT:
-        q = q.to(tl.float32)
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    block_table_row = block_tables + seq.to(tl.int64) * stride_bt
-    for tile in range(tile_begin, tile_end):
-        pos = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        valid = pos < seq_len
-        slot = _slots_of(block_table_row, pos, valid, BLOCK_SIZE)
-        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache, v_cache, k_scale, v_scale, slot, kv_head,
-                                     num_kv_heads, HEAD_DIM, valid, valid[None, :], d, d_mask, qk_scale,
-                                     q_ptr.dtype.element_ty, KV_QUANT, UPCAST_DOT, DOT_PRECISION)
-
-    has_keys = l_i > 0  # an empty split (or a zero-length padding sequence) contributes nothing
-    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
-    if NUM_SPLITS == 1:
-        dst = out_ptr + seq * stride_ot + head[:, None] * stride_oh + d[None, :]
-        tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=row_mask)
-    else:
-        num_q_heads = num_kv_heads * GROUP
-        part = (seq * num_q_heads + head) * NUM_SPLITS + split  # [B, Hq, S] index
-        tl.store(part_out_ptr + part[:, None] * HEAD_DIM + d[None, :], out, mask=row_mask)
-        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
-        tl.store(part_lse_ptr + part, lse, mask=g < GROUP)
-
-
-@triton.jit
-def _merge_splits_kernel(out_ptr, part_out_ptr, part_lse_ptr, stride_ot, stride_oh, num_q_heads, HEAD_DIM: tl.constexpr,
-                         NUM_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr):
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    s = tl.arange(0, NUM_SPLITS)
-    d = tl.arange(0, BLOCK_D)
-    part = (seq * num_q_heads + head) * NUM_SPLITS + s
-    lse = tl.load(part_lse_ptr + part)
-    lse_max = tl.max(lse, axis=0)
-    weight = tl.where(lse > float("-inf"), tl.exp2(lse - lse_max), 0.0)
-    parts = tl.load(part_out_ptr + part[:, None] * HEAD_DIM + d[None, :], mask=d[None, :] < HEAD_DIM, other=0.0)
-    total = tl.sum(weight, axis=0)
-    out = tl.sum(parts * weight[:, None], axis=0) / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + seq * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+    split_keys = tl.maximum(tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), SPLIT_KEYS), 1) * SPLIT_KEYS
+    num_used = tl.maximum(tl.cdiv(seq_len, split_keys), 1)  # a zero-length (padding) sequence writes zeros
+    if split < num_used:
+        key_begin = split * split_keys
+        key_end = tl.minimum(key_begin + split_keys, seq_len)
+        g = tl.arange(0, BLOCK_G)
+        d = tl.arange(0, BLOCK_D)
+        d_mask = d < HEAD_DIM
+        head = kv_head * GROUP + g
+        row_mask = (g < GROUP)[:, None] & d_mask[None, :]
+        q = tl.load(q_ptr + seq * stride_qt + head[:, None] * stride_qh + d[None, :], mask=row_mask, other=0.0)
+        if UPCAST_DOT:
+            q = q.to(tl.float32)
+        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        block_table_row = block_tables + seq.to(tl.int64) * stride_bt
+        for start in range(key_begin, key_end, BLOCK_N):
+            pos = start + tl.arange(0, BLOCK_N)
+            valid = pos < key_end
+            slot = _slots_of(block_table_row, stride_bb, pos, valid, BLOCK_SIZE)
+            m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache, v_cache, k_scale, v_scale, slot, kv_head,
+                                         num_kv_heads, HEAD_DIM, valid, valid[None, :], d, d_mask, qk_scale,
+                                         q_ptr.dtype.element_ty, KV_QUANT, UPCAST_DOT, DOT_PRECISION)
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        if num_used == 1:
+            dst = out_ptr + seq * stride_ot + head[:, None] * stride_oh + d[None, :]
+            tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=row_mask)
+        elif NUM_SPLITS > 1:  # (compiled out of single-split launches)
+            num_q_heads = num_kv_heads * GROUP
+            part = (seq * num_q_heads + head) * NUM_SPLITS + split  # [B, Hq, S] index
+            tl.store(part_out_ptr + part[:, None] * HEAD_DIM + d[None, :], out, mask=row_mask)
+            tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=g < GROUP)
+            # Every thread's stores precede the (release) arrival; the last arrival (acquire) merges.
+            tl.debug_barrier()
+            arrivals = arrivals_ptr + seq * num_kv_heads + kv_head
+            if tl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu") == num_used - 1:
+                tl.store(arrivals, 0)  # zero again for the next launch (or graph replay)
+                _merge_splits(out_ptr, part_out_ptr, part_lse_ptr, seq, kv_head, num_used, num_q_heads,
+                              stride_ot, stride_oh, HEAD_DIM, GROUP, NUM_SPLITS, BLOCK_D)
 
 
 @functools.cache
@@ -216,23 +273,36 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def default_num_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
+@functools.cache
+def _arrival_counters(device: torch.device, count: int) -> torch.Tensor:
+    """Zeroed per-(sequence, KV head) arrival counters; every launch leaves them zeroed again.
+
+    Kept for the life of the process: a captured graph keeps using the buffer it was captured with.
+    """
+    assert not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()), \
+        "run decode attention once before capturing it, so its counters exist outside the graph"
+    return torch.zeros(count, dtype=torch.int32, device=device)
+
+
+def default_num_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.device,
+                       split_keys: int) -> int:
     """Splits that fill the GPU about twice over, from shapes only (so a captured graph stays valid).
 
-    max_context is the block table's capacity, not any sequence's length; each split keeps >= 256 keys.
+    max_context is the block table's capacity, not any sequence's length: the kernel sizes each
+    launch's splits from the actual lengths, so a generous count costs short contexts nothing.
     """
     if device.type != "cuda":
         return 1
     wanted = triton.cdiv(2 * _num_sms(device.index or 0), batch * num_kv_heads)
-    by_length = max(1, max_context // 256)
+    by_length = triton.cdiv(max_context, split_keys)
     return min(triton.next_power_of_2(wanted), 32, triton.next_power_of_2(by_length))
 
 
-# Launch settings on sm_90 (compiled offline: no spills, ~90 / ~180 registers); `tuning` overrides them.
-DECODE_TUNING = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+# Launch settings on sm_90; `tuning` overrides them. SPLIT_KEYS: the fewest keys a decode split takes.
+DECODE_TUNING = {"BLOCK_N": 64, "SPLIT_KEYS": 64, "num_warps": 4, "num_stages": 3}
 PREFILL_TUNING = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
 # The interpreter runs every element in numpy: small tiles keep CPU tests fast.
-INTERPRETER_TUNING = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
+INTERPRETER_TUNING = {"BLOCK_M": 16, "BLOCK_N": 16, "SPLIT_KEYS": 16, "num_warps": 4, "num_stages": 1}
 
 
 def _tuning(q: torch.Tensor, defaults: dict, tuning: dict | None) -> dict:
@@ -247,31 +317,27 @@ def triton_decode_attention(q: torch.Tensor, cache, block_tables: torch.Tensor, 
     assert seq_lens.shape[0] == batch, "decode attention takes exactly one query per sequence"
     num_kv_heads, block_size = cache.k.shape[2], cache.k.shape[1]
     group = num_q_heads // num_kv_heads
+    tune = _tuning(q, DECODE_TUNING, tuning)
     if num_splits is None:
-        num_splits = default_num_splits(batch, num_kv_heads, block_tables.shape[1] * block_size, q.device)
+        num_splits = default_num_splits(batch, num_kv_heads, block_tables.shape[1] * block_size, q.device,
+                                        tune["SPLIT_KEYS"])
     assert num_splits & (num_splits - 1) == 0, "num_splits must be a power of two"
     out = torch.empty_like(q)
-    part_out = part_lse = out  # unused when num_splits == 1
+    part_out = part_lse = arrivals = out  # unused when num_splits == 1
     if num_splits > 1:
         part_out = torch.empty(batch, num_q_heads, num_splits, head_dim, device=q.device, dtype=torch.float32)
         part_lse = torch.empty(batch, num_q_heads, num_splits, device=q.device, dtype=torch.float32)
-    quant = _kv_quant(cache)
-    block_d = triton.next_power_of_2(head_dim)
-    tune = _tuning(q, DECODE_TUNING, tuning)
+        arrivals = _arrival_counters(q.device, batch * num_kv_heads)
     _decode_kernel[(batch, num_kv_heads, num_splits)](
-        q, out, part_out, part_lse, cache.k, cache.v,
+        q, out, part_out, part_lse, arrivals, cache.k, cache.v,
         *_scales(cache),
         block_tables, seq_lens, scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        block_tables.stride(0), num_kv_heads, head_dim,
-        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=tune["BLOCK_N"],
-        BLOCK_SIZE=block_size, NUM_SPLITS=num_splits, KV_QUANT=quant, UPCAST_DOT=not q.is_cuda,
-        DOT_PRECISION=_dot_precision(q.dtype), num_warps=tune["num_warps"], num_stages=tune["num_stages"],
+        block_tables.stride(0), block_tables.stride(1), num_kv_heads, head_dim,
+        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_N=tune["BLOCK_N"], BLOCK_SIZE=block_size, SPLIT_KEYS=tune["SPLIT_KEYS"], NUM_SPLITS=num_splits,
+        KV_QUANT=_kv_quant(cache), UPCAST_DOT=not q.is_cuda, DOT_PRECISION=_dot_precision(q.dtype),
+        num_warps=tune["num_warps"], num_stages=tune["num_stages"],
     )
-    if num_splits > 1:
-        _merge_splits_kernel[(batch, num_q_heads)](
-            out, part_out, part_lse, out.stride(0), out.stride(1), num_q_heads, head_dim,
-            NUM_SPLITS=num_splits, BLOCK_D=block_d, num_warps=4,
-        )
     return out
 
 
@@ -299,7 +365,7 @@ def _find_sequence(query_start_loc, num_seqs, program, BLOCK_Q: tl.constexpr):
 
 @triton.jit
 def _prefill_kernel(q_ptr, out_ptr, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens,
-                    query_start_loc, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+                    query_start_loc, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_bb,
                     num_seqs, num_kv_heads, HEAD_DIM: tl.constexpr,
                     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, KV_QUANT: tl.constexpr,
@@ -337,7 +403,7 @@ def _prefill_kernel(q_ptr, out_ptr, k_cache, v_cache, k_scale, v_scale, block_ta
         for tile in range(0, tl.cdiv(key_end, BLOCK_N)):
             pos = tile * BLOCK_N + tl.arange(0, BLOCK_N)
             valid = pos < key_end
-            slot = _slots_of(block_table_row, pos, valid, BLOCK_SIZE)
+            slot = _slots_of(block_table_row, stride_bb, pos, valid, BLOCK_SIZE)
             key_mask = valid[None, :] & (pos[None, :] <= query_pos[:, None])
             m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache, v_cache, k_scale, v_scale, slot, kv_head,
                                          num_kv_heads, HEAD_DIM, valid, key_mask, d, d_mask, qk_scale,
@@ -365,7 +431,7 @@ def triton_prefill_attention(q: torch.Tensor, cache, block_tables: torch.Tensor,
         q, out, cache.k, cache.v,
         *_scales(cache),
         block_tables, seq_lens, query_start_loc, scale * LOG2E, q.stride(0), q.stride(1),
-        out.stride(0), out.stride(1), block_tables.stride(0), num_seqs, num_kv_heads, head_dim,
+        out.stride(0), out.stride(1), block_tables.stride(0), block_tables.stride(1), num_seqs, num_kv_heads, head_dim,
         GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_N=tune["BLOCK_N"], BLOCK_SIZE=block_size, KV_QUANT=quant, UPCAST_DOT=not q.is_cuda,
         DOT_PRECISION=_dot_precision(q.dtype), num_warps=tune["num_warps"], num_stages=tune["num_stages"],

@@ -1,7 +1,8 @@
 """Small fused Triton kernels: each saves whole passes over activations that torch would make.
 
-They compute exactly the plain-torch references in ops/norm.py, ops/rotary.py and
-ops/activation.py, rounding to the activation dtype at the same points the references do.
+They compute exactly the plain-torch references in ops/norm.py and ops/activation.py, rounding to
+the activation dtype at the same points the references do, and torch.argmax for ops/sampler.py.
+(RoPE is fused with the KV-cache write in ops/triton_attention.py.)
 """
 
 from __future__ import annotations
@@ -73,63 +74,6 @@ def triton_add_rms_norm(
 
 
 # ---------------------------------------------------------------------------------------------
-# Rotary embedding (rotate-half layout): q and k of one token in one program, cos/sin read once.
-
-
-@triton.jit
-def _rotate_heads(src_ptr, dst_ptr, stride_src_t, stride_src_h, stride_dst_t, stride_dst_h, token, num_heads,
-                  cos, sin, half, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    h = tl.arange(0, BLOCK_H)[:, None]
-    d = tl.arange(0, BLOCK_HALF)[None, :]
-    mask = (h < num_heads) & (d < half)
-    src = src_ptr + token * stride_src_t + h * stride_src_h + d
-    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(src + half, mask=mask, other=0.0).to(tl.float32)
-    dst = dst_ptr + token * stride_dst_t + h * stride_dst_h + d
-    tl.store(dst, (x1 * cos - x2 * sin).to(dst_ptr.dtype.element_ty), mask=mask)
-    tl.store(dst + half, (x2 * cos + x1 * sin).to(dst_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _rotary_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, positions_ptr, cache_ptr,
-                   stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh, stride_kot, stride_koh,
-                   stride_cache, num_q_heads, num_kv_heads, half,
-                   BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    token = tl.program_id(0).to(tl.int64)
-    pos = tl.load(positions_ptr + token).to(tl.int64)
-    d = tl.arange(0, BLOCK_HALF)[None, :]
-    cos = tl.load(cache_ptr + pos * stride_cache + d, mask=d < half, other=0.0)
-    sin = tl.load(cache_ptr + pos * stride_cache + half + d, mask=d < half, other=0.0)
-    _rotate_heads(q_ptr, q_out_ptr, stride_qt, stride_qh, stride_qot, stride_qoh, token, num_q_heads,
-                  cos, sin, half, BLOCK_HQ, BLOCK_HALF)
-    _rotate_heads(k_ptr, k_out_ptr, stride_kt, stride_kh, stride_kot, stride_koh, token, num_kv_heads,
-                  cos, sin, half, BLOCK_HK, BLOCK_HALF)
-
-
-def triton_rotary(
-    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor, inplace: bool = False
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """q: [T, Hq, D], k: [T, Hk, D] (views into a fused qkv are fine), positions: [T], cache: [P, D] fp32.
-
-    inplace=True rotates q and k where they lie and returns them; otherwise returns new tensors.
-    """
-    num_tokens, num_q_heads, head_dim = q.shape
-    num_kv_heads = k.shape[1]
-    assert q.stride(-1) == 1 and k.stride(-1) == 1 and cache.stride(-1) == 1
-    q_out, k_out = (q, k) if inplace else (torch.empty_like(q), torch.empty_like(k))
-    half = head_dim // 2
-    if num_tokens > 0:
-        _rotary_kernel[(num_tokens,)](
-            q, k, q_out, k_out, positions, cache, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-            q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), cache.stride(0),
-            num_q_heads, num_kv_heads, half,
-            BLOCK_HQ=triton.next_power_of_2(num_q_heads), BLOCK_HK=triton.next_power_of_2(num_kv_heads),
-            BLOCK_HALF=triton.next_power_of_2(half), num_warps=4,
-        )
-    return q_out, k_out
-
-
-# ---------------------------------------------------------------------------------------------
 # SwiGLU gate: silu(gate) * up over the fused gate|up projection, one read and one write.
 
 
@@ -157,4 +101,49 @@ def triton_silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         _silu_and_mul_kernel[(flat.shape[0], triton.cdiv(width, block))](
             flat, out.view(-1, width), flat.stride(0), width, width, BLOCK=block, num_warps=4,
         )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Row argmax over a vocabulary: torch reduces a row in one thread block (~27 us for 128K float32
+# logits on an H200, where the bytes take < 1 us). Here chunks of the row go to many programs, then
+# one program per row picks among their candidates. Ties go to the lowest index, as in torch.argmax.
+
+
+@triton.jit
+def _argmax_chunks_kernel(x_ptr, value_ptr, index_ptr, stride_x, width, num_chunks, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    cols = chunk * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=cols < width, other=float("-inf"))
+    value, index = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
+    tl.store(value_ptr + row * num_chunks + chunk, value)
+    tl.store(index_ptr + row * num_chunks + chunk, chunk * BLOCK + index)
+
+
+@triton.jit
+def _argmax_merge_kernel(value_ptr, index_ptr, out_ptr, num_chunks, BLOCK_C: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BLOCK_C)
+    values = tl.load(value_ptr + row * num_chunks + c, mask=c < num_chunks, other=float("-inf"))
+    best = tl.argmax(values, axis=0, tie_break_left=True)  # the first chunk holding the maximum
+    tl.store(out_ptr + row, tl.load(index_ptr + row * num_chunks + best).to(tl.int64))
+
+
+ARGMAX_CHUNK = 2048
+
+
+def triton_argmax(x: torch.Tensor) -> torch.Tensor:
+    """x: [N, V] float -> [N] int64, each row's first maximum (torch.argmax(x, dim=-1) on NaN-free rows)."""
+    rows, width = x.shape
+    assert x.stride(-1) == 1, "argmax needs rows contiguous"
+    num_chunks = triton.cdiv(width, ARGMAX_CHUNK)
+    values = torch.empty(rows, num_chunks, dtype=torch.float32, device=x.device)
+    indices = torch.empty(rows, num_chunks, dtype=torch.int32, device=x.device)
+    out = torch.empty(rows, dtype=torch.int64, device=x.device)
+    if rows > 0:
+        _argmax_chunks_kernel[(rows, num_chunks)](x, values, indices, x.stride(0), width, num_chunks,
+                                                 BLOCK=ARGMAX_CHUNK, num_warps=4)
+        _argmax_merge_kernel[(rows,)](values, indices, out, num_chunks,
+                                      BLOCK_C=triton.next_power_of_2(num_chunks), num_warps=1)
     return out

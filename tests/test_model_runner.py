@@ -1,0 +1,45 @@
+"""The runner's decode-graph input path on the CPU: the graph's static buffers, filled by one copy
+in their own layout (column-major block tables, padding rows), must give the eager path's tokens.
+
+CUDA graphs need a GPU, so here a graph's replay runs its forward eagerly over the same buffers;
+capture itself is checked on the GPU (benchmarks/gpu_engine.py --parts check).
+"""
+
+import torch
+
+from goodserve import SamplingParams
+from goodserve.engine import model_runner
+
+
+class EagerDecodeGraph(model_runner._DecodeGraph):
+    replays = 0
+
+    def _capture(self, pool) -> None:
+        pass
+
+    def replay(self, num_seqs: int) -> tuple[torch.Tensor, torch.Tensor]:
+        EagerDecodeGraph.replays += 1
+        self._forward()
+        return self.logits[:num_seqs], self.logits_argmax[:num_seqs]
+
+
+def test_decode_graph_inputs_give_the_eager_tokens(embedded_llm):
+    tok = embedded_llm.tokenizer
+    prompts = [{"prompt_token_ids": tok.encode(p)} for p in (
+        "The capital of France is", "def fibonacci(n):", "A long time ago, in a galaxy far, far away, there "
+        "lived a small droid who dreamed of seeing the stars up close one day.")]
+    # Different lengths, so the batch shrinks (3 -> 2 -> 1 rows) into smaller graphs with padding rows;
+    # one request wants logprobs, which come from the graph's logits.
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=2 if n == 6 else None)
+              for n in (6, 24, 40)]
+    expected = embedded_llm.generate(prompts, params)
+    runner = embedded_llm.engine.runner
+    runner.graphs = {size: EagerDecodeGraph(runner, size, None) for size in (1, 2, 4)}
+    try:
+        got = embedded_llm.generate(prompts, params)
+    finally:
+        runner.graphs = {}
+    assert EagerDecodeGraph.replays > 0
+    for ours, ref in zip(got, expected):
+        assert ours.outputs[0].token_ids == ref.outputs[0].token_ids
+    assert got[0].outputs[0].logprobs == expected[0].outputs[0].logprobs
