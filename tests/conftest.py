@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
-import pytest
-import torch
+import os
+
+# The tests run on the CPU, so every Triton kernel runs in the interpreter. Set before anything
+# imports triton: its own library functions (tl.cdiv, ...) are decorated when it is first imported,
+# and kernels would otherwise fail or pass depending on which test imported triton first.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 
 @pytest.fixture(scope="session")
