@@ -1,4 +1,5 @@
-"""Triton dequantize-GEMV / GEMM (under the interpreter) against x @ dequantized(W)^T in plain torch."""
+"""int8_matmul / int4_matmul (under the interpreter) against x @ dequantized(W)^T in plain torch: the
+GEMV family below GEMV_MAX_M rows (tests/test_triton_gemv.py covers its paths), the GEMMs above."""
 
 import os
 
@@ -8,12 +9,10 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from goodserve.quant import schemes  # noqa: E402
-from goodserve.quant.triton_kernels import (GEMV_MAX_M, INT4_GEMV_MAX_M, gemv_splits, int4_matmul,  # noqa: E402
-                                            int8_matmul)
+from goodserve.quant.triton_kernels import GEMV_MAX_M, int4_matmul, int8_matmul  # noqa: E402
 
-# (M, N, K): GEMV rows 1 / 3 / the GEMVs' limits, GEMM rows past them, N not a multiple of any block
-SHAPES = [(1, 40, 128), (3, 70, 256), (INT4_GEMV_MAX_M, 33, 128), (INT4_GEMV_MAX_M + 1, 50, 128),
-          (GEMV_MAX_M, 40, 192), (GEMV_MAX_M + 1, 50, 128), (70, 96, 192)]
+# (M, N, K): GEMV rows 1 / 3 / its limit, GEMM rows past it, N not a multiple of any block
+SHAPES = [(1, 40, 128), (3, 70, 256), (GEMV_MAX_M, 40, 192), (GEMV_MAX_M + 1, 50, 128), (70, 96, 192)]
 
 
 @pytest.mark.parametrize("m,n,k", SHAPES)
@@ -40,13 +39,13 @@ def test_int8_split_k_gemv_matches_reference(m, n, k, block_k, split_k):
     torch.testing.assert_close(out, x @ schemes.dequantize_int8(q).T, rtol=1e-4, atol=1e-4)
 
 
-def test_gemv_splits_cover_k_exactly_once():
-    for n_blocks, k, block_k, sms, split_k in [(256, 14336, 512, 132, None), (1792, 4096, 512, 132, None),
-                                               (2, 320, 128, 4, 2), (1, 256, 64, 4, 64)]:
-        splits, per_split = gemv_splits(n_blocks, k, block_k, sms, split_k)
-        assert per_split % block_k == 0 and (splits - 1) * per_split < k <= splits * per_split
-    assert gemv_splits(256, 14336, 512, 132) == (4, 3584)  # down_proj at M = 1 on an H100: 1024 programs
-    assert gemv_splits(1792, 4096, 512, 132) == (1, 4096)  # gate_up_proj: N alone fills the GPU
+def test_int8_rows_of_odd_length_take_the_gemm():
+    """The GEMV reads int8 codes as 4-byte words; K = 70 goes to the GEMM kernel instead."""
+    torch.manual_seed(4)
+    x, w = torch.randn(2, 70), torch.randn(24, 70)
+    q = schemes.quantize_int8(w)
+    torch.testing.assert_close(int8_matmul(x, q.qweight, q.scales), x @ schemes.dequantize_int8(q).T,
+                               rtol=1e-4, atol=1e-4)
 
 
 def test_int8_gemv_keeps_half_precision_inputs():
@@ -93,3 +92,19 @@ def test_int4_layer_falls_back_to_triton_when_tinygemm_is_unavailable(caplog):
     assert out.dtype == torch.bfloat16
     ref = x.float() @ layer.dequantize().T
     torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=5e-2)
+
+
+def test_int4_layer_past_the_tinygemm_rows_goes_straight_to_triton(monkeypatch, caplog):
+    """INT4_TINYGEMM_MAX_M picks the kernel: past it the layer never builds tinygemm's layout."""
+    from torch import nn
+
+    from goodserve.quant import linear as qlinear
+
+    monkeypatch.setattr(qlinear, "INT4_TINYGEMM_MAX_M", 0)
+    torch.manual_seed(5)
+    layer = qlinear.Int4Linear.from_linear(nn.Linear(128, 32), 64)
+    x = torch.randn(1, 128).to(torch.bfloat16)
+    with caplog.at_level("WARNING", logger="goodserve.quant"):
+        out = layer._cuda_matmul(x)
+    assert not layer.tinygemm_disabled and layer._tinygemm is None and not caplog.text
+    torch.testing.assert_close(out.float(), x.float() @ layer.dequantize().T, rtol=2e-2, atol=5e-2)

@@ -1,16 +1,20 @@
 """Int8Linear / Int4Linear on the CPU equal nn.Linear on the dequantized weight; quantize_model swaps
-exactly the transformer projections; a saved quantized checkpoint reloads bit-identically."""
+exactly the transformer projections (and lm_head, int8, when asked: the tied embedding keeps its
+float table); a saved quantized checkpoint reloads bit-identically and says what its lm_head is."""
 
 import pytest
+import safetensors.torch
 import torch
 from torch import nn
 
+from goodserve import LLM, SamplingParams
+from goodserve.cli import main
 from goodserve.errors import InvalidRequestError, ModelLoadError
 from goodserve.model.llama import LlamaForCausalLM
 from goodserve.model.spec import ModelSpec
 from goodserve.quant import linear as qlinear
 from goodserve.quant.apply import quantize_model
-from goodserve.quant.checkpoint import load_quantized_into, save_quantized
+from goodserve.quant.checkpoint import load_quantized_into, read_metadata, save_quantized
 from goodserve.quant import schemes
 from goodserve.quant.linear import (TINYGEMM_CHECK_MAX_REL_ERROR, Int4Linear, Int8Linear, int4_scales_and_zeros,
                                     tinygemm_inner_k_tiles, tinygemm_nibbles)
@@ -37,6 +41,16 @@ def test_cpu_forward_matches_dequantized_linear(rows, out_features, make, float_
     torch.testing.assert_close(out, _reference(module, x), rtol=1e-4, atol=1e-4)
     # and close to the float layer it replaced
     assert (out - lin(x)).abs().max() < float_tolerance
+
+
+@pytest.mark.parametrize("make", [Int8Linear.from_linear, lambda lin: Int4Linear.from_linear(lin, 32)])
+def test_many_rows_dequantize_a_block_of_output_rows_at_a_time(monkeypatch, make):
+    """An int8 lm_head would be 1 GB in bf16: the dequantize path bounds its float copy."""
+    monkeypatch.setattr(qlinear, "DEQUANT_CHUNK_BYTES", 96 * 4 * 7)  # 7 output rows of 96 floats
+    torch.manual_seed(9)
+    module = make(nn.Linear(96, 40, bias=True))
+    x = torch.randn(17, 96)
+    torch.testing.assert_close(module(x), _reference(module, x), rtol=1e-4, atol=1e-4)
 
 
 def test_int4_cpu_layout_follows_reloaded_codes():
@@ -164,3 +178,87 @@ def test_int4_checkpoint_keeps_no_kernel_layout(tmp_path):
     layer = Int4Linear.from_linear(nn.Linear(64, 32, bias=False), 32)
     layer(torch.randn(1, 64))  # builds the CPU kernel layout
     assert sorted(layer.state_dict()) == ["qweight", "scales", "zeros"]
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_tied_lm_head_gets_int8_codes_and_the_embedding_keeps_its_table(method):
+    model = _tiny_model(0)
+    table = model.model.embed_tokens.weight.clone()
+    hidden = torch.randn(5, TINY.hidden_size)
+    float_logits = model.compute_logits(hidden)
+    quantize_model(model, method, group_size=32, lm_head=True)
+    assert isinstance(model.lm_head, Int8Linear)
+    assert isinstance(model.model.layers[0].mlp.down_proj, Int8Linear if method == "int8" else Int4Linear)
+    assert isinstance(model.model.embed_tokens.weight, nn.Parameter)
+    assert torch.equal(model.model.embed_tokens.weight, table)
+    logits = model.compute_logits(hidden)
+    assert logits.dtype == torch.float32
+    assert ((logits - float_logits).norm() / float_logits.norm()).item() < 1e-2
+
+
+def test_lm_head_is_left_alone_by_default_and_checked_before_anything_changes():
+    model = quantize_model(_tiny_model(0), "int8")
+    assert type(model.lm_head) is nn.Linear and model.lm_head.weight is model.model.embed_tokens.weight
+    model = _tiny_model(0)
+    model.lm_head = nn.Identity()
+    with pytest.raises(InvalidRequestError, match="no float nn.Linear lm_head"):
+        quantize_model(model, "int8", lm_head=True)
+    assert isinstance(model.model.layers[0].self_attn.qkv_proj, nn.Linear)
+
+
+def test_int8_lm_head_on_real_weights_keeps_the_logits(embedded_llm):
+    """smollm2's own (tied) output table: its rows peak at ~5x their RMS, so an int8 step is ~4% of
+    the RMS and the weights (and logits) move by ~1.2%."""
+    table = embedded_llm.engine.model.model.embed_tokens.weight.detach()
+    lm_head = nn.Linear(table.shape[1], table.shape[0], bias=False)
+    lm_head.weight = nn.Parameter(table, requires_grad=False)
+    quantized = Int8Linear.from_linear(lm_head)
+    torch.manual_seed(0)
+    hidden = torch.randn(8, table.shape[1])
+    ref, out = lm_head(hidden), quantized(hidden)
+    assert ((out - ref).norm() / ref.norm()).item() < 2e-2
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_checkpoint_with_lm_head_reloads_bit_identically_and_refuses_a_mismatch(tmp_path, method):
+    path = tmp_path / "q.safetensors"
+    source = quantize_model(_tiny_model(0), method, group_size=32, lm_head=True)
+    save_quantized(source, path, revision="r1")
+    assert read_metadata(path)["lm_head"] == "int8"
+    target = load_quantized_into(_tiny_model(1), path, revision="r1", quantize_lm_head=True)
+    saved, loaded = source.state_dict(), target.state_dict()
+    assert saved.keys() == loaded.keys() and "lm_head.qweight" in saved
+    for name, tensor in saved.items():
+        assert loaded[name].dtype == tensor.dtype and torch.equal(loaded[name], tensor), name
+    with pytest.raises(ModelLoadError, match="int8 lm_head.*--quantize-lm-head"):
+        load_quantized_into(_tiny_model(1), path, revision="r1", quantize_lm_head=False)
+    float_head = tmp_path / "float-head.safetensors"
+    save_quantized(quantize_model(_tiny_model(0), method, group_size=32), float_head, revision="r1")
+    with pytest.raises(ModelLoadError, match="float lm_head.*--no-quantize-lm-head"):
+        load_quantized_into(_tiny_model(1), float_head, revision="r1", quantize_lm_head=True)
+
+
+def test_checkpoint_from_before_the_option_loads_with_a_float_lm_head(tmp_path):
+    path = tmp_path / "old.safetensors"
+    save_quantized(quantize_model(_tiny_model(0), "int8"), path, revision="r1")
+    metadata = {k: v for k, v in read_metadata(path).items() if k != "lm_head"}
+    safetensors.torch.save_file(safetensors.torch.load_file(path), path, metadata=metadata)
+    model = load_quantized_into(_tiny_model(1), path, revision="r1", quantize_lm_head=False)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_engine_serves_a_quantized_lm_head_at_load_or_from_a_checkpoint(tmp_path):
+    """dummy:tiny-qwen ties its embeddings: same greedy tokens either way; the flag must match."""
+    path = tmp_path / "tiny-int4-head.safetensors"
+    assert main(["quantize", "--model", "dummy:tiny-qwen", "--quantization", "int4", "--group-size", "32",
+                 "--lm-head", "--output", str(path)]) == 0
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompt = {"prompt_token_ids": [5, 9, 13, 2]}
+    at_load = LLM("dummy:tiny-qwen", quantization="int4", quantization_group_size=32, quantize_lm_head=True,
+                  num_kv_blocks=16)
+    from_file = LLM("dummy:tiny-qwen", quantized_checkpoint=str(path), quantize_lm_head=True, num_kv_blocks=16)
+    expected = at_load.generate(prompt, params)[0].outputs[0].token_ids
+    assert from_file.generate(prompt, params)[0].outputs[0].token_ids == expected
+    assert isinstance(from_file.engine.model.lm_head, Int8Linear)
+    with pytest.raises(ModelLoadError, match="--quantize-lm-head"):
+        LLM("dummy:tiny-qwen", quantized_checkpoint=str(path), num_kv_blocks=16)

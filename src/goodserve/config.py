@@ -36,6 +36,7 @@ class EngineConfig:
     quantization_group_size: int | None = None  # int4; None: the largest of 128/64/32 that divides
     quantization_awq: bool = False  # activation-aware scales from a built-in calibration text
     quantized_checkpoint: str | None = None  # a checkpoint saved by `goodserve quantize`
+    quantize_lm_head: bool = False  # with quantization: lm_head too, int8 per channel (docs/quantization.md)
     attention_backend: str = "auto"  # auto | torch | triton
     enforce_eager: bool = False  # True: no CUDA graphs
     tokenizer: str | None = None  # tokenizer path when it differs from the model's

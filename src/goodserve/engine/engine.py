@@ -70,7 +70,7 @@ def apply_quantization(loaded, config: EngineConfig) -> None:
     if config.quantized_checkpoint:
         from goodserve.quant.checkpoint import load_quantized_into
 
-        load_quantized_into(loaded.model, config.quantized_checkpoint, loaded.revision)
+        load_quantized_into(loaded.model, config.quantized_checkpoint, loaded.revision, config.quantize_lm_head)
     elif config.quantization:
         from goodserve.quant.apply import quantize_model
         from goodserve.quant.awq import default_calibration_text
@@ -80,7 +80,8 @@ def apply_quantization(loaded, config: EngineConfig) -> None:
             if loaded.tokenizer is None:
                 raise InvalidRequestError("quantization_awq needs a tokenizer for its calibration text")
             calibration = loaded.tokenizer.encode(default_calibration_text())
-        quantize_model(loaded.model, config.quantization, config.quantization_group_size, calibration)
+        quantize_model(loaded.model, config.quantization, config.quantization_group_size, calibration,
+                       lm_head=config.quantize_lm_head)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -126,6 +127,7 @@ class Engine:
         if not config.enable_chunked_prefill:  # a whole prompt must fit one step's budget
             config.max_num_batched_tokens = max(config.max_num_batched_tokens, self.max_model_len)
         self.runner = ModelRunner(config, self.model, num_blocks, kv_dtype, self.max_model_len, self.device)
+        # quantize_lm_head is not in it: lm_head computes logits from the hidden states, never K/V.
         salt = (f"{loaded.revision}|{config.kv_cache_dtype}|{config.quantization}|"
                 f"{config.quantized_checkpoint}|{config.quantization_awq}").encode()
         self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching, salt)

@@ -1,14 +1,17 @@
 """Weight-only quantized linear layers: drop-in nn.Linear replacements holding int8 / int4 codes.
 
 forward(x) equals nn.Linear on the dequantized weight. Paths:
-- CUDA, int4 with bfloat16 activations: torch's tinygemm kernel (_weight_int4pack_mm, as gpt-fast
-  and torchao use it), on a copy of the codes repacked once into its tensor-core tile layout.
+- CUDA, int4 with bfloat16 activations and up to INT4_TINYGEMM_MAX_M rows: torch's tinygemm kernel
+  (_weight_int4pack_mm, as gpt-fast and torchao use it), on a copy of the codes repacked once into
+  its tensor-core tile layout.
 - CUDA otherwise (and int4 where tinygemm is missing or fails its first-use check): the Triton
-  dequantize-GEMV / GEMM kernels (quant/triton_kernels.py).
+  dequantize-GEMV / GEMM kernels (quant/triton_kernels.py, ops/triton_gemv.py).
 - CPU, few rows (decode): torch's packed-weight kernels (_weight_int8pack_mm,
   _weight_int4pack_mm_for_cpu), which read the codes without materializing the weight.
-- CPU, many rows (prefill): dequantize once, then one dense matmul; the dequantization is paid
-  once per call and amortized over the rows, which beats the packed kernels there.
+- CPU, many rows (prefill), and CUDA past CUDA_KERNEL_MAX_M rows: dequantize, then a dense
+  matmul; the dequantization is paid once per call and amortized over the rows, which beats the
+  packed kernels there. It goes DEQUANT_CHUNK_BYTES of dequantized weight at a time, so a large
+  layer (an int8 lm_head: 1 GB in bf16) needs no full-size float copy.
 benchmarks/cpu_quant_linear.py measured the crossover (CPU_PACKED_MAX_M); docs/quantization.md.
 """
 
@@ -30,6 +33,11 @@ CPU_PACKED_MAX_M = 2
 # benchmarks/results/gpu_quant_kernels_h100.json); for larger batches (prefill, big decode
 # batches) dequantizing once and calling cuBLAS is several times faster.
 CUDA_KERNEL_MAX_M = 32
+# int4 with bfloat16 activations: tinygemm up to this many rows, the Triton kernels above it. Set
+# it from benchmarks/gpu_gemv.py (int4 against int4_tinygemm per M); at 0 the layers never build
+# tinygemm's copy of the weights (another 0.5 byte per weight on the GPU).
+INT4_TINYGEMM_MAX_M = CUDA_KERNEL_MAX_M
+DEQUANT_CHUNK_BYTES = 256 << 20  # largest dequantized weight block a many-row call holds at once
 # torch's int4 kernels (CPU and CUDA tinygemm) take codes 0..15 as (q - 8) * scale + zero8, so
 # zero8 = zero + 8 * scale. The CPU one needs the output dimension to be a multiple of 16.
 INT4_CODE_OFFSET = 8
@@ -62,10 +70,17 @@ class _QuantizedLinear(nn.Module):
         elif rows.shape[0] <= CPU_PACKED_MAX_M:
             y = self._cpu_packed_matmul(rows)
         else:
-            y = F.linear(rows, self.dequantize(rows.dtype))
+            y = self._dequantized_matmul(rows)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
+
+    def _dequantized_matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        chunk = max(1, DEQUANT_CHUNK_BYTES // (self.in_features * rows.element_size()))
+        if chunk >= self.out_features:
+            return F.linear(rows, self.dequantize(rows.dtype))
+        return torch.cat([F.linear(rows, self.dequantize(rows.dtype, slice(start, start + chunk)))
+                          for start in range(0, self.out_features, chunk)], dim=-1)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -89,8 +104,8 @@ class Int8Linear(_QuantizedLinear):
             module.bias.copy_(linear.bias.detach())
         return module
 
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return schemes.dequantize_int8(schemes.Int8Weight(self.qweight, self.scales), dtype)
+    def dequantize(self, dtype: torch.dtype = torch.float32, rows: slice = slice(None)) -> torch.Tensor:
+        return schemes.dequantize_int8(schemes.Int8Weight(self.qweight[rows], self.scales[rows]), dtype)
 
     def _cuda_matmul(self, rows: torch.Tensor) -> torch.Tensor:
         from goodserve.quant.triton_kernels import int8_matmul
@@ -165,8 +180,8 @@ class Int4Linear(_QuantizedLinear):
             module.bias.copy_(linear.bias.detach())
         return module
 
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        q = schemes.Int4Weight(self.qweight, self.scales, self.zeros, self.group_size)
+    def dequantize(self, dtype: torch.dtype = torch.float32, rows: slice = slice(None)) -> torch.Tensor:
+        q = schemes.Int4Weight(self.qweight[rows], self.scales[rows], self.zeros[rows], self.group_size)
         return schemes.dequantize_int4(q, dtype)
 
     def extra_repr(self) -> str:
@@ -181,7 +196,7 @@ class Int4Linear(_QuantizedLinear):
         return versions + tuple(t.data_ptr() for t in tensors)
 
     def _cuda_matmul(self, rows: torch.Tensor) -> torch.Tensor:
-        if rows.dtype == torch.bfloat16:  # tinygemm takes bfloat16 activations only
+        if rows.dtype == torch.bfloat16 and rows.shape[0] <= INT4_TINYGEMM_MAX_M:  # tinygemm: bf16 only
             layout = self._tinygemm_layout()
             if layout is not None:
                 try:
@@ -232,7 +247,7 @@ class Int4Linear(_QuantizedLinear):
 
     def _cpu_packed_matmul(self, rows: torch.Tensor) -> torch.Tensor:
         if self.out_features % INT4_CPU_N_MULTIPLE:
-            return F.linear(rows, self.dequantize(rows.dtype))
+            return self._dequantized_matmul(rows)
         packed, scales_and_zeros = self._cpu_kernel_layout()
         return torch._weight_int4pack_mm_for_cpu(rows.contiguous(), packed, self.group_size,
                                                  scales_and_zeros.to(rows.dtype))

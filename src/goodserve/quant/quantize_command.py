@@ -17,6 +17,8 @@ def register(subparsers) -> None:
     parser.add_argument("--quantization", choices=["int8", "int4"], required=True)
     parser.add_argument("--group-size", type=int, default=None, help="int4 group (default: largest that divides)")
     parser.add_argument("--awq", action="store_true", help="activation-aware scaling before rounding")
+    parser.add_argument("--lm-head", action="store_true",
+                        help="quantize lm_head too (int8 per channel); serve with --quantize-lm-head")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--output", required=True, help="the .safetensors file to write")
     parser.set_defaults(func=run)
@@ -38,7 +40,8 @@ def run(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     loaded = load_model(args.model, resolve_dtype("auto", device), device)
     config = EngineConfig(model=args.model, quantization=args.quantization,
-                          quantization_group_size=args.group_size, quantization_awq=args.awq)
+                          quantization_group_size=args.group_size, quantization_awq=args.awq,
+                          quantize_lm_head=args.lm_head)
     with torch.inference_mode():
         apply_quantization(loaded, config)
     save_quantized(loaded.model, args.output, loaded.revision)
