@@ -24,6 +24,9 @@ import numpy as np
 import torch
 
 from goodserve import LLM, SamplingParams
+from goodserve.quant import linear
+
+DEFAULT_INT4_TINYGEMM_MAX_M = linear.INT4_TINYGEMM_MAX_M
 
 OUT = os.environ.get("OUT", "out")
 results: dict = {}
@@ -82,8 +85,13 @@ def _first_diff(a: list[int], b: list[int]) -> int | None:
 
 
 # ---- decode --------------------------------------------------------------------------------
-def part_decode(bandwidth_gbps: float, model: str, quantization: str | None = None) -> None:
-    llm = LLM(model, device="cuda", max_num_seqs=64, quantization=quantization)
+def part_decode(bandwidth_gbps: float, model: str, quantization: str | None = None, int4_kernel: str = "") -> None:
+    """Batch-1 decode. Quantized runs quantize lm_head too (int8): it is 1 GB of an 8B model's step."""
+    # "triton" / "tinygemm": that int4 kernel at every decode batch size; "": the engine's choice
+    linear.INT4_TINYGEMM_MAX_M = {"triton": 0, "tinygemm": linear.CUDA_KERNEL_MAX_M}.get(
+        int4_kernel, DEFAULT_INT4_TINYGEMM_MAX_M)
+    llm = LLM(model, device="cuda", max_num_seqs=64, quantization=quantization,
+              quantize_lm_head=quantization is not None)
     spec = llm.spec
     prompt = {"prompt_token_ids": list(np.random.default_rng(0).integers(100, 20000, 128))}
     params = SamplingParams(temperature=0, max_tokens=256, ignore_eos=True)
@@ -98,24 +106,35 @@ def part_decode(bandwidth_gbps: float, model: str, quantization: str | None = No
         runs.append({"e2e_tok_s": 256 / elapsed, "decode_tok_s": 255 / decode_s,
                      "ttft_ms": (out.metrics.first_token_time - out.metrics.arrival_time) * 1e3})
     best = max(runs, key=lambda r: r["decode_tok_s"])
-    weight_bytes = _weight_bytes(llm.engine.model)
+    weight_bytes, read_bytes = _weight_bytes(llm.engine.model)
     kv_bytes = spec.kv_bytes_per_token(2) * (128 + 128)  # mean context over the decode
     step_s = 1 / best["decode_tok_s"]
-    results["decode" if quantization is None else f"decode_{quantization}"] = {
-        "model": model, "quantization": quantization, "runs": runs, "weight_bytes": weight_bytes,
+    name = "decode" if quantization is None else f"decode_{quantization}{'_' + int4_kernel if int4_kernel else ''}"
+    results[name] = {
+        "model": model, "quantization": quantization, "quantize_lm_head": quantization is not None,
+        "int4_kernel": int4_kernel or None, "runs": runs, "weight_bytes": weight_bytes,
+        "step_read_bytes": read_bytes + kv_bytes,
+        # the issue's convention: every weight byte (the embedding table included) per token
         "bandwidth_limit_tok_s": bandwidth_gbps * 1e9 / (weight_bytes + kv_bytes),
         "mbu": (weight_bytes + kv_bytes) / step_s / (bandwidth_gbps * 1e9),
+        # what a step really reads: one embedding row, not the table
+        "bandwidth_limit_read_tok_s": bandwidth_gbps * 1e9 / (read_bytes + kv_bytes),
+        "mbu_read": (read_bytes + kv_bytes) / step_s / (bandwidth_gbps * 1e9),
         "step_breakdown_s": _breakdown(llm),
     }
     del llm
     free_gpu()
 
 
-def _weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes a decode step reads: parameters and buffers (quantized weights and scales live in buffers)."""
+def _weight_bytes(model: torch.nn.Module) -> tuple[int, int]:
+    """(all weight bytes, bytes a decode step reads): parameters and buffers (quantized weights and
+    scales live in buffers); a step reads one row of an untied embedding table, not all of it."""
     tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
     tensors.pop(id(model.rotary_cache), None)
-    return sum(t.numel() * t.element_size() for t in tensors.values())
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    embedding = model.model.embed_tokens.weight
+    tied = any(t is embedding for t in (getattr(model.lm_head, "weight", None),))
+    return total, total - (0 if tied else embedding.numel() * embedding.element_size())
 
 
 def part_kv_quant(model: str) -> None:
@@ -315,6 +334,8 @@ def main() -> None:
              "profile_mixed": lambda: part_profile_mixed(args.model, args.max_num_batched_tokens, args.max_num_seqs),
              "int8": lambda: part_decode(bandwidth, args.model, "int8"),
              "int4": lambda: part_decode(bandwidth, args.model, "int4"),
+             "int4_triton": lambda: part_decode(bandwidth, args.model, "int4", "triton"),
+             "int4_tinygemm": lambda: part_decode(bandwidth, args.model, "int4", "tinygemm"),
              "kvquant": lambda: part_kv_quant(args.model)}[part]()
         except Exception as exc:  # noqa: BLE001 - keep the other parts' numbers
             import traceback
