@@ -84,6 +84,17 @@ def apply_quantization(loaded, config: EngineConfig) -> None:
                        lm_head=config.quantize_lm_head)
 
 
+def specialize_linears(model, device: torch.device, config: EngineConfig) -> None:
+    """Once the weights are final, the fastest kernel per linear: oneDNN packed weights for float32
+    on the CPU; on CUDA, the Triton GEMV for one-row matmuls where it was measured to beat cuBLAS."""
+    if device.type == "cpu":
+        pack_linears_for_cpu(model)
+    elif config.attention_backend != "torch":
+        from goodserve.ops.gemv_linear import route_single_rows_to_gemv
+
+        route_single_rows_to_gemv(model)
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -113,8 +124,7 @@ class Engine:
         set_attention_backend(config.attention_backend)
         loaded = load_model(config.model, self.dtype, self.device, seed=config.seed)
         apply_quantization(loaded, config)
-        if self.device.type == "cpu":
-            pack_linears_for_cpu(loaded.model)
+        specialize_linears(loaded.model, self.device, config)
         self.spec, self.model, self.tokenizer = loaded.spec, loaded.model, loaded.tokenizer
         if config.tokenizer:
             self.tokenizer = load_tokenizer(config.tokenizer, self.spec)

@@ -65,10 +65,37 @@ class GemvConfig:
     split_k: int  # K slices (1: none)
 
 
-# Measured winners, (format, rows, N, K) -> config, rows 1 for M = 1 and 16 for M = 2..16; paste
-# from `benchmarks/gpu_gemv.py --sweep` (H100, int4 with group 128). Other shapes use
-# default_config.
-TUNED_CONFIGS: dict[tuple[str, int, int, int], GemvConfig] = {}
+# Measured winners, (format, rows, N, K) -> config, rows 1 for M = 1 and 16 for M = 2..16, from
+# `benchmarks/gpu_gemv.py --sweep` on an H100 80GB HBM3 (benchmarks/results/gpu_gemv_h100.json; int4
+# with group 128): Llama-3.1-8B's shapes. Other shapes use default_config. Dense entries exist only
+# where the GEMV beat cuBLAS at one row: those shapes are the ones ops/gemv_linear.py routes here.
+# Fields: block_m, block_n, block_k, num_warps, num_stages, split_k.
+TUNED_CONFIGS: dict[tuple[str, int, int, int], GemvConfig] = {
+    ("int8", 1, 6144, 4096): GemvConfig(16, 32, 128, 2, 3, 7),  # qkv_proj 13.98 us, 60% of floor
+    ("int4", 1, 6144, 4096): GemvConfig(1, 64, 128, 4, 1, 9),  # qkv_proj 11.08 us, 43% of floor
+    ("int8", 16, 6144, 4096): GemvConfig(16, 32, 128, 2, 2, 7),  # qkv_proj 14.47 us, 58% of floor
+    ("int4", 16, 6144, 4096): GemvConfig(16, 32, 128, 2, 3, 4),  # qkv_proj 15.92 us, 30% of floor
+    ("int8", 1, 4096, 4096): GemvConfig(16, 32, 128, 2, 3, 10),  # o_proj 10.7 us, 52% of floor
+    ("int4", 1, 4096, 4096): GemvConfig(1, 64, 256, 4, 1, 13),  # o_proj 9.12 us, 34% of floor
+    ("dense", 1, 4096, 4096): GemvConfig(1, 8, 256, 8, 1, 2),  # o_proj 15.23 us, 73% of floor
+    ("int8", 16, 4096, 4096): GemvConfig(16, 32, 128, 2, 3, 4),  # o_proj 10.87 us, 52% of floor
+    ("int4", 16, 4096, 4096): GemvConfig(16, 32, 256, 2, 3, 4),  # o_proj 12.4 us, 25% of floor
+    ("int8", 1, 28672, 4096): GemvConfig(1, 8, 512, 4, 1, 1),  # gate_up_proj 44.63 us, 88% of floor
+    ("int4", 1, 28672, 4096): GemvConfig(1, 32, 256, 1, 1, 6),  # gate_up_proj 35.39 us, 62% of floor
+    ("dense", 1, 28672, 4096): GemvConfig(1, 8, 512, 4, 1, 1),  # gate_up_proj 78.21 us, 100% of floor
+    ("int8", 16, 28672, 4096): GemvConfig(16, 32, 256, 2, 4, 1),  # gate_up_proj 45.74 us, 86% of floor
+    ("int4", 16, 28672, 4096): GemvConfig(16, 64, 128, 4, 3, 2),  # gate_up_proj 47.5 us, 46% of floor
+    ("int8", 1, 4096, 14336): GemvConfig(16, 32, 128, 2, 3, 8),  # down_proj 25.3 us, 77% of floor
+    ("int4", 1, 4096, 14336): GemvConfig(1, 64, 256, 2, 1, 13),  # down_proj 20.15 us, 55% of floor
+    ("dense", 1, 4096, 14336): GemvConfig(1, 8, 256, 8, 1, 2),  # down_proj 42.94 us, 91% of floor
+    ("int8", 16, 4096, 14336): GemvConfig(16, 32, 128, 2, 3, 6),  # down_proj 26.51 us, 74% of floor
+    ("int4", 16, 4096, 14336): GemvConfig(16, 32, 128, 2, 3, 8),  # down_proj 29.35 us, 38% of floor
+    ("int8", 1, 128256, 4096): GemvConfig(1, 8, 512, 4, 1, 1),  # lm_head 185.07 us, 95% of floor
+    ("int4", 1, 128256, 4096): GemvConfig(1, 64, 256, 2, 1, 2),  # lm_head 130.22 us, 76% of floor
+    ("dense", 1, 128256, 4096): GemvConfig(1, 8, 512, 8, 1, 1),  # lm_head 336.54 us, 104% of floor
+    ("int8", 16, 128256, 4096): GemvConfig(16, 32, 256, 2, 3, 1),  # lm_head 180.61 us, 97% of floor
+    ("int4", 16, 128256, 4096): GemvConfig(16, 64, 128, 4, 3, 1),  # lm_head 176.23 us, 56% of floor
+}
 
 # default_config's tiles: (format, block_m) -> (block_n, block_k, num_warps, num_stages, programs
 # resident per SM). Picked offline from sm_90 SASS (Triton 3.9): the fewest instructions per weight
@@ -410,6 +437,5 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, fmt: str, scales: torch.Tensor |
 
 
 def dense_gemv(x: torch.Tensor, weight: torch.Tensor, **overrides) -> torch.Tensor:
-    """x [M, K] @ weight [N, K]^T for M <= 16: the GEMV without dequantization (for comparing
-    against cuBLAS; not used by the model)."""
+    """x [M, K] @ weight [N, K]^T for M <= 16: the GEMV without dequantization."""
     return gemv(x, weight, "dense", **overrides)

@@ -33,10 +33,11 @@ CPU_PACKED_MAX_M = 2
 # benchmarks/results/gpu_quant_kernels_h100.json); for larger batches (prefill, big decode
 # batches) dequantizing once and calling cuBLAS is several times faster.
 CUDA_KERNEL_MAX_M = 32
-# int4 with bfloat16 activations: tinygemm up to this many rows, the Triton kernels above it. Set
-# it from benchmarks/gpu_gemv.py (int4 against int4_tinygemm per M); at 0 the layers never build
-# tinygemm's copy of the weights (another 0.5 byte per weight on the GPU).
-INT4_TINYGEMM_MAX_M = CUDA_KERNEL_MAX_M
+# int4 with bfloat16 activations: tinygemm up to this many rows, the Triton kernels above it. On an
+# H100 (benchmarks/results/gpu_gemv_h100.json, Llama-3.1-8B shapes) tinygemm was faster at 1 and 4
+# rows, the tuned Triton GEMV at 16 (tinygemm's time grows with the rows). At 0 the layers never
+# build tinygemm's copy of the weights (another 0.5 byte per weight on the GPU).
+INT4_TINYGEMM_MAX_M = 4
 DEQUANT_CHUNK_BYTES = 256 << 20  # largest dequantized weight block a many-row call holds at once
 # torch's int4 kernels (CPU and CUDA tinygemm) take codes 0..15 as (q - 8) * scale + zero8, so
 # zero8 = zero + 8 * scale. The CPU one needs the output dimension to be a multiple of 16.
