@@ -39,6 +39,10 @@ class EngineConfig:
     quantize_lm_head: bool = False  # with quantization: lm_head too, int8 per channel (docs/quantization.md)
     attention_backend: str = "auto"  # auto | torch | triton
     enforce_eager: bool = False  # True: no CUDA graphs
+    # Launch decode step N+1 before step N's tokens reach the host, so the host's bookkeeping overlaps
+    # the GPU. Engages only where decode CUDA graphs replay (so on CUDA) and every sequence samples on
+    # the device alone (no penalties, logprobs, stop strings or pending min_tokens); else synchronous.
+    async_scheduling: bool = True
     tokenizer: str | None = None  # tokenizer path when it differs from the model's
 
     def validate(self) -> None:

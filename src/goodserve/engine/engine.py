@@ -2,10 +2,16 @@
 
 One step: schedule -> prepare inputs -> forward -> sample -> append tokens, check stops, detokenize.
 Every stage is timed, so the cost of Python around the GPU is visible (EngineStats).
+
+Async scheduling: while consecutive decode steps replay CUDA graphs and sample on the device alone,
+step N+1 is launched before step N's tokens reach the host (its input tokens are copied on the
+device), and step N's tokens are appended and checked while the GPU runs N+1. A sequence that
+stopped at N wastes its slot in N+1; anything else (arrivals, preemption, prefill) flushes first.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -15,7 +21,7 @@ import torch
 from goodserve.config import EngineConfig
 from goodserve.engine.block_pool import BlockPool
 from goodserve.engine.kv_cache import kv_storage_dtype, num_blocks_for_memory
-from goodserve.engine.model_runner import ModelOutput, ModelRunner
+from goodserve.engine.model_runner import ModelInput, ModelOutput, ModelRunner
 from goodserve.engine.request import Request
 from goodserve.engine.sampling_inputs import build_sampling_batch
 from goodserve.engine.scheduler import ScheduledBatch, Scheduler
@@ -45,6 +51,7 @@ class EngineStats:
     prefix_cache_hits: int
     num_preemptions: int
     num_steps: int
+    num_pipelined_steps: int  # steps launched before the previous step's tokens reached the host
     last_batch_tokens: int
     last_batch_seqs: int
     schedule_seconds_total: float
@@ -63,6 +70,16 @@ class _StepTimes:
     sample: float = 0.0
     detokenize: float = 0.0
     output: float = 0.0
+
+
+@dataclass
+class _InFlight:
+    """A launched decode step whose sampled tokens have not been read on the host yet."""
+
+    batch: ScheduledBatch
+    tokens: torch.Tensor  # [num seqs] int64 on the device, in batch order: the next step's inputs
+    host_tokens: torch.Tensor  # [num seqs] int64 on the host (pinned on CUDA), filled by an async copy
+    copied: torch.cuda.Event | None  # recorded after that copy; None on the CPU (copies are synchronous)
 
 
 def apply_quantization(loaded, config: EngineConfig) -> None:
@@ -144,8 +161,17 @@ class Engine:
         self.scheduler = Scheduler(config, self.pool)
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
+        self.num_pipelined_steps = 0
         self.last_batch = (0, 0)
         self.times = _StepTimes()
+        # Async scheduling: at most one step in flight beyond the one being finished, so launches use
+        # two host buffers (row 0: sampled tokens out, row 1: row indices in) and events in turn.
+        self._inflight: _InFlight | None = None
+        cuda = self.device.type == "cuda"
+        self._host_buffers = [torch.zeros(2, config.max_num_seqs, dtype=torch.int64, pin_memory=cuda)
+                              for _ in range(2)]
+        self._copy_events = [torch.cuda.Event() for _ in range(2)] if cuda else [None, None]
+        self._turn = 0
         logger.info(
             "model %s (%s) dtype=%s device=%s kv_cache=%d blocks x %d tokens (%s) max_model_len=%d",
             config.model, loaded.source, str(self.dtype).removeprefix("torch."), self.device,
@@ -232,33 +258,44 @@ class Engine:
         return request.output()
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._inflight is not None
 
     # ---- one step ------------------------------------------------------------------------
     def step(self, finished_only: bool = False) -> list[RequestOutput]:
         """Run one step; return the outputs of the requests it advanced (cumulative), or with
         finished_only only of those it finished: building a long request's output every step costs
         time proportional to its length, which offline callers need not pay."""
-        t0 = time.perf_counter()
-        batch = self.scheduler.schedule()
-        t1 = time.perf_counter()
-        self.times.schedule += t1 - t0
-        if not batch:
-            return []
-        self.num_steps += 1
-        self.last_batch = (batch.num_tokens, len(batch.seqs))
-        try:
-            changed = self._run(batch, t1, stream_text=not finished_only)
-        except Exception as exc:  # a failed step fails its requests, never the engine
-            logger.exception("step failed; aborting its %d sequences", len(batch.seqs))
-            changed = self._fail(batch, exc)
+        changed = None
+        if self._inflight is None:
+            t0 = time.perf_counter()
+            batch = self.scheduler.schedule()
+            t1 = time.perf_counter()
+            self.times.schedule += t1 - t0
+            if not batch:
+                return []
+            self._count_step(batch)
+            try:
+                inputs = self.runner.prepare(batch)
+                if self._can_pipeline(batch, inputs):
+                    self._inflight = self._launch(batch, inputs, t1)
+                    self.scheduler.advance(batch)
+                else:
+                    changed = self._run(batch, inputs, t1, stream_text=not finished_only)
+            except Exception as exc:  # a failed step fails its requests, never the engine
+                logger.exception("step failed; aborting its %d sequences", len(batch.seqs))
+                changed = self._fail(batch, exc)
+        if changed is None:
+            changed = self._step_pipelined(stream_text=not finished_only)
         t_collect = time.perf_counter()
         outputs = self._collect(changed, finished_only)
         self.times.output += time.perf_counter() - t_collect
         return outputs
 
-    def _run(self, batch: ScheduledBatch, t_start: float, stream_text: bool) -> set[str]:
-        inputs = self.runner.prepare(batch)
+    def _count_step(self, batch: ScheduledBatch) -> None:
+        self.num_steps += 1
+        self.last_batch = (batch.num_tokens, len(batch.seqs))
+
+    def _run(self, batch: ScheduledBatch, inputs: ModelInput, t_start: float, stream_text: bool) -> set[str]:
         t1 = time.perf_counter()
         output = self.runner.execute(inputs)
         sample_seqs = [batch.seqs[row] for row in inputs.sample_rows]
@@ -283,6 +320,90 @@ class Engine:
         self.times.sample += t3 - t2
         self.times.detokenize += t4 - t3
         return {seq.request_id for seq in batch.seqs}
+
+    # ---- async scheduling ----------------------------------------------------------------
+    def _can_pipeline(self, batch: ScheduledBatch, inputs: ModelInput) -> bool:
+        """A step may run ahead of its tokens' arrival on the host if it replays a decode graph and
+        every sequence samples on the device alone (then so do the steps after it)."""
+        return self.config.async_scheduling and inputs.graph is not None and all(
+            _samples_on_device(seq) for seq in batch.seqs)
+
+    def _step_pipelined(self, stream_text: bool) -> set[str]:
+        """Launch the next decode step (if the scheduler allows one without the in-flight step's
+        tokens), then finish the in-flight step on the host while the GPU runs the next."""
+        current, self._inflight = self._inflight, None
+        try:
+            t0 = time.perf_counter()
+            # Sequences whose in-flight token is certainly their last (by length) go no further;
+            # those that will stop on the token itself are found only later: their next token is spare.
+            rows = [row for row, seq in enumerate(current.batch.seqs)
+                    if not seq.is_finished and not _ends_by_length(seq)]
+            ahead = self.scheduler.schedule_ahead([current.batch.seqs[row] for row in rows])
+            t1 = time.perf_counter()
+            self.times.schedule += t1 - t0
+            if ahead:
+                self._count_step(ahead)
+                self.num_pipelined_steps += 1
+                self._inflight = self._launch(ahead, self.runner.prepare(ahead), t1, (current, rows))
+            changed = self._complete(current, stream_text)
+            if self._inflight is not None:  # its input tokens are on the host now: register full blocks
+                self.scheduler.advance(self._inflight.batch)
+            return changed
+        except Exception as exc:
+            batches = [current.batch] + ([self._inflight.batch] if self._inflight is not None else [])
+            self._inflight = None
+            logger.exception("async step failed; aborting its %d sequences", len(current.batch.seqs))
+            if self.device.type == "cuda":  # nothing queued may still read the host buffers
+                with contextlib.suppress(Exception):
+                    torch.cuda.synchronize(self.device)
+            return set().union(*(self._fail(batch, exc) for batch in batches))
+
+    def _launch(self, batch: ScheduledBatch, inputs: ModelInput, t_start: float,
+                previous: tuple[_InFlight, list[int]] | None = None) -> _InFlight:
+        """Enqueue a graph step and its sampling; start copying its tokens to the host. previous: the
+        in-flight step whose tokens (at the given rows) are this step's inputs."""
+        if inputs.graph is None:
+            raise RuntimeError("an async decode step must replay a decode graph")
+        self._turn ^= 1
+        host, num_seqs = self._host_buffers[self._turn], len(batch.seqs)
+        if previous is not None:
+            step, rows = previous
+            tokens = step.tokens[:num_seqs]
+            if rows != list(range(num_seqs)):
+                index = host[1, :num_seqs]
+                index.numpy()[:] = rows
+                tokens = step.tokens.index_select(0, index.to(self.device, non_blocking=True))
+            inputs.input_ids[:num_seqs].copy_(tokens)  # after the graph's input copy: same stream
+        t1 = time.perf_counter()
+        output = self.runner.execute(inputs)
+        sampling = build_sampling_batch(batch.seqs, self.spec.vocab_size, self.device, self.eos_token_ids)
+        t2 = time.perf_counter()
+        # A copy of its own: the next replay of the same graph overwrites the graph's argmax buffer.
+        tokens = sample(output.logits, sampling, output.logits_argmax).token_ids.clone()
+        host_tokens = host[0, :num_seqs]
+        host_tokens.copy_(tokens, non_blocking=True)
+        copied = self._copy_events[self._turn]
+        if copied is not None:
+            copied.record()
+        self.times.prepare += t1 - t_start
+        self.times.forward += t2 - t1
+        self.times.sample += time.perf_counter() - t2
+        return _InFlight(batch, tokens, host_tokens, copied)
+
+    def _complete(self, step: _InFlight, stream_text: bool) -> set[str]:
+        """Wait for the step's tokens on the host, then append them and check the stop conditions."""
+        t0 = time.perf_counter()
+        if step.copied is not None:
+            step.copied.synchronize()
+        token_ids = step.host_tokens.tolist()
+        t1 = time.perf_counter()
+        self._release_siblings(step.batch)
+        for seq, token in zip(step.batch.seqs, token_ids):
+            if not seq.is_finished:  # else it stopped at the step before (this token is spare) or was aborted
+                self._append_token(seq, token, None, stream_text)
+        self.times.forward += t1 - t0  # the host waits for the GPU here
+        self.times.detokenize += time.perf_counter() - t1
+        return {seq.request_id for seq in step.batch.seqs}
 
     def _release_siblings(self, batch: ScheduledBatch) -> None:
         for seq in batch.seqs:
@@ -384,6 +505,7 @@ class Engine:
             prefix_cache_hits=pool.counters.hits,
             num_preemptions=self.scheduler.num_preemptions,
             num_steps=self.num_steps,
+            num_pipelined_steps=self.num_pipelined_steps,
             last_batch_tokens=self.last_batch[0],
             last_batch_seqs=self.last_batch[1],
             schedule_seconds_total=self.times.schedule,
@@ -393,6 +515,21 @@ class Engine:
             detokenize_seconds_total=self.times.detokenize,
             output_seconds_total=self.times.output,
         )
+
+
+def _samples_on_device(seq: Sequence) -> bool:
+    """Whether seq's next tokens need no host data from the step before: no penalties (they count
+    output tokens), no min_tokens ban pending, no logprobs, no stop strings (they need the text)."""
+    p = seq.params
+    return (p.logprobs is None and p.prompt_logprobs is None and not p.stop and p.repetition_penalty == 1.0
+            and not p.presence_penalty and not p.frequency_penalty and seq.num_output_tokens >= p.min_tokens)
+
+
+def _ends_by_length(seq: Sequence) -> bool:
+    """Whether the token being sampled for seq (not yet appended) is certainly its last: the same
+    length check as Engine._append_token's, one token early."""
+    limit = seq.params.max_tokens or seq.max_len
+    return seq.num_output_tokens + 1 >= limit or seq.num_tokens + 1 >= seq.max_len
 
 
 def _detokenize_pending(seq: Sequence, detokenizer: IncrementalDetokenizer, upto: int | None = None) -> str:

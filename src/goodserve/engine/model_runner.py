@@ -66,7 +66,8 @@ def flatten(batch: ScheduledBatch, block_size: int) -> FlatBatch:
     for row, (seq, num_new) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
         start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
         table, offset = seq.block_table, len(flat.input_ids)
-        flat.input_ids.extend(seq.token_ids[start:end])
+        # ahead: the input token is the previous step's, still on the device; the engine copies it in.
+        flat.input_ids.extend([0] * num_new if batch.ahead else seq.token_ids[start:end])
         flat.positions.extend(range(start, end))
         flat.slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
         flat.query_lens.append(num_new)
@@ -74,7 +75,7 @@ def flatten(batch: ScheduledBatch, block_size: int) -> FlatBatch:
         flat.block_tables.append(table)
         if seq.wants_prompt_logprobs and start < seq.num_prompt_tokens - 1:
             flat.prompt_logit_spans[row] = (offset, offset + min(end, seq.num_prompt_tokens - 1) - start)
-        if end == seq.num_tokens:
+        if end == seq.num_tokens or batch.ahead:
             flat.sample_rows.append(row)
             flat.logits_indices.append(offset + num_new - 1)
     return flat
@@ -109,7 +110,10 @@ class ModelRunner:
             model.spec, num_blocks, config.block_size, device, kv_dtype
         )
         self.graphs: dict[int, _DecodeGraph] = {}
-        self._pinned = torch.empty(0, dtype=torch.int32)
+        # Two staging buffers, used in turn: with async scheduling a step is prepared while the last
+        # one's host-to-device copy may still be queued behind the step before it.
+        self._pinned = [torch.empty(0, dtype=torch.int32)] * 2
+        self._turn = 0
         # The torch attention path sizes tensors from the batch's lengths, so it cannot be captured.
         if device.type == "cuda" and not config.enforce_eager and config.attention_backend != "torch":
             self._capture_graphs()
@@ -118,6 +122,7 @@ class ModelRunner:
     def prepare(self, batch: ScheduledBatch) -> ModelInput:
         """The batch's input tensors on the device, in one host-to-device copy."""
         flat = flatten(batch, self.block_size)
+        self._turn ^= 1
         graph = self._graph_for(flat)
         if graph is not None:
             return graph.load(flat, self._staging(graph.input_count(flat)))
@@ -143,11 +148,12 @@ class ModelRunner:
 
     def _staging(self, count: int) -> torch.Tensor:
         """A reusable int32 host buffer of >= count entries, pinned on CUDA (pinning fresh memory every
-        step costs more than the copy). Reuse is safe: the engine waits for each step's results, so
-        the previous step's copy has landed before the next prepare writes here."""
-        if self._pinned.numel() < count:
-            self._pinned = torch.empty(max(count, 1 << 16), dtype=torch.int32, pin_memory=self.device.type == "cuda")
-        return self._pinned
+        step costs more than the copy). Reuse is safe: steps alternate between two buffers, and the
+        engine has the results of step N-1 (so its copy has landed) before it prepares step N+1."""
+        if self._pinned[self._turn].numel() < count:
+            self._pinned[self._turn] = torch.empty(max(count, 1 << 16), dtype=torch.int32,
+                                                   pin_memory=self.device.type == "cuda")
+        return self._pinned[self._turn]
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         if self.device.type != "cuda":

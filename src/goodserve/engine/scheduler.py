@@ -29,6 +29,9 @@ class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    # Async scheduling: a decode step scheduled before the previous step's tokens reached the host;
+    # each sequence's input is that step's token (still on the device), at position num_computed_tokens.
+    ahead: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -152,9 +155,26 @@ class Scheduler:
             seq.num_cached_tokens = seq.num_computed_tokens
         self.running.append(seq)
 
+    def schedule_ahead(self, seqs: list[Sequence]) -> ScheduledBatch | None:
+        """Async scheduling: one more decode token for each of seqs, whose current step (already
+        advanced) has not returned its tokens yet. Each needs a slot at position num_computed_tokens.
+        None when the normal scheduler must decide instead (sequences waiting to be admitted or
+        re-admitted, or the pool is short and someone must be preempted). Blocks allocated before a
+        refusal are the ones the next step would allocate anyway: they stay in the block tables."""
+        if self.waiting or not seqs:
+            return None
+        for seq in seqs:
+            assert seq.status is SequenceStatus.RUNNING and seq.num_computed_tokens == seq.num_tokens
+            if not self.pool.allocate(seq, 1):
+                return None
+        return ScheduledBatch(list(seqs), [1] * len(seqs), ahead=True)
+
     # ---- after the step ------------------------------------------------------------------
     def advance(self, batch: ScheduledBatch) -> None:
-        """The runner computed the scheduled tokens: their K/V are now cached."""
+        """The runner computed the scheduled tokens: their K/V are now cached. Sequences that finished
+        meanwhile (stopped or aborted while an async step ran) hold no blocks and are skipped."""
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
+            if seq.is_finished:
+                continue
             seq.num_computed_tokens += num_new
             self.pool.register_full_blocks(seq)

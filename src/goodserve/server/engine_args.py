@@ -34,6 +34,7 @@ _HELP = {
     "max_num_batched_tokens": "most tokens in one step (prefill chunks + decodes)",
     "max_wait_ms": "dynamic batching: how long a partial batch waits to fill",
     "enforce_eager": "no CUDA graphs",
+    "async_scheduling": "launch decode step N+1 before step N's tokens reach the host (CUDA graphs only)",
     "quantize_lm_head": "with --quantization (or a checkpoint made with it): lm_head in int8 too (default: False)",
     "tokenizer": "tokenizer path, when it differs from the model's",
 }
