@@ -372,6 +372,8 @@ def main() -> None:
     parser.add_argument("--rows", default="1,4,16", help="M values, comma separated")
     parser.add_argument("--shapes", default=",".join(SHAPES), help="subset of " + ",".join(SHAPES))
     parser.add_argument("--sweep", action="store_true", help="also sweep GEMV configs (M = 1 and 16)")
+    parser.add_argument("--sweep-formats", default=",".join(SWEEP_FORMATS), help="subset of the formats to sweep")
+    parser.add_argument("--sweep-rows", default=",".join(map(str, SWEEP_ROWS)), help="M values to sweep (1, 16)")
     parser.add_argument("--sweep-budget-s", type=float, default=170.0, help="shared fairly by (shape, M, format)")
     parser.add_argument("--no-measure", action="store_true", help="sweep only")
     parser.add_argument("--smoke", action="store_true", help="CPU interpreter, tiny shapes")
@@ -392,7 +394,8 @@ def main() -> None:
             layers[name] = {"N": n, "K": k, "rows": measure_layer(name, layer, rows, bandwidth, device)}
             release(layer)
     if args.sweep:
-        combos = [(name, m, fmt) for name in shapes for m in SWEEP_ROWS for fmt in SWEEP_FORMATS]
+        combos = [(name, m, fmt) for name in shapes for m in map(int, args.sweep_rows.split(","))
+                  for fmt in args.sweep_formats.split(",")]
         sweep_start = time.monotonic()
         for name, (n, k) in shapes.items():  # one layer built at a time; each combo gets its share of the budget
             layer = build_layer(n, k, group, device)
