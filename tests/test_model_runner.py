@@ -43,3 +43,15 @@ def test_decode_graph_inputs_give_the_eager_tokens(embedded_llm):
     for ours, ref in zip(got, expected):
         assert ours.outputs[0].token_ids == ref.outputs[0].token_ids
     assert got[0].outputs[0].logprobs == expected[0].outputs[0].logprobs
+
+
+def test_the_cuda_warm_up_step_is_a_well_formed_batch():
+    """The runner's start-up step (run on CUDA to compile the eager kernels) is a valid batch: run here
+    on the CPU, it computes logits for its two sampling rows and leaves the engine working."""
+    from goodserve import LLM
+
+    llm = LLM("dummy:tiny", num_kv_blocks=16)
+    output = llm.engine.runner._warm_up_eager_kernels()
+    assert output.logits.shape == (2, llm.spec.vocab_size) and torch.isfinite(output.logits).all()
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    assert len(llm.generate({"prompt_token_ids": [5, 6, 7]}, params)[0].outputs[0].token_ids) == 4

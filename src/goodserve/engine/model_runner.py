@@ -115,8 +115,23 @@ class ModelRunner:
         self._pinned = [torch.empty(0, dtype=torch.int32)] * 2
         self._turn = 0
         # The torch attention path sizes tensors from the batch's lengths, so it cannot be captured.
+        if device.type == "cuda" and num_blocks >= 3:
+            self._warm_up_eager_kernels()
+            torch.cuda.synchronize(device)
         if device.type == "cuda" and not config.enforce_eager and config.attention_backend != "torch":
             self._capture_graphs()
+
+    def _warm_up_eager_kernels(self) -> ModelOutput:
+        """One eager step of a prefill chunk beside a decode, so the Triton kernels of the eager path
+        (prefill attention above all) compile now, not in the first requests' time to first token
+        (about a second on an H100). It writes K/V into blocks 0-2, which hold nothing yet."""
+        bs, prefill_len = self.block_size, self.block_size + 3
+        flat = FlatBatch(
+            input_ids=[0] * (prefill_len + 1), positions=[*range(prefill_len), 4],
+            slots=[*range(prefill_len), 2 * bs + 4], query_lens=[prefill_len, 1], seq_lens=[prefill_len, 5],
+            block_tables=[[0, 1], [2]], sample_rows=[0, 1], logits_indices=[prefill_len - 1, prefill_len],
+            prompt_logit_spans={})
+        return self.execute(self._eager_input(flat))
 
     # ---- inputs --------------------------------------------------------------------------
     def prepare(self, batch: ScheduledBatch) -> ModelInput:
