@@ -21,6 +21,7 @@ import numpy as np
 import torch
 import transformers
 
+from cpu_quant_linear import median_us  # the same timing rule as the kernel benchmark
 from goodserve import LLM, SamplingParams
 from goodserve.model.loader import embedded_gguf_path
 from goodserve.ops.cpu_linear import PackedCpuLinear
@@ -64,14 +65,8 @@ def memory_probe(spec) -> dict:
     packed = PackedCpuLinear(linear)
     row = torch.randn(1, spec.hidden_size)
 
-    def median_s(fn, repeats: int = 10) -> float:
-        fn()
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        return float(np.median(times))
+    def median_s(fn) -> float:
+        return median_us(fn, repeats=10) / 1e6
 
     weight_gb = linear.weight.numel() * 4 / 1e9
     plain_s = median_s(lambda: torch.nn.functional.linear(row, linear.weight))

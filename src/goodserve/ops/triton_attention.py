@@ -217,10 +217,7 @@ def _merge_splits(out_ptr, part_out_ptr, part_lse_ptr, seq, kv_head, num_used, n
 
 # Arguments that change from step to step are not specialized on (Triton would otherwise compile a
 # variant for each new "== 1" / "divisible by 16" combination, hundreds of ms in the middle of a run).
-_PER_STEP_ARGS = ["stride_bt", "stride_bb", "num_seqs"]
-
-
-@triton.jit(do_not_specialize=_PER_STEP_ARGS[:2])
+@triton.jit(do_not_specialize=["stride_bt", "stride_bb"])
 def _decode_kernel(q_ptr, out_ptr, part_out_ptr, part_lse_ptr, arrivals_ptr, k_cache, v_cache, k_scale, v_scale,
                    block_tables, seq_lens, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_bb,
                    num_kv_heads, HEAD_DIM: tl.constexpr,
@@ -368,7 +365,8 @@ def _find_sequence(query_start_loc, num_seqs, program, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
-@triton.jit(do_not_specialize=_PER_STEP_ARGS)
+# The same per-step arguments, plus the sequence count.
+@triton.jit(do_not_specialize=["stride_bt", "stride_bb", "num_seqs"])
 def _prefill_kernel(q_ptr, out_ptr, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens,
                     query_start_loc, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_bb,
                     num_seqs, num_kv_heads, HEAD_DIM: tl.constexpr,
