@@ -6,9 +6,13 @@ Parts (run any subset, in one process, with --parts):
   decode      dummy llama-3.1-8b bf16, batch 1, 128-token prompt, 256 new tokens: tok/s and MBU
   throughput  500 requests, ShareGPT-like lengths (input mean ~200, output mean ~180, ignore_eos),
               all at once: requests/s, output tok/s; also every output fixed at 180 (the peer's shape)
+  sharegpt    only the ShareGPT-like run of `throughput`
   nano        256 requests, input and output lengths uniform in 100..1024 (nano-vllm's workload)
   peer        Hugging Face transformers on the same shape: generate() at batch 1 (eager) and
               generate_batch (continuous batching, paged attention) on the fixed-180 workload
+A part may carry variants after colons, measured in the same process: `decode:nopdl` runs it
+with programmatic dependent launch off (ops/pdl.py), `decode:prefetch4` with the GEMV's L2
+prefetch of 4 lines a weight row; their results get the variant appended to their keys.
 Writes $OUT/gpu_engine.json and prints a summary table last.
 """
 
@@ -24,6 +28,7 @@ import numpy as np
 import torch
 
 from goodserve import LLM, SamplingParams
+from goodserve.ops import pdl, triton_gemv
 from goodserve.quant import linear
 
 DEFAULT_INT4_TINYGEMM_MAX_M = linear.INT4_TINYGEMM_MAX_M
@@ -230,12 +235,16 @@ def run_offline(llm: LLM, prompts: list[dict], output_lens: list[int]) -> dict:
             "steps": summarize_steps(trace)}
 
 
-def part_throughput(model: str, num_batched_tokens: int, max_num_seqs: int) -> None:
+def part_throughput(model: str, num_batched_tokens: int, max_num_seqs: int, only_sharegpt: bool = False) -> None:
     llm = LLM(model, device="cuda", max_num_seqs=max_num_seqs, max_num_batched_tokens=num_batched_tokens)
     results["throughput_config"] = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": num_batched_tokens}
     inputs, outputs = sharegpt_like_lengths(500)
     prompts = random_prompts(inputs)
     results["throughput_sharegpt_like"] = run_offline(llm, prompts, outputs)
+    if only_sharegpt:
+        del llm
+        free_gpu()
+        return
     results["throughput_fixed_180"] = run_offline(llm, prompts, [180] * len(prompts))
     results["throughput_breakdown_s"] = _breakdown(llm)
     rng = np.random.default_rng(2)
@@ -325,11 +334,19 @@ def main() -> None:
     results["torch"] = torch.__version__
     bandwidth = copy_bandwidth_gbps()
     results["copy_bandwidth_gbps"] = bandwidth
-    for part in args.parts.split(","):
+    for spec in args.parts.split(","):
+        part, *variants = spec.split(":")
         start = time.perf_counter()
+        earlier = dict(results)
+        if variants:  # measured apart, then stored under suffixed keys
+            results.clear()
         try:
+            pdl.set_pdl("nopdl" not in variants)
+            triton_gemv.PREFETCH_LINES = next((int(v.removeprefix("prefetch")) for v in variants
+                                               if v.startswith("prefetch")), 0)
             {"check": part_check, "decode": lambda: part_decode(bandwidth, args.model),
              "throughput": lambda: part_throughput(args.model, args.max_num_batched_tokens, args.max_num_seqs),
+             "sharegpt": lambda: part_throughput(args.model, args.max_num_batched_tokens, args.max_num_seqs, True),
              "peer": lambda: part_peer(args.model),
              "profile_mixed": lambda: part_profile_mixed(args.model, args.max_num_batched_tokens, args.max_num_seqs),
              "int8": lambda: part_decode(bandwidth, args.model, "int8"),
@@ -342,7 +359,11 @@ def main() -> None:
 
             traceback.print_exc()
             results[f"{part}_error"] = repr(exc)
-        print(f"[{part}] {time.perf_counter() - start:.1f}s", flush=True)
+        if variants:
+            measured = {"_".join([key, *variants]): value for key, value in results.items()}
+            results.clear()
+            results.update(earlier, **measured)
+        print(f"[{spec}] {time.perf_counter() - start:.1f}s", flush=True)
         with open(os.path.join(OUT, "gpu_engine.json"), "w") as f:
             json.dump(results, f, indent=2)
     print(json.dumps(results, indent=1)[-6000:])

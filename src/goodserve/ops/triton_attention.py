@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from goodserve.ops.pdl import pdl_launch, pdl_sync
+
 LOG2E = 1.4426950408889634
 # Adding then subtracting 1.5 * 2**23 rounds a float32 |x| < 2**22 to the nearest even integer,
 # matching torch.round without libdevice (which the interpreter lacks).
@@ -81,7 +83,8 @@ def _rotary_write_kv_kernel(q_ptr, k_ptr, v_ptr, positions_ptr, rotary_ptr, slot
                             k_scale, v_scale, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                             stride_rotary, num_q_heads, num_kv_heads, HALF: tl.constexpr,
                             BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                            KV_QUANT: tl.constexpr):
+                            KV_QUANT: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_sync(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + token).to(tl.int64)
     d = tl.arange(0, BLOCK_HALF)[None, :]
@@ -128,6 +131,7 @@ def triton_rotary_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
         num_q_heads, num_kv_heads, half,
         BLOCK_HQ=triton.next_power_of_2(num_q_heads), BLOCK_HK=triton.next_power_of_2(num_kv_heads),
         BLOCK_HALF=triton.next_power_of_2(half), KV_QUANT=_kv_quant(cache), num_warps=4,
+        **pdl_launch(q),
     )
 
 
@@ -223,7 +227,9 @@ def _decode_kernel(q_ptr, out_ptr, part_out_ptr, part_lse_ptr, arrivals_ptr, k_c
                    num_kv_heads, HEAD_DIM: tl.constexpr,
                    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, SPLIT_KEYS: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                   KV_QUANT: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                   KV_QUANT: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                   USE_PDL: tl.constexpr):
+    pdl_sync(USE_PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -338,7 +344,7 @@ def triton_decode_attention(q: torch.Tensor, cache, block_tables: torch.Tensor, 
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_N=tune["BLOCK_N"], BLOCK_SIZE=block_size, SPLIT_KEYS=tune["SPLIT_KEYS"], NUM_SPLITS=num_splits,
         KV_QUANT=_kv_quant(cache), UPCAST_DOT=not q.is_cuda, DOT_PRECISION=_dot_precision(q.dtype),
-        num_warps=tune["num_warps"], num_stages=tune["num_stages"],
+        num_warps=tune["num_warps"], num_stages=tune["num_stages"], **pdl_launch(q),
     )
     return out
 
@@ -372,7 +378,8 @@ def _prefill_kernel(q_ptr, out_ptr, k_cache, v_cache, k_scale, v_scale, block_ta
                     num_seqs, num_kv_heads, HEAD_DIM: tl.constexpr,
                     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, KV_QUANT: tl.constexpr,
-                    UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                    UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_sync(USE_PDL)
     program = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = _find_sequence(query_start_loc, num_seqs, program, BLOCK_Q)
@@ -438,6 +445,7 @@ def triton_prefill_attention(q: torch.Tensor, cache, block_tables: torch.Tensor,
         GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_N=tune["BLOCK_N"], BLOCK_SIZE=block_size, KV_QUANT=quant, UPCAST_DOT=not q.is_cuda,
         DOT_PRECISION=_dot_precision(q.dtype), num_warps=tune["num_warps"], num_stages=tune["num_stages"],
+        **pdl_launch(q),
     )
     return out
 

@@ -46,6 +46,8 @@ import torch
 import triton
 import triton.language as tl
 
+from goodserve.ops.pdl import pdl_launch, pdl_sync
+
 GEMV_MAX_M = 16  # up to one tensor-core tile of rows
 DENSE, INT8, INT4 = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 FORMATS = {"dense": DENSE, "int8": INT8, "int4": INT4}
@@ -53,6 +55,7 @@ BYTES_PER_WEIGHT = {"dense": 2.0, "int8": 1.0, "int4": 0.5}  # dense: bf16 / fp1
 # Split counters: one per row block of a split launch (lm_head has 128256 / 8 blocks at most).
 MAX_SPLIT_BLOCKS = 1 << 16
 INTERPRETER_SMS = 4  # CPU (TRITON_INTERPRET): small, so that tests exercise the split path
+PREFETCH_LINES = 0  # EXPERIMENT
 
 
 @dataclasses.dataclass(frozen=True)
@@ -263,7 +266,8 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, part_ptr, count_ptr,
                  M, N, K, stride_xm, stride_wn, stride_sn, stride_ym, steps_per_split,
                  FORMAT: tl.constexpr, GROUP: tl.constexpr, TILE_K: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                 SPLIT: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                 SPLIT: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 USE_PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr):
     """Program (row block, K slice) -> y[:, row block] (or its slice's partial); see the module doc.
 
     Slices are whole BLOCK_K steps (k_start a multiple of BLOCK_K, which also tells the compiler
@@ -275,6 +279,9 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, part_ptr, count_ptr,
     n_mask, m_mask = offs_n < N, offs_m < M
     k_start = split * steps_per_split * BLOCK_K
     k_stop = tl.minimum(k_start + steps_per_split * BLOCK_K, K)
+    if PREFETCH_LINES > 0:  # the weights are no kernel's output: fetch them while the last one ends
+        _prefetch_weights(w_ptr, offs_n, n_mask, k_start, k_stop, stride_wn, FORMAT, PREFETCH_LINES)
+    pdl_sync(USE_PDL)
     if BLOCK_M == 1:
         acc = _row_times_weights(x_ptr, w_ptr, s_ptr, z_ptr, offs_n, n_mask, k_start, k_stop, stride_wn,
                                  stride_sn, FORMAT, GROUP, BLOCK_K, EVEN_K)[:, None]
@@ -290,6 +297,23 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, part_ptr, count_ptr,
         _finish_split(acc, part_ptr, count_ptr, y_ptrs, offs_n, offs_m, out_mask, M, N, pid_n, split)
     else:
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _prefetch_weights(w_ptr, offs_n, n_mask, k_start, k_stop, stride_wn, FORMAT: tl.constexpr,
+                      LINES: tl.constexpr):
+    """Ask L2 for the first LINES 128-byte lines of each of this program's weight rows (its K slice)."""
+    if FORMAT == INT4:  # two codes a byte
+        first, stop = k_start // 2, k_stop // 2
+    else:
+        width = w_ptr.dtype.element_ty.primitive_bitwidth // 8
+        first, stop = k_start * width, k_stop * width
+        stride_wn = stride_wn * width
+    line = first + tl.arange(0, LINES)[None, :] * 128
+    ptrs = w_ptr.to(tl.pointer_type(tl.int8)) + offs_n[:, None].to(tl.int64) * stride_wn + line
+    wanted = (n_mask[:, None] & (line < stop)).to(tl.int32)
+    tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+                              "=r,l,r", [ptrs, wanted], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -433,7 +457,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, fmt: str, scales: torch.Tensor |
         FORMAT=FORMATS[fmt], GROUP=max(group, 1), TILE_K=group if fmt == "int4" else config.block_k,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         EVEN_K=k % config.block_k == 0, SPLIT=splits > 1, DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision,
-        num_warps=config.num_warps, num_stages=config.num_stages)
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch(x),
+        PREFETCH_LINES=PREFETCH_LINES if x.is_cuda else 0)
     return y
 
 

@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from goodserve.ops.pdl import pdl_launch, pdl_sync
+
 
 def _num_warps(block: int) -> int:
     return min(max(block // 256, 1), 16)
@@ -23,7 +25,8 @@ def _num_warps(block: int) -> int:
 @triton.jit
 def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, new_residual_ptr, stride_x, stride_r,
                      stride_o, stride_nr, hidden, eps,
-                     BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+                     BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_sync(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
@@ -58,6 +61,7 @@ def _launch_rms_norm(x, residual, weight, eps):
         _rms_norm_kernel[(x2.shape[0],)](
             x2, res2, weight, out2, new_res2, x2.stride(0), res2.stride(0), out2.stride(0), new_res2.stride(0),
             hidden, eps, BLOCK=block, HAS_RESIDUAL=residual is not None, num_warps=_num_warps(block),
+            **pdl_launch(x),
         )
     return out, new_residual
 
@@ -78,7 +82,9 @@ def triton_add_rms_norm(
 
 
 @triton.jit
-def _silu_and_mul_kernel(gate_up_ptr, out_ptr, stride_in, stride_out, width, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(gate_up_ptr, out_ptr, stride_in, stride_out, width, BLOCK: tl.constexpr,
+                         USE_PDL: tl.constexpr):
+    pdl_sync(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < width
@@ -99,7 +105,7 @@ def triton_silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     block = min(triton.next_power_of_2(width), 1024)
     if flat.shape[0] > 0:
         _silu_and_mul_kernel[(flat.shape[0], triton.cdiv(width, block))](
-            flat, out.view(-1, width), flat.stride(0), width, width, BLOCK=block, num_warps=4,
+            flat, out.view(-1, width), flat.stride(0), width, width, BLOCK=block, num_warps=4, **pdl_launch(gate_up),
         )
     return out
 
@@ -111,7 +117,9 @@ def triton_silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _argmax_chunks_kernel(x_ptr, value_ptr, index_ptr, stride_x, width, num_chunks, BLOCK: tl.constexpr):
+def _argmax_chunks_kernel(x_ptr, value_ptr, index_ptr, stride_x, width, num_chunks, BLOCK: tl.constexpr,
+                          USE_PDL: tl.constexpr):
+    pdl_sync(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     cols = chunk * BLOCK + tl.arange(0, BLOCK)
@@ -122,7 +130,8 @@ def _argmax_chunks_kernel(x_ptr, value_ptr, index_ptr, stride_x, width, num_chun
 
 
 @triton.jit
-def _argmax_merge_kernel(value_ptr, index_ptr, out_ptr, num_chunks, BLOCK_C: tl.constexpr):
+def _argmax_merge_kernel(value_ptr, index_ptr, out_ptr, num_chunks, BLOCK_C: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_sync(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK_C)
     values = tl.load(value_ptr + row * num_chunks + c, mask=c < num_chunks, other=float("-inf"))
@@ -143,7 +152,7 @@ def triton_argmax(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(rows, dtype=torch.int64, device=x.device)
     if rows > 0:
         _argmax_chunks_kernel[(rows, num_chunks)](x, values, indices, x.stride(0), width, num_chunks,
-                                                 BLOCK=ARGMAX_CHUNK, num_warps=4)
+                                                 BLOCK=ARGMAX_CHUNK, num_warps=4, **pdl_launch(x))
         _argmax_merge_kernel[(rows,)](values, indices, out, num_chunks,
-                                      BLOCK_C=triton.next_power_of_2(num_chunks), num_warps=1)
+                                      BLOCK_C=triton.next_power_of_2(num_chunks), num_warps=1, **pdl_launch(x))
     return out

@@ -19,13 +19,15 @@ import torch
 import triton
 import triton.language as tl
 
+from goodserve.ops.pdl import pdl_launch, pdl_sync
 from goodserve.ops.triton_gemv import GEMV_MAX_M, gemv
 
 
 @triton.jit
 def _int8_gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      DOT_PRECISION: tl.constexpr):
+                      DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_sync(USE_PDL)
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -45,7 +47,8 @@ def _int8_gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_wn,
 @triton.jit
 def _int4_gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_ym,
                       GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      DOT_PRECISION: tl.constexpr):
+                      DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_sync(USE_PDL)
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask, n_mask = offs_m < M, offs_n < N
@@ -91,7 +94,8 @@ def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, **
     block_m, block_n = _gemm_block_m(m), 64
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     _int8_gemm_kernel[grid](x, qweight, scales, y, m, n, k, x.stride(0), qweight.stride(0), y.stride(0),
-                            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64, DOT_PRECISION=_dot_precision(x))
+                            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64, DOT_PRECISION=_dot_precision(x),
+                            **pdl_launch(x))
     return y
 
 
@@ -108,5 +112,5 @@ def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     _int4_gemm_kernel[grid](x, qweight, scales, zeros, y, m, n, k, x.stride(0), qweight.stride(0), scales.stride(0),
                             y.stride(0), GROUP=group_size, BLOCK_M=block_m, BLOCK_N=block_n,
-                            DOT_PRECISION=_dot_precision(x))
+                            DOT_PRECISION=_dot_precision(x), **pdl_launch(x))
     return y
