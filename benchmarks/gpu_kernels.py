@@ -12,6 +12,7 @@ table sized for max_model_len 8192, column-major.
 
     python benchmarks/gpu_kernels.py            # writes $OUT/gpu_kernels.json (OUT defaults to ./out)
     python benchmarks/gpu_kernels.py --quick    # fewer shapes, no tuning sweeps
+    python benchmarks/gpu_kernels.py --decode-sweep  # only: decode splits and tiles at batch 4..64
     python benchmarks/gpu_kernels.py --smoke    # CPU, TRITON_INTERPRET=1, tiny shapes: catches Python errors
 """
 
@@ -248,6 +249,31 @@ def sweep_decode_tuning(bw: float) -> None:
                            kv_bytes(cache, batch * ctx), bw, tuning=tuning)
 
 
+def sweep_decode_batches(bw: float) -> None:
+    """Splits and tiles for decode at the batches and contexts of a ShareGPT-like run's tail
+    (graph layout), where decode attention took ~2x its bytes' time at default settings."""
+    print("decode sweep over batches (graph layout)")
+    tiles = [(32, 4, 2), (32, 4, 3), (64, 4, 2), (64, 4, 3), (64, 8, 3), (128, 4, 2), (128, 8, 2)]
+    cases = [(b, c) for b in (4, 8, 16, 32, 64) for c in (500, 1000)] if not SMOKE else [(2, 40)]
+    for batch, ctx in cases:
+        q, cache, meta = make_paged(batch, [1] * batch, [ctx] * batch, BF16, seed=ctx + batch,
+                                    capacity=GRAPH_MAX_LEN, column_major=True)
+        ref = decode_reference(q, cache, meta)
+        for block_n, warps, stages in tiles:
+            for splits in (1, 2, 4, 8, 16, 32):
+                for split_keys in ((64,) if splits == 1 else (32, 64, 128)):
+                    tuning = {"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages, "SPLIT_KEYS": split_keys}
+                    args = (q, cache, meta.block_tables, meta.seq_lens, D**-0.5)
+                    call = lambda: triton_decode_attention(*args, num_splits=splits, tuning=tuning)  # noqa: E731
+                    try:
+                        err = rel_err(call(), ref)
+                        record("decode-sweep", f"B={batch} ctx={ctx} s{splits} k{split_keys} n{block_n} w{warps} "
+                               f"st{stages}", 0.0, kv_bytes(cache, batch * ctx), bw, err, graph_us=graph_us(call),
+                               tuning={**tuning, "splits": splits})
+                    except Exception as e:  # e.g. out of shared memory: report, keep sweeping
+                        print(f"  {tuning} splits={splits}: {type(e).__name__}")
+
+
 def check_decode_cuda_graph() -> None:
     """Capture decode once at a graph-sized table, then replay with new lengths (short, empty,
     split-boundary, long): every result must match the reference, and repeated replays must agree
@@ -400,30 +426,40 @@ def print_table() -> None:
         best = min((r for r in graph_rows if r["shape"].startswith(shape + " s")), key=lambda r: r["graph_us"])
         print(f"best graph-layout decode for {shape}: {best['tuning'] or 'default'} {best['graph_us']:.2f} us")
 
+    swept = [r for r in rows if r["kernel"] == "decode-sweep" and r.get("graph_us")]
+    for shape in sorted({r["shape"].split(" s")[0] for r in swept}):
+        best = min((r for r in swept if r["shape"].startswith(shape + " s")), key=lambda r: r["graph_us"])
+        floor_us = best["floor_ms"] * 1e3
+        print(f"best decode for {shape}: {best['tuning']} {best['graph_us']:.2f} us (floor {floor_us:.2f} us)")
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer shapes, no tuning sweeps")
     parser.add_argument("--smoke", action="store_true", help="CPU interpreter, tiny shapes, no timing")
+    parser.add_argument("--decode-sweep", action="store_true", help="only the decode sweep over batches")
     args = parser.parse_args()
     torch.manual_seed(0)
     started = time.time()
     bw = copy_bandwidth()
     device_name = "cpu (TRITON_INTERPRET=1)" if SMOKE else torch.cuda.get_device_name()
     print(f"{device_name}: device-to-device copy {bw / 1e12:.2f} TB/s")
-    if SMOKE:
+    if args.decode_sweep:
+        sweep_decode_batches(bw)
+    elif SMOKE:
         bench_decode(bw, [1, 2], [16, 40])
     else:
         bench_decode(bw, [1, 8, 64], [512, 4096, 32768] if args.quick else [512, 2048, 8192, 32768])
-    bench_decode_graph_layout(bw, sweep=not (args.quick or SMOKE))
-    bench_decode_cache_dtypes(bw)
-    if not SMOKE:
-        check_decode_cuda_graph()
-    bench_prefill(bw)
-    bench_rotary_write_kv(bw)
-    bench_argmax(bw)
-    bench_small_ops(bw)
-    if not (args.quick or SMOKE):
+    if not args.decode_sweep:
+        bench_decode_graph_layout(bw, sweep=not (args.quick or SMOKE))
+        bench_decode_cache_dtypes(bw)
+        if not SMOKE:
+            check_decode_cuda_graph()
+        bench_prefill(bw)
+        bench_rotary_write_kv(bw)
+        bench_argmax(bw)
+        bench_small_ops(bw)
+    if not (args.quick or SMOKE or args.decode_sweep):
         sweep_decode_tuning(bw)
     out_dir = os.environ.get("OUT", "./out")
     os.makedirs(out_dir, exist_ok=True)
