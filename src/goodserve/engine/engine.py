@@ -107,9 +107,9 @@ def specialize_linears(model, device: torch.device, config: EngineConfig) -> Non
     if device.type == "cpu":
         pack_linears_for_cpu(model)
     elif config.attention_backend != "torch":
-        from goodserve.ops.gemv_linear import route_single_rows_to_gemv
+        from goodserve.ops.gemv_linear import route_decode_rows_to_gemv
 
-        route_single_rows_to_gemv(model)
+        route_decode_rows_to_gemv(model)
 
 
 def resolve_device(name: str) -> torch.device:

@@ -1,9 +1,11 @@
-"""Dense 16-bit linears whose one-row matmul (batch-1 decode) runs on the Triton GEMV.
+"""Dense 16-bit linears whose decode-sized matmuls (1 to 16 rows) run on the Triton GEMV.
 
-At one row a linear is a weight read. For the shapes in ops/triton_gemv.TUNED_CONFIGS' dense
-entries, the tuned GEMV read faster than cuBLAS on an H100 (lm_head 337 vs 375 us, gate_up 78 vs
-81 us on Llama-3.1-8B: about 0.17 ms of a 6.4 ms token; benchmarks/results/gpu_gemv_h100.json).
-Every other shape, and every call with more rows, stays on cuBLAS, which is as fast or faster there.
+At a few rows a linear is a weight read. For the shapes and row counts in
+ops/triton_gemv.TUNED_CONFIGS' dense entries the tuned GEMV is routed to instead of cuBLAS: alone
+it reads about as fast (lm_head 337 vs 375 us, gate_up 78 vs 81 us at one row on Llama-3.1-8B,
+benchmarks/results/gpu_gemv_h100.json), and inside a decode step it launches with programmatic
+dependent launch (ops/pdl.py), so its start overlaps the previous kernel's end, which cuBLAS's
+kernels do not. Every other shape, and every call with more rows, stays on cuBLAS.
 """
 
 from __future__ import annotations
@@ -13,20 +15,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from goodserve.ops.attention import use_triton
-from goodserve.ops.triton_gemv import TUNED_CONFIGS, dense_gemv
+from goodserve.ops.triton_gemv import GEMV_MAX_M, TUNED_CONFIGS, dense_gemv, rows_bucket
 
 GEMV_DTYPES = (torch.bfloat16, torch.float16)
+DENSE_GEMV_MAX_M = GEMV_MAX_M  # the benchmark lowers it to 1 to measure what 2..16 rows gain
 
 
-def gemv_wins(linear: nn.Linear) -> bool:
-    """Whether the one-row GEMV was measured faster than cuBLAS for this linear's shape and dtype."""
+def gemv_wins(linear: nn.Linear, rows: int) -> bool:
+    """Whether the GEMV is the measured choice for this linear's shape and dtype at `rows` rows."""
     weight = linear.weight
-    return weight.dtype in GEMV_DTYPES and ("dense", 1, *weight.shape) in TUNED_CONFIGS
+    return (weight.dtype in GEMV_DTYPES and rows <= DENSE_GEMV_MAX_M
+            and ("dense", rows_bucket(rows), *weight.shape) in TUNED_CONFIGS)
 
 
 class GemvLinear(nn.Module):
-    """nn.Linear on the same weight (a tied lm_head keeps sharing the embedding's); one row goes to
-    the Triton GEMV, more rows to F.linear."""
+    """nn.Linear on the same weight (a tied lm_head keeps sharing the embedding's); the row counts
+    the GEMV wins go to it, the others to F.linear."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
@@ -35,7 +39,7 @@ class GemvLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if rows.shape[0] != 1 or not use_triton(rows):
+        if not (gemv_wins(self, rows.shape[0]) and use_triton(rows)):
             return F.linear(x, self.weight, self.bias)
         y = dense_gemv(rows, self.weight)
         if self.bias is not None:
@@ -46,10 +50,11 @@ class GemvLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-def route_single_rows_to_gemv(model: nn.Module) -> int:
-    """Swap each CUDA nn.Linear whose shape the GEMV wins for a GemvLinear; returns how many."""
+def route_decode_rows_to_gemv(model: nn.Module) -> int:
+    """Swap each CUDA nn.Linear that the GEMV wins at some row count for a GemvLinear; returns how many."""
     swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-             if type(child) is nn.Linear and child.weight.is_cuda and gemv_wins(child)]
+             if type(child) is nn.Linear and child.weight.is_cuda
+             and any(gemv_wins(child, rows) for rows in (1, GEMV_MAX_M))]
     for parent, name, linear in swaps:
         setattr(parent, name, GemvLinear(linear))
     return len(swaps)

@@ -55,7 +55,6 @@ BYTES_PER_WEIGHT = {"dense": 2.0, "int8": 1.0, "int4": 0.5}  # dense: bf16 / fp1
 # Split counters: one per row block of a split launch (lm_head has 128256 / 8 blocks at most).
 MAX_SPLIT_BLOCKS = 1 << 16
 INTERPRETER_SMS = 4  # CPU (TRITON_INTERPRET): small, so that tests exercise the split path
-PREFETCH_LINES = 0  # EXPERIMENT
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,26 +78,32 @@ TUNED_CONFIGS: dict[tuple[str, int, int, int], GemvConfig] = {
     ("int4", 1, 6144, 4096): GemvConfig(1, 64, 128, 4, 1, 9),  # qkv_proj 11.08 us, 43% of floor
     ("int8", 16, 6144, 4096): GemvConfig(16, 32, 128, 2, 2, 7),  # qkv_proj 14.47 us, 58% of floor
     ("int4", 16, 6144, 4096): GemvConfig(16, 32, 128, 2, 3, 4),  # qkv_proj 15.92 us, 30% of floor
+    ("dense", 1, 6144, 4096): GemvConfig(1, 16, 128, 4, 1, 3),  # qkv_proj 21.02 us, 80% of floor
+    ("dense", 16, 6144, 4096): GemvConfig(16, 16, 64, 2, 3, 4),  # qkv_proj 22.32 us, 75% of floor
     ("int8", 1, 4096, 4096): GemvConfig(16, 32, 128, 2, 3, 6),  # o_proj 10.53 us, 53% of floor²
     ("int4", 1, 4096, 4096): GemvConfig(1, 64, 256, 4, 1, 13),  # o_proj 9.12 us, 34% of floor
     ("dense", 1, 4096, 4096): GemvConfig(1, 8, 256, 8, 1, 2),  # o_proj 15.23 us, 73% of floor
     ("int8", 16, 4096, 4096): GemvConfig(16, 32, 128, 2, 3, 4),  # o_proj 10.87 us, 52% of floor
     ("int4", 16, 4096, 4096): GemvConfig(16, 32, 256, 2, 3, 4),  # o_proj 12.4 us, 25% of floor
+    ("dense", 16, 4096, 4096): GemvConfig(16, 16, 64, 2, 3, 4),  # o_proj 16.44 us, 68% of floor
     ("int8", 1, 28672, 4096): GemvConfig(1, 8, 512, 4, 1, 1),  # gate_up_proj 44.63 us, 88% of floor
     ("int4", 1, 28672, 4096): GemvConfig(1, 32, 256, 1, 1, 6),  # gate_up_proj 35.39 us, 62% of floor
     ("dense", 1, 28672, 4096): GemvConfig(1, 8, 512, 4, 1, 1),  # gate_up_proj 78.21 us, 100% of floor
     ("int8", 16, 28672, 4096): GemvConfig(16, 32, 256, 2, 4, 1),  # gate_up_proj 45.74 us, 86% of floor
     ("int4", 16, 28672, 4096): GemvConfig(16, 64, 128, 4, 3, 2),  # gate_up_proj 47.5 us, 46% of floor
+    ("dense", 16, 28672, 4096): GemvConfig(16, 16, 64, 2, 3, 1),  # gate_up_proj 82.93 us, 94% of floor
     ("int8", 1, 4096, 14336): GemvConfig(16, 32, 128, 2, 3, 6),  # down_proj 25.32 us, 77% of floor²
     ("int4", 1, 4096, 14336): GemvConfig(1, 64, 256, 2, 1, 13),  # down_proj 20.15 us, 55% of floor
     ("dense", 1, 4096, 14336): GemvConfig(1, 8, 256, 8, 1, 2),  # down_proj 42.94 us, 91% of floor
     ("int8", 16, 4096, 14336): GemvConfig(16, 32, 128, 2, 3, 6),  # down_proj 26.51 us, 74% of floor
     ("int4", 16, 4096, 14336): GemvConfig(16, 32, 128, 2, 3, 8),  # down_proj 29.35 us, 38% of floor
+    ("dense", 16, 4096, 14336): GemvConfig(16, 16, 64, 2, 3, 6),  # down_proj 45.09 us, 87% of floor
     ("int8", 1, 128256, 4096): GemvConfig(1, 8, 512, 4, 1, 1),  # lm_head 185.07 us, 95% of floor
     ("int4", 1, 128256, 4096): GemvConfig(1, 64, 256, 2, 1, 2),  # lm_head 130.22 us, 76% of floor
     ("dense", 1, 128256, 4096): GemvConfig(1, 8, 512, 8, 1, 1),  # lm_head 336.54 us, 104% of floor
     ("int8", 16, 128256, 4096): GemvConfig(16, 32, 256, 2, 3, 1),  # lm_head 180.61 us, 97% of floor
     ("int4", 16, 128256, 4096): GemvConfig(16, 64, 128, 4, 3, 1),  # lm_head 176.23 us, 56% of floor
+    ("dense", 16, 128256, 4096): GemvConfig(16, 16, 512, 2, 4, 1),  # lm_head 348.71 us, 100% of floor
 }
 
 # default_config's tiles: (format, block_m) -> (block_n, block_k, num_warps, num_stages, programs
@@ -267,7 +272,7 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, part_ptr, count_ptr,
                  FORMAT: tl.constexpr, GROUP: tl.constexpr, TILE_K: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                  SPLIT: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 USE_PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr):
+                 USE_PDL: tl.constexpr):
     """Program (row block, K slice) -> y[:, row block] (or its slice's partial); see the module doc.
 
     Slices are whole BLOCK_K steps (k_start a multiple of BLOCK_K, which also tells the compiler
@@ -279,8 +284,6 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, part_ptr, count_ptr,
     n_mask, m_mask = offs_n < N, offs_m < M
     k_start = split * steps_per_split * BLOCK_K
     k_stop = tl.minimum(k_start + steps_per_split * BLOCK_K, K)
-    if PREFETCH_LINES > 0:  # the weights are no kernel's output: fetch them while the last one ends
-        _prefetch_weights(w_ptr, offs_n, n_mask, k_start, k_stop, stride_wn, FORMAT, PREFETCH_LINES)
     pdl_sync(USE_PDL)
     if BLOCK_M == 1:
         acc = _row_times_weights(x_ptr, w_ptr, s_ptr, z_ptr, offs_n, n_mask, k_start, k_stop, stride_wn,
@@ -297,23 +300,6 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, part_ptr, count_ptr,
         _finish_split(acc, part_ptr, count_ptr, y_ptrs, offs_n, offs_m, out_mask, M, N, pid_n, split)
     else:
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
-
-
-@triton.jit
-def _prefetch_weights(w_ptr, offs_n, n_mask, k_start, k_stop, stride_wn, FORMAT: tl.constexpr,
-                      LINES: tl.constexpr):
-    """Ask L2 for the first LINES 128-byte lines of each of this program's weight rows (its K slice)."""
-    if FORMAT == INT4:  # two codes a byte
-        first, stop = k_start // 2, k_stop // 2
-    else:
-        width = w_ptr.dtype.element_ty.primitive_bitwidth // 8
-        first, stop = k_start * width, k_stop * width
-        stride_wn = stride_wn * width
-    line = first + tl.arange(0, LINES)[None, :] * 128
-    ptrs = w_ptr.to(tl.pointer_type(tl.int8)) + offs_n[:, None].to(tl.int64) * stride_wn + line
-    wanted = (n_mask[:, None] & (line < stop)).to(tl.int32)
-    tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
-                              "=r,l,r", [ptrs, wanted], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -457,8 +443,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, fmt: str, scales: torch.Tensor |
         FORMAT=FORMATS[fmt], GROUP=max(group, 1), TILE_K=group if fmt == "int4" else config.block_k,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         EVEN_K=k % config.block_k == 0, SPLIT=splits > 1, DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision,
-        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch(x),
-        PREFETCH_LINES=PREFETCH_LINES if x.is_cuda else 0)
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch(x))
     return y
 
 
