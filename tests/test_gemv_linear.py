@@ -43,8 +43,8 @@ def _recording_gemv(calls, x, weight):
 
 def test_only_measured_shapes_rows_and_16_bit_weights_are_routed(monkeypatch):
     lm_head = nn.Linear(4096, 128256, bias=False, device="meta", dtype=torch.bfloat16)
-    assert gemv_wins(lm_head, 1) and gemv_wins(lm_head, 7) and not gemv_wins(lm_head, 17)
+    assert gemv_wins(lm_head, 1) and not gemv_wins(lm_head, 7)  # one-row entry only
     assert not gemv_wins(nn.Linear(4096, 128256, bias=False, device="meta", dtype=torch.float32), 1)
     assert not gemv_wins(nn.Linear(4096, 5000, bias=False, device="meta", dtype=torch.bfloat16), 1)
-    monkeypatch.setattr(gemv_linear, "DENSE_GEMV_MAX_M", 1)
-    assert gemv_wins(lm_head, 1) and not gemv_wins(lm_head, 2)
+    monkeypatch.setitem(TUNED_CONFIGS, ("dense", 16, 128256, 4096), GemvConfig(16, 16, 512, 2, 4, 1))
+    assert gemv_wins(lm_head, 2) and gemv_wins(lm_head, 16) and not gemv_wins(lm_head, 17)

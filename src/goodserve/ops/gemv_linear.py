@@ -1,11 +1,13 @@
-"""Dense 16-bit linears whose decode-sized matmuls (1 to 16 rows) run on the Triton GEMV.
+"""Dense 16-bit linears whose decode-sized matmuls run on the Triton GEMV.
 
-At a few rows a linear is a weight read. For the shapes and row counts in
-ops/triton_gemv.TUNED_CONFIGS' dense entries the tuned GEMV is routed to instead of cuBLAS: alone
+At a few rows a linear is a weight read. For the shapes and row counts (1, or 2..16) that have a
+dense entry in ops/triton_gemv.TUNED_CONFIGS, the tuned GEMV is routed to instead of cuBLAS: alone
 it reads about as fast (lm_head 337 vs 375 us, gate_up 78 vs 81 us at one row on Llama-3.1-8B,
 benchmarks/results/gpu_gemv_h100.json), and inside a decode step it launches with programmatic
 dependent launch (ops/pdl.py), so its start overlaps the previous kernel's end, which cuBLAS's
-kernels do not. Every other shape, and every call with more rows, stays on cuBLAS.
+kernels do not. Every other shape and row count stays on cuBLAS. Today only one-row entries exist:
+routing 2..16 rows of every Llama-3.1-8B linear to the GEMV's best tiles changed nothing measurable
+in the ShareGPT-like run (43.03 vs 42.98 req/s, benchmarks/results/gpu_engine_routing_h100.json).
 """
 
 from __future__ import annotations
@@ -18,13 +20,12 @@ from goodserve.ops.attention import use_triton
 from goodserve.ops.triton_gemv import GEMV_MAX_M, TUNED_CONFIGS, dense_gemv, rows_bucket
 
 GEMV_DTYPES = (torch.bfloat16, torch.float16)
-DENSE_GEMV_MAX_M = GEMV_MAX_M  # the benchmark lowers it to 1 to measure what 2..16 rows gain
 
 
 def gemv_wins(linear: nn.Linear, rows: int) -> bool:
     """Whether the GEMV is the measured choice for this linear's shape and dtype at `rows` rows."""
     weight = linear.weight
-    return (weight.dtype in GEMV_DTYPES and rows <= DENSE_GEMV_MAX_M
+    return (weight.dtype in GEMV_DTYPES and rows <= GEMV_MAX_M
             and ("dense", rows_bucket(rows), *weight.shape) in TUNED_CONFIGS)
 
 

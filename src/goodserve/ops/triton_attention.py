@@ -294,16 +294,17 @@ def _arrival_counters(device: torch.device, count: int) -> torch.Tensor:
 
 def default_num_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.device,
                        split_keys: int) -> int:
-    """Splits that fill the GPU about once, from shapes only (so a captured graph stays valid).
+    """Splits that fill the GPU about twice over, from shapes only (so a captured graph stays valid).
 
     max_context is the block table's capacity, not any sequence's length: the kernel sizes each
     launch's splits from the actual lengths, so a generous count costs short contexts nothing.
     """
     if device.type != "cuda":
         return 1
-    # Filling it twice over was slower from batch 4 to 32 at 500-1000 keys (each split's fixed cost
-    # outweighs the extra parallelism; H100, benchmarks/results/gpu_kernels_decode_sweep_h100.json).
-    wanted = triton.cdiv(_num_sms(device.index or 0), batch * num_kv_heads)
+    # Alone, filling it once was faster from batch 4 to 32 at 500-1000 keys (H100,
+    # benchmarks/results/gpu_kernels_decode_sweep_h100.json); inside the engine's ShareGPT-like run
+    # it was slower (decode steps at batch 9-64: 7.66 against 7.45 ms), so twice over stays.
+    wanted = triton.cdiv(2 * _num_sms(device.index or 0), batch * num_kv_heads)
     by_length = triton.cdiv(max_context, split_keys)
     return min(triton.next_power_of_2(wanted), 32, triton.next_power_of_2(by_length))
 

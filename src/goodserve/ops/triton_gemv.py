@@ -70,7 +70,9 @@ class GemvConfig:
 # Measured winners, (format, rows, N, K) -> config, rows 1 for M = 1 and 16 for M = 2..16, from
 # `benchmarks/gpu_gemv.py --sweep` on an H100 80GB HBM3 (benchmarks/results/gpu_gemv_h100.json; int4
 # with group 128): Llama-3.1-8B's shapes. Other shapes use default_config. Dense entries exist only
-# where the GEMV beat cuBLAS at one row: those shapes are the ones ops/gemv_linear.py routes here.
+# where the GEMV won at one row: those shapes are the ones ops/gemv_linear.py routes here (qkv_proj:
+# 0.4 us slower than cuBLAS alone, 1 tok/s faster in the engine's decode, where the GEMV launches
+# with PDL; benchmarks/results/gpu_engine_routing_h100.json).
 # Fields: block_m, block_n, block_k, num_warps, num_stages, split_k. ²: a second, int8-only sweep
 # starting from the first one's winners (gpu_gemv_int8_h100.json).
 TUNED_CONFIGS: dict[tuple[str, int, int, int], GemvConfig] = {
@@ -79,31 +81,26 @@ TUNED_CONFIGS: dict[tuple[str, int, int, int], GemvConfig] = {
     ("int8", 16, 6144, 4096): GemvConfig(16, 32, 128, 2, 2, 7),  # qkv_proj 14.47 us, 58% of floor
     ("int4", 16, 6144, 4096): GemvConfig(16, 32, 128, 2, 3, 4),  # qkv_proj 15.92 us, 30% of floor
     ("dense", 1, 6144, 4096): GemvConfig(1, 16, 128, 4, 1, 3),  # qkv_proj 21.02 us, 80% of floor
-    ("dense", 16, 6144, 4096): GemvConfig(16, 16, 64, 2, 3, 4),  # qkv_proj 22.32 us, 75% of floor
     ("int8", 1, 4096, 4096): GemvConfig(16, 32, 128, 2, 3, 6),  # o_proj 10.53 us, 53% of floor²
     ("int4", 1, 4096, 4096): GemvConfig(1, 64, 256, 4, 1, 13),  # o_proj 9.12 us, 34% of floor
     ("dense", 1, 4096, 4096): GemvConfig(1, 8, 256, 8, 1, 2),  # o_proj 15.23 us, 73% of floor
     ("int8", 16, 4096, 4096): GemvConfig(16, 32, 128, 2, 3, 4),  # o_proj 10.87 us, 52% of floor
     ("int4", 16, 4096, 4096): GemvConfig(16, 32, 256, 2, 3, 4),  # o_proj 12.4 us, 25% of floor
-    ("dense", 16, 4096, 4096): GemvConfig(16, 16, 64, 2, 3, 4),  # o_proj 16.44 us, 68% of floor
     ("int8", 1, 28672, 4096): GemvConfig(1, 8, 512, 4, 1, 1),  # gate_up_proj 44.63 us, 88% of floor
     ("int4", 1, 28672, 4096): GemvConfig(1, 32, 256, 1, 1, 6),  # gate_up_proj 35.39 us, 62% of floor
     ("dense", 1, 28672, 4096): GemvConfig(1, 8, 512, 4, 1, 1),  # gate_up_proj 78.21 us, 100% of floor
     ("int8", 16, 28672, 4096): GemvConfig(16, 32, 256, 2, 4, 1),  # gate_up_proj 45.74 us, 86% of floor
     ("int4", 16, 28672, 4096): GemvConfig(16, 64, 128, 4, 3, 2),  # gate_up_proj 47.5 us, 46% of floor
-    ("dense", 16, 28672, 4096): GemvConfig(16, 16, 64, 2, 3, 1),  # gate_up_proj 82.93 us, 94% of floor
     ("int8", 1, 4096, 14336): GemvConfig(16, 32, 128, 2, 3, 6),  # down_proj 25.32 us, 77% of floor²
     ("int4", 1, 4096, 14336): GemvConfig(1, 64, 256, 2, 1, 13),  # down_proj 20.15 us, 55% of floor
     ("dense", 1, 4096, 14336): GemvConfig(1, 8, 256, 8, 1, 2),  # down_proj 42.94 us, 91% of floor
     ("int8", 16, 4096, 14336): GemvConfig(16, 32, 128, 2, 3, 6),  # down_proj 26.51 us, 74% of floor
     ("int4", 16, 4096, 14336): GemvConfig(16, 32, 128, 2, 3, 8),  # down_proj 29.35 us, 38% of floor
-    ("dense", 16, 4096, 14336): GemvConfig(16, 16, 64, 2, 3, 6),  # down_proj 45.09 us, 87% of floor
     ("int8", 1, 128256, 4096): GemvConfig(1, 8, 512, 4, 1, 1),  # lm_head 185.07 us, 95% of floor
     ("int4", 1, 128256, 4096): GemvConfig(1, 64, 256, 2, 1, 2),  # lm_head 130.22 us, 76% of floor
     ("dense", 1, 128256, 4096): GemvConfig(1, 8, 512, 8, 1, 1),  # lm_head 336.54 us, 104% of floor
     ("int8", 16, 128256, 4096): GemvConfig(16, 32, 256, 2, 3, 1),  # lm_head 180.61 us, 97% of floor
     ("int4", 16, 128256, 4096): GemvConfig(16, 64, 128, 4, 3, 1),  # lm_head 176.23 us, 56% of floor
-    ("dense", 16, 128256, 4096): GemvConfig(16, 16, 512, 2, 4, 1),  # lm_head 348.71 us, 100% of floor
 }
 
 # default_config's tiles: (format, block_m) -> (block_n, block_k, num_warps, num_stages, programs
