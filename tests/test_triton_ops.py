@@ -94,3 +94,16 @@ def test_public_functions_dispatch_to_triton_when_forced(kernels):
     assert_close(new_residual, x + residual)
     assert_close(activated, silu_and_mul_torch(x))
     assert torch.equal(tokens, x.argmax(dim=-1))
+
+
+def test_kernels_on_cpu_tensors_never_launch_with_pdl():
+    """The interpreter has no grid dependencies: CPU launches must not ask for PDL, switch on or off."""
+    from goodserve.ops import pdl
+
+    x = torch.zeros(4)
+    assert pdl.pdl_launch(x) == {"USE_PDL": False, "launch_pdl": False}
+    pdl.set_pdl(False)
+    try:
+        assert pdl.pdl_launch(x) == {"USE_PDL": False, "launch_pdl": False}
+    finally:
+        pdl.set_pdl(True)
