@@ -8,7 +8,7 @@ from goodserve.errors import InvalidRequestError
 
 SCHEDULER_POLICIES = ("continuous", "static", "dynamic")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
-QUANTIZATIONS = (None, "int8", "int4")
+QUANTIZATIONS = (None, "int8", "int4", "gguf")
 
 
 @dataclass
@@ -32,7 +32,8 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     max_wait_ms: float = 10.0  # dynamic batching: how long a partial batch waits to fill
     # Model execution
-    quantization: str | None = None  # weight-only: int8 (per channel) | int4 (per group)
+    # weight-only: int8 (per channel) | int4 (per group) | gguf (keep a GGUF file's Q4_0/Q4_1/Q8_0 codes)
+    quantization: str | None = None
     quantization_group_size: int | None = None  # int4; None: the largest of 128/64/32 that divides
     quantization_awq: bool = False  # activation-aware scales from a built-in calibration text
     quantized_checkpoint: str | None = None  # a checkpoint saved by `goodserve quantize`
@@ -63,3 +64,16 @@ class EngineConfig:
         for ok, message in checks:
             if not ok:
                 raise InvalidRequestError(message)
+        if self.quantization == "gguf":
+            self._validate_gguf_quantization()
+
+    def _validate_gguf_quantization(self) -> None:
+        """The file's codes are used as they are: no option that computes or loads other codes applies."""
+        conflicts = [flag for flag, value in (
+            ("--quantized-checkpoint", self.quantized_checkpoint), ("--quantization-awq", self.quantization_awq),
+            ("--quantization-group-size", self.quantization_group_size),
+            ("--quantize-lm-head", self.quantize_lm_head)) if value]
+        if conflicts:
+            raise InvalidRequestError(
+                f"quantization 'gguf' keeps the GGUF file's own codes (group size 32, lm_head as stored); "
+                f"it cannot be combined with {', '.join(conflicts)}")

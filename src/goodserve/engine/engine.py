@@ -83,7 +83,10 @@ class _InFlight:
 
 
 def apply_quantization(loaded, config: EngineConfig) -> None:
-    """Weight-only quantization in place: from a saved checkpoint, or computed at load time."""
+    """Weight-only quantization in place: from a saved checkpoint, or computed at load time.
+    (quantization 'gguf' happens in the loader: the file's own codes.)"""
+    if config.quantization == "gguf":
+        return
     if config.quantized_checkpoint:
         from goodserve.quant.checkpoint import load_quantized_into
 
@@ -139,7 +142,8 @@ class Engine:
         self.dtype = resolve_dtype(config.dtype, self.device)
         torch.manual_seed(config.seed)
         set_attention_backend(config.attention_backend)
-        loaded = load_model(config.model, self.dtype, self.device, seed=config.seed)
+        loaded = load_model(config.model, self.dtype, self.device, seed=config.seed,
+                            keep_gguf_quantization=config.quantization == "gguf")
         apply_quantization(loaded, config)
         specialize_linears(loaded.model, self.device, config)
         self.spec, self.model, self.tokenizer = loaded.spec, loaded.model, loaded.tokenizer

@@ -1,9 +1,12 @@
 """Load a GGUF file (llama.cpp's format): model shape, weights and tokenizer all come from it.
 
-Quantized tensors are dequantized to the target dtype at load (goodserve runs its own weight
-quantization). llama.cpp's converter permutes the rows of attn_q / attn_k so its rotary code can
-rotate adjacent pairs; we rotate halves (the Hugging Face layout), so the permutation is undone,
-exactly as transformers' GGUF loader does.
+Quantized tensors are dequantized to the target dtype at load, unless `keep_quantization` asks
+for the file's own quantization (`--quantization gguf`): then every linear whose tensors are all
+Q4_0, Q4_1 or Q8_0 keeps their codes (quant/gguf_native.py), the rest is dequantized as usual;
+the embedding lookup always reads a float table. llama.cpp's converter permutes the rows of
+attn_q / attn_k so its rotary code can rotate adjacent pairs; we rotate halves (the Hugging Face
+layout), so the permutation is undone (on codes, scales and zeros alike: whole rows move), exactly
+as transformers' GGUF loader does.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 import torch
+from torch import nn
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -21,6 +25,8 @@ from goodserve.model.llama import LlamaForCausalLM, WeightFiller, build_empty_mo
 from goodserve.model.spec import ModelSpec
 from goodserve.model.tokenizer import Tokenizer
 from goodserve.ops.rotary import RopeScaling, inverse_frequencies
+from goodserve.quant import gguf_native
+from goodserve.quant.apply import TARGET_LINEARS
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 # Architectures whose converter permuted q/k rows (llama.cpp's LlamaModel.permute).
@@ -152,18 +158,59 @@ def _our_name(gguf_name: str) -> tuple[str, str | None] | None:
     return None
 
 
-def load_gguf_weights(model: LlamaForCausalLM, reader: gguf.GGUFReader, arch: str) -> None:
-    spec, filler = model.spec, WeightFiller(model)
+def _targets(tensor, spec: ModelSpec, own_lm_head: bool) -> list[tuple[str, str | None]]:
+    """Our (parameter, shard) names a GGUF tensor fills. A tied token_embd is also lm_head's weight,
+    which needs its own copy only where lm_head keeps the file's codes (own_lm_head)."""
+    if tensor.name in _IGNORED_TENSORS:
+        return []
+    target = _our_name(tensor.name)
+    if target is None:
+        raise ModelLoadError(f"unexpected tensor {tensor.name!r} in GGUF file")
+    tied_head = tensor.name == "token_embd.weight" and spec.tie_word_embeddings and own_lm_head
+    return [target, ("lm_head.weight", None)] if tied_head else [target]
+
+
+def _keep_native_linears(model: LlamaForCausalLM, reader: gguf.GGUFReader) -> dict[str, nn.Module]:
+    """Swap in a native layer for each projection (and lm_head) whose GGUF tensors share one of
+    gguf_native.NATIVE_TYPES; returns them by module path."""
+    types: dict[str, set] = {}
     for tensor in reader.tensors:
-        if tensor.name in _IGNORED_TENSORS:
+        for name, _ in _targets(tensor, model.spec, own_lm_head=True):
+            types.setdefault(name.removesuffix(".weight"), set()).add(tensor.tensor_type)
+    native = {}
+    for path, found in types.items():
+        parent_path, _, attr = path.rpartition(".")
+        if attr not in (*TARGET_LINEARS, "lm_head") or len(found) != 1 or next(iter(found)) not in gguf_native.NATIVE_TYPES:
             continue
-        target = _our_name(tensor.name)
-        if target is None:
-            raise ModelLoadError(f"unexpected tensor {tensor.name!r} in GGUF file")
-        weight = torch.from_numpy(np.require(_dequantize(tensor), np.float32, ["C", "W"]))
-        if arch in _PERMUTED_ARCHITECTURES and target[1] in ("q", "k"):
-            weight = _unpermute_rows(weight, spec.num_heads if target[1] == "q" else spec.num_kv_heads)
-        filler.fill(*target, weight)
+        parent = model.get_submodule(parent_path)
+        # lm_head tied to the embedding: its float table serves many-row (prefill) calls as before.
+        table = model.model.embed_tokens.weight if attr == "lm_head" and model.spec.tie_word_embeddings else None
+        native[path] = gguf_native.native_linear(found.pop(), getattr(parent, attr), table)
+        setattr(parent, attr, native[path])
+    return native
+
+
+def load_gguf_weights(model: LlamaForCausalLM, reader: gguf.GGUFReader, arch: str,
+                      keep_quantization: bool = False) -> None:
+    spec = model.spec
+    native = _keep_native_linears(model, reader) if keep_quantization else {}
+    codes = {f"{path}.{name}": getattr(gguf_native.int4_storage(module), name)
+             for path, module in native.items() for name in ("qweight", "scales", "zeros")}
+    filler = WeightFiller(model, codes)
+    for tensor in reader.tensors:
+        float_weight = None
+        for name, shard in _targets(tensor, spec, own_lm_head="lm_head" in native):
+            path = name.removesuffix(".weight")
+            unpermute = arch in _PERMUTED_ARCHITECTURES and shard in ("q", "k")
+            heads = spec.num_heads if shard == "q" else spec.num_kv_heads
+            if path in native:
+                w = gguf_native.block_codes(tensor.data, tensor.tensor_type)
+                for part, values in (("qweight", w.qweight), ("scales", w.scales), ("zeros", w.zeros)):
+                    filler.fill(f"{path}.{part}", shard, _unpermute_rows(values, heads) if unpermute else values)
+                continue
+            if float_weight is None:
+                float_weight = torch.from_numpy(np.require(_dequantize(tensor), np.float32, ["C", "W"]))
+            filler.fill(name, shard, _unpermute_rows(float_weight, heads) if unpermute else float_weight)
     filler.finish()
 
 
@@ -280,10 +327,11 @@ def _set_pre_tokenizer(backend: HFTokenizer, pre: str) -> None:
         backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
 
 
-def load_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> tuple[ModelSpec, LlamaForCausalLM, Tokenizer]:
+def load_gguf(path: Path, dtype: torch.dtype, device: torch.device,
+              keep_quantization: bool = False) -> tuple[ModelSpec, LlamaForCausalLM, Tokenizer]:
     reader = open_gguf(path)
     spec = gguf_spec(reader, name=path.stem)
     tokenizer = gguf_tokenizer(reader)
     model = build_empty_model(spec, dtype, device)
-    load_gguf_weights(model, reader, architecture(reader))
+    load_gguf_weights(model, reader, architecture(reader), keep_quantization)
     return spec, model, tokenizer

@@ -13,7 +13,7 @@ from torch import nn
 from goodserve.errors import ModelLoadError
 from goodserve.model.spec import ModelSpec
 from goodserve.ops.activation import silu_and_mul
-from goodserve.ops.attention import AttentionMetadata, LayerKVCache, paged_attention, rotary_write_kv
+from goodserve.ops.attention import AttentionMetadata, LayerKVCache, attention
 from goodserve.ops.norm import add_rms_norm, rms_norm
 from goodserve.ops.rotary import cos_sin_cache
 
@@ -50,8 +50,7 @@ class LlamaAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        rotary_write_kv(q, k, v, positions, rotary_cache, kv_cache, meta.slot_mapping)  # q rotated in place
-        out = paged_attention(q, kv_cache, meta, self.scale)
+        out = attention(q, k, v, positions, rotary_cache, kv_cache, meta, self.scale)
         return self.o_proj(out.flatten(1))
 
 
@@ -119,6 +118,7 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[LayerKVCache], meta: AttentionMetadata,
     ) -> torch.Tensor:
         """input_ids, positions: [T] -> final-normed hidden states [T, hidden]."""
+        meta = meta.for_new_step()
         x, residual = self.model.embed_tokens(input_ids), None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             x, residual = layer(x, residual, positions, self.rotary_cache, kv_cache, meta)
@@ -154,11 +154,13 @@ class WeightFiller:
 
     Checkpoints store q, k, v (and gate, up) separately; here they are row blocks of one matrix.
     `finish` fails if any parameter row was never written: the model would run on garbage.
+    `extra` names more tensors to fill the same way (a quantized layer's codes and scales).
     """
 
-    def __init__(self, model: LlamaForCausalLM):
+    def __init__(self, model: LlamaForCausalLM, extra: dict[str, torch.Tensor] | None = None):
         s = model.spec
-        self.params = dict(model.named_parameters())  # a tied lm_head appears once, as the embedding
+        # A tied lm_head appears once, as the embedding.
+        self.params = dict(model.named_parameters()) | (extra or {})
         self.shard_rows = {
             "q": (0, s.q_size), "k": (s.q_size, s.kv_size), "v": (s.q_size + s.kv_size, s.kv_size),
             "gate": (0, s.intermediate_size), "up": (s.intermediate_size, s.intermediate_size),

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from goodserve.errors import ModelLoadError
+from goodserve.errors import InvalidRequestError, ModelLoadError
 from goodserve.model.dummy_loader import load_dummy
 from goodserve.model.gguf_loader import gguf_tokenizer, load_gguf, open_gguf
 from goodserve.model.hf_loader import hf_tokenizer, is_hf_model_dir, load_hf, safetensors_files
@@ -59,13 +59,22 @@ def embedded_tokenizer() -> Tokenizer:
     return gguf_tokenizer(open_gguf(embedded_gguf_path()))
 
 
-def load_model(name: str, dtype: torch.dtype, device: torch.device | str, seed: int = 0) -> LoadedModel:
+def load_model(name: str, dtype: torch.dtype, device: torch.device | str, seed: int = 0,
+               keep_gguf_quantization: bool = False) -> LoadedModel:
+    """keep_gguf_quantization: a GGUF model's Q4_0 / Q4_1 / Q8_0 linears keep the file's codes
+    (model/gguf_loader.py); any other model is refused."""
     device = torch.device(device)
-    if name.startswith(DUMMY_PREFIX):
+    path = None if name.startswith(DUMMY_PREFIX) else \
+        embedded_gguf_path() if name == EMBEDDED_MODEL else Path(name).expanduser()
+    is_gguf = path is not None and path.is_file() and path.suffix == ".gguf"
+    if keep_gguf_quantization and not is_gguf:
+        raise InvalidRequestError(
+            f"quantization 'gguf' keeps a GGUF file's own quantized weights, but {name!r} is not a GGUF "
+            f"model: use '{EMBEDDED_MODEL}' or a .gguf file, or --quantization int8 / int4")
+    if path is None:
         return _load_dummy(name.removeprefix(DUMMY_PREFIX), dtype, device, seed)
-    path = embedded_gguf_path() if name == EMBEDDED_MODEL else Path(name).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        spec, model, tokenizer = load_gguf(path, dtype, device)
+    if is_gguf:
+        spec, model, tokenizer = load_gguf(path, dtype, device, keep_gguf_quantization)
         if name == EMBEDDED_MODEL:
             spec = replace(spec, name=EMBEDDED_MODEL)
         return LoadedModel(spec, model, tokenizer, source=str(path), revision=_files_digest([path]))

@@ -7,15 +7,20 @@ cached key at a position <= its own (causal). K/V live in blocks of `block_size`
 slot = block_id * block_size + offset.
 
 The Triton kernels (ops/triton_attention.py) compute the same function; this file is their reference,
-the CPU path, and the dispatch between the two (`set_attention_backend`).
+the CPU path, and the dispatch between the two (`set_attention_backend`). The model calls one entry
+point per layer, `attention` (RoPE, cache write, attention). Its torch path is the CPU's: a CPU step
+of a 135M model is mostly per-op dispatch cost (30 layers x dozens of tiny ops), so what depends
+only on the step (RoPE rows, write slots, gather indices) is derived once per step (`StepIndices`)
+and decode attention is two small matmuls over one gather, not SDPA with a mask.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +48,13 @@ class AttentionMetadata:
     # Host copies, so the torch path never synchronizes with the device to read lengths.
     query_lens_host: list[int]
     seq_lens_host: list[int]
+    # The torch path's per-step indices, derived by the first layer that needs them and reused by
+    # the rest. The model's forward attaches fresh ones each step (a decode graph reuses its metadata).
+    step_indices: StepIndices | None = field(default=None, repr=False, compare=False)
+
+    def for_new_step(self) -> AttentionMetadata:
+        """This metadata with empty per-step indices, for one forward pass."""
+        return dataclasses.replace(self, step_indices=StepIndices(self))
 
     @property
     def is_decode_only(self) -> bool:
@@ -104,6 +116,20 @@ def use_triton(x: torch.Tensor) -> bool:
     return x.is_cuda and triton_available()
 
 
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+              rotary_cache: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """One layer: RoPE on q [T, Hq, D] (in place) and k [T, Hk, D], the new K/V into the cache, then
+    q attending its context -> [T, Hq, D]."""
+    if use_triton(q):
+        rotary_write_kv(q, k, v, positions, rotary_cache, cache, meta.slot_mapping)
+        return paged_attention(q, cache, meta, scale)
+    indices = step_indices(meta)
+    cos, sin = indices.rope(positions, rotary_cache)
+    q.copy_(rotate(q, cos, sin))
+    write_kv_slots(rotate(k, cos, sin), v, cache, *indices.write())
+    return paged_attention_torch(q, cache, meta, scale)
+
+
 def rotary_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                     rotary_cache: torch.Tensor, cache: LayerKVCache, slot_mapping: torch.Tensor) -> None:
     """RoPE on q ([T, Hq, D], in place) and k; then the new tokens' K/V ([T, Hk, D]) into their
@@ -138,19 +164,23 @@ def rotary_write_kv_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos
 def write_kv_torch(k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache, slot_mapping: torch.Tensor) -> None:
     """The reference cache write."""
     keep = slot_mapping >= 0
-    slots = slot_mapping[keep]
-    k, v = k[keep], v[keep]
+    write_kv_slots(k, v, cache, keep.nonzero().squeeze(1), slot_mapping[keep].long())
+
+
+def write_kv_slots(k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache, rows: torch.Tensor | None,
+                   slots: torch.Tensor) -> None:
+    """K/V of token `rows` (None: all) into int64 `slots`, quantized for an int8/fp8 cache."""
+    if rows is not None:
+        k, v = k[rows], v[rows]
     num_kv_heads, head_dim = cache.k.shape[2], cache.k.shape[3]
-    flat_k = cache.k.view(-1, num_kv_heads, head_dim)
-    flat_v = cache.v.view(-1, num_kv_heads, head_dim)
-    if cache.k_scale is None:
-        flat_k[slots] = k.to(cache.k.dtype)
-        flat_v[slots] = v.to(cache.v.dtype)
-        return
-    for x, flat, flat_scale in ((k, flat_k, cache.k_scale), (v, flat_v, cache.v_scale)):
+    for x, pool, pool_scale in ((k, cache.k, cache.k_scale), (v, cache.v, cache.v_scale)):
+        flat = pool.view(-1, num_kv_heads, head_dim)
+        if pool_scale is None:
+            flat.index_put_((slots,), x.to(pool.dtype))  # index_put_, not index_copy_: it takes fp8
+            continue
         values, scale = quantize_int8_per_head(x)
-        flat[slots] = values
-        flat_scale.view(-1, num_kv_heads)[slots] = scale
+        flat.index_put_((slots,), values)
+        pool_scale.view(-1, num_kv_heads).index_put_((slots,), scale)
 
 
 def gather_kv(cache: LayerKVCache, block_ids: torch.Tensor, length: int, dtype: torch.dtype):
@@ -196,19 +226,29 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
 def decode_attention_torch(
     q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
-    """Decode-only batch (one query per sequence), vectorized over the batch: the CPU fast path."""
-    batch = q.shape[0]
-    max_blocks = -(-meta.max_seq_len // cache.block_size)
-    block_ids = meta.block_tables[:, :max_blocks].long()
-    k, v = gather_kv(cache, block_ids.flatten(), batch * max_blocks * cache.block_size, q.dtype)
-    k = k.view(batch, -1, *k.shape[1:]).transpose(1, 2)  # [B, Hk, L, D]
-    v = v.view(batch, -1, *v.shape[1:]).transpose(1, 2)
-    positions = torch.arange(k.shape[2], device=q.device)
-    mask = (positions.unsqueeze(0) < meta.seq_lens.unsqueeze(1).to(q.device))[:, None, None, :]
-    out = F.scaled_dot_product_attention(
-        q.unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
-    )
-    return out.squeeze(2)
+    """Decode-only batch (one query per sequence), vectorized over the batch: the CPU fast path.
+
+    Each query head group meets its KV head in a [G, D] x [D, L] matmul (GQA by reshape, no
+    repeated K/V); padding past shorter sequences is masked. Computed in float32 whatever the
+    model dtype: on the CPU float32 small matmuls are faster than bfloat16 ones, and exact-er.
+    """
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = cache.k.shape[2]
+    slots, mask = step_indices(meta).decode_gather(cache.block_size)  # [B * L], [B, 1, 1, L]
+    k, v = (_gather_slots(pool, pool_scale, slots).view(batch, -1, num_kv_heads, head_dim)
+            for pool, pool_scale in ((cache.k, cache.k_scale), (cache.v, cache.v_scale)))
+    grouped = q.float().view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim) * scale
+    scores = torch.matmul(grouped, k.permute(0, 2, 3, 1))  # [B, Hk, G, L]
+    out = torch.matmul((scores + mask).softmax(dim=-1), v.transpose(1, 2))  # [B, Hk, G, D]
+    return out.view(batch, num_heads, head_dim).to(q.dtype)
+
+
+def _gather_slots(pool: torch.Tensor, scale: torch.Tensor | None, slots: torch.Tensor) -> torch.Tensor:
+    """Token slots' K or V rows [len(slots), Hk, D] in float32."""
+    rows = pool.view(-1, *pool.shape[2:]).index_select(0, slots).float()
+    if scale is None:
+        return rows
+    return rows * scale.view(-1, scale.shape[2]).index_select(0, slots).unsqueeze(-1)
 
 
 def paged_attention_torch(
@@ -217,3 +257,59 @@ def paged_attention_torch(
     if meta.is_decode_only:
         return decode_attention_torch(q, cache, meta, scale)
     return paged_attention_reference(q, cache, meta, scale)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE as x * cos + swap_halves(x) * sin, with StepIndices.rope's full-width cos and signed sin
+    ([T, 1, D]): the reference's arithmetic in three ops instead of a dozen. Float32 result."""
+    x = x.float()
+    swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)  # (x2, x1)
+    return torch.addcmul(x * cos, swapped, sin)
+
+
+def step_indices(meta: AttentionMetadata) -> StepIndices:
+    """The step's indices; a metadata object that never went through a forward gets its own."""
+    if meta.step_indices is None:
+        meta.step_indices = StepIndices(meta)
+    return meta.step_indices
+
+
+class StepIndices:
+    """What the torch path derives from a step's inputs, computed by the first layer that asks."""
+
+    def __init__(self, meta: AttentionMetadata):
+        self.meta = meta
+        self._rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._write: tuple[torch.Tensor | None, torch.Tensor] | None = None
+        self._decode: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def rope(self, positions: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """([T, 1, D] cos | cos, [T, 1, D] -sin | sin) at `positions` (every layer passes the same ones)."""
+        if self._rope is None or self._rope[0] is not positions or self._rope[1] is not table:
+            cos, sin = table[positions].unsqueeze(1).chunk(2, dim=-1)
+            self._rope = (positions, table, torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1))
+        return self._rope[2], self._rope[3]
+
+    def write(self) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(token rows whose K/V are written, None for all; their int64 slots). -1 marks padding."""
+        if self._write is None:
+            slots = self.meta.slot_mapping.long()
+            keep = slots >= 0
+            self._write = (None, slots) if bool(keep.all()) else (keep.nonzero().squeeze(1), slots[keep])
+        return self._write
+
+    def decode_gather(self, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decode steps: the slots of every sequence's context tokens, padded to the longest (L),
+        flattened [B * L]; and the additive mask [B, 1, 1, L] hiding the padding. Lengths come from
+        the device tensor (a decode graph's host lengths are placeholders), so a graph's padded
+        batch computes exactly what the eager batch does."""
+        if self._decode is None:
+            meta = self.meta
+            positions = torch.arange(int(meta.seq_lens.max()), device=meta.block_tables.device)
+            blocks = meta.block_tables[:, positions // block_size].long()
+            padding = positions >= meta.seq_lens.unsqueeze(1)
+            # Padding slots read slot 0 (a table's entries past its blocks may be anything); masked.
+            slots = (blocks * block_size + positions % block_size).masked_fill(padding, 0)  # [B, L]
+            mask = torch.zeros_like(padding, dtype=torch.float32).masked_fill(padding, float("-inf"))
+            self._decode = (slots.flatten(), mask[:, None, None, :])
+        return self._decode

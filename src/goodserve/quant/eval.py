@@ -96,6 +96,9 @@ class RunResult:
 LOSS_BUDGETS = {
     ("quantization", "int8"): (0.01, 0.04, 0.45),
     ("quantization", "int4"): (0.10, 0.18, 0.80),
+    # The file's own weights (the baseline dequantizes the same codes); decode rounds the int4
+    # kernel's inputs and outputs to bf16, which can flip near-ties.
+    ("quantization", "gguf"): (0.0, 0.02, 0.20),
     ("kv_cache_dtype", "int8"): (0.01, 0.03, 0.30),
     ("kv_cache_dtype", "fp8"): (0.03, 0.06, 0.45),
 }

@@ -165,9 +165,13 @@ class Int4Linear(_QuantizedLinear):
         # The kernels' own weight layouts, built on first use and not part of the state dict (a
         # checkpoint keeps our codes). Keyed by the buffers' versions and addresses, so a
         # load_state_dict (in-place copy) or a move to another device rebuilds them.
-        self._cpu_layout: tuple[tuple[int, ...], torch.Tensor, torch.Tensor] | None = None
+        self._cpu_layout: tuple[tuple, torch.Tensor, torch.Tensor] | None = None
         self._tinygemm: tuple[tuple[int, ...], torch.Tensor, torch.Tensor] | None = None
         self.tinygemm_disabled = False  # set for good once tinygemm fails here; Triton serves instead
+        # CPU decode: run torch's packed kernel on bfloat16-rounded rows whatever the activation
+        # dtype. Its float32 / float16 variants are scalar loops (~20x slower on an AVX-512 EPYC,
+        # docs/quantization.md); the GGUF layers (quant/gguf_native.py) turn this on.
+        self.bf16_cpu_kernel = False
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group_size: int = 128) -> Int4Linear:
@@ -249,14 +253,17 @@ class Int4Linear(_QuantizedLinear):
     def _cpu_packed_matmul(self, rows: torch.Tensor) -> torch.Tensor:
         if self.out_features % INT4_CPU_N_MULTIPLE:
             return self._dequantized_matmul(rows)
-        packed, scales_and_zeros = self._cpu_kernel_layout()
-        return torch._weight_int4pack_mm_for_cpu(rows.contiguous(), packed, self.group_size,
-                                                 scales_and_zeros.to(rows.dtype))
+        dtype = torch.bfloat16 if self.bf16_cpu_kernel else rows.dtype
+        packed, scales_and_zeros = self._cpu_kernel_layout(dtype)
+        y = torch._weight_int4pack_mm_for_cpu(rows.to(dtype).contiguous(), packed, self.group_size, scales_and_zeros)
+        return y.to(rows.dtype)
 
-    def _cpu_kernel_layout(self) -> tuple[torch.Tensor, torch.Tensor]:
-        key = self._codes_key()
+    def _cpu_kernel_layout(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The kernel's packed codes and its [G, N, 2] scales and zeros, in the activation dtype it
+        takes them in (converted once, not per call: for a large layer that costs milliseconds)."""
+        key = (*self._codes_key(), dtype)
         if self._cpu_layout is None or self._cpu_layout[0] != key:
             codes = schemes.unpack_int4(self.qweight).to(torch.int32)
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
-            self._cpu_layout = (key, packed, int4_scales_and_zeros(self.scales, self.zeros))
+            self._cpu_layout = (key, packed, int4_scales_and_zeros(self.scales, self.zeros).to(dtype))
         return self._cpu_layout[1], self._cpu_layout[2]

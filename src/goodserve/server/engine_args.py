@@ -35,6 +35,8 @@ _HELP = {
     "max_wait_ms": "dynamic batching: how long a partial batch waits to fill",
     "enforce_eager": "no CUDA graphs",
     "async_scheduling": "launch decode step N+1 before step N's tokens reach the host (CUDA graphs only)",
+    "quantization": "weight-only int8 / int4 computed at load, or gguf: run a GGUF file's own Q4_0 / Q4_1 / Q8_0 "
+                    "weights as they are (docs/quantization.md) (default: None)",
     "quantize_lm_head": "with --quantization (or a checkpoint made with it): lm_head in int8 too (default: False)",
     "tokenizer": "tokenizer path, when it differs from the model's",
 }
