@@ -7,6 +7,8 @@ Parts (run any subset, in one process, with --parts):
   throughput  500 requests, ShareGPT-like lengths (input mean ~200, output mean ~180, ignore_eos),
               all at once: requests/s, output tok/s; also every output fixed at 180 (the peer's shape)
   sharegpt    only the ShareGPT-like run of `throughput`
+  profile_sharegpt  the ShareGPT-like run under torch.profiler: device time per kernel over the
+              whole run (with :nopdl, so a kernel's time excludes waiting for its predecessor)
   nano        256 requests, input and output lengths uniform in 100..1024 (nano-vllm's workload)
   peer        Hugging Face transformers on the same shape: generate() at batch 1 (eager) and
               generate_batch (continuous batching, paged attention) on the fixed-180 workload
@@ -278,6 +280,31 @@ def part_profile_mixed(model: str, num_batched_tokens: int, max_num_seqs: int) -
     free_gpu()
 
 
+def part_profile_sharegpt(model: str, num_batched_tokens: int, max_num_seqs: int) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    llm = LLM(model, device="cuda", max_num_seqs=max_num_seqs, max_num_batched_tokens=num_batched_tokens)
+    inputs, outputs = sharegpt_like_lengths(500)
+    prompts = random_prompts(inputs)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in outputs]
+    llm.generate(prompts[:8], params[:8])  # warm-up
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        llm.generate(prompts, params)
+        wall = time.perf_counter() - start
+    kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    busy_us = sum(e.self_device_time_total for e in kernels)
+    top = sorted(kernels, key=lambda e: -e.self_device_time_total)[:40]
+    results["profile_sharegpt"] = {
+        "wall_s": wall, "kernel_busy_s": busy_us / 1e6,
+        "kernels": [{"name": e.key[:90], "total_ms": e.self_device_time_total / 1e3, "calls": e.count,
+                     "mean_us": e.self_device_time_total / max(e.count, 1)} for e in top]}
+    for row in results["profile_sharegpt"]["kernels"]:
+        print(f"{row['total_ms']:10.1f} ms {row['calls']:8d} {row['mean_us']:9.1f} us  {row['name']}")
+    del llm
+    free_gpu()
+
+
 # ---- peer ----------------------------------------------------------------------------------
 def part_peer(model: str) -> None:
     import transformers
@@ -351,6 +378,8 @@ def main() -> None:
              "throughput": lambda: part_throughput(args.model, args.max_num_batched_tokens, args.max_num_seqs),
              "sharegpt": lambda: part_throughput(args.model, args.max_num_batched_tokens, args.max_num_seqs, True),
              "peer": lambda: part_peer(args.model),
+             "profile_sharegpt": lambda: part_profile_sharegpt(args.model, args.max_num_batched_tokens,
+                                                               args.max_num_seqs),
              "profile_mixed": lambda: part_profile_mixed(args.model, args.max_num_batched_tokens, args.max_num_seqs),
              "int8": lambda: part_decode(bandwidth, args.model, "int8"),
              "int4": lambda: part_decode(bandwidth, args.model, "int4"),
