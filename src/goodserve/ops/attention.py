@@ -185,15 +185,8 @@ def write_kv_slots(k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache, rows: 
 
 def gather_kv(cache: LayerKVCache, block_ids: torch.Tensor, length: int, dtype: torch.dtype):
     """The first `length` tokens' K and V of one sequence, [length, Hk, D], dequantized to dtype."""
-
-    # index_select, not pool[block_ids]: on the CPU it gathers blocks several times faster.
-    def gather(pool: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-        x = pool.index_select(0, block_ids).flatten(0, 1)[:length]
-        if scale is None:
-            return x.to(dtype)
-        return (x.float() * scale.index_select(0, block_ids).flatten(0, 1)[:length].unsqueeze(-1)).to(dtype)
-
-    return gather(cache.k, cache.k_scale), gather(cache.v, cache.v_scale)
+    return tuple(gather_blocks(pool, scale, block_ids).flatten(0, 1)[:length].to(dtype)
+                 for pool, scale in ((cache.k, cache.k_scale), (cache.v, cache.v_scale)))
 
 
 def paged_attention_reference(
@@ -228,27 +221,32 @@ def decode_attention_torch(
 ) -> torch.Tensor:
     """Decode-only batch (one query per sequence), vectorized over the batch: the CPU fast path.
 
-    Each query head group meets its KV head in a [G, D] x [D, L] matmul (GQA by reshape, no
-    repeated K/V); padding past shorter sequences is masked. Computed in float32 whatever the
-    model dtype: on the CPU float32 small matmuls are faster than bfloat16 ones, and exact-er.
+    K/V are gathered block by block (whole blocks copy fast; token-sized rows do not) into
+    [B, L, Hk, D], L the longest context rounded up to blocks, the rest masked. One sequence: each
+    query head group meets its KV head in a [G, D] x [D, L] bmm on strided views (GQA by reshape,
+    scale and mask folded into baddbmm), cheaper than SDPA's setup at this size. Several: SDPA,
+    which reads the strided views without copying them. Float32 whatever the model dtype: on the
+    CPU float32 small matmuls are faster than bfloat16 ones, and more exact.
     """
     batch, num_heads, head_dim = q.shape
     num_kv_heads = cache.k.shape[2]
-    slots, mask = step_indices(meta).decode_gather(cache.block_size)  # [B * L], [B, 1, 1, L]
-    k, v = (_gather_slots(pool, pool_scale, slots).view(batch, -1, num_kv_heads, head_dim)
+    block_ids, mask = step_indices(meta).decode_gather(cache.block_size)  # [B * blocks], [B, 1, 1, L]
+    k, v = (gather_blocks(pool, pool_scale, block_ids).view(batch, -1, num_kv_heads, head_dim)
             for pool, pool_scale in ((cache.k, cache.k_scale), (cache.v, cache.v_scale)))
-    grouped = q.float().view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim) * scale
-    scores = torch.matmul(grouped, k.permute(0, 2, 3, 1))  # [B, Hk, G, L]
-    out = torch.matmul((scores + mask).softmax(dim=-1), v.transpose(1, 2))  # [B, Hk, G, D]
-    return out.view(batch, num_heads, head_dim).to(q.dtype)
+    if batch > 1:
+        out = F.scaled_dot_product_attention(q.float().unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2),
+                                             attn_mask=mask, scale=scale, enable_gqa=num_heads != num_kv_heads)
+        return out.squeeze(2).to(q.dtype)
+    grouped = q.float().view(num_kv_heads, num_heads // num_kv_heads, head_dim)
+    scores = torch.baddbmm(mask[0], grouped, k[0].permute(1, 2, 0), alpha=scale)  # [Hk, G, L]
+    return torch.bmm(scores.softmax(dim=-1), v[0].transpose(0, 1)).view(1, num_heads, head_dim).to(q.dtype)
 
 
-def _gather_slots(pool: torch.Tensor, scale: torch.Tensor | None, slots: torch.Tensor) -> torch.Tensor:
-    """Token slots' K or V rows [len(slots), Hk, D] in float32."""
-    rows = pool.view(-1, *pool.shape[2:]).index_select(0, slots).float()
-    if scale is None:
-        return rows
-    return rows * scale.view(-1, scale.shape[2]).index_select(0, slots).unsqueeze(-1)
+def gather_blocks(pool: torch.Tensor, scale: torch.Tensor | None, block_ids: torch.Tensor) -> torch.Tensor:
+    """Blocks' K or V [len(block_ids), block_size, Hk, D] in float32, dequantized."""
+    # index_select, not pool[block_ids]: on the CPU it gathers blocks several times faster.
+    rows = pool.index_select(0, block_ids).float()
+    return rows if scale is None else rows * scale.index_select(0, block_ids).unsqueeze(-1)
 
 
 def paged_attention_torch(
@@ -299,17 +297,16 @@ class StepIndices:
         return self._write
 
     def decode_gather(self, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Decode steps: the slots of every sequence's context tokens, padded to the longest (L),
-        flattened [B * L]; and the additive mask [B, 1, 1, L] hiding the padding. Lengths come from
-        the device tensor (a decode graph's host lengths are placeholders), so a graph's padded
+        """Decode steps: every sequence's context blocks, as many as the longest needs (the rest
+        of a shorter table is read and masked), flattened [B * blocks]; and the additive mask
+        [B, 1, 1, blocks * block_size] hiding slots past each context. Lengths come from the
+        device tensor (a decode graph's host lengths are placeholders), so a graph's padded
         batch computes exactly what the eager batch does."""
         if self._decode is None:
             meta = self.meta
-            positions = torch.arange(int(meta.seq_lens.max()), device=meta.block_tables.device)
-            blocks = meta.block_tables[:, positions // block_size].long()
+            num_blocks = -(-int(meta.seq_lens.max()) // block_size)
+            positions = torch.arange(num_blocks * block_size, device=meta.block_tables.device)
             padding = positions >= meta.seq_lens.unsqueeze(1)
-            # Padding slots read slot 0 (a table's entries past its blocks may be anything); masked.
-            slots = (blocks * block_size + positions % block_size).masked_fill(padding, 0)  # [B, L]
             mask = torch.zeros_like(padding, dtype=torch.float32).masked_fill(padding, float("-inf"))
-            self._decode = (slots.flatten(), mask[:, None, None, :])
+            self._decode = (meta.block_tables[:, :num_blocks].flatten().long(), mask[:, None, None, :])
         return self._decode
