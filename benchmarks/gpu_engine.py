@@ -13,8 +13,7 @@ Parts (run any subset, in one process, with --parts):
   peer        Hugging Face transformers on the same shape: generate() at batch 1 (eager) and
               generate_batch (continuous batching, paged attention) on the fixed-180 workload
 A part may carry variants after colons, measured in the same process: `decode:nopdl` runs it
-with programmatic dependent launch off (ops/pdl.py), `sharegpt:nobalance` without splitting long
-sequences' decode attention at full batches, `decode:cublasqkv` with qkv_proj on cuBLAS
+with programmatic dependent launch off (ops/pdl.py), `decode:cublasqkv` with qkv_proj on cuBLAS
 (not the Triton GEMV, ops/gemv_linear.py); their results get the variant appended to their keys.
 Writes $OUT/gpu_engine.json and prints a summary table last.
 """
@@ -31,7 +30,7 @@ import numpy as np
 import torch
 
 from goodserve import LLM, SamplingParams
-from goodserve.ops import pdl, triton_attention, triton_gemv
+from goodserve.ops import pdl, triton_gemv
 from goodserve.quant import linear
 
 DEFAULT_INT4_TINYGEMM_MAX_M = linear.INT4_TINYGEMM_MAX_M
@@ -371,7 +370,6 @@ def main() -> None:
             results.clear()
         try:
             pdl.set_pdl("nopdl" not in variants)
-            triton_attention.BALANCE_LONG_SEQUENCES = "nobalance" not in variants
             triton_gemv.TUNED_CONFIGS.clear()
             triton_gemv.TUNED_CONFIGS.update({key: config for key, config in TUNED_CONFIGS.items()
                                               if not ("cublasqkv" in variants and key[0] == "dense"

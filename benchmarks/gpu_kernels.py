@@ -42,7 +42,7 @@ from goodserve.ops.attention import (  # noqa: E402
 from goodserve.ops.norm import add_rms_norm_torch  # noqa: E402
 from goodserve.ops.rotary import cos_sin_cache  # noqa: E402
 from goodserve.ops.triton_attention import (  # noqa: E402
-    DECODE_TUNING, decode_splits, triton_decode_attention, triton_prefill_attention, triton_rotary_write_kv,
+    DECODE_TUNING, default_num_splits, triton_decode_attention, triton_prefill_attention, triton_rotary_write_kv,
 )
 from goodserve.ops.triton_ops import triton_add_rms_norm, triton_argmax, triton_silu_and_mul  # noqa: E402
 
@@ -182,8 +182,8 @@ def bench_decode(bw: float, batches: list[int], contexts: list[int]) -> None:
             err = rel_err(call(), decode_reference(q, cache, meta))
             torch_ms = bench_ms(lambda: decode_attention_torch(q, cache, meta, D**-0.5)) \
                 if batch * ctx <= 8 * 8192 else None
-            splits, _ = decode_splits(batch, HK, meta.block_tables.shape[1] * BLOCK, DEVICE,
-                                      DECODE_TUNING["SPLIT_KEYS"])
+            splits = default_num_splits(batch, HK, meta.block_tables.shape[1] * BLOCK, DEVICE,
+                                        DECODE_TUNING["SPLIT_KEYS"])
             record("decode", f"B={batch} ctx={ctx} splits={splits}", bench_ms(call), kv_bytes(cache, batch * ctx), bw,
                    err, torch_ms, graph_us=graph_us(call))
             del q, cache, meta
@@ -207,7 +207,7 @@ def bench_decode_graph_layout(bw: float, sweep: bool) -> None:
         ref = decode_reference(q, cache, meta)
         for tuning in tunings:
             call = decode_call(q, cache, meta, tuning)
-            splits, _ = decode_splits(batch, HK, GRAPH_MAX_LEN, DEVICE, {**DECODE_TUNING, **tuning}["SPLIT_KEYS"])
+            splits = default_num_splits(batch, HK, GRAPH_MAX_LEN, DEVICE, {**DECODE_TUNING, **tuning}["SPLIT_KEYS"])
             label = " ".join(f"{k}={v}" for k, v in tuning.items()) or "default"
             record("decode-graph" if not tuning else "decode-graph-tune", f"B={batch} ctx={ctx} s{splits} {label}",
                    bench_ms(call), kv_bytes(cache, batch * ctx), bw, rel_err(call(), ref), graph_us=graph_us(call),

@@ -292,32 +292,21 @@ def _arrival_counters(device: torch.device, count: int) -> torch.Tensor:
     return torch.zeros(count, dtype=torch.int32, device=device)
 
 
-# Once one program per (sequence, KV head) fills the GPU twice over, sequences longer than
-# FULL_GPU_SPLIT_KEYS still split (into at most FULL_GPU_SPLITS): in a batch of mixed lengths the
-# long ones' programs would otherwise run on alone after the short ones' waves.
-FULL_GPU_SPLITS, FULL_GPU_SPLIT_KEYS = 4, 256
-BALANCE_LONG_SEQUENCES = True
-
-
-def decode_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.device,
-                  split_keys: int) -> tuple[int, int]:
-    """(splits, fewest keys a split takes), from shapes only (so a captured graph stays valid):
-    splits that fill the GPU about twice over, or FULL_GPU_SPLITS long-sequence splits once it is.
+def default_num_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.device,
+                       split_keys: int) -> int:
+    """Splits that fill the GPU about twice over, from shapes only (so a captured graph stays valid).
 
     max_context is the block table's capacity, not any sequence's length: the kernel sizes each
     launch's splits from the actual lengths, so a generous count costs short contexts nothing.
     """
     if device.type != "cuda":
-        return 1, split_keys
-    if BALANCE_LONG_SEQUENCES and batch * num_kv_heads >= 2 * _num_sms(device.index or 0):
-        by_length = triton.cdiv(max_context, FULL_GPU_SPLIT_KEYS)
-        return min(FULL_GPU_SPLITS, triton.next_power_of_2(by_length)), FULL_GPU_SPLIT_KEYS
+        return 1
     # Alone, filling it once was faster from batch 4 to 32 at 500-1000 keys (H100,
     # benchmarks/results/gpu_kernels_decode_sweep_h100.json); inside the engine's ShareGPT-like run
     # it was slower (decode steps at batch 9-64: 7.66 against 7.45 ms), so twice over stays.
     wanted = triton.cdiv(2 * _num_sms(device.index or 0), batch * num_kv_heads)
     by_length = triton.cdiv(max_context, split_keys)
-    return min(triton.next_power_of_2(wanted), 32, triton.next_power_of_2(by_length)), split_keys
+    return min(triton.next_power_of_2(wanted), 32, triton.next_power_of_2(by_length))
 
 
 # Launch settings on sm_90; `tuning` overrides them. SPLIT_KEYS: the fewest keys a decode split takes.
@@ -340,10 +329,9 @@ def triton_decode_attention(q: torch.Tensor, cache, block_tables: torch.Tensor, 
     num_kv_heads, block_size = cache.k.shape[2], cache.k.shape[1]
     group = num_q_heads // num_kv_heads
     tune = _tuning(q, DECODE_TUNING, tuning)
-    split_keys = tune["SPLIT_KEYS"]
     if num_splits is None:
-        num_splits, split_keys = decode_splits(batch, num_kv_heads, block_tables.shape[1] * block_size, q.device,
-                                               split_keys)
+        num_splits = default_num_splits(batch, num_kv_heads, block_tables.shape[1] * block_size, q.device,
+                                        tune["SPLIT_KEYS"])
     assert num_splits & (num_splits - 1) == 0, "num_splits must be a power of two"
     out = torch.empty_like(q)
     part_out = part_lse = arrivals = out  # unused when num_splits == 1
@@ -357,7 +345,7 @@ def triton_decode_attention(q: torch.Tensor, cache, block_tables: torch.Tensor, 
         block_tables, seq_lens, scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), block_tables.stride(1), num_kv_heads, head_dim,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_N=tune["BLOCK_N"], BLOCK_SIZE=block_size, SPLIT_KEYS=split_keys, NUM_SPLITS=num_splits,
+        BLOCK_N=tune["BLOCK_N"], BLOCK_SIZE=block_size, SPLIT_KEYS=tune["SPLIT_KEYS"], NUM_SPLITS=num_splits,
         KV_QUANT=_kv_quant(cache), UPCAST_DOT=not q.is_cuda, DOT_PRECISION=_dot_precision(q.dtype),
         num_warps=tune["num_warps"], num_stages=tune["num_stages"], **pdl_launch(q),
     )
