@@ -99,6 +99,19 @@ def test_logprobs_match_transformers(embedded_llm, hf_embedded):
         assert logprob == pytest.approx(reference[len(ids) - 1 + i, token].item(), abs=1e-3)
 
 
+def test_prompt_logprobs_ignore_a_cached_prefix(embedded_llm):
+    """Cached blocks hold K/V, not logits: a prompt-logprobs request recomputes its whole prompt."""
+    ids = embedded_llm.tokenizer.encode("A prompt long enough to fill more than one block of sixteen tokens, twice over.")
+    params = SamplingParams(max_tokens=1, prompt_logprobs=1)
+    embedded_llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1))  # caches its blocks
+    cached = embedded_llm.generate({"prompt_token_ids": ids}, params)[0]
+    fresh = LLM("smollm2-135m", enable_prefix_caching=False).generate({"prompt_token_ids": ids}, params)[0]
+    assert cached.num_cached_tokens == 0
+    for got, want in zip(cached.prompt_logprobs[1:], fresh.prompt_logprobs[1:]):
+        assert got.keys() == want.keys()
+        assert all(got[t].logprob == pytest.approx(want[t].logprob, abs=1e-4) for t in got)
+
+
 def test_seeded_sampling_reproducible(embedded_llm):
     params = SamplingParams(temperature=1.0, top_p=0.9, seed=123, max_tokens=10)
     first = embedded_llm.generate("Tell me a joke", params)[0].outputs[0].token_ids

@@ -10,17 +10,16 @@ The Triton kernels (ops/triton_attention.py) compute the same function; this fil
 the CPU path, and the dispatch between the two (`set_attention_backend`). The model calls one entry
 point per layer, `attention` (RoPE, cache write, attention). Its torch path is the CPU's: a CPU step
 of a 135M model is mostly per-op dispatch cost (30 layers x dozens of tiny ops), so what depends
-only on the step (RoPE rows, write slots, gather indices) is derived once per step (`StepIndices`)
-and decode attention is two small matmuls over one gather, not SDPA with a mask.
+only on the step (RoPE rows, write slots, gather indices) is derived once per step (`StepIndices`),
+and one sequence's decode attention is two small matmuls over one block gather, not masked SDPA.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import importlib.util
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -54,7 +53,7 @@ class AttentionMetadata:
 
     def for_new_step(self) -> AttentionMetadata:
         """This metadata with empty per-step indices, for one forward pass."""
-        return dataclasses.replace(self, step_indices=StepIndices(self))
+        return replace(self, step_indices=StepIndices(self))
 
     @property
     def is_decode_only(self) -> bool:
