@@ -43,6 +43,25 @@ def test_cpu_forward_matches_dequantized_linear(rows, out_features, make, float_
     assert (out - lin(x)).abs().max() < float_tolerance
 
 
+@pytest.mark.parametrize("rows", [1, 5, qlinear.CPU_BF16_KERNEL_MAX_M, qlinear.CPU_BF16_KERNEL_MAX_M + 1])
+def test_bf16_kernel_layers_take_decode_batches_and_dequantize_longer_calls(monkeypatch, rows):
+    """GGUF layers (bf16_cpu_kernel) send up to CPU_BF16_KERNEL_MAX_M rows to the int4 kernel on
+    bf16-rounded rows; longer calls (prefill chunks) stay exact."""
+    torch.manual_seed(rows)
+    module = Int4Linear.from_linear(nn.Linear(96, 48, bias=False), 32)
+    module.bf16_cpu_kernel = True
+    paths = []
+    for name in ("_cpu_packed_matmul", "_dequantized_matmul"):
+        method = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda x, name=name, method=method: paths.append(name) or method(x))
+    x = torch.randn(rows, 96)
+    out = module(x)
+    kernel = rows <= qlinear.CPU_BF16_KERNEL_MAX_M
+    assert paths == ["_cpu_packed_matmul" if kernel else "_dequantized_matmul"]
+    tolerance = 3e-2 if kernel else 1e-4  # bf16 rows, scales and output on the kernel path
+    torch.testing.assert_close(out, _reference(module, x), rtol=tolerance, atol=tolerance)
+
+
 @pytest.mark.parametrize("make", [Int8Linear.from_linear, lambda lin: Int4Linear.from_linear(lin, 32)])
 def test_many_rows_dequantize_a_block_of_output_rows_at_a_time(monkeypatch, make):
     """An int8 lm_head would be 1 GB in bf16: the dequantize path bounds its float copy."""

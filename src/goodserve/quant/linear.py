@@ -29,6 +29,10 @@ from goodserve.quant import schemes
 logger = logging.getLogger("goodserve.quant")
 
 CPU_PACKED_MAX_M = 2
+# The int4 CPU kernel on bfloat16 rows (Int4Linear.bf16_cpu_kernel) stays ahead of dequantizing
+# far longer: at 32 rows smollm2's gate_up took 0.85 ms against 10 ms, and the two met near 512.
+# Up to a decode batch's size only, so prefill chunks keep the exact float path.
+CPU_BF16_KERNEL_MAX_M = 64
 # On CUDA the fused dequantize kernels win while the weight read dominates (measured on an H100,
 # benchmarks/results/gpu_quant_kernels_h100.json); for larger batches (prefill, big decode
 # batches) dequantizing once and calling cuBLAS is several times faster.
@@ -68,13 +72,18 @@ class _QuantizedLinear(nn.Module):
         rows = x.reshape(-1, self.in_features)
         if x.is_cuda and rows.shape[0] <= CUDA_KERNEL_MAX_M:
             y = self._cuda_matmul(rows)
-        elif rows.shape[0] <= CPU_PACKED_MAX_M:
+        elif rows.shape[0] <= self.cpu_packed_max_m:
             y = self._cpu_packed_matmul(rows)
         else:
             y = self._dequantized_matmul(rows)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
+
+    @property
+    def cpu_packed_max_m(self) -> int:
+        """The most rows a CPU call sends to the packed kernel rather than dequantizing."""
+        return CPU_PACKED_MAX_M
 
     def _dequantized_matmul(self, rows: torch.Tensor) -> torch.Tensor:
         chunk = max(1, DEQUANT_CHUNK_BYTES // (self.in_features * rows.element_size()))
@@ -249,6 +258,10 @@ class Int4Linear(_QuantizedLinear):
         self._tinygemm = None
         _warn_once(f"int4 tinygemm kernel unavailable ({type(exc).__name__}: {exc}); "
                    "using the Triton int4 kernels instead")
+
+    @property
+    def cpu_packed_max_m(self) -> int:
+        return CPU_BF16_KERNEL_MAX_M if self.bf16_cpu_kernel else CPU_PACKED_MAX_M
 
     def _cpu_packed_matmul(self, rows: torch.Tensor) -> torch.Tensor:
         if self.out_features % INT4_CPU_N_MULTIPLE:
