@@ -303,7 +303,8 @@ def default_num_splits(batch: int, num_kv_heads: int, max_context: int, device: 
         return 1
     # Alone, filling it once was faster from batch 4 to 32 at 500-1000 keys (H100,
     # benchmarks/results/gpu_kernels_decode_sweep_h100.json); inside the engine's ShareGPT-like run
-    # it was slower (decode steps at batch 9-64: 7.66 against 7.45 ms), so twice over stays.
+    # it was slower (decode steps at batch 9-64: 7.66 ms in gpu_engine_routing_h100.json against
+    # 7.45 in gpu_engine_pdl_h100.json, two calls on the same card kind), so twice over stays.
     wanted = triton.cdiv(2 * _num_sms(device.index or 0), batch * num_kv_heads)
     by_length = triton.cdiv(max_context, split_keys)
     return min(triton.next_power_of_2(wanted), 32, triton.next_power_of_2(by_length))

@@ -30,7 +30,8 @@ logger = logging.getLogger("goodserve.quant")
 
 CPU_PACKED_MAX_M = 2
 # The int4 CPU kernel on bfloat16 rows (Int4Linear.bf16_cpu_kernel) stays ahead of dequantizing
-# far longer: at 32 rows smollm2's gate_up took 0.85 ms against 10 ms, and the two met near 512.
+# far longer: at 32 rows smollm2's gate_up took 0.69 ms against 3.2 ms, and the two met near 512
+# (benchmarks/results/cpu_quant_linear.json).
 # Up to a decode batch's size only, so prefill chunks keep the exact float path.
 CPU_BF16_KERNEL_MAX_M = 64
 # On CUDA the fused dequantize kernels win while the weight read dominates (measured on an H100,
