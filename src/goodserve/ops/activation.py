@@ -3,6 +3,7 @@
 import torch
 import torch.nn.functional as F
 
+from goodserve.native import layer_ops
 from goodserve.ops.attention import use_triton
 
 
@@ -11,6 +12,8 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         from goodserve.ops.triton_ops import triton_silu_and_mul
 
         return triton_silu_and_mul(gate_up)
+    if layer_ops.usable(gate_up):  # CPU float32: one native call (native/layer_ops.cpp)
+        return layer_ops.silu_and_mul(gate_up)
     return silu_and_mul_torch(gate_up)
 
 

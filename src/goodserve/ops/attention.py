@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.nn.functional as F
 
+from goodserve.native import layer_ops
 from goodserve.ops.rotary import apply_rotary_torch
 
 INT8_MAX = 127.0
@@ -122,11 +123,21 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torc
     if use_triton(q):
         rotary_write_kv(q, k, v, positions, rotary_cache, cache, meta.slot_mapping)
         return paged_attention(q, cache, meta, scale)
+    if native_attention_usable(q, cache):
+        layer_ops.rope_write_kv(q, k, v, positions, rotary_cache, cache.k, cache.v, meta.slot_mapping)
+        if meta.is_decode_only:
+            return layer_ops.decode_attention(q, cache.k, cache.v, meta.block_tables, meta.seq_lens, scale)
+        return paged_attention_reference(q, cache, meta, scale)
     indices = step_indices(meta)
     cos, sin = indices.rope(positions, rotary_cache)
     q.copy_(rotate(q, cos, sin))
     write_kv_slots(rotate(k, cos, sin), v, cache, *indices.write())
     return paged_attention_torch(q, cache, meta, scale)
+
+
+def native_attention_usable(q: torch.Tensor, cache: LayerKVCache) -> bool:
+    """The native CPU kernels (native/): float32 queries and K/V pools, head_dim a multiple of 16."""
+    return cache.k_scale is None and q.shape[-1] % 16 == 0 and layer_ops.usable(q, cache.k)
 
 
 def rotary_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,

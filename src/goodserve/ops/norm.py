@@ -1,13 +1,15 @@
 """RMSNorm, optionally fused with the residual add that precedes it.
 
-The *_torch functions are the references and the CPU path; rms_norm / add_rms_norm dispatch to the
-Triton kernels (ops/triton_ops.py) where ops.attention.use_triton says so.
+The *_torch functions are the references; rms_norm / add_rms_norm dispatch to the Triton kernels
+(ops/triton_ops.py) where ops.attention.use_triton says so, and on the CPU in float32 to the native
+kernel (native/layer_ops.cpp: one call instead of about eight torch ops).
 """
 
 from __future__ import annotations
 
 import torch
 
+from goodserve.native import layer_ops
 from goodserve.ops.attention import use_triton
 
 
@@ -16,6 +18,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         from goodserve.ops.triton_ops import triton_rms_norm
 
         return triton_rms_norm(x, weight, eps)
+    if layer_ops.usable(x, weight):
+        return layer_ops.add_rms_norm(x, None, weight, eps)[0]
     return rms_norm_torch(x, weight, eps)
 
 
@@ -27,6 +31,8 @@ def add_rms_norm(
         from goodserve.ops.triton_ops import triton_add_rms_norm
 
         return triton_add_rms_norm(x, residual, weight, eps)
+    if layer_ops.usable(x, residual, weight):
+        return layer_ops.add_rms_norm(x, residual, weight, eps)
     return add_rms_norm_torch(x, residual, weight, eps)
 
 

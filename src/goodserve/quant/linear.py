@@ -6,8 +6,10 @@ forward(x) equals nn.Linear on the dequantized weight. Paths:
   its tensor-core tile layout.
 - CUDA otherwise (and int4 where tinygemm is missing or fails its first-use check): the Triton
   dequantize-GEMV / GEMM kernels (quant/triton_kernels.py, ops/triton_gemv.py).
-- CPU, few rows (decode): torch's packed-weight kernels (_weight_int8pack_mm,
-  _weight_int4pack_mm_for_cpu), which read the codes without materializing the weight.
+- CPU, few rows (decode): int4 takes goodserve's native kernel (native/int4_gemv.cpp: float32 rows
+  and output, up to CPU_NATIVE_MAX_M rows) where it built; otherwise, and for int8, torch's
+  packed-weight kernels (_weight_int8pack_mm, _weight_int4pack_mm_for_cpu). Both read the codes
+  without materializing the weight.
 - CPU, many rows (prefill), and CUDA past CUDA_KERNEL_MAX_M rows: dequantize, then a dense
   matmul; the dequantization is paid once per call and amortized over the rows, which beats the
   packed kernels there. It goes DEQUANT_CHUNK_BYTES of dequantized weight at a time, so a large
@@ -24,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from goodserve.native import int4_gemv
 from goodserve.quant import schemes
 
 logger = logging.getLogger("goodserve.quant")
@@ -34,6 +37,9 @@ CPU_PACKED_MAX_M = 2
 # (benchmarks/results/cpu_quant_linear.json).
 # Up to a decode batch's size only, so prefill chunks keep the exact float path.
 CPU_BF16_KERNEL_MAX_M = 64
+# The native int4 kernel (float32 rows) matched the bf16-row kernel at 64 rows on smollm2's layers
+# and beat it below (benchmarks/results/cpu_quant_linear.json); same decode-batch bound.
+CPU_NATIVE_MAX_M = 64
 # On CUDA the fused dequantize kernels win while the weight read dominates (measured on an H100,
 # benchmarks/results/gpu_quant_kernels_h100.json); for larger batches (prefill, big decode
 # batches) dequantizing once and calling cuBLAS is several times faster.
@@ -176,6 +182,7 @@ class Int4Linear(_QuantizedLinear):
         # checkpoint keeps our codes). Keyed by the buffers' versions and addresses, so a
         # load_state_dict (in-place copy) or a move to another device rebuilds them.
         self._cpu_layout: tuple[tuple, torch.Tensor, torch.Tensor] | None = None
+        self._native_layout: tuple[tuple, int4_gemv.Int4Layout] | None = None
         self._tinygemm: tuple[tuple[int, ...], torch.Tensor, torch.Tensor] | None = None
         self.tinygemm_disabled = False  # set for good once tinygemm fails here; Triton serves instead
         # CPU decode: run torch's packed kernel on bfloat16-rounded rows whatever the activation
@@ -262,15 +269,29 @@ class Int4Linear(_QuantizedLinear):
 
     @property
     def cpu_packed_max_m(self) -> int:
+        if self._native_kernel():
+            return CPU_NATIVE_MAX_M
         return CPU_BF16_KERNEL_MAX_M if self.bf16_cpu_kernel else CPU_PACKED_MAX_M
 
+    def _native_kernel(self) -> bool:
+        return self.qweight.device.type == "cpu" and int4_gemv.supports(self.in_features, self.group_size)
+
     def _cpu_packed_matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        if self._native_kernel():  # float32 in and out, whatever the activation dtype
+            return self._native_kernel_layout().matmul(rows.float()).to(rows.dtype)
         if self.out_features % INT4_CPU_N_MULTIPLE:
             return self._dequantized_matmul(rows)
         dtype = torch.bfloat16 if self.bf16_cpu_kernel else rows.dtype
         packed, scales_and_zeros = self._cpu_kernel_layout(dtype)
         y = torch._weight_int4pack_mm_for_cpu(rows.to(dtype).contiguous(), packed, self.group_size, scales_and_zeros)
         return y.to(rows.dtype)
+
+    def _native_kernel_layout(self) -> int4_gemv.Int4Layout:
+        key = self._codes_key()
+        if self._native_layout is None or self._native_layout[0] != key:
+            layout = int4_gemv.Int4Layout.from_codes(self.qweight, self.scales, self.zeros, self.group_size)
+            self._native_layout = (key, layout)
+        return self._native_layout[1]
 
     def _cpu_kernel_layout(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The kernel's packed codes and its [G, N, 2] scales and zeros, in the activation dtype it

@@ -1,0 +1,62 @@
+"""The native int4 GEMV (int4_gemv.cpp): float32 rows times Int4Linear's codes, float32 out.
+
+Its layout (tiles of 4 rows, each group's scales, zeros and codes side by side: one sequential
+stream per tile) is built once per layer from the canonical codes by `Int4Layout.from_codes` and
+cached by the layer, like torch's kernel layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from goodserve.native.build import library
+
+GROUP_SIZES = (32, 64, 128)  # the kernel unrolls each
+ROWS = 4  # weight rows per tile
+
+
+def supports(in_features: int, group_size: int) -> bool:
+    return group_size in GROUP_SIZES and in_features % group_size == 0 and library() is not None
+
+
+def chunk_nibbles(qweight: torch.Tensor) -> torch.Tensor:
+    """Our packed codes (byte j: column 2j low, 2j + 1 high) -> [N, K / 32, 16] chunks in which
+    byte j holds column j low and column j + 16 high."""
+    low, high = qweight & 0xF, qweight >> 4
+    codes = torch.stack([low, high], dim=-1).view(qweight.shape[0], -1, 2, 16)  # [N, chunks, half, 16]
+    return codes[:, :, 0] | (codes[:, :, 1] << 4)
+
+
+@dataclass
+class Int4Layout:
+    tiles: torch.Tensor  # uint8 [N / 4, groups, 32 + chunks per group * 64]
+    out_features: int
+    in_features: int
+    group_size: int
+
+    @classmethod
+    def from_codes(cls, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                   group_size: int) -> Int4Layout:
+        n, groups = scales.shape
+        pad = -n % ROWS  # zero rows: their outputs are never written
+        chunks = F.pad(chunk_nibbles(qweight), (0, 0, 0, 0, 0, pad))
+        codes = chunks.view(-1, ROWS, groups, group_size // 32, 16).permute(0, 2, 3, 1, 4).flatten(2)
+        scales_zeros = torch.stack([F.pad(t.float(), (0, 0, 0, pad)).view(-1, ROWS, groups).transpose(1, 2)
+                                    for t in (scales, zeros)], dim=2)  # [tiles, groups, 2, 4]
+        tiles = torch.cat([scales_zeros.flatten(2).view(torch.uint8), codes], dim=2).contiguous()
+        return cls(tiles, n, qweight.shape[1] * 2, group_size)
+
+    def matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows [M, K] float32 (rows may be strided) -> [M, N] float32."""
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        m, n = rows.shape[0], self.out_features
+        out = torch.empty(m, n, dtype=torch.float32)
+        status = library().gs_int4_gemv(rows.data_ptr(), rows.stride(0), self.tiles.data_ptr(), out.data_ptr(), n,
+                                        m, n, self.in_features, self.group_size, torch.get_num_threads())
+        if status:
+            raise ValueError(f"the native int4 kernel does not take group size {self.group_size}")
+        return out

@@ -1,0 +1,112 @@
+// Shared helpers: 16-float vectors as GCC vector extensions. With -march=native they become one
+// AVX-512 register, two AVX2 ones elsewhere; the kernels are written once for both.
+#pragma once
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+
+#include <cstdint>
+#include <cstring>
+
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef float v8f __attribute__((vector_size(32)));
+
+static inline v16f load16(const float* p) {
+  v16f v;
+  std::memcpy(&v, p, sizeof v);  // unaligned load
+  return v;
+}
+
+static inline void store16(float* p, v16f v) { std::memcpy(p, &v, sizeof v); }
+
+// A broadcast (`v16f{} + x` would add 0.0, and GCC turns a loop of lane stores into 16 of them).
+static inline v16f splat16(float x) { return v16f{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+
+// 16 bytes widened to 16 int32 lanes (GCC scalarizes __builtin_convertvector of bytes).
+static inline v16i widen16(const uint8_t* p) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+#if defined(__AVX512F__)
+  return (v16i)_mm512_cvtepu8_epi32(bytes);
+#elif defined(__AVX2__)
+  const __m256i lo = _mm256_cvtepu8_epi32(bytes), hi = _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8));
+  v16i out;
+  std::memcpy(&out, &lo, sizeof lo);
+  std::memcpy(reinterpret_cast<char*>(&out) + sizeof lo, &hi, sizeof hi);
+  return out;
+#else
+  v16i out;
+  for (int i = 0; i < 16; i++) out[i] = p[i];
+  return out;
+#endif
+}
+
+// One int4 group's 16 code values, dequantized: lookups then cost one permute per 16 weights
+// (AVX-512's vpermps reads only the low 4 bits of each index, so no mask either); without
+// AVX-512, a convert and a multiply-add.
+struct Int4Group {
+  v16f table, scale, zero;
+  Int4Group() = default;
+  Int4Group(float s, float z) : scale(splat16(s)), zero(splat16(z)) {
+    const v16f iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    table = iota * scale + zero;
+  }
+  // Lanes' low 4 bits are codes; higher bits are ignored.
+  v16f operator()(v16i codes) const {
+#if defined(__AVX512F__)
+    return (v16f)_mm512_permutexvar_ps((__m512i)codes, (__m512)table);
+#else
+    return __builtin_convertvector(codes & 15, v16f) * scale + zero;
+#endif
+  }
+};
+
+static inline float hsum16(v16f v) {
+  v8f lo, hi;
+  std::memcpy(&lo, &v, sizeof lo);
+  std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof lo, sizeof hi);
+  v8f s = lo + hi;
+  float total = 0.f;
+  for (int i = 0; i < 8; i++) total += s[i];
+  return total;
+}
+
+// e^x to ~2 float32 ulp (Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial in r,
+// then 2^n into the exponent bits); inputs below -87 flush to 0, as softmax and SiLU want.
+static inline v16f exp16(v16f x) {
+  x = x < splat16(88.3f) ? x : splat16(88.3f);
+  const v16i underflow = x < splat16(-87.3f);
+  const v16f n = __builtin_convertvector(__builtin_convertvector(x * splat16(1.44269504f) +
+      (x < splat16(0.f) ? splat16(-0.5f) : splat16(0.5f)), v16i), v16f);
+  const v16f r = x - n * splat16(0.693359375f) + n * splat16(2.12194440e-4f);
+  v16f p = splat16(1.9875691500e-4f);
+  p = p * r + splat16(1.3981999507e-3f);
+  p = p * r + splat16(8.3334519073e-3f);
+  p = p * r + splat16(4.1665795894e-2f);
+  p = p * r + splat16(1.6666665459e-1f);
+  p = p * r + splat16(5.0000001201e-1f);
+  p = p * r * r + r + splat16(1.f);
+  v16i bits = (__builtin_convertvector(n, v16i) + 127) << 23;
+  v16f scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  const v16f out = p * scale;
+  return underflow ? splat16(0.f) : out;
+}
+
+// Threads for `work` units of roughly `unit_cost` ns each: fork/join costs a few microseconds,
+// so small calls stay on the calling thread.
+static inline int threads_for(int64_t work, int64_t unit_cost, int max_threads) {
+  const int64_t min_ns_per_thread = 5000;
+  int64_t useful = work * unit_cost / min_ns_per_thread;
+  if (useful < 1) return 1;
+  return useful < max_threads ? static_cast<int>(useful) : max_threads;
+}
+
+// [begin, end) of `count` units, split evenly over the team, each share a multiple of `align`.
+static inline void thread_range(int64_t count, int64_t align, int64_t* begin, int64_t* end) {
+  const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
+  const int64_t units = (count + align - 1) / align;
+  *begin = std::min(count, units * t / threads * align);
+  *end = std::min(count, units * (t + 1) / threads * align);
+}
