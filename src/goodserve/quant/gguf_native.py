@@ -12,10 +12,12 @@ float16 d and m are exact in our float32 scales and every product above is exact
 `dequantize()` gives bit for bit what gguf's own dequantizer gives. Other GGUF types (K-quants,
 float) are dequantized by the loader as before.
 
-On the CPU torch's int4 kernel is fast only for bfloat16 activations (~15 GB/s against < 1 GB/s
-for float32), so these layers run it on bfloat16-rounded rows whatever the model dtype
-(`Int4Linear.bf16_cpu_kernel`); the kernel also takes its scales in bfloat16, which rounds d and
-m to 8 significant bits (relative 2^-9). Prefill-sized calls dequantize and stay in the model dtype.
+On the CPU, decode calls (up to 64 rows) take goodserve's native int4 kernel (native/int4_gemv.cpp):
+float32 rows, float32 scales and zeros, float32 output, so the logits and hidden states are not
+rounded. Where the native library is missing they fall back to torch's int4 kernel, which is fast
+only for bfloat16 rows (~15 GB/s against < 1 GB/s for float32): those layers then round their
+rows, scales and zeros to bfloat16 (`Int4Linear.bf16_cpu_kernel`). Prefill-sized calls dequantize
+and stay in the model dtype.
 """
 
 from __future__ import annotations

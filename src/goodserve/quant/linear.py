@@ -183,6 +183,7 @@ class Int4Linear(_QuantizedLinear):
         # load_state_dict (in-place copy) or a move to another device rebuilds them.
         self._cpu_layout: tuple[tuple, torch.Tensor, torch.Tensor] | None = None
         self._native_layout: tuple[tuple, int4_gemv.Int4Layout] | None = None
+        self._native_supported: bool | None = None  # whether the native kernel takes this shape, once known
         self._tinygemm: tuple[tuple[int, ...], torch.Tensor, torch.Tensor] | None = None
         self.tinygemm_disabled = False  # set for good once tinygemm fails here; Triton serves instead
         # CPU decode: run torch's packed kernel on bfloat16-rounded rows whatever the activation
@@ -210,12 +211,13 @@ class Int4Linear(_QuantizedLinear):
         return f"{super().extra_repr()}, group_size={self.group_size}"
 
     def _codes_key(self) -> tuple[int, ...]:
-        tensors = (self.qweight, self.scales, self.zeros)
-        try:
-            versions = tuple(t._version for t in tensors)
-        except RuntimeError:  # inference-mode tensors keep no version counter; addresses still tell
-            versions = ()
-        return versions + tuple(t.data_ptr() for t in tensors)
+        # Checked on every decode call, so the buffers come straight from their dict (nn.Module's
+        # attribute lookup costs ~0.7 us each).
+        tensors = qweight, scales, zeros = tuple(self._buffers[name] for name in ("qweight", "scales", "zeros"))
+        addresses = (qweight.data_ptr(), scales.data_ptr(), zeros.data_ptr())
+        if qweight.is_inference():  # inference-mode tensors keep no version counter; addresses still tell
+            return addresses
+        return addresses + tuple(t._version for t in tensors)
 
     def _cuda_matmul(self, rows: torch.Tensor) -> torch.Tensor:
         if rows.dtype == torch.bfloat16 and rows.shape[0] <= INT4_TINYGEMM_MAX_M:  # tinygemm: bf16 only
@@ -274,7 +276,10 @@ class Int4Linear(_QuantizedLinear):
         return CPU_BF16_KERNEL_MAX_M if self.bf16_cpu_kernel else CPU_PACKED_MAX_M
 
     def _native_kernel(self) -> bool:
-        return self.qweight.device.type == "cpu" and int4_gemv.supports(self.in_features, self.group_size)
+        """Whether CPU calls take the native kernel (asked on every decode call, so kept)."""
+        if self._native_supported is None:
+            self._native_supported = int4_gemv.supports(self.in_features, self.group_size)
+        return self._native_supported
 
     def _cpu_packed_matmul(self, rows: torch.Tensor) -> torch.Tensor:
         if self._native_kernel():  # float32 in and out, whatever the activation dtype
