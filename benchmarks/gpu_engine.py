@@ -14,7 +14,10 @@ Parts (run any subset, in one process, with --parts):
               generate_batch (continuous batching, paged attention) on the fixed-180 workload
 A part may carry variants after colons, measured in the same process: `decode:nopdl` runs it
 with programmatic dependent launch off (ops/pdl.py), `decode:cublasqkv` with qkv_proj on cuBLAS
-(not the Triton GEMV, ops/gemv_linear.py); their results get the variant appended to their keys.
+(not the Triton GEMV, ops/gemv_linear.py), `sharegpt:prefillonly` with a mixed batch's decodes
+left in the prefill attention kernel (not given to the decode kernel), `sharegpt:t16384` with
+max_num_batched_tokens 16384, `sharegpt:halvedsplits` with half the decode attention splits,
+`sharegpt:kvfp8` with an fp8 KV cache; results get the variant appended to their keys.
 Writes $OUT/gpu_engine.json and prints a summary table last.
 """
 
@@ -30,11 +33,26 @@ import numpy as np
 import torch
 
 from goodserve import LLM, SamplingParams
-from goodserve.ops import pdl, triton_gemv
+from goodserve.engine import model_runner
+from goodserve.ops import pdl, triton_attention, triton_gemv
 from goodserve.quant import linear
 
 DEFAULT_INT4_TINYGEMM_MAX_M = linear.INT4_TINYGEMM_MAX_M
 TUNED_CONFIGS = dict(triton_gemv.TUNED_CONFIGS)
+EAGER_INPUT = model_runner.ModelRunner._eager_input
+DEFAULT_NUM_SPLITS = triton_attention.default_num_splits
+
+
+def _eager_input_without_leading_decodes(runner, flat):
+    """The `prefillonly` variant: mixed batches' decodes stay in the prefill attention kernel."""
+    inputs = EAGER_INPUT(runner, flat)
+    inputs.meta.num_leading_decodes = 0
+    return inputs
+
+
+def _halved_num_splits(*args, **kwargs) -> int:
+    """The `halvedsplits` variant: half the decode attention splits (filling the GPU about once)."""
+    return max(1, DEFAULT_NUM_SPLITS(*args, **kwargs) // 2)
 
 OUT = os.environ.get("OUT", "out")
 results: dict = {}
@@ -238,9 +256,12 @@ def run_offline(llm: LLM, prompts: list[dict], output_lens: list[int]) -> dict:
             "steps": summarize_steps(trace)}
 
 
-def part_throughput(model: str, num_batched_tokens: int, max_num_seqs: int, only_sharegpt: bool = False) -> None:
-    llm = LLM(model, device="cuda", max_num_seqs=max_num_seqs, max_num_batched_tokens=num_batched_tokens)
-    results["throughput_config"] = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": num_batched_tokens}
+def part_throughput(model: str, num_batched_tokens: int, max_num_seqs: int, kv_cache_dtype: str = "auto",
+                    only_sharegpt: bool = False) -> None:
+    llm = LLM(model, device="cuda", max_num_seqs=max_num_seqs, max_num_batched_tokens=num_batched_tokens,
+              kv_cache_dtype=kv_cache_dtype)
+    results["throughput_config"] = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": num_batched_tokens,
+                                    "kv_cache_dtype": kv_cache_dtype}
     inputs, outputs = sharegpt_like_lengths(500)
     prompts = random_prompts(inputs)
     results["throughput_sharegpt_like"] = run_offline(llm, prompts, outputs)
@@ -370,13 +391,20 @@ def main() -> None:
             results.clear()
         try:
             pdl.set_pdl("nopdl" not in variants)
+            model_runner.ModelRunner._eager_input = _eager_input_without_leading_decodes \
+                if "prefillonly" in variants else EAGER_INPUT
+            triton_attention.default_num_splits = _halved_num_splits if "halvedsplits" in variants \
+                else DEFAULT_NUM_SPLITS
+            kv_cache_dtype = "fp8" if "kvfp8" in variants else "auto"
+            tokens = next((int(v[1:]) for v in variants if v[0] == "t" and v[1:].isdigit()),
+                          args.max_num_batched_tokens)
             triton_gemv.TUNED_CONFIGS.clear()
             triton_gemv.TUNED_CONFIGS.update({key: config for key, config in TUNED_CONFIGS.items()
                                               if not ("cublasqkv" in variants and key[0] == "dense"
                                                       and key[2:] == (6144, 4096))})
             {"check": part_check, "decode": lambda: part_decode(bandwidth, args.model),
-             "throughput": lambda: part_throughput(args.model, args.max_num_batched_tokens, args.max_num_seqs),
-             "sharegpt": lambda: part_throughput(args.model, args.max_num_batched_tokens, args.max_num_seqs, True),
+             "throughput": lambda: part_throughput(args.model, tokens, args.max_num_seqs, kv_cache_dtype),
+             "sharegpt": lambda: part_throughput(args.model, tokens, args.max_num_seqs, kv_cache_dtype, True),
              "peer": lambda: part_peer(args.model),
              "profile_sharegpt": lambda: part_profile_sharegpt(args.model, args.max_num_batched_tokens,
                                                                args.max_num_seqs),

@@ -4,7 +4,7 @@ kernels with the most device time, then the engine's own per-stage host timings 
 Eager by default (no CUDA graph, so each kernel's launch is visible too); --graphs profiles the
 captured decode graphs, as the engine runs them (CUPTI still times each kernel inside a graph).
 
-    python benchmarks/gpu_profile.py [--model dummy:llama-3.1-8b] [--batch 1] [--graphs]
+    python benchmarks/gpu_profile.py [--model dummy:llama-3.1-8b] [--batch 1] [--context 256] [--graphs] [--nopdl]
     python benchmarks/gpu_profile.py --device cpu --model smollm2-135m   # a CPU smoke run
 """
 
@@ -19,6 +19,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from goodserve import LLM, SamplingParams
+from goodserve.ops import pdl
 
 STAGES = ("schedule", "prepare", "forward", "sample", "detokenize", "output")
 
@@ -30,14 +31,19 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--graphs", action="store_true", help="replay CUDA graphs, as the engine does by default")
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--nopdl", action="store_true",
+                        help="programmatic dependent launch off, so a kernel's time excludes waiting for the one before")
     args = parser.parse_args()
+    pdl.set_pdl(not args.nopdl)
     llm = LLM(args.model, device=args.device, enforce_eager=not args.graphs, max_num_seqs=max(8, args.batch))
     engine = llm.engine
     rng = np.random.default_rng(0)
     for i in range(args.batch):
         engine.add_request(f"r{i}", rng.integers(100, 20000, args.context).tolist(),
                            SamplingParams(temperature=0, max_tokens=128, ignore_eos=True))
-    for _ in range(8):  # prefill and warm-up
+    while engine.stats().last_batch_tokens != args.batch:  # prefill (in chunks) until every sequence decodes
+        engine.step()
+    for _ in range(3):  # warm-up
         engine.step()
     cuda = args.device.startswith("cuda")
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -51,7 +57,7 @@ def main() -> None:
     table += "\n" + host_breakdown(engine)
     out = os.environ.get("OUT", "out")
     os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, f"gpu_profile_b{args.batch}{'_graphs' if args.graphs else ''}.txt"), "w") as f:
+    with open(os.path.join(out, f"gpu_profile_b{args.batch}_ctx{args.context}{'_graphs' if args.graphs else ''}.txt"), "w") as f:
         f.write(table)
     print(table)
 

@@ -55,3 +55,18 @@ def test_the_cuda_warm_up_step_is_a_well_formed_batch():
     assert output.logits.shape == (2, llm.spec.vocab_size) and torch.isfinite(output.logits).all()
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     assert len(llm.generate({"prompt_token_ids": [5, 6, 7]}, params)[0].outputs[0].token_ids) == 4
+
+
+def test_eager_inputs_count_the_leading_decodes():
+    """Mixed batches tell attention how many leading rows are decodes (the Triton path gives those to
+    the decode kernel); a decode after a prefill chunk is not leading."""
+    from goodserve import LLM
+
+    llm = LLM("dummy:tiny", num_kv_blocks=16)
+    flat = model_runner.FlatBatch(
+        input_ids=[1] * 8, positions=[4, 9, 0, 1, 2, 3, 4, 2], slots=[4, 25, 32, 33, 34, 35, 36, 50],
+        query_lens=[1, 1, 5, 1], seq_lens=[5, 10, 5, 3], block_tables=[[0], [1], [2], [3]],
+        sample_rows=[0, 1, 2, 3], logits_indices=[0, 1, 6, 7], prompt_logit_spans={})
+    assert llm.engine.runner._eager_input(flat).meta.num_leading_decodes == 2
+    flat.query_lens = [5, 1, 1, 1]
+    assert llm.engine.runner._eager_input(flat).meta.num_leading_decodes == 0

@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -161,6 +162,26 @@ def test_prefill_mixed_batch_matches_reference(kernels, num_q_heads, num_kv_head
     tables = column_major(meta.block_tables) if layout == "column-major" else meta.block_tables
     out = kernels.triton_prefill_attention(q, cache, tables, meta.seq_lens, meta.query_start_loc, 0.25)
     assert_close(out, paged_attention_reference(q, cache, meta, 0.25), torch.float32)
+
+
+# Decodes first (one of them at an empty-ish context), then chunks and a decode the prefill kernel keeps.
+LEADING_DECODES = [(1, 30), (1, 1), (1, 150), (20, 37), (5, 5), (1, 17)]
+
+
+def test_prefill_leaves_leading_decodes_to_the_decode_kernel(kernels):
+    q, cache, meta = make_batch(LEADING_DECODES, 6, 2, 32, torch.float32, torch.float32, seed=4)
+    ref = paged_attention_reference(q, cache, meta, 0.25)
+    out = torch.full_like(q, float("nan"))
+    kernels.triton_prefill_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, 0.25,
+                                     first_seq=3, out=out)
+    assert out[:3].isnan().all()  # not the prefill kernel's rows
+    assert_close(out[3:], ref[3:], torch.float32)
+    attention.set_attention_backend("triton")
+    try:
+        split = attention.paged_attention(q, cache, replace(meta, num_leading_decodes=3), 0.25)
+    finally:
+        attention.set_attention_backend("auto")
+    assert_close(split, ref, torch.float32)
 
 
 @pytest.mark.parametrize("dtype,kv_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.int8)])

@@ -158,6 +158,7 @@ class ModelRunner:
             slot_mapping=slots, query_start_loc=query_start_loc, seq_lens=seq_lens,
             block_tables=block_tables.view(num_seqs, width), max_query_len=max(flat.query_lens),
             max_seq_len=max(flat.seq_lens), query_lens_host=flat.query_lens, seq_lens_host=flat.seq_lens,
+            num_leading_decodes=next((i for i, n in enumerate(flat.query_lens) if n != 1), num_seqs),
         )
         return ModelInput(ids, positions, meta, flat.sample_rows, logits_indices, flat.prompt_logit_spans)
 

@@ -49,6 +49,9 @@ class AttentionMetadata:
     # Host copies, so the torch path never synchronizes with the device to read lengths.
     query_lens_host: list[int]
     seq_lens_host: list[int]
+    # How many sequences at the head of the batch have one query each (decodes); in a mixed batch the
+    # Triton path gives those to the decode kernel. 0 is always correct, only slower.
+    num_leading_decodes: int = 0
     # The torch path's per-step indices, derived by the first layer that needs them and reused by
     # the rest. The model's forward attaches fresh ones each step (a decode graph reuses its metadata).
     step_indices: StepIndices | None = field(default=None, repr=False, compare=False)
@@ -161,7 +164,12 @@ def paged_attention(q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadat
 
     if meta.is_decode_only:
         return triton_decode_attention(q, cache, meta.block_tables, meta.seq_lens, scale)
-    return triton_prefill_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale)
+    out, decodes = torch.empty_like(q), meta.num_leading_decodes
+    if decodes:
+        triton_decode_attention(q[:decodes], cache, meta.block_tables[:decodes], meta.seq_lens[:decodes], scale,
+                                out=out[:decodes])
+    return triton_prefill_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,
+                                    first_seq=decodes, out=out)
 
 
 def rotary_write_kv_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
