@@ -106,9 +106,13 @@ def apply_quantization(loaded, config: EngineConfig) -> None:
 
 def specialize_linears(model, device: torch.device, config: EngineConfig) -> None:
     """Once the weights are final, the fastest kernel per linear: oneDNN packed weights for float32
-    on the CPU; on CUDA, the Triton GEMV for one-row matmuls where it was measured to beat cuBLAS."""
+    on the CPU, and for int4 layers one native call per decode step; on CUDA, the Triton GEMV for
+    one-row matmuls where it was measured to beat cuBLAS."""
     if device.type == "cpu":
+        from goodserve.native import decoder_layer
+
         pack_linears_for_cpu(model)
+        decoder_layer.attach(model)
     elif config.attention_backend != "torch":
         from goodserve.ops.gemv_linear import route_decode_rows_to_gemv
 

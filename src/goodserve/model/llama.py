@@ -71,11 +71,16 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(spec)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = LlamaMLP(spec)
+        # Set on the CPU for int4 layers (native/decoder_layer.py): runs the decode steps it takes
+        # as one native call. Not a module, so the state dict is the same either way.
+        self.native_decode = None
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
         rotary_cache: torch.Tensor, kv_cache: LayerKVCache, meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.native_decode is not None and self.native_decode.takes(x, kv_cache, meta):
+            return self.native_decode(x, residual, positions, rotary_cache, kv_cache, meta)
         # The residual add of the previous sublayer is fused into this norm (vLLM style).
         if residual is None:
             x, residual = self.input_layernorm(x), x

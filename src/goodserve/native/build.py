@@ -30,7 +30,7 @@ import torch  # noqa: F401  (loads torch's libgomp first, so the library binds t
 logger = logging.getLogger("goodserve.native")
 
 SOURCE_DIR = Path(__file__).parent
-SOURCES = ("int4_gemv.cpp", "decode_attention.cpp", "layer_ops.cpp")
+SOURCES = ("int4_gemv.cpp", "decode_attention.cpp", "layer_ops.cpp", "decoder_layer.cpp")
 HEADERS = ("vec.h",)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno")
 LIBRARY_NAME = "libgoodserve_native.so"
@@ -43,6 +43,7 @@ SIGNATURES = {
     "gs_silu_and_mul": ([_P, _P, _I, _I], None),
     "gs_rope_write_kv": ([_P, _I, _P, _I, _P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I], None),
     "gs_decode_attention": ([_P, _I, _P, _P, _P, _I, _I, _P, _P, _I, _I, _I, _I, _I, _F, ctypes.c_int], None),
+    "gs_decoder_layer": ([_P, _P, _P, _P, _P, _I, _P, _P, _P, _P, _P, _I, _P, _I, _I, _P, ctypes.c_int], None),
 }
 
 

@@ -291,6 +291,11 @@ class Int4Linear(_QuantizedLinear):
         y = torch._weight_int4pack_mm_for_cpu(rows.to(dtype).contiguous(), packed, self.group_size, scales_and_zeros)
         return y.to(rows.dtype)
 
+    def native_layout(self) -> int4_gemv.Int4Layout | None:
+        """The native kernel's layout of these codes (for a fused native decoder layer), or None where
+        CPU calls do not take the native kernel."""
+        return self._native_kernel_layout() if self._native_kernel() else None
+
     def _native_kernel_layout(self) -> int4_gemv.Int4Layout:
         key = self._codes_key()
         if self._native_layout is None or self._native_layout[0] != key:

@@ -1,0 +1,59 @@
+"""The one-call native decoder layer (native/decoder_layer.py) against the per-op path it replaces
+(each op already checked against torch in test_native_kernels.py): same greedy tokens and logprobs
+within float32 rounding, on int4 models with and without q/k/v biases, GQA groups of 2 and 4, a
+batch of mixed lengths (so block tables of several blocks) and the first layer's missing residual."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from goodserve import LLM, SamplingParams
+from goodserve.native import decoder_layer
+
+PROMPTS = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 40, 17)]
+PARAMS = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3)
+
+
+def generate(llm: LLM, native: bool):
+    layers = llm.engine.runner.model.model.layers
+    attached = [layer.native_decode for layer in layers]
+    if not native:
+        for layer in layers:
+            layer.native_decode = None
+    try:
+        return llm.generate(PROMPTS, PARAMS)
+    finally:
+        for layer, native_decode in zip(layers, attached):
+            layer.native_decode = native_decode
+
+
+@pytest.mark.parametrize("model,group_size", [("dummy:tiny", 32), ("dummy:tiny-qwen", 64)])
+def test_native_decode_layer_matches_the_per_op_path(model, group_size):
+    llm = LLM(model, quantization="int4", quantization_group_size=group_size, num_kv_blocks=64)
+    layers = llm.engine.runner.model.model.layers
+    assert all(layer.native_decode is not None for layer in layers)
+    for layer in layers:  # random models load zero biases: make them count
+        if layer.self_attn.qkv_proj.bias is not None:
+            layer.self_attn.qkv_proj.bias.normal_(0, 0.5, generator=torch.Generator().manual_seed(0))
+    calls = []
+    original = decoder_layer.NativeDecodeLayer.__call__
+    decoder_layer.NativeDecodeLayer.__call__ = lambda self, *args: calls.append(1) or original(self, *args)
+    try:
+        fused = generate(llm, native=True)
+    finally:
+        decoder_layer.NativeDecodeLayer.__call__ = original
+    assert len(calls) >= len(layers) * (PARAMS.max_tokens - 1)  # every decode step, every layer
+    per_op = generate(llm, native=False)
+    for ours, ref in zip(fused, per_op):
+        assert ours.outputs[0].token_ids == ref.outputs[0].token_ids
+        for a, b in zip(ours.outputs[0].logprobs, ref.outputs[0].logprobs):
+            assert a.keys() == b.keys()
+            for token in a:
+                assert a[token].logprob == pytest.approx(b[token].logprob, abs=1e-4)
+
+
+def test_only_int4_layers_get_it():
+    llm = LLM("dummy:tiny", num_kv_blocks=16)  # float32 linears: the per-op path
+    assert all(layer.native_decode is None for layer in llm.engine.runner.model.model.layers)
+    assert decoder_layer.attach(llm.engine.runner.model) == 0
