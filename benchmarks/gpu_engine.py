@@ -17,7 +17,10 @@ with programmatic dependent launch off (ops/pdl.py), `decode:cublasqkv` with qkv
 (not the Triton GEMV, ops/gemv_linear.py), `sharegpt:prefillonly` with a mixed batch's decodes
 left in the prefill attention kernel (not given to the decode kernel), `sharegpt:t16384` with
 max_num_batched_tokens 16384, `sharegpt:halvedsplits` with half the decode attention splits,
-`sharegpt:kvfp8` with an fp8 KV cache; results get the variant appended to their keys.
+`sharegpt:kvfp8` with an fp8 KV cache, `sharegpt:smallestgraph` with every decode batch in the
+smallest graph that holds it (not the fastest measured at start-up), `sharegpt:gu-swapped` (or gu-halves, gu-cublaslt) with
+gate_up's big decode matmuls asked of cuBLAS another way (gpu_gemm.py); results get the variant
+appended to their keys.
 Writes $OUT/gpu_engine.json and prints a summary table last.
 """
 
@@ -34,12 +37,14 @@ import torch
 
 from goodserve import LLM, SamplingParams
 from goodserve.engine import model_runner
-from goodserve.ops import pdl, triton_attention, triton_gemv
+from goodserve.ops import gemv_linear, pdl, triton_attention, triton_gemv
+from gpu_gemm import PATHS as GEMM_PATHS
 from goodserve.quant import linear
 
 DEFAULT_INT4_TINYGEMM_MAX_M = linear.INT4_TINYGEMM_MAX_M
 TUNED_CONFIGS = dict(triton_gemv.TUNED_CONFIGS)
 EAGER_INPUT = model_runner.ModelRunner._eager_input
+GRAPH_TIME_TOLERANCE = model_runner.GRAPH_TIME_TOLERANCE
 DEFAULT_NUM_SPLITS = triton_attention.default_num_splits
 
 
@@ -48,6 +53,21 @@ def _eager_input_without_leading_decodes(runner, flat):
     inputs = EAGER_INPUT(runner, flat)
     inputs.meta.num_leading_decodes = 0
     return inputs
+
+
+GEMV_FORWARD = gemv_linear.GemvLinear.forward
+BIG_DECODE_ROWS = 256
+
+
+def _gate_up_forward(path: str):
+    """The `gu-<path>` variants: gate_up_proj's matmuls of >= BIG_DECODE_ROWS rows through another
+    way of asking cuBLAS for the same product (gpu_gemm.py's paths)."""
+    def forward(self, x):
+        rows = x.reshape(-1, self.in_features)
+        if rows.shape[0] < BIG_DECODE_ROWS or self.out_features != 2 * 14336:
+            return GEMV_FORWARD(self, x)
+        return GEMM_PATHS[path](rows, self.weight).reshape(*x.shape[:-1], self.out_features)
+    return forward
 
 
 def _halved_num_splits(*args, **kwargs) -> int:
@@ -256,12 +276,20 @@ def run_offline(llm: LLM, prompts: list[dict], output_lens: list[int]) -> dict:
             "steps": summarize_steps(trace)}
 
 
+def graph_choice(runner) -> dict:
+    """Each decode graph's replay time at start-up, and the sizes whose batches replay a larger graph."""
+    return {"graph_replay_ms": dict(runner.graph_replay_ms),
+            "graph_replayed_instead": {size: runner.graph_size_for[size] for size in runner.graphs
+                                       if runner.graph_size_for[size] != size}}
+
+
 def part_throughput(model: str, num_batched_tokens: int, max_num_seqs: int, kv_cache_dtype: str = "auto",
                     only_sharegpt: bool = False) -> None:
     llm = LLM(model, device="cuda", max_num_seqs=max_num_seqs, max_num_batched_tokens=num_batched_tokens,
               kv_cache_dtype=kv_cache_dtype)
-    results["throughput_config"] = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": num_batched_tokens,
-                                    "kv_cache_dtype": kv_cache_dtype}
+    results["throughput_config"] = {
+        "max_num_seqs": max_num_seqs, "max_num_batched_tokens": num_batched_tokens, "kv_cache_dtype": kv_cache_dtype,
+        **graph_choice(llm.engine.runner)}
     inputs, outputs = sharegpt_like_lengths(500)
     prompts = random_prompts(inputs)
     results["throughput_sharegpt_like"] = run_offline(llm, prompts, outputs)
@@ -391,11 +419,14 @@ def main() -> None:
             results.clear()
         try:
             pdl.set_pdl("nopdl" not in variants)
+            model_runner.GRAPH_TIME_TOLERANCE = float("inf") if "smallestgraph" in variants else GRAPH_TIME_TOLERANCE
             model_runner.ModelRunner._eager_input = _eager_input_without_leading_decodes \
                 if "prefillonly" in variants else EAGER_INPUT
             triton_attention.default_num_splits = _halved_num_splits if "halvedsplits" in variants \
                 else DEFAULT_NUM_SPLITS
             kv_cache_dtype = "fp8" if "kvfp8" in variants else "auto"
+            gate_up_path = next((v[3:] for v in variants if v.startswith("gu-")), None)
+            gemv_linear.GemvLinear.forward = _gate_up_forward(gate_up_path) if gate_up_path else GEMV_FORWARD
             tokens = next((int(v[1:]) for v in variants if v[0] == "t" and v[1:].isdigit()),
                           args.max_num_batched_tokens)
             triton_gemv.TUNED_CONFIGS.clear()

@@ -34,11 +34,11 @@ def test_decode_graph_inputs_give_the_eager_tokens(embedded_llm):
               for n in (6, 24, 40)]
     expected = embedded_llm.generate(prompts, params)
     runner = embedded_llm.engine.runner
-    runner.graphs = {size: EagerDecodeGraph(runner, size, None) for size in (1, 2, 4)}
+    runner.use_graphs({size: EagerDecodeGraph(runner, size, None) for size in (1, 2, 4)}, {1: 1.0, 2: 1.0, 4: 1.0})
     try:
         got = embedded_llm.generate(prompts, params)
     finally:
-        runner.graphs = {}
+        runner.use_graphs({}, {})
     assert EagerDecodeGraph.replays > 0
     for ours, ref in zip(got, expected):
         assert ours.outputs[0].token_ids == ref.outputs[0].token_ids
@@ -70,3 +70,13 @@ def test_eager_inputs_count_the_leading_decodes():
     assert llm.engine.runner._eager_input(flat).meta.num_leading_decodes == 2
     flat.query_lens = [5, 1, 1, 1]
     assert llm.engine.runner._eager_input(flat).meta.num_leading_decodes == 0
+
+
+def test_a_batch_replays_a_larger_graph_only_when_it_is_measurably_faster():
+    ms = {1: 5.8, 2: 6.0, 4: 5.95, 8: 6.1, 16: 9.0, 32: 6.5, 64: 6.6}
+    choice = model_runner.graph_size_for_each_batch(ms)
+    assert len(choice) == 65
+    assert choice[1] == 1 and choice[2] == 2  # 4 is faster than 2, but within the 3% tolerance
+    assert choice[3] == 4 and choice[5] == 8
+    assert choice[9] == choice[16] == 32  # 16 is slower than 32: pad further
+    assert choice[17] == 32 and choice[33] == 64

@@ -9,6 +9,7 @@ input buffer).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,6 +21,8 @@ from goodserve.engine.scheduler import ScheduledBatch
 from goodserve.model.llama import LlamaForCausalLM
 from goodserve.ops.attention import AttentionMetadata, LayerKVCache
 from goodserve.ops.sampler import argmax
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -56,9 +59,27 @@ class ModelOutput:
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
-    """Decode batches run in the smallest captured size that holds them; the padding is wasted work."""
+    """The decode batch sizes captured as graphs; a batch runs in one that holds it, padded."""
     sizes = [1, 2, 4, 8] + list(range(16, 256, 16)) + list(range(256, max_num_seqs, 32))
     return [s for s in sizes if s < max_num_seqs] + [max_num_seqs]
+
+
+# A larger graph than the smallest that holds a batch is used only if its replay is this much faster.
+GRAPH_TIME_TOLERANCE = 0.03
+
+
+def graph_size_for_each_batch(replay_ms: dict[int, float]) -> list[int]:
+    """Index n: the captured size a batch of n sequences replays, the smallest whose replay time is
+    within GRAPH_TIME_TOLERANCE of the fastest size >= n. Padding rows cost little, but cuBLAS's
+    choice of kernel for some row counts does: Llama-3.1-8B's gate_up takes 311 us at 448 rows and
+    164 us at 512 on an H100 (benchmarks/results/gpu_gemm_h100.json)."""
+    sizes = sorted(replay_ms)
+    choice = [sizes[0]] * (sizes[-1] + 1)
+    for n in range(1, sizes[-1] + 1):
+        fits = [s for s in sizes if s >= n]
+        fastest = min(replay_ms[s] for s in fits)
+        choice[n] = next(s for s in fits if replay_ms[s] <= fastest * (1 + GRAPH_TIME_TOLERANCE))
+    return choice
 
 
 def flatten(batch: ScheduledBatch, block_size: int) -> FlatBatch:
@@ -110,6 +131,8 @@ class ModelRunner:
             model.spec, num_blocks, config.block_size, device, kv_dtype
         )
         self.graphs: dict[int, _DecodeGraph] = {}
+        self.graph_replay_ms: dict[int, float] = {}
+        self.graph_size_for: list[int] = []  # index: batch size -> the graph size it replays
         # Two staging buffers, used in turn: with async scheduling a step is prepared while the last
         # one's host-to-device copy may still be queued behind the step before it.
         self._pinned = [torch.empty(0, dtype=torch.int32)] * 2
@@ -193,20 +216,30 @@ class ModelRunner:
         return ModelOutput(logits, prompt_logits)
 
     def _graph_for(self, flat: FlatBatch) -> _DecodeGraph | None:
-        """The smallest captured graph that holds the batch, if every sequence computes one token and
-        samples (so none wants prompt logits)."""
+        """The captured graph the batch replays (`graph_size_for`), if every sequence computes one token
+        and samples (so none wants prompt logits)."""
         num_seqs = len(flat.seq_lens)
         if not self.graphs or max(flat.query_lens) != 1 or len(flat.sample_rows) != num_seqs:
             return None
-        size = next((s for s in self.graphs if s >= num_seqs), None)
-        return self.graphs[size] if size is not None else None
+        return self.graphs[self.graph_size_for[num_seqs]] if num_seqs < len(self.graph_size_for) else None
+
+    def use_graphs(self, graphs: dict[int, _DecodeGraph], replay_ms: dict[int, float]) -> None:
+        """Decode batches replay these graphs (none: eager), chosen by their replay times."""
+        self.graphs = dict(sorted(graphs.items()))
+        self.graph_replay_ms = replay_ms
+        self.graph_size_for = graph_size_for_each_batch(replay_ms) if graphs else []
 
     def _capture_graphs(self) -> None:
         sizes = sorted(graph_batch_sizes(self.config.max_num_seqs), reverse=True)
         pool = torch.cuda.graph_pool_handle()
+        graphs = {}
         for size in sizes:  # largest first, so smaller graphs fit in its memory pool
-            self.graphs[size] = _DecodeGraph(self, size, pool)
-        self.graphs = dict(sorted(self.graphs.items()))
+            graphs[size] = _DecodeGraph(self, size, pool)
+        self.use_graphs(graphs, {size: graph.time_replay() for size, graph in graphs.items()})
+        for size, chosen in ((size, self.graph_size_for[size]) for size in self.graphs):
+            if chosen != size:
+                logger.info("decode batches that fit the %d-sequence graph replay the %d one (%.2f ms against %.2f)",
+                            size, chosen, self.graph_replay_ms[chosen], self.graph_replay_ms[size])
 
 
 # Rows past the batch: input id and position 0, slot -1 (no K/V write), length 0 (nothing to attend).
@@ -269,6 +302,17 @@ class _DecodeGraph:
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph, pool=pool):
                 self._forward()
+
+    def time_replay(self, repeats: int = 3) -> float:
+        """Milliseconds per replay, with the capture-time inputs (all padding: nothing is written)."""
+        self.graph.replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(repeats):
+            self.graph.replay()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / repeats
 
     def replay(self, num_seqs: int) -> tuple[torch.Tensor, torch.Tensor]:
         self.graph.replay()
