@@ -41,8 +41,9 @@ def attach(model: nn.Module) -> int:
     for layer in model.model.layers:
         linears = _linears(layer)
         if (all(isinstance(lin, Int4Linear) and lin.native_layout() is not None for lin in linears)
-                and linears[1].bias is None and layer.self_attn.head_dim % 16 == 0
-                and layer.input_layernorm.weight.dtype == torch.float32):
+                and all(lin.bias is None for lin in linears[1:]) and layer.self_attn.head_dim % 16 == 0
+                and all(norm.weight.dtype == torch.float32 and norm.weight.is_contiguous()
+                        for norm in (layer.input_layernorm, layer.post_attention_layernorm))):
             layer.native_decode = NativeDecodeLayer(layer)
             count += 1
     return count
@@ -51,7 +52,10 @@ def attach(model: nn.Module) -> int:
 class NativeDecodeLayer:
     def __init__(self, layer: nn.Module):
         self.layer = layer
-        self._operands: tuple[tuple, LayerOperands] | None = None  # (the tensors it points into, struct)
+        self.linears = _linears(layer)
+        self.norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        self._pointed: tuple = ()  # what the struct points into, to notice rebuilt layouts or new weights
+        self._struct: LayerOperands | None = None
 
     @staticmethod
     def takes(x: torch.Tensor, kv_cache, meta) -> bool:
@@ -73,19 +77,19 @@ class NativeDecodeLayer:
         return out, residual_out
 
     def operands(self) -> LayerOperands:
-        """The struct of pointers, rebuilt when any layout it points into was rebuilt (new weights)."""
-        layer = self.layer
-        qkv, o, gate_up, down = linears = _linears(layer)
-        layouts = tuple(lin.native_layout() for lin in linears)
-        norms = (layer.input_layernorm.weight.contiguous(), layer.post_attention_layernorm.weight.contiguous())
-        pinned = (*layouts, *norms, qkv.bias)
-        if self._operands is None or any(a is not b for a, b in zip(self._operands[0], pinned)):
-            attn = layer.self_attn
-            struct = LayerOperands(
-                norms[0].data_ptr(), norms[1].data_ptr(), layouts[0].tiles.data_ptr(),
-                None if qkv.bias is None else qkv.bias.data_ptr(), layouts[1].tiles.data_ptr(),
-                layouts[2].tiles.data_ptr(), layouts[3].tiles.data_ptr(),
-                *(layout.group_size for layout in layouts), qkv.in_features, down.in_features, attn.num_heads,
-                attn.num_kv_heads, attn.head_dim, layer.input_layernorm.eps, attn.scale)
-            self._operands = (pinned, struct)
-        return self._operands[1]
+        """The struct of pointers, rebuilt when anything it points into was replaced (new weights)."""
+        qkv = self.linears[0]
+        pointed = (*[lin.native_layout() for lin in self.linears], *[n.weight for n in self.norms], qkv.bias)
+        if len(pointed) != len(self._pointed) or any(a is not b for a, b in zip(pointed, self._pointed)):
+            self._struct = self._build(pointed)
+            self._pointed = pointed
+        return self._struct
+
+    def _build(self, pointed: tuple) -> LayerOperands:
+        layouts, (input_norm, post_norm, qkv_bias) = pointed[:4], pointed[4:]
+        attn = self.layer.self_attn
+        return LayerOperands(
+            input_norm.data_ptr(), post_norm.data_ptr(), layouts[0].tiles.data_ptr(),
+            None if qkv_bias is None else qkv_bias.data_ptr(), *(layout.tiles.data_ptr() for layout in layouts[1:]),
+            *(layout.group_size for layout in layouts), self.linears[0].in_features, self.linears[3].in_features,
+            attn.num_heads, attn.num_kv_heads, attn.head_dim, self.norms[0].eps, attn.scale)
