@@ -18,9 +18,12 @@ with programmatic dependent launch off (ops/pdl.py), `decode:cublasqkv` with qkv
 left in the prefill attention kernel (not given to the decode kernel), `sharegpt:t16384` with
 max_num_batched_tokens 16384, `sharegpt:halvedsplits` with half the decode attention splits,
 `sharegpt:kvfp8` with an fp8 KV cache, `sharegpt:smallestgraph` with every decode batch in the
-smallest graph that holds it (not the fastest measured at start-up), `sharegpt:gu-swapped` (or gu-halves, gu-cublaslt) with
-gate_up's big decode matmuls asked of cuBLAS another way (gpu_gemm.py); results get the variant
-appended to their keys.
+smallest graph that holds it (not the fastest measured at start-up), `sharegpt:gu-swapped` (or
+gu-halves, gu-cublaslt) with gate_up's big decode matmuls asked of cuBLAS another way
+(gpu_gemm.py), `sharegpt:makespan` (or
+`throughput:makespan`) with the makespan scheduling policy (engine/makespan.py; `slack<x>` and
+`admit<n>` set its SLACK and MIN_ADMIT), `:nomixedgraphs` with every step that has a prefill chunk
+run eagerly (no mixed-step CUDA graphs); results get the variant appended to their keys.
 Writes $OUT/gpu_engine.json and prints a summary table last.
 """
 
@@ -36,7 +39,7 @@ import numpy as np
 import torch
 
 from goodserve import LLM, SamplingParams
-from goodserve.engine import model_runner
+from goodserve.engine import makespan, model_runner
 from goodserve.ops import gemv_linear, pdl, triton_attention, triton_gemv
 from gpu_gemm import PATHS as GEMM_PATHS
 from goodserve.quant import linear
@@ -45,7 +48,9 @@ DEFAULT_INT4_TINYGEMM_MAX_M = linear.INT4_TINYGEMM_MAX_M
 TUNED_CONFIGS = dict(triton_gemv.TUNED_CONFIGS)
 EAGER_INPUT = model_runner.ModelRunner._eager_input
 GRAPH_TIME_TOLERANCE = model_runner.GRAPH_TIME_TOLERANCE
+MIXED_GRAPH_MAX_TOKENS = model_runner.MIXED_GRAPH_MAX_TOKENS
 DEFAULT_NUM_SPLITS = triton_attention.default_num_splits
+MAKESPAN_SLACK, MAKESPAN_MIN_ADMIT = makespan.SLACK, makespan.MIN_ADMIT
 
 
 def _eager_input_without_leading_decodes(runner, flat):
@@ -277,22 +282,26 @@ def run_offline(llm: LLM, prompts: list[dict], output_lens: list[int]) -> dict:
 
 
 def graph_choice(runner) -> dict:
-    """Each decode graph's replay time at start-up, and the sizes whose batches replay a larger graph."""
-    return {"graph_replay_ms": dict(runner.graph_replay_ms),
-            "graph_replayed_instead": {size: runner.graph_size_for[size] for size in runner.graphs
-                                       if runner.graph_size_for[size] != size}}
+    """Each graph's replay time at start-up, and the sizes whose batches replay a larger graph."""
+    return {"graph_replay_ms": dict(runner.decode_graphs.replay_ms),
+            "graph_replayed_instead": runner.decode_graphs.replaced(),
+            "mixed_graph_replay_ms": dict(runner.mixed_graphs.replay_ms),
+            "mixed_graph_replayed_instead": runner.mixed_graphs.replaced()}
 
 
 def part_throughput(model: str, num_batched_tokens: int, max_num_seqs: int, kv_cache_dtype: str = "auto",
-                    only_sharegpt: bool = False) -> None:
+                    only_sharegpt: bool = False, policy: str = "continuous") -> None:
     llm = LLM(model, device="cuda", max_num_seqs=max_num_seqs, max_num_batched_tokens=num_batched_tokens,
-              kv_cache_dtype=kv_cache_dtype)
+              kv_cache_dtype=kv_cache_dtype, scheduler_policy=policy)
     results["throughput_config"] = {
         "max_num_seqs": max_num_seqs, "max_num_batched_tokens": num_batched_tokens, "kv_cache_dtype": kv_cache_dtype,
+        "scheduler_policy": policy, **({"makespan_slack": makespan.SLACK, "makespan_min_admit": makespan.MIN_ADMIT}
+                                       if policy == "makespan" else {}),
         **graph_choice(llm.engine.runner)}
     inputs, outputs = sharegpt_like_lengths(500)
     prompts = random_prompts(inputs)
     results["throughput_sharegpt_like"] = run_offline(llm, prompts, outputs)
+    results["throughput_sharegpt_like"]["breakdown_s"] = _breakdown(llm)
     if only_sharegpt:
         del llm
         free_gpu()
@@ -329,10 +338,11 @@ def part_profile_mixed(model: str, num_batched_tokens: int, max_num_seqs: int) -
     free_gpu()
 
 
-def part_profile_sharegpt(model: str, num_batched_tokens: int, max_num_seqs: int) -> None:
+def part_profile_sharegpt(model: str, num_batched_tokens: int, max_num_seqs: int, policy: str) -> None:
     from torch.profiler import ProfilerActivity, profile
 
-    llm = LLM(model, device="cuda", max_num_seqs=max_num_seqs, max_num_batched_tokens=num_batched_tokens)
+    llm = LLM(model, device="cuda", max_num_seqs=max_num_seqs, max_num_batched_tokens=num_batched_tokens,
+              scheduler_policy=policy)
     inputs, outputs = sharegpt_like_lengths(500)
     prompts = random_prompts(inputs)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in outputs]
@@ -420,6 +430,7 @@ def main() -> None:
         try:
             pdl.set_pdl("nopdl" not in variants)
             model_runner.GRAPH_TIME_TOLERANCE = float("inf") if "smallestgraph" in variants else GRAPH_TIME_TOLERANCE
+            model_runner.MIXED_GRAPH_MAX_TOKENS = 0 if "nomixedgraphs" in variants else MIXED_GRAPH_MAX_TOKENS
             model_runner.ModelRunner._eager_input = _eager_input_without_leading_decodes \
                 if "prefillonly" in variants else EAGER_INPUT
             triton_attention.default_num_splits = _halved_num_splits if "halvedsplits" in variants \
@@ -429,16 +440,19 @@ def main() -> None:
             gemv_linear.GemvLinear.forward = _gate_up_forward(gate_up_path) if gate_up_path else GEMV_FORWARD
             tokens = next((int(v[1:]) for v in variants if v[0] == "t" and v[1:].isdigit()),
                           args.max_num_batched_tokens)
+            policy = "makespan" if "makespan" in variants else "continuous"
+            makespan.SLACK = next((float(v[5:]) for v in variants if v.startswith("slack")), MAKESPAN_SLACK)
+            makespan.MIN_ADMIT = next((int(v[5:]) for v in variants if v.startswith("admit")), MAKESPAN_MIN_ADMIT)
             triton_gemv.TUNED_CONFIGS.clear()
             triton_gemv.TUNED_CONFIGS.update({key: config for key, config in TUNED_CONFIGS.items()
                                               if not ("cublasqkv" in variants and key[0] == "dense"
                                                       and key[2:] == (6144, 4096))})
             {"check": part_check, "decode": lambda: part_decode(bandwidth, args.model),
-             "throughput": lambda: part_throughput(args.model, tokens, args.max_num_seqs, kv_cache_dtype),
-             "sharegpt": lambda: part_throughput(args.model, tokens, args.max_num_seqs, kv_cache_dtype, True),
+             "throughput": lambda: part_throughput(args.model, tokens, args.max_num_seqs, kv_cache_dtype,
+                                                   policy=policy),
+             "sharegpt": lambda: part_throughput(args.model, tokens, args.max_num_seqs, kv_cache_dtype, True, policy),
              "peer": lambda: part_peer(args.model),
-             "profile_sharegpt": lambda: part_profile_sharegpt(args.model, args.max_num_batched_tokens,
-                                                               args.max_num_seqs),
+             "profile_sharegpt": lambda: part_profile_sharegpt(args.model, tokens, args.max_num_seqs, policy),
              "profile_mixed": lambda: part_profile_mixed(args.model, args.max_num_batched_tokens, args.max_num_seqs),
              "int8": lambda: part_decode(bandwidth, args.model, "int8"),
              "int4": lambda: part_decode(bandwidth, args.model, "int4"),

@@ -28,17 +28,17 @@ class EagerDecodeGraph(model_runner._DecodeGraph):
 def engine_mode(llm, graphs: bool, async_scheduling: bool):
     engine = llm.engine
     runner = engine.runner
-    saved = runner.graphs, runner.graph_replay_ms, engine.config.async_scheduling
+    saved = runner.decode_graphs, engine.config.async_scheduling
     if graphs:
-        runner.use_graphs({size: EagerDecodeGraph(runner, size, None) for size in (1, 2, 4, 8)},
-                          dict.fromkeys((1, 2, 4, 8), 1.0))
+        sizes = (1, 2, 4, 8)
+        runner.decode_graphs = model_runner.GraphSet({size: EagerDecodeGraph(runner, size, None) for size in sizes},
+                                                     dict.fromkeys(sizes, 1.0))
     engine.config.async_scheduling = async_scheduling
     start = engine.num_pipelined_steps
     try:
         yield lambda: engine.num_pipelined_steps - start
     finally:
-        runner.use_graphs(*saved[:2])
-        engine.config.async_scheduling = saved[2]
+        runner.decode_graphs, engine.config.async_scheduling = saved
         assert engine._inflight is None and not engine.has_unfinished()
 
 

@@ -5,6 +5,7 @@ CUDA graphs need a GPU, so here a graph's replay runs its forward eagerly over t
 capture itself is checked on the GPU (benchmarks/gpu_engine.py --parts check).
 """
 
+import pytest
 import torch
 
 from goodserve import SamplingParams
@@ -34,15 +35,79 @@ def test_decode_graph_inputs_give_the_eager_tokens(embedded_llm):
               for n in (6, 24, 40)]
     expected = embedded_llm.generate(prompts, params)
     runner = embedded_llm.engine.runner
-    runner.use_graphs({size: EagerDecodeGraph(runner, size, None) for size in (1, 2, 4)}, {1: 1.0, 2: 1.0, 4: 1.0})
+    runner.decode_graphs = model_runner.GraphSet({size: EagerDecodeGraph(runner, size, None) for size in (1, 2, 4)},
+                                                 {1: 1.0, 2: 1.0, 4: 1.0})
     try:
         got = embedded_llm.generate(prompts, params)
     finally:
-        runner.use_graphs({}, {})
+        runner.decode_graphs = model_runner.GraphSet()
     assert EagerDecodeGraph.replays > 0
     for ours, ref in zip(got, expected):
         assert ours.outputs[0].token_ids == ref.outputs[0].token_ids
     assert got[0].outputs[0].logprobs == expected[0].outputs[0].logprobs
+
+
+class EagerMixedGraph(model_runner._MixedGraph):
+    replays = 0
+
+    def _capture(self, pool) -> None:
+        pass
+
+    def replay(self) -> None:
+        EagerMixedGraph.replays += 1
+        self._forward()
+
+
+def test_mixed_graph_inputs_give_the_reference_tokens():
+    """Steps with prefill chunks through a mixed graph's buffers (padding tokens and sequences, every
+    sequence in the prefill kernel, logits of the sampled rows only) under the Triton interpreter
+    give the plain-torch path's tokens and logprobs."""
+    from goodserve import LLM
+    from goodserve.ops import attention
+
+    torch.manual_seed(0)
+    prompts = [{"prompt_token_ids": torch.randint(3, 500, (n,)).tolist()} for n in (3, 40, 9, 21, 2)]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=1) for n in (12, 5, 8, 3, 10)]
+    settings = {"model": "dummy:tiny", "num_kv_blocks": 48, "max_num_batched_tokens": 24, "max_num_seqs": 6}
+    try:
+        expected = LLM(**settings, attention_backend="torch").generate(prompts, params)
+        llm = LLM(**settings, attention_backend="triton")
+        runner = llm.engine.runner
+        counts = model_runner.mixed_graph_token_counts(24)
+        assert counts == [16, 32]  # a 17..24-token step replays the 32-token graph, padded
+        runner.mixed_graphs = model_runner.GraphSet({count: EagerMixedGraph(runner, count, None) for count in counts},
+                                                    dict.fromkeys(counts, 1.0))
+        got = llm.generate(prompts, params)
+    finally:
+        attention.set_attention_backend("auto")
+    assert EagerMixedGraph.replays >= 4
+    for ours, ref in zip(got, expected):
+        assert ours.outputs[0].token_ids == ref.outputs[0].token_ids
+        for mine, theirs in zip(ours.outputs[0].logprobs, ref.outputs[0].logprobs):
+            assert list(mine) == list(theirs)
+            assert [e.logprob for e in mine.values()] == pytest.approx([e.logprob for e in theirs.values()], abs=1e-4)
+
+
+def test_a_mixed_graph_takes_a_bounded_number_of_prefill_sequences(monkeypatch):
+    """The prefill kernel's grid in a mixed graph is sized for MIXED_GRAPH_MAX_PREFILL_SEQS sequences
+    after the leading decodes (the padding sequence among them): a batch with more runs eagerly."""
+    from goodserve import LLM
+
+    monkeypatch.setattr(model_runner, "MIXED_GRAPH_MAX_PREFILL_SEQS", 3)
+    runner = LLM("dummy:tiny", num_kv_blocks=16).engine.runner
+    graph = EagerMixedGraph(runner, 32, None)
+    runner.mixed_graphs = model_runner.GraphSet({32: graph}, {32: 1.0})
+
+    def batch(query_lens):
+        num_tokens = sum(query_lens)
+        return model_runner.FlatBatch(
+            input_ids=[1] * num_tokens, positions=list(range(num_tokens)), slots=list(range(num_tokens)),
+            query_lens=query_lens, seq_lens=query_lens, block_tables=[[i] for i in range(len(query_lens))],
+            sample_rows=list(range(len(query_lens))), logits_indices=[], prompt_logit_spans={})
+
+    assert runner._graph_for(batch([1, 1, 1, 5, 4])) is graph  # three leading decodes, two more
+    assert runner._graph_for(batch([1, 5, 1, 4])) is None  # a decode after a chunk counts: three more
+    assert runner._graph_for(batch([20, 13])) is None  # 33 tokens: no graph that large
 
 
 def test_the_cuda_warm_up_step_is_a_well_formed_batch():

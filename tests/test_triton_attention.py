@@ -184,6 +184,30 @@ def test_prefill_leaves_leading_decodes_to_the_decode_kernel(kernels):
     assert_close(split, ref, torch.float32)
 
 
+def test_decode_count_read_on_the_device(kernels):
+    """A mixed graph's launches: the count of leading decodes is a device scalar, the decode grid
+    covers every row and the prefill grid every sequence; each kernel writes only its own rows."""
+    q, cache, meta = make_batch(LEADING_DECODES, 6, 2, 32, torch.float32, torch.float32, seed=4)
+    ref = paged_attention_reference(q, cache, meta, 0.25)
+    count = torch.tensor([3], dtype=torch.int32)
+    rows = meta.seq_lens.shape[0]
+    out = torch.full_like(q, float("nan"))
+    kernels.triton_decode_attention(q[:rows], cache, meta.block_tables, meta.seq_lens, 0.25, num_splits=2,
+                                    out=out[:rows], num_decodes=count)
+    assert_close(out[:3], ref[:3], torch.float32)
+    assert out[3:].isnan().all()
+    # three sequences after the decodes; the grid is sized for four (a graph's bound is never tight)
+    kernels.triton_prefill_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, 0.25,
+                                     first_seq=count, out=out, max_seqs=4)
+    assert_close(out, ref, torch.float32)
+    attention.set_attention_backend("triton")
+    try:
+        graphed = attention.paged_attention(q, cache, replace(meta, leading_decodes=count), 0.25)
+    finally:
+        attention.set_attention_backend("auto")
+    assert_close(graphed, ref, torch.float32)
+
+
 @pytest.mark.parametrize("dtype,kv_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.int8)])
 def test_prefill_cache_dtypes(kernels, dtype, kv_dtype):
     q, cache, meta = make_batch([(18, 18), (4, 21)], 4, 2, 16, dtype, kv_dtype, seed=2)

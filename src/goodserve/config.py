@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from goodserve.errors import InvalidRequestError
 
-SCHEDULER_POLICIES = ("continuous", "static", "dynamic")
+SCHEDULER_POLICIES = ("continuous", "static", "dynamic", "makespan")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 QUANTIZATIONS = (None, "int8", "int4", "gguf")
 
@@ -40,9 +40,10 @@ class EngineConfig:
     quantize_lm_head: bool = False  # with quantization: lm_head too, int8 per channel (docs/quantization.md)
     attention_backend: str = "auto"  # auto | torch | triton
     enforce_eager: bool = False  # True: no CUDA graphs
-    # Launch decode step N+1 before step N's tokens reach the host, so the host's bookkeeping overlaps
-    # the GPU. Engages only where decode CUDA graphs replay (so on CUDA) and every sequence samples on
-    # the device alone (no penalties, logprobs, stop strings or pending min_tokens); else synchronous.
+    # Launch step N+1 before step N's tokens reach the host, so the host's bookkeeping overlaps the
+    # GPU. Engages only where CUDA graphs replay (so on CUDA), every sequence samples (no unfinished
+    # prefill chunk), on the device alone (no penalties, logprobs, stop strings or pending
+    # min_tokens); else synchronous.
     async_scheduling: bool = True
     tokenizer: str | None = None  # tokenizer path when it differs from the model's
 

@@ -127,7 +127,10 @@ RULES: tuple[Rule, ...] = (
               "less per-step overhead, so steps approach the bandwidth limit",
               "goodserve:step_time_seconds split: forward share of step time rises"),
           Fix("--scheduler-policy continuous", "new requests join the running batch every step",
-              "batch_fill_ratio{dimension=seqs} rises"))),
+              "batch_fill_ratio{dimension=seqs} rises"),
+          Fix("--scheduler-policy makespan (offline batches of known lengths, ignore_eos)",
+              "the longest answers' tail of nearly empty steps carries the rest of the batch",
+              "the batch's wall time falls; 5% on an 8B model's ShareGPT-like batch (benchmarks/BENCHMARKS.md)"))),
     Rule("low prefix-cache hit rate on repeated prefixes", _low_prefix_hits,
          lambda o, p: f"{100 * (o.prefix_cache_hit_rate or 0):.0f}% of prompt tokens hit the cache "
                       f"though the workload repeats prefixes",

@@ -3,10 +3,11 @@
 One step: schedule -> prepare inputs -> forward -> sample -> append tokens, check stops, detokenize.
 Every stage is timed, so the cost of Python around the GPU is visible (EngineStats).
 
-Async scheduling: while consecutive decode steps replay CUDA graphs and sample on the device alone,
-step N+1 is launched before step N's tokens reach the host (its input tokens are copied on the
-device), and step N's tokens are appended and checked while the GPU runs N+1. A sequence that
-stopped at N wastes its slot in N+1; anything else (arrivals, preemption, prefill) flushes first.
+Async scheduling: while steps replay CUDA graphs, every sequence in them samples a token, and all
+sample on the device alone, step N+1 is launched before step N's tokens reach the host (its decode
+input tokens are copied on the device; it may also admit waiting requests, whose prompt tokens the
+host has), and step N's tokens are appended and checked while the GPU runs N+1. A sequence that
+stopped at N wastes its slot in N+1; preemption and unfinished prefill chunks flush first.
 """
 
 from __future__ import annotations
@@ -74,11 +75,12 @@ class _StepTimes:
 
 @dataclass
 class _InFlight:
-    """A launched decode step whose sampled tokens have not been read on the host yet."""
+    """A launched step whose sampled tokens have not been read on the host yet."""
 
     batch: ScheduledBatch
-    tokens: torch.Tensor  # [num seqs] int64 on the device, in batch order: the next step's inputs
-    host_tokens: torch.Tensor  # [num seqs] int64 on the host (pinned on CUDA), filled by an async copy
+    sample_rows: list[int]  # the batch rows that sampled, in the order of `tokens`
+    tokens: torch.Tensor  # [len(sample_rows)] int64 on the device: the next step's inputs
+    host_tokens: torch.Tensor  # the same on the host (pinned on CUDA), filled by an async copy
     copied: torch.cuda.Event | None  # recorded after that copy; None on the CPU (copies are synchronous)
 
 
@@ -331,13 +333,13 @@ class Engine:
 
     # ---- async scheduling ----------------------------------------------------------------
     def _can_pipeline(self, batch: ScheduledBatch, inputs: ModelInput) -> bool:
-        """A step may run ahead of its tokens' arrival on the host if it replays a decode graph and
-        every sequence samples on the device alone (then so do the steps after it)."""
-        return self.config.async_scheduling and inputs.graph is not None and all(
-            _samples_on_device(seq) for seq in batch.seqs)
+        """A step may run ahead of its tokens' arrival on the host if it replays a graph and every
+        sequence samples, on the device alone (then so do the steps after it)."""
+        return (self.config.async_scheduling and inputs.graph is not None
+                and len(inputs.sample_rows) == len(batch.seqs) and all(_samples_on_device(seq) for seq in batch.seqs))
 
     def _step_pipelined(self, stream_text: bool) -> set[str]:
-        """Launch the next decode step (if the scheduler allows one without the in-flight step's
+        """Launch the next step (if the scheduler allows one without the in-flight step's
         tokens), then finish the in-flight step on the host while the GPU runs the next."""
         current, self._inflight = self._inflight, None
         try:
@@ -346,7 +348,9 @@ class Engine:
             # those that will stop on the token itself are found only later: their next token is spare.
             rows = [row for row, seq in enumerate(current.batch.seqs)
                     if not seq.is_finished and not _ends_by_length(seq)]
-            ahead = self.scheduler.schedule_ahead([current.batch.seqs[row] for row in rows])
+            if len(current.sample_rows) < len(current.batch.seqs):  # an unfinished prefill chunk
+                rows = []
+            ahead = self.scheduler.schedule_ahead([current.batch.seqs[row] for row in rows], _samples_on_device)
             t1 = time.perf_counter()
             self.times.schedule += t1 - t0
             if ahead:
@@ -368,27 +372,28 @@ class Engine:
 
     def _launch(self, batch: ScheduledBatch, inputs: ModelInput, t_start: float,
                 previous: tuple[_InFlight, list[int]] | None = None) -> _InFlight:
-        """Enqueue a graph step and its sampling; start copying its tokens to the host. previous: the
-        in-flight step whose tokens (at the given rows) are this step's inputs."""
-        if inputs.graph is None:
-            raise RuntimeError("an async decode step must replay a decode graph")
+        """Enqueue a step and its sampling; start copying its tokens to the host. previous: the
+        in-flight step whose tokens (at the given rows, every one of its rows sampled) are the inputs
+        of this step's first batch.num_ahead sequences."""
         self._turn ^= 1
-        host, num_seqs = self._host_buffers[self._turn], len(batch.seqs)
+        host = self._host_buffers[self._turn]
         if previous is not None:
             step, rows = previous
-            tokens = step.tokens[:num_seqs]
-            if rows != list(range(num_seqs)):
-                index = host[1, :num_seqs]
+            tokens = step.tokens[: len(rows)]
+            if rows != list(range(len(rows))):
+                index = host[1, : len(rows)]
                 index.numpy()[:] = rows
                 tokens = step.tokens.index_select(0, index.to(self.device, non_blocking=True))
-            inputs.input_ids[:num_seqs].copy_(tokens)  # after the graph's input copy: same stream
+            # Decodes lead the batch, a token each; after the inputs' own copy: same stream.
+            inputs.input_ids[: len(rows)].copy_(tokens)
         t1 = time.perf_counter()
         output = self.runner.execute(inputs)
-        sampling = build_sampling_batch(batch.seqs, self.spec.vocab_size, self.device, self.eos_token_ids)
+        sample_seqs = [batch.seqs[row] for row in inputs.sample_rows]
+        sampling = build_sampling_batch(sample_seqs, self.spec.vocab_size, self.device, self.eos_token_ids)
         t2 = time.perf_counter()
         # A copy of its own: the next replay of the same graph overwrites the graph's argmax buffer.
         tokens = sample(output.logits, sampling, output.logits_argmax).token_ids.clone()
-        host_tokens = host[0, :num_seqs]
+        host_tokens = host[0, : len(sample_seqs)]
         host_tokens.copy_(tokens, non_blocking=True)
         copied = self._copy_events[self._turn]
         if copied is not None:
@@ -396,7 +401,7 @@ class Engine:
         self.times.prepare += t1 - t_start
         self.times.forward += t2 - t1
         self.times.sample += time.perf_counter() - t2
-        return _InFlight(batch, tokens, host_tokens, copied)
+        return _InFlight(batch, inputs.sample_rows, tokens, host_tokens, copied)
 
     def _complete(self, step: _InFlight, stream_text: bool) -> set[str]:
         """Wait for the step's tokens on the host, then append them and check the stop conditions."""
@@ -406,7 +411,8 @@ class Engine:
         token_ids = step.host_tokens.tolist()
         t1 = time.perf_counter()
         self._release_siblings(step.batch)
-        for seq, token in zip(step.batch.seqs, token_ids):
+        for row, token in zip(step.sample_rows, token_ids):
+            seq = step.batch.seqs[row]
             if not seq.is_finished:  # else it stopped at the step before (this token is spare) or was aborted
                 self._append_token(seq, token, None, stream_text)
         self.times.forward += t1 - t0  # the host waits for the GPU here

@@ -10,7 +10,9 @@ its blocks are freed and it is recomputed later (its prefix may well still be ca
 
 The batching policy only gates admission: "continuous" admits whenever there is room; "static"
 admits a new batch only once the previous one has entirely finished; "dynamic" also waits for the
-batch to fill up to max_num_seqs or for the oldest request to have waited max_wait_ms.
+batch to fill up to max_num_seqs or for the oldest request to have waited max_wait_ms; "makespan"
+admits the longest requests first and spreads the rest over the longest one's steps, to finish an
+offline batch of known lengths soonest (engine/makespan.py).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from dataclasses import dataclass, field
 
 from goodserve.config import EngineConfig
 from goodserve.engine.block_pool import BlockPool
+from goodserve.engine.makespan import MakespanAdmission, longest_first_key
 from goodserve.engine.sequence import Sequence, SequenceStatus
 
 
@@ -29,9 +32,9 @@ class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
-    # Async scheduling: a decode step scheduled before the previous step's tokens reached the host;
-    # each sequence's input is that step's token (still on the device), at position num_computed_tokens.
-    ahead: bool = False
+    # Async scheduling: a step scheduled before the previous step's tokens reached the host. Its first
+    # num_ahead sequences decode that step's token (still on the device), at position num_computed_tokens.
+    num_ahead: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -41,6 +44,10 @@ class ScheduledBatch:
         return bool(self.seqs)
 
 
+def _decodes_first(seq: Sequence) -> tuple:
+    return (seq.num_uncomputed_tokens > 1, *seq.priority_key())
+
+
 class Scheduler:
     def __init__(self, config: EngineConfig, pool: BlockPool) -> None:
         self.config = config
@@ -48,6 +55,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.makespan = MakespanAdmission() if config.scheduler_policy == "makespan" else None
+        self._waiting_key = longest_first_key if self.makespan else Sequence.priority_key
 
     # ---- queue management ----------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -69,16 +78,28 @@ class Scheduler:
     # ---- one step ------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
-        continuous = self.config.scheduler_policy == "continuous"
-        if not continuous and self._next_batch_ready():
+        if not self._admits_any_step and self._next_batch_ready():
             self._admit_whole_batch()
         budget = self._schedule_running(batch, self.config.max_num_batched_tokens)
-        if continuous and not batch.preempted:
-            self._schedule_waiting(batch, budget)
+        if self._admits_any_step and not batch.preempted and self.waiting:
+            self._schedule_waiting(batch, min(budget, self._admission_allowance(batch.num_tokens)))
         return batch
 
+    @property
+    def _admits_any_step(self) -> bool:
+        """Continuous batching and makespan admit at any step; static and dynamic between batches."""
+        return self.config.scheduler_policy in ("continuous", "makespan")
+
+    def _admission_allowance(self, num_scheduled: int) -> int:
+        """Tokens new requests may take this step, besides num_scheduled for the running ones."""
+        if self.makespan is None:
+            return self.config.max_num_batched_tokens
+        return self.makespan.allowance(self.running, self.waiting, num_scheduled)
+
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
-        for seq in sorted(self.running, key=Sequence.priority_key):
+        """Decodes first (the attention kernels take a batch's leading one-token rows apart), then
+        unfinished prompts in priority order."""
+        for seq in sorted(self.running, key=_decodes_first):
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
@@ -95,10 +116,14 @@ class Scheduler:
                 budget -= num_new
         return budget
 
-    def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
-        ordered = sorted(self.waiting, key=Sequence.priority_key)
+    def _schedule_waiting(self, batch: ScheduledBatch, budget: int, admissible=None) -> None:
+        """Admit waiting sequences in order while the budget lasts; `admissible`, when given, stops
+        at the first sequence it refuses."""
+        ordered = sorted(self.waiting, key=self._waiting_key)
         for seq in ordered:
             if budget == 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            if admissible is not None and not admissible(seq):
                 break
             if not seq.block_table:
                 self.pool.match_prefix(seq)
@@ -155,24 +180,31 @@ class Scheduler:
             seq.num_cached_tokens = seq.num_computed_tokens
         self.running.append(seq)
 
-    def schedule_ahead(self, seqs: list[Sequence]) -> ScheduledBatch | None:
+    def schedule_ahead(self, seqs: list[Sequence], admissible) -> ScheduledBatch | None:
         """Async scheduling: one more decode token for each of seqs, whose current step (already
-        advanced) has not returned its tokens yet. Each needs a slot at position num_computed_tokens.
-        None when the normal scheduler must decide instead (sequences waiting to be admitted or
-        re-admitted, or the pool is short and someone must be preempted). Blocks allocated before a
-        refusal are the ones the next step would allocate anyway: they stay in the block tables."""
-        if self.waiting or not seqs:
+        advanced) has not returned its tokens yet, then the waiting sequences the policy admits now,
+        as far as `admissible` allows (the engine's test for sequences that sample on the device).
+        None when the normal scheduler must decide instead (no seqs, or the pool is short and
+        someone must be preempted). Blocks allocated before a refusal are the ones the next step
+        would allocate anyway: they stay in the block tables."""
+        if not seqs:
             return None
         for seq in seqs:
             assert seq.status is SequenceStatus.RUNNING and seq.num_computed_tokens == seq.num_tokens
             if not self.pool.allocate(seq, 1):
                 return None
-        return ScheduledBatch(list(seqs), [1] * len(seqs), ahead=True)
+        batch = ScheduledBatch(list(seqs), [1] * len(seqs), num_ahead=len(seqs))
+        if self.waiting and self._admits_any_step:
+            budget = min(self.config.max_num_batched_tokens - len(seqs), self._admission_allowance(len(seqs)))
+            self._schedule_waiting(batch, max(budget, 0), admissible)
+        return batch
 
     # ---- after the step ------------------------------------------------------------------
     def advance(self, batch: ScheduledBatch) -> None:
         """The runner computed the scheduled tokens: their K/V are now cached. Sequences that finished
         meanwhile (stopped or aborted while an async step ran) hold no blocks and are skipped."""
+        if self.makespan is not None:
+            self.makespan.advance(batch.num_tokens)
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
             if seq.is_finished:
                 continue

@@ -52,6 +52,11 @@ class AttentionMetadata:
     # How many sequences at the head of the batch have one query each (decodes); in a mixed batch the
     # Triton path gives those to the decode kernel. 0 is always correct, only slower.
     num_leading_decodes: int = 0
+    # A mixed-step CUDA graph's count of leading decodes: an int32 device scalar, set per replay
+    # (num_leading_decodes is then 0); the kernels' grids cover any count. With it, at most
+    # max_prefill_seqs sequences follow the leading decodes (the graph's bound, which sizes a grid).
+    leading_decodes: torch.Tensor | None = None
+    max_prefill_seqs: int | None = None
     # The torch path's per-step indices, derived by the first layer that needs them and reused by
     # the rest. The model's forward attaches fresh ones each step (a decode graph reuses its metadata).
     step_indices: StepIndices | None = field(default=None, repr=False, compare=False)
@@ -164,12 +169,14 @@ def paged_attention(q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadat
 
     if meta.is_decode_only:
         return triton_decode_attention(q, cache, meta.block_tables, meta.seq_lens, scale)
-    out, decodes = torch.empty_like(q), meta.num_leading_decodes
+    out, decodes, first_seq = torch.empty_like(q), meta.num_leading_decodes, meta.num_leading_decodes
+    if meta.leading_decodes is not None:  # any of the rows may be a decode
+        decodes, first_seq = min(q.shape[0], meta.seq_lens.shape[0]), meta.leading_decodes
     if decodes:
         triton_decode_attention(q[:decodes], cache, meta.block_tables[:decodes], meta.seq_lens[:decodes], scale,
-                                out=out[:decodes])
+                                out=out[:decodes], num_decodes=meta.leading_decodes)
     return triton_prefill_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,
-                                    first_seq=decodes, out=out)
+                                    first_seq=first_seq, out=out, max_seqs=meta.max_prefill_seqs)
 
 
 def rotary_write_kv_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,

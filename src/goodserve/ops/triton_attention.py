@@ -227,12 +227,12 @@ def _merge_splits(out_ptr, part_out_ptr, part_lse_ptr, seq, kv_head, num_used, n
 # variant for each new "== 1" / "divisible by 16" combination, hundreds of ms in the middle of a run).
 @triton.jit(do_not_specialize=["stride_bt", "stride_bb"])
 def _decode_kernel(q_ptr, out_ptr, part_out_ptr, part_lse_ptr, arrivals_ptr, k_cache, v_cache, k_scale, v_scale,
-                   block_tables, seq_lens, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_bb,
-                   num_kv_heads, HEAD_DIM: tl.constexpr,
+                   block_tables, seq_lens, num_decodes_ptr, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh,
+                   stride_bt, stride_bb, num_kv_heads, HEAD_DIM: tl.constexpr,
                    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, SPLIT_KEYS: tl.constexpr, NUM_SPLITS: tl.constexpr,
                    KV_QUANT: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                   USE_PDL: tl.constexpr):
+                   BOUNDED: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_sync(USE_PDL)
     kv_head = tl.program_id(0)
     seq = tl.program_id(1)
@@ -240,7 +240,10 @@ def _decode_kernel(q_ptr, out_ptr, part_out_ptr, part_lse_ptr, arrivals_ptr, k_c
     seq_len = tl.load(seq_lens + seq)
     split_keys = tl.maximum(tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), SPLIT_KEYS), 1) * SPLIT_KEYS
     num_used = tl.maximum(tl.cdiv(seq_len, split_keys), 1)  # a zero-length (padding) sequence writes zeros
-    if split < num_used:
+    active = split < num_used
+    if BOUNDED:  # the rows past the first num_decodes are someone else's: leave them alone
+        active = active & (seq < tl.load(num_decodes_ptr))
+    if active:
         key_begin = split * split_keys
         key_end = tl.minimum(key_begin + split_keys, seq_len)
         g = tl.arange(0, BLOCK_G)
@@ -327,9 +330,11 @@ def _tuning(q: torch.Tensor, defaults: dict, tuning: dict | None) -> dict:
 
 def triton_decode_attention(q: torch.Tensor, cache, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                             scale: float, num_splits: int | None = None, tuning: dict | None = None,
-                            out: torch.Tensor | None = None) -> torch.Tensor:
+                            out: torch.Tensor | None = None, num_decodes: torch.Tensor | None = None) -> torch.Tensor:
     """q: [B, Hq, D], one query per sequence -> [B, Hq, D] (into `out` when given).
-    num_splits: a power of two, or None (auto)."""
+    num_splits: a power of two, or None (auto). num_decodes: an int32 device scalar; only the first
+    num_decodes sequences are computed, the other rows of `out` are left as they are (a mixed
+    graph's decodes, whose count the host does not know when the launch is recorded)."""
     batch, num_q_heads, head_dim = q.shape
     _check_cache(cache)
     assert seq_lens.shape[0] == batch, "decode attention takes exactly one query per sequence"
@@ -349,12 +354,13 @@ def triton_decode_attention(q: torch.Tensor, cache, block_tables: torch.Tensor, 
     _decode_kernel[(num_kv_heads, batch, num_splits)](
         q, out, part_out, part_lse, arrivals, cache.k, cache.v,
         *_scales(cache),
-        block_tables, seq_lens, scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        block_tables.stride(0), block_tables.stride(1), num_kv_heads, head_dim,
-        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_N=tune["BLOCK_N"], BLOCK_SIZE=block_size, SPLIT_KEYS=tune["SPLIT_KEYS"], NUM_SPLITS=num_splits,
-        KV_QUANT=_kv_quant(cache), UPCAST_DOT=not q.is_cuda, DOT_PRECISION=_dot_precision(q.dtype),
-        num_warps=tune["num_warps"], num_stages=tune["num_stages"], **pdl_launch(q),
+        block_tables, seq_lens, seq_lens if num_decodes is None else num_decodes, scale * LOG2E, q.stride(0),
+        q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), block_tables.stride(1), num_kv_heads,
+        head_dim, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
+        BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=tune["BLOCK_N"], BLOCK_SIZE=block_size,
+        SPLIT_KEYS=tune["SPLIT_KEYS"], NUM_SPLITS=num_splits, KV_QUANT=_kv_quant(cache), UPCAST_DOT=not q.is_cuda,
+        DOT_PRECISION=_dot_precision(q.dtype), BOUNDED=num_decodes is not None, num_warps=tune["num_warps"],
+        num_stages=tune["num_stages"], **pdl_launch(q),
     )
     return out
 
@@ -389,15 +395,19 @@ def _find_sequence(query_start_loc, first_seq, first_token, num_seqs, program, B
     return lo - 1
 
 
-# The same per-step arguments, plus the sequence counts.
+# The same per-step arguments, plus the sequence counts. first_seq is an int, or with
+# FIRST_SEQ_IN_MEMORY a pointer to it.
 @triton.jit(do_not_specialize=["stride_bt", "stride_bb", "first_seq", "num_seqs"])
 def _prefill_kernel(q_ptr, out_ptr, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens,
                     query_start_loc, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_bb,
                     first_seq, num_seqs, num_kv_heads, HEAD_DIM: tl.constexpr,
                     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, KV_QUANT: tl.constexpr,
-                    UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
+                    UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, FIRST_SEQ_IN_MEMORY: tl.constexpr,
+                    USE_PDL: tl.constexpr):
     pdl_sync(USE_PDL)
+    if FIRST_SEQ_IN_MEMORY:
+        first_seq = tl.load(first_seq)
     program = tl.program_id(0)
     kv_head = tl.program_id(1)
     first_seq_token = tl.load(query_start_loc + first_seq)
@@ -444,11 +454,15 @@ def _prefill_kernel(q_ptr, out_ptr, k_cache, v_cache, k_scale, v_scale, block_ta
 
 def triton_prefill_attention(q: torch.Tensor, cache, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                              query_start_loc: torch.Tensor, scale: float, tuning: dict | None = None,
-                             first_seq: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
+                             first_seq: int | torch.Tensor = 0, out: torch.Tensor | None = None,
+                             max_seqs: int | None = None) -> torch.Tensor:
     """q: [T, Hq, D], a varlen batch (any mix of prefill chunks and decodes) -> [T, Hq, D].
 
     first_seq: the sequences before it have one query each and are someone else's (the decode
-    kernel's): only the rest are computed, into `out` (allocated when None)."""
+    kernel's): only the rest are computed, into `out` (allocated when None). An int32 device scalar
+    when the host does not know it (a mixed graph): the grid then covers any value, and max_seqs
+    (when given) bounds how many sequences there are from first_seq on, which keeps the grid small:
+    every program past the real blocks pays a search over all sequences before it exits."""
     num_tokens, num_q_heads, head_dim = q.shape
     _check_cache(cache)
     num_kv_heads, block_size = cache.k.shape[2], cache.k.shape[1]
@@ -459,7 +473,9 @@ def triton_prefill_attention(q: torch.Tensor, cache, block_tables: torch.Tensor,
     block_q = block_m // group
     out = torch.empty_like(q) if out is None else out
     quant = _kv_quant(cache)
-    grid = ((num_tokens - first_seq) // block_q + num_seqs - first_seq, num_kv_heads)
+    in_memory = isinstance(first_seq, torch.Tensor)
+    grid_first_seq = 0 if in_memory else first_seq
+    grid = ((num_tokens - grid_first_seq) // block_q + (max_seqs or num_seqs - grid_first_seq), num_kv_heads)
     _prefill_kernel[grid](
         q, out, cache.k, cache.v,
         *_scales(cache),
@@ -468,8 +484,8 @@ def triton_prefill_attention(q: torch.Tensor, cache, block_tables: torch.Tensor,
         num_kv_heads, head_dim,
         GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_N=tune["BLOCK_N"], BLOCK_SIZE=block_size, KV_QUANT=quant, UPCAST_DOT=not q.is_cuda,
-        DOT_PRECISION=_dot_precision(q.dtype), num_warps=tune["num_warps"], num_stages=tune["num_stages"],
-        **pdl_launch(q),
+        DOT_PRECISION=_dot_precision(q.dtype), FIRST_SEQ_IN_MEMORY=in_memory, num_warps=tune["num_warps"],
+        num_stages=tune["num_stages"], **pdl_launch(q),
     )
     return out
 

@@ -33,8 +33,11 @@ _HELP = {
     "max_num_seqs": "most sequences in one batch",
     "max_num_batched_tokens": "most tokens in one step (prefill chunks + decodes)",
     "max_wait_ms": "dynamic batching: how long a partial batch waits to fill",
+    "scheduler_policy": "continuous (FCFS); static / dynamic batching (to measure what continuous buys); makespan: "
+                        "longest requests first, the rest spread over the longest one's steps, for offline batches "
+                        "whose lengths are known (ignore_eos), docs/architecture.md (default: continuous)",
     "enforce_eager": "no CUDA graphs",
-    "async_scheduling": "launch decode step N+1 before step N's tokens reach the host (CUDA graphs only)",
+    "async_scheduling": "launch step N+1 before step N's tokens reach the host (CUDA graphs only)",
     "quantization": "weight-only int8 / int4 computed at load, or gguf: run a GGUF file's own Q4_0 / Q4_1 / Q8_0 "
                     "weights as they are (docs/quantization.md) (default: None)",
     "quantize_lm_head": "with --quantization (or a checkpoint made with it): lm_head in int8 too (default: False)",
