@@ -284,6 +284,13 @@ class GraphSet:
 _PADDING = (0, 0, -1, 0)
 
 
+def _fill_column_major(tables: np.ndarray, block_tables: list[list[int]]) -> None:
+    """A graph's block tables: sequence s's block j at tables[j, s], zeros elsewhere."""
+    tables[:] = 0
+    for seq, table in enumerate(block_tables):
+        tables[: len(table), seq] = table
+
+
 class _StepGraph:
     """A CUDA graph of `_forward`, which reads and writes only static buffers."""
 
@@ -344,10 +351,7 @@ class _DecodeGraph(_StepGraph):
         for row, values, pad in zip(rows, (flat.input_ids, flat.positions, flat.slots, flat.seq_lens), _PADDING):
             row[:num_seqs] = values
             row[num_seqs:] = pad
-        tables = host[4 * self.size :].reshape(-1, self.size)
-        tables[:] = 0
-        for seq, table in enumerate(flat.block_tables):
-            tables[: len(table), seq] = table
+        _fill_column_major(host[4 * self.size :].reshape(-1, self.size), flat.block_tables)
         self.inputs[:count].copy_(staging[:count], non_blocking=True)
         return ModelInput(self.input_ids, self.positions, self.meta, flat.sample_rows, None, {}, graph=self)
 
@@ -426,10 +430,7 @@ class _MixedGraph(_StepGraph):
         query_start_loc[1 : num_seqs + 1] = np.cumsum(flat.query_lens)
         query_start_loc[num_seqs + 1 :] = self.num_tokens
         host[self.tables_at - ALIGN_INT32] = leading_decodes(flat.query_lens)
-        tables = host[self.tables_at :].reshape(-1, self.max_seqs)
-        tables[:] = 0
-        for seq, table in enumerate(flat.block_tables):
-            tables[: len(table), seq] = table
+        _fill_column_major(host[self.tables_at :].reshape(-1, self.max_seqs), flat.block_tables)
         self.inputs[:count].copy_(staging[:count], non_blocking=True)
         return ModelInput(self.input_ids, self.positions, self.meta, flat.sample_rows,
                           self.logits_indices[: len(flat.sample_rows)], {}, graph=self)

@@ -119,6 +119,8 @@ class Scheduler:
     def _schedule_waiting(self, batch: ScheduledBatch, budget: int, admissible=None) -> None:
         """Admit waiting sequences in order while the budget lasts; `admissible`, when given, stops
         at the first sequence it refuses."""
+        if budget == 0 or len(self.running) >= self.config.max_num_seqs:
+            return  # before sorting: under makespan most steps admit nothing
         ordered = sorted(self.waiting, key=self._waiting_key)
         for seq in ordered:
             if budget == 0 or len(self.running) >= self.config.max_num_seqs:
