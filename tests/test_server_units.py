@@ -141,7 +141,7 @@ def test_admission_counts_waiting_requests():
     admission.admit(2)
     with pytest.raises(QueueFullError):
         admission.admit(1)
-    admission.started()
+    admission.started(1)
     admission.admit(1)
     with pytest.raises(InvalidRequestError):  # more prompts than the queue could ever hold
         Admission(max_waiting=2).admit(3)

@@ -31,6 +31,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
     max_wait_ms: float = 10.0  # dynamic batching: how long a partial batch waits to fill
+    max_n_per_request: int = 128  # most samples (n) one request may ask for
     # Model execution
     # weight-only: int8 (per channel) | int4 (per group) | gguf (keep a GGUF file's Q4_0/Q4_1/Q8_0 codes)
     quantization: str | None = None

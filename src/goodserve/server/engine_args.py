@@ -33,6 +33,7 @@ _HELP = {
     "max_num_seqs": "most sequences in one batch",
     "max_num_batched_tokens": "most tokens in one step (prefill chunks + decodes)",
     "max_wait_ms": "dynamic batching: how long a partial batch waits to fill",
+    "max_n_per_request": "most samples (n) in one request; more get 400 (each counts against --max-waiting)",
     "scheduler_policy": "continuous (FCFS); static / dynamic batching (to measure what continuous buys); makespan: "
                         "longest requests first, the rest spread over the longest one's steps, for offline batches "
                         "whose lengths are known (ignore_eos), docs/architecture.md (default: continuous)",
@@ -43,6 +44,9 @@ _HELP = {
     "quantize_lm_head": "with --quantization (or a checkpoint made with it): lm_head in int8 too (default: False)",
     "tokenizer": "tokenizer path, when it differs from the model's",
 }
+
+# Short names kept beside the derived flag (--max-n-per-request is --max-n too).
+_ALIASES = {"max_n_per_request": ("--max-n",)}
 
 
 def _flag(name: str) -> str:
@@ -59,6 +63,7 @@ def _base_type(hint) -> type:
 def add_dataclass_arguments(
     parser: argparse.ArgumentParser, cls: type, title: str,
     helps: dict[str, str], choices: dict[str, tuple] | None = None,
+    aliases: dict[str, tuple[str, ...]] | None = None,
 ) -> None:
     """Add a flag per dataclass field, skipping any flag the command already defines itself."""
     group = parser.add_argument_group(title)
@@ -75,8 +80,8 @@ def add_dataclass_arguments(
             group.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction,
                                default=field.default, help=help_text)
         else:
-            group.add_argument(flag, dest=field.name, type=kind, default=field.default,
-                               choices=(choices or {}).get(field.name), help=help_text)
+            group.add_argument(flag, *(aliases or {}).get(field.name, ()), dest=field.name, type=kind,
+                               default=field.default, choices=(choices or {}).get(field.name), help=help_text)
 
 
 def dataclass_from_args(cls: type, args: argparse.Namespace):
@@ -84,7 +89,7 @@ def dataclass_from_args(cls: type, args: argparse.Namespace):
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    add_dataclass_arguments(parser, EngineConfig, "engine options", _HELP, _CHOICES)
+    add_dataclass_arguments(parser, EngineConfig, "engine options", _HELP, _CHOICES, _ALIASES)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

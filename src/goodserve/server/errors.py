@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from goodserve.errors import GoodserveError
+from goodserve.server.limits import LIMIT_ERROR_TYPES
 
 logger = logging.getLogger("goodserve.server")
 
@@ -63,17 +64,26 @@ def error_body(message: str, error_type: str, status: int, param: str | None = N
     return {"error": {"message": message, "type": error_type, "param": param, "code": status}}
 
 
+def _is_union_member(loc_part: object) -> bool:
+    """pydantic names which member of a union failed ('list[constrained-str]'); no field has such a name."""
+    return isinstance(loc_part, str) and ("[" in loc_part or "-" in loc_part)
+
+
 def _describe_validation_error(exc: RequestValidationError) -> tuple[int, str]:
     """Malformed JSON is a 400; well-formed JSON of the wrong shape is a 422, as FastAPI has it."""
     errors = exc.errors()
     if any(e.get("type") == "json_invalid" for e in errors):
         return 400, "request body is not valid JSON"
+    # Past a bound or not text: a bad value (400). Under a union the other members' type errors
+    # come too; the bound is what the client must fix.
+    over_limit = [e for e in errors if e.get("type") in LIMIT_ERROR_TYPES]
+    status, errors = (400, over_limit) if over_limit else (422, errors)
     parts = []
     for e in errors[:5]:
         # loc is ("body", field, ...); the client only knows the field path.
-        loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
-        parts.append(f"{loc or 'body'}: {e.get('msg', 'invalid')}")
-    return 422, "; ".join(parts) or "invalid request"
+        loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body" and not _is_union_member(x))
+        parts.append(f"{loc}: {e.get('msg', 'invalid')}" if loc else e.get("msg", "invalid"))
+    return status, "; ".join(parts) or "invalid request"
 
 
 def install_error_handlers(app: FastAPI, on_error: Callable[[int], None]) -> None:

@@ -75,13 +75,13 @@ class GenerationJob:
             queue.put_nowait((index, exc))
 
     def admit(self) -> None:
-        """Take queue places for every prompt, or raise 429 before anything is sent."""
-        self.admission.admit(len(self.prompts))
+        """Take queue places for every sequence (prompts x n), or raise 429 before anything is sent."""
+        self.admission.admit(len(self.prompts) * self.params.n)
         self._queued = set(range(len(self.prompts)))
 
     def release(self) -> None:
         """Give back the queue places of prompts that never started; safe to call more than once."""
-        self.admission.started(len(self._queued))
+        self.admission.started(len(self._queued) * self.params.n)
         self._queued.clear()
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -95,7 +95,7 @@ class GenerationJob:
                 index, item = await self._next(queue)
                 if index in self._queued:
                     self._queued.discard(index)
-                    self.admission.started()
+                    self.admission.started(self.params.n)
                 if item is None:
                     remaining -= 1
                     continue

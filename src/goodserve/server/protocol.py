@@ -9,10 +9,19 @@ from __future__ import annotations
 import time
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from goodserve.errors import InvalidRequestError
 from goodserve.sampling_params import SamplingParams
+from goodserve.server.limits import (
+    MAX_CONTENT_PARTS,
+    MAX_MESSAGES,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    Name,
+    StopString,
+    reject_lone_surrogates,
+)
 
 _INT64 = 2**63
 Seed = Annotated[int, Field(ge=-_INT64, lt=_INT64)]
@@ -24,22 +33,28 @@ class _Schema(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
+class _Request(_Schema):
+    """A request body: every string in it, at any depth, must be encodable text."""
+
+    _no_lone_surrogates = model_validator(mode="before")(reject_lone_surrogates)
+
+
 class StreamOptions(_Schema):
     include_usage: bool = False
 
 
-class _SamplingRequest(_Schema):
+class _SamplingRequest(_Request):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
-    model: str | None = None
+    model: Name | None = None
     n: int = 1
     temperature: float | None = None
     top_p: float | None = None
-    stop: str | list[str] | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
     seed: Seed | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    user: str | None = None
+    user: Name | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     # vLLM extensions
@@ -49,7 +64,7 @@ class _SamplingRequest(_Schema):
     min_tokens: int = 0
     repetition_penalty: float = 1.0
     priority: int = 0
-    stop_token_ids: list[TokenId] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # goodserve extension: give up (408) if the request has not finished within this many seconds
@@ -102,8 +117,8 @@ class TextContent(_Schema):
 
 class ChatMessage(_Schema):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextContent] | None = None
-    name: str | None = None
+    content: str | Annotated[list[TextContent], Field(max_length=MAX_CONTENT_PARTS)] | None = None
+    name: Name | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -111,8 +126,11 @@ class ChatMessage(_Schema):
         return self.content or ""
 
 
+Messages = Annotated[list[ChatMessage], Field(max_length=MAX_MESSAGES)]
+
+
 class ChatCompletionRequest(_SamplingRequest):
-    messages: list[ChatMessage]
+    messages: Messages
     max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -127,16 +145,16 @@ class ChatCompletionRequest(_SamplingRequest):
         return self._sampling_params(max_tokens, logprobs)
 
 
-class TokenizeRequest(_Schema):
-    model: str | None = None
+class TokenizeRequest(_Request):
+    model: Name | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: Messages | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(_Schema):
-    model: str | None = None
+class DetokenizeRequest(_Request):
+    model: Name | None = None
     tokens: list[TokenId]
 
 

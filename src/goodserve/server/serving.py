@@ -63,6 +63,9 @@ class ServingContext:
     def new_job(self, kind: str, prompts: list[list[int]], params: SamplingParams,
                 request_timeout_s: float | None) -> GenerationJob:
         """Validate every prompt (a request that can never fit is a 400 now), then take queue places."""
+        max_n = self.engine.config.max_n_per_request
+        if params.n > max_n:
+            raise InvalidRequestError(f"n={params.n} is more than this server allows (--max-n {max_n})")
         for ids in prompts:
             self.engine.validate_request(ids, params)
         timeouts = [t for t in (self.request_timeout_s, request_timeout_s) if t is not None]
