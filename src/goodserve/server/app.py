@@ -15,6 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from goodserve.errors import InvalidRequestError
 from goodserve.server.admission import Admission
 from goodserve.server.auth import ApiKeyMiddleware, BodySizeLimitMiddleware
+from goodserve.server.connections import connection_capacity, guarded_protocol
 from goodserve.server.errors import DrainingError, install_error_handlers
 from goodserve.server.metrics import ServerMetrics, Slo
 from goodserve.server.protocol import (
@@ -50,6 +51,11 @@ class ServerConfig:
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
     log_level: str = "info"
+    max_unsent_outputs: int = 512
+    header_timeout_s: float = 15.0
+    max_connections: int | None = None  # default: what the open-file limit leaves (connection_capacity)
+    backlog: int = 4096
+    keep_alive_s: int = 30
 
     @property
     def url(self) -> str:
@@ -72,7 +78,8 @@ def startup_message(engine, config: ServerConfig, model_name: str) -> str:
 def build_app(engine, config: ServerConfig) -> FastAPI:
     model_name = config.served_model_name or engine.config.model
     metrics = ServerMetrics(engine, model_name, Slo(config.slo_ttft_ms, config.slo_tpot_ms))
-    ctx = ServingContext(engine, model_name, Admission(config.max_waiting), metrics, config.request_timeout_s)
+    ctx = ServingContext(engine, model_name, Admission(config.max_waiting), metrics, config.request_timeout_s,
+                         config.max_unsent_outputs)
     created = int(time.time())
 
     @asynccontextmanager
@@ -82,6 +89,7 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
         yield
         logger.info("draining in-flight requests (up to %.0fs)", config.drain_timeout_s)
         await engine.shutdown(config.drain_timeout_s)
+        ctx.close()
 
     app = FastAPI(title="goodserve", version="0.1.0", lifespan=lifespan)
     app.state.draining = False
@@ -116,9 +124,9 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
         if (body.prompt is None) == (body.messages is None):
             raise InvalidRequestError("give exactly one of 'prompt' or 'messages'")
         if body.messages is not None:
-            ids = ctx.chat_prompt_ids(body.messages, body.add_generation_prompt)
+            ids = await ctx.chat_prompt_ids(body.messages, body.add_generation_prompt)
         else:
-            ids = ctx.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            ids = await ctx.encoder.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         return TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids)
 
     @app.post("/detokenize", responses=_ERRORS)
@@ -159,8 +167,13 @@ class _DrainingServer(uvicorn.Server):
 def run_server(engine, config: ServerConfig) -> None:
     """Serve until SIGTERM/SIGINT, then let in-flight requests finish (up to drain_timeout_s)."""
     app = build_app(engine, config)
+    max_connections = config.max_connections or connection_capacity()
+    protocol = guarded_protocol(config.header_timeout_s, max_connections, retry_after_s=1,
+                                on_refused=app.state.ctx.metrics.observe_rejected)
     uv_config = uvicorn.Config(
         app, host=config.host, port=config.port, log_level=config.log_level,
         timeout_graceful_shutdown=int(config.drain_timeout_s), access_log=False,
+        http=protocol, backlog=config.backlog, timeout_keep_alive=config.keep_alive_s,
     )
+    logger.info("accepting up to %d connections (--max-connections)", max_connections)
     _DrainingServer(uv_config, app).run()

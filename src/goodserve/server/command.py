@@ -27,6 +27,16 @@ _SERVER_HELP = {
     "slo_ttft_ms": "time-to-first-token target counted in goodserve:request_slo (default: none)",
     "slo_tpot_ms": "time-per-output-token target counted in goodserve:request_slo (default: none)",
     "log_level": "uvicorn and goodserve log level",
+    "max_unsent_outputs": "a stream whose client stops reading is aborted (its KV blocks freed) once this many "
+                          "engine outputs (about one per token) wait unsent",
+    "header_timeout_s": "close a connection that has not sent complete request headers this long after opening "
+                        "(or after its last response)",
+    "max_connections": "open connections past this get 503 with Retry-After (default: the open-file limit, "
+                       "raised to its hard maximum, less the files open at start and 64)",
+    "keep_alive_s": "close a kept-alive connection idle this long; longer than clients' own idle expiry (httpx 5s, "
+                    "aiohttp 15s), so a client never sends on a connection the server is closing",
+    "backlog": "listen backlog: connections the kernel queues before the server accepts them (capped by "
+               "net.core.somaxconn)",
 }
 
 
@@ -52,6 +62,11 @@ def _check(config) -> None:
         raise InvalidRequestError("--max-body-bytes must be at least 1024")
     if not 0 <= config.port < 65536:
         raise InvalidRequestError("--port must be in [0, 65535]")
+    if min(config.max_unsent_outputs, config.header_timeout_s, config.backlog, config.keep_alive_s) <= 0:
+        raise InvalidRequestError(
+            "--max-unsent-outputs, --header-timeout-s, --backlog and --keep-alive-s must be positive")
+    if config.max_connections is not None and config.max_connections < 1:
+        raise InvalidRequestError("--max-connections must be at least 1")
 
 
 def _is_loopback(host: str) -> bool:

@@ -53,6 +53,13 @@ class ClientDisconnectedError(GoodserveError):
     error_type = "client_closed_request"
 
 
+class ClientNotReadingError(GoodserveError):
+    """The response could not be sent as fast as it was made: the request was aborted."""
+
+    http_status = 408
+    error_type = "timeout_error"
+
+
 class DrainingError(GoodserveError):
     """SIGTERM received: in-flight requests finish, new ones go elsewhere."""
 
@@ -92,7 +99,10 @@ def install_error_handlers(app: FastAPI, on_error: Callable[[int], None]) -> Non
     @app.exception_handler(GoodserveError)
     async def _goodserve_error(request: Request, exc: GoodserveError) -> JSONResponse:
         on_error(exc.http_status)
-        headers = {"Retry-After": str(getattr(exc, "retry_after_s", 1))} if exc.http_status in (429, 503) else None
+        overloaded = exc.http_status in (429, 503)
+        if overloaded:  # the client is told to come back; the operator should see it happen
+            logger.info("refused %s %s with %d: %s", request.method, request.url.path, exc.http_status, exc)
+        headers = {"Retry-After": str(getattr(exc, "retry_after_s", 1))} if overloaded else None
         body = error_body(str(exc), exc.error_type, exc.http_status)
         return JSONResponse(body, status_code=exc.http_status, headers=headers)
 

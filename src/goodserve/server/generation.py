@@ -8,6 +8,7 @@ engine's next step). A deadline does the same thing on a timer.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import aclosing
@@ -19,11 +20,12 @@ from starlette.requests import Request
 from goodserve.outputs import LogprobsEntry, RequestOutput
 from goodserve.sampling_params import SamplingParams
 from goodserve.server.admission import Admission
-from goodserve.server.errors import ClientDisconnectedError, DeadlineExceededError
+from goodserve.server.errors import ClientDisconnectedError, ClientNotReadingError, DeadlineExceededError
 from goodserve.server.metrics import ServerMetrics
 from goodserve.server.protocol import PromptTokensDetails, Usage
 
 T = TypeVar("T")
+logger = logging.getLogger("goodserve.server")
 
 
 @dataclass
@@ -56,6 +58,7 @@ class GenerationJob:
     admission: Admission
     metrics: ServerMetrics
     deadline: float | None = None  # time.monotonic() by which the whole call must finish
+    max_unsent_outputs: int = 512  # per prompt: outputs produced but not yet taken by the response
     final: dict[int, RequestOutput] = field(default_factory=dict)  # latest output per prompt
     _sent: dict[int, _Sent] = field(default_factory=dict)
     _queued: set[int] = field(default_factory=set)  # prompts holding a place in the waiting queue
@@ -69,6 +72,12 @@ class GenerationJob:
             stream = self.engine.generate(self._engine_request_id(index), self.prompts[index], self.params)
             async with aclosing(stream):
                 async for out in stream:
+                    if queue.qsize() >= self.max_unsent_outputs * len(self.prompts):
+                        # The response is stuck sending (its client stopped reading): stop generating
+                        # for it; closing the stream aborts the request and frees its KV blocks.
+                        logger.info("aborting %s: its client stopped reading (%d outputs unsent)",
+                                    self.request_id, queue.qsize())
+                        raise ClientNotReadingError("the client stopped reading this stream; it was aborted")
                     queue.put_nowait((index, out))
             queue.put_nowait((index, None))
         except Exception as exc:  # handed to the consumer, which raises it in the request's context

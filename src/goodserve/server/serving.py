@@ -8,6 +8,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from functools import cached_property
 
 from pydantic import BaseModel
 from starlette.requests import Request
@@ -21,6 +22,7 @@ from goodserve.server.errors import error_body
 from goodserve.server.generation import GenerationJob, cancel_on_disconnect
 from goodserve.server.metrics import ServerMetrics
 from goodserve.server.protocol import ChatMessage
+from goodserve.server.tokenization import PromptEncoder
 
 logger = logging.getLogger("goodserve.server")
 
@@ -32,6 +34,7 @@ class ServingContext:
     admission: Admission
     metrics: ServerMetrics
     request_timeout_s: float | None = None  # server-wide deadline; a request may ask for less
+    max_unsent_outputs: int = 512  # a stream this far behind its engine request is aborted
 
     @property
     def tokenizer(self):
@@ -39,26 +42,35 @@ class ServingContext:
             raise InvalidRequestError("this model has no tokenizer; send prompts as token ids")
         return self.engine.tokenizer
 
+    @cached_property
+    def encoder(self) -> PromptEncoder:
+        return PromptEncoder(self.tokenizer, self.engine.max_model_len)
+
+    def close(self) -> None:
+        if "encoder" in self.__dict__:  # built on the first prompt that needed it
+            self.encoder.close()
+
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
             raise ModelLoadError(f"model '{model}' is not served here; this server serves '{self.model_name}'")
 
-    def chat_prompt_ids(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+    async def chat_prompt_ids(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
         if not messages:
             raise InvalidRequestError("messages must contain at least one message")
         conversation = [{"role": m.role, "content": m.text()} for m in messages]
-        text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
-        # The template writes the special tokens itself (as transformers' apply_chat_template).
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return await self.encoder.encode_chat(conversation, add_generation_prompt)
 
-    def completion_prompt_ids(self, prompt: str | list[str] | list[int] | list[list[int]]) -> list[list[int]]:
+    async def completion_prompt_ids(self, prompt: str | list[str] | list[int] | list[list[int]]) -> list[list[int]]:
         if isinstance(prompt, str):
             prompt = [prompt]
         if not prompt:
             raise InvalidRequestError("prompt must not be empty")
         if isinstance(prompt[0], int):
             return [list(prompt)]
-        return [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompt]
+        texts = [p for p in prompt if isinstance(p, str)]
+        for text in texts:  # refuse any prompt that cannot fit before tokenizing the others
+            self.encoder.check_fits(len(text.encode()))
+        return [await self.encoder.encode(p) if isinstance(p, str) else list(p) for p in prompt]
 
     def new_job(self, kind: str, prompts: list[list[int]], params: SamplingParams,
                 request_timeout_s: float | None) -> GenerationJob:
@@ -73,6 +85,7 @@ class ServingContext:
         job = GenerationJob(
             engine=self.engine, request_id=f"{kind}-{uuid.uuid4().hex}", prompts=prompts, params=params,
             admission=self.admission, metrics=self.metrics, deadline=deadline,
+            max_unsent_outputs=self.max_unsent_outputs,
         )
         job.admit()
         return job

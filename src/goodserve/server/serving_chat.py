@@ -24,7 +24,7 @@ async def create_chat_completion(
 ) -> Response | ChatCompletionResponse:
     ctx.check_model(req.model)
     params = req.sampling_params()
-    prompt = ctx.chat_prompt_ids(req.messages, req.add_generation_prompt)
+    prompt = await ctx.chat_prompt_ids(req.messages, req.add_generation_prompt)
     job = ctx.new_job("chatcmpl", [prompt], params, req.request_timeout_s)
     if req.stream:
         k = job.params.logprobs

@@ -14,7 +14,8 @@ from goodserve.server.serving import JobStreamingResponse, ServingContext, strea
 async def create_completion(ctx: ServingContext, req: CompletionRequest, request: Request) -> Response | CompletionResponse:
     ctx.check_model(req.model)
     params = req.sampling_params()
-    job = ctx.new_job("cmpl", ctx.completion_prompt_ids(req.prompt), params, req.request_timeout_s)
+    prompts = await ctx.completion_prompt_ids(req.prompt)
+    job = ctx.new_job("cmpl", prompts, params, req.request_timeout_s)
     if req.stream:
         k = job.params.logprobs
         chunks = stream_chunks(ctx, req.include_usage_in_stream, job, CompletionResponse,
