@@ -15,8 +15,12 @@ import time
 import httpx
 import openai
 import pytest
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import normalizers, pre_tokenizers
+from tokenizers.models import BPE
 
 from goodserve.model.loader import embedded_tokenizer
+from goodserve.model.tokenizer import Tokenizer
 from goodserve.server.limits import MAX_MESSAGES, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from goodserve.server.process import launch_server, scrape_metrics
 from goodserve.server.tokenization import max_prompt_bytes
@@ -140,6 +144,25 @@ def test_max_prompt_bytes_bounds_the_bytes_of_any_token():
     longest = max(len(tokenizer.decode([i], skip_special_tokens=False).encode())
                   for i in range(tokenizer.vocab_size))
     assert longest <= bound
+
+
+def _bpe_tokenizer(normalizer=None, pre_tokenizer=None) -> Tokenizer:
+    backend = HFTokenizer(BPE(vocab={"a": 0, "b": 1, "\u2581": 2, "ab": 3, "abab": 4},
+                              merges=[("a", "b"), ("ab", "ab")]))
+    backend.normalizer, backend.pre_tokenizer = normalizer, pre_tokenizer
+    return Tokenizer(backend, bos_token_id=None, eos_token_ids=[])
+
+
+def test_no_byte_bound_where_the_tokenizer_may_drop_or_fold_text():
+    # Kept text: the bound is the longest token's UTF-8 bytes ('\u2581' is 3; 4 covers an unknown char).
+    assert max_prompt_bytes(_bpe_tokenizer(), 10) == 40
+    keeps = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    assert max_prompt_bytes(_bpe_tokenizer(keeps, pre_tokenizers.Metaspace()), 10) == 40
+    # NFC folds 3 jamo into 1 syllable; Whitespace drops spaces; a shorter Replace shrinks.
+    for normalizer, pre_tokenizer in [(normalizers.NFC(), None), (None, pre_tokenizers.Whitespace()),
+                                      (normalizers.Replace(" ", ""), None),
+                                      (None, pre_tokenizers.Split(" ", behavior="removed"))]:
+        assert max_prompt_bytes(_bpe_tokenizer(normalizer, pre_tokenizer), 10) is None
 
 
 # ---- item 7: cheap fields are bounded ------------------------------------------------------------
