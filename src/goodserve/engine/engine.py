@@ -312,15 +312,11 @@ class Engine:
                 return []
             self._count_step(batch)
             try:
-                inputs = self.runner.prepare(batch)
-                if self._can_pipeline(batch, inputs):
-                    self._inflight = self._launch(batch, inputs, t1)
-                else:
-                    result = self._compute(batch, inputs, t1)
+                result = self._start(batch, t1)
             except Exception as exc:  # a failed step fails the requests that cause it, never the engine
                 changed = self._isolate(batch, exc, stream_text=not finished_only)
             else:
-                if self._inflight is not None:
+                if result is None:  # launched ahead of its tokens: finished below, or by the next call
                     self.scheduler.advance(batch)
                 else:
                     changed = self._commit(batch, result, stream_text=not finished_only)
@@ -334,6 +330,14 @@ class Engine:
     def _count_step(self, batch: ScheduledBatch) -> None:
         self.num_steps += 1
         self.last_batch = (batch.num_tokens, len(batch.seqs))
+
+    def _start(self, batch: ScheduledBatch, t_start: float) -> _StepResult | None:
+        """Compute the batch, or launch it as the in-flight step (then None) where it may pipeline."""
+        inputs = self.runner.prepare(batch)
+        if self._can_pipeline(batch, inputs):
+            self._inflight = self._launch(batch, inputs, t_start)
+            return None
+        return self._compute(batch, inputs, t_start)
 
     def _compute(self, batch: ScheduledBatch, inputs: ModelInput, t_start: float, trial: bool = False) -> _StepResult:
         """Forward and sampling: everything a request's bad input can break, with nothing the engine
