@@ -353,7 +353,7 @@ class Engine:
         t2 = time.perf_counter()
         sampled = None
         if sampling is not None:
-            with rewind_generators(sample_seqs, always=trial):
+            with rewind_generators(sampling, always=trial):
                 sampled = sample(output.logits, sampling, output.logits_argmax)
         result = _StepResult(sample_seqs, sampled.token_ids.tolist() if sampled else [], sampled,
                              self._prompt_logprobs(batch, output))
@@ -482,7 +482,7 @@ class Engine:
         sampling = build_sampling_batch(sample_seqs, self.spec.vocab_size, self.device, self.eos_token_ids)
         t2 = time.perf_counter()
         # A copy of its own: the next replay of the same graph overwrites the graph's argmax buffer.
-        with rewind_generators(sample_seqs):
+        with rewind_generators(sampling):
             tokens = sample(output.logits, sampling, output.logits_argmax).token_ids.clone()
         host_tokens = host[0, : len(sample_seqs)]
         host_tokens.copy_(tokens, non_blocking=True)

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 
 from goodserve.engine.scheduler import ScheduledBatch
 from goodserve.engine.sequence import Sequence
+from goodserve.ops.sampler import SamplingBatch
 
 
 def sub_batch(batch: ScheduledBatch, rows: list[int]) -> ScheduledBatch:
@@ -45,10 +46,11 @@ def find_culprits(batch: ScheduledBatch, error: Exception,
 
 
 @contextlib.contextmanager
-def rewind_generators(seqs: list[Sequence], always: bool = False) -> Iterator[None]:
-    """Set the seeded sequences' generators back to their state at entry if the block raises (or
-    always: a trial run), so a retried step draws the same noise as the step would have."""
-    saved = [(seq.generator, seq.generator.get_state()) for seq in seqs if seq.generator is not None]
+def rewind_generators(sampling: SamplingBatch, always: bool = False) -> Iterator[None]:
+    """Set the seeded rows' generators back to their state at entry if the block raises (or always:
+    a trial run), so a retried step draws the same noise as the step would have. An all-greedy
+    batch draws nothing (and lists no generators)."""
+    saved = [(generator, generator.get_state()) for generator in sampling.generators or [] if generator is not None]
     try:
         yield
     except BaseException:
