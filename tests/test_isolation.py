@@ -190,3 +190,21 @@ def test_the_activation_reserve_is_sized_for_the_budget_the_engine_runs_with(mon
     engine = Engine(config, max_num_seqs=4)
     assert seen == [engine.config.max_num_batched_tokens] and engine.config.max_num_batched_tokens >= 200
     assert config.max_num_batched_tokens == 16 and config.max_num_seqs == 256
+
+
+def test_prompt_logprobs_under_preemption_match_transformers(hf_embedded):
+    """The issue's case on the embedded model: prompt logprobs of preempted (recomputed) requests
+    against log_softmax of Hugging Face's forward over the same prompt."""
+    small = LLM("smollm2-135m", num_kv_blocks=6, block_size=16, enable_prefix_caching=False)
+    prompts = [small.tokenizer.encode(p) for p in ("The capital of France is", "def fibonacci(n):",
+                                                   "Once upon a time, in a land far away,", "List three colors:")]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, prompt_logprobs=1)
+    outputs = small.generate([{"prompt_token_ids": p} for p in prompts], params)
+    assert small.engine.stats().num_preemptions > 0
+    for ids, out in zip(prompts, outputs):
+        with torch.no_grad():
+            reference = torch.log_softmax(hf_embedded(torch.tensor([ids])).logits[0], -1)
+        assert len(out.prompt_logprobs) == len(ids)
+        for pos in range(1, len(ids)):
+            assert out.prompt_logprobs[pos][ids[pos]].logprob == pytest.approx(reference[pos - 1, ids[pos]].item(),
+                                                                                abs=1e-3)
