@@ -17,7 +17,7 @@ SEEDED = SamplingParams(temperature=1.0, top_p=0.9, seed=11, max_tokens=8, ignor
 
 @pytest.mark.parametrize("field, value", [
     ("top_k", 2**63), ("top_k", 10**20), ("top_k", 1e20), ("top_k", True), ("top_k", -2),
-    ("seed", 2**64), ("seed", -(2**63) - 1), ("seed", 1.5),
+    ("top_k", 0.0), ("top_k", False), ("seed", 2**64), ("seed", -(2**63) - 1), ("seed", 1.5),
     ("temperature", float("nan")), ("temperature", float("inf")), ("temperature", 1e308), ("temperature", -0.1),
     ("top_p", float("nan")), ("top_p", 0.0), ("min_p", float("inf")), ("min_p", 1.5),
     ("presence_penalty", float("nan")), ("frequency_penalty", -3), ("repetition_penalty", float("inf")),

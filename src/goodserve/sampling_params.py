@@ -48,7 +48,7 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = _as_list("stop", self.stop)
         self.stop_token_ids = _as_list("stop_token_ids", self.stop_token_ids)
-        if self.top_k == 0 and not isinstance(self.top_k, bool):
+        if type(self.top_k) is int and self.top_k == 0:  # (not False, not 0.0: those are refused)
             self.top_k = -1
         self.validate()
 
