@@ -5,7 +5,7 @@ import torch
 
 from conftest import hf_greedy
 from goodserve import LLM, SamplingParams
-from goodserve.errors import InvalidRequestError, ModelLoadError, PromptTooLongError
+from goodserve.errors import EngineStepError, InvalidRequestError, ModelLoadError, PromptTooLongError
 
 PROMPTS = [
     "The capital of France is",
@@ -148,10 +148,14 @@ def test_a_failed_step_fails_its_requests_not_the_engine(monkeypatch):
 
     monkeypatch.setattr(engine.runner, "execute", broken_once)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    failed = llm.generate({"prompt_token_ids": [3, 4, 5]}, params)[0]
+    engine.add_request("failed", [3, 4, 5], params)
+    failed = engine.step()[0]
     assert failed.error and "illegal memory access" in failed.error
     assert failed.outputs[0].finish_reason == "abort"
-    assert engine.pool.num_used_blocks == 0
+    assert engine.pool.num_used_blocks == 0 and not engine.has_unfinished()
+    monkeypatch.setattr(engine.runner, "execute", broken_once)
+    with pytest.raises(EngineStepError, match="illegal memory access"):  # offline, as vLLM's LLM does
+        llm.generate({"prompt_token_ids": [3, 4, 5]}, params)
     again = llm.generate({"prompt_token_ids": [3, 4, 5]}, params)[0]
     assert again.error is None and len(again.outputs[0].token_ids) == 4
 

@@ -31,7 +31,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
     max_wait_ms: float = 10.0  # dynamic batching: how long a partial batch waits to fill
-    max_n_per_request: int = 128  # most samples (n) one request may ask for
+    max_n_per_request: int = 128  # a request's samples (n): each is a sequence in the queue
     # Model execution
     # weight-only: int8 (per channel) | int4 (per group) | gguf (keep a GGUF file's Q4_0/Q4_1/Q8_0 codes)
     quantization: str | None = None
@@ -60,6 +60,7 @@ class EngineConfig:
             (0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be in (0, 1]"),
             (self.max_num_seqs >= 1, "max_num_seqs must be at least 1"),
             (self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be at least 1"),
+            (self.max_n_per_request >= 1, "max_n_per_request must be at least 1"),
             (self.dtype in ("auto", "float32", "bfloat16", "float16"),
              "dtype must be auto, float32, bfloat16 or float16"),
         ]

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from goodserve.config import EngineConfig
 from goodserve.engine.engine import Engine
-from goodserve.errors import InvalidRequestError
+from goodserve.errors import EngineStepError, InvalidRequestError
 from goodserve.outputs import RequestOutput
 from goodserve.sampling_params import SamplingParams
 
@@ -47,7 +47,9 @@ class LLM:
             for request_id in request_ids:  # nothing stays allocated after an error
                 self.engine.abort_request(request_id)
             raise
-        return [finished[request_id] for request_id in request_ids]
+        outputs = [finished[request_id] for request_id in request_ids]
+        _raise_if_failed(outputs)
+        return outputs
 
     def chat(
         self,
@@ -73,6 +75,15 @@ class LLM:
             for output in self.engine.step(finished_only=True):
                 finished[output.request_id] = output
         return finished
+
+
+def _raise_if_failed(outputs: list[RequestOutput]) -> None:
+    """As vLLM's LLM raises when its engine fails, rather than hand back outputs that only look done:
+    a request the engine failed (its error was not the caller's input, which add_request refuses)."""
+    failed = [output for output in outputs if output.error]
+    if failed:
+        raise EngineStepError(f"the engine failed {len(failed)} of {len(outputs)} requests; the first "
+                              f"({failed[0].request_id}): {failed[0].error}")
 
 
 def _prompt_input(prompt: Prompt) -> str | list[int]:

@@ -1,20 +1,32 @@
-"""Per-request sampling settings, named and defaulted as in vLLM's SamplingParams."""
+"""Per-request sampling settings, named and defaulted as in vLLM's SamplingParams.
+
+Every field is checked at construction: its type (a bool is not a number), that floats are finite,
+and a range that nothing downstream can overflow (the sampler builds int64 and float32 tensors from
+them; seeds go to torch.Generator.manual_seed, which takes 64 bits).
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from goodserve.errors import InvalidRequestError
 
 _GREEDY_EPS = 1e-5
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_LOGPROBS = 20
+# Far past any useful setting (at temperature 100 every token is about equally likely), and float32 holds it.
+MAX_TEMPERATURE = 100.0
+MAX_REPETITION_PENALTY = 100.0
 
 
 @dataclass
 class SamplingParams:
-    n: int = 1
+    n: int = 1  # the engine caps it (EngineConfig.max_n_per_request)
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = -1  # -1 or 0: off
+    top_k: int = -1  # -1 or 0: off; above the vocabulary size it keeps every token
     min_p: float = 0.0
     seed: int | None = None
     presence_penalty: float = 0.0
@@ -23,7 +35,7 @@ class SamplingParams:
     max_tokens: int | None = 16  # None: up to the context window
     min_tokens: int = 0
     stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)  # the engine checks them against the vocabulary
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # top-k alternatives per sampled token (0: only the sampled one)
@@ -34,9 +46,9 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        if self.top_k == 0:
+        self.stop = _as_list("stop", self.stop)
+        self.stop_token_ids = _as_list("stop_token_ids", self.stop_token_ids)
+        if type(self.top_k) is int and self.top_k == 0:  # (not False, not 0.0: those are refused)
             self.top_k = -1
         self.validate()
 
@@ -45,36 +57,49 @@ class SamplingParams:
         return self.temperature < _GREEDY_EPS
 
     def validate(self) -> None:
-        def bad(msg: str) -> InvalidRequestError:
-            return InvalidRequestError(msg)
-
-        if self.n < 1:
-            raise bad(f"n must be at least 1, got {self.n}")
-        if self.n > 128:
-            raise bad(f"n must be at most 128, got {self.n}")
-        if self.temperature < 0:
-            raise bad(f"temperature must be non-negative, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise bad(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            raise bad(f"top_k must be -1 (off) or positive, got {self.top_k}")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise bad(f"min_p must be in [0, 1], got {self.min_p}")
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            raise bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            raise bad(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        if self.repetition_penalty <= 0:
-            raise bad(f"repetition_penalty must be positive, got {self.repetition_penalty}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise bad(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.min_tokens < 0:
-            raise bad(f"min_tokens must be non-negative, got {self.min_tokens}")
+        _check_int("n", self.n, 1, INT32_MAX)
+        _check_float("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
+        _check_float("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        _check_int("top_k", self.top_k, -1, INT32_MAX, " (-1 or 0: off)")
+        _check_float("min_p", self.min_p, 0.0, 1.0)
+        _check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _check_float("repetition_penalty", self.repetition_penalty, 0.0, MAX_REPETITION_PENALTY, low_open=True)
+        if self.seed is not None:
+            _check_int("seed", self.seed, INT64_MIN, INT64_MAX)
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, 1, INT32_MAX)
+        _check_int("min_tokens", self.min_tokens, 0, INT32_MAX)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise bad(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+            raise InvalidRequestError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
-            if value is not None and not 0 <= value <= 20:
-                raise bad(f"{name} must be in [0, 20], got {value}")
-        if any(not s for s in self.stop):
-            raise bad("stop strings must be non-empty")
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), 0, MAX_LOGPROBS)
+        _check_int("priority", self.priority, INT64_MIN, INT64_MAX)
+        for token in self.stop_token_ids:
+            _check_int("stop_token_ids entries", token, 0, INT32_MAX)
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise InvalidRequestError("stop strings must be non-empty strings")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidRequestError(f"{name} must be true or false, got {getattr(self, name)!r}")
+
+
+def _as_list(name: str, value) -> list:
+    if value is None:
+        return []
+    if not isinstance(value, (list, tuple)):
+        raise InvalidRequestError(f"{name} must be a list, got {type(value).__name__}")
+    return list(value)
+
+
+def _check_int(name: str, value, low: int, high: int, note: str = "") -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise InvalidRequestError(f"{name} must be an integer in [{low}, {high}]{note}, got {value!r}")
+
+
+def _check_float(name: str, value, low: float, high: float, low_open: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidRequestError(f"{name} must be a number, got {value!r}")
+    if not math.isfinite(value) or not low <= value <= high or (low_open and value == low):
+        raise InvalidRequestError(f"{name} must be in {'(' if low_open else '['}{low:g}, {high:g}], got {value}")

@@ -13,7 +13,9 @@ stopped at N wastes its slot in N+1; preemption and unfinished prefill chunks fl
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -21,6 +23,7 @@ import torch
 
 from goodserve.config import EngineConfig
 from goodserve.engine.block_pool import BlockPool
+from goodserve.engine.isolation import find_culprits, rewind_generators, sub_batch
 from goodserve.engine.kv_cache import kv_storage_dtype, num_blocks_for_memory
 from goodserve.engine.model_runner import ModelInput, ModelOutput, ModelRunner
 from goodserve.engine.request import Request
@@ -71,6 +74,16 @@ class _StepTimes:
     sample: float = 0.0
     detokenize: float = 0.0
     output: float = 0.0
+
+
+@dataclass
+class _StepResult:
+    """A computed step, not yet recorded: what `Engine._commit` needs."""
+
+    sample_seqs: list[Sequence]
+    token_ids: list[int]
+    sampled: SamplerOutput | None
+    prompt_logprobs: list[tuple]  # Engine._prompt_logprobs
 
 
 @dataclass
@@ -129,6 +142,14 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def check_attention_backend(name: str, device: torch.device) -> None:
+    """Triton kernels need a CUDA device; on the CPU they run only in Triton's interpreter."""
+    if name == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise InvalidRequestError(
+            f"attention_backend 'triton' needs a CUDA device, and this engine runs on {device}: use 'auto' or "
+            "'torch' (on the CPU Triton kernels run only in its interpreter, TRITON_INTERPRET=1, as the tests do)")
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -138,13 +159,13 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 class Engine:
     def __init__(self, config: EngineConfig | None = None, **overrides) -> None:
         config = config or EngineConfig()
-        for key, value in overrides.items():
-            if not hasattr(config, key):
-                raise InvalidRequestError(f"unknown engine option {key!r}")
-            setattr(config, key, value)
+        unknown = [key for key in overrides if not hasattr(config, key)]
+        if unknown:
+            raise InvalidRequestError(f"unknown engine option {unknown[0]!r}")
+        config = dataclasses.replace(config, **overrides)  # the engine's own copy: it settles some values
         config.validate()
-        self.config = config
         self.device = resolve_device(config.device)
+        check_attention_backend(config.attention_backend, self.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         torch.manual_seed(config.seed)
         set_attention_backend(config.attention_backend)
@@ -157,12 +178,13 @@ class Engine:
             self.tokenizer = load_tokenizer(config.tokenizer, self.spec)
         self.eos_token_ids = sorted(set(self.spec.eos_token_ids) | set(
             self.tokenizer.eos_token_ids if self.tokenizer else []))
+        context_len = min(config.max_model_len or self.spec.max_position_embeddings, self.spec.max_position_embeddings)
+        if not config.enable_chunked_prefill:  # a whole prompt must fit one step's budget (and activations)
+            config.max_num_batched_tokens = max(config.max_num_batched_tokens, context_len)
+        self.config = config
         kv_dtype = kv_storage_dtype(config, self.dtype)
         num_blocks = num_blocks_for_memory(self.spec, config, self.device, self.dtype, kv_dtype)
-        self.max_model_len = min(config.max_model_len or self.spec.max_position_embeddings,
-                                 self.spec.max_position_embeddings, num_blocks * config.block_size)
-        if not config.enable_chunked_prefill:  # a whole prompt must fit one step's budget
-            config.max_num_batched_tokens = max(config.max_num_batched_tokens, self.max_model_len)
+        self.max_model_len = min(context_len, num_blocks * config.block_size)
         self.runner = ModelRunner(config, self.model, num_blocks, kv_dtype, self.max_model_len, self.device)
         # quantize_lm_head is not in it: lm_head computes logits from the hidden states, never K/V.
         salt = (f"{loaded.revision}|{config.kv_cache_dtype}|{config.quantization}|"
@@ -202,6 +224,10 @@ class Engine:
             raise InvalidRequestError("the prompt is empty: give at least one token")
         if any(not 0 <= t < self.spec.vocab_size for t in prompt_token_ids):
             raise InvalidRequestError(f"prompt token ids must be in [0, {self.spec.vocab_size})")
+        if any(t >= self.spec.vocab_size for t in params.stop_token_ids):
+            raise InvalidRequestError(f"stop_token_ids must be in [0, {self.spec.vocab_size})")
+        if params.n > self.config.max_n_per_request:
+            raise InvalidRequestError(f"n must be at most {self.config.max_n_per_request}, got {params.n}")
         prompt_len = len(prompt_token_ids)
         if prompt_len >= self.max_model_len:
             raise PromptTooLongError(
@@ -245,7 +271,8 @@ class Engine:
                       max_len: int, arrival_time: float) -> Sequence:
         generator = None
         if params.seed is not None:
-            generator = torch.Generator(device=self.device).manual_seed(params.seed + index)
+            # manual_seed takes 64 bits; negative seeds wrap as it wraps them itself
+            generator = torch.Generator(device=self.device).manual_seed((params.seed + index) % 2**64)
         seq = Sequence(
             seq_id=f"{request_id}#{index}", request_id=request_id, index=index,
             token_ids=list(prompt_ids), num_prompt_tokens=len(prompt_ids), params=params,
@@ -285,15 +312,14 @@ class Engine:
                 return []
             self._count_step(batch)
             try:
-                inputs = self.runner.prepare(batch)
-                if self._can_pipeline(batch, inputs):
-                    self._inflight = self._launch(batch, inputs, t1)
+                result = self._start(batch, t1)
+            except Exception as exc:  # a failed step fails the requests that cause it, never the engine
+                changed = self._isolate(batch, exc, stream_text=not finished_only)
+            else:
+                if result is None:  # launched ahead of its tokens: finished below, or by the next call
                     self.scheduler.advance(batch)
                 else:
-                    changed = self._run(batch, inputs, t1, stream_text=not finished_only)
-            except Exception as exc:  # a failed step fails its requests, never the engine
-                logger.exception("step failed; aborting its %d sequences", len(batch.seqs))
-                changed = self._fail(batch, exc)
+                    changed = self._commit(batch, result, stream_text=not finished_only)
         if changed is None:
             changed = self._step_pipelined(stream_text=not finished_only)
         t_collect = time.perf_counter()
@@ -305,7 +331,17 @@ class Engine:
         self.num_steps += 1
         self.last_batch = (batch.num_tokens, len(batch.seqs))
 
-    def _run(self, batch: ScheduledBatch, inputs: ModelInput, t_start: float, stream_text: bool) -> set[str]:
+    def _start(self, batch: ScheduledBatch, t_start: float) -> _StepResult | None:
+        """Compute the batch, or launch it as the in-flight step (then None) where it may pipeline."""
+        inputs = self.runner.prepare(batch)
+        if self._can_pipeline(batch, inputs):
+            self._inflight = self._launch(batch, inputs, t_start)
+            return None
+        return self._compute(batch, inputs, t_start)
+
+    def _compute(self, batch: ScheduledBatch, inputs: ModelInput, t_start: float, trial: bool = False) -> _StepResult:
+        """Forward and sampling: everything a request's bad input can break, with nothing the engine
+        keeps changed yet (a trial run also gives back the generators' noise)."""
         t1 = time.perf_counter()
         output = self.runner.execute(inputs)
         sample_seqs = [batch.seqs[row] for row in inputs.sample_rows]
@@ -315,21 +351,64 @@ class Engine:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         t2 = time.perf_counter()
-        sampled = sample(output.logits, sampling, output.logits_argmax) if sampling is not None else None
-        token_ids = sampled.token_ids.tolist() if sampled else []
+        sampled = None
+        if sampling is not None:
+            with rewind_generators(sampling, always=trial):
+                sampled = sample(output.logits, sampling, output.logits_argmax)
+        result = _StepResult(sample_seqs, sampled.token_ids.tolist() if sampled else [], sampled,
+                             self._prompt_logprobs(batch, output))
         t3 = time.perf_counter()
-        self.scheduler.advance(batch)
-        self._release_siblings(batch)
-        self._record_prompt_logprobs(batch, inputs.prompt_logit_spans, output)
-        for i, (seq, token) in enumerate(zip(sample_seqs, token_ids)):
-            self._append_token(seq, token, _logprobs_entry(sampled, i, seq.params.logprobs, self.tokenizer),
-                               stream_text)
-        t4 = time.perf_counter()
         self.times.prepare += t1 - t_start
         self.times.forward += t2 - t1
         self.times.sample += t3 - t2
-        self.times.detokenize += t4 - t3
+        return result
+
+    def _commit(self, batch: ScheduledBatch, result: _StepResult, stream_text: bool) -> set[str]:
+        """Advance the batch and record its outputs; an error in one sequence's bookkeeping fails its
+        request alone."""
+        t0 = time.perf_counter()
+        self.scheduler.advance(batch)
+        self._release_siblings(batch)
+        for seq, first, values, ids, ranks in result.prompt_logprobs:
+            self._guarded(seq, self._store_prompt_logprobs, seq, first, values, ids, ranks)
+        for i, (seq, token) in enumerate(zip(result.sample_seqs, result.token_ids)):
+            if not seq.is_finished:  # else a sibling's failure aborted it just now
+                self._guarded(seq, self._append_sampled, seq, token, result.sampled, i, stream_text)
+        self.times.detokenize += time.perf_counter() - t0
         return {seq.request_id for seq in batch.seqs}
+
+    def _isolate(self, batch: ScheduledBatch, error: Exception, stream_text: bool) -> set[str]:
+        """The step raised before anything advanced: fail the requests whose sequences fail alone,
+        with their own errors, then run the rest as this step."""
+        logger.warning("step of %d sequences failed (%s: %s); isolating its culprit", len(batch.seqs),
+                       type(error).__name__, error)
+        for seq, exc in find_culprits(batch, error, self._trial):
+            logger.error("request %s failed its step: %s: %s", seq.request_id, type(exc).__name__, exc,
+                         exc_info=exc)
+            self._fail_request(seq.request_id, exc)
+        rest = sub_batch(batch, [row for row, seq in enumerate(batch.seqs) if not seq.is_finished])
+        changed = {seq.request_id for seq in batch.seqs}
+        if rest:
+            t0 = time.perf_counter()
+            try:
+                result = self._compute(rest, self.runner.prepare(rest), t0)
+            except Exception as exc:  # the failure needs the whole batch (none failed alone): fail it
+                logger.exception("step failed again without its culprits; aborting its %d sequences",
+                                 len(rest.seqs))
+                return changed | self._fail(rest, exc)
+            changed |= self._commit(rest, result, stream_text)
+        return changed
+
+    def _trial(self, batch: ScheduledBatch) -> None:
+        self._compute(batch, self.runner.prepare(batch), time.perf_counter(), trial=True)
+
+    def _guarded(self, seq: Sequence, record, *args) -> None:
+        """One sequence's bookkeeping; an error there fails its request, not the step."""
+        try:
+            record(*args)
+        except Exception as exc:
+            logger.exception("recording the output of request %s failed", seq.request_id)
+            self._fail_request(seq.request_id, exc)
 
     # ---- async scheduling ----------------------------------------------------------------
     def _can_pipeline(self, batch: ScheduledBatch, inputs: ModelInput) -> bool:
@@ -343,20 +422,7 @@ class Engine:
         tokens), then finish the in-flight step on the host while the GPU runs the next."""
         current, self._inflight = self._inflight, None
         try:
-            t0 = time.perf_counter()
-            # Sequences whose in-flight token is certainly their last (by length) go no further;
-            # those that will stop on the token itself are found only later: their next token is spare.
-            rows = [row for row, seq in enumerate(current.batch.seqs)
-                    if not seq.is_finished and not _ends_by_length(seq)]
-            if len(current.sample_rows) < len(current.batch.seqs):  # an unfinished prefill chunk
-                rows = []
-            ahead = self.scheduler.schedule_ahead([current.batch.seqs[row] for row in rows], _samples_on_device)
-            t1 = time.perf_counter()
-            self.times.schedule += t1 - t0
-            if ahead:
-                self._count_step(ahead)
-                self.num_pipelined_steps += 1
-                self._inflight = self._launch(ahead, self.runner.prepare(ahead), t1, (current, rows))
+            self._launch_ahead(current)
             changed = self._complete(current, stream_text)
             if self._inflight is not None:  # its input tokens are on the host now: register full blocks
                 self.scheduler.advance(self._inflight.batch)
@@ -369,6 +435,30 @@ class Engine:
                 with contextlib.suppress(Exception):
                     torch.cuda.synchronize(self.device)
             return set().union(*(self._fail(batch, exc) for batch in batches))
+
+    def _launch_ahead(self, current: _InFlight) -> None:
+        """Launch the step after `current`, if the scheduler allows one without current's tokens. If
+        its launch raises, it is dropped: nothing advanced, its blocks are the ones the next step
+        allocates anyway, and the next step, synchronous, runs its sequences again and isolates
+        the request that broke it."""
+        t0 = time.perf_counter()
+        # Sequences whose in-flight token is certainly their last (by length) go no further;
+        # those that will stop on the token itself are found only later: their next token is spare.
+        rows = [row for row, seq in enumerate(current.batch.seqs) if not seq.is_finished and not _ends_by_length(seq)]
+        if len(current.sample_rows) < len(current.batch.seqs):  # an unfinished prefill chunk
+            rows = []
+        ahead = self.scheduler.schedule_ahead([current.batch.seqs[row] for row in rows], _samples_on_device)
+        t1 = time.perf_counter()
+        self.times.schedule += t1 - t0
+        if not ahead:
+            return
+        self._count_step(ahead)
+        self.num_pipelined_steps += 1
+        try:
+            self._inflight = self._launch(ahead, self.runner.prepare(ahead), t1, (current, rows))
+        except Exception as exc:
+            logger.warning("launching a step ahead failed (%s: %s); its sequences run synchronously next",
+                           type(exc).__name__, exc)
 
     def _launch(self, batch: ScheduledBatch, inputs: ModelInput, t_start: float,
                 previous: tuple[_InFlight, list[int]] | None = None) -> _InFlight:
@@ -392,7 +482,8 @@ class Engine:
         sampling = build_sampling_batch(sample_seqs, self.spec.vocab_size, self.device, self.eos_token_ids)
         t2 = time.perf_counter()
         # A copy of its own: the next replay of the same graph overwrites the graph's argmax buffer.
-        tokens = sample(output.logits, sampling, output.logits_argmax).token_ids.clone()
+        with rewind_generators(sampling):
+            tokens = sample(output.logits, sampling, output.logits_argmax).token_ids.clone()
         host_tokens = host[0, : len(sample_seqs)]
         host_tokens.copy_(tokens, non_blocking=True)
         copied = self._copy_events[self._turn]
@@ -414,7 +505,7 @@ class Engine:
         for row, token in zip(step.sample_rows, token_ids):
             seq = step.batch.seqs[row]
             if not seq.is_finished:  # else it stopped at the step before (this token is spare) or was aborted
-                self._append_token(seq, token, None, stream_text)
+                self._guarded(seq, self._append_token, seq, token, None, stream_text)
         self.times.forward += t1 - t0  # the host waits for the GPU here
         self.times.detokenize += time.perf_counter() - t1
         return {seq.request_id for seq in step.batch.seqs}
@@ -429,12 +520,18 @@ class Engine:
 
     def _fail(self, batch: ScheduledBatch, exc: Exception) -> set[str]:
         for seq in batch.seqs:
-            if seq.request_id in self.requests:
-                self.requests[seq.request_id].error = f"{type(exc).__name__}: {exc}"
-                for sibling in self.requests[seq.request_id].seqs:
-                    if not sibling.is_finished:
-                        self.scheduler.finish(sibling, "abort")
+            self._fail_request(seq.request_id, exc)
         return {seq.request_id for seq in batch.seqs}
+
+    def _fail_request(self, request_id: str, exc: Exception) -> None:
+        request = self.requests.get(request_id)
+        if request is None:
+            return
+        request.error = request.error or f"{type(exc).__name__}: {exc}"
+        for seq in request.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "abort")
+                seq.metrics.finished_time = time.time()
 
     def _collect(self, changed: set[str], finished_only: bool) -> list[RequestOutput]:
         outputs = []
@@ -448,14 +545,27 @@ class Engine:
         return outputs
 
     # ---- after sampling ------------------------------------------------------------------
-    def _record_prompt_logprobs(self, batch: ScheduledBatch, spans: dict, output: ModelOutput) -> None:
+    @staticmethod
+    def _prompt_logprobs(batch: ScheduledBatch, output: ModelOutput) -> list[tuple]:
+        """(seq, index of the first prompt token predicted, values, ids, ranks) for each row with prompt
+        logits. Logits at position p predict token p + 1; a chunk starts at the first uncomputed
+        position (0 again after a preemption, which recomputes the prompt)."""
+        found = []
         for row, logits in output.prompt_logits.items():
             seq = batch.seqs[row]
-            start = len(seq.prompt_logprobs)  # the prompt token these logits predict first
-            targets = torch.tensor(seq.token_ids[start : start + logits.shape[0]], device=logits.device)
+            first = seq.num_computed_tokens + 1
+            targets = torch.tensor(seq.token_ids[first : first + logits.shape[0]], device=logits.device)
             values, ids, ranks = gather_logprobs(logits, targets, seq.params.prompt_logprobs)
-            for i in range(logits.shape[0]):
-                seq.prompt_logprobs.append(_entry(values[i].tolist(), ids[i].tolist(), int(ranks[i]), self.tokenizer))
+            found.append((seq, first, values.tolist(), ids.tolist(), ranks.tolist()))
+        return found
+
+    def _store_prompt_logprobs(self, seq: Sequence, first: int, values: list, ids: list, ranks: list) -> None:
+        """Entries from token `first` on; a recomputed prompt (after a preemption) replaces its own."""
+        del seq.prompt_logprobs[first:]
+        seq.prompt_logprobs.extend(_entry(v, i, r, self.tokenizer) for v, i, r in zip(values, ids, ranks))
+
+    def _append_sampled(self, seq: Sequence, token: int, sampled: SamplerOutput, row: int, stream_text: bool) -> None:
+        self._append_token(seq, token, _logprobs_entry(sampled, row, seq.params.logprobs, self.tokenizer), stream_text)
 
     def _append_token(self, seq: Sequence, token: int, logprobs: LogprobsEntry | None, stream_text: bool) -> None:
         """Record a sampled token and check the stop conditions.

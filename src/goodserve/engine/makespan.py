@@ -20,6 +20,7 @@ would otherwise outlast the longest one is admitted at once: with equal lengths 
 from __future__ import annotations
 
 from goodserve.engine.sequence import Sequence
+from goodserve.engine.waiting_queue import WaitingQueue
 
 # Aim above the even spread: early steps are cheaper to fill than late ones are to rescue.
 SLACK = 1.5
@@ -39,19 +40,33 @@ def longest_first_key(seq: Sequence) -> tuple:
 
 
 class MakespanAdmission:
-    """The scheduler's admission gate under the makespan policy: its credit, step by step."""
+    """The scheduler's admission gate under the makespan policy: its credit, step by step. It keeps
+    its own index of the waiting sequences (the scheduler tells it who enters and leaves the queue),
+    so a step costs the running sequences and the few waiting ones near the deadline, not the queue."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_admit: int) -> None:
         self.credit = 0.0  # tokens the steps so far fell short of their aim (negative: ran ahead)
         self.aim = 0.0  # the last step's aim, tokens
+        self.max_admit = max_admit  # no step admits more prompt tokens (max_num_batched_tokens)
+        self.waiting = WaitingQueue(key=lambda seq: -remaining_outputs(seq))  # most tokens left to generate first
+        self.waiting_tokens_left = 0  # waiting sequences hold no computed tokens: the sum of their max_len
 
-    def allowance(self, running: list[Sequence], waiting, num_scheduled: int) -> int:
+    def add_waiting(self, seq: Sequence) -> None:
+        self.waiting.add(seq)
+        self.waiting_tokens_left += seq.max_len
+
+    def remove_waiting(self, seq: Sequence) -> None:
+        if self.waiting.remove(seq):
+            self.waiting_tokens_left -= seq.max_len
+
+    def allowance(self, running: list[Sequence], num_scheduled: int) -> int:
         """Prompt tokens that new requests may take this step, besides the num_scheduled tokens of the
         running sequences. Reads the queues; changes nothing until `advance`."""
-        steps_left = _steps_left(running, waiting)
-        self.aim = SLACK * _tokens_left(running, waiting) / steps_left
+        steps_left = self._steps_left(running)
+        tokens_left = sum(seq.max_len - seq.num_computed_tokens for seq in running) + self.waiting_tokens_left
+        self.aim = SLACK * tokens_left / steps_left
         room = self.credit + self.aim - num_scheduled
-        due = _prompt_tokens_due(waiting, steps_left)
+        due = self._prompt_tokens_due(steps_left)
         if not running:
             return max(int(room), due, 1)
         return max(int(room) if room >= MIN_ADMIT else 0, due)
@@ -60,17 +75,16 @@ class MakespanAdmission:
         """A step ran num_tokens tokens against the last aim."""
         self.credit += self.aim - num_tokens
 
+    def _steps_left(self, running: list[Sequence]) -> int:
+        longest = self.waiting.peek()
+        return 1 + max([remaining_outputs(seq) for seq in running] + ([remaining_outputs(longest)] if longest else []))
 
-def _tokens_left(running: list[Sequence], waiting) -> int:
-    return sum(seq.max_len - seq.num_computed_tokens for queue in (running, waiting) for seq in queue)
-
-
-def _prompt_tokens_due(waiting, steps_left: int) -> int:
-    """Prompt tokens of the waiting requests that would outlast the batch if not started now (all
-    of them when every answer has the same length)."""
-    return sum(seq.num_uncomputed_tokens for seq in waiting
-               if remaining_outputs(seq) + DEADLINE_MARGIN >= steps_left)
-
-
-def _steps_left(running: list[Sequence], waiting) -> int:
-    return 1 + max(remaining_outputs(seq) for queue in (running, waiting) for seq in queue)
+    def _prompt_tokens_due(self, steps_left: int) -> int:
+        """Prompt tokens of the waiting requests that would outlast the batch if not started now (all
+        of them when every answer has the same length), counted up to what one step admits."""
+        due = 0
+        for seq in self.waiting.leading(lambda key: -key + DEADLINE_MARGIN >= steps_left):
+            due += seq.num_uncomputed_tokens
+            if due >= self.max_admit:
+                break
+        return due

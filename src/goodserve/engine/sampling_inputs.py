@@ -17,7 +17,7 @@ def build_sampling_batch(seqs: list[Sequence], vocab_size: int, device: torch.de
     needs_ban = any(seq.num_output_tokens < seq.params.min_tokens for seq in seqs)
     if plain and not needs_ban and all(p.greedy for p in params):  # the common fast path: argmax only
         return SamplingBatch(all_greedy=True, max_logprobs=max_logprobs)
-    top_k = [p.top_k if p.top_k > 0 else vocab_size for p in params]
+    top_k = [min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params]
     batch = SamplingBatch(
         temperature=torch.tensor([0.0 if p.greedy else p.temperature for p in params], device=device),
         top_k=torch.tensor(top_k, dtype=torch.int64, device=device),

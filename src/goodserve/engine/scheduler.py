@@ -18,13 +18,13 @@ offline batch of known lengths soonest (engine/makespan.py).
 from __future__ import annotations
 
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
 from goodserve.config import EngineConfig
 from goodserve.engine.block_pool import BlockPool
 from goodserve.engine.makespan import MakespanAdmission, longest_first_key
 from goodserve.engine.sequence import Sequence, SequenceStatus
+from goodserve.engine.waiting_queue import WaitingQueue
 
 
 @dataclass
@@ -52,15 +52,22 @@ class Scheduler:
     def __init__(self, config: EngineConfig, pool: BlockPool) -> None:
         self.config = config
         self.pool = pool
-        self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
-        self.makespan = MakespanAdmission() if config.scheduler_policy == "makespan" else None
-        self._waiting_key = longest_first_key if self.makespan else Sequence.priority_key
+        makespan = config.scheduler_policy == "makespan"
+        self.makespan = MakespanAdmission(config.max_num_batched_tokens) if makespan else None
+        self.waiting = WaitingQueue(longest_first_key if makespan else Sequence.priority_key)
 
     # ---- queue management ----------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        self.waiting.add(seq)
+        if self.makespan is not None:
+            self.makespan.add_waiting(seq)
+
+    def _leave_waiting(self, seq: Sequence) -> None:
+        self.waiting.remove(seq)
+        if self.makespan is not None:
+            self.makespan.remove_waiting(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -69,8 +76,8 @@ class Scheduler:
         """Take seq out of the queues and release its blocks (finished, aborted or failed)."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
-        elif seq in self.waiting:  # a waiting sequence the engine has not handed over yet is in neither
-            self.waiting.remove(seq)
+        else:  # waiting, or not handed over by the engine yet (in neither queue)
+            self._leave_waiting(seq)
         self.pool.free_sequence(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason, seq.stop_reason = reason, stop_reason
@@ -94,7 +101,7 @@ class Scheduler:
         """Tokens new requests may take this step, besides num_scheduled for the running ones."""
         if self.makespan is None:
             return self.config.max_num_batched_tokens
-        return self.makespan.allowance(self.running, self.waiting, num_scheduled)
+        return self.makespan.allowance(self.running, num_scheduled)
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
         """Decodes first (the attention kernels take a batch's leading one-token rows apart), then
@@ -119,12 +126,8 @@ class Scheduler:
     def _schedule_waiting(self, batch: ScheduledBatch, budget: int, admissible=None) -> None:
         """Admit waiting sequences in order while the budget lasts; `admissible`, when given, stops
         at the first sequence it refuses."""
-        if budget == 0 or len(self.running) >= self.config.max_num_seqs:
-            return  # before sorting: under makespan most steps admit nothing
-        ordered = sorted(self.waiting, key=self._waiting_key)
-        for seq in ordered:
-            if budget == 0 or len(self.running) >= self.config.max_num_seqs:
-                break
+        while budget > 0 and len(self.running) < self.config.max_num_seqs and self.waiting:
+            seq = self.waiting.peek()
             if admissible is not None and not admissible(seq):
                 break
             if not seq.block_table:
@@ -157,25 +160,27 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.metrics.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        self.add(seq)  # its key (priority, arrival) puts it before the requests that came after it
         batch.preempted.append(seq)
 
     def _next_batch_ready(self) -> bool:
         """Static and dynamic batching: a new batch starts only once the last one has finished."""
         if self.running or not self.waiting:
             return False
-        if self.config.scheduler_policy == "static":
+        if self.config.scheduler_policy == "static" or len(self.waiting) >= self.config.max_num_seqs:
             return True
+        # fewer than max_num_seqs wait: a bounded scan
         oldest_wait_ms = (time.time() - min(s.arrival_time for s in self.waiting)) * 1000
-        return len(self.waiting) >= self.config.max_num_seqs or oldest_wait_ms >= self.config.max_wait_ms
+        return oldest_wait_ms >= self.config.max_wait_ms
 
     def _admit_whole_batch(self) -> None:
-        for seq in sorted(self.waiting, key=Sequence.priority_key)[: self.config.max_num_seqs]:
+        for _ in range(min(len(self.waiting), self.config.max_num_seqs)):
+            seq = self.waiting.peek()
             self.pool.match_prefix(seq)
             self._start_running(seq)
 
     def _start_running(self, seq: Sequence) -> None:
-        self.waiting.remove(seq)
+        self._leave_waiting(seq)
         seq.status = SequenceStatus.RUNNING
         if seq.metrics.first_scheduled_time is None:
             seq.metrics.first_scheduled_time = time.time()
