@@ -81,6 +81,10 @@ assemble_model() {
 suite() {
   local out=${GOODSERVE_GATE_OUT:-${OUT:+$OUT/gpu_gate.json}}
   local log=${out:+${out%.json}.log}
+  if [ "${GOODSERVE_GATE_DEVICE:-}" != cpu ] && ! "$PYTHON" -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
+    echo "no CUDA device here: the gate would skip every case (GOODSERVE_GATE_DEVICE=cpu runs its CPU subset)" >&2
+    return 5
+  fi
   # Interrupted (SIGINT) before the device call's own limit, pytest still writes its summary.
   set +e
   PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" TRITON_INTERPRET=0 PYTHONUNBUFFERED=1 GOODSERVE_GATE_OUT="$out" \
