@@ -1,0 +1,57 @@
+"""Chunked prefill and prefix-cache hits on CUDA, the embedded model in float32 against transformers."""
+
+from __future__ import annotations
+
+import pytest
+from gate_checks import assert_within, build, compare, engine_scores, greedy, hf_scores, run, tolerance
+
+from goodserve import SamplingParams
+from goodserve.model.loader import EMBEDDED_MODEL, embedded_tokenizer
+from goodserve.quant.awq import default_calibration_text
+
+CHUNK_TOKENS = 64
+
+
+@pytest.fixture(scope="module")
+def text_ids() -> list[int]:
+    return embedded_tokenizer().encode(default_calibration_text())
+
+
+def test_chunked_prefill_matches_transformers(text_ids, device, cuda_only, hf_embedded_on_device, record_property):
+    prompt = text_ids[:200]
+    assert len(prompt) > CHUNK_TOKENS  # four steps of prefill
+    llm = build(EMBEDDED_MODEL, device, dtype="float32", max_num_batched_tokens=CHUNK_TOKENS)
+    steps_before = llm.engine.stats().num_steps
+    tokens = greedy(llm, [prompt])[0]
+    record_property("steps", llm.engine.stats().num_steps - steps_before)
+    # The prompt logprobs come through the same chunks.
+    sequence = prompt + tokens
+    comparison = compare([sequence], [len(prompt)], engine_scores(llm, [sequence]),
+                         hf_scores(hf_embedded_on_device, [sequence]))
+    for prop in comparison.properties():
+        record_property(*prop)
+    assert_within(comparison, tolerance("float32", "auto"))
+
+
+def test_prefix_hits_give_the_same_tokens(text_ids, device, cuda_only, hf_embedded_on_device, record_property):
+    llm = build(EMBEDDED_MODEL, device, dtype="float32")
+    greedy_params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompt = text_ids[:100]
+    first = run(llm, [prompt], greedy_params)[0]
+    hits_before = llm.engine.stats().prefix_cache_hits
+    second = run(llm, [prompt], greedy_params)[0]
+    assert first.num_cached_tokens == 0 and second.num_cached_tokens >= 96  # six full blocks of 16
+    assert llm.engine.stats().prefix_cache_hits > hits_before
+    assert second.outputs[0].token_ids == first.outputs[0].token_ids
+
+    # A shared prefix with another ending: the cached blocks serve it, and its tokens are transformers'.
+    other = text_ids[:80] + text_ids[300:320]
+    third = run(llm, [other], greedy_params)[0]
+    record_property("cached_tokens", [second.num_cached_tokens, third.num_cached_tokens])
+    assert third.num_cached_tokens >= 64
+    sequence = other + third.outputs[0].token_ids
+    comparison = compare([sequence], [len(other)], engine_scores(llm, [sequence]),
+                         hf_scores(hf_embedded_on_device, [sequence]))
+    for prop in comparison.properties():
+        record_property(*prop)
+    assert_within(comparison, tolerance("float32", "auto"))
