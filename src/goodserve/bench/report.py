@@ -95,8 +95,10 @@ def print_report(result: dict, console: Console | None = None) -> None:
         console.print(sweep_table(runs))
     if "capacity" in result:
         cap = result["capacity"]
-        console.print(f"Goodput capacity (highest Poisson rate with SLO attainment >= "
+        console.print(f"Goodput capacity (highest Poisson rate, as completed, with SLO attainment >= "
                       f"{cap['target_attainment'] * 100:.0f}%): [bold]{cap['rate']:.3f} req/s[/bold]")
+        for warning in cap.get("warnings", []):
+            console.print(f"[yellow]noisy probe: {warning}[/yellow]")
 
 
 _CSV_FIELDS = ["run", "index", "success", "error", "prompt_len", "output_len", "output_len_source",
