@@ -27,6 +27,7 @@ from goodserve.bench.result import build_result, save_json
 from goodserve.bench.runner import BenchRun, search_capacity
 from goodserve.bench.text import PromptText
 from goodserve.bench.workloads import DATASETS, LENGTH_DISTS, WorkloadConfig, build_workload
+from goodserve.commands.console import make_console
 from goodserve.errors import InvalidRequestError
 
 BACKENDS = ("openai", "openai-chat", "inprocess")
@@ -58,7 +59,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--endpoint", help="API path (default from --backend)")
     g.add_argument("--model", default="smollm2-135m", help="model name sent to the server / loaded in-process")
     g.add_argument("--tokenizer", help="tokenizer for prompts and counts (default: --model when loadable)")
-    g.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
+    g.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
+                   help="bearer key sent to the server (default: $OPENAI_API_KEY, else none)")
     g.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
     g.add_argument("--dtype", default="auto", help="inprocess: engine dtype")
     g.add_argument("--device", default="auto", help="inprocess: engine device")
@@ -283,7 +285,7 @@ class _Bench:
 
 
 def run_command(args) -> int:
-    console = Console(stderr=False)
+    console = make_console()
     bench = _Bench(args, console)
     interrupted = False
     try:

@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from goodserve.bench.result import records_of, runs_of
+from goodserve.commands.console import make_console
 
 # (label, key, format) rows of the terminal table, in vLLM's order.
 _SUMMARY_ROWS = [
@@ -87,7 +88,7 @@ def _cell(value) -> str:
 
 
 def print_report(result: dict, console: Console | None = None) -> None:
-    console = console or Console()
+    console = console or make_console()
     runs = runs_of(result)
     if len(runs) == 1:
         console.print(summary_table(runs[0]))

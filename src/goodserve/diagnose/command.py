@@ -16,6 +16,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from goodserve.commands.console import make_console
 from goodserve.diagnose.advisor import Advice, advise
 from goodserve.diagnose.assumptions import DEFAULT_HARDWARE, DEFAULT_MODEL, Assumptions, resolve
 from goodserve.diagnose.calc import weight_bytes
@@ -111,7 +112,7 @@ def print_assumptions(console: Console, a: Assumptions, measured: bool) -> None:
 
 
 def run_command(args) -> int:
-    console = Console()
+    console = make_console()
     obs = observations_of(args)
     flags = {"model": args.model, "hardware": args.hardware, "dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype}
     assumed = resolve(flags, obs.engine if obs else None, obs.source if obs else "")
