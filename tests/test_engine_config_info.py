@@ -29,3 +29,15 @@ def test_info_metric_names_the_resolved_cpu_engine(int8_kv_engine):
 def test_other_servers_have_no_engine_config():
     assert parse_engine_config("# HELP vllm:num_requests_running x\nvllm:num_requests_running 0.0\n") is None
     assert fetch_engine_config("http://127.0.0.1:9/metrics", timeout_s=1) is None  # nothing listens
+
+
+def test_serve_logs_the_quantization_and_kv_dtype(monkeypatch, caplog):
+    import goodserve.server.app as app
+    from goodserve.cli import main
+
+    monkeypatch.setattr(app, "run_server", lambda engine, config: None)  # the log line, not the server
+    with caplog.at_level("INFO", logger="goodserve.server"):
+        assert main(["serve", "--model", "dummy:tiny", "--num-kv-blocks", "64", "--kv-cache-dtype", "int8",
+                     "--quantization", "int8"]) == 0
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("engine: "))
+    assert "quantization=int8 " in line and "kv_cache_dtype=int8 " in line and "dtype=float32 " in line

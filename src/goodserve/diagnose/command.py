@@ -59,8 +59,9 @@ def model_table(spec: ModelSpec, hw: Hardware, dtype: str, compute_dtype: str) -
         ("parameters", f"{spec.num_params() / 1e9:.3f} B"),
         (f"weights ({dtype})", f"{weights / 1e9:.2f} GB"),
         ("FLOPs per token (short context)", f"{flops_per_token(spec, 0) / 1e9:.2f} GFLOP"),
-        (f"peak compute ({compute_dtype})", f"{hw.flops_for(compute_dtype) / 1e12:.1f} TFLOP/s"),
-        ("peak bandwidth", f"{hw.memory_bandwidth / 1e12:.2f} TB/s"),
+        # 3 significant digits: a CPU's 0.0123 TFLOP/s and 9.8 GB/s must not print as 0.0
+        (f"peak compute ({compute_dtype})", f"{hw.flops_for(compute_dtype) / 1e12:.3g} TFLOP/s"),
+        ("peak bandwidth", f"{hw.memory_bandwidth / 1e9:.3g} GB/s"),
         ("memory", f"{hw.memory_bytes / 1e9:.0f} GB"),
         ("ridge point", f"{ridge:.0f} FLOP/byte"),
         # One sequence: every step reads all weights, so bandwidth caps tokens/s at bw / weights.
