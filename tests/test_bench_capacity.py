@@ -23,7 +23,8 @@ def test_capacity_is_the_best_passing_probe_as_completed():
     burst = probe(256.0, [0.0] * 8, ttft=0.1, e2e=4 / 3)
     # 8 prompts at 4 req/s: sent every 0.25 s, each done in 0.2 s: 8 / 1.95 s = 4.10 req/s completed.
     steady = probe(4.0, [i * 0.25 for i in range(8)], ttft=0.1, e2e=0.2)
-    # Offered 8 req/s (sent every 0.125 s, last done at 1.575 s), every TTFT 0.6 s: misses the 500 ms SLO, so it cannot count however fast.
+    # Offered 8 req/s (sent every 0.125 s, last done at 1.575 s), every TTFT 0.6 s: misses the
+    # 500 ms SLO, so it cannot count however fast.
     failing = probe(8.0, [i * 0.125 for i in range(8)], ttft=0.6, e2e=0.7)
     assert burst["request_throughput"] == pytest.approx(6.0)
     assert steady["request_throughput"] == pytest.approx(8 / 1.95)

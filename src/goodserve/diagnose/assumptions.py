@@ -27,7 +27,7 @@ _GPU_NAMES = (("H100 PCIe", "h100-pcie"), ("H100", "h100-sxm"), ("H200", "h200")
 @dataclass
 class Assumptions:
     model: str
-    hardware: str | None  # a HARDWARE key; None: the engine's GPU is not in the table (use --measure)
+    hardware: str  # a HARDWARE key (a wrong --hardware name is refused when it is looked up)
     weight_dtype: str  # bytes per weight: fp32 / bf16 / fp16 / int8 / int4
     compute_dtype: str  # what the matmuls multiply in (weight-only quantization: the activations')
     kv_dtype: str

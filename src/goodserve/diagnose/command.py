@@ -40,7 +40,8 @@ def register(subparsers) -> None:
     p.add_argument("--measure", action="store_true", help="probe this machine's bandwidth and matmul rate")
     p.add_argument("--dtype", choices=DTYPES,
                    help="weight dtype (default: the run's engine; else fp32 on --hardware cpu, bf16 on a GPU)")
-    p.add_argument("--kv-cache-dtype", choices=KV_DTYPES, help="(default: the run's engine, else --dtype's)")
+    p.add_argument("--kv-cache-dtype", choices=KV_DTYPES,
+                   help="KV cache dtype (default: the run's engine, else the compute dtype)")
     source = p.add_mutually_exclusive_group()
     source.add_argument("--result", help="a goodserve bench result JSON")
     source.add_argument("--metrics-url", help="a live goodserve server's /metrics URL")
@@ -115,7 +116,8 @@ def print_assumptions(console: Console, a: Assumptions, measured: bool) -> None:
 def run_command(args) -> int:
     console = make_console()
     obs = observations_of(args)
-    flags = {"model": args.model, "hardware": args.hardware, "dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype}
+    flags = {"model": args.model, "hardware": args.hardware, "dtype": args.dtype,
+             "kv_cache_dtype": args.kv_cache_dtype}
     assumed = resolve(flags, obs.engine if obs else None, obs.source if obs else "")
     print_assumptions(console, assumed, args.measure)
     spec = resolve_spec(assumed.model)
