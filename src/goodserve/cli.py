@@ -28,7 +28,23 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module_name in SUBCOMMAND_MODULES:
         importlib.import_module(module_name).register(subparsers)
+    show_defaults(parser)
     return parser
+
+
+def show_defaults(parser: argparse.ArgumentParser) -> None:
+    """Every option's help ends with its default, in every subcommand (ArgumentDefaultsHelpFormatter
+    would skip options without help text and repeat the defaults some help texts already state).
+    Help that says "default" itself is left alone: it names where the default comes from. On/off
+    switches (store_true / store_false) are off unless given, which their default would only blur."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for subparser in action.choices.values():
+                show_defaults(subparser)
+        elif (action.option_strings and not action.required and action.default is not argparse.SUPPRESS
+              and not isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction))
+              and action.help is not argparse.SUPPRESS and "default" not in (action.help or "")):
+            action.help = f"{action.help} (default: %(default)s)" if action.help else "(default: %(default)s)"
 
 
 def main(argv: list[str] | None = None) -> int:

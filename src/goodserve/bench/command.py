@@ -17,7 +17,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from goodserve.bench.arrivals import ArrivalConfig, parse_sweep
+from goodserve.bench.capacity import capacity_of
 from goodserve.bench.compare import compare_files
+from goodserve.bench.engine_config import describe, fetch_engine_config
 from goodserve.bench.metrics import LATENCY_METRICS, GpuCost, compute_metrics, parse_goodput_slos
 from goodserve.bench.records import RequestRecord
 from goodserve.bench.report import print_report, write_csv, write_html
@@ -25,6 +27,7 @@ from goodserve.bench.result import build_result, save_json
 from goodserve.bench.runner import BenchRun, search_capacity
 from goodserve.bench.text import PromptText
 from goodserve.bench.workloads import DATASETS, LENGTH_DISTS, WorkloadConfig, build_workload
+from goodserve.commands.console import make_console
 from goodserve.errors import InvalidRequestError
 
 BACKENDS = ("openai", "openai-chat", "inprocess")
@@ -56,7 +59,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--endpoint", help="API path (default from --backend)")
     g.add_argument("--model", default="smollm2-135m", help="model name sent to the server / loaded in-process")
     g.add_argument("--tokenizer", help="tokenizer for prompts and counts (default: --model when loadable)")
-    g.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
+    g.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
+                   help="bearer key sent to the server (default: $OPENAI_API_KEY, else none)")
     g.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
     g.add_argument("--dtype", default="auto", help="inprocess: engine dtype")
     g.add_argument("--device", default="auto", help="inprocess: engine device")
@@ -135,14 +139,24 @@ def make_target(args, tokenizer):
     return HttpTarget(config, counter)
 
 
-def settings_of(args, arrivals: ArrivalConfig, target, tokenizer_id: str | None) -> dict:
+def engine_config_of(args, target) -> dict[str, str] | None:
+    """The engine the run measures: the server's /metrics info metric, or the in-process engine's."""
+    if args.backend == "inprocess":
+        from goodserve.server.metrics import engine_info
+
+        return engine_info(target.engine)
+    return fetch_engine_config(f"{target.config.base_url.rstrip('/')}/metrics", args.api_key)
+
+
+def settings_of(args, arrivals: ArrivalConfig, target, tokenizer_id: str | None,
+                engine_config: dict[str, str] | None) -> dict:
     return {
         "backend": args.backend, "base_url": getattr(target, "config", None) and target.config.base_url,
         "endpoint": getattr(target, "config", None) and target.config.endpoint,
         "model_id": args.model, "tokenizer_id": tokenizer_id, "dataset_name": args.dataset_name,
         "num_prompts": args.num_prompts, "request_rate": arrivals.request_rate,
         "burstiness": arrivals.burstiness, "max_concurrency": arrivals.max_concurrency,
-        "arrivals": arrivals.label, "num_warmups": args.num_warmups,
+        "arrivals": arrivals.label, "num_warmups": args.num_warmups, "engine_config": engine_config,
     }
 
 
@@ -164,6 +178,9 @@ class _Bench:
         self.tokenizer = self._tokenizer()
         self.requests = build_workload(workload_config(args), PromptText(self.tokenizer, args.seed))
         self.target = make_target(args, self.tokenizer)
+        self.engine_config = engine_config_of(args, self.target)
+        if self.engine_config:
+            console.print(f"engine: {describe(self.engine_config)}")
         self.runs: list[dict] = []
         self.capacity: dict | None = None
 
@@ -190,7 +207,8 @@ class _Bench:
 
     async def run_one(self, arrivals: ArrivalConfig) -> dict:
         run = BenchRun(self.target, [r for r in self.requests], arrivals, self.args.seed, self.args.num_warmups)
-        settings = settings_of(self.args, arrivals, self.target, self.args.tokenizer or self.args.model)
+        settings = settings_of(self.args, arrivals, self.target, self.args.tokenizer or self.args.model,
+                               self.engine_config)
         with self._progress(arrivals) as hook:
             run.on_record = hook
             try:
@@ -228,9 +246,8 @@ class _Bench:
             result = await self.run_one(ArrivalConfig(rate, 1.0, a.max_concurrency))
             return result["slo_attainment"] / 100.0
 
-        rate, probes = await search_capacity(attainment_at, a.slo_attainment_target, a.capacity_start_rate)
-        self.capacity = {"rate": rate, "target_attainment": a.slo_attainment_target, "slos_ms": self.slos,
-                         "probes": [{"request_rate": r, "slo_attainment": s * 100} for r, s in probes]}
+        await search_capacity(attainment_at, a.slo_attainment_target, a.capacity_start_rate)
+        self.capacity = {**capacity_of(self.runs, a.slo_attainment_target), "slos_ms": self.slos}
 
     async def execute(self) -> None:
         try:
@@ -245,7 +262,8 @@ class _Bench:
     def result(self) -> dict:
         if len(self.runs) == 1 and self.capacity is None:
             return self.runs[0]
-        result = {"model_id": self.args.model, "backend": self.args.backend, "sweep": self.runs}
+        result = {"model_id": self.args.model, "backend": self.args.backend,
+                  "engine_config": self.engine_config, "sweep": self.runs}
         if self.capacity is not None:
             result["capacity"] = self.capacity
         return result
@@ -267,7 +285,7 @@ class _Bench:
 
 
 def run_command(args) -> int:
-    console = Console(stderr=False)
+    console = make_console()
     bench = _Bench(args, console)
     interrupted = False
     try:

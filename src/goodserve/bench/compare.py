@@ -6,6 +6,7 @@ from rich.console import Console
 from rich.table import Table
 
 from goodserve.bench.result import load_json, runs_of
+from goodserve.commands.console import make_console
 
 # Metrics worth comparing, and whether a higher value is better (colours the ratio).
 _HIGHER_IS_BETTER = {
@@ -51,7 +52,7 @@ def _num(value) -> str:
 
 
 def compare_files(path_a: str, path_b: str, console: Console | None = None) -> None:
-    console = console or Console()
+    console = console or make_console()
     runs_a, runs_b = runs_of(load_json(path_a)), runs_of(load_json(path_b))
     if len(runs_a) != len(runs_b):
         console.print(f"[yellow]{path_a} has {len(runs_a)} runs and {path_b} has {len(runs_b)}; "

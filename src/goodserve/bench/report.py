@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from goodserve.bench.result import records_of, runs_of
+from goodserve.commands.console import make_console
 
 # (label, key, format) rows of the terminal table, in vLLM's order.
 _SUMMARY_ROWS = [
@@ -87,7 +88,7 @@ def _cell(value) -> str:
 
 
 def print_report(result: dict, console: Console | None = None) -> None:
-    console = console or Console()
+    console = console or make_console()
     runs = runs_of(result)
     if len(runs) == 1:
         console.print(summary_table(runs[0]))
@@ -95,8 +96,10 @@ def print_report(result: dict, console: Console | None = None) -> None:
         console.print(sweep_table(runs))
     if "capacity" in result:
         cap = result["capacity"]
-        console.print(f"Goodput capacity (highest Poisson rate with SLO attainment >= "
+        console.print(f"Goodput capacity (highest Poisson rate, as completed, with SLO attainment >= "
                       f"{cap['target_attainment'] * 100:.0f}%): [bold]{cap['rate']:.3f} req/s[/bold]")
+        for warning in cap.get("warnings", []):
+            console.print(f"[yellow]noisy probe: {warning}[/yellow]")
 
 
 _CSV_FIELDS = ["run", "index", "success", "error", "prompt_len", "output_len", "output_len_source",

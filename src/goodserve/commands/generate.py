@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 from goodserve.sampling_params import SamplingParams
 from goodserve.server.engine_args import add_engine_arguments, engine_config_from_args
@@ -35,13 +36,28 @@ def run(args: argparse.Namespace) -> int:
         prompt = engine.tokenizer.encode(prompt, add_special_tokens=False)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed)  # --seed: the engine's
+    start = time.perf_counter()
     engine.add_request("cli", prompt, params)
-    printed = 0
+    printed, num_tokens, first_token_at = 0, 0, None
     while engine.has_unfinished():
         for output in engine.step():
             text = output.outputs[0].text
             sys.stdout.write(text[printed:])
             sys.stdout.flush()
             printed = len(text)
+            num_tokens = len(output.outputs[0].token_ids)
+            if num_tokens and first_token_at is None:
+                first_token_at = time.perf_counter()
     sys.stdout.write("\n")
+    sys.stdout.flush()
+    print(summary_line(num_tokens, start, first_token_at, time.perf_counter()), file=sys.stderr)
     return 0
+
+
+def summary_line(num_tokens: int, start: float, first_token_at: float | None, end: float) -> str:
+    """Tokens, time to first token, and decode speed (tokens after the first over the time after it)."""
+    if first_token_at is None:
+        return f"0 tokens in {end - start:.2f} s"
+    decode = f"{(num_tokens - 1) / (end - first_token_at):.1f} tok/s decode" if num_tokens > 1 else "no decode"
+    return (f"{num_tokens} tokens, TTFT {1000 * (first_token_at - start):.0f} ms, {decode}, "
+            f"{end - start:.2f} s total")

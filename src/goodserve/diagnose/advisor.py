@@ -25,6 +25,7 @@ class Fix:
     option: str  # the goodserve flag that applies it
     effect: str  # what to expect
     confirm: str  # what to measure to see it worked
+    turns_on: str = ""  # the engine feature it applies, checked against the engine's config (NOT_FOR)
 
 
 @dataclass
@@ -86,16 +87,46 @@ def _long_context(obs, phases):
     return _over(obs.mean_prompt_len, LONG_CONTEXT_TOKENS)
 
 
+def _on_cpu(engine: dict[str, str]) -> bool:
+    return engine.get("device") == "cpu"
+
+
+def _is_on(engine: dict[str, str], key: str) -> bool:
+    return engine.get(key) == "True"
+
+
+def _quantized(engine: dict[str, str]) -> bool:
+    return engine.get("quantization", "none") != "none"
+
+
+# Fix.turns_on -> whether an engine (its engine_config_info labels) has it on already or cannot have it.
+NOT_FOR: dict[str, Callable[[dict[str, str]], bool]] = {
+    "kv_quantization": lambda e: e.get("kv_cache_dtype") in ("int8", "float8_e4m3fn"),
+    "weight_quantization": _quantized,
+    "gpu_memory": _on_cpu,
+    "cpu_memory": lambda e: not _on_cpu(e),
+    "chunked_prefill": lambda e: _is_on(e, "enable_chunked_prefill"),
+    "prefix_caching": lambda e: _is_on(e, "enable_prefix_caching"),
+    "gpu_quantization_speed": lambda e: _on_cpu(e) or _quantized(e),
+    "cpu_quantization_speed": lambda e: not _on_cpu(e) or e.get("quantization") in ("int4", "gguf"),
+    "cuda_graphs": lambda e: _on_cpu(e) or _is_on(e, "cuda_graphs"),
+    "cuda_graphs_and_triton": lambda e: _on_cpu(e) or (_is_on(e, "cuda_graphs")
+                                                       and e.get("attention_backend") == "triton"),
+    "continuous_batching": lambda e: e.get("scheduler_policy") == "continuous",
+}
+
 RULES: tuple[Rule, ...] = (
     Rule("preemptions / KV cache full", _memory_pressure,
          lambda o, p: f"{o.num_preemptions or 0:g} preemptions, KV usage {100 * (o.kv_cache_usage or 0):.0f}%, "
                       f"decode verdict {p['decode'].verdict}",
          (Fix("--kv-cache-dtype int8 (or fp8)", "about 2x the sequences in the same KV memory",
-              "num_preemptions stays 0 and kv_cache_usage_perc drops at the same load"),
+              "num_preemptions stays 0 and kv_cache_usage_perc drops at the same load", "kv_quantization"),
           Fix("--quantization int8", "weights shrink ~2x; the freed memory becomes KV blocks",
-              "num_kv_blocks in the startup log rises"),
+              "num_kv_blocks in the startup log rises", "weight_quantization"),
           Fix("--gpu-memory-utilization 0.95", "a few percent more KV blocks",
-              "num_kv_blocks rises; no CUDA OOM under load"),
+              "num_kv_blocks rises; no CUDA OOM under load", "gpu_memory"),
+          Fix("--cpu-kv-cache-bytes (higher)", "a bigger KV pool in host memory",
+              "num_kv_blocks rises; num_preemptions falls", "cpu_memory"),
           Fix("--max-num-seqs (lower)", "fewer concurrent sequences, no recompute thrash",
               "num_preemptions 0; p99 TPOT steadier"))),
     Rule("high TTFT", _high_ttft,
@@ -103,9 +134,9 @@ RULES: tuple[Rule, ...] = (
                       f"waiting {o.num_waiting if o.num_waiting is not None else '?'}",
          (Fix("--enable-chunked-prefill --max-num-batched-tokens 2048..8192",
               "long prompts no longer block the queue; prefills share steps with decodes",
-              "p99 TTFT and request_queue_time_seconds fall at the same request rate"),
+              "p99 TTFT and request_queue_time_seconds fall at the same request rate", "chunked_prefill"),
           Fix("--enable-prefix-caching", "repeated prefixes skip prefill entirely",
-              "prefix_cache_hits / prefix_cache_queries rises; TTFT falls for repeated prompts"),
+              "prefix_cache_hits / prefix_cache_queries rises; TTFT falls for repeated prompts", "prefix_caching"),
           Fix("--max-waiting N (admission control) or more replicas",
               "overload turns into fast 429s instead of minutes of queueing",
               "goodserve bench --goodput ttft:MS: SLO attainment of admitted requests"))),
@@ -113,11 +144,16 @@ RULES: tuple[Rule, ...] = (
          lambda o, p: f"TPOT {1000 * (o.tpot_p99_s or o.tpot_s):.1f} ms (p99 where known), "
                       f"decode {p['decode'].verdict}, MBU {100 * p['decode'].mbu:.0f}%",
          (Fix("--quantization int8 (or int4)", "decode reads 2x (4x) fewer weight bytes per step",
-              "median TPOT falls; goodserve diagnose shows the same MBU at lower TPOT"),
+              "median TPOT falls; goodserve diagnose shows the same MBU at lower TPOT", "gpu_quantization_speed"),
+          # On a CPU int8 decode measured slower than float32 (10.2 vs 14.2 tok/s, one thread): only
+          # the 4-bit paths, which have native kernels, buy speed there.
+          Fix("--quantization gguf (a GGUF model's own codes) or int4",
+              "native 4-bit kernels read far fewer weight bytes per step than float32 (int8 is slower on a CPU)",
+              "median TPOT falls; goodserve generate's summary shows tok/s", "cpu_quantization_speed"),
           Fix("--max-num-batched-tokens (lower)", "smaller prefill chunks stall decodes less",
               "p99 ITL falls while median ITL stays"),
           Fix("--no-enforce-eager (CUDA graphs)", "removes per-kernel launch overhead from small batches",
-              "step_time_seconds{phase=forward} per step falls"))),
+              "step_time_seconds{phase=forward} per step falls", "cuda_graphs"))),
     Rule("low throughput at low MBU", _low_mbu,
          lambda o, p: f"decode MBU {100 * p['decode'].mbu:.0f}% with ~{o.concurrency:.1f} requests in flight",
          (Fix("--max-num-seqs (higher) and more client concurrency",
@@ -125,9 +161,9 @@ RULES: tuple[Rule, ...] = (
               "output_throughput rises and MBU climbs toward 60-80% in goodserve diagnose"),
           Fix("--no-enforce-eager (CUDA graphs) and --attention-backend triton",
               "less per-step overhead, so steps approach the bandwidth limit",
-              "goodserve:step_time_seconds split: forward share of step time rises"),
+              "goodserve:step_time_seconds split: forward share of step time rises", "cuda_graphs_and_triton"),
           Fix("--scheduler-policy continuous", "new requests join the running batch every step",
-              "batch_fill_ratio{dimension=seqs} rises"),
+              "batch_fill_ratio{dimension=seqs} rises", "continuous_batching"),
           Fix("--scheduler-policy makespan (offline batches of known lengths, ignore_eos)",
               "the longest answers' tail of nearly empty steps carries the rest of the batch",
               "the batch's wall time falls; 5% on an 8B model's ShareGPT-like batch (benchmarks/BENCHMARKS.md)"))),
@@ -135,7 +171,8 @@ RULES: tuple[Rule, ...] = (
          lambda o, p: f"{100 * (o.prefix_cache_hit_rate or 0):.0f}% of prompt tokens hit the cache "
                       f"though the workload repeats prefixes",
          (Fix("--enable-prefix-caching", "shared prefixes are computed once",
-              "prefix_cache_hits / prefix_cache_queries approaches the shared fraction of each prompt"),
+              "prefix_cache_hits / prefix_cache_queries approaches the shared fraction of each prompt",
+              "prefix_caching"),
           Fix("--block-size 16 (smaller)", "only full blocks are cached; smaller blocks cache more of a prefix",
               "hit rate rises for prefixes that are not block-aligned"),
           Fix("--num-kv-blocks / --gpu-memory-utilization (higher)",
@@ -143,19 +180,28 @@ RULES: tuple[Rule, ...] = (
     Rule("long contexts", _long_context,
          lambda o, p: f"mean prompt {o.mean_prompt_len:.0f} tokens",
          (Fix("--kv-cache-dtype int8", "halves the KV read that dominates long-context decode steps",
-              "TPOT falls more at long contexts than short ones"),
+              "TPOT falls more at long contexts than short ones", "kv_quantization"),
           Fix("--enable-chunked-prefill", "a long prefill is split so decodes keep flowing",
-              "p99 ITL stays flat while long prompts arrive"),
+              "p99 ITL stays flat while long prompts arrive", "chunked_prefill"),
           Fix("--max-model-len (lower, if the workload allows)", "reserves fewer blocks per request",
               "more concurrent sequences; num_preemptions falls"))),
 )
 
 
-def advise(obs: Observations, phases: list[PhaseAnalysis]) -> list[Advice]:
+def applicable(fixes: tuple[Fix, ...], engine: dict[str, str] | None) -> list[Fix]:
+    """The fixes the engine has not applied already and its hardware can apply (all: engine unknown)."""
+    if not engine:
+        return list(fixes)
+    return [fix for fix in fixes if not (fix.turns_on and NOT_FOR[fix.turns_on](engine))]
+
+
+def advise(obs: Observations, phases: list[PhaseAnalysis], engine: dict[str, str] | None = None) -> list[Advice]:
+    """engine: the run's engine_config_info labels, so no fix repeats what is on or what the hardware lacks."""
     by_phase = {p.phase: p for p in phases}
     advice = []
     for rule in RULES:
         severity = rule.severity(obs, by_phase)
         if severity is not None:
-            advice.append(Advice(rule.symptom, severity, rule.evidence(obs, by_phase), list(rule.fixes)))
+            advice.append(Advice(rule.symptom, severity, rule.evidence(obs, by_phase),
+                                 applicable(rule.fixes, engine)))
     return sorted(advice, key=lambda a: -a.severity)

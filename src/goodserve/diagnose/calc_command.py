@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import argparse
 
-from rich.console import Console
 
+from goodserve.commands.console import make_console
 from goodserve.diagnose.calc import (DTYPE_BYTES, cost_per_million_tokens, fit, kv_cache_bytes,
                                      max_concurrent_sequences)
 from goodserve.diagnose.hardware import get_hardware
@@ -74,7 +74,7 @@ def _kv(args) -> int:
     spec = spec_from_args(args)
     total = kv_cache_bytes(spec, args.seq_len, args.batch, args.kv_dtype)
     per_token = spec.kv_bytes_per_token(DTYPE_BYTES[args.kv_dtype])
-    console = Console()
+    console = make_console()
     console.print(f"{spec.name}: {spec.num_layers} layers x {spec.num_kv_heads} KV heads x "
                   f"{spec.head_dim} head dim, {args.kv_dtype}")
     console.print(f"KV per token: {per_token / 1024:.1f} KiB; per sequence of {args.seq_len}: "
@@ -92,7 +92,7 @@ def _fit(args) -> int:
     gpu = get_hardware(args.gpu)
     report = fit(spec, gpu.memory_bytes, args.tp, args.seq_len, args.batch, args.dtype, args.kv_dtype,
                  args.gpu_memory_utilization)
-    console = Console()
+    console = make_console()
     verdict = "[green]fits[/green]" if report.fits else "[red]does not fit[/red]"
     console.print(f"{spec.name} ({args.dtype} weights, {args.kv_dtype} KV) on {args.tp} x {gpu.name}: {verdict}")
     console.print(f"  per GPU: usable {report.usable_bytes / 1e9:.1f} GB, weights "
@@ -104,6 +104,6 @@ def _fit(args) -> int:
 
 def _cost(args) -> int:
     price = cost_per_million_tokens(args.gpu_hourly_cost, args.tokens_per_s, args.num_gpus)
-    Console().print(f"${price:.4f} per 1M tokens at {args.tokens_per_s:g} tok/s on {args.num_gpus} GPU(s) "
+    make_console().print(f"${price:.4f} per 1M tokens at {args.tokens_per_s:g} tok/s on {args.num_gpus} GPU(s) "
                     f"at ${args.gpu_hourly_cost:g}/GPU-hour")
     return 0

@@ -1,8 +1,10 @@
 """`goodserve diagnose`: the roofline of a model on a GPU, what a measured run achieved against it,
-and ranked advice.
+and ranked advice. Model, dtypes and hardware come from the engine configuration a goodserve bench
+result (or a live goodserve /metrics) recorded; flags apply where none is recorded.
 
-    goodserve diagnose --model llama-3.1-8b --hardware h100-sxm --result bench.json
-    goodserve diagnose --model smollm2-135m --measure --metrics-url http://127.0.0.1:8000/metrics
+    goodserve diagnose --result result.json
+    goodserve diagnose --model llama-3.1-8b --hardware h100-sxm --dtype bf16    # limits only
+    goodserve diagnose --measure --metrics-url http://127.0.0.1:8000/metrics
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from goodserve.commands.console import make_console
 from goodserve.diagnose.advisor import Advice, advise
+from goodserve.diagnose.assumptions import DEFAULT_HARDWARE, DEFAULT_MODEL, Assumptions, resolve
 from goodserve.diagnose.calc import weight_bytes
 from goodserve.diagnose.hardware import HARDWARE, Hardware, get_hardware, measure_local
 from goodserve.diagnose.model_shape import resolve_spec
@@ -29,12 +33,15 @@ KV_DTYPES = ("bf16", "fp16", "fp32", "int8", "fp8")
 def register(subparsers) -> None:
     p = subparsers.add_parser("diagnose", help="roofline, MFU/MBU per phase, and advice",
                               description=__doc__)
-    p.add_argument("--model", default="smollm2-135m",
-                   help="preset name, dummy:<preset>, .gguf file or HF directory (shapes only)")
-    p.add_argument("--hardware", default="h100-sxm", help=f"one of {', '.join(HARDWARE)}")
+    p.add_argument("--model", help="preset name, dummy:<preset>, .gguf file or HF directory (shapes only) "
+                                   f"(default: the run's engine, else {DEFAULT_MODEL})")
+    p.add_argument("--hardware", help=f"one of {', '.join(HARDWARE)} "
+                                      f"(default: the run's device, else {DEFAULT_HARDWARE})")
     p.add_argument("--measure", action="store_true", help="probe this machine's bandwidth and matmul rate")
-    p.add_argument("--dtype", choices=DTYPES, default="bf16", help="weight dtype")
-    p.add_argument("--kv-cache-dtype", choices=KV_DTYPES, default="bf16")
+    p.add_argument("--dtype", choices=DTYPES,
+                   help="weight dtype (default: the run's engine; else fp32 on --hardware cpu, bf16 on a GPU)")
+    p.add_argument("--kv-cache-dtype", choices=KV_DTYPES,
+                   help="KV cache dtype (default: the run's engine, else the compute dtype)")
     source = p.add_mutually_exclusive_group()
     source.add_argument("--result", help="a goodserve bench result JSON")
     source.add_argument("--metrics-url", help="a live goodserve server's /metrics URL")
@@ -43,9 +50,9 @@ def register(subparsers) -> None:
     p.set_defaults(func=run_command)
 
 
-def model_table(spec: ModelSpec, hw: Hardware, dtype: str) -> Table:
+def model_table(spec: ModelSpec, hw: Hardware, dtype: str, compute_dtype: str) -> Table:
     weights = weight_bytes(spec, dtype)
-    ridge = hw.ridge_point(dtype)
+    ridge = hw.ridge_point(compute_dtype)
     table = Table(title=f"{spec.name} on {hw.name}", show_header=False)
     table.add_column("what")
     table.add_column("value", justify="right")
@@ -53,8 +60,9 @@ def model_table(spec: ModelSpec, hw: Hardware, dtype: str) -> Table:
         ("parameters", f"{spec.num_params() / 1e9:.3f} B"),
         (f"weights ({dtype})", f"{weights / 1e9:.2f} GB"),
         ("FLOPs per token (short context)", f"{flops_per_token(spec, 0) / 1e9:.2f} GFLOP"),
-        ("peak compute", f"{hw.flops_for(dtype) / 1e12:.1f} TFLOP/s"),
-        ("peak bandwidth", f"{hw.memory_bandwidth / 1e12:.2f} TB/s"),
+        # 3 significant digits: a CPU's 0.0123 TFLOP/s and 9.8 GB/s must not print as 0.0
+        (f"peak compute ({compute_dtype})", f"{hw.flops_for(compute_dtype) / 1e12:.3g} TFLOP/s"),
+        ("peak bandwidth", f"{hw.memory_bandwidth / 1e9:.3g} GB/s"),
         ("memory", f"{hw.memory_bytes / 1e9:.0f} GB"),
         ("ridge point", f"{ridge:.0f} FLOP/byte"),
         # One sequence: every step reads all weights, so bandwidth caps tokens/s at bw / weights.
@@ -83,6 +91,8 @@ def print_advice(console: Console, advice: list[Advice]) -> None:
         return
     for rank, item in enumerate(advice, start=1):
         console.print(f"\n[bold]{rank}. {item.symptom}[/bold]  ({item.evidence})")
+        if not item.fixes:
+            console.print("   every fix for this is already on or beyond this hardware")
         for fix in item.fixes:
             console.print(f"   - [cyan]{fix.option}[/cyan]: {fix.effect}\n     confirm: {fix.confirm}")
 
@@ -95,22 +105,34 @@ def observations_of(args) -> Observations | None:
     return None
 
 
+def print_assumptions(console: Console, a: Assumptions, measured: bool) -> None:
+    for warning in a.warnings:
+        console.print(f"[yellow]warning: {warning}[/yellow]")
+    origin = f"the engine config in {a.source}" if a.engine else "flags and defaults"
+    console.print(f"assuming (from {origin}): model {a.model}, weights {a.weight_dtype}, compute {a.compute_dtype}, "
+                  f"KV cache {a.kv_dtype}, hardware {'measured here' if measured else a.hardware}")
+
+
 def run_command(args) -> int:
-    console = Console()
-    spec = resolve_spec(args.model)
-    hw = measure_local() if args.measure else get_hardware(args.hardware)
-    console.print(model_table(spec, hw, args.dtype))
+    console = make_console()
     obs = observations_of(args)
-    report: dict = {"model": spec.name, "hardware": asdict(hw)}
+    flags = {"model": args.model, "hardware": args.hardware, "dtype": args.dtype,
+             "kv_cache_dtype": args.kv_cache_dtype}
+    assumed = resolve(flags, obs.engine if obs else None, obs.source if obs else "")
+    print_assumptions(console, assumed, args.measure)
+    spec = resolve_spec(assumed.model)
+    hw = measure_local() if args.measure else get_hardware(assumed.hardware)
+    console.print(model_table(spec, hw, assumed.weight_dtype, assumed.compute_dtype))
+    report: dict = {"model": spec.name, "hardware": asdict(hw), "assumptions": asdict(assumed)}
     if obs is not None:
-        phases = analyze(spec, hw, obs, args.dtype, args.kv_cache_dtype)
+        phases = analyze(spec, hw, obs, assumed.weight_dtype, assumed.kv_dtype, assumed.compute_dtype)
         console.print(f"measured: {obs.source}: {obs.output_throughput:.1f} output tok/s, "
                       f"~{obs.concurrency:.1f} requests in flight, TTFT {1000 * obs.ttft_s:.0f} ms, "
                       f"TPOT {1000 * obs.tpot_s:.1f} ms")
         console.print(phases_table(phases))
         for p in phases:
             console.print(f"  {p.phase}: {p.why}")
-        advice = advise(obs, phases)
+        advice = advise(obs, phases, assumed.engine)
         print_advice(console, advice)
         report.update(observations=asdict(obs), phases=[asdict(p) for p in phases],
                       advice=[asdict(a) for a in advice])

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from goodserve.bench.engine_config import fetch_engine_config
 from goodserve.bench.result import load_json, records_of, runs_of
 from goodserve.errors import InvalidRequestError
 
@@ -35,6 +36,7 @@ class Observations:
     repeated_prefixes: bool = False  # the workload repeats prefixes (so the cache should hit)
     slos_ms: dict | None = None
     slo_attainment: float | None = None  # percent
+    engine: dict | None = None  # the server's engine_config_info labels, when the source recorded them
 
     @property
     def mean_context_len(self) -> float:
@@ -44,7 +46,8 @@ class Observations:
 
 def from_bench_result(path: str) -> Observations:
     """The run of a result file with the highest throughput (the last of a sweep, usually)."""
-    runs = runs_of(load_json(path))
+    result = load_json(path)
+    runs = runs_of(result)
     run = max(runs, key=lambda r: r.get("output_throughput", 0.0))
     if not run.get("completed"):
         raise InvalidRequestError(f"{path}: no request completed, nothing to diagnose")
@@ -67,6 +70,7 @@ def from_bench_result(path: str) -> Observations:
         prefix_cache_hit_rate=sum(cached) / prompt_tokens if cached and prompt_tokens else None,
         repeated_prefixes=run.get("dataset_name") in ("prefix_repetition", "multiturn"),
         slos_ms=run.get("goodput_slos_ms"), slo_attainment=run.get("slo_attainment"),
+        engine=run.get("engine_config") or result.get("engine_config"),
     )
 
 
@@ -99,7 +103,9 @@ def from_metrics_url(url: str, interval_s: float = 10.0) -> Observations:
     time.sleep(interval_s)
     after = scrape(url)
     elapsed = time.monotonic() - start
-    return observations_from_scrapes(before, after, elapsed, url)
+    obs = observations_from_scrapes(before, after, elapsed, url)
+    obs.engine = fetch_engine_config(url)
+    return obs
 
 
 def observations_from_scrapes(before: dict[str, float], after: dict[str, float], elapsed_s: float,

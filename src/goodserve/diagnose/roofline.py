@@ -5,6 +5,8 @@
   weight read, so its arithmetic intensity is about B FLOPs per weight byte (x2 / bytes-per-weight).
 - Prefill of P tokens reuses each weight P times: intensity ~ P, far above the ridge point.
 - MBU = bytes moved per step / step time / peak bandwidth; MFU = FLOP/s achieved / peak FLOP/s.
+- `dtype` sets bytes per weight; `compute_dtype` the peak FLOP/s and ridge (weight-only int8/int4
+  multiply in the activations' dtype: float32 on a CPU engine, bf16 on a GPU). Default: from dtype.
 """
 
 from __future__ import annotations
@@ -61,14 +63,19 @@ class PhaseAnalysis:
     why: str
 
 
+def default_compute_dtype(dtype: str) -> str:
+    return "bf16" if dtype in ("int8", "int4") else dtype
+
+
 def analyze_decode(spec: ModelSpec, hw: Hardware, obs: Observations, dtype: str = "bf16",
-                   kv_dtype: str = "bf16") -> PhaseAnalysis:
+                   kv_dtype: str = "bf16", compute_dtype: str | None = None) -> PhaseAnalysis:
     batch = max(1.0, obs.concurrency)
     context = obs.mean_context_len
     step_bytes = decode_step_bytes(spec, batch, context, dtype, kv_dtype)
     step_flops = batch * flops_per_token(spec, context)
     steps_per_s = 1.0 / obs.tpot_s if obs.tpot_s > 0 else 0.0
-    ridge = hw.ridge_point(dtype)
+    compute_dtype = compute_dtype or default_compute_dtype(dtype)
+    ridge = hw.ridge_point(compute_dtype)
     intensity = step_flops / step_bytes
     kv_budget = hw.memory_bytes * 0.9 - weight_bytes(spec, dtype)
     fits = max_concurrent_sequences(spec, kv_budget, int(obs.mean_prompt_len + obs.mean_output_len), kv_dtype)
@@ -85,27 +92,29 @@ def analyze_decode(spec: ModelSpec, hw: Hardware, obs: Observations, dtype: str 
         why = (f"each step reads {step_bytes / 1e9:.2f} GB for {batch:.1f} tokens: intensity "
                f"{intensity:.1f} FLOP/B is below the ridge {ridge:.0f}")
     return PhaseAnalysis("decode", step_flops * steps_per_s, step_bytes * steps_per_s,
-                         mfu(step_flops * steps_per_s, hw.flops_for(dtype)),
+                         mfu(step_flops * steps_per_s, hw.flops_for(compute_dtype)),
                          mbu(step_bytes, steps_per_s, hw.memory_bandwidth), intensity, ridge, verdict, why)
 
 
 def analyze_prefill(spec: ModelSpec, hw: Hardware, obs: Observations, dtype: str = "bf16",
-                    kv_dtype: str = "bf16") -> PhaseAnalysis:
+                    kv_dtype: str = "bf16", compute_dtype: str | None = None) -> PhaseAnalysis:
     """Per request from TTFT; TTFT includes queueing, so MFU and MBU here are lower bounds."""
     prompt = max(1.0, obs.mean_prompt_len)
     flops = prefill_flops(spec, prompt)
     moved = weight_bytes(spec, dtype) + prompt * spec.kv_bytes_per_token(dtype_bytes(kv_dtype))
     per_s = 1.0 / obs.ttft_s if obs.ttft_s > 0 else 0.0
-    ridge = hw.ridge_point(dtype)
+    compute_dtype = compute_dtype or default_compute_dtype(dtype)
+    ridge = hw.ridge_point(compute_dtype)
     intensity = flops / moved
     verdict = "compute-bound" if intensity >= ridge else "bandwidth-bound"
     why = (f"a {prompt:.0f}-token prompt does {intensity:.0f} FLOP per byte moved "
            f"({'above' if intensity >= ridge else 'below'} the ridge {ridge:.0f}); "
            f"MFU from TTFT, queueing included, so a lower bound")
-    return PhaseAnalysis("prefill", flops * per_s, moved * per_s, mfu(flops * per_s, hw.flops_for(dtype)),
+    return PhaseAnalysis("prefill", flops * per_s, moved * per_s, mfu(flops * per_s, hw.flops_for(compute_dtype)),
                          mbu(moved, per_s, hw.memory_bandwidth), intensity, ridge, verdict, why)
 
 
 def analyze(spec: ModelSpec, hw: Hardware, obs: Observations, dtype: str = "bf16",
-            kv_dtype: str = "bf16") -> list[PhaseAnalysis]:
-    return [analyze_prefill(spec, hw, obs, dtype, kv_dtype), analyze_decode(spec, hw, obs, dtype, kv_dtype)]
+            kv_dtype: str = "bf16", compute_dtype: str | None = None) -> list[PhaseAnalysis]:
+    return [analyze_prefill(spec, hw, obs, dtype, kv_dtype, compute_dtype),
+            analyze_decode(spec, hw, obs, dtype, kv_dtype, compute_dtype)]

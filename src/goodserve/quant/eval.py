@@ -19,6 +19,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -52,6 +53,15 @@ QUESTIONS = [
     "What is binary search?",
     "How do vaccines work?",
 ]
+
+
+# (stage, done, total): e.g. ("baseline: text windows", 8, 16). Called when a stage starts and
+# after each part of it, so a caller can draw progress through the minutes an evaluation takes.
+ProgressHook = Callable[[str, int, int], None]
+
+
+def _no_progress(stage: str, done: int, total: int) -> None:
+    pass
 
 
 @dataclass
@@ -149,15 +159,18 @@ def build_workload(tokenizer, settings: EvalSettings) -> Workload:
     return Workload(source, windows, [tokenizer.encode(p) for p in settings.prompts])
 
 
-def measure(config: EngineConfig, settings: EvalSettings,
-            workload: Workload | None = None) -> tuple[Workload, RunResult]:
+def measure(config: EngineConfig, settings: EvalSettings, workload: Workload | None = None,
+            on_progress: ProgressHook = _no_progress, label: str = "") -> tuple[Workload, RunResult]:
     """Open an engine for `config`, run the workload (built from its tokenizer when not given),
     and free the engine before returning, so the next configuration has the memory."""
     from goodserve.llm import LLM
 
+    on_progress(f"{label}: loading the engine", 0, 1)
     llm = LLM(**dataclasses.asdict(config))
+    on_progress(f"{label}: loading the engine", 1, 1)
     workload = workload or build_workload(llm.tokenizer, settings)
-    result = run_workload(llm, workload, settings.max_new_tokens)
+    result = run_workload(llm, workload, settings.max_new_tokens,
+                          lambda stage, done, total: on_progress(f"{label}: {stage}", done, total))
     del llm
     gc.collect()
     if torch.cuda.is_available():
@@ -165,16 +178,28 @@ def measure(config: EngineConfig, settings: EvalSettings,
     return workload, result
 
 
-def run_workload(llm, workload: Workload, max_new_tokens: int) -> RunResult:
+def run_workload(llm, workload: Workload, max_new_tokens: int,
+                 on_progress: ProgressHook = _no_progress) -> RunResult:
     start = time.perf_counter()
     windows = workload.windows
-    scored = llm.generate([{"prompt_token_ids": w} for w in windows], SamplingParams(max_tokens=1, prompt_logprobs=1))
+    # As many windows a call as one engine step holds: progress to report, and no batching lost.
+    per_call = max(1, llm.engine.config.max_num_batched_tokens // len(windows[0]))
+    scored = []
+    on_progress("text windows", 0, len(windows))
+    for first in range(0, len(windows), per_call):
+        scored += llm.generate([{"prompt_token_ids": w} for w in windows[first:first + per_call]],
+                               SamplingParams(max_tokens=1, prompt_logprobs=1))
+        on_progress("text windows", len(scored), len(windows))
     logprobs, top1 = zip(*(_score_window(w, out.prompt_logprobs) for w, out in zip(windows, scored)))
     greedy_params = SamplingParams(max_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
     # The first prompt alone first: with prefix caching on, the others then reuse its preamble.
     prompts = workload.prompts
-    outputs = [out for part in (prompts[:1], prompts[1:]) if part
-               for out in llm.generate([{"prompt_token_ids": p} for p in part], greedy_params)]
+    outputs = []
+    on_progress("greedy prompts", 0, len(prompts))
+    for part in (prompts[:1], prompts[1:]):
+        if part:
+            outputs += llm.generate([{"prompt_token_ids": p} for p in part], greedy_params)
+            on_progress("greedy prompts", len(outputs), len(prompts))
     greedy = [list(out.outputs[0].token_ids) for out in outputs]
     return RunResult(list(logprobs), list(top1), greedy, time.perf_counter() - start)
 
@@ -228,7 +253,8 @@ def changed_options(config: EngineConfig, reference: EngineConfig) -> dict:
     return {k: v for k, v in dataclasses.asdict(config).items() if base[k] != v}
 
 
-def evaluate(candidate: EngineConfig, settings: EvalSettings, thresholds: Thresholds | None = None) -> dict:
+def evaluate(candidate: EngineConfig, settings: EvalSettings, thresholds: Thresholds | None = None,
+             on_progress: ProgressHook = _no_progress) -> dict:
     """Run baseline and candidate; return the JSON-ready report (its "passed" is the verdict)."""
     candidate.validate()
     settings.validate()
@@ -236,8 +262,8 @@ def evaluate(candidate: EngineConfig, settings: EvalSettings, thresholds: Thresh
         raise InvalidRequestError("--quantization-awq scales weights for quantization: add --quantization int8 or int4")
     thresholds = thresholds or default_thresholds(candidate)
     baseline = dataclasses.replace(candidate, **BASELINE_OPTIONS)
-    workload, base_run = measure(baseline, settings)
-    _, cand_run = measure(candidate, settings, workload)
+    workload, base_run = measure(baseline, settings, on_progress=on_progress, label="baseline")
+    _, cand_run = measure(candidate, settings, workload, on_progress, "candidate")
     metrics = compare(base_run, cand_run)
     rows = checks(metrics, thresholds)
     return {

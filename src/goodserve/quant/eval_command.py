@@ -6,6 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
+from goodserve.commands.console import stage_progress
 from goodserve.server.engine_args import add_engine_arguments, engine_config_from_args
 
 
@@ -47,7 +48,8 @@ def run(args: argparse.Namespace) -> int:
     for name in ("max_perplexity_increase", "min_top1_agreement", "min_greedy_agreement"):
         if getattr(args, name) is not None:
             setattr(thresholds, name, getattr(args, name))
-    report = evaluate(config, settings, thresholds)
+    with stage_progress("eval") as on_progress:
+        report = evaluate(config, settings, thresholds, on_progress)
     if args.output:
         Path(args.output).write_text(json.dumps(report, indent=2))
     print(json.dumps(report, indent=2) if args.json else summary(report))

@@ -79,6 +79,7 @@ def _is_loopback(host: str) -> bool:
 def run(args: argparse.Namespace) -> int:
     from goodserve.engine.async_engine import AsyncEngine  # torch loads only when serving
     from goodserve.server.app import ServerConfig, run_server
+    from goodserve.server.metrics import engine_info
 
     config = dataclass_from_args(ServerConfig, args)
     _check(config)
@@ -87,5 +88,8 @@ def run(args: argparse.Namespace) -> int:
         logging.getLogger("goodserve.server").warning(
             "binding %s without --api-key: anyone who can reach this port can use the model", config.host)
     engine = AsyncEngine(engine_config_from_args(args))
+    # What auto resolved to (dtype, KV dtype, kernels), as /metrics reports it in engine_config_info.
+    logging.getLogger("goodserve.server").info(
+        "engine: %s", " ".join(f"{k}={v}" for k, v in engine_info(engine).items()))
     run_server(engine, config)
     return 0

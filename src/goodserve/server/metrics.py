@@ -3,7 +3,9 @@
 Per-request histograms are observed when a request finishes, from the timestamps the engine
 recorded on it. Engine-wide numbers (queue depths, KV usage, cache hits, step times) are read
 from `engine.stats()` at scrape time by a collector, so they are never stale or double-counted.
-Beyond vLLM: batch fill ratio, step time split by phase, and SLO attainment (live goodput).
+Beyond vLLM: batch fill ratio, step time split by phase, SLO attainment (live goodput), and the
+engine's resolved configuration as an info metric (`goodserve:engine_config_info`), which
+`goodserve bench` records and `goodserve diagnose` reads.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, Info, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from goodserve.outputs import RequestOutput
@@ -48,6 +50,43 @@ def time_per_output_token(out: RequestOutput) -> float | None:
     if len(times) >= 2:
         return (times[-1] - times[0]) / (len(times) - 1)
     return None
+
+
+def engine_info(engine) -> dict[str, str]:
+    """What an AsyncEngine really runs (auto resolved: float32 and torch attention on a CPU), as strings."""
+    from goodserve.engine.kv_cache import kv_storage_dtype
+    from goodserve.ops.attention import triton_available
+
+    config, device = engine.config, engine.device
+    backend = config.attention_backend
+    if backend == "auto":
+        backend = "triton" if device.type == "cuda" and triton_available() else "torch"
+    runner = engine.engine.runner  # graphs are captured at construction or not at all
+    return {
+        "model": config.model,
+        "dtype": _dtype_name(engine.dtype),
+        "quantization": config.quantization or "none",
+        "kv_cache_dtype": _dtype_name(kv_storage_dtype(config, engine.dtype)),
+        "device": device.type,
+        "device_name": _device_name(device),
+        "attention_backend": backend,
+        "scheduler_policy": config.scheduler_policy,
+        "enable_chunked_prefill": str(config.enable_chunked_prefill),
+        "enable_prefix_caching": str(config.enable_prefix_caching),
+        "cuda_graphs": str(bool(runner.decode_graphs.graphs or runner.mixed_graphs.graphs)),
+        "max_num_seqs": str(config.max_num_seqs),
+        "max_num_batched_tokens": str(config.max_num_batched_tokens),
+    }
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _device_name(device) -> str:
+    import torch
+
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
 class EngineStatsCollector:
@@ -127,6 +166,8 @@ class ServerMetrics:
         self.request_slo = counter("request_slo", "Finished requests that met (or missed) the SLO.", ("attained",))
         self.request_rejected = counter("request_rejected", "Requests refused before reaching the engine.",
                                         ("status",))
+        Info(PREFIX + "engine_config", "The engine's resolved configuration.", labels,
+             registry=self.registry).labels(model_name).info(engine_info(engine))
 
     def observe_finished(self, out: RequestOutput) -> None:
         m = out.metrics

@@ -1,0 +1,101 @@
+"""What diagnose assumes about a run: the model, weight / compute / KV dtypes and the hardware.
+
+The engine configuration the run recorded (bench result JSON, or a live server's
+`goodserve:engine_config_info`) wins: it is what ran. A flag that disagrees with it gets a
+warning, since computing MBU with the wrong bytes per weight is off by 2x (bf16 assumed on a
+float32 CPU engine). Without a recorded configuration the flags apply, then defaults.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from goodserve.diagnose.hardware import HARDWARE
+
+DEFAULT_MODEL = "smollm2-135m"
+DEFAULT_HARDWARE = "h100-sxm"
+_TORCH_TO_SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "int8": "int8",
+                   "float8_e4m3fn": "fp8"}
+# gguf keeps the file's Q4_0 / Q4_1 / Q8_0 codes: about 4 bits a weight for the usual Q4 files.
+_QUANT_WEIGHT_DTYPE = {"int8": "int8", "int4": "int4", "gguf": "int4"}
+# Substrings of torch.cuda.get_device_name() -> hardware table entry, most specific first.
+_GPU_NAMES = (("H100 PCIe", "h100-pcie"), ("H100", "h100-sxm"), ("H200", "h200"),
+              ("A100-SXM4-40GB", "a100-40gb"), ("A100-PCIE-40GB", "a100-40gb"), ("A100", "a100-80gb"),
+              ("L4", "l4"), ("A10G", "a10g"))
+
+
+@dataclass
+class Assumptions:
+    model: str
+    hardware: str  # a HARDWARE key (a wrong --hardware name is refused when it is looked up)
+    weight_dtype: str  # bytes per weight: fp32 / bf16 / fp16 / int8 / int4
+    compute_dtype: str  # what the matmuls multiply in (weight-only quantization: the activations')
+    kv_dtype: str
+    engine: dict[str, str] | None = None  # the recorded engine configuration, if any
+    source: str = "flags"
+    warnings: list[str] = field(default_factory=list)
+
+
+def hardware_for_device(device: str, device_name: str) -> str | None:
+    if device == "cpu":
+        return "cpu"
+    return next((key for part, key in _GPU_NAMES if part.lower() in device_name.lower()), None)
+
+
+def _from_engine(engine: dict[str, str]) -> dict[str, str | None]:
+    compute = _TORCH_TO_SHORT.get(engine.get("dtype", ""), "bf16")
+    return {
+        "model": engine.get("model"),
+        "hardware": hardware_for_device(engine.get("device", ""), engine.get("device_name", "")),
+        "weight_dtype": _QUANT_WEIGHT_DTYPE.get(engine.get("quantization", "none"), compute),
+        "compute_dtype": compute,
+        "kv_dtype": _TORCH_TO_SHORT.get(engine.get("kv_cache_dtype", ""), compute),
+    }
+
+
+def _readable_here(model: str) -> bool:
+    """A run recorded on another machine may name a model directory this one lacks."""
+    from goodserve.diagnose.model_shape import resolve_spec
+    from goodserve.errors import ModelLoadError
+
+    try:
+        resolve_spec(model)
+        return True
+    except ModelLoadError:
+        return False
+
+
+def _same_model(flag: str, recorded: str) -> bool:
+    from goodserve.diagnose.model_shape import resolve_spec
+
+    return flag == recorded or resolve_spec(flag).name == resolve_spec(recorded).name
+
+
+def resolve(flags: dict[str, str | None], engine: dict[str, str] | None, source: str) -> Assumptions:
+    """flags: model, hardware, dtype, kv_cache_dtype as given on the command line (None: not given)."""
+    if not engine:
+        hardware = flags["hardware"] or DEFAULT_HARDWARE
+        dtype = flags["dtype"] or ("fp32" if hardware == "cpu" else "bf16")
+        compute = dtype if dtype not in ("int8", "int4") else ("fp32" if hardware == "cpu" else "bf16")
+        return Assumptions(flags["model"] or DEFAULT_MODEL, hardware, dtype, compute,
+                           flags["kv_cache_dtype"] or compute)
+    recorded = _from_engine(engine)
+    warnings = []
+    if recorded["model"] and not _readable_here(recorded["model"]):
+        warnings.append(f"the run's model {recorded['model']!r} cannot be read here: using --model "
+                        f"{flags['model'] or DEFAULT_MODEL} for its shape")
+        recorded["model"] = None
+    for flag, key, same in (("--model", "model", _same_model), ("--hardware", "hardware", None),
+                            ("--dtype", "weight_dtype", None), ("--kv-cache-dtype", "kv_dtype", None)):
+        given, ran = flags[flag.removeprefix("--").replace("-", "_")], recorded[key]
+        if given is None or ran is None or given == ran or (same and same(given, ran)):
+            continue
+        warnings.append(f"{flag} {given} differs from the engine the run used ({key} {ran}, from {source}): "
+                        f"using {ran}")
+    hardware = recorded["hardware"] or flags["hardware"]
+    if hardware is None:
+        warnings.append(f"the engine ran on {engine.get('device_name')!r}, not in the hardware table "
+                        f"({', '.join(HARDWARE)}): give --hardware or --measure; assuming {DEFAULT_HARDWARE}")
+        hardware = DEFAULT_HARDWARE
+    return Assumptions(recorded["model"] or flags["model"] or DEFAULT_MODEL, hardware, recorded["weight_dtype"],
+                       recorded["compute_dtype"], recorded["kv_dtype"], engine, source, warnings)
