@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from goodserve.native.build import library
+from goodserve.native.operands import NativeOperandError, operand
 
 GROUP_SIZES = (32, 64, 128)  # the kernel unrolls each
 ROWS = 4  # weight rows per tile
@@ -20,6 +21,11 @@ ROWS = 4  # weight rows per tile
 
 def supports(in_features: int, group_size: int) -> bool:
     return group_size in GROUP_SIZES and in_features % group_size == 0 and library() is not None
+
+
+def tile_group_bytes(group_size: int) -> int:
+    """One tile's bytes for one group: 4 scales and 4 zeros (float32), then 4 rows of codes."""
+    return 2 * ROWS * 4 + ROWS * group_size // 2
 
 
 def chunk_nibbles(qweight: torch.Tensor) -> torch.Tensor:
@@ -49,10 +55,20 @@ class Int4Layout:
         tiles = torch.cat([scales_zeros.flatten(2).view(torch.uint8), codes], dim=2).contiguous()
         return cls(tiles, n, qweight.shape[1] * 2, group_size)
 
+    def check(self, name: str = "tiles", in_features: int | None = None, out_features: int | None = None) -> None:
+        """The tiles are what the kernel reads for this shape (and for the given one, if any)."""
+        if (in_features, out_features) not in ((None, None), (self.in_features, self.out_features)):
+            raise NativeOperandError(f"{name} is {self.out_features} x {self.in_features}, expected "
+                                     f"{out_features} x {in_features}")
+        operand(name, self.tiles, torch.uint8, (-(-self.out_features // ROWS), self.in_features // self.group_size,
+                                                tile_group_bytes(self.group_size)))
+
     def matmul(self, rows: torch.Tensor) -> torch.Tensor:
-        """rows [M, K] float32 (rows may be strided) -> [M, N] float32."""
+        """rows [M, K] float32 on the CPU (rows may be strided) -> [M, N] float32."""
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
+        operand("rows", rows, torch.float32, (None, self.in_features), rows=True)
+        self.check()
         m, n = rows.shape[0], self.out_features
         out = torch.empty(m, n, dtype=torch.float32)
         status = library().gs_int4_gemv(rows.data_ptr(), rows.stride(0), self.tiles.data_ptr(), out.data_ptr(), n,

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from goodserve.quant import schemes
-from goodserve.quant.linear import CPU_PACKED_MAX_M, CUDA_KERNEL_MAX_M, Int4Linear
+from goodserve.quant.linear import CPU_PACKED_MAX_M, Int4Linear, matmul_path
 
 GROUP_SIZE = 32  # every block format here
 Q4_0, Q4_1, Q8_0 = gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0
@@ -57,7 +57,7 @@ class Int8GroupLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).shape[0]
-        if rows <= (CUDA_KERNEL_MAX_M if x.is_cuda else CPU_PACKED_MAX_M):  # decode: the int4 kernels
+        if matmul_path(x.device.type, rows, CPU_PACKED_MAX_M) != "dequantized":  # decode: the int4 kernels
             y = self.pair(torch.cat([x, x], dim=-1))
             return y if self.bias is None else y + self.bias
         # Many rows: one dense matmul (the pair would dequantize and multiply twice the width).

@@ -10,10 +10,12 @@ forward(x) equals nn.Linear on the dequantized weight. Paths:
   and output, up to CPU_NATIVE_MAX_M rows) where it built; otherwise, and for int8, torch's
   packed-weight kernels (_weight_int8pack_mm, _weight_int4pack_mm_for_cpu). Both read the codes
   without materializing the weight.
-- CPU, many rows (prefill), and CUDA past CUDA_KERNEL_MAX_M rows: dequantize, then a dense
+- CPU, many rows (prefill), CUDA past CUDA_KERNEL_MAX_M rows, and other devices: dequantize, then a dense
   matmul; the dequantization is paid once per call and amortized over the rows, which beats the
   packed kernels there. It goes DEQUANT_CHUNK_BYTES of dequantized weight at a time, so a large
   layer (an int8 lm_head: 1 GB in bf16) needs no full-size float copy.
+`matmul_path` makes the choice; a CUDA tensor never reaches a CPU kernel (the native ones would
+read its device pointers as host memory, and they refuse it: native/operands.py).
 benchmarks/cpu_quant_linear.py measured the crossover (CPU_PACKED_MAX_M); docs/quantization.md.
 """
 
@@ -65,6 +67,17 @@ TINYGEMM_CHECK_ROWS = 64
 TINYGEMM_CHECK_MAX_REL_ERROR = 0.03
 
 
+def matmul_path(device_type: str, rows: int, cpu_packed_max_m: int) -> str:
+    """Which path a call of `rows` rows on `device_type` takes: "cuda" (the CUDA kernels), "cpu_packed"
+    (the CPU kernels, which read host memory: only ever for CPU tensors) or "dequantized" (torch ops,
+    any device)."""
+    if device_type == "cuda":
+        return "cuda" if rows <= CUDA_KERNEL_MAX_M else "dequantized"
+    if device_type == "cpu" and rows <= cpu_packed_max_m:
+        return "cpu_packed"
+    return "dequantized"
+
+
 class _QuantizedLinear(nn.Module):
     """Shared shape, bias and dispatch; subclasses hold the codes and know their three paths."""
 
@@ -77,9 +90,11 @@ class _QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if x.is_cuda and rows.shape[0] <= CUDA_KERNEL_MAX_M:
+        on_cpu = x.device.type == "cpu"
+        path = matmul_path(x.device.type, rows.shape[0], self.cpu_packed_max_m if on_cpu else 0)
+        if path == "cuda":
             y = self._cuda_matmul(rows)
-        elif rows.shape[0] <= self.cpu_packed_max_m:
+        elif path == "cpu_packed":
             y = self._cpu_packed_matmul(rows)
         else:
             y = self._dequantized_matmul(rows)
