@@ -145,6 +145,7 @@ class Engine:
         config.validate()
         self.config = config
         self.device = resolve_device(config.device)
+        config.resolve_quantization(self.device.type)
         self.dtype = resolve_dtype(config.dtype, self.device)
         torch.manual_seed(config.seed)
         set_attention_backend(config.attention_backend)
