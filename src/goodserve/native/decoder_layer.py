@@ -28,7 +28,7 @@ class LayerOperands(ctypes.Structure):
     _fields_ = [("input_norm", _P), ("post_norm", _P), ("qkv", _P), ("qkv_bias", _P), ("o", _P), ("gate_up", _P),
                 ("down", _P), ("qkv_group", _I), ("o_group", _I), ("gate_up_group", _I), ("down_group", _I),
                 ("hidden", _I), ("inter", _I), ("q_heads", _I), ("kv_heads", _I), ("head_dim", _I),
-                ("eps", _F), ("scale", _F)]
+                ("eps", _F), ("scale", _F), ("int8_activations", ctypes.c_int32)]
 
 
 def _linears(layer: nn.Module) -> tuple[nn.Module, ...]:
@@ -44,6 +44,7 @@ def attach(model: nn.Module) -> int:
         linears = _linears(layer)
         if (all(isinstance(lin, Int4Linear) and lin.native_layout() is not None for lin in linears)
                 and all(lin.bias is None for lin in linears[1:]) and layer.self_attn.head_dim % 16 == 0
+                and len({lin.native_layout().int8_activations for lin in linears}) == 1  # one flag a call
                 and all(norm.weight.dtype == torch.float32 and norm.weight.is_contiguous()
                         for norm in (layer.input_layernorm, layer.post_attention_layernorm))):
             layer.native_decode = NativeDecodeLayer(layer)
@@ -112,4 +113,5 @@ class NativeDecodeLayer:
             input_norm.data_ptr(), post_norm.data_ptr(), layouts[0].tiles.data_ptr(),
             None if qkv_bias is None else qkv_bias.data_ptr(), *(layout.tiles.data_ptr() for layout in layouts[1:]),
             *(layout.group_size for layout in layouts), hidden, inter,
-            attn.num_heads, attn.num_kv_heads, attn.head_dim, self.norms[0].eps, attn.scale)
+            attn.num_heads, attn.num_kv_heads, attn.head_dim, self.norms[0].eps, attn.scale,
+            int(layouts[0].int8_activations))

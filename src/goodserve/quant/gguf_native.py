@@ -12,10 +12,12 @@ float16 d and m are exact in our float32 scales and every product above is exact
 `dequantize()` gives bit for bit what gguf's own dequantizer gives. Other GGUF types (K-quants,
 float) are dequantized by the loader as before.
 
-On the CPU, decode calls (up to 64 rows) take goodserve's native int4 kernel (native/int4_gemv.cpp):
-float32 rows, float32 scales and zeros, float32 output, so the logits and hidden states are not
-rounded. Where the native library is missing they fall back to torch's int4 kernel, which is fast
-only for bfloat16 rows (~15 GB/s against < 1 GB/s for float32): those layers then round their
+On the CPU, decode calls (up to 64 rows) take goodserve's native int4 kernel (native/int4_gemv.cpp)
+the way llama.cpp runs these formats: each activation row quantized to int8 per block of 32 (a float
+scale each), integer dot products with the codes, float32 scales, zeros and output
+(`Int4Linear.int8_activations`; machines without AVX-512BW, and `int8_activations = False`, take
+float32 rows: then the product is the dequantized weight's, exactly). Where the native library is
+missing they fall back to torch's int4 kernel, which is fast only for bfloat16 rows (~15 GB/s against < 1 GB/s for float32): those layers then round their
 rows, scales and zeros to bfloat16 (`Int4Linear.bf16_cpu_kernel`). Prefill-sized calls dequantize
 and stay in the model dtype.
 """
@@ -50,7 +52,7 @@ class Int8GroupLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.pair = Int4Linear(2 * in_features, out_features, False, GROUP_SIZE, dtype, device)
-        self.pair.bf16_cpu_kernel = True
+        self.pair.bf16_cpu_kernel = self.pair.int8_activations = True
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False) \
             if bias else None
         self.float_weight = float_weight  # not registered: it belongs to the module that owns it
@@ -80,7 +82,7 @@ def native_linear(tensor_type, linear: nn.Linear, float_weight: torch.Tensor | N
         module = Int8GroupLinear(*args, dtype=w.dtype, device=w.device, float_weight=float_weight)
     else:
         module = Int4Linear(*args, group_size=GROUP_SIZE, dtype=w.dtype, device=w.device)
-        module.bf16_cpu_kernel = True
+        module.bf16_cpu_kernel = module.int8_activations = True
     return module
 
 

@@ -7,7 +7,8 @@ forward(x) equals nn.Linear on the dequantized weight. Paths:
 - CUDA otherwise (and int4 where tinygemm is missing or fails its first-use check): the Triton
   dequantize-GEMV / GEMM kernels (quant/triton_kernels.py, ops/triton_gemv.py).
 - CPU, few rows (decode): int4 takes goodserve's native kernel (native/int4_gemv.cpp: float32 rows
-  and output, up to CPU_NATIVE_MAX_M rows) where it built; otherwise, and for int8, torch's
+  and output, up to CPU_NATIVE_MAX_M rows; the GGUF layers' rows quantized to int8 blocks there,
+  as llama.cpp does) where it built; otherwise, and for int8, torch's
   packed-weight kernels (_weight_int8pack_mm, _weight_int4pack_mm_for_cpu). Both read the codes
   without materializing the weight.
 - CPU, many rows (prefill), CUDA past CUDA_KERNEL_MAX_M rows, and other devices: dequantize, then a dense
@@ -205,6 +206,10 @@ class Int4Linear(_QuantizedLinear):
         # dtype. Its float32 / float16 variants are scalar loops (~20x slower on an AVX-512 EPYC,
         # docs/quantization.md); the GGUF layers (quant/gguf_native.py) turn this on.
         self.bf16_cpu_kernel = False
+        # CPU decode on the native kernel: quantize activation rows to int8 per block of 32 and take
+        # integer dot products, as llama.cpp does (native/int4_gemv.py); the GGUF layers turn it on.
+        # Off: float32 rows, the exact dequantized product.
+        self.int8_activations = False
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group_size: int = 128) -> Int4Linear:
@@ -316,7 +321,9 @@ class Int4Linear(_QuantizedLinear):
         if self._native_layout is None or self._native_layout[0] != key:
             layout = int4_gemv.Int4Layout.from_codes(self.qweight, self.scales, self.zeros, self.group_size)
             self._native_layout = (key, layout)
-        return self._native_layout[1]
+        layout = self._native_layout[1]
+        layout.int8_activations = self.int8_activations and int4_gemv.int8_dot_available()
+        return layout
 
     def _cpu_kernel_layout(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The kernel's packed codes and its [G, N, 2] scales and zeros, in the activation dtype it
