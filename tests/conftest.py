@@ -17,7 +17,8 @@ import torch  # noqa: E402
 def embedded_llm():
     from goodserve import LLM
 
-    return LLM("smollm2-135m", cpu_kv_cache_bytes=256 << 20)
+    # The float32 path (not the CPU's default gguf codes): tests compare it with HF transformers.
+    return LLM("smollm2-135m", quantization="none", cpu_kv_cache_bytes=256 << 20)
 
 
 @pytest.fixture(scope="session")

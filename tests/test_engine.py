@@ -36,7 +36,7 @@ def test_batch_invariance(embedded_llm):
     torch.manual_seed(0)
     others = [torch.randint(100, 20000, (int(n),)).tolist() for n in torch.randint(3, 90, (15,))]
     batch = [{"prompt_token_ids": probe}] + [{"prompt_token_ids": p} for p in others]
-    for engine in (embedded_llm, LLM("smollm2-135m", enable_chunked_prefill=True, max_num_batched_tokens=32,
+    for engine in (embedded_llm, LLM("smollm2-135m", quantization="none", enable_chunked_prefill=True, max_num_batched_tokens=32,
                                      cpu_kv_cache_bytes=128 << 20)):
         outputs = engine.generate(batch, params)
         assert outputs[0].outputs[0].token_ids == alone
@@ -53,7 +53,7 @@ def test_preemption_keeps_outputs(embedded_llm):
     expected = [o.outputs[0].token_ids for o in embedded_llm.generate(
         [{"prompt_token_ids": p} for p in prompts], params)]
     # 6 blocks of 16 tokens: all four requests together need ~8, so some must be preempted.
-    small = LLM("smollm2-135m", num_kv_blocks=6, block_size=16, enable_prefix_caching=False)
+    small = LLM("smollm2-135m", quantization="none", num_kv_blocks=6, block_size=16, enable_prefix_caching=False)
     outputs = small.generate([{"prompt_token_ids": p} for p in prompts], params)
     assert [o.outputs[0].token_ids for o in outputs] == expected
     assert small.engine.stats().num_preemptions > 0
@@ -105,7 +105,7 @@ def test_prompt_logprobs_ignore_a_cached_prefix(embedded_llm):
     params = SamplingParams(max_tokens=1, prompt_logprobs=1)
     embedded_llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1))  # caches its blocks
     cached = embedded_llm.generate({"prompt_token_ids": ids}, params)[0]
-    fresh = LLM("smollm2-135m", enable_prefix_caching=False).generate({"prompt_token_ids": ids}, params)[0]
+    fresh = LLM("smollm2-135m", quantization="none", enable_prefix_caching=False).generate({"prompt_token_ids": ids}, params)[0]
     assert cached.num_cached_tokens == 0
     for got, want in zip(cached.prompt_logprobs[1:], fresh.prompt_logprobs[1:]):
         assert got.keys() == want.keys()

@@ -74,7 +74,7 @@ def test_eval_command_fails_a_configuration_over_its_threshold(tmp_path, capsys)
     assert code == 1
     report = json.loads(report_path.read_text())
     assert report["differs_from_baseline"]["quantization"] == "int4"
-    assert report["baseline"]["quantization"] is None and not report["passed"]
+    assert report["baseline"]["quantization"] == "none" and not report["passed"]  # the float path, explicitly
     m = report["metrics"]
     assert m["candidate_perplexity"] > m["baseline_perplexity"]  # 4-bit weights cost something
     assert 0.5 < m["top1_agreement"] < 1.0

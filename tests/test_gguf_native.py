@@ -16,6 +16,7 @@ from goodserve import LLM, SamplingParams
 from goodserve.config import EngineConfig
 from goodserve.errors import InvalidRequestError
 from goodserve.model.loader import load_model
+from goodserve.native.int4_gemv import int8_activation_matmul_reference, int8_dot_available
 from goodserve.quant.gguf_native import Int8GroupLinear, block_codes, native_linear
 from goodserve.quant.linear import Int4Linear
 
@@ -63,7 +64,13 @@ def test_q8_0_layer_matches_a_dense_matmul_on_the_dequantized_table(rows):
     if rows > 2:
         torch.testing.assert_close(out, F.linear(x, table), rtol=1e-5, atol=1e-5)
         return
-    # The CPU kernel takes bf16 rows and scales and returns bf16: a few bf16 steps off, not more.
+    if int8_dot_available():  # llama.cpp's arithmetic: rows as int8 blocks (native/int4_gemv.py)
+        pair = layer.pair
+        reference = int8_activation_matmul_reference(torch.cat([x, x], dim=-1), pair.qweight, pair.scales,
+                                                     pair.zeros, pair.group_size)
+        torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5 * reference.abs().max().item())
+        return
+    # The native kernel's float32 path, or torch's on bf16 rows: a few bf16 steps off, not more.
     reference = F.linear(x.bfloat16().float(), table)
     torch.testing.assert_close(out, reference, rtol=0, atol=8e-3 * reference.abs().max().item())
 
@@ -90,12 +97,30 @@ def test_native_layers_hold_exactly_the_float_loaders_weights(native_llm):
     assert torch.equal(native_model.model.embed_tokens.weight, float_model.model.embed_tokens.weight)
 
 
-def test_native_greedy_tokens_are_the_float_models_choices(native_llm, embedded_llm):
-    """Decode rounds activations to bf16 for the int4 kernel, so a near-tie may flip; every token
-    the native engine picks must be the float model's top choice or within 0.1 nats of it."""
+def set_int8_activations(llm: LLM, on: bool) -> None:
+    model = llm.engine.model
+    for module in model.modules():
+        if isinstance(module, Int4Linear):
+            module.int8_activations = on
+    for layer in model.model.layers:
+        layer.native_decode._pointed = ()  # rebuild the operands with the new flag
+
+
+# (float32 rows, measured 0 flips in 72 tokens; int8 rows as llama.cpp, measured 5 of 72 and 0.32 nats)
+@pytest.mark.parametrize("int8_activations,max_gap,max_flips", [(False, 0.1, 2), (True, 0.5, 8)])
+def test_native_greedy_tokens_are_the_float_models_choices(native_llm, embedded_llm, int8_activations, max_gap,
+                                                           max_flips):
+    """Every token the native engine picks must be the float model's top choice or within max_gap
+    nats of it: near ties may flip, the more so with 8-bit activations."""
+    if int8_activations and not int8_dot_available():
+        pytest.skip("no int8-activation path in this build")
     tok = embedded_llm.tokenizer
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    native = native_llm.generate([{"prompt_token_ids": tok.encode(p)} for p in PROMPTS], greedy)
+    set_int8_activations(native_llm, int8_activations)
+    try:
+        native = native_llm.generate([{"prompt_token_ids": tok.encode(p)} for p in PROMPTS], greedy)
+    finally:
+        set_int8_activations(native_llm, int8_dot_available())
     flips = 0
     for prompt, out in zip(PROMPTS, native):
         ids, generated = tok.encode(prompt), out.outputs[0].token_ids
@@ -104,9 +129,9 @@ def test_native_greedy_tokens_are_the_float_models_choices(native_llm, embedded_
         for position, token in enumerate(generated, start=len(ids)):
             entry = scored.prompt_logprobs[position]
             best = max(lp.logprob for lp in entry.values())
-            assert best - entry[token].logprob < 0.1, (prompt, position)
+            assert best - entry[token].logprob < max_gap, (prompt, position)
             flips += entry[token].rank != 1
-    assert flips <= 2
+    assert flips <= max_flips
 
 
 def test_gguf_quantization_refuses_other_models_and_options():

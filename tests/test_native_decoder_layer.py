@@ -10,6 +10,8 @@ import torch
 
 from goodserve import LLM, SamplingParams
 from goodserve.native import decoder_layer
+from goodserve.native.int4_gemv import int8_dot_available
+from goodserve.quant.linear import Int4Linear
 
 PROMPTS = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 40, 17)]
 PARAMS = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3)
@@ -28,9 +30,15 @@ def generate(llm: LLM, native: bool):
             layer.native_decode = native_decode
 
 
-@pytest.mark.parametrize("model,group_size", [("dummy:tiny", 32), ("dummy:tiny-qwen", 64)])
-def test_native_decode_layer_matches_the_per_op_path(model, group_size):
+@pytest.mark.parametrize("model,group_size,int8_activations",
+                         [("dummy:tiny", 32, False), ("dummy:tiny-qwen", 64, False), ("dummy:tiny", 32, True)])
+def test_native_decode_layer_matches_the_per_op_path(model, group_size, int8_activations):
+    if int8_activations and not int8_dot_available():
+        pytest.skip("no int8-activation path in this build")
     llm = LLM(model, quantization="int4", quantization_group_size=group_size, num_kv_blocks=64)
+    for module in llm.engine.runner.model.modules():  # the GGUF layers' arithmetic, on both paths
+        if isinstance(module, Int4Linear):
+            module.int8_activations = int8_activations
     layers = llm.engine.runner.model.model.layers
     assert all(layer.native_decode is not None for layer in layers)
     for layer in layers:  # random models load zero biases: make them count
@@ -44,13 +52,22 @@ def test_native_decode_layer_matches_the_per_op_path(model, group_size):
     finally:
         decoder_layer.NativeDecodeLayer.__call__ = original
     assert len(calls) >= len(layers) * (PARAMS.max_tokens - 1)  # every decode step, every layer
+    assert all(layer.native_decode.operands().int8_activations == int8_activations for layer in layers)
     per_op = generate(llm, native=False)
     for ours, ref in zip(fused, per_op):
-        assert ours.outputs[0].token_ids == ref.outputs[0].token_ids
-        for a, b in zip(ours.outputs[0].logprobs, ref.outputs[0].logprobs):
+        # With int8 activations an ulp of difference upstream can move one activation's rounding, so
+        # the paths may part at a near tie: compare up to it, and the tie must be one.
+        tokens, ref_tokens = ours.outputs[0].token_ids, ref.outputs[0].token_ids
+        same = next((i for i, (a, b) in enumerate(zip(tokens, ref_tokens)) if a != b), len(tokens))
+        if not int8_activations:
+            assert same == len(tokens)
+        for a, b in zip(ours.outputs[0].logprobs[:same], ref.outputs[0].logprobs[:same]):
             assert a.keys() == b.keys()
             for token in a:
-                assert a[token].logprob == pytest.approx(b[token].logprob, abs=1e-4)
+                assert a[token].logprob == pytest.approx(b[token].logprob, abs=1e-4 if not int8_activations else 2e-2)
+        if same < len(tokens):
+            parted = ref.outputs[0].logprobs[same]
+            assert tokens[same] in parted and parted[ref_tokens[same]].logprob - parted[tokens[same]].logprob < 0.05
 
 
 def test_only_int4_layers_get_it():

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from goodserve.native import build, layer_ops
-from goodserve.native.int4_gemv import Int4Layout
+from goodserve.native.int4_gemv import Int4Layout, int8_activation_matmul_reference, int8_dot_available
 from goodserve.ops.activation import silu_and_mul_torch
 from goodserve.ops.attention import LayerKVCache, paged_attention_reference, rotary_write_kv_torch
 from goodserve.ops.norm import add_rms_norm_torch, rms_norm_torch
@@ -64,6 +64,32 @@ def test_int4_gemv_matches_the_dequantized_matmul(n, k, group_size, m):
     got = Int4Layout.from_codes(layer.qweight, layer.scales, layer.zeros, group_size).matmul(x)
     want = x @ layer.dequantize(torch.float32).T
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+@pytest.mark.skipif(not int8_dot_available(), reason="no int8-activation path in this build (no AVX-512BW)")
+@pytest.mark.parametrize("n,k,group_size", [(1, 32, 32), (5, 96, 32), (17, 128, 64), (64, 576, 32),
+                                            (30, 384, 128), (4, 256, 64)])
+@pytest.mark.parametrize("m", [1, 3, 4, 9])
+def test_int8_activation_gemv_matches_its_torch_reference(n, k, group_size, m):
+    """The integer-dot path against plain torch doing the same activation quantization (float64):
+    the integer dots are exact, so only float32 accumulation order differs. Some rows hold zeros
+    (a zero block has scale 0) and large values, for the rounding and the block maxima."""
+    layer = int4_layer(n, k, group_size, seed=n + k + m)
+    x = torch.randn(m, k + 7)[:, 3 : 3 + k]  # strided rows
+    x[0, :32] = 0
+    x[-1, 5] = 40.0
+    layout = Int4Layout.from_codes(layer.qweight, layer.scales, layer.zeros, group_size)
+    layout.int8_activations = True
+    got = layout.matmul(x)
+    want = int8_activation_matmul_reference(x, layer.qweight, layer.scales, layer.zeros, group_size)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    # And within the rounding bound of the float product: each activation moves at most half its
+    # block's step (max |x| / 127), so a dot moves at most sum over blocks of step / 2 * sum |w|.
+    w = layer.dequantize(torch.float32)
+    error = (layout.matmul(x) - x @ w.T).abs()
+    steps = x.reshape(m, -1, 32).abs().amax(-1) / 127
+    bound = (steps / 2) @ w.abs().reshape(n, -1, 32).sum(-1).T
+    assert (error <= bound * 1.001 + 1e-5).all()
 
 
 def test_int4_linear_sends_decode_rows_to_the_native_kernel():

@@ -8,7 +8,7 @@ from goodserve.errors import InvalidRequestError
 
 SCHEDULER_POLICIES = ("continuous", "static", "dynamic", "makespan")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
-QUANTIZATIONS = (None, "int8", "int4", "gguf")
+QUANTIZATIONS = (None, "none", "int8", "int4", "gguf")  # None: not asked (resolve_quantization)
 
 
 @dataclass
@@ -34,6 +34,7 @@ class EngineConfig:
     max_n_per_request: int = 128  # a request's samples (n): each is a sequence in the queue
     # Model execution
     # weight-only: int8 (per channel) | int4 (per group) | gguf (keep a GGUF file's Q4_0/Q4_1/Q8_0 codes)
+    # | none. Unset: gguf for a GGUF model on the CPU, else none (resolve_quantization).
     quantization: str | None = None
     quantization_group_size: int | None = None  # int4; None: the largest of 128/64/32 that divides
     quantization_awq: bool = False  # activation-aware scales from a built-in calibration text
@@ -69,6 +70,19 @@ class EngineConfig:
                 raise InvalidRequestError(message)
         if self.quantization == "gguf":
             self._validate_gguf_quantization()
+
+    def resolve_quantization(self, device_type: str) -> None:
+        """Unset, a GGUF model on the CPU keeps its file's codes ('gguf': the weights exactly as stored,
+        ~3x float32's decode speed there, as llama.cpp runs them) unless another quantization option
+        is set; on CUDA and for other models it stays unquantized. 'none' (the opt-out) becomes None."""
+        from goodserve.model.loader import gguf_model_path
+
+        if self.quantization == "none":
+            self.quantization = None
+        elif (self.quantization is None and device_type == "cpu" and gguf_model_path(self.model) is not None
+              and not (self.quantized_checkpoint or self.quantization_awq or self.quantization_group_size
+                       or self.quantize_lm_head)):
+            self.quantization = "gguf"
 
     def _validate_gguf_quantization(self) -> None:
         """The file's codes are used as they are: no option that computes or loads other codes applies."""

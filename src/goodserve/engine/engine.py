@@ -166,6 +166,7 @@ class Engine:
         config.validate()
         self.device = resolve_device(config.device)
         check_attention_backend(config.attention_backend, self.device)
+        config.resolve_quantization(self.device.type)
         self.dtype = resolve_dtype(config.dtype, self.device)
         torch.manual_seed(config.seed)
         set_attention_backend(config.attention_backend)

@@ -59,6 +59,14 @@ def embedded_tokenizer() -> Tokenizer:
     return gguf_tokenizer(open_gguf(embedded_gguf_path()))
 
 
+def gguf_model_path(name: str) -> Path | None:
+    """The GGUF file a model name stands for (the embedded model is one), or None."""
+    if name.startswith(DUMMY_PREFIX):
+        return None
+    path = embedded_gguf_path() if name == EMBEDDED_MODEL else Path(name).expanduser()
+    return path if path.is_file() and path.suffix == ".gguf" else None
+
+
 def load_model(name: str, dtype: torch.dtype, device: torch.device | str, seed: int = 0,
                keep_gguf_quantization: bool = False) -> LoadedModel:
     """keep_gguf_quantization: a GGUF model's Q4_0 / Q4_1 / Q8_0 linears keep the file's codes
@@ -66,7 +74,7 @@ def load_model(name: str, dtype: torch.dtype, device: torch.device | str, seed: 
     device = torch.device(device)
     path = None if name.startswith(DUMMY_PREFIX) else \
         embedded_gguf_path() if name == EMBEDDED_MODEL else Path(name).expanduser()
-    is_gguf = path is not None and path.is_file() and path.suffix == ".gguf"
+    is_gguf = gguf_model_path(name) is not None
     if keep_gguf_quantization and not is_gguf:
         raise InvalidRequestError(
             f"quantization 'gguf' keeps a GGUF file's own quantized weights, but {name!r} is not a GGUF "

@@ -15,6 +15,8 @@ import torch
 from torch import nn
 
 from goodserve.native.build import library
+from goodserve.native.layer_ops import F32, I32, block_tables_operand, kv_pools
+from goodserve.native.operands import operand
 from goodserve.quant.linear import CPU_NATIVE_MAX_M, Int4Linear
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -26,7 +28,7 @@ class LayerOperands(ctypes.Structure):
     _fields_ = [("input_norm", _P), ("post_norm", _P), ("qkv", _P), ("qkv_bias", _P), ("o", _P), ("gate_up", _P),
                 ("down", _P), ("qkv_group", _I), ("o_group", _I), ("gate_up_group", _I), ("down_group", _I),
                 ("hidden", _I), ("inter", _I), ("q_heads", _I), ("kv_heads", _I), ("head_dim", _I),
-                ("eps", _F), ("scale", _F)]
+                ("eps", _F), ("scale", _F), ("int8_activations", ctypes.c_int32)]
 
 
 def _linears(layer: nn.Module) -> tuple[nn.Module, ...]:
@@ -42,6 +44,7 @@ def attach(model: nn.Module) -> int:
         linears = _linears(layer)
         if (all(isinstance(lin, Int4Linear) and lin.native_layout() is not None for lin in linears)
                 and all(lin.bias is None for lin in linears[1:]) and layer.self_attn.head_dim % 16 == 0
+                and len({lin.native_layout().int8_activations for lin in linears}) == 1  # one flag a call
                 and all(norm.weight.dtype == torch.float32 and norm.weight.is_contiguous()
                         for norm in (layer.input_layernorm, layer.post_attention_layernorm))):
             layer.native_decode = NativeDecodeLayer(layer)
@@ -64,16 +67,24 @@ class NativeDecodeLayer:
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                  rotary_cache: torch.Tensor, kv_cache, meta) -> tuple[torch.Tensor, torch.Tensor]:
-        x = x.contiguous()
+        attn = self.layer.self_attn
+        x = operand("x", x.contiguous(), F32, (None, self.linears[0].in_features))
+        tokens = x.shape[0]
+        if residual is not None:
+            residual = operand("residual", residual.contiguous(), F32, tuple(x.shape))
+        positions, slots, seq_lens = (operand(name, t.to(I32).contiguous(), I32, (tokens,)) for name, t in
+                                      (("positions", positions), ("slot_mapping", meta.slot_mapping),
+                                       ("seq_lens", meta.seq_lens)))
+        operand("rotary_cache", rotary_cache, F32, (None, attn.head_dim))
+        kv_pools(kv_cache.k, kv_cache.v, attn.num_kv_heads, attn.head_dim)
+        tables = block_tables_operand(meta.block_tables, tokens)
+        operands = self.operands()
         out, residual_out = torch.empty_like(x), torch.empty_like(x)
-        tables = meta.block_tables
-        int32 = [t.to(torch.int32).contiguous() for t in (positions, meta.slot_mapping, meta.seq_lens)]
         library().gs_decoder_layer(
-            ctypes.byref(self.operands()), x.data_ptr(), None if residual is None else residual.contiguous().data_ptr(),
-            out.data_ptr(), residual_out.data_ptr(), x.shape[0], int32[0].data_ptr(), rotary_cache.data_ptr(),
-            int32[1].data_ptr(), kv_cache.k.data_ptr(), kv_cache.v.data_ptr(), kv_cache.k.shape[1],
-            tables.to(torch.int32).data_ptr(), tables.stride(0), tables.stride(1), int32[2].data_ptr(),
-            torch.get_num_threads())
+            ctypes.byref(operands), x.data_ptr(), None if residual is None else residual.data_ptr(),
+            out.data_ptr(), residual_out.data_ptr(), tokens, positions.data_ptr(), rotary_cache.data_ptr(),
+            slots.data_ptr(), kv_cache.k.data_ptr(), kv_cache.v.data_ptr(), kv_cache.k.shape[1],
+            tables.data_ptr(), tables.stride(0), tables.stride(1), seq_lens.data_ptr(), torch.get_num_threads())
         return out, residual_out
 
     def operands(self) -> LayerOperands:
@@ -88,8 +99,19 @@ class NativeDecodeLayer:
     def _build(self, pointed: tuple) -> LayerOperands:
         layouts, (input_norm, post_norm, qkv_bias) = pointed[:4], pointed[4:]
         attn = self.layer.self_attn
+        hidden, inter = self.linears[0].in_features, self.linears[3].in_features
+        q_size, kv_size = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
+        shapes = {"qkv": (hidden, q_size + 2 * kv_size), "o": (q_size, hidden), "gate_up": (hidden, 2 * inter),
+                  "down": (inter, hidden)}
+        for (name, (k, n)), layout in zip(shapes.items(), layouts):
+            layout.check(name, k, n)
+        for name, norm in (("input_norm", input_norm), ("post_norm", post_norm)):
+            operand(name, norm, F32, (hidden,))
+        if qkv_bias is not None:
+            operand("qkv_bias", qkv_bias, F32, (self.linears[0].out_features,))
         return LayerOperands(
             input_norm.data_ptr(), post_norm.data_ptr(), layouts[0].tiles.data_ptr(),
             None if qkv_bias is None else qkv_bias.data_ptr(), *(layout.tiles.data_ptr() for layout in layouts[1:]),
-            *(layout.group_size for layout in layouts), self.linears[0].in_features, self.linears[3].in_features,
-            attn.num_heads, attn.num_kv_heads, attn.head_dim, self.norms[0].eps, attn.scale)
+            *(layout.group_size for layout in layouts), hidden, inter,
+            attn.num_heads, attn.num_kv_heads, attn.head_dim, self.norms[0].eps, attn.scale,
+            int(layouts[0].int8_activations))

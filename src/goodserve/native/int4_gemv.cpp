@@ -9,6 +9,17 @@
 //   chunk of the group 4 x 16 code bytes, one row after another.
 // Byte j of a row's chunk holds input j in its low nibble and input j + 16 in its high one
 // (llama.cpp's order), so one 16-byte load widens into two 16-lane vectors without shuffles.
+//
+// With int8_activations (the GGUF layers, as llama.cpp computes them), each activation row is first
+// quantized per 32-input block to int8 with one float scale (llama.cpp's Q8 blocks), and each
+// chunk's dot product is 64 integer multiply-adds of codes (u8) by activations (s8): one AVX-512
+// VNNI vpdpbusd per 16 x 4 of them (two maddubs / madd without VNNI), several times fewer
+// instructions than dequantizing to float. The zero point stays exact: w = q s + z makes a group's
+// dot s * (q . x) + z * sum(x), and sum(x) is taken over the float row. Machines without AVX-512BW
+// keep the float path (gs_int8_dot_available() says which).
+#include <cmath>
+#include <vector>
+
 #include "vec.h"
 
 namespace {
@@ -81,17 +92,156 @@ void gemv(const Gemv& p, int64_t m_rows, int threads) {
   }
 }
 
+#if defined(__AVX512BW__)
+#define GS_INT8_DOT 1
+
+// Activation rows as int8 blocks of 32 (scale d = max |x| / 127, q = round(x / d)) and each
+// block's float sum; rows `k` codes apart.
+struct QuantizedRows {
+  std::vector<int8_t> q;
+  std::vector<float> d, sum;
+  void quantize(const float* x, int64_t ldx, int64_t m_rows, int64_t k) {
+    const int64_t blocks = k / kChunk;
+    q.resize(m_rows * k);
+    d.resize(m_rows * blocks);
+    sum.resize(m_rows * blocks);
+    for (int64_t m = 0; m < m_rows; m++)
+      for (int64_t b = 0; b < blocks; b++) {
+        const float* xb = x + m * ldx + b * kChunk;
+        const __m512 lo = _mm512_loadu_ps(xb), hi = _mm512_loadu_ps(xb + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+        const float inv = amax > 0.f ? 127.f / amax : 0.f;
+        const __m512 scale = _mm512_set1_ps(inv);
+        int8_t* qb = q.data() + m * k + b * kChunk;  // cvtps rounds to nearest even, as torch.round
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(qb), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(lo * scale)));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 16), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(hi * scale)));
+        d[m * blocks + b] = amax / 127.f;
+        sum[m * blocks + b] = _mm512_reduce_add_ps(lo + hi);
+      }
+  }
+};
+
+// Lane i: acc_i + sum over k < 4 of w[4i + k] * x[4i + k] (w unsigned, x signed bytes).
+static inline __m512i dot_u8s8(__m512i acc, __m512i w, __m512i x) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpbusd_epi32(acc, w, x);
+#else  // products <= 15 * 128, pair sums fit int16
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(w, x), _mm512_set1_epi16(1)));
+#endif
+}
+
+struct QGemv {
+  const QuantizedRows* x;
+  const uint8_t* tiles;
+  float* y;
+  int64_t ldy, n, k, groups;
+};
+
+// Tile t (4 weight rows) against quantized rows [m0, m0 + MT). One 64-byte load holds a chunk's
+// codes of all 4 rows (16 bytes each): lane group r of the integer dot (lanes 4r..4r+3) is row r's.
+template <int CPG, int MT>
+void qtile(const QGemv& p, int64_t t, int64_t m0) {
+  const int64_t blocks = p.k / kChunk;
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  const __m512i rows_of_lanes = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+  __m512 acc[MT];
+  __m128 zacc[MT];
+  for (int m = 0; m < MT; m++) acc[m] = _mm512_setzero_ps(), zacc[m] = _mm_setzero_ps();
+  const uint8_t* at = p.tiles + t * p.groups * group_bytes<CPG>();
+  for (int64_t g = 0; g < p.groups; g++, at += group_bytes<CPG>()) {
+    __builtin_prefetch(at + kPrefetchBytes);
+    const float* sz = reinterpret_cast<const float*>(at);
+    const __m512 scales = _mm512_permutexvar_ps(rows_of_lanes, _mm512_castps128_ps512(_mm_loadu_ps(sz)));
+    const __m128 zeros = _mm_loadu_ps(sz + kRows);
+    const uint8_t* codes = at + 2 * kRows * sizeof(float);
+    for (int m = 0; m < MT; m++) {
+      const float* sums = p.x->sum.data() + (m0 + m) * blocks + g * CPG;
+      float group_sum = 0.f;
+      for (int c = 0; c < CPG; c++) group_sum += sums[c];
+      zacc[m] = _mm_fmadd_ps(zeros, _mm_set1_ps(group_sum), zacc[m]);
+    }
+#pragma GCC unroll 4
+    for (int c = 0; c < CPG; c++) {
+      const __m512i w = _mm512_loadu_si512(codes + c * kRows * 16);
+      const __m512i lo = _mm512_and_si512(w, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), nibble);
+      const int64_t block = g * CPG + c;
+      for (int m = 0; m < MT; m++) {
+        const int8_t* xq = p.x->q.data() + (m0 + m) * p.k + block * kChunk;
+        const __m512i xl = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xq)));
+        const __m512i xh = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xq + 16)));
+        const __m512i dot = dot_u8s8(dot_u8s8(_mm512_setzero_si512(), lo, xl), hi, xh);
+        const float d = p.x->d[(m0 + m) * blocks + block];
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scales * _mm512_set1_ps(d), acc[m]);
+      }
+    }
+  }
+  for (int m = 0; m < MT; m++) {
+    const __m128 r01 = _mm_hadd_ps(_mm512_extractf32x4_ps(acc[m], 0), _mm512_extractf32x4_ps(acc[m], 1));
+    const __m128 r23 = _mm_hadd_ps(_mm512_extractf32x4_ps(acc[m], 2), _mm512_extractf32x4_ps(acc[m], 3));
+    float out[kRows];
+    _mm_storeu_ps(out, _mm_hadd_ps(r01, r23) + zacc[m]);
+    for (int r = 0; r < kRows && t * kRows + r < p.n; r++) p.y[(m0 + m) * p.ldy + t * kRows + r] = out[r];
+  }
+}
+
+template <int CPG>
+void qgemv(const QGemv& p, int64_t m_rows, int threads) {
+#pragma omp parallel num_threads(threads)
+  {
+    int64_t begin, end;
+    thread_range((p.n + kRows - 1) / kRows, 1, &begin, &end);
+    for (int64_t t = begin; t < end; t++) {
+      int64_t m0 = 0;
+      for (; m0 + kMaxXTile <= m_rows; m0 += kMaxXTile) qtile<CPG, kMaxXTile>(p, t, m0);
+      switch (m_rows - m0) {
+        case 3: qtile<CPG, 3>(p, t, m0); break;
+        case 2: qtile<CPG, 2>(p, t, m0); break;
+        case 1: qtile<CPG, 1>(p, t, m0); break;
+      }
+    }
+  }
+}
+
+int int8_gemv(const float* x, int64_t ldx, const uint8_t* tiles, float* y, int64_t ldy, int64_t m_rows, int64_t n,
+              int64_t k, int64_t group_size, int threads) {
+  thread_local QuantizedRows rows;
+  rows.quantize(x, ldx, m_rows, k);
+  const QGemv p{&rows, tiles, y, ldy, n, k, k / group_size};
+  switch (group_size) {
+    case 32: qgemv<1>(p, m_rows, threads); return 0;
+    case 64: qgemv<2>(p, m_rows, threads); return 0;
+    case 128: qgemv<4>(p, m_rows, threads); return 0;
+  }
+  return -1;
+}
+#endif
+
 }  // namespace
 
 extern "C" {
 
-// x rows `ldx` floats apart, y rows `ldy` apart; k a multiple of group_size. Returns 0, or -1 for
-// a group size other than 32, 64, 128.
+int gs_int8_dot_available() {
+#if defined(GS_INT8_DOT)
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+// x rows `ldx` floats apart, y rows `ldy` apart; k a multiple of group_size. Returns 0, -1 for
+// a group size other than 32, 64, 128, or -2 for int8_activations where this build has no such path.
 int gs_int4_gemv(const float* x, int64_t ldx, const uint8_t* tiles, float* y, int64_t ldy, int64_t m_rows,
-                 int64_t n, int64_t k, int64_t group_size, int max_threads) {
-  const Gemv p{x, ldx, tiles, y, ldy, n, k, k / group_size};
+                 int64_t n, int64_t k, int64_t group_size, int max_threads, int int8_activations) {
   // ~0.1 ns per weight and activation row on one core (int4 gate_up of smollm2: ~60 us).
   const int threads = threads_for(n * k * m_rows / 16, 1, max_threads);
+  if (int8_activations) {
+#if defined(GS_INT8_DOT)
+    return int8_gemv(x, ldx, tiles, y, ldy, m_rows, n, k, group_size, threads);
+#else
+    return -2;
+#endif
+  }
+  const Gemv p{x, ldx, tiles, y, ldy, n, k, k / group_size};
   switch (group_size) {
     case 32: gemv<1>(p, m_rows, threads); return 0;
     case 64: gemv<2>(p, m_rows, threads); return 0;

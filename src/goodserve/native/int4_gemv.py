@@ -1,5 +1,10 @@
 """The native int4 GEMV (int4_gemv.cpp): float32 rows times Int4Linear's codes, float32 out.
 
+With `int8_activations` the kernel first quantizes each row to int8 per block of 32 and takes
+integer dot products with the codes, as llama.cpp does for its formats (int4_gemv.cpp; the GGUF
+layers use it where `int8_dot_available()`); `int8_activation_matmul_reference` is that
+arithmetic in plain torch.
+
 Its layout (tiles of 4 rows, each group's scales, zeros and codes side by side: one sequential
 stream per tile) is built once per layer from the canonical codes by `Int4Layout.from_codes` and
 cached by the layer, like torch's kernel layout.
@@ -9,10 +14,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
 from goodserve.native.build import library
+from goodserve.native.operands import NativeOperandError, operand
 
 GROUP_SIZES = (32, 64, 128)  # the kernel unrolls each
 ROWS = 4  # weight rows per tile
@@ -20,6 +28,39 @@ ROWS = 4  # weight rows per tile
 
 def supports(in_features: int, group_size: int) -> bool:
     return group_size in GROUP_SIZES and in_features % group_size == 0 and library() is not None
+
+
+@functools.cache
+def int8_dot_available() -> bool:
+    """Whether this build has the int8-activation path (AVX-512BW; VNNI where the CPU has it)."""
+    return library() is not None and bool(library().gs_int8_dot_available())
+
+
+def quantize_activation_blocks(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[M, K] float32 -> (codes [M, K / 32, 32] in -127..127 as float, scales [M, K / 32, 1]):
+    per block of 32, d = max |x| / 127 and q = round(x / d), as the kernel and llama.cpp's Q8_0."""
+    blocks = rows.reshape(rows.shape[0], -1, 32)
+    amax = blocks.abs().amax(dim=-1, keepdim=True)
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    return torch.round(blocks * inv), amax / 127
+
+
+def int8_activation_matmul_reference(rows: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                                     zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+    """What the int8-activation kernel computes, in float64 torch: per group, scale * sum over its
+    blocks of d_block * (codes . q_block) (integers, exact), plus zero * sum(x) over the float row."""
+    m, k = rows.shape
+    xq, d = quantize_activation_blocks(rows.float())
+    codes = torch.stack([qweight & 15, qweight >> 4], dim=-1).reshape(qweight.shape[0], k // 32, 32).double()
+    block_dots = torch.einsum("mbi,nbi->mnb", xq.double(), codes) * d.double().squeeze(-1)[:, None, :]
+    per_group = block_dots.reshape(m, -1, k // group_size, group_size // 32).sum(-1)  # [M, N, G]
+    x_sums = rows.double().reshape(m, k // group_size, group_size).sum(-1)  # [M, G]
+    return ((per_group * scales.double()).sum(-1) + x_sums @ zeros.double().T).float()
+
+
+def tile_group_bytes(group_size: int) -> int:
+    """One tile's bytes for one group: 4 scales and 4 zeros (float32), then 4 rows of codes."""
+    return 2 * ROWS * 4 + ROWS * group_size // 2
 
 
 def chunk_nibbles(qweight: torch.Tensor) -> torch.Tensor:
@@ -36,6 +77,7 @@ class Int4Layout:
     out_features: int
     in_features: int
     group_size: int
+    int8_activations: bool = False  # set by the owning layer (Int4Linear.int8_activations)
 
     @classmethod
     def from_codes(cls, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -49,14 +91,26 @@ class Int4Layout:
         tiles = torch.cat([scales_zeros.flatten(2).view(torch.uint8), codes], dim=2).contiguous()
         return cls(tiles, n, qweight.shape[1] * 2, group_size)
 
+    def check(self, name: str = "tiles", in_features: int | None = None, out_features: int | None = None) -> None:
+        """The tiles are what the kernel reads for this shape (and for the given one, if any)."""
+        if (in_features, out_features) not in ((None, None), (self.in_features, self.out_features)):
+            raise NativeOperandError(f"{name} is {self.out_features} x {self.in_features}, expected "
+                                     f"{out_features} x {in_features}")
+        operand(name, self.tiles, torch.uint8, (-(-self.out_features // ROWS), self.in_features // self.group_size,
+                                                tile_group_bytes(self.group_size)))
+
     def matmul(self, rows: torch.Tensor) -> torch.Tensor:
-        """rows [M, K] float32 (rows may be strided) -> [M, N] float32."""
+        """rows [M, K] float32 on the CPU (rows may be strided) -> [M, N] float32."""
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
+        operand("rows", rows, torch.float32, (None, self.in_features), rows=True)
+        self.check()
         m, n = rows.shape[0], self.out_features
         out = torch.empty(m, n, dtype=torch.float32)
         status = library().gs_int4_gemv(rows.data_ptr(), rows.stride(0), self.tiles.data_ptr(), out.data_ptr(), n,
-                                        m, n, self.in_features, self.group_size, torch.get_num_threads())
+                                        m, n, self.in_features, self.group_size, torch.get_num_threads(),
+                                        int(self.int8_activations))
         if status:
-            raise ValueError(f"the native int4 kernel does not take group size {self.group_size}")
+            raise ValueError(f"the native int4 kernel does not take group size {self.group_size}" if status == -1
+                             else "this build of the native int4 kernel has no int8-activation path")
         return out

@@ -29,7 +29,7 @@ from goodserve.sampling_params import SamplingParams
 
 # What "unoptimized" means: full-precision weights and KV, no cache reuse, reference attention,
 # eager execution. Every other field keeps the candidate's value, so both run the same model.
-BASELINE_OPTIONS = {"quantization": None, "kv_cache_dtype": "auto", "enable_prefix_caching": False,
+BASELINE_OPTIONS = {"quantization": "none", "kv_cache_dtype": "auto", "enable_prefix_caching": False,
                     "attention_backend": "torch", "enforce_eager": True}
 
 # A shared preamble longer than a KV block, so a candidate with prefix caching reuses it.
@@ -256,8 +256,14 @@ def changed_options(config: EngineConfig, reference: EngineConfig) -> dict:
 def evaluate(candidate: EngineConfig, settings: EvalSettings, thresholds: Thresholds | None = None,
              on_progress: ProgressHook = _no_progress) -> dict:
     """Run baseline and candidate; return the JSON-ready report (its "passed" is the verdict)."""
+    candidate = dataclasses.replace(candidate)
     candidate.validate()
     settings.validate()
+    # What the engine will run (an unset quantization is gguf for a GGUF model on the CPU), so the
+    # report and the loss budgets name it.
+    from goodserve.engine.engine import resolve_device
+
+    candidate.resolve_quantization(resolve_device(candidate.device).type)
     if candidate.quantization_awq and not candidate.quantization:
         raise InvalidRequestError("--quantization-awq scales weights for quantization: add --quantization int8 or int4")
     thresholds = thresholds or default_thresholds(candidate)

@@ -12,10 +12,12 @@ float16 d and m are exact in our float32 scales and every product above is exact
 `dequantize()` gives bit for bit what gguf's own dequantizer gives. Other GGUF types (K-quants,
 float) are dequantized by the loader as before.
 
-On the CPU, decode calls (up to 64 rows) take goodserve's native int4 kernel (native/int4_gemv.cpp):
-float32 rows, float32 scales and zeros, float32 output, so the logits and hidden states are not
-rounded. Where the native library is missing they fall back to torch's int4 kernel, which is fast
-only for bfloat16 rows (~15 GB/s against < 1 GB/s for float32): those layers then round their
+On the CPU, decode calls (up to 64 rows) take goodserve's native int4 kernel (native/int4_gemv.cpp)
+the way llama.cpp runs these formats: each activation row quantized to int8 per block of 32 (a float
+scale each), integer dot products with the codes, float32 scales, zeros and output
+(`Int4Linear.int8_activations`; machines without AVX-512BW, and `int8_activations = False`, take
+float32 rows: then the product is the dequantized weight's, exactly). Where the native library is
+missing they fall back to torch's int4 kernel, which is fast only for bfloat16 rows (~15 GB/s against < 1 GB/s for float32): those layers then round their
 rows, scales and zeros to bfloat16 (`Int4Linear.bf16_cpu_kernel`). Prefill-sized calls dequantize
 and stay in the model dtype.
 """
@@ -29,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from goodserve.quant import schemes
-from goodserve.quant.linear import CPU_PACKED_MAX_M, CUDA_KERNEL_MAX_M, Int4Linear
+from goodserve.quant.linear import CPU_PACKED_MAX_M, Int4Linear, matmul_path
 
 GROUP_SIZE = 32  # every block format here
 Q4_0, Q4_1, Q8_0 = gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0
@@ -50,14 +52,14 @@ class Int8GroupLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.pair = Int4Linear(2 * in_features, out_features, False, GROUP_SIZE, dtype, device)
-        self.pair.bf16_cpu_kernel = True
+        self.pair.bf16_cpu_kernel = self.pair.int8_activations = True
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False) \
             if bias else None
         self.float_weight = float_weight  # not registered: it belongs to the module that owns it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).shape[0]
-        if rows <= (CUDA_KERNEL_MAX_M if x.is_cuda else CPU_PACKED_MAX_M):  # decode: the int4 kernels
+        if matmul_path(x.device.type, rows, CPU_PACKED_MAX_M) != "dequantized":  # decode: the int4 kernels
             y = self.pair(torch.cat([x, x], dim=-1))
             return y if self.bias is None else y + self.bias
         # Many rows: one dense matmul (the pair would dequantize and multiply twice the width).
@@ -80,7 +82,7 @@ def native_linear(tensor_type, linear: nn.Linear, float_weight: torch.Tensor | N
         module = Int8GroupLinear(*args, dtype=w.dtype, device=w.device, float_weight=float_weight)
     else:
         module = Int4Linear(*args, group_size=GROUP_SIZE, dtype=w.dtype, device=w.device)
-        module.bf16_cpu_kernel = True
+        module.bf16_cpu_kernel = module.int8_activations = True
     return module
 
 

@@ -7,13 +7,16 @@ forward(x) equals nn.Linear on the dequantized weight. Paths:
 - CUDA otherwise (and int4 where tinygemm is missing or fails its first-use check): the Triton
   dequantize-GEMV / GEMM kernels (quant/triton_kernels.py, ops/triton_gemv.py).
 - CPU, few rows (decode): int4 takes goodserve's native kernel (native/int4_gemv.cpp: float32 rows
-  and output, up to CPU_NATIVE_MAX_M rows) where it built; otherwise, and for int8, torch's
+  and output, up to CPU_NATIVE_MAX_M rows; the GGUF layers' rows quantized to int8 blocks there,
+  as llama.cpp does) where it built; otherwise, and for int8, torch's
   packed-weight kernels (_weight_int8pack_mm, _weight_int4pack_mm_for_cpu). Both read the codes
   without materializing the weight.
-- CPU, many rows (prefill), and CUDA past CUDA_KERNEL_MAX_M rows: dequantize, then a dense
+- CPU, many rows (prefill), CUDA past CUDA_KERNEL_MAX_M rows, and other devices: dequantize, then a dense
   matmul; the dequantization is paid once per call and amortized over the rows, which beats the
   packed kernels there. It goes DEQUANT_CHUNK_BYTES of dequantized weight at a time, so a large
   layer (an int8 lm_head: 1 GB in bf16) needs no full-size float copy.
+`matmul_path` makes the choice; a CUDA tensor never reaches a CPU kernel (the native ones would
+read its device pointers as host memory, and they refuse it: native/operands.py).
 benchmarks/cpu_quant_linear.py measured the crossover (CPU_PACKED_MAX_M); docs/quantization.md.
 """
 
@@ -65,6 +68,17 @@ TINYGEMM_CHECK_ROWS = 64
 TINYGEMM_CHECK_MAX_REL_ERROR = 0.03
 
 
+def matmul_path(device_type: str, rows: int, cpu_packed_max_m: int) -> str:
+    """Which path a call of `rows` rows on `device_type` takes: "cuda" (the CUDA kernels), "cpu_packed"
+    (the CPU kernels, which read host memory: only ever for CPU tensors) or "dequantized" (torch ops,
+    any device)."""
+    if device_type == "cuda":
+        return "cuda" if rows <= CUDA_KERNEL_MAX_M else "dequantized"
+    if device_type == "cpu" and rows <= cpu_packed_max_m:
+        return "cpu_packed"
+    return "dequantized"
+
+
 class _QuantizedLinear(nn.Module):
     """Shared shape, bias and dispatch; subclasses hold the codes and know their three paths."""
 
@@ -77,9 +91,11 @@ class _QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if x.is_cuda and rows.shape[0] <= CUDA_KERNEL_MAX_M:
+        on_cpu = x.device.type == "cpu"
+        path = matmul_path(x.device.type, rows.shape[0], self.cpu_packed_max_m if on_cpu else 0)
+        if path == "cuda":
             y = self._cuda_matmul(rows)
-        elif rows.shape[0] <= self.cpu_packed_max_m:
+        elif path == "cpu_packed":
             y = self._cpu_packed_matmul(rows)
         else:
             y = self._dequantized_matmul(rows)
@@ -190,6 +206,10 @@ class Int4Linear(_QuantizedLinear):
         # dtype. Its float32 / float16 variants are scalar loops (~20x slower on an AVX-512 EPYC,
         # docs/quantization.md); the GGUF layers (quant/gguf_native.py) turn this on.
         self.bf16_cpu_kernel = False
+        # CPU decode on the native kernel: quantize activation rows to int8 per block of 32 and take
+        # integer dot products, as llama.cpp does (native/int4_gemv.py); the GGUF layers turn it on.
+        # Off: float32 rows, the exact dequantized product.
+        self.int8_activations = False
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group_size: int = 128) -> Int4Linear:
@@ -301,7 +321,9 @@ class Int4Linear(_QuantizedLinear):
         if self._native_layout is None or self._native_layout[0] != key:
             layout = int4_gemv.Int4Layout.from_codes(self.qweight, self.scales, self.zeros, self.group_size)
             self._native_layout = (key, layout)
-        return self._native_layout[1]
+        layout = self._native_layout[1]
+        layout.int8_activations = self.int8_activations and int4_gemv.int8_dot_available()
+        return layout
 
     def _cpu_kernel_layout(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The kernel's packed codes and its [G, N, 2] scales and zeros, in the activation dtype it

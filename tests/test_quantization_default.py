@@ -1,0 +1,57 @@
+"""The quantization default (issue 13): a GGUF model on the CPU keeps its file's codes unless told
+otherwise ('none' opts out); on CUDA, for other models and with other quantization options it stays
+as asked. Resolution happens once the device is known (EngineConfig.resolve_quantization)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from goodserve import LLM
+from goodserve.config import EngineConfig
+from goodserve.quant.linear import Int4Linear
+from goodserve.server.engine_args import add_engine_arguments, engine_config_from_args
+
+
+def resolved(device_type: str = "cpu", **options) -> str | None:
+    config = EngineConfig(**options)
+    config.validate()
+    config.resolve_quantization(device_type)
+    return config.quantization
+
+
+def test_a_gguf_model_on_the_cpu_keeps_its_codes_by_default():
+    assert resolved() == "gguf"  # the embedded model is a GGUF file
+
+
+@pytest.mark.parametrize("device_type,options", [
+    ("cuda", {}),  # GPU behaviour unchanged: unquantized bfloat16
+    ("cpu", {"quantization": "none"}),  # the opt-out
+    ("cpu", {"model": "dummy:tiny"}),  # not a GGUF file
+    ("cpu", {"quantized_checkpoint": "saved.pt"}),  # other quantization options: no gguf on top
+    ("cpu", {"quantization_group_size": 64}),
+    ("cpu", {"quantize_lm_head": True}),
+])
+def test_otherwise_no_quantization(device_type, options):
+    assert resolved(device_type, **options) is None
+
+
+@pytest.mark.parametrize("asked", ["int8", "int4", "gguf"])
+def test_an_asked_quantization_stays(asked):
+    assert resolved("cpu", quantization=asked) == asked
+
+
+def test_none_is_a_cli_value():
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    assert engine_config_from_args(parser.parse_args(["--quantization", "none"])).quantization == "none"
+
+
+def test_the_embedded_model_loads_with_gguf_layers_by_default_and_float_ones_with_none():
+    default = LLM("smollm2-135m", num_kv_blocks=8)
+    assert default.engine.config.quantization == "gguf"
+    assert isinstance(default.engine.model.model.layers[0].self_attn.qkv_proj, Int4Linear)
+    floats = LLM("smollm2-135m", quantization="none", num_kv_blocks=8)
+    assert floats.engine.config.quantization is None
+    assert not isinstance(floats.engine.model.model.layers[0].self_attn.qkv_proj, Int4Linear)
