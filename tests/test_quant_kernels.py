@@ -140,3 +140,5 @@ def test_int4_layer_refuses_an_unknown_one_row_kernel(monkeypatch):
     monkeypatch.setattr(qlinear, "INT4_ONE_ROW_KERNEL", "marlin")
     with pytest.raises(ValueError, match="INT4_ONE_ROW_KERNEL"):
         qlinear.Int4Linear(256, 40, group_size=64)
+    monkeypatch.setattr(qlinear, "INT4_ONE_ROW_KERNEL_BY_SHAPE", {(40, 256): "rows"})
+    assert qlinear.Int4Linear(256, 40, group_size=64).one_row_kernel == "rows"

@@ -152,12 +152,14 @@ def poisoned_empty(monkeypatch):
 
 def rows_weight(layout: str, n: int, k: int, group: int, block_n: int, seed: int):
     """(int4_rows_gemv's weight arguments, the float64 weight they stand for): the repacked layout
-    keeps bfloat16 scales and zeros, so its reference rounds them the same way."""
+    keeps bfloat16 scales and midpoints, so its reference rounds them the same way."""
     torch.manual_seed(seed)
     q = schemes.quantize_int4(torch.randn(n, k) + 0.3, group)
     if layout == "checkpoint":
         return (q.qweight, q.scales, q.zeros, group), schemes.dequantize_int4(q).double()
-    rounded = schemes.Int4Weight(q.qweight, q.scales.bfloat16().float(), q.zeros.bfloat16().float(), group)
+    scales = q.scales.bfloat16().double()
+    zeros = (q.zeros + 8 * q.scales).bfloat16().double() - 8 * scales  # stored as the group's midpoint
+    rounded = schemes.Int4Weight(q.qweight, scales, zeros, group)
     return (triton_gemv.int4_rows_layout(q.qweight, q.scales, q.zeros, group, block_n),), \
         schemes.dequantize_int4(rounded).double()
 

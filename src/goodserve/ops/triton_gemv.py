@@ -461,8 +461,9 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, **overrides) -> torch.Tens
 #   16 bytes each (the next chunk's load takes the rest of each 32-byte sector);
 # - repacked once at load (Int4RowsWeight): codes ordered (row block, group, chunk, row), so a
 #   program's slice is one contiguous stream and a warp's load is 512 contiguous bytes; scale and
-#   zero as a bfloat16 pair in one int32 word per (row, group), 4 bytes instead of 8 (tinygemm
-#   keeps bfloat16 scales too: ~0.3% relative error).
+#   zero as a bfloat16 pair in one int32 word per (row, group), 4 bytes instead of 8. As tinygemm
+#   does, the zero stored is the group's midpoint z + 8 s, near 0 where z is near -8 s, so its
+#   rounding costs far less than z's would.
 # Split-K is by whole groups, with the family's deterministic finish (_finish_split).
 
 
@@ -485,7 +486,7 @@ class Int4RowsWeight:
     """int4 codes repacked for _int4_rows_kernel (see above); rows padded to whole blocks."""
 
     codes: torch.Tensor  # uint8 [N_pad / block_n, groups, group // 32, block_n, 16]
-    scale_zero: torch.Tensor  # int32 [N_pad / block_n, groups, block_n]: bf16 scale (low), bf16 zero (high)
+    scale_zero: torch.Tensor  # int32 [N_pad / block_n, groups, block_n]: bf16 s (low half), bf16 z + 8 s (high)
     n: int
     k: int
     group: int
@@ -508,7 +509,7 @@ def int4_rows_layout(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.T
     pad = blocks * block_n - n
     codes = torch.nn.functional.pad(qweight, (0, 0, 0, pad))
     codes = codes.view(blocks, block_n, groups, group // 32, 16).permute(0, 2, 3, 1, 4).contiguous()
-    words = _bf16_pair(scales, zeros)
+    words = _bf16_pair(scales, zeros + 8 * scales)
     words = torch.nn.functional.pad(words, (0, 0, 0, pad)).view(blocks, block_n, groups).transpose(1, 2).contiguous()
     return Int4RowsWeight(codes, words, n, k, group, block_n)
 
@@ -550,7 +551,7 @@ def _int4_rows_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, part_ptr, count_ptr, N,
         if REPACKED:
             sz = tl.load(s_ptr.to(tl.pointer_type(tl.int32)) + (pid_n * groups + g) * BLOCK_N + rows)
             scale = 16.0 * (sz << 16).to(tl.float32, bitcast=True)
-            zero = (sz & -65536).to(tl.float32, bitcast=True)
+            zero = (sz & -65536).to(tl.float32, bitcast=True) - 0.5 * scale  # z = (z + 8 s) - 8 s
         else:
             scale = 16.0 * tl.load(s_ptr + offs_n * stride_sn + g, mask=n_mask, other=0.0)
             zero = tl.load(z_ptr + offs_n * stride_sn + g, mask=n_mask, other=0.0)

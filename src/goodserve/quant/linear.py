@@ -52,8 +52,11 @@ INT4_TINYGEMM_MAX_M = 4
 # int4, one row (batch-1 decode) on CUDA: "tinygemm" (with bfloat16 activations; Triton otherwise),
 # "triton" (the GEMV family's one-row path), "rows" (ops/triton_gemv.py's thread-per-row kernel on
 # the checkpoint layout) or "rows_repacked" (the same on a copy repacked once at first use; 0.5 byte
-# a weight more on the GPU). A layer takes the value current when it is built.
+# a weight more on the GPU). A layer takes the value current when it is built: its (out_features,
+# in_features) entry in INT4_ONE_ROW_KERNEL_BY_SHAPE, else INT4_ONE_ROW_KERNEL.
+# benchmarks/gpu_int4.py measures the four and prints the entries to set.
 INT4_ONE_ROW_KERNEL = "tinygemm"
+INT4_ONE_ROW_KERNEL_BY_SHAPE: dict[tuple[int, int], str] = {}
 INT4_ONE_ROW_KERNELS = ("tinygemm", "triton", "rows", "rows_repacked")
 DEQUANT_CHUNK_BYTES = 256 << 20  # largest dequantized weight block a many-row call holds at once
 # torch's int4 kernels (CPU and CUDA tinygemm) take codes 0..15 as (q - 8) * scale + zero8, so
@@ -192,9 +195,9 @@ class Int4Linear(_QuantizedLinear):
         self._native_supported: bool | None = None  # whether the native kernel takes this shape, once known
         self._tinygemm: tuple[tuple[int, ...], torch.Tensor, torch.Tensor] | None = None
         self.tinygemm_disabled = False  # set for good once tinygemm fails here; Triton serves instead
-        if INT4_ONE_ROW_KERNEL not in INT4_ONE_ROW_KERNELS:
-            raise ValueError(f"INT4_ONE_ROW_KERNEL {INT4_ONE_ROW_KERNEL!r} is not one of {INT4_ONE_ROW_KERNELS}")
-        self.one_row_kernel = INT4_ONE_ROW_KERNEL
+        self.one_row_kernel = INT4_ONE_ROW_KERNEL_BY_SHAPE.get((out_features, in_features), INT4_ONE_ROW_KERNEL)
+        if self.one_row_kernel not in INT4_ONE_ROW_KERNELS:
+            raise ValueError(f"INT4_ONE_ROW_KERNEL {self.one_row_kernel!r} is not one of {INT4_ONE_ROW_KERNELS}")
         self._rows_layout: tuple[tuple[int, ...], object] | None = None  # "rows_repacked"'s copy
         # CPU decode: run torch's packed kernel on bfloat16-rounded rows whatever the activation
         # dtype. Its float32 / float16 variants are scalar loops (~20x slower on an AVX-512 EPYC,
