@@ -22,6 +22,18 @@ Parts (--parts, default kernels,e2e,peer; in this order, one process):
            quantize_lm_head (int8).
   peer     Hugging Face transformers generate() (eager), bf16, batch 1, 256 tokens (gpu_engine.part_peer).
 --budget-s: e2e / peer runs that would start after it are skipped (and listed as skipped).
+
+Prediction before the first run (written on the CPU; the H100 numbers it starts from are
+results/gpu_gemv_h100.json and gpu_engine_h100_v6.json): the int8 GEMV streams gate_up at 89% of
+its floor with ~3 ALU ops a weight byte; int4 needs ~6 (two codes a byte), and the family's one-row
+path adds a cross-thread reduction per group and 8 bytes of float32 scale / zero per 64 of codes.
+The rows kernel drops both (repacked: 4 bytes), so gate_up / down should move from 62% / 55% of
+floor toward 75-85% (33.2 -> ~26 us, 18.1 -> ~13.5 us on tinygemm's numbers) and qkv / o little
+(fixed costs: ~8 / ~6 us). That is ~13-16 us a layer, 0.4-0.5 ms a token: int4 decode with an int8
+lm_head 334 -> ~380-400 tok/s; with the default bf16 lm_head (336 us against int8's 185) about
+15 tok/s less. If gate_up stays under 70%, the ALU work per code (shift, mask, FMA, and 1 / rows-
+per-thread conversions of x) is the limit, and the next step is packed bf16x2 decoding (inline PTX,
+which the interpreter cannot run).
 --smoke: CPU, TRITON_INTERPRET=1, tiny shapes and the smollm2-135m preset: catches Python errors.
 
     PYTHONPATH=src python3 benchmarks/gpu_int4.py          # writes $OUT/gpu_int4.json (OUT: ./out)
@@ -219,6 +231,8 @@ def part_e2e(bandwidth: float, by_shape: dict, tuned: dict, deadline: float) -> 
             runs.append((f"int4_fastest{'_qlh' if head else ''}", "int4", head, by_shape))
     order = [r for r in runs if r[0] in ("int4_default", "int4_fastest")] + \
         [r for r in runs if r[0] not in ("int4_default", "int4_fastest")]  # the issue's comparison first
+    if SMOKE:  # CPU: two runs exercise the code
+        order = order[:2]
     results, skipped = {}, []
     device = "cpu" if SMOKE else "cuda"
     for name, quantization, head, routing in order:
