@@ -137,10 +137,11 @@ def _first_diff(a: list[int], b: list[int]) -> int | None:
 
 # ---- decode --------------------------------------------------------------------------------
 def part_decode(bandwidth_gbps: float, model: str, quantization: str | None = None, int4_kernel: str = "",
-                quantize_lm_head: bool | None = None, tag: str = "", device: str = "cuda") -> None:
+                quantize_lm_head: bool | None = None, tag: str = "", device: str = "cuda",
+                new_tokens: int = 256) -> None:
     """Batch-1 decode. Quantized runs quantize lm_head too (int8: it is 1 GB of an 8B model's step)
-    unless quantize_lm_head says otherwise; tag is appended to the result's key (device "cpu": only
-    gpu_int4.py's --smoke, to exercise the code)."""
+    unless quantize_lm_head says otherwise; tag is appended to the result's key (device "cpu" and
+    fewer new_tokens: only gpu_int4.py's --smoke, to exercise the code)."""
     # "triton" / "tinygemm": that int4 kernel at every decode batch size; "": the engine's choice
     linear.INT4_TINYGEMM_MAX_M = {"triton": 0, "tinygemm": linear.CUDA_KERNEL_MAX_M}.get(
         int4_kernel, DEFAULT_INT4_TINYGEMM_MAX_M)
@@ -149,8 +150,8 @@ def part_decode(bandwidth_gbps: float, model: str, quantization: str | None = No
     llm = LLM(model, device=device, max_num_seqs=64, quantization=quantization, quantize_lm_head=quantize_lm_head)
     spec = llm.spec
     prompt = {"prompt_token_ids": list(np.random.default_rng(0).integers(100, 20000, 128))}
-    params = SamplingParams(temperature=0, max_tokens=256, ignore_eos=True)
-    llm.generate(prompt, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))  # warm-up
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    llm.generate(prompt, SamplingParams(temperature=0, max_tokens=min(16, new_tokens), ignore_eos=True))  # warm-up
     runs = []
     for _ in range(3):
         start = time.perf_counter()
@@ -158,7 +159,7 @@ def part_decode(bandwidth_gbps: float, model: str, quantization: str | None = No
         elapsed = time.perf_counter() - start
         times = out.metrics.token_times
         decode_s = times[-1] - times[0]
-        runs.append({"e2e_tok_s": 256 / elapsed, "decode_tok_s": 255 / decode_s,
+        runs.append({"e2e_tok_s": new_tokens / elapsed, "decode_tok_s": (new_tokens - 1) / decode_s,
                      "ttft_ms": (out.metrics.first_token_time - out.metrics.arrival_time) * 1e3})
     best = max(runs, key=lambda r: r["decode_tok_s"])
     weight_bytes, read_bytes = _weight_bytes(llm.engine.model)

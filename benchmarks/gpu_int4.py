@@ -34,7 +34,7 @@ lm_head 334 -> ~380-400 tok/s; with the default bf16 lm_head (336 us against int
 15 tok/s less. If gate_up stays under 70%, the ALU work per code (shift, mask, FMA, and 1 / rows-
 per-thread conversions of x) is the limit, and the next step is packed bf16x2 decoding (inline PTX,
 which the interpreter cannot run).
---smoke: CPU, TRITON_INTERPRET=1, tiny shapes and the smollm2-135m preset: catches Python errors.
+--smoke: CPU, TRITON_INTERPRET=1, tiny shapes, the smollm2-135m preset for 4 tokens: catches Python errors.
 
     PYTHONPATH=src python3 benchmarks/gpu_int4.py          # writes $OUT/gpu_int4.json (OUT: ./out)
 """
@@ -250,7 +250,8 @@ def part_e2e(bandwidth: float, by_shape: dict, tuned: dict, deadline: float) -> 
                 linear.INT4_ONE_ROW_KERNEL_BY_SHAPE.update(routing)
                 triton_gemv.INT4_ROWS_TUNED.update(tuned)
             gpu_engine.results.clear()
-            gpu_engine.part_decode(bandwidth / 1e9, E2E_MODEL, quantization, quantize_lm_head=head, device=device)
+            gpu_engine.part_decode(bandwidth / 1e9, E2E_MODEL, quantization, quantize_lm_head=head, device=device,
+                                   new_tokens=4 if SMOKE else 256)
             (result,) = gpu_engine.results.values()
             result["routing"] = {f"{n}x{k}": kernel for (n, k), kernel in (routing or {}).items()} or "default"
             results[name] = result
