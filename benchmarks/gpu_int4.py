@@ -24,16 +24,21 @@ Parts (--parts, default kernels,e2e,peer; in this order, one process):
 --budget-s: e2e / peer runs that would start after it are skipped (and listed as skipped).
 
 Prediction before the first run (written on the CPU; the H100 numbers it starts from are
-results/gpu_gemv_h100.json and gpu_engine_h100_v6.json): the int8 GEMV streams gate_up at 89% of
-its floor with ~3 ALU ops a weight byte; int4 needs ~6 (two codes a byte), and the family's one-row
-path adds a cross-thread reduction per group and 8 bytes of float32 scale / zero per 64 of codes.
-The rows kernel drops both (repacked: 4 bytes), so gate_up / down should move from 62% / 55% of
-floor toward 75-85% (33.2 -> ~26 us, 18.1 -> ~13.5 us on tinygemm's numbers) and qkv / o little
-(fixed costs: ~8 / ~6 us). That is ~13-16 us a layer, 0.4-0.5 ms a token: int4 decode with an int8
-lm_head 334 -> ~380-400 tok/s; with the default bf16 lm_head (336 us against int8's 185) about
-15 tok/s less. If gate_up stays under 70%, the ALU work per code (shift, mask, FMA, and 1 / rows-
-per-thread conversions of x) is the limit, and the next step is packed bf16x2 decoding (inline PTX,
-which the interpreter cannot run).
+results/gpu_gemv_h100.json and gpu_engine_h100_v6.json). Two floors for gate_up at M = 1: bytes
+(58.7 MB of codes + 3.7 MB of bf16 scale / zero) / 3.0 TB/s = 20.9 us; instructions, from the sm_90
+SASS of Triton 3.9's AOT build on this machine: the family's tuned one-row int4 config issues 4.57
+instructions a code in its loop (21 shuffles, 2 barriers a step), 117.4 M codes -> 16.8 M warp
+instructions / (132 SMs x 4 / clock x 1.755 GHz) = 18 us at full issue. It runs 35.4 us: neither
+floor is met, both are close to each other, so int4 here is bound by memory and issue together.
+The rows kernel's loop issues 4.89 instructions a code at 2 rows a thread (6.03 at 1): per code a
+shift, a mask-or and an FMA, plus x's bf16 -> fp32 conversion and the group's x sum per thread, and
+a constant the mask-or needs rematerialized; 5 shuffles and 2 barriers a group (a layout change of
+the group's sum). So no gain in instructions; the repacked layout reads 4 instead of 8 bytes of
+scale / zero a group (-5% bytes) in 512-byte warp loads. Expected: within +-10% of the family and
+tinygemm per layer; 400 tok/s is not reached by this kernel alone. Where it misses, the next step is
+fewer instructions a code: a denormal decode (nibble masked into an fp32 with exponent 0, x scaled
+by a power of two once per chunk; no OR, no sum of x for the offset: ~2.1 + x's share) or packed
+bf16x2 decoding and FMAs through inline PTX (~1.2; the interpreter cannot run it).
 --smoke: CPU, TRITON_INTERPRET=1, tiny shapes, the smollm2-135m preset for 4 tokens: catches Python errors.
 
     PYTHONPATH=src python3 benchmarks/gpu_int4.py          # writes $OUT/gpu_int4.json (OUT: ./out)
@@ -65,8 +70,9 @@ from goodserve.quant.triton_kernels import int4_matmul, int8_matmul  # noqa: E40
 
 SHAPES = gpu_gemv.SMOKE_SHAPES if SMOKE else gpu_gemv.SHAPES
 GROUP = gpu_gemv.SMOKE_GROUP if SMOKE else gpu_gemv.GROUP
-# rows kernel tiles (block_n, num_warps): 1, 2 and 4 rows a thread
-ROWS_TILES = [(16, 1), (8, 1)] if SMOKE else [(64, 2), (128, 4), (128, 2), (256, 4), (256, 2), (512, 4)]
+# rows kernel tiles (block_n, num_warps): 1 and 2 rows a thread (4 spill: 255 registers, a 128-byte
+# stack frame in the sm_90 build, and so do (64, 1)'s 2 rows at 189 registers)
+ROWS_TILES = [(16, 1), (8, 1)] if SMOKE else [(32, 1), (64, 2), (128, 4), (128, 2), (256, 4)]
 ONE_ROW_PATHS = ("tinygemm", "triton", "rows", "rows_repacked")
 E2E_MODEL = "dummy:smollm2-135m" if SMOKE else "dummy:llama-3.1-8b"
 E2E_SECONDS = 45  # a guess at one engine run (load, quantize, graphs, 3 x 256 tokens), for the budget
