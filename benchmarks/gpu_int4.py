@@ -7,7 +7,7 @@ Parts (--parts, default kernels,e2e,peer; in this order, one process):
              triton         the GEMV family's int4 path (int4_matmul, TUNED_CONFIGS)
              rows           ops/triton_gemv.int4_rows_gemv on the checkpoint layout
              rows_repacked  the same on int4_rows_layout's copy (bf16 scale / zero pairs)
-           each rows kernel over a grid of (block_n, num_warps) x split_k; M = 4: tinygemm and triton
+           each rows kernel over both decodes x (block_n, num_warps) x split_k (--kernel-budget-s); M = 4: tinygemm and triton
            (the rows kernel takes one row). lm_head also as bf16 (cuBLAS) and int8 (Triton GEMV),
            what the engine runs there. Timing, weight copies (>= 256 MB, so every call streams from
            HBM) and errors come from gpu_gemv.py's harness: CUDA graphs of back-to-back calls, median
@@ -35,10 +35,13 @@ shift, a mask-or and an FMA, plus x's bf16 -> fp32 conversion and the group's x 
 a constant the mask-or needs rematerialized; 5 shuffles and 2 barriers a group (a layout change of
 the group's sum). So no gain in instructions; the repacked layout reads 4 instead of 8 bytes of
 scale / zero a group (-5% bytes) in 512-byte warp loads. Expected: within +-10% of the family and
-tinygemm per layer; 400 tok/s is not reached by this kernel alone. Where it misses, the next step is
-fewer instructions a code: a denormal decode (nibble masked into an fp32 with exponent 0, x scaled
-by a power of two once per chunk; no OR, no sum of x for the offset: ~2.1 + x's share) or packed
-bf16x2 decoding and FMAs through inline PTX (~1.2; the interpreter cannot run it).
+tinygemm per layer with the family's decode. The subnormal decode (Int4RowsConfig.denormal: the
+nibble masked in place into an fp32 with exponent 0, x scaled per position once a chunk) issues
+3.93 instructions a code at 2 rows a thread (no rematerialized constant, no shift for 5 of 8
+codes): 14% fewer than the family, 20% fewer than the mantissa decode, so gate_up ~35 -> ~30 us
+if issue is half the limit, and ~0.25 ms a token over 32 layers: int4 decode 334 -> ~360 tok/s with
+the int8 lm_head, not 400. Past that, packed bf16x2 decoding and FMAs through inline PTX (~1.2
+instructions a code; the interpreter cannot run it) or a tensor-core path like tinygemm's.
 --smoke: CPU, TRITON_INTERPRET=1, tiny shapes, the smollm2-135m preset for 4 tokens: catches Python errors.
 
     PYTHONPATH=src python3 benchmarks/gpu_int4.py          # writes $OUT/gpu_int4.json (OUT: ./out)
@@ -72,7 +75,7 @@ SHAPES = gpu_gemv.SMOKE_SHAPES if SMOKE else gpu_gemv.SHAPES
 GROUP = gpu_gemv.SMOKE_GROUP if SMOKE else gpu_gemv.GROUP
 # rows kernel tiles (block_n, num_warps): 1 and 2 rows a thread (4 spill: 255 registers, a 128-byte
 # stack frame in the sm_90 build, and so do (64, 1)'s 2 rows at 189 registers)
-ROWS_TILES = [(16, 1), (8, 1)] if SMOKE else [(32, 1), (64, 2), (128, 4), (128, 2), (256, 4)]
+ROWS_TILES = [(16, 1), (8, 1)] if SMOKE else [(64, 2), (128, 4), (128, 2), (256, 4)]
 ONE_ROW_PATHS = ("tinygemm", "triton", "rows", "rows_repacked")
 E2E_MODEL = "dummy:smollm2-135m" if SMOKE else "dummy:llama-3.1-8b"
 E2E_SECONDS = 45  # a guess at one engine run (load, quantize, graphs, 3 x 256 tokens), for the budget
@@ -102,13 +105,14 @@ def timed(calls: list[Callable[[], torch.Tensor]], ref: torch.Tensor, floor: flo
 
 
 def rows_configs(n: int, k: int, device: torch.device) -> list[Int4RowsConfig]:
-    """ROWS_TILES, each with the split rule's split_k, half and twice it (and none where the rule
-    asks for at most 2)."""
+    """Both decodes (the subnormal one first: fewer instructions a code in the SASS) x ROWS_TILES,
+    each with the split rule's split_k, half and twice it (and none where the rule asks for at most 2)."""
     configs = []
-    for block_n, num_warps in ROWS_TILES:
-        rule = triton_gemv.int4_rows_config(n, k, GROUP, device, block_n=block_n, num_warps=num_warps).split_k
-        for split_k in sorted({1 if rule <= 2 else rule, rule, max(1, rule // 2), min(k // GROUP, 2 * rule)}):
-            configs.append(Int4RowsConfig(block_n, num_warps, split_k))
+    for denormal in (True, False):
+        for block_n, num_warps in ROWS_TILES:
+            rule = triton_gemv.int4_rows_config(n, k, GROUP, device, block_n=block_n, num_warps=num_warps).split_k
+            for split_k in sorted({1 if rule <= 2 else rule, rule, max(1, rule // 2), min(k // GROUP, 2 * rule)}):
+                configs.append(Int4RowsConfig(block_n, num_warps, split_k, denormal))
     return configs
 
 
@@ -140,7 +144,7 @@ def measure_shape(name: str, n: int, k: int, bandwidth: float, device: str, dead
             if time.monotonic() > deadline:
                 row["rows_sweep_cut"] = True
                 break
-            fields = {"num_warps": config.num_warps, "split_k": config.split_k}
+            fields = {"num_warps": config.num_warps, "split_k": config.split_k, "denormal": config.denormal}
             entry = timed([lambda c=c: int4_rows_gemv(x, *c, GROUP, block_n=config.block_n, **fields)
                            for c in copies], ref, floor, bandwidth)
             row["rows"].append({**config.__dict__, **entry})
@@ -187,7 +191,7 @@ def routing_entries(picks: dict) -> tuple[dict, dict]:
         by_shape[n, k] = pick["fastest"]
         if pick["fastest"].startswith("rows"):
             e = pick["paths"][pick["fastest"]]
-            tuned[n, k] = Int4RowsConfig(e["block_n"], e["num_warps"], e["split_k"])
+            tuned[n, k] = Int4RowsConfig(e["block_n"], e["num_warps"], e["split_k"], e["denormal"])
     return by_shape, tuned
 
 
@@ -347,7 +351,7 @@ def print_tables(report: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parts", default="kernels,e2e,peer")
-    parser.add_argument("--kernel-budget-s", type=float, default=80.0, help="shared by the shapes' rows sweeps")
+    parser.add_argument("--kernel-budget-s", type=float, default=100.0, help="shared by the shapes' rows sweeps")
     parser.add_argument("--budget-s", type=float, default=330.0, help="no e2e / peer run starts past it")
     parser.add_argument("--smoke", action="store_true", help="CPU interpreter, tiny shapes")
     parser.add_argument("--output", default=str(Path(os.environ.get("OUT", "./out")) / "gpu_int4.json"))
@@ -368,8 +372,8 @@ def main() -> None:
         report["decode_bound"] = decode_bound(report["kernels"], picks)
         by_shape, tuned = routing_entries(picks)
         report["routing_entries"] = ({f"{n}, {k}": v for (n, k), v in by_shape.items()},
-                                     {f"{n}, {k}": f"block_n={c.block_n}, num_warps={c.num_warps}, split_k={c.split_k}"
-                                      for (n, k), c in tuned.items()})
+                                     {f"{n}, {k}": f"block_n={c.block_n}, num_warps={c.num_warps}, split_k={c.split_k}, "
+                                                   f"denormal={c.denormal}" for (n, k), c in tuned.items()})
     try:  # goodserve.LLM's imports (gguf, via model/loader.py) must not cost the kernels' numbers
         if "e2e" in parts:
             report["e2e"], skipped = part_e2e(bandwidth, by_shape, tuned, deadline)

@@ -171,10 +171,11 @@ ROWS_SHAPES = [(40, 256, 64, 8), (33, 512, 128, 16), (70, 256, 32, 32), (64, 128
 @pytest.mark.parametrize("layout", ["checkpoint", "repacked"])
 @pytest.mark.parametrize("n,k,group,block_n", ROWS_SHAPES)
 @pytest.mark.parametrize("split_k", [1, 3, None])
-def test_int4_rows_matches_dequantized_matmul(poisoned_empty, layout, n, k, group, block_n, split_k):
+@pytest.mark.parametrize("denormal", [False, True])
+def test_int4_rows_matches_dequantized_matmul(poisoned_empty, layout, n, k, group, block_n, split_k, denormal):
     args, w = rows_weight(layout, n, k, group, block_n, seed=n + k)
     x = torch.randn(1, k)
-    out = triton_gemv.int4_rows_gemv(x, *args, block_n=block_n, split_k=split_k)
+    out = triton_gemv.int4_rows_gemv(x, *args, block_n=block_n, split_k=split_k, denormal=denormal)
     assert out.shape == (1, n) and out.dtype == torch.float32
     assert relative_error(out, x.double() @ w.T) < 2e-5
     if split_k:
@@ -192,15 +193,26 @@ def test_int4_rows_keeps_half_precision_activations(poisoned_empty, layout, dtyp
 
 
 @pytest.mark.parametrize("layout", ["checkpoint", "repacked"])
-def test_int4_rows_columns_come_back_in_order(layout):
+@pytest.mark.parametrize("denormal", [False, True])
+def test_int4_rows_columns_come_back_in_order(layout, denormal):
     """One-hot rows: every nibble of every 16-byte chunk lands on its own column, with its own
     group's scale and zero, across chunk and group boundaries."""
     args, w = rows_weight(layout, 24, 4 * GROUP, GROUP, 8, seed=7)
-    for col in [0, 1, 7, 8, 31, 32, 33, GROUP - 1, GROUP, GROUP + 1, 4 * GROUP - 1]:
+    for col in [0, 1, 2, 3, 4, 5, 6, 7, 8, 31, 32, 33, GROUP - 1, GROUP, GROUP + 1, 4 * GROUP - 1]:
         x = torch.zeros(1, 4 * GROUP)
         x[0, col] = 1
-        out = triton_gemv.int4_rows_gemv(x, *args, block_n=8, split_k=2)
+        out = triton_gemv.int4_rows_gemv(x, *args, block_n=8, split_k=2, denormal=denormal)
         torch.testing.assert_close(out[0].double(), w[:, col], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("scale", [1e-4, 1e4])
+def test_int4_rows_subnormal_decode_holds_over_the_activation_range(scale):
+    """The subnormal decode scales x by up to 2**89: products stay normal and finite for small and
+    large activations."""
+    args, w = rows_weight("checkpoint", 40, 256, 64, 8, seed=11)
+    x = torch.randn(1, 256) * scale
+    out = triton_gemv.int4_rows_gemv(x, *args, block_n=8, denormal=True)
+    assert relative_error(out, x.double() @ w.T) < 2e-5
 
 
 def test_int4_rows_configs_for_llama_shapes_split_only_the_small_layers(monkeypatch):

@@ -465,6 +465,12 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, **overrides) -> torch.Tens
 #   does, the zero stored is the group's midpoint z + 8 s, near 0 where z is near -8 s, so its
 #   rounding costs far less than z's would.
 # Split-K is by whole groups, with the family's deterministic finish (_finish_split).
+# Two decodes (Int4RowsConfig.denormal): the family's _lane (1 + q / 16: a shift and a mask-or a
+# code, the OR's constant rematerialized under register pressure), or a code masked in place into
+# an fp32 with exponent 0, a subnormal q * 2**(b - 149) for its bit position b: five of a word's
+# eight codes need only the AND, the other three share one shift. x is scaled per position by
+# 2**(89 - b) once per chunk, so every product is x q 2**-60, a normal number (|x| up to 2**39);
+# FMAs keep subnormal inputs (no flush to zero in Triton's fp32 arithmetic).
 
 
 @dataclasses.dataclass(frozen=True)
@@ -472,6 +478,7 @@ class Int4RowsConfig:
     block_n: int  # rows per program: num_warps * 32 * rows per thread
     num_warps: int
     split_k: int  # K slices of whole groups (1: none)
+    denormal: bool = False  # the subnormal decode (see above)
 
 
 # (N, K) -> config, measured by benchmarks/gpu_int4.py; empty until an H100 run fills it.
@@ -515,9 +522,39 @@ def int4_rows_layout(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.T
 
 
 @triton.jit
+def _subnormal_bits(cols):
+    """Bit position b of column `cols`' nibble once _subnormal_codes has it (0-16; see above)."""
+    lane = cols % 8
+    return tl.where(lane < 5, 4 * lane, 4 * lane - 12)
+
+
+@triton.jit
+def _position_scales(cols):
+    """2**(89 - b) for each column's nibble position b, built from its exponent bits (exact)."""
+    return ((216 - _subnormal_bits(cols)) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _sub(words, LANE: tl.constexpr):
+    if LANE < 5:  # the nibble stays at bits 4 LANE
+        return (words & (0xF << (4 * LANE))).to(tl.float32, bitcast=True)
+    else:  # lanes 5-7 from words >> 12, at bits 8-19 (the mask clears the sign's copies)
+        return ((words >> 12) & (0xF << (4 * LANE - 12))).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _subnormal_codes(words):
+    """int32 words [..., W] -> [..., W, 2, 2, 2] subnormal floats q * 2**(b - 149), in memory order
+    like _word_codes."""
+    evens = tl.join(tl.join(_sub(words, 0), _sub(words, 4)), tl.join(_sub(words, 2), _sub(words, 6)))
+    odds = tl.join(tl.join(_sub(words, 1), _sub(words, 5)), tl.join(_sub(words, 3), _sub(words, 7)))
+    return tl.join(evens, odds)
+
+
+@triton.jit
 def _int4_rows_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, part_ptr, count_ptr, N, K, stride_ww, stride_sn,
                       groups_per_split, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, REPACKED: tl.constexpr,
-                      SPLIT: tl.constexpr, USE_PDL: tl.constexpr):
+                      DENORMAL: tl.constexpr, SPLIT: tl.constexpr, USE_PDL: tl.constexpr):
     """Program (row block, K slice of whole groups) -> y[0, row block] (or its slice's partial).
     stride_ww: the checkpoint layout's row stride in int32 words."""
     CHUNKS: tl.constexpr = GROUP // 32  # 16-byte pieces of a row's group
@@ -535,6 +572,7 @@ def _int4_rows_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, part_ptr, count_ptr, N,
     else:
         chunk_ptrs = words + offs_n[:, None] * stride_ww + lanes
     cols = tl.arange(0, 32)
+    x_scale = _position_scales(cols)[None, :]
     pdl_sync(USE_PDL)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for g in range(g_start, g_stop):
@@ -546,16 +584,22 @@ def _int4_rows_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, part_ptr, count_ptr, N,
                 packed = tl.load(chunk_ptrs + (g * CHUNKS + c) * (BLOCK_N * 4))
             else:
                 packed = tl.load(chunk_ptrs + g * (GROUP // 8) + c * 4, mask=n_mask[:, None], other=0)
-            dots += tl.reshape(_word_codes(packed, 4, 0), (BLOCK_N, 32)) * x  # codes as 1 + q / 16
+            if DENORMAL:
+                dots += tl.reshape(_subnormal_codes(packed), (BLOCK_N, 32)) * (x * x_scale)  # x q 2**-60
+            else:
+                dots += tl.reshape(_word_codes(packed, 4, 0), (BLOCK_N, 32)) * x  # codes as 1 + q / 16
             x_acc += x
         if REPACKED:
             sz = tl.load(s_ptr.to(tl.pointer_type(tl.int32)) + (pid_n * groups + g) * BLOCK_N + rows)
-            scale = 16.0 * (sz << 16).to(tl.float32, bitcast=True)
-            zero = (sz & -65536).to(tl.float32, bitcast=True) - 0.5 * scale  # z = (z + 8 s) - 8 s
+            scale = (sz << 16).to(tl.float32, bitcast=True)
+            zero = (sz & -65536).to(tl.float32, bitcast=True) - 8.0 * scale  # z = (z + 8 s) - 8 s
         else:
-            scale = 16.0 * tl.load(s_ptr + offs_n * stride_sn + g, mask=n_mask, other=0.0)
+            scale = tl.load(s_ptr + offs_n * stride_sn + g, mask=n_mask, other=0.0)
             zero = tl.load(z_ptr + offs_n * stride_sn + g, mask=n_mask, other=0.0)
-        acc += scale * tl.sum(dots, axis=1) + (zero - scale) * tl.sum(x_acc, axis=1)  # q = 16 (code - 1)
+        if DENORMAL:  # sum x q = 2**60 sum dots
+            acc += (scale * 1.152921504606846976e18) * tl.sum(dots, axis=1) + zero * tl.sum(x_acc, axis=1)
+        else:  # q = 16 (code - 1)
+            acc += (16.0 * scale) * tl.sum(dots, axis=1) + (zero - 16.0 * scale) * tl.sum(x_acc, axis=1)
     offs_m = tl.arange(0, 1)
     out_mask = n_mask[:, None]
     y_ptrs = y_ptr + offs_n[:, None] + offs_m[None, :]
@@ -566,12 +610,13 @@ def _int4_rows_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, part_ptr, count_ptr, N,
 
 
 def int4_rows_config(n: int, k: int, group: int, device: torch.device, block_n: int | None = None,
-                     num_warps: int | None = None, split_k: int | None = None) -> Int4RowsConfig:
+                     num_warps: int | None = None, split_k: int | None = None,
+                     denormal: bool | None = None) -> Int4RowsConfig:
     """INT4_ROWS_TUNED on CUDA where listed and nothing is given, else INT4_ROWS_DEFAULT with the
     given fields; split_k, unless given, fills every SM's resident programs within the family's
     PARTIALS_MAX_SHARE."""
     tuned = INT4_ROWS_TUNED.get((n, k)) if device.type == "cuda" else None
-    if tuned is not None and block_n is None and num_warps is None and split_k is None:
+    if tuned is not None and block_n is None and num_warps is None and split_k is None and denormal is None:
         return tuned
     default_n, default_warps, resident = INT4_ROWS_DEFAULT
     block_n, num_warps = block_n or default_n, num_warps or default_warps
@@ -580,7 +625,7 @@ def int4_rows_config(n: int, k: int, group: int, device: torch.device, block_n: 
     wanted = triton.cdiv(resident * num_sms(device), triton.cdiv(n, block_n))
     affordable = int(PARTIALS_MAX_SHARE * k * BYTES_PER_WEIGHT["int4"] / 4)
     split_k = split_k or max(1, min(wanted, affordable, k // group))
-    return Int4RowsConfig(block_n, num_warps, split_k)
+    return Int4RowsConfig(block_n, num_warps, split_k, bool(denormal))
 
 
 def int4_rows_gemv(x: torch.Tensor, weight: torch.Tensor | Int4RowsWeight, scales: torch.Tensor | None = None,
@@ -614,6 +659,6 @@ def int4_rows_gemv(x: torch.Tensor, weight: torch.Tensor | Int4RowsWeight, scale
         counters = _split_counters(x.device)
     _int4_rows_kernel[(n_blocks, splits)](
         x, w, s, z, y, partials, counters, n, k, stride_ww, stride_sn, per_split,
-        GROUP=group, BLOCK_N=config.block_n, REPACKED=repacked, SPLIT=splits > 1,
+        GROUP=group, BLOCK_N=config.block_n, REPACKED=repacked, DENORMAL=config.denormal, SPLIT=splits > 1,
         num_warps=config.num_warps, **pdl_launch(x))
     return y
