@@ -136,17 +136,22 @@ def _first_diff(a: list[int], b: list[int]) -> int | None:
 
 
 # ---- decode --------------------------------------------------------------------------------
-def part_decode(bandwidth_gbps: float, model: str, quantization: str | None = None, int4_kernel: str = "") -> None:
-    """Batch-1 decode. Quantized runs quantize lm_head too (int8): it is 1 GB of an 8B model's step."""
+def part_decode(bandwidth_gbps: float, model: str, quantization: str | None = None, int4_kernel: str = "",
+                quantize_lm_head: bool | None = None, tag: str = "", device: str = "cuda",
+                new_tokens: int = 256) -> None:
+    """Batch-1 decode. Quantized runs quantize lm_head too (int8: it is 1 GB of an 8B model's step)
+    unless quantize_lm_head says otherwise; tag is appended to the result's key (device "cpu" and
+    fewer new_tokens: only gpu_int4.py's --smoke, to exercise the code)."""
     # "triton" / "tinygemm": that int4 kernel at every decode batch size; "": the engine's choice
     linear.INT4_TINYGEMM_MAX_M = {"triton": 0, "tinygemm": linear.CUDA_KERNEL_MAX_M}.get(
         int4_kernel, DEFAULT_INT4_TINYGEMM_MAX_M)
-    llm = LLM(model, device="cuda", max_num_seqs=64, quantization=quantization,
-              quantize_lm_head=quantization is not None)
+    if quantize_lm_head is None:
+        quantize_lm_head = quantization is not None
+    llm = LLM(model, device=device, max_num_seqs=64, quantization=quantization, quantize_lm_head=quantize_lm_head)
     spec = llm.spec
     prompt = {"prompt_token_ids": list(np.random.default_rng(0).integers(100, 20000, 128))}
-    params = SamplingParams(temperature=0, max_tokens=256, ignore_eos=True)
-    llm.generate(prompt, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))  # warm-up
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    llm.generate(prompt, SamplingParams(temperature=0, max_tokens=min(16, new_tokens), ignore_eos=True))  # warm-up
     runs = []
     for _ in range(3):
         start = time.perf_counter()
@@ -154,15 +159,15 @@ def part_decode(bandwidth_gbps: float, model: str, quantization: str | None = No
         elapsed = time.perf_counter() - start
         times = out.metrics.token_times
         decode_s = times[-1] - times[0]
-        runs.append({"e2e_tok_s": 256 / elapsed, "decode_tok_s": 255 / decode_s,
+        runs.append({"e2e_tok_s": new_tokens / elapsed, "decode_tok_s": (new_tokens - 1) / decode_s,
                      "ttft_ms": (out.metrics.first_token_time - out.metrics.arrival_time) * 1e3})
     best = max(runs, key=lambda r: r["decode_tok_s"])
     weight_bytes, read_bytes = _weight_bytes(llm.engine.model)
     kv_bytes = spec.kv_bytes_per_token(2) * (128 + 128)  # mean context over the decode
     step_s = 1 / best["decode_tok_s"]
     name = "decode" if quantization is None else f"decode_{quantization}{'_' + int4_kernel if int4_kernel else ''}"
-    results[name] = {
-        "model": model, "quantization": quantization, "quantize_lm_head": quantization is not None,
+    results[name + tag] = {
+        "model": model, "quantization": quantization, "quantize_lm_head": quantize_lm_head,
         "int4_kernel": int4_kernel or None, "runs": runs, "weight_bytes": weight_bytes,
         "step_read_bytes": read_bytes + kv_bytes,
         # the issue's convention: every weight byte (the embedding table included) per token
@@ -365,7 +370,8 @@ def part_profile_sharegpt(model: str, num_batched_tokens: int, max_num_seqs: int
 
 
 # ---- peer ----------------------------------------------------------------------------------
-def part_peer(model: str) -> None:
+def part_peer(model: str, continuous_batching: bool = True) -> None:
+    """HF transformers: generate() at batch 1, then (unless continuous_batching is False) generate_batch."""
     import transformers
 
     from goodserve.model.presets import get_preset
@@ -389,21 +395,22 @@ def part_peer(model: str) -> None:
         peer["hf_generate_batch1_tok_s"] = 256 / (time.perf_counter() - start)
     except Exception as exc:  # noqa: BLE001 - a peer failure is recorded, not fatal
         peer["hf_generate_error"] = repr(exc)
-    try:
-        inputs, _ = sharegpt_like_lengths(500)
-        prompts = [p["prompt_token_ids"] for p in random_prompts(inputs)]
-        hf.config._attn_implementation = "paged|sdpa"
-        gen_config = transformers.GenerationConfig(max_new_tokens=180, do_sample=False, eos_token_id=-1,
-                                                   pad_token_id=0)
-        hf.generate_batch(inputs=prompts[:8], generation_config=gen_config)
-        start = time.perf_counter()
-        out = hf.generate_batch(inputs=prompts, generation_config=gen_config)
-        elapsed = time.perf_counter() - start
-        tokens = sum(len(o.generated_tokens) for o in out.values())
-        peer["hf_generate_batch"] = {"requests_per_s": len(prompts) / elapsed, "output_tok_s": tokens / elapsed,
-                                     "seconds": elapsed, "output_tokens": tokens}
-    except Exception as exc:  # noqa: BLE001
-        peer["hf_generate_batch_error"] = repr(exc)
+    if continuous_batching:
+        try:
+            inputs, _ = sharegpt_like_lengths(500)
+            prompts = [p["prompt_token_ids"] for p in random_prompts(inputs)]
+            hf.config._attn_implementation = "paged|sdpa"
+            gen_config = transformers.GenerationConfig(max_new_tokens=180, do_sample=False, eos_token_id=-1,
+                                                       pad_token_id=0)
+            hf.generate_batch(inputs=prompts[:8], generation_config=gen_config)
+            start = time.perf_counter()
+            out = hf.generate_batch(inputs=prompts, generation_config=gen_config)
+            elapsed = time.perf_counter() - start
+            tokens = sum(len(o.generated_tokens) for o in out.values())
+            peer["hf_generate_batch"] = {"requests_per_s": len(prompts) / elapsed, "output_tok_s": tokens / elapsed,
+                                         "seconds": elapsed, "output_tokens": tokens}
+        except Exception as exc:  # noqa: BLE001
+            peer["hf_generate_batch_error"] = repr(exc)
     results["peer"] = peer
     del hf
     free_gpu()

@@ -108,3 +108,37 @@ def test_int4_layer_past_the_tinygemm_rows_goes_straight_to_triton(monkeypatch, 
         out = layer._cuda_matmul(x)
     assert not layer.tinygemm_disabled and layer._tinygemm is None and not caplog.text
     torch.testing.assert_close(out.float(), x.float() @ layer.dequantize().T, rtol=2e-2, atol=5e-2)
+
+
+@pytest.mark.parametrize("kernel", ["rows", "rows_repacked"])
+def test_int4_layer_takes_the_rows_kernel_it_was_built_with(monkeypatch, kernel):
+    """INT4_ONE_ROW_KERNEL picks one-row calls' kernel when the layer is built; other row counts
+    keep their paths, and the repacked copy is rebuilt when the codes change."""
+    from torch import nn
+
+    from goodserve.ops import triton_gemv
+    from goodserve.quant import linear as qlinear
+
+    monkeypatch.setattr(qlinear, "INT4_ONE_ROW_KERNEL", kernel)
+    torch.manual_seed(9)
+    layer = qlinear.Int4Linear.from_linear(nn.Linear(256, 40), 64)
+    calls = []
+    real = triton_gemv.int4_rows_gemv
+    monkeypatch.setattr(triton_gemv, "int4_rows_gemv", lambda *a, **kw: calls.append(a[1]) or real(*a, **kw))
+    x = torch.randn(1, 256)
+    torch.testing.assert_close(layer._cuda_matmul(x), x @ layer.dequantize().T, rtol=1e-2, atol=1e-2)
+    assert len(calls) == 1 and isinstance(calls[0], triton_gemv.Int4RowsWeight) == (kernel == "rows_repacked")
+    layer.zeros.add_(1.0)  # in place: the repacked copy must follow
+    torch.testing.assert_close(layer._cuda_matmul(x), x @ layer.dequantize().T, rtol=1e-2, atol=1e-2)
+    layer._cuda_matmul(torch.randn(3, 256))
+    assert len(calls) == 2
+
+
+def test_int4_layer_refuses_an_unknown_one_row_kernel(monkeypatch):
+    from goodserve.quant import linear as qlinear
+
+    monkeypatch.setattr(qlinear, "INT4_ONE_ROW_KERNEL", "marlin")
+    with pytest.raises(ValueError, match="INT4_ONE_ROW_KERNEL"):
+        qlinear.Int4Linear(256, 40, group_size=64)
+    monkeypatch.setattr(qlinear, "INT4_ONE_ROW_KERNEL_BY_SHAPE", {(40, 256): "rows"})
+    assert qlinear.Int4Linear(256, 40, group_size=64).one_row_kernel == "rows"

@@ -132,3 +132,96 @@ def test_tuned_configs_apply_on_cuda_only(monkeypatch):
     monkeypatch.setattr(triton_gemv, "num_sms", lambda device: 132)
     assert gemv_config("int8", 1, 64, 512, 0, torch.device("cuda", 0)) == tuned
     assert gemv_config("int8", 1, 64, 512, 0, torch.device("cuda", 0), split_k=1).split_k == 1
+
+
+# ---- int4, one row: the thread-per-row kernel (int4_rows_gemv), both layouts ----------------
+
+
+@pytest.fixture
+def poisoned_empty(monkeypatch):
+    """Every float tensor the launch allocates starts as NaN: an output element no program writes
+    (or a partial the finish reads unwritten) shows up in the comparison."""
+    real_empty = torch.empty
+
+    def empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", empty)
+
+
+def rows_weight(layout: str, n: int, k: int, group: int, block_n: int, seed: int):
+    """(int4_rows_gemv's weight arguments, the float64 weight they stand for): the repacked layout
+    keeps bfloat16 scales and midpoints, so its reference rounds them the same way."""
+    torch.manual_seed(seed)
+    q = schemes.quantize_int4(torch.randn(n, k) + 0.3, group)
+    if layout == "checkpoint":
+        return (q.qweight, q.scales, q.zeros, group), schemes.dequantize_int4(q).double()
+    scales = q.scales.bfloat16().double()
+    zeros = (q.zeros + 8 * q.scales).bfloat16().double() - 8 * scales  # stored as the group's midpoint
+    rounded = schemes.Int4Weight(q.qweight, scales, zeros, group)
+    return (triton_gemv.int4_rows_layout(q.qweight, q.scales, q.zeros, group, block_n),), \
+        schemes.dequantize_int4(rounded).double()
+
+
+# (N, K, group, block_n): N a multiple of the block or not (33, 70: a ragged last block), 1-8 groups
+ROWS_SHAPES = [(40, 256, 64, 8), (33, 512, 128, 16), (70, 256, 32, 32), (64, 128, 64, 64)]
+
+
+@pytest.mark.parametrize("layout", ["checkpoint", "repacked"])
+@pytest.mark.parametrize("n,k,group,block_n", ROWS_SHAPES)
+@pytest.mark.parametrize("split_k", [1, 3, None])
+@pytest.mark.parametrize("denormal", [False, True])
+def test_int4_rows_matches_dequantized_matmul(poisoned_empty, layout, n, k, group, block_n, split_k, denormal):
+    args, w = rows_weight(layout, n, k, group, block_n, seed=n + k)
+    x = torch.randn(1, k)
+    out = triton_gemv.int4_rows_gemv(x, *args, block_n=block_n, split_k=split_k, denormal=denormal)
+    assert out.shape == (1, n) and out.dtype == torch.float32
+    assert relative_error(out, x.double() @ w.T) < 2e-5
+    if split_k:
+        assert not triton_gemv._split_counters(x.device).any()
+
+
+@pytest.mark.parametrize("layout", ["checkpoint", "repacked"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_int4_rows_keeps_half_precision_activations(poisoned_empty, layout, dtype):
+    args, w = rows_weight(layout, 48, 256, 64, 16, seed=3)
+    x = torch.randn(1, 256).to(dtype)
+    out = triton_gemv.int4_rows_gemv(x, *args, block_n=16, split_k=2)
+    assert out.dtype == dtype
+    assert relative_error(out, x.double() @ w.T) < 2e-2
+
+
+@pytest.mark.parametrize("layout", ["checkpoint", "repacked"])
+@pytest.mark.parametrize("denormal", [False, True])
+def test_int4_rows_columns_come_back_in_order(layout, denormal):
+    """One-hot rows: every nibble of every 16-byte chunk lands on its own column, with its own
+    group's scale and zero, across chunk and group boundaries."""
+    args, w = rows_weight(layout, 24, 4 * GROUP, GROUP, 8, seed=7)
+    for col in [0, 1, 2, 3, 4, 5, 6, 7, 8, 31, 32, 33, GROUP - 1, GROUP, GROUP + 1, 4 * GROUP - 1]:
+        x = torch.zeros(1, 4 * GROUP)
+        x[0, col] = 1
+        out = triton_gemv.int4_rows_gemv(x, *args, block_n=8, split_k=2, denormal=denormal)
+        torch.testing.assert_close(out[0].double(), w[:, col], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("scale", [1e-4, 1e4])
+def test_int4_rows_subnormal_decode_holds_over_the_activation_range(scale):
+    """The subnormal decode scales x by up to 2**89: products stay normal and finite for small and
+    large activations."""
+    args, w = rows_weight("checkpoint", 40, 256, 64, 8, seed=11)
+    x = torch.randn(1, 256) * scale
+    out = triton_gemv.int4_rows_gemv(x, *args, block_n=8, denormal=True)
+    assert relative_error(out, x.double() @ w.T) < 2e-5
+
+
+def test_int4_rows_configs_for_llama_shapes_split_only_the_small_layers(monkeypatch):
+    monkeypatch.setattr(triton_gemv, "num_sms", lambda device: 132)  # an H100's
+    shapes = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
+              "lm_head": (128256, 4096)}
+    configs = {name: triton_gemv.int4_rows_config(n, k, 128, torch.device("cpu"))
+               for name, (n, k) in shapes.items()}
+    assert configs["o_proj"].split_k > 1 and configs["lm_head"].split_k <= 2
+    assert all(c.split_k <= k // 128 for c, (_, k) in zip(configs.values(), shapes.values()))
+    with pytest.raises(ValueError):
+        triton_gemv.int4_rows_config(64, 512, 64, torch.device("cpu"), block_n=24)

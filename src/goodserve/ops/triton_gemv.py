@@ -447,3 +447,218 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, fmt: str, scales: torch.Tensor |
 def dense_gemv(x: torch.Tensor, weight: torch.Tensor, **overrides) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T for M <= 16: the GEMV without dequantization."""
     return gemv(x, weight, "dense", **overrides)
+
+
+# ---------------------------------------------------------------------------------------------
+# int4, one row: a thread per weight row
+#
+# The family's one-row int4 path spreads a row's group over several threads, so every group ends
+# in a cross-thread reduction (shuffles) before its scale applies. This variant gives each thread
+# whole rows: a step is one group, read as GROUP // 32 chunks of 16 bytes per row (one vector load
+# each), decoded with _word_codes and summed in the thread; x's group is read once per thread
+# (the same addresses across the warp: broadcasts) and shared by the thread's rows. Two layouts:
+# - the checkpoint's codes and float32 scales / zeros as stored: a warp's load touches 32 rows,
+#   16 bytes each (the next chunk's load takes the rest of each 32-byte sector);
+# - repacked once at load (Int4RowsWeight): codes ordered (row block, group, chunk, row), so a
+#   program's slice is one contiguous stream and a warp's load is 512 contiguous bytes; scale and
+#   zero as a bfloat16 pair in one int32 word per (row, group), 4 bytes instead of 8. As tinygemm
+#   does, the zero stored is the group's midpoint z + 8 s, near 0 where z is near -8 s, so its
+#   rounding costs far less than z's would.
+# Split-K is by whole groups, with the family's deterministic finish (_finish_split).
+# Two decodes (Int4RowsConfig.denormal): the family's _lane (1 + q / 16: a shift and a mask-or a
+# code, the OR's constant rematerialized under register pressure), or a code masked in place into
+# an fp32 with exponent 0, a subnormal q * 2**(b - 149) for its bit position b: five of a word's
+# eight codes need only the AND, the other three share one shift. x is scaled per position by
+# 2**(89 - b) once per chunk, so every product is x q 2**-60, a normal number (|x| up to 2**39);
+# FMAs keep subnormal inputs (no flush to zero in Triton's fp32 arithmetic).
+
+
+@dataclasses.dataclass(frozen=True)
+class Int4RowsConfig:
+    block_n: int  # rows per program: num_warps * 32 * rows per thread
+    num_warps: int
+    split_k: int  # K slices of whole groups (1: none)
+    denormal: bool = False  # the subnormal decode (see above)
+
+
+# (N, K) -> config, measured by benchmarks/gpu_int4.py; empty until an H100 run fills it.
+INT4_ROWS_TUNED: dict[tuple[int, int], Int4RowsConfig] = {}
+# block_n, num_warps, programs resident per SM (an estimate for the split rule: ~128 registers a
+# thread at two rows a thread).
+INT4_ROWS_DEFAULT = (256, 4, 4)
+
+
+@dataclasses.dataclass(frozen=True)
+class Int4RowsWeight:
+    """int4 codes repacked for _int4_rows_kernel (see above); rows padded to whole blocks."""
+
+    codes: torch.Tensor  # uint8 [N_pad / block_n, groups, group // 32, block_n, 16]
+    scale_zero: torch.Tensor  # int32 [N_pad / block_n, groups, block_n]: bf16 s (low half), bf16 z + 8 s (high)
+    n: int
+    k: int
+    group: int
+    block_n: int
+
+
+def _bf16_pair(low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
+    """Two float tensors rounded to bfloat16 and packed into int32 words (low in bits 0-15)."""
+    bits = [t.to(torch.bfloat16).view(torch.int16).to(torch.int64) & 0xFFFF for t in (low, high)]
+    word = (bits[1] << 16) | bits[0]
+    return torch.where(word >= 1 << 31, word - (1 << 32), word).to(torch.int32)  # two's complement
+
+
+def int4_rows_layout(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
+                     block_n: int) -> Int4RowsWeight:
+    """Our packed codes [N, K // 2] and float32 scales / zeros [N, K // group] -> Int4RowsWeight."""
+    n, k = qweight.shape[0], qweight.shape[1] * 2
+    assert group % 32 == 0 and k % group == 0, "int4 rows kernel: groups of a multiple of 32 columns"
+    blocks, groups = triton.cdiv(n, block_n), k // group
+    pad = blocks * block_n - n
+    codes = torch.nn.functional.pad(qweight, (0, 0, 0, pad))
+    codes = codes.view(blocks, block_n, groups, group // 32, 16).permute(0, 2, 3, 1, 4).contiguous()
+    words = _bf16_pair(scales, zeros + 8 * scales)
+    words = torch.nn.functional.pad(words, (0, 0, 0, pad)).view(blocks, block_n, groups).transpose(1, 2).contiguous()
+    return Int4RowsWeight(codes, words, n, k, group, block_n)
+
+
+@triton.jit
+def _subnormal_bits(cols):
+    """Bit position b of column `cols`' nibble once _subnormal_codes has it (0-16; see above)."""
+    lane = cols % 8
+    return tl.where(lane < 5, 4 * lane, 4 * lane - 12)
+
+
+@triton.jit
+def _position_scales(cols):
+    """2**(89 - b) for each column's nibble position b, built from its exponent bits (exact)."""
+    return ((216 - _subnormal_bits(cols)) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _sub(words, LANE: tl.constexpr):
+    if LANE < 5:  # the nibble stays at bits 4 LANE
+        return (words & (0xF << (4 * LANE))).to(tl.float32, bitcast=True)
+    else:  # lanes 5-7 from words >> 12, at bits 8-19 (the mask clears the sign's copies)
+        return ((words >> 12) & (0xF << (4 * LANE - 12))).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _subnormal_codes(words):
+    """int32 words [..., W] -> [..., W, 2, 2, 2] subnormal floats q * 2**(b - 149), in memory order
+    like _word_codes."""
+    evens = tl.join(tl.join(_sub(words, 0), _sub(words, 4)), tl.join(_sub(words, 2), _sub(words, 6)))
+    odds = tl.join(tl.join(_sub(words, 1), _sub(words, 5)), tl.join(_sub(words, 3), _sub(words, 7)))
+    return tl.join(evens, odds)
+
+
+@triton.jit
+def _int4_rows_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, part_ptr, count_ptr, N, K, stride_ww, stride_sn,
+                      groups_per_split, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, REPACKED: tl.constexpr,
+                      DENORMAL: tl.constexpr, SPLIT: tl.constexpr, USE_PDL: tl.constexpr):
+    """Program (row block, K slice of whole groups) -> y[0, row block] (or its slice's partial).
+    stride_ww: the checkpoint layout's row stride in int32 words."""
+    CHUNKS: tl.constexpr = GROUP // 32  # 16-byte pieces of a row's group
+    pid_n, split = tl.program_id(0), tl.program_id(1)
+    rows = tl.arange(0, BLOCK_N)
+    offs_n = pid_n * BLOCK_N + rows
+    n_mask = offs_n < N
+    groups = K // GROUP
+    g_start = split * groups_per_split
+    g_stop = tl.minimum(g_start + groups_per_split, groups)
+    words = w_ptr.to(tl.pointer_type(tl.int32))
+    lanes = tl.arange(0, 4)[None, :]
+    if REPACKED:
+        chunk_ptrs = words + pid_n * (groups * CHUNKS * BLOCK_N * 4) + rows[:, None] * 4 + lanes
+    else:
+        chunk_ptrs = words + offs_n[:, None] * stride_ww + lanes
+    cols = tl.arange(0, 32)
+    x_scale = _position_scales(cols)[None, :]
+    pdl_sync(USE_PDL)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for g in range(g_start, g_stop):
+        dots = tl.zeros((BLOCK_N, 32), dtype=tl.float32)
+        x_acc = tl.zeros((1, 32), dtype=tl.float32)
+        for c in tl.static_range(CHUNKS):
+            x = tl.load(x_ptr + g * GROUP + c * 32 + cols).to(tl.float32)[None, :]
+            if REPACKED:
+                packed = tl.load(chunk_ptrs + (g * CHUNKS + c) * (BLOCK_N * 4))
+            else:
+                packed = tl.load(chunk_ptrs + g * (GROUP // 8) + c * 4, mask=n_mask[:, None], other=0)
+            if DENORMAL:
+                dots += tl.reshape(_subnormal_codes(packed), (BLOCK_N, 32)) * (x * x_scale)  # x q 2**-60
+            else:
+                dots += tl.reshape(_word_codes(packed, 4, 0), (BLOCK_N, 32)) * x  # codes as 1 + q / 16
+            x_acc += x
+        if REPACKED:
+            sz = tl.load(s_ptr.to(tl.pointer_type(tl.int32)) + (pid_n * groups + g) * BLOCK_N + rows)
+            scale = (sz << 16).to(tl.float32, bitcast=True)
+            zero = (sz & -65536).to(tl.float32, bitcast=True) - 8.0 * scale  # z = (z + 8 s) - 8 s
+        else:
+            scale = tl.load(s_ptr + offs_n * stride_sn + g, mask=n_mask, other=0.0)
+            zero = tl.load(z_ptr + offs_n * stride_sn + g, mask=n_mask, other=0.0)
+        if DENORMAL:  # sum x q = 2**60 sum dots
+            acc += (scale * 1.152921504606846976e18) * tl.sum(dots, axis=1) + zero * tl.sum(x_acc, axis=1)
+        else:  # q = 16 (code - 1)
+            acc += (16.0 * scale) * tl.sum(dots, axis=1) + (zero - 16.0 * scale) * tl.sum(x_acc, axis=1)
+    offs_m = tl.arange(0, 1)
+    out_mask = n_mask[:, None]
+    y_ptrs = y_ptr + offs_n[:, None] + offs_m[None, :]
+    if SPLIT:
+        _finish_split(acc[:, None], part_ptr, count_ptr, y_ptrs, offs_n, offs_m, out_mask, 1, N, pid_n, split)
+    else:
+        tl.store(y_ptrs, acc[:, None].to(y_ptr.dtype.element_ty), mask=out_mask)
+
+
+def int4_rows_config(n: int, k: int, group: int, device: torch.device, block_n: int | None = None,
+                     num_warps: int | None = None, split_k: int | None = None,
+                     denormal: bool | None = None) -> Int4RowsConfig:
+    """INT4_ROWS_TUNED on CUDA where listed and nothing is given, else INT4_ROWS_DEFAULT with the
+    given fields; split_k, unless given, fills every SM's resident programs within the family's
+    PARTIALS_MAX_SHARE."""
+    tuned = INT4_ROWS_TUNED.get((n, k)) if device.type == "cuda" else None
+    if tuned is not None and block_n is None and num_warps is None and split_k is None and denormal is None:
+        return tuned
+    default_n, default_warps, resident = INT4_ROWS_DEFAULT
+    block_n, num_warps = block_n or default_n, num_warps or default_warps
+    if block_n & (block_n - 1) or num_warps & (num_warps - 1):
+        raise ValueError(f"int4 rows kernel: block_n and num_warps must be powers of two ({block_n}, {num_warps})")
+    wanted = triton.cdiv(resident * num_sms(device), triton.cdiv(n, block_n))
+    affordable = int(PARTIALS_MAX_SHARE * k * BYTES_PER_WEIGHT["int4"] / 4)
+    split_k = split_k or max(1, min(wanted, affordable, k // group))
+    return Int4RowsConfig(block_n, num_warps, split_k, bool(denormal))
+
+
+def int4_rows_gemv(x: torch.Tensor, weight: torch.Tensor | Int4RowsWeight, scales: torch.Tensor | None = None,
+                   zeros: torch.Tensor | None = None, group: int = 0, **overrides) -> torch.Tensor:
+    """x [1, K] times int4 weights -> [1, N] in x's dtype, with _int4_rows_kernel: weight either our
+    packed codes [N, K // 2] with float32 scales / zeros [N, K // group] (read as stored), or an
+    Int4RowsWeight (its block_n fixes the config's). overrides: Int4RowsConfig fields."""
+    x = x.contiguous()
+    m, k = x.shape
+    assert m == 1, "the int4 rows kernel takes one row"
+    repacked = isinstance(weight, Int4RowsWeight)
+    if repacked:
+        n, group = weight.n, weight.group
+        overrides["block_n"] = weight.block_n
+        w, s, z, stride_ww, stride_sn = weight.codes, weight.scale_zero, weight.scale_zero, 0, 0
+    else:
+        n = weight.shape[0]
+        assert group % 32 == 0 and weight.stride(1) == 1 and weight.stride(0) % 4 == 0 \
+            and weight.data_ptr() % 16 == 0, "int4 rows kernel: 16-byte aligned rows, groups of 32 columns"
+        w, s, z, stride_ww, stride_sn = weight, scales, zeros, weight.stride(0) // 4, scales.stride(0)
+    config = int4_rows_config(n, k, group, x.device, **overrides)
+    groups = k // group
+    per_split = triton.cdiv(groups, min(config.split_k, groups))
+    splits = triton.cdiv(groups, per_split)
+    n_blocks = triton.cdiv(n, config.block_n)
+    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    partials = counters = y
+    if splits > 1:
+        assert n_blocks <= MAX_SPLIT_BLOCKS, f"{n_blocks} row blocks: raise MAX_SPLIT_BLOCKS or block_n"
+        partials = torch.empty((splits, 1, n), dtype=torch.float32, device=x.device)
+        counters = _split_counters(x.device)
+    _int4_rows_kernel[(n_blocks, splits)](
+        x, w, s, z, y, partials, counters, n, k, stride_ww, stride_sn, per_split,
+        GROUP=group, BLOCK_N=config.block_n, REPACKED=repacked, DENORMAL=config.denormal, SPLIT=splits > 1,
+        num_warps=config.num_warps, **pdl_launch(x))
+    return y

@@ -52,6 +52,15 @@ CUDA_KERNEL_MAX_M = 32
 # rows, the tuned Triton GEMV at 16 (tinygemm's time grows with the rows). At 0 the layers never
 # build tinygemm's copy of the weights (another 0.5 byte per weight on the GPU).
 INT4_TINYGEMM_MAX_M = 4
+# int4, one row (batch-1 decode) on CUDA: "tinygemm" (with bfloat16 activations; Triton otherwise),
+# "triton" (the GEMV family's one-row path), "rows" (ops/triton_gemv.py's thread-per-row kernel on
+# the checkpoint layout) or "rows_repacked" (the same on a copy repacked once at first use; 0.5 byte
+# a weight more on the GPU). A layer takes the value current when it is built: its (out_features,
+# in_features) entry in INT4_ONE_ROW_KERNEL_BY_SHAPE, else INT4_ONE_ROW_KERNEL.
+# benchmarks/gpu_int4.py measures the four and prints the entries to set.
+INT4_ONE_ROW_KERNEL = "tinygemm"
+INT4_ONE_ROW_KERNEL_BY_SHAPE: dict[tuple[int, int], str] = {}
+INT4_ONE_ROW_KERNELS = ("tinygemm", "triton", "rows", "rows_repacked")
 DEQUANT_CHUNK_BYTES = 256 << 20  # largest dequantized weight block a many-row call holds at once
 # torch's int4 kernels (CPU and CUDA tinygemm) take codes 0..15 as (q - 8) * scale + zero8, so
 # zero8 = zero + 8 * scale. The CPU one needs the output dimension to be a multiple of 16.
@@ -202,6 +211,10 @@ class Int4Linear(_QuantizedLinear):
         self._native_supported: bool | None = None  # whether the native kernel takes this shape, once known
         self._tinygemm: tuple[tuple[int, ...], torch.Tensor, torch.Tensor] | None = None
         self.tinygemm_disabled = False  # set for good once tinygemm fails here; Triton serves instead
+        self.one_row_kernel = INT4_ONE_ROW_KERNEL_BY_SHAPE.get((out_features, in_features), INT4_ONE_ROW_KERNEL)
+        if self.one_row_kernel not in INT4_ONE_ROW_KERNELS:
+            raise ValueError(f"INT4_ONE_ROW_KERNEL {self.one_row_kernel!r} is not one of {INT4_ONE_ROW_KERNELS}")
+        self._rows_layout: tuple[tuple[int, ...], object] | None = None  # "rows_repacked"'s copy
         # CPU decode: run torch's packed kernel on bfloat16-rounded rows whatever the activation
         # dtype. Its float32 / float16 variants are scalar loops (~20x slower on an AVX-512 EPYC,
         # docs/quantization.md); the GGUF layers (quant/gguf_native.py) turn this on.
@@ -240,7 +253,14 @@ class Int4Linear(_QuantizedLinear):
         return addresses + tuple(t._version for t in tensors)
 
     def _cuda_matmul(self, rows: torch.Tensor) -> torch.Tensor:
-        if rows.dtype == torch.bfloat16 and rows.shape[0] <= INT4_TINYGEMM_MAX_M:  # tinygemm: bf16 only
+        if rows.shape[0] == 1 and self.one_row_kernel.startswith("rows"):
+            from goodserve.ops.triton_gemv import int4_rows_gemv
+
+            if self.one_row_kernel == "rows_repacked" and (layout := self._rows_repacked()) is not None:
+                return int4_rows_gemv(rows, layout)
+            return int4_rows_gemv(rows, self.qweight, self.scales, self.zeros, self.group_size)
+        tinygemm_rows = 1 if self.one_row_kernel == "tinygemm" else 2
+        if rows.dtype == torch.bfloat16 and tinygemm_rows <= rows.shape[0] <= INT4_TINYGEMM_MAX_M:  # bf16 only
             layout = self._tinygemm_layout()
             if layout is not None:
                 try:
@@ -250,6 +270,20 @@ class Int4Linear(_QuantizedLinear):
         from goodserve.quant.triton_kernels import int4_matmul
 
         return int4_matmul(rows, self.qweight, self.scales, self.zeros, self.group_size)
+
+    def _rows_repacked(self):
+        """The rows kernel's repacked copy (built on first use, outside graph capture), or None."""
+        key = self._codes_key()
+        if self._rows_layout is not None and self._rows_layout[0] == key:
+            return self._rows_layout[1]
+        if self.qweight.is_cuda and torch.cuda.is_current_stream_capturing():
+            return None  # the runner's warm-up calls build it; meanwhile the checkpoint layout serves
+        from goodserve.ops.triton_gemv import int4_rows_config, int4_rows_layout
+
+        config = int4_rows_config(self.out_features, self.in_features, self.group_size, self.qweight.device)
+        self._rows_layout = (key, int4_rows_layout(self.qweight, self.scales, self.zeros, self.group_size,
+                                                   config.block_n))
+        return self._rows_layout[1]
 
     def _tinygemm_layout(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         if self.tinygemm_disabled:
