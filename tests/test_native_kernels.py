@@ -81,7 +81,7 @@ def test_int8_activation_gemv_matches_its_torch_reference(n, k, group_size, m):
     layout = Int4Layout.from_codes(layer.qweight, layer.scales, layer.zeros, group_size)
     layout.int8_activations = True
     got = layout.matmul(x)
-    want = int8_activation_matmul_reference(x, layer.qweight, layer.scales, layer.zeros, group_size)
+    want = int8_activation_matmul_reference(x, layer.dequantize(torch.float32))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
     # And within the rounding bound of the float product: each activation moves at most half its
     # block's step (max |x| / 127), so a dot moves at most sum over blocks of step / 2 * sum |w|.
@@ -90,6 +90,17 @@ def test_int8_activation_gemv_matches_its_torch_reference(n, k, group_size, m):
     steps = x.reshape(m, -1, 32).abs().amax(-1) / 127
     bound = (steps / 2) @ w.abs().reshape(n, -1, 32).sum(-1).T
     assert (error <= bound * 1.001 + 1e-5).all()
+
+
+@pytest.mark.skipif(not int8_dot_available(), reason="no int8-activation path in this build (no AVX-512BW)")
+def test_int8_activation_rows_do_not_depend_on_the_batch():
+    """A decode row (native kernel) and the same row in a prefill-sized call (dequantize + dense
+    matmul) quantize alike, so a request's tokens do not depend on its batch."""
+    layer = int4_layer(48, 256, 32, seed=3)
+    layer.int8_activations = True
+    x = torch.randn(100, 256)
+    alone, batched = layer(x[:1]), layer(x)[:1]
+    torch.testing.assert_close(alone, batched, rtol=1e-5, atol=1e-5 * batched.abs().max().item())
 
 
 def test_int4_linear_sends_decode_rows_to_the_native_kernel():

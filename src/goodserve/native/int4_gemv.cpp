@@ -14,8 +14,10 @@
 // quantized per 32-input block to int8 with one float scale (llama.cpp's Q8 blocks), and each
 // chunk's dot product is 64 integer multiply-adds of codes (u8) by activations (s8): one AVX-512
 // VNNI vpdpbusd per 16 x 4 of them (two maddubs / madd without VNNI), several times fewer
-// instructions than dequantizing to float. The zero point stays exact: w = q s + z makes a group's
-// dot s * (q . x) + z * sum(x), and sum(x) is taken over the float row. Machines without AVX-512BW
+// instructions than dequantizing to float. w = q s + z makes a group's dot s * (q . x) + z * sum(x),
+// both over the quantized row (x = d q), so the result is the dequantized weight times that row:
+// what the many-row (prefill) calls compute with a dense matmul, so a row's result does not
+// depend on which path its batch took. Machines without AVX-512BW
 // keep the float path (gs_int8_dot_available() says which).
 #include <cmath>
 #include <vector>
@@ -96,7 +98,7 @@ void gemv(const Gemv& p, int64_t m_rows, int threads) {
 #define GS_INT8_DOT 1
 
 // Activation rows as int8 blocks of 32 (scale d = max |x| / 127, q = round(x / d)) and each
-// block's float sum; rows `k` codes apart.
+// block's d * sum(q), for the zero term; rows `k` codes apart.
 struct QuantizedRows {
   std::vector<int8_t> q;
   std::vector<float> d, sum;
@@ -113,10 +115,11 @@ struct QuantizedRows {
         const float inv = amax > 0.f ? 127.f / amax : 0.f;
         const __m512 scale = _mm512_set1_ps(inv);
         int8_t* qb = q.data() + m * k + b * kChunk;  // cvtps rounds to nearest even, as torch.round
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(qb), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(lo * scale)));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 16), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(hi * scale)));
+        const __m512i ql = _mm512_cvtps_epi32(lo * scale), qh = _mm512_cvtps_epi32(hi * scale);
         d[m * blocks + b] = amax / 127.f;
-        sum[m * blocks + b] = _mm512_reduce_add_ps(lo + hi);
+        sum[m * blocks + b] = amax / 127.f * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(ql, qh)));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(qb), _mm512_cvtsepi32_epi8(ql));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 16), _mm512_cvtsepi32_epi8(qh));
       }
   }
 };

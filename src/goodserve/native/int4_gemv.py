@@ -36,26 +36,20 @@ def int8_dot_available() -> bool:
     return library() is not None and bool(library().gs_int8_dot_available())
 
 
-def quantize_activation_blocks(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[M, K] float32 -> (codes [M, K / 32, 32] in -127..127 as float, scales [M, K / 32, 1]):
-    per block of 32, d = max |x| / 127 and q = round(x / d), as the kernel and llama.cpp's Q8_0."""
-    blocks = rows.reshape(rows.shape[0], -1, 32)
+def quantize_activation_blocks(rows: torch.Tensor) -> torch.Tensor:
+    """[..., K] float32 rows as the int8-activation kernel sees them: per block of 32,
+    d = max |x| / 127, q = round(x / d) (to nearest even), and the row becomes d * q. The many-row
+    calls of those layers multiply this, so every path computes the same product."""
+    blocks = rows.reshape(*rows.shape[:-1], -1, 32)
     amax = blocks.abs().amax(dim=-1, keepdim=True)
     inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
-    return torch.round(blocks * inv), amax / 127
+    return (torch.round(blocks * inv) * (amax / 127)).reshape(rows.shape)
 
 
-def int8_activation_matmul_reference(rows: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                                     zeros: torch.Tensor, group_size: int) -> torch.Tensor:
-    """What the int8-activation kernel computes, in float64 torch: per group, scale * sum over its
-    blocks of d_block * (codes . q_block) (integers, exact), plus zero * sum(x) over the float row."""
-    m, k = rows.shape
-    xq, d = quantize_activation_blocks(rows.float())
-    codes = torch.stack([qweight & 15, qweight >> 4], dim=-1).reshape(qweight.shape[0], k // 32, 32).double()
-    block_dots = torch.einsum("mbi,nbi->mnb", xq.double(), codes) * d.double().squeeze(-1)[:, None, :]
-    per_group = block_dots.reshape(m, -1, k // group_size, group_size // 32).sum(-1)  # [M, N, G]
-    x_sums = rows.double().reshape(m, k // group_size, group_size).sum(-1)  # [M, G]
-    return ((per_group * scales.double()).sum(-1) + x_sums @ zeros.double().T).float()
+def int8_activation_matmul_reference(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """What the int8-activation kernel computes, in float64 torch: the quantized rows times the
+    dequantized weight [N, K]."""
+    return (quantize_activation_blocks(rows.float()).double() @ weight.double().T).float()
 
 
 def tile_group_bytes(group_size: int) -> int:

@@ -252,6 +252,17 @@ class Int4Linear(_QuantizedLinear):
             return addresses
         return addresses + tuple(t._version for t in tensors)
 
+    def int8_rows_on_cpu(self, rows: torch.Tensor) -> bool:
+        """Whether this layer's CPU decode calls quantize their rows (int8_activations where the
+        kernel has that path): then its many-row calls quantize theirs too, so a row's result does
+        not depend on its batch's size."""
+        return self.int8_activations and rows.device.type == "cpu" and int4_gemv.int8_dot_available()
+
+    def _dequantized_matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        if self.int8_rows_on_cpu(rows):
+            rows = int4_gemv.quantize_activation_blocks(rows.float()).to(rows.dtype)
+        return super()._dequantized_matmul(rows)
+
     def _cuda_matmul(self, rows: torch.Tensor) -> torch.Tensor:
         if rows.shape[0] == 1 and self.one_row_kernel.startswith("rows"):
             from goodserve.ops.triton_gemv import int4_rows_gemv
