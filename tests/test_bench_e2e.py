@@ -48,10 +48,11 @@ def test_bench_counts_agree_with_server_metrics(server_url, tmp_path):
         assert len(record["chunk_times"]) >= 1 and record["ttft"] > 0
         assert record["chunk_times"] == sorted(record["chunk_times"])
     assert result["slo_attainment"] == 100.0
-    # The server's engine, as its /metrics info metric names it: the CPU's real dtype, not a guess.
+    # The server's engine, as its /metrics info metric names it: the CPU's real dtype and the
+    # quantization the engine resolved (a GGUF model on the CPU keeps its codes), not a guess.
     engine = result["engine_config"]
     assert (engine["model"], engine["dtype"], engine["device"], engine["quantization"]) == (
-        "smollm2-135m", "float32", "cpu", "none")
+        "smollm2-135m", "float32", "cpu", "gguf")
 
 
 def test_chat_endpoint_against_live_server(server_url, tmp_path):

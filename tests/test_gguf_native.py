@@ -119,7 +119,7 @@ def test_native_greedy_tokens_are_the_float_models_choices(native_llm, embedded_
     try:
         native = native_llm.generate([{"prompt_token_ids": tok.encode(p)} for p in PROMPTS], greedy)
     finally:
-        set_int8_activations(native_llm, False)  # the default (gguf_native.INT8_ACTIVATIONS)
+        set_int8_activations(native_llm, False)  # the default (EngineConfig.cpu_int8_activations)
     flips = 0
     for prompt, out in zip(PROMPTS, native):
         ids, generated = tok.encode(prompt), out.outputs[0].token_ids

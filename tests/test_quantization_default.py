@@ -55,3 +55,12 @@ def test_the_embedded_model_loads_with_gguf_layers_by_default_and_float_ones_wit
     floats = LLM("smollm2-135m", quantization="none", num_kv_blocks=8)
     assert floats.engine.config.quantization is None
     assert not isinstance(floats.engine.model.model.layers[0].self_attn.qkv_proj, Int4Linear)
+
+
+def test_cpu_int8_activations_is_an_engine_option_off_by_default():
+    """llama.cpp's int8 activation rows reach the GGUF layers only when the config asks for them."""
+    def flags(llm):
+        return {m.int8_activations for m in llm.engine.model.modules() if isinstance(m, Int4Linear)}
+
+    assert flags(LLM("smollm2-135m", num_kv_blocks=8)) == {False}
+    assert flags(LLM("smollm2-135m", num_kv_blocks=8, cpu_int8_activations=True)) == {True}

@@ -40,6 +40,12 @@ class EngineConfig:
     quantization_awq: bool = False  # activation-aware scales from a built-in calibration text
     quantized_checkpoint: str | None = None  # a checkpoint saved by `goodserve quantize`
     quantize_lm_head: bool = False  # with quantization: lm_head too, int8 per channel (docs/quantization.md)
+    # GGUF layers on the CPU: llama.cpp's arithmetic (each activation row quantized to int8 blocks of
+    # 32, integer dot products). Faster (1.04x llama.cpp against 0.7x with float32 rows,
+    # benchmarks/BENCHMARKS.md), but off by default: the rounding of a row's activations amplifies
+    # last-bit differences between batch shapes, so a request's greedy tokens can depend on its
+    # batch, and greedy agreement with the float path drops (docs/quantization.md).
+    cpu_int8_activations: bool = False
     attention_backend: str = "auto"  # auto | torch | triton
     enforce_eager: bool = False  # True: no CUDA graphs
     # Launch step N+1 before step N's tokens reach the host, so the host's bookkeeping overlaps the

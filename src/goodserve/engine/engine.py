@@ -126,6 +126,10 @@ def specialize_linears(model, device: torch.device, config: EngineConfig) -> Non
     if device.type == "cpu":
         from goodserve.native import decoder_layer
 
+        if config.cpu_int8_activations:
+            from goodserve.quant.gguf_native import use_int8_activations
+
+            use_int8_activations(model)
         pack_linears_for_cpu(model)
         decoder_layer.attach(model)
     elif config.attention_backend != "torch":

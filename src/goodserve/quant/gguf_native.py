@@ -14,7 +14,7 @@ float) are dequantized by the loader as before.
 
 On the CPU, decode calls (up to 64 rows) take goodserve's native int4 kernel (native/int4_gemv.cpp)
 with float32 rows, scales, zeros and output: the dequantized weight's product. With
-GOODSERVE_GGUF_INT8_ACTIVATIONS=1 they run as llama.cpp runs these formats: each row quantized to
+`cpu_int8_activations` (EngineConfig) they run as llama.cpp runs these formats: each row quantized to
 int8 per block of 32 (`Int4Linear.int8_activations`; needs AVX-512BW), integer dot products with
 the codes, and the many-row calls multiply the same quantized rows. Where the native library is
 missing they fall back to torch's int4 kernel, which is fast only for bfloat16 rows (~15 GB/s
@@ -23,8 +23,6 @@ against < 1 GB/s for float32): those layers then round their rows, scales and ze
 """
 
 from __future__ import annotations
-
-import os
 
 import gguf
 import numpy as np
@@ -39,11 +37,6 @@ from goodserve.quant.linear import CPU_PACKED_MAX_M, Int4Linear, matmul_path
 GROUP_SIZE = 32  # every block format here
 Q4_0, Q4_1, Q8_0 = gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0
 NATIVE_TYPES = (Q4_0, Q4_1, Q8_0)
-# llama.cpp's arithmetic on the CPU (int8 activation blocks, module doc): opt-in for now. Faster
-# (1.04x llama.cpp against 0.7x with float32 rows, benchmarks/BENCHMARKS.md), but the rounding of
-# a row's activations amplifies the float paths' last-bit differences between batch shapes, so a
-# request's greedy tokens could depend on its batch (tests/test_server_openai.py caught one).
-INT8_ACTIVATIONS = os.environ.get("GOODSERVE_GGUF_INT8_ACTIVATIONS", "0") == "1"
 _BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}  # float16 d, [float16 m], 16 bytes of nibbles or 32 int8
 
 
@@ -60,7 +53,7 @@ class Int8GroupLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.pair = Int4Linear(2 * in_features, out_features, False, GROUP_SIZE, dtype, device)
-        self.pair.bf16_cpu_kernel, self.pair.int8_activations = True, INT8_ACTIVATIONS
+        self.pair.bf16_cpu_kernel = True
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False) \
             if bias else None
         self.float_weight = float_weight  # not registered: it belongs to the module that owns it
@@ -92,8 +85,15 @@ def native_linear(tensor_type, linear: nn.Linear, float_weight: torch.Tensor | N
         module = Int8GroupLinear(*args, dtype=w.dtype, device=w.device, float_weight=float_weight)
     else:
         module = Int4Linear(*args, group_size=GROUP_SIZE, dtype=w.dtype, device=w.device)
-        module.bf16_cpu_kernel, module.int8_activations = True, INT8_ACTIVATIONS
+        module.bf16_cpu_kernel = True
     return module
+
+
+def use_int8_activations(model: nn.Module) -> None:
+    """The GGUF layers' CPU calls quantize their rows to int8 (EngineConfig.cpu_int8_activations)."""
+    for module in model.modules():
+        if isinstance(module, Int4Linear) and module.bf16_cpu_kernel:  # set on GGUF layers alone
+            module.int8_activations = True
 
 
 def int4_storage(module: nn.Module) -> Int4Linear:

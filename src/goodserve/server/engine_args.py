@@ -40,8 +40,11 @@ _HELP = {
     "enforce_eager": "no CUDA graphs",
     "async_scheduling": "launch step N+1 before step N's tokens reach the host (CUDA graphs only)",
     "quantization": "weight-only int8 / int4 computed at load, or gguf: run a GGUF file's own Q4_0 / Q4_1 / Q8_0 "
-                    "weights as they are (docs/quantization.md) (default: None)",
+                    "weights as they are (docs/quantization.md); none: unquantized (default: gguf for a GGUF model on the CPU, "
+                    "else none)",
     "quantize_lm_head": "with --quantization (or a checkpoint made with it): lm_head in int8 too (default: False)",
+    "cpu_int8_activations": "GGUF layers on the CPU quantize activation rows to int8 as llama.cpp does: faster, "
+                            "but greedy tokens can then depend on the batch (docs/quantization.md)",
     "tokenizer": "tokenizer path, when it differs from the model's",
 }
 
