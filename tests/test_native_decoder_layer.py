@@ -1,4 +1,4 @@
-"""The one-call native decoder layer (native/decoder_layer.py) against the per-op path it replaces
+"""The one-call native decoder stack (native/decoder_layer.py) against the per-op path it replaces
 (each op already checked against torch in test_native_kernels.py): same greedy tokens and logprobs
 within float32 rounding, on int4 models with and without q/k/v biases, GQA groups of 2 and 4, a
 batch of mixed lengths (so block tables of several blocks) and the first layer's missing residual."""
@@ -18,16 +18,14 @@ PARAMS = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=
 
 
 def generate(llm: LLM, native: bool):
-    layers = llm.engine.runner.model.model.layers
-    attached = [layer.native_decode for layer in layers]
+    model = llm.engine.runner.model
+    attached = model.native_decode
     if not native:
-        for layer in layers:
-            layer.native_decode = None
+        model.native_decode = None
     try:
         return llm.generate(PROMPTS, PARAMS)
     finally:
-        for layer, native_decode in zip(layers, attached):
-            layer.native_decode = native_decode
+        model.native_decode = attached
 
 
 @pytest.mark.parametrize("model,group_size,int8_activations",
@@ -40,19 +38,20 @@ def test_native_decode_layer_matches_the_per_op_path(model, group_size, int8_act
         if isinstance(module, Int4Linear):
             module.int8_activations = int8_activations
     layers = llm.engine.runner.model.model.layers
-    assert all(layer.native_decode is not None for layer in layers)
+    stack = llm.engine.runner.model.native_decode
+    assert stack is not None and len(stack.layers) == len(layers)
     for layer in layers:  # random models load zero biases: make them count
         if layer.self_attn.qkv_proj.bias is not None:
             layer.self_attn.qkv_proj.bias.normal_(0, 0.5, generator=torch.Generator().manual_seed(0))
     calls = []
-    original = decoder_layer.NativeDecodeLayer.__call__
-    decoder_layer.NativeDecodeLayer.__call__ = lambda self, *args: calls.append(1) or original(self, *args)
+    original = decoder_layer.NativeDecodeStack.__call__
+    decoder_layer.NativeDecodeStack.__call__ = lambda self, *args: calls.append(1) or original(self, *args)
     try:
         fused = generate(llm, native=True)
     finally:
-        decoder_layer.NativeDecodeLayer.__call__ = original
-    assert len(calls) >= len(layers) * (PARAMS.max_tokens - 1)  # every decode step, every layer
-    assert all(layer.native_decode.operands().int8_activations == int8_activations for layer in layers)
+        decoder_layer.NativeDecodeStack.__call__ = original
+    assert len(calls) >= PARAMS.max_tokens - 1  # every decode step
+    assert all(struct.int8_activations == int8_activations for struct in stack.operands())
     per_op = generate(llm, native=False)
     for ours, ref in zip(fused, per_op):
         # With int8 activations an ulp of difference upstream can move one activation's rounding, so
@@ -70,7 +69,15 @@ def test_native_decode_layer_matches_the_per_op_path(model, group_size, int8_act
             assert tokens[same] in parted and parted[ref_tokens[same]].logprob - parted[tokens[same]].logprob < 0.05
 
 
-def test_only_int4_layers_get_it():
+def test_only_int4_models_get_it():
     llm = LLM("dummy:tiny", num_kv_blocks=16)  # float32 linears: the per-op path
-    assert all(layer.native_decode is None for layer in llm.engine.runner.model.model.layers)
-    assert decoder_layer.attach(llm.engine.runner.model) == 0
+    assert llm.engine.runner.model.native_decode is None
+    assert decoder_layer.attach(llm.engine.runner.model) is False
+
+
+def test_one_layer_off_the_native_kernel_keeps_the_whole_model_on_the_per_op_path():
+    model = LLM("dummy:tiny", quantization="int4", quantization_group_size=32, num_kv_blocks=16).engine.runner.model
+    assert model.native_decode is not None
+    o_proj = model.model.layers[1].self_attn.o_proj
+    model.model.layers[1].self_attn.o_proj = torch.nn.Linear(o_proj.in_features, o_proj.out_features, bias=False)
+    assert decoder_layer.attach(model) is False and model.native_decode is None

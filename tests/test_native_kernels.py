@@ -1,5 +1,5 @@
 """The native CPU kernels (src/goodserve/native/) against their plain-torch references: the int4
-GEMV against a float32 matmul on the dequantized weight, the layer ops against ops/norm.py,
+and Q8_0 GEMVs against a matmul on the dequantized weight, the layer ops against ops/norm.py,
 ops/activation.py and the reference RoPE + cache write, decode attention against
 paged_attention_reference. Odd sizes exercise the kernels' tails; the build is checked to have
 happened (a silent fallback would compare torch with torch)."""
@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from goodserve.native import build, layer_ops
 from goodserve.native.int4_gemv import Int4Layout, int8_activation_matmul_reference, int8_dot_available
+from goodserve.native.q8_gemv import Q8Layout
 from goodserve.ops.activation import silu_and_mul_torch
 from goodserve.ops.attention import LayerKVCache, paged_attention_reference, rotary_write_kv_torch
 from goodserve.ops.norm import add_rms_norm_torch, rms_norm_torch
@@ -63,6 +64,22 @@ def test_int4_gemv_matches_the_dequantized_matmul(n, k, group_size, m):
     x = torch.randn(m, k + 7)[:, 3 : 3 + k]  # strided rows
     got = Int4Layout.from_codes(layer.qweight, layer.scales, layer.zeros, group_size).matmul(x)
     want = x @ layer.dequantize(torch.float32).T
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("n,k", [(1, 32), (5, 96), (17, 128), (64, 576)])
+@pytest.mark.parametrize("m", [1, 3, 4, 9])
+def test_q8_gemv_matches_the_dequantized_matmul(n, k, m):
+    """Q8_0 codes (int8, a float16 scale per 32 inputs, the extremes -128 and 127 included) against
+    float64 torch on the dequantized weight."""
+    generator = torch.Generator().manual_seed(n + k + m)
+    codes = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=generator)
+    codes[0, :2] = torch.tensor([-128, 127], dtype=torch.int8)
+    scales = torch.rand(n, k // 32, generator=generator).half().float()
+    x = torch.randn(m, k + 7, generator=generator)[:, 3 : 3 + k]  # strided rows
+    got = Q8Layout.from_codes(codes, scales).matmul(x)
+    weight = (codes.double().view(n, -1, 32) * scales.double()[..., None]).view(n, k)
+    want = (x.double() @ weight.T).float()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 

@@ -17,6 +17,7 @@ from goodserve import LLM
 from goodserve.native import build, layer_ops
 from goodserve.native.int4_gemv import Int4Layout
 from goodserve.native.operands import NativeOperandError
+from goodserve.native.q8_gemv import Q8Layout
 from goodserve.quant import linear
 from goodserve.quant.gguf_native import Int8GroupLinear
 from goodserve.quant.linear import CPU_NATIVE_MAX_M, CUDA_KERNEL_MAX_M, Int4Linear, matmul_path
@@ -123,48 +124,64 @@ def test_int4_gemv_refuses_tiles_it_cannot_read():
         short.matmul(f32(1, 64))
 
 
+def test_q8_gemv_refuses_tiles_and_rows_it_cannot_read():
+    q8 = Q8Layout.from_codes(torch.zeros(8, 64, dtype=torch.int8), torch.ones(8, 2))
+    with pytest.raises(NativeOperandError, match="rows"):
+        q8.matmul(meta(f32(1, 64)))
+    with pytest.raises(NativeOperandError, match="rows"):
+        q8.matmul(f32(1, 32))
+    q8.tiles = q8.tiles[:, :1]
+    with pytest.raises(NativeOperandError, match="tiles"):
+        q8.matmul(f32(1, 64))
+
+
 @pytest.fixture(scope="module")
 def int4_model():
     return LLM("dummy:tiny", quantization="int4", quantization_group_size=32, num_kv_blocks=16).engine.runner.model
 
 
-def decoder_layer_args(layer) -> dict:
-    attn = layer.self_attn
-    hidden = layer.self_attn.qkv_proj.in_features
+def decoder_stack_args(model) -> dict:
+    attn = model.model.layers[0].self_attn
+    hidden = attn.qkv_proj.in_features
     pool = (BLOCKS, BLOCK, attn.num_kv_heads, attn.head_dim)
-    return dict(x=f32(T, hidden), residual=f32(T, hidden), positions=torch.arange(T),
-                rotary_cache=f32(64, attn.head_dim), kv_cache=SimpleNamespace(k=f32(*pool), v=f32(*pool)),
+    return dict(x=f32(T, hidden), positions=torch.arange(T), rotary_cache=f32(64, attn.head_dim),
+                kv_caches=[SimpleNamespace(k=f32(*pool), v=f32(*pool)) for _ in model.model.layers],
                 meta=SimpleNamespace(slot_mapping=torch.arange(T), seq_lens=torch.ones(T, dtype=torch.int32),
                                      block_tables=torch.zeros(T, 2, dtype=torch.int32)))
 
 
-def test_decoder_layer_runs_on_good_operands(int4_model):
-    layer = int4_model.model.layers[0]
-    out, residual = layer.native_decode(**decoder_layer_args(layer))
+def test_decoder_stack_runs_on_good_operands(int4_model):
+    out, residual = int4_model.native_decode(**decoder_stack_args(int4_model))
     assert out.shape == residual.shape and torch.isfinite(out).all()
 
 
-@pytest.mark.parametrize("name", ["x", "residual", "positions", "rotary_cache", "k", "v", "slot_mapping",
-                                  "seq_lens", "block_tables"])
-def test_decoder_layer_refuses_meta_operands(int4_model, name):
-    layer = int4_model.model.layers[0]
-    args = decoder_layer_args(layer)
-    holder = {"k": args["kv_cache"], "v": args["kv_cache"], "slot_mapping": args["meta"],
+@pytest.mark.parametrize("name", ["x", "positions", "rotary_cache", "k", "v", "slot_mapping", "seq_lens",
+                                  "block_tables"])
+def test_decoder_stack_refuses_meta_operands(int4_model, name):
+    args = decoder_stack_args(int4_model)
+    holder = {"k": args["kv_caches"][-1], "v": args["kv_caches"][-1], "slot_mapping": args["meta"],
               "seq_lens": args["meta"], "block_tables": args["meta"]}.get(name)
     if holder is None:
         args[name] = meta(args[name])
     else:
         setattr(holder, name, meta(getattr(holder, name)))
     with pytest.raises(NativeOperandError):
-        layer.native_decode(**args)
+        int4_model.native_decode(**args)
 
 
-def test_decoder_layer_refuses_weights_moved_off_the_cpu(int4_model):
+def test_decoder_stack_refuses_a_cache_list_of_another_length(int4_model):
+    args = decoder_stack_args(int4_model)
+    args["kv_caches"] = args["kv_caches"][:-1]
+    with pytest.raises(NativeOperandError, match="caches"):
+        int4_model.native_decode(**args)
+
+
+def test_decoder_stack_refuses_weights_moved_off_the_cpu(int4_model):
+    args = decoder_stack_args(int4_model)
     layer = int4_model.model.layers[1]
-    args = decoder_layer_args(layer)
     layer.input_layernorm.weight = torch.nn.Parameter(meta(layer.input_layernorm.weight), requires_grad=False)
     with pytest.raises(NativeOperandError, match="input_norm"):
-        layer.native_decode(**args)
+        int4_model.native_decode(**args)
 
 
 @pytest.mark.parametrize("rows", [1, CUDA_KERNEL_MAX_M, CUDA_KERNEL_MAX_M + 1, CPU_NATIVE_MAX_M,

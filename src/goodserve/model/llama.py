@@ -71,16 +71,11 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(spec)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = LlamaMLP(spec)
-        # Set on the CPU for int4 layers (native/decoder_layer.py): runs the decode steps it takes
-        # as one native call. Not a module, so the state dict is the same either way.
-        self.native_decode = None
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
         rotary_cache: torch.Tensor, kv_cache: LayerKVCache, meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.native_decode is not None and self.native_decode.takes(x, kv_cache, meta):
-            return self.native_decode(x, residual, positions, rotary_cache, kv_cache, meta)
         # The residual add of the previous sublayer is fused into this norm (vLLM style).
         if residual is None:
             x, residual = self.input_layernorm(x), x
@@ -106,6 +101,9 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(spec)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.tie_weights()
+        # Set on the CPU for int4 models (native/decoder_layer.py): runs the decode steps it takes
+        # through all layers in one native call. Not a module, so the state dict is the same either way.
+        self.native_decode = None
         # float32 whatever the model dtype: angles at large positions need the precision.
         self.register_buffer("rotary_cache", self._rotary_table(), persistent=False)
 
@@ -125,8 +123,11 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: [T] -> final-normed hidden states [T, hidden]."""
         meta = meta.for_new_step()
         x, residual = self.model.embed_tokens(input_ids), None
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x, residual = layer(x, residual, positions, self.rotary_cache, kv_cache, meta)
+        if self.native_decode is not None and self.native_decode.takes(x, kv_caches[0], meta):
+            x, residual = self.native_decode(x, positions, self.rotary_cache, kv_caches, meta)
+        else:
+            for layer, kv_cache in zip(self.model.layers, kv_caches):
+                x, residual = layer(x, residual, positions, self.rotary_cache, kv_cache, meta)
         x, _ = self.model.norm(x, residual)
         return x
 

@@ -30,7 +30,7 @@ import torch  # noqa: F401  (loads torch's libgomp first, so the library binds t
 logger = logging.getLogger("goodserve.native")
 
 SOURCE_DIR = Path(__file__).parent
-SOURCES = ("int4_gemv.cpp", "decode_attention.cpp", "layer_ops.cpp", "decoder_layer.cpp")
+SOURCES = ("int4_gemv.cpp", "q8_gemv.cpp", "decode_attention.cpp", "layer_ops.cpp", "decoder_layer.cpp")
 HEADERS = ("vec.h",)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno")
 LIBRARY_NAME = "libgoodserve_native.so"
@@ -40,11 +40,12 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 SIGNATURES = {
     "gs_int4_gemv": ([_P, _I, _P, _P, _I, _I, _I, _I, _I, ctypes.c_int, ctypes.c_int], ctypes.c_int),
     "gs_int8_dot_available": ([], ctypes.c_int),
+    "gs_q8_gemv": ([_P, _I, _P, _P, _I, _I, _I, _I, ctypes.c_int], None),
     "gs_add_rms_norm": ([_P, _P, _P, _P, _P, _I, _I, _F], None),
     "gs_silu_and_mul": ([_P, _P, _I, _I], None),
     "gs_rope_write_kv": ([_P, _I, _P, _I, _P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I], None),
     "gs_decode_attention": ([_P, _I, _P, _P, _P, _I, _I, _P, _P, _I, _I, _I, _I, _I, _F, ctypes.c_int], None),
-    "gs_decoder_layer": ([_P, _P, _P, _P, _P, _I, _P, _P, _P, _P, _P, _I, _P, _I, _I, _P, ctypes.c_int], None),
+    "gs_decoder_stack": ([_P, _I, _P, _P, _P, _P, _P, _I, _P, _P, _P, _I, _P, _I, _I, _P, ctypes.c_int], None),
 }
 
 

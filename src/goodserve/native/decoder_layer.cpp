@@ -1,8 +1,8 @@
-// A whole decoder layer of a decode step in one call, for layers whose four linears are int4: the
-// same kernels the per-op path calls one by one (layer_ops.cpp, int4_gemv.cpp,
-// decode_attention.cpp), chained here so a CPU decode step of a small model pays one Python call
-// per layer instead of a dozen (each ~10-20 us around a kernel of similar size). Its reference is
-// model/llama.py LlamaDecoderLayer.forward.
+// A decode step's decoder layers in one call, for models whose linears are int4: the same kernels
+// the per-op path calls one by one (layer_ops.cpp, int4_gemv.cpp, decode_attention.cpp), chained
+// here so a CPU decode step of a small model pays one Python call instead of a dozen per layer
+// (each ~10-20 us around a kernel of similar size). Its reference is model/llama.py
+// LlamaDecoderLayer.forward, layer after layer.
 #include <cstring>
 #include <vector>
 
@@ -38,13 +38,16 @@ struct LayerOperands {
   int32_t int8_activations;  // all four linears (gs_int4_gemv's flag)
 };
 
+namespace {
+
 // x, residual (null in the first layer: then x is the residual), out, residual_out: [T, hidden];
-// one query token per sequence; the cache arguments as gs_decode_attention takes them.
-void gs_decoder_layer(const LayerOperands* w, const float* x, const float* residual, float* out,
-                      float* residual_out, int64_t tokens, const int32_t* positions, const float* rotary,
-                      const int32_t* slots, float* k_cache, float* v_cache, int64_t block_size,
-                      const int32_t* block_tables, int64_t bt_row, int64_t bt_col, const int32_t* seq_lens,
-                      int max_threads) {
+// out may be x and residual_out residual (each is read before the other is written).
+// One query token per sequence; the cache arguments as gs_decode_attention takes them.
+void decoder_layer(const LayerOperands* w, const float* x, const float* residual, float* out,
+                   float* residual_out, int64_t tokens, const int32_t* positions, const float* rotary,
+                   const int32_t* slots, float* k_cache, float* v_cache, int64_t block_size,
+                   const int32_t* block_tables, int64_t bt_row, int64_t bt_col, const int32_t* seq_lens,
+                   int max_threads) {
   const int64_t hidden = w->hidden, inter = w->inter, q_size = w->q_heads * w->head_dim;
   const int64_t kv_size = w->kv_heads * w->head_dim, qkv_size = q_size + 2 * kv_size;
   thread_local std::vector<float> scratch;
@@ -79,6 +82,21 @@ void gs_decoder_layer(const LayerOperands* w, const float* x, const float* resid
   gs_silu_and_mul(gate_up, act, tokens, inter);
   gs_int4_gemv(act, inter, w->down, out, hidden, tokens, hidden, inter, w->down_group, max_threads,
                w->int8_activations);
+}
+
+}  // namespace
+
+// Layers [0, n_layers) in order, layer i with its own K/V pools k_caches[i], v_caches[i]; x: the
+// embeddings [T, hidden]; out, residual_out: the last layer's, as decoder_layer leaves them.
+void gs_decoder_stack(const LayerOperands* layers, int64_t n_layers, float* const* k_caches,
+                      float* const* v_caches, const float* x, float* out, float* residual_out, int64_t tokens,
+                      const int32_t* positions, const float* rotary, const int32_t* slots, int64_t block_size,
+                      const int32_t* block_tables, int64_t bt_row, int64_t bt_col, const int32_t* seq_lens,
+                      int max_threads) {
+  std::memcpy(out, x, tokens * layers[0].hidden * sizeof(float));
+  for (int64_t i = 0; i < n_layers; i++)
+    decoder_layer(&layers[i], out, i ? residual_out : nullptr, out, residual_out, tokens, positions, rotary, slots,
+                  k_caches[i], v_caches[i], block_size, block_tables, bt_row, bt_col, seq_lens, max_threads);
 }
 
 }  // extern "C"

@@ -1,9 +1,9 @@
-"""One native call per decoder layer in CPU decode steps (decoder_layer.cpp).
+"""One native call for all decoder layers of a CPU decode step (decoder_layer.cpp).
 
 A CPU decode step of a small int4 model spends as much time in Python around its kernels as in
-them: a dozen calls per layer at ~10-20 us each. Where a layer's four linears take the native int4
-kernel, `attach` gives the layer a `NativeDecodeLayer`, and the layer's forward hands it every step
-it can run: one query per sequence, float32 activations and K/V, few enough rows. Everything else
+them: a dozen calls per layer at ~10-20 us each. Where every layer's four linears take the native
+int4 kernel, `attach` gives the model a `NativeDecodeStack`, and its forward hands it every step it
+can run: one query per sequence, float32 activations and K/V, few enough rows. Everything else
 (prefill, other dtypes, int8 / fp8 KV) stays on the per-op path, which is also the reference.
 """
 
@@ -16,7 +16,7 @@ from torch import nn
 
 from goodserve.native.build import library
 from goodserve.native.layer_ops import F32, I32, block_tables_operand, kv_pools
-from goodserve.native.operands import operand
+from goodserve.native.operands import NativeOperandError, operand
 from goodserve.quant.linear import CPU_NATIVE_MAX_M, Int4Linear
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -36,56 +36,89 @@ def _linears(layer: nn.Module) -> tuple[nn.Module, ...]:
     return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
 
 
-def attach(model: nn.Module) -> int:
-    """Give each decoder layer whose linears all take the native int4 kernel its native decode path;
-    returns how many layers got one."""
-    count = 0
-    for layer in model.model.layers:
-        linears = _linears(layer)
-        if (all(isinstance(lin, Int4Linear) and lin.native_layout() is not None for lin in linears)
-                and all(lin.bias is None for lin in linears[1:]) and layer.self_attn.head_dim % 16 == 0
-                and len({lin.native_layout().int8_activations for lin in linears}) == 1  # one flag a call
-                and all(norm.weight.dtype == torch.float32 and norm.weight.is_contiguous()
-                        for norm in (layer.input_layernorm, layer.post_attention_layernorm))):
-            layer.native_decode = NativeDecodeLayer(layer)
-            count += 1
-    return count
+def _native(layer: nn.Module) -> bool:
+    """Whether the native call can run this layer: four int4 linears on the native kernel, one
+    activation arithmetic for all four, float32 norms, no biases but q/k/v's."""
+    linears = _linears(layer)
+    return (all(isinstance(lin, Int4Linear) and lin.native_layout() is not None for lin in linears)
+            and all(lin.bias is None for lin in linears[1:]) and layer.self_attn.head_dim % 16 == 0
+            and len({lin.native_layout().int8_activations for lin in linears}) == 1
+            and all(norm.weight.dtype == torch.float32 and norm.weight.is_contiguous()
+                    for norm in (layer.input_layernorm, layer.post_attention_layernorm)))
+
+
+def attach(model: nn.Module) -> bool:
+    """Give the model its native decode path if every decoder layer can take it; returns whether."""
+    layers = list(model.model.layers)
+    model.native_decode = NativeDecodeStack(layers) if all(_native(layer) for layer in layers) else None
+    return model.native_decode is not None
+
+
+class NativeDecodeStack:
+    """The decoder layers of a decode step as one native call (the layers' forward, in order)."""
+
+    def __init__(self, layers: list[nn.Module]):
+        self.layers = [NativeDecodeLayer(layer) for layer in layers]
+        self._array, self._structs = None, []  # the layers' LayerOperands side by side, and their sources
+        self._kv = ((), None)  # the K/V pools last checked, and their pointer arrays
+
+    @staticmethod
+    def takes(x: torch.Tensor, kv_cache, meta) -> bool:
+        """Whether the stack runs this step (kv_cache: the first layer's; all share its dtype)."""
+        return (meta.is_decode_only and x.shape[0] <= CPU_NATIVE_MAX_M and x.dtype == torch.float32
+                and kv_cache.k.dtype == torch.float32 and not x.is_cuda)
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, rotary_cache: torch.Tensor,
+                 kv_caches: list, meta) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the embeddings [T, hidden] -> (the last layer's output, its residual stream)."""
+        first = self.layers[0].layer.self_attn
+        x = operand("x", x.contiguous(), F32, (None, self.layers[0].linears[0].in_features))
+        tokens = x.shape[0]
+        positions, slots, seq_lens = (operand(name, t.to(I32).contiguous(), I32, (tokens,)) for name, t in
+                                      (("positions", positions), ("slot_mapping", meta.slot_mapping),
+                                       ("seq_lens", meta.seq_lens)))
+        operand("rotary_cache", rotary_cache, F32, (None, first.head_dim))
+        k_pools, v_pools = self._kv_pools(kv_caches)
+        tables = block_tables_operand(meta.block_tables, tokens)
+        out, residual = torch.empty_like(x), torch.empty_like(x)
+        library().gs_decoder_stack(
+            self.operands(), len(self.layers), k_pools, v_pools, x.data_ptr(), out.data_ptr(), residual.data_ptr(),
+            tokens, positions.data_ptr(), rotary_cache.data_ptr(), slots.data_ptr(), kv_caches[0].k.shape[1],
+            tables.data_ptr(), tables.stride(0), tables.stride(1), seq_lens.data_ptr(), torch.get_num_threads())
+        return out, residual
+
+    def operands(self):
+        """Every layer's LayerOperands in one array, rebuilt when any layer's changed."""
+        structs = [layer.operands() for layer in self.layers]
+        if self._array is None or any(a is not b for a, b in zip(structs, self._structs)):
+            self._array, self._structs = (LayerOperands * len(structs))(*structs), structs
+        return self._array
+
+    def _kv_pools(self, kv_caches: list):
+        """Pointer arrays of the layers' K and V pools, checked when the pools are new."""
+        pools = tuple(t for cache in kv_caches for t in (cache.k, cache.v))
+        if len(pools) != len(self._kv[0]) or any(a is not b for a, b in zip(pools, self._kv[0])):
+            if len(kv_caches) != len(self.layers):
+                raise NativeOperandError(f"{len(kv_caches)} K/V caches for {len(self.layers)} layers")
+            for layer, cache in zip(self.layers, kv_caches):
+                attn = layer.layer.self_attn
+                kv_pools(cache.k, cache.v, attn.num_kv_heads, attn.head_dim)
+                if cache.k.shape[1] != kv_caches[0].k.shape[1]:
+                    raise NativeOperandError("the layers' K/V pools have different block sizes")
+            pointers = [(_P * len(kv_caches))(*(t.data_ptr() for t in pools[i::2])) for i in (0, 1)]
+            self._kv = (pools, pointers)
+        return self._kv[1]
 
 
 class NativeDecodeLayer:
+    """One layer's LayerOperands, built from its weights and rebuilt when they change."""
+
     def __init__(self, layer: nn.Module):
         self.layer = layer
         self.linears = _linears(layer)
         self.norms = (layer.input_layernorm, layer.post_attention_layernorm)
         self._pointed: tuple = ()  # what the struct points into, to notice rebuilt layouts or new weights
         self._struct: LayerOperands | None = None
-
-    @staticmethod
-    def takes(x: torch.Tensor, kv_cache, meta) -> bool:
-        return (meta.is_decode_only and x.shape[0] <= CPU_NATIVE_MAX_M and x.dtype == torch.float32
-                and kv_cache.k.dtype == torch.float32 and not x.is_cuda)
-
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
-                 rotary_cache: torch.Tensor, kv_cache, meta) -> tuple[torch.Tensor, torch.Tensor]:
-        attn = self.layer.self_attn
-        x = operand("x", x.contiguous(), F32, (None, self.linears[0].in_features))
-        tokens = x.shape[0]
-        if residual is not None:
-            residual = operand("residual", residual.contiguous(), F32, tuple(x.shape))
-        positions, slots, seq_lens = (operand(name, t.to(I32).contiguous(), I32, (tokens,)) for name, t in
-                                      (("positions", positions), ("slot_mapping", meta.slot_mapping),
-                                       ("seq_lens", meta.seq_lens)))
-        operand("rotary_cache", rotary_cache, F32, (None, attn.head_dim))
-        kv_pools(kv_cache.k, kv_cache.v, attn.num_kv_heads, attn.head_dim)
-        tables = block_tables_operand(meta.block_tables, tokens)
-        operands = self.operands()
-        out, residual_out = torch.empty_like(x), torch.empty_like(x)
-        library().gs_decoder_layer(
-            ctypes.byref(operands), x.data_ptr(), None if residual is None else residual.data_ptr(),
-            out.data_ptr(), residual_out.data_ptr(), tokens, positions.data_ptr(), rotary_cache.data_ptr(),
-            slots.data_ptr(), kv_cache.k.data_ptr(), kv_cache.v.data_ptr(), kv_cache.k.shape[1],
-            tables.data_ptr(), tables.stride(0), tables.stride(1), seq_lens.data_ptr(), torch.get_num_threads())
-        return out, residual_out
 
     def operands(self) -> LayerOperands:
         """The struct of pointers, rebuilt when anything it points into was replaced (new weights)."""

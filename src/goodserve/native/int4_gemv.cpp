@@ -28,7 +28,6 @@ namespace {
 
 constexpr int kChunk = 32;    // inputs per 16-byte chunk
 constexpr int kRows = 4;      // weight rows per tile: independent accumulator chains
-constexpr int kMaxXTile = 4;  // activation rows per pass: each dequantized chunk is used this often
 constexpr int kPrefetchBytes = 1024;
 
 struct Gemv {
@@ -78,20 +77,8 @@ void tile(const Gemv& p, int64_t t, int64_t m0) {
 
 template <int CPG>
 void gemv(const Gemv& p, int64_t m_rows, int threads) {
-#pragma omp parallel num_threads(threads)
-  {
-    int64_t begin, end;
-    thread_range((p.n + kRows - 1) / kRows, 1, &begin, &end);
-    for (int64_t t = begin; t < end; t++) {
-      int64_t m0 = 0;
-      for (; m0 + kMaxXTile <= m_rows; m0 += kMaxXTile) tile<CPG, kMaxXTile>(p, t, m0);
-      switch (m_rows - m0) {
-        case 3: tile<CPG, 3>(p, t, m0); break;
-        case 2: tile<CPG, 2>(p, t, m0); break;
-        case 1: tile<CPG, 1>(p, t, m0); break;
-      }
-    }
-  }
+  for_tiles((p.n + kRows - 1) / kRows, m_rows, threads,
+            [&](int64_t t, int64_t m0, auto rows) { tile<CPG, decltype(rows)::value>(p, t, m0); });
 }
 
 #if defined(__AVX512BW__)
@@ -189,20 +176,8 @@ void qtile(const QGemv& p, int64_t t, int64_t m0) {
 
 template <int CPG>
 void qgemv(const QGemv& p, int64_t m_rows, int threads) {
-#pragma omp parallel num_threads(threads)
-  {
-    int64_t begin, end;
-    thread_range((p.n + kRows - 1) / kRows, 1, &begin, &end);
-    for (int64_t t = begin; t < end; t++) {
-      int64_t m0 = 0;
-      for (; m0 + kMaxXTile <= m_rows; m0 += kMaxXTile) qtile<CPG, kMaxXTile>(p, t, m0);
-      switch (m_rows - m0) {
-        case 3: qtile<CPG, 3>(p, t, m0); break;
-        case 2: qtile<CPG, 2>(p, t, m0); break;
-        case 1: qtile<CPG, 1>(p, t, m0); break;
-      }
-    }
-  }
+  for_tiles((p.n + kRows - 1) / kRows, m_rows, threads,
+            [&](int64_t t, int64_t m0, auto rows) { qtile<CPG, decltype(rows)::value>(p, t, m0); });
 }
 
 int int8_gemv(const float* x, int64_t ldx, const uint8_t* tiles, float* y, int64_t ldy, int64_t m_rows, int64_t n,

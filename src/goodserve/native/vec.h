@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 typedef float v16f __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
@@ -24,13 +25,19 @@ static inline void store16(float* p, v16f v) { std::memcpy(p, &v, sizeof v); }
 // A broadcast (`v16f{} + x` would add 0.0, and GCC turns a loop of lane stores into 16 of them).
 static inline v16f splat16(float x) { return v16f{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
 
-// 16 bytes widened to 16 int32 lanes (GCC scalarizes __builtin_convertvector of bytes).
-static inline v16i widen16(const uint8_t* p) {
+// 16 bytes widened to 16 int32 lanes, sign-extended for int8_t and zero-extended for uint8_t
+// (GCC scalarizes __builtin_convertvector of bytes).
+template <typename Byte>
+static inline v16i widen16(const Byte* p) {
+  static_assert(sizeof(Byte) == 1, "bytes only");
+  constexpr bool is_signed = std::is_signed_v<Byte>;
   const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
 #if defined(__AVX512F__)
-  return (v16i)_mm512_cvtepu8_epi32(bytes);
+  return (v16i)(is_signed ? _mm512_cvtepi8_epi32(bytes) : _mm512_cvtepu8_epi32(bytes));
 #elif defined(__AVX2__)
-  const __m256i lo = _mm256_cvtepu8_epi32(bytes), hi = _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8));
+  const __m128i upper = _mm_srli_si128(bytes, 8);
+  const __m256i lo = is_signed ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes);
+  const __m256i hi = is_signed ? _mm256_cvtepi8_epi32(upper) : _mm256_cvtepu8_epi32(upper);
   v16i out;
   std::memcpy(&out, &lo, sizeof lo);
   std::memcpy(reinterpret_cast<char*>(&out) + sizeof lo, &hi, sizeof hi);
@@ -109,4 +116,25 @@ static inline void thread_range(int64_t count, int64_t align, int64_t* begin, in
   const int64_t units = (count + align - 1) / align;
   *begin = std::min(count, units * t / threads * align);
   *end = std::min(count, units * (t + 1) / threads * align);
+}
+
+// Weight tiles [0, tiles) split over a team of `threads`, each tile against all m_rows activation
+// rows in passes of up to kMaxRowPass: run(t, m0, std::integral_constant<int, rows in the pass>).
+constexpr int kMaxRowPass = 4;
+template <typename Run>
+static inline void for_tiles(int64_t tiles, int64_t m_rows, int threads, Run run) {
+#pragma omp parallel num_threads(threads)
+  {
+    int64_t begin, end;
+    thread_range(tiles, 1, &begin, &end);
+    for (int64_t t = begin; t < end; t++) {
+      int64_t m0 = 0;
+      for (; m0 + kMaxRowPass <= m_rows; m0 += kMaxRowPass) run(t, m0, std::integral_constant<int, kMaxRowPass>{});
+      switch (m_rows - m0) {
+        case 3: run(t, m0, std::integral_constant<int, 3>{}); break;
+        case 2: run(t, m0, std::integral_constant<int, 2>{}); break;
+        case 1: run(t, m0, std::integral_constant<int, 1>{}); break;
+      }
+    }
+  }
 }

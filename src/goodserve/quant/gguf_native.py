@@ -16,7 +16,9 @@ On the CPU, decode calls (up to 64 rows) take goodserve's native int4 kernel (na
 with float32 rows, scales, zeros and output: the dequantized weight's product. With
 `cpu_int8_activations` (EngineConfig) they run as llama.cpp runs these formats: each row quantized to
 int8 per block of 32 (`Int4Linear.int8_activations`; needs AVX-512BW), integer dot products with
-the codes, and the many-row calls multiply the same quantized rows. Where the native library is
+the codes, and the many-row calls multiply the same quantized rows. Q8_0 layers (the tied lm_head)
+take their own native kernel instead (native/q8_gemv.cpp, int8 codes as they are: a third fewer
+bytes than the two halves), always with float32 rows. Where the native library is
 missing they fall back to torch's int4 kernel, which is fast only for bfloat16 rows (~15 GB/s
 against < 1 GB/s for float32): those layers then round their rows, scales and zeros to bfloat16
 (`Int4Linear.bf16_cpu_kernel`). Prefill-sized calls dequantize and stay in the model dtype.
@@ -30,9 +32,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from goodserve.native.int4_gemv import quantize_activation_blocks
+from goodserve.native import q8_gemv
 from goodserve.quant import schemes
-from goodserve.quant.linear import CPU_PACKED_MAX_M, Int4Linear, matmul_path
+from goodserve.quant.linear import CPU_NATIVE_MAX_M, CPU_PACKED_MAX_M, Int4Linear, matmul_path
 
 GROUP_SIZE = 32  # every block format here
 Q4_0, Q4_1, Q8_0 = gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0
@@ -41,10 +43,13 @@ _BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}  # float16 d, [float16 m], 16 byte
 
 
 class Int8GroupLinear(nn.Module):
-    """int8 codes with one scale per 32 inputs (Q8_0), as an Int4Linear over [x, x] (module doc).
+    """int8 codes with one scale per 32 inputs (Q8_0), stored as an Int4Linear over [x, x] (module doc).
 
-    Many-row calls multiply the dequantized weight, or `float_weight` when the model keeps that
-    table anyway (a tied embedding), so prefill does not dequantize it every step.
+    CPU calls of up to CPU_NATIVE_MAX_M rows take the native Q8_0 kernel (native/q8_gemv.cpp) on
+    a layout rebuilt from those codes, with float32 rows whatever `cpu_int8_activations` says: it
+    reads a third fewer bytes than the pair, and the logits keep full precision. Many-row calls
+    multiply the dequantized weight, or `float_weight` when the model keeps that table anyway (a
+    tied embedding), so prefill does not dequantize it every step.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
@@ -57,17 +62,33 @@ class Int8GroupLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False) \
             if bias else None
         self.float_weight = float_weight  # not registered: it belongs to the module that owns it
+        self._q8_layout: tuple[tuple, q8_gemv.Q8Layout] | None = None  # keyed by the pair's codes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features).shape[0]
-        if matmul_path(x.device.type, rows, CPU_PACKED_MAX_M) != "dequantized":  # decode: the int4 kernels
-            y = self.pair(torch.cat([x, x], dim=-1))
-            return y if self.bias is None else y + self.bias
-        # Many rows: one dense matmul (the pair would dequantize and multiply twice the width).
-        weight = self.float_weight if self.float_weight is not None else self.dequantize(x.dtype)
-        if self.pair.int8_rows_on_cpu(x):  # the rows the pair's kernel would see (Int4Linear)
-            x = quantize_activation_blocks(x.float()).to(x.dtype)
-        return F.linear(x, weight.to(x.dtype), self.bias)
+        rows = x.reshape(-1, self.in_features)
+        native = x.device.type == "cpu" and q8_gemv.supports(self.in_features)
+        path = matmul_path(x.device.type, rows.shape[0], CPU_NATIVE_MAX_M if native else CPU_PACKED_MAX_M)
+        if path == "cpu_packed" and native:
+            y = self._native_layout().matmul(rows.float()).to(x.dtype)
+        elif path != "dequantized":  # the int4 kernels
+            y = self.pair(torch.cat([rows, rows], dim=-1))
+        else:  # many rows: one dense matmul (the pair would dequantize and multiply twice the width)
+            weight = self.float_weight if self.float_weight is not None else self.dequantize(x.dtype)
+            y = F.linear(rows, weight.to(x.dtype))
+        y = y if self.bias is None else y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def _native_layout(self) -> q8_gemv.Q8Layout:
+        key = self.pair._codes_key()
+        if self._q8_layout is None or self._q8_layout[0] != key:
+            self._q8_layout = (key, q8_gemv.Q8Layout.from_codes(*self.codes()))
+        return self._q8_layout[1]
+
+    def codes(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The Q8_0 codes q (int8 [N, K]) and scales d ([N, K / 32]) the two halves hold."""
+        halves = schemes.unpack_int4(self.pair.qweight).view(torch.int8)
+        high, low = halves[:, : self.in_features], halves[:, self.in_features :]
+        return 16 * (high - 8) + low, self.pair.scales[:, self.in_features // GROUP_SIZE :]
 
     def dequantize(self, dtype: torch.dtype = torch.float32, rows: slice = slice(None)) -> torch.Tensor:
         halves = self.pair.dequantize(torch.float32, rows)
