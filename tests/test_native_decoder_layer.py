@@ -81,3 +81,20 @@ def test_one_layer_off_the_native_kernel_keeps_the_whole_model_on_the_per_op_pat
     o_proj = model.model.layers[1].self_attn.o_proj
     model.model.layers[1].self_attn.o_proj = torch.nn.Linear(o_proj.in_features, o_proj.out_features, bias=False)
     assert decoder_layer.attach(model) is False and model.native_decode is None
+
+
+def test_the_stack_follows_weights_written_or_replaced_after_attach():
+    """Its operands point into layouts built from the codes: codes written in place or replaced,
+    or a new norm weight, must reach the next step (compared with the per-op path on the same weights)."""
+    llm = LLM("dummy:tiny", quantization="int4", quantization_group_size=32, num_kv_blocks=64)
+    model = llm.engine.runner.model
+    generate(llm, native=True)  # the stack's operands built
+    layer = model.model.layers[0]
+    layer.mlp.down_proj.qweight.copy_(layer.mlp.down_proj.qweight.flip(0))  # written in place
+    qkv = layer.self_attn.qkv_proj
+    qkv.scales = qkv.scales * 1.5  # replaced
+    layer.post_attention_layernorm.weight = torch.nn.Parameter(layer.post_attention_layernorm.weight * 0.5,
+                                                               requires_grad=False)
+    fused, per_op = generate(llm, native=True), generate(llm, native=False)
+    for ours, ref in zip(fused, per_op):
+        assert ours.outputs[0].token_ids == ref.outputs[0].token_ids

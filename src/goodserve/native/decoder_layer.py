@@ -59,7 +59,8 @@ class NativeDecodeStack:
 
     def __init__(self, layers: list[nn.Module]):
         self.layers = [NativeDecodeLayer(layer) for layer in layers]
-        self._array, self._structs = None, []  # the layers' LayerOperands side by side, and their sources
+        self._array = None  # the layers' LayerOperands side by side
+        self._watched: list[tuple] = []  # (holder dict, key, value, version): what the array was built from
         self._kv = ((), None)  # the K/V pools last checked, and their pointer arrays
 
     @staticmethod
@@ -88,11 +89,18 @@ class NativeDecodeStack:
         return out, residual
 
     def operands(self):
-        """Every layer's LayerOperands in one array, rebuilt when any layer's changed."""
-        structs = [layer.operands() for layer in self.layers]
-        if self._array is None or any(a is not b for a, b in zip(structs, self._structs)):
-            self._array, self._structs = (LayerOperands * len(structs))(*structs), structs
+        """Every layer's LayerOperands in one array, rebuilt when a weight it points into changed."""
+        if self._array is None or not self._unchanged():
+            self._array = (LayerOperands * len(self.layers))(*(layer.build() for layer in self.layers))
+            self._watched = [watch for layer in self.layers for watch in layer.watched()]
         return self._array
+
+    def _unchanged(self) -> bool:
+        # One flat pass a step (~50 us for 30 layers), not a call chain per linear: the tensors are
+        # the same objects (not replaced), unwritten (same version; inference tensors keep none),
+        # and the activation flags as they were.
+        return all(holder.get(name) is value and (version is None or value._version == version)
+                   for holder, name, value, version in self._watched)
 
     def _kv_pools(self, kv_caches: list):
         """Pointer arrays of the layers' K and V pools, checked when the pools are new."""
@@ -111,23 +119,24 @@ class NativeDecodeStack:
 
 
 class NativeDecodeLayer:
-    """One layer's LayerOperands, built from its weights and rebuilt when they change."""
+    """One layer's LayerOperands, and what they are built from."""
 
     def __init__(self, layer: nn.Module):
         self.layer = layer
         self.linears = _linears(layer)
         self.norms = (layer.input_layernorm, layer.post_attention_layernorm)
-        self._pointed: tuple = ()  # what the struct points into, to notice rebuilt layouts or new weights
-        self._struct: LayerOperands | None = None
 
-    def operands(self) -> LayerOperands:
-        """The struct of pointers, rebuilt when anything it points into was replaced (new weights)."""
+    def watched(self) -> list[tuple]:
+        """(holder dict, key, value, version) of everything the struct is built from."""
+        tensors = [(lin._buffers, name) for lin in self.linears for name in ("qweight", "scales", "zeros")]
+        tensors += [(norm._parameters, "weight") for norm in self.norms] + [(self.linears[0]._parameters, "bias")]
+        flags = [(vars(lin), "int8_activations") for lin in self.linears]
+        return ([(holder, name, holder.get(name), _version(holder.get(name))) for holder, name in tensors]
+                + [(holder, name, holder[name], None) for holder, name in flags])
+
+    def build(self) -> LayerOperands:
         qkv = self.linears[0]
-        pointed = (*[lin.native_layout() for lin in self.linears], *[n.weight for n in self.norms], qkv.bias)
-        if len(pointed) != len(self._pointed) or any(a is not b for a, b in zip(pointed, self._pointed)):
-            self._struct = self._build(pointed)
-            self._pointed = pointed
-        return self._struct
+        return self._build((*[lin.native_layout() for lin in self.linears], *[n.weight for n in self.norms], qkv.bias))
 
     def _build(self, pointed: tuple) -> LayerOperands:
         layouts, (input_norm, post_norm, qkv_bias) = pointed[:4], pointed[4:]
@@ -148,3 +157,7 @@ class NativeDecodeLayer:
             *(layout.group_size for layout in layouts), hidden, inter,
             attn.num_heads, attn.num_kv_heads, attn.head_dim, self.norms[0].eps, attn.scale,
             int(layouts[0].int8_activations))
+
+
+def _version(t: torch.Tensor | None) -> int | None:
+    return None if t is None or t.is_inference() else t._version
