@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from goodserve.native import build, layer_ops
-from goodserve.native.int4_gemv import Int4Layout, int8_activation_matmul_reference, int8_dot_available
+from goodserve.native.int4_gemv import (Int4Layout, half_scales_available, int8_activation_matmul_reference,
+                                        int8_dot_available)
 from goodserve.native.q8_gemv import Q8Layout
 from goodserve.ops.activation import silu_and_mul_torch
 from goodserve.ops.attention import LayerKVCache, paged_attention_reference, rotary_write_kv_torch
@@ -59,10 +60,16 @@ def int4_layer(n: int, k: int, group_size: int, seed: int) -> Int4Linear:
 @pytest.mark.parametrize("n,k,group_size", [(1, 32, 32), (5, 96, 32), (17, 128, 64), (64, 576, 32),
                                             (30, 384, 128), (4, 256, 64)])
 @pytest.mark.parametrize("m", [1, 3, 4, 9])
-def test_int4_gemv_matches_the_dequantized_matmul(n, k, group_size, m):
+@pytest.mark.parametrize("half", [False, True])  # float16 scales and zeros (GGUF's) take the half layout
+def test_int4_gemv_matches_the_dequantized_matmul(n, k, group_size, m, half):
     layer = int4_layer(n, k, group_size, seed=n + k + m)
+    if half:
+        layer.scales.copy_(layer.scales.half().float())
+        layer.zeros.copy_(layer.zeros.half().float())
     x = torch.randn(m, k + 7)[:, 3 : 3 + k]  # strided rows
-    got = Int4Layout.from_codes(layer.qweight, layer.scales, layer.zeros, group_size).matmul(x)
+    layout = Int4Layout.from_codes(layer.qweight, layer.scales, layer.zeros, group_size)
+    assert layout.half_scales == (half and half_scales_available())
+    got = layout.matmul(x)
     want = x @ layer.dequantize(torch.float32).T
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
@@ -87,11 +94,15 @@ def test_q8_gemv_matches_the_dequantized_matmul(n, k, m):
 @pytest.mark.parametrize("n,k,group_size", [(1, 32, 32), (5, 96, 32), (17, 128, 64), (64, 576, 32),
                                             (30, 384, 128), (4, 256, 64)])
 @pytest.mark.parametrize("m", [1, 3, 4, 9])
-def test_int8_activation_gemv_matches_its_torch_reference(n, k, group_size, m):
+@pytest.mark.parametrize("half", [False, True])
+def test_int8_activation_gemv_matches_its_torch_reference(n, k, group_size, m, half):
     """The integer-dot path against plain torch doing the same activation quantization (float64):
     the integer dots are exact, so only float32 accumulation order differs. Some rows hold zeros
     (a zero block has scale 0) and large values, for the rounding and the block maxima."""
     layer = int4_layer(n, k, group_size, seed=n + k + m)
+    if half:
+        layer.scales.copy_(layer.scales.half().float())
+        layer.zeros.copy_(layer.zeros.half().float())
     x = torch.randn(m, k + 7)[:, 3 : 3 + k]  # strided rows
     x[0, :32] = 0
     x[-1, 5] = 40.0

@@ -38,8 +38,9 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 # Every exported kernel's C signature (argument types, return type): ctypes checks and converts the
 # arguments by these, so a float passed where the C code takes one is not read as an integer.
 SIGNATURES = {
-    "gs_int4_gemv": ([_P, _I, _P, _P, _I, _I, _I, _I, _I, ctypes.c_int, ctypes.c_int], ctypes.c_int),
+    "gs_int4_gemv": ([_P, _I, _P, _P, _I, _I, _I, _I, _I, ctypes.c_int, ctypes.c_int, ctypes.c_int], ctypes.c_int),
     "gs_int8_dot_available": ([], ctypes.c_int),
+    "gs_half_scales_available": ([], ctypes.c_int),
     "gs_q8_gemv": ([_P, _I, _P, _P, _I, _I, _I, _I, ctypes.c_int], None),
     "gs_add_rms_norm": ([_P, _P, _P, _P, _P, _I, _I, _F], None),
     "gs_silu_and_mul": ([_P, _P, _I, _I], None),

@@ -10,7 +10,8 @@
 
 extern "C" {
 int gs_int4_gemv(const float* x, int64_t ldx, const uint8_t* tiles, float* y, int64_t ldy, int64_t m_rows,
-                 int64_t n, int64_t k, int64_t group_size, int max_threads, int int8_activations);
+                 int64_t n, int64_t k, int64_t group_size, int max_threads, int int8_activations,
+                 int half_scales);
 void gs_add_rms_norm(const float* x, const float* residual, const float* weight, float* out, float* residual_out,
                      int64_t tokens, int64_t hidden, float eps);
 void gs_silu_and_mul(const float* gate_up, float* out, int64_t tokens, int64_t inter);
@@ -35,7 +36,7 @@ struct LayerOperands {
   int64_t qkv_group, o_group, gate_up_group, down_group;
   int64_t hidden, inter, q_heads, kv_heads, head_dim;
   float eps, scale;
-  int32_t int8_activations;  // all four linears (gs_int4_gemv's flag)
+  int32_t int8_activations, half_scales;  // all four linears (gs_int4_gemv's flags)
 };
 
 namespace {
@@ -66,7 +67,7 @@ void decoder_layer(const LayerOperands* w, const float* x, const float* residual
     std::memcpy(residual_out, x, tokens * hidden * sizeof(float));
   }
   gs_int4_gemv(normed, hidden, w->qkv, qkv, qkv_size, tokens, qkv_size, hidden, w->qkv_group, max_threads,
-               w->int8_activations);
+               w->int8_activations, w->half_scales);
   if (w->qkv_bias)
     for (int64_t t = 0; t < tokens; t++)
       for (int64_t i = 0; i < qkv_size; i++) qkv[t * qkv_size + i] += w->qkv_bias[i];
@@ -75,13 +76,14 @@ void decoder_layer(const LayerOperands* w, const float* x, const float* residual
                    k_cache, v_cache, tokens, w->q_heads, w->kv_heads, w->head_dim);
   gs_decode_attention(q, qkv_size, k_cache, v_cache, block_tables, bt_row, bt_col, seq_lens, attn, tokens,
                       w->q_heads, w->kv_heads, w->head_dim, block_size, w->scale, max_threads);
-  gs_int4_gemv(attn, q_size, w->o, o, hidden, tokens, hidden, q_size, w->o_group, max_threads, w->int8_activations);
+  gs_int4_gemv(attn, q_size, w->o, o, hidden, tokens, hidden, q_size, w->o_group, max_threads, w->int8_activations,
+               w->half_scales);
   gs_add_rms_norm(o, residual_out, w->post_norm, normed, residual_out, tokens, hidden, w->eps);  // in place
   gs_int4_gemv(normed, hidden, w->gate_up, gate_up, 2 * inter, tokens, 2 * inter, hidden, w->gate_up_group,
-               max_threads, w->int8_activations);
+               max_threads, w->int8_activations, w->half_scales);
   gs_silu_and_mul(gate_up, act, tokens, inter);
   gs_int4_gemv(act, inter, w->down, out, hidden, tokens, hidden, inter, w->down_group, max_threads,
-               w->int8_activations);
+               w->int8_activations, w->half_scales);
 }
 
 }  // namespace

@@ -28,7 +28,7 @@ class LayerOperands(ctypes.Structure):
     _fields_ = [("input_norm", _P), ("post_norm", _P), ("qkv", _P), ("qkv_bias", _P), ("o", _P), ("gate_up", _P),
                 ("down", _P), ("qkv_group", _I), ("o_group", _I), ("gate_up_group", _I), ("down_group", _I),
                 ("hidden", _I), ("inter", _I), ("q_heads", _I), ("kv_heads", _I), ("head_dim", _I),
-                ("eps", _F), ("scale", _F), ("int8_activations", ctypes.c_int32)]
+                ("eps", _F), ("scale", _F), ("int8_activations", ctypes.c_int32), ("half_scales", ctypes.c_int32)]
 
 
 def _linears(layer: nn.Module) -> tuple[nn.Module, ...]:
@@ -38,11 +38,11 @@ def _linears(layer: nn.Module) -> tuple[nn.Module, ...]:
 
 def _native(layer: nn.Module) -> bool:
     """Whether the native call can run this layer: four int4 linears on the native kernel, one
-    activation arithmetic for all four, float32 norms, no biases but q/k/v's."""
+    activation arithmetic and scale width for all four, float32 norms, no biases but q/k/v's."""
     linears = _linears(layer)
     return (all(isinstance(lin, Int4Linear) and lin.native_layout() is not None for lin in linears)
             and all(lin.bias is None for lin in linears[1:]) and layer.self_attn.head_dim % 16 == 0
-            and len({lin.native_layout().int8_activations for lin in linears}) == 1
+            and len({(lin.native_layout().int8_activations, lin.native_layout().half_scales) for lin in linears}) == 1
             and all(norm.weight.dtype == torch.float32 and norm.weight.is_contiguous()
                     for norm in (layer.input_layernorm, layer.post_attention_layernorm)))
 
@@ -156,7 +156,7 @@ class NativeDecodeLayer:
             None if qkv_bias is None else qkv_bias.data_ptr(), *(layout.tiles.data_ptr() for layout in layouts[1:]),
             *(layout.group_size for layout in layouts), hidden, inter,
             attn.num_heads, attn.num_kv_heads, attn.head_dim, self.norms[0].eps, attn.scale,
-            int(layouts[0].int8_activations))
+            int(layouts[0].int8_activations), int(layouts[0].half_scales))
 
 
 def _version(t: torch.Tensor | None) -> int | None:

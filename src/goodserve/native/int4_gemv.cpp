@@ -5,7 +5,8 @@
 // Int4Group), unrolled groups, and one sequential stream per tile for the prefetcher.
 //
 // Layout (built once by native/int4_gemv.py), rows in tiles of 4 (N padded with zero rows):
-//   tile t, group g: 4 float32 scales, 4 float32 zeros (rows 4t..4t+3), then for each 32-input
+//   tile t, group g: 4 scales, 4 zeros (rows 4t..4t+3; float16 where all are, as GGUF's: at group
+//   32 that is 80 bytes a group-tile instead of 96), then for each 32-input
 //   chunk of the group 4 x 16 code bytes, one row after another.
 // Byte j of a row's chunk holds input j in its low nibble and input j + 16 in its high one
 // (llama.cpp's order), so one 16-byte load widens into two 16-lane vectors without shuffles.
@@ -38,21 +39,22 @@ struct Gemv {
   int64_t ldy, n, k, groups;
 };
 
-template <int CPG>
-constexpr int64_t group_bytes() { return 2 * kRows * sizeof(float) + CPG * kRows * 16; }
+// Scale: float, or Half (float16 bits) where every scale and zero is a float16 (GGUF's are).
+template <typename Scale, int CPG>
+constexpr int64_t group_bytes() { return 2 * kRows * sizeof(Scale) + CPG * kRows * 16; }
 
 // Tile t of W against activation rows [m0, m0 + MT); CPG chunks per group.
-template <int CPG, int MT>
+template <typename Scale, int CPG, int MT>
 void tile(const Gemv& p, int64_t t, int64_t m0) {
   v16f acc[kRows][MT] = {};
   const float* x = p.x + m0 * p.ldx;
-  const uint8_t* at = p.tiles + t * p.groups * group_bytes<CPG>();
-  for (int64_t g = 0; g < p.groups; g++, at += group_bytes<CPG>()) {
+  const uint8_t* at = p.tiles + t * p.groups * group_bytes<Scale, CPG>();
+  for (int64_t g = 0; g < p.groups; g++, at += group_bytes<Scale, CPG>()) {
     __builtin_prefetch(at + kPrefetchBytes);
-    const float* scales = reinterpret_cast<const float*>(at);
+    const Scale* scales = reinterpret_cast<const Scale*>(at);
     Int4Group dequant[kRows];
-    for (int r = 0; r < kRows; r++) dequant[r] = Int4Group(scales[r], scales[kRows + r]);
-    const uint8_t* codes = at + 2 * kRows * sizeof(float);
+    for (int r = 0; r < kRows; r++) dequant[r] = Int4Group(to_float(scales[r]), to_float(scales[kRows + r]));
+    const uint8_t* codes = at + 2 * kRows * sizeof(Scale);
 #pragma GCC unroll 4
     for (int c = 0; c < CPG; c++) {
       const int64_t col = (g * CPG + c) * kChunk;
@@ -75,10 +77,10 @@ void tile(const Gemv& p, int64_t t, int64_t m0) {
     for (int m = 0; m < MT; m++) p.y[(m0 + m) * p.ldy + t * kRows + r] = hsum16(acc[r][m]);
 }
 
-template <int CPG>
+template <typename Scale, int CPG>
 void gemv(const Gemv& p, int64_t m_rows, int threads) {
   for_tiles((p.n + kRows - 1) / kRows, m_rows, threads,
-            [&](int64_t t, int64_t m0, auto rows) { tile<CPG, decltype(rows)::value>(p, t, m0); });
+            [&](int64_t t, int64_t m0, auto rows) { tile<Scale, CPG, decltype(rows)::value>(p, t, m0); });
 }
 
 #if defined(__AVX512BW__)
@@ -129,7 +131,7 @@ struct QGemv {
 
 // Tile t (4 weight rows) against quantized rows [m0, m0 + MT). One 64-byte load holds a chunk's
 // codes of all 4 rows (16 bytes each): lane group r of the integer dot (lanes 4r..4r+3) is row r's.
-template <int CPG, int MT>
+template <typename Scale, int CPG, int MT>
 void qtile(const QGemv& p, int64_t t, int64_t m0) {
   const int64_t blocks = p.k / kChunk;
   const __m512i nibble = _mm512_set1_epi8(0x0F);
@@ -137,13 +139,13 @@ void qtile(const QGemv& p, int64_t t, int64_t m0) {
   __m512 acc[MT];
   __m128 zacc[MT];
   for (int m = 0; m < MT; m++) acc[m] = _mm512_setzero_ps(), zacc[m] = _mm_setzero_ps();
-  const uint8_t* at = p.tiles + t * p.groups * group_bytes<CPG>();
-  for (int64_t g = 0; g < p.groups; g++, at += group_bytes<CPG>()) {
+  const uint8_t* at = p.tiles + t * p.groups * group_bytes<Scale, CPG>();
+  for (int64_t g = 0; g < p.groups; g++, at += group_bytes<Scale, CPG>()) {
     __builtin_prefetch(at + kPrefetchBytes);
-    const float* sz = reinterpret_cast<const float*>(at);
-    const __m512 scales = _mm512_permutexvar_ps(rows_of_lanes, _mm512_castps128_ps512(_mm_loadu_ps(sz)));
-    const __m128 zeros = _mm_loadu_ps(sz + kRows);
-    const uint8_t* codes = at + 2 * kRows * sizeof(float);
+    const Scale* sz = reinterpret_cast<const Scale*>(at);
+    const __m512 scales = _mm512_permutexvar_ps(rows_of_lanes, _mm512_castps128_ps512(load4(sz)));
+    const __m128 zeros = load4(sz + kRows);
+    const uint8_t* codes = at + 2 * kRows * sizeof(Scale);
     for (int m = 0; m < MT; m++) {
       const float* sums = p.x->sum.data() + (m0 + m) * blocks + g * CPG;
       float group_sum = 0.f;
@@ -174,25 +176,49 @@ void qtile(const QGemv& p, int64_t t, int64_t m0) {
   }
 }
 
-template <int CPG>
+template <typename Scale, int CPG>
 void qgemv(const QGemv& p, int64_t m_rows, int threads) {
   for_tiles((p.n + kRows - 1) / kRows, m_rows, threads,
-            [&](int64_t t, int64_t m0, auto rows) { qtile<CPG, decltype(rows)::value>(p, t, m0); });
+            [&](int64_t t, int64_t m0, auto rows) { qtile<Scale, CPG, decltype(rows)::value>(p, t, m0); });
 }
 
+template <typename Scale>
 int int8_gemv(const float* x, int64_t ldx, const uint8_t* tiles, float* y, int64_t ldy, int64_t m_rows, int64_t n,
               int64_t k, int64_t group_size, int threads) {
   thread_local QuantizedRows rows;
   rows.quantize(x, ldx, m_rows, k);
   const QGemv p{&rows, tiles, y, ldy, n, k, k / group_size};
   switch (group_size) {
-    case 32: qgemv<1>(p, m_rows, threads); return 0;
-    case 64: qgemv<2>(p, m_rows, threads); return 0;
-    case 128: qgemv<4>(p, m_rows, threads); return 0;
+    case 32: qgemv<Scale, 1>(p, m_rows, threads); return 0;
+    case 64: qgemv<Scale, 2>(p, m_rows, threads); return 0;
+    case 128: qgemv<Scale, 4>(p, m_rows, threads); return 0;
   }
   return -1;
 }
 #endif
+
+template <typename Scale>
+int float_gemv(const Gemv& p, int64_t m_rows, int64_t group_size, int threads) {
+  switch (group_size) {
+    case 32: gemv<Scale, 1>(p, m_rows, threads); return 0;
+    case 64: gemv<Scale, 2>(p, m_rows, threads); return 0;
+    case 128: gemv<Scale, 4>(p, m_rows, threads); return 0;
+  }
+  return -1;
+}
+
+template <typename Scale>
+int int4_gemv(const float* x, int64_t ldx, const uint8_t* tiles, float* y, int64_t ldy, int64_t m_rows,
+              int64_t n, int64_t k, int64_t group_size, int threads, int int8_activations) {
+  if (int8_activations) {
+#if defined(GS_INT8_DOT)
+    return int8_gemv<Scale>(x, ldx, tiles, y, ldy, m_rows, n, k, group_size, threads);
+#else
+    return -2;
+#endif
+  }
+  return float_gemv<Scale>(Gemv{x, ldx, tiles, y, ldy, n, k, k / group_size}, m_rows, group_size, threads);
+}
 
 }  // namespace
 
@@ -206,26 +232,23 @@ int gs_int8_dot_available() {
 #endif
 }
 
-// x rows `ldx` floats apart, y rows `ldy` apart; k a multiple of group_size. Returns 0, -1 for
-// a group size other than 32, 64, 128, or -2 for int8_activations where this build has no such path.
+int gs_half_scales_available() { return kHalfScales; }
+
+// x rows `ldx` floats apart, y rows `ldy` apart; k a multiple of group_size; tiles with float32
+// scales and zeros, or float16 ones with half_scales. Returns 0, -1 for a group size other than
+// 32, 64, 128, -2 for int8_activations where this build has no such path, -3 for half_scales
+// where it has no float16 conversion.
 int gs_int4_gemv(const float* x, int64_t ldx, const uint8_t* tiles, float* y, int64_t ldy, int64_t m_rows,
-                 int64_t n, int64_t k, int64_t group_size, int max_threads, int int8_activations) {
+                 int64_t n, int64_t k, int64_t group_size, int max_threads, int int8_activations, int half_scales) {
   // ~0.1 ns per weight and activation row on one core (int4 gate_up of smollm2: ~60 us).
   const int threads = threads_for(n * k * m_rows / 16, 1, max_threads);
-  if (int8_activations) {
-#if defined(GS_INT8_DOT)
-    return int8_gemv(x, ldx, tiles, y, ldy, m_rows, n, k, group_size, threads);
+  if (!half_scales)
+    return int4_gemv<float>(x, ldx, tiles, y, ldy, m_rows, n, k, group_size, threads, int8_activations);
+#if defined(__F16C__)
+  return int4_gemv<Half>(x, ldx, tiles, y, ldy, m_rows, n, k, group_size, threads, int8_activations);
 #else
-    return -2;
+  return -3;
 #endif
-  }
-  const Gemv p{x, ldx, tiles, y, ldy, n, k, k / group_size};
-  switch (group_size) {
-    case 32: gemv<1>(p, m_rows, threads); return 0;
-    case 64: gemv<2>(p, m_rows, threads); return 0;
-    case 128: gemv<4>(p, m_rows, threads); return 0;
-  }
-  return -1;
 }
 
 }  // extern "C"

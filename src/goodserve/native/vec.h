@@ -49,6 +49,23 @@ static inline v16i widen16(const Byte* p) {
 #endif
 }
 
+// A float16's bits (GGUF's scales and zeros are float16), read as float32 where the CPU converts
+// them (F16C); kHalfScales says whether this build can.
+struct Half {
+  uint16_t bits;
+};
+static inline float to_float(float s) { return s; }
+static inline __m128 load4(const float* p) { return _mm_loadu_ps(p); }
+#if defined(__F16C__)
+constexpr int kHalfScales = 1;
+static inline float to_float(Half h) { return _cvtsh_ss(h.bits); }
+static inline __m128 load4(const Half* p) {
+  return _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+#else
+constexpr int kHalfScales = 0;
+#endif
+
 // One int4 group's 16 code values, dequantized: lookups then cost one permute per 16 weights
 // (AVX-512's vpermps reads only the low 4 bits of each index, so no mask either); without
 // AVX-512, a convert and a multiply-add.
