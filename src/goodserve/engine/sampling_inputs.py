@@ -4,12 +4,20 @@ from __future__ import annotations
 
 import torch
 
+from goodserve.engine.grammar import grammar_bitmask
 from goodserve.engine.sequence import Sequence
 from goodserve.ops.sampler import SamplingBatch
 
 
 def build_sampling_batch(seqs: list[Sequence], vocab_size: int, device: torch.device,
                          eos_token_ids: list[int]) -> SamplingBatch:
+    batch = _settings(seqs, vocab_size, device, eos_token_ids)
+    if any(seq.grammar is not None for seq in seqs):  # the host fills it while the forward runs
+        batch.token_bitmask, batch.bitmask_rows = grammar_bitmask(seqs, vocab_size, device)
+    return batch
+
+
+def _settings(seqs: list[Sequence], vocab_size: int, device: torch.device, eos_token_ids: list[int]) -> SamplingBatch:
     params = [seq.params for seq in seqs]
     max_logprobs = max((p.logprobs for p in params if p.logprobs is not None), default=-1)
     plain = all(p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
