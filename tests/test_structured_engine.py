@@ -11,6 +11,7 @@ import pytest
 from goodserve import LLM, SamplingParams, StructuredOutputsParams
 from goodserve.engine.sampling_inputs import build_sampling_batch
 from goodserve.errors import InvalidRequestError
+from test_async_scheduling import engine_mode
 
 FREE = ["The capital of France is", "def fibonacci(n):", "Once upon a time,", "List three colors:"]
 DATE = r"(19|20)[0-9]{2}-(0[1-9]|1[0-2])-[0-2][0-9]"
@@ -83,8 +84,8 @@ def test_a_failing_grammar_fails_its_request_alone(embedded_llm):
     def broken(*_):
         raise RuntimeError("matcher crashed")
 
-    engine.requests["bad-mask"].seqs[0].grammar.fill_next_token_bitmask = broken
-    engine.requests["bad-token"].seqs[0].grammar.accept_token = lambda token: False
+    engine.requests["bad-mask"].seqs[0].grammar.matcher.fill_next_token_bitmask = broken
+    engine.requests["bad-token"].seqs[0].grammar.matcher.accept_token = lambda token: False
     outputs = {}
     while engine.has_unfinished():
         outputs.update((o.request_id, o) for o in engine.step(finished_only=True))
@@ -105,13 +106,19 @@ def test_grammars_compile_once_and_bad_ones_are_typed_errors(embedded_llm):
         StructuredOutputsParams(regex="a", choice=["a"])
 
 
-def test_grammar_requests_never_run_ahead_of_their_tokens(embedded_llm):
-    """Async scheduling launches a step before the last one's tokens reach the host; a grammar's mask
-    needs that token, so its sequences take the synchronous step."""
-    from goodserve.engine.engine import _samples_on_device
-
-    engine = embedded_llm.engine
-    engine.add_request("g", "A date:", constrained(regex=DATE))
-    engine.add_request("f", "A date:", SamplingParams(temperature=0))
-    assert not _samples_on_device(engine.requests["g"].seqs[0]) and _samples_on_device(engine.requests["f"].seqs[0])
-    engine.abort_request("g"), engine.abort_request("f")
+def test_grammar_requests_run_ahead_with_async_scheduling(embedded_llm):
+    """A pipelined step's masks take the previous step's tokens once its forward is launched: the
+    outputs equal the synchronous engine's, spare rows after a grammar's end included."""
+    prompts = ["A person:", "Today's date:", "Hello", "Born on", "A pet:"]
+    params = [constrained(json=PERSON), constrained(regex=DATE), SamplingParams(temperature=0, max_tokens=12),
+              SamplingParams(n=2, temperature=0.9, seed=5, max_tokens=30,
+                             structured_outputs=StructuredOutputsParams(regex=DATE)),
+              constrained(choice=["cat", "dog", "a small hamster"])]
+    texts = {}
+    for graphs, async_scheduling in ((False, False), (True, True)):
+        with engine_mode(embedded_llm, graphs=graphs, async_scheduling=async_scheduling) as pipelined:
+            outputs = embedded_llm.generate(prompts, params)
+            texts[graphs] = [[c.text for c in o.outputs] for o in outputs]
+            assert (pipelined() > 0) == graphs
+    assert texts[True] == texts[False]
+    assert re.fullmatch(DATE, texts[True][1][0]) and all(re.fullmatch(DATE, t) for t in texts[True][3])

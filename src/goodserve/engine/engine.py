@@ -23,7 +23,7 @@ import torch
 
 from goodserve.config import EngineConfig
 from goodserve.engine.block_pool import BlockPool
-from goodserve.engine.grammar import GrammarCompiler, accept_token
+from goodserve.engine.grammar import GrammarCompiler, accept_ahead, accept_token
 from goodserve.engine.isolation import find_culprits, rewind_generators, sub_batch
 from goodserve.engine.kv_cache import kv_storage_dtype, num_blocks_for_memory
 from goodserve.engine.model_runner import ModelInput, ModelOutput, ModelRunner
@@ -298,7 +298,7 @@ class Engine:
         if seq.wants_prompt_logprobs:
             seq.prompt_logprobs.append(None)  # the first token has no context to be predicted from
         if params.structured_outputs is not None:  # compiled by validate_request: a cache hit
-            seq.grammar = self.grammars.matcher(self.grammars.compile(params.structured_outputs))
+            seq.grammar = self.grammars.new_state(self.grammars.compile(params.structured_outputs))
         return seq
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -498,6 +498,8 @@ class Engine:
         t1 = time.perf_counter()
         output = self.runner.execute(inputs)
         sample_seqs = [batch.seqs[row] for row in inputs.sample_rows]
+        if previous is not None and any(seq.grammar is not None for seq in sample_seqs):
+            _accept_tokens_ahead(previous[0])  # the masks need them; the forward runs meanwhile
         sampling = build_sampling_batch(sample_seqs, self.spec.vocab_size, self.device, self.eos_token_ids)
         t2 = time.perf_counter()
         # A copy of its own: the next replay of the same graph overwrites the graph's argmax buffer.
@@ -665,11 +667,19 @@ class Engine:
 
 def _samples_on_device(seq: Sequence) -> bool:
     """Whether seq's next tokens need no host data from the step before: no penalties (they count
-    output tokens), no min_tokens ban pending, no logprobs, no stop strings (they need the text), no
-    grammar (its mask needs the previous token on the host)."""
+    output tokens), no min_tokens ban pending, no logprobs, no stop strings (they need the text). A
+    grammar's mask needs the previous token, but only once the forward runs (Engine._launch)."""
     p = seq.params
-    return (seq.grammar is None and p.logprobs is None and p.prompt_logprobs is None and not p.stop and p.repetition_penalty == 1.0
+    return (p.logprobs is None and p.prompt_logprobs is None and not p.stop and p.repetition_penalty == 1.0
             and not p.presence_penalty and not p.frequency_penalty and seq.num_output_tokens >= p.min_tokens)
+
+
+def _accept_tokens_ahead(step: _InFlight) -> None:
+    """Wait for a launched step's tokens (not the steps after it) and advance its grammars by them."""
+    if step.copied is not None:
+        step.copied.synchronize()
+    for row, token in zip(step.sample_rows, step.host_tokens.tolist()):
+        accept_ahead(step.batch.seqs[row], token)
 
 
 def _ends_by_length(seq: Sequence) -> bool:

@@ -82,16 +82,44 @@ class GrammarCompiler:
             message = _SOURCE_PREFIX.sub("", lines[0])  # "[17:45:19] /project/cpp/x.cc:83: " says nothing to users
             raise InvalidRequestError(f"invalid {name}: {message}") from None
 
-    def matcher(self, compiled):
-        return self.xgr.GrammarMatcher(compiled)
+    def new_state(self, compiled) -> GrammarState:
+        return GrammarState(self.xgr.GrammarMatcher(compiled))
+
+
+class GrammarState:
+    """A sequence's matcher, and how many of its output tokens it has taken: with async scheduling
+    it takes a step's token (accept_ahead) before the engine appends it (accept_token)."""
+
+    def __init__(self, matcher) -> None:
+        self.matcher = matcher
+        self.num_accepted = 0
+
+    def accept(self, token: int) -> None:
+        if not self.matcher.accept_token(token):  # a refused token leaves the matcher as it was
+            raise GrammarError(f"sampled token {token} is not allowed by the request's grammar")
+        self.num_accepted += 1
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        if self.matcher.is_terminated():  # a spare row of a pipelined step: its token is never used
+            bitmask[row] = -1
+        else:
+            self.matcher.fill_next_token_bitmask(bitmask, row)
 
 
 def accept_token(seq: Sequence, token: int) -> bool:
-    """Advance seq's matcher by its sampled token; True when the grammar has terminated (its stop
-    token was accepted). A refused token raises: it fails the request, not the step."""
-    if not seq.grammar.accept_token(token):
-        raise GrammarError(f"sampled token {token} is not allowed by the request's grammar")
-    return seq.grammar.is_terminated()
+    """Advance seq's matcher by its just-appended token (unless it took it ahead); True when the
+    grammar has terminated (it accepted its stop token). A refused token raises: it fails the
+    request, not the step."""
+    if seq.grammar.num_accepted < seq.num_output_tokens:
+        seq.grammar.accept(token)
+    return seq.grammar.matcher.is_terminated()
+
+
+def accept_ahead(seq: Sequence, token: int) -> None:
+    """Async scheduling: seq's token from the step in flight, not appended yet, so the next step's
+    mask can be filled while that step's forward runs."""
+    if seq.grammar is not None and not seq.is_finished and seq.grammar.num_accepted == seq.num_output_tokens:
+        seq.grammar.accept(token)
 
 
 def grammar_bitmask(seqs: list[Sequence], vocab_size: int,
@@ -99,8 +127,10 @@ def grammar_bitmask(seqs: list[Sequence], vocab_size: int,
     """Bitmask rows (bit t of row r: token t allowed) for the sequences that have a grammar, and
     their row numbers in seqs (None when every sequence has one)."""
     rows = [row for row, seq in enumerate(seqs) if seq.grammar is not None]
-    bitmask = torch.empty(len(rows), (vocab_size + 31) // 32, dtype=torch.int32)
+    # Pinned, so the copy does not wait for the forward running on the stream (torch keeps the
+    # pinned block from reuse until the copy is done).
+    bitmask = torch.empty(len(rows), (vocab_size + 31) // 32, dtype=torch.int32, pin_memory=device.type == "cuda")
     for i, row in enumerate(rows):
-        seqs[row].grammar.fill_next_token_bitmask(bitmask, i)
+        seqs[row].grammar.fill(bitmask, i)
     index = None if len(rows) == len(seqs) else torch.tensor(rows, device=device)
-    return bitmask.to(device), index
+    return bitmask.to(device, non_blocking=True), index
