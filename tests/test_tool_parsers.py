@@ -59,3 +59,21 @@ def test_arguments_stream_before_the_call_is_closed():
     parser.feed('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par')
     _, deltas = parser.feed('is"')
     assert deltas == [{"index": 0, "function": {"arguments": 'is"'}}]
+
+
+def test_a_template_that_knows_tools_gets_them_and_object_arguments():
+    from goodserve.server.protocol import ChatCompletionRequest
+    from goodserve.server.tool_calls import conversation, prompt_tools
+
+    req = ChatCompletionRequest.model_validate({"messages": [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "tool_calls": [{"id": "c1", "function": {"name": "w", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"}],
+        "tools": [{"type": "function", "function": {"name": "w", "parameters": {"type": "object"}}}]})
+    messages, kwargs = conversation(req.messages, prompt_tools(req), "{% for t in tools %}{% endfor %}")
+    assert kwargs["tools"][0]["function"]["name"] == "w"
+    assert messages[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}
+    assert messages[2] == {"role": "tool", "content": "sunny", "tool_call_id": "c1"}
+    fallback, kwargs = conversation(req.messages, prompt_tools(req), "{{ messages }}")
+    assert kwargs == {} and fallback[0]["role"] == "system" and '"name": "w"' in fallback[0]["content"]
+    assert fallback[2] == {"role": "assistant", "content": '<tool_call>\n{"name": "w", "arguments": {"city": "Oslo"}}\n</tool_call>'}

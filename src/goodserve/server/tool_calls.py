@@ -79,8 +79,7 @@ def prompt_tools(req) -> list[dict]:
 def conversation(messages: list, tools: list[dict], template: str | None) -> tuple[list[dict], dict]:
     """The messages as the chat template takes them, and the template's extra arguments (tools)."""
     if template is not None and "tools" in template:  # the template renders tools and tool messages
-        rendered = [m.model_dump(exclude_none=True) | {"content": m.text()} for m in messages]
-        return rendered, ({"tools": tools} if tools else {})
+        return [_template_message(m) for m in messages], ({"tools": tools} if tools else {})
     messages = [{"role": m.role, "content": _hermes_content(m)} for m in messages]
     if tools:
         block = _HERMES_SYSTEM.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
@@ -89,6 +88,16 @@ def conversation(messages: list, tools: list[dict], template: str | None) -> tup
         else:
             messages.insert(0, {"role": "system", "content": block})
     return messages, {}
+
+
+def _template_message(message) -> dict:
+    """As transformers hands templates a call: arguments as an object (templates `tojson` them)."""
+    rendered = message.model_dump(exclude_none=True) | {"content": message.text()}
+    for call in rendered.get("tool_calls", []):
+        arguments = loads_or_none(call["function"]["arguments"])
+        if isinstance(arguments, dict):
+            call["function"]["arguments"] = arguments
+    return rendered
 
 
 def _hermes_content(message) -> str:
