@@ -122,3 +122,10 @@ def test_grammar_requests_run_ahead_with_async_scheduling(embedded_llm):
             assert (pipelined() > 0) == graphs
     assert texts[True] == texts[False]
     assert re.fullmatch(DATE, texts[True][1][0]) and all(re.fullmatch(DATE, t) for t in texts[True][3])
+
+
+def test_a_grammar_ends_before_min_tokens(embedded_llm):
+    params = SamplingParams(temperature=0, max_tokens=30, min_tokens=20,
+                            structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    (out,) = embedded_llm.generate(["Is the sky blue?"], params)
+    assert out.outputs[0].text in ("yes", "no") and out.outputs[0].finish_reason == "stop"

@@ -13,9 +13,6 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from goodserve.errors import InvalidRequestError
 from goodserve.sampling_params import SamplingParams
-from goodserve.server.structured import request_grammar
-from goodserve.server.tool_calls import tool_grammar
-from goodserve.structured_outputs import StructuredOutputsParams
 from goodserve.server.limits import (
     MAX_CONTENT_PARTS,
     MAX_MESSAGES,
@@ -25,6 +22,9 @@ from goodserve.server.limits import (
     StopString,
     reject_lone_surrogates,
 )
+from goodserve.server.structured import request_grammar
+from goodserve.server.tool_calls import tool_grammar
+from goodserve.structured_outputs import StructuredOutputsParams
 
 _INT64 = 2**63
 Seed = Annotated[int, Field(ge=-_INT64, lt=_INT64)]
