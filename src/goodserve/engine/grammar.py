@@ -127,10 +127,12 @@ def grammar_bitmask(seqs: list[Sequence], vocab_size: int,
     """Bitmask rows (bit t of row r: token t allowed) for the sequences that have a grammar, and
     their row numbers in seqs (None when every sequence has one)."""
     rows = [row for row, seq in enumerate(seqs) if seq.grammar is not None]
-    # Pinned, so the copy does not wait for the forward running on the stream (torch keeps the
-    # pinned block from reuse until the copy is done).
-    bitmask = torch.empty(len(rows), (vocab_size + 31) // 32, dtype=torch.int32, pin_memory=device.type == "cuda")
+    # Pinned, so the copies do not wait for the forward running on the stream (torch keeps a pinned
+    # block from reuse until its copy is done).
+    pinned = device.type == "cuda"
+    bitmask = torch.empty(len(rows), (vocab_size + 31) // 32, dtype=torch.int32, pin_memory=pinned)
     for i, row in enumerate(rows):
         seqs[row].grammar.fill(bitmask, i)
-    index = None if len(rows) == len(seqs) else torch.tensor(rows, device=device)
+    index = None if len(rows) == len(seqs) else \
+        torch.tensor(rows, pin_memory=pinned).to(device, non_blocking=True)
     return bitmask.to(device, non_blocking=True), index
