@@ -25,7 +25,8 @@ tree_bytes() {  # what every call carries besides its carry list: tracked and un
 
 prepare() {
   local model="${1:-}"
-  [ -d .gate/whl ] || bash scripts/gpu_wheels.sh
+  # (again when a wheel list from before xgrammar joined it lies there)
+  compgen -G ".gate/whl/xgrammar-*.whl" > /dev/null || bash scripts/gpu_wheels.sh
   if [ -z "$model" ]; then
     model=$(PYTHONPATH=src "$PYTHON" -c \
       "from goodserve.model.loader import embedded_gguf_path; print(embedded_gguf_path())")
@@ -59,7 +60,7 @@ part1() {
   nvidia-smi -L || true
   # Every import the suite needs, here where a missing one costs seconds rather than the run call.
   PYTHONPATH="$SITE:$PWD/src" "$PYTHON" -c "import goodserve.cli, goodserve.server.app, openai, pytest, transformers, \
-gguf; import sys, torch, triton; print(sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, \
+gguf, xgrammar; import sys, torch, triton; print(sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, \
 'transformers', transformers.__version__); goodserve.cli.build_parser()"
   echo "part 1 of the model and $(ls .gate/whl | wc -l) wheels in /tmp; send the run call now"
 }

@@ -3,6 +3,7 @@
 from goodserve.config import EngineConfig
 from goodserve.outputs import CompletionOutput, RequestOutput
 from goodserve.sampling_params import SamplingParams
+from goodserve.structured_outputs import StructuredOutputsParams
 
 
 def __getattr__(name: str):
@@ -14,4 +15,4 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "SamplingParams", "EngineConfig", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "EngineConfig", "RequestOutput", "CompletionOutput"]

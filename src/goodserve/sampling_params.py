@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field
 
 from goodserve.errors import InvalidRequestError
+from goodserve.structured_outputs import StructuredOutputsParams
 
 _GREEDY_EPS = 1e-5
 INT32_MAX = 2**31 - 1
@@ -42,6 +43,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     priority: int = 0  # lower is served first, as in vLLM
+    structured_outputs: StructuredOutputsParams | None = None  # the output follows this grammar
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -80,6 +82,8 @@ class SamplingParams:
             _check_int("stop_token_ids entries", token, 0, INT32_MAX)
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise InvalidRequestError("stop strings must be non-empty strings")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise InvalidRequestError("structured_outputs must be a StructuredOutputsParams")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequestError(f"{name} must be true or false, got {getattr(self, name)!r}")

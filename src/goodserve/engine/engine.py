@@ -23,6 +23,7 @@ import torch
 
 from goodserve.config import EngineConfig
 from goodserve.engine.block_pool import BlockPool
+from goodserve.engine.grammar import GrammarCompiler, accept_ahead, accept_token
 from goodserve.engine.isolation import find_culprits, rewind_generators, sub_batch
 from goodserve.engine.kv_cache import kv_storage_dtype, num_blocks_for_memory
 from goodserve.engine.model_runner import ModelInput, ModelOutput, ModelRunner
@@ -209,6 +210,7 @@ class Engine:
                               for _ in range(2)]
         self._copy_events = [torch.cuda.Event() for _ in range(2)] if cuda else [None, None]
         self._turn = 0
+        self._grammars: GrammarCompiler | None = None  # built on the first request with a grammar
         logger.info(
             "model %s (%s) dtype=%s device=%s kv_cache=%d blocks x %d tokens (%s) max_model_len=%d",
             config.model, loaded.source, str(self.dtype).removeprefix("torch."), self.device,
@@ -223,8 +225,18 @@ class Engine:
             return prompt, self.tokenizer.encode(prompt)
         return None, list(prompt)
 
+    @property
+    def grammars(self) -> GrammarCompiler:
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise InvalidRequestError("structured outputs need a tokenizer, and this model has none")
+            self._grammars = GrammarCompiler(self.tokenizer, self.spec.vocab_size)
+        return self._grammars
+
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """Raise a typed error for a request that can never run; return its maximum length."""
+        if params.structured_outputs is not None:
+            self.grammars.compile(params.structured_outputs)  # an invalid grammar is the caller's error
         if not prompt_token_ids:
             raise InvalidRequestError("the prompt is empty: give at least one token")
         if any(not 0 <= t < self.spec.vocab_size for t in prompt_token_ids):
@@ -285,6 +297,8 @@ class Engine:
         )
         if seq.wants_prompt_logprobs:
             seq.prompt_logprobs.append(None)  # the first token has no context to be predicted from
+        if params.structured_outputs is not None:  # compiled by validate_request: a cache hit
+            seq.grammar = self.grammars.new_state(self.grammars.compile(params.structured_outputs))
         return seq
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -484,6 +498,8 @@ class Engine:
         t1 = time.perf_counter()
         output = self.runner.execute(inputs)
         sample_seqs = [batch.seqs[row] for row in inputs.sample_rows]
+        if previous is not None and any(seq.grammar is not None for seq in sample_seqs):
+            _accept_tokens_ahead(previous[0])  # the masks need them; the forward runs meanwhile
         sampling = build_sampling_batch(sample_seqs, self.spec.vocab_size, self.device, self.eos_token_ids)
         t2 = time.perf_counter()
         # A copy of its own: the next replay of the same graph overwrites the graph's argmax buffer.
@@ -592,7 +608,10 @@ class Engine:
         may_stop = seq.num_output_tokens >= params.min_tokens
         request = self.requests[seq.request_id]
         detokenizer = request.detokenizers[seq.index]
-        if may_stop and (token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos)):
+        # A grammar ends where it accepts its stop token (it allows one only once its text is complete).
+        grammar_done = seq.grammar is not None and accept_token(seq, token)
+        if grammar_done or may_stop and (
+                token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos)):
             # the stop token itself is not part of the text
             self._finish(seq, "stop", token if token in params.stop_token_ids else None, detokenizer,
                          text_tokens=seq.num_tokens - 1)
@@ -648,10 +667,19 @@ class Engine:
 
 def _samples_on_device(seq: Sequence) -> bool:
     """Whether seq's next tokens need no host data from the step before: no penalties (they count
-    output tokens), no min_tokens ban pending, no logprobs, no stop strings (they need the text)."""
+    output tokens), no min_tokens ban pending, no logprobs, no stop strings (they need the text). A
+    grammar's mask needs the previous token, but only once the forward runs (Engine._launch)."""
     p = seq.params
     return (p.logprobs is None and p.prompt_logprobs is None and not p.stop and p.repetition_penalty == 1.0
             and not p.presence_penalty and not p.frequency_penalty and seq.num_output_tokens >= p.min_tokens)
+
+
+def _accept_tokens_ahead(step: _InFlight) -> None:
+    """Wait for a launched step's tokens (not the steps after it) and advance its grammars by them."""
+    if step.copied is not None:
+        step.copied.synchronize()
+    for row, token in zip(step.sample_rows, step.host_tokens.tolist()):
+        accept_ahead(step.batch.seqs[row], token)
 
 
 def _ends_by_length(seq: Sequence) -> bool:

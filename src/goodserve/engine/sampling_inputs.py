@@ -4,17 +4,25 @@ from __future__ import annotations
 
 import torch
 
+from goodserve.engine.grammar import grammar_bitmask
 from goodserve.engine.sequence import Sequence
 from goodserve.ops.sampler import SamplingBatch
 
 
 def build_sampling_batch(seqs: list[Sequence], vocab_size: int, device: torch.device,
                          eos_token_ids: list[int]) -> SamplingBatch:
+    batch = _settings(seqs, vocab_size, device, eos_token_ids)
+    if any(seq.grammar is not None for seq in seqs):  # the host fills it while the forward runs
+        batch.token_bitmask, batch.bitmask_rows = grammar_bitmask(seqs, vocab_size, device)
+    return batch
+
+
+def _settings(seqs: list[Sequence], vocab_size: int, device: torch.device, eos_token_ids: list[int]) -> SamplingBatch:
     params = [seq.params for seq in seqs]
     max_logprobs = max((p.logprobs for p in params if p.logprobs is not None), default=-1)
     plain = all(p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
                 for p in params)
-    needs_ban = any(seq.num_output_tokens < seq.params.min_tokens for seq in seqs)
+    needs_ban = any(_bans_stop_tokens(seq) for seq in seqs)
     if plain and not needs_ban and all(p.greedy for p in params):  # the common fast path: argmax only
         return SamplingBatch(all_greedy=True, max_logprobs=max_logprobs)
     top_k = [min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params]
@@ -49,10 +57,16 @@ def _add_penalties(batch: SamplingBatch, seqs: list[Sequence], vocab_size: int, 
         batch.output_counts[row].index_add_(0, output, torch.ones(len(output), device=device))
 
 
+def _bans_stop_tokens(seq: Sequence) -> bool:
+    """min_tokens not reached yet; a grammar's end outranks it (banning the only token its complete
+    text allows would leave none)."""
+    return seq.num_output_tokens < seq.params.min_tokens and seq.grammar is None
+
+
 def _banned_before_min_tokens(seqs: list[Sequence], vocab_size: int, device, eos_token_ids: list[int]):
     banned = torch.zeros(len(seqs), vocab_size, dtype=torch.bool, device=device)
     for row, seq in enumerate(seqs):
-        if seq.num_output_tokens < seq.params.min_tokens:
+        if _bans_stop_tokens(seq):
             stops = list(seq.params.stop_token_ids) + ([] if seq.params.ignore_eos else eos_token_ids)
             banned[row, [t for t in stops if t < vocab_size]] = True
     return banned

@@ -35,6 +35,7 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)  # of full blocks, by content
     num_registered_blocks: int = 0  # leading blocks already offered to the prefix cache
     generator: torch.Generator | None = None  # per-request seed: reproducible whatever the batch
+    grammar: object | None = None  # its own grammar matcher (engine/grammar.py), advanced per token
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     logprobs: list[LogprobsEntry] = field(default_factory=list)

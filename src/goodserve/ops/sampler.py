@@ -11,7 +11,10 @@ Every row is handled as in the reference semantics of vLLM / OpenAI:
 - greedy rows take the argmax of the penalized logits.
 Draws use the exponential-race trick (argmax p / E, E ~ Exp(1)), with noise from the row's own
 generator when the request has a seed, so a seeded request samples the same tokens in any batch.
-Logprobs are those of the model's raw distribution (before penalties and temperature).
+A row with a grammar (engine/grammar.py) has every token its grammar refuses at -inf first
+(ops/token_bitmask.py), so greedy, sampled and logprobs all see the constrained distribution.
+Logprobs are those of the model's distribution before penalties and temperature (after the grammar
+mask: a refused token has logprob -inf, reported as -9999.0 as vLLM does, since JSON has no -inf).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from goodserve.ops.attention import use_triton
+from goodserve.ops.token_bitmask import apply_token_bitmask
 
 
 @dataclass
@@ -43,11 +47,15 @@ class SamplingBatch:
     needs_top_k_p: bool = True
     all_greedy: bool = False
     max_logprobs: int = -1  # most top alternatives any row asked for; -1: none asked
+    # Grammars: None when no row in the batch has one (engine/grammar.py fills it).
+    token_bitmask: torch.Tensor | None = None  # [R, ceil(V / 32)] int32, one row per constrained row
+    bitmask_rows: torch.Tensor | None = None  # [R] their rows in the batch; None: every row
 
     @property
     def changes_logits(self) -> bool:
         """Whether penalties or bans apply, so the greedy token may differ from the raw argmax."""
-        return self.repetition_penalty is not None or self.presence_penalty is not None or self.banned is not None
+        return (self.repetition_penalty is not None or self.presence_penalty is not None or self.banned is not None
+                or self.token_bitmask is not None)
 
 
 @dataclass
@@ -113,6 +121,8 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, raw_argmax: torch.Tensor 
     raw_argmax: argmax(logits) if already computed (the decode graph computes it); it stands in for
     the greedy tokens whenever no penalty changes the logits.
     """
+    if batch.token_bitmask is not None:
+        logits = apply_token_bitmask(logits, batch.token_bitmask, batch.bitmask_rows)
     raw_logits = logits
     logits = apply_penalties(logits, batch)
     use_raw = raw_argmax is not None and not batch.changes_logits
@@ -138,6 +148,6 @@ def gather_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int)
     chosen = logprobs.gather(1, token_ids.unsqueeze(1))
     ranks = (logprobs > chosen).sum(dim=-1) + 1
     top_values, top_ids = logprobs.topk(num_top, dim=-1) if num_top else (chosen[:, :0], token_ids[:, None][:, :0])
-    values = torch.cat([chosen, top_values], dim=1)
+    values = torch.cat([chosen, top_values], dim=1).clamp(min=-9999.0)  # a grammar's -inf: finite in JSON
     ids = torch.cat([token_ids.unsqueeze(1), top_ids], dim=1)
     return values, ids, ranks

@@ -22,6 +22,9 @@ from goodserve.server.limits import (
     StopString,
     reject_lone_surrogates,
 )
+from goodserve.server.structured import request_grammar
+from goodserve.server.tool_calls import tool_grammar
+from goodserve.structured_outputs import StructuredOutputsParams
 
 _INT64 = 2**63
 Seed = Annotated[int, Field(ge=-_INT64, lt=_INT64)]
@@ -41,6 +44,28 @@ class _Request(_Schema):
 
 class StreamOptions(_Schema):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(_Schema):
+    name: str = "response"
+    description: str | None = None
+    json_schema: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Schema):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(_Schema):
+    """vLLM's `structured_outputs` request field: one grammar."""
+
+    json_: dict | str | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
 
 
 class _SamplingRequest(_Request):
@@ -69,6 +94,13 @@ class _SamplingRequest(_Request):
     include_stop_str_in_output: bool = False
     # goodserve extension: give up (408) if the request has not finished within this many seconds
     request_timeout_s: float | None = Field(default=None, gt=0)
+    # Structured outputs (server/structured.py): OpenAI's response_format, vLLM's guided_* and structured_outputs
+    response_format: ResponseFormat | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
 
     @property
     def include_usage_in_stream(self) -> bool:
@@ -94,7 +126,11 @@ class _SamplingRequest(_Request):
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             priority=self.priority,
+            structured_outputs=self._structured_outputs(),
         )
+
+    def _structured_outputs(self) -> StructuredOutputsParams | None:
+        return request_grammar(self)
 
 
 class CompletionRequest(_SamplingRequest):
@@ -115,10 +151,44 @@ class TextContent(_Schema):
     text: str
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(_Schema):
+    name: Name
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema
+    strict: bool | None = None
+
+
+class ChatTool(_Schema):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(_Schema):
+    name: Name
+
+
+class NamedToolChoice(_Schema):
+    type: Literal["function"] = "function"
+    function: ToolChoiceFunction
+
+
 class ChatMessage(_Schema):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | Annotated[list[TextContent], Field(max_length=MAX_CONTENT_PARTS)] | None = None
     name: Name | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -136,6 +206,17 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    # Tools (server/tool_calls.py)
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+    def _structured_outputs(self) -> StructuredOutputsParams | None:
+        forced = tool_grammar(self)
+        if forced is not None and request_grammar(self) is not None:
+            raise InvalidRequestError("tool_choice required or a named function already sets the output's "
+                                      "grammar: drop response_format / guided_* / structured_outputs")
+        return forced or request_grammar(self)
 
     def sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
@@ -215,7 +296,8 @@ class CompletionResponse(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -235,9 +317,22 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str = ""
+
+
+class DeltaToolCall(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(BaseModel):

@@ -23,6 +23,7 @@ from goodserve.server.generation import GenerationJob, cancel_on_disconnect
 from goodserve.server.metrics import ServerMetrics
 from goodserve.server.protocol import ChatMessage
 from goodserve.server.tokenization import PromptEncoder
+from goodserve.server.tool_calls import conversation
 
 logger = logging.getLogger("goodserve.server")
 
@@ -54,11 +55,12 @@ class ServingContext:
         if model is not None and model != self.model_name:
             raise ModelLoadError(f"model '{model}' is not served here; this server serves '{self.model_name}'")
 
-    async def chat_prompt_ids(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+    async def chat_prompt_ids(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                              tools: list[dict] = ()) -> list[int]:
         if not messages:
             raise InvalidRequestError("messages must contain at least one message")
-        conversation = [{"role": m.role, "content": m.text()} for m in messages]
-        return await self.encoder.encode_chat(conversation, add_generation_prompt)
+        rendered, template_kwargs = conversation(messages, list(tools), self.tokenizer.chat_template)
+        return await self.encoder.encode_chat(rendered, add_generation_prompt, template_kwargs)
 
     async def completion_prompt_ids(self, prompt: str | list[str] | list[int] | list[list[int]]) -> list[list[int]]:
         if isinstance(prompt, str):
@@ -104,7 +106,9 @@ async def stream_chunks(ctx: ServingContext, include_usage: bool, job: Generatio
     chunk_type is the response model (completion or chat chunk); make_choice(delta) its choice."""
     created = int(time.time())
     async for delta in job.deltas():
-        yield chunk_type(id=job.request_id, created=created, model=ctx.model_name, choices=[make_choice(delta)])
+        choice = make_choice(delta)
+        if choice is not None:  # None: nothing certain to send yet (a tool call being parsed)
+            yield chunk_type(id=job.request_id, created=created, model=ctx.model_name, choices=[choice])
     if include_usage:
         yield chunk_type(id=job.request_id, created=created, model=ctx.model_name, choices=[], usage=job.usage())
 

@@ -1,0 +1,108 @@
+"""Tools on the request side: what the prompt says about them, and the grammar a forced call follows.
+
+- The chat template renders the tools when it knows them (its source mentions `tools`); otherwise
+  (SmolLM2's template does not) a Hermes-style system block lists them, as Hermes / Qwen templates
+  write it, assistant `tool_calls` become `<tool_call>` blocks in the assistant's text and `tool`
+  messages a `<tool_response>` block: the model sees the format the `auto` parser reads back.
+- tool_choice `required`: the output is a JSON array of calls, each one of the tools with arguments
+  of its parameters schema (one call when parallel_tool_calls is false); a named function: the
+  output is that function's arguments. `auto` (the default with tools) leaves the text free and
+  server/tool_parsers.py finds the calls in it; `none` neither renders tools nor parses.
+"""
+
+from __future__ import annotations
+
+import json
+
+from goodserve.errors import InvalidRequestError
+from goodserve.server.tool_parsers import ToolCallText, loads_or_none
+from goodserve.structured_outputs import StructuredOutputsParams
+
+_HERMES_SYSTEM = (
+    "You are a function calling AI model. You are provided with function signatures within <tools></tools> "
+    "XML tags. You may call one or more functions to assist with the user query. Don't make assumptions "
+    "about what values to plug into functions. Here are the available tools: <tools>\n{tools}\n</tools>\n"
+    "For each function call return a json object with function name and arguments within <tool_call>"
+    "</tool_call> XML tags as follows:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": "
+    "<args-dict>}}\n</tool_call>")
+
+
+def tool_mode(req) -> str:
+    """'none' (no tools, or tool_choice none), 'auto', 'required' or 'named'."""
+    choice = req.tool_choice
+    if not req.tools:
+        if choice not in (None, "none"):
+            raise InvalidRequestError("tool_choice needs tools")
+        return "none"
+    if choice is None or isinstance(choice, str):
+        return choice or "auto"
+    if choice.function.name not in {t.function.name for t in req.tools}:
+        raise InvalidRequestError(f"tool_choice names function {choice.function.name!r}, which is not in tools")
+    return "named"
+
+
+def _parameters(tool) -> dict:
+    return tool.function.parameters or {"type": "object", "properties": {}}
+
+
+def tool_grammar(req) -> StructuredOutputsParams | None:
+    mode = tool_mode(req)
+    if mode == "named":
+        tool = next(t for t in req.tools if t.function.name == req.tool_choice.function.name)
+        return StructuredOutputsParams(json=_parameters(tool))
+    if mode != "required":
+        return None
+    calls = [{"type": "object", "properties": {"name": {"const": t.function.name}, "arguments": _parameters(t)},
+              "required": ["name", "arguments"]} for t in req.tools]
+    schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    if not req.parallel_tool_calls:
+        schema["maxItems"] = 1
+    return StructuredOutputsParams(json=schema)
+
+
+def forced_calls(req, text: str) -> list[ToolCallText] | None:
+    """The calls a required / named output holds; None if it is not complete JSON (cut by max_tokens)."""
+    mode = tool_mode(req)
+    if mode == "named":
+        return [ToolCallText(req.tool_choice.function.name, text)] if loads_or_none(text) is not None else None
+    calls = loads_or_none(text)
+    if not isinstance(calls, list):
+        return None
+    return [ToolCallText(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in calls]
+
+
+def prompt_tools(req) -> list[dict]:
+    """The tools the prompt shows the model (none with tool_choice none)."""
+    return [t.model_dump(exclude_none=True) for t in req.tools or []] if tool_mode(req) != "none" else []
+
+
+def conversation(messages: list, tools: list[dict], template: str | None) -> tuple[list[dict], dict]:
+    """The messages as the chat template takes them, and the template's extra arguments (tools)."""
+    if template is not None and "tools" in template:  # the template renders tools and tool messages
+        return [_template_message(m) for m in messages], ({"tools": tools} if tools else {})
+    messages = [{"role": m.role, "content": _hermes_content(m)} for m in messages]
+    if tools:
+        block = _HERMES_SYSTEM.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
+        if messages[0]["role"] == "system":
+            messages[0]["content"] = f"{messages[0]['content']}\n\n{block}"
+        else:
+            messages.insert(0, {"role": "system", "content": block})
+    return messages, {}
+
+
+def _template_message(message) -> dict:
+    """As transformers hands templates a call: arguments as an object (templates `tojson` them)."""
+    rendered = message.model_dump(exclude_none=True) | {"content": message.text()}
+    for call in rendered.get("tool_calls", []):
+        arguments = loads_or_none(call["function"]["arguments"])
+        if isinstance(arguments, dict):
+            call["function"]["arguments"] = arguments
+    return rendered
+
+
+def _hermes_content(message) -> str:
+    if message.role == "tool":
+        return f"<tool_response>\n{message.text()}\n</tool_response>"
+    calls = [f'<tool_call>\n{{"name": {json.dumps(c.function.name)}, "arguments": {c.function.arguments}}}\n'
+             "</tool_call>" for c in message.tool_calls or []]
+    return "\n".join([message.text()] * bool(message.text()) + calls)
