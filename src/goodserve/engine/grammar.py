@@ -11,6 +11,7 @@ request: an engine that never sees one never loads it.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import threading
@@ -99,12 +100,6 @@ class GrammarState:
             raise GrammarError(f"sampled token {token} is not allowed by the request's grammar")
         self.num_accepted += 1
 
-    def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        if self.matcher.is_terminated():  # a spare row of a pipelined step: its token is never used
-            bitmask[row] = -1
-        else:
-            self.matcher.fill_next_token_bitmask(bitmask, row)
-
 
 def accept_token(seq: Sequence, token: int) -> bool:
     """Advance seq's matcher by its just-appended token (unless it took it ahead); True when the
@@ -122,6 +117,14 @@ def accept_ahead(seq: Sequence, token: int) -> None:
         seq.grammar.accept(token)
 
 
+@functools.cache
+def _batch_matcher():
+    """xgrammar's batch filler: one thread pool for the process, one thread a core."""
+    import xgrammar
+
+    return xgrammar.BatchGrammarMatcher(max_threads="auto")
+
+
 def grammar_bitmask(seqs: list[Sequence], vocab_size: int,
                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Bitmask rows (bit t of row r: token t allowed) for the sequences that have a grammar, and
@@ -130,9 +133,12 @@ def grammar_bitmask(seqs: list[Sequence], vocab_size: int,
     # Pinned, so the copies do not wait for the forward running on the stream (torch keeps a pinned
     # block from reuse until its copy is done).
     pinned = device.type == "cuda"
-    bitmask = torch.empty(len(rows), (vocab_size + 31) // 32, dtype=torch.int32, pin_memory=pinned)
-    for i, row in enumerate(rows):
-        seqs[row].grammar.fill(bitmask, i)
+    bitmask = torch.full((len(rows), (vocab_size + 31) // 32), -1, dtype=torch.int32, pin_memory=pinned)
+    # A terminated matcher's row (a spare row of a pipelined step: its token is never used) stays all
+    # ones; the others are filled together, on xgrammar's threads.
+    live = [i for i, row in enumerate(rows) if not seqs[row].grammar.matcher.is_terminated()]
+    if live:
+        _batch_matcher().batch_fill_next_token_bitmask([seqs[rows[i]].grammar.matcher for i in live], bitmask, live)
     index = None if len(rows) == len(seqs) else \
         torch.tensor(rows, pin_memory=pinned).to(device, non_blocking=True)
     return bitmask.to(device, non_blocking=True), index
