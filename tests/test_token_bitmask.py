@@ -24,6 +24,13 @@ def test_unpack_matches_the_bit_loop_including_the_sign_bit():
     assert torch.equal(unpack_bitmask(bitmask, VOCAB), reference_allowed(bitmask, VOCAB))
 
 
+def test_tokens_past_a_narrower_mask_are_not_allowed():
+    """A grammar's vocabulary (its tokenizer's) may be smaller than the model's logits."""
+    bitmask = torch.full((2, 2), -1, dtype=torch.int32)  # tokens 0..63 all allowed
+    allowed = unpack_bitmask(bitmask, VOCAB)
+    assert allowed.shape == (2, VOCAB) and allowed[:, :64].all() and not allowed[:, 64:].any()
+
+
 def test_only_the_masked_rows_change():
     logits = torch.randn(6, VOCAB, generator=torch.Generator().manual_seed(1))
     bitmask, rows = random_bitmask(2, 2), torch.tensor([1, 4])

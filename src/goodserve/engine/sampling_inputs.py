@@ -13,7 +13,7 @@ def build_sampling_batch(seqs: list[Sequence], vocab_size: int, device: torch.de
                          eos_token_ids: list[int]) -> SamplingBatch:
     batch = _settings(seqs, vocab_size, device, eos_token_ids)
     if any(seq.grammar is not None for seq in seqs):  # the host fills it while the forward runs
-        batch.token_bitmask, batch.bitmask_rows = grammar_bitmask(seqs, vocab_size, device)
+        batch.token_bitmask, batch.bitmask_rows = grammar_bitmask(seqs, device)
     return batch
 
 

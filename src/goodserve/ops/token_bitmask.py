@@ -8,12 +8,15 @@ requests masks just the former; a batch with no grammar builds nothing at all.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[R, W] int32 -> [R, vocab_size] bool. An arithmetic shift of a negative word keeps bit 31 right."""
+    """[R, W] int32 -> [R, vocab_size] bool; tokens past the mask's 32 W are not allowed. An
+    arithmetic shift of a negative word keeps bit 31 right."""
     shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    return ((bitmask.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :vocab_size].bool()
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :vocab_size].bool()
+    return F.pad(allowed, (0, vocab_size - allowed.shape[1]))
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
