@@ -19,6 +19,8 @@ MAX_LOGPROBS = 20
 # Far past any useful setting (at temperature 100 every token is about equally likely), and float32 holds it.
 MAX_TEMPERATURE = 100.0
 MAX_REPETITION_PENALTY = 100.0
+MAX_LOGIT_BIAS_ENTRIES = 300  # bounds the host work and the scatter each step pays per biased request
+LOGIT_BIAS_RANGE = 100.0  # OpenAI's: -100 bans a token, +100 makes it all but certain
 
 
 @dataclass
@@ -42,8 +44,13 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     priority: int = 0  # lower is served first, as in vLLM
+    # token id -> added to its logit before penalties, temperature and top-k/p (the engine checks ids
+    # against the vocabulary); logprobs stay those of the unbiased distribution
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.logit_bias, dict):
+            raise InvalidRequestError(f"logit_bias must map token ids to numbers, got {type(self.logit_bias).__name__}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = _as_list("stop", self.stop)
@@ -78,11 +85,20 @@ class SamplingParams:
         _check_int("priority", self.priority, INT64_MIN, INT64_MAX)
         for token in self.stop_token_ids:
             _check_int("stop_token_ids entries", token, 0, INT32_MAX)
+        _check_logit_bias(self.logit_bias)
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise InvalidRequestError("stop strings must be non-empty strings")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequestError(f"{name} must be true or false, got {getattr(self, name)!r}")
+
+
+def _check_logit_bias(bias: dict) -> None:
+    if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise InvalidRequestError(f"logit_bias has {len(bias)} entries; at most {MAX_LOGIT_BIAS_ENTRIES} are allowed")
+    for token, value in bias.items():
+        _check_int("logit_bias token ids", token, 0, INT32_MAX)
+        _check_float(f"logit_bias[{token}]", value, -LOGIT_BIAS_RANGE, LOGIT_BIAS_RANGE)
 
 
 def _as_list(name: str, value) -> list:

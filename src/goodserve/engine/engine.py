@@ -231,6 +231,8 @@ class Engine:
             raise InvalidRequestError(f"prompt token ids must be in [0, {self.spec.vocab_size})")
         if any(t >= self.spec.vocab_size for t in params.stop_token_ids):
             raise InvalidRequestError(f"stop_token_ids must be in [0, {self.spec.vocab_size})")
+        if any(t >= self.spec.vocab_size for t in params.logit_bias):
+            raise InvalidRequestError(f"logit_bias token ids must be in [0, {self.spec.vocab_size})")
         if params.n > self.config.max_n_per_request:
             raise InvalidRequestError(f"n must be at most {self.config.max_n_per_request}, got {params.n}")
         prompt_len = len(prompt_token_ids)
