@@ -22,7 +22,7 @@ from goodserve.server.serving import JobStreamingResponse, ServingContext, strea
 async def create_chat_completion(
     ctx: ServingContext, req: ChatCompletionRequest, request: Request
 ) -> Response | ChatCompletionResponse:
-    ctx.check_model(req.model)
+    ctx.check_request(req)
     params = req.sampling_params()
     prompt = await ctx.chat_prompt_ids(req.messages, req.add_generation_prompt)
     job = ctx.new_job("chatcmpl", [prompt], params, req.request_timeout_s)
