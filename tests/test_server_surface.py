@@ -174,3 +174,18 @@ def test_allow_unknown_fields_ignores_unknown_but_not_unimplemented_fields(caplo
     with pytest.raises(Exception, match="unknown field 'frobnicate'.*--allow-unknown-fields"):
         check_fields(lenient, lenient.unsupported, allow_unknown=False)
     check_fields(EmbeddingRequest(input="hi", user="u"), frozenset(), allow_unknown=False)
+
+
+def test_serve_flags_reach_the_server_config():
+    import argparse
+
+    from goodserve.server import command
+    from goodserve.server.app import ServerConfig
+    from goodserve.server.engine_args import dataclass_from_args
+
+    parser = argparse.ArgumentParser()
+    command.register(parser.add_subparsers())
+    args = parser.parse_args(["serve", "--allow-unknown-fields", "--pooling", "mean"])
+    config = dataclass_from_args(ServerConfig, args)
+    assert config.allow_unknown_fields and config.pooling == "mean"
+    assert not dataclass_from_args(ServerConfig, parser.parse_args(["serve"])).allow_unknown_fields

@@ -12,8 +12,8 @@ from typing import Annotated, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from goodserve.errors import InvalidRequestError
-from goodserve.server.contract import UnsupportedFieldError
 from goodserve.sampling_params import MAX_LOGIT_BIAS_ENTRIES, SamplingParams
+from goodserve.server.contract import UnsupportedFieldError
 from goodserve.server.limits import (
     MAX_CONTENT_PARTS,
     MAX_MESSAGES,
