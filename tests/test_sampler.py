@@ -108,7 +108,8 @@ def test_logit_bias_is_added_per_row_and_only_rows_with_one_pay():
     assert out.token_ids.tolist()[:2] == expected[:2].argmax(-1).tolist()
     assert out.token_ids[2] == 11 and out.token_ids[3] == expected[3].argmax()
     torch.testing.assert_close(out.logprobs[3, 1:], logits[3].log_softmax(-1).topk(2).values)  # unbiased
-    greedy = [SamplingParams(temperature=0, logit_bias={int(logits[0].argmax()): -100.0}), SamplingParams(temperature=0)]
+    greedy = [SamplingParams(temperature=0, logit_bias={int(logits[0].argmax()): -100.0}),
+              SamplingParams(temperature=0)]
     fast = build_sampling_batch([seq_with(p) for p in greedy], VOCAB, torch.device("cpu"), [0])
     assert fast.all_greedy and sample(logits[:2], fast, logits[:2].argmax(-1)).token_ids[0] != logits[0].argmax()
     plain = build_sampling_batch([seq_with(SamplingParams(temperature=0.5))], VOCAB, torch.device("cpu"), [0])

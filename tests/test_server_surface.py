@@ -82,6 +82,8 @@ def test_echo_returns_the_prompt_and_its_prompt_logprobs(served):
     assert sum((c.choices[0].logprobs.token_logprobs for c in stream), []) == lp.token_logprobs
     with pytest.raises(openai.BadRequestError, match="echo"):
         client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0)
+    with pytest.raises(openai.BadRequestError, match="at least 1"):
+        client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=0)
     with pytest.raises(openai.BadRequestError, match="'suffix'"):
         client.completions.create(model=MODEL, prompt=PROMPT, suffix="!")
 

@@ -665,8 +665,9 @@ def _samples_on_device(seq: Sequence) -> bool:
     output tokens), no min_tokens ban pending, no logprobs, no stop strings (they need the text), and
     that it samples at all (prefill-only requests finish on the host)."""
     p = seq.params
-    return (not p.prefill_only and p.logprobs is None and p.prompt_logprobs is None and not p.stop and p.repetition_penalty == 1.0
-            and not p.presence_penalty and not p.frequency_penalty and seq.num_output_tokens >= p.min_tokens)
+    return (not p.prefill_only and p.logprobs is None and p.prompt_logprobs is None and not p.stop
+            and p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
+            and seq.num_output_tokens >= p.min_tokens)
 
 
 def _ends_by_length(seq: Sequence) -> bool:

@@ -1,7 +1,8 @@
 """Request and response schemas of the OpenAI API, with vLLM's extension fields.
 
 Pydantic checks types (a wrong type is a 422); SamplingParams checks values (a bad value is a 400),
-so each rule lives in one place.
+so each rule lives in one place. A request keeps the fields it does not declare; contract.py refuses
+them by name.
 """
 
 from __future__ import annotations
@@ -235,8 +236,8 @@ class ResponsesRequest(_Request):
         turns = [ChatMessage(role="user", content=self.input)] if isinstance(self.input, str) \
             else [m.chat_message() for m in self.input]
         system = [ChatMessage(role="system", content=self.instructions)] if self.instructions is not None else []
-        return ChatCompletionRequest(model=self.model, messages=system + turns, max_completion_tokens=self.max_output_tokens,
-                                     temperature=self.temperature, top_p=self.top_p)
+        return ChatCompletionRequest(model=self.model, messages=system + turns, temperature=self.temperature,
+                                     top_p=self.top_p, max_completion_tokens=self.max_output_tokens)
 
 
 class TokenizeRequest(_Request):

@@ -47,7 +47,8 @@ class _Shape:
         self.created_at = int(time.time())
 
     def item(self, text: str, status: str) -> dict:
-        content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status == "completed" else []
+        done = status == "completed"
+        content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if done else []
         return {"type": "message", "id": self.item_id, "status": status, "role": "assistant", "content": content}
 
     def response(self, out: RequestOutput | None) -> dict:
