@@ -31,7 +31,8 @@ TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 
 
 class _Schema(BaseModel):
-    # Unknown fields are ignored, as OpenAI and vLLM do; NaN/inf never reach the sampler.
+    # Nested objects ignore fields they do not know (request bodies refuse them: _Request); NaN/inf
+    # never reach the sampler.
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
