@@ -227,3 +227,22 @@ def test_random_traffic_with_stops_and_aborts_keeps_blocks_exact(embedded_llm, s
     aborted = {rid for rids in aborts.values() for rid in rids}
     assert {r: v for r, v in got.items() if r not in aborted} == \
            {r: v for r, v in reference.items() if r not in aborted}
+
+
+def test_prefill_only_and_biased_requests_arriving_mid_pipeline(embedded_llm, stop_token):
+    """Embedding requests never sample, so they are never launched ahead (they finish on the host);
+    a logit_bias applies in pipelined steps as in synchronous ones."""
+    engine, tok = embedded_llm.engine, embedded_llm.tokenizer
+    traffic = mixed_traffic(tok, stop_token)
+    traffic[0][1] = (*traffic[0][1][:2], SamplingParams(temperature=0, max_tokens=9, logit_bias={stop_token: 8.0}))
+    for step in (4, 9):
+        traffic.setdefault(step, []).append((f"e{step}", tok.encode(PROMPTS[step % 6]),
+                                             SamplingParams(max_tokens=0, pooling="mean")))
+    with engine_mode(embedded_llm, graphs=False, async_scheduling=True):
+        reference = drive(engine, traffic)
+    with engine_mode(embedded_llm, graphs=True, async_scheduling=True) as pipelined:
+        got = drive(engine, traffic, check=True)
+        assert pipelined() > 0
+    assert summary(got) == summary(reference)
+    for rid in ("e4", "e9"):
+        torch.testing.assert_close(torch.tensor(got[rid].embedding), torch.tensor(reference[rid].embedding))

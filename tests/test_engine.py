@@ -131,6 +131,12 @@ def test_bad_input_is_typed_and_leaks_nothing(embedded_llm, tmp_path):
         SamplingParams(top_p=1.5)
     with pytest.raises(InvalidRequestError, match="temperature"):
         SamplingParams(temperature=-1)
+    for bad, match in (({5: 101}, r"logit_bias\[5\]"), ({-1: 1}, "logit_bias token ids"),
+                       ({i: 1 for i in range(301)}, "at most 300"), ([1], "logit_bias must map")):
+        with pytest.raises(InvalidRequestError, match=match):
+            SamplingParams(logit_bias=bad)
+    with pytest.raises(InvalidRequestError, match="logit_bias token ids must be in"):
+        embedded_llm.generate("hi", SamplingParams(logit_bias={engine.spec.vocab_size: 1.0}))
     with pytest.raises(ModelLoadError):
         LLM(str(tmp_path / "no-such-model"))
     assert not engine.has_unfinished()

@@ -21,10 +21,11 @@ SEEDED = SamplingParams(temperature=1.0, top_p=0.9, seed=11, max_tokens=8, ignor
     ("temperature", float("nan")), ("temperature", float("inf")), ("temperature", 1e308), ("temperature", -0.1),
     ("top_p", float("nan")), ("top_p", 0.0), ("min_p", float("inf")), ("min_p", 1.5),
     ("presence_penalty", float("nan")), ("frequency_penalty", -3), ("repetition_penalty", float("inf")),
-    ("repetition_penalty", 0), ("max_tokens", 2**70), ("max_tokens", 0), ("max_tokens", 4.0),
+    ("repetition_penalty", 0), ("max_tokens", 2**70), ("max_tokens", -1), ("max_tokens", 4.0),
     ("min_tokens", -1), ("logprobs", 21), ("logprobs", True), ("prompt_logprobs", -1),
     ("stop_token_ids", [-1]), ("stop_token_ids", [2**63]), ("stop_token_ids", [1.0]), ("stop", [3]),
     ("priority", 2**64), ("priority", 0.5), ("n", 0), ("n", True), ("ignore_eos", 1),
+    ("logit_bias", {1: float("nan")}), ("logit_bias", {True: 1.0}), ("pooling", "max"),
 ])
 def test_sampling_params_refuse_values_that_cannot_run(field, value):
     with pytest.raises(InvalidRequestError, match=field.removesuffix("_ids")):

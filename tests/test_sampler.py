@@ -88,6 +88,34 @@ def test_a_precomputed_argmax_stands_in_only_for_unchanged_logits():
     assert 9 not in sample(logits, banned, precomputed).token_ids.tolist()  # eos banned: recomputed
 
 
+def test_logit_bias_is_added_per_row_and_only_rows_with_one_pay():
+    torch.manual_seed(5)
+    logits = torch.randn(4, VOCAB)
+    params = [SamplingParams(temperature=0, logit_bias={3: 5.0, 7: -100.0}), SamplingParams(temperature=0),
+              SamplingParams(temperature=0.7, seed=1, logit_bias={11: 100.0}),
+              SamplingParams(temperature=0, repetition_penalty=1.5, logit_bias={7: 2.5}, logprobs=2)]
+    batch = build_sampling_batch([seq_with(p) for p in params], VOCAB, torch.device("cpu"), [0])
+    expected = logits.clone()  # plain torch, row by row: bias first, then the penalty of the last row
+    expected[0, 3] += 5.0
+    expected[0, 7] -= 100.0
+    expected[2, 11] += 100.0
+    expected[3, 7] += 2.5
+    for token in (1, 2, 3):
+        x = expected[3, token]
+        expected[3, token] = x / 1.5 if x > 0 else x * 1.5
+    torch.testing.assert_close(apply_penalties(logits, batch), expected)
+    out = sample(logits, batch, raw_argmax=logits.argmax(-1))  # the raw argmax must not stand in
+    assert out.token_ids.tolist()[:2] == expected[:2].argmax(-1).tolist()
+    assert out.token_ids[2] == 11 and out.token_ids[3] == expected[3].argmax()
+    torch.testing.assert_close(out.logprobs[3, 1:], logits[3].log_softmax(-1).topk(2).values)  # unbiased
+    greedy = [SamplingParams(temperature=0, logit_bias={int(logits[0].argmax()): -100.0}),
+              SamplingParams(temperature=0)]
+    fast = build_sampling_batch([seq_with(p) for p in greedy], VOCAB, torch.device("cpu"), [0])
+    assert fast.all_greedy and sample(logits[:2], fast, logits[:2].argmax(-1)).token_ids[0] != logits[0].argmax()
+    plain = build_sampling_batch([seq_with(SamplingParams(temperature=0.5))], VOCAB, torch.device("cpu"), [0])
+    assert plain.logit_bias is None
+
+
 def test_greedy_is_argmax_and_logprobs_are_log_softmax():
     torch.manual_seed(2)
     logits = torch.randn(4, VOCAB)

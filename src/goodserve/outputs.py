@@ -53,3 +53,4 @@ class RequestOutput:
     prompt_logprobs: list[LogprobsEntry | None] | None = None
     num_cached_tokens: int = 0
     error: str | None = None  # set when the engine failed this request (it finishes as "abort")
+    embedding: list[float] | None = None  # a pooling request's (SamplingParams.pooling), once finished

@@ -20,6 +20,9 @@ MAX_LOGPROBS = 20
 # Far past any useful setting (at temperature 100 every token is about equally likely), and float32 holds it.
 MAX_TEMPERATURE = 100.0
 MAX_REPETITION_PENALTY = 100.0
+MAX_LOGIT_BIAS_ENTRIES = 300  # bounds the host work and the scatter each step pays per biased request
+POOLING = ("last", "mean")
+LOGIT_BIAS_RANGE = 100.0  # OpenAI's: -100 bans a token, +100 makes it all but certain
 
 
 @dataclass
@@ -33,7 +36,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    max_tokens: int | None = 16  # None: up to the context window
+    max_tokens: int | None = 16  # None: up to the context window; 0: the prompt only (prefill_only)
     min_tokens: int = 0
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)  # the engine checks them against the vocabulary
@@ -44,8 +47,16 @@ class SamplingParams:
     skip_special_tokens: bool = True
     priority: int = 0  # lower is served first, as in vLLM
     structured_outputs: StructuredOutputsParams | None = None  # the output follows this grammar
+    # token id -> added to its logit before penalties, temperature and top-k/p (the engine checks ids
+    # against the vocabulary); logprobs stay those of the unbiased distribution
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    # 'last' | 'mean': embed the prompt (its final hidden states pooled, L2-normalized) instead of
+    # generating; needs max_tokens=0 and n=1
+    pooling: str | None = None
 
     def __post_init__(self) -> None:
+        if not isinstance(self.logit_bias, dict):
+            raise InvalidRequestError(f"logit_bias must map token ids to numbers, got {type(self.logit_bias).__name__}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = _as_list("stop", self.stop)
@@ -53,6 +64,11 @@ class SamplingParams:
         if type(self.top_k) is int and self.top_k == 0:  # (not False, not 0.0: those are refused)
             self.top_k = -1
         self.validate()
+
+    @property
+    def prefill_only(self) -> bool:
+        """The request finishes once its prompt is computed: scoring (prompt logprobs) or embedding."""
+        return self.max_tokens == 0
 
     @property
     def greedy(self) -> bool:
@@ -70,7 +86,7 @@ class SamplingParams:
         if self.seed is not None:
             _check_int("seed", self.seed, INT64_MIN, INT64_MAX)
         if self.max_tokens is not None:
-            _check_int("max_tokens", self.max_tokens, 1, INT32_MAX)
+            _check_int("max_tokens", self.max_tokens, 0, INT32_MAX)
         _check_int("min_tokens", self.min_tokens, 0, INT32_MAX)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise InvalidRequestError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
@@ -80,6 +96,12 @@ class SamplingParams:
         _check_int("priority", self.priority, INT64_MIN, INT64_MAX)
         for token in self.stop_token_ids:
             _check_int("stop_token_ids entries", token, 0, INT32_MAX)
+        _check_logit_bias(self.logit_bias)
+        if self.pooling is not None:
+            if self.pooling not in POOLING:
+                raise InvalidRequestError(f"pooling must be one of {', '.join(POOLING)}, got {self.pooling!r}")
+            if self.max_tokens != 0 or self.n != 1:
+                raise InvalidRequestError("a pooling request generates nothing: it needs max_tokens=0 and n=1")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise InvalidRequestError("stop strings must be non-empty strings")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
@@ -87,6 +109,14 @@ class SamplingParams:
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequestError(f"{name} must be true or false, got {getattr(self, name)!r}")
+
+
+def _check_logit_bias(bias: dict) -> None:
+    if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise InvalidRequestError(f"logit_bias has {len(bias)} entries; at most {MAX_LOGIT_BIAS_ENTRIES} are allowed")
+    for token, value in bias.items():
+        _check_int("logit_bias token ids", token, 0, INT32_MAX)
+        _check_float(f"logit_bias[{token}]", value, -LOGIT_BIAS_RANGE, LOGIT_BIAS_RANGE)
 
 
 def _as_list(name: str, value) -> list:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from gate_checks import assert_within, build, compare, engine_scores, greedy, hf_scores, run, tolerance
 
 from goodserve import SamplingParams
@@ -55,3 +56,25 @@ def test_prefix_hits_give_the_same_tokens(text_ids, device, cuda_only, hf_embedd
     for prop in comparison.properties():
         record_property(*prop)
     assert_within(comparison, tolerance("float32", "auto"))
+
+
+@torch.no_grad()
+def test_embeddings_and_logit_bias_on_cuda_match_transformers(text_ids, device, cuda_only, hf_embedded_on_device):
+    """Pooling rows read from a mixed graph's hidden states, across prefill chunks, beside a
+    generating request whose logit_bias applies in graph-replayed (and pipelined) steps."""
+    llm = build(EMBEDDED_MODEL, device, dtype="float32", max_num_batched_tokens=CHUNK_TOKENS)
+    hf = hf_embedded_on_device
+    long, short, generating = text_ids[:150], text_ids[200:230], text_ids[300:320]
+    first = int(hf(torch.tensor([generating], device=device)).logits[0, -1].argmax())
+    banned = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logit_bias={first: -100.0})
+    outs = run(llm, [long, short, generating], [SamplingParams(max_tokens=0, pooling="mean"),
+                                                SamplingParams(max_tokens=0, pooling="last"), banned])
+    for ids, out, pooling in ((long, outs[0], "mean"), (short, outs[1], "last")):
+        hidden = hf.model(torch.tensor([ids], device=device)).last_hidden_state[0]
+        pooled = hidden.mean(dim=0) if pooling == "mean" else hidden[-1]
+        torch.testing.assert_close(torch.tensor(out.embedding, device=device), pooled / pooled.norm(),
+                                   atol=1e-3, rtol=1e-3)
+    tokens = outs[2].outputs[0].token_ids
+    logits = hf(torch.tensor([generating], device=device)).logits[0, -1]
+    logits[first] -= 100.0
+    assert first not in tokens and tokens[0] == int(logits.argmax())

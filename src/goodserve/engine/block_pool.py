@@ -71,10 +71,11 @@ class BlockPool:
         """Attach the cached blocks that hold a prefix of seq's tokens; sets num_computed_tokens.
 
         At least the last token is always left to compute: its logits are what we sample from.
-        A sequence that wants prompt logprobs computes every token (cached blocks keep no logits).
+        A sequence that wants prompt logprobs or mean pooling computes every token (cached blocks keep
+        no logits or hidden states).
         """
         assert not seq.block_table and seq.num_computed_tokens == 0
-        if not self.enable_prefix_caching or seq.wants_prompt_logprobs:
+        if not self.enable_prefix_caching or seq.wants_prompt_logprobs or seq.params.pooling == "mean":
             return
         self.counters.queries += seq.num_tokens
         for i, block_hash in enumerate(self._block_hashes(seq, (seq.num_tokens - 1) // self.block_size)):

@@ -85,6 +85,7 @@ class _StepResult:
     token_ids: list[int]
     sampled: SamplerOutput | None
     prompt_logprobs: list[tuple]  # Engine._prompt_logprobs
+    pooled: list[tuple[Sequence, int, torch.Tensor]]  # (seq, first position pooled, hidden-state sum)
 
 
 @dataclass
@@ -243,6 +244,8 @@ class Engine:
             raise InvalidRequestError(f"prompt token ids must be in [0, {self.spec.vocab_size})")
         if any(t >= self.spec.vocab_size for t in params.stop_token_ids):
             raise InvalidRequestError(f"stop_token_ids must be in [0, {self.spec.vocab_size})")
+        if any(t >= self.spec.vocab_size for t in params.logit_bias):
+            raise InvalidRequestError(f"logit_bias token ids must be in [0, {self.spec.vocab_size})")
         if params.n > self.config.max_n_per_request:
             raise InvalidRequestError(f"n must be at most {self.config.max_n_per_request}, got {params.n}")
         prompt_len = len(prompt_token_ids)
@@ -374,8 +377,9 @@ class Engine:
         if sampling is not None:
             with rewind_generators(sampling, always=trial):
                 sampled = sample(output.logits, sampling, output.logits_argmax)
+        pooled = [(batch.seqs[row], batch.seqs[row].num_computed_tokens, total) for row, total in output.pooled.items()]
         result = _StepResult(sample_seqs, sampled.token_ids.tolist() if sampled else [], sampled,
-                             self._prompt_logprobs(batch, output))
+                             self._prompt_logprobs(batch, output), pooled)
         t3 = time.perf_counter()
         self.times.prepare += t1 - t_start
         self.times.forward += t2 - t1
@@ -390,6 +394,11 @@ class Engine:
         self._release_siblings(batch)
         for seq, first, values, ids, ranks in result.prompt_logprobs:
             self._guarded(seq, self._store_prompt_logprobs, seq, first, values, ids, ranks)
+        for seq, first, total in result.pooled:  # a recomputed prompt (after a preemption) starts over
+            seq.pooled = total if first == 0 or seq.pooled is None else seq.pooled + total
+        for seq in batch.seqs:
+            if seq.params.prefill_only and not seq.is_finished and seq.num_computed_tokens >= seq.num_prompt_tokens:
+                self._guarded(seq, self._finish_prefill_only, seq)
         for i, (seq, token) in enumerate(zip(result.sample_seqs, result.token_ids)):
             if not seq.is_finished:  # else a sibling's failure aborted it just now
                 self._guarded(seq, self._append_sampled, seq, token, result.sampled, i, stream_text)
@@ -623,6 +632,11 @@ class Engine:
         if seq.num_output_tokens >= (params.max_tokens or seq.max_len) or seq.num_tokens >= seq.max_len:
             self._finish(seq, "length", None, detokenizer)
 
+    def _finish_prefill_only(self, seq: Sequence) -> None:
+        if seq.params.pooling is not None:  # the mean's direction is the sum's: normalizing drops the count
+            seq.embedding = torch.nn.functional.normalize(seq.pooled, dim=0).tolist()
+        self._finish(seq, "length", None, self.requests[seq.request_id].detokenizers[seq.index])
+
     def _truncate_at_stop_string(self, seq: Sequence, new_chars: int) -> bool:
         for stop in seq.params.stop:  # only where the new text could complete a stop string
             at = seq.text.find(stop, max(0, len(seq.text) - new_chars - len(stop) + 1))
@@ -667,11 +681,13 @@ class Engine:
 
 def _samples_on_device(seq: Sequence) -> bool:
     """Whether seq's next tokens need no host data from the step before: no penalties (they count
-    output tokens), no min_tokens ban pending, no logprobs, no stop strings (they need the text). A
-    grammar's mask needs the previous token, but only once the forward runs (Engine._launch)."""
+    output tokens), no min_tokens ban pending, no logprobs, no stop strings (they need the text), and
+    that it samples at all (prefill-only requests finish on the host). A grammar's mask needs the
+    previous token, but only once the forward runs (Engine._launch)."""
     p = seq.params
-    return (p.logprobs is None and p.prompt_logprobs is None and not p.stop and p.repetition_penalty == 1.0
-            and not p.presence_penalty and not p.frequency_penalty and seq.num_output_tokens >= p.min_tokens)
+    return (not p.prefill_only and p.logprobs is None and p.prompt_logprobs is None and not p.stop
+            and p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
+            and seq.num_output_tokens >= p.min_tokens)
 
 
 def _accept_tokens_ahead(step: _InFlight) -> None:

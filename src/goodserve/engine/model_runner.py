@@ -11,7 +11,7 @@ input buffer).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -39,6 +39,7 @@ class FlatBatch:
     sample_rows: list[int]  # index into batch.seqs of the sequences that sample a token this step
     logits_indices: list[int]  # their last token's row in the flat batch
     prompt_logit_spans: dict[int, tuple[int, int]]  # batch row -> flat [start, end) wanting logits
+    pooling_spans: dict[int, tuple[int, int]] = field(default_factory=dict)  # batch row -> flat rows to sum
 
 
 @dataclass
@@ -50,6 +51,7 @@ class ModelInput:
     logits_indices: torch.Tensor | None  # [len(sample_rows)]; None when a graph replays (all rows, in order)
     prompt_logit_spans: dict[int, tuple[int, int]]
     graph: _DecodeGraph | _MixedGraph | None = None  # the captured graph whose input buffer holds the batch
+    pooling_spans: dict[int, tuple[int, int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -57,6 +59,7 @@ class ModelOutput:
     logits: torch.Tensor  # [len(sample_rows), V] float32
     prompt_logits: dict[int, torch.Tensor]  # batch row -> [n, V] float32
     logits_argmax: torch.Tensor | None = None  # [len(sample_rows)]: argmax(logits), when a graph computed it
+    pooled: dict[int, torch.Tensor] = field(default_factory=dict)  # batch row -> [hidden] float32 sum
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -114,10 +117,19 @@ def flatten(batch: ScheduledBatch, block_size: int) -> FlatBatch:
         flat.block_tables.append(table)
         if seq.wants_prompt_logprobs and start < seq.num_prompt_tokens - 1:
             flat.prompt_logit_spans[row] = (offset, offset + min(end, seq.num_prompt_tokens - 1) - start)
-        if end == seq.num_tokens or ahead:
+        if seq.params.pooling == "mean":
+            flat.pooling_spans[row] = (offset, offset + num_new)
+        elif seq.params.pooling == "last" and end == seq.num_prompt_tokens:
+            flat.pooling_spans[row] = (offset + num_new - 1, offset + num_new)
+        if (end == seq.num_tokens and not seq.params.prefill_only) or ahead:
             flat.sample_rows.append(row)
             flat.logits_indices.append(offset + num_new - 1)
     return flat
+
+
+def pooled_sums(hidden: torch.Tensor, spans: dict[int, tuple[int, int]]) -> dict[int, torch.Tensor]:
+    """Per pooling row, the float32 sum of its final hidden states in this step (one row for 'last')."""
+    return {row: hidden[start:end].float().sum(dim=0) for row, (start, end) in spans.items()}
 
 
 def leading_decodes(query_lens: list[int]) -> int:
@@ -205,7 +217,8 @@ class ModelRunner:
             max_seq_len=max(flat.seq_lens), query_lens_host=flat.query_lens, seq_lens_host=flat.seq_lens,
             num_leading_decodes=leading_decodes(flat.query_lens),
         )
-        return ModelInput(ids, positions, meta, flat.sample_rows, logits_indices, flat.prompt_logit_spans)
+        return ModelInput(ids, positions, meta, flat.sample_rows, logits_indices, flat.prompt_logit_spans,
+                          pooling_spans=flat.pooling_spans)
 
     def _staging(self, count: int) -> torch.Tensor:
         """A reusable int32 host buffer of >= count entries, pinned on CUDA (pinning fresh memory every
@@ -234,7 +247,7 @@ class ModelRunner:
             row: self.model.compute_logits(hidden[start:end])
             for row, (start, end) in inputs.prompt_logit_spans.items()
         }
-        return ModelOutput(logits, prompt_logits)
+        return ModelOutput(logits, prompt_logits, pooled=pooled_sums(hidden, inputs.pooling_spans))
 
     def _graph_for(self, flat: FlatBatch) -> _DecodeGraph | _MixedGraph | None:
         """The captured graph the batch replays: a decode graph if every sequence computes one token
@@ -433,7 +446,8 @@ class _MixedGraph(_StepGraph):
         _fill_column_major(host[self.tables_at :].reshape(-1, self.max_seqs), flat.block_tables)
         self.inputs[:count].copy_(staging[:count], non_blocking=True)
         return ModelInput(self.input_ids, self.positions, self.meta, flat.sample_rows,
-                          self.logits_indices[: len(flat.sample_rows)], {}, graph=self)
+                          self.logits_indices[: len(flat.sample_rows)], {}, graph=self,
+                          pooling_spans=flat.pooling_spans)
 
     def _forward(self) -> None:
         self.hidden = self.model(self.input_ids, self.positions, self.kv_caches, self.meta)
@@ -443,4 +457,5 @@ class _MixedGraph(_StepGraph):
 
     def run(self, inputs: ModelInput) -> ModelOutput:
         self.replay()
-        return ModelOutput(self.model.compute_logits(self.hidden[inputs.logits_indices]), {})
+        return ModelOutput(self.model.compute_logits(self.hidden[inputs.logits_indices]), {},
+                           pooled=pooled_sums(self.hidden, inputs.pooling_spans))

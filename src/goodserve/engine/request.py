@@ -37,6 +37,7 @@ class Request:
             prompt_logprobs=first.prompt_logprobs if first.wants_prompt_logprobs else None,
             num_cached_tokens=first.num_cached_tokens,
             error=self.error,
+            embedding=first.embedding,
         )
 
     def _completion(self, seq: Sequence) -> CompletionOutput:

@@ -7,6 +7,7 @@ import torch
 from goodserve.engine.grammar import grammar_bitmask
 from goodserve.engine.sequence import Sequence
 from goodserve.ops.sampler import SamplingBatch
+from goodserve.sampling_params import SamplingParams
 
 
 def build_sampling_batch(seqs: list[Sequence], vocab_size: int, device: torch.device,
@@ -23,8 +24,9 @@ def _settings(seqs: list[Sequence], vocab_size: int, device: torch.device, eos_t
     plain = all(p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
                 for p in params)
     needs_ban = any(_bans_stop_tokens(seq) for seq in seqs)
+    logit_bias = _logit_bias(params, device) if any(p.logit_bias for p in params) else None
     if plain and not needs_ban and all(p.greedy for p in params):  # the common fast path: argmax only
-        return SamplingBatch(all_greedy=True, max_logprobs=max_logprobs)
+        return SamplingBatch(all_greedy=True, max_logprobs=max_logprobs, logit_bias=logit_bias)
     top_k = [min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params]
     batch = SamplingBatch(
         temperature=torch.tensor([0.0 if p.greedy else p.temperature for p in params], device=device),
@@ -35,12 +37,21 @@ def _settings(seqs: list[Sequence], vocab_size: int, device: torch.device, eos_t
         needs_top_k_p=any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params if not p.greedy),
         all_greedy=all(p.greedy for p in params),
         max_logprobs=max_logprobs,
+        logit_bias=logit_bias,
     )
     if not plain:
         _add_penalties(batch, seqs, vocab_size, device)
     if needs_ban:
         batch.banned = _banned_before_min_tokens(seqs, vocab_size, device, eos_token_ids)
     return batch
+
+
+def _logit_bias(params: list[SamplingParams], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every row's bias as one sparse list: (row, token id) pairs and their values."""
+    entries = [(row, token, value) for row, p in enumerate(params) for token, value in p.logit_bias.items()]
+    rows, tokens, values = zip(*entries)
+    return (torch.tensor([rows, tokens], dtype=torch.int64, device=device),
+            torch.tensor(values, dtype=torch.float32, device=device))
 
 
 def _add_penalties(batch: SamplingBatch, seqs: list[Sequence], vocab_size: int, device) -> None:

@@ -42,6 +42,8 @@ class Sequence:
     prompt_logprobs: list[LogprobsEntry | None] = field(default_factory=list)
     cumulative_logprob: float = 0.0
     text: str = ""
+    pooled: torch.Tensor | None = None  # pooling: the sum of the hidden states pooled so far
+    embedding: list[float] | None = None  # pooling: the result, once the prompt is computed
     metrics: RequestMetrics | None = None
 
     def __post_init__(self) -> None:

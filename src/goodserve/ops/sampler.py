@@ -1,6 +1,7 @@
 """Turns a batch of next-token logits into tokens: penalties, temperature, top-k/top-p/min-p, draws.
 
 Every row is handled as in the reference semantics of vLLM / OpenAI:
+- logit_bias (OpenAI): a per-request value added to chosen tokens' logits, first (as vLLM v1);
 - repetition_penalty (HF/CTRL style) over prompt and output tokens: positive logits divided by it,
   negative ones multiplied;
 - presence / frequency penalties (OpenAI) over output tokens: logit -= presence * [count > 0]
@@ -13,8 +14,8 @@ Draws use the exponential-race trick (argmax p / E, E ~ Exp(1)), with noise from
 generator when the request has a seed, so a seeded request samples the same tokens in any batch.
 A row with a grammar (engine/grammar.py) has every token its grammar refuses at -inf first
 (ops/token_bitmask.py), so greedy, sampled and logprobs all see the constrained distribution.
-Logprobs are those of the model's distribution before penalties and temperature (after the grammar
-mask: a refused token has logprob -inf, reported as -9999.0 as vLLM does, since JSON has no -inf).
+Logprobs are those of the model's distribution before bias, penalties and temperature (after the
+grammar mask: a refused token has logprob -inf, reported as -9999.0 as vLLM does, since JSON has no -inf).
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ class SamplingBatch:
     prompt_mask: torch.Tensor | None = None  # [N, V] bool: token appears in the prompt
     output_counts: torch.Tensor | None = None  # [N, V] float32: times each token was generated
     banned: torch.Tensor | None = None  # [N, V] bool: stop tokens before min_tokens is reached
+    # Sparse: ([2, M] int64 (row, token id), [M] float32 bias); None when no row has a logit_bias.
+    logit_bias: tuple[torch.Tensor, torch.Tensor] | None = None
     needs_top_k_p: bool = True
     all_greedy: bool = False
     max_logprobs: int = -1  # most top alternatives any row asked for; -1: none asked
@@ -53,9 +56,9 @@ class SamplingBatch:
 
     @property
     def changes_logits(self) -> bool:
-        """Whether penalties or bans apply, so the greedy token may differ from the raw argmax."""
+        """Whether bias, penalties, bans or a grammar apply, so the greedy token may differ from the raw argmax."""
         return (self.repetition_penalty is not None or self.presence_penalty is not None or self.banned is not None
-                or self.token_bitmask is not None)
+                or self.token_bitmask is not None or self.logit_bias is not None)
 
 
 @dataclass
@@ -67,6 +70,9 @@ class SamplerOutput:
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    if batch.logit_bias is not None:  # out of place: the raw logits still give the logprobs
+        index, values = batch.logit_bias
+        logits = logits.index_put((index[0], index[1]), values, accumulate=True)
     if batch.repetition_penalty is not None:
         seen = batch.prompt_mask | (batch.output_counts > 0)
         penalty = batch.repetition_penalty.unsqueeze(1)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from importlib.metadata import version
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -25,15 +26,21 @@ from goodserve.server.protocol import (
     CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
+    EmbeddingRequest,
+    EmbeddingResponse,
     ErrorResponse,
     ModelCard,
     ModelList,
+    ResponsesRequest,
     TokenizeRequest,
     TokenizeResponse,
+    VersionResponse,
 )
 from goodserve.server.serving import ServingContext
 from goodserve.server.serving_chat import create_chat_completion
 from goodserve.server.serving_completions import create_completion
+from goodserve.server.serving_embeddings import create_embedding
+from goodserve.server.serving_responses import create_response
 
 logger = logging.getLogger("goodserve.server")
 
@@ -56,6 +63,8 @@ class ServerConfig:
     max_connections: int | None = None  # default: what the open-file limit leaves (connection_capacity)
     backlog: int = 4096
     keep_alive_s: int = 30
+    pooling: str = "last"  # /v1/embeddings: the last token's final hidden state (as vLLM for decoders) or the mean
+    allow_unknown_fields: bool = False
 
     @property
     def url(self) -> str:
@@ -79,7 +88,7 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
     model_name = config.served_model_name or engine.config.model
     metrics = ServerMetrics(engine, model_name, Slo(config.slo_ttft_ms, config.slo_tpot_ms))
     ctx = ServingContext(engine, model_name, Admission(config.max_waiting), metrics, config.request_timeout_s,
-                         config.max_unsent_outputs)
+                         config.max_unsent_outputs, config.pooling, config.allow_unknown_fields)
     created = int(time.time())
 
     @asynccontextmanager
@@ -91,7 +100,7 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
         await engine.shutdown(config.drain_timeout_s)
         ctx.close()
 
-    app = FastAPI(title="goodserve", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(title="goodserve", version=version("goodserve"), lifespan=lifespan)
     app.state.draining = False
     app.state.ctx = ctx
     install_error_handlers(app, on_error=metrics.observe_rejected)
@@ -114,13 +123,34 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
         ensure_accepting()
         return await create_chat_completion(ctx, body, request)
 
+    @app.post("/v1/embeddings", responses=_ERRORS)
+    async def embeddings(body: EmbeddingRequest, request: Request) -> EmbeddingResponse:
+        ensure_accepting()
+        return await create_embedding(ctx, body, request)
+
+    @app.post("/v1/responses", response_model=None, responses=_ERRORS)
+    async def responses(body: ResponsesRequest, request: Request):
+        ensure_accepting()
+        return await create_response(ctx, body, request)
+
+    card = ModelCard(id=model_name, created=created, max_model_len=engine.max_model_len)
+
     @app.get("/v1/models", responses=_ERRORS)
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=model_name, created=created, max_model_len=engine.max_model_len)])
+        return ModelList(data=[card])
+
+    @app.get("/v1/models/{model_id:path}", responses=_ERRORS)
+    async def model(model_id: str) -> ModelCard:
+        ctx.check_model(model_id)
+        return card
+
+    @app.get("/version")
+    async def server_version() -> VersionResponse:
+        return VersionResponse(version=version("goodserve"))
 
     @app.post("/tokenize", responses=_ERRORS)
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
-        ctx.check_model(body.model)
+        ctx.check_request(body)
         if (body.prompt is None) == (body.messages is None):
             raise InvalidRequestError("give exactly one of 'prompt' or 'messages'")
         if body.messages is not None:
@@ -131,7 +161,7 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
 
     @app.post("/detokenize", responses=_ERRORS)
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
-        ctx.check_model(body.model)
+        ctx.check_request(body)
         vocab_size = ctx.tokenizer.vocab_size
         if any(t >= vocab_size for t in body.tokens):
             raise InvalidRequestError(f"token ids must be in [0, {vocab_size})")

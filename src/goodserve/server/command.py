@@ -35,6 +35,10 @@ _SERVER_HELP = {
                        "raised to its hard maximum, less the files open at start and 64)",
     "keep_alive_s": "close a kept-alive connection idle this long; longer than clients' own idle expiry (httpx 5s, "
                     "aiohttp 15s), so a client never sends on a connection the server is closing",
+    "pooling": "how /v1/embeddings pools a prompt's final hidden states: the last token's (default, as vLLM "
+               "does for decoder models) or their mean; either is L2-normalized",
+    "allow_unknown_fields": "ignore request fields this server does not know (a warning is logged) instead of "
+                            "answering 400; fields OpenAI defines that goodserve does not implement are still refused",
     "backlog": "listen backlog: connections the kernel queues before the server accepts them (capped by "
                "net.core.somaxconn)",
 }
@@ -49,7 +53,8 @@ def register(subparsers) -> None:
         description="OpenAI-compatible server (/v1/completions, /v1/chat/completions, /metrics, ...).",
     )
     add_dataclass_arguments(parser, ServerConfig, "server options", _SERVER_HELP,
-                            {"log_level": ("critical", "error", "warning", "info", "debug")})
+                            {"log_level": ("critical", "error", "warning", "info", "debug"),
+                             "pooling": ("last", "mean")})
     parser.set_defaults(api_key=os.environ.get("GOODSERVE_API_KEY"))
     add_engine_arguments(parser)
     parser.set_defaults(func=run)

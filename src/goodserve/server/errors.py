@@ -103,7 +103,7 @@ def install_error_handlers(app: FastAPI, on_error: Callable[[int], None]) -> Non
         if overloaded:  # the client is told to come back; the operator should see it happen
             logger.info("refused %s %s with %d: %s", request.method, request.url.path, exc.http_status, exc)
         headers = {"Retry-After": str(getattr(exc, "retry_after_s", 1))} if overloaded else None
-        body = error_body(str(exc), exc.error_type, exc.http_status)
+        body = error_body(str(exc), exc.error_type, exc.http_status, getattr(exc, "param", None))
         return JSONResponse(body, status_code=exc.http_status, headers=headers)
 
     @app.exception_handler(RequestValidationError)

@@ -21,17 +21,27 @@ def _top(entry: LogprobsEntry, k: int) -> list[tuple[str, float]]:
 
 
 def completion_logprobs(
-    token_ids: Sequence[int], entries: Sequence[LogprobsEntry], k: int, text_offset: int
+    token_ids: Sequence[int], entries: Sequence[LogprobsEntry | None], k: int, text_offset: int,
+    first_token: str | None = None,
 ) -> CompletionLogprobs:
+    """entries: a None entry is an echoed prompt's first token (nothing predicts it), spelled first_token."""
     out = CompletionLogprobs()
     for token_id, entry in zip(token_ids, entries):
-        token = _token_text(token_id, entry[token_id])
+        token = first_token if entry is None else _token_text(token_id, entry[token_id])
         out.tokens.append(token)
-        out.token_logprobs.append(entry[token_id].logprob)
-        out.top_logprobs.append(dict(_top(entry, k)))
+        out.token_logprobs.append(None if entry is None else entry[token_id].logprob)
+        out.top_logprobs.append(None if entry is None else dict(_top(entry, k)))
         out.text_offset.append(text_offset)
         text_offset += len(token)
     return out
+
+
+def joined(first: CompletionLogprobs | None, second: CompletionLogprobs) -> CompletionLogprobs:
+    """An echoed prompt's logprobs followed by the completion's."""
+    if first is None:
+        return second
+    return CompletionLogprobs(**{name: getattr(first, name) + getattr(second, name)
+                                 for name in CompletionLogprobs.model_fields})
 
 
 def _top_logprob(token: str, logprob: float) -> TopLogprob:

@@ -1,18 +1,20 @@
 """Request and response schemas of the OpenAI API, with vLLM's extension fields.
 
 Pydantic checks types (a wrong type is a 422); SamplingParams checks values (a bad value is a 400),
-so each rule lives in one place.
+so each rule lives in one place. A request keeps the fields it does not declare; contract.py refuses
+them by name.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from goodserve.errors import InvalidRequestError
-from goodserve.sampling_params import SamplingParams
+from goodserve.sampling_params import MAX_LOGIT_BIAS_ENTRIES, SamplingParams
+from goodserve.server.contract import UnsupportedFieldError
 from goodserve.server.limits import (
     MAX_CONTENT_PARTS,
     MAX_MESSAGES,
@@ -32,14 +34,25 @@ TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 
 
 class _Schema(BaseModel):
-    # Unknown fields are ignored, as OpenAI and vLLM do; NaN/inf never reach the sampler.
+    # Nested objects ignore fields they do not know (request bodies refuse them: _Request); NaN/inf
+    # never reach the sampler.
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
 class _Request(_Schema):
-    """A request body: every string in it, at any depth, must be encodable text."""
+    """A request body: every string in it, at any depth, must be encodable text. Fields it does not
+    declare are kept, for contract.check_fields to refuse by name."""
+
+    model_config = ConfigDict(extra="allow")
+    # OpenAI fields of this request that goodserve does not implement: refused by name
+    unsupported: ClassVar[frozenset[str]] = frozenset()
 
     _no_lone_surrogates = model_validator(mode="before")(reject_lone_surrogates)
+
+
+def _refuse_store(store: bool | None) -> None:
+    if store:
+        raise InvalidRequestError("'store' must be false or absent: this server stores no responses")
 
 
 class StreamOptions(_Schema):
@@ -71,6 +84,9 @@ class StructuredOutputsRequest(_Schema):
 class _SamplingRequest(_Request):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
+    # vLLM's knobs of its own grammar backends: goodserve has one (xgrammar, its default whitespace)
+    unsupported: ClassVar[frozenset[str]] = frozenset({"guided_decoding_backend", "guided_whitespace_pattern"})
+
     model: Name | None = None
     n: int = 1
     temperature: float | None = None
@@ -79,7 +95,8 @@ class _SamplingRequest(_Request):
     seed: Seed | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    user: Name | None = None
+    logit_bias: Annotated[dict[str, float], Field(max_length=MAX_LOGIT_BIAS_ENTRIES)] | None = None
+    user: Name | None = None  # accepted; recorded nowhere
     stream: bool = False
     stream_options: StreamOptions | None = None
     # vLLM extensions
@@ -127,23 +144,39 @@ class _SamplingRequest(_Request):
             skip_special_tokens=self.skip_special_tokens,
             priority=self.priority,
             structured_outputs=self._structured_outputs(),
+            logit_bias=_token_id_keys(self.logit_bias),
         )
 
     def _structured_outputs(self) -> StructuredOutputsParams | None:
         return request_grammar(self)
 
 
+def _token_id_keys(logit_bias: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI sends token ids as JSON object keys, so as strings."""
+    try:
+        return {int(token): value for token, value in (logit_bias or {}).items()}
+    except ValueError:
+        raise InvalidRequestError("logit_bias keys must be token ids (integers as strings)") from None
+
+
+Prompt = str | list[str] | list[TokenId] | list[list[TokenId]]
+
+
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
-    max_tokens: int | None = 16  # OpenAI's default for completions
+    unsupported: ClassVar[frozenset[str]] = _SamplingRequest.unsupported | {"best_of", "suffix"}
+
+    prompt: Prompt
+    max_tokens: int | None = 16  # OpenAI's default for completions; 0 only with echo (scores the prompt)
     logprobs: int | None = None
     echo: bool = False
-    suffix: str | None = None
 
     def sampling_params(self) -> SamplingParams:
-        if self.echo or self.suffix:
-            raise InvalidRequestError("echo and suffix are not supported")
-        return self._sampling_params(self.max_tokens, self.logprobs)
+        if self.max_tokens == 0 and not self.echo:
+            raise InvalidRequestError("max_tokens=0 needs echo=true (it scores the prompt and generates nothing)")
+        params = self._sampling_params(self.max_tokens, self.logprobs)
+        if self.echo and self.logprobs is not None:  # the echoed prompt's logprobs come first
+            params.prompt_logprobs = self.logprobs
+        return params
 
 
 class TextContent(_Schema):
@@ -200,12 +233,18 @@ Messages = Annotated[list[ChatMessage], Field(max_length=MAX_MESSAGES)]
 
 
 class ChatCompletionRequest(_SamplingRequest):
+    unsupported: ClassVar[frozenset[str]] = _SamplingRequest.unsupported | frozenset({
+        "audio", "function_call", "functions", "metadata", "modalities", "moderation", "prediction",
+        "prompt_cache_key", "prompt_cache_options", "prompt_cache_retention", "reasoning_effort",
+        "safety_identifier", "service_tier", "verbosity", "web_search_options"})
+
     messages: Messages
     max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    store: bool | None = None
     # Tools (server/tool_calls.py)
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
@@ -219,11 +258,71 @@ class ChatCompletionRequest(_SamplingRequest):
         return forced or request_grammar(self)
 
     def sampling_params(self) -> SamplingParams:
+        _refuse_store(self.store)
+        if 0 in (self.max_tokens, self.max_completion_tokens):
+            raise InvalidRequestError("max_completion_tokens (max_tokens) must be at least 1")
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs requires logprobs to be true")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._sampling_params(max_tokens, logprobs)
+
+
+class EmbeddingRequest(_Request):
+    model: Name | None = None
+    input: Prompt
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None  # only the model's hidden size: embeddings are not truncated
+    user: Name | None = None  # accepted; recorded nowhere
+
+
+class InputText(_Schema):
+    type: Literal["input_text", "output_text"]
+    text: str
+
+
+class ResponseInputMessage(_Schema):
+    type: Literal["message"] = "message"
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | Annotated[list[InputText], Field(max_length=MAX_CONTENT_PARTS)]
+
+    def chat_message(self) -> ChatMessage:
+        parts = self.content if isinstance(self.content, str) else [TextContent(type="text", text=p.text)
+                                                                     for p in self.content]
+        return ChatMessage(role=self.role, content=parts)
+
+
+class ResponsesRequest(_Request):
+    """The text case of OpenAI's Responses API: one turn, no state kept between responses."""
+
+    unsupported: ClassVar[frozenset[str]] = frozenset({
+        "access_programs", "background", "background_options", "context_management", "conversation", "image",
+        "include", "max_tool_calls", "metadata", "moderation", "parallel_tool_calls", "previous_response_id",
+        "prompt", "prompt_cache_key", "prompt_cache_options", "prompt_cache_retention", "reasoning",
+        "safety_identifier", "service_tier", "stream_options", "tool_choice", "tools", "top_logprobs",
+        "truncation"})
+
+    model: Name | None = None
+    input: str | Annotated[list[ResponseInputMessage], Field(max_length=MAX_MESSAGES)]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    store: bool | None = None  # OpenAI's default is true; nothing is stored here, so true is refused
+    text: dict | None = None  # only {"format": {"type": "text"}}: structured formats are not supported here
+    user: Name | None = None  # accepted; recorded nowhere
+
+    def chat_request(self) -> ChatCompletionRequest:
+        """The same turn as a chat completion: one path from messages to tokens and sampling."""
+        _refuse_store(self.store)
+        if self.text not in (None, {}, {"format": {"type": "text"}}):
+            raise UnsupportedFieldError("'text' supports only {\"format\": {\"type\": \"text\"}} here", "text")
+        turns = [ChatMessage(role="user", content=self.input)] if isinstance(self.input, str) \
+            else [m.chat_message() for m in self.input]
+        system = [ChatMessage(role="system", content=self.instructions)] if self.instructions is not None else []
+        return ChatCompletionRequest(model=self.model, messages=system + turns, temperature=self.temperature,
+                                     top_p=self.top_p, max_completion_tokens=self.max_output_tokens)
 
 
 class TokenizeRequest(_Request):
@@ -254,11 +353,12 @@ class Usage(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
-    """The legacy completions format: parallel lists, top alternatives keyed by token text."""
+    """The legacy completions format: parallel lists, top alternatives keyed by token text (None for
+    an echoed prompt's first token, which nothing predicts)."""
 
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
 
 
@@ -373,6 +473,28 @@ class TokenizeResponse(BaseModel):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+
+
+class Embedding(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str  # str: base64 of little-endian float32, as OpenAI sends it
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage
+
+
+class VersionResponse(BaseModel):
+    version: str
 
 
 class ErrorDetail(BaseModel):

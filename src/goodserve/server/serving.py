@@ -18,6 +18,7 @@ from starlette.types import Receive, Scope, Send
 from goodserve.errors import GoodserveError, InvalidRequestError, ModelLoadError
 from goodserve.sampling_params import SamplingParams
 from goodserve.server.admission import Admission
+from goodserve.server.contract import check_fields
 from goodserve.server.errors import error_body
 from goodserve.server.generation import GenerationJob, cancel_on_disconnect
 from goodserve.server.metrics import ServerMetrics
@@ -36,6 +37,8 @@ class ServingContext:
     metrics: ServerMetrics
     request_timeout_s: float | None = None  # server-wide deadline; a request may ask for less
     max_unsent_outputs: int = 512  # a stream this far behind its engine request is aborted
+    pooling: str = "last"  # how /v1/embeddings pools the final hidden states (--pooling)
+    allow_unknown_fields: bool = False  # --allow-unknown-fields: ignore them with a warning, not a 400
 
     @property
     def tokenizer(self):
@@ -50,6 +53,11 @@ class ServingContext:
     def close(self) -> None:
         if "encoder" in self.__dict__:  # built on the first prompt that needed it
             self.encoder.close()
+
+    def check_request(self, req: BaseModel) -> None:
+        """The contract (contract.py), then the model name."""
+        check_fields(req, type(req).unsupported, self.allow_unknown_fields)
+        self.check_model(getattr(req, "model", None))
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -137,8 +145,9 @@ async def _sse_events(chunks: AsyncIterator[BaseModel]) -> AsyncIterator[str]:
 class JobStreamingResponse(StreamingResponse):
     """An SSE response that gives back its job's queue places even if the stream never starts."""
 
-    def __init__(self, chunks: AsyncIterator[BaseModel], job: GenerationJob):
-        super().__init__(_sse_events(chunks), media_type="text/event-stream",
+    def __init__(self, chunks: AsyncIterator[BaseModel], job: GenerationJob, frame=None):
+        """frame(chunks): the SSE text; default: a data line per chunk, then [DONE]."""
+        super().__init__((frame or _sse_events)(chunks), media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache"})
         self.job = job
 

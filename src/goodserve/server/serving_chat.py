@@ -33,7 +33,7 @@ from goodserve.server.tool_parsers import ToolCallStream, new_call_id, parse_too
 async def create_chat_completion(
     ctx: ServingContext, req: ChatCompletionRequest, request: Request
 ) -> Response | ChatCompletionResponse:
-    ctx.check_model(req.model)
+    ctx.check_request(req)
     params = req.sampling_params()
     mode = tool_mode(req)
     prompt = await ctx.chat_prompt_ids(req.messages, req.add_generation_prompt, prompt_tools(req))

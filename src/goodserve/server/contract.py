@@ -1,0 +1,38 @@
+"""The request contract: a field goodserve does not implement is a 400 naming it, never a silent 200.
+
+Request schemas keep the fields they do not declare (pydantic's extra="allow"); `check_fields`
+refuses each by name: the OpenAI fields that exist but goodserve does not implement (listed per
+schema, so the message says so), and unknown fields, which `--allow-unknown-fields` turns into a
+warning for clients that send their own extensions. A field sent as null is treated as absent.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from pydantic import BaseModel
+
+from goodserve.errors import InvalidRequestError
+
+logger = logging.getLogger("goodserve.server")
+
+class UnsupportedFieldError(InvalidRequestError):
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def check_fields(request: BaseModel, unsupported: frozenset[str], allow_unknown: bool) -> None:
+    """Raise UnsupportedFieldError for the first field sent that goodserve does not implement."""
+    extra = {name: value for name, value in (request.model_extra or {}).items()
+             if value is not None}
+    for name in extra:
+        if name in unsupported:
+            raise UnsupportedFieldError(f"'{name}' is not supported by this server (see docs/serving.md)", name)
+    if extra and not allow_unknown:
+        name = next(iter(extra))
+        raise UnsupportedFieldError(
+            f"unknown field '{name}': this server does not implement it (start it with "
+            "--allow-unknown-fields to ignore unknown fields)", name)
+    if extra:
+        logger.warning("ignoring unknown field(s) %s (--allow-unknown-fields)", ", ".join(sorted(extra)))

@@ -1,0 +1,193 @@
+"""The OpenAI surface beyond chat and completions, on loopback with the embedded model and the official
+openai client: logit_bias, echo, embeddings, /v1/models/{id}, /version, Responses, and the contract
+(a field goodserve does not implement is a 400 naming it).
+
+References: LLM.generate in this process (same float32 weights), transformers' hidden states for
+embeddings, the engine's prompt_logprobs for echo."""
+
+from __future__ import annotations
+
+import base64
+import logging
+from importlib.metadata import version
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import torch
+
+from goodserve import LLM, SamplingParams
+from goodserve.server.contract import check_fields
+from goodserve.server.process import start_server
+from goodserve.server.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, ResponsesRequest
+
+MODEL = "smollm2-135m"
+PROMPT = "The capital of France is"
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def served():
+    server = start_server(["--max-model-len", "512", "--quantization", "none"])
+    try:
+        llm = LLM(MODEL, max_model_len=512, quantization="none")  # loads while the server loads
+        server.wait_ready()
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        yield server, llm, client
+    finally:
+        server.stop()
+
+
+def test_logit_bias_bans_the_greedy_token_and_forces_another(served):
+    _, llm, client = served
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0, logprobs=0)
+    first = llm.tokenizer.encode(plain.choices[0].logprobs.tokens[0], add_special_tokens=False)[0]
+    banned = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0,
+                                       logit_bias={str(first): -100})
+    expected = llm.generate(PROMPT, SamplingParams(max_tokens=3, temperature=0, logit_bias={first: -100}))[0]
+    assert banned.choices[0].text == expected.outputs[0].text != plain.choices[0].text
+    assert expected.outputs[0].token_ids[0] != first
+    forced = llm.tokenizer.encode(" banana", add_special_tokens=False)[0]
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, temperature=0.8, seed=3,
+                                          logit_bias={str(forced): 100})
+    assert chat.choices[0].message.content == " banana" * 4
+    with pytest.raises(openai.BadRequestError, match="logit_bias"):
+        client.completions.create(model=MODEL, prompt=PROMPT, logit_bias={"49152": 1})  # past the vocabulary
+    with pytest.raises(openai.BadRequestError, match="logit_bias"):
+        client.completions.create(model=MODEL, prompt=PROMPT, logit_bias={"5": 101})
+
+
+def test_echo_returns_the_prompt_and_its_prompt_logprobs(served):
+    _, llm, client = served
+    ids = llm.tokenizer.encode(PROMPT)
+    reference = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=1,
+                                                                       logprobs=1))[0]
+    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0, echo=True, logprobs=1)
+    choice = out.choices[0]
+    assert choice.text == PROMPT + reference.outputs[0].text
+    lp = choice.logprobs
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None and len(lp.tokens) == len(ids) + 2
+    expected = [entry[t].logprob for t, entry in zip(ids[1:], reference.prompt_logprobs[1:])]
+    expected += [entry[t].logprob for t, entry in zip(reference.outputs[0].token_ids, reference.outputs[0].logprobs)]
+    np.testing.assert_allclose(lp.token_logprobs[1:], expected, atol=1e-4)
+    assert lp.text_offset[len(ids)] == len(PROMPT)
+    scored = client.completions.create(model=MODEL, prompt=[ids], max_tokens=0, echo=True, logprobs=0)
+    assert scored.choices[0].text == llm.tokenizer.decode(ids) and scored.usage.completion_tokens == 0
+    np.testing.assert_allclose(scored.choices[0].logprobs.token_logprobs[1:], expected[: len(ids) - 1], atol=1e-4)
+    stream = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0, echo=True,
+                                            logprobs=1, stream=True))
+    assert stream[0].choices[0].text.startswith(PROMPT)
+    assert "".join(c.choices[0].text for c in stream) == choice.text
+    assert sum((c.choices[0].logprobs.token_logprobs for c in stream), []) == lp.token_logprobs
+    with pytest.raises(openai.BadRequestError, match="echo"):
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0)
+    with pytest.raises(openai.BadRequestError, match="at least 1"):
+        client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=0)
+    with pytest.raises(openai.BadRequestError, match="'suffix'"):
+        client.completions.create(model=MODEL, prompt=PROMPT, suffix="!")
+
+
+@torch.no_grad()
+def test_embeddings_equal_transformers_last_token_hidden_state(served, hf_embedded):
+    _, llm, client = served
+    texts = ["Hello world", "A much longer sentence about the sea and the boats in the harbour."]
+    ids = [llm.tokenizer.encode(t) for t in texts]
+    expected = []
+    for prompt in ids:
+        last = hf_embedded.model(torch.tensor([prompt])).last_hidden_state[0, -1]
+        expected.append((last / last.norm()).numpy())
+    floats = client.embeddings.create(model=MODEL, input=texts, encoding_format="float")
+    assert floats.usage.prompt_tokens == sum(map(len, ids)) and [d.index for d in floats.data] == [0, 1]
+    np.testing.assert_allclose(np.array([d.embedding for d in floats.data]), expected, atol=2e-4)
+    by_default = client.embeddings.create(model=MODEL, input=ids)  # the client asks for base64 and decodes it
+    np.testing.assert_allclose(np.array([d.embedding for d in by_default.data]), expected, atol=2e-4)
+    raw = httpx.post(f"{client.base_url}embeddings", json={"input": ids[0], "encoding_format": "base64"}).json()
+    decoded = np.frombuffer(base64.b64decode(raw["data"][0]["embedding"]), dtype="<f4")
+    np.testing.assert_allclose(decoded, expected[0], atol=2e-4)
+    with pytest.raises(openai.BadRequestError, match="dimensions"):
+        client.embeddings.create(model=MODEL, input="hi", dimensions=8)
+    assert len(client.embeddings.create(model=MODEL, input="hi", dimensions=576).data[0].embedding) == 576
+
+
+def test_model_by_id_and_version(served):
+    server, _, client = served
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-17")
+    assert httpx.get(f"{server.url}/version").json() == {"version": version("goodserve")}
+
+
+def test_responses_non_stream_and_stream_equal_the_chat_path(served):
+    _, llm, client = served
+    instructions, question = "Answer in one word.", "What is the capital of France?"
+    messages = [{"role": "system", "content": instructions}, {"role": "user", "content": question}]
+    expected = llm.chat(messages, SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].text
+    response = client.responses.create(model=MODEL, instructions=instructions, input=question,
+                                       max_output_tokens=8, temperature=0)
+    assert response.output_text == expected and response.usage.output_tokens > 0
+    events = list(client.responses.create(model=MODEL, input=[{"role": "system", "content": instructions},
+                                                               {"role": "user", "content": question}],
+                                          max_output_tokens=8, temperature=0, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[0] == "response.created" and kinds[-1] in ("response.completed", "response.incomplete")
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == expected
+    assert next(e for e in events if e.type == "response.output_text.done").text == expected
+    assert events[-1].response.output_text == expected
+    for field, value in (("tools", [{"type": "function", "name": "f", "parameters": {}}]),
+                         ("previous_response_id", "resp_1"), ("store", True)):
+        with pytest.raises(openai.BadRequestError, match=field):
+            client.responses.create(model=MODEL, input="hi", **{field: value})
+
+
+BODIES = {"/v1/chat/completions": ({"messages": CHAT, "max_tokens": 1}, ChatCompletionRequest),
+          "/v1/completions": ({"prompt": "hi", "max_tokens": 1}, CompletionRequest),
+          "/v1/responses": ({"input": "hi", "max_output_tokens": 1}, ResponsesRequest),
+          "/v1/embeddings": ({"input": "hi"}, EmbeddingRequest)}
+REFUSED = [(path, body, name) for path, (body, schema) in BODIES.items()
+           for name in sorted(schema.unsupported) + ["frobnicate"]]
+
+
+def test_every_unimplemented_field_is_refused_by_name(served):
+    server, _, client = served
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        for path, body, name in REFUSED:
+            resp = http.post(path, json={**body, name: "x"})
+            assert resp.status_code == 400, (path, name, resp.text)
+            error = resp.json()["error"]
+            assert f"'{name}'" in error["message"] and error["param"] == name, (path, name, error)
+        # a null is no value; the other helper's structured-output fields stay accepted until they land
+        assert http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1, "best_of": None}).status_code == 200
+        assert http.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 1,
+                                                       "response_format": {"type": "text"}}).status_code == 200
+    # the client's plain calls send nothing refused
+    client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1)
+    client.completions.create(model=MODEL, prompt="hi", max_tokens=1)
+
+
+def test_allow_unknown_fields_ignores_unknown_but_not_unimplemented_fields(caplog):
+    chat = ChatCompletionRequest(messages=CHAT, frobnicate=1, service_tier="flex")
+    with pytest.raises(Exception, match="'service_tier'"):
+        check_fields(chat, chat.unsupported, allow_unknown=True)
+    lenient = ChatCompletionRequest(messages=CHAT, frobnicate=1)
+    with caplog.at_level(logging.WARNING, logger="goodserve.server"):
+        check_fields(lenient, lenient.unsupported, allow_unknown=True)
+    assert "frobnicate" in caplog.text
+    with pytest.raises(Exception, match="unknown field 'frobnicate'.*--allow-unknown-fields"):
+        check_fields(lenient, lenient.unsupported, allow_unknown=False)
+    check_fields(EmbeddingRequest(input="hi", user="u"), frozenset(), allow_unknown=False)
+
+
+def test_serve_flags_reach_the_server_config():
+    import argparse
+
+    from goodserve.server import command
+    from goodserve.server.app import ServerConfig
+    from goodserve.server.engine_args import dataclass_from_args
+
+    parser = argparse.ArgumentParser()
+    command.register(parser.add_subparsers())
+    args = parser.parse_args(["serve", "--allow-unknown-fields", "--pooling", "mean"])
+    config = dataclass_from_args(ServerConfig, args)
+    assert config.allow_unknown_fields and config.pooling == "mean"
+    assert not dataclass_from_args(ServerConfig, parser.parse_args(["serve"])).allow_unknown_fields
