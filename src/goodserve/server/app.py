@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import time
-from importlib.metadata import version
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -13,6 +12,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+import goodserve
 from goodserve.errors import InvalidRequestError
 from goodserve.server.admission import Admission
 from goodserve.server.auth import ApiKeyMiddleware, BodySizeLimitMiddleware
@@ -100,7 +100,7 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
         await engine.shutdown(config.drain_timeout_s)
         ctx.close()
 
-    app = FastAPI(title="goodserve", version=version("goodserve"), lifespan=lifespan)
+    app = FastAPI(title="goodserve", version=goodserve.__version__, lifespan=lifespan)
     app.state.draining = False
     app.state.ctx = ctx
     install_error_handlers(app, on_error=metrics.observe_rejected)
@@ -146,7 +146,7 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
 
     @app.get("/version")
     async def server_version() -> VersionResponse:
-        return VersionResponse(version=version("goodserve"))
+        return VersionResponse(version=goodserve.__version__)
 
     @app.post("/tokenize", responses=_ERRORS)
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
