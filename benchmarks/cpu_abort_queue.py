@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import time
 
 from goodserve import SamplingParams
 from goodserve.engine.engine import Engine
+from result_file import write_result
 
 
 def main() -> None:
@@ -39,10 +39,7 @@ def main() -> None:
     result = {"tag": args.tag, "machine": platform.processor() or platform.machine(),
               "sequences": args.requests * args.n, "abort_seconds": seconds}
     print(json.dumps(result))
-    out = os.environ.get("OUT", "out")
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, f"cpu_abort_queue_{args.tag}.json"), "w") as f:
-        json.dump(result, f, indent=1)
+    write_result(f"cpu_abort_queue_{args.tag}.json", result)
 
 
 if __name__ == "__main__":

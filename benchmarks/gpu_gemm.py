@@ -16,12 +16,12 @@ weights stream from HBM. Reported: us per call, TFLOP/s, and the max abs differe
 from __future__ import annotations
 
 import argparse
-import json
-import os
 
 import torch
 import torch.nn.functional as F
 from triton.testing import do_bench
+
+from result_file import write_result
 
 SHAPES = {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up_proj": (28672, 4096),
           "down_proj": (4096, 14336), "lm_head": (128256, 4096)}
@@ -89,10 +89,7 @@ def main() -> None:
             results["rows"].append(row)
         del weights
         torch.cuda.empty_cache()
-    out = os.environ.get("OUT", "out")
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "gpu_gemm.json"), "w") as f:
-        json.dump(results, f, indent=1)
+    write_result("gpu_gemm.json", results)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
-import os
 import platform
 import random
 import statistics
@@ -25,6 +24,7 @@ import time
 import torch
 
 from goodserve.model.loader import embedded_tokenizer
+from result_file import write_result
 
 SCHEMAS = {
     "flat": ({"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
@@ -198,10 +198,7 @@ def main() -> None:
               "torch_threads": torch.get_num_threads(), "vocab_size": vocab_size,
               "versions": {e.name: importlib.metadata.version(e.name) for e in engines},
               "tokenizer_setup_ms": setup_ms, "schemas": results}
-    out = os.environ.get("OUT", "out")
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "grammar_mask.json"), "w") as f:
-        json.dump(result, f, indent=1)
+    write_result("grammar_mask.json", result)
 
 
 if __name__ == "__main__":

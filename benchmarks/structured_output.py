@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import time
 
 import torch
 
 from goodserve import LLM, SamplingParams, StructuredOutputsParams
+from result_file import write_result
 
 MIN_ITEMS = 100
 ITEMS = [
@@ -103,10 +103,7 @@ def main() -> None:
               "num_requests": args.num_requests, "max_tokens": args.max_tokens, "constrained_share": 0.5,
               "best_output_tok_s": best, "mixed_vs_free": best["mixed"] / best["free"], "runs": runs}
     print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=1))
-    out = os.environ.get("OUT", "out")
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, f"structured_output_{args.tag}.json"), "w") as f:
-        json.dump(result, f, indent=1)
+    write_result(f"structured_output_{args.tag}.json", result)
 
 
 if __name__ == "__main__":
