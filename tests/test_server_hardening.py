@@ -127,6 +127,31 @@ def test_health_answers_while_big_prompts_tokenize(text_url):
     assert [r.json()["count"] for r in results] == [expected] * 3
 
 
+def test_health_answers_while_a_grammar_compiles(text_url):
+    """Validating a json_schema request compiles its grammar (here ~2 s on a 2-core CPU: xgrammar's
+    tokenizer set-up on this server's first grammar, then 120 pattern fields): on the pool, not
+    the event loop."""
+    fields = {f"field_{i}": {"type": "string", "pattern": f"[a-z]{{{i % 7 + 1},{i % 7 + 9}}}"} for i in range(120)}
+    schema = {"type": "object", "properties": fields, "required": list(fields)}
+    body = {"messages": [{"role": "user", "content": "Fill the form."}], "max_tokens": 1,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "form", "schema": schema}}}
+
+    async def scenario():
+        async with httpx.AsyncClient(timeout=300) as client:
+            call = asyncio.create_task(client.post(f"{text_url}/v1/chat/completions", json=body))
+            await asyncio.sleep(0.3)  # the body is in; the grammar is compiling
+            health = await client.get(f"{text_url}/health")
+            health_done = time.monotonic()
+            reply = await call
+            return health, reply, time.monotonic() - health_done
+
+    health, reply, reply_after_health_s = asyncio.run(scenario())
+    assert health.status_code == 200 and reply.status_code == 200
+    # /health answered while the compile still ran (on the loop, it would have waited for it and
+    # come back just before the one-token reply)
+    assert reply_after_health_s > 0.8
+
+
 def test_prompt_bytes_past_what_the_context_can_hold_are_400_before_tokenizing(text_url):
     bound = max_prompt_bytes(embedded_tokenizer(), 8192)
     huge = "a" * (bound + 1)

@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 
@@ -212,6 +213,7 @@ class Engine:
         self._copy_events = [torch.cuda.Event() for _ in range(2)] if cuda else [None, None]
         self._turn = 0
         self._grammars: GrammarCompiler | None = None  # built on the first request with a grammar
+        self._grammars_lock = threading.Lock()  # the server validates (compiles) on its tokenizer pool
         logger.info(
             "model %s (%s) dtype=%s device=%s kv_cache=%d blocks x %d tokens (%s) max_model_len=%d",
             config.model, loaded.source, str(self.dtype).removeprefix("torch."), self.device,
@@ -228,10 +230,11 @@ class Engine:
 
     @property
     def grammars(self) -> GrammarCompiler:
-        if self._grammars is None:
-            if self.tokenizer is None:
-                raise InvalidRequestError("structured outputs need a tokenizer, and this model has none")
-            self._grammars = GrammarCompiler(self.tokenizer, self.spec.vocab_size)
+        with self._grammars_lock:
+            if self._grammars is None:
+                if self.tokenizer is None:
+                    raise InvalidRequestError("structured outputs need a tokenizer, and this model has none")
+                self._grammars = GrammarCompiler(self.tokenizer, self.spec.vocab_size)
         return self._grammars
 
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:

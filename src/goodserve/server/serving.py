@@ -82,14 +82,18 @@ class ServingContext:
             self.encoder.check_fits(len(text.encode()))
         return [await self.encoder.encode(p) if isinstance(p, str) else list(p) for p in prompt]
 
-    def new_job(self, kind: str, prompts: list[list[int]], params: SamplingParams,
-                request_timeout_s: float | None) -> GenerationJob:
+    async def new_job(self, kind: str, prompts: list[list[int]], params: SamplingParams,
+                      request_timeout_s: float | None) -> GenerationJob:
         """Validate every prompt (a request that can never fit is a 400 now), then take queue places."""
         max_n = self.engine.config.max_n_per_request
         if params.n > max_n:
             raise InvalidRequestError(f"n={params.n} is more than this server allows (--max-n {max_n})")
-        for ids in prompts:
-            self.engine.validate_request(ids, params)
+        if params.structured_outputs is not None:
+            # Validating compiles the grammar (milliseconds, more for a large schema, ~1 s for the
+            # first grammar's tokenizer set-up): on the tokenizer's pool, never stalling the loop.
+            await self.encoder.in_pool(self._validate, prompts, params)
+        else:
+            self._validate(prompts, params)
         timeouts = [t for t in (self.request_timeout_s, request_timeout_s) if t is not None]
         deadline = time.monotonic() + min(timeouts) if timeouts else None
         job = GenerationJob(
@@ -99,6 +103,10 @@ class ServingContext:
         )
         job.admit()
         return job
+
+    def _validate(self, prompts: list[list[int]], params: SamplingParams) -> None:
+        for ids in prompts:
+            self.engine.validate_request(ids, params)
 
     async def run_to_end(self, job: GenerationJob, request: Request):
         try:

@@ -21,7 +21,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, request
     ctx.check_request(req)
     params = req.sampling_params()
     prompts = await ctx.completion_prompt_ids(req.prompt)
-    job = ctx.new_job("cmpl", prompts, params, req.request_timeout_s)
+    job = await ctx.new_job("cmpl", prompts, params, req.request_timeout_s)
     echo = _Echo(ctx, req, prompts) if req.echo else None
     if req.stream:
         k = job.params.logprobs

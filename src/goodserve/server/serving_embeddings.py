@@ -22,7 +22,7 @@ async def create_embedding(ctx: ServingContext, req: EmbeddingRequest, request: 
         raise InvalidRequestError(f"dimensions must be this model's hidden size ({hidden_size}) or absent: "
                                   "embeddings are not truncated")
     prompts = await ctx.completion_prompt_ids(req.input)
-    job = ctx.new_job("embd", prompts, SamplingParams(max_tokens=0, pooling=ctx.pooling), None)
+    job = await ctx.new_job("embd", prompts, SamplingParams(max_tokens=0, pooling=ctx.pooling), None)
     outputs = await ctx.run_to_end(job, request)
     data = [Embedding(index=i, embedding=_encoded(out.embedding, req.encoding_format)) for i, out in enumerate(outputs)]
     tokens = sum(len(ids) for ids in prompts)

@@ -88,18 +88,19 @@ class PromptEncoder:
         # The template writes the special tokens itself (as transformers' apply_chat_template).
         return self._encode(text, add_special_tokens=False)
 
-    async def _in_pool(self, fn, *args) -> list[int]:
+    async def in_pool(self, fn, *args):
+        """fn(*args) on the pool: host work that must not stall the event loop."""
         return await asyncio.get_running_loop().run_in_executor(self.pool, partial(fn, *args))
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         self.check_fits(len(text.encode()))  # here too, so a refusal does not wait for the pool
-        return await self._in_pool(self._encode, text, add_special_tokens)
+        return await self.in_pool(self._encode, text, add_special_tokens)
 
     async def encode_chat(self, conversation: list[dict], add_generation_prompt: bool = True,
                           template_kwargs: dict | None = None) -> list[int]:
         # The rendered prompt holds every message's text, so their sum is a lower bound of its size.
         self.check_fits(sum(len((m["content"] or "").encode()) for m in conversation))
-        return await self._in_pool(self._encode_chat, conversation, add_generation_prompt, template_kwargs or {})
+        return await self.in_pool(self._encode_chat, conversation, add_generation_prompt, template_kwargs or {})
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
