@@ -103,9 +103,9 @@ class _ChoiceStream:
             return None, [call]
         if self.mode == "required":  # an array of calls: sent whole once it parses
             self.text += text
-            calls = forced_calls(self.req, self.text) if final else None
             if not final:
                 return None, []
+            calls = forced_calls(self.req, self.text)
             if not calls:
                 return self.text, []
             self.has_calls = True
