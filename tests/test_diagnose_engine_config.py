@@ -2,21 +2,19 @@
 real dtype (float32 on a CPU), a warning when its flags disagree, and advice that never repeats what
 is already on or what the hardware cannot do."""
 
-import argparse
 import json
 
 import pytest
 
 from goodserve.bench.metrics import compute_metrics
 from goodserve.bench.result import build_result, save_json
-from goodserve.diagnose import command as diagnose_command
 from goodserve.diagnose.advisor import advise
 from goodserve.diagnose.assumptions import hardware_for_device, resolve
 from goodserve.diagnose.hardware import Hardware
 from goodserve.diagnose.observations import Observations
 from goodserve.diagnose.roofline import analyze
 from goodserve.model.presets import get_preset
-from tests.test_diagnose import records
+from tests.test_diagnose import records, run_diagnose
 
 SPEC = get_preset("llama-2-7b")  # 32 layers x 32 KV heads x 128: 2 x 32 x 32 x 128 = 262144 KV values a token
 GPU = Hardware("test-gpu", {"bf16": 312e12}, 2e12, 80e9)
@@ -28,13 +26,6 @@ CPU_ENGINE = {"model": "dummy:llama-2-7b", "dtype": "float32", "quantization": "
               "max_num_batched_tokens": "2048"}
 GPU_ENGINE = {**CPU_ENGINE, "dtype": "bfloat16", "kv_cache_dtype": "bfloat16", "device": "cuda",
               "device_name": "NVIDIA H100 80GB HBM3", "attention_backend": "triton", "cuda_graphs": "True"}
-
-
-def run_diagnose(*argv):
-    parser = argparse.ArgumentParser()
-    diagnose_command.register(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["diagnose", *argv])
-    return args.func(args)
 
 
 def saved_result(tmp_path, engine):
