@@ -39,6 +39,7 @@ import transformers
 
 from cpu_quant_linear import median_us  # the same timing rule as the kernel benchmark
 from goodserve import LLM, SamplingParams
+from goodserve.engine.stats import StepLog
 from goodserve.model.loader import embedded_gguf_path
 from goodserve.ops.cpu_linear import PackedCpuLinear
 from goodserve.quant.linear import Int4Linear
@@ -172,7 +173,7 @@ def offline(llm: LLM, prompts: list[list[int]], peer_runs: list | None = None) -
     llama.cpp's: the median."""
     runs = []
     for _ in range(OFFLINE_REPEATS if peer_runs is not None else 1):
-        llm.engine.times.__init__()  # the breakdown covers the offline run only
+        llm.engine.steps = StepLog()  # the breakdown covers the offline run only
         start = time.perf_counter()
         llm.generate([{"prompt_token_ids": p} for p in prompts],
                      SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
@@ -207,7 +208,7 @@ def main() -> None:
         prompt = llm.tokenizer.encode("Write a short poem about the sea and the stars.")
         if "memory_probe" not in result:
             result["memory_probe"] = memory_probe(llm.engine.spec)
-        weight_bytes = decode_weight_bytes(llm.engine.model)
+        weight_bytes = decode_weight_bytes(llm.engine.executor.worker.runner.model)
         with_peer = peer and mode == PEER_MODE
         entry = {"options": options, "quantization": llm.engine.config.quantization,
                  "single_stream": ours_single_stream(llm, prompt, peer_single if with_peer else None),

@@ -162,7 +162,7 @@ def part_decode(bandwidth_gbps: float, model: str, quantization: str | None = No
         runs.append({"e2e_tok_s": new_tokens / elapsed, "decode_tok_s": (new_tokens - 1) / decode_s,
                      "ttft_ms": (out.metrics.first_token_time - out.metrics.arrival_time) * 1e3})
     best = max(runs, key=lambda r: r["decode_tok_s"])
-    weight_bytes, read_bytes = _weight_bytes(llm.engine.model)
+    weight_bytes, read_bytes = _weight_bytes(llm.engine.executor.worker.runner.model)
     kv_bytes = spec.kv_bytes_per_token(2) * (128 + 128)  # mean context over the decode
     step_s = 1 / best["decode_tok_s"]
     name = "decode" if quantization is None else f"decode_{quantization}{'_' + int4_kernel if int4_kernel else ''}"
@@ -201,7 +201,7 @@ def part_kv_quant(model: str) -> None:
         llm = LLM(model, device="cuda", max_num_seqs=1024, max_num_batched_tokens=8192, kv_cache_dtype=kv_dtype,
                   gpu_memory_utilization=0.5)
         run = run_offline(llm, prompts, [180] * len(prompts))
-        run["num_kv_blocks"] = llm.engine.pool.num_blocks
+        run["num_kv_blocks"] = llm.engine.kv.num_blocks
         run["num_preemptions"] = llm.engine.stats().num_preemptions
         results[f"kv_{kv_dtype}_1000_requests"] = run
         del llm
@@ -302,7 +302,7 @@ def part_throughput(model: str, num_batched_tokens: int, max_num_seqs: int, kv_c
         "max_num_seqs": max_num_seqs, "max_num_batched_tokens": num_batched_tokens, "kv_cache_dtype": kv_cache_dtype,
         "scheduler_policy": policy, **({"makespan_slack": makespan.SLACK, "makespan_min_admit": makespan.MIN_ADMIT}
                                        if policy == "makespan" else {}),
-        **graph_choice(llm.engine.runner)}
+        **graph_choice(llm.engine.executor.worker.runner)}
     inputs, outputs = sharegpt_like_lengths(500)
     prompts = random_prompts(inputs)
     results["throughput_sharegpt_like"] = run_offline(llm, prompts, outputs)

@@ -16,6 +16,7 @@ Writes $OUT/structured_output_<tag>.json.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import platform
 import time
@@ -65,14 +66,14 @@ def params(count: int, max_tokens: int, constrained: bool) -> list[SamplingParam
 
 def timed_run(llm: LLM, batch: list[dict], sampling: list[SamplingParams]) -> dict:
     engine = llm.engine
-    steps, pipelined = engine.num_steps, engine.num_pipelined_steps
+    steps, pipelined = engine.steps.num_steps, engine.steps.num_pipelined_steps
     start = time.perf_counter()
     outputs = llm.generate(batch, sampling)
     seconds = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     reasons = sorted({o.outputs[0].finish_reason for o in outputs})
     return {"seconds": seconds, "output_tokens": tokens, "output_tok_s": tokens / seconds, "finish_reasons": reasons,
-            "steps": engine.num_steps - steps, "pipelined_steps": engine.num_pipelined_steps - pipelined}
+            "steps": engine.steps.num_steps - steps, "pipelined_steps": engine.steps.num_pipelined_steps - pipelined}
 
 
 def main() -> None:
@@ -94,7 +95,11 @@ def main() -> None:
     for _ in range(args.repeats):  # interleaved, so a drifting machine affects both alike
         runs["free"].append(timed_run(llm, batch, params(len(batch), args.max_tokens, constrained=False)))
         runs["mixed"].append(timed_run(llm, batch, params(len(batch), args.max_tokens, constrained=True)))
-    llm.engine.config.async_scheduling = False
+    del llm  # the same engine with async scheduling off, warmed up alike
+    gc.collect()
+    torch.cuda.empty_cache()
+    llm = LLM(args.model, max_num_seqs=max(args.num_requests, 1), async_scheduling=False, **options)
+    llm.generate(batch, params(len(batch), 2, constrained=True))
     runs["free_sync"].append(timed_run(llm, batch, params(len(batch), args.max_tokens, constrained=False)))
     # The best run of each: this shared machine's speed wanders, and only ever downwards.
     best = {name: max(r["output_tok_s"] for r in results) for name, results in runs.items()}

@@ -6,16 +6,18 @@ Each run is compared with the synchronous engine: same tokens, same finish reaso
 """
 
 import contextlib
+import dataclasses
 import random
 
 import pytest
 import torch
 
 from goodserve import SamplingParams
-from goodserve.engine import model_runner
+from goodserve.engine import cuda_graphs
+from goodserve.engine.runner_output import PendingOutput
 
 
-class EagerDecodeGraph(model_runner._DecodeGraph):
+class EagerDecodeGraph(cuda_graphs._DecodeGraph):
     def _capture(self, pool) -> None:
         pass
 
@@ -27,27 +29,28 @@ class EagerDecodeGraph(model_runner._DecodeGraph):
 @contextlib.contextmanager
 def engine_mode(llm, graphs: bool, async_scheduling: bool):
     engine = llm.engine
-    runner = engine.runner
-    saved = runner.decode_graphs, engine.config.async_scheduling
+    runner = engine.executor.worker.runner
+    saved = runner.decode_graphs, engine.config
     if graphs:
         sizes = (1, 2, 4, 8)
-        runner.decode_graphs = model_runner.GraphSet({size: EagerDecodeGraph(runner, size, None) for size in sizes},
-                                                     dict.fromkeys(sizes, 1.0))
-    engine.config.async_scheduling = async_scheduling
-    start = engine.num_pipelined_steps
+        runner.decode_graphs = cuda_graphs.GraphSet({size: EagerDecodeGraph(runner, size, None) for size in sizes},
+                                                    dict.fromkeys(sizes, 1.0))
+    # The CPU resolves async scheduling off (no graphs there): these stand-in graphs turn it back on.
+    engine.config = dataclasses.replace(engine.config, async_scheduling=async_scheduling)
+    start = engine.steps.num_pipelined_steps
     try:
-        yield lambda: engine.num_pipelined_steps - start
+        yield lambda: engine.steps.num_pipelined_steps - start
     finally:
-        runner.decode_graphs, engine.config.async_scheduling = saved
+        runner.decode_graphs, engine.config = saved
         assert engine._inflight is None and not engine.has_unfinished()
 
 
 def check_blocks(engine) -> None:
     """Every block's ref count is exactly the number of live block tables holding it."""
-    pool, scheduler = engine.pool, engine.scheduler
+    pool, scheduler = engine.kv.pool, engine.scheduler
     refs = [0] * pool.num_blocks
     for seq in list(scheduler.running) + list(scheduler.waiting):
-        for block_id in seq.block_table:
+        for block_id in engine.kv.block_table(seq.seq_id):
             refs[block_id] += 1
     for block in pool.blocks:
         assert block.ref_count == refs[block.block_id]
@@ -78,7 +81,7 @@ def drive(engine, arrivals: dict[int, list], aborts: dict[int, list[str]] | None
         if check:
             check_blocks(engine)
         step += 1
-    assert engine.pool.num_used_blocks == 0, "blocks leaked"
+    assert engine.kv.num_used_blocks == 0, "blocks leaked"
     return final
 
 
@@ -122,11 +125,11 @@ def test_greedy_tokens_match_the_synchronous_engine(embedded_llm, stop_token):
     with engine_mode(embedded_llm, graphs=True, async_scheduling=False) as pipelined:
         assert summary(drive(engine, mixed_traffic(tok, stop_token), check=True)) == reference
         assert pipelined() == 0  # the flag turns it off
-    steps_before = engine.num_steps
+    steps_before = engine.steps.num_steps
     with engine_mode(embedded_llm, graphs=True, async_scheduling=True) as pipelined:
         assert summary(drive(engine, mixed_traffic(tok, stop_token), check=True)) == reference
         # most decode steps ran ahead (the rest: prefills, the first step after each flush)
-        assert pipelined() >= (engine.num_steps - steps_before) // 2
+        assert pipelined() >= (engine.steps.num_steps - steps_before) // 2
 
 
 def test_seeded_sampling_matches_the_synchronous_engine(embedded_llm, stop_token):
@@ -194,7 +197,7 @@ def test_aborts_while_a_step_is_in_flight_leak_nothing(embedded_llm):
                 check_blocks(engine)
             engine.step(finished_only=True)
             check_blocks(engine)
-        assert not engine.has_unfinished() and engine.pool.num_used_blocks == 0
+        assert not engine.has_unfinished() and engine.kv.num_used_blocks == 0
         assert pipelined() > 0
     assert set(aborted) == {"a1", "a3"}
     for rid, output in aborted.items():
@@ -246,3 +249,30 @@ def test_prefill_only_and_biased_requests_arriving_mid_pipeline(embedded_llm, st
     assert summary(got) == summary(reference)
     for rid in ("e4", "e9"):
         torch.testing.assert_close(torch.tensor(got[rid].embedding), torch.tensor(reference[rid].embedding))
+
+
+def test_a_step_whose_tokens_never_arrive_fails_its_requests_not_the_engine(embedded_llm, monkeypatch):
+    """A pipelined step that fails after its launch (its tokens never reach the host) fails the
+    requests of the steps in flight; their blocks come back and the engine goes on."""
+    engine, tok = embedded_llm.engine, embedded_llm.tokenizer
+    runner = engine.executor.worker.runner
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    with engine_mode(embedded_llm, graphs=True, async_scheduling=True) as pipelined:
+        real = runner.sample_tokens
+
+        def failing(*args):
+            pending = real(*args)
+            if pipelined() < 3:
+                return pending
+
+            def lost():
+                raise RuntimeError("the device lost the step")
+            return PendingOutput(lost, pending.replayed_graph)
+
+        monkeypatch.setattr(runner, "sample_tokens", failing)
+        final = drive(engine, {0: [(f"x{i}", tok.encode(p), params) for i, p in enumerate(PROMPTS[:2])]},
+                      check=True)
+        monkeypatch.undo()
+    assert all("the device lost the step" in out.error for out in final.values())
+    again = embedded_llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=3))[0]
+    assert again.error is None and len(again.outputs[0].token_ids) == 3

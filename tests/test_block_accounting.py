@@ -10,7 +10,7 @@ import random
 import pytest
 
 from goodserve.config import EngineConfig
-from goodserve.engine.block_pool import BlockPool
+from goodserve.engine.kv_cache_manager import KVCacheManager
 from goodserve.engine.scheduler import Scheduler
 from goodserve.engine.sequence import Sequence, SequenceStatus
 from goodserve.sampling_params import SamplingParams
@@ -26,13 +26,14 @@ def make_seq(rng: random.Random, i: int, prefixes: list[list[int]]) -> Sequence:
                     max_len=len(prompt) + max_new, arrival_time=float(i))
 
 
-def check_invariants(pool: BlockPool, live: list[Sequence], shadow: dict[int, list]) -> None:
+def check_invariants(kv: KVCacheManager, live: list[Sequence], shadow: dict[int, list]) -> None:
+    pool = kv.pool
     refs = [0] * pool.num_blocks
     for seq in live:
-        for block_id in seq.block_table:
+        for block_id in kv.block_table(seq.seq_id):
             refs[block_id] += 1
         for pos in range(seq.num_computed_tokens):
-            block_id = seq.block_table[pos // BLOCK]
+            block_id = kv.block_table(seq.seq_id)[pos // BLOCK]
             assert shadow[block_id][pos % BLOCK] == seq.token_ids[pos], "served a block with other tokens"
     for block in pool.blocks:
         assert block.ref_count == refs[block.block_id] >= 0
@@ -45,12 +46,11 @@ def check_invariants(pool: BlockPool, live: list[Sequence], shadow: dict[int, li
                                             ("makespan", True)])
 def test_random_traffic_leaks_nothing(policy, chunked):
     rng = random.Random(1234)
-    config = EngineConfig(scheduler_policy=policy, max_num_seqs=6, max_num_batched_tokens=24,
+    config = EngineConfig(scheduler_policy=policy, max_num_seqs=6, max_num_batched_tokens=24 if chunked else 64,
                           enable_chunked_prefill=chunked, block_size=BLOCK)
-    if not chunked:
-        config.max_num_batched_tokens = 64
-    pool = BlockPool(num_blocks=14, block_size=BLOCK)
-    scheduler = Scheduler(config, pool)
+    kv = KVCacheManager(num_blocks=14, block_size=BLOCK)
+    pool = kv.pool
+    scheduler = Scheduler(config, kv)
     prefixes = [[rng.randrange(3) for _ in range(rng.randrange(0, 14))] for _ in range(3)]
     shadow = {b: [None] * BLOCK for b in range(pool.num_blocks)}
     live: list[Sequence] = []
@@ -66,19 +66,25 @@ def test_random_traffic_leaks_nothing(policy, chunked):
                 victim = rng.choice(live)
                 scheduler.finish(victim, "abort")
                 live.remove(victim)
-        batch = scheduler.schedule()
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            for pos in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
-                shadow[seq.block_table[pos // BLOCK]][pos % BLOCK] = seq.token_ids[pos]
-        scheduler.advance(batch)
-        events += len(batch.seqs) + len(batch.preempted)
-        for seq in batch.seqs:
+        preemptions = scheduler.num_preemptions
+        out = scheduler.schedule()
+        by_id = {seq.seq_id: seq for seq in live}
+        seqs = [by_id[seq_id] for seq_id in out.seq_ids] if out else []
+        for row, seq in enumerate(seqs):
+            start, n, table = out.num_computed_tokens[row], out.num_new_tokens[row], out.block_tables[row]
+            assert table == kv.block_table(seq.seq_id) and out.token_ids[row] == seq.token_ids[start : start + n]
+            for pos in range(start, start + n):
+                shadow[table[pos // BLOCK]][pos % BLOCK] = seq.token_ids[pos]
+        if out:
+            scheduler.advance(out)
+        events += len(seqs) + scheduler.num_preemptions - preemptions
+        for seq in seqs:
             if seq.status is SequenceStatus.RUNNING and seq.num_computed_tokens == seq.num_tokens:
                 seq.token_ids.append(rng.randrange(3))
                 if seq.num_tokens >= seq.max_len:
                     scheduler.finish(seq, "length")
                     live.remove(seq)
-        check_invariants(pool, live, shadow)
+        check_invariants(kv, live, shadow)
         if draining and not scheduler.has_unfinished():
             break
     assert not live and not scheduler.has_unfinished(), "requests starved or deadlocked"
@@ -91,16 +97,14 @@ def test_random_traffic_leaks_nothing(policy, chunked):
 
 
 def test_prefix_hit_leaves_last_token_to_compute():
-    pool = BlockPool(num_blocks=8, block_size=BLOCK)
+    kv = KVCacheManager(num_blocks=8, block_size=BLOCK)
     first = Sequence("a", "a", 0, list(range(8)), 8, SamplingParams(), 16)
-    pool.allocate(first, 8)
+    kv.allocate(first, 8)
     first.num_computed_tokens = 8
-    pool.register_full_blocks(first)
+    kv.register_full_blocks(first)
     second = Sequence("b", "b", 0, list(range(8)), 8, SamplingParams(), 16)
-    pool.match_prefix(second)
     # Both blocks are cached, but the last token's logits are needed: only the first block is reused.
-    assert second.num_computed_tokens == 4
-    assert second.block_table == first.block_table[:1]
+    assert kv.match_prefix(second) == 4
+    assert kv.block_table("b") == kv.block_table("a")[:1]
     third = Sequence("c", "c", 0, [0, 1, 2, 9, 4], 5, SamplingParams(), 16)
-    pool.match_prefix(third)
-    assert third.num_computed_tokens == 0
+    assert kv.match_prefix(third) == 0

@@ -57,7 +57,7 @@ def test_preemption_keeps_outputs(embedded_llm):
     outputs = small.generate([{"prompt_token_ids": p} for p in prompts], params)
     assert [o.outputs[0].token_ids for o in outputs] == expected
     assert small.engine.stats().num_preemptions > 0
-    assert small.engine.pool.num_free_blocks == 6
+    assert small.engine.kv.pool.num_free_blocks == 6
 
 
 @pytest.mark.parametrize("policy", ["static", "dynamic"])
@@ -140,26 +140,26 @@ def test_bad_input_is_typed_and_leaks_nothing(embedded_llm, tmp_path):
     with pytest.raises(ModelLoadError):
         LLM(str(tmp_path / "no-such-model"))
     assert not engine.has_unfinished()
-    assert engine.pool.num_used_blocks == 0
+    assert engine.kv.num_used_blocks == 0
 
 
 def test_a_failed_step_fails_its_requests_not_the_engine(monkeypatch):
     llm = LLM("dummy:tiny", num_kv_blocks=32)
     engine = llm.engine
-    real_execute = engine.runner.execute
+    real_forward = engine.executor.worker.runner.forward
 
     def broken_once(inputs):
-        monkeypatch.setattr(engine.runner, "execute", real_execute)
+        monkeypatch.setattr(engine.executor.worker.runner, "forward", real_forward)
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
-    monkeypatch.setattr(engine.runner, "execute", broken_once)
+    monkeypatch.setattr(engine.executor.worker.runner, "forward", broken_once)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     engine.add_request("failed", [3, 4, 5], params)
     failed = engine.step()[0]
     assert failed.error and "illegal memory access" in failed.error
     assert failed.outputs[0].finish_reason == "abort"
-    assert engine.pool.num_used_blocks == 0 and not engine.has_unfinished()
-    monkeypatch.setattr(engine.runner, "execute", broken_once)
+    assert engine.kv.num_used_blocks == 0 and not engine.has_unfinished()
+    monkeypatch.setattr(engine.executor.worker.runner, "forward", broken_once)
     with pytest.raises(EngineStepError, match="illegal memory access"):  # offline, as vLLM's LLM does
         llm.generate({"prompt_token_ids": [3, 4, 5]}, params)
     again = llm.generate({"prompt_token_ids": [3, 4, 5]}, params)[0]
@@ -175,11 +175,11 @@ def test_n_samples_share_the_prompt_through_the_prefix_cache():
     out = llm.generate(prompt, params)[0]
     assert [c.token_ids for c in out.outputs] == [single.outputs[0].token_ids] * 3
     assert llm.engine.stats().prefix_cache_hits == 2 * 48  # each later sample reused 3 blocks
-    assert llm.engine.pool.num_used_blocks == 0
+    assert llm.engine.kv.num_used_blocks == 0
     aborted = LLM("dummy:tiny", num_kv_blocks=64)
     aborted.engine.add_request("r", prompt["prompt_token_ids"], params)
     assert aborted.engine.abort_request("r").outputs[2].finish_reason == "abort"
-    assert not aborted.engine.has_unfinished() and aborted.engine.pool.num_used_blocks == 0
+    assert not aborted.engine.has_unfinished() and aborted.engine.kv.num_used_blocks == 0
 
 
 def test_offline_text_equals_streamed_text(embedded_llm):

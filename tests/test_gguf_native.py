@@ -82,7 +82,7 @@ def test_q8_0_layer_uses_the_float_table_it_is_given_for_many_rows():
 
 def test_native_layers_hold_exactly_the_float_loaders_weights(native_llm):
     float_model = load_model("smollm2-135m", torch.float32, "cpu").model
-    native_model = native_llm.engine.model
+    native_model = native_llm.engine.executor.worker.runner.model
     native = {name: m for name, m in native_model.named_modules() if isinstance(m, (Int4Linear, Int8GroupLinear))
               and not name.endswith(".pair")}
     assert len(native) == 4 * native_model.spec.num_layers + 1  # every projection, and lm_head (Q8_0)
@@ -94,7 +94,7 @@ def test_native_layers_hold_exactly_the_float_loaders_weights(native_llm):
 
 
 def set_int8_activations(llm: LLM, on: bool) -> None:
-    model = llm.engine.model
+    model = llm.engine.executor.worker.runner.model
     for module in model.modules():
         if isinstance(module, Int4Linear):
             module.int8_activations = on

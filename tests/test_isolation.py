@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from goodserve import LLM, SamplingParams
-from goodserve.engine import engine as engine_module
+from goodserve.engine import model_runner, worker
 from goodserve.errors import InvalidRequestError
 from test_async_scheduling import drive, engine_mode
 
@@ -53,28 +53,28 @@ def test_engine_checks_stop_token_ids_and_n_against_its_config():
     with pytest.raises(InvalidRequestError, match="n must be at most 4"):
         llm.generate({"prompt_token_ids": [3]}, SamplingParams(n=5))
     assert len(llm.generate({"prompt_token_ids": [3]}, SamplingParams(n=4, max_tokens=2))[0].outputs) == 4
-    assert not llm.engine.has_unfinished() and llm.engine.pool.num_used_blocks == 0
+    assert not llm.engine.has_unfinished() and llm.engine.kv.num_used_blocks == 0
 
 
 def poison_forward(monkeypatch, engine) -> None:
-    real = engine.runner.execute
+    real = engine.executor.worker.runner.forward
 
-    def execute(inputs):
+    def forward(inputs):
         if bool((inputs.input_ids == POISON).any()):
             raise RuntimeError("poisoned forward")
         return real(inputs)
 
-    monkeypatch.setattr(engine.runner, "execute", execute)
+    monkeypatch.setattr(engine.executor.worker.runner, "forward", forward)
 
 
 def poison_sampling(monkeypatch, culprit: str, after_draws: bool) -> None:
     """Sampling raises in any batch holding the culprit: before anything is drawn, or after every
     row (seeded ones included) drew its noise."""
-    real_build, real_sample = engine_module.build_sampling_batch, engine_module.sample
+    real_build, real_sample = model_runner.build_sampling_batch, model_runner.sample
 
-    def build(seqs, *args):
-        batch = real_build(seqs, *args)
-        batch.poisoned = any(seq.request_id == culprit for seq in seqs)
+    def build(rows, *args):
+        batch = real_build(rows, *args)
+        batch.poisoned = any(row.state.seq_id.startswith(f"{culprit}#") for row in rows)
         if batch.poisoned and not after_draws:
             raise OverflowError("poisoned sampling settings")
         return batch
@@ -85,8 +85,8 @@ def poison_sampling(monkeypatch, culprit: str, after_draws: bool) -> None:
             raise RuntimeError("poisoned draw")
         return out
 
-    monkeypatch.setattr(engine_module, "build_sampling_batch", build)
-    monkeypatch.setattr(engine_module, "sample", sample)
+    monkeypatch.setattr(model_runner, "build_sampling_batch", build)
+    monkeypatch.setattr(model_runner, "sample", sample)
 
 
 def innocent_requests() -> list:
@@ -122,7 +122,7 @@ def test_a_failing_request_fails_alone(monkeypatch, injection):
     for request_id, tokens in expected.items():
         assert final[request_id].error is None
         assert final[request_id].outputs[0].token_ids == tokens
-    assert engine.pool.num_used_blocks == 0
+    assert engine.kv.num_used_blocks == 0
 
 
 def test_a_request_failing_a_step_launched_ahead_fails_alone(monkeypatch, caplog):
@@ -143,7 +143,7 @@ def test_a_request_failing_a_step_launched_ahead_fails_alone(monkeypatch, caplog
     assert "poisoned draw" in final["culprit"].error
     for request_id, tokens in expected.items():
         assert final[request_id].error is None and final[request_id].outputs[0].token_ids == tokens
-    assert engine.pool.num_used_blocks == 0
+    assert engine.kv.num_used_blocks == 0
 
 
 def test_prompt_logprobs_survive_preemption():
@@ -163,7 +163,7 @@ def test_prompt_logprobs_survive_preemption():
         for mine, theirs in zip(ours.prompt_logprobs[1:], ref.prompt_logprobs[1:]):
             assert mine.keys() == theirs.keys()
             assert [e.logprob for e in mine.values()] == pytest.approx([e.logprob for e in theirs.values()], abs=1e-5)
-    assert small.engine.pool.num_used_blocks == 0
+    assert small.engine.kv.num_used_blocks == 0
 
 
 def test_triton_on_the_cpu_is_refused_at_construction(monkeypatch):
@@ -179,13 +179,13 @@ def test_the_activation_reserve_is_sized_for_the_budget_the_engine_runs_with(mon
     from goodserve.engine.engine import Engine
 
     seen = []
-    real = engine_module.num_blocks_for_memory
+    real = worker.num_blocks_for_memory
 
     def sizing(spec, config, *args):
         seen.append(config.max_num_batched_tokens)
         return real(spec, config, *args)
 
-    monkeypatch.setattr(engine_module, "num_blocks_for_memory", sizing)
+    monkeypatch.setattr(worker, "num_blocks_for_memory", sizing)
     config = EngineConfig(model="dummy:tiny", num_kv_blocks=64, enable_chunked_prefill=False,
                           max_num_batched_tokens=16, max_model_len=200)
     engine = Engine(config, max_num_seqs=4)

@@ -5,7 +5,7 @@ import pytest
 from goodserve import LLM, SamplingParams
 from goodserve.config import EngineConfig
 from goodserve.engine import makespan
-from goodserve.engine.block_pool import BlockPool
+from goodserve.engine.kv_cache_manager import KVCacheManager
 from goodserve.engine.scheduler import Scheduler
 from goodserve.engine.sequence import Sequence
 from test_async_scheduling import drive, engine_mode
@@ -27,10 +27,11 @@ def run_to_end(scheduler: Scheduler) -> list[tuple[list[str], int]]:
     returns each step's (sequence ids, tokens)."""
     steps = []
     while scheduler.has_unfinished():
-        batch = scheduler.schedule()
-        scheduler.advance(batch)
-        steps.append(([seq.seq_id for seq in batch.seqs], batch.num_tokens))
-        for seq in batch.seqs:
+        out = scheduler.schedule()
+        seqs = [scheduler.seqs[seq_id] for seq_id in out.seq_ids]
+        scheduler.advance(out)
+        steps.append((out.seq_ids, out.num_tokens))
+        for seq in seqs:
             if seq.num_computed_tokens == seq.num_tokens:
                 seq.token_ids.append(7)
                 if seq.num_tokens >= seq.max_len:
@@ -41,17 +42,17 @@ def run_to_end(scheduler: Scheduler) -> list[tuple[list[str], int]]:
 def scheduler(policy: str, **overrides) -> Scheduler:
     settings = {"max_num_seqs": 64, "max_num_batched_tokens": 256, "block_size": 4, **overrides}
     config = EngineConfig(scheduler_policy=policy, **settings)
-    return Scheduler(config, BlockPool(num_blocks=512, block_size=4))
+    return Scheduler(config, KVCacheManager(num_blocks=512, block_size=4))
 
 
 def test_longest_request_is_admitted_first():
     sched = scheduler("makespan", max_num_batched_tokens=4)  # room for one 4-token prompt a step
     offline_batch(sched, [3, 9, 5, 9])
     first = sched.schedule()
-    assert [seq.seq_id for seq in first.seqs] == ["s1"]  # the longest; of equal ones, the earliest
+    assert first.seq_ids == ["s1"]  # the longest; of equal ones, the earliest
     continuous = scheduler("continuous", max_num_batched_tokens=4)
     offline_batch(continuous, [3, 9, 5, 9])
-    assert [seq.seq_id for seq in continuous.schedule().seqs] == ["s0"]
+    assert continuous.schedule().seq_ids == ["s0"]
 
 
 def test_short_requests_ride_along_the_longest_ones_steps(monkeypatch):
@@ -84,23 +85,25 @@ def test_async_steps_admit_what_the_policy_admits(monkeypatch):
     monkeypatch.setattr(makespan, "MIN_ADMIT", 1 << 20)  # once one runs, admit no more
     sched = scheduler("makespan")
     long, *short = offline_batch(sched, [50, 1, 1])
+    short[1].params = SamplingParams(max_tokens=1, logprobs=1)  # sampled on the host: never admitted ahead
     while True:
-        batch = sched.schedule()
-        assert batch.seqs == [long]
-        sched.advance(batch)
+        out = sched.schedule()
+        assert out.seq_ids == [long.seq_id]
+        sched.advance(out)
         if long.num_computed_tokens == long.num_tokens:  # it sampled a token, not yet on the host
             if long.num_output_tokens:
                 break
             long.token_ids.append(7)
     assert list(sched.waiting) == short
-    ahead = sched.schedule_ahead([long], admissible=lambda seq: True)
-    assert ahead is not None and ahead.num_ahead == 1 and ahead.seqs == [long]
+    ahead = sched.schedule(in_flight=[long])
+    assert ahead is not None and ahead.num_ahead == 1 and ahead.seq_ids == [long.seq_id]
+    assert ahead.token_ids == [[]] and ahead.samples == [True]  # its input is the token in flight
     long.token_ids.append(7)  # the engine's order: the step before returns its token, then this one advances
     sched.advance(ahead)
     monkeypatch.setattr(makespan, "MIN_ADMIT", 0)
     monkeypatch.setattr(makespan, "SLACK", 100.0)
-    second = sched.schedule_ahead([long], admissible=lambda seq: seq.seq_id != "s2")
-    assert second.seqs == [long, short[0]] and second.num_new_tokens == [1, 4] and second.num_ahead == 1
+    second = sched.schedule(in_flight=[long])
+    assert second.seq_ids == [long.seq_id, "s1"] and second.num_new_tokens == [1, 4] and second.num_ahead == 1
     assert list(sched.waiting) == [short[1]]  # refused: the engine would have to sample it on the host
 
 
@@ -118,6 +121,6 @@ def test_engine_gives_the_same_tokens_as_fcfs(async_scheduling, monkeypatch):
             results[policy] = {rid: out.outputs[0].token_ids for rid, out in drive(llm.engine, arrivals).items()}
             if async_scheduling and policy == "makespan":
                 assert pipelined() > 0
-        assert llm.engine.pool.num_used_blocks == 0
+        assert llm.engine.kv.num_used_blocks == 0
     assert results["makespan"] == results["continuous"]
     assert [len(results["makespan"][f"r{i}"]) for i in range(7)] == max_tokens

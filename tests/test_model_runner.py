@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from goodserve import SamplingParams
-from goodserve.engine import model_runner
+from goodserve.engine import cuda_graphs
+from goodserve.engine.model_inputs import FlatBatch
 
 
-class EagerDecodeGraph(model_runner._DecodeGraph):
+class EagerDecodeGraph(cuda_graphs._DecodeGraph):
     replays = 0
 
     def _capture(self, pool) -> None:
@@ -34,20 +35,20 @@ def test_decode_graph_inputs_give_the_eager_tokens(embedded_llm):
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=2 if n == 6 else None)
               for n in (6, 24, 40)]
     expected = embedded_llm.generate(prompts, params)
-    runner = embedded_llm.engine.runner
-    runner.decode_graphs = model_runner.GraphSet({size: EagerDecodeGraph(runner, size, None) for size in (1, 2, 4)},
+    runner = embedded_llm.engine.executor.worker.runner
+    runner.decode_graphs = cuda_graphs.GraphSet({size: EagerDecodeGraph(runner, size, None) for size in (1, 2, 4)},
                                                  {1: 1.0, 2: 1.0, 4: 1.0})
     try:
         got = embedded_llm.generate(prompts, params)
     finally:
-        runner.decode_graphs = model_runner.GraphSet()
+        runner.decode_graphs = cuda_graphs.GraphSet()
     assert EagerDecodeGraph.replays > 0
     for ours, ref in zip(got, expected):
         assert ours.outputs[0].token_ids == ref.outputs[0].token_ids
     assert got[0].outputs[0].logprobs == expected[0].outputs[0].logprobs
 
 
-class EagerMixedGraph(model_runner._MixedGraph):
+class EagerMixedGraph(cuda_graphs._MixedGraph):
     replays = 0
 
     def _capture(self, pool) -> None:
@@ -72,10 +73,10 @@ def test_mixed_graph_inputs_give_the_reference_tokens():
     try:
         expected = LLM(**settings, attention_backend="torch").generate(prompts, params)
         llm = LLM(**settings, attention_backend="triton")
-        runner = llm.engine.runner
-        counts = model_runner.mixed_graph_token_counts(24)
+        runner = llm.engine.executor.worker.runner
+        counts = cuda_graphs.mixed_graph_token_counts(24)
         assert counts == [16, 32]  # a 17..24-token step replays the 32-token graph, padded
-        runner.mixed_graphs = model_runner.GraphSet({count: EagerMixedGraph(runner, count, None) for count in counts},
+        runner.mixed_graphs = cuda_graphs.GraphSet({count: EagerMixedGraph(runner, count, None) for count in counts},
                                                     dict.fromkeys(counts, 1.0))
         got = llm.generate(prompts, params)
     finally:
@@ -93,21 +94,24 @@ def test_a_mixed_graph_takes_a_bounded_number_of_prefill_sequences(monkeypatch):
     after the leading decodes (the padding sequence among them): a batch with more runs eagerly."""
     from goodserve import LLM
 
-    monkeypatch.setattr(model_runner, "MIXED_GRAPH_MAX_PREFILL_SEQS", 3)
-    runner = LLM("dummy:tiny", num_kv_blocks=16).engine.runner
+    monkeypatch.setattr(cuda_graphs, "MIXED_GRAPH_MAX_PREFILL_SEQS", 3)
+    runner = LLM("dummy:tiny", num_kv_blocks=16).engine.executor.worker.runner
     graph = EagerMixedGraph(runner, 32, None)
-    runner.mixed_graphs = model_runner.GraphSet({32: graph}, {32: 1.0})
+    runner.mixed_graphs = cuda_graphs.GraphSet({32: graph}, {32: 1.0})
+
+    def graph_for(flat):
+        return cuda_graphs.graph_for(flat, runner.decode_graphs, runner.mixed_graphs)
 
     def batch(query_lens):
         num_tokens = sum(query_lens)
-        return model_runner.FlatBatch(
+        return FlatBatch(
             input_ids=[1] * num_tokens, positions=list(range(num_tokens)), slots=list(range(num_tokens)),
             query_lens=query_lens, seq_lens=query_lens, block_tables=[[i] for i in range(len(query_lens))],
             sample_rows=list(range(len(query_lens))), logits_indices=[], prompt_logit_spans={})
 
-    assert runner._graph_for(batch([1, 1, 1, 5, 4])) is graph  # three leading decodes, two more
-    assert runner._graph_for(batch([1, 5, 1, 4])) is None  # a decode after a chunk counts: three more
-    assert runner._graph_for(batch([20, 13])) is None  # 33 tokens: no graph that large
+    assert graph_for(batch([1, 1, 1, 5, 4])) is graph  # three leading decodes, two more
+    assert graph_for(batch([1, 5, 1, 4])) is None  # a decode after a chunk counts: three more
+    assert graph_for(batch([20, 13])) is None  # 33 tokens: no graph that large
 
 
 def test_the_cuda_warm_up_step_is_a_well_formed_batch():
@@ -116,7 +120,7 @@ def test_the_cuda_warm_up_step_is_a_well_formed_batch():
     from goodserve import LLM
 
     llm = LLM("dummy:tiny", num_kv_blocks=16)
-    output = llm.engine.runner._warm_up_eager_kernels()
+    output = llm.engine.executor.worker.runner._warm_up_eager_kernels()
     assert output.logits.shape == (2, llm.spec.vocab_size) and torch.isfinite(output.logits).all()
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     assert len(llm.generate({"prompt_token_ids": [5, 6, 7]}, params)[0].outputs[0].token_ids) == 4
@@ -128,18 +132,18 @@ def test_eager_inputs_count_the_leading_decodes():
     from goodserve import LLM
 
     llm = LLM("dummy:tiny", num_kv_blocks=16)
-    flat = model_runner.FlatBatch(
+    flat = FlatBatch(
         input_ids=[1] * 8, positions=[4, 9, 0, 1, 2, 3, 4, 2], slots=[4, 25, 32, 33, 34, 35, 36, 50],
         query_lens=[1, 1, 5, 1], seq_lens=[5, 10, 5, 3], block_tables=[[0], [1], [2], [3]],
         sample_rows=[0, 1, 2, 3], logits_indices=[0, 1, 6, 7], prompt_logit_spans={})
-    assert llm.engine.runner._eager_input(flat).meta.num_leading_decodes == 2
+    assert llm.engine.executor.worker.runner._eager_input(flat).meta.num_leading_decodes == 2
     flat.query_lens = [5, 1, 1, 1]
-    assert llm.engine.runner._eager_input(flat).meta.num_leading_decodes == 0
+    assert llm.engine.executor.worker.runner._eager_input(flat).meta.num_leading_decodes == 0
 
 
 def test_a_batch_replays_a_larger_graph_only_when_it_is_measurably_faster():
     ms = {1: 5.8, 2: 6.0, 4: 5.95, 8: 6.1, 16: 9.0, 32: 6.5, 64: 6.6}
-    choice = model_runner.graph_size_for_each_batch(ms)
+    choice = cuda_graphs.graph_size_for_each_batch(ms)
     assert len(choice) == 65
     assert choice[1] == 1 and choice[2] == 2  # 4 is faster than 2, but within the 3% tolerance
     assert choice[3] == 4 and choice[5] == 8

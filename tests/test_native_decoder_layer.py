@@ -18,7 +18,7 @@ PARAMS = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=
 
 
 def generate(llm: LLM, native: bool):
-    model = llm.engine.runner.model
+    model = llm.engine.executor.worker.runner.model
     attached = model.native_decode
     if not native:
         model.native_decode = None
@@ -34,11 +34,11 @@ def test_native_decode_layer_matches_the_per_op_path(model, group_size, int8_act
     if int8_activations and not int8_dot_available():
         pytest.skip("no int8-activation path in this build")
     llm = LLM(model, quantization="int4", quantization_group_size=group_size, num_kv_blocks=64)
-    for module in llm.engine.runner.model.modules():  # the GGUF layers' arithmetic, on both paths
+    for module in llm.engine.executor.worker.runner.model.modules():  # the GGUF layers' arithmetic, on both paths
         if isinstance(module, Int4Linear):
             module.int8_activations = int8_activations
-    layers = llm.engine.runner.model.model.layers
-    stack = llm.engine.runner.model.native_decode
+    layers = llm.engine.executor.worker.runner.model.model.layers
+    stack = llm.engine.executor.worker.runner.model.native_decode
     assert stack is not None and len(stack.layers) == len(layers)
     for layer in layers:  # random models load zero biases: make them count
         if layer.self_attn.qkv_proj.bias is not None:
@@ -71,12 +71,12 @@ def test_native_decode_layer_matches_the_per_op_path(model, group_size, int8_act
 
 def test_only_int4_models_get_it():
     llm = LLM("dummy:tiny", num_kv_blocks=16)  # float32 linears: the per-op path
-    assert llm.engine.runner.model.native_decode is None
-    assert decoder_layer.attach(llm.engine.runner.model) is False
+    assert llm.engine.executor.worker.runner.model.native_decode is None
+    assert decoder_layer.attach(llm.engine.executor.worker.runner.model) is False
 
 
 def test_one_layer_off_the_native_kernel_keeps_the_whole_model_on_the_per_op_path():
-    model = LLM("dummy:tiny", quantization="int4", quantization_group_size=32, num_kv_blocks=16).engine.runner.model
+    model = LLM("dummy:tiny", quantization="int4", quantization_group_size=32, num_kv_blocks=16).engine.executor.worker.runner.model
     assert model.native_decode is not None
     o_proj = model.model.layers[1].self_attn.o_proj
     model.model.layers[1].self_attn.o_proj = torch.nn.Linear(o_proj.in_features, o_proj.out_features, bias=False)
@@ -87,7 +87,7 @@ def test_the_stack_follows_weights_written_or_replaced_after_attach():
     """Its operands point into layouts built from the codes: codes written in place or replaced,
     or a new norm weight, must reach the next step (compared with the per-op path on the same weights)."""
     llm = LLM("dummy:tiny", quantization="int4", quantization_group_size=32, num_kv_blocks=64)
-    model = llm.engine.runner.model
+    model = llm.engine.executor.worker.runner.model
     generate(llm, native=True)  # the stack's operands built
     layer = model.model.layers[0]
     layer.mlp.down_proj.qweight.copy_(layer.mlp.down_proj.qweight.flip(0))  # written in place

@@ -137,7 +137,7 @@ def test_q8_gemv_refuses_tiles_and_rows_it_cannot_read():
 
 @pytest.fixture(scope="module")
 def int4_model():
-    return LLM("dummy:tiny", quantization="int4", quantization_group_size=32, num_kv_blocks=16).engine.runner.model
+    return LLM("dummy:tiny", quantization="int4", quantization_group_size=32, num_kv_blocks=16).engine.executor.worker.runner.model
 
 
 def decoder_stack_args(model) -> dict:

@@ -43,7 +43,7 @@ def test_embeddings_equal_transformers_hidden_states_through_chunks_cache_and_ba
                                    atol=2e-4, rtol=1e-3)
     again = chunked_llm.generate({"prompt_token_ids": story}, [mean])[0]  # the story's blocks are cached now
     torch.testing.assert_close(torch.tensor(again.embedding), torch.tensor(outs[0].embedding), atol=1e-5, rtol=0)
-    assert chunked_llm.engine.pool.num_used_blocks == 0
+    assert chunked_llm.engine.kv.num_used_blocks == 0
 
 
 def test_max_tokens_0_scores_the_prompt_as_a_generating_request_does(chunked_llm):

@@ -228,7 +228,7 @@ def test_lm_head_is_left_alone_by_default_and_checked_before_anything_changes():
 def test_int8_lm_head_on_real_weights_keeps_the_logits(embedded_llm):
     """smollm2's own (tied) output table: its rows peak at ~5x their RMS, so an int8 step is ~4% of
     the RMS and the weights (and logits) move by ~1.2%."""
-    table = embedded_llm.engine.model.model.embed_tokens.weight.detach()
+    table = embedded_llm.engine.executor.worker.runner.model.model.embed_tokens.weight.detach()
     lm_head = nn.Linear(table.shape[1], table.shape[0], bias=False)
     lm_head.weight = nn.Parameter(table, requires_grad=False)
     quantized = Int8Linear.from_linear(lm_head)
@@ -278,6 +278,6 @@ def test_engine_serves_a_quantized_lm_head_at_load_or_from_a_checkpoint(tmp_path
     from_file = LLM("dummy:tiny-qwen", quantized_checkpoint=str(path), quantize_lm_head=True, num_kv_blocks=16)
     expected = at_load.generate(prompt, params)[0].outputs[0].token_ids
     assert from_file.generate(prompt, params)[0].outputs[0].token_ids == expected
-    assert isinstance(from_file.engine.model.lm_head, Int8Linear)
+    assert isinstance(from_file.engine.executor.worker.runner.model.lm_head, Int8Linear)
     with pytest.raises(ModelLoadError, match="--quantize-lm-head"):
         LLM("dummy:tiny-qwen", quantized_checkpoint=str(path), num_kv_blocks=16)

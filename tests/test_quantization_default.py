@@ -1,6 +1,6 @@
 """The quantization default (issue 13): a GGUF model on the CPU keeps its file's codes unless told
 otherwise ('none' opts out); on CUDA, for other models and with other quantization options it stays
-as asked. Resolution happens once the device is known (EngineConfig.resolve_quantization)."""
+as asked. Resolution happens once the device is known (EngineConfig.resolved_quantization)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,7 @@ from goodserve.server.engine_args import add_engine_arguments, engine_config_fro
 def resolved(device_type: str = "cpu", **options) -> str | None:
     config = EngineConfig(**options)
     config.validate()
-    config.resolve_quantization(device_type)
-    return config.quantization
+    return config.resolved_quantization(device_type)
 
 
 def test_a_gguf_model_on_the_cpu_keeps_its_codes_by_default():
@@ -51,16 +50,16 @@ def test_none_is_a_cli_value():
 def test_the_embedded_model_loads_with_gguf_layers_by_default_and_float_ones_with_none():
     default = LLM("smollm2-135m", num_kv_blocks=8)
     assert default.engine.config.quantization == "gguf"
-    assert isinstance(default.engine.model.model.layers[0].self_attn.qkv_proj, Int4Linear)
+    assert isinstance(default.engine.executor.worker.runner.model.model.layers[0].self_attn.qkv_proj, Int4Linear)
     floats = LLM("smollm2-135m", quantization="none", num_kv_blocks=8)
     assert floats.engine.config.quantization is None
-    assert not isinstance(floats.engine.model.model.layers[0].self_attn.qkv_proj, Int4Linear)
+    assert not isinstance(floats.engine.executor.worker.runner.model.model.layers[0].self_attn.qkv_proj, Int4Linear)
 
 
 def test_cpu_int8_activations_is_an_engine_option_off_by_default():
     """llama.cpp's int8 activation rows reach the GGUF layers only when the config asks for them."""
     def flags(llm):
-        return {m.int8_activations for m in llm.engine.model.modules() if isinstance(m, Int4Linear)}
+        return {m.int8_activations for m in llm.engine.executor.worker.runner.model.modules() if isinstance(m, Int4Linear)}
 
     assert flags(LLM("smollm2-135m", num_kv_blocks=8)) == {False}
     assert flags(LLM("smollm2-135m", num_kv_blocks=8, cpu_int8_activations=True)) == {True}

@@ -5,19 +5,18 @@ import math
 import pytest
 import torch
 
-from goodserve.engine.sampling_inputs import build_sampling_batch
-from goodserve.engine.sequence import Sequence
+from goodserve.engine.model_inputs import RequestState
+from goodserve.engine.sampling_inputs import SamplingRow, build_sampling_batch
 from goodserve.ops.sampler import apply_penalties, gather_logprobs, sample, top_k_top_p_min_p
 from goodserve.sampling_params import SamplingParams
 
 VOCAB = 50
 
 
-def seq_with(params: SamplingParams, prompt=(1, 2, 3), output=(), seed_index=0) -> Sequence:
-    seq = Sequence(f"s{id(params)}", "r", seed_index, list(prompt) + list(output), len(prompt), params, 100)
-    if params.seed is not None:
-        seq.generator = torch.Generator().manual_seed(params.seed + seed_index)
-    return seq
+def seq_with(params: SamplingParams, prompt=(1, 2, 3), output=(), seed_index=0) -> SamplingRow:
+    generator = torch.Generator().manual_seed(params.seed + seed_index) if params.seed is not None else None
+    state = RequestState(f"s{id(params)}", params, list(prompt), False, generator)
+    return SamplingRow(state, len(output), list(output))
 
 
 def reference_allowed(logits: list[float], temperature: float, top_k: int, top_p: float, min_p: float) -> set[int]:

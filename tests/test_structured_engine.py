@@ -9,7 +9,7 @@ import re
 import pytest
 
 from goodserve import LLM, SamplingParams, StructuredOutputsParams
-from goodserve.engine.sampling_inputs import build_sampling_batch
+from goodserve.engine.grammar import grammar_bitmask
 from goodserve.errors import InvalidRequestError
 from test_async_scheduling import engine_mode
 
@@ -40,7 +40,7 @@ def test_no_mask_is_built_for_a_batch_without_grammars(embedded_llm):
     engine = embedded_llm.engine
     engine.add_request("plain", "Hello", SamplingParams(temperature=0))
     seq = engine.requests["plain"].seqs[0]
-    assert build_sampling_batch([seq], engine.spec.vocab_size, engine.device, []).token_bitmask is None
+    assert grammar_bitmask([seq], pinned=False) is None
     engine.abort_request("plain")
 
 
@@ -94,11 +94,11 @@ def test_a_failing_grammar_fails_its_request_alone(embedded_llm):
     assert "not allowed by the request's grammar" in outputs["bad-token"].error
     assert outputs["good"].error is None and json.loads(outputs["good"].outputs[0].text)
     assert outputs["free"].error is None and len(outputs["free"].outputs[0].token_ids) == 8
-    assert engine.pool.num_used_blocks == 0 or engine.config.enable_prefix_caching
+    assert engine.kv.num_used_blocks == 0 or engine.config.enable_prefix_caching
 
 
 def test_grammars_compile_once_and_bad_ones_are_typed_errors(embedded_llm):
-    grammars = embedded_llm.engine.grammars
+    grammars = embedded_llm.engine.inputs.grammars
     spec = StructuredOutputsParams(json=PERSON)
     assert grammars.compile(spec) is grammars.compile(StructuredOutputsParams(json=dict(PERSON)))
     with pytest.raises(InvalidRequestError, match="invalid regex"):

@@ -9,7 +9,7 @@ from goodserve import SamplingParams
 from goodserve.config import EngineConfig
 from goodserve.engine import makespan
 from goodserve.engine import scheduler as scheduler_module
-from goodserve.engine.block_pool import BlockPool
+from goodserve.engine.kv_cache_manager import KVCacheManager
 from goodserve.engine.scheduler import Scheduler
 from goodserve.engine.sequence import Sequence
 from goodserve.engine.waiting_queue import WaitingQueue
@@ -63,12 +63,12 @@ def work(monkeypatch, policy: str, num_waiting: int) -> tuple[int, int]:
     """Key reads and comparisons of one admitting step, and of aborting every waiting sequence."""
     counts = Counts(monkeypatch)
     config = EngineConfig(scheduler_policy=policy, max_num_seqs=4, max_num_batched_tokens=64, block_size=4)
-    sched = Scheduler(config, BlockPool(num_blocks=64, block_size=4))
+    sched = Scheduler(config, KVCacheManager(num_blocks=64, block_size=4))
     seqs = [make_seq(i, max_tokens=8 + i % 5) for i in range(num_waiting)]
     for seq in seqs:
         sched.add(seq)
     counts.n = 0
-    assert len(sched.schedule().seqs) == 4
+    assert len(sched.schedule().seq_ids) == 4
     step = counts.n
     waiting = list(sched.waiting)[::-1]  # newest first: the worst order for a list
     counts.n = 0

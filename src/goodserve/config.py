@@ -1,4 +1,8 @@
-"""Engine configuration: one dataclass, shared by the offline API, the server and the CLI."""
+"""Engine configuration: one frozen dataclass, shared by the offline API, the server and the CLI.
+
+What the caller gives may say "auto"; the engine resolves it once (engine/config_resolution.py) into
+a new EngineConfig whose every value is concrete (device, dtype, backend, pool size, context
+length, async on/off). Neither is ever changed in place."""
 
 from __future__ import annotations
 
@@ -8,10 +12,12 @@ from goodserve.errors import InvalidRequestError
 
 SCHEDULER_POLICIES = ("continuous", "static", "dynamic", "makespan")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
-QUANTIZATIONS = (None, "none", "int8", "int4", "gguf")  # None: not asked (resolve_quantization)
+QUANTIZATIONS = (None, "none", "int8", "int4", "gguf")  # None: not asked (resolved_quantization)
+# uni: the worker runs in the engine's process; mp: in a process of its own (as each of N workers will)
+EXECUTOR_BACKENDS = ("uni", "mp")
 
 
-@dataclass
+@dataclass(frozen=True)
 class EngineConfig:
     model: str = "smollm2-135m"
     dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
@@ -54,6 +60,7 @@ class EngineConfig:
     # min_tokens); else synchronous.
     async_scheduling: bool = True
     tokenizer: str | None = None  # tokenizer path when it differs from the model's
+    executor_backend: str = "uni"
 
     def validate(self) -> None:
         checks = [
@@ -70,6 +77,7 @@ class EngineConfig:
             (self.max_n_per_request >= 1, "max_n_per_request must be at least 1"),
             (self.dtype in ("auto", "float32", "bfloat16", "float16"),
              "dtype must be auto, float32, bfloat16 or float16"),
+            (self.executor_backend in EXECUTOR_BACKENDS, f"executor_backend must be one of {EXECUTOR_BACKENDS}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -77,18 +85,19 @@ class EngineConfig:
         if self.quantization == "gguf":
             self._validate_gguf_quantization()
 
-    def resolve_quantization(self, device_type: str) -> None:
+    def resolved_quantization(self, device_type: str) -> str | None:
         """Unset, a GGUF model on the CPU keeps its file's codes ('gguf': the weights exactly as stored,
         ~3x float32's decode speed there, as llama.cpp runs them) unless another quantization option
         is set; on CUDA and for other models it stays unquantized. 'none' (the opt-out) becomes None."""
         from goodserve.model.loader import gguf_model_path
 
         if self.quantization == "none":
-            self.quantization = None
-        elif (self.quantization is None and device_type == "cpu" and gguf_model_path(self.model) is not None
-              and not (self.quantized_checkpoint or self.quantization_awq or self.quantization_group_size
-                       or self.quantize_lm_head)):
-            self.quantization = "gguf"
+            return None
+        if (self.quantization is None and device_type == "cpu" and gguf_model_path(self.model) is not None
+                and not (self.quantized_checkpoint or self.quantization_awq or self.quantization_group_size
+                         or self.quantize_lm_head)):
+            return "gguf"
+        return self.quantization
 
     def _validate_gguf_quantization(self) -> None:
         """The file's codes are used as they are: no option that computes or loads other codes applies."""

@@ -16,7 +16,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from goodserve.config import EngineConfig
-from goodserve.engine.engine import Engine, EngineStats
+from goodserve.engine.engine import Engine
+from goodserve.engine.stats import EngineStats
 from goodserve.errors import EngineDeadError, EngineStepError, GoodserveError
 from goodserve.outputs import RequestOutput
 from goodserve.sampling_params import SamplingParams

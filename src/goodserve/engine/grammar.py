@@ -19,6 +19,7 @@ from collections import OrderedDict
 
 import torch
 
+from goodserve.engine.sampling_inputs import GrammarBitmask
 from goodserve.engine.sequence import Sequence
 from goodserve.errors import InvalidRequestError
 from goodserve.structured_outputs import StructuredOutputsParams
@@ -130,21 +131,19 @@ def _batch_matcher():
     return xgrammar.BatchGrammarMatcher(max_threads="auto")
 
 
-def grammar_bitmask(seqs: list[Sequence], device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+def grammar_bitmask(seqs: list[Sequence], pinned: bool) -> GrammarBitmask | None:
     """Bitmask rows (bit t of row r: token t allowed; tokens past the grammar vocabulary are not)
-    for the sequences that have a grammar, and their row numbers in seqs (None when every sequence
-    has one)."""
+    for the sequences that have a grammar, and their row numbers in seqs; None when none has one."""
     rows = [row for row, seq in enumerate(seqs) if seq.grammar is not None]
+    if not rows:
+        return None
     vocab_size = seqs[rows[0]].grammar.vocab_size
     # Pinned, so the copies do not wait for the forward running on the stream (torch keeps a pinned
     # block from reuse until its copy is done).
-    pinned = device.type == "cuda"
     bitmask = torch.full((len(rows), (vocab_size + 31) // 32), -1, dtype=torch.int32, pin_memory=pinned)
     # A terminated matcher's row (a spare row of a pipelined step: its token is never used) stays all
     # ones; the others are filled together, on xgrammar's threads.
     live = [i for i, row in enumerate(rows) if not seqs[row].grammar.matcher.is_terminated()]
     if live:
         _batch_matcher().batch_fill_next_token_bitmask([seqs[rows[i]].grammar.matcher for i in live], bitmask, live)
-    index = None if len(rows) == len(seqs) else \
-        torch.tensor(rows, pin_memory=pinned).to(device, non_blocking=True)
-    return bitmask.to(device, non_blocking=True), index
+    return GrammarBitmask(bitmask, None if len(rows) == len(seqs) else rows)

@@ -13,35 +13,29 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 
-from goodserve.engine.scheduler import ScheduledBatch
-from goodserve.engine.sequence import Sequence
+from goodserve.engine.scheduler_output import SchedulerOutput
 from goodserve.ops.sampler import SamplingBatch
 
 
-def sub_batch(batch: ScheduledBatch, rows: list[int]) -> ScheduledBatch:
-    """The batch's rows, in their order (decodes still lead), as a batch of its own."""
-    assert batch.num_ahead == 0, "only a synchronous step is retried"
-    return ScheduledBatch([batch.seqs[row] for row in rows], [batch.num_new_tokens[row] for row in rows])
-
-
-def find_culprits(batch: ScheduledBatch, error: Exception,
-                  trial: Callable[[ScheduledBatch], object]) -> list[tuple[Sequence, Exception]]:
-    """The sequences of a batch that failed with `error` which fail on their own, with their errors.
-    `trial` runs a sub-batch without keeping anything; none found: the failure needs the whole batch."""
+def find_culprits(out: SchedulerOutput, error: Exception,
+                  trial: Callable[[SchedulerOutput, list[int]], object]) -> list[tuple[int, Exception]]:
+    """The rows of a step that failed with `error` which fail on their own, with their errors.
+    `trial` runs the step's given rows without keeping anything; none found: the failure needs the
+    whole step."""
     culprits = []
 
     def bisect(rows: list[int], failure: Exception) -> None:
         if len(rows) == 1:
-            culprits.append((batch.seqs[rows[0]], failure))
+            culprits.append((rows[0], failure))
             return
         middle = len(rows) // 2
         for half in (rows[:middle], rows[middle:]):
             try:
-                trial(sub_batch(batch, half))
+                trial(out.select(half), half)
             except Exception as exc:  # noqa: BLE001 - any error a request can cause
                 bisect(half, exc)
 
-    bisect(list(range(len(batch.seqs))), error)
+    bisect(list(range(len(out))), error)
     return culprits
 
 

@@ -1,24 +1,48 @@
-"""Builds the sampler's per-row tensors from the sequences that sample this step."""
+"""Builds the sampler's per-row tensors for the rows that sample this step, from the runner's
+request states and the scheduler's plain data."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from goodserve.engine.grammar import grammar_bitmask
-from goodserve.engine.sequence import Sequence
+from goodserve.engine.model_inputs import RequestState
 from goodserve.ops.sampler import SamplingBatch
 from goodserve.sampling_params import SamplingParams
 
 
-def build_sampling_batch(seqs: list[Sequence], vocab_size: int, device: torch.device,
-                         eos_token_ids: list[int]) -> SamplingBatch:
-    batch = _settings(seqs, vocab_size, device, eos_token_ids)
-    if any(seq.grammar is not None for seq in seqs):  # the host fills it while the forward runs
-        batch.token_bitmask, batch.bitmask_rows = grammar_bitmask(seqs, device)
+@dataclass
+class SamplingRow:
+    state: RequestState
+    num_output_tokens: int
+    output_token_ids: list[int] | None  # given where penalties count them
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.state.params
+
+
+@dataclass
+class GrammarBitmask:
+    """The engine's grammar masks for a step (engine/grammar.py): rows of allowed-token bits on the
+    host, and which sampled rows they belong to (None: every one)."""
+
+    bitmask: torch.Tensor  # [R, ceil(V / 32)] int32, pinned where a GPU reads it
+    rows: list[int] | None
+
+
+def build_sampling_batch(rows: list[SamplingRow], vocab_size: int, device: torch.device,
+                         eos_token_ids: list[int], grammar: GrammarBitmask | None = None) -> SamplingBatch:
+    batch = _settings(rows, vocab_size, device, eos_token_ids)
+    if grammar is not None:
+        batch.token_bitmask = grammar.bitmask.to(device, non_blocking=True)
+        if grammar.rows is not None:
+            batch.bitmask_rows = torch.tensor(grammar.rows, pin_memory=device.type == "cuda").to(device, non_blocking=True)
     return batch
 
 
-def _settings(seqs: list[Sequence], vocab_size: int, device: torch.device, eos_token_ids: list[int]) -> SamplingBatch:
+def _settings(seqs: list[SamplingRow], vocab_size: int, device: torch.device, eos_token_ids: list[int]) -> SamplingBatch:
     params = [seq.params for seq in seqs]
     max_logprobs = max((p.logprobs for p in params if p.logprobs is not None), default=-1)
     plain = all(p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
@@ -33,7 +57,7 @@ def _settings(seqs: list[Sequence], vocab_size: int, device: torch.device, eos_t
         top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
         top_p=torch.tensor([p.top_p for p in params], device=device),
         min_p=torch.tensor([p.min_p for p in params], device=device),
-        generators=[seq.generator for seq in seqs],
+        generators=[seq.state.generator for seq in seqs],
         needs_top_k_p=any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params if not p.greedy),
         all_greedy=all(p.greedy for p in params),
         max_logprobs=max_logprobs,
@@ -54,7 +78,7 @@ def _logit_bias(params: list[SamplingParams], device) -> tuple[torch.Tensor, tor
             torch.tensor(values, dtype=torch.float32, device=device))
 
 
-def _add_penalties(batch: SamplingBatch, seqs: list[Sequence], vocab_size: int, device) -> None:
+def _add_penalties(batch: SamplingBatch, seqs: list[SamplingRow], vocab_size: int, device) -> None:
     params = [seq.params for seq in seqs]
     batch.repetition_penalty = torch.tensor([p.repetition_penalty for p in params], device=device)
     batch.presence_penalty = torch.tensor([p.presence_penalty for p in params], device=device)
@@ -62,19 +86,19 @@ def _add_penalties(batch: SamplingBatch, seqs: list[Sequence], vocab_size: int, 
     batch.prompt_mask = torch.zeros(len(seqs), vocab_size, dtype=torch.bool, device=device)
     batch.output_counts = torch.zeros(len(seqs), vocab_size, device=device)
     for row, seq in enumerate(seqs):
-        prompt = torch.tensor(seq.token_ids[: seq.num_prompt_tokens], device=device)
+        prompt = torch.tensor(seq.state.prompt_token_ids, device=device)
         batch.prompt_mask[row, prompt] = True
-        output = torch.tensor(seq.output_token_ids, dtype=torch.int64, device=device)
+        output = torch.tensor(seq.output_token_ids or [], dtype=torch.int64, device=device)
         batch.output_counts[row].index_add_(0, output, torch.ones(len(output), device=device))
 
 
-def _bans_stop_tokens(seq: Sequence) -> bool:
+def _bans_stop_tokens(seq: SamplingRow) -> bool:
     """min_tokens not reached yet; a grammar's end outranks it (banning the only token its complete
     text allows would leave none)."""
-    return seq.num_output_tokens < seq.params.min_tokens and seq.grammar is None
+    return seq.num_output_tokens < seq.params.min_tokens and seq.params.structured_outputs is None
 
 
-def _banned_before_min_tokens(seqs: list[Sequence], vocab_size: int, device, eos_token_ids: list[int]):
+def _banned_before_min_tokens(seqs: list[SamplingRow], vocab_size: int, device, eos_token_ids: list[int]):
     banned = torch.zeros(len(seqs), vocab_size, dtype=torch.bool, device=device)
     for row, seq in enumerate(seqs):
         if _bans_stop_tokens(seq):

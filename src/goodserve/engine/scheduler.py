@@ -13,35 +13,37 @@ admits a new batch only once the previous one has entirely finished; "dynamic" a
 batch to fill up to max_num_seqs or for the oldest request to have waited max_wait_ms; "makespan"
 admits the longest requests first and spreads the rest over the longest one's steps, to finish an
 offline batch of known lengths soonest (engine/makespan.py).
+
+Its decision goes to the runner as plain data (engine/scheduler_output.py); the sequences it decides
+over stay here, with the engine. With async scheduling the engine passes the step still in flight:
+its sequences' next tokens exist only on the device (placeholders), and the step scheduled ahead of
+them decodes those tokens.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 from goodserve.config import EngineConfig
-from goodserve.engine.block_pool import BlockPool
+from goodserve.engine.kv_cache_manager import KVCacheManager
 from goodserve.engine.makespan import MakespanAdmission, longest_first_key
+from goodserve.engine.scheduler_output import SchedulerOutput
 from goodserve.engine.sequence import Sequence, SequenceStatus
 from goodserve.engine.waiting_queue import WaitingQueue
 
 
-@dataclass
-class ScheduledBatch:
-    seqs: list[Sequence] = field(default_factory=list)
-    num_new_tokens: list[int] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
-    # Async scheduling: a step scheduled before the previous step's tokens reached the host. Its first
-    # num_ahead sequences decode that step's token (still on the device), at position num_computed_tokens.
-    num_ahead: int = 0
+class _Decision:
+    """The sequences a step computes and how many tokens each, while it is being decided."""
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.num_new_tokens)
+    def __init__(self, num_ahead: int = 0) -> None:
+        self.seqs: list[Sequence] = []
+        self.num_new: list[int] = []
+        self.num_ahead = num_ahead
+        self.preempted = False
 
-    def __bool__(self) -> bool:
-        return bool(self.seqs)
+    def add(self, seq: Sequence, num_new: int) -> None:
+        self.seqs.append(seq)
+        self.num_new.append(num_new)
 
 
 def _decodes_first(seq: Sequence) -> tuple:
@@ -49,10 +51,11 @@ def _decodes_first(seq: Sequence) -> tuple:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, pool: BlockPool) -> None:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager) -> None:
         self.config = config
-        self.pool = pool
+        self.kv = kv
         self.running: list[Sequence] = []
+        self.seqs: dict[str, Sequence] = {}  # every unfinished sequence it was given, by id
         self.num_preemptions = 0
         makespan = config.scheduler_policy == "makespan"
         self.makespan = MakespanAdmission(config.max_num_batched_tokens) if makespan else None
@@ -60,6 +63,7 @@ class Scheduler:
 
     # ---- queue management ----------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
+        self.seqs[seq.seq_id] = seq
         self.waiting.add(seq)
         if self.makespan is not None:
             self.makespan.add_waiting(seq)
@@ -78,19 +82,48 @@ class Scheduler:
             self.running.remove(seq)
         else:  # waiting, or not handed over by the engine yet (in neither queue)
             self._leave_waiting(seq)
-        self.pool.free_sequence(seq)
+        self.kv.free(seq, finished=True)
+        self.seqs.pop(seq.seq_id, None)
+        seq.num_computed_tokens = 0
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason, seq.stop_reason = reason, stop_reason
 
     # ---- one step ------------------------------------------------------------------------
-    def schedule(self) -> ScheduledBatch:
-        batch = ScheduledBatch()
+    def schedule(self, in_flight: list[Sequence] | None = None) -> SchedulerOutput | None:
+        """The next step. in_flight: the sequences of a launched step whose sampled tokens have not
+        reached the host (async scheduling); the step is then scheduled ahead of them, or None
+        when it cannot be (someone would have to be preempted: the engine finishes the step in
+        flight first and asks again)."""
+        decision = self._schedule_ahead(in_flight) if in_flight else self._schedule_now()
+        return None if decision is None else self._output(decision)
+
+    def _schedule_now(self) -> _Decision:
+        decision = _Decision()
         if not self._admits_any_step and self._next_batch_ready():
             self._admit_whole_batch()
-        budget = self._schedule_running(batch, self.config.max_num_batched_tokens)
-        if self._admits_any_step and not batch.preempted and self.waiting:
-            self._schedule_waiting(batch, min(budget, self._admission_allowance(batch.num_tokens)))
-        return batch
+        budget = self._schedule_running(decision, self.config.max_num_batched_tokens)
+        if self._admits_any_step and not decision.preempted and self.waiting:
+            self._schedule_waiting(decision, min(budget, self._admission_allowance(sum(decision.num_new))))
+        return decision
+
+    def _schedule_ahead(self, in_flight: list[Sequence]) -> _Decision | None:
+        """One more decode token for each sequence of the step in flight that goes on (not finished,
+        its token in flight not certainly its last), then the waiting sequences the policy admits
+        now that sample on the device alone. Blocks allocated before a refusal are the ones the next
+        step would allocate anyway: they stay in the block tables."""
+        going_on = [seq for seq in in_flight if not seq.is_finished and not seq.ends_with_next_token()]
+        if not going_on:
+            return None
+        for seq in going_on:
+            if not self.kv.allocate(seq, 1):
+                return None
+        decision = _Decision(num_ahead=len(going_on))
+        for seq in going_on:
+            decision.add(seq, 1)
+        if self.waiting and self._admits_any_step:
+            budget = min(self.config.max_num_batched_tokens - len(going_on), self._admission_allowance(len(going_on)))
+            self._schedule_waiting(decision, max(budget, 0), lambda seq: seq.samples_on_device)
+        return decision
 
     @property
     def _admits_any_step(self) -> bool:
@@ -103,7 +136,7 @@ class Scheduler:
             return self.config.max_num_batched_tokens
         return self.makespan.allowance(self.running, num_scheduled)
 
-    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
+    def _schedule_running(self, decision: _Decision, budget: int) -> int:
         """Decodes first (the attention kernels take a batch's leading one-token rows apart), then
         unfinished prompts in priority order."""
         for seq in sorted(self.running, key=_decodes_first):
@@ -112,56 +145,55 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
             num_new = min(seq.num_uncomputed_tokens, budget)
-            while not self.pool.allocate(seq, num_new):
-                victim = self._lowest_priority_running(exclude=batch.seqs)
-                self._preempt(victim, batch)
+            while not self.kv.allocate(seq, num_new):
+                victim = self._lowest_priority_running(exclude=decision.seqs)
+                self._preempt(victim, decision)
                 if victim is seq:
                     break
             if seq.status is SequenceStatus.RUNNING:
-                batch.seqs.append(seq)
-                batch.num_new_tokens.append(num_new)
+                decision.add(seq, num_new)
                 budget -= num_new
         return budget
 
-    def _schedule_waiting(self, batch: ScheduledBatch, budget: int, admissible=None) -> None:
+    def _schedule_waiting(self, decision: _Decision, budget: int, admissible=None) -> None:
         """Admit waiting sequences in order while the budget lasts; `admissible`, when given, stops
         at the first sequence it refuses."""
         while budget > 0 and len(self.running) < self.config.max_num_seqs and self.waiting:
             seq = self.waiting.peek()
             if admissible is not None and not admissible(seq):
                 break
-            if not seq.block_table:
-                self.pool.match_prefix(seq)
+            if seq.seq_id not in self.kv.tables:
+                seq.num_computed_tokens = self.kv.match_prefix(seq)
             num_new = seq.num_uncomputed_tokens
             if num_new > budget:
                 if not self.config.enable_chunked_prefill:
-                    self._release_prefix(seq)
+                    self._release_blocks(seq)
                     break
                 num_new = budget
-            if not self.pool.allocate(seq, num_new):
-                self._release_prefix(seq)
+            if not self.kv.allocate(seq, num_new):
+                self._release_blocks(seq)
                 break
             self._start_running(seq)
-            batch.seqs.append(seq)
-            batch.num_new_tokens.append(num_new)
+            decision.add(seq, num_new)
             budget -= num_new
 
-    def _release_prefix(self, seq: Sequence) -> None:
-        """A sequence that could not be admitted gives back the cached blocks it had matched."""
-        self.pool.free_sequence(seq)
+    def _release_blocks(self, seq: Sequence) -> None:
+        """A sequence that could not be admitted (or is preempted) gives back its blocks."""
+        self.kv.free(seq)
+        seq.num_computed_tokens = 0
 
     def _lowest_priority_running(self, exclude: list[Sequence]) -> Sequence:
         return max((s for s in self.running if s not in exclude), key=Sequence.priority_key)
 
-    def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
+    def _preempt(self, seq: Sequence, decision: _Decision) -> None:
         """Recompute preemption: free the blocks, requeue at the front; its tokens are kept."""
         self.running.remove(seq)
-        self.pool.free_sequence(seq)
+        self._release_blocks(seq)
         seq.status = SequenceStatus.WAITING
         seq.metrics.num_preemptions += 1
         self.num_preemptions += 1
         self.add(seq)  # its key (priority, arrival) puts it before the requests that came after it
-        batch.preempted.append(seq)
+        decision.preempted = True
 
     def _next_batch_ready(self) -> bool:
         """Static and dynamic batching: a new batch starts only once the last one has finished."""
@@ -176,7 +208,7 @@ class Scheduler:
     def _admit_whole_batch(self) -> None:
         for _ in range(min(len(self.waiting), self.config.max_num_seqs)):
             seq = self.waiting.peek()
-            self.pool.match_prefix(seq)
+            seq.num_computed_tokens = self.kv.match_prefix(seq)
             self._start_running(seq)
 
     def _start_running(self, seq: Sequence) -> None:
@@ -187,33 +219,32 @@ class Scheduler:
             seq.num_cached_tokens = seq.num_computed_tokens
         self.running.append(seq)
 
-    def schedule_ahead(self, seqs: list[Sequence], admissible) -> ScheduledBatch | None:
-        """Async scheduling: one more decode token for each of seqs, whose current step (already
-        advanced) has not returned its tokens yet, then the waiting sequences the policy admits now,
-        as far as `admissible` allows (the engine's test for sequences that sample on the device).
-        None when the normal scheduler must decide instead (no seqs, or the pool is short and
-        someone must be preempted). Blocks allocated before a refusal are the ones the next step
-        would allocate anyway: they stay in the block tables."""
-        if not seqs:
-            return None
-        for seq in seqs:
-            assert seq.status is SequenceStatus.RUNNING and seq.num_computed_tokens == seq.num_tokens
-            if not self.pool.allocate(seq, 1):
-                return None
-        batch = ScheduledBatch(list(seqs), [1] * len(seqs), num_ahead=len(seqs))
-        if self.waiting and self._admits_any_step:
-            budget = min(self.config.max_num_batched_tokens - len(seqs), self._admission_allowance(len(seqs)))
-            self._schedule_waiting(batch, max(budget, 0), admissible)
-        return batch
+    def _output(self, decision: _Decision) -> SchedulerOutput:
+        """The decision as plain data: each row's tokens to compute, its block table, whether it samples."""
+        out = SchedulerOutput(num_ahead=decision.num_ahead)
+        tables = self.kv.tables
+        for row, (seq, num_new) in enumerate(zip(decision.seqs, decision.num_new)):
+            start = seq.num_computed_tokens
+            ahead = row < decision.num_ahead
+            out.seq_ids.append(seq.seq_id)
+            out.num_new_tokens.append(num_new)
+            out.num_computed_tokens.append(start)
+            out.token_ids.append([] if ahead else seq.token_ids[start : start + num_new])
+            out.block_tables.append(list(tables[seq.seq_id]))
+            out.samples.append(ahead or (start + num_new == seq.num_tokens and not seq.params.prefill_only))
+            out.num_output_tokens.append(seq.num_output_tokens)
+            if seq.counts_output_tokens:
+                out.penalty_token_ids[row] = seq.output_token_ids
+        return out
 
     # ---- after the step ------------------------------------------------------------------
-    def advance(self, batch: ScheduledBatch) -> None:
+    def advance(self, out: SchedulerOutput) -> None:
         """The runner computed the scheduled tokens: their K/V are now cached. Sequences that finished
         meanwhile (stopped or aborted while an async step ran) hold no blocks and are skipped."""
         if self.makespan is not None:
-            self.makespan.advance(batch.num_tokens)
-        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
-            if seq.is_finished:
-                continue
-            seq.num_computed_tokens += num_new
-            self.pool.register_full_blocks(seq)
+            self.makespan.advance(out.num_tokens)
+        for seq_id, num_new in zip(out.seq_ids, out.num_new_tokens):
+            seq = self.seqs.get(seq_id)
+            if seq is not None:
+                seq.num_computed_tokens += num_new
+                self.kv.register_full_blocks(seq)

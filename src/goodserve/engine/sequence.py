@@ -1,12 +1,12 @@
-"""One generated sequence's state. A request with n > 1 owns n sequences that share its prompt."""
+"""One generated sequence's state on the engine side. A request with n > 1 owns n sequences that
+share its prompt. The scheduler writes its progress (status, computed tokens), the engine its
+outputs; the runner never sees it (it gets plain data: engine/scheduler_output.py)."""
 
 from __future__ import annotations
 
 import enum
 import time
 from dataclasses import dataclass, field
-
-import torch
 
 from goodserve.outputs import LogprobsEntry, RequestMetrics
 from goodserve.sampling_params import SamplingParams
@@ -31,10 +31,6 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
-    block_table: list[int] = field(default_factory=list)
-    block_hashes: list[bytes] = field(default_factory=list)  # of full blocks, by content
-    num_registered_blocks: int = 0  # leading blocks already offered to the prefix cache
-    generator: torch.Generator | None = None  # per-request seed: reproducible whatever the batch
     grammar: object | None = None  # its own grammar matcher (engine/grammar.py), advanced per token
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -42,7 +38,7 @@ class Sequence:
     prompt_logprobs: list[LogprobsEntry | None] = field(default_factory=list)
     cumulative_logprob: float = 0.0
     text: str = ""
-    pooled: torch.Tensor | None = None  # pooling: the sum of the hidden states pooled so far
+    pooled: object | None = None  # pooling: the sum (a tensor) of the hidden states pooled so far
     embedding: list[float] | None = None  # pooling: the result, once the prompt is computed
     metrics: RequestMetrics | None = None
 
@@ -73,6 +69,27 @@ class Sequence:
     @property
     def wants_prompt_logprobs(self) -> bool:
         return self.params.prompt_logprobs is not None and self.index == 0
+
+    @property
+    def counts_output_tokens(self) -> bool:
+        """Whether its sampling reads its generated tokens (penalties count them)."""
+        p = self.params
+        return p.repetition_penalty != 1.0 or bool(p.presence_penalty) or bool(p.frequency_penalty)
+
+    @property
+    def samples_on_device(self) -> bool:
+        """Whether its next tokens need no host data from the step before: no penalties, no min_tokens
+        ban pending, no logprobs, no stop strings (they need the text), and that it samples at all
+        (prefill-only requests finish on the host). A grammar's mask needs the previous token, but
+        only once the forward runs (the engine waits for it then)."""
+        p = self.params
+        return (not p.prefill_only and p.logprobs is None and p.prompt_logprobs is None and not p.stop
+                and not self.counts_output_tokens and self.num_output_tokens >= p.min_tokens)
+
+    def ends_with_next_token(self) -> bool:
+        """Whether the token being sampled for it (not yet appended) is certainly its last, by length."""
+        limit = self.params.max_tokens or self.max_len
+        return self.num_output_tokens + 1 >= limit or self.num_tokens + 1 >= self.max_len
 
     def priority_key(self) -> tuple[int, float, str]:
         return (self.params.priority, self.arrival_time, self.seq_id)

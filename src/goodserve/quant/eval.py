@@ -256,14 +256,12 @@ def changed_options(config: EngineConfig, reference: EngineConfig) -> dict:
 def evaluate(candidate: EngineConfig, settings: EvalSettings, thresholds: Thresholds | None = None,
              on_progress: ProgressHook = _no_progress) -> dict:
     """Run baseline and candidate; return the JSON-ready report (its "passed" is the verdict)."""
-    candidate = dataclasses.replace(candidate)
-    candidate.validate()
     settings.validate()
     # What the engine will run (an unset quantization is gguf for a GGUF model on the CPU), so the
     # report and the loss budgets name it.
-    from goodserve.engine.engine import resolve_device
+    from goodserve.engine.config_resolution import resolve_for_device
 
-    candidate.resolve_quantization(resolve_device(candidate.device).type)
+    candidate = resolve_for_device(candidate)
     if candidate.quantization_awq and not candidate.quantization:
         raise InvalidRequestError("--quantization-awq scales weights for quantization: add --quantization int8 or int4")
     thresholds = thresholds or default_thresholds(candidate)

@@ -33,15 +33,15 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidRequestError(f"cannot write {args.output}: its folder does not exist")
 
     from goodserve.config import EngineConfig
-    from goodserve.engine.engine import apply_quantization, resolve_device, resolve_dtype
+    from goodserve.engine.config_resolution import resolve_for_device, torch_dtype
+    from goodserve.engine.model_builder import apply_quantization
     from goodserve.model.loader import load_model
     from goodserve.quant.checkpoint import save_quantized
 
-    device = resolve_device(args.device)
-    loaded = load_model(args.model, resolve_dtype("auto", device), device)
-    config = EngineConfig(model=args.model, quantization=args.quantization,
-                          quantization_group_size=args.group_size, quantization_awq=args.awq,
-                          quantize_lm_head=args.lm_head)
+    config = resolve_for_device(EngineConfig(
+        model=args.model, device=args.device, quantization=args.quantization,
+        quantization_group_size=args.group_size, quantization_awq=args.awq, quantize_lm_head=args.lm_head))
+    loaded = load_model(args.model, torch_dtype(config), config.device)
     with torch.inference_mode():
         apply_quantization(loaded, config)
     save_quantized(loaded.model, args.output, loaded.revision)

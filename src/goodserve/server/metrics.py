@@ -55,13 +55,8 @@ def time_per_output_token(out: RequestOutput) -> float | None:
 def engine_info(engine) -> dict[str, str]:
     """What an AsyncEngine really runs (auto resolved: float32 and torch attention on a CPU), as strings."""
     from goodserve.engine.kv_cache import kv_storage_dtype
-    from goodserve.ops.attention import triton_available
 
-    config, device = engine.config, engine.device
-    backend = config.attention_backend
-    if backend == "auto":
-        backend = "triton" if device.type == "cuda" and triton_available() else "torch"
-    runner = engine.engine.runner  # graphs are captured at construction or not at all
+    config, device = engine.config, engine.device  # resolved: no "auto" is left in it
     return {
         "model": config.model,
         "dtype": _dtype_name(engine.dtype),
@@ -69,11 +64,11 @@ def engine_info(engine) -> dict[str, str]:
         "kv_cache_dtype": _dtype_name(kv_storage_dtype(config, engine.dtype)),
         "device": device.type,
         "device_name": _device_name(device),
-        "attention_backend": backend,
+        "attention_backend": config.attention_backend,
         "scheduler_policy": config.scheduler_policy,
         "enable_chunked_prefill": str(config.enable_chunked_prefill),
         "enable_prefix_caching": str(config.enable_prefix_caching),
-        "cuda_graphs": str(bool(runner.decode_graphs.graphs or runner.mixed_graphs.graphs)),
+        "cuda_graphs": str(engine.engine.executor.info.cuda_graphs),
         "max_num_seqs": str(config.max_num_seqs),
         "max_num_batched_tokens": str(config.max_num_batched_tokens),
     }

@@ -1,0 +1,79 @@
+"""Resolving the caller's EngineConfig, once, into a new frozen one whose values are all concrete.
+
+In three stages, as the facts arrive: the device (device, dtype, kernels, quantization, async
+scheduling), then the model (its context window bounds the step budget), then the memory (the KV
+pool's size bounds the context). The caller's object is never changed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+
+from goodserve.config import EngineConfig
+from goodserve.errors import InvalidRequestError
+from goodserve.model.spec import ModelSpec
+from goodserve.ops.attention import triton_available
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def with_overrides(config: EngineConfig | None, overrides: dict) -> EngineConfig:
+    config = config or EngineConfig()
+    unknown = [key for key in overrides if not hasattr(config, key)]
+    if unknown:
+        raise InvalidRequestError(f"unknown engine option {unknown[0]!r}")
+    return dataclasses.replace(config, **overrides)
+
+
+def resolve_for_device(config: EngineConfig) -> EngineConfig:
+    config.validate()
+    device = _resolve_device(config.device)
+    backend = _resolve_attention_backend(config.attention_backend, device)
+    return dataclasses.replace(
+        config, device=str(device), attention_backend=backend,
+        dtype=config.dtype if config.dtype != "auto" else "bfloat16" if device.type == "cuda" else "float32",
+        quantization=config.resolved_quantization(device.type),
+        # Pipelined steps replay CUDA graphs, which need the Triton kernels.
+        async_scheduling=config.async_scheduling and device.type == "cuda" and not config.enforce_eager
+        and backend == "triton")
+
+
+def resolve_for_model(config: EngineConfig, spec: ModelSpec) -> EngineConfig:
+    """The context window; without chunked prefill a whole prompt must fit one step's budget (and the
+    activation memory reserved for it, which the KV pool is sized around)."""
+    context_len = min(config.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
+    budget = config.max_num_batched_tokens if config.enable_chunked_prefill else \
+        max(config.max_num_batched_tokens, context_len)
+    return dataclasses.replace(config, max_model_len=context_len, max_num_batched_tokens=budget)
+
+
+def resolve_for_pool(config: EngineConfig, num_blocks: int) -> EngineConfig:
+    return dataclasses.replace(config, num_kv_blocks=num_blocks,
+                               max_model_len=min(config.max_model_len, num_blocks * config.block_size))
+
+
+def torch_dtype(config: EngineConfig) -> torch.dtype:
+    return DTYPES[config.dtype]
+
+
+def _resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise InvalidRequestError("device cuda was asked for, but no CUDA GPU is available here")
+    return torch.device(name)
+
+
+def _resolve_attention_backend(name: str, device: torch.device) -> str:
+    """auto: Triton on CUDA, torch elsewhere. Triton kernels need a CUDA device; on the CPU they run
+    only in Triton's interpreter."""
+    if name == "auto":
+        return "triton" if device.type == "cuda" and triton_available() else "torch"
+    if name == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise InvalidRequestError(
+            f"attention_backend 'triton' needs a CUDA device, and this engine runs on {device}: use 'auto' or "
+            "'torch' (on the CPU Triton kernels run only in its interpreter, TRITON_INTERPRET=1, as the tests do)")
+    return name

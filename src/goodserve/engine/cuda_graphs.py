@@ -1,0 +1,278 @@
+"""CUDA graphs of whole steps: one per decode batch-size bucket, and one per token-count bucket for
+steps with prefill chunks (up to mixed_graph_max_tokens tokens). Such steps replay a graph (no
+per-kernel launch cost); larger or unusual ones run eagerly. A graph reads and writes only its own
+static buffers; a step's inputs reach its input buffer in one host-to-device copy.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from goodserve.engine.model_inputs import ALIGN_INT32, FlatBatch, ModelInput, ModelOutput, leading_decodes, pooled_sums
+from goodserve.ops.attention import AttentionMetadata
+from goodserve.ops.sampler import argmax
+
+if TYPE_CHECKING:
+    from goodserve.engine.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """The decode batch sizes captured as graphs; a batch runs in one that holds it, padded."""
+    sizes = [1, 2, 4, 8] + list(range(16, 256, 16)) + list(range(256, max_num_seqs, 32))
+    return [s for s in sizes if s < max_num_seqs] + [max_num_seqs]
+
+
+# A larger graph than the smallest that holds a batch is used only if its replay is this much faster.
+GRAPH_TIME_TOLERANCE = 0.03
+
+# Steps with prefill chunks of up to this many tokens replay a graph. Eagerly, an 8B model's step
+# costs ~16 ms of kernel launches on an H100 host whatever its size (a 22-token step took 17.4 ms,
+# a decode graph of 20 sequences 6.1 ms: benchmarks/results/gpu_engine_makespan_eager_h100.json); past a
+# few thousand tokens the GPU's own time hides the launches.
+MIXED_GRAPH_MAX_TOKENS = 2048
+# A mixed graph holds at most this many sequences after the leading decodes (prefill chunks and
+# the decodes among them), the padding sequence included: it bounds the prefill kernel's grid.
+MIXED_GRAPH_MAX_PREFILL_SEQS = 64
+
+
+def mixed_graph_token_counts(max_num_batched_tokens: int) -> list[int]:
+    """The token counts of the mixed-step graphs; a step runs in one that holds it, padded."""
+    top = min(max_num_batched_tokens, MIXED_GRAPH_MAX_TOKENS)
+    counts = [16, 32] + list(range(64, 1024, 64)) + list(range(1024, top, 128))
+    return sorted({c for c in counts if c < top} | {-(-top // 16) * 16}) if top > 0 else []
+
+
+def graph_size_for_each_batch(replay_ms: dict[int, float]) -> list[int]:
+    """Index n: the captured size a batch of n sequences (or tokens) replays, the smallest whose replay
+    time is within GRAPH_TIME_TOLERANCE of the fastest size >= n. Padding rows cost little, but
+    cuBLAS's choice of kernel for some row counts does: Llama-3.1-8B's gate_up takes 311 us at 448
+    rows and 164 us at 512 on an H100 (benchmarks/results/gpu_gemm_h100.json)."""
+    sizes = sorted(replay_ms)
+    choice = [sizes[0]] * (sizes[-1] + 1)
+    for n in range(1, sizes[-1] + 1):
+        fits = [s for s in sizes if s >= n]
+        fastest = min(replay_ms[s] for s in fits)
+        choice[n] = next(s for s in fits if replay_ms[s] <= fastest * (1 + GRAPH_TIME_TOLERANCE))
+    return choice
+
+
+
+def capture_graphs(runner: ModelRunner) -> tuple[GraphSet, GraphSet]:
+    """The decode graphs (by sequence count) and the mixed-step graphs (by token count)."""
+    pool = torch.cuda.graph_pool_handle()
+    # largest first, so smaller graphs fit in its memory pool
+    counts = sorted(mixed_graph_token_counts(runner.config.max_num_batched_tokens), reverse=True)
+    mixed = GraphSet.timed({count: _MixedGraph(runner, count, pool) for count in counts})
+    sizes = sorted(graph_batch_sizes(runner.config.max_num_seqs), reverse=True)
+    decode = GraphSet.timed({size: _DecodeGraph(runner, size, pool) for size in sizes})
+    for graphs, unit in ((decode, "sequence"), (mixed, "token")):
+        for size, chosen in graphs.replaced().items():
+            logger.info("batches that fit the %d-%s graph replay the %d one (%.2f ms against %.2f)", size, unit,
+                        chosen, graphs.replay_ms[chosen], graphs.replay_ms[size])
+    return decode, mixed
+
+
+def graph_for(flat: FlatBatch, decode_graphs: GraphSet, mixed_graphs: GraphSet) -> _DecodeGraph | _MixedGraph | None:
+    """The captured graph the batch replays: a decode graph if every sequence computes one token
+    and samples, else a mixed-step graph unless some sequence wants prompt logits."""
+    num_seqs = len(flat.seq_lens)
+    if max(flat.query_lens) == 1 and len(flat.sample_rows) == num_seqs:
+        return decode_graphs.holding(num_seqs)
+    graph = None if flat.prompt_logit_spans else mixed_graphs.holding(len(flat.input_ids))
+    return graph if graph is not None and graph.holds(flat) else None
+
+
+class GraphSet:
+    """Captured graphs by size, and the graph each size replays: the smallest whose replay time is
+    within GRAPH_TIME_TOLERANCE of the fastest that holds it (`graph_size_for_each_batch`)."""
+
+    def __init__(self, graphs: dict | None = None, replay_ms: dict[int, float] | None = None) -> None:
+        self.graphs = dict(sorted((graphs or {}).items()))
+        self.replay_ms = replay_ms or {}
+        self.size_for = graph_size_for_each_batch(self.replay_ms) if self.graphs else []
+
+    @classmethod
+    def timed(cls, graphs: dict) -> GraphSet:
+        return cls(graphs, {size: graph.time_replay() for size, graph in graphs.items()})
+
+    def holding(self, size: int):
+        """The graph a batch of `size` replays; None when none holds it."""
+        return self.graphs[self.size_for[size]] if size < len(self.size_for) else None
+
+    def replaced(self) -> dict[int, int]:
+        """Sizes whose batches replay a larger graph, and that graph's size."""
+        return {size: self.size_for[size] for size in self.graphs if self.size_for[size] != size}
+
+
+# Rows past the batch: input id and position 0, slot -1 (no K/V write), length 0 (nothing to attend).
+_PADDING = (0, 0, -1, 0)
+
+
+def _fill_column_major(tables: np.ndarray, block_tables: list[list[int]]) -> None:
+    """A graph's block tables: sequence s's block j at tables[j, s], zeros elsewhere."""
+    tables[:] = 0
+    for seq, table in enumerate(block_tables):
+        tables[: len(table), seq] = table
+
+
+class _StepGraph:
+    """A CUDA graph of `_forward`, which reads and writes only static buffers."""
+
+    def _capture(self, pool) -> None:
+        with torch.inference_mode():
+            for _ in range(2):  # warm up: autotuning and lazy initialization stay out of the graph
+                self._forward()
+            torch.cuda.synchronize()
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph, pool=pool):
+                self._forward()
+
+    def time_replay(self, repeats: int = 3) -> float:
+        """Milliseconds per replay, with the capture-time inputs (all padding: nothing is written)."""
+        self.graph.replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(repeats):
+            self.graph.replay()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / repeats
+
+
+class _DecodeGraph(_StepGraph):
+    """A CUDA graph of one decode step (forward, logits, their argmax) for up to `size` sequences.
+
+    Its inputs live in one int32 device buffer, so a step's inputs arrive in one copy:
+    [input_ids | positions | slot_mapping | seq_lens | block tables, column-major]. Column-major
+    tables put the columns a step uses first, so the copy covers only those; columns past them keep
+    valid block ids from earlier steps, which the kernels never read (seq_lens bound them).
+    """
+
+    def __init__(self, runner: ModelRunner, size: int, pool) -> None:
+        device, max_blocks = runner.device, runner.max_blocks_per_seq
+        self.size = size
+        self.inputs = torch.zeros(4 * size + max_blocks * size, dtype=torch.int32, device=device)
+        self.input_ids, self.positions, self.slot_mapping, seq_lens = self.inputs[: 4 * size].view(4, size)
+        self.slot_mapping.fill_(-1)
+        max_len = max_blocks * runner.block_size
+        self.meta = AttentionMetadata(
+            slot_mapping=self.slot_mapping, query_start_loc=torch.arange(size + 1, dtype=torch.int32, device=device),
+            seq_lens=seq_lens, block_tables=self.inputs[4 * size :].view(max_blocks, size).t(), max_query_len=1,
+            max_seq_len=max_len, query_lens_host=[1] * size, seq_lens_host=[max_len] * size,
+        )
+        self.model, self.kv_caches = runner.model, runner.kv_caches
+        self._capture(pool)
+
+    def input_count(self, flat: FlatBatch) -> int:
+        """How many leading entries of the input buffer the batch fills."""
+        return self.size * (4 + max(map(len, flat.block_tables)))
+
+    def load(self, flat: FlatBatch, staging: torch.Tensor) -> ModelInput:
+        """Write the batch into `staging` in this graph's input layout and copy that to the device."""
+        num_seqs, count = len(flat.seq_lens), self.input_count(flat)
+        host = staging[:count].numpy()
+        rows = host[: 4 * self.size].reshape(4, self.size)
+        for row, values, pad in zip(rows, (flat.input_ids, flat.positions, flat.slots, flat.seq_lens), _PADDING):
+            row[:num_seqs] = values
+            row[num_seqs:] = pad
+        _fill_column_major(host[4 * self.size :].reshape(-1, self.size), flat.block_tables)
+        self.inputs[:count].copy_(staging[:count], non_blocking=True)
+        return ModelInput(self.input_ids, self.positions, self.meta, flat.sample_rows, None, {}, graph=self)
+
+    def _forward(self) -> None:
+        hidden = self.model(self.input_ids, self.positions, self.kv_caches, self.meta)
+        self.logits = self.model.compute_logits(hidden)
+        self.logits_argmax = argmax(self.logits)  # greedy tokens in the graph: no launch after it
+
+    def replay(self, num_seqs: int) -> tuple[torch.Tensor, torch.Tensor]:
+        self.graph.replay()
+        return self.logits[:num_seqs], self.logits_argmax[:num_seqs]
+
+    def run(self, inputs: ModelInput) -> ModelOutput:
+        """Every sequence samples, in batch order."""
+        logits, logits_argmax = self.replay(len(inputs.sample_rows))
+        return ModelOutput(logits, {}, logits_argmax)
+
+
+class _MixedGraph(_StepGraph):
+    """A CUDA graph of one step's forward over up to `num_tokens` tokens of up to `max_seqs` sequences,
+    prefill chunks and decodes in any mix; the logits of the sampled rows are computed after it.
+
+    The attention kernels' grids cover any batch of the graph's size, and the count of leading
+    decodes (the decode kernel's; the prefill kernel takes the rest) is read on the device. Input
+    buffer: [input_ids | positions | slot_mapping (token rows) | logits_indices | seq_lens |
+    query_start_loc (sequence rows) | leading decodes | block tables, column-major]. The padding
+    tokens after the batch's belong to the first padding sequence, of length 0: they write no K/V,
+    and their attention output is 0 (not uninitialized memory). The other padding sequences have no
+    tokens, so their programs exit at once.
+    """
+
+    def __init__(self, runner: ModelRunner, num_tokens: int, pool) -> None:
+        device, max_blocks = runner.device, runner.max_blocks_per_seq
+        self.num_tokens = num_tokens
+        # a batch's sequences and one padding sequence, rounded up to keep the buffer's parts aligned
+        self.max_seqs = -(-(min(num_tokens, runner.config.max_num_seqs) + 1) // ALIGN_INT32) * ALIGN_INT32
+        self.max_prefill_seqs = min(MIXED_GRAPH_MAX_PREFILL_SEQS, self.max_seqs)
+        self.seq_rows = self.max_seqs + ALIGN_INT32  # room for query_start_loc's extra entry, aligned
+        self.tables_at = 3 * num_tokens + 3 * self.seq_rows + ALIGN_INT32
+        self.inputs = torch.zeros(self.tables_at + max_blocks * self.max_seqs, dtype=torch.int32, device=device)
+        self.input_ids, self.positions, self.slot_mapping = self.inputs[: 3 * num_tokens].view(3, num_tokens)
+        self.slot_mapping.fill_(-1)
+        self.logits_indices, seq_lens, query_start_loc = self._seq_part(self.inputs).view(3, self.seq_rows)
+        max_len = max_blocks * runner.block_size
+        self.meta = AttentionMetadata(  # host lengths unused: graphs run the Triton kernels only
+            slot_mapping=self.slot_mapping, query_start_loc=query_start_loc[: self.max_seqs + 1],
+            seq_lens=seq_lens[: self.max_seqs], max_query_len=num_tokens, max_seq_len=max_len,
+            block_tables=self.inputs[self.tables_at :].view(max_blocks, self.max_seqs).t(),
+            query_lens_host=[], seq_lens_host=[], leading_decodes=self.inputs[self.tables_at - ALIGN_INT32 :][:1],
+            max_prefill_seqs=self.max_prefill_seqs)
+        self.model, self.kv_caches = runner.model, runner.kv_caches
+        self._capture(pool)
+
+    def _seq_part(self, buffer):
+        return buffer[3 * self.num_tokens : 3 * self.num_tokens + 3 * self.seq_rows]
+
+    def holds(self, flat: FlatBatch) -> bool:
+        """Whether the batch's sequences after its leading decodes, and the padding one, fit the bound."""
+        return len(flat.seq_lens) - leading_decodes(flat.query_lens) < self.max_prefill_seqs
+
+    def input_count(self, flat: FlatBatch) -> int:
+        return self.tables_at + self.max_seqs * max(map(len, flat.block_tables))
+
+    def load(self, flat: FlatBatch, staging: torch.Tensor) -> ModelInput:
+        num_tokens, num_seqs, count = len(flat.input_ids), len(flat.seq_lens), self.input_count(flat)
+        host = staging[:count].numpy()
+        tokens = host[: 3 * self.num_tokens].reshape(3, self.num_tokens)
+        for row, values, pad in zip(tokens, (flat.input_ids, flat.positions, flat.slots), _PADDING):
+            row[:num_tokens] = values
+            row[num_tokens:] = pad
+        logits_indices, seq_lens, query_start_loc = self._seq_part(host).reshape(3, self.seq_rows)
+        logits_indices[: len(flat.logits_indices)] = flat.logits_indices
+        seq_lens[:num_seqs] = flat.seq_lens
+        seq_lens[num_seqs:] = 0
+        query_start_loc[0] = 0
+        query_start_loc[1 : num_seqs + 1] = np.cumsum(flat.query_lens)
+        query_start_loc[num_seqs + 1 :] = self.num_tokens
+        host[self.tables_at - ALIGN_INT32] = leading_decodes(flat.query_lens)
+        _fill_column_major(host[self.tables_at :].reshape(-1, self.max_seqs), flat.block_tables)
+        self.inputs[:count].copy_(staging[:count], non_blocking=True)
+        return ModelInput(self.input_ids, self.positions, self.meta, flat.sample_rows,
+                          self.logits_indices[: len(flat.sample_rows)], {}, graph=self,
+                          pooling_spans=flat.pooling_spans)
+
+    def _forward(self) -> None:
+        self.hidden = self.model(self.input_ids, self.positions, self.kv_caches, self.meta)
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+    def run(self, inputs: ModelInput) -> ModelOutput:
+        self.replay()
+        return ModelOutput(self.model.compute_logits(self.hidden[inputs.logits_indices]), {},
+                           pooled=pooled_sums(self.hidden, inputs.pooling_spans))

@@ -1,0 +1,106 @@
+"""Every sequence's block table, by sequence id, over the block pool: prefix-cache matching,
+allocation for the tokens a step computes, registration of full blocks, freeing.
+
+The tables live here, not on the sequences, so one owner decides which blocks a request holds: the
+scheduler asks for room, the runner receives copies of the tables in the scheduler's output, and
+handing a request's blocks to another worker (disaggregation) is a question for this class alone.
+"""
+
+from __future__ import annotations
+
+from goodserve.engine.block_pool import BlockPool, PrefixCacheCounters, chain_hash
+from goodserve.engine.sequence import Sequence
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 salt: bytes = b"") -> None:
+        self.pool = BlockPool(num_blocks)
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.salt = salt
+        self.tables: dict[str, list[int]] = {}
+        self._hashes: dict[str, list[bytes]] = {}  # chained hashes of a sequence's full blocks, memoized
+        self._num_registered: dict[str, int] = {}  # leading blocks already offered to the prefix cache
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.pool.num_used_blocks
+
+    @property
+    def counters(self) -> PrefixCacheCounters:
+        return self.pool.counters
+
+    def block_table(self, seq_id: str) -> list[int]:
+        return self.tables.get(seq_id, [])
+
+    # ---- prefix cache --------------------------------------------------------------------
+    def match_prefix(self, seq: Sequence) -> int:
+        """Attach the cached blocks that hold a prefix of seq's tokens; the tokens they cover.
+
+        At least the last token is always left to compute: its logits are what we sample from.
+        A sequence that wants prompt logprobs or mean pooling computes every token (cached blocks keep
+        no logits or hidden states).
+        """
+        assert not self.tables.get(seq.seq_id), "match_prefix on a sequence that holds blocks"
+        table = self.tables[seq.seq_id] = []
+        if not self.enable_prefix_caching or seq.wants_prompt_logprobs or seq.params.pooling == "mean":
+            return 0
+        self.pool.counters.queries += seq.num_tokens
+        size = self.block_size
+        for i, block_hash in enumerate(self._block_hashes(seq, (seq.num_tokens - 1) // size)):
+            block_id = self.pool.cached_block(block_hash, tuple(seq.token_ids[i * size : (i + 1) * size]))
+            if block_id is None:
+                break
+            self.pool.take(block_id)
+            table.append(block_id)
+        self._num_registered[seq.seq_id] = len(table)
+        self.pool.counters.hits += len(table) * size
+        return len(table) * size
+
+    def register_full_blocks(self, seq: Sequence) -> None:
+        """Hash the blocks that became full (their K/V all written) so later requests can reuse them."""
+        if not self.enable_prefix_caching:
+            return
+        size, table = self.block_size, self.tables[seq.seq_id]
+        num_full = seq.num_computed_tokens // size
+        hashes = self._block_hashes(seq, num_full)
+        for i in range(self._num_registered.get(seq.seq_id, 0), num_full):
+            self.pool.register(table[i], hashes[i], tuple(seq.token_ids[i * size : (i + 1) * size]))
+        self._num_registered[seq.seq_id] = num_full
+
+    def _block_hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
+        hashes = self._hashes.setdefault(seq.seq_id, [])
+        while len(hashes) < num_blocks:
+            i = len(hashes)
+            tokens = seq.token_ids[i * self.block_size : (i + 1) * self.block_size]
+            hashes.append(chain_hash(hashes[-1] if i else None, tokens, self.salt))
+        return hashes
+
+    # ---- allocation ----------------------------------------------------------------------
+    def _blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        needed = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
+        return max(0, needed - len(self.tables.get(seq.seq_id, ())))
+
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Give seq enough blocks for num_new_tokens more tokens; False (and no change) if short."""
+        needed = self._blocks_needed(seq, num_new_tokens)
+        if needed > self.pool.num_free_blocks:
+            return False
+        table = self.tables.setdefault(seq.seq_id, [])
+        for _ in range(needed):
+            table.append(self.pool.take_free())
+        return True
+
+    def free(self, seq: Sequence, finished: bool = False) -> None:
+        """Release seq's blocks (preempted: it recomputes later; finished: its hashes go too).
+        Tail blocks are freed first so they are also evicted first: a shared prefix outlives them."""
+        for block_id in reversed(self.tables.pop(seq.seq_id, ())):
+            self.pool.release(block_id)
+        self._num_registered.pop(seq.seq_id, None)
+        if finished:
+            self._hashes.pop(seq.seq_id, None)

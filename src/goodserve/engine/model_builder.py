@@ -1,0 +1,69 @@
+"""Load + quantize + kernel choice: one function that returns the model ready to run as the
+(resolved) config says."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from goodserve.config import EngineConfig
+from goodserve.engine.config_resolution import torch_dtype
+from goodserve.errors import InvalidRequestError
+from goodserve.model.loader import LoadedModel, load_model, load_tokenizer
+from goodserve.ops.attention import set_attention_backend
+from goodserve.ops.cpu_linear import pack_linears_for_cpu
+
+
+def build_model(config: EngineConfig) -> LoadedModel:
+    device = torch.device(config.device)
+    torch.manual_seed(config.seed)
+    set_attention_backend(config.attention_backend)
+    loaded = load_model(config.model, torch_dtype(config), device, seed=config.seed,
+                        keep_gguf_quantization=config.quantization == "gguf")
+    apply_quantization(loaded, config)
+    specialize_linears(loaded.model, device, config)
+    if config.tokenizer:
+        loaded = dataclasses.replace(loaded, tokenizer=load_tokenizer(config.tokenizer, loaded.spec))
+    return loaded
+
+
+def apply_quantization(loaded: LoadedModel, config: EngineConfig) -> None:
+    """Weight-only quantization in place: from a saved checkpoint, or computed at load time.
+    (quantization 'gguf' happens in the loader: the file's own codes.)"""
+    if config.quantization == "gguf":
+        return
+    if config.quantized_checkpoint:
+        from goodserve.quant.checkpoint import load_quantized_into
+
+        load_quantized_into(loaded.model, config.quantized_checkpoint, loaded.revision, config.quantize_lm_head)
+    elif config.quantization:
+        from goodserve.quant.apply import quantize_model
+        from goodserve.quant.awq import default_calibration_text
+
+        calibration = None
+        if config.quantization_awq:
+            if loaded.tokenizer is None:
+                raise InvalidRequestError("quantization_awq needs a tokenizer for its calibration text")
+            calibration = loaded.tokenizer.encode(default_calibration_text())
+        quantize_model(loaded.model, config.quantization, config.quantization_group_size, calibration,
+                       lm_head=config.quantize_lm_head)
+
+
+def specialize_linears(model, device: torch.device, config: EngineConfig) -> None:
+    """Once the weights are final, the fastest kernel per linear: oneDNN packed weights for float32
+    on the CPU, and for int4 layers one native call per decode step; on CUDA, the Triton GEMV for
+    one-row matmuls where it was measured to beat cuBLAS."""
+    if device.type == "cpu":
+        from goodserve.native import decoder_layer
+
+        if config.cpu_int8_activations:
+            from goodserve.quant.gguf_native import use_int8_activations
+
+            use_int8_activations(model)
+        pack_linears_for_cpu(model)
+        decoder_layer.attach(model)
+    elif config.attention_backend != "torch":
+        from goodserve.ops.gemv_linear import route_decode_rows_to_gemv
+
+        route_decode_rows_to_gemv(model)

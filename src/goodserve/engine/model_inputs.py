@@ -1,0 +1,114 @@
+"""A step's inputs on their way to the device: the scheduler's rows flattened to token-level lists
+(FlatBatch), then tensors (ModelInput); and what the forward hands back (ModelOutput)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from goodserve.engine.scheduler_output import SchedulerOutput
+from goodserve.ops.attention import AttentionMetadata
+from goodserve.sampling_params import SamplingParams
+
+
+@dataclass
+class RequestState:
+    """What the runner keeps of a sequence for its whole life (engine/scheduler_output.NewRequestData)."""
+
+    seq_id: str
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    wants_prompt_logprobs: bool
+    generator: torch.Generator | None  # per-request seed: reproducible whatever the batch
+
+
+@dataclass
+class FlatBatch:
+    """A scheduled batch flattened on the host: the token-level lists every input is built from."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    query_lens: list[int]
+    seq_lens: list[int]
+    block_tables: list[list[int]]
+    sample_rows: list[int]  # index into batch.seqs of the sequences that sample a token this step
+    logits_indices: list[int]  # their last token's row in the flat batch
+    prompt_logit_spans: dict[int, tuple[int, int]]  # batch row -> flat [start, end) wanting logits
+    pooling_spans: dict[int, tuple[int, int]] = field(default_factory=dict)  # batch row -> flat rows to sum
+
+
+@dataclass
+class ModelInput:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    meta: AttentionMetadata
+    sample_rows: list[int]
+    logits_indices: torch.Tensor | None  # [len(sample_rows)]; None when a graph replays (all rows, in order)
+    prompt_logit_spans: dict[int, tuple[int, int]]
+    graph: object | None = None  # the captured graph (engine/cuda_graphs.py) whose input buffer holds the batch  # the captured graph whose input buffer holds the batch
+    pooling_spans: dict[int, tuple[int, int]] = field(default_factory=dict)
+
+
+@dataclass
+class ModelOutput:
+    logits: torch.Tensor  # [len(sample_rows), V] float32
+    prompt_logits: dict[int, torch.Tensor]  # batch row -> [n, V] float32
+    logits_argmax: torch.Tensor | None = None  # [len(sample_rows)]: argmax(logits), when a graph computed it
+    pooled: dict[int, torch.Tensor] = field(default_factory=dict)  # batch row -> [hidden] float32 sum
+
+
+
+def flatten(out: SchedulerOutput, requests: dict[str, RequestState], block_size: int) -> FlatBatch:
+    flat = FlatBatch([], [], [], [], [], [], [], [], {})
+    for row, (seq_id, start, num_new) in enumerate(zip(out.seq_ids, out.num_computed_tokens, out.num_new_tokens)):
+        end, table, offset = start + num_new, out.block_tables[row], len(flat.input_ids)
+        state = requests[seq_id]
+        # An ahead row's input is the previous step's token, still on the device: the runner copies it in.
+        flat.input_ids.extend(out.token_ids[row] if row >= out.num_ahead else [0])
+        flat.positions.extend(range(start, end))
+        flat.slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
+        flat.query_lens.append(num_new)
+        flat.seq_lens.append(end)
+        flat.block_tables.append(table)
+        num_prompt = len(state.prompt_token_ids)
+        if state.wants_prompt_logprobs and start < num_prompt - 1:
+            flat.prompt_logit_spans[row] = (offset, offset + min(end, num_prompt - 1) - start)
+        pooling = state.params.pooling
+        if pooling == "mean":
+            flat.pooling_spans[row] = (offset, offset + num_new)
+        elif pooling == "last" and end == num_prompt:
+            flat.pooling_spans[row] = (offset + num_new - 1, offset + num_new)
+        if out.samples[row]:
+            flat.sample_rows.append(row)
+            flat.logits_indices.append(offset + num_new - 1)
+    return flat
+
+
+def pooled_sums(hidden: torch.Tensor, spans: dict[int, tuple[int, int]]) -> dict[int, torch.Tensor]:
+    """Per pooling row, the float32 sum of its final hidden states in this step (one row for 'last')."""
+    return {row: hidden[start:end].float().sum(dim=0) for row, (start, end) in spans.items()}
+
+
+def leading_decodes(query_lens: list[int]) -> int:
+    """How many sequences at the head of the batch compute one token each."""
+    return next((i for i, n in enumerate(query_lens) if n != 1), len(query_lens))
+
+
+# Every input starts 16-byte aligned: Triton specializes kernels on pointer alignment, so inputs at
+# arbitrary offsets would compile new kernel variants (each hundreds of ms) in the middle of a run.
+ALIGN_INT32 = 4
+
+
+def aligned_concat(parts: list) -> tuple[np.ndarray, list[int]]:
+    """One int32 array holding each part, each padded to a multiple of ALIGN_INT32; the padded sizes."""
+    sizes = [-(-len(part) // ALIGN_INT32) * ALIGN_INT32 for part in parts]
+    host = np.zeros(sum(sizes), dtype=np.int32)
+    offset = 0
+    for part, size in zip(parts, sizes):
+        host[offset : offset + len(part)] = part
+        offset += size
+    return host, sizes
+

@@ -1,0 +1,61 @@
+"""What the engine reports about itself: queue and pool state, and where each step's host time goes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from goodserve.engine.kv_cache_manager import KVCacheManager
+from goodserve.engine.scheduler import Scheduler
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_kv_blocks: int
+    num_used_kv_blocks: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    num_steps: int
+    num_pipelined_steps: int  # steps launched before the previous step's tokens reached the host
+    last_batch_tokens: int
+    last_batch_seqs: int
+    schedule_seconds_total: float
+    prepare_seconds_total: float
+    forward_seconds_total: float
+    sample_seconds_total: float
+    detokenize_seconds_total: float
+    output_seconds_total: float  # building RequestOutputs for callers
+
+
+@dataclass
+class StepLog:
+    """The steps so far: how many, the last one's size, and host seconds per stage, summed."""
+
+    num_steps: int = 0
+    num_pipelined_steps: int = 0
+    last_batch_tokens: int = 0
+    last_batch_seqs: int = 0
+    schedule: float = 0.0
+    prepare: float = 0.0
+    forward: float = 0.0
+    sample: float = 0.0
+    detokenize: float = 0.0
+    output: float = 0.0
+
+
+def engine_stats(scheduler: Scheduler, kv: KVCacheManager, steps: StepLog) -> EngineStats:
+    return EngineStats(
+        num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
+        num_kv_blocks=kv.num_blocks, num_used_kv_blocks=kv.num_used_blocks,
+        kv_cache_usage=kv.num_used_blocks / kv.num_blocks,
+        prefix_cache_queries=kv.counters.queries, prefix_cache_hits=kv.counters.hits,
+        num_preemptions=scheduler.num_preemptions, num_steps=steps.num_steps,
+        num_pipelined_steps=steps.num_pipelined_steps, last_batch_tokens=steps.last_batch_tokens,
+        last_batch_seqs=steps.last_batch_seqs, schedule_seconds_total=steps.schedule,
+        prepare_seconds_total=steps.prepare, forward_seconds_total=steps.forward,
+        sample_seconds_total=steps.sample, detokenize_seconds_total=steps.detokenize,
+        output_seconds_total=steps.output,
+    )

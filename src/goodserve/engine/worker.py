@@ -1,0 +1,60 @@
+"""One device's share of the engine: builds the model, sizes and allocates the KV cache, and runs the
+steps the executor hands it through its model runner."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from goodserve.config import EngineConfig
+from goodserve.engine.config_resolution import resolve_for_model, resolve_for_pool, torch_dtype
+from goodserve.engine.kv_cache import kv_storage_dtype, num_blocks_for_memory
+from goodserve.engine.model_builder import build_model
+from goodserve.engine.model_runner import ModelRunner
+from goodserve.engine.runner_output import PendingOutput
+from goodserve.engine.sampling_inputs import GrammarBitmask
+from goodserve.engine.scheduler_output import SchedulerOutput
+from goodserve.model.spec import ModelSpec
+from goodserve.model.tokenizer import Tokenizer
+
+logger = logging.getLogger("goodserve.engine")
+
+
+@dataclass
+class ModelInfo:
+    """What the engine learns from the worker once the model is loaded (plain data)."""
+
+    config: EngineConfig  # resolved for the model and the KV pool
+    spec: ModelSpec
+    tokenizer: Tokenizer | None
+    eos_token_ids: list[int]
+    revision: str  # identity of the weights
+    cuda_graphs: bool
+
+
+class Worker:
+    def __init__(self, config: EngineConfig) -> None:
+        loaded = build_model(config)
+        config = resolve_for_model(config, loaded.spec)
+        kv_dtype = kv_storage_dtype(config, torch_dtype(config))
+        device = torch.device(config.device)
+        config = resolve_for_pool(config, num_blocks_for_memory(loaded.spec, config, device, torch_dtype(config),
+                                                                kv_dtype))
+        tokenizer = loaded.tokenizer
+        eos = sorted(set(loaded.spec.eos_token_ids) | set(tokenizer.eos_token_ids if tokenizer else []))
+        self.runner = ModelRunner(config, loaded.model, config.num_kv_blocks, kv_dtype, eos)
+        self.info = ModelInfo(config, loaded.spec, tokenizer, eos, loaded.revision,
+                              bool(self.runner.decode_graphs.graphs or self.runner.mixed_graphs.graphs))
+        logger.info(
+            "model %s (%s) dtype=%s device=%s kv_cache=%d blocks x %d tokens (%s) max_model_len=%d",
+            config.model, loaded.source, config.dtype, device, config.num_kv_blocks, config.block_size,
+            str(kv_dtype).removeprefix("torch."), config.max_model_len,
+        )
+
+    def execute_model(self, out: SchedulerOutput) -> None:
+        self.runner.execute_model(out)
+
+    def sample_tokens(self, grammar: GrammarBitmask | None, trial: bool = False) -> PendingOutput:
+        return self.runner.sample_tokens(grammar, trial)
