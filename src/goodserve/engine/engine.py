@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from goodserve.config import EngineConfig
+from goodserve.config import DTYPES, EngineConfig
 from goodserve.engine.block_pool import BlockPool
 from goodserve.engine.grammar import GrammarCompiler, accept_ahead, accept_token
 from goodserve.engine.isolation import find_culprits, rewind_generators, sub_batch
@@ -34,7 +34,8 @@ from goodserve.engine.scheduler import ScheduledBatch, Scheduler
 from goodserve.engine.sequence import Sequence
 from goodserve.errors import InvalidRequestError, PromptTooLongError
 from goodserve.model.detokenizer import IncrementalDetokenizer
-from goodserve.model.loader import load_model, load_tokenizer
+from goodserve.model.loader import load_model
+from goodserve.model.tokenizer_loader import load_tokenizer
 from goodserve.ops.attention import set_attention_backend
 from goodserve.ops.cpu_linear import pack_linears_for_cpu
 from goodserve.ops.sampler import SamplerOutput, gather_logprobs, sample
@@ -43,7 +44,7 @@ from goodserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("goodserve.engine")
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = {name: getattr(torch, name) for name in DTYPES if name != "auto"}
 
 
 @dataclass
@@ -127,14 +128,14 @@ def specialize_linears(model, device: torch.device, config: EngineConfig) -> Non
     on the CPU, and for int4 layers one native call per decode step; on CUDA, the Triton GEMV for
     one-row matmuls where it was measured to beat cuBLAS."""
     if device.type == "cpu":
-        from goodserve.native import decoder_layer
+        from goodserve.model import native_decode
 
         if config.cpu_int8_activations:
             from goodserve.quant.gguf_native import use_int8_activations
 
             use_int8_activations(model)
         pack_linears_for_cpu(model)
-        decoder_layer.attach(model)
+        native_decode.attach(model)
     elif config.attention_backend != "torch":
         from goodserve.ops.gemv_linear import route_decode_rows_to_gemv
 
