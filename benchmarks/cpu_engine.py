@@ -40,7 +40,7 @@ import transformers
 from cpu_quant_linear import median_us  # the same timing rule as the kernel benchmark
 from goodserve import LLM, SamplingParams
 from goodserve.engine.stats import StepLog
-from goodserve.model.loader import embedded_gguf_path
+from goodserve.model_names import embedded_gguf_path
 from goodserve.ops.cpu_linear import PackedCpuLinear
 from goodserve.quant.linear import Int4Linear
 

@@ -10,7 +10,7 @@ import json
 import sys
 from pathlib import Path
 
-from goodserve.model.loader import embedded_tokenizer
+from goodserve.model.tokenizer_loader import embedded_tokenizer
 
 
 def main(out: str) -> None:

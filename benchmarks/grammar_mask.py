@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from goodserve.model.loader import embedded_tokenizer
+from goodserve.model.tokenizer_loader import embedded_tokenizer
 from result_file import write_result
 
 SCHEMAS = {

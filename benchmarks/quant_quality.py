@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
+from goodserve.commands.quality_gate import (BASELINE_OPTIONS, EvalSettings, checks, compare, default_thresholds,
+                                             measure)
 from goodserve.config import EngineConfig
-from goodserve.quant.eval import (BASELINE_OPTIONS, EvalSettings, checks, compare, default_thresholds,
-                                  measure)
 
 INT4_G64 = {"quantization": "int4", "quantization_group_size": 64}
 INT4_G32 = {"quantization": "int4", "quantization_group_size": 32}

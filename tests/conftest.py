@@ -26,7 +26,7 @@ def hf_embedded():
     """transformers' own model read from the same GGUF file: the independent reference."""
     import transformers
 
-    from goodserve.model.loader import embedded_gguf_path
+    from goodserve.model_names import embedded_gguf_path
 
     path = embedded_gguf_path()
     model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,

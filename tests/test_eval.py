@@ -8,17 +8,17 @@ import pytest
 import torch
 
 from goodserve.cli import main
+from goodserve.commands import quality_gate
 from goodserve.config import EngineConfig
 from goodserve.errors import InvalidRequestError
-from goodserve.quant import eval as qeval
 
 
 def test_compare_matches_hand_computed_metrics():
-    base = qeval.RunResult(token_logprobs=[[-1.0, -2.0], [-3.0]], top1_tokens=[[5, 6], [7]],
+    base = quality_gate.RunResult(token_logprobs=[[-1.0, -2.0], [-3.0]], top1_tokens=[[5, 6], [7]],
                            greedy_tokens=[[1, 2, 3, 4], [9, 9]], seconds=0.0)
-    cand = qeval.RunResult(token_logprobs=[[-1.5, -2.0], [-3.0]], top1_tokens=[[5, 0], [7]],
+    cand = quality_gate.RunResult(token_logprobs=[[-1.5, -2.0], [-3.0]], top1_tokens=[[5, 0], [7]],
                            greedy_tokens=[[1, 2, 0, 0], [9, 9]], seconds=0.0)
-    m = qeval.compare(base, cand)
+    m = quality_gate.compare(base, cand)
     assert m["baseline_perplexity"] == pytest.approx(math.exp(2.0))
     assert m["candidate_perplexity"] == pytest.approx(math.exp(6.5 / 3))
     assert m["perplexity_increase"] == pytest.approx(math.exp(0.5 / 3) - 1)
@@ -26,39 +26,39 @@ def test_compare_matches_hand_computed_metrics():
     assert m["mean_abs_logprob_diff"] == pytest.approx(0.5 / 3)
     assert m["greedy_agreement"] == pytest.approx((0.5 + 1.0) / 2)
     assert m["greedy_exact_match"] == pytest.approx(0.5)
-    rows = qeval.checks(m, qeval.Thresholds(0.2, 0.7, 0.5))
+    rows = quality_gate.checks(m, quality_gate.Thresholds(0.2, 0.7, 0.5))
     assert [r["passed"] for r in rows] == [True, False, True]
 
 
 def test_text_windows_and_bad_settings(tmp_path):
-    assert qeval.text_windows(list(range(10)), 4, 9) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert quality_gate.text_windows(list(range(10)), 4, 9) == [[0, 1, 2, 3], [4, 5, 6, 7]]
     with pytest.raises(InvalidRequestError, match="fewer than one"):
-        qeval.text_windows([1, 2], 4, 100)
+        quality_gate.text_windows([1, 2], 4, 100)
     with pytest.raises(InvalidRequestError, match="does not exist"):
-        qeval.EvalSettings(text_file=str(tmp_path / "missing.txt")).validate()
+        quality_gate.EvalSettings(text_file=str(tmp_path / "missing.txt")).validate()
     with pytest.raises(InvalidRequestError, match="window"):
-        qeval.EvalSettings(window=1).validate()
+        quality_gate.EvalSettings(window=1).validate()
 
 
 def test_default_thresholds_add_budgets_per_lossy_change():
-    exact = qeval.default_thresholds(EngineConfig())
-    int4 = qeval.default_thresholds(EngineConfig(quantization="int4"))
-    both = qeval.default_thresholds(EngineConfig(quantization="int4", kv_cache_dtype="int8"))
+    exact = quality_gate.default_thresholds(EngineConfig())
+    int4 = quality_gate.default_thresholds(EngineConfig(quantization="int4"))
+    both = quality_gate.default_thresholds(EngineConfig(quantization="int4", kv_cache_dtype="int8"))
     assert exact.max_perplexity_increase < int4.max_perplexity_increase < both.max_perplexity_increase
     assert exact.min_top1_agreement > int4.min_top1_agreement > both.min_top1_agreement
 
 
 def test_baseline_perplexity_matches_transformers(embedded_llm, hf_embedded):
-    settings = qeval.EvalSettings(max_text_tokens=128, window=64, prompts=["Hello"], max_new_tokens=2)
-    workload = qeval.build_workload(embedded_llm.tokenizer, settings)
-    ours = qeval.run_workload(embedded_llm, workload, settings.max_new_tokens)
+    settings = quality_gate.EvalSettings(max_text_tokens=128, window=64, prompts=["Hello"], max_new_tokens=2)
+    workload = quality_gate.build_workload(embedded_llm.tokenizer, settings)
+    ours = quality_gate.run_workload(embedded_llm, workload, settings.max_new_tokens)
     with torch.no_grad():
         logits = hf_embedded(torch.tensor(workload.windows)).logits.float()
     logprobs = torch.log_softmax(logits[:, :-1], dim=-1)
     targets = torch.tensor(workload.windows)[:, 1:]
     hf_token_logprobs = logprobs.gather(-1, targets[..., None])[..., 0]
     hf_ppl = math.exp(-hf_token_logprobs.mean().item())
-    assert qeval.perplexity(ours.token_logprobs) == pytest.approx(hf_ppl, rel=1e-3)
+    assert quality_gate.perplexity(ours.token_logprobs) == pytest.approx(hf_ppl, rel=1e-3)
     hf_top1 = logprobs.argmax(-1).tolist()
     matches = sum(a == b for ow, hw in zip(ours.top1_tokens, hf_top1) for a, b in zip(ow, hw))
     assert matches / targets.numel() > 0.98  # near-ties may flip between two float32 implementations

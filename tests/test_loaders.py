@@ -13,7 +13,8 @@ import torch
 
 from goodserve.errors import ModelLoadError
 from goodserve.model.llama import build_empty_model
-from goodserve.model.loader import embedded_tokenizer, load_model
+from goodserve.model.loader import load_model
+from goodserve.model.tokenizer_loader import embedded_tokenizer
 from goodserve.model.presets import get_preset
 from goodserve.ops.attention import AttentionMetadata, LayerKVCache
 from test_model_hf import PagedSequence, assert_logits_close

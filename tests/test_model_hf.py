@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from goodserve.model.llama import LlamaForCausalLM
-from goodserve.model.loader import LoadedModel, embedded_gguf_path, load_model
+from goodserve.model.loader import LoadedModel, load_model
+from goodserve.model_names import embedded_gguf_path
 from goodserve.ops.attention import AttentionMetadata, LayerKVCache
 
 transformers = pytest.importorskip("transformers")

@@ -10,8 +10,8 @@ import pytest
 
 from goodserve import LLM
 from goodserve.config import EngineConfig
+from goodserve.engine_args import add_engine_arguments, engine_config_from_args
 from goodserve.quant.linear import Int4Linear
-from goodserve.server.engine_args import add_engine_arguments, engine_config_from_args
 
 
 def resolved(device_type: str = "cpu", **options) -> str | None:

@@ -19,8 +19,8 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import normalizers, pre_tokenizers
 from tokenizers.models import BPE
 
-from goodserve.model.loader import embedded_tokenizer
 from goodserve.model.tokenizer import Tokenizer
+from goodserve.model.tokenizer_loader import embedded_tokenizer
 from goodserve.server.limits import MAX_MESSAGES, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from goodserve.server.process import launch_server, scrape_metrics
 from goodserve.server.tokenization import max_prompt_bytes

@@ -181,9 +181,9 @@ def test_allow_unknown_fields_ignores_unknown_but_not_unimplemented_fields(caplo
 def test_serve_flags_reach_the_server_config():
     import argparse
 
+    from goodserve.engine_args import dataclass_from_args
     from goodserve.server import command
     from goodserve.server.app import ServerConfig
-    from goodserve.server.engine_args import dataclass_from_args
 
     parser = argparse.ArgumentParser()
     command.register(parser.add_subparsers())

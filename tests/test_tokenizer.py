@@ -9,8 +9,9 @@ from tokenizers import models
 
 from goodserve.errors import InvalidRequestError
 from goodserve.model.detokenizer import IncrementalDetokenizer
-from goodserve.model.loader import embedded_gguf_path, embedded_tokenizer
 from goodserve.model.tokenizer import Tokenizer
+from goodserve.model.tokenizer_loader import embedded_tokenizer
+from goodserve.model_names import embedded_gguf_path
 
 transformers = pytest.importorskip("transformers")
 
@@ -173,7 +174,8 @@ def write_sentencepiece_gguf(path) -> None:
 
 @pytest.mark.parametrize("text", ["hello world", "  hello\u00e9 wor ld!", "hello</s>", "\u65e5"])
 def test_sentencepiece_gguf_tokenizer_matches_hf(tmp_path, text: str):
-    from goodserve.model.gguf_loader import gguf_tokenizer, open_gguf
+    from goodserve.model.gguf_reader import open_gguf
+    from goodserve.model.gguf_tokenizer import gguf_tokenizer
 
     path = tmp_path / "spm.gguf"
     write_sentencepiece_gguf(path)

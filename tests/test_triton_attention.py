@@ -25,7 +25,8 @@ from goodserve.ops import attention
 from goodserve.ops.attention import (
     AttentionMetadata, LayerKVCache, paged_attention_reference, rotary_write_kv_torch, write_kv_torch,
 )
-from goodserve.ops.rotary import RopeScaling, cos_sin_cache
+from goodserve.ops.rope_scaling import RopeScaling
+from goodserve.ops.rotary import cos_sin_cache
 
 KERNEL_MODULE = "goodserve.ops.triton_attention"
 BLOCK_SIZE = 16

@@ -15,8 +15,8 @@ SUBCOMMAND_MODULES = [
     "goodserve.bench.command",
     "goodserve.diagnose.command",
     "goodserve.diagnose.calc_command",
-    "goodserve.quant.eval_command",
-    "goodserve.quant.quantize_command",
+    "goodserve.commands.eval",
+    "goodserve.commands.quantize",
 ]
 
 

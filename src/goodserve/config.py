@@ -1,4 +1,5 @@
-"""Engine configuration: one frozen dataclass, shared by the offline API, the server and the CLI.
+"""Engine configuration: one frozen dataclass, shared by the offline API, the server and the CLI, and
+the allowed values of its choice fields, which validate(), the flags (engine_args.py) and the engine read.
 
 What the caller gives may say "auto"; the engine resolves it once (engine/config_resolution.py) into
 a new EngineConfig whose every value is concrete (device, dtype, backend, pool size, context
@@ -9,17 +10,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from goodserve.errors import InvalidRequestError
+from goodserve.model_names import EMBEDDED_MODEL, gguf_model_path
 
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULER_POLICIES = ("continuous", "static", "dynamic", "makespan")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
-QUANTIZATIONS = (None, "none", "int8", "int4", "gguf")  # None: not asked (resolved_quantization)
+BLOCK_SIZES = (8, 16, 32, 64, 128)
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+WEIGHT_QUANTIZATIONS = ("int8", "int4")  # codes computed from float weights (at load or by `goodserve quantize`)
+QUANTIZATIONS = (None, "none", *WEIGHT_QUANTIZATIONS, "gguf")  # None: not asked (resolved_quantization)
 # uni: the worker runs in the engine's process; mp: in a process of its own (as each of N workers will)
 EXECUTOR_BACKENDS = ("uni", "mp")
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str = "smollm2-135m"
+    model: str = EMBEDDED_MODEL
     dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
     device: str = "auto"  # auto: cuda when available
     seed: int = 0
@@ -40,7 +46,7 @@ class EngineConfig:
     max_n_per_request: int = 128  # a request's samples (n): each is a sequence in the queue
     # Model execution
     # weight-only: int8 (per channel) | int4 (per group) | gguf (keep a GGUF file's Q4_0/Q4_1/Q8_0 codes)
-    # | none. Unset: gguf for a GGUF model on the CPU, else none (resolve_quantization).
+    # | none. Unset: gguf for a GGUF model on the CPU, else none (resolved_quantization).
     quantization: str | None = None
     quantization_group_size: int | None = None  # int4; None: the largest of 128/64/32 that divides
     quantization_awq: bool = False  # activation-aware scales from a built-in calibration text
@@ -52,7 +58,7 @@ class EngineConfig:
     # last-bit differences between batch shapes, so a request's greedy tokens can depend on its
     # batch, and greedy agreement with the float path drops (docs/quantization.md).
     cpu_int8_activations: bool = False
-    attention_backend: str = "auto"  # auto | torch | triton
+    attention_backend: str = "auto"  # auto: Triton on CUDA, torch elsewhere
     enforce_eager: bool = False  # True: no CUDA graphs
     # Launch step N+1 before step N's tokens reach the host, so the host's bookkeeping overlaps the
     # GPU. Engages only where CUDA graphs replay (so on CUDA), every sequence samples (no unfinished
@@ -68,15 +74,13 @@ class EngineConfig:
              f"scheduler_policy must be one of {SCHEDULER_POLICIES}"),
             (self.kv_cache_dtype in KV_CACHE_DTYPES, f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}"),
             (self.quantization in QUANTIZATIONS, f"quantization must be one of {QUANTIZATIONS[1:]}"),
-            (self.attention_backend in ("auto", "torch", "triton"),
-             "attention_backend must be auto, torch or triton"),
-            (self.block_size in (8, 16, 32, 64, 128), "block_size must be 8, 16, 32, 64 or 128"),
+            (self.attention_backend in ATTENTION_BACKENDS, f"attention_backend must be one of {ATTENTION_BACKENDS}"),
+            (self.block_size in BLOCK_SIZES, f"block_size must be one of {BLOCK_SIZES}"),
             (0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be in (0, 1]"),
             (self.max_num_seqs >= 1, "max_num_seqs must be at least 1"),
             (self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be at least 1"),
             (self.max_n_per_request >= 1, "max_n_per_request must be at least 1"),
-            (self.dtype in ("auto", "float32", "bfloat16", "float16"),
-             "dtype must be auto, float32, bfloat16 or float16"),
+            (self.dtype in DTYPES, f"dtype must be one of {DTYPES}"),
             (self.executor_backend in EXECUTOR_BACKENDS, f"executor_backend must be one of {EXECUTOR_BACKENDS}"),
         ]
         for ok, message in checks:
@@ -89,8 +93,6 @@ class EngineConfig:
         """Unset, a GGUF model on the CPU keeps its file's codes ('gguf': the weights exactly as stored,
         ~3x float32's decode speed there, as llama.cpp runs them) unless another quantization option
         is set; on CUDA and for other models it stays unquantized. 'none' (the opt-out) becomes None."""
-        from goodserve.model.loader import gguf_model_path
-
         if self.quantization == "none":
             return None
         if (self.quantization is None and device_type == "cpu" and gguf_model_path(self.model) is not None

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from goodserve.config import EngineConfig
 from goodserve.engine.engine import Engine
 from goodserve.errors import EngineStepError, InvalidRequestError
+from goodserve.model_names import EMBEDDED_MODEL
 from goodserve.outputs import RequestOutput
 from goodserve.sampling_params import SamplingParams
 
@@ -15,7 +16,7 @@ Prompt = str | dict
 
 
 class LLM:
-    def __init__(self, model: str = "smollm2-135m", **engine_options) -> None:
+    def __init__(self, model: str = EMBEDDED_MODEL, **engine_options) -> None:
         self.engine = Engine(EngineConfig(model=model), **engine_options)
         self._ids = itertools.count()
 

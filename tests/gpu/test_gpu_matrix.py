@@ -27,7 +27,9 @@ from gate_checks import (
     leading_agreement, tolerance,
 )
 
-from goodserve.model.loader import EMBEDDED_MODEL, embedded_tokenizer, load_model
+from goodserve.model.loader import load_model
+from goodserve.model.tokenizer_loader import embedded_tokenizer
+from goodserve.model_names import EMBEDDED_MODEL
 
 SOURCES = ("dummy", "hf", "gguf")
 DTYPES = ("float32", "bfloat16")

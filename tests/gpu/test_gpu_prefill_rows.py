@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from gate_checks import TORCH_PATH, assert_within, build, compare, engine_scores, greedy, tolerance
 from test_gguf_native import _layer, _random_tensor
 
-from goodserve.model.loader import EMBEDDED_MODEL, embedded_tokenizer
+from goodserve.model.tokenizer_loader import embedded_tokenizer
+from goodserve.model_names import EMBEDDED_MODEL
 from goodserve.quant.awq import default_calibration_text
 from goodserve.quant.linear import Int4Linear
 

@@ -7,7 +7,8 @@ import torch
 from gate_checks import assert_within, build, compare, engine_scores, greedy, hf_scores, run, tolerance
 
 from goodserve import SamplingParams
-from goodserve.model.loader import EMBEDDED_MODEL, embedded_tokenizer
+from goodserve.model.tokenizer_loader import embedded_tokenizer
+from goodserve.model_names import EMBEDDED_MODEL
 from goodserve.quant.awq import default_calibration_text
 
 CHUNK_TOKENS = 64

@@ -10,7 +10,7 @@ import re
 from gate_checks import build
 
 from goodserve import SamplingParams, StructuredOutputsParams
-from goodserve.model.loader import EMBEDDED_MODEL
+from goodserve.model_names import EMBEDDED_MODEL
 
 DATE = r"(19|20)[0-9]{2}-(0[1-9]|1[0-2])-[0-2][0-9]"
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},

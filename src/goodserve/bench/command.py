@@ -28,7 +28,9 @@ from goodserve.bench.runner import BenchRun, search_capacity
 from goodserve.bench.text import PromptText
 from goodserve.bench.workloads import DATASETS, LENGTH_DISTS, WorkloadConfig, build_workload
 from goodserve.commands.console import make_console
+from goodserve.config import DTYPES
 from goodserve.errors import InvalidRequestError
+from goodserve.model_names import EMBEDDED_MODEL
 
 BACKENDS = ("openai", "openai-chat", "inprocess")
 
@@ -57,12 +59,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000)
     g.add_argument("--endpoint", help="API path (default from --backend)")
-    g.add_argument("--model", default="smollm2-135m", help="model name sent to the server / loaded in-process")
+    g.add_argument("--model", default=EMBEDDED_MODEL, help="model name sent to the server / loaded in-process")
     g.add_argument("--tokenizer", help="tokenizer for prompts and counts (default: --model when loadable)")
     g.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
                    help="bearer key sent to the server (default: $OPENAI_API_KEY, else none)")
     g.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
-    g.add_argument("--dtype", default="auto", help="inprocess: engine dtype")
+    g.add_argument("--dtype", default="auto", choices=DTYPES, help="inprocess: engine dtype")
     g.add_argument("--device", default="auto", help="inprocess: engine device")
     g.add_argument("--max-num-seqs", type=int, default=256, help="inprocess: engine batch limit")
 

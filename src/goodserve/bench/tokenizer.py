@@ -1,8 +1,12 @@
-"""The tokenizer a benchmark counts and builds prompts with, loaded without the model's weights."""
+"""The tokenizer a benchmark counts and builds prompts with, loaded without the model's weights or torch."""
 
 from __future__ import annotations
 
+from goodserve.errors import ModelLoadError
+from goodserve.model.presets import PRESETS
 from goodserve.model.tokenizer import Tokenizer
+from goodserve.model.tokenizer_loader import dummy_tokenizer, load_tokenizer
+from goodserve.model_names import DUMMY_PREFIX
 
 
 def load_bench_tokenizer(name: str | None) -> Tokenizer | None:
@@ -12,16 +16,12 @@ def load_bench_tokenizer(name: str | None) -> Tokenizer | None:
     None when there is none here (a hosted model's name, a small dummy vocabulary): the bench
     then approximates prompt lengths with words and takes output counts from the server's usage.
     """
-    from goodserve.errors import ModelLoadError
-    from goodserve.model import loader
-    from goodserve.model.presets import PRESETS
-
     if not name:
         return None
-    if name.startswith(loader.DUMMY_PREFIX):
-        preset = PRESETS.get(name.removeprefix(loader.DUMMY_PREFIX))
-        return loader.dummy_tokenizer(preset) if preset is not None else None
+    if name.startswith(DUMMY_PREFIX):
+        preset = PRESETS.get(name.removeprefix(DUMMY_PREFIX))
+        return dummy_tokenizer(preset) if preset is not None else None
     try:
-        return loader.load_tokenizer(name)
+        return load_tokenizer(name)
     except ModelLoadError:
         return None

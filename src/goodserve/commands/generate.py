@@ -6,8 +6,8 @@ import argparse
 import sys
 import time
 
+from goodserve.engine_args import add_engine_arguments, engine_config_from_args
 from goodserve.sampling_params import SamplingParams
-from goodserve.server.engine_args import add_engine_arguments, engine_config_from_args
 
 
 def register(subparsers) -> None:

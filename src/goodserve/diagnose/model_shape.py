@@ -3,26 +3,25 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 from goodserve.errors import ModelLoadError
 from goodserve.model.presets import PRESETS, get_preset
 from goodserve.model.spec import ModelSpec
+from goodserve.model_names import DUMMY_PREFIX, model_path
 
 
 def resolve_spec(name: str) -> ModelSpec:
     """A preset name, `dummy:<preset>`, the embedded model, a .gguf file, or a HF directory."""
-    from goodserve.model import loader
-
-    preset = name.removeprefix(loader.DUMMY_PREFIX)
+    preset = name.removeprefix(DUMMY_PREFIX)
     if preset in PRESETS:
         return get_preset(preset)
-    path = loader.embedded_gguf_path() if name == loader.EMBEDDED_MODEL else Path(name).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        from goodserve.model.gguf_loader import gguf_spec, open_gguf
+    path = model_path(name)  # None: an unknown dummy preset
+    if path is not None and path.is_file() and path.suffix == ".gguf":
+        from goodserve.model.gguf_loader import gguf_spec
+        from goodserve.model.gguf_reader import open_gguf
 
         return gguf_spec(open_gguf(path), path.stem)
-    if (path / "config.json").is_file():
+    if path is not None and (path / "config.json").is_file():
         from goodserve.model.hf_loader import hf_spec
 
         def read(file: str) -> dict:

@@ -12,12 +12,12 @@ import os
 
 import torch
 
-from goodserve.config import EngineConfig
+from goodserve.config import DTYPES, EngineConfig
 from goodserve.errors import InvalidRequestError
 from goodserve.model.spec import ModelSpec
 from goodserve.ops.attention import triton_available
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPES if name != "auto"}
 
 
 def with_overrides(config: EngineConfig | None, overrides: dict) -> EngineConfig:
@@ -56,7 +56,7 @@ def resolve_for_pool(config: EngineConfig, num_blocks: int) -> EngineConfig:
 
 
 def torch_dtype(config: EngineConfig) -> torch.dtype:
-    return DTYPES[config.dtype]
+    return _TORCH_DTYPES[config.dtype]
 
 
 def _resolve_device(name: str) -> torch.device:

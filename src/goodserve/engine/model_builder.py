@@ -10,7 +10,8 @@ import torch
 from goodserve.config import EngineConfig
 from goodserve.engine.config_resolution import torch_dtype
 from goodserve.errors import InvalidRequestError
-from goodserve.model.loader import LoadedModel, load_model, load_tokenizer
+from goodserve.model.loader import LoadedModel, load_model
+from goodserve.model.tokenizer_loader import load_tokenizer
 from goodserve.ops.attention import set_attention_backend
 from goodserve.ops.cpu_linear import pack_linears_for_cpu
 
@@ -55,14 +56,14 @@ def specialize_linears(model, device: torch.device, config: EngineConfig) -> Non
     on the CPU, and for int4 layers one native call per decode step; on CUDA, the Triton GEMV for
     one-row matmuls where it was measured to beat cuBLAS."""
     if device.type == "cpu":
-        from goodserve.native import decoder_layer
+        from goodserve.model import native_decode
 
         if config.cpu_int8_activations:
             from goodserve.quant.gguf_native import use_int8_activations
 
             use_int8_activations(model)
         pack_linears_for_cpu(model)
-        decoder_layer.attach(model)
+        native_decode.attach(model)
     elif config.attention_backend != "torch":
         from goodserve.ops.gemv_linear import route_decode_rows_to_gemv
 

@@ -1,4 +1,4 @@
-"""Load a Hugging Face model directory: config.json, *.safetensors, tokenizer.json.
+"""Load a Hugging Face model directory: config.json, *.safetensors, tokenizer.json (hf_tokenizer.py).
 
 Only safetensors are read: pickle checkpoints (*.bin, *.pt) can run arbitrary code when loaded, so
 they are refused rather than unpickled.
@@ -6,19 +6,18 @@ they are refused rather than unpickled.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import safe_open
-from tokenizers import Tokenizer as HFTokenizer
 
 from goodserve.errors import ModelLoadError
+from goodserve.model.hf_tokenizer import hf_tokenizer, read_json
 from goodserve.model.llama import LlamaForCausalLM, WeightFiller, build_empty_model
 from goodserve.model.spec import ModelSpec
 from goodserve.model.tokenizer import Tokenizer
-from goodserve.ops.rotary import RopeScaling
+from goodserve.ops.rope_scaling import RopeScaling
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -34,15 +33,6 @@ _FUSED = {
 
 def is_hf_model_dir(path: Path) -> bool:
     return path.is_dir() and (path / "config.json").is_file()
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ModelLoadError(f"cannot read {path}: {e}") from e
 
 
 def hf_spec(config: dict[str, Any], name: str, generation_config: dict[str, Any]) -> ModelSpec:
@@ -132,47 +122,9 @@ def load_hf_weights(model: LlamaForCausalLM, files: list[Path]) -> None:
     filler.finish()
 
 
-def hf_tokenizer(path: Path, spec: ModelSpec | None) -> Tokenizer | None:
-    """None when the directory has no tokenizer.json (then prompts must be token ids).
-
-    spec (when the weights are known) contributes the model's own EOS and BOS ids."""
-    if not (path / "tokenizer.json").is_file():
-        return None
-    config = _read_json(path / "tokenizer_config.json")
-    backend = HFTokenizer.from_file(str(path / "tokenizer.json"))
-    token_id = lambda key: _special_token_id(backend, config.get(key))  # noqa: E731
-    eos_id, bos_id = token_id("eos_token"), token_id("bos_token")
-    model_eos = spec.eos_token_ids if spec else ()
-    eos_ids = list(dict.fromkeys([*model_eos, *([eos_id] if eos_id is not None else [])]))
-    return Tokenizer(
-        backend,
-        bos_token_id=bos_id if bos_id is not None or spec is None else spec.bos_token_id,
-        eos_token_ids=eos_ids,
-        chat_template=_chat_template(path, config),
-        add_bos_token=bool(config.get("add_bos_token", False)),
-    )
-
-
-def _special_token_id(backend: HFTokenizer, token: str | dict | None) -> int | None:
-    if isinstance(token, dict):  # serialized AddedToken
-        token = token.get("content")
-    return backend.token_to_id(token) if token else None
-
-
-def _chat_template(path: Path, config: dict[str, Any]) -> str | None:
-    # transformers >= 4.43 saves the template beside the config as chat_template.jinja.
-    if (path / "chat_template.jinja").is_file():
-        return (path / "chat_template.jinja").read_text()
-    template = config.get("chat_template")
-    if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
-        named = {t["name"]: t["template"] for t in template}
-        return named.get("default") or next(iter(named.values()), None)
-    return template
-
-
 def load_hf(path: Path, dtype: torch.dtype, device: torch.device) -> tuple[ModelSpec, LlamaForCausalLM, Tokenizer | None]:
     try:
-        spec = hf_spec(_read_json(path / "config.json"), path.name, _read_json(path / "generation_config.json"))
+        spec = hf_spec(read_json(path / "config.json"), path.name, read_json(path / "generation_config.json"))
     except KeyError as e:
         raise ModelLoadError(f"{path / 'config.json'} lacks the field {e}") from e
     files = safetensors_files(path)

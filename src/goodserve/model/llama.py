@@ -101,7 +101,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(spec)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.tie_weights()
-        # Set on the CPU for int4 models (native/decoder_layer.py): runs the decode steps it takes
+        # Set on the CPU for int4 models (model/native_decode.py): runs the decode steps it takes
         # through all layers in one native call. Not a module, so the state dict is the same either way.
         self.native_decode = None
         # float32 whatever the model dtype: angles at large positions need the precision.

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from goodserve.model.spec import ModelSpec
-from goodserve.ops.rotary import RopeScaling
+from goodserve.ops.rope_scaling import RopeScaling
 
 _LLAMA3_SCALING = RopeScaling(
     factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from goodserve.ops.rotary import RopeScaling
+from goodserve.ops.rope_scaling import RopeScaling
 
 
 @dataclass(frozen=True)

@@ -25,11 +25,11 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.nn.functional as F
 
+from goodserve.config import ATTENTION_BACKENDS
 from goodserve.native import layer_ops
 from goodserve.ops.rotary import apply_rotary_torch
 
 INT8_MAX = 127.0
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 # Process-wide kernel choice, set once by the engine from EngineConfig.attention_backend. It governs
 # every Triton kernel (attention, the RoPE + cache write, and the fused norm/activation/argmax ops).

@@ -1,1 +1,2 @@
-"""Weight-only quantization (int8 / int4), its kernels and checkpoints, and the `goodserve eval` quality gate."""
+"""Weight-only quantization (int8 / int4, GGUF's own codes): the layers, their kernels and checkpoints.
+Its commands (`goodserve quantize`, the `goodserve eval` quality gate) live in commands/."""

@@ -15,12 +15,12 @@ from dataclasses import dataclass
 
 import torch
 
+from goodserve.config import WEIGHT_QUANTIZATIONS
 from goodserve.errors import InvalidRequestError
 
 INT8_MAX = 127
 INT4_MAX_CODE = 15
 INT4_GROUP_SIZES = (32, 64, 128)
-METHODS = ("int8", "int4")
 # Keeps all-zero rows / constant groups from dividing by zero; they then dequantize exactly.
 MIN_SCALE = 1e-10
 
@@ -40,8 +40,8 @@ class Int4Weight:
 
 
 def check_method(method: str) -> None:
-    if method not in METHODS:
-        raise InvalidRequestError(f"quantization must be one of {METHODS}, got {method!r}")
+    if method not in WEIGHT_QUANTIZATIONS:
+        raise InvalidRequestError(f"quantization must be one of {WEIGHT_QUANTIZATIONS}, got {method!r}")
 
 
 def check_group_size(in_features: int, group_size: int, layer: str = "weight") -> None:

@@ -7,13 +7,13 @@ import ipaddress
 import logging
 import os
 
-from goodserve.errors import InvalidRequestError
-from goodserve.server.engine_args import (
+from goodserve.engine_args import (
     add_dataclass_arguments,
     add_engine_arguments,
     dataclass_from_args,
     engine_config_from_args,
 )
+from goodserve.errors import InvalidRequestError
 
 _SERVER_HELP = {
     "host": "address to bind; the default keeps the server on this machine (default: 127.0.0.1)",

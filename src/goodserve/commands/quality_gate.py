@@ -261,7 +261,7 @@ def evaluate(candidate: EngineConfig, settings: EvalSettings, thresholds: Thresh
     # report and the loss budgets name it.
     from goodserve.engine.config_resolution import resolve_for_device
 
-    candidate = resolve_for_device(candidate)
+    candidate = dataclasses.replace(candidate, quantization=resolve_for_device(candidate).quantization)
     if candidate.quantization_awq and not candidate.quantization:
         raise InvalidRequestError("--quantization-awq scales weights for quantization: add --quantization int8 or int4")
     thresholds = thresholds or default_thresholds(candidate)

@@ -1,4 +1,4 @@
-"""The one-call native decoder stack (native/decoder_layer.py) against the per-op path it replaces
+"""The one-call native decoder stack (model/native_decode.py) against the per-op path it replaces
 (each op already checked against torch in test_native_kernels.py): same greedy tokens and logprobs
 within float32 rounding, on int4 models with and without q/k/v biases, GQA groups of 2 and 4, a
 batch of mixed lengths (so block tables of several blocks) and the first layer's missing residual."""
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from goodserve import LLM, SamplingParams
-from goodserve.native import decoder_layer
+from goodserve.model import native_decode
 from goodserve.native.int4_gemv import int8_dot_available
 from goodserve.quant.linear import Int4Linear
 
@@ -44,12 +44,12 @@ def test_native_decode_layer_matches_the_per_op_path(model, group_size, int8_act
         if layer.self_attn.qkv_proj.bias is not None:
             layer.self_attn.qkv_proj.bias.normal_(0, 0.5, generator=torch.Generator().manual_seed(0))
     calls = []
-    original = decoder_layer.NativeDecodeStack.__call__
-    decoder_layer.NativeDecodeStack.__call__ = lambda self, *args: calls.append(1) or original(self, *args)
+    original = native_decode.NativeDecodeStack.__call__
+    native_decode.NativeDecodeStack.__call__ = lambda self, *args: calls.append(1) or original(self, *args)
     try:
         fused = generate(llm, native=True)
     finally:
-        decoder_layer.NativeDecodeStack.__call__ = original
+        native_decode.NativeDecodeStack.__call__ = original
     assert len(calls) >= PARAMS.max_tokens - 1  # every decode step
     assert all(struct.int8_activations == int8_activations for struct in stack.operands())
     per_op = generate(llm, native=False)
@@ -72,7 +72,7 @@ def test_native_decode_layer_matches_the_per_op_path(model, group_size, int8_act
 def test_only_int4_models_get_it():
     llm = LLM("dummy:tiny", num_kv_blocks=16)  # float32 linears: the per-op path
     assert llm.engine.executor.worker.runner.model.native_decode is None
-    assert decoder_layer.attach(llm.engine.executor.worker.runner.model) is False
+    assert native_decode.attach(llm.engine.executor.worker.runner.model) is False
 
 
 def test_one_layer_off_the_native_kernel_keeps_the_whole_model_on_the_per_op_path():
@@ -80,7 +80,7 @@ def test_one_layer_off_the_native_kernel_keeps_the_whole_model_on_the_per_op_pat
     assert model.native_decode is not None
     o_proj = model.model.layers[1].self_attn.o_proj
     model.model.layers[1].self_attn.o_proj = torch.nn.Linear(o_proj.in_features, o_proj.out_features, bias=False)
-    assert decoder_layer.attach(model) is False and model.native_decode is None
+    assert native_decode.attach(model) is False and model.native_decode is None
 
 
 def test_the_stack_follows_weights_written_or_replaced_after_attach():

@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from goodserve.config import WEIGHT_QUANTIZATIONS
+from goodserve.model_names import EMBEDDED_MODEL
+
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
@@ -13,8 +16,8 @@ def register(subparsers) -> None:
         description="Load a model, quantize its linear layers and save them as safetensors; serve it "
                     "with `goodserve serve --model M --quantized-checkpoint FILE`.",
     )
-    parser.add_argument("--model", default="smollm2-135m", help="the model the checkpoint is made from")
-    parser.add_argument("--quantization", choices=["int8", "int4"], required=True)
+    parser.add_argument("--model", default=EMBEDDED_MODEL, help="the model the checkpoint is made from")
+    parser.add_argument("--quantization", choices=WEIGHT_QUANTIZATIONS, required=True)
     parser.add_argument("--group-size", type=int, default=None, help="int4 group (default: largest that divides)")
     parser.add_argument("--awq", action="store_true", help="activation-aware scaling before rounding")
     parser.add_argument("--lm-head", action="store_true",

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from goodserve.commands.console import stage_progress
-from goodserve.server.engine_args import add_engine_arguments, engine_config_from_args
+from goodserve.engine_args import add_engine_arguments, engine_config_from_args
 
 
 def register(subparsers) -> None:
@@ -37,7 +37,7 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from goodserve.quant.eval import EvalSettings, default_thresholds, evaluate
+    from goodserve.commands.quality_gate import EvalSettings, default_thresholds, evaluate
 
     config = engine_config_from_args(args)
     settings = EvalSettings(text_file=args.text_file, max_text_tokens=args.max_text_tokens, window=args.window,

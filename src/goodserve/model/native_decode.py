@@ -1,4 +1,4 @@
-"""One native call for all decoder layers of a CPU decode step (decoder_layer.cpp).
+"""One native call for all decoder layers of a CPU decode step (native/decoder_layer.cpp).
 
 A CPU decode step of a small int4 model spends as much time in Python around its kernels as in
 them: a dozen calls per layer at ~10-20 us each. Where every layer's four linears take the native

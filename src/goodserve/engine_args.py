@@ -11,15 +11,23 @@ import dataclasses
 import types
 import typing
 
-from goodserve.config import KV_CACHE_DTYPES, QUANTIZATIONS, SCHEDULER_POLICIES, EngineConfig
+from goodserve.config import (
+    ATTENTION_BACKENDS,
+    BLOCK_SIZES,
+    DTYPES,
+    KV_CACHE_DTYPES,
+    QUANTIZATIONS,
+    SCHEDULER_POLICIES,
+    EngineConfig,
+)
 
 _CHOICES = {
-    "dtype": ("auto", "float32", "bfloat16", "float16"),
+    "dtype": DTYPES,
     "scheduler_policy": SCHEDULER_POLICIES,
     "kv_cache_dtype": KV_CACHE_DTYPES,
     "quantization": tuple(q for q in QUANTIZATIONS if q),
-    "attention_backend": ("auto", "torch", "triton"),
-    "block_size": (8, 16, 32, 64, 128),
+    "attention_backend": ATTENTION_BACKENDS,
+    "block_size": BLOCK_SIZES,
 }
 
 _HELP = {

@@ -1,0 +1,119 @@
+"""The package layering (issue 14), read from the source with `ast`, and the load generator's promise
+of never importing torch, checked in a fresh interpreter.
+
+Layers, bottom up: native (C++ kernels behind ctypes) <- ops <- quant <- model <- engine <- llm /
+server / commands; the root modules (config, errors, model_names, ...) hold the shared vocabulary.
+bench and diagnose talk to a server over HTTP and read results; a cycle between any two of these
+would make one unimportable without the other."""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import goodserve
+
+SOURCE = Path(goodserve.__file__).parent
+
+
+def _module_name(path: Path) -> str:
+    parts = ("goodserve", *path.relative_to(SOURCE).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(path): path for path in SOURCE.rglob("*.py")}
+
+
+def _imports(module: str) -> set[str]:
+    """The goodserve modules a module imports, at the top or inside functions alike."""
+    path = MODULES[module]
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{anchor}.{base}".rstrip(".")
+            # `from goodserve.native import layer_ops` imports the module goodserve.native.layer_ops.
+            found |= {f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base for alias in node.names}
+    return {name for name in found if name.split(".")[0] == "goodserve"}
+
+
+def _unit(module: str) -> str:
+    """A top-level package (ops, model, ...) or a module at the root (config, errors, ...)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "goodserve"
+
+
+def _unit_graph() -> dict[str, dict[str, tuple[str, str]]]:
+    """unit -> {imported unit: (one importing module, the module it imports)}."""
+    graph: dict[str, dict[str, tuple[str, str]]] = {}
+    for module in MODULES:
+        for imported in _imports(module):
+            if _unit(imported) != _unit(module):
+                graph.setdefault(_unit(module), {}).setdefault(_unit(imported), (module, imported))
+    return graph
+
+
+def _cycle_through(graph: dict[str, dict], start: str) -> list[str] | None:
+    """A path start -> ... -> start, if there is one."""
+    stack, seen = [(start, [start])], set()
+    while stack:
+        unit, path = stack.pop()
+        for nxt in graph.get(unit, {}):
+            if nxt == start:
+                return [*path, start]
+            if nxt not in seen:
+                seen.add(nxt)
+                stack.append((nxt, [*path, nxt]))
+    return None
+
+
+def test_no_import_cycle_between_packages():
+    graph = _unit_graph()
+    for unit in sorted(graph):
+        cycle = _cycle_through(graph, unit)
+        if cycle:
+            edges = [f"{a} -> {b} ({' imports '.join(graph[a][b])})" for a, b in zip(cycle, cycle[1:])]
+            raise AssertionError("package cycle:\n" + "\n".join(edges))
+
+
+def _imports_of(package: str, allowed) -> list[str]:
+    """package's imports of units that `allowed(unit)` refuses."""
+    return sorted(f"{module} imports {imported}" for module in MODULES if _unit(module) == package
+                  for imported in _imports(module) if not allowed(_unit(imported)))
+
+
+def test_native_holds_kernels_only():
+    """native/ wraps its C++ kernels and nothing else: no goodserve module outside it."""
+    assert not _imports_of("native", lambda unit: unit == "native")
+
+
+def test_quant_is_layers_and_kernels_not_commands():
+    """Its commands, which drive an engine, live in commands/."""
+    assert not _imports_of("quant", lambda unit: unit not in ("engine", "llm", "server", "commands", "bench", "cli"))
+
+
+def test_bench_never_imports_torch():
+    """`goodserve bench` is an HTTP load generator: its CLI path and the embedded model's tokenizer
+    (read from the GGUF file for prompt lengths and token counts) load without torch."""
+    script = """
+import sys
+from goodserve.bench.tokenizer import load_bench_tokenizer
+from goodserve.cli import build_parser
+
+args = build_parser().parse_args(["bench", "--model", "smollm2-135m", "--num-prompts", "2"])
+assert args.func is not None
+assert load_bench_tokenizer(args.model).encode("Hello there") and load_bench_tokenizer("dummy:llama-3.1-8b")
+loaded = sorted(name for name in sys.modules if name == "torch" or name.startswith("torch."))
+assert not loaded, loaded[:5]
+"""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SOURCE.parent), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 0, result.stderr
