@@ -9,10 +9,10 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
-from goodserve.engine.model_inputs import ALIGN_INT32, FlatBatch, ModelInput, ModelOutput, leading_decodes, pooled_sums
+from goodserve.engine.input_layout import InputLayout
+from goodserve.engine.model_inputs import FlatBatch, ModelInput, ModelOutput, leading_decodes, pooled_sums
 from goodserve.ops.attention import AttentionMetadata
 from goodserve.ops.sampler import argmax
 
@@ -110,17 +110,6 @@ class GraphSet:
         return {size: self.size_for[size] for size in self.graphs if self.size_for[size] != size}
 
 
-# Rows past the batch: input id and position 0, slot -1 (no K/V write), length 0 (nothing to attend).
-_PADDING = (0, 0, -1, 0)
-
-
-def _fill_column_major(tables: np.ndarray, block_tables: list[list[int]]) -> None:
-    """A graph's block tables: sequence s's block j at tables[j, s], zeros elsewhere."""
-    tables[:] = 0
-    for seq, table in enumerate(block_tables):
-        tables[: len(table), seq] = table
-
-
 class _StepGraph:
     """A CUDA graph of `_forward`, which reads and writes only static buffers."""
 
@@ -146,42 +135,31 @@ class _StepGraph:
 
 
 class _DecodeGraph(_StepGraph):
-    """A CUDA graph of one decode step (forward, logits, their argmax) for up to `size` sequences.
-
-    Its inputs live in one int32 device buffer, so a step's inputs arrive in one copy:
-    [input_ids | positions | slot_mapping | seq_lens | block tables, column-major]. Column-major
-    tables put the columns a step uses first, so the copy covers only those; columns past them keep
-    valid block ids from earlier steps, which the kernels never read (seq_lens bound them).
-    """
+    """A CUDA graph of one decode step (forward, logits, their argmax) for up to `size` sequences,
+    its inputs in one device buffer in the step input layout (engine/input_layout.py)."""
 
     def __init__(self, runner: ModelRunner, size: int, pool) -> None:
         device, max_blocks = runner.device, runner.max_blocks_per_seq
         self.size = size
-        self.inputs = torch.zeros(4 * size + max_blocks * size, dtype=torch.int32, device=device)
-        self.input_ids, self.positions, self.slot_mapping, seq_lens = self.inputs[: 4 * size].view(4, size)
-        self.slot_mapping.fill_(-1)
+        self.layout = InputLayout(size, size, max_blocks)
+        self.inputs = torch.zeros(self.layout.size, dtype=torch.int32, device=device)
+        views = self.layout.views(self.inputs)
+        self.input_ids, self.positions, slot_mapping = views.input_ids[:size], views.positions[:size], \
+            views.slot_mapping[:size]
+        slot_mapping.fill_(-1)
         max_len = max_blocks * runner.block_size
         self.meta = AttentionMetadata(
-            slot_mapping=self.slot_mapping, query_start_loc=torch.arange(size + 1, dtype=torch.int32, device=device),
-            seq_lens=seq_lens, block_tables=self.inputs[4 * size :].view(max_blocks, size).t(), max_query_len=1,
+            slot_mapping=slot_mapping, query_start_loc=torch.arange(size + 1, dtype=torch.int32, device=device),
+            seq_lens=views.seq_lens[:size], block_tables=views.block_tables[:size], max_query_len=1,
             max_seq_len=max_len, query_lens_host=[1] * size, seq_lens_host=[max_len] * size,
         )
         self.model, self.kv_caches = runner.model, runner.kv_caches
         self._capture(pool)
 
-    def input_count(self, flat: FlatBatch) -> int:
-        """How many leading entries of the input buffer the batch fills."""
-        return self.size * (4 + max(map(len, flat.block_tables)))
-
     def load(self, flat: FlatBatch, staging: torch.Tensor) -> ModelInput:
-        """Write the batch into `staging` in this graph's input layout and copy that to the device."""
-        num_seqs, count = len(flat.seq_lens), self.input_count(flat)
-        host = staging[:count].numpy()
-        rows = host[: 4 * self.size].reshape(4, self.size)
-        for row, values, pad in zip(rows, (flat.input_ids, flat.positions, flat.slots, flat.seq_lens), _PADDING):
-            row[:num_seqs] = values
-            row[num_seqs:] = pad
-        _fill_column_major(host[4 * self.size :].reshape(-1, self.size), flat.block_tables)
+        """Write the batch into `staging` in the layout and copy what it filled to the device."""
+        count = self.layout.used(flat)
+        self.layout.pack(flat, staging[:count].numpy())
         self.inputs[:count].copy_(staging[:count], non_blocking=True)
         return ModelInput(self.input_ids, self.positions, self.meta, flat.sample_rows, None, {}, graph=self)
 
@@ -205,62 +183,37 @@ class _MixedGraph(_StepGraph):
     prefill chunks and decodes in any mix; the logits of the sampled rows are computed after it.
 
     The attention kernels' grids cover any batch of the graph's size, and the count of leading
-    decodes (the decode kernel's; the prefill kernel takes the rest) is read on the device. Input
-    buffer: [input_ids | positions | slot_mapping (token rows) | logits_indices | seq_lens |
-    query_start_loc (sequence rows) | leading decodes | block tables, column-major]. The padding
-    tokens after the batch's belong to the first padding sequence, of length 0: they write no K/V,
-    and their attention output is 0 (not uninitialized memory). The other padding sequences have no
-    tokens, so their programs exit at once.
+    decodes (the decode kernel's; the prefill kernel takes the rest) is read on the device, from the
+    step input layout's buffer (engine/input_layout.py). The padding sequences have no tokens but
+    the first, so their programs exit at once.
     """
 
     def __init__(self, runner: ModelRunner, num_tokens: int, pool) -> None:
         device, max_blocks = runner.device, runner.max_blocks_per_seq
         self.num_tokens = num_tokens
-        # a batch's sequences and one padding sequence, rounded up to keep the buffer's parts aligned
-        self.max_seqs = -(-(min(num_tokens, runner.config.max_num_seqs) + 1) // ALIGN_INT32) * ALIGN_INT32
+        # a batch's sequences and one padding sequence
+        self.max_seqs = min(num_tokens, runner.config.max_num_seqs) + 1
         self.max_prefill_seqs = min(MIXED_GRAPH_MAX_PREFILL_SEQS, self.max_seqs)
-        self.seq_rows = self.max_seqs + ALIGN_INT32  # room for query_start_loc's extra entry, aligned
-        self.tables_at = 3 * num_tokens + 3 * self.seq_rows + ALIGN_INT32
-        self.inputs = torch.zeros(self.tables_at + max_blocks * self.max_seqs, dtype=torch.int32, device=device)
-        self.input_ids, self.positions, self.slot_mapping = self.inputs[: 3 * num_tokens].view(3, num_tokens)
-        self.slot_mapping.fill_(-1)
-        self.logits_indices, seq_lens, query_start_loc = self._seq_part(self.inputs).view(3, self.seq_rows)
-        max_len = max_blocks * runner.block_size
+        self.layout = InputLayout(num_tokens, self.max_seqs, max_blocks)
+        self.inputs = torch.zeros(self.layout.size, dtype=torch.int32, device=device)
+        views = self.layout.views(self.inputs)
+        self.input_ids, self.positions, self.logits_indices = views.input_ids, views.positions, views.logits_indices
+        views.slot_mapping.fill_(-1)
         self.meta = AttentionMetadata(  # host lengths unused: graphs run the Triton kernels only
-            slot_mapping=self.slot_mapping, query_start_loc=query_start_loc[: self.max_seqs + 1],
-            seq_lens=seq_lens[: self.max_seqs], max_query_len=num_tokens, max_seq_len=max_len,
-            block_tables=self.inputs[self.tables_at :].view(max_blocks, self.max_seqs).t(),
-            query_lens_host=[], seq_lens_host=[], leading_decodes=self.inputs[self.tables_at - ALIGN_INT32 :][:1],
-            max_prefill_seqs=self.max_prefill_seqs)
+            slot_mapping=views.slot_mapping, query_start_loc=views.query_start_loc, seq_lens=views.seq_lens,
+            max_query_len=num_tokens, max_seq_len=max_blocks * runner.block_size,
+            block_tables=views.block_tables, query_lens_host=[], seq_lens_host=[],
+            leading_decodes=views.leading_decodes, max_prefill_seqs=self.max_prefill_seqs)
         self.model, self.kv_caches = runner.model, runner.kv_caches
         self._capture(pool)
-
-    def _seq_part(self, buffer):
-        return buffer[3 * self.num_tokens : 3 * self.num_tokens + 3 * self.seq_rows]
 
     def holds(self, flat: FlatBatch) -> bool:
         """Whether the batch's sequences after its leading decodes, and the padding one, fit the bound."""
         return len(flat.seq_lens) - leading_decodes(flat.query_lens) < self.max_prefill_seqs
 
-    def input_count(self, flat: FlatBatch) -> int:
-        return self.tables_at + self.max_seqs * max(map(len, flat.block_tables))
-
     def load(self, flat: FlatBatch, staging: torch.Tensor) -> ModelInput:
-        num_tokens, num_seqs, count = len(flat.input_ids), len(flat.seq_lens), self.input_count(flat)
-        host = staging[:count].numpy()
-        tokens = host[: 3 * self.num_tokens].reshape(3, self.num_tokens)
-        for row, values, pad in zip(tokens, (flat.input_ids, flat.positions, flat.slots), _PADDING):
-            row[:num_tokens] = values
-            row[num_tokens:] = pad
-        logits_indices, seq_lens, query_start_loc = self._seq_part(host).reshape(3, self.seq_rows)
-        logits_indices[: len(flat.logits_indices)] = flat.logits_indices
-        seq_lens[:num_seqs] = flat.seq_lens
-        seq_lens[num_seqs:] = 0
-        query_start_loc[0] = 0
-        query_start_loc[1 : num_seqs + 1] = np.cumsum(flat.query_lens)
-        query_start_loc[num_seqs + 1 :] = self.num_tokens
-        host[self.tables_at - ALIGN_INT32] = leading_decodes(flat.query_lens)
-        _fill_column_major(host[self.tables_at :].reshape(-1, self.max_seqs), flat.block_tables)
+        count = self.layout.used(flat)
+        self.layout.pack(flat, staging[:count].numpy())
         self.inputs[:count].copy_(staging[:count], non_blocking=True)
         return ModelInput(self.input_ids, self.positions, self.meta, flat.sample_rows,
                           self.logits_indices[: len(flat.sample_rows)], {}, graph=self,

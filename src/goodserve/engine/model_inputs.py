@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from goodserve.engine.scheduler_output import SchedulerOutput
@@ -95,20 +94,3 @@ def pooled_sums(hidden: torch.Tensor, spans: dict[int, tuple[int, int]]) -> dict
 def leading_decodes(query_lens: list[int]) -> int:
     """How many sequences at the head of the batch compute one token each."""
     return next((i for i, n in enumerate(query_lens) if n != 1), len(query_lens))
-
-
-# Every input starts 16-byte aligned: Triton specializes kernels on pointer alignment, so inputs at
-# arbitrary offsets would compile new kernel variants (each hundreds of ms) in the middle of a run.
-ALIGN_INT32 = 4
-
-
-def aligned_concat(parts: list) -> tuple[np.ndarray, list[int]]:
-    """One int32 array holding each part, each padded to a multiple of ALIGN_INT32; the padded sizes."""
-    sizes = [-(-len(part) // ALIGN_INT32) * ALIGN_INT32 for part in parts]
-    host = np.zeros(sum(sizes), dtype=np.int32)
-    offset = 0
-    for part, size in zip(parts, sizes):
-        host[offset : offset + len(part)] = part
-        offset += size
-    return host, sizes
-

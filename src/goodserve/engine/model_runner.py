@@ -20,15 +20,15 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from goodserve.config import EngineConfig
 from goodserve.engine.cuda_graphs import GraphSet, capture_graphs, graph_for
 from goodserve.engine.isolation import rewind_generators
 from goodserve.engine.kv_cache import allocate_kv_cache
+from goodserve.engine.input_layout import InputLayout
 from goodserve.engine.model_inputs import (
-    FlatBatch, ModelInput, ModelOutput, RequestState, aligned_concat, flatten, leading_decodes, pooled_sums)
+    FlatBatch, ModelInput, ModelOutput, RequestState, flatten, leading_decodes, pooled_sums)
 from goodserve.engine.runner_output import ModelRunnerOutput, PendingOutput
 from goodserve.engine.sampling_inputs import GrammarBitmask, SamplingRow, build_sampling_batch
 from goodserve.engine.scheduler_output import SchedulerOutput
@@ -190,27 +190,24 @@ class ModelRunner:
         """The batch's input tensors on the device, in one host-to-device copy."""
         graph = graph_for(flat, self.decode_graphs, self.mixed_graphs)
         if graph is not None:
-            return graph.load(flat, self._staging_buffer(graph.input_count(flat)))
+            return graph.load(flat, self._staging_buffer(graph.layout.used(flat)))
         return self._eager_input(flat)
 
     def _eager_input(self, flat: FlatBatch) -> ModelInput:
-        num_seqs = len(flat.seq_lens)
-        width = max(map(len, flat.block_tables))
-        tables = np.zeros((num_seqs, width), dtype=np.int32)
-        for row, table in enumerate(flat.block_tables):
-            tables[row, : len(table)] = table
-        parts = [flat.input_ids, flat.positions, flat.slots, flat.logits_indices,
-                 np.cumsum([0] + flat.query_lens), flat.seq_lens, tables.ravel()]
-        host, sizes = aligned_concat(parts)
-        ids, positions, slots, logits_indices, query_start_loc, seq_lens, block_tables = (
-            part[: len(source)] for part, source in zip(self._to_device(host).split(sizes), parts))
+        """The batch in the step input layout (engine/input_layout.py), sized to it exactly."""
+        num_tokens, num_seqs = len(flat.input_ids), len(flat.seq_lens)
+        layout = InputLayout(num_tokens, num_seqs, max(map(len, flat.block_tables)))
+        host = self._staging_buffer(layout.size)[: layout.size]
+        layout.pack(flat, host.numpy())
+        views = layout.views(host.to(self.device, non_blocking=True) if self.device.type == "cuda" else host)
         meta = AttentionMetadata(
-            slot_mapping=slots, query_start_loc=query_start_loc, seq_lens=seq_lens,
-            block_tables=block_tables.view(num_seqs, width), max_query_len=max(flat.query_lens),
-            max_seq_len=max(flat.seq_lens), query_lens_host=flat.query_lens, seq_lens_host=flat.seq_lens,
-            num_leading_decodes=leading_decodes(flat.query_lens),
+            slot_mapping=views.slot_mapping[:num_tokens], query_start_loc=views.query_start_loc[: num_seqs + 1],
+            seq_lens=views.seq_lens[:num_seqs], block_tables=views.block_tables[:num_seqs],
+            max_query_len=max(flat.query_lens), max_seq_len=max(flat.seq_lens), query_lens_host=flat.query_lens,
+            seq_lens_host=flat.seq_lens, num_leading_decodes=leading_decodes(flat.query_lens),
         )
-        return ModelInput(ids, positions, meta, flat.sample_rows, logits_indices, flat.prompt_logit_spans,
+        return ModelInput(views.input_ids[:num_tokens], views.positions[:num_tokens], meta, flat.sample_rows,
+                          views.logits_indices[: len(flat.sample_rows)], flat.prompt_logit_spans,
                           pooling_spans=flat.pooling_spans)
 
     def _staging_buffer(self, count: int) -> torch.Tensor:
@@ -221,13 +218,6 @@ class ModelRunner:
             self._staging[self._turn] = torch.empty(max(count, 1 << 16), dtype=torch.int32,
                                                     pin_memory=self.device.type == "cuda")
         return self._staging[self._turn]
-
-    def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        if self.device.type != "cuda":
-            return torch.from_numpy(array)
-        staging = self._staging_buffer(array.size)[: array.size]
-        staging.numpy()[:] = array
-        return staging.to(self.device, non_blocking=True)
 
     # ---- execution -----------------------------------------------------------------------
     @torch.inference_mode()
