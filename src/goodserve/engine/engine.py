@@ -35,8 +35,8 @@ from goodserve.engine.sequence import Sequence
 from goodserve.errors import InvalidRequestError, PromptTooLongError
 from goodserve.model.detokenizer import IncrementalDetokenizer
 from goodserve.model.loader import load_model, load_tokenizer
-from goodserve.ops.attention import set_attention_backend
 from goodserve.ops.cpu_linear import pack_linears_for_cpu
+from goodserve.ops.kernel_choice import KernelChoice, choose_kernels, use_kernels
 from goodserve.ops.sampler import SamplerOutput, gather_logprobs, sample
 from goodserve.outputs import Logprob, LogprobsEntry, RequestOutput
 from goodserve.sampling_params import SamplingParams
@@ -122,7 +122,7 @@ def apply_quantization(loaded, config: EngineConfig) -> None:
                        lm_head=config.quantize_lm_head)
 
 
-def specialize_linears(model, device: torch.device, config: EngineConfig) -> None:
+def specialize_linears(model, device: torch.device, config: EngineConfig, kernels: KernelChoice) -> None:
     """Once the weights are final, the fastest kernel per linear: oneDNN packed weights for float32
     on the CPU, and for int4 layers one native call per decode step; on CUDA, the Triton GEMV for
     one-row matmuls where it was measured to beat cuBLAS."""
@@ -135,10 +135,10 @@ def specialize_linears(model, device: torch.device, config: EngineConfig) -> Non
             use_int8_activations(model)
         pack_linears_for_cpu(model)
         decoder_layer.attach(model)
-    elif config.attention_backend != "torch":
+    elif kernels.triton:
         from goodserve.ops.gemv_linear import route_decode_rows_to_gemv
 
-        route_decode_rows_to_gemv(model)
+        route_decode_rows_to_gemv(model, kernels)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -176,11 +176,12 @@ class Engine:
         config.resolve_quantization(self.device.type)
         self.dtype = resolve_dtype(config.dtype, self.device)
         torch.manual_seed(config.seed)
-        set_attention_backend(config.attention_backend)
+        kernels = choose_kernels(config.attention_backend, config.kernels, self.device)
         loaded = load_model(config.model, self.dtype, self.device, seed=config.seed,
                             keep_gguf_quantization=config.quantization == "gguf")
         apply_quantization(loaded, config)
-        specialize_linears(loaded.model, self.device, config)
+        specialize_linears(loaded.model, self.device, config, kernels)
+        use_kernels(loaded.model, kernels)
         self.spec, self.model, self.tokenizer = loaded.spec, loaded.model, loaded.tokenizer
         if config.tokenizer:
             self.tokenizer = load_tokenizer(config.tokenizer, self.spec)
@@ -379,7 +380,7 @@ class Engine:
         sampled = None
         if sampling is not None:
             with rewind_generators(sampling, always=trial):
-                sampled = sample(output.logits, sampling, output.logits_argmax)
+                sampled = sample(output.logits, sampling, self.model.kernels, output.logits_argmax)
         pooled = [(batch.seqs[row], batch.seqs[row].num_computed_tokens, total) for row, total in output.pooled.items()]
         result = _StepResult(sample_seqs, sampled.token_ids.tolist() if sampled else [], sampled,
                              self._prompt_logprobs(batch, output), pooled)
@@ -516,7 +517,7 @@ class Engine:
         t2 = time.perf_counter()
         # A copy of its own: the next replay of the same graph overwrites the graph's argmax buffer.
         with rewind_generators(sampling):
-            tokens = sample(output.logits, sampling, output.logits_argmax).token_ids.clone()
+            tokens = sample(output.logits, sampling, self.model.kernels, output.logits_argmax).token_ids.clone()
         host_tokens = host[0, : len(sample_seqs)]
         host_tokens.copy_(tokens, non_blocking=True)
         copied = self._copy_events[self._turn]

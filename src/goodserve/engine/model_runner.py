@@ -371,7 +371,7 @@ class _DecodeGraph(_StepGraph):
     def _forward(self) -> None:
         hidden = self.model(self.input_ids, self.positions, self.kv_caches, self.meta)
         self.logits = self.model.compute_logits(hidden)
-        self.logits_argmax = argmax(self.logits)  # greedy tokens in the graph: no launch after it
+        self.logits_argmax = argmax(self.logits, self.model.kernels)  # greedy tokens in the graph: no launch after it
 
     def replay(self, num_seqs: int) -> tuple[torch.Tensor, torch.Tensor]:
         self.graph.replay()

@@ -55,12 +55,8 @@ def time_per_output_token(out: RequestOutput) -> float | None:
 def engine_info(engine) -> dict[str, str]:
     """What an AsyncEngine really runs (auto resolved: float32 and torch attention on a CPU), as strings."""
     from goodserve.engine.kv_cache import kv_storage_dtype
-    from goodserve.ops.attention import triton_available
-
     config, device = engine.config, engine.device
-    backend = config.attention_backend
-    if backend == "auto":
-        backend = "triton" if device.type == "cuda" and triton_available() else "torch"
+    backend = "triton" if engine.engine.model.kernels.triton else "torch"
     runner = engine.engine.runner  # graphs are captured at construction or not at all
     return {
         "model": config.model,
