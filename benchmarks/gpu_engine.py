@@ -54,9 +54,9 @@ def variant_options(variants: list[str], max_num_batched_tokens: int) -> dict:
     kernels = KernelOptions(
         pdl="nopdl" not in variants,
         cublas_linears=(QKV_SHAPE,) if "cublasqkv" in variants else (),
-        decode_attention_waves=1 if "halvedsplits" in variants else KernelOptions.decode_attention_waves,
-        graph_time_tolerance=float("inf") if "smallestgraph" in variants else KernelOptions.graph_time_tolerance,
-        mixed_graph_max_tokens=0 if "nomixedgraphs" in variants else KernelOptions.mixed_graph_max_tokens,
+        decode_attention_waves=1 if "halvedsplits" in variants else defaults.kernels.decode_attention_waves,
+        graph_time_tolerance=float("inf") if "smallestgraph" in variants else defaults.kernels.graph_time_tolerance,
+        mixed_graph_max_tokens=0 if "nomixedgraphs" in variants else defaults.kernels.mixed_graph_max_tokens,
         decode_kernel_for_mixed_decodes="prefillonly" not in variants)
     return {
         "kernels": kernels,
@@ -429,7 +429,8 @@ def main() -> None:
         try:
             options = variant_options(variants, args.max_num_batched_tokens)
             kernels = options["kernels"]
-            {"check": lambda: part_check(kernels), "decode": lambda: part_decode(bandwidth, args.model, kernels=kernels),
+            {"check": lambda: part_check(kernels),
+             "decode": lambda: part_decode(bandwidth, args.model, kernels=kernels),
              "throughput": lambda: part_throughput(args.model, args.max_num_seqs, options),
              "sharegpt": lambda: part_throughput(args.model, args.max_num_seqs, options, only_sharegpt=True),
              "peer": lambda: part_peer(args.model),

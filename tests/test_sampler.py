@@ -112,7 +112,8 @@ def test_logit_bias_is_added_per_row_and_only_rows_with_one_pay():
     greedy = [SamplingParams(temperature=0, logit_bias={int(logits[0].argmax()): -100.0}),
               SamplingParams(temperature=0)]
     fast = build_sampling_batch([seq_with(p) for p in greedy], VOCAB, torch.device("cpu"), [0])
-    assert fast.all_greedy and sample(logits[:2], fast, TORCH_KERNELS, logits[:2].argmax(-1)).token_ids[0] != logits[0].argmax()
+    out = sample(logits[:2], fast, TORCH_KERNELS, logits[:2].argmax(-1))
+    assert fast.all_greedy and out.token_ids[0] != logits[0].argmax()
     plain = build_sampling_batch([seq_with(SamplingParams(temperature=0.5))], VOCAB, torch.device("cpu"), [0])
     assert plain.logit_bias is None
 
