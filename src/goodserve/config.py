@@ -43,8 +43,8 @@ class KernelOptions:
     # How many times over decode attention's splits fill the GPU (ops/triton_attention.default_num_splits).
     decode_attention_waves: int = 2
     # Engine level (engine/model_runner.py): steps with prefill chunks of up to this many tokens replay
-    # mixed-step CUDA graphs (0: run eagerly); a batch replays the smallest graph that holds it unless
-    # a larger one replays within this share of its time faster (inf: always the smallest); a mixed
+    # mixed-step CUDA graphs (0: run eagerly); a batch replays the smallest graph that holds it whose
+    # replay time is within this share of the fastest that does (inf: always the smallest); a mixed
     # batch's leading decodes go to the decode attention kernel (False: the prefill kernel takes them).
     mixed_graph_max_tokens: int = 2048
     graph_time_tolerance: float = 0.03

@@ -7,12 +7,13 @@ cached key at a position <= its own (causal). K/V live in blocks of `block_size`
 slot = block_id * block_size + offset.
 
 The Triton kernels (ops/triton_attention.py) compute the same function; this file is their reference,
-the CPU path, and the dispatch between the two (the model's KernelChoice, ops/kernel_choice.py). The
-model calls one entry point per layer, `attention` (RoPE, cache write, attention). A CPU step of a 135M model is mostly
-per-op dispatch cost (30 layers x dozens of tiny ops), so in float32 the CPU runs two native calls
-(native/layer_ops.cpp, decode_attention.cpp); elsewhere its torch path derives what depends only
-on the step (RoPE rows, write slots, gather indices) once per step (`StepIndices`), and one
-sequence's decode attention is two small matmuls over one block gather, not masked SDPA.
+the CPU path, and the dispatch between the two (by the model's KernelChoice, ops/kernel_choice.py).
+The model calls one entry point per layer, `attention` (RoPE, cache write, attention). A CPU step of
+a 135M model is mostly per-op dispatch cost (30 layers x dozens of tiny ops), so in float32 the CPU
+runs two native calls (native/layer_ops.cpp, decode_attention.cpp); elsewhere its torch path derives
+what depends only on the step (RoPE rows, write slots, gather indices) once per step
+(`StepIndices`), and one sequence's decode attention is two small matmuls over one block gather,
+not masked SDPA.
 """
 
 from __future__ import annotations

@@ -2,9 +2,8 @@
 
 forward(x) equals nn.Linear on the dequantized weight. Paths:
 - CUDA, int4 with bfloat16 activations and up to KernelOptions.int4_tinygemm_max_m rows (config.py):
-  torch's tinygemm kernel
-  (_weight_int4pack_mm, as gpt-fast and torchao use it), on a copy of the codes repacked once into
-  its tensor-core tile layout.
+  torch's tinygemm kernel (_weight_int4pack_mm, as gpt-fast and torchao use it), on a copy of the
+  codes repacked once into its tensor-core tile layout.
 - CUDA otherwise (and int4 where tinygemm is missing or fails its first-use check): the Triton
   dequantize-GEMV / GEMM kernels (quant/triton_kernels.py, ops/triton_gemv.py).
 - CPU, few rows (decode): int4 takes goodserve's native kernel (native/int4_gemv.cpp: float32 rows
