@@ -12,24 +12,27 @@ Parts (run any subset, in one process, with --parts):
   nano        256 requests, input and output lengths uniform in 100..1024 (nano-vllm's workload)
   peer        Hugging Face transformers on the same shape: generate() at batch 1 (eager) and
               generate_batch (continuous batching, paged attention) on the fixed-180 workload
-A part may carry variants after colons, measured in the same process: `decode:nopdl` runs it
-with programmatic dependent launch off (ops/pdl.py), `decode:cublasqkv` with qkv_proj on cuBLAS
-(not the Triton GEMV, ops/gemv_linear.py), `sharegpt:prefillonly` with a mixed batch's decodes
-left in the prefill attention kernel (not given to the decode kernel), `sharegpt:t16384` with
-max_num_batched_tokens 16384, `sharegpt:halvedsplits` with half the decode attention splits,
-`sharegpt:kvfp8` with an fp8 KV cache, `sharegpt:smallestgraph` with every decode batch in the
-smallest graph that holds it (not the fastest measured at start-up), `sharegpt:gu-swapped` (or
-gu-halves, gu-cublaslt) with gate_up's big decode matmuls asked of cuBLAS another way
-(gpu_gemm.py), `sharegpt:makespan` (or
-`throughput:makespan`) with the makespan scheduling policy (engine/makespan.py; `slack<x>` and
-`admit<n>` set its SLACK and MIN_ADMIT), `:nomixedgraphs` with every step that has a prefill chunk
-run eagerly (no mixed-step CUDA graphs); results get the variant appended to their keys.
+A part may carry variants after colons, measured in the same process; each is an engine option
+(EngineConfig, its `kernels` KernelOptions), so engines of different variants never share state:
+`decode:nopdl` runs it with programmatic dependent launch off (ops/pdl.py), `decode:cublasqkv`
+with qkv_proj on cuBLAS (not the Triton GEMV, ops/gemv_linear.py), `sharegpt:prefillonly` with a
+mixed batch's decodes left in the prefill attention kernel (not given to the decode kernel),
+`sharegpt:t16384` with max_num_batched_tokens 16384, `sharegpt:halvedsplits` with decode attention
+split to fill the GPU once (not twice), `sharegpt:kvfp8` with an fp8 KV cache,
+`sharegpt:smallestgraph` with every decode batch in the smallest graph that holds it (not the
+fastest measured at start-up), `sharegpt:makespan` (or `throughput:makespan`) with the makespan
+scheduling policy (engine/makespan.py; `slack<x>` and `admit<n>` set makespan_slack and
+makespan_min_admit), `:nomixedgraphs` with every step that has a prefill chunk run eagerly (no
+mixed-step CUDA graphs); results get the variant appended to their keys. (The gate_up variants
+that asked cuBLAS another way, measured in gpu_engine_gate_up_paths_h100.json, lost and are gone:
+gpu_gemm.py keeps those paths.)
 Writes $OUT/gpu_engine.json and prints a summary table last.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -39,45 +42,33 @@ import numpy as np
 import torch
 
 from goodserve import LLM, SamplingParams
-from goodserve.engine import makespan, model_runner
-from goodserve.ops import gemv_linear, pdl, triton_attention, triton_gemv
-from gpu_gemm import PATHS as GEMM_PATHS
+from goodserve.config import EngineConfig, KernelOptions
 from goodserve.quant import linear
 
-DEFAULT_INT4_TINYGEMM_MAX_M = linear.INT4_TINYGEMM_MAX_M
-TUNED_CONFIGS = dict(triton_gemv.TUNED_CONFIGS)
-EAGER_INPUT = model_runner.ModelRunner._eager_input
-GRAPH_TIME_TOLERANCE = model_runner.GRAPH_TIME_TOLERANCE
-MIXED_GRAPH_MAX_TOKENS = model_runner.MIXED_GRAPH_MAX_TOKENS
-DEFAULT_NUM_SPLITS = triton_attention.default_num_splits
-MAKESPAN_SLACK, MAKESPAN_MIN_ADMIT = makespan.SLACK, makespan.MIN_ADMIT
+QKV_SHAPE = (6144, 4096)  # Llama-3.1-8B's qkv_proj (out_features, in_features): `cublasqkv`
 
 
-def _eager_input_without_leading_decodes(runner, flat):
-    """The `prefillonly` variant: mixed batches' decodes stay in the prefill attention kernel."""
-    inputs = EAGER_INPUT(runner, flat)
-    inputs.meta.num_leading_decodes = 0
-    return inputs
+def variant_options(variants: list[str], max_num_batched_tokens: int) -> dict:
+    """The engine options (LLM keywords) of a part's variants; no variant: the defaults."""
+    defaults = EngineConfig()
+    kernels = KernelOptions(
+        pdl="nopdl" not in variants,
+        cublas_linears=(QKV_SHAPE,) if "cublasqkv" in variants else (),
+        decode_attention_waves=1 if "halvedsplits" in variants else defaults.kernels.decode_attention_waves,
+        graph_time_tolerance=float("inf") if "smallestgraph" in variants else defaults.kernels.graph_time_tolerance,
+        mixed_graph_max_tokens=0 if "nomixedgraphs" in variants else defaults.kernels.mixed_graph_max_tokens,
+        decode_kernel_for_mixed_decodes="prefillonly" not in variants)
+    return {
+        "kernels": kernels,
+        "kv_cache_dtype": "fp8" if "kvfp8" in variants else "auto",
+        "max_num_batched_tokens": next((int(v[1:]) for v in variants if v[0] == "t" and v[1:].isdigit()),
+                                       max_num_batched_tokens),
+        "scheduler_policy": "makespan" if "makespan" in variants else "continuous",
+        "makespan_slack": next((float(v[5:]) for v in variants if v.startswith("slack")), defaults.makespan_slack),
+        "makespan_min_admit": next((int(v[5:]) for v in variants if v.startswith("admit")),
+                                   defaults.makespan_min_admit),
+    }
 
-
-GEMV_FORWARD = gemv_linear.GemvLinear.forward
-BIG_DECODE_ROWS = 256
-
-
-def _gate_up_forward(path: str):
-    """The `gu-<path>` variants: gate_up_proj's matmuls of >= BIG_DECODE_ROWS rows through another
-    way of asking cuBLAS for the same product (gpu_gemm.py's paths)."""
-    def forward(self, x):
-        rows = x.reshape(-1, self.in_features)
-        if rows.shape[0] < BIG_DECODE_ROWS or self.out_features != 2 * 14336:
-            return GEMV_FORWARD(self, x)
-        return GEMM_PATHS[path](rows, self.weight).reshape(*x.shape[:-1], self.out_features)
-    return forward
-
-
-def _halved_num_splits(*args, **kwargs) -> int:
-    """The `halvedsplits` variant: half the decode attention splits (filling the GPU about once)."""
-    return max(1, DEFAULT_NUM_SPLITS(*args, **kwargs) // 2)
 
 OUT = os.environ.get("OUT", "out")
 results: dict = {}
@@ -99,7 +90,7 @@ def free_gpu() -> None:
 
 
 # ---- check ---------------------------------------------------------------------------------
-def part_check() -> None:
+def part_check(kernels: KernelOptions) -> None:
     """Random-weight models (the embedded GGUF is too large to carry to the GPU machine)."""
     rng = np.random.default_rng(5)
     prompts = [{"prompt_token_ids": rng.integers(100, 20000, n).tolist()} for n in (5, 40, 130, 300)]
@@ -115,7 +106,7 @@ def part_check() -> None:
                                                max_num_batched_tokens=64),
             "triton_graphs_bf16": dict(attention_backend="triton", dtype="bfloat16"),
         }.items():
-            llm = LLM(model, device="cuda", max_num_seqs=8, **options)
+            llm = LLM(model, device="cuda", max_num_seqs=8, kernels=kernels, **options)
             outputs = llm.generate(prompts, params)
             runs[name] = [(o.outputs[0].token_ids, [e[t].logprob for t, e in zip(o.outputs[0].token_ids,
                                                                                 o.outputs[0].logprobs)])
@@ -138,16 +129,18 @@ def _first_diff(a: list[int], b: list[int]) -> int | None:
 # ---- decode --------------------------------------------------------------------------------
 def part_decode(bandwidth_gbps: float, model: str, quantization: str | None = None, int4_kernel: str = "",
                 quantize_lm_head: bool | None = None, tag: str = "", device: str = "cuda",
-                new_tokens: int = 256) -> None:
+                new_tokens: int = 256, kernels: KernelOptions = KernelOptions()) -> None:
     """Batch-1 decode. Quantized runs quantize lm_head too (int8: it is 1 GB of an 8B model's step)
     unless quantize_lm_head says otherwise; tag is appended to the result's key (device "cpu" and
     fewer new_tokens: only gpu_int4.py's --smoke, to exercise the code)."""
     # "triton" / "tinygemm": that int4 kernel at every decode batch size; "": the engine's choice
-    linear.INT4_TINYGEMM_MAX_M = {"triton": 0, "tinygemm": linear.CUDA_KERNEL_MAX_M}.get(
-        int4_kernel, DEFAULT_INT4_TINYGEMM_MAX_M)
+    if int4_kernel:
+        kernels = dataclasses.replace(kernels, int4_tinygemm_max_m={"triton": 0, "tinygemm": linear.CUDA_KERNEL_MAX_M}[
+            int4_kernel])
     if quantize_lm_head is None:
         quantize_lm_head = quantization is not None
-    llm = LLM(model, device=device, max_num_seqs=64, quantization=quantization, quantize_lm_head=quantize_lm_head)
+    llm = LLM(model, device=device, max_num_seqs=64, quantization=quantization, quantize_lm_head=quantize_lm_head,
+              kernels=kernels)
     spec = llm.spec
     prompt = {"prompt_token_ids": list(np.random.default_rng(0).integers(100, 20000, 128))}
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
@@ -193,13 +186,13 @@ def _weight_bytes(model: torch.nn.Module) -> tuple[int, int]:
     return total, total - (0 if tied else embedding.numel() * embedding.element_size())
 
 
-def part_kv_quant(model: str) -> None:
+def part_kv_quant(model: str, kernels: KernelOptions) -> None:
     """High concurrency, every output 180 tokens: INT8 KV against the model-dtype KV at equal memory."""
     inputs, _ = sharegpt_like_lengths(1000, seed=4)
     prompts = random_prompts(inputs, seed=5)
     for kv_dtype in ("auto", "int8"):
         llm = LLM(model, device="cuda", max_num_seqs=1024, max_num_batched_tokens=8192, kv_cache_dtype=kv_dtype,
-                  gpu_memory_utilization=0.5)
+                  gpu_memory_utilization=0.5, kernels=kernels)
         run = run_offline(llm, prompts, [180] * len(prompts))
         run["num_kv_blocks"] = llm.engine.kv.num_blocks
         run["num_preemptions"] = llm.engine.stats().num_preemptions
@@ -294,14 +287,14 @@ def graph_choice(runner) -> dict:
             "mixed_graph_replayed_instead": runner.mixed_graphs.replaced()}
 
 
-def part_throughput(model: str, num_batched_tokens: int, max_num_seqs: int, kv_cache_dtype: str = "auto",
-                    only_sharegpt: bool = False, policy: str = "continuous") -> None:
-    llm = LLM(model, device="cuda", max_num_seqs=max_num_seqs, max_num_batched_tokens=num_batched_tokens,
-              kv_cache_dtype=kv_cache_dtype, scheduler_policy=policy)
+def part_throughput(model: str, max_num_seqs: int, options: dict, only_sharegpt: bool = False) -> None:
+    """options: the variant's engine options (variant_options)."""
+    llm = LLM(model, device="cuda", max_num_seqs=max_num_seqs, **options)
+    makespan = options["scheduler_policy"] == "makespan"
     results["throughput_config"] = {
-        "max_num_seqs": max_num_seqs, "max_num_batched_tokens": num_batched_tokens, "kv_cache_dtype": kv_cache_dtype,
-        "scheduler_policy": policy, **({"makespan_slack": makespan.SLACK, "makespan_min_admit": makespan.MIN_ADMIT}
-                                       if policy == "makespan" else {}),
+        "max_num_seqs": max_num_seqs, **{key: options[key] for key in (
+            "max_num_batched_tokens", "kv_cache_dtype", "scheduler_policy",
+            *(("makespan_slack", "makespan_min_admit") if makespan else ()))},
         **graph_choice(llm.engine.executor.worker.runner)}
     inputs, outputs = sharegpt_like_lengths(500)
     prompts = random_prompts(inputs)
@@ -320,12 +313,12 @@ def part_throughput(model: str, num_batched_tokens: int, max_num_seqs: int, kv_c
     free_gpu()
 
 
-def part_profile_mixed(model: str, num_batched_tokens: int, max_num_seqs: int) -> None:
+def part_profile_mixed(model: str, max_num_seqs: int, options: dict) -> None:
     """Per-kernel CUDA time of the ShareGPT-like run's first steps, where prefill chunks and
     decodes share a batch."""
     from torch.profiler import ProfilerActivity, profile
 
-    llm = LLM(model, device="cuda", max_num_seqs=max_num_seqs, max_num_batched_tokens=num_batched_tokens)
+    llm = LLM(model, device="cuda", max_num_seqs=max_num_seqs, **options)
     inputs, outputs = sharegpt_like_lengths(500)
     for i, (prompt, n) in enumerate(zip(random_prompts(inputs), outputs)):
         llm.engine.add_request(str(i), prompt["prompt_token_ids"], SamplingParams(max_tokens=n, ignore_eos=True))
@@ -343,11 +336,10 @@ def part_profile_mixed(model: str, num_batched_tokens: int, max_num_seqs: int) -
     free_gpu()
 
 
-def part_profile_sharegpt(model: str, num_batched_tokens: int, max_num_seqs: int, policy: str) -> None:
+def part_profile_sharegpt(model: str, max_num_seqs: int, options: dict) -> None:
     from torch.profiler import ProfilerActivity, profile
 
-    llm = LLM(model, device="cuda", max_num_seqs=max_num_seqs, max_num_batched_tokens=num_batched_tokens,
-              scheduler_policy=policy)
+    llm = LLM(model, device="cuda", max_num_seqs=max_num_seqs, **options)
     inputs, outputs = sharegpt_like_lengths(500)
     prompts = random_prompts(inputs)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in outputs]
@@ -435,37 +427,21 @@ def main() -> None:
         if variants:  # measured apart, then stored under suffixed keys
             results.clear()
         try:
-            pdl.set_pdl("nopdl" not in variants)
-            model_runner.GRAPH_TIME_TOLERANCE = float("inf") if "smallestgraph" in variants else GRAPH_TIME_TOLERANCE
-            model_runner.MIXED_GRAPH_MAX_TOKENS = 0 if "nomixedgraphs" in variants else MIXED_GRAPH_MAX_TOKENS
-            model_runner.ModelRunner._eager_input = _eager_input_without_leading_decodes \
-                if "prefillonly" in variants else EAGER_INPUT
-            triton_attention.default_num_splits = _halved_num_splits if "halvedsplits" in variants \
-                else DEFAULT_NUM_SPLITS
-            kv_cache_dtype = "fp8" if "kvfp8" in variants else "auto"
-            gate_up_path = next((v[3:] for v in variants if v.startswith("gu-")), None)
-            gemv_linear.GemvLinear.forward = _gate_up_forward(gate_up_path) if gate_up_path else GEMV_FORWARD
-            tokens = next((int(v[1:]) for v in variants if v[0] == "t" and v[1:].isdigit()),
-                          args.max_num_batched_tokens)
-            policy = "makespan" if "makespan" in variants else "continuous"
-            makespan.SLACK = next((float(v[5:]) for v in variants if v.startswith("slack")), MAKESPAN_SLACK)
-            makespan.MIN_ADMIT = next((int(v[5:]) for v in variants if v.startswith("admit")), MAKESPAN_MIN_ADMIT)
-            triton_gemv.TUNED_CONFIGS.clear()
-            triton_gemv.TUNED_CONFIGS.update({key: config for key, config in TUNED_CONFIGS.items()
-                                              if not ("cublasqkv" in variants and key[0] == "dense"
-                                                      and key[2:] == (6144, 4096))})
-            {"check": part_check, "decode": lambda: part_decode(bandwidth, args.model),
-             "throughput": lambda: part_throughput(args.model, tokens, args.max_num_seqs, kv_cache_dtype,
-                                                   policy=policy),
-             "sharegpt": lambda: part_throughput(args.model, tokens, args.max_num_seqs, kv_cache_dtype, True, policy),
+            options = variant_options(variants, args.max_num_batched_tokens)
+            kernels = options["kernels"]
+            {"check": lambda: part_check(kernels),
+             "decode": lambda: part_decode(bandwidth, args.model, kernels=kernels),
+             "throughput": lambda: part_throughput(args.model, args.max_num_seqs, options),
+             "sharegpt": lambda: part_throughput(args.model, args.max_num_seqs, options, only_sharegpt=True),
              "peer": lambda: part_peer(args.model),
-             "profile_sharegpt": lambda: part_profile_sharegpt(args.model, tokens, args.max_num_seqs, policy),
-             "profile_mixed": lambda: part_profile_mixed(args.model, args.max_num_batched_tokens, args.max_num_seqs),
-             "int8": lambda: part_decode(bandwidth, args.model, "int8"),
-             "int4": lambda: part_decode(bandwidth, args.model, "int4"),
-             "int4_triton": lambda: part_decode(bandwidth, args.model, "int4", "triton"),
-             "int4_tinygemm": lambda: part_decode(bandwidth, args.model, "int4", "tinygemm"),
-             "kvquant": lambda: part_kv_quant(args.model)}[part]()
+             "profile_sharegpt": lambda: part_profile_sharegpt(args.model, args.max_num_seqs, options),
+             "profile_mixed": lambda: part_profile_mixed(
+                 args.model, args.max_num_seqs, {**options, "max_num_batched_tokens": args.max_num_batched_tokens}),
+             "int8": lambda: part_decode(bandwidth, args.model, "int8", kernels=kernels),
+             "int4": lambda: part_decode(bandwidth, args.model, "int4", kernels=kernels),
+             "int4_triton": lambda: part_decode(bandwidth, args.model, "int4", "triton", kernels=kernels),
+             "int4_tinygemm": lambda: part_decode(bandwidth, args.model, "int4", "tinygemm", kernels=kernels),
+             "kvquant": lambda: part_kv_quant(args.model, kernels)}[part]()
         except Exception as exc:  # noqa: BLE001 - keep the other parts' numbers
             import traceback
 

@@ -44,6 +44,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from goodserve.ops import triton_gemv  # noqa: E402
+from goodserve.ops.pdl import device_supports_pdl  # noqa: E402
 from goodserve.ops.triton_gemv import GemvConfig, dense_gemv  # noqa: E402
 from goodserve.quant import schemes  # noqa: E402
 from goodserve.quant.linear import tinygemm_layout  # noqa: E402
@@ -58,6 +59,8 @@ GROUP = 128
 SMOKE_GROUP = 64
 PATHS = ("cublas_bf16", "triton_dense", "triton_int8", "triton_int4", "tinygemm_int4")
 FORMAT_OF = {"triton_dense": "dense", "triton_int8": "int8", "triton_int4": "int4"}
+# The kernels launch as the engine launches them on this GPU: with PDL where it has it (ops/pdl.py).
+PDL = not SMOKE and device_supports_pdl(torch.cuda.current_device())
 PEAK_BYTES_PER_S = 3.0e12  # H100 SXM HBM3
 FLUSH_BYTES = 256 << 20
 CALLS_PER_GRAPH = 64
@@ -175,11 +178,11 @@ def path_call(path: str, layer: Layer, tensors: tuple, x: torch.Tensor, **config
     if path == "cublas_bf16":
         return lambda: F.linear(x, tensors[0])
     if path == "triton_dense":
-        return lambda: dense_gemv(x, tensors[0], **config)
+        return lambda: dense_gemv(x, tensors[0], PDL, **config)
     if path == "triton_int8":
-        return lambda: int8_matmul(x, *tensors, **config)
+        return lambda: int8_matmul(x, *tensors, PDL, **config)
     if path == "triton_int4":
-        return lambda: int4_matmul(x, *tensors, layer.group, **config)
+        return lambda: int4_matmul(x, *tensors, layer.group, PDL, **config)
     return lambda: torch.ops.aten._weight_int4pack_mm(x, tensors[0], layer.group, tensors[1])
 
 
@@ -247,7 +250,7 @@ def decode_bound(layers: dict) -> dict:
 
 def int4_faster(layers: dict) -> dict:
     """Per M, the int4 kernel with the smaller total time over the shapes: what to set
-    quant/linear.INT4_TINYGEMM_MAX_M from."""
+    config.KernelOptions.int4_tinygemm_max_m from."""
     totals: dict[int, dict[str, float]] = {}
     for layer in layers.values():
         for row in layer["rows"]:
@@ -414,7 +417,7 @@ def main() -> None:
     Path(args.output).write_text(json.dumps(report, indent=2))
     print_table(layers)
     print("\ndecode batch 1, linears only:", json.dumps(report["decode_batch1"]))
-    print("faster int4 kernel per M (set quant/linear.INT4_TINYGEMM_MAX_M):", json.dumps(report["int4_faster"]))
+    print("faster int4 kernel per M (set config.KernelOptions.int4_tinygemm_max_m):", json.dumps(report["int4_faster"]))
     if sweep:
         print("\nTUNED_CONFIGS entries (ops/triton_gemv.py):")
         print("\n".join(tuned_config_lines(sweep, shapes)))

@@ -50,6 +50,7 @@ instructions a code; the interpreter cannot run it) or a tensor-core path like t
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -66,6 +67,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import gpu_gemv  # noqa: E402  (benchmarks/: the timing harness)
+from goodserve.config import KernelOptions  # noqa: E402
 from goodserve.ops import triton_gemv  # noqa: E402
 from goodserve.ops.triton_gemv import Int4RowsConfig, int4_rows_gemv, int4_rows_layout  # noqa: E402
 from goodserve.quant import linear, schemes  # noqa: E402
@@ -135,7 +137,8 @@ def measure_shape(name: str, n: int, k: int, bandwidth: float, device: str, dead
         if tiny is not None:
             row["tinygemm"] = timed([lambda t=t: torch.ops.aten._weight_int4pack_mm(x, t[0], GROUP, t[1])
                                      for t in tiny], ref, floor, bandwidth)
-        row["triton"] = timed([lambda c=c: int4_matmul(x, *c, GROUP) for c in copies], ref, floor, bandwidth)
+        row["triton"] = timed([lambda c=c: int4_matmul(x, *c, GROUP, gpu_gemv.PDL) for c in copies], ref, floor,
+                              bandwidth)
         if m > 1:
             continue
         row["rows"], row["rows_repacked"] = [], []
@@ -144,7 +147,8 @@ def measure_shape(name: str, n: int, k: int, bandwidth: float, device: str, dead
             if time.monotonic() > deadline:
                 row["rows_sweep_cut"] = True
                 break
-            fields = {"num_warps": config.num_warps, "split_k": config.split_k, "denormal": config.denormal}
+            fields = {"num_warps": config.num_warps, "split_k": config.split_k, "denormal": config.denormal,
+                      "pdl": gpu_gemv.PDL}
             entry = timed([lambda c=c: int4_rows_gemv(x, *c, GROUP, block_n=config.block_n, **fields)
                            for c in copies], ref, floor, bandwidth)
             row["rows"].append({**config.__dict__, **entry})
@@ -158,7 +162,7 @@ def measure_shape(name: str, n: int, k: int, bandwidth: float, device: str, dead
         x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
         q8 = schemes.quantize_int8(w)
         result["lm_head_bf16"] = timed([lambda: F.linear(x, w)], x.float() @ w.float().T, 2 * n * k / 3e6, bandwidth)
-        result["lm_head_int8"] = timed([lambda: int8_matmul(x, q8.qweight, q8.scales)],
+        result["lm_head_int8"] = timed([lambda: int8_matmul(x, q8.qweight, q8.scales, gpu_gemv.PDL)],
                                        x.float() @ schemes.dequantize_int8(q8).T, (n * k + 4 * n) / 3e6, bandwidth)
     return result
 
@@ -181,8 +185,8 @@ def winners(kernels: dict) -> dict:
 
 
 def routing_entries(picks: dict) -> tuple[dict, dict]:
-    """(INT4_ONE_ROW_KERNEL_BY_SHAPE, INT4_ROWS_TUNED) for the layers' shapes (not lm_head, which
-    the engine keeps bf16 or int8)."""
+    """(KernelOptions.int4_one_row_kernel_by_shape, INT4_ROWS_TUNED / KernelOptions.int4_rows_configs)
+    for the layers' shapes (not lm_head, which the engine keeps bf16 or int8)."""
     by_shape, tuned = {}, {}
     for name, pick in picks.items():
         if name == "lm_head" or pick["fastest"] is None:
@@ -254,14 +258,13 @@ def part_e2e(bandwidth: float, by_shape: dict, tuned: dict, deadline: float) -> 
             skipped.append(name)
             continue
         started = time.monotonic()
-        saved = dict(linear.INT4_ONE_ROW_KERNEL_BY_SHAPE), dict(triton_gemv.INT4_ROWS_TUNED)
+        kernels = KernelOptions(int4_one_row_kernel_by_shape=routing or {},
+                                int4_rows_configs={shape: dataclasses.asdict(config) for shape, config in tuned.items()}
+                                if routing else {})
         try:
-            if routing:
-                linear.INT4_ONE_ROW_KERNEL_BY_SHAPE.update(routing)
-                triton_gemv.INT4_ROWS_TUNED.update(tuned)
             gpu_engine.results.clear()
             gpu_engine.part_decode(bandwidth / 1e9, E2E_MODEL, quantization, quantize_lm_head=head, device=device,
-                                   new_tokens=4 if SMOKE else 256)
+                                   new_tokens=4 if SMOKE else 256, kernels=kernels)
             (result,) = gpu_engine.results.values()
             result["routing"] = {f"{n}x{k}": kernel for (n, k), kernel in (routing or {}).items()} or "default"
             results[name] = result
@@ -270,11 +273,6 @@ def part_e2e(bandwidth: float, by_shape: dict, tuned: dict, deadline: float) -> 
 
             traceback.print_exc()
             results[name] = {"error": repr(exc)[:500]}
-        finally:
-            linear.INT4_ONE_ROW_KERNEL_BY_SHAPE.clear()
-            linear.INT4_ONE_ROW_KERNEL_BY_SHAPE.update(saved[0])
-            triton_gemv.INT4_ROWS_TUNED.clear()
-            triton_gemv.INT4_ROWS_TUNED.update(saved[1])
         results[name]["seconds"] = round(time.monotonic() - started, 1)
         print(f"e2e {name}: {_tok_s(results[name])} tok/s ({results[name]['seconds']}s)", flush=True)
     return results, skipped
@@ -330,7 +328,7 @@ def print_tables(report: dict) -> None:
         print(f"lm_head bf16 {cell(head.get('lm_head_bf16'))}, int8 {cell(head.get('lm_head_int8'))}")
         print("linears-only decode bound:", json.dumps(report["decode_bound"]))
         by_shape, tuned = report["routing_entries"]
-        print("\nquant/linear.py: INT4_ONE_ROW_KERNEL_BY_SHAPE = {" + ", ".join(
+        print("\nconfig.py: KernelOptions.int4_one_row_kernel_by_shape = {" + ", ".join(
             f'({s}): "{kernel}"' for s, kernel in by_shape.items()) + "}")
         print("ops/triton_gemv.py: INT4_ROWS_TUNED = {" + ", ".join(
             f"({s}): Int4RowsConfig({c})" for s, c in tuned.items()) + "}")

@@ -19,6 +19,7 @@ table sized for max_model_len 8192, column-major.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -40,13 +41,19 @@ from goodserve.ops.attention import (  # noqa: E402
     AttentionMetadata, LayerKVCache, decode_attention_torch, paged_attention_reference, rotary_write_kv_torch,
 )
 from goodserve.ops.norm import add_rms_norm_torch  # noqa: E402
+from goodserve.ops import triton_attention, triton_ops  # noqa: E402
+from goodserve.ops.pdl import device_supports_pdl  # noqa: E402
 from goodserve.ops.rotary import cos_sin_cache  # noqa: E402
-from goodserve.ops.triton_attention import (  # noqa: E402
-    DECODE_TUNING, default_num_splits, triton_decode_attention, triton_prefill_attention, triton_rotary_write_kv,
-)
-from goodserve.ops.triton_ops import triton_add_rms_norm, triton_argmax, triton_silu_and_mul  # noqa: E402
+from goodserve.ops.triton_attention import DECODE_TUNING, default_num_splits  # noqa: E402
 
 DEVICE = torch.device("cpu" if SMOKE else "cuda")
+# The kernels launch as the engine launches them on this GPU: with PDL where it has it (ops/pdl.py).
+PDL = not SMOKE and device_supports_pdl(torch.cuda.current_device())
+triton_decode_attention, triton_prefill_attention, triton_rotary_write_kv, triton_add_rms_norm, triton_argmax, \
+    triton_silu_and_mul = (functools.partial(kernel, pdl=PDL) for kernel in (
+        triton_attention.triton_decode_attention, triton_attention.triton_prefill_attention,
+        triton_attention.triton_rotary_write_kv, triton_ops.triton_add_rms_norm, triton_ops.triton_argmax,
+        triton_ops.triton_silu_and_mul))
 if SMOKE:
     HQ, HK, D, HIDDEN, INTER, VOCAB, BLOCK, GRAPH_MAX_LEN = 4, 2, 32, 64, 96, 5000, 16, 256
 else:

@@ -19,7 +19,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from goodserve import LLM, SamplingParams
-from goodserve.ops import pdl
+from goodserve.config import KernelOptions
 
 STAGES = ("schedule", "prepare", "forward", "sample", "detokenize", "output")
 
@@ -34,8 +34,8 @@ def main() -> None:
     parser.add_argument("--nopdl", action="store_true",
                         help="programmatic dependent launch off, so a kernel's time excludes waiting for the one before")
     args = parser.parse_args()
-    pdl.set_pdl(not args.nopdl)
-    llm = LLM(args.model, device=args.device, enforce_eager=not args.graphs, max_num_seqs=max(8, args.batch))
+    llm = LLM(args.model, device=args.device, enforce_eager=not args.graphs, max_num_seqs=max(8, args.batch),
+              kernels=KernelOptions(pdl=not args.nopdl))
     engine = llm.engine
     rng = np.random.default_rng(0)
     for i in range(args.batch):

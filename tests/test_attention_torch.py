@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from goodserve.ops import attention
+from goodserve.ops.kernel_choice import TORCH_KERNELS
 from goodserve.ops.attention import (
     LayerKVCache, decode_attention_torch, paged_attention_reference, rotary_write_kv_torch,
 )
@@ -45,7 +46,7 @@ def test_layer_entry_point_matches_rotary_write_and_reference_attention(lengths,
     ref_q, ref_cache = q.clone(), clone(cache)
     rotary_write_kv_torch(ref_q, k, v, positions, ROTARY, ref_cache, meta.slot_mapping)
     expected = paged_attention_reference(ref_q, ref_cache, meta, 0.25)
-    out = attention.attention(q, k, v, positions, ROTARY, cache, meta.for_new_step(), 0.25)
+    out = attention.attention(q, k, v, positions, ROTARY, cache, meta.for_new_step(), 0.25, TORCH_KERNELS)
     assert_close(out, expected, torch.float32)
     for pool, ref_pool in ((cache.k, ref_cache.k), (cache.v, ref_cache.v)):
         torch.testing.assert_close(pool.float(), ref_pool.float(), rtol=1e-5, atol=1e-5 if kv_dtype != torch.int8 else 1)
@@ -56,6 +57,6 @@ def test_padding_slots_are_not_written():
     meta.slot_mapping = torch.tensor([-1, int(meta.slot_mapping[1])], dtype=torch.int32)
     before = cache.k.clone()
     k, v = torch.ones(2, 2, 2, 24)
-    attention.attention(q, k, v, torch.tensor([4, 8]), ROTARY, cache, meta.for_new_step(), 0.25)
+    attention.attention(q, k, v, torch.tensor([4, 8]), ROTARY, cache, meta.for_new_step(), 0.25, TORCH_KERNELS)
     changed = (cache.k != before).any(dim=(-1, -2)).flatten().nonzero().flatten().tolist()
     assert changed == [int(meta.slot_mapping[1])]

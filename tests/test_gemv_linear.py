@@ -8,20 +8,14 @@ import pytest
 import torch
 from torch import nn
 
-from goodserve.ops import attention, gemv_linear
+from goodserve.ops import gemv_linear
 from goodserve.ops.gemv_linear import GemvLinear, gemv_wins
+from goodserve.ops.kernel_choice import KernelChoice
 from goodserve.ops.triton_gemv import TUNED_CONFIGS, GemvConfig, dense_gemv
 
 
-@pytest.fixture
-def triton_backend():
-    attention.set_attention_backend("triton")
-    yield
-    attention.set_attention_backend("auto")
-
-
 @pytest.mark.parametrize("rows, tuned_rows", [(1, 1), (3, 1), (3, 16), (16, 16)])
-def test_gemv_linear_equals_linear(triton_backend, monkeypatch, rows, tuned_rows):
+def test_gemv_linear_equals_linear(monkeypatch, rows, tuned_rows):
     torch.manual_seed(0)
     linear = nn.Linear(64, 48, bias=True, dtype=torch.bfloat16)  # the GEMV takes 16-bit weights
     tile = GemvConfig(1, 16, 32, 4, 1, 2) if tuned_rows == 1 else GemvConfig(16, 16, 32, 2, 1, 2)
@@ -31,14 +25,14 @@ def test_gemv_linear_equals_linear(triton_backend, monkeypatch, rows, tuned_rows
     x = torch.randn(rows, 64, dtype=torch.bfloat16)
     with torch.no_grad():
         want = linear(x)
-        got = GemvLinear(linear)(x)
+        got = GemvLinear(linear, KernelChoice(triton=True))(x)
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)  # bf16 outputs, summed in another order
     assert len(calls) == (1 if (rows == 1) == (tuned_rows == 1) else 0)  # the GEMV took exactly its rows
 
 
-def _recording_gemv(calls, x, weight):
+def _recording_gemv(calls, x, weight, pdl):
     calls.append(x.shape[0])
-    return dense_gemv(x, weight)
+    return dense_gemv(x, weight, pdl)
 
 
 def test_only_measured_shapes_rows_and_16_bit_weights_are_routed(monkeypatch):

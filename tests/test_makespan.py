@@ -4,7 +4,6 @@ import pytest
 
 from goodserve import LLM, SamplingParams
 from goodserve.config import EngineConfig
-from goodserve.engine import makespan
 from goodserve.engine.kv_cache_manager import KVCacheManager
 from goodserve.engine.scheduler import Scheduler
 from goodserve.engine.sequence import Sequence
@@ -55,18 +54,17 @@ def test_longest_request_is_admitted_first():
     assert continuous.schedule().seq_ids == ["s0"]
 
 
-def test_short_requests_ride_along_the_longest_ones_steps(monkeypatch):
+def test_short_requests_ride_along_the_longest_ones_steps():
     """One 60-token answer and forty 3-token ones. FCFS admits everything in the first step, then
     the long answer decodes alone; makespan admits the short ones over the long one's steps, with no
     more steps than the long answer needs (its prefill and its 60 tokens) and far smaller steps."""
-    monkeypatch.setattr(makespan, "MIN_ADMIT", 8)
     lengths = [3] * 20 + [60] + [3] * 20
     fcfs = run_to_end(_with_batch(scheduler("continuous"), lengths))
-    spread = run_to_end(_with_batch(scheduler("makespan"), lengths))
+    spread = run_to_end(_with_batch(scheduler("makespan", makespan_min_admit=8), lengths))
     assert len(fcfs) == len(spread) == 60
     assert max(tokens for _, tokens in fcfs) == 41 * 4
     # All the work (41 prompts of 4, 40 x 3 + 60 output tokens, less the last tokens, never computed)
-    # spread over 60 steps is ~5 tokens a step; SLACK and MIN_ADMIT allow some lumps.
+    # spread over 60 steps is ~5 tokens a step; the slack and min_admit allow some lumps.
     assert sum(tokens for _, tokens in spread) == sum(tokens for _, tokens in fcfs) == 41 * 4 + 40 * 2 + 59
     assert max(tokens for _, tokens in spread) <= 2 * 8 + 4
     assert spread[0][0][0] == "s20"  # the long one starts at once
@@ -79,11 +77,10 @@ def _with_batch(sched: Scheduler, lengths: list[int]) -> Scheduler:
     return sched
 
 
-def test_async_steps_admit_what_the_policy_admits(monkeypatch):
+def test_async_steps_admit_what_the_policy_admits():
     """A step scheduled ahead (before the last one's tokens reach the host) admits waiting requests
     only when the policy would, and only those the engine can sample on the device."""
-    monkeypatch.setattr(makespan, "MIN_ADMIT", 1 << 20)  # once one runs, admit no more
-    sched = scheduler("makespan")
+    sched = scheduler("makespan", makespan_min_admit=1 << 20)  # once one runs, admit no more
     long, *short = offline_batch(sched, [50, 1, 1])
     short[1].params = SamplingParams(max_tokens=1, logprobs=1)  # sampled on the host: never admitted ahead
     while True:
@@ -100,23 +97,22 @@ def test_async_steps_admit_what_the_policy_admits(monkeypatch):
     assert ahead.token_ids == [[]] and ahead.samples == [True]  # its input is the token in flight
     long.token_ids.append(7)  # the engine's order: the step before returns its token, then this one advances
     sched.advance(ahead)
-    monkeypatch.setattr(makespan, "MIN_ADMIT", 0)
-    monkeypatch.setattr(makespan, "SLACK", 100.0)
+    sched.makespan.min_admit, sched.makespan.slack = 0, 100.0
     second = sched.schedule(in_flight=[long])
     assert second.seq_ids == [long.seq_id, "s1"] and second.num_new_tokens == [1, 4] and second.num_ahead == 1
     assert list(sched.waiting) == [short[1]]  # refused: the engine would have to sample it on the host
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_engine_gives_the_same_tokens_as_fcfs(async_scheduling, monkeypatch):
-    monkeypatch.setattr(makespan, "MIN_ADMIT", 16)
+def test_engine_gives_the_same_tokens_as_fcfs(async_scheduling):
     prompts = [list(range(5 + i, 12 + 3 * i)) for i in range(7)]
     max_tokens = [4, 30, 6, 3, 12, 5, 2]
     arrivals = {0: [(f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
                     for i, (prompt, n) in enumerate(zip(prompts, max_tokens))]}
     results = {}
     for policy in ("continuous", "makespan"):
-        llm = LLM("dummy:tiny", num_kv_blocks=64, scheduler_policy=policy, max_num_batched_tokens=64)
+        llm = LLM("dummy:tiny", num_kv_blocks=64, scheduler_policy=policy, max_num_batched_tokens=64,
+                  makespan_min_admit=16)
         with engine_mode(llm, graphs=True, async_scheduling=async_scheduling) as pipelined:
             results[policy] = {rid: out.outputs[0].token_ids for rid, out in drive(llm.engine, arrivals).items()}
             if async_scheduling and policy == "makespan":

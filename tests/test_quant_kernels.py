@@ -8,6 +8,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from goodserve.config import KernelOptions  # noqa: E402
+from goodserve.ops.kernel_choice import KernelChoice  # noqa: E402
 from goodserve.quant import schemes  # noqa: E402
 from goodserve.quant.triton_kernels import GEMV_MAX_M, int4_matmul, int8_matmul  # noqa: E402
 
@@ -95,14 +97,14 @@ def test_int4_layer_falls_back_to_triton_when_tinygemm_is_unavailable(caplog):
 
 
 def test_int4_layer_past_the_tinygemm_rows_goes_straight_to_triton(monkeypatch, caplog):
-    """INT4_TINYGEMM_MAX_M picks the kernel: past it the layer never builds tinygemm's layout."""
+    """KernelOptions.int4_tinygemm_max_m picks the kernel: past it the layer never builds tinygemm's layout."""
     from torch import nn
 
     from goodserve.quant import linear as qlinear
 
-    monkeypatch.setattr(qlinear, "INT4_TINYGEMM_MAX_M", 0)
     torch.manual_seed(5)
     layer = qlinear.Int4Linear.from_linear(nn.Linear(128, 32), 64)
+    layer.kernels = KernelChoice(options=KernelOptions(int4_tinygemm_max_m=0))
     x = torch.randn(1, 128).to(torch.bfloat16)
     with caplog.at_level("WARNING", logger="goodserve.quant"):
         out = layer._cuda_matmul(x)
@@ -112,33 +114,42 @@ def test_int4_layer_past_the_tinygemm_rows_goes_straight_to_triton(monkeypatch, 
 
 @pytest.mark.parametrize("kernel", ["rows", "rows_repacked"])
 def test_int4_layer_takes_the_rows_kernel_it_was_built_with(monkeypatch, kernel):
-    """INT4_ONE_ROW_KERNEL picks one-row calls' kernel when the layer is built; other row counts
-    keep their paths, and the repacked copy is rebuilt when the codes change."""
+    """KernelOptions.int4_one_row_kernel picks one-row calls' kernel (int4_rows_configs its launch);
+    other row counts keep their paths, and the repacked copy is rebuilt when the codes change."""
     from torch import nn
 
     from goodserve.ops import triton_gemv
     from goodserve.quant import linear as qlinear
 
-    monkeypatch.setattr(qlinear, "INT4_ONE_ROW_KERNEL", kernel)
     torch.manual_seed(9)
     layer = qlinear.Int4Linear.from_linear(nn.Linear(256, 40), 64)
+    layer.kernels = KernelChoice(options=KernelOptions(int4_one_row_kernel=kernel,
+                                                       int4_rows_configs={(40, 256): {"block_n": 8, "split_k": 2}}))
     calls = []
     real = triton_gemv.int4_rows_gemv
-    monkeypatch.setattr(triton_gemv, "int4_rows_gemv", lambda *a, **kw: calls.append(a[1]) or real(*a, **kw))
+    monkeypatch.setattr(triton_gemv, "int4_rows_gemv",
+                        lambda *a, **kw: calls.append((a[1], kw["split_k"])) or real(*a, **kw))
     x = torch.randn(1, 256)
     torch.testing.assert_close(layer._cuda_matmul(x), x @ layer.dequantize().T, rtol=1e-2, atol=1e-2)
-    assert len(calls) == 1 and isinstance(calls[0], triton_gemv.Int4RowsWeight) == (kernel == "rows_repacked")
+    assert len(calls) == 1 and isinstance(calls[0][0], triton_gemv.Int4RowsWeight) == (kernel == "rows_repacked")
+    assert calls[0][1] == 2
     layer.zeros.add_(1.0)  # in place: the repacked copy must follow
     torch.testing.assert_close(layer._cuda_matmul(x), x @ layer.dequantize().T, rtol=1e-2, atol=1e-2)
     layer._cuda_matmul(torch.randn(3, 256))
     assert len(calls) == 2
 
 
-def test_int4_layer_refuses_an_unknown_one_row_kernel(monkeypatch):
+def test_an_unknown_one_row_kernel_is_refused_and_a_shape_entry_wins():
+    from goodserve.config import EngineConfig
+    from goodserve.errors import InvalidRequestError
     from goodserve.quant import linear as qlinear
 
-    monkeypatch.setattr(qlinear, "INT4_ONE_ROW_KERNEL", "marlin")
-    with pytest.raises(ValueError, match="INT4_ONE_ROW_KERNEL"):
-        qlinear.Int4Linear(256, 40, group_size=64)
-    monkeypatch.setattr(qlinear, "INT4_ONE_ROW_KERNEL_BY_SHAPE", {(40, 256): "rows"})
-    assert qlinear.Int4Linear(256, 40, group_size=64).one_row_kernel == "rows"
+    for options in (KernelOptions(int4_one_row_kernel="marlin"),
+                    KernelOptions(int4_one_row_kernel_by_shape={(40, 256): "marlin"})):
+        with pytest.raises(InvalidRequestError, match="one-row"):
+            EngineConfig(kernels=options).validate()
+    choice = KernelChoice(options=KernelOptions(int4_one_row_kernel_by_shape={(40, 256): "rows"}))
+    layers = qlinear.Int4Linear(256, 40, group_size=64), qlinear.Int4Linear(256, 48, group_size=64)
+    for layer in layers:
+        layer.kernels = choice
+    assert [layer.one_row_kernel for layer in layers] == ["rows", "tinygemm"]

@@ -7,6 +7,7 @@ import torch
 
 from goodserve.engine.model_inputs import RequestState
 from goodserve.engine.sampling_inputs import SamplingRow, build_sampling_batch
+from goodserve.ops.kernel_choice import TORCH_KERNELS
 from goodserve.ops.sampler import apply_penalties, gather_logprobs, sample, top_k_top_p_min_p
 from goodserve.sampling_params import SamplingParams
 
@@ -71,7 +72,7 @@ def test_min_tokens_bans_stop_tokens_until_reached():
     early = seq_with(SamplingParams(temperature=0, min_tokens=3, stop_token_ids=[11]), output=(1,))
     done = seq_with(SamplingParams(temperature=0, min_tokens=1), output=(1,))
     batch = build_sampling_batch([early, done], VOCAB, torch.device("cpu"), [9])
-    out = sample(logits, batch)
+    out = sample(logits, batch, TORCH_KERNELS)
     assert out.token_ids[0] != 9 and out.token_ids[1] == 9
 
 
@@ -81,10 +82,10 @@ def test_a_precomputed_argmax_stands_in_only_for_unchanged_logits():
     precomputed = torch.tensor([9, 9])
     plain = build_sampling_batch([seq_with(SamplingParams(temperature=0)) for _ in range(2)], VOCAB,
                                  torch.device("cpu"), [9])
-    assert sample(logits, plain, precomputed).token_ids is precomputed
+    assert sample(logits, plain, TORCH_KERNELS, precomputed).token_ids is precomputed
     banned = build_sampling_batch([seq_with(SamplingParams(temperature=0, min_tokens=3), output=(1,))] * 2,
                                   VOCAB, torch.device("cpu"), [9])
-    assert 9 not in sample(logits, banned, precomputed).token_ids.tolist()  # eos banned: recomputed
+    assert 9 not in sample(logits, banned, TORCH_KERNELS, precomputed).token_ids.tolist()  # eos banned: recomputed
 
 
 def test_logit_bias_is_added_per_row_and_only_rows_with_one_pay():
@@ -103,14 +104,15 @@ def test_logit_bias_is_added_per_row_and_only_rows_with_one_pay():
         x = expected[3, token]
         expected[3, token] = x / 1.5 if x > 0 else x * 1.5
     torch.testing.assert_close(apply_penalties(logits, batch), expected)
-    out = sample(logits, batch, raw_argmax=logits.argmax(-1))  # the raw argmax must not stand in
+    out = sample(logits, batch, TORCH_KERNELS, raw_argmax=logits.argmax(-1))  # the raw argmax must not stand in
     assert out.token_ids.tolist()[:2] == expected[:2].argmax(-1).tolist()
     assert out.token_ids[2] == 11 and out.token_ids[3] == expected[3].argmax()
     torch.testing.assert_close(out.logprobs[3, 1:], logits[3].log_softmax(-1).topk(2).values)  # unbiased
     greedy = [SamplingParams(temperature=0, logit_bias={int(logits[0].argmax()): -100.0}),
               SamplingParams(temperature=0)]
     fast = build_sampling_batch([seq_with(p) for p in greedy], VOCAB, torch.device("cpu"), [0])
-    assert fast.all_greedy and sample(logits[:2], fast, logits[:2].argmax(-1)).token_ids[0] != logits[0].argmax()
+    out = sample(logits[:2], fast, TORCH_KERNELS, logits[:2].argmax(-1))
+    assert fast.all_greedy and out.token_ids[0] != logits[0].argmax()
     plain = build_sampling_batch([seq_with(SamplingParams(temperature=0.5))], VOCAB, torch.device("cpu"), [0])
     assert plain.logit_bias is None
 
@@ -120,7 +122,7 @@ def test_greedy_is_argmax_and_logprobs_are_log_softmax():
     logits = torch.randn(4, VOCAB)
     params = SamplingParams(temperature=0, logprobs=3)
     batch = build_sampling_batch([seq_with(params) for _ in range(4)], VOCAB, torch.device("cpu"), [0])
-    out = sample(logits, batch)
+    out = sample(logits, batch, TORCH_KERNELS)
     assert out.token_ids.tolist() == logits.argmax(-1).tolist()
     reference = torch.log_softmax(logits.double(), -1)
     for row in range(4):
@@ -143,7 +145,7 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch():
         tokens = []
         for _ in range(20):
             batch = build_sampling_batch(seqs, VOCAB, torch.device("cpu"), [0])
-            tokens.append(int(sample(logits.expand(batch_rows, -1).clone(), batch).token_ids[0]))
+            tokens.append(int(sample(logits.expand(batch_rows, -1).clone(), batch, TORCH_KERNELS).token_ids[0]))
         return tokens
 
     assert draw(1) == draw(5)
@@ -157,6 +159,6 @@ def test_sampling_follows_the_distribution():
     batch = build_sampling_batch([seq], VOCAB, torch.device("cpu"), [49])
     counts = torch.zeros(VOCAB)
     for _ in range(4000):
-        counts[int(sample(logits, batch).token_ids[0])] += 1
+        counts[int(sample(logits, batch, TORCH_KERNELS).token_ids[0])] += 1
     expected = torch.softmax(logits[0], -1) * 4000
     assert torch.all((counts[:4] - expected[:4]).abs() < 5 * expected[:4].sqrt() + 5)

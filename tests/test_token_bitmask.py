@@ -2,6 +2,7 @@
 
 import torch
 
+from goodserve.ops.kernel_choice import TORCH_KERNELS
 from goodserve.ops.sampler import SamplingBatch, sample
 from goodserve.ops.token_bitmask import apply_token_bitmask, unpack_bitmask
 
@@ -53,11 +54,11 @@ def test_sampler_picks_allowed_tokens_and_leaves_free_rows_bitwise_unchanged():
                  lambda: SamplingBatch(temperature=torch.tensor([0.0, 1.0, 0.0, 1.0]), top_k=torch.full((4,), VOCAB),
                                        top_p=torch.ones(4), min_p=torch.zeros(4), generators=[None] * 4,
                                        needs_top_k_p=False, max_logprobs=2)):
-        free = sample(logits, make())
+        free = sample(logits, make(), TORCH_KERNELS)
         batch = make()
         batch.token_bitmask, batch.bitmask_rows = bitmask, rows
         torch.manual_seed(0)
-        constrained = sample(logits, batch, raw_argmax=logits.argmax(-1))
+        constrained = sample(logits, batch, TORCH_KERNELS, raw_argmax=logits.argmax(-1))
         assert constrained.token_ids[1] == 69 and int(constrained.token_ids[3]) in (1, 3)
         assert torch.equal(constrained.token_ids[[0, 2]], free.token_ids[[0, 2]])
         assert torch.equal(constrained.logprobs[[0, 2]], free.logprobs[[0, 2]])

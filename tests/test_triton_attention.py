@@ -21,14 +21,17 @@ from dataclasses import replace
 import pytest
 import torch
 
+from goodserve.config import KernelOptions
 from goodserve.ops import attention
 from goodserve.ops.attention import (
     AttentionMetadata, LayerKVCache, paged_attention_reference, rotary_write_kv_torch, write_kv_torch,
 )
+from goodserve.ops.kernel_choice import KernelChoice, choose_kernels
 from goodserve.ops.rope_scaling import RopeScaling
 from goodserve.ops.rotary import cos_sin_cache
 
 KERNEL_MODULE = "goodserve.ops.triton_attention"
+TRITON = KernelChoice(triton=True)
 BLOCK_SIZE = 16
 
 
@@ -177,11 +180,7 @@ def test_prefill_leaves_leading_decodes_to_the_decode_kernel(kernels):
                                      first_seq=3, out=out)
     assert out[:3].isnan().all()  # not the prefill kernel's rows
     assert_close(out[3:], ref[3:], torch.float32)
-    attention.set_attention_backend("triton")
-    try:
-        split = attention.paged_attention(q, cache, replace(meta, num_leading_decodes=3), 0.25)
-    finally:
-        attention.set_attention_backend("auto")
+    split = attention.paged_attention(q, cache, replace(meta, num_leading_decodes=3), 0.25, TRITON)
     assert_close(split, ref, torch.float32)
 
 
@@ -201,11 +200,7 @@ def test_decode_count_read_on_the_device(kernels):
     kernels.triton_prefill_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, 0.25,
                                      first_seq=count, out=out, max_seqs=4)
     assert_close(out, ref, torch.float32)
-    attention.set_attention_backend("triton")
-    try:
-        graphed = attention.paged_attention(q, cache, replace(meta, leading_decodes=count), 0.25)
-    finally:
-        attention.set_attention_backend("auto")
+    graphed = attention.paged_attention(q, cache, replace(meta, leading_decodes=count), 0.25, TRITON)
     assert_close(graphed, ref, torch.float32)
 
 
@@ -263,17 +258,13 @@ def test_rotary_write_kv_matches_reference(kernels, dtype, kv_dtype):
     assert untouched.float().abs().sum() == 0
 
 
-def test_public_dispatch_takes_triton_when_forced(kernels):
+def test_public_dispatch_takes_triton_when_chosen(kernels):
     q, cache, meta = make_batch([(4, 9), (1, 20)], 4, 2, 24, torch.float32, torch.float32, seed=3)
     k, v = torch.randn(2, 5, 2, 24)
     positions = torch.tensor([5, 6, 7, 8, 19])
     ref_q, ref_cache = q.clone(), LayerKVCache(cache.k.clone(), cache.v.clone())
-    attention.set_attention_backend("triton")
-    try:
-        attention.rotary_write_kv(q, k, v, positions, ROTARY, cache, meta.slot_mapping)
-        out = attention.paged_attention(q, cache, meta, 0.25)
-    finally:
-        attention.set_attention_backend("auto")
+    attention.rotary_write_kv(q, k, v, positions, ROTARY, cache, meta.slot_mapping, TRITON)
+    out = attention.paged_attention(q, cache, meta, 0.25, TRITON)
     rotary_write_kv_torch(ref_q, k, v, positions, ROTARY, ref_cache, meta.slot_mapping)
     assert torch.equal(cache.k, ref_cache.k) and torch.equal(q, ref_q)
     assert_close(out, paged_attention_reference(ref_q, ref_cache, meta, 0.25), torch.float32)
@@ -281,6 +272,4 @@ def test_public_dispatch_takes_triton_when_forced(kernels):
 
 def test_backend_names_are_checked():
     with pytest.raises(ValueError, match="attention_backend"):
-        attention.set_attention_backend("cuda")
-    assert attention.get_attention_backend() == "auto"
-    assert not attention.use_triton(torch.zeros(1))  # auto on a CPU tensor: the torch path
+        choose_kernels("cuda", KernelOptions(), torch.device("cpu"))

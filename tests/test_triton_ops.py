@@ -15,9 +15,10 @@ import sys
 import pytest
 import torch
 
-from goodserve.ops import attention
+from goodserve.config import KernelOptions
 from goodserve.ops.activation import silu_and_mul, silu_and_mul_torch
 from goodserve.ops.norm import add_rms_norm, add_rms_norm_torch, rms_norm_torch
+from goodserve.ops.kernel_choice import KernelChoice, choose_kernels
 from goodserve.ops.sampler import argmax
 
 KERNEL_MODULE = "goodserve.ops.triton_ops"
@@ -80,30 +81,23 @@ def test_argmax_takes_the_first_maximum_like_torch(kernels):
     assert torch.equal(kernels.triton_argmax(x[:, :300]), x[:, :300].argmax(dim=-1))  # strided rows, one chunk
 
 
-def test_public_functions_dispatch_to_triton_when_forced(kernels):
+def test_public_functions_dispatch_to_triton_when_chosen(kernels):
     x, residual = torch.randn(2, 3, 32)
     weight = torch.rand(32)
-    attention.set_attention_backend("triton")
-    try:
-        normed, new_residual = add_rms_norm(x, residual, weight, 1e-5)
-        activated = silu_and_mul(x)
-        tokens = argmax(x)
-    finally:
-        attention.set_attention_backend("auto")
+    triton = KernelChoice(triton=True)
+    normed, new_residual = add_rms_norm(x, residual, weight, 1e-5, triton)
+    activated = silu_and_mul(x, triton)
+    tokens = argmax(x, triton)
     assert_close(normed, add_rms_norm_torch(x, residual, weight, 1e-5)[0])
     assert_close(new_residual, x + residual)
     assert_close(activated, silu_and_mul_torch(x))
     assert torch.equal(tokens, x.argmax(dim=-1))
 
 
-def test_kernels_on_cpu_tensors_never_launch_with_pdl():
-    """The interpreter has no grid dependencies: CPU launches must not ask for PDL, switch on or off."""
-    from goodserve.ops import pdl
-
-    x = torch.zeros(4)
-    assert pdl.pdl_launch(x) == {"USE_PDL": False, "launch_pdl": False}
-    pdl.set_pdl(False)
-    try:
-        assert pdl.pdl_launch(x) == {"USE_PDL": False, "launch_pdl": False}
-    finally:
-        pdl.set_pdl(True)
+def test_kernels_on_the_cpu_never_launch_with_pdl():
+    """The interpreter has no grid dependencies: a CPU model's choice has PDL off, asked for or not."""
+    cpu = torch.device("cpu")
+    for pdl in (True, False):
+        choice = choose_kernels("triton", KernelOptions(pdl=pdl), cpu)
+        assert choice.triton and not choice.pdl
+    assert not choose_kernels("auto", KernelOptions(), cpu).triton  # auto on the CPU: the torch path

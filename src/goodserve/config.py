@@ -7,7 +7,7 @@ length, async on/off). Neither is ever changed in place."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from goodserve.errors import InvalidRequestError
 from goodserve.model_names import EMBEDDED_MODEL, gguf_model_path
@@ -21,6 +21,53 @@ WEIGHT_QUANTIZATIONS = ("int8", "int4")  # codes computed from float weights (at
 QUANTIZATIONS = (None, "none", *WEIGHT_QUANTIZATIONS, "gguf")  # None: not asked (resolved_quantization)
 # uni: the worker runs in the engine's process; mp: in a process of its own (as each of N workers will)
 EXECUTOR_BACKENDS = ("uni", "mp")
+# int4, one row (batch-1 decode) on CUDA: "tinygemm" (with bfloat16 activations; Triton otherwise),
+# "triton" (the GEMV family's one-row path), "rows" (ops/triton_gemv.py's thread-per-row kernel on
+# the checkpoint layout) or "rows_repacked" (the same on a copy repacked once at first use; 0.5 byte
+# a weight more on the GPU). benchmarks/gpu_int4.py measures the four.
+INT4_ONE_ROW_KERNELS = ("tinygemm", "triton", "rows", "rows_repacked")
+
+
+@dataclass(frozen=True)
+class KernelOptions:
+    """Kernel and CUDA-graph choices under the user-facing options. The defaults are the measured
+    best (benchmarks/BENCHMARKS.md); the benchmarks set the others to compare against them
+    (`LLM(model, kernels=KernelOptions(pdl=False))`). Each engine resolves them once, into its
+    model's ops/kernel_choice.KernelChoice: two engines in one process may differ."""
+
+    # Programmatic dependent launch of the Triton kernels (ops/pdl.py), where the GPU has it (sm_90+).
+    pdl: bool = True
+    # int4 one-row matmuls on CUDA (INT4_ONE_ROW_KERNELS); by shape: (out_features, in_features) -> kernel,
+    # ahead of int4_one_row_kernel.
+    int4_one_row_kernel: str = "tinygemm"
+    int4_one_row_kernel_by_shape: dict[tuple[int, int], str] = field(default_factory=dict)
+    # The rows kernels' launch per shape, (out_features, in_features) -> ops/triton_gemv.Int4RowsConfig
+    # fields as a dict (what benchmarks/gpu_int4.py measured best); else INT4_ROWS_TUNED / its defaults.
+    int4_rows_configs: dict[tuple[int, int], dict] = field(default_factory=dict)
+    # int4 with bfloat16 activations: tinygemm up to this many rows, the Triton kernels above it. On an
+    # H100 (benchmarks/results/gpu_gemv_h100.json, Llama-3.1-8B shapes) tinygemm was faster at 1 and 4
+    # rows, the tuned Triton GEMV at 16. At 0 the layers never build tinygemm's copy of the weights.
+    int4_tinygemm_max_m: int = 4
+    # Dense linears, as (out_features, in_features), kept on cuBLAS where the Triton GEMV has a tuned
+    # entry (ops/gemv_linear.py routes those shapes' decode rows to it otherwise).
+    cublas_linears: tuple[tuple[int, int], ...] = ()
+    # How many times over decode attention's splits fill the GPU (ops/triton_attention.default_num_splits).
+    decode_attention_waves: int = 2
+    # Engine level (engine/model_runner.py): steps with prefill chunks of up to this many tokens replay
+    # mixed-step CUDA graphs (0: run eagerly); a batch replays the smallest graph that holds it whose
+    # replay time is within this share of the fastest that does (inf: always the smallest); a mixed
+    # batch's leading decodes go to the decode attention kernel (False: the prefill kernel takes them).
+    mixed_graph_max_tokens: int = 2048
+    graph_time_tolerance: float = 0.03
+    decode_kernel_for_mixed_decodes: bool = True
+
+    def validate(self) -> None:
+        kernels = [self.int4_one_row_kernel, *self.int4_one_row_kernel_by_shape.values()]
+        if any(kernel not in INT4_ONE_ROW_KERNELS for kernel in kernels):
+            raise InvalidRequestError(f"int4 one-row kernels must be among {INT4_ONE_ROW_KERNELS}, got {kernels}")
+        if self.decode_attention_waves < 1 or self.int4_tinygemm_max_m < 0 or self.mixed_graph_max_tokens < 0:
+            raise InvalidRequestError("decode_attention_waves must be at least 1, int4_tinygemm_max_m and "
+                                      "mixed_graph_max_tokens at least 0")
 
 
 @dataclass(frozen=True)
@@ -44,6 +91,10 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     max_wait_ms: float = 10.0  # dynamic batching: how long a partial batch waits to fill
     max_n_per_request: int = 128  # a request's samples (n): each is a sequence in the queue
+    # The makespan policy (engine/makespan.py): admit when the steps so far fell short of
+    # makespan_slack x (tokens left) / (steps left on the longest), in lumps of >= makespan_min_admit tokens.
+    makespan_slack: float = 1.5
+    makespan_min_admit: int = 512
     # Model execution
     # weight-only: int8 (per channel) | int4 (per group) | gguf (keep a GGUF file's Q4_0/Q4_1/Q8_0 codes)
     # | none. Unset: gguf for a GGUF model on the CPU, else none (resolved_quantization).
@@ -59,6 +110,7 @@ class EngineConfig:
     # batch, and greedy agreement with the float path drops (docs/quantization.md).
     cpu_int8_activations: bool = False
     attention_backend: str = "auto"  # auto: Triton on CUDA, torch elsewhere
+    kernels: KernelOptions = field(default_factory=KernelOptions)  # set from Python, not the command line
     enforce_eager: bool = False  # True: no CUDA graphs
     # Launch step N+1 before step N's tokens reach the host, so the host's bookkeeping overlaps the
     # GPU. Engages only where CUDA graphs replay (so on CUDA), every sequence samples (no unfinished
@@ -86,6 +138,7 @@ class EngineConfig:
         for ok, message in checks:
             if not ok:
                 raise InvalidRequestError(message)
+        self.kernels.validate()
         if self.quantization == "gguf":
             self._validate_gguf_quantization()
 

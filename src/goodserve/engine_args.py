@@ -84,6 +84,8 @@ def add_dataclass_arguments(
         if flag in parser._option_string_actions:
             continue
         kind = _base_type(hints[field.name])
+        if dataclasses.is_dataclass(kind):  # nested options (EngineConfig.kernels) are set from Python
+            continue
         help_text = helps.get(field.name, field.name.replace("_", " "))
         if "default" not in help_text:
             help_text += f" (default: {field.default})"

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 import torch
 
 from goodserve import LLM, SamplingParams
-from goodserve.ops.attention import set_attention_backend
 
 TOP = 20  # prompt logprobs per position (the most SamplingParams allows)
 GREEDY_TOKENS = 12
@@ -51,8 +50,6 @@ def build(model: str, device: str, **options) -> LLM:
 
 
 def run(llm: LLM, prompts: list[list[int]], params: SamplingParams):
-    # The attention backend is process-wide: each engine's choice holds while it runs.
-    set_attention_backend(llm.engine.config.attention_backend)
     return llm.generate([{"prompt_token_ids": ids} for ids in prompts], params)
 
 

@@ -166,7 +166,7 @@ def measure(config: EngineConfig, settings: EvalSettings, workload: Workload | N
     from goodserve.llm import LLM
 
     on_progress(f"{label}: loading the engine", 0, 1)
-    llm = LLM(**dataclasses.asdict(config))
+    llm = LLM(**{f.name: getattr(config, f.name) for f in dataclasses.fields(config)})  # nested options kept
     on_progress(f"{label}: loading the engine", 1, 1)
     workload = workload or build_workload(llm.tokenizer, settings)
     result = run_workload(llm, workload, settings.max_new_tokens,

@@ -15,7 +15,7 @@ import torch
 from goodserve.config import DTYPES, EngineConfig
 from goodserve.errors import InvalidRequestError
 from goodserve.model.spec import ModelSpec
-from goodserve.ops.attention import triton_available
+from goodserve.ops.kernel_choice import triton_available
 
 _TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPES if name != "auto"}
 

@@ -1,7 +1,8 @@
 """CUDA graphs of whole steps: one per decode batch-size bucket, and one per token-count bucket for
 steps with prefill chunks (up to mixed_graph_max_tokens tokens). Such steps replay a graph (no
 per-kernel launch cost); larger or unusual ones run eagerly. A graph reads and writes only its own
-static buffers; a step's inputs reach its input buffer in one host-to-device copy.
+static buffers; a step's inputs reach its input buffer in one host-to-device copy. The limits come
+from the engine's KernelOptions (config.py): mixed_graph_max_tokens, graph_time_tolerance.
 """
 
 from __future__ import annotations
@@ -28,29 +29,27 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return [s for s in sizes if s < max_num_seqs] + [max_num_seqs]
 
 
-# A larger graph than the smallest that holds a batch is used only if its replay is this much faster.
-GRAPH_TIME_TOLERANCE = 0.03
-
-# Steps with prefill chunks of up to this many tokens replay a graph. Eagerly, an 8B model's step
-# costs ~16 ms of kernel launches on an H100 host whatever its size (a 22-token step took 17.4 ms,
-# a decode graph of 20 sequences 6.1 ms: benchmarks/results/gpu_engine_makespan_eager_h100.json); past a
-# few thousand tokens the GPU's own time hides the launches.
-MIXED_GRAPH_MAX_TOKENS = 2048
+# Steps with prefill chunks of up to mixed_graph_max_tokens tokens (2,048) replay a graph. Eagerly,
+# an 8B model's step costs ~16 ms of kernel launches on an H100 host whatever its size (a 22-token
+# step took 17.4 ms, a decode graph of 20 sequences 6.1 ms:
+# benchmarks/results/gpu_engine_makespan_eager_h100.json); past a few thousand tokens the GPU's own
+# time hides the launches.
 # A mixed graph holds at most this many sequences after the leading decodes (prefill chunks and
 # the decodes among them), the padding sequence included: it bounds the prefill kernel's grid.
 MIXED_GRAPH_MAX_PREFILL_SEQS = 64
 
 
-def mixed_graph_token_counts(max_num_batched_tokens: int) -> list[int]:
-    """The token counts of the mixed-step graphs; a step runs in one that holds it, padded."""
-    top = min(max_num_batched_tokens, MIXED_GRAPH_MAX_TOKENS)
+def mixed_graph_token_counts(max_num_batched_tokens: int, max_tokens: int) -> list[int]:
+    """The token counts of the mixed-step graphs (up to max_tokens); a step runs in one that holds
+    it, padded."""
+    top = min(max_num_batched_tokens, max_tokens)
     counts = [16, 32] + list(range(64, 1024, 64)) + list(range(1024, top, 128))
     return sorted({c for c in counts if c < top} | {-(-top // 16) * 16}) if top > 0 else []
 
 
-def graph_size_for_each_batch(replay_ms: dict[int, float]) -> list[int]:
+def graph_size_for_each_batch(replay_ms: dict[int, float], tolerance: float) -> list[int]:
     """Index n: the captured size a batch of n sequences (or tokens) replays, the smallest whose replay
-    time is within GRAPH_TIME_TOLERANCE of the fastest size >= n. Padding rows cost little, but
+    time is within `tolerance` (a share) of the fastest size >= n. Padding rows cost little, but
     cuBLAS's choice of kernel for some row counts does: Llama-3.1-8B's gate_up takes 311 us at 448
     rows and 164 us at 512 on an H100 (benchmarks/results/gpu_gemm_h100.json)."""
     sizes = sorted(replay_ms)
@@ -58,7 +57,7 @@ def graph_size_for_each_batch(replay_ms: dict[int, float]) -> list[int]:
     for n in range(1, sizes[-1] + 1):
         fits = [s for s in sizes if s >= n]
         fastest = min(replay_ms[s] for s in fits)
-        choice[n] = next(s for s in fits if replay_ms[s] <= fastest * (1 + GRAPH_TIME_TOLERANCE))
+        choice[n] = next(s for s in fits if replay_ms[s] <= fastest * (1 + tolerance))
     return choice
 
 
@@ -67,10 +66,13 @@ def capture_graphs(runner: ModelRunner) -> tuple[GraphSet, GraphSet]:
     """The decode graphs (by sequence count) and the mixed-step graphs (by token count)."""
     pool = torch.cuda.graph_pool_handle()
     # largest first, so smaller graphs fit in its memory pool
-    counts = sorted(mixed_graph_token_counts(runner.config.max_num_batched_tokens), reverse=True)
-    mixed = GraphSet.timed({count: _MixedGraph(runner, count, pool) for count in counts})
-    sizes = sorted(graph_batch_sizes(runner.config.max_num_seqs), reverse=True)
-    decode = GraphSet.timed({size: _DecodeGraph(runner, size, pool) for size in sizes})
+    config, options = runner.config, runner.config.kernels
+    counts = sorted(mixed_graph_token_counts(config.max_num_batched_tokens, options.mixed_graph_max_tokens),
+                    reverse=True)
+    mixed = GraphSet.timed({count: _MixedGraph(runner, count, pool) for count in counts},
+                           options.graph_time_tolerance)
+    sizes = sorted(graph_batch_sizes(config.max_num_seqs), reverse=True)
+    decode = GraphSet.timed({size: _DecodeGraph(runner, size, pool) for size in sizes}, options.graph_time_tolerance)
     for graphs, unit in ((decode, "sequence"), (mixed, "token")):
         for size, chosen in graphs.replaced().items():
             logger.info("batches that fit the %d-%s graph replay the %d one (%.2f ms against %.2f)", size, unit,
@@ -90,16 +92,17 @@ def graph_for(flat: FlatBatch, decode_graphs: GraphSet, mixed_graphs: GraphSet) 
 
 class GraphSet:
     """Captured graphs by size, and the graph each size replays: the smallest whose replay time is
-    within GRAPH_TIME_TOLERANCE of the fastest that holds it (`graph_size_for_each_batch`)."""
+    within `tolerance` of the fastest that holds it (`graph_size_for_each_batch`)."""
 
-    def __init__(self, graphs: dict | None = None, replay_ms: dict[int, float] | None = None) -> None:
+    def __init__(self, graphs: dict | None = None, replay_ms: dict[int, float] | None = None,
+                 tolerance: float = 0.0) -> None:
         self.graphs = dict(sorted((graphs or {}).items()))
         self.replay_ms = replay_ms or {}
-        self.size_for = graph_size_for_each_batch(self.replay_ms) if self.graphs else []
+        self.size_for = graph_size_for_each_batch(self.replay_ms, tolerance) if self.graphs else []
 
     @classmethod
-    def timed(cls, graphs: dict) -> GraphSet:
-        return cls(graphs, {size: graph.time_replay() for size, graph in graphs.items()})
+    def timed(cls, graphs: dict, tolerance: float) -> GraphSet:
+        return cls(graphs, {size: graph.time_replay() for size, graph in graphs.items()}, tolerance)
 
     def holding(self, size: int):
         """The graph a batch of `size` replays; None when none holds it."""
@@ -166,7 +169,7 @@ class _DecodeGraph(_StepGraph):
     def _forward(self) -> None:
         hidden = self.model(self.input_ids, self.positions, self.kv_caches, self.meta)
         self.logits = self.model.compute_logits(hidden)
-        self.logits_argmax = argmax(self.logits)  # greedy tokens in the graph: no launch after it
+        self.logits_argmax = argmax(self.logits, self.model.kernels)  # greedy tokens in the graph: no launch after it
 
     def replay(self, num_seqs: int) -> tuple[torch.Tensor, torch.Tensor]:
         self.graph.replay()

@@ -10,11 +10,13 @@ requests decode alone and each step's weight read carries a handful of tokens.
 
 This policy starts the longest requests first (longest-processing-time-first) and then spreads the
 remaining work over the steps the longest one needs anyway: each step aims at
-SLACK x (tokens left to compute) / (steps left on the longest request). The shortfall between that
+slack x (tokens left to compute) / (steps left on the longest request). The shortfall between that
 aim and the step's decodes accrues as credit; new requests are admitted once the credit reaches
-MIN_ADMIT tokens, so prefill chunks come in lumps rather than every step (a step with a prefill
+min_admit tokens, so prefill chunks come in lumps rather than every step (a step with a prefill
 chunk replays a mixed-step graph; its host work costs more than a decode step's). A request that
 would otherwise outlast the longest one is admitted at once: with equal lengths the policy is FCFS.
+slack (1.5: aim above the even spread, early steps are cheaper to fill than late ones are to rescue)
+and min_admit (512) are EngineConfig's makespan_slack and makespan_min_admit.
 """
 
 from __future__ import annotations
@@ -22,10 +24,6 @@ from __future__ import annotations
 from goodserve.engine.sequence import Sequence
 from goodserve.engine.waiting_queue import WaitingQueue
 
-# Aim above the even spread: early steps are cheaper to fill than late ones are to rescue.
-SLACK = 1.5
-# Admit new requests once this many tokens of credit have accrued.
-MIN_ADMIT = 512
 # A waiting request is admitted, credit or not, once it has at most this many steps to spare.
 DEADLINE_MARGIN = 2
 
@@ -44,7 +42,8 @@ class MakespanAdmission:
     its own index of the waiting sequences (the scheduler tells it who enters and leaves the queue),
     so a step costs the running sequences and the few waiting ones near the deadline, not the queue."""
 
-    def __init__(self, max_admit: int) -> None:
+    def __init__(self, max_admit: int, slack: float, min_admit: int) -> None:
+        self.slack, self.min_admit = slack, min_admit
         self.credit = 0.0  # tokens the steps so far fell short of their aim (negative: ran ahead)
         self.aim = 0.0  # the last step's aim, tokens
         self.max_admit = max_admit  # no step admits more prompt tokens (max_num_batched_tokens)
@@ -64,12 +63,12 @@ class MakespanAdmission:
         running sequences. Reads the queues; changes nothing until `advance`."""
         steps_left = self._steps_left(running)
         tokens_left = sum(seq.max_len - seq.num_computed_tokens for seq in running) + self.waiting_tokens_left
-        self.aim = SLACK * tokens_left / steps_left
+        self.aim = self.slack * tokens_left / steps_left
         room = self.credit + self.aim - num_scheduled
         due = self._prompt_tokens_due(steps_left)
         if not running:
             return max(int(room), due, 1)
-        return max(int(room) if room >= MIN_ADMIT else 0, due)
+        return max(int(room) if room >= self.min_admit else 0, due)
 
     def advance(self, num_tokens: int) -> None:
         """A step ran num_tokens tokens against the last aim."""

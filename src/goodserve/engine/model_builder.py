@@ -12,18 +12,20 @@ from goodserve.engine.config_resolution import torch_dtype
 from goodserve.errors import InvalidRequestError
 from goodserve.model.loader import LoadedModel, load_model
 from goodserve.model.tokenizer_loader import load_tokenizer
-from goodserve.ops.attention import set_attention_backend
 from goodserve.ops.cpu_linear import pack_linears_for_cpu
+from goodserve.ops.kernel_choice import KernelChoice, choose_kernels, use_kernels
 
 
 def build_model(config: EngineConfig) -> LoadedModel:
+    """The model's modules hold their KernelChoice (ops/kernel_choice.py): no process-wide setting."""
     device = torch.device(config.device)
     torch.manual_seed(config.seed)
-    set_attention_backend(config.attention_backend)
+    kernels = choose_kernels(config.attention_backend, config.kernels, device)
     loaded = load_model(config.model, torch_dtype(config), device, seed=config.seed,
                         keep_gguf_quantization=config.quantization == "gguf")
     apply_quantization(loaded, config)
-    specialize_linears(loaded.model, device, config)
+    specialize_linears(loaded.model, device, config, kernels)
+    use_kernels(loaded.model, kernels)
     if config.tokenizer:
         loaded = dataclasses.replace(loaded, tokenizer=load_tokenizer(config.tokenizer, loaded.spec))
     return loaded
@@ -51,7 +53,7 @@ def apply_quantization(loaded: LoadedModel, config: EngineConfig) -> None:
                        lm_head=config.quantize_lm_head)
 
 
-def specialize_linears(model, device: torch.device, config: EngineConfig) -> None:
+def specialize_linears(model, device: torch.device, config: EngineConfig, kernels: KernelChoice) -> None:
     """Once the weights are final, the fastest kernel per linear: oneDNN packed weights for float32
     on the CPU, and for int4 layers one native call per decode step; on CUDA, the Triton GEMV for
     one-row matmuls where it was measured to beat cuBLAS."""
@@ -64,7 +66,7 @@ def specialize_linears(model, device: torch.device, config: EngineConfig) -> Non
             use_int8_activations(model)
         pack_linears_for_cpu(model)
         native_decode.attach(model)
-    elif config.attention_backend != "torch":
+    elif kernels.triton:
         from goodserve.ops.gemv_linear import route_decode_rows_to_gemv
 
-        route_decode_rows_to_gemv(model)
+        route_decode_rows_to_gemv(model, kernels)

@@ -78,7 +78,7 @@ class ModelRunner:
         if cuda and num_blocks >= 3:
             self._warm_up_eager_kernels()
             torch.cuda.synchronize(device)
-        if cuda and not config.enforce_eager and config.attention_backend != "torch":
+        if cuda and not config.enforce_eager and model.kernels.triton:
             self.decode_graphs, self.mixed_graphs = capture_graphs(self)
 
     def _warm_up_eager_kernels(self) -> ModelOutput:
@@ -119,7 +119,7 @@ class ModelRunner:
                                          out.penalty_token_ids.get(r)) for r in rows]
             sampling = build_sampling_batch(sampling_rows, self.vocab_size, self.device, self.eos_token_ids, grammar)
             with rewind_generators(sampling, always=trial):
-                sampled = sample(step.output.logits, sampling, step.output.logits_argmax)
+                sampled = sample(step.output.logits, sampling, self.model.kernels, step.output.logits_argmax)
             # A copy of its own: the next replay of the same graph overwrites the graph's argmax buffer.
             sampled.token_ids = sampled.token_ids.clone()
             if not trial:
@@ -204,7 +204,8 @@ class ModelRunner:
             slot_mapping=views.slot_mapping[:num_tokens], query_start_loc=views.query_start_loc[: num_seqs + 1],
             seq_lens=views.seq_lens[:num_seqs], block_tables=views.block_tables[:num_seqs],
             max_query_len=max(flat.query_lens), max_seq_len=max(flat.seq_lens), query_lens_host=flat.query_lens,
-            seq_lens_host=flat.seq_lens, num_leading_decodes=leading_decodes(flat.query_lens),
+            seq_lens_host=flat.seq_lens, num_leading_decodes=leading_decodes(flat.query_lens)
+            if self.config.kernels.decode_kernel_for_mixed_decodes else 0,
         )
         return ModelInput(views.input_ids[:num_tokens], views.positions[:num_tokens], meta, flat.sample_rows,
                           views.logits_indices[: len(flat.sample_rows)], flat.prompt_logit_spans,

@@ -58,7 +58,8 @@ class Scheduler:
         self.seqs: dict[str, Sequence] = {}  # every unfinished sequence it was given, by id
         self.num_preemptions = 0
         makespan = config.scheduler_policy == "makespan"
-        self.makespan = MakespanAdmission(config.max_num_batched_tokens) if makespan else None
+        self.makespan = MakespanAdmission(config.max_num_batched_tokens, config.makespan_slack,
+                                          config.makespan_min_admit) if makespan else None
         self.waiting = WaitingQueue(longest_first_key if makespan else Sequence.priority_key)
 
     # ---- queue management ----------------------------------------------------------------

@@ -2,7 +2,8 @@
 
 Tokens of all sequences in a batch are laid end to end ([T, hidden]); the attention metadata says
 which sequence each belongs to. q/k/v and gate/up are fused into one matmul each; those linears are
-plain nn.Linear so quantization can swap them by name.
+plain nn.Linear so quantization can swap them by name. Modules that launch kernels hold the model's
+KernelChoice (`kernels`: torch's until the engine gives them its own, ops/kernel_choice.use_kernels).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from goodserve.errors import ModelLoadError
 from goodserve.model.spec import ModelSpec
 from goodserve.ops.activation import silu_and_mul
 from goodserve.ops.attention import AttentionMetadata, LayerKVCache, attention
+from goodserve.ops.kernel_choice import TORCH_KERNELS
 from goodserve.ops.norm import add_rms_norm, rms_norm
 from goodserve.ops.rotary import cos_sin_cache
 
@@ -23,14 +25,15 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.kernels = TORCH_KERNELS
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """With a residual: add it first and return (normed, new residual), one fused pass."""
         if residual is None:
-            return rms_norm(x, self.weight, self.eps)
-        return add_rms_norm(x, residual, self.weight, self.eps)
+            return rms_norm(x, self.weight, self.eps, self.kernels)
+        return add_rms_norm(x, residual, self.weight, self.eps, self.kernels)
 
 
 class LlamaAttention(nn.Module):
@@ -41,6 +44,7 @@ class LlamaAttention(nn.Module):
         self.scale = spec.head_dim**-0.5
         self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.attention_bias)
         self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=False)
+        self.kernels = TORCH_KERNELS
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, rotary_cache: torch.Tensor,
@@ -50,7 +54,7 @@ class LlamaAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        out = attention(q, k, v, positions, rotary_cache, kv_cache, meta, self.scale)
+        out = attention(q, k, v, positions, rotary_cache, kv_cache, meta, self.scale, self.kernels)
         return self.o_proj(out.flatten(1))
 
 
@@ -59,9 +63,10 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False)
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+        self.kernels = TORCH_KERNELS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.kernels))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -104,6 +109,7 @@ class LlamaForCausalLM(nn.Module):
         # Set on the CPU for int4 models (model/native_decode.py): runs the decode steps it takes
         # through all layers in one native call. Not a module, so the state dict is the same either way.
         self.native_decode = None
+        self.kernels = TORCH_KERNELS  # what the engine's sampler and graphs launch beside the model
         # float32 whatever the model dtype: angles at large positions need the precision.
         self.register_buffer("rotary_cache", self._rotary_table(), persistent=False)
 

@@ -7,33 +7,27 @@ cached key at a position <= its own (causal). K/V live in blocks of `block_size`
 slot = block_id * block_size + offset.
 
 The Triton kernels (ops/triton_attention.py) compute the same function; this file is their reference,
-the CPU path, and the dispatch between the two (`set_attention_backend`). The model calls one entry
-point per layer, `attention` (RoPE, cache write, attention). A CPU step of a 135M model is mostly
-per-op dispatch cost (30 layers x dozens of tiny ops), so in float32 the CPU runs two native calls
-(native/layer_ops.cpp, decode_attention.cpp); elsewhere its torch path derives what depends only
-on the step (RoPE rows, write slots, gather indices) once per step (`StepIndices`), and one
-sequence's decode attention is two small matmuls over one block gather, not masked SDPA.
+the CPU path, and the dispatch between the two (by the model's KernelChoice, ops/kernel_choice.py).
+The model calls one entry point per layer, `attention` (RoPE, cache write, attention). A CPU step of
+a 135M model is mostly per-op dispatch cost (30 layers x dozens of tiny ops), so in float32 the CPU
+runs two native calls (native/layer_ops.cpp, decode_attention.cpp); elsewhere its torch path derives
+what depends only on the step (RoPE rows, write slots, gather indices) once per step
+(`StepIndices`), and one sequence's decode attention is two small matmuls over one block gather,
+not masked SDPA.
 """
 
 from __future__ import annotations
 
-import functools
-import importlib.util
-import os
 from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
 
-from goodserve.config import ATTENTION_BACKENDS
 from goodserve.native import layer_ops
+from goodserve.ops.kernel_choice import KernelChoice
 from goodserve.ops.rotary import apply_rotary_torch
 
 INT8_MAX = 127.0
-
-# Process-wide kernel choice, set once by the engine from EngineConfig.attention_backend. It governs
-# every Triton kernel (attention, the RoPE + cache write, and the fused norm/activation/argmax ops).
-_backend = "auto"
 
 
 @dataclass
@@ -94,44 +88,14 @@ def quantize_int8_per_head(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return values, scale
 
 
-def set_attention_backend(name: str) -> None:
-    """"auto": Triton on CUDA tensors, torch elsewhere; "torch": never Triton; "triton": always Triton
-    (CPU tensors then need TRITON_INTERPRET=1, which is how the kernel tests run)."""
-    global _backend
-    if name not in ATTENTION_BACKENDS:
-        raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
-    if name == "triton" and not triton_available():
-        raise RuntimeError("attention_backend='triton' needs the triton package")
-    _backend = name
-
-
-def get_attention_backend() -> str:
-    return _backend
-
-
-@functools.cache
-def triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
-def use_triton(x: torch.Tensor) -> bool:
-    """Whether the op about to run on x should take its Triton kernel."""
-    if _backend == "torch":
-        return False
-    if _backend == "triton":
-        if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-            raise RuntimeError("attention_backend='triton' on CPU tensors needs TRITON_INTERPRET=1")
-        return True
-    return x.is_cuda and triton_available()
-
-
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-              rotary_cache: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+              rotary_cache: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, scale: float,
+              kernels: KernelChoice) -> torch.Tensor:
     """One layer: RoPE on q [T, Hq, D] (in place) and k [T, Hk, D], the new K/V into the cache, then
     q attending its context -> [T, Hq, D]."""
-    if use_triton(q):
-        rotary_write_kv(q, k, v, positions, rotary_cache, cache, meta.slot_mapping)
-        return paged_attention(q, cache, meta, scale)
+    if kernels.triton:
+        rotary_write_kv(q, k, v, positions, rotary_cache, cache, meta.slot_mapping, kernels)
+        return paged_attention(q, cache, meta, scale, kernels)
     if native_attention_usable(q, cache):
         layer_ops.rope_write_kv(q, k, v, positions, rotary_cache, cache.k, cache.v, meta.slot_mapping)
         if meta.is_decode_only:
@@ -150,33 +114,36 @@ def native_attention_usable(q: torch.Tensor, cache: LayerKVCache) -> bool:
 
 
 def rotary_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                    rotary_cache: torch.Tensor, cache: LayerKVCache, slot_mapping: torch.Tensor) -> None:
+                    rotary_cache: torch.Tensor, cache: LayerKVCache, slot_mapping: torch.Tensor,
+                    kernels: KernelChoice) -> None:
     """RoPE on q ([T, Hq, D], in place) and k; then the new tokens' K/V ([T, Hk, D]) into their
     slots, quantized for an int8/fp8 cache. One fused kernel on the Triton path."""
-    if use_triton(q):
+    if kernels.triton:
         from goodserve.ops.triton_attention import triton_rotary_write_kv
 
-        triton_rotary_write_kv(q, k, v, positions, rotary_cache, cache, slot_mapping)
+        triton_rotary_write_kv(q, k, v, positions, rotary_cache, cache, slot_mapping, pdl=kernels.pdl)
     else:
         rotary_write_kv_torch(q, k, v, positions, rotary_cache, cache, slot_mapping)
 
 
-def paged_attention(q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def paged_attention(q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, scale: float,
+                    kernels: KernelChoice) -> torch.Tensor:
     """q: [T, Hq, D] -> [T, Hq, D], attending this step's context (K/V already written)."""
-    if not use_triton(q):
+    if not kernels.triton:
         return paged_attention_torch(q, cache, meta, scale)
     from goodserve.ops.triton_attention import triton_decode_attention, triton_prefill_attention
 
+    pdl, waves = kernels.pdl, kernels.options.decode_attention_waves
     if meta.is_decode_only:
-        return triton_decode_attention(q, cache, meta.block_tables, meta.seq_lens, scale)
+        return triton_decode_attention(q, cache, meta.block_tables, meta.seq_lens, scale, pdl=pdl, waves=waves)
     out, decodes, first_seq = torch.empty_like(q), meta.num_leading_decodes, meta.num_leading_decodes
     if meta.leading_decodes is not None:  # any of the rows may be a decode
         decodes, first_seq = min(q.shape[0], meta.seq_lens.shape[0]), meta.leading_decodes
     if decodes:
         triton_decode_attention(q[:decodes], cache, meta.block_tables[:decodes], meta.seq_lens[:decodes], scale,
-                                out=out[:decodes], num_decodes=meta.leading_decodes)
+                                out=out[:decodes], num_decodes=meta.leading_decodes, pdl=pdl, waves=waves)
     return triton_prefill_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,
-                                    first_seq=first_seq, out=out, max_seqs=meta.max_prefill_seqs)
+                                    first_seq=first_seq, out=out, max_seqs=meta.max_prefill_seqs, pdl=pdl)
 
 
 def rotary_write_kv_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,

@@ -1,7 +1,7 @@
 """RMSNorm, optionally fused with the residual add that precedes it.
 
 The *_torch functions are the references; rms_norm / add_rms_norm dispatch to the Triton kernels
-(ops/triton_ops.py) where ops.attention.use_triton says so, and on the CPU in float32 to the native
+(ops/triton_ops.py) where the caller's KernelChoice says so, and on the CPU in float32 to the native
 kernel (native/layer_ops.cpp: one call instead of about eight torch ops).
 """
 
@@ -10,27 +10,27 @@ from __future__ import annotations
 import torch
 
 from goodserve.native import layer_ops
-from goodserve.ops.attention import use_triton
+from goodserve.ops.kernel_choice import KernelChoice
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if use_triton(x):
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, kernels: KernelChoice) -> torch.Tensor:
+    if kernels.triton:
         from goodserve.ops.triton_ops import triton_rms_norm
 
-        return triton_rms_norm(x, weight, eps)
+        return triton_rms_norm(x, weight, eps, kernels.pdl)
     if layer_ops.usable(x, weight):
         return layer_ops.add_rms_norm(x, None, weight, eps)[0]
     return rms_norm_torch(x, weight, eps)
 
 
 def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, kernels: KernelChoice
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """residual += x; return (rms_norm(residual), residual). The inputs are not modified."""
-    if use_triton(x):
+    if kernels.triton:
         from goodserve.ops.triton_ops import triton_add_rms_norm
 
-        return triton_add_rms_norm(x, residual, weight, eps)
+        return triton_add_rms_norm(x, residual, weight, eps, kernels.pdl)
     if layer_ops.usable(x, residual, weight):
         return layer_ops.add_rms_norm(x, residual, weight, eps)
     return add_rms_norm_torch(x, residual, weight, eps)

@@ -10,8 +10,9 @@ also sees the effects of every kernel before that one (each of them waited for i
 predecessor before finishing).
 
 Kernels take `USE_PDL` and call `pdl_sync(USE_PDL)` before touching memory; launch sites pass
-`**pdl_launch(tensor)`. Off on the CPU (the interpreter has no grid dependencies), on GPUs older
-than sm_90, and when `set_pdl(False)` (the benchmarks measure both).
+`**pdl_launch(pdl)`, pdl their caller's KernelChoice.pdl (ops/kernel_choice.py), which is off on
+the CPU (the interpreter has no grid dependencies), on GPUs older than sm_90, and where
+KernelOptions.pdl is False (the benchmarks measure both). Kernels called directly launch without.
 """
 
 from __future__ import annotations
@@ -22,25 +23,15 @@ import torch
 import triton
 import triton.language as tl
 
-_enabled = True
-
-
-def set_pdl(enabled: bool) -> None:
-    """Process-wide switch; takes effect for kernels launched (and graphs captured) afterwards."""
-    global _enabled
-    _enabled = enabled
-
 
 @functools.cache
-def _device_supports_pdl(device_index: int) -> bool:
+def device_supports_pdl(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9 and hasattr(tl.extra.cuda, "gdc_wait")
 
 
-def pdl_launch(x: torch.Tensor) -> dict:
-    """The launch keywords for a kernel working on x's device: PDL where it can be used."""
-    use = _enabled and x.is_cuda and _device_supports_pdl(x.device.index if x.device.index is not None
-                                                          else torch.cuda.current_device())
-    return {"USE_PDL": use, "launch_pdl": use}
+def pdl_launch(pdl: bool) -> dict:
+    """The launch keywords of a kernel launched with PDL or without."""
+    return {"USE_PDL": pdl, "launch_pdl": pdl}
 
 
 @triton.jit

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from goodserve.ops.attention import use_triton
+from goodserve.ops.kernel_choice import KernelChoice
 from goodserve.ops.token_bitmask import apply_token_bitmask
 
 
@@ -112,17 +112,18 @@ def exponential_noise(shape: torch.Size, generators: list[torch.Generator | None
     return noise
 
 
-def argmax(x: torch.Tensor) -> torch.Tensor:
+def argmax(x: torch.Tensor, kernels: KernelChoice) -> torch.Tensor:
     """[N, V] -> [N] int64: each row's first maximum, as torch.argmax (a many-program kernel on GPUs)."""
-    if use_triton(x):
+    if kernels.triton:
         from goodserve.ops.triton_ops import triton_argmax
 
-        return triton_argmax(x)
+        return triton_argmax(x, kernels.pdl)
     return x.argmax(dim=-1)
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch, raw_argmax: torch.Tensor | None = None) -> SamplerOutput:
-    """logits: [N, V] float32, one row per sequence that samples this step.
+def sample(logits: torch.Tensor, batch: SamplingBatch, kernels: KernelChoice,
+           raw_argmax: torch.Tensor | None = None) -> SamplerOutput:
+    """logits: [N, V] float32, one row per sequence that samples this step; kernels: the model's.
 
     raw_argmax: argmax(logits) if already computed (the decode graph computes it); it stands in for
     the greedy tokens whenever no penalty changes the logits.
@@ -132,7 +133,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, raw_argmax: torch.Tensor 
     raw_logits = logits
     logits = apply_penalties(logits, batch)
     use_raw = raw_argmax is not None and not batch.changes_logits
-    greedy_tokens = raw_argmax if use_raw else argmax(logits)
+    greedy_tokens = raw_argmax if use_raw else argmax(logits, kernels)
     if batch.all_greedy:
         token_ids = greedy_tokens
     else:
@@ -141,7 +142,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, raw_argmax: torch.Tensor 
             scaled = top_k_top_p_min_p(scaled, batch)
         probs = scaled.softmax(dim=-1)
         noise = exponential_noise(probs.shape, batch.generators, probs.device)
-        sampled = argmax(probs / noise)
+        sampled = argmax(probs / noise, kernels)
         token_ids = torch.where(batch.temperature == 0, greedy_tokens, sampled)
     if batch.max_logprobs < 0:
         return SamplerOutput(token_ids=token_ids)

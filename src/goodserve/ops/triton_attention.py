@@ -111,7 +111,7 @@ def _rotary_write_kv_kernel(q_ptr, k_ptr, v_ptr, positions_ptr, rotary_ptr, slot
 
 
 def triton_rotary_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                           rotary_cache: torch.Tensor, cache, slot_mapping: torch.Tensor) -> None:
+                           rotary_cache: torch.Tensor, cache, slot_mapping: torch.Tensor, pdl: bool = False) -> None:
     """q: [T, Hq, D] rotated in place; k (rotated) and v: [T, Hk, D] into the cache slots (-1 skipped).
 
     Views into a fused qkv projection are fine: only the head dim must be contiguous.
@@ -131,7 +131,7 @@ def triton_rotary_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
         num_q_heads, num_kv_heads, half,
         BLOCK_HQ=triton.next_power_of_2(num_q_heads), BLOCK_HK=triton.next_power_of_2(num_kv_heads),
         BLOCK_HALF=triton.next_power_of_2(half), KV_QUANT=_kv_quant(cache), num_warps=4,
-        **pdl_launch(q),
+        **pdl_launch(pdl),
     )
 
 
@@ -300,8 +300,9 @@ def _arrival_counters(device: torch.device, count: int) -> torch.Tensor:
 
 
 def default_num_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.device,
-                       split_keys: int) -> int:
-    """Splits that fill the GPU about twice over, from shapes only (so a captured graph stays valid).
+                       split_keys: int, waves: int = 2) -> int:
+    """Splits that fill the GPU about `waves` times over, from shapes only (so a captured graph stays
+    valid). The engine passes KernelOptions.decode_attention_waves.
 
     max_context is the block table's capacity, not any sequence's length: the kernel sizes each
     launch's splits from the actual lengths, so a generous count costs short contexts nothing.
@@ -312,7 +313,7 @@ def default_num_splits(batch: int, num_kv_heads: int, max_context: int, device: 
     # benchmarks/results/gpu_kernels_decode_sweep_h100.json); inside the engine's ShareGPT-like run
     # it was slower (decode steps at batch 9-64: 7.66 ms in gpu_engine_routing_h100.json against
     # 7.45 in gpu_engine_pdl_h100.json, two calls on the same card kind), so twice over stays.
-    wanted = triton.cdiv(2 * _num_sms(device.index or 0), batch * num_kv_heads)
+    wanted = triton.cdiv(waves * _num_sms(device.index or 0), batch * num_kv_heads)
     by_length = triton.cdiv(max_context, split_keys)
     return min(triton.next_power_of_2(wanted), 32, triton.next_power_of_2(by_length))
 
@@ -330,9 +331,11 @@ def _tuning(q: torch.Tensor, defaults: dict, tuning: dict | None) -> dict:
 
 def triton_decode_attention(q: torch.Tensor, cache, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                             scale: float, num_splits: int | None = None, tuning: dict | None = None,
-                            out: torch.Tensor | None = None, num_decodes: torch.Tensor | None = None) -> torch.Tensor:
+                            out: torch.Tensor | None = None, num_decodes: torch.Tensor | None = None,
+                            pdl: bool = False, waves: int = 2) -> torch.Tensor:
     """q: [B, Hq, D], one query per sequence -> [B, Hq, D] (into `out` when given).
-    num_splits: a power of two, or None (auto). num_decodes: an int32 device scalar; only the first
+    num_splits: a power of two, or None (default_num_splits, filling the GPU `waves` times over).
+    num_decodes: an int32 device scalar; only the first
     num_decodes sequences are computed, the other rows of `out` are left as they are (a mixed
     graph's decodes, whose count the host does not know when the launch is recorded)."""
     batch, num_q_heads, head_dim = q.shape
@@ -343,7 +346,7 @@ def triton_decode_attention(q: torch.Tensor, cache, block_tables: torch.Tensor, 
     tune = _tuning(q, DECODE_TUNING, tuning)
     if num_splits is None:
         num_splits = default_num_splits(batch, num_kv_heads, block_tables.shape[1] * block_size, q.device,
-                                        tune["SPLIT_KEYS"])
+                                        tune["SPLIT_KEYS"], waves)
     assert num_splits & (num_splits - 1) == 0, "num_splits must be a power of two"
     out = torch.empty_like(q) if out is None else out
     part_out = part_lse = arrivals = out  # unused when num_splits == 1
@@ -360,7 +363,7 @@ def triton_decode_attention(q: torch.Tensor, cache, block_tables: torch.Tensor, 
         BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=tune["BLOCK_N"], BLOCK_SIZE=block_size,
         SPLIT_KEYS=tune["SPLIT_KEYS"], NUM_SPLITS=num_splits, KV_QUANT=_kv_quant(cache), UPCAST_DOT=not q.is_cuda,
         DOT_PRECISION=_dot_precision(q.dtype), BOUNDED=num_decodes is not None, num_warps=tune["num_warps"],
-        num_stages=tune["num_stages"], **pdl_launch(q),
+        num_stages=tune["num_stages"], **pdl_launch(pdl),
     )
     return out
 
@@ -455,7 +458,7 @@ def _prefill_kernel(q_ptr, out_ptr, k_cache, v_cache, k_scale, v_scale, block_ta
 def triton_prefill_attention(q: torch.Tensor, cache, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                              query_start_loc: torch.Tensor, scale: float, tuning: dict | None = None,
                              first_seq: int | torch.Tensor = 0, out: torch.Tensor | None = None,
-                             max_seqs: int | None = None) -> torch.Tensor:
+                             max_seqs: int | None = None, pdl: bool = False) -> torch.Tensor:
     """q: [T, Hq, D], a varlen batch (any mix of prefill chunks and decodes) -> [T, Hq, D].
 
     first_seq: the sequences before it have one query each and are someone else's (the decode
@@ -485,7 +488,7 @@ def triton_prefill_attention(q: torch.Tensor, cache, block_tables: torch.Tensor,
         GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_N=tune["BLOCK_N"], BLOCK_SIZE=block_size, KV_QUANT=quant, UPCAST_DOT=not q.is_cuda,
         DOT_PRECISION=_dot_precision(q.dtype), FIRST_SEQ_IN_MEMORY=in_memory, num_warps=tune["num_warps"],
-        num_stages=tune["num_stages"], **pdl_launch(q),
+        num_stages=tune["num_stages"], **pdl_launch(pdl),
     )
     return out
 

@@ -409,11 +409,12 @@ def _dot_types(x: torch.Tensor) -> tuple[tl.dtype, str]:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, fmt: str, scales: torch.Tensor | None = None,
-         zeros: torch.Tensor | None = None, group: int = 0, **overrides) -> torch.Tensor:
+         zeros: torch.Tensor | None = None, group: int = 0, pdl: bool = False, **overrides) -> torch.Tensor:
     """x [M, K] (M <= GEMV_MAX_M) times the weight of format fmt -> [M, N] in x's dtype.
 
     dense: weight [N, K]; int8: weight [N, K] int8, scales [N] float32; int4: weight [N, K // 2]
-    uint8, scales and zeros [N, K // group] float32. overrides: GemvConfig fields.
+    uint8, scales and zeros [N, K // group] float32. pdl: launch with PDL (ops/pdl.py).
+    overrides: GemvConfig fields.
     """
     x = x.contiguous()
     m, k = x.shape
@@ -440,13 +441,13 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, fmt: str, scales: torch.Tensor |
         FORMAT=FORMATS[fmt], GROUP=max(group, 1), TILE_K=group if fmt == "int4" else config.block_k,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         EVEN_K=k % config.block_k == 0, SPLIT=splits > 1, DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision,
-        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch(x))
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch(pdl))
     return y
 
 
-def dense_gemv(x: torch.Tensor, weight: torch.Tensor, **overrides) -> torch.Tensor:
+def dense_gemv(x: torch.Tensor, weight: torch.Tensor, pdl: bool = False, **overrides) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T for M <= 16: the GEMV without dequantization."""
-    return gemv(x, weight, "dense", **overrides)
+    return gemv(x, weight, "dense", pdl=pdl, **overrides)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -629,10 +630,11 @@ def int4_rows_config(n: int, k: int, group: int, device: torch.device, block_n: 
 
 
 def int4_rows_gemv(x: torch.Tensor, weight: torch.Tensor | Int4RowsWeight, scales: torch.Tensor | None = None,
-                   zeros: torch.Tensor | None = None, group: int = 0, **overrides) -> torch.Tensor:
+                   zeros: torch.Tensor | None = None, group: int = 0, pdl: bool = False,
+                   **overrides) -> torch.Tensor:
     """x [1, K] times int4 weights -> [1, N] in x's dtype, with _int4_rows_kernel: weight either our
     packed codes [N, K // 2] with float32 scales / zeros [N, K // group] (read as stored), or an
-    Int4RowsWeight (its block_n fixes the config's). overrides: Int4RowsConfig fields."""
+    Int4RowsWeight (its block_n fixes the config's). pdl: launch with PDL. overrides: Int4RowsConfig fields."""
     x = x.contiguous()
     m, k = x.shape
     assert m == 1, "the int4 rows kernel takes one row"
@@ -660,5 +662,5 @@ def int4_rows_gemv(x: torch.Tensor, weight: torch.Tensor | Int4RowsWeight, scale
     _int4_rows_kernel[(n_blocks, splits)](
         x, w, s, z, y, partials, counters, n, k, stride_ww, stride_sn, per_split,
         GROUP=group, BLOCK_N=config.block_n, REPACKED=repacked, DENORMAL=config.denormal, SPLIT=splits > 1,
-        num_warps=config.num_warps, **pdl_launch(x))
+        num_warps=config.num_warps, **pdl_launch(pdl))
     return y

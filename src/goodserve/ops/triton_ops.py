@@ -44,7 +44,7 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, new_residual_ptr,
     tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch_rms_norm(x, residual, weight, eps):
+def _launch_rms_norm(x, residual, weight, eps, pdl):
     hidden = x.shape[-1]
     x2 = x.reshape(-1, hidden)
     assert x2.stride(-1) == 1, "rms_norm needs the hidden dim contiguous"
@@ -61,20 +61,20 @@ def _launch_rms_norm(x, residual, weight, eps):
         _rms_norm_kernel[(x2.shape[0],)](
             x2, res2, weight, out2, new_res2, x2.stride(0), res2.stride(0), out2.stride(0), new_res2.stride(0),
             hidden, eps, BLOCK=block, HAS_RESIDUAL=residual is not None, num_warps=_num_warps(block),
-            **pdl_launch(x),
+            **pdl_launch(pdl),
         )
     return out, new_residual
 
 
-def triton_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return _launch_rms_norm(x, None, weight, eps)[0]
+def triton_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, pdl: bool = False) -> torch.Tensor:
+    return _launch_rms_norm(x, None, weight, eps, pdl)[0]
 
 
 def triton_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, pdl: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (rms_norm(x + residual), x + residual); the inputs are left untouched."""
-    return _launch_rms_norm(x, residual, weight, eps)
+    return _launch_rms_norm(x, residual, weight, eps, pdl)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -96,7 +96,7 @@ def _silu_and_mul_kernel(gate_up_ptr, out_ptr, stride_in, stride_out, width, BLO
     tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def triton_silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+def triton_silu_and_mul(gate_up: torch.Tensor, pdl: bool = False) -> torch.Tensor:
     """gate_up: [..., 2 * I] -> [..., I]."""
     width = gate_up.shape[-1] // 2
     flat = gate_up.reshape(-1, 2 * width)
@@ -105,7 +105,7 @@ def triton_silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     block = min(triton.next_power_of_2(width), 1024)
     if flat.shape[0] > 0:
         _silu_and_mul_kernel[(flat.shape[0], triton.cdiv(width, block))](
-            flat, out.view(-1, width), flat.stride(0), width, width, BLOCK=block, num_warps=4, **pdl_launch(gate_up),
+            flat, out.view(-1, width), flat.stride(0), width, width, BLOCK=block, num_warps=4, **pdl_launch(pdl),
         )
     return out
 
@@ -142,7 +142,7 @@ def _argmax_merge_kernel(value_ptr, index_ptr, out_ptr, num_chunks, BLOCK_C: tl.
 ARGMAX_CHUNK = 2048
 
 
-def triton_argmax(x: torch.Tensor) -> torch.Tensor:
+def triton_argmax(x: torch.Tensor, pdl: bool = False) -> torch.Tensor:
     """x: [N, V] float -> [N] int64, each row's first maximum (torch.argmax(x, dim=-1) on NaN-free rows)."""
     rows, width = x.shape
     assert x.stride(-1) == 1, "argmax needs rows contiguous"
@@ -152,7 +152,7 @@ def triton_argmax(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(rows, dtype=torch.int64, device=x.device)
     if rows > 0:
         _argmax_chunks_kernel[(rows, num_chunks)](x, values, indices, x.stride(0), width, num_chunks,
-                                                 BLOCK=ARGMAX_CHUNK, num_warps=4, **pdl_launch(x))
+                                                 BLOCK=ARGMAX_CHUNK, num_warps=4, **pdl_launch(pdl))
         _argmax_merge_kernel[(rows,)](values, indices, out, num_chunks,
-                                      BLOCK_C=triton.next_power_of_2(num_chunks), num_warps=1, **pdl_launch(x))
+                                      BLOCK_C=triton.next_power_of_2(num_chunks), num_warps=1, **pdl_launch(pdl))
     return out

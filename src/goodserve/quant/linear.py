@@ -1,9 +1,9 @@
 """Weight-only quantized linear layers: drop-in nn.Linear replacements holding int8 / int4 codes.
 
 forward(x) equals nn.Linear on the dequantized weight. Paths:
-- CUDA, int4 with bfloat16 activations and up to INT4_TINYGEMM_MAX_M rows: torch's tinygemm kernel
-  (_weight_int4pack_mm, as gpt-fast and torchao use it), on a copy of the codes repacked once into
-  its tensor-core tile layout.
+- CUDA, int4 with bfloat16 activations and up to KernelOptions.int4_tinygemm_max_m rows (config.py):
+  torch's tinygemm kernel (_weight_int4pack_mm, as gpt-fast and torchao use it), on a copy of the
+  codes repacked once into its tensor-core tile layout.
 - CUDA otherwise (and int4 where tinygemm is missing or fails its first-use check): the Triton
   dequantize-GEMV / GEMM kernels (quant/triton_kernels.py, ops/triton_gemv.py).
 - CPU, few rows (decode): int4 takes goodserve's native kernel (native/int4_gemv.cpp: float32 rows
@@ -15,7 +15,8 @@ forward(x) equals nn.Linear on the dequantized weight. Paths:
   matmul; the dequantization is paid once per call and amortized over the rows, which beats the
   packed kernels there. It goes DEQUANT_CHUNK_BYTES of dequantized weight at a time, so a large
   layer (an int8 lm_head: 1 GB in bf16) needs no full-size float copy.
-`matmul_path` makes the choice; a CUDA tensor never reaches a CPU kernel (the native ones would
+`matmul_path` makes the choice; the CUDA kernels among themselves, the layer's KernelChoice (`kernels`,
+ops/kernel_choice.py; PDL, the int4 one-row kernel). A CUDA tensor never reaches a CPU kernel (the native ones would
 read its device pointers as host memory, and they refuse it: native/operands.py).
 benchmarks/cpu_quant_linear.py measured the crossover (CPU_PACKED_MAX_M); docs/quantization.md.
 """
@@ -30,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from goodserve.native import int4_gemv
+from goodserve.ops.kernel_choice import TORCH_KERNELS, KernelChoice
 from goodserve.quant import schemes
 
 logger = logging.getLogger("goodserve.quant")
@@ -47,20 +49,6 @@ CPU_NATIVE_MAX_M = 64
 # benchmarks/results/gpu_quant_kernels_h100.json); for larger batches (prefill, big decode
 # batches) dequantizing once and calling cuBLAS is several times faster.
 CUDA_KERNEL_MAX_M = 32
-# int4 with bfloat16 activations: tinygemm up to this many rows, the Triton kernels above it. On an
-# H100 (benchmarks/results/gpu_gemv_h100.json, Llama-3.1-8B shapes) tinygemm was faster at 1 and 4
-# rows, the tuned Triton GEMV at 16 (tinygemm's time grows with the rows). At 0 the layers never
-# build tinygemm's copy of the weights (another 0.5 byte per weight on the GPU).
-INT4_TINYGEMM_MAX_M = 4
-# int4, one row (batch-1 decode) on CUDA: "tinygemm" (with bfloat16 activations; Triton otherwise),
-# "triton" (the GEMV family's one-row path), "rows" (ops/triton_gemv.py's thread-per-row kernel on
-# the checkpoint layout) or "rows_repacked" (the same on a copy repacked once at first use; 0.5 byte
-# a weight more on the GPU). A layer takes the value current when it is built: its (out_features,
-# in_features) entry in INT4_ONE_ROW_KERNEL_BY_SHAPE, else INT4_ONE_ROW_KERNEL.
-# benchmarks/gpu_int4.py measures the four and prints the entries to set.
-INT4_ONE_ROW_KERNEL = "tinygemm"
-INT4_ONE_ROW_KERNEL_BY_SHAPE: dict[tuple[int, int], str] = {}
-INT4_ONE_ROW_KERNELS = ("tinygemm", "triton", "rows", "rows_repacked")
 DEQUANT_CHUNK_BYTES = 256 << 20  # largest dequantized weight block a many-row call holds at once
 # torch's int4 kernels (CPU and CUDA tinygemm) take codes 0..15 as (q - 8) * scale + zero8, so
 # zero8 = zero + 8 * scale. The CPU one needs the output dimension to be a multiple of 16.
@@ -97,6 +85,7 @@ class _QuantizedLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False) \
             if bias else None
+        self.kernels = TORCH_KERNELS  # the model's, once the engine has chosen (ops/kernel_choice.use_kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
@@ -152,7 +141,7 @@ class Int8Linear(_QuantizedLinear):
     def _cuda_matmul(self, rows: torch.Tensor) -> torch.Tensor:
         from goodserve.quant.triton_kernels import int8_matmul
 
-        return int8_matmul(rows, self.qweight, self.scales)
+        return int8_matmul(rows, self.qweight, self.scales, self.kernels.pdl)
 
     def _cpu_packed_matmul(self, rows: torch.Tensor) -> torch.Tensor:
         return torch._weight_int8pack_mm(rows.contiguous(), self.qweight, self.scales.to(rows.dtype))
@@ -211,9 +200,6 @@ class Int4Linear(_QuantizedLinear):
         self._native_supported: bool | None = None  # whether the native kernel takes this shape, once known
         self._tinygemm: tuple[tuple[int, ...], torch.Tensor, torch.Tensor] | None = None
         self.tinygemm_disabled = False  # set for good once tinygemm fails here; Triton serves instead
-        self.one_row_kernel = INT4_ONE_ROW_KERNEL_BY_SHAPE.get((out_features, in_features), INT4_ONE_ROW_KERNEL)
-        if self.one_row_kernel not in INT4_ONE_ROW_KERNELS:
-            raise ValueError(f"INT4_ONE_ROW_KERNEL {self.one_row_kernel!r} is not one of {INT4_ONE_ROW_KERNELS}")
         self._rows_layout: tuple[tuple[int, ...], object] | None = None  # "rows_repacked"'s copy
         # CPU decode: run torch's packed kernel on bfloat16-rounded rows whatever the activation
         # dtype. Its float32 / float16 variants are scalar loops (~20x slower on an AVX-512 EPYC,
@@ -223,6 +209,19 @@ class Int4Linear(_QuantizedLinear):
         # integer dot products, as llama.cpp does (native/int4_gemv.py); the GGUF layers turn it on.
         # Off: float32 rows, the exact dequantized product.
         self.int8_activations = False
+
+    @property
+    def kernels(self) -> KernelChoice:
+        return self._kernels
+
+    @kernels.setter
+    def kernels(self, kernels: KernelChoice) -> None:
+        """What CUDA calls take follows from the choice, settled here rather than on every call: the
+        one-row kernel, the rows kernel's launch, and the row counts tinygemm takes (bf16 only)."""
+        self._kernels = kernels
+        self.one_row_kernel = kernels.int4_one_row_kernel(self.out_features, self.in_features)
+        self.rows_overrides = kernels.options.int4_rows_configs.get((self.out_features, self.in_features), {})
+        self.tinygemm_rows = (1 if self.one_row_kernel == "tinygemm" else 2, kernels.options.int4_tinygemm_max_m)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group_size: int = 128) -> Int4Linear:
@@ -264,14 +263,16 @@ class Int4Linear(_QuantizedLinear):
         return super()._dequantized_matmul(rows)
 
     def _cuda_matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        pdl = self._kernels.pdl
         if rows.shape[0] == 1 and self.one_row_kernel.startswith("rows"):
             from goodserve.ops.triton_gemv import int4_rows_gemv
 
             if self.one_row_kernel == "rows_repacked" and (layout := self._rows_repacked()) is not None:
-                return int4_rows_gemv(rows, layout)
-            return int4_rows_gemv(rows, self.qweight, self.scales, self.zeros, self.group_size)
-        tinygemm_rows = 1 if self.one_row_kernel == "tinygemm" else 2
-        if rows.dtype == torch.bfloat16 and tinygemm_rows <= rows.shape[0] <= INT4_TINYGEMM_MAX_M:  # bf16 only
+                return int4_rows_gemv(rows, layout, pdl=pdl, **self.rows_overrides)
+            return int4_rows_gemv(rows, self.qweight, self.scales, self.zeros, self.group_size, pdl=pdl,
+                                  **self.rows_overrides)
+        fewest, most = self.tinygemm_rows
+        if rows.dtype == torch.bfloat16 and fewest <= rows.shape[0] <= most:
             layout = self._tinygemm_layout()
             if layout is not None:
                 try:
@@ -280,7 +281,7 @@ class Int4Linear(_QuantizedLinear):
                     self._disable_tinygemm(exc)
         from goodserve.quant.triton_kernels import int4_matmul
 
-        return int4_matmul(rows, self.qweight, self.scales, self.zeros, self.group_size)
+        return int4_matmul(rows, self.qweight, self.scales, self.zeros, self.group_size, pdl)
 
     def _rows_repacked(self):
         """The rows kernel's repacked copy (built on first use, outside graph capture), or None."""
@@ -291,7 +292,8 @@ class Int4Linear(_QuantizedLinear):
             return None  # the runner's warm-up calls build it; meanwhile the checkpoint layout serves
         from goodserve.ops.triton_gemv import int4_rows_config, int4_rows_layout
 
-        config = int4_rows_config(self.out_features, self.in_features, self.group_size, self.qweight.device)
+        config = int4_rows_config(self.out_features, self.in_features, self.group_size, self.qweight.device,
+                                  **self.rows_overrides)
         self._rows_layout = (key, int4_rows_layout(self.qweight, self.scales, self.zeros, self.group_size,
                                                    config.block_n))
         return self._rows_layout[1]

@@ -80,37 +80,38 @@ def _gemm_block_m(m: int) -> int:
     return 16 if m <= 16 else 32 if m <= 64 else 64
 
 
-def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, **gemv_overrides) -> torch.Tensor:
+def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, pdl: bool = False,
+                **gemv_overrides) -> torch.Tensor:
     """x [M, K] (fp32/fp16/bf16), qweight [N, K] int8, scales [N] fp32 -> [M, N] in x's dtype.
 
-    gemv_overrides: GemvConfig fields for the GEMV (block_n, block_k, split_k, ...; the benchmark
-    sweeps them)."""
+    pdl: launch with PDL (ops/pdl.py). gemv_overrides: GemvConfig fields for the GEMV (block_n,
+    block_k, split_k, ...; the benchmark sweeps them)."""
     x = x.contiguous()
     m, k = x.shape
     if m <= GEMV_MAX_M and k % 4 == 0:
-        return gemv(x, qweight, "int8", scales, **gemv_overrides)
+        return gemv(x, qweight, "int8", scales, pdl=pdl, **gemv_overrides)
     n = qweight.shape[0]
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     block_m, block_n = _gemm_block_m(m), 64
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     _int8_gemm_kernel[grid](x, qweight, scales, y, m, n, k, x.stride(0), qweight.stride(0), y.stride(0),
                             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64, DOT_PRECISION=_dot_precision(x),
-                            **pdl_launch(x))
+                            **pdl_launch(pdl))
     return y
 
 
 def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                group_size: int, **gemv_overrides) -> torch.Tensor:
+                group_size: int, pdl: bool = False, **gemv_overrides) -> torch.Tensor:
     """x [M, K], qweight [N, K // 2] uint8, scales / zeros [N, K // group_size] fp32 -> [M, N]."""
     x = x.contiguous()
     m, k = x.shape
     if m <= GEMV_MAX_M:
-        return gemv(x, qweight, "int4", scales, zeros, group_size, **gemv_overrides)
+        return gemv(x, qweight, "int4", scales, zeros, group_size, pdl=pdl, **gemv_overrides)
     n = qweight.shape[0]
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     block_m, block_n = _gemm_block_m(m), 64
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     _int4_gemm_kernel[grid](x, qweight, scales, zeros, y, m, n, k, x.stride(0), qweight.stride(0), scales.stride(0),
                             y.stride(0), GROUP=group_size, BLOCK_M=block_m, BLOCK_N=block_n,
-                            DOT_PRECISION=_dot_precision(x), **pdl_launch(x))
+                            DOT_PRECISION=_dot_precision(x), **pdl_launch(pdl))
     return y

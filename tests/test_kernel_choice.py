@@ -1,0 +1,60 @@
+"""Each engine's kernel choice is its own (ops/kernel_choice.py): engines with different backends or
+KernelOptions in one process each run their own kernels and give their own right tokens. The Triton
+engines run in the interpreter (TRITON_INTERPRET=1, tests/conftest.py), so prompts stay short."""
+
+from __future__ import annotations
+
+import pytest
+
+from goodserve import LLM, SamplingParams
+from goodserve.config import KernelOptions
+from goodserve.ops import triton_attention, triton_ops
+from goodserve.quant.linear import Int4Linear
+
+TINY = {"model": "dummy:tiny", "num_kv_blocks": 16, "max_num_seqs": 2}
+PROMPTS = [{"prompt_token_ids": [5, 17, 99, 3]}, {"prompt_token_ids": [42, 7]}]
+GREEDY = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+
+
+def greedy_tokens(llm: LLM, prompt: dict) -> list[int]:
+    return llm.generate(prompt, GREEDY)[0].outputs[0].token_ids
+
+
+@pytest.fixture
+def triton_launches(monkeypatch) -> list[str]:
+    """Names of the Triton launches the model's ops make (each op imports its kernel when called)."""
+    launches = []
+    for module, name in ((triton_ops, "triton_add_rms_norm"), (triton_attention, "triton_prefill_attention"),
+                         (triton_attention, "triton_decode_attention")):
+        kernel = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _k=kernel, _n=name, **kw: launches.append(_n) or _k(*a, **kw))
+    return launches
+
+
+def test_building_a_second_engine_leaves_the_first_ones_kernels(triton_launches):
+    on_triton = LLM(**TINY, attention_backend="triton")
+    on_torch = LLM(**TINY, attention_backend="torch")  # built after: must not switch the first one
+    greedy_tokens(on_triton, PROMPTS[0])
+    assert {"triton_add_rms_norm", "triton_prefill_attention", "triton_decode_attention"} <= set(triton_launches)
+    launched = len(triton_launches)
+    greedy_tokens(on_torch, PROMPTS[0])
+    assert len(triton_launches) == launched  # the torch engine launched no Triton kernel
+    assert on_triton.engine.executor.worker.runner.model.kernels.triton and not on_torch.engine.executor.worker.runner.model.kernels.triton
+
+
+def test_engines_with_different_backends_used_in_turn_each_give_their_reference_tokens():
+    reference = [greedy_tokens(LLM(**TINY, attention_backend="torch"), prompt) for prompt in PROMPTS]
+    engines = [LLM(**TINY, attention_backend="triton"), LLM(**TINY, attention_backend="torch")]
+    for prompt, want in zip(PROMPTS, reference):
+        for llm in engines:  # alternately: each step of one engine between two of the other
+            assert greedy_tokens(llm, prompt) == want
+
+
+def test_kernel_options_reach_every_layer_of_their_engine_only():
+    rows = LLM(**TINY, quantization="int4", kernels=KernelOptions(pdl=False, int4_one_row_kernel="rows"))
+    default = LLM(**TINY, quantization="int4")
+    for llm, kernel in ((rows, "rows"), (default, "tinygemm")):
+        layers = [m for m in llm.engine.executor.worker.runner.model.modules() if isinstance(m, Int4Linear)]
+        assert layers and {layer.one_row_kernel for layer in layers} == {kernel}
+        assert all(m.kernels is llm.engine.executor.worker.runner.model.kernels for m in llm.engine.executor.worker.runner.model.modules() if hasattr(m, "kernels"))
+    assert rows.engine.executor.worker.runner.model.kernels.options.int4_one_row_kernel == "rows"
