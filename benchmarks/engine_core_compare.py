@@ -1,15 +1,18 @@
 """No speed lost to the engine core's reshaping (issue 14): the previous commit's engine and this
-one on the same card, in one device call.
+one on the same machine, each version in fresh processes importing its own goodserve.
 
-Each version runs its own benchmarks/gpu_engine.py (`--parts decode,int8,sharegpt`: batch-1 decode
-of dummy llama-3.1-8b in bf16 and int8, and the ShareGPT-like offline batch of 500 requests) in a
-fresh process, one after the other (--order; a second call in the other order shows whether a
-drifting card favoured the version that ran first). A run takes 3-4 minutes on an H100.
+GPU (default): each version runs its own benchmarks/gpu_engine.py (`--parts decode,int8,sharegpt`:
+batch-1 decode of dummy llama-3.1-8b in bf16 and int8, and the ShareGPT-like offline batch of 500
+requests), one after the other (--order; a second call in the other order shows whether a drifting
+card favoured the version that ran first). A run takes 3-4 minutes on an H100.
+CPU (--cpu): single-stream decode of the embedded model with its default gguf codes (128 tokens
+after a 128-token prompt, as benchmarks/cpu_engine.py), versions alternating over --rounds
+processes each, the median of each version's runs. Needs a quiet machine.
 
-    git archive <previous commit> | tar -x -C .prev    # src/ and benchmarks/ of the previous commit
-    python benchmarks/engine_core_compare.py --previous .prev --order previous,current
+    git archive <previous commit> src benchmarks | tar -x -C .prev
+    python benchmarks/engine_core_compare.py --previous .prev [--order previous,current | --cpu]
 
-Writes $OUT/engine_core_compare_<first>_first.json: each run's numbers and current / previous.
+Writes $OUT/engine_core_compare_<first>_first.json (GPU) or engine_core_compare_cpu.json.
 """
 
 from __future__ import annotations
@@ -17,39 +20,108 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
 from result_file import write_result
 
 PARTS = "decode,int8,sharegpt"
-METRICS = {  # name -> path into gpu_engine.json
-    "decode_bf16_tok_s": ("decode", "decode_tok_s"),
-    "decode_int8_tok_s": ("decode_int8", "decode_tok_s"),
-    "sharegpt_offline_output_tok_s": ("throughput_sharegpt_like", "output_tok_s"),
-}
+METRICS = ("decode_bf16_tok_s", "decode_int8_tok_s", "sharegpt_offline_output_tok_s")
+
+
+def metrics_of(results: dict) -> dict:
+    """gpu_engine.json's numbers for METRICS: decode is the best of its runs, as gpu_engine.py reports it."""
+    def best_decode(part: str) -> float | None:
+        runs = results.get(part, {}).get("runs")
+        return max(run["decode_tok_s"] for run in runs) if runs else None
+
+    return {"decode_bf16_tok_s": best_decode("decode"), "decode_int8_tok_s": best_decode("decode_int8"),
+            "sharegpt_offline_output_tok_s": results.get("throughput_sharegpt_like", {}).get("output_tok_s")}
+
+
+def _path(*first: Path) -> str:
+    """PYTHONPATH with a version's folders ahead of what it held (the wheels carried to the GPU)."""
+    return ":".join([*map(str, first), *filter(None, [os.environ.get("PYTHONPATH")])])
 
 
 def run_version(root: Path, out: Path) -> dict:
     """One version's gpu_engine.py in a process of its own, importing that version's goodserve."""
-    env = dict(os.environ, OUT=str(out), PYTHONPATH=f"{root / 'src'}:{root / 'benchmarks'}")
+    env = dict(os.environ, OUT=str(out), PYTHONPATH=_path(root / "src", root / "benchmarks"))
     start = time.perf_counter()
     subprocess.run([sys.executable, str(root / "benchmarks" / "gpu_engine.py"), "--parts", PARTS],
                    cwd=root, env=env, check=True)
     results = json.loads((out / "gpu_engine.json").read_text())
-    metrics = {name: results.get(part, {}).get(key) for name, (part, key) in METRICS.items()}
-    return {"seconds": time.perf_counter() - start, "card": results.get("card"), **metrics,
+    return {"seconds": time.perf_counter() - start, "card": results.get("card"), **metrics_of(results),
             "errors": {k: v for k, v in results.items() if k.endswith("_error")}}
+
+
+CPU_NEW_TOKENS = 128
+CPU_RUNS = 5
+
+
+def cpu_single_stream() -> dict:
+    """In a version's own process: decode tok/s of CPU_RUNS single-stream runs."""
+    from goodserve import LLM, SamplingParams
+
+    llm = LLM()
+    prompt = {"prompt_token_ids": np.random.default_rng(0).integers(100, 20000, 128).tolist()}
+    llm.generate(prompt, SamplingParams(temperature=0, max_tokens=4))
+    params = SamplingParams(temperature=0, max_tokens=CPU_NEW_TOKENS, ignore_eos=True)
+    rates, tokens = [], None
+    for _ in range(CPU_RUNS):
+        out = llm.generate(prompt, params)[0]
+        times = out.metrics.token_times
+        rates.append((CPU_NEW_TOKENS - 1) / (times[-1] - times[0]))
+        tokens = out.outputs[0].token_ids
+    return {"decode_tok_s_runs": rates, "token_ids": tokens, "quantization": llm.engine.config.quantization}
+
+
+def cpu_model_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.machine()
+
+
+def compare_cpu(roots: dict[str, Path], rounds: int) -> dict:
+    runs: dict[str, list[dict]] = {"previous": [], "current": []}
+    for _ in range(rounds):
+        for version in ("previous", "current"):
+            env = dict(os.environ, PYTHONPATH=_path(roots[version] / "src", roots["current"] / "benchmarks"))
+            done = subprocess.run([sys.executable, __file__, "--cpu-worker"], env=env, check=True,
+                                  capture_output=True, text=True)
+            runs[version].append(json.loads(done.stdout.strip().splitlines()[-1]))
+    medians = {version: float(np.median([r for run in rs for r in run["decode_tok_s_runs"]]))
+               for version, rs in runs.items()}
+    return {"machine": f"{cpu_model_name()}, {os.cpu_count()} cores",
+            "model": "smollm2-135m (embedded, default gguf codes), batch 1, 128-token prompt, 128 new tokens",
+            "runs": runs, "median_decode_tok_s": medians,
+            "same_tokens": runs["previous"][0]["token_ids"] == runs["current"][0]["token_ids"],
+            "current_over_previous": medians["current"] / medians["previous"]}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--previous", required=True, help="a checkout of the previous commit")
+    parser.add_argument("--previous", help="a checkout of the previous commit")
     parser.add_argument("--order", default="previous,current")
+    parser.add_argument("--cpu", action="store_true")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--cpu-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.cpu_worker:
+        print(json.dumps(cpu_single_stream()))
+        return
     roots = {"previous": Path(args.previous).resolve(), "current": Path.cwd()}
+    if args.cpu:
+        result = compare_cpu(roots, args.rounds)
+        print(json.dumps({k: result[k] for k in ("median_decode_tok_s", "same_tokens", "current_over_previous")}))
+        write_result("engine_core_compare_cpu.json", result)
+        return
     order = args.order.split(",")
     out_dir = Path(os.environ.get("OUT", "out"))
     runs = {version: run_version(roots[version], out_dir / version) for version in order}
