@@ -21,6 +21,10 @@ from goodserve.server.multipart import parse_form
 from goodserve.server.protocol import CreateBatchRequest
 
 COMPLETION_WINDOW_S = {"24h": 24 * 3600}  # OpenAI's only window
+_UPLOAD_SCHEMA = {"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": {
+    "type": "object", "required": ["file", "purpose"],
+    "properties": {"file": {"type": "string", "format": "binary"}, "purpose": {"type": "string", "enum": ["batch"]}},
+}}}}}
 
 
 class NotFoundError(GoodserveError):
@@ -44,7 +48,7 @@ def batch_router(store: BatchStore, runner: BatchRunner, max_file_bytes: int, al
             raise NotFoundError(f"no batch with id '{batch_id}'")
         return batch
 
-    @router.post("/files")
+    @router.post("/files", openapi_extra=_UPLOAD_SCHEMA)  # read by hand (multipart.py): described here
     async def upload_file(request: Request) -> dict:
         ensure_accepting()
         body = await request.body()
