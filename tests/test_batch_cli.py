@@ -109,3 +109,25 @@ def test_a_job_past_its_expiry_answers_its_lines_as_expired(tmp_path):
     errors = [json.loads(x) for x in store.file_path(finished["error_file_id"]).read_text().splitlines()]
     assert [e["error"]["code"] for e in errors] == ["batch_expired"] * 3
     store.close()
+
+
+def test_a_line_refused_for_a_full_waiting_queue_waits_and_runs(tmp_path):
+    """Lines of n=2 against a queue of 2 places, 3 at once: the ones refused (429) run later."""
+    from goodserve.server.batch_lines import parse_lines, run_lines
+
+    engine = AsyncEngine(EngineConfig(model="dummy:tiny", num_kv_blocks=64))
+    ctx = ServingContext(engine, "dummy:tiny", Admission(2), ServerMetrics(engine, "dummy:tiny", Slo()))
+    lines = parse_lines("".join(json.dumps({**completion(f"r{i}"), "body": {**completion(f"r{i}")["body"], "n": 2}})
+                                + "\n" for i in range(4)).encode(), ["/v1/completions"])
+    results = []
+
+    async def record(result) -> None:
+        results.append(result)
+
+    async def run() -> None:
+        await engine.start()
+        await run_lines(ctx, lines, 3, record)
+        await engine.shutdown(0)
+
+    asyncio.run(run())
+    assert sorted(r.line.custom_id for r in results if r.ok) == ["r0", "r1", "r2", "r3"]

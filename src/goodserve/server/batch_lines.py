@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 
-from goodserve.errors import GoodserveError
+from goodserve.errors import GoodserveError, QueueFullError
 from goodserve.server.errors import describe_validation_error, error_body
 from goodserve.server.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from goodserve.server.serving import ServingContext
@@ -39,8 +39,8 @@ ENDPOINTS: dict[str, tuple[type[BaseModel], Callable]] = {
     "/v1/completions": (CompletionRequest, create_completion),
     "/v1/embeddings": (EmbeddingRequest, create_embedding),
 }
-# Statuses that are no fault of the line: the queue is full (wait, then retry) or the engine stops.
-_RETRY_STATUS, _STOP_STATUS = 429, 503
+# No fault of the line: the engine is stopping (draining, dead); the job resumes on the next start.
+_STOP_STATUS = 503
 
 
 class BatchStopped(Exception):
@@ -132,9 +132,9 @@ async def run_line(ctx: ServingContext, line: BatchLine) -> LineResult:
     try:
         body = (await handler(ctx, request, None)).model_dump(mode="json")
         status = 200
+    except QueueFullError:
+        raise
     except GoodserveError as exc:
-        if exc.http_status == _RETRY_STATUS:
-            raise
         if exc.http_status == _STOP_STATUS:
             raise BatchStopped(str(exc)) from exc
         status, body = exc.http_status, error_body(str(exc), exc.error_type, exc.http_status,
@@ -177,5 +177,5 @@ async def _run_retrying(ctx: ServingContext, line: BatchLine) -> LineResult:
     while True:
         try:
             return await run_line(ctx, line)
-        except GoodserveError as exc:  # the waiting queue is full: the line waits its turn
+        except QueueFullError as exc:  # the waiting queue is full: the line waits its turn
             await asyncio.sleep(getattr(exc, "retry_after_s", 1))
