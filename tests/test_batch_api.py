@@ -16,6 +16,7 @@ import time
 import openai
 import pytest
 
+from goodserve.server.batch_store import BatchStore, DataDirInUseError
 from goodserve.server.process import scrape_metrics, start_server
 
 MODEL = "smollm2-135m"
@@ -75,7 +76,10 @@ def test_upload_create_poll_download_answers_as_the_online_endpoint(served):
     assert batch.created_at <= batch.in_progress_at <= batch.finalizing_at <= batch.completed_at
     assert batch.metadata == {"job": "nightly"}
 
-    online = client.chat.completions.create(**chat).choices[0].message.content
+    online_reply = client.chat.completions.create(**chat)
+    online = online_reply.choices[0].message.content
+    assert batch.usage.output_tokens == 3 * online_reply.usage.completion_tokens
+    assert batch.usage.input_tokens == 3 * online_reply.usage.prompt_tokens
     output = records(client, batch.output_file_id)
     assert [r["custom_id"] for r in output] == ["chat-0", "chat-1", "chat-2"]
     for record in output:
@@ -198,3 +202,11 @@ def test_killed_mid_job_resumes_answering_every_line_exactly_once(tmp_path):
     for record in output:  # a line finished before the kill was not run again: same record
         if record["custom_id"] in finished:
             assert record == json.loads(finished[record["custom_id"]])
+
+
+def test_one_server_at_a_time_runs_a_data_dirs_jobs(tmp_path):
+    first = BatchStore(tmp_path)
+    with pytest.raises(DataDirInUseError, match="another goodserve server"):
+        BatchStore(tmp_path)
+    first.close()
+    BatchStore(tmp_path).close()  # free again once the first has gone

@@ -136,6 +136,7 @@ class BatchRunner:
                     "purpose": "batch_output", "created_at": self._now()}
             if await self.store.write_result_file(batch["id"], ok, file):
                 batch[key] = file["id"]
+        batch["usage"] = await self.store.usage(batch["id"])
         batch["status"] = final
         batch[f"{final}_at"] = batch.get(f"{final}_at") or self._now()
         await self.store.save_batch(batch)

@@ -171,6 +171,18 @@ class BatchStore:
         return {row[0] for row in self.db.execute("SELECT line FROM batch_lines WHERE batch_id = ?", (batch_id,))}
 
     @_in_db_thread
+    def usage(self, batch_id: str) -> dict:
+        """The tokens of the lines answered, as OpenAI's batch `usage`."""
+        usage = "json_extract(record, '$.response.body.usage.{}')"
+        prompt, completion, cached = self.db.execute(
+            "SELECT " + ", ".join(f"COALESCE(SUM({usage.format(field)}), 0)" for field in (
+                "prompt_tokens", "completion_tokens", "prompt_tokens_details.cached_tokens"))
+            + " FROM batch_lines WHERE batch_id = ? AND ok = 1", (batch_id,)).fetchone()
+        return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached},
+                "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": prompt + completion}
+
+    @_in_db_thread
     def write_result_file(self, batch_id: str, ok: bool, file: dict) -> bool:
         """Write the lines that succeeded (ok) or failed, in input order, as a file; False if none did."""
         rows = self.db.execute("SELECT record FROM batch_lines WHERE batch_id = ? AND ok = ? ORDER BY line",
