@@ -33,6 +33,8 @@ CREATE TABLE IF NOT EXISTS batch_lines (
     PRIMARY KEY (batch_id, line));
 """
 UNFINISHED = ("validating", "in_progress", "finalizing", "cancelling")
+_FILE_FIELDS = ("id", "filename", "purpose", "bytes", "created_at")
+_FILE_COLUMNS = ", ".join(_FILE_FIELDS)
 
 
 class DataDirInUseError(GoodserveError):
@@ -86,8 +88,11 @@ class BatchStore:
     @_in_db_thread
     def add_file(self, file: dict, content: bytes) -> None:
         self._write_file(file["id"], content)
-        self.db.execute("INSERT INTO files (id, filename, purpose, bytes, created_at) VALUES (?, ?, ?, ?, ?)",
-                        (file["id"], file["filename"], file["purpose"], file["bytes"], file["created_at"]))
+        self._add_file_row("INSERT", file)
+
+    def _add_file_row(self, verb: str, file: dict) -> None:
+        self.db.execute(f"{verb} INTO files ({_FILE_COLUMNS}) VALUES (?, ?, ?, ?, ?)",
+                        tuple(file[name] for name in _FILE_FIELDS))
 
     def _write_file(self, file_id: str, content: bytes) -> None:
         partial = self.file_path(file_id).with_suffix(".partial")
@@ -96,14 +101,13 @@ class BatchStore:
 
     @_in_db_thread
     def get_file(self, file_id: str) -> dict | None:
-        row = self.db.execute("SELECT id, filename, purpose, bytes, created_at FROM files WHERE id = ?",
-                              (file_id,)).fetchone()
-        return None if row is None else dict(zip(("id", "filename", "purpose", "bytes", "created_at"), row))
+        row = self.db.execute(f"SELECT {_FILE_COLUMNS} FROM files WHERE id = ?", (file_id,)).fetchone()
+        return None if row is None else dict(zip(_FILE_FIELDS, row))
 
     @_in_db_thread
     def list_files(self) -> list[dict]:
-        rows = self.db.execute("SELECT id, filename, purpose, bytes, created_at FROM files ORDER BY created_at")
-        return [dict(zip(("id", "filename", "purpose", "bytes", "created_at"), row)) for row in rows]
+        rows = self.db.execute(f"SELECT {_FILE_COLUMNS} FROM files ORDER BY created_at")
+        return [dict(zip(_FILE_FIELDS, row)) for row in rows]
 
     @_in_db_thread
     def delete_file(self, file_id: str) -> None:
@@ -191,6 +195,5 @@ class BatchStore:
             return False
         content = "".join(row[0] + "\n" for row in rows).encode()
         self._write_file(file["id"], content)
-        self.db.execute("INSERT OR REPLACE INTO files (id, filename, purpose, bytes, created_at) VALUES (?, ?, ?, ?, ?)",
-                        (file["id"], file["filename"], file["purpose"], len(content), file["created_at"]))
+        self._add_file_row("INSERT OR REPLACE", {**file, "bytes": len(content)})  # a finalize run again
         return True

@@ -15,7 +15,8 @@ from goodserve.server.protocol import Embedding, EmbeddingRequest, EmbeddingResp
 from goodserve.server.serving import ServingContext
 
 
-async def create_embedding(ctx: ServingContext, req: EmbeddingRequest, request: Request | None) -> EmbeddingResponse:
+async def create_embedding(ctx: ServingContext, req: EmbeddingRequest,
+                           request: Request | None) -> EmbeddingResponse:
     ctx.check_request(req)
     hidden_size = ctx.engine.spec.hidden_size
     if req.dimensions is not None and req.dimensions != hidden_size:
