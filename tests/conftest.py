@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 # The tests run on the CPU, so every Triton kernel runs in the interpreter. Set before anything
 # imports triton: its own library functions (tl.cdiv, ...) are decorated when it is first imported,
 # and kernels would otherwise fail or pass depending on which test imported triton first.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Servers started by tests keep their Batch API data (--data-dir's default) in a directory of their own,
+# never in the user's ~/.local/share/goodserve.
+os.environ["XDG_DATA_HOME"] = tempfile.mkdtemp(prefix="goodserve-tests-")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

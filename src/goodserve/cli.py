@@ -17,6 +17,7 @@ SUBCOMMAND_MODULES = [
     "goodserve.diagnose.calc_command",
     "goodserve.commands.eval",
     "goodserve.commands.quantize",
+    "goodserve.commands.batch",
 ]
 
 

@@ -6,9 +6,10 @@ import logging
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -16,6 +17,9 @@ import goodserve
 from goodserve.errors import InvalidRequestError
 from goodserve.server.admission import Admission
 from goodserve.server.auth import ApiKeyMiddleware, BodySizeLimitMiddleware
+from goodserve.server.batch_routes import batch_router
+from goodserve.server.batch_runner import BatchRunner
+from goodserve.server.batch_store import BatchStore, DataDirInUseError, default_data_dir
 from goodserve.server.connections import connection_capacity, guarded_protocol
 from goodserve.server.errors import DrainingError, install_error_handlers
 from goodserve.server.metrics import ServerMetrics, Slo
@@ -65,12 +69,16 @@ class ServerConfig:
     keep_alive_s: int = 30
     pooling: str = "last"  # /v1/embeddings: the last token's final hidden state (as vLLM for decoders) or the mean
     allow_unknown_fields: bool = False
+    data_dir: str | None = None  # the Batch API's files and jobs (default: default_data_dir())
+    batch_max_concurrency: int = 64
+    batch_max_file_bytes: int = 100 << 20
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
 
+_FORM_OVERHEAD_BYTES = 64 << 10  # an upload's multipart framing and purpose field, beyond the file
 _ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 408, 413, 422, 429, 503)}
 
 
@@ -90,13 +98,21 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
     ctx = ServingContext(engine, model_name, Admission(config.max_waiting), metrics, config.request_timeout_s,
                          config.max_unsent_outputs, config.pooling, config.allow_unknown_fields)
     created = int(time.time())
+    store = _open_store(Path(config.data_dir) if config.data_dir else default_data_dir())
+    runner = None if isinstance(store, DataDirInUseError) else BatchRunner(
+        store, ctx.for_batch(Admission(config.max_waiting)), metrics, config.batch_max_concurrency)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await engine.start()
         logger.info(startup_message(engine, config, model_name))
+        if runner is not None:
+            await runner.resume()
         yield
         logger.info("draining in-flight requests (up to %.0fs)", config.drain_timeout_s)
+        if runner is not None:  # batch lines in flight run again on the next start
+            await runner.close()
+            store.close()
         await engine.shutdown(config.drain_timeout_s)
         ctx.close()
 
@@ -104,7 +120,8 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
     app.state.draining = False
     app.state.ctx = ctx
     install_error_handlers(app, on_error=metrics.observe_rejected)
-    app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=config.max_body_bytes)
+    app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=config.max_body_bytes,
+                       path_limits={"/v1/files": config.batch_max_file_bytes + _FORM_OVERHEAD_BYTES})
     if config.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
 
@@ -132,6 +149,12 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
     async def responses(body: ResponsesRequest, request: Request):
         ensure_accepting()
         return await create_response(ctx, body, request)
+
+    if runner is None:
+        app.include_router(_unavailable_router(store))
+    else:
+        app.include_router(batch_router(store, runner, config.batch_max_file_bytes, config.allow_unknown_fields,
+                                        ensure_accepting))
 
     card = ModelCard(id=model_name, created=created, max_model_len=engine.max_model_len)
 
@@ -180,6 +203,27 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def _open_store(data_dir: Path) -> BatchStore | DataDirInUseError:
+    try:
+        store = BatchStore(data_dir)
+    except DataDirInUseError as exc:  # this server still serves everything but the Batch API
+        logger.warning("Batch API off: %s", exc)
+        return exc
+    logger.info("Batch API data in %s", data_dir)
+    return store
+
+
+def _unavailable_router(error: DataDirInUseError) -> APIRouter:
+    router = APIRouter()
+
+    @router.api_route("/v1/{kind:files|batches}{rest:path}", methods=["GET", "POST", "DELETE"],
+                      include_in_schema=False)
+    async def unavailable(kind: str, rest: str):
+        raise error
+
+    return router
 
 
 class _DrainingServer(uvicorn.Server):

@@ -36,29 +36,30 @@ class ApiKeyMiddleware:
 
 
 class BodySizeLimitMiddleware:
-    def __init__(self, app: ASGIApp, max_body_bytes: int):
+    def __init__(self, app: ASGIApp, max_body_bytes: int, path_limits: dict[str, int] | None = None):
+        """path_limits: routes with their own limit (file uploads)."""
         self.app = app
         self.max_body_bytes = max_body_bytes
-
-    def _message(self) -> str:
-        return f"request body exceeds the {self.max_body_bytes}-byte limit"
+        self.path_limits = path_limits or {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        limit = self.path_limits.get(scope["path"], self.max_body_bytes)
+        message = f"request body exceeds the {limit}-byte limit"
         declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
-            response = JSONResponse(error_body(self._message(), "request_too_large", 413), status_code=413)
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            response = JSONResponse(error_body(message, "request_too_large", 413), status_code=413)
             return await response(scope, receive, send)
         received = 0
 
         async def counting_receive() -> Message:
             # Chunked uploads declare no length: count as they arrive.
             nonlocal received
-            message = await receive()
-            received += len(message.get("body", b""))
-            if received > self.max_body_bytes:
-                raise HTTPException(413, self._message())
-            return message
+            chunk = await receive()
+            received += len(chunk.get("body", b""))
+            if received > limit:
+                raise HTTPException(413, message)
+            return chunk
 
         await self.app(scope, counting_receive, send)

@@ -39,6 +39,11 @@ _SERVER_HELP = {
                "does for decoder models) or their mean; either is L2-normalized",
     "allow_unknown_fields": "ignore request fields this server does not know (a warning is logged) instead of "
                             "answering 400; fields OpenAI defines that goodserve does not implement are still refused",
+    "data_dir": "where the Batch API keeps its files, jobs and each line's result (SQLite); a server started "
+                "again on it resumes unfinished jobs (default: $XDG_DATA_HOME/goodserve, else "
+                "~/.local/share/goodserve)",
+    "batch_max_concurrency": "most batch lines in the engine at once (they run at the lowest priority)",
+    "batch_max_file_bytes": "largest file POST /v1/files takes; larger get 413",
     "backlog": "listen backlog: connections the kernel queues before the server accepts them (capped by "
                "net.core.somaxconn)",
 }
@@ -70,6 +75,8 @@ def _check(config) -> None:
     if min(config.max_unsent_outputs, config.header_timeout_s, config.backlog, config.keep_alive_s) <= 0:
         raise InvalidRequestError(
             "--max-unsent-outputs, --header-timeout-s, --backlog and --keep-alive-s must be positive")
+    if config.batch_max_concurrency < 1 or config.batch_max_file_bytes < 1:
+        raise InvalidRequestError("--batch-max-concurrency and --batch-max-file-bytes must be positive")
     if config.max_connections is not None and config.max_connections < 1:
         raise InvalidRequestError("--max-connections must be at least 1")
 

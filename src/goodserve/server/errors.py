@@ -76,7 +76,7 @@ def _is_union_member(loc_part: object) -> bool:
     return isinstance(loc_part, str) and ("[" in loc_part or "-" in loc_part)
 
 
-def _describe_validation_error(exc: RequestValidationError) -> tuple[int, str]:
+def describe_validation_error(exc: RequestValidationError) -> tuple[int, str]:
     """Malformed JSON is a 400; well-formed JSON of the wrong shape is a 422, as FastAPI has it."""
     errors = exc.errors()
     if any(e.get("type") == "json_invalid" for e in errors):
@@ -108,7 +108,7 @@ def install_error_handlers(app: FastAPI, on_error: Callable[[int], None]) -> Non
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        status, message = _describe_validation_error(exc)
+        status, message = describe_validation_error(exc)
         on_error(status)
         return JSONResponse(error_body(message, "invalid_request_error", status), status_code=status)
 

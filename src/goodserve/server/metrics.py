@@ -161,6 +161,7 @@ class ServerMetrics:
         self.request_slo = counter("request_slo", "Finished requests that met (or missed) the SLO.", ("attained",))
         self.request_rejected = counter("request_rejected", "Requests refused before reaching the engine.",
                                         ("status",))
+        self.batch_lines = counter("batch_lines", "Batch API lines answered (succeeded: status 200).", ("status",))
         Info(PREFIX + "engine_config", "The engine's resolved configuration.", labels,
              registry=self.registry).labels(model_name).info(engine_info(engine))
 
@@ -192,6 +193,9 @@ class ServerMetrics:
 
     def observe_rejected(self, status: int) -> None:
         self.request_rejected.labels(self.model_name, str(status)).inc()
+
+    def observe_batch_line(self, ok: bool) -> None:
+        self.batch_lines.labels(self.model_name, "succeeded" if ok else "failed").inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

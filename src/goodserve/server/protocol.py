@@ -274,6 +274,7 @@ class EmbeddingRequest(_Request):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None  # only the model's hidden size: embeddings are not truncated
     user: Name | None = None  # accepted; recorded nowhere
+    priority: int = 0  # vLLM extension: lower is served first
 
 
 class InputText(_Schema):
@@ -323,6 +324,17 @@ class ResponsesRequest(_Request):
         system = [ChatMessage(role="system", content=self.instructions)] if self.instructions is not None else []
         return ChatCompletionRequest(model=self.model, messages=system + turns, temperature=self.temperature,
                                      top_p=self.top_p, max_completion_tokens=self.max_output_tokens)
+
+
+class CreateBatchRequest(_Request):
+    """POST /v1/batches (server/batch_routes.py)."""
+
+    unsupported: ClassVar[frozenset[str]] = frozenset({"output_expires_after"})
+
+    input_file_id: str
+    endpoint: str
+    completion_window: str
+    metadata: Annotated[dict[str, str], Field(max_length=16)] | None = None
 
 
 class TokenizeRequest(_Request):

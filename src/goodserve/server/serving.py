@@ -7,7 +7,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 from pydantic import BaseModel
@@ -53,6 +53,15 @@ class ServingContext:
     def close(self) -> None:
         if "encoder" in self.__dict__:  # built on the first prompt that needed it
             self.encoder.close()
+
+    def for_batch(self, admission: Admission) -> ServingContext:
+        """The same serving path for batch lines (server/batch_lines.py): their own waiting-queue count,
+        so online requests never get a 429 for places batch lines hold, and no server-wide deadline,
+        since they wait in the capacity online traffic leaves. One tokenizer pool serves both."""
+        view = replace(self, admission=admission, request_timeout_s=None)
+        if self.engine.tokenizer is not None:
+            view.encoder = self.encoder
+        return view
 
     def check_request(self, req: BaseModel) -> None:
         """The contract (contract.py), then the model name."""
@@ -108,9 +117,10 @@ class ServingContext:
         for ids in prompts:
             self.engine.validate_request(ids, params)
 
-    async def run_to_end(self, job: GenerationJob, request: Request):
+    async def run_to_end(self, job: GenerationJob, request: Request | None):
+        """request None: an in-process caller (a batch line), which cancels by cancelling its task."""
         try:
-            return await cancel_on_disconnect(request, job.run())
+            return await (job.run() if request is None else cancel_on_disconnect(request, job.run()))
         finally:
             job.release()
 

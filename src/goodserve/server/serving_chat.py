@@ -31,7 +31,7 @@ from goodserve.server.tool_parsers import ToolCallStream, new_call_id, parse_too
 
 
 async def create_chat_completion(
-    ctx: ServingContext, req: ChatCompletionRequest, request: Request
+    ctx: ServingContext, req: ChatCompletionRequest, request: Request | None
 ) -> Response | ChatCompletionResponse:
     ctx.check_request(req)
     params = req.sampling_params()

@@ -17,7 +17,8 @@ from goodserve.server.protocol import CompletionChoice, CompletionLogprobs, Comp
 from goodserve.server.serving import JobStreamingResponse, ServingContext, stream_chunks
 
 
-async def create_completion(ctx: ServingContext, req: CompletionRequest, request: Request) -> Response | CompletionResponse:
+async def create_completion(ctx: ServingContext, req: CompletionRequest,
+                            request: Request | None) -> Response | CompletionResponse:
     ctx.check_request(req)
     params = req.sampling_params()
     prompts = await ctx.completion_prompt_ids(req.prompt)

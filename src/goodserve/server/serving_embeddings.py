@@ -15,14 +15,15 @@ from goodserve.server.protocol import Embedding, EmbeddingRequest, EmbeddingResp
 from goodserve.server.serving import ServingContext
 
 
-async def create_embedding(ctx: ServingContext, req: EmbeddingRequest, request: Request) -> EmbeddingResponse:
+async def create_embedding(ctx: ServingContext, req: EmbeddingRequest,
+                           request: Request | None) -> EmbeddingResponse:
     ctx.check_request(req)
     hidden_size = ctx.engine.spec.hidden_size
     if req.dimensions is not None and req.dimensions != hidden_size:
         raise InvalidRequestError(f"dimensions must be this model's hidden size ({hidden_size}) or absent: "
                                   "embeddings are not truncated")
     prompts = await ctx.completion_prompt_ids(req.input)
-    job = await ctx.new_job("embd", prompts, SamplingParams(max_tokens=0, pooling=ctx.pooling), None)
+    job = await ctx.new_job("embd", prompts, SamplingParams(max_tokens=0, pooling=ctx.pooling, priority=req.priority), None)
     outputs = await ctx.run_to_end(job, request)
     data = [Embedding(index=i, embedding=_encoded(out.embedding, req.encoding_format)) for i, out in enumerate(outputs)]
     tokens = sum(len(ids) for ids in prompts)
