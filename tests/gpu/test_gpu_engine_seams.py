@@ -1,0 +1,44 @@
+"""The engine core's seams on CUDA (issue 14): a worker in its own process runs the same CUDA graphs
+and gives the same tokens, and two engines with different kernel choices in one process each keep
+their own (the Triton one replays graphs, the torch one runs eagerly), both within the float32
+tolerance of transformers on the embedded model."""
+
+from __future__ import annotations
+
+from gate_checks import assert_within, build, compare, engine_scores, greedy, hf_scores, tolerance
+
+from goodserve.model.tokenizer_loader import embedded_tokenizer
+from goodserve.model_names import EMBEDDED_MODEL
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
+
+
+def prompt_ids() -> list[list[int]]:
+    tokenizer = embedded_tokenizer()
+    return [tokenizer.encode(p) for p in PROMPTS]
+
+
+def test_a_worker_process_on_cuda_gives_the_same_tokens(device, cuda_only, record_property):
+    prompts = prompt_ids()
+    expected = greedy(build(EMBEDDED_MODEL, device, dtype="float32"), prompts)
+    llm = build(EMBEDDED_MODEL, device, dtype="float32", executor_backend="mp")
+    try:
+        assert llm.engine.executor.info.cuda_graphs
+        got = greedy(llm, prompts)
+    finally:
+        llm.engine.executor.shutdown()
+    record_property("tokens", got)
+    assert got == expected
+
+
+def test_two_engines_keep_their_own_kernels(device, cuda_only, hf_embedded_on_device, record_property):
+    prompts = prompt_ids()
+    on_triton = build(EMBEDDED_MODEL, device, dtype="float32", attention_backend="triton")
+    on_torch = build(EMBEDDED_MODEL, device, dtype="float32", attention_backend="torch")
+    assert on_triton.engine.executor.info.cuda_graphs and not on_torch.engine.executor.info.cuda_graphs
+    for name, llm in (("triton", on_triton), ("torch", on_torch), ("triton_again", on_triton)):
+        sequences = [ids + tokens for ids, tokens in zip(prompts, greedy(llm, prompts))]
+        comparison = compare(sequences, [len(ids) for ids in prompts], engine_scores(llm, sequences),
+                             hf_scores(hf_embedded_on_device, sequences))
+        record_property(name, comparison.properties())
+        assert_within(comparison, tolerance("float32", "auto"))
