@@ -125,17 +125,19 @@ class ModelRunner:
             if not trial:
                 self._last_sampled = ([out.seq_ids[r] for r in rows], sampled.token_ids)
         host_tokens = self._tokens[self._turn][0, : len(rows)]
-        copied = self._copied[self._turn]
         if sampled is not None:
             host_tokens.copy_(sampled.token_ids, non_blocking=True)
-            if copied is not None:
-                copied.record()
+        # Recorded for every step, sampling or not: waiting for it is what keeps the host from reusing
+        # a staging buffer whose copy to the device is still queued (two steps later).
+        copied = self._copied[self._turn]
+        if copied is not None:
+            copied.record()
         prompt_logprobs = self._prompt_logprobs(out, step.output)
         sample_s = time.perf_counter() - t0
 
         def fetch() -> ModelRunnerOutput:
             t1 = time.perf_counter()
-            if copied is not None and sampled is not None:
+            if copied is not None:
                 copied.synchronize()
             return ModelRunnerOutput(
                 rows, host_tokens.tolist(), _sampled_logprobs(sampled, rows, out, self.requests),
