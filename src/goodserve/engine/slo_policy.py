@@ -1,0 +1,128 @@
+"""The "slo" scheduler policy: serve each request within its latency targets, not first come first served.
+
+A request may carry targets (SamplingParams.slo_ttft_ms, slo_tpot_ms; the server fills in its
+--slo-ttft-ms / --slo-tpot-ms where the body sets none). The policy acts on them in three places:
+
+- Waiting order: by slack, i.e. by the latest time the request can start and still meet its TTFT,
+  deadline - predicted prefill time (the step-time model, engine/step_time_model.py), after the
+  priority. A preempted request that already answered resumes first; one without a TTFT target
+  comes after every one with a target. A request whose latest start has passed cannot meet its
+  target any more: it moves behind those that still can (serving it first would make them late too,
+  the domino effect of earliest-deadline-first under overload) and is served, FCFS, when they are.
+- Prefill cap: the prompt tokens mixed into a step are capped so that the step, by the fitted model,
+  lasts at most TPOT_MARGIN x the tightest TPOT target among the running decodes (at least
+  MIN_PREFILL_CHUNK tokens, so prompts always progress). Without a fit or a TPOT target: no cap.
+- Preemption victim: the running request with the most slack (its TPOT budget ahead of the tokens
+  it has produced, or its TTFT slack while it prefills), after the priority (batch lines first).
+
+The server's admission check (server/admission.py) reads the same model through `forecast` to
+refuse, with 429, a request whose TTFT the queue ahead of it already makes impossible.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from goodserve.engine.sequence import Sequence
+from goodserve.engine.step_time_model import StepTimeFit, StepTimeModel
+from goodserve.engine.waiting_queue import WaitingQueue
+
+TPOT_MARGIN = 0.9  # aim a mixed step this far under the TPOT target: the fit is an average
+MIN_PREFILL_CHUNK = 64
+
+
+@dataclass(frozen=True)
+class SloForecast:
+    """What the admission check needs from the engine, published by its thread after every step."""
+
+    fit: StepTimeFit | None
+    decode_rows: int  # running sequences
+    prefill_tokens_per_step: int  # the step's prefill cap now
+
+    def ttft_seconds(self, prompt_tokens_ahead: int, prompt_tokens: int) -> float | None:
+        """Predicted time to first token of a request queued behind prompt_tokens_ahead prompt tokens."""
+        if self.fit is None:
+            return None
+        return self.fit.prefill_seconds(prompt_tokens_ahead + prompt_tokens, self.decode_rows,
+                                        self.prefill_tokens_per_step)
+
+
+def ttft_deadline(seq: Sequence) -> float:
+    ttft_ms = seq.params.slo_ttft_ms
+    return math.inf if ttft_ms is None else seq.arrival_time + ttft_ms / 1000.0
+
+
+def _has_answered(seq: Sequence) -> bool:
+    return seq.num_output_tokens > 0
+
+
+class SloPolicy:
+    def __init__(self, max_num_batched_tokens: int, model: StepTimeModel,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.max_tokens = max_num_batched_tokens
+        self.model = model
+        self.clock = clock
+        self.late: set[str] = set()  # waiting sequences whose TTFT can no longer be met
+
+    # ---- waiting order ---------------------------------------------------------------------
+    def key(self, seq: Sequence) -> tuple:
+        """(priority, late, latest start, arrival, id): read when seq enters the waiting queue."""
+        late = seq.seq_id in self.late
+        return (seq.params.priority, late, -math.inf if _has_answered(seq) else self.latest_start(seq),
+                seq.arrival_time, seq.seq_id)
+
+    def latest_start(self, seq: Sequence) -> float:
+        """The latest time seq's prefill may start and still meet its TTFT target."""
+        deadline = ttft_deadline(seq)
+        fit = self.model.fit
+        if fit is None or math.isinf(deadline):
+            return deadline
+        return deadline - fit.prefill_seconds(seq.num_uncomputed_tokens, 0, self.max_tokens)
+
+    def demote_late(self, waiting: WaitingQueue) -> None:
+        """Move the waiting heads that cannot meet their TTFT any more behind those that can."""
+        now = self.clock()
+        while (seq := waiting.peek()) is not None and seq.seq_id not in self.late:
+            if _has_answered(seq) or self.latest_start(seq) >= now:
+                return
+            waiting.remove(seq)
+            self.late.add(seq.seq_id)
+            waiting.add(seq)
+
+    def left_waiting(self, seq: Sequence) -> None:
+        self.late.discard(seq.seq_id)
+
+    # ---- running -----------------------------------------------------------------------------
+    def prefill_cap(self, running: list[Sequence]) -> int:
+        """The prompt tokens a step may carry beside the running decodes and keep their TPOT."""
+        fit = self.model.fit
+        decodes = [seq for seq in running if seq.num_uncomputed_tokens <= 1]
+        targets = [seq.params.slo_tpot_ms for seq in decodes if seq.params.slo_tpot_ms is not None]
+        if fit is None or not targets:
+            return self.max_tokens
+        budget_s = TPOT_MARGIN * min(targets) / 1000.0
+        return max(MIN_PREFILL_CHUNK, min(self.max_tokens, fit.max_prefill_tokens(len(decodes), budget_s)))
+
+    def running_key(self, seq: Sequence) -> tuple:
+        """Decodes first (the kernels want them leading), then prefill chunks by slack."""
+        return (seq.num_uncomputed_tokens > 1, seq.params.priority, self.latest_start(seq), seq.arrival_time)
+
+    def victim_key(self, seq: Sequence) -> tuple:
+        """Larger is preempted first: the lowest priority, then the most slack."""
+        return (seq.params.priority, self.slack(seq), seq.arrival_time)
+
+    def slack(self, seq: Sequence) -> float:
+        now = self.clock()
+        if not _has_answered(seq):
+            return self.latest_start(seq) - now
+        tpot_ms, first = seq.params.slo_tpot_ms, seq.metrics.first_token_time
+        if tpot_ms is None or first is None:
+            return math.inf
+        # The time its next token may take and its mean time per token still meet the target.
+        return first + tpot_ms / 1000.0 * seq.num_output_tokens - now
+
+    def forecast(self, running: list[Sequence]) -> SloForecast:
+        return SloForecast(self.model.fit, len(running), self.prefill_cap(running))

@@ -1,0 +1,51 @@
+"""The step-time model: least squares over measured steps, and what the scheduler reads from it."""
+
+from dataclasses import astuple
+
+import pytest
+
+from goodserve.engine.step_time_model import MIN_STEPS, StepTimeFit, StepTimeModel
+
+
+def test_fit_recovers_the_line_the_steps_lie_on():
+    model = StepTimeModel(refit_every=1)
+    shapes = [(1, 0), (8, 0), (8, 512), (32, 256), (4, 1024), (16, 0), (2, 2048), (64, 128)]
+    for rows, tokens in shapes:
+        model.observe(rows, tokens, 0.005 + 0.0001 * rows + 0.00002 * tokens)
+    assert astuple(model.fit) == pytest.approx((0.005, 0.0001, 0.00002))
+
+
+def test_fit_by_hand_on_noisy_steps():
+    """Four steps, solved by hand: the normal equations of t = a + b rows + c tokens on
+    (0,0,1.0) (1,0,2.0) (0,1,3.0) (1,1,5.0) give a = 0.75, b = 1.5, c = 2.5 (residuals +-0.25)."""
+    model = StepTimeModel(refit_every=1)
+    for rows, tokens, t in [(0, 0, 1.0), (1, 0, 2.0), (0, 1, 3.0), (1, 1, 5.0)] * 2:
+        model.observe(rows, tokens, t)
+    assert (model.fit.a, model.fit.b, model.fit.c) == pytest.approx((0.75, 1.5, 2.5))
+
+
+def test_no_fit_from_too_few_steps_or_one_shape():
+    model = StepTimeModel(refit_every=1)
+    for _ in range(MIN_STEPS - 1):
+        model.observe(8, 0, 0.01)
+    assert model.fit is None
+    model.observe(8, 0, 0.01)
+    assert model.fit is None  # many steps, but all of one shape say nothing about b or c
+
+
+def test_window_forgets_old_steps():
+    model = StepTimeModel(window=8, refit_every=1)
+    for rows in range(8):
+        model.observe(rows, rows * 10 % 7, 1.0)  # a machine that took 1 s a step...
+    for rows in range(8):
+        model.observe(rows, rows * 10 % 7, 0.5 + 0.01 * rows)  # ...then got faster
+    assert astuple(model.fit) == pytest.approx((0.5, 0.01, 0.0), abs=1e-9)
+
+
+def test_prefill_cap_and_prefill_time():
+    fit = StepTimeFit(a=0.010, b=0.0001, c=0.00002)
+    # 40 ms budget, 100 decodes: 40 - 10 - 10 = 20 ms for prompt tokens at 20 us each
+    assert fit.max_prefill_tokens(100, 0.040) == 1000
+    assert fit.max_prefill_tokens(400, 0.040) == 0  # the decodes alone take 50 ms
+    # 2500 prompt tokens in chunks of 1000 beside 100 decodes: 2 full steps of 40 ms, one of 30 ms
+    assert fit.prefill_seconds(2500, 100, 1000) == pytest.approx(0.110)
