@@ -145,3 +145,21 @@ def test_forecast_predicts_ttft_from_the_queue_ahead():
     assert (forecast.decode_rows, forecast.prefill_tokens_per_step) == (10, 250)
     # 600 tokens ahead + 150 of its own: three 250-token steps of 10 + 10 + 25 ms
     assert forecast.ttft_seconds(600, 150) == 0.135
+
+
+def test_decodes_ahead_of_their_tpot_let_a_step_carry_more_prompt():
+    """The decodes' first tokens came 1 s ago and they have 100 tokens each: at 45 ms a token they could
+    have taken 4.5 s, so the next step may last 3.5 s, more than the 2,048 tokens a step holds.
+    One that has just answered keeps the cap at its 45 ms."""
+    clock = Clock(100.0)
+    sched = scheduler("slo", num_blocks=4096)
+    sched.slo.clock = clock
+    seqs = [request(sched, f"d{i}", arrival=98.0, tpot_ms=50) for i in range(10)]
+    decode_step(sched)
+    for seq in seqs:  # 99 tokens more, all but the last computed
+        seq.token_ids += [7] * 99
+        seq.num_computed_tokens = seq.num_tokens - 1
+        seq.metrics.first_token_time = 99.0
+    assert sched.slo.prefill_cap(sched.running) == 2048
+    seqs[0].metrics.first_token_time = 100.0 - 0.045 * 99 - 0.001  # 1 ms behind its pace
+    assert sched.slo.prefill_cap(sched.running) == 250

@@ -34,12 +34,23 @@ def test_no_fit_from_too_few_steps_or_one_shape():
 
 
 def test_window_forgets_old_steps():
-    model = StepTimeModel(window=8, refit_every=1)
-    for rows in range(8):
-        model.observe(rows, rows * 10 % 7, 1.0)  # a machine that took 1 s a step...
-    for rows in range(8):
-        model.observe(rows, rows * 10 % 7, 0.5 + 0.01 * rows)  # ...then got faster
-    assert astuple(model.fit) == pytest.approx((0.5, 0.01, 0.0), abs=1e-9)
+    model = StepTimeModel(window=4, refit_every=1)
+    shapes = [(1, 0), (2, 0), (3, 0), (4, 0), (1, 100), (2, 300), (3, 200), (4, 400)]
+    for rows, tokens in shapes:
+        model.observe(rows, tokens, 1.0)  # a machine that took 1 s a step...
+    for rows, tokens in shapes:
+        model.observe(rows, tokens, 0.5 + 0.01 * rows + 0.001 * tokens)  # ...then got faster
+    assert astuple(model.fit) == pytest.approx((0.5, 0.01, 0.001))
+
+
+def test_decode_steps_do_not_push_out_what_a_prompt_token_costs():
+    model = StepTimeModel(window=4, refit_every=1)
+    for rows, tokens in [(1, 100), (2, 300), (3, 200), (4, 400)]:
+        model.observe(rows, tokens, 0.5 + 0.01 * rows + 0.001 * tokens)
+    for _ in range(50):
+        for rows in (1, 2, 3):
+            model.observe(rows, 0, 0.5 + 0.01 * rows)
+    assert model.fit.c == pytest.approx(0.001)
 
 
 def test_prefill_cap_and_prefill_time():

@@ -10,8 +10,10 @@ A request may carry targets (SamplingParams.slo_ttft_ms, slo_tpot_ms; the server
   target any more: it moves behind those that still can (serving it first would make them late too,
   the domino effect of earliest-deadline-first under overload) and is served, FCFS, when they are.
 - Prefill cap: the prompt tokens mixed into a step are capped so that the step, by the fitted model,
-  lasts at most TPOT_MARGIN x the tightest TPOT target among the running decodes (at least
-  MIN_PREFILL_CHUNK tokens, so prompts always progress). Without a fit or a TPOT target: no cap.
+  lasts no longer than every running decode with a TPOT target can absorb: TPOT_MARGIN x its target,
+  or more when its tokens so far came faster than that (a mean time per token is the SLO, so time
+  saved on earlier tokens may be spent on this one). At least MIN_PREFILL_CHUNK tokens, so prompts
+  always progress; without a fit or a TPOT target, no cap.
 - Preemption victim: the running request with the most slack (its TPOT budget ahead of the tokens
   it has produced, or its TTFT slack while it prefills), after the priority (batch lines first).
 
@@ -59,6 +61,15 @@ def _has_answered(seq: Sequence) -> bool:
     return seq.num_output_tokens > 0
 
 
+def _tpot_slack(seq: Sequence, now: float, margin: float = 1.0) -> float:
+    """How long its next token may take with its mean time per output token still within margin x its
+    TPOT target (-inf before its first token: nothing saved yet)."""
+    first = seq.metrics.first_token_time
+    if first is None:
+        return -math.inf
+    return first + margin * seq.params.slo_tpot_ms / 1000.0 * seq.num_output_tokens - now
+
+
 class SloPolicy:
     def __init__(self, max_num_batched_tokens: int, model: StepTimeModel,
                  clock: Callable[[], float] = time.time) -> None:
@@ -100,11 +111,17 @@ class SloPolicy:
         """The prompt tokens a step may carry beside the running decodes and keep their TPOT."""
         fit = self.model.fit
         decodes = [seq for seq in running if seq.num_uncomputed_tokens <= 1]
-        targets = [seq.params.slo_tpot_ms for seq in decodes if seq.params.slo_tpot_ms is not None]
-        if fit is None or not targets:
+        now = self.clock()
+        budgets = [self._step_budget(seq, now) for seq in decodes if seq.params.slo_tpot_ms is not None]
+        if fit is None or not budgets:
             return self.max_tokens
-        budget_s = TPOT_MARGIN * min(targets) / 1000.0
-        return max(MIN_PREFILL_CHUNK, min(self.max_tokens, fit.max_prefill_tokens(len(decodes), budget_s)))
+        return max(MIN_PREFILL_CHUNK, min(self.max_tokens, fit.max_prefill_tokens(len(decodes), min(budgets))))
+
+    @staticmethod
+    def _step_budget(seq: Sequence, now: float) -> float:
+        """How long the next step may last with seq's mean time per token still within TPOT_MARGIN x
+        its target: the target, or what its earlier tokens saved."""
+        return max(TPOT_MARGIN * seq.params.slo_tpot_ms / 1000.0, _tpot_slack(seq, now, TPOT_MARGIN))
 
     def running_key(self, seq: Sequence) -> tuple:
         """Decodes first (the kernels want them leading), then prefill chunks by slack."""
@@ -118,11 +135,7 @@ class SloPolicy:
         now = self.clock()
         if not _has_answered(seq):
             return self.latest_start(seq) - now
-        tpot_ms, first = seq.params.slo_tpot_ms, seq.metrics.first_token_time
-        if tpot_ms is None or first is None:
-            return math.inf
-        # The time its next token may take and its mean time per token still meet the target.
-        return first + tpot_ms / 1000.0 * seq.num_output_tokens - now
+        return math.inf if seq.params.slo_tpot_ms is None else _tpot_slack(seq, now)
 
     def forecast(self, running: list[Sequence]) -> SloForecast:
         return SloForecast(self.model.fit, len(running), self.prefill_cap(running))

@@ -3,8 +3,10 @@
 A step's time is close to linear in its two sizes: t = a + b x decode_rows + c x prefill_tokens.
 `a` is the weight read and launch cost every step pays, `b` each decode row's attention and
 sampling, `c` each prompt token's compute. The engine feeds every step it finishes; the fit is
-ordinary least squares over the last `window` steps, redone every `refit_every` steps (a 3-column
-solve over a few hundred rows: tens of microseconds). Used by the "slo" scheduler policy to cap
+ordinary least squares over the last `window` steps with prompt tokens and the last `window`
+without (kept apart so a long run of decode-only steps does not push out what says what a prompt
+token costs), redone every `refit_every` steps (a 3-column solve over a few hundred rows: tens of
+microseconds). Used by the "slo" scheduler policy to cap
 the prefill tokens mixed into a step (running decodes keep their TPOT) and by the server's
 admission check to predict a new request's time to first token (server/admission.py).
 """
@@ -50,23 +52,25 @@ class StepTimeFit:
 
 
 class StepTimeModel:
-    def __init__(self, window: int = 256, refit_every: int = 16) -> None:
-        self.samples: deque[tuple[int, int, float]] = deque(maxlen=window)
+    def __init__(self, window: int = 128, refit_every: int = 16) -> None:
+        self.decode_steps: deque[tuple[int, int, float]] = deque(maxlen=window)
+        self.mixed_steps: deque[tuple[int, int, float]] = deque(maxlen=window)  # with prompt tokens
         self.refit_every = refit_every
         self.fit: StepTimeFit | None = None  # None until MIN_STEPS steps of enough shapes were seen
         self._since_fit = 0
 
     def observe(self, decode_rows: int, prefill_tokens: int, seconds: float) -> None:
-        self.samples.append((decode_rows, prefill_tokens, seconds))
+        (self.mixed_steps if prefill_tokens else self.decode_steps).append((decode_rows, prefill_tokens, seconds))
         self._since_fit += 1
-        if self._since_fit >= self.refit_every or (self.fit is None and len(self.samples) >= MIN_STEPS):
+        if self._since_fit >= self.refit_every or self.fit is None:
             self.refit()
 
     def refit(self) -> None:
         self._since_fit = 0
-        if len(self.samples) < MIN_STEPS or len({s[:2] for s in self.samples}) < _MIN_DISTINCT_SHAPES:
+        samples = [*self.decode_steps, *self.mixed_steps]
+        if len(samples) < MIN_STEPS or len({s[:2] for s in samples}) < _MIN_DISTINCT_SHAPES:
             return
-        rows = np.asarray(self.samples, dtype=np.float64)
+        rows = np.asarray(samples, dtype=np.float64)
         design = np.column_stack([np.ones(len(rows)), rows[:, 0], rows[:, 1]])
         (a, b, c), *_ = np.linalg.lstsq(design, rows[:, 2], rcond=None)
         # A negative cost per row or token is noise (e.g. no decode rows varied): read it as free.
