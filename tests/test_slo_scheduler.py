@@ -141,6 +141,7 @@ def test_forecast_predicts_ttft_from_the_queue_ahead():
     for i in range(10):
         request(sched, f"d{i}", arrival=0.0, tpot_ms=50)
     decode_step(sched)
+    decode_step(sched)  # (the cap is the last step's: this one's decodes carry the targets)
     forecast = sched.forecast()
     assert (forecast.decode_rows, forecast.prefill_tokens_per_step) == (10, 250)
     # 600 tokens ahead + 150 of its own: three 250-token steps of 10 + 10 + 25 ms

@@ -60,3 +60,17 @@ def test_prefill_cap_and_prefill_time():
     assert fit.max_prefill_tokens(400, 0.040) == 0  # the decodes alone take 50 ms
     # 2500 prompt tokens in chunks of 1000 beside 100 decodes: 2 full steps of 40 ms, one of 30 ms
     assert fit.prefill_seconds(2500, 100, 1000) == pytest.approx(0.110)
+
+
+def test_the_engine_fits_its_own_steps():
+    """Prompts of several lengths and their decodes: the engine feeds every step; the fit has a
+    positive cost per step and predicts the measured steps within reason."""
+    from goodserve import LLM, SamplingParams
+
+    llm = LLM("dummy:tiny", device="cpu", scheduler_policy="slo", max_num_batched_tokens=64)
+    prompts = [[5] * n for n in (3, 40, 90, 7, 150, 20)]
+    llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=8, ignore_eos=True))
+    model = llm.engine.scheduler.step_time
+    assert model.fit is not None and model.fit.a > 0
+    assert len(model.decode_steps) + len(model.mixed_steps) == llm.engine.steps.num_steps
+    assert llm.engine.forecast().fit == model.fit

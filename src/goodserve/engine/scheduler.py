@@ -106,6 +106,8 @@ class Scheduler:
         reached the host (async scheduling); the step is then scheduled ahead of them, or None
         when it cannot be (someone would have to be preempted: the engine finishes the step in
         flight first and asks again)."""
+        if self.slo is not None:
+            self.slo.begin_step(self.running)
         decision = self._schedule_ahead(in_flight) if in_flight else self._schedule_now()
         return None if decision is None else self._output(decision)
 
@@ -147,16 +149,14 @@ class Scheduler:
         decodes (scheduled first) plus the prefill cap."""
         if self.slo is None:
             return self.config.max_num_batched_tokens
-        num_decodes = sum(seq.num_uncomputed_tokens <= 1 for seq in self.running)
-        return min(self.config.max_num_batched_tokens, num_decodes + self.slo.prefill_cap(self.running))
+        return min(self.config.max_num_batched_tokens, self.slo.num_decodes + self.slo.cap)
 
     def _admission_allowance(self, num_scheduled: int) -> int:
         """Tokens new requests may take this step, besides num_scheduled for the running ones."""
         if self.makespan is not None:
             return self.makespan.allowance(self.running, num_scheduled)
         if self.slo is not None:  # the prefill chunks of the running ones count against the cap
-            num_decodes = sum(seq.num_uncomputed_tokens <= 1 for seq in self.running)
-            return max(self.slo.prefill_cap(self.running) - max(num_scheduled - num_decodes, 0), 0)
+            return max(self.slo.cap - max(num_scheduled - self.slo.num_decodes, 0), 0)
         return self.config.max_num_batched_tokens
 
     def _schedule_running(self, decision: _Decision, budget: int) -> int:
@@ -264,8 +264,9 @@ class Scheduler:
         return out
 
     def forecast(self) -> SloForecast:
-        """The step-time fit and the queue's shape, for the server's admission check."""
-        cap = self.slo.prefill_cap(self.running) if self.slo else self.config.max_num_batched_tokens
+        """The step-time fit and the queue's shape (the last step's prefill cap), for the server's
+        admission check."""
+        cap = self.slo.cap if self.slo else self.config.max_num_batched_tokens
         return SloForecast(self.step_time.fit, len(self.running), cap)
 
     # ---- after the step ------------------------------------------------------------------

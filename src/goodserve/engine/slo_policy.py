@@ -77,6 +77,9 @@ class SloPolicy:
         self.model = model
         self.clock = clock
         self.late: set[str] = set()  # waiting sequences whose TTFT can no longer be met
+        # This step's (begin_step): the running decodes, and the prompt tokens the step may carry.
+        self.num_decodes = 0
+        self.cap = max_num_batched_tokens
 
     # ---- waiting order ---------------------------------------------------------------------
     def key(self, seq: Sequence) -> tuple:
@@ -107,6 +110,10 @@ class SloPolicy:
         self.late.discard(seq.seq_id)
 
     # ---- running -----------------------------------------------------------------------------
+    def begin_step(self, running: list[Sequence]) -> None:
+        self.num_decodes = sum(seq.num_uncomputed_tokens <= 1 for seq in running)
+        self.cap = self.prefill_cap(running)
+
     def prefill_cap(self, running: list[Sequence]) -> int:
         """The prompt tokens a step may carry beside the running decodes and keep their TPOT."""
         fit = self.model.fit
@@ -125,7 +132,9 @@ class SloPolicy:
 
     def running_key(self, seq: Sequence) -> tuple:
         """Decodes first (the kernels want them leading), then prefill chunks by slack."""
-        return (seq.num_uncomputed_tokens > 1, seq.params.priority, self.latest_start(seq), seq.arrival_time)
+        if seq.num_uncomputed_tokens <= 1:
+            return (False, seq.params.priority, 0.0, seq.arrival_time)
+        return (True, seq.params.priority, self.latest_start(seq), seq.arrival_time)
 
     def victim_key(self, seq: Sequence) -> tuple:
         """Larger is preempted first: the lowest priority, then the most slack."""
