@@ -29,8 +29,8 @@ def scheduler(policy: str, num_blocks: int = 1024, fit: StepTimeFit | None = FIT
 
 
 def request(sched: Scheduler, name: str, arrival: float, prompt_len: int = 4, ttft_ms: float | None = None,
-            tpot_ms: float | None = None, priority: int = 0) -> Sequence:
-    params = SamplingParams(max_tokens=100, slo_ttft_ms=ttft_ms, slo_tpot_ms=tpot_ms, priority=priority)
+            tpot_ms: float | None = None, priority: int = 0, max_tokens: int = 100) -> Sequence:
+    params = SamplingParams(max_tokens=max_tokens, slo_ttft_ms=ttft_ms, slo_tpot_ms=tpot_ms, priority=priority)
     seq = Sequence(seq_id=name, request_id=name, index=0, token_ids=list(range(1, prompt_len + 1)),
                    num_prompt_tokens=prompt_len, params=params, max_len=prompt_len + 100, arrival_time=arrival)
     sched.add(seq)
@@ -93,18 +93,33 @@ def test_a_request_past_its_latest_start_waits_behind_those_that_can_still_make_
 
 
 def test_prefill_cap_keeps_the_running_decodes_tpot():
-    """Ten decodes with a 50 ms TPOT target: a step may last 0.9 x 50 = 45 ms; 10 ms + 10 x 1 ms leave
+    """Ten decodes with a 50 ms TPOT target that just gave their first token and have one more to
+    give: nothing to make up for a long step, so it may last 0.9 x 50 = 45 ms; 10 ms + 10 x 1 ms leave
     25 ms, 250 prompt tokens at 0.1 ms. FCFS gives the prompt all the step's budget."""
     for policy, chunk in [("slo", 250), ("continuous", 2048 - 10)]:
         sched = scheduler(policy, num_blocks=4096)
         sched.slo and setattr(sched.slo, "clock", Clock(0.0))
         for i in range(10):
-            request(sched, f"d{i}", arrival=0.0, ttft_ms=1000, tpot_ms=50)
+            request(sched, f"d{i}", arrival=0.0, ttft_ms=1000, tpot_ms=50, max_tokens=2)
         decode_step(sched)
         request(sched, "prompt", arrival=0.0, prompt_len=8000, ttft_ms=5000, tpot_ms=50)
         assert decode_step(sched).num_new_tokens == [1] * 10 + [chunk], policy
-        # the chunks that follow keep the cap: the running prompt is capped like a new one
-        assert decode_step(sched).num_new_tokens == [1] * 10 + [chunk], policy
+
+
+def test_prefill_cap_lets_a_long_answer_make_up_for_a_long_step():
+    """Ten decodes that just gave their first token, 99 to go; a decode-only step takes 20 ms by the fit.
+    Over the next 16 tokens a 50 ms target (45 ms with the margin) saves 25 ms a token, 400 ms: the
+    step may hold all 2,048 tokens. A 25 ms target (22.5) saves 2.5 ms a token: 17 x 22.5 - 16 x 20 =
+    62.5 ms, so 42.5 ms of prompt tokens, 425."""
+    for tpot_ms, cap in [(50, 2048), (25, 425)]:
+        clock = Clock(0.0)
+        sched = scheduler("slo", num_blocks=4096)
+        sched.slo.clock = clock
+        seqs = [request(sched, f"d{i}", arrival=0.0, tpot_ms=tpot_ms) for i in range(10)]
+        decode_step(sched)
+        for seq in seqs:
+            seq.metrics.first_token_time = 0.0
+        assert sched.slo.prefill_cap(sched.running) == cap, tpot_ms
 
 
 def test_no_cap_without_a_fit_or_a_tpot_target():
@@ -139,7 +154,7 @@ def test_forecast_predicts_ttft_from_the_queue_ahead():
     sched = scheduler("slo")
     sched.slo.clock = Clock(0.0)
     for i in range(10):
-        request(sched, f"d{i}", arrival=0.0, tpot_ms=50)
+        request(sched, f"d{i}", arrival=0.0, tpot_ms=50, max_tokens=2)
     decode_step(sched)
     decode_step(sched)  # (the cap is the last step's: this one's decodes carry the targets)
     forecast = sched.forecast()
@@ -149,9 +164,9 @@ def test_forecast_predicts_ttft_from_the_queue_ahead():
 
 
 def test_decodes_ahead_of_their_tpot_let_a_step_carry_more_prompt():
-    """The decodes' first tokens came 1 s ago and they have 100 tokens each: at 45 ms a token they could
-    have taken 4.5 s, so the next step may last 3.5 s, more than the 2,048 tokens a step holds.
-    One that has just answered keeps the cap at its 45 ms."""
+    """The decodes' first tokens came 1 s ago and they have 100 tokens each, their last: at 45 ms a
+    token they could have taken 4.5 s, so the next step may last 3.5 s, more than the 2,048 tokens a
+    step holds. One that is behind its pace keeps the cap at its 45 ms."""
     clock = Clock(100.0)
     sched = scheduler("slo", num_blocks=4096)
     sched.slo.clock = clock

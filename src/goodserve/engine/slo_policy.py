@@ -10,10 +10,12 @@ A request may carry targets (SamplingParams.slo_ttft_ms, slo_tpot_ms; the server
   target any more: it moves behind those that still can (serving it first would make them late too,
   the domino effect of earliest-deadline-first under overload) and is served, FCFS, when they are.
 - Prefill cap: the prompt tokens mixed into a step are capped so that the step, by the fitted model,
-  lasts no longer than every running decode with a TPOT target can absorb: TPOT_MARGIN x its target,
-  or more when its tokens so far came faster than that (a mean time per token is the SLO, so time
-  saved on earlier tokens may be spent on this one). At least MIN_PREFILL_CHUNK tokens, so prompts
-  always progress; without a fit or a TPOT target, no cap.
+  lasts no longer than every running decode with a TPOT target can absorb. The target is a mean
+  over the request's tokens, so a step may outlast it by what the decode's tokens so far saved and
+  what its next TPOT_HORIZON tokens (no more than it may still generate), at the fitted decode-only
+  step time, will save: while decode steps run well under the targets the cap rarely binds, and as a
+  large batch brings them near, prompt tokens give way. At least TPOT_MARGIN x the target, and at
+  least MIN_PREFILL_CHUNK tokens, so prompts always progress; without a fit or a target, no cap.
 - Preemption victim: the running request with the most slack (its TPOT budget ahead of the tokens
   it has produced, or its TTFT slack while it prefills), after the priority (batch lines first).
 
@@ -34,6 +36,7 @@ from goodserve.engine.waiting_queue import WaitingQueue
 
 TPOT_MARGIN = 0.9  # aim a mixed step this far under the TPOT target: the fit is an average
 MIN_PREFILL_CHUNK = 64
+TPOT_HORIZON = 16  # tokens after a step over which a decode's mean time per token may recover
 
 
 @dataclass(frozen=True)
@@ -61,13 +64,22 @@ def _has_answered(seq: Sequence) -> bool:
     return seq.num_output_tokens > 0
 
 
-def _tpot_slack(seq: Sequence, now: float, margin: float = 1.0) -> float:
-    """How long its next token may take with its mean time per output token still within margin x its
-    TPOT target (-inf before its first token: nothing saved yet)."""
+def _tpot_slack(seq: Sequence, now: float) -> float:
+    """How long its next token may take with its mean time per output token still within its target."""
     first = seq.metrics.first_token_time
-    if first is None:
-        return -math.inf
-    return first + margin * seq.params.slo_tpot_ms / 1000.0 * seq.num_output_tokens - now
+    return -math.inf if first is None else first + seq.params.slo_tpot_ms / 1000.0 * seq.num_output_tokens - now
+
+
+def _step_budget(seq: Sequence, now: float, decode_step_s: float) -> float:
+    """How long the next step may last with the decode seq's mean time per token, over its tokens so
+    far, this one and its next TPOT_HORIZON at decode_step_s each, within TPOT_MARGIN x its target."""
+    per_token_s = TPOT_MARGIN * seq.params.slo_tpot_ms / 1000.0
+    first = now if seq.metrics.first_token_time is None else seq.metrics.first_token_time
+    tokens_left = min((seq.params.max_tokens or seq.max_len) - seq.num_output_tokens, seq.max_len - seq.num_tokens)
+    ahead = min(TPOT_HORIZON, max(tokens_left - 1, 0))
+    # after this step: num_output_tokens intervals since the first token, then `ahead` more
+    budget = first + per_token_s * (seq.num_output_tokens + ahead) - now - decode_step_s * ahead
+    return max(per_token_s, budget)
 
 
 class SloPolicy:
@@ -118,17 +130,12 @@ class SloPolicy:
         """The prompt tokens a step may carry beside the running decodes and keep their TPOT."""
         fit = self.model.fit
         decodes = [seq for seq in running if seq.num_uncomputed_tokens <= 1]
-        now = self.clock()
-        budgets = [self._step_budget(seq, now) for seq in decodes if seq.params.slo_tpot_ms is not None]
-        if fit is None or not budgets:
+        targeted = [seq for seq in decodes if seq.params.slo_tpot_ms is not None]
+        if fit is None or not targeted:
             return self.max_tokens
-        return max(MIN_PREFILL_CHUNK, min(self.max_tokens, fit.max_prefill_tokens(len(decodes), min(budgets))))
-
-    @staticmethod
-    def _step_budget(seq: Sequence, now: float) -> float:
-        """How long the next step may last with seq's mean time per token still within TPOT_MARGIN x
-        its target: the target, or what its earlier tokens saved."""
-        return max(TPOT_MARGIN * seq.params.slo_tpot_ms / 1000.0, _tpot_slack(seq, now, TPOT_MARGIN))
+        now, decode_step_s = self.clock(), fit.seconds(len(decodes), 0)
+        budget_s = min(_step_budget(seq, now, decode_step_s) for seq in targeted)
+        return max(MIN_PREFILL_CHUNK, min(self.max_tokens, fit.max_prefill_tokens(len(decodes), budget_s)))
 
     def running_key(self, seq: Sequence) -> tuple:
         """Decodes first (the kernels want them leading), then prefill chunks by slack."""
