@@ -14,7 +14,7 @@ attainment, goodput, TTFT / TPOT percentiles, refusals, and attainment at SLO sc
 completed, with attainment >= 90% (bench/capacity.py), and the offered rate where the ladder's
 attainment crosses 90% (interpolated). The issue's target: slo's capacity >= 1.3x continuous's.
 
-    python benchmarks/gpu_slo.py                # H100, ~6 minutes
+    python benchmarks/gpu_slo.py                # H100: ~6-7 minutes (two engine loads + 300 s of probes)
     python benchmarks/gpu_slo.py --smoke        # dummy:tiny on the CPU, a quick check of the script
 
 Writes $OUT/gpu_slo.json (benchmarks/result_file.py).
@@ -47,7 +47,6 @@ SLOS_MS = {"ttft": 200.0, "tpot": 50.0}
 TARGET_ATTAINMENT = 0.9
 SLO_SCALES = [0.5, 0.75, 1.0, 1.5, 2.0]
 STOP_BELOW = 50.0  # percent: the ladder is past this policy's capacity
-WARMUP_REQUESTS = 48  # all at once: CUDA graphs, caches and steps of many shapes for the step-time fit
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -60,16 +59,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--probe-seconds", type=float, default=12.0, help="arrivals per probe span this long")
     p.add_argument("--min-prompts", type=int, default=100)
     p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--budget-s", type=float, default=400.0, help="both policies' probes, wall seconds")
+    p.add_argument("--budget-s", type=float, default=300.0,
+                   help="both policies' probes, wall seconds (each engine's load and warm-up come on top)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-total-len", type=int, default=2048, help="prompt + output tokens at most")
+    p.add_argument("--warmup-requests", type=int, default=48,
+                   help="sent all at once first: CUDA graphs, caches, steps of many shapes for the step-time fit")
     p.add_argument("--policy", choices=POLICIES, help="(internal) measure one policy, write --json-out")
     p.add_argument("--json-out")
     args = p.parse_args(argv)
     if args.smoke:
         args.model, args.device, args.rates = "dummy:tiny", "cpu", "20,40"
         args.probe_seconds, args.min_prompts, args.max_num_seqs, args.budget_s = 1.0, 20, 64, 120.0
-        args.max_total_len = 1024  # dummy:tiny's context
+        args.max_total_len, args.warmup_requests = 1024, 16  # dummy:tiny's context
     return args
 
 
@@ -104,7 +106,7 @@ async def measure_policy(args) -> dict:
     target = InProcessTarget(config, ignore_eos=True, slo_ms=SLOS_MS)
     result = {"policy": args.policy, "probes": []}
     try:
-        warmup = workload(0, args)[:WARMUP_REQUESTS]
+        warmup = workload(0, args)[:args.warmup_requests]
         await BenchRun(target, warmup, ArrivalConfig()).run()
         result["load_and_warmup_s"] = time.perf_counter() - t0
         deadline = time.perf_counter() + args.budget_s
@@ -153,7 +155,8 @@ def run_child(policy: str, args, budget_s: float) -> dict:
             "--model", args.model, "--device", args.device, "--rates", args.rates,
             "--burstiness", str(args.burstiness), "--probe-seconds", str(args.probe_seconds),
             "--min-prompts", str(args.min_prompts), "--max-num-seqs", str(args.max_num_seqs),
-            "--budget-s", str(budget_s), "--seed", str(args.seed), "--max-total-len", str(args.max_total_len)]
+            "--budget-s", str(budget_s), "--seed", str(args.seed), "--max-total-len", str(args.max_total_len),
+            "--warmup-requests", str(args.warmup_requests)]
     done = subprocess.run(argv, check=False)
     try:
         with open(path) as f:

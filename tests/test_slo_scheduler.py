@@ -1,12 +1,15 @@
 """The "slo" policy on a scripted clock and a hand-set step-time fit: waiting order by slack, late
 requests behind the ones that can still make it, the prefill cap, the preemption victim."""
 
+import pytest
+
 from goodserve import SamplingParams
 from goodserve.config import EngineConfig
 from goodserve.engine.kv_cache_manager import KVCacheManager
 from goodserve.engine.scheduler import Scheduler
 from goodserve.engine.scheduler_output import SchedulerOutput
 from goodserve.engine.sequence import Sequence
+from goodserve.engine.slo_policy import SloForecast
 from goodserve.engine.step_time_model import StepTimeFit
 
 # 10 ms a step, 1 ms a decode row, 0.1 ms a prompt token
@@ -159,8 +162,21 @@ def test_forecast_predicts_ttft_from_the_queue_ahead():
     decode_step(sched)  # (the cap is the last step's: this one's decodes carry the targets)
     forecast = sched.forecast()
     assert (forecast.decode_rows, forecast.prefill_tokens_per_step) == (10, 250)
-    # 600 tokens ahead + 150 of its own: three 250-token steps of 10 + 10 + 25 ms
-    assert forecast.ttft_seconds(600, 150) == 0.135
+    # 600 tokens ahead (two 250-token steps of 10 + 10 + 25 ms, one of 100 tokens: 30 ms), then its
+    # own 150 (35 ms)
+    assert forecast.ttft_seconds(600, 150) == pytest.approx(0.155)
+    assert (forecast.free_seqs, forecast.steps_to_finish) == (54, (0,) * 10)  # their last tokens are out
+
+
+def test_forecast_waits_for_a_free_sequence_slot():
+    """No free slot; the running sequences finish in 3, 5 and 40 steps of 13 ms (10 + 3 x 1 ms). A
+    request behind one waiting sequence needs the second slot to free: 5 steps, 65 ms, then its own
+    100-token prompt, 23 ms. Behind four it waits for the batch to turn over: 40 + 3 steps."""
+    forecast = SloForecast(FIT, decode_rows=3, prefill_tokens_per_step=2048, free_seqs=0, steps_to_finish=(3, 5, 40))
+    assert forecast.ttft_seconds(0, 100, seqs_ahead=1) == pytest.approx(0.065 + 0.023)
+    assert forecast.ttft_seconds(0, 100, seqs_ahead=3) == pytest.approx(43 * 0.013 + 0.023)
+    # tokens ahead that take longer than the wait for a slot are what counts
+    assert forecast.ttft_seconds(10_000, 100, seqs_ahead=1) == pytest.approx(forecast.ttft_seconds(10_000, 100))
 
 
 def test_decodes_ahead_of_their_tpot_let_a_step_carry_more_prompt():

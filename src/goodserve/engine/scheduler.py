@@ -32,7 +32,7 @@ from goodserve.engine.kv_cache_manager import KVCacheManager
 from goodserve.engine.makespan import MakespanAdmission, longest_first_key
 from goodserve.engine.scheduler_output import SchedulerOutput
 from goodserve.engine.sequence import Sequence, SequenceStatus
-from goodserve.engine.slo_policy import SloForecast, SloPolicy
+from goodserve.engine.slo_policy import SloForecast, SloPolicy, tokens_left
 from goodserve.engine.step_time_model import StepTimeModel
 from goodserve.engine.waiting_queue import WaitingQueue
 
@@ -264,10 +264,13 @@ class Scheduler:
         return out
 
     def forecast(self) -> SloForecast:
-        """The step-time fit and the queue's shape (the last step's prefill cap), for the server's
-        admission check."""
-        cap = self.slo.cap if self.slo else self.config.max_num_batched_tokens
-        return SloForecast(self.step_time.fit, len(self.running), cap)
+        """The step-time fit and the queue's shape (the last step's prefill cap; under the slo policy
+        when the running sequences finish), for the server's admission check."""
+        if self.slo is None:
+            return SloForecast(self.step_time.fit, len(self.running), self.config.max_num_batched_tokens)
+        return SloForecast(self.step_time.fit, len(self.running), self.slo.cap,
+                           self.config.max_num_seqs - len(self.running),
+                           tuple(sorted(tokens_left(seq) + (seq.num_uncomputed_tokens > 1) for seq in self.running)))
 
     # ---- after the step ------------------------------------------------------------------
     def advance(self, out: SchedulerOutput) -> None:

@@ -46,18 +46,38 @@ class SloForecast:
     fit: StepTimeFit | None
     decode_rows: int  # running sequences
     prefill_tokens_per_step: int  # the step's prefill cap now
+    free_seqs: int = 1 << 30  # max_num_seqs - running
+    # The running sequences' steps left (tokens they may still generate), ascending: when slots free
+    # up. Exact with ignore_eos; otherwise max_tokens is an upper bound, and the forecast pessimistic.
+    steps_to_finish: tuple[int, ...] = ()
 
-    def ttft_seconds(self, prompt_tokens_ahead: int, prompt_tokens: int) -> float | None:
-        """Predicted time to first token of a request queued behind prompt_tokens_ahead prompt tokens."""
+    def ttft_seconds(self, prompt_tokens_ahead: int, prompt_tokens: int, seqs_ahead: int = 0) -> float | None:
+        """Predicted time to first token of a request queued behind seqs_ahead sequences holding
+        prompt_tokens_ahead prompt tokens: its prompt starts once those ahead are computed and a
+        sequence slot is free, whichever comes last."""
         if self.fit is None:
             return None
-        return self.fit.prefill_seconds(prompt_tokens_ahead + prompt_tokens, self.decode_rows,
-                                        self.prefill_tokens_per_step)
+        ahead = self.fit.prefill_seconds(prompt_tokens_ahead, self.decode_rows, self.prefill_tokens_per_step)
+        own = self.fit.prefill_seconds(prompt_tokens, self.decode_rows, self.prefill_tokens_per_step)
+        return max(ahead, self._slot_wait_seconds(seqs_ahead)) + own
+
+    def _slot_wait_seconds(self, seqs_ahead: int) -> float:
+        short = seqs_ahead + 1 - self.free_seqs  # running sequences that must finish first
+        if short <= 0 or not self.steps_to_finish:
+            return 0.0
+        rounds, i = divmod(short - 1, len(self.steps_to_finish))  # past one batch: it turns over again
+        steps = rounds * self.steps_to_finish[-1] + self.steps_to_finish[i]
+        return steps * self.fit.seconds(self.decode_rows, 0)
 
 
 def ttft_deadline(seq: Sequence) -> float:
     ttft_ms = seq.params.slo_ttft_ms
     return math.inf if ttft_ms is None else seq.arrival_time + ttft_ms / 1000.0
+
+
+def tokens_left(seq: Sequence) -> int:
+    """Tokens seq may still generate (max_tokens, or the context)."""
+    return min((seq.params.max_tokens or seq.max_len) - seq.num_output_tokens, seq.max_len - seq.num_tokens)
 
 
 def _has_answered(seq: Sequence) -> bool:
@@ -75,8 +95,7 @@ def _step_budget(seq: Sequence, now: float, decode_step_s: float) -> float:
     far, this one and its next TPOT_HORIZON at decode_step_s each, within TPOT_MARGIN x its target."""
     per_token_s = TPOT_MARGIN * seq.params.slo_tpot_ms / 1000.0
     first = now if seq.metrics.first_token_time is None else seq.metrics.first_token_time
-    tokens_left = min((seq.params.max_tokens or seq.max_len) - seq.num_output_tokens, seq.max_len - seq.num_tokens)
-    ahead = min(TPOT_HORIZON, max(tokens_left - 1, 0))
+    ahead = min(TPOT_HORIZON, max(tokens_left(seq) - 1, 0))
     # after this step: num_output_tokens intervals since the first token, then `ahead` more
     budget = first + per_token_s * (seq.num_output_tokens + ahead) - now - decode_step_s * ahead
     return max(per_token_s, budget)
@@ -153,5 +172,3 @@ class SloPolicy:
             return self.latest_start(seq) - now
         return math.inf if seq.params.slo_tpot_ms is None else _tpot_slack(seq, now)
 
-    def forecast(self, running: list[Sequence]) -> SloForecast:
-        return SloForecast(self.model.fit, len(running), self.prefill_cap(running))

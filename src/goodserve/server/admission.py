@@ -49,7 +49,7 @@ class Admission:
     def check_ttft(self, forecast: SloForecast, prompt_tokens: int, ttft_ms: float) -> None:
         """Raise TtftUnattainable if prompt_tokens queued behind the waiting ones would miss ttft_ms.
         Retry-After: the seconds the queue ahead needs to drain that far."""
-        predicted_s = forecast.ttft_seconds(self.waiting_prompt_tokens, prompt_tokens)
+        predicted_s = forecast.ttft_seconds(self.waiting_prompt_tokens, prompt_tokens, self.num_waiting)
         if predicted_s is None or predicted_s * 1000 <= ttft_ms:
             return
         raise TtftUnattainable(predicted_s * 1000, ttft_ms, max(1, math.ceil(predicted_s - ttft_ms / 1000)))
