@@ -6,9 +6,14 @@ has no tokenizer, so prompts are random token ids), gamma arrivals with burstine
 TTFT <= 200 ms and TPOT <= 50 ms. Each policy gets an in-process engine of its own, in a process of
 its own (so the second gets all the GPU memory back), driven by bench/inprocess.py at each rate of a
 ladder: every request carries the targets, and under "slo" the server's TTFT admission check
-(server/admission.py) refuses what the server would refuse with a 429, which counts as a miss. A
-probe holds its rate for --probe-seconds (at least --min-prompts requests); a policy's ladder stops
-at the first probe below 50% attainment or when its share of --budget-s is spent. Per probe: SLO
+(server/admission.py) refuses what the server would refuse with a 429, which counts as a miss.
+With --rates auto (the default) the ladder is set from the engine's saturated throughput, measured
+under FCFS first (--saturation-prompts sent at once; completed req/s), at AUTO_LADDER times it, and
+both policies climb the same ladder. A probe holds its rate for --probe-seconds (at least
+--min-prompts requests): long enough for the running batch to fill (--max-num-seqs sequences of
+~9 s of decoding each; a short probe ends before the queue builds, and every policy passes it). A
+policy's ladder stops at the first probe below STOP_BELOW attainment or when its share of
+--budget-s is spent. Per probe: SLO
 attainment, goodput, TTFT / TPOT percentiles, refusals, and attainment at SLO scales 0.5..2
 (DistServe's attainment vs SLO scale, scored on the same requests). Capacity: the highest rate, as
 completed, with attainment >= 90% (bench/capacity.py), and the offered rate where the ladder's
@@ -46,7 +51,8 @@ POLICIES = ("continuous", "slo")
 SLOS_MS = {"ttft": 200.0, "tpot": 50.0}
 TARGET_ATTAINMENT = 0.9
 SLO_SCALES = [0.5, 0.75, 1.0, 1.5, 2.0]
-STOP_BELOW = 50.0  # percent: the ladder is past this policy's capacity
+STOP_BELOW = 80.0  # percent: the ladder is past this policy's capacity
+AUTO_LADDER = (0.6, 0.75, 0.9, 1.05, 1.2)  # x the saturated throughput
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -54,9 +60,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true", help="dummy:tiny on the CPU, two short probes")
     p.add_argument("--model", default="dummy:llama-3.1-8b")
     p.add_argument("--device", default="cuda")
-    p.add_argument("--rates", default="4,6,8,11,16,22,32,45,64", help="the ladder, req/s")
+    p.add_argument("--rates", default="auto", help="the ladder, req/s, or auto (x the saturated throughput)")
+    p.add_argument("--saturation-prompts", type=int, default=400)
     p.add_argument("--burstiness", type=float, default=0.25)
-    p.add_argument("--probe-seconds", type=float, default=12.0, help="arrivals per probe span this long")
+    p.add_argument("--probe-seconds", type=float, default=25.0, help="arrivals per probe span this long")
     p.add_argument("--min-prompts", type=int, default=100)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--budget-s", type=float, default=300.0,
@@ -69,14 +76,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--json-out")
     args = p.parse_args(argv)
     if args.smoke:
-        args.model, args.device, args.rates = "dummy:tiny", "cpu", "20,40"
+        args.model, args.device, args.saturation_prompts = "dummy:tiny", "cpu", 40
         args.probe_seconds, args.min_prompts, args.max_num_seqs, args.budget_s = 1.0, 20, 64, 120.0
         args.max_total_len, args.warmup_requests = 1024, 16  # dummy:tiny's context
     return args
 
 
-def workload(rate: float, args) -> list:
-    n = max(args.min_prompts, round(rate * args.probe_seconds))
+def workload(rate: float, args, n: int | None = None) -> list:
+    n = n or max(args.min_prompts, round(rate * args.probe_seconds))
     # The same requests for both policies at a rate; every rate its own.
     config = WorkloadConfig(dataset_name="sharegpt", num_prompts=n, seed=args.seed + int(rate * 1000))
     requests = build_workload(config, PromptText(None, config.seed))
@@ -110,6 +117,10 @@ async def measure_policy(args) -> dict:
         await BenchRun(target, warmup, ArrivalConfig()).run()
         result["load_and_warmup_s"] = time.perf_counter() - t0
         deadline = time.perf_counter() + args.budget_s
+        if args.rates == "auto":
+            result["saturation_rate"] = await saturated_throughput(target, args)
+            args.rates = ",".join(f"{result['saturation_rate'] * f:.1f}" for f in AUTO_LADDER)
+        result["rates"] = args.rates
         for rate in [float(r) for r in args.rates.split(",")]:
             if time.perf_counter() >= deadline:
                 result["stopped"] = f"budget spent before {rate:g} req/s"
@@ -131,6 +142,15 @@ async def measure_policy(args) -> dict:
     result["capacity"] = capacity_of(result["probes"], TARGET_ATTAINMENT)
     result["crossing_rate"] = crossing_rate(result["probes"])
     return result
+
+
+async def saturated_throughput(target, args) -> float:
+    """Completed requests per second with --saturation-prompts sent at once (the tail included)."""
+    start = time.perf_counter()
+    records = await BenchRun(target, workload(0, args, args.saturation_prompts), ArrivalConfig()).run()
+    rate = sum(r.success for r in records) / (time.perf_counter() - start)
+    print(f"saturated throughput: {rate:.1f} req/s", flush=True)
+    return rate
 
 
 def crossing_rate(probes: list[dict]) -> float:
@@ -175,12 +195,13 @@ def main(argv=None) -> None:
         return
     started = time.perf_counter()
     results = {}
-    for i, policy in enumerate(POLICIES):
+    for i, policy in enumerate(POLICIES):  # continuous first: under --rates auto it sets the ladder
         left = args.budget_s - (time.perf_counter() - started) if i else args.budget_s / len(POLICIES)
         results[policy] = run_child(policy, args, max(left, 0.0))
+        args.rates = results[policy].get("rates", args.rates)
     summary = {"model": args.model, "device": args.device, "burstiness": args.burstiness,
                "slos_ms": SLOS_MS, "target_attainment": TARGET_ATTAINMENT, "rates": args.rates,
-               "policies": results, "wall_s": time.perf_counter() - started}
+               "probe_seconds": args.probe_seconds, "policies": results, "wall_s": time.perf_counter() - started}
     caps = {p: r.get("capacity", {}).get("rate", 0.0) for p, r in results.items()}
     crossings = {p: r.get("crossing_rate", 0.0) for p, r in results.items()}
     summary["capacity_ratio"] = caps["slo"] / caps["continuous"] if caps["continuous"] else math.inf

@@ -162,9 +162,8 @@ def test_forecast_predicts_ttft_from_the_queue_ahead():
     decode_step(sched)  # (the cap is the last step's: this one's decodes carry the targets)
     forecast = sched.forecast()
     assert (forecast.decode_rows, forecast.prefill_tokens_per_step) == (10, 250)
-    # 600 tokens ahead (two 250-token steps of 10 + 10 + 25 ms, one of 100 tokens: 30 ms), then its
-    # own 150 (35 ms)
-    assert forecast.ttft_seconds(600, 150) == pytest.approx(0.155)
+    # 600 tokens ahead and its own 150: three 250-token steps of 10 + 10 + 25 ms
+    assert forecast.ttft_seconds(600, 150) == pytest.approx(0.135)
     assert (forecast.free_seqs, forecast.steps_to_finish) == (54, (0,) * 10)  # their last tokens are out
 
 

@@ -57,9 +57,10 @@ class SloForecast:
         sequence slot is free, whichever comes last."""
         if self.fit is None:
             return None
-        ahead = self.fit.prefill_seconds(prompt_tokens_ahead, self.decode_rows, self.prefill_tokens_per_step)
+        both = self.fit.prefill_seconds(prompt_tokens_ahead + prompt_tokens, self.decode_rows,
+                                        self.prefill_tokens_per_step)
         own = self.fit.prefill_seconds(prompt_tokens, self.decode_rows, self.prefill_tokens_per_step)
-        return max(ahead, self._slot_wait_seconds(seqs_ahead)) + own
+        return max(both, self._slot_wait_seconds(seqs_ahead) + own)
 
     def _slot_wait_seconds(self, seqs_ahead: int) -> float:
         short = seqs_ahead + 1 - self.free_seqs  # running sequences that must finish first
