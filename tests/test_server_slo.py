@@ -50,6 +50,14 @@ def test_best_effort_and_default_targets_are_served(client):
     assert out.choices[0].finish_reason == "length"
 
 
+def test_attainment_is_scored_against_the_requests_own_targets(client):
+    client, url = client
+    missed = "goodserve:request_slo_total{attained=false}"
+    before = scrape_metrics(url).get(missed, 0.0)
+    client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=3, extra_body={"slo_tpot_ms": 1e-6})
+    assert scrape_metrics(url).get(missed, 0.0) == before + 1  # the server's 60 s would have been met
+
+
 def test_invalid_target_is_422(client):
     client, _ = client
     with pytest.raises(openai.UnprocessableEntityError):

@@ -21,7 +21,7 @@ from goodserve.outputs import LogprobsEntry, RequestOutput
 from goodserve.sampling_params import SamplingParams
 from goodserve.server.admission import Admission
 from goodserve.server.errors import ClientDisconnectedError, ClientNotReadingError, DeadlineExceededError
-from goodserve.server.metrics import ServerMetrics
+from goodserve.server.metrics import ServerMetrics, Slo
 from goodserve.server.protocol import PromptTokensDetails, Usage
 
 T = TypeVar("T")
@@ -112,7 +112,7 @@ class GenerationJob:
                     raise item
                 self.final[index] = item
                 if item.finished:
-                    self.metrics.observe_finished(item)
+                    self.metrics.observe_finished(item, Slo(self.params.slo_ttft_ms, self.params.slo_tpot_ms))
                 yield index, item
             finished_cleanly = True
         finally:
