@@ -36,3 +36,31 @@ def test_sweep_slo_scale_in_result_and_html(tmp_path):
         assert [p["slo_attainment"] for p in run["slo_scale_sweep"]] == [0.0, 100.0]
     page = html.read_text()
     assert "SLO attainment vs request rate" in page and "SLO attainment vs SLO scale" in page
+
+
+def test_inprocess_slo_refusals_are_recorded_as_429s():
+    """An impossible TTFT target: once the engine has a step-time fit, the admission check refuses
+    each request before it reaches the engine, as the server would with a 429."""
+    import asyncio
+
+    from goodserve.bench.arrivals import ArrivalConfig
+    from goodserve.bench.inprocess import InProcessTarget
+    from goodserve.bench.runner import BenchRun
+    from goodserve.bench.workloads import BenchRequest
+    from goodserve.config import EngineConfig
+
+    target = InProcessTarget(EngineConfig(model="dummy:tiny", device="cpu", scheduler_policy="slo"),
+                             ignore_eos=True, slo_ms={"ttft": 1e-6})
+    requests = [BenchRequest("", prompt_len, 4) for prompt_len in (3, 60, 3, 60, 3, 60, 3, 60)]
+
+    async def go():
+        try:
+            return await BenchRun(target, requests, ArrivalConfig(max_concurrency=1)).run()
+        finally:
+            await target.close()
+
+    records = asyncio.run(go())
+    assert records[0].success  # no fit yet: nothing is refused
+    refused = [r for r in records if r.error.startswith("TtftUnattainable")]
+    assert refused and refused[-1].index == 7 and not refused[-1].chunk_times
+    assert target.admission.num_waiting == 0 and target.admission.waiting_prompt_tokens == 0
