@@ -8,16 +8,19 @@ its own (so the second gets all the GPU memory back), driven by bench/inprocess.
 ladder: every request carries the targets, and under "slo" the server's TTFT admission check
 (server/admission.py) refuses what the server would refuse with a 429, which counts as a miss.
 With --rates auto (the default) the ladder is set from the engine's saturated throughput, measured
-under FCFS first (--saturation-prompts sent at once; completed req/s), at AUTO_LADDER times it, and
+under FCFS first (--saturation-prompts sent at once; req/s completed while the batch is full), at
+AUTO_LADDER times it, and
 both policies climb the same ladder. A probe holds its rate for --probe-seconds (at least
 --min-prompts requests): long enough for the running batch to fill (--max-num-seqs sequences of
 ~9 s of decoding each; a short probe ends before the queue builds, and every policy passes it). A
 policy's ladder stops at the first probe below STOP_BELOW attainment or when its share of
 --budget-s is spent. Per probe: SLO
 attainment, goodput, TTFT / TPOT percentiles, refusals, and attainment at SLO scales 0.5..2
-(DistServe's attainment vs SLO scale, scored on the same requests). Capacity: the highest rate, as
-completed, with attainment >= 90% (bench/capacity.py), and the offered rate where the ladder's
-attainment crosses 90% (interpolated). The issue's target: slo's capacity >= 1.3x continuous's.
+(DistServe's attainment vs SLO scale, scored on the same requests). Goodput capacity: the offered
+rate where the ladder's attainment crosses 90% (interpolated between rungs: DistServe's measure,
+`crossing_rate`); also bench/capacity.py's highest passing rate as completed (`capacity`, which a
+probe's drain tail, its longest answer decoding alone, pulls below the offered rate). The issue's
+target: slo's crossing rate >= 1.3x continuous's (`meets_1_3x`).
 
     python benchmarks/gpu_slo.py                # H100: ~6-7 minutes (two engine loads + 300 s of probes)
     python benchmarks/gpu_slo.py --smoke        # dummy:tiny on the CPU, a quick check of the script
@@ -145,10 +148,13 @@ async def measure_policy(args) -> dict:
 
 
 async def saturated_throughput(target, args) -> float:
-    """Completed requests per second with --saturation-prompts sent at once (the tail included)."""
-    start = time.perf_counter()
+    """Requests completed per second while the batch is full: --saturation-prompts sent at once, the
+    rate between their 10th and 60th percentile completions (not the whole run: its tail is one long
+    answer decoding alone)."""
     records = await BenchRun(target, workload(0, args, args.saturation_prompts), ArrivalConfig()).run()
-    rate = sum(r.success for r in records) / (time.perf_counter() - start)
+    ends = sorted(r.end_time for r in records if r.success)
+    i, j = len(ends) // 10, len(ends) * 6 // 10
+    rate = (j - i) / (ends[j] - ends[i]) if j > i and ends[j] > ends[i] else 1.0
     print(f"saturated throughput: {rate:.1f} req/s", flush=True)
     return rate
 
@@ -206,12 +212,13 @@ def main(argv=None) -> None:
     crossings = {p: r.get("crossing_rate", 0.0) for p, r in results.items()}
     summary["capacity_ratio"] = caps["slo"] / caps["continuous"] if caps["continuous"] else math.inf
     summary["crossing_ratio"] = crossings["slo"] / crossings["continuous"] if crossings["continuous"] else math.inf
-    summary["meets_1_3x"] = summary["capacity_ratio"] >= 1.3
+    summary["meets_1_3x"] = summary["crossing_ratio"] >= 1.3
     path = write_result("gpu_slo.json", summary)
     for policy in POLICIES:
-        print(f"{policy:>10}: goodput capacity {caps[policy]:.2f} req/s (crossing at {crossings[policy]:.2f})")
-    print(f"slo / continuous: {summary['capacity_ratio']:.2f}x capacity, {summary['crossing_ratio']:.2f}x crossing "
-          f"(target 1.3x); {path}")
+        print(f"{policy:>10}: goodput capacity {crossings[policy]:.2f} req/s offered "
+              f"({caps[policy]:.2f} as completed)")
+    print(f"slo / continuous: {summary['crossing_ratio']:.2f}x ({summary['capacity_ratio']:.2f}x as completed; "
+          f"target 1.3x); {path}")
 
 
 if __name__ == "__main__":
