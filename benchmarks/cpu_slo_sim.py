@@ -15,7 +15,6 @@ capacity (highest rate with attainment >= 90%).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
