@@ -41,7 +41,8 @@ class StepTimeFit:
         room = step_budget_s - self.seconds(decode_rows, 0)
         if room <= 0:
             return 0
-        return _UNBOUNDED if self.c <= 0 else min(int(room / self.c + 1e-6), _UNBOUNDED)  # (1e-6: 0.02 / 2e-5 is 999.99...)
+        # (+1e-6: 0.02 / 2e-5 is 999.99...)
+        return _UNBOUNDED if self.c <= 0 else min(int(room / self.c + 1e-6), _UNBOUNDED)
 
     def prefill_seconds(self, prompt_tokens: int, decode_rows: int, tokens_per_step: int) -> float:
         """Time to compute prompt_tokens in chunks of tokens_per_step beside decode_rows decodes."""
