@@ -13,7 +13,7 @@ from goodserve.errors import InvalidRequestError
 from goodserve.model_names import EMBEDDED_MODEL, gguf_model_path
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-SCHEDULER_POLICIES = ("continuous", "static", "dynamic", "makespan")
+SCHEDULER_POLICIES = ("continuous", "static", "dynamic", "makespan", "slo")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 ATTENTION_BACKENDS = ("auto", "torch", "triton")

@@ -44,7 +44,9 @@ _HELP = {
     "max_n_per_request": "most samples (n) in one request; more get 400 (each counts against --max-waiting)",
     "scheduler_policy": "continuous (FCFS); static / dynamic batching (to measure what continuous buys); makespan: "
                         "longest requests first, the rest spread over the longest one's steps, for offline batches "
-                        "whose lengths are known (ignore_eos), docs/architecture.md (default: continuous)",
+                        "whose lengths are known (ignore_eos); slo: by slack to each request's TTFT / TPOT "
+                        "targets, a prefill cap from the fitted step time, 429 for TTFTs the queue makes "
+                        "impossible, docs/serving.md (default: continuous)",
     "enforce_eager": "no CUDA graphs",
     "async_scheduling": "launch step N+1 before step N's tokens reach the host (CUDA graphs only)",
     "quantization": "weight-only int8 / int4 computed at load, or gguf: run a GGUF file's own Q4_0 / Q4_1 / Q8_0 "

@@ -22,6 +22,7 @@ MAX_TEMPERATURE = 100.0
 MAX_REPETITION_PENALTY = 100.0
 MAX_LOGIT_BIAS_ENTRIES = 300  # bounds the host work and the scatter each step pays per biased request
 POOLING = ("last", "mean")
+MAX_SLO_MS = 86_400_000.0  # a day
 LOGIT_BIAS_RANGE = 100.0  # OpenAI's: -100 bans a token, +100 makes it all but certain
 
 
@@ -46,6 +47,10 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     priority: int = 0  # lower is served first, as in vLLM
+    # Latency targets (ms) the "slo" scheduler policy serves this request by (engine/slo_policy.py);
+    # None: no target. The server fills in its --slo-ttft-ms / --slo-tpot-ms where a body sets none.
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
     structured_outputs: StructuredOutputsParams | None = None  # the output follows this grammar
     # token id -> added to its logit before penalties, temperature and top-k/p (the engine checks ids
     # against the vocabulary); logprobs stay those of the unbiased distribution
@@ -94,6 +99,9 @@ class SamplingParams:
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), 0, MAX_LOGPROBS)
         _check_int("priority", self.priority, INT64_MIN, INT64_MAX)
+        for name in ("slo_ttft_ms", "slo_tpot_ms"):
+            if getattr(self, name) is not None:
+                _check_float(name, getattr(self, name), 0.0, MAX_SLO_MS, low_open=True)
         for token in self.stop_token_ids:
             _check_int("stop_token_ids entries", token, 0, INT32_MAX)
         _check_logit_bias(self.logit_bias)

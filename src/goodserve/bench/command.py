@@ -20,7 +20,13 @@ from goodserve.bench.arrivals import ArrivalConfig, parse_sweep
 from goodserve.bench.capacity import capacity_of
 from goodserve.bench.compare import compare_files
 from goodserve.bench.engine_config import describe, fetch_engine_config
-from goodserve.bench.metrics import LATENCY_METRICS, GpuCost, compute_metrics, parse_goodput_slos
+from goodserve.bench.metrics import (
+    LATENCY_METRICS,
+    GpuCost,
+    attainment_by_slo_scale,
+    compute_metrics,
+    parse_goodput_slos,
+)
 from goodserve.bench.records import RequestRecord
 from goodserve.bench.report import print_report, write_csv, write_html
 from goodserve.bench.result import build_result, save_json
@@ -28,7 +34,7 @@ from goodserve.bench.runner import BenchRun, search_capacity
 from goodserve.bench.text import PromptText
 from goodserve.bench.workloads import DATASETS, LENGTH_DISTS, WorkloadConfig, build_workload
 from goodserve.commands.console import make_console
-from goodserve.config import DTYPES
+from goodserve.config import DTYPES, SCHEDULER_POLICIES
 from goodserve.errors import InvalidRequestError
 from goodserve.model_names import EMBEDDED_MODEL
 
@@ -67,6 +73,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", choices=DTYPES, help="inprocess: engine dtype")
     g.add_argument("--device", default="auto", help="inprocess: engine device")
     g.add_argument("--max-num-seqs", type=int, default=256, help="inprocess: engine batch limit")
+    g.add_argument("--scheduler-policy", choices=SCHEDULER_POLICIES, default="continuous",
+                   help="inprocess: the engine's policy; with slo, requests carry the --goodput ttft/tpot "
+                        "targets and the server's TTFT admission check refuses what it would refuse")
 
     g = p.add_argument_group("workload")
     g.add_argument("--dataset-name", choices=DATASETS, default="random")
@@ -102,6 +111,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--goodput", nargs="+", metavar="NAME:MS", help="SLOs, e.g. ttft:200 tpot:50 e2el:5000")
     g.add_argument("--goodput-capacity", action="store_true",
                    help="search the highest Poisson rate whose SLO attainment >= the target")
+    g.add_argument("--sweep-slo-scale", metavar="FACTORS",
+                   help="comma list, e.g. 0.5,1,2: also score each run's SLO attainment with the --goodput "
+                        "targets scaled by each factor (attainment vs SLO scale; the requests are not re-sent)")
     g.add_argument("--slo-attainment-target", type=float, default=0.9)
     g.add_argument("--capacity-start-rate", type=float, default=1.0)
     g.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el")
@@ -129,8 +141,9 @@ def make_target(args, tokenizer):
         from goodserve.config import EngineConfig
 
         config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
-                              max_num_seqs=args.max_num_seqs, seed=args.seed)
-        return InProcessTarget(config, ignore_eos=args.ignore_eos, temperature=args.temperature)
+                              max_num_seqs=args.max_num_seqs, seed=args.seed, scheduler_policy=args.scheduler_policy)
+        return InProcessTarget(config, ignore_eos=args.ignore_eos, temperature=args.temperature,
+                               slo_ms=parse_goodput_slos(args.goodput))
     from goodserve.bench.client import HttpTarget, HttpTargetConfig, TokenCounter
 
     endpoint = args.endpoint or ("/v1/chat/completions" if args.backend == "openai-chat" else "/v1/completions")
@@ -177,6 +190,9 @@ class _Bench:
         self.cost = GpuCost(args.gpu_hourly_cost, args.num_gpus) if args.gpu_hourly_cost else None
         if args.goodput_capacity and not self.slos:
             raise InvalidRequestError("--goodput-capacity needs SLOs: add --goodput ttft:MS tpot:MS")
+        self.slo_scales = parse_sweep(args.sweep_slo_scale, "--sweep-slo-scale")
+        if self.slo_scales and not self.slos:
+            raise InvalidRequestError("--sweep-slo-scale needs SLOs: add --goodput ttft:MS tpot:MS")
         self.tokenizer = self._tokenizer()
         self.requests = build_workload(workload_config(args), PromptText(self.tokenizer, args.seed))
         self.target = make_target(args, self.tokenizer)
@@ -223,6 +239,8 @@ class _Bench:
     def _result(self, settings: dict, records: list[RequestRecord]) -> dict:
         metrics = compute_metrics(records, slos=self.slos, percentile_metrics=self.percentile_metrics,
                                   percentiles=self.percentiles, cost=self.cost)
+        if self.slo_scales:
+            metrics["slo_scale_sweep"] = attainment_by_slo_scale(records, self.slos, self.slo_scales)
         return build_result(settings, metrics, records)
 
     @contextlib.contextmanager

@@ -2,7 +2,11 @@
 
 Run the same workload here and against `goodserve serve` and the difference is the server's cost
 (HTTP, JSON, SSE, detokenization on the response path). Token counts are exact: the engine
-reports its token ids.
+reports its token ids. A model without a tokenizer (dummy:...) gets prompts of random token ids.
+
+With SLOs (slo_ms: {"ttft": ms, "tpot": ms}, --goodput) each request carries them as its targets;
+under the "slo" scheduler policy the server's admission check runs here too (server/admission.py),
+and a request it refuses is recorded as the 429 a client would get.
 """
 
 from __future__ import annotations
@@ -15,17 +19,21 @@ from goodserve.bench.workloads import BenchRequest
 from goodserve.config import EngineConfig
 from goodserve.errors import GoodserveError
 from goodserve.sampling_params import SamplingParams
+from goodserve.server.admission import Admission
 
 
 class InProcessTarget:
     def __init__(self, config: EngineConfig, ignore_eos: bool = False, temperature: float = 0.0,
-                 use_chat_template: bool = False):
+                 use_chat_template: bool = False, slo_ms: dict[str, float] | None = None):
         from goodserve.engine.async_engine import AsyncEngine  # pulls in torch and the model
 
         self.engine = AsyncEngine(config)
         self.ignore_eos = ignore_eos
         self.temperature = temperature
         self.use_chat_template = use_chat_template
+        self.slo_ms = slo_ms or {}
+        checks_ttft = config.scheduler_policy == "slo" and "ttft" in self.slo_ms
+        self.admission = Admission(max_waiting=1 << 62) if checks_ttft else None
         self.description = f"in-process engine ({config.model})"
         self._ids = itertools.count()
         self._started = False
@@ -39,8 +47,11 @@ class InProcessTarget:
             await self.engine.start()
             self._started = True
 
-    def prompt_for(self, request: BenchRequest) -> str:
-        if self.use_chat_template and self.engine.tokenizer is not None:
+    def prompt_for(self, request: BenchRequest, index: int) -> str | list[int]:
+        if self.engine.tokenizer is None:  # distinct ids per request, so no prefix is shared
+            vocab = self.engine.spec.vocab_size
+            return [(index * 7919 + i * 31) % (vocab - 1) + 1 for i in range(request.prompt_len)]
+        if self.use_chat_template:
             return self.engine.tokenizer.apply_chat_template(request.chat_messages())
         return request.completion_prompt()
 
@@ -50,10 +61,20 @@ class InProcessTarget:
                                expected_output_len=request.output_len, send_time=clock(),
                                conversation_id=request.conversation_id, output_len_source="engine")
         params = SamplingParams(max_tokens=request.output_len, temperature=self.temperature,
-                                ignore_eos=self.ignore_eos)
+                                ignore_eos=self.ignore_eos, slo_ttft_ms=self.slo_ms.get("ttft"),
+                                slo_tpot_ms=self.slo_ms.get("tpot"))
         seen_tokens = 0
+        queued = 0  # prompt tokens this request holds in the admission count until its first token
         try:
-            async for out in self.engine.generate(f"bench-{next(self._ids)}", self.prompt_for(request), params):
+            if self.admission is not None:
+                self.admission.check_ttft(self.engine.forecast(), request.prompt_len, params.slo_ttft_ms)
+                self.admission.admit(1, request.prompt_len)
+                queued = request.prompt_len
+            async for out in self.engine.generate(f"bench-{next(self._ids)}", self.prompt_for(request, index),
+                                                  params):
+                if queued:
+                    self.admission.started(1, queued)
+                    queued = 0
                 completion = out.outputs[0]
                 now = clock()
                 if len(completion.token_ids) > seen_tokens:
@@ -64,6 +85,9 @@ class InProcessTarget:
                 record.generated_text = completion.text
         except GoodserveError as exc:
             record.error = f"{type(exc).__name__}: {exc}"
+        finally:
+            if queued:
+                self.admission.started(1, queued)
         record.end_time = clock()
         record.output_len = seen_tokens
         record.first_token_time = record.chunk_times[0] if record.chunk_times else None

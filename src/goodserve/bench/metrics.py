@@ -70,6 +70,14 @@ def slo_attainment(records: list[RequestRecord], slos: dict[str, float]) -> floa
     return sum(meets_slos(r, slos) for r in records) / len(records)
 
 
+def attainment_by_slo_scale(records: list[RequestRecord], slos: dict[str, float],
+                            scales: list[float]) -> list[dict[str, float]]:
+    """SLO attainment (percent) with every target multiplied by each scale: DistServe's attainment vs
+    SLO scale, how much tighter or looser the targets could be at this load."""
+    return [{"scale": scale, "slo_attainment": 100.0 * slo_attainment(
+        records, {name: limit * scale for name, limit in slos.items()})} for scale in scales]
+
+
 def run_duration(records: list[RequestRecord]) -> float:
     """First send to last completion (or failure) on the benchmark clock."""
     if not records:

@@ -94,6 +94,10 @@ def print_report(result: dict, console: Console | None = None) -> None:
         console.print(summary_table(runs[0]))
     else:
         console.print(sweep_table(runs))
+    for run in runs:
+        if "slo_scale_sweep" in run:
+            cells = ", ".join(f"x{p['scale']:g}: {p['slo_attainment']:.1f}%" for p in run["slo_scale_sweep"])
+            console.print(f"SLO attainment vs SLO scale ({_run_label(run)}): {cells}")
     if "capacity" in result:
         cap = result["capacity"]
         console.print(f"Goodput capacity (highest Poisson rate, as completed, with SLO attainment >= "
@@ -188,6 +192,43 @@ def _sweep_plots(runs: list[dict]) -> list[tuple[str, str]]:
     return plots
 
 
+def _attainment_plots(runs: list[dict]) -> list[tuple[str, str]]:
+    """DistServe's two curves: SLO attainment vs request rate (a sweep's runs) and vs SLO scale."""
+    import matplotlib.pyplot as plt
+
+    plots = []
+    if len(runs) > 1 and all("slo_attainment" in run for run in runs):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        rates = [run["request_rate"] if _finite(run.get("request_rate")) else run["request_throughput"]
+                 for run in runs]
+        ax.plot(rates, [run["slo_attainment"] for run in runs], marker="o")
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_ylabel("SLO attainment (%)")
+        ax.set_ylim(0, 102)
+        ax.set_title("SLO attainment vs request rate")
+        ax.grid(alpha=0.3)
+        plots.append(("SLO attainment vs request rate", _figure_png(fig)))
+    scaled = [run for run in runs if "slo_scale_sweep" in run]
+    if scaled:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for run in scaled:
+            points = run["slo_scale_sweep"]
+            ax.plot([p["scale"] for p in points], [p["slo_attainment"] for p in points], marker="o",
+                    label=_run_label(run))
+        ax.set_xlabel("SLO scale (x the --goodput targets)")
+        ax.set_ylabel("SLO attainment (%)")
+        ax.set_ylim(0, 102)
+        ax.set_title("SLO attainment vs SLO scale")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        plots.append(("SLO attainment vs SLO scale", _figure_png(fig)))
+    return plots
+
+
+def _finite(value) -> bool:
+    return isinstance(value, (int, float)) and np.isfinite(value)
+
+
 _HTML = jinja2.Template("""<!doctype html>
 <html><head><meta charset="utf-8"><title>goodserve bench: {{ title }}</title>
 <style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}
@@ -213,6 +254,7 @@ def write_html(result: dict, path: Path) -> None:
     plots = [("TTFT CDF", _cdf_plot(runs, "ttft", "TTFT")), ("TPOT CDF", _cdf_plot(runs, "tpot", "TPOT"))]
     if len(runs) > 1:
         plots += _sweep_plots(runs)
+    plots += _attainment_plots(runs)
     title = f"{result.get('model_id', '')} on {result.get('base_url') or result.get('backend', '')}"
     columns = [c for c in _HTML_COLUMNS if any(c in run for run in runs)]
     path.write_text(_HTML.render(title=title, runs=runs, columns=columns, plots=plots, fmt=_cell))

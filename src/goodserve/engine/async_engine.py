@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from goodserve.config import EngineConfig
 from goodserve.engine.engine import Engine
+from goodserve.engine.slo_policy import SloForecast
 from goodserve.engine.stats import EngineStats
 from goodserve.errors import EngineDeadError, EngineStepError, GoodserveError
 from goodserve.outputs import RequestOutput
@@ -62,6 +63,7 @@ class AsyncEngine:
         self.stopping = threading.Event()
         self.dead: BaseException | None = None
         self._stats = self.engine.stats()
+        self._forecast = self.engine.forecast()
 
     # ---- what the server reads -----------------------------------------------------------
     @property
@@ -87,6 +89,10 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         """The stats as of the last step (refreshed by the engine thread; safe to read anywhere)."""
         return self._stats
+
+    def forecast(self) -> SloForecast:
+        """The step-time fit and queue shape as of the last step (published by the engine thread)."""
+        return self._forecast
 
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         return self.engine.validate_request(prompt_token_ids, params)
@@ -145,6 +151,7 @@ class AsyncEngine:
                 if self.engine.has_unfinished():
                     self._deliver(self.engine.step())
                 self._stats = self.engine.stats()
+                self._forecast = self.engine.forecast()
         except BaseException as exc:  # a bug in the loop itself: fail every caller, loudly
             logger.exception("engine loop died")
             self.dead = exc

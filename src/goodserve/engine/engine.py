@@ -34,6 +34,7 @@ from goodserve.engine.runner_output import ModelRunnerOutput, PendingOutput
 from goodserve.engine.scheduler import Scheduler
 from goodserve.engine.scheduler_output import NewRequestData, SchedulerOutput
 from goodserve.engine.sequence import Sequence
+from goodserve.engine.slo_policy import SloForecast
 from goodserve.engine.stats import EngineStats, StepLog, engine_stats
 from goodserve.errors import InvalidRequestError
 from goodserve.outputs import RequestOutput
@@ -49,6 +50,7 @@ class _Step:
     out: SchedulerOutput
     seqs: list[Sequence]
     pending: PendingOutput
+    launched: float  # time.perf_counter() at launch
 
 
 class Engine:
@@ -71,6 +73,7 @@ class Engine:
         self._finished: list[str] = []
         self._inflight: _Step | None = None
         self.steps = StepLog()
+        self._last_recorded = 0.0  # perf_counter() when the last step's output was recorded
 
     # ---- requests ------------------------------------------------------------------------
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
@@ -146,13 +149,14 @@ class Engine:
 
     def _launch(self, out: SchedulerOutput, seqs: list[Sequence], previous: _Step | None = None,
                 trial: bool = False) -> _Step:
+        launched = time.perf_counter()
         out.new_requests, out.finished_seq_ids = self._new, self._finished
         self.executor.execute_model(out)
         sampling = [seq for seq, samples in zip(seqs, out.samples) if samples]
         if previous is not None and any(seq.grammar is not None for seq in sampling):
             _accept_tokens_ahead(previous)  # the masks need them; the forward runs meanwhile
         grammar = grammar_bitmask(sampling, pinned=self.device.type == "cuda")
-        step = _Step(out, seqs, self.executor.sample_tokens(grammar, trial))
+        step = _Step(out, seqs, self.executor.sample_tokens(grammar, trial), launched)
         if not trial:
             self._new, self._finished = [], []
         return step
@@ -242,6 +246,8 @@ class Engine:
         """Record a computed (and advanced) step's outputs; an error in one sequence's bookkeeping
         fails its request alone."""
         t0 = time.perf_counter()
+        self._observe_step_time(step.out, t0 - max(step.launched, self._last_recorded))
+        self._last_recorded = t0
         self._release_siblings(step.seqs)
         self.outputs.record_step(self.requests, step.out, step.seqs, output, stream_text, self._finish,
                                  self._fail_request)
@@ -250,6 +256,13 @@ class Engine:
         self.steps.sample += output.sample_s
         self.steps.detokenize += time.perf_counter() - t0
         return {seq.request_id for seq in step.seqs}
+
+    def _observe_step_time(self, out: SchedulerOutput, seconds: float) -> None:
+        """A step's time from its launch, or, pipelined, from the step before it reaching the host:
+        the interval at which its decodes got their tokens."""
+        prefill_tokens = sum(n for n in out.num_new_tokens if n > 1)
+        decode_rows = len(out) - sum(n > 1 for n in out.num_new_tokens)
+        self.scheduler.step_time.observe(decode_rows, prefill_tokens, seconds)
 
     def _finish(self, seq: Sequence, finish: Finish) -> None:
         self.scheduler.finish(seq, finish.reason, finish.stop_reason)
@@ -278,6 +291,9 @@ class Engine:
     # ---- introspection -------------------------------------------------------------------
     def stats(self) -> EngineStats:
         return engine_stats(self.scheduler, self.kv, self.steps)
+
+    def forecast(self) -> SloForecast:
+        return self.scheduler.forecast()
 
 
 def _accept_tokens_ahead(step: _Step) -> None:

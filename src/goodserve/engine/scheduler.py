@@ -12,7 +12,10 @@ The batching policy only gates admission: "continuous" admits whenever there is 
 admits a new batch only once the previous one has entirely finished; "dynamic" also waits for the
 batch to fill up to max_num_seqs or for the oldest request to have waited max_wait_ms; "makespan"
 admits the longest requests first and spreads the rest over the longest one's steps, to finish an
-offline batch of known lengths soonest (engine/makespan.py).
+offline batch of known lengths soonest (engine/makespan.py); "slo" orders the queue and the prefill
+chunks by slack to each request's TTFT target, caps the prompt tokens of a step so running decodes
+keep their TPOT target, and preempts the request with the most slack (engine/slo_policy.py). Every
+policy feeds the step-time model (engine/step_time_model.py) the engine fits from its steps.
 
 Its decision goes to the runner as plain data (engine/scheduler_output.py); the sequences it decides
 over stay here, with the engine. With async scheduling the engine passes the step still in flight:
@@ -29,6 +32,8 @@ from goodserve.engine.kv_cache_manager import KVCacheManager
 from goodserve.engine.makespan import MakespanAdmission, longest_first_key
 from goodserve.engine.scheduler_output import SchedulerOutput
 from goodserve.engine.sequence import Sequence, SequenceStatus
+from goodserve.engine.slo_policy import SloForecast, SloPolicy, tokens_left
+from goodserve.engine.step_time_model import StepTimeModel
 from goodserve.engine.waiting_queue import WaitingQueue
 
 
@@ -60,7 +65,11 @@ class Scheduler:
         makespan = config.scheduler_policy == "makespan"
         self.makespan = MakespanAdmission(config.max_num_batched_tokens, config.makespan_slack,
                                           config.makespan_min_admit) if makespan else None
-        self.waiting = WaitingQueue(longest_first_key if makespan else Sequence.priority_key)
+        self.step_time = StepTimeModel()  # the engine feeds it every step
+        self.slo = SloPolicy(config.max_num_batched_tokens, self.step_time) \
+            if config.scheduler_policy == "slo" else None
+        key = longest_first_key if makespan else self.slo.key if self.slo else Sequence.priority_key
+        self.waiting = WaitingQueue(key)
 
     # ---- queue management ----------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -73,6 +82,8 @@ class Scheduler:
         self.waiting.remove(seq)
         if self.makespan is not None:
             self.makespan.remove_waiting(seq)
+        if self.slo is not None:
+            self.slo.left_waiting(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -95,6 +106,8 @@ class Scheduler:
         reached the host (async scheduling); the step is then scheduled ahead of them, or None
         when it cannot be (someone would have to be preempted: the engine finishes the step in
         flight first and asks again)."""
+        if self.slo is not None:
+            self.slo.begin_step(self.running)
         decision = self._schedule_ahead(in_flight) if in_flight else self._schedule_now()
         return None if decision is None else self._output(decision)
 
@@ -102,7 +115,7 @@ class Scheduler:
         decision = _Decision()
         if not self._admits_any_step and self._next_batch_ready():
             self._admit_whole_batch()
-        budget = self._schedule_running(decision, self.config.max_num_batched_tokens)
+        budget = self._schedule_running(decision, self._running_budget())
         if self._admits_any_step and not decision.preempted and self.waiting:
             self._schedule_waiting(decision, min(budget, self._admission_allowance(sum(decision.num_new))))
         return decision
@@ -128,19 +141,28 @@ class Scheduler:
 
     @property
     def _admits_any_step(self) -> bool:
-        """Continuous batching and makespan admit at any step; static and dynamic between batches."""
-        return self.config.scheduler_policy in ("continuous", "makespan")
+        """Continuous batching, makespan and slo admit at any step; static and dynamic between batches."""
+        return self.config.scheduler_policy in ("continuous", "makespan", "slo")
+
+    def _running_budget(self) -> int:
+        """The running sequences' tokens this step: all the step holds, or under the slo policy the
+        decodes (scheduled first) plus the prefill cap."""
+        if self.slo is None:
+            return self.config.max_num_batched_tokens
+        return min(self.config.max_num_batched_tokens, self.slo.num_decodes + self.slo.cap)
 
     def _admission_allowance(self, num_scheduled: int) -> int:
         """Tokens new requests may take this step, besides num_scheduled for the running ones."""
-        if self.makespan is None:
-            return self.config.max_num_batched_tokens
-        return self.makespan.allowance(self.running, num_scheduled)
+        if self.makespan is not None:
+            return self.makespan.allowance(self.running, num_scheduled)
+        if self.slo is not None:  # the prefill chunks of the running ones count against the cap
+            return max(self.slo.cap - max(num_scheduled - self.slo.num_decodes, 0), 0)
+        return self.config.max_num_batched_tokens
 
     def _schedule_running(self, decision: _Decision, budget: int) -> int:
         """Decodes first (the attention kernels take a batch's leading one-token rows apart), then
         unfinished prompts in priority order."""
-        for seq in sorted(self.running, key=_decodes_first):
+        for seq in sorted(self.running, key=self.slo.running_key if self.slo else _decodes_first):
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
@@ -159,6 +181,8 @@ class Scheduler:
     def _schedule_waiting(self, decision: _Decision, budget: int, admissible=None) -> None:
         """Admit waiting sequences in order while the budget lasts; `admissible`, when given, stops
         at the first sequence it refuses."""
+        if self.slo is not None:
+            self.slo.demote_late(self.waiting)
         while budget > 0 and len(self.running) < self.config.max_num_seqs and self.waiting:
             seq = self.waiting.peek()
             if admissible is not None and not admissible(seq):
@@ -184,7 +208,8 @@ class Scheduler:
         seq.num_computed_tokens = 0
 
     def _lowest_priority_running(self, exclude: list[Sequence]) -> Sequence:
-        return max((s for s in self.running if s not in exclude), key=Sequence.priority_key)
+        key = self.slo.victim_key if self.slo else Sequence.priority_key
+        return max((s for s in self.running if s not in exclude), key=key)
 
     def _preempt(self, seq: Sequence, decision: _Decision) -> None:
         """Recompute preemption: free the blocks, requeue at the front; its tokens are kept."""
@@ -237,6 +262,15 @@ class Scheduler:
             if seq.counts_output_tokens:
                 out.penalty_token_ids[row] = seq.output_token_ids
         return out
+
+    def forecast(self) -> SloForecast:
+        """The step-time fit and the queue's shape (the last step's prefill cap; under the slo policy
+        when the running sequences finish), for the server's admission check."""
+        if self.slo is None:
+            return SloForecast(self.step_time.fit, len(self.running), self.config.max_num_batched_tokens)
+        return SloForecast(self.step_time.fit, len(self.running), self.slo.cap,
+                           self.config.max_num_seqs - len(self.running),
+                           tuple(sorted(tokens_left(seq) + (seq.num_uncomputed_tokens > 1) for seq in self.running)))
 
     # ---- after the step ------------------------------------------------------------------
     def advance(self, out: SchedulerOutput) -> None:

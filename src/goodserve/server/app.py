@@ -94,9 +94,10 @@ def startup_message(engine, config: ServerConfig, model_name: str) -> str:
 
 def build_app(engine, config: ServerConfig) -> FastAPI:
     model_name = config.served_model_name or engine.config.model
-    metrics = ServerMetrics(engine, model_name, Slo(config.slo_ttft_ms, config.slo_tpot_ms))
+    slo = Slo(config.slo_ttft_ms, config.slo_tpot_ms)
+    metrics = ServerMetrics(engine, model_name, slo)
     ctx = ServingContext(engine, model_name, Admission(config.max_waiting), metrics, config.request_timeout_s,
-                         config.max_unsent_outputs, config.pooling, config.allow_unknown_fields)
+                         config.max_unsent_outputs, config.pooling, config.allow_unknown_fields, slo)
     created = int(time.time())
     store = _open_store(Path(config.data_dir) if config.data_dir else default_data_dir())
     runner = None if isinstance(store, DataDirInUseError) else BatchRunner(

@@ -21,7 +21,7 @@ from goodserve.outputs import LogprobsEntry, RequestOutput
 from goodserve.sampling_params import SamplingParams
 from goodserve.server.admission import Admission
 from goodserve.server.errors import ClientDisconnectedError, ClientNotReadingError, DeadlineExceededError
-from goodserve.server.metrics import ServerMetrics
+from goodserve.server.metrics import ServerMetrics, Slo
 from goodserve.server.protocol import PromptTokensDetails, Usage
 
 T = TypeVar("T")
@@ -85,12 +85,12 @@ class GenerationJob:
 
     def admit(self) -> None:
         """Take queue places for every sequence (prompts x n), or raise 429 before anything is sent."""
-        self.admission.admit(len(self.prompts) * self.params.n)
+        self.admission.admit(len(self.prompts) * self.params.n, sum(map(len, self.prompts)))
         self._queued = set(range(len(self.prompts)))
 
     def release(self) -> None:
         """Give back the queue places of prompts that never started; safe to call more than once."""
-        self.admission.started(len(self._queued) * self.params.n)
+        self.admission.started(len(self._queued) * self.params.n, sum(len(self.prompts[i]) for i in self._queued))
         self._queued.clear()
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -104,7 +104,7 @@ class GenerationJob:
                 index, item = await self._next(queue)
                 if index in self._queued:
                     self._queued.discard(index)
-                    self.admission.started(self.params.n)
+                    self.admission.started(self.params.n, len(self.prompts[index]))
                 if item is None:
                     remaining -= 1
                     continue
@@ -112,7 +112,7 @@ class GenerationJob:
                     raise item
                 self.final[index] = item
                 if item.finished:
-                    self.metrics.observe_finished(item)
+                    self.metrics.observe_finished(item, Slo(self.params.slo_ttft_ms, self.params.slo_tpot_ms))
                 yield index, item
             finished_cleanly = True
         finally:

@@ -165,7 +165,8 @@ class ServerMetrics:
         Info(PREFIX + "engine_config", "The engine's resolved configuration.", labels,
              registry=self.registry).labels(model_name).info(engine_info(engine))
 
-    def observe_finished(self, out: RequestOutput) -> None:
+    def observe_finished(self, out: RequestOutput, targets: Slo | None = None) -> None:
+        """targets: the request's own SLO (slo_ttft_ms / slo_tpot_ms), where it set them; else the server's."""
         m = out.metrics
         finished = m.finished_time or time.time()
         ttft = _since(m.arrival_time, m.first_token_time)
@@ -186,7 +187,10 @@ class ServerMetrics:
         self.prompt_tokens.labels(name).inc(len(out.prompt_token_ids))
         self.generation_tokens.labels(name).inc(sum(len(c.token_ids) for c in out.outputs))
         self.request_success.labels(name, out.outputs[0].finish_reason or "abort").inc()
-        self.request_slo.labels(name, str(self.slo.met(ttft, tpot)).lower()).inc()
+        slo = self.slo if targets is None else Slo(
+            self.slo.ttft_ms if targets.ttft_ms is None else targets.ttft_ms,
+            self.slo.tpot_ms if targets.tpot_ms is None else targets.tpot_ms)
+        self.request_slo.labels(name, str(slo.met(ttft, tpot)).lower()).inc()
 
     def observe_aborted(self) -> None:
         self.request_success.labels(self.model_name, "abort").inc()

@@ -111,6 +111,12 @@ class _SamplingRequest(_Request):
     include_stop_str_in_output: bool = False
     # goodserve extension: give up (408) if the request has not finished within this many seconds
     request_timeout_s: float | None = Field(default=None, gt=0)
+    # goodserve extensions (docs/serving.md): this request's latency targets (default: --slo-ttft-ms,
+    # --slo-tpot-ms), which the "slo" scheduler policy serves by; with slo_best_effort a request whose
+    # TTFT the queue makes impossible waits at a low priority instead of a 429
+    slo_ttft_ms: float | None = Field(default=None, gt=0, le=86_400_000)
+    slo_tpot_ms: float | None = Field(default=None, gt=0, le=86_400_000)
+    slo_best_effort: bool = False
     # Structured outputs (server/structured.py): OpenAI's response_format, vLLM's guided_* and structured_outputs
     response_format: ResponseFormat | None = None
     guided_json: dict | str | None = None
@@ -143,6 +149,8 @@ class _SamplingRequest(_Request):
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             priority=self.priority,
+            slo_ttft_ms=self.slo_ttft_ms,
+            slo_tpot_ms=self.slo_tpot_ms,
             structured_outputs=self._structured_outputs(),
             logit_bias=_token_id_keys(self.logit_bias),
         )

@@ -15,13 +15,13 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from goodserve.errors import GoodserveError, InvalidRequestError, ModelLoadError
+from goodserve.errors import GoodserveError, InvalidRequestError, ModelLoadError, QueueFullError
 from goodserve.sampling_params import SamplingParams
-from goodserve.server.admission import Admission
+from goodserve.server.admission import BEST_EFFORT_PRIORITY, Admission
 from goodserve.server.contract import check_fields
 from goodserve.server.errors import error_body
 from goodserve.server.generation import GenerationJob, cancel_on_disconnect
-from goodserve.server.metrics import ServerMetrics
+from goodserve.server.metrics import ServerMetrics, Slo
 from goodserve.server.protocol import ChatMessage
 from goodserve.server.tokenization import PromptEncoder
 from goodserve.server.tool_calls import conversation
@@ -39,6 +39,7 @@ class ServingContext:
     max_unsent_outputs: int = 512  # a stream this far behind its engine request is aborted
     pooling: str = "last"  # how /v1/embeddings pools the final hidden states (--pooling)
     allow_unknown_fields: bool = False  # --allow-unknown-fields: ignore them with a warning, not a 400
+    slo: Slo | None = None  # --slo-ttft-ms / --slo-tpot-ms: the targets of requests that set none
 
     @property
     def tokenizer(self):
@@ -57,8 +58,9 @@ class ServingContext:
     def for_batch(self, admission: Admission) -> ServingContext:
         """The same serving path for batch lines (server/batch_lines.py): their own waiting-queue count,
         so online requests never get a 429 for places batch lines hold, and no server-wide deadline,
-        since they wait in the capacity online traffic leaves. One tokenizer pool serves both."""
-        view = replace(self, admission=admission, request_timeout_s=None)
+        since they wait in the capacity online traffic leaves, with no latency targets. One tokenizer
+        pool serves both."""
+        view = replace(self, admission=admission, request_timeout_s=None, slo=None)
         if self.engine.tokenizer is not None:
             view.encoder = self.encoder
         return view
@@ -92,8 +94,10 @@ class ServingContext:
         return [await self.encoder.encode(p) if isinstance(p, str) else list(p) for p in prompt]
 
     async def new_job(self, kind: str, prompts: list[list[int]], params: SamplingParams,
-                      request_timeout_s: float | None) -> GenerationJob:
-        """Validate every prompt (a request that can never fit is a 400 now), then take queue places."""
+                      request_timeout_s: float | None, best_effort: bool = False) -> GenerationJob:
+        """Validate every prompt (a request that can never fit is a 400 now), then take queue places:
+        a 429 if the queue is full or, under the slo policy, makes its TTFT target impossible (unless
+        best_effort: then it waits at a low priority)."""
         max_n = self.engine.config.max_n_per_request
         if params.n > max_n:
             raise InvalidRequestError(f"n={params.n} is more than this server allows (--max-n {max_n})")
@@ -110,8 +114,26 @@ class ServingContext:
             admission=self.admission, metrics=self.metrics, deadline=deadline,
             max_unsent_outputs=self.max_unsent_outputs,
         )
+        self._apply_slo(params, sum(map(len, prompts)), best_effort)
         job.admit()
         return job
+
+    def _apply_slo(self, params: SamplingParams, prompt_tokens: int, best_effort: bool) -> None:
+        """The server's targets where the request sets none; the TTFT admission check (slo policy)."""
+        if self.slo is None:
+            return
+        if params.slo_ttft_ms is None:
+            params.slo_ttft_ms = self.slo.ttft_ms
+        if params.slo_tpot_ms is None:
+            params.slo_tpot_ms = self.slo.tpot_ms
+        if params.slo_ttft_ms is None or self.engine.config.scheduler_policy != "slo":
+            return
+        try:
+            self.admission.check_ttft(self.engine.forecast(), prompt_tokens, params.slo_ttft_ms)
+        except QueueFullError:
+            if not best_effort:
+                raise
+            params.priority = max(params.priority, BEST_EFFORT_PRIORITY)
 
     def _validate(self, prompts: list[list[int]], params: SamplingParams) -> None:
         for ids in prompts:

@@ -37,7 +37,7 @@ async def create_chat_completion(
     params = req.sampling_params()
     mode = tool_mode(req)
     prompt = await ctx.chat_prompt_ids(req.messages, req.add_generation_prompt, prompt_tools(req))
-    job = await ctx.new_job("chatcmpl", [prompt], params, req.request_timeout_s)
+    job = await ctx.new_job("chatcmpl", [prompt], params, req.request_timeout_s, req.slo_best_effort)
     if req.stream:
         k = job.params.logprobs
         streams: dict[int, _ChoiceStream] = {}

@@ -1,0 +1,138 @@
+"""The scheduling policies on a simulated clock: the real Scheduler, KVCacheManager and admission
+check, with each step's time given by a step-time model instead of a GPU.
+
+What it isolates is the policy: which requests run when, and which are refused. Arrivals are gamma
+(burstiness 0.25 by default), lengths ShareGPT-like (bench/workloads.py), every output ignore_eos;
+a step of d decode rows and p prompt tokens lasts a + b d + c p seconds (defaults near an H100 on
+dummy llama-3.1-8b, benchmarks/BENCHMARKS.md: 8 ms a step, 0.1 ms a decode row, 30 us a prompt
+token). Under "slo" every request carries the targets and a request the admission check refuses
+(server/admission.py) is a miss. Prints SLO attainment per policy and rate, and the goodput
+capacity (highest rate with attainment >= 90%).
+
+    python benchmarks/cpu_slo_sim.py [--rates 8,12,16,20,24,28,32] [--num-prompts 1000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from goodserve.bench.arrivals import ArrivalConfig, send_offsets
+from goodserve.bench.text import PromptText
+from goodserve.bench.workloads import WorkloadConfig, build_workload
+from goodserve.config import EngineConfig
+from goodserve.engine.kv_cache_manager import KVCacheManager
+from goodserve.engine.scheduler import Scheduler
+from goodserve.engine.sequence import Sequence
+from goodserve.engine.step_time_model import StepTimeFit
+from goodserve.errors import QueueFullError
+from goodserve.sampling_params import SamplingParams
+from goodserve.server.admission import Admission
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from result_file import write_result  # noqa: E402
+
+POLICIES = ("continuous", "slo")
+
+
+class _Clock:
+    now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def simulate(policy: str, rate: float, args, fit: StepTimeFit) -> dict:
+    clock = _Clock()
+    config = EngineConfig(scheduler_policy=policy, max_num_seqs=args.max_num_seqs,
+                          max_num_batched_tokens=args.max_num_batched_tokens, block_size=16)
+    sched = Scheduler(config, KVCacheManager(args.num_kv_blocks, 16))
+    if sched.slo is not None:
+        sched.slo.clock = clock
+    admission = Admission(max_waiting=1 << 62) if policy == "slo" else None
+    requests = build_workload(WorkloadConfig(dataset_name="sharegpt", num_prompts=args.num_prompts, seed=args.seed),
+                              PromptText(None, args.seed))
+    offsets = send_offsets(ArrivalConfig(rate, args.burstiness), len(requests), args.seed)
+    ttft_s, tpot_s = args.ttft_ms / 1000, args.tpot_ms / 1000
+    next_arrival, met, refused, token = 0, 0, 0, 1
+    while next_arrival < len(requests) or sched.has_unfinished():
+        while next_arrival < len(requests) and offsets[next_arrival] <= clock.now:
+            r = requests[next_arrival]
+            params = SamplingParams(max_tokens=r.output_len, ignore_eos=True, slo_ttft_ms=args.ttft_ms,
+                                    slo_tpot_ms=args.tpot_ms)
+            prompt = list(range(token, token + r.prompt_len))  # distinct: no prefix is shared
+            token += r.prompt_len
+            seq = Sequence(seq_id=str(next_arrival), request_id=str(next_arrival), index=0, token_ids=prompt,
+                           num_prompt_tokens=r.prompt_len, params=params, max_len=r.prompt_len + r.output_len,
+                           arrival_time=offsets[next_arrival])
+            next_arrival += 1
+            if admission is not None:
+                try:
+                    admission.check_ttft(sched.forecast(), r.prompt_len, args.ttft_ms)
+                except QueueFullError:
+                    refused += 1
+                    continue
+                admission.admit(1, r.prompt_len)
+            sched.add(seq)
+        out = sched.schedule()
+        if not out:
+            clock.now = offsets[next_arrival]
+            continue
+        prefill = sum(n for n in out.num_new_tokens if n > 1)
+        decodes = len(out) - sum(n > 1 for n in out.num_new_tokens)
+        seconds = fit.seconds(decodes, prefill)
+        sched.step_time.observe(decodes, prefill, seconds)
+        clock.now += seconds
+        sched.advance(out)
+        for seq_id, samples in zip(out.seq_ids, out.samples):
+            if not samples:
+                continue
+            seq = sched.seqs[seq_id]
+            seq.token_ids.append(0)
+            if seq.metrics.first_token_time is None:
+                seq.metrics.first_token_time = clock.now
+                if admission is not None:
+                    admission.started(1, seq.num_prompt_tokens)
+            if seq.num_tokens >= seq.max_len:
+                first = seq.metrics.first_token_time
+                tpot = (clock.now - first) / max(seq.num_output_tokens - 1, 1)
+                met += first - seq.arrival_time <= ttft_s and (seq.num_output_tokens < 2 or tpot <= tpot_s)
+                sched.finish(seq, "length")
+    return {"policy": policy, "request_rate": rate, "slo_attainment": 100.0 * met / len(requests),
+            "refused_429": refused, "duration_s": clock.now, "num_preemptions": sched.num_preemptions}
+
+
+def capacity(runs: list[dict], target: float = 90.0) -> float:
+    passing = [run["request_rate"] for run in runs if run["slo_attainment"] >= target]
+    return max(passing, default=0.0)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rates", default="8,12,16,20,24,28,32,40")
+    p.add_argument("--burstiness", type=float, default=0.25)
+    p.add_argument("--num-prompts", type=int, default=1000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ttft-ms", type=float, default=200.0)
+    p.add_argument("--tpot-ms", type=float, default=50.0)
+    p.add_argument("--step", default="0.008,0.0001,0.00003", help="a,b,c of the step time, seconds")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--num-kv-blocks", type=int, default=30000)
+    args = p.parse_args(argv)
+    fit = StepTimeFit(*(float(x) for x in args.step.split(",")))
+    runs = {policy: [] for policy in POLICIES}
+    for rate in (float(r) for r in args.rates.split(",")):
+        for policy in POLICIES:
+            run = simulate(policy, rate, args, fit)
+            runs[policy].append(run)
+            print(f"{policy:>10} {rate:6.1f} req/s: attainment {run['slo_attainment']:5.1f}% "
+                  f"refused {run['refused_429']:4d} preemptions {run['num_preemptions']}", flush=True)
+    caps = {policy: capacity(r) for policy, r in runs.items()}
+    print(f"capacity: {caps}; slo / continuous {caps['slo'] / caps['continuous'] if caps['continuous'] else 0:.2f}x")
+    write_result("cpu_slo_sim.json", {"args": vars(args), "runs": runs, "capacity": caps})
+
+
+if __name__ == "__main__":
+    main()

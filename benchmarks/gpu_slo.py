@@ -1,0 +1,225 @@
+"""SLO-aware scheduling on the GPU (issue 17): goodput capacity under bursty arrivals, FCFS
+("continuous") against the "slo" policy.
+
+dummy llama-3.1-8b (bf16), ShareGPT-like lengths (bench/workloads.py's synthetic profile; the model
+has no tokenizer, so prompts are random token ids), gamma arrivals with burstiness 0.25, targets
+TTFT <= 200 ms and TPOT <= 50 ms. Each policy gets an in-process engine of its own, in a process of
+its own (so the second gets all the GPU memory back), driven by bench/inprocess.py at each rate of a
+ladder: every request carries the targets, and under "slo" the server's TTFT admission check
+(server/admission.py) refuses what the server would refuse with a 429, which counts as a miss.
+With --rates auto (the default) the ladder is set from the engine's saturated throughput, measured
+under FCFS first (--saturation-prompts sent at once; req/s completed while the batch is full), at
+AUTO_LADDER times it, and
+both policies climb the same ladder. A probe holds its rate for --probe-seconds (at least
+--min-prompts requests): long enough for the running batch to fill (--max-num-seqs sequences of
+~9 s of decoding each; a short probe ends before the queue builds, and every policy passes it). A
+policy's ladder stops at the first probe below STOP_BELOW attainment or when its share of
+--budget-s is spent. Per probe: SLO
+attainment, goodput, TTFT / TPOT percentiles, refusals, and attainment at SLO scales 0.5..2
+(DistServe's attainment vs SLO scale, scored on the same requests). Goodput capacity: the offered
+rate where the ladder's attainment crosses 90% (interpolated between rungs: DistServe's measure,
+`crossing_rate`); also bench/capacity.py's highest passing rate as completed (`capacity`, which a
+probe's drain tail, its longest answer decoding alone, pulls below the offered rate). The issue's
+target: slo's crossing rate >= 1.3x continuous's (`meets_1_3x`).
+
+    python benchmarks/gpu_slo.py                # H100: ~6-7 minutes (two engine loads + 300 s of probes)
+    python benchmarks/gpu_slo.py --smoke        # dummy:tiny on the CPU, a quick check of the script
+
+Writes $OUT/gpu_slo.json (benchmarks/result_file.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+from goodserve.bench.arrivals import ArrivalConfig
+from goodserve.bench.capacity import capacity_of
+from goodserve.bench.metrics import attainment_by_slo_scale, compute_metrics
+from goodserve.bench.runner import BenchRun
+from goodserve.bench.text import PromptText
+from goodserve.bench.workloads import WorkloadConfig, build_workload
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from result_file import write_result  # noqa: E402
+
+POLICIES = ("continuous", "slo")
+SLOS_MS = {"ttft": 200.0, "tpot": 50.0}
+TARGET_ATTAINMENT = 0.9
+SLO_SCALES = [0.5, 0.75, 1.0, 1.5, 2.0]
+STOP_BELOW = 80.0  # percent: the ladder is past this policy's capacity
+AUTO_LADDER = (0.6, 0.75, 0.9, 1.05, 1.2)  # x the saturated throughput
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--smoke", action="store_true", help="dummy:tiny on the CPU, two short probes")
+    p.add_argument("--model", default="dummy:llama-3.1-8b")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--rates", default="auto", help="the ladder, req/s, or auto (x the saturated throughput)")
+    p.add_argument("--saturation-prompts", type=int, default=400)
+    p.add_argument("--burstiness", type=float, default=0.25)
+    p.add_argument("--probe-seconds", type=float, default=25.0, help="arrivals per probe span this long")
+    p.add_argument("--min-prompts", type=int, default=100)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--budget-s", type=float, default=300.0,
+                   help="both policies' probes, wall seconds (each engine's load and warm-up come on top)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-total-len", type=int, default=2048, help="prompt + output tokens at most")
+    p.add_argument("--warmup-requests", type=int, default=48,
+                   help="sent all at once first: CUDA graphs, caches, steps of many shapes for the step-time fit")
+    p.add_argument("--policy", choices=POLICIES, help="(internal) measure one policy, write --json-out")
+    p.add_argument("--json-out")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.model, args.device, args.saturation_prompts = "dummy:tiny", "cpu", 40
+        args.probe_seconds, args.min_prompts, args.max_num_seqs, args.budget_s = 1.0, 20, 64, 120.0
+        args.max_total_len, args.warmup_requests = 1024, 16  # dummy:tiny's context
+    return args
+
+
+def workload(rate: float, args, n: int | None = None) -> list:
+    n = n or max(args.min_prompts, round(rate * args.probe_seconds))
+    # The same requests for both policies at a rate; every rate its own.
+    config = WorkloadConfig(dataset_name="sharegpt", num_prompts=n, seed=args.seed + int(rate * 1000))
+    requests = build_workload(config, PromptText(None, config.seed))
+    for request in requests:
+        request.prompt_len = min(request.prompt_len, args.max_total_len // 2)
+        request.output_len = min(request.output_len, args.max_total_len - request.prompt_len)
+    return requests
+
+
+def probe_result(rate: float, records: list) -> dict:
+    metrics = compute_metrics(records, slos=SLOS_MS, percentile_metrics=("ttft", "tpot"), percentiles=(50, 90, 99))
+    keep = ("num_requests", "completed", "duration", "request_throughput", "output_throughput",
+            "request_goodput", "slo_attainment", "median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms",
+            "median_tpot_ms", "p90_tpot_ms", "p99_tpot_ms")
+    refused = sum("TtftUnattainable" in r.error for r in records)
+    return {"request_rate": rate, **{k: metrics[k] for k in keep}, "refused_429": refused,
+            "slo_scale_sweep": attainment_by_slo_scale(records, SLOS_MS, SLO_SCALES)}
+
+
+async def measure_policy(args) -> dict:
+    from goodserve.bench.inprocess import InProcessTarget  # torch and the model: the child process only
+    from goodserve.config import EngineConfig
+
+    config = EngineConfig(model=args.model, device=args.device, scheduler_policy=args.policy,
+                          max_num_seqs=args.max_num_seqs, seed=args.seed)
+    t0 = time.perf_counter()
+    target = InProcessTarget(config, ignore_eos=True, slo_ms=SLOS_MS)
+    result = {"policy": args.policy, "probes": []}
+    try:
+        warmup = workload(0, args)[:args.warmup_requests]
+        await BenchRun(target, warmup, ArrivalConfig()).run()
+        result["load_and_warmup_s"] = time.perf_counter() - t0
+        deadline = time.perf_counter() + args.budget_s
+        if args.rates == "auto":
+            result["saturation_rate"] = await saturated_throughput(target, args)
+            args.rates = ",".join(f"{result['saturation_rate'] * f:.1f}" for f in AUTO_LADDER)
+        result["rates"] = args.rates
+        for rate in [float(r) for r in args.rates.split(",")]:
+            if time.perf_counter() >= deadline:
+                result["stopped"] = f"budget spent before {rate:g} req/s"
+                break
+            records = await BenchRun(target, workload(rate, args), ArrivalConfig(rate, args.burstiness),
+                                     args.seed).run()
+            probe = probe_result(rate, records)
+            result["probes"].append(probe)
+            print(f"{args.policy:>10} {rate:6.1f} req/s: attainment {probe['slo_attainment']:5.1f}% "
+                  f"p99 TTFT {probe['p99_ttft_ms']:7.1f} ms p99 TPOT {probe['p99_tpot_ms']:6.1f} ms "
+                  f"refused {probe['refused_429']}", flush=True)
+            if probe["slo_attainment"] < STOP_BELOW:
+                break
+        fit = target.engine.forecast().fit
+        result["step_time_fit"] = None if fit is None else {"a_s": fit.a, "b_s_per_decode_row": fit.b,
+                                                             "c_s_per_prefill_token": fit.c}
+    finally:
+        await target.close()
+    result["capacity"] = capacity_of(result["probes"], TARGET_ATTAINMENT)
+    result["crossing_rate"] = crossing_rate(result["probes"])
+    return result
+
+
+async def saturated_throughput(target, args) -> float:
+    """Requests completed per second while the batch is full: --saturation-prompts sent at once, the
+    rate between their 10th and 60th percentile completions (not the whole run: its tail is one long
+    answer decoding alone)."""
+    records = await BenchRun(target, workload(0, args, args.saturation_prompts), ArrivalConfig()).run()
+    ends = sorted(r.end_time for r in records if r.success)
+    i, j = len(ends) // 10, len(ends) * 6 // 10
+    rate = (j - i) / (ends[j] - ends[i]) if j > i and ends[j] > ends[i] else 1.0
+    print(f"saturated throughput: {rate:.1f} req/s", flush=True)
+    return rate
+
+
+def crossing_rate(probes: list[dict]) -> float:
+    """The offered rate where attainment falls through the target, interpolated between ladder rungs."""
+    target = TARGET_ATTAINMENT * 100
+    passing = 0.0
+    for lower, upper in zip([None, *probes], probes):
+        if upper["slo_attainment"] < target:
+            if lower is None:
+                return 0.0
+            a, b = lower["slo_attainment"], upper["slo_attainment"]
+            return lower["request_rate"] + (a - target) / (a - b) * (upper["request_rate"] - lower["request_rate"])
+        passing = upper["request_rate"]
+    return passing  # never fell through: at least the last rung
+
+
+def run_child(policy: str, args, budget_s: float) -> dict:
+    """One policy in a fresh process: its engine's memory is the GPU's again when it exits."""
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        path = f.name
+    argv = [sys.executable, os.path.abspath(__file__), "--policy", policy, "--json-out", path,
+            "--model", args.model, "--device", args.device, "--rates", args.rates,
+            "--burstiness", str(args.burstiness), "--probe-seconds", str(args.probe_seconds),
+            "--min-prompts", str(args.min_prompts), "--max-num-seqs", str(args.max_num_seqs),
+            "--budget-s", str(budget_s), "--seed", str(args.seed), "--max-total-len", str(args.max_total_len),
+            "--warmup-requests", str(args.warmup_requests)]
+    done = subprocess.run(argv, check=False)
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return {"policy": policy, "error": f"the run exited with {done.returncode} and wrote no result"}
+    finally:
+        os.unlink(path)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.policy:
+        with open(args.json_out, "w") as f:
+            json.dump(asyncio.run(measure_policy(args)), f)
+        return
+    started = time.perf_counter()
+    results = {}
+    for i, policy in enumerate(POLICIES):  # continuous first: under --rates auto it sets the ladder
+        left = args.budget_s - (time.perf_counter() - started) if i else args.budget_s / len(POLICIES)
+        results[policy] = run_child(policy, args, max(left, 0.0))
+        args.rates = results[policy].get("rates", args.rates)
+    summary = {"model": args.model, "device": args.device, "burstiness": args.burstiness,
+               "slos_ms": SLOS_MS, "target_attainment": TARGET_ATTAINMENT, "rates": args.rates,
+               "probe_seconds": args.probe_seconds, "policies": results, "wall_s": time.perf_counter() - started}
+    caps = {p: r.get("capacity", {}).get("rate", 0.0) for p, r in results.items()}
+    crossings = {p: r.get("crossing_rate", 0.0) for p, r in results.items()}
+    summary["capacity_ratio"] = caps["slo"] / caps["continuous"] if caps["continuous"] else math.inf
+    summary["crossing_ratio"] = crossings["slo"] / crossings["continuous"] if crossings["continuous"] else math.inf
+    summary["meets_1_3x"] = summary["crossing_ratio"] >= 1.3
+    path = write_result("gpu_slo.json", summary)
+    for policy in POLICIES:
+        print(f"{policy:>10}: goodput capacity {crossings[policy]:.2f} req/s offered "
+              f"({caps[policy]:.2f} as completed)")
+    print(f"slo / continuous: {summary['crossing_ratio']:.2f}x ({summary['capacity_ratio']:.2f}x as completed; "
+          f"target 1.3x); {path}")
+
+
+if __name__ == "__main__":
+    main()

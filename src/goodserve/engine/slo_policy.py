@@ -1,0 +1,175 @@
+"""The "slo" scheduler policy: serve each request within its latency targets, not first come first served.
+
+A request may carry targets (SamplingParams.slo_ttft_ms, slo_tpot_ms; the server fills in its
+--slo-ttft-ms / --slo-tpot-ms where the body sets none). The policy acts on them in three places:
+
+- Waiting order: by slack, i.e. by the latest time the request can start and still meet its TTFT,
+  deadline - predicted prefill time (the step-time model, engine/step_time_model.py), after the
+  priority. A preempted request that already answered resumes first; one without a TTFT target
+  comes after every one with a target. A request whose latest start has passed cannot meet its
+  target any more: it moves behind those that still can (serving it first would make them late too,
+  the domino effect of earliest-deadline-first under overload) and is served, FCFS, when they are.
+- Prefill cap: the prompt tokens mixed into a step are capped so that the step, by the fitted model,
+  lasts no longer than every running decode with a TPOT target can absorb. The target is a mean
+  over the request's tokens, so a step may outlast it by what the decode's tokens so far saved and
+  what its next TPOT_HORIZON tokens (no more than it may still generate), at the fitted decode-only
+  step time, will save: while decode steps run well under the targets the cap rarely binds, and as a
+  large batch brings them near, prompt tokens give way. At least TPOT_MARGIN x the target, and at
+  least MIN_PREFILL_CHUNK tokens, so prompts always progress; without a fit or a target, no cap.
+- Preemption victim: the running request with the most slack (its TPOT budget ahead of the tokens
+  it has produced, or its TTFT slack while it prefills), after the priority (batch lines first).
+
+The server's admission check (server/admission.py) reads the same model through `forecast` to
+refuse, with 429, a request whose TTFT the queue ahead of it already makes impossible.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from goodserve.engine.sequence import Sequence
+from goodserve.engine.step_time_model import StepTimeFit, StepTimeModel
+from goodserve.engine.waiting_queue import WaitingQueue
+
+TPOT_MARGIN = 0.9  # aim a mixed step this far under the TPOT target: the fit is an average
+MIN_PREFILL_CHUNK = 64
+TPOT_HORIZON = 16  # tokens after a step over which a decode's mean time per token may recover
+
+
+@dataclass(frozen=True)
+class SloForecast:
+    """What the admission check needs from the engine, published by its thread after every step."""
+
+    fit: StepTimeFit | None
+    decode_rows: int  # running sequences
+    prefill_tokens_per_step: int  # the step's prefill cap now
+    free_seqs: int = 1 << 30  # max_num_seqs - running
+    # The running sequences' steps left (tokens they may still generate), ascending: when slots free
+    # up. Exact with ignore_eos; otherwise max_tokens is an upper bound, and the forecast pessimistic.
+    steps_to_finish: tuple[int, ...] = ()
+
+    def ttft_seconds(self, prompt_tokens_ahead: int, prompt_tokens: int, seqs_ahead: int = 0) -> float | None:
+        """Predicted time to first token of a request queued behind seqs_ahead sequences holding
+        prompt_tokens_ahead prompt tokens: its prompt starts once those ahead are computed and a
+        sequence slot is free, whichever comes last."""
+        if self.fit is None:
+            return None
+        both = self.fit.prefill_seconds(prompt_tokens_ahead + prompt_tokens, self.decode_rows,
+                                        self.prefill_tokens_per_step)
+        own = self.fit.prefill_seconds(prompt_tokens, self.decode_rows, self.prefill_tokens_per_step)
+        return max(both, self._slot_wait_seconds(seqs_ahead) + own)
+
+    def _slot_wait_seconds(self, seqs_ahead: int) -> float:
+        short = seqs_ahead + 1 - self.free_seqs  # running sequences that must finish first
+        if short <= 0 or not self.steps_to_finish:
+            return 0.0
+        rounds, i = divmod(short - 1, len(self.steps_to_finish))  # past one batch: it turns over again
+        steps = rounds * self.steps_to_finish[-1] + self.steps_to_finish[i]
+        return steps * self.fit.seconds(self.decode_rows, 0)
+
+
+def ttft_deadline(seq: Sequence) -> float:
+    ttft_ms = seq.params.slo_ttft_ms
+    return math.inf if ttft_ms is None else seq.arrival_time + ttft_ms / 1000.0
+
+
+def tokens_left(seq: Sequence) -> int:
+    """Tokens seq may still generate (max_tokens, or the context)."""
+    return min((seq.params.max_tokens or seq.max_len) - seq.num_output_tokens, seq.max_len - seq.num_tokens)
+
+
+def _has_answered(seq: Sequence) -> bool:
+    return seq.num_output_tokens > 0
+
+
+def _tpot_slack(seq: Sequence, now: float) -> float:
+    """How long its next token may take with its mean time per output token still within its target."""
+    first = seq.metrics.first_token_time
+    return -math.inf if first is None else first + seq.params.slo_tpot_ms / 1000.0 * seq.num_output_tokens - now
+
+
+def _step_budget(seq: Sequence, now: float, decode_step_s: float) -> float:
+    """How long the next step may last with the decode seq's mean time per token, over its tokens so
+    far, this one and its next TPOT_HORIZON at decode_step_s each, within TPOT_MARGIN x its target."""
+    per_token_s = TPOT_MARGIN * seq.params.slo_tpot_ms / 1000.0
+    first = now if seq.metrics.first_token_time is None else seq.metrics.first_token_time
+    ahead = min(TPOT_HORIZON, max(tokens_left(seq) - 1, 0))
+    # after this step: num_output_tokens intervals since the first token, then `ahead` more
+    budget = first + per_token_s * (seq.num_output_tokens + ahead) - now - decode_step_s * ahead
+    return max(per_token_s, budget)
+
+
+class SloPolicy:
+    def __init__(self, max_num_batched_tokens: int, model: StepTimeModel,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.max_tokens = max_num_batched_tokens
+        self.model = model
+        self.clock = clock
+        self.late: set[str] = set()  # waiting sequences whose TTFT can no longer be met
+        # This step's (begin_step): the running decodes, and the prompt tokens the step may carry.
+        self.num_decodes = 0
+        self.cap = max_num_batched_tokens
+
+    # ---- waiting order ---------------------------------------------------------------------
+    def key(self, seq: Sequence) -> tuple:
+        """(priority, late, latest start, arrival, id): read when seq enters the waiting queue."""
+        late = seq.seq_id in self.late
+        return (seq.params.priority, late, -math.inf if _has_answered(seq) else self.latest_start(seq),
+                seq.arrival_time, seq.seq_id)
+
+    def latest_start(self, seq: Sequence) -> float:
+        """The latest time seq's prefill may start and still meet its TTFT target."""
+        deadline = ttft_deadline(seq)
+        fit = self.model.fit
+        if fit is None or math.isinf(deadline):
+            return deadline
+        return deadline - fit.prefill_seconds(seq.num_uncomputed_tokens, 0, self.max_tokens)
+
+    def demote_late(self, waiting: WaitingQueue) -> None:
+        """Move the waiting heads that cannot meet their TTFT any more behind those that can."""
+        now = self.clock()
+        while (seq := waiting.peek()) is not None and seq.seq_id not in self.late:
+            if _has_answered(seq) or self.latest_start(seq) >= now:
+                return
+            waiting.remove(seq)
+            self.late.add(seq.seq_id)
+            waiting.add(seq)
+
+    def left_waiting(self, seq: Sequence) -> None:
+        self.late.discard(seq.seq_id)
+
+    # ---- running -----------------------------------------------------------------------------
+    def begin_step(self, running: list[Sequence]) -> None:
+        self.num_decodes = sum(seq.num_uncomputed_tokens <= 1 for seq in running)
+        self.cap = self.prefill_cap(running)
+
+    def prefill_cap(self, running: list[Sequence]) -> int:
+        """The prompt tokens a step may carry beside the running decodes and keep their TPOT."""
+        fit = self.model.fit
+        decodes = [seq for seq in running if seq.num_uncomputed_tokens <= 1]
+        targeted = [seq for seq in decodes if seq.params.slo_tpot_ms is not None]
+        if fit is None or not targeted:
+            return self.max_tokens
+        now, decode_step_s = self.clock(), fit.seconds(len(decodes), 0)
+        budget_s = min(_step_budget(seq, now, decode_step_s) for seq in targeted)
+        return max(MIN_PREFILL_CHUNK, min(self.max_tokens, fit.max_prefill_tokens(len(decodes), budget_s)))
+
+    def running_key(self, seq: Sequence) -> tuple:
+        """Decodes first (the kernels want them leading), then prefill chunks by slack."""
+        if seq.num_uncomputed_tokens <= 1:
+            return (False, seq.params.priority, 0.0, seq.arrival_time)
+        return (True, seq.params.priority, self.latest_start(seq), seq.arrival_time)
+
+    def victim_key(self, seq: Sequence) -> tuple:
+        """Larger is preempted first: the lowest priority, then the most slack."""
+        return (seq.params.priority, self.slack(seq), seq.arrival_time)
+
+    def slack(self, seq: Sequence) -> float:
+        now = self.clock()
+        if not _has_answered(seq):
+            return self.latest_start(seq) - now
+        return math.inf if seq.params.slo_tpot_ms is None else _tpot_slack(seq, now)
+

@@ -1,0 +1,196 @@
+"""The "slo" policy on a scripted clock and a hand-set step-time fit: waiting order by slack, late
+requests behind the ones that can still make it, the prefill cap, the preemption victim."""
+
+import pytest
+
+from goodserve import SamplingParams
+from goodserve.config import EngineConfig
+from goodserve.engine.kv_cache_manager import KVCacheManager
+from goodserve.engine.scheduler import Scheduler
+from goodserve.engine.scheduler_output import SchedulerOutput
+from goodserve.engine.sequence import Sequence
+from goodserve.engine.slo_policy import SloForecast
+from goodserve.engine.step_time_model import StepTimeFit
+
+# 10 ms a step, 1 ms a decode row, 0.1 ms a prompt token
+FIT = StepTimeFit(a=0.010, b=0.001, c=0.0001)
+
+
+class Clock:
+    def __init__(self, now: float = 0.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def scheduler(policy: str, num_blocks: int = 1024, fit: StepTimeFit | None = FIT, **overrides) -> Scheduler:
+    settings = {"max_num_seqs": 64, "max_num_batched_tokens": 2048, "block_size": 4, **overrides}
+    sched = Scheduler(EngineConfig(scheduler_policy=policy, **settings), KVCacheManager(num_blocks, block_size=4))
+    sched.step_time.fit = fit
+    return sched
+
+
+def request(sched: Scheduler, name: str, arrival: float, prompt_len: int = 4, ttft_ms: float | None = None,
+            tpot_ms: float | None = None, priority: int = 0, max_tokens: int = 100) -> Sequence:
+    params = SamplingParams(max_tokens=max_tokens, slo_ttft_ms=ttft_ms, slo_tpot_ms=tpot_ms, priority=priority)
+    seq = Sequence(seq_id=name, request_id=name, index=0, token_ids=list(range(1, prompt_len + 1)),
+                   num_prompt_tokens=prompt_len, params=params, max_len=prompt_len + 100, arrival_time=arrival)
+    sched.add(seq)
+    return seq
+
+
+def admitted_in_order(sched: Scheduler) -> list[str]:
+    """The waiting sequences in the order they are admitted, one a step (the step holds one prompt)."""
+    order = []
+    while sched.waiting:
+        out = sched.schedule()
+        order += [seq_id for seq_id in out.seq_ids if seq_id not in order]
+        sched.advance(out)
+    return order
+
+
+def decode_step(sched: Scheduler) -> SchedulerOutput:
+    """One step as the engine runs it: the scheduled tokens computed, a token appended to each sampler."""
+    out = sched.schedule()
+    sched.advance(out)
+    for seq_id, samples in zip(out.seq_ids, out.samples):
+        if samples:
+            sched.seqs[seq_id].token_ids.append(7)
+    return out
+
+
+def test_waiting_order_is_by_slack_not_arrival_or_deadline():
+    """Slack = deadline - predicted prefill. 'long' (2,000-token prompt, 0.21 s of prefill by the fit)
+    has the later deadline but must start first; 'none' (no target) comes last though it came first."""
+    clock = Clock(0.0)
+    sched = scheduler("slo", max_num_batched_tokens=2000)
+    sched.slo.clock = clock
+    request(sched, "none", arrival=-1.0, prompt_len=2000)
+    request(sched, "short", arrival=0.0, prompt_len=200, ttft_ms=300)  # latest start 0.3 - 0.03 = 0.27
+    request(sched, "long", arrival=0.05, prompt_len=2000, ttft_ms=350)  # latest start 0.4 - 0.21 = 0.19
+    assert admitted_in_order(sched) == ["long", "short", "none"]
+    fcfs = scheduler("continuous", max_num_batched_tokens=2000)
+    request(fcfs, "none", arrival=-1.0, prompt_len=2000)
+    request(fcfs, "short", arrival=0.0, prompt_len=200, ttft_ms=300)
+    request(fcfs, "long", arrival=0.05, prompt_len=2000, ttft_ms=350)
+    assert admitted_in_order(fcfs) == ["none", "short", "long"]
+
+
+def test_priority_comes_before_slack():
+    sched = scheduler("slo", max_num_batched_tokens=4)
+    sched.slo.clock = Clock(0.0)
+    request(sched, "batch", arrival=0.0, ttft_ms=10, priority=1 << 30)
+    request(sched, "online", arrival=0.0, ttft_ms=5000)
+    assert admitted_in_order(sched) == ["online", "batch"]
+
+
+def test_a_request_past_its_latest_start_waits_behind_those_that_can_still_make_it():
+    clock = Clock(10.0)
+    sched = scheduler("slo", max_num_batched_tokens=4)
+    sched.slo.clock = clock
+    request(sched, "late", arrival=9.0, ttft_ms=200)  # its deadline was 9.2
+    request(sched, "on_time", arrival=9.95, ttft_ms=200)
+    request(sched, "later", arrival=9.98, ttft_ms=200)
+    assert admitted_in_order(sched) == ["on_time", "later", "late"]
+
+
+def test_prefill_cap_keeps_the_running_decodes_tpot():
+    """Ten decodes with a 50 ms TPOT target that just gave their first token and have one more to
+    give: nothing to make up for a long step, so it may last 0.9 x 50 = 45 ms; 10 ms + 10 x 1 ms leave
+    25 ms, 250 prompt tokens at 0.1 ms. FCFS gives the prompt all the step's budget."""
+    for policy, chunk in [("slo", 250), ("continuous", 2048 - 10)]:
+        sched = scheduler(policy, num_blocks=4096)
+        sched.slo and setattr(sched.slo, "clock", Clock(0.0))
+        for i in range(10):
+            request(sched, f"d{i}", arrival=0.0, ttft_ms=1000, tpot_ms=50, max_tokens=2)
+        decode_step(sched)
+        request(sched, "prompt", arrival=0.0, prompt_len=8000, ttft_ms=5000, tpot_ms=50)
+        assert decode_step(sched).num_new_tokens == [1] * 10 + [chunk], policy
+
+
+def test_prefill_cap_lets_a_long_answer_make_up_for_a_long_step():
+    """Ten decodes that just gave their first token, 99 to go; a decode-only step takes 20 ms by the fit.
+    Over the next 16 tokens a 50 ms target (45 ms with the margin) saves 25 ms a token, 400 ms: the
+    step may hold all 2,048 tokens. A 25 ms target (22.5) saves 2.5 ms a token: 17 x 22.5 - 16 x 20 =
+    62.5 ms, so 42.5 ms of prompt tokens, 425."""
+    for tpot_ms, cap in [(50, 2048), (25, 425)]:
+        clock = Clock(0.0)
+        sched = scheduler("slo", num_blocks=4096)
+        sched.slo.clock = clock
+        seqs = [request(sched, f"d{i}", arrival=0.0, tpot_ms=tpot_ms) for i in range(10)]
+        decode_step(sched)
+        for seq in seqs:
+            seq.metrics.first_token_time = 0.0
+        assert sched.slo.prefill_cap(sched.running) == cap, tpot_ms
+
+
+def test_no_cap_without_a_fit_or_a_tpot_target():
+    for fit, tpot_ms in [(None, 50), (FIT, None)]:
+        sched = scheduler("slo", fit=fit)
+        sched.slo.clock = Clock(0.0)
+        for i in range(10):
+            request(sched, f"d{i}", arrival=0.0, tpot_ms=tpot_ms)
+        decode_step(sched)
+        request(sched, "prompt", arrival=0.0, prompt_len=4000)
+        assert sched.schedule().num_new_tokens == [1] * 10 + [2038]
+
+
+def test_preemption_picks_the_request_with_the_most_slack():
+    """Three 4-token prompts fill 3 of 4 blocks; their 5th tokens need a block each. After s0 takes the
+    last one, s1 or s2 must go: FCFS preempts the newest (s2); slo the one with the most slack,
+    s1, which has no TPOT target, where s2 is 10 ms from missing its 50 ms."""
+    for policy, victim in [("slo", "s1"), ("continuous", "s2")]:
+        clock = Clock(100.0)
+        sched = scheduler(policy, num_blocks=4)
+        sched.slo and setattr(sched.slo, "clock", clock)
+        seqs = [request(sched, "s0", 99.0, tpot_ms=50), request(sched, "s1", 99.1),
+                request(sched, "s2", 99.2, tpot_ms=50)]
+        decode_step(sched)
+        for seq in seqs:
+            seq.metrics.first_token_time = 99.96
+        assert sorted(decode_step(sched).seq_ids) == sorted({"s0", "s1", "s2"} - {victim}), policy
+        assert sched.seqs[victim].metrics.num_preemptions == 1
+
+
+def test_forecast_predicts_ttft_from_the_queue_ahead():
+    sched = scheduler("slo")
+    sched.slo.clock = Clock(0.0)
+    for i in range(10):
+        request(sched, f"d{i}", arrival=0.0, tpot_ms=50, max_tokens=2)
+    decode_step(sched)
+    decode_step(sched)  # (the cap is the last step's: this one's decodes carry the targets)
+    forecast = sched.forecast()
+    assert (forecast.decode_rows, forecast.prefill_tokens_per_step) == (10, 250)
+    # 600 tokens ahead and its own 150: three 250-token steps of 10 + 10 + 25 ms
+    assert forecast.ttft_seconds(600, 150) == pytest.approx(0.135)
+    assert (forecast.free_seqs, forecast.steps_to_finish) == (54, (0,) * 10)  # their last tokens are out
+
+
+def test_forecast_waits_for_a_free_sequence_slot():
+    """No free slot; the running sequences finish in 3, 5 and 40 steps of 13 ms (10 + 3 x 1 ms). A
+    request behind one waiting sequence needs the second slot to free: 5 steps, 65 ms, then its own
+    100-token prompt, 23 ms. Behind four it waits for the batch to turn over: 40 + 3 steps."""
+    forecast = SloForecast(FIT, decode_rows=3, prefill_tokens_per_step=2048, free_seqs=0, steps_to_finish=(3, 5, 40))
+    assert forecast.ttft_seconds(0, 100, seqs_ahead=1) == pytest.approx(0.065 + 0.023)
+    assert forecast.ttft_seconds(0, 100, seqs_ahead=3) == pytest.approx(43 * 0.013 + 0.023)
+    # tokens ahead that take longer than the wait for a slot are what counts
+    assert forecast.ttft_seconds(10_000, 100, seqs_ahead=1) == pytest.approx(forecast.ttft_seconds(10_000, 100))
+
+
+def test_decodes_ahead_of_their_tpot_let_a_step_carry_more_prompt():
+    """The decodes' first tokens came 1 s ago and they have 100 tokens each, their last: at 45 ms a
+    token they could have taken 4.5 s, so the next step may last 3.5 s, more than the 2,048 tokens a
+    step holds. One that is behind its pace keeps the cap at its 45 ms."""
+    clock = Clock(100.0)
+    sched = scheduler("slo", num_blocks=4096)
+    sched.slo.clock = clock
+    seqs = [request(sched, f"d{i}", arrival=98.0, tpot_ms=50) for i in range(10)]
+    decode_step(sched)
+    for seq in seqs:  # 99 tokens more, all but the last computed
+        seq.token_ids += [7] * 99
+        seq.num_computed_tokens = seq.num_tokens - 1
+        seq.metrics.first_token_time = 99.0
+    assert sched.slo.prefill_cap(sched.running) == 2048
+    seqs[0].metrics.first_token_time = 100.0 - 0.045 * 99 - 0.001  # 1 ms behind its pace
+    assert sched.slo.prefill_cap(sched.running) == 250
