@@ -10,6 +10,10 @@ alone, step N+1 is launched before step N's tokens reach the host (its decode in
 tokens, which the runner keeps on the device; it may also admit waiting requests), and step N's
 tokens are appended and checked while the device runs N+1. A sequence that stopped at N wastes its
 slot in N+1; preemption and unfinished prefill chunks flush first.
+
+Speculative decoding (engine/spec_decode/): the scheduler gives decoding sequences drafts, the runner
+samples at each of their positions and keeps the confirmed ones, the scheduler rolls back the rest
+(advance). A step with drafts never runs ahead: the next step's inputs depend on how many were kept.
 """
 
 from __future__ import annotations
@@ -138,7 +142,7 @@ class Engine:
             output = None if self._may_run_ahead(step) else step.pending.result()
         except Exception as exc:  # a failed step fails the requests that cause it, never the engine
             return self._isolate(out, seqs, exc, stream_text)
-        self.scheduler.advance(out)
+        self.scheduler.advance(out, output and _num_rejected(out, output))
         if output is not None:
             return self._record(step, output, stream_text)
         self._inflight = step
@@ -159,7 +163,7 @@ class Engine:
 
     def _may_run_ahead(self, step: _Step) -> bool:
         return (self.config.async_scheduling and step.pending.replayed_graph and step.out.all_sample
-                and all(seq.samples_on_device for seq in step.seqs))
+                and not step.out.draft_token_ids and all(seq.samples_on_device for seq in step.seqs))
 
     def _step_pipelined(self, stream_text: bool) -> set[str]:
         """Launch the step after the one in flight (if the scheduler can decide it without that
@@ -219,7 +223,7 @@ class Engine:
             except Exception as exc:  # the failure needs the whole batch (none failed alone): fail it
                 logger.exception("step failed again without its culprits; aborting its %d sequences", len(rows))
                 return changed | self._fail_all(rest_seqs, exc)
-            self.scheduler.advance(rest)
+            self.scheduler.advance(rest, _num_rejected(rest, output))
             changed |= self._record(step, output, stream_text)
         return changed
 
@@ -280,8 +284,15 @@ class Engine:
         return engine_stats(self.scheduler, self.kv, self.steps)
 
 
+def _num_rejected(out: SchedulerOutput, output: ModelRunnerOutput) -> dict[int, int]:
+    """Per row that verified drafts, how many the runner rejected (it keeps the rest and adds one)."""
+    return {row: len(out.draft_token_ids[row]) + 1 - len(tokens)
+            for row, tokens in zip(output.sample_rows, output.token_ids) if row in out.draft_token_ids}
+
+
 def _accept_tokens_ahead(step: _Step) -> None:
     """Wait for a launched step's tokens (not the steps after it) and advance its grammars by them."""
     output = step.pending.result()
-    for row, token in zip(output.sample_rows, output.token_ids):
-        accept_ahead(step.seqs[row], token)
+    for row, tokens in zip(output.sample_rows, output.token_ids):
+        for token in tokens:
+            accept_ahead(step.seqs[row], token)

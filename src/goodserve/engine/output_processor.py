@@ -62,10 +62,12 @@ class OutputProcessor:
         for seq in seqs:
             if seq.params.prefill_only and not seq.is_finished and seq.num_computed_tokens >= seq.num_prompt_tokens:
                 guarded(seq, self._finish_prefill_only)
-        for i, (row, token) in enumerate(zip(output.sample_rows, output.token_ids)):
-            seq = seqs[row]
-            if not seq.is_finished:  # else it stopped a step before (a spare token), or a sibling failed it
-                guarded(seq, self._append_token, token, output.logprobs.get(i), stream_text)
+        for i, (row, tokens) in enumerate(zip(output.sample_rows, output.token_ids)):
+            seq, logprobs = seqs[row], output.logprobs.get(i)
+            for j, token in enumerate(tokens):
+                if seq.is_finished:  # it stopped (at a token before, or a step before), or a sibling failed it
+                    break
+                guarded(seq, self._append_token, token, logprobs and logprobs[j], stream_text)
 
     def _append_token(self, request: Request, seq: Sequence, token: int, logprobs: tuple | None,
                      stream_text: bool) -> Finish | None:
