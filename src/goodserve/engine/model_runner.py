@@ -130,7 +130,7 @@ class ModelRunner:
             sampled.token_ids = sampled.token_ids.clone()
             if not trial:
                 self._last_sampled = ([out.seq_ids[r] for r in rows], sampled.token_ids)
-        host_tokens = self._tokens[self._turn][0, : len(step.inputs.logits_indices)]
+        host_tokens = self._tokens[self._turn][0, : len(rows) + sum(map(len, drafts))]
         copied = self._copied[self._turn]
         if sampled is not None:
             host_tokens.copy_(sampled.token_ids, non_blocking=True)
