@@ -143,3 +143,14 @@ def test_no_drafts_above_the_batch_bound():
     llm = _spec_llm(spec_max_batch=2)
     llm.generate([COPY] * 3, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
     assert llm.engine.stats().spec_decode_num_draft_tokens == 0
+
+
+def test_metrics_serve_the_counters(spec_llm):
+    from goodserve.server.metrics import EngineStatsCollector
+
+    spec_llm.generate([COPY], GREEDY)
+    samples = {s.name: s.value for family in EngineStatsCollector(spec_llm.engine, "m").collect()
+               for s in family.samples}
+    drafts = samples["goodserve:spec_decode_num_draft_tokens_total"]
+    accepted = samples["goodserve:spec_decode_num_accepted_tokens_total"]
+    assert 0 < accepted <= drafts and samples["goodserve:spec_decode_acceptance_rate"] == accepted / drafts
