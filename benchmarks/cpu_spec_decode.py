@@ -1,7 +1,7 @@
 """Speculative decoding on the CPU (issue 15): the embedded model at batch 1 on `goodserve bench`'s
 `copy` workload ("repeat this passage" chat prompts whose answer copies the prompt), speculation off
-against prompt lookup (ngram), in one run: output tok/s, acceptance rate, and whether the greedy
-outputs are identical (they must be).
+against prompt lookup (ngram) with each k given, in one run: output tok/s, acceptance rate, and
+whether the greedy outputs are identical (they must be).
 
     PYTHONPATH=src python benchmarks/cpu_spec_decode.py     # writes $OUT/cpu_spec_decode.json
 
@@ -42,7 +42,7 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=256)
-    parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    parser.add_argument("--k", type=int, nargs="+", default=[4, 8], help="num_speculative_tokens, one run each")
     parser.add_argument("--quantization", default="none", help="none: the float32 model; gguf: the CPU default")
     parser.add_argument("--tag", default="cpu")
     args = parser.parse_args()
@@ -54,13 +54,15 @@ def main() -> None:
     params = [SamplingParams(temperature=0, max_tokens=r.output_len) for r in requests]
     baseline = run(off, requests, params)
     del off
-    ngram = run(LLM("smollm2-135m", speculative_method="ngram", num_speculative_tokens=args.k, **options),
-                requests, params)
-    result = {
-        "tag": args.tag, "machine": platform.processor() or platform.machine(), "args": vars(args),
-        "identical_outputs": baseline.pop("tokens") == ngram.pop("tokens"),
-        "off": baseline, "ngram": ngram, "speedup": ngram["output_tok_s"] / baseline["output_tok_s"],
-    }
+    result = {"tag": args.tag, "machine": platform.processor() or platform.machine(), "args": vars(args),
+              "off": baseline}
+    for k in args.k:
+        ngram = run(LLM("smollm2-135m", speculative_method="ngram", num_speculative_tokens=k, **options),
+                    requests, params)
+        ngram["identical_outputs"] = ngram.pop("tokens") == baseline["tokens"]
+        ngram["speedup"] = ngram["output_tok_s"] / baseline["output_tok_s"]
+        result[f"ngram_k{k}"] = ngram
+    del baseline["tokens"]
     print(json.dumps(result, indent=1))
     write_result(f"cpu_spec_decode_{args.tag}.json", result)
 
