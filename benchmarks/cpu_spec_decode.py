@@ -5,7 +5,7 @@ whether the greedy outputs are identical (they must be).
 
     PYTHONPATH=src python benchmarks/cpu_spec_decode.py     # writes $OUT/cpu_spec_decode.json
 
-Requests run one at a time, each alone in the engine (batch 1), after one warm-up request per engine.
+Requests run one at a time, each alone in its engine (batch 1), on each engine in turn.
 """
 
 from __future__ import annotations
@@ -21,20 +21,31 @@ from goodserve.bench.workloads import WorkloadConfig, build_workload
 from result_file import write_result
 
 
-def run(llm: LLM, requests, params: list[SamplingParams]) -> dict:
-    llm.chat(requests[0].chat_messages(), params[0])  # warm-up
-    before = llm.engine.stats()
-    tokens, start = [], time.perf_counter()
+def run_interleaved(engines: dict[str, LLM], requests, params: list[SamplingParams]) -> dict[str, dict]:
+    """Each request on every engine in turn (after one warm-up request each), so a change in the
+    machine's load during the run weighs on every engine alike."""
+    for llm in engines.values():
+        llm.chat(requests[0].chat_messages(), params[0])
+    before = {name: llm.engine.stats() for name, llm in engines.items()}
+    tokens = {name: [] for name in engines}
+    seconds = dict.fromkeys(engines, 0.0)
     for request, p in zip(requests, params):
-        tokens.append(llm.chat(request.chat_messages(), p)[0].outputs[0].token_ids)
-    seconds = time.perf_counter() - start
-    stats = llm.engine.stats()
-    drafts = stats.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
-    accepted = stats.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
-    num_output = sum(map(len, tokens))
-    return {"output_tokens": num_output, "seconds": seconds, "output_tok_s": num_output / seconds,
-            "steps": stats.num_steps - before.num_steps, "draft_tokens": drafts, "accepted_tokens": accepted,
-            "acceptance_rate": accepted / drafts if drafts else None, "tokens": tokens}
+        for name, llm in engines.items():
+            start = time.perf_counter()
+            tokens[name].append(llm.chat(request.chat_messages(), p)[0].outputs[0].token_ids)
+            seconds[name] += time.perf_counter() - start
+    results = {}
+    for name, llm in engines.items():
+        stats, old = llm.engine.stats(), before[name]
+        drafts = stats.spec_decode_num_draft_tokens - old.spec_decode_num_draft_tokens
+        accepted = stats.spec_decode_num_accepted_tokens - old.spec_decode_num_accepted_tokens
+        num_output = sum(map(len, tokens[name]))
+        results[name] = {
+            "output_tokens": num_output, "seconds": seconds[name], "output_tok_s": num_output / seconds[name],
+            "steps": stats.num_steps - old.num_steps, "draft_tokens": drafts, "accepted_tokens": accepted,
+            "acceptance_rate": accepted / drafts if drafts else None,
+            "identical_outputs": tokens[name] == tokens["off"]}
+    return results
 
 
 def main() -> None:
@@ -47,22 +58,17 @@ def main() -> None:
     parser.add_argument("--tag", default="cpu")
     args = parser.parse_args()
     options = dict(quantization=args.quantization, cpu_kv_cache_bytes=256 << 20)
-    off = LLM("smollm2-135m", **options)
+    engines = {"off": LLM("smollm2-135m", **options)}
+    for k in args.k:
+        engines[f"ngram_k{k}"] = LLM("smollm2-135m", speculative_method="ngram", num_speculative_tokens=k, **options)
     cfg = WorkloadConfig(dataset_name="copy", num_prompts=args.num_prompts, random_input_len=args.input_len,
                          random_output_len=args.output_len)
-    requests = build_workload(cfg, PromptText(off.tokenizer))
+    requests = build_workload(cfg, PromptText(engines["off"].tokenizer))
     params = [SamplingParams(temperature=0, max_tokens=r.output_len) for r in requests]
-    baseline = run(off, requests, params)
-    del off
     result = {"tag": args.tag, "machine": platform.processor() or platform.machine(), "args": vars(args),
-              "off": baseline}
+              **run_interleaved(engines, requests, params)}
     for k in args.k:
-        ngram = run(LLM("smollm2-135m", speculative_method="ngram", num_speculative_tokens=k, **options),
-                    requests, params)
-        ngram["identical_outputs"] = ngram.pop("tokens") == baseline["tokens"]
-        ngram["speedup"] = ngram["output_tok_s"] / baseline["output_tok_s"]
-        result[f"ngram_k{k}"] = ngram
-    del baseline["tokens"]
+        result[f"ngram_k{k}"]["speedup"] = result[f"ngram_k{k}"]["output_tok_s"] / result["off"]["output_tok_s"]
     print(json.dumps(result, indent=1))
     write_result(f"cpu_spec_decode_{args.tag}.json", result)
 
