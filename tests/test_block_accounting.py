@@ -42,12 +42,17 @@ def check_invariants(kv: KVCacheManager, live: list[Sequence], shadow: dict[int,
         assert pool.blocks[block_id].block_hash == block_hash
 
 
-@pytest.mark.parametrize("policy,chunked", [("continuous", True), ("continuous", False), ("static", True),
-                                            ("makespan", True)])
-def test_random_traffic_leaks_nothing(policy, chunked):
+@pytest.mark.parametrize("policy,chunked,speculative", [
+    ("continuous", True, False), ("continuous", False, False), ("static", True, False), ("makespan", True, False),
+    ("continuous", True, True)])
+def test_random_traffic_leaks_nothing(policy, chunked, speculative):
+    """speculative: n-gram drafts (tokens 0..2 repeat, so most decodes draft), of which a random number
+    is kept: the rejected ones' K/V slots are rolled back and rewritten."""
     rng = random.Random(1234)
     config = EngineConfig(scheduler_policy=policy, max_num_seqs=6, max_num_batched_tokens=24 if chunked else 64,
-                          enable_chunked_prefill=chunked, block_size=BLOCK)
+                          enable_chunked_prefill=chunked, block_size=BLOCK,
+                          speculative_method="ngram" if speculative else None, num_speculative_tokens=3,
+                          spec_max_batch=6, spec_min_acceptance=0.0)
     kv = KVCacheManager(num_blocks=14, block_size=BLOCK)
     pool = kv.pool
     scheduler = Scheduler(config, kv)
@@ -72,15 +77,18 @@ def test_random_traffic_leaks_nothing(policy, chunked):
         seqs = [by_id[seq_id] for seq_id in out.seq_ids] if out else []
         for row, seq in enumerate(seqs):
             start, n, table = out.num_computed_tokens[row], out.num_new_tokens[row], out.block_tables[row]
-            assert table == kv.block_table(seq.seq_id) and out.token_ids[row] == seq.token_ids[start : start + n]
+            drafts = out.draft_token_ids.get(row, [])
+            assert table == kv.block_table(seq.seq_id)
+            assert out.token_ids[row] == seq.token_ids[start : start + n - len(drafts)] + drafts
             for pos in range(start, start + n):
-                shadow[table[pos // BLOCK]][pos % BLOCK] = seq.token_ids[pos]
+                shadow[table[pos // BLOCK]][pos % BLOCK] = out.token_ids[row][pos - start]
+        kept = {row: rng.randrange(len(drafts) + 1) for row, drafts in out.draft_token_ids.items()} if out else {}
         if out:
-            scheduler.advance(out)
+            scheduler.advance(out, {row: len(out.draft_token_ids[row]) - a for row, a in kept.items()})
         events += len(seqs) + scheduler.num_preemptions - preemptions
-        for seq in seqs:
-            if seq.status is SequenceStatus.RUNNING and seq.num_computed_tokens == seq.num_tokens:
-                seq.token_ids.append(rng.randrange(3))
+        for row, seq in enumerate(seqs):
+            if seq.status is SequenceStatus.RUNNING and seq.num_computed_tokens >= seq.num_tokens:
+                seq.token_ids.extend(out.draft_token_ids.get(row, [])[: kept.get(row, 0)] + [rng.randrange(3)])
                 if seq.num_tokens >= seq.max_len:
                     scheduler.finish(seq, "length")
                     live.remove(seq)
@@ -94,6 +102,8 @@ def test_random_traffic_leaks_nothing(policy, chunked):
     assert pool.counters.hits > 0, "the workload shares prefixes; some must hit"
     if policy in ("continuous", "makespan"):
         assert scheduler.num_preemptions > 0, "the pool is small; preemption must be exercised"
+    if speculative:
+        assert scheduler.speculator.num_accepted_tokens > 500 and events > 1000
 
 
 def test_prefix_hit_leaves_last_token_to_compute():

@@ -73,4 +73,4 @@ def test_the_engine_fits_its_own_steps():
     model = llm.engine.scheduler.step_time
     assert model.fit is not None and model.fit.a > 0
     assert len(model.decode_steps) + len(model.mixed_steps) == llm.engine.steps.num_steps
-    assert llm.engine.forecast().fit == model.fit
+    assert llm.engine.scheduler.forecast().fit == model.fit

@@ -21,6 +21,7 @@ WEIGHT_QUANTIZATIONS = ("int8", "int4")  # codes computed from float weights (at
 QUANTIZATIONS = (None, "none", *WEIGHT_QUANTIZATIONS, "gguf")  # None: not asked (resolved_quantization)
 # uni: the worker runs in the engine's process; mp: in a process of its own (as each of N workers will)
 EXECUTOR_BACKENDS = ("uni", "mp")
+SPECULATIVE_METHODS = (None, "ngram")  # None: no speculative decoding
 # int4, one row (batch-1 decode) on CUDA: "tinygemm" (with bfloat16 activations; Triton otherwise),
 # "triton" (the GEMV family's one-row path), "rows" (ops/triton_gemv.py's thread-per-row kernel on
 # the checkpoint layout) or "rows_repacked" (the same on a copy repacked once at first use; 0.5 byte
@@ -119,6 +120,16 @@ class EngineConfig:
     async_scheduling: bool = True
     tokenizer: str | None = None  # tokenizer path when it differs from the model's
     executor_backend: str = "uni"
+    # Speculative decoding (engine/spec_decode/): None (off) | ngram (prompt lookup: propose the
+    # tokens that followed the last ngram_max..ngram_min tokens' latest earlier occurrence).
+    speculative_method: str | None = None
+    num_speculative_tokens: int = 4
+    ngram_min: int = 1
+    ngram_max: int = 4
+    # Policy (engine/spec_decode/policy.py): no proposals while more sequences run than this, or
+    # for a sequence whose acceptance EMA fell under spec_min_acceptance (it probes again now and then).
+    spec_max_batch: int = 8
+    spec_min_acceptance: float = 0.3
 
     def validate(self) -> None:
         checks = [
@@ -134,6 +145,10 @@ class EngineConfig:
             (self.max_n_per_request >= 1, "max_n_per_request must be at least 1"),
             (self.dtype in DTYPES, f"dtype must be one of {DTYPES}"),
             (self.executor_backend in EXECUTOR_BACKENDS, f"executor_backend must be one of {EXECUTOR_BACKENDS}"),
+            (self.speculative_method in SPECULATIVE_METHODS,
+             f"speculative_method must be one of {SPECULATIVE_METHODS[1:]}"),
+            (self.num_speculative_tokens >= 1, "num_speculative_tokens must be at least 1"),
+            (1 <= self.ngram_min <= self.ngram_max, "ngram_min and ngram_max must satisfy 1 <= min <= max"),
         ]
         for ok, message in checks:
             if not ok:

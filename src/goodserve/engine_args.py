@@ -18,6 +18,7 @@ from goodserve.config import (
     KV_CACHE_DTYPES,
     QUANTIZATIONS,
     SCHEDULER_POLICIES,
+    SPECULATIVE_METHODS,
     EngineConfig,
 )
 
@@ -28,6 +29,7 @@ _CHOICES = {
     "quantization": tuple(q for q in QUANTIZATIONS if q),
     "attention_backend": ATTENTION_BACKENDS,
     "block_size": BLOCK_SIZES,
+    "speculative_method": tuple(m for m in SPECULATIVE_METHODS if m),
 }
 
 _HELP = {
@@ -56,6 +58,15 @@ _HELP = {
     "cpu_int8_activations": "GGUF layers on the CPU quantize activation rows to int8 as llama.cpp does: faster, "
                             "but greedy tokens can then depend on the batch (docs/quantization.md)",
     "tokenizer": "tokenizer path, when it differs from the model's",
+    "speculative_method": "speculative decoding: ngram (prompt lookup: propose what followed the last tokens' "
+                          "earlier occurrence in the prompt or output; exact, docs/architecture.md) (default: off)",
+    "num_speculative_tokens": "most tokens proposed per sequence and step (default: 4)",
+    "ngram_min": "ngram proposer: shortest suffix matched (default: 1)",
+    "ngram_max": "ngram proposer: longest suffix matched, tried first (default: 4)",
+    "spec_max_batch": "no speculation while more sequences run than this (verifying costs more than it saves "
+                      "in large batches) (default: 8)",
+    "spec_min_acceptance": "no speculation for a sequence whose acceptance rate (moving average) is under this; "
+                           "it probes again every 8 steps (default: 0.3)",
 }
 
 # Short names kept beside the derived flag (--max-n-per-request is --max-n too).

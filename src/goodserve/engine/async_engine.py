@@ -63,7 +63,7 @@ class AsyncEngine:
         self.stopping = threading.Event()
         self.dead: BaseException | None = None
         self._stats = self.engine.stats()
-        self._forecast = self.engine.forecast()
+        self._forecast = self.engine.scheduler.forecast()
 
     # ---- what the server reads -----------------------------------------------------------
     @property
@@ -95,7 +95,7 @@ class AsyncEngine:
         return self._forecast
 
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
-        return self.engine.validate_request(prompt_token_ids, params)
+        return self.engine.inputs.validate_request(prompt_token_ids, params)
 
     # ---- lifecycle -----------------------------------------------------------------------
     async def start(self) -> None:
@@ -151,7 +151,7 @@ class AsyncEngine:
                 if self.engine.has_unfinished():
                     self._deliver(self.engine.step())
                 self._stats = self.engine.stats()
-                self._forecast = self.engine.forecast()
+                self._forecast = self.engine.scheduler.forecast()
         except BaseException as exc:  # a bug in the loop itself: fail every caller, loudly
             logger.exception("engine loop died")
             self.dead = exc

@@ -82,11 +82,14 @@ def capture_graphs(runner: ModelRunner) -> tuple[GraphSet, GraphSet]:
 
 def graph_for(flat: FlatBatch, decode_graphs: GraphSet, mixed_graphs: GraphSet) -> _DecodeGraph | _MixedGraph | None:
     """The captured graph the batch replays: a decode graph if every sequence computes one token
-    and samples, else a mixed-step graph unless some sequence wants prompt logits."""
+    and samples, else a mixed-step graph unless some sequence wants prompt logits or verifies drafts
+    (more logits rows than sequences: the graphs' layouts hold one per sequence)."""
     num_seqs = len(flat.seq_lens)
     if max(flat.query_lens) == 1 and len(flat.sample_rows) == num_seqs:
         return decode_graphs.holding(num_seqs)
-    graph = None if flat.prompt_logit_spans else mixed_graphs.holding(len(flat.input_ids))
+    if flat.prompt_logit_spans or len(flat.logits_indices) > len(flat.sample_rows):  # drafts: eager
+        return None
+    graph = mixed_graphs.holding(len(flat.input_ids))
     return graph if graph is not None and graph.holds(flat) else None
 
 

@@ -10,6 +10,10 @@ alone, step N+1 is launched before step N's tokens reach the host (its decode in
 tokens, which the runner keeps on the device; it may also admit waiting requests), and step N's
 tokens are appended and checked while the device runs N+1. A sequence that stopped at N wastes its
 slot in N+1; preemption and unfinished prefill chunks flush first.
+
+Speculative decoding (engine/spec_decode/): the scheduler gives decoding sequences drafts, the runner
+samples at each of their positions and keeps the confirmed ones, the scheduler rolls back the rest
+(advance). A step with drafts never runs ahead: the next step's inputs depend on how many were kept.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import torch
 from goodserve.config import EngineConfig
 from goodserve.engine.config_resolution import resolve_for_device, torch_dtype, with_overrides
 from goodserve.engine.executor import make_executor
-from goodserve.engine.grammar import accept_ahead, grammar_bitmask
+from goodserve.engine.grammar import accept_tokens_ahead, grammar_bitmask
 from goodserve.engine.input_processor import InputProcessor
 from goodserve.engine.isolation import find_culprits
 from goodserve.engine.kv_cache_manager import KVCacheManager
@@ -34,7 +38,6 @@ from goodserve.engine.runner_output import ModelRunnerOutput, PendingOutput
 from goodserve.engine.scheduler import Scheduler
 from goodserve.engine.scheduler_output import NewRequestData, SchedulerOutput
 from goodserve.engine.sequence import Sequence
-from goodserve.engine.slo_policy import SloForecast
 from goodserve.engine.stats import EngineStats, StepLog, engine_stats
 from goodserve.errors import InvalidRequestError
 from goodserve.outputs import RequestOutput
@@ -76,9 +79,6 @@ class Engine:
         self._last_recorded = 0.0  # perf_counter() when the last step's output was recorded
 
     # ---- requests ------------------------------------------------------------------------
-    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
-        return self.inputs.validate_request(prompt_token_ids, params)
-
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     arrival_time: float | None = None) -> None:
         if request_id in self.requests:
@@ -120,7 +120,7 @@ class Engine:
                 return []
             changed = self._run(out, [self.scheduler.seqs[seq_id] for seq_id in out.seq_ids], stream_text)
         t0 = time.perf_counter()
-        outputs = self._collect(changed, finished_only)
+        outputs = self.outputs.collect(self.requests, changed, finished_only)
         self.steps.output += time.perf_counter() - t0
         return outputs
 
@@ -141,7 +141,7 @@ class Engine:
             output = None if self._may_run_ahead(step) else step.pending.result()
         except Exception as exc:  # a failed step fails the requests that cause it, never the engine
             return self._isolate(out, seqs, exc, stream_text)
-        self.scheduler.advance(out)
+        self.scheduler.advance(out, output and _num_rejected(out, output))
         if output is not None:
             return self._record(step, output, stream_text)
         self._inflight = step
@@ -154,7 +154,7 @@ class Engine:
         self.executor.execute_model(out)
         sampling = [seq for seq, samples in zip(seqs, out.samples) if samples]
         if previous is not None and any(seq.grammar is not None for seq in sampling):
-            _accept_tokens_ahead(previous)  # the masks need them; the forward runs meanwhile
+            accept_tokens_ahead(previous.seqs, previous.pending.result())  # the forward runs meanwhile
         grammar = grammar_bitmask(sampling, pinned=self.device.type == "cuda")
         step = _Step(out, seqs, self.executor.sample_tokens(grammar, trial), launched)
         if not trial:
@@ -163,7 +163,7 @@ class Engine:
 
     def _may_run_ahead(self, step: _Step) -> bool:
         return (self.config.async_scheduling and step.pending.replayed_graph and step.out.all_sample
-                and all(seq.samples_on_device for seq in step.seqs))
+                and not step.out.draft_token_ids and all(seq.samples_on_device for seq in step.seqs))
 
     def _step_pipelined(self, stream_text: bool) -> set[str]:
         """Launch the step after the one in flight (if the scheduler can decide it without that
@@ -223,7 +223,7 @@ class Engine:
             except Exception as exc:  # the failure needs the whole batch (none failed alone): fail it
                 logger.exception("step failed again without its culprits; aborting its %d sequences", len(rows))
                 return changed | self._fail_all(rest_seqs, exc)
-            self.scheduler.advance(rest)
+            self.scheduler.advance(rest, _num_rejected(rest, output))
             changed |= self._record(step, output, stream_text)
         return changed
 
@@ -246,7 +246,7 @@ class Engine:
         """Record a computed (and advanced) step's outputs; an error in one sequence's bookkeeping
         fails its request alone."""
         t0 = time.perf_counter()
-        self._observe_step_time(step.out, t0 - max(step.launched, self._last_recorded))
+        self.scheduler.step_time.observe_step(step.out, t0 - max(step.launched, self._last_recorded))
         self._last_recorded = t0
         self._release_siblings(step.seqs)
         self.outputs.record_step(self.requests, step.out, step.seqs, output, stream_text, self._finish,
@@ -256,13 +256,6 @@ class Engine:
         self.steps.sample += output.sample_s
         self.steps.detokenize += time.perf_counter() - t0
         return {seq.request_id for seq in step.seqs}
-
-    def _observe_step_time(self, out: SchedulerOutput, seconds: float) -> None:
-        """A step's time from its launch, or, pipelined, from the step before it reaching the host:
-        the interval at which its decodes got their tokens."""
-        prefill_tokens = sum(n for n in out.num_new_tokens if n > 1)
-        decode_rows = len(out) - sum(n > 1 for n in out.num_new_tokens)
-        self.scheduler.step_time.observe(decode_rows, prefill_tokens, seconds)
 
     def _finish(self, seq: Sequence, finish: Finish) -> None:
         self.scheduler.finish(seq, finish.reason, finish.stop_reason)
@@ -277,27 +270,13 @@ class Engine:
                     self.scheduler.add(sibling)
                 request.pending = []
 
-    def _collect(self, changed: set[str], finished_only: bool) -> list[RequestOutput]:
-        outputs = []
-        for request_id in changed:
-            request = self.requests.get(request_id)
-            if request is None or (finished_only and not request.finished):
-                continue
-            outputs.append(request.output())
-            if request.finished:
-                del self.requests[request_id]
-        return outputs
-
     # ---- introspection -------------------------------------------------------------------
     def stats(self) -> EngineStats:
         return engine_stats(self.scheduler, self.kv, self.steps)
 
-    def forecast(self) -> SloForecast:
-        return self.scheduler.forecast()
 
+def _num_rejected(out: SchedulerOutput, output: ModelRunnerOutput) -> dict[int, int]:
+    """Per row that verified drafts, how many the runner rejected (it keeps the rest and adds one)."""
+    return {row: len(out.draft_token_ids[row]) + 1 - len(tokens)
+            for row, tokens in zip(output.sample_rows, output.token_ids) if row in out.draft_token_ids}
 
-def _accept_tokens_ahead(step: _Step) -> None:
-    """Wait for a launched step's tokens (not the steps after it) and advance its grammars by them."""
-    output = step.pending.result()
-    for row, token in zip(output.sample_rows, output.token_ids):
-        accept_ahead(step.seqs[row], token)

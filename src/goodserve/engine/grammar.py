@@ -94,7 +94,7 @@ class GrammarCompiler:
 
 class GrammarState:
     """A sequence's matcher, and how many of its output tokens it has taken: with async scheduling
-    it takes a step's token (accept_ahead) before the engine appends it (accept_token)."""
+    it takes a step's token (accept_tokens_ahead) before the engine appends it (accept_token)."""
 
     def __init__(self, matcher, vocab_size: int) -> None:
         self.matcher = matcher
@@ -116,11 +116,15 @@ def accept_token(seq: Sequence, token: int) -> bool:
     return seq.grammar.matcher.is_terminated()
 
 
-def accept_ahead(seq: Sequence, token: int) -> None:
-    """Async scheduling: seq's token from the step in flight, not appended yet, so the next step's
-    mask can be filled while that step's forward runs."""
-    if seq.grammar is not None and not seq.is_finished and seq.grammar.num_accepted == seq.num_output_tokens:
-        seq.grammar.accept(token)
+def accept_tokens_ahead(seqs: list[Sequence], output) -> None:
+    """Async scheduling: the tokens of the step in flight (a ModelRunnerOutput over seqs' rows), not
+    appended yet, so the next step's masks can be filled while that step's forward runs."""
+    for row, tokens in zip(output.sample_rows, output.token_ids):
+        seq = seqs[row]
+        for i, token in enumerate(tokens):
+            if seq.grammar is not None and not seq.is_finished and \
+                    seq.grammar.num_accepted == seq.num_output_tokens + i:
+                seq.grammar.accept(token)
 
 
 @functools.cache

@@ -67,7 +67,9 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         size, table = self.block_size, self.tables[seq.seq_id]
-        num_full = seq.num_computed_tokens // size
+        # A speculating sequence's kept drafts are computed before they are appended (Scheduler.advance):
+        # a block is registered once its tokens are there too.
+        num_full = min(seq.num_computed_tokens, seq.num_tokens) // size
         hashes = self._block_hashes(seq, num_full)
         for i in range(self._num_registered.get(seq.seq_id, 0), num_full):
             self.pool.register(table[i], hashes[i], tuple(seq.token_ids[i * size : (i + 1) * size]))
@@ -95,6 +97,12 @@ class KVCacheManager:
         for _ in range(needed):
             table.append(self.pool.take_free())
         return True
+
+    def free_tail(self, seq: Sequence) -> None:
+        """Release the blocks past seq's computed tokens: those only rejected drafts wrote."""
+        table = self.tables[seq.seq_id]
+        while len(table) * self.block_size >= seq.num_computed_tokens + self.block_size:
+            self.pool.release(table.pop())
 
     def free(self, seq: Sequence, finished: bool = False) -> None:
         """Release seq's blocks (preempted: it recomputes later; finished: its hashes go too).

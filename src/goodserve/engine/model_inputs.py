@@ -34,7 +34,7 @@ class FlatBatch:
     seq_lens: list[int]
     block_tables: list[list[int]]
     sample_rows: list[int]  # index into batch.seqs of the sequences that sample a token this step
-    logits_indices: list[int]  # their last token's row in the flat batch
+    logits_indices: list[int]  # their last token's row in the flat batch (their drafts' rows before it)
     prompt_logit_spans: dict[int, tuple[int, int]]  # batch row -> flat [start, end) wanting logits
     pooling_spans: dict[int, tuple[int, int]] = field(default_factory=dict)  # batch row -> flat rows to sum
 
@@ -80,9 +80,10 @@ def flatten(out: SchedulerOutput, requests: dict[str, RequestState], block_size:
             flat.pooling_spans[row] = (offset, offset + num_new)
         elif pooling == "last" and end == num_prompt:
             flat.pooling_spans[row] = (offset + num_new - 1, offset + num_new)
-        if out.samples[row]:
+        if out.samples[row]:  # a row with k drafts samples at its last 1 + k positions
             flat.sample_rows.append(row)
-            flat.logits_indices.append(offset + num_new - 1)
+            flat.logits_indices.extend(range(offset + num_new - 1 - len(out.draft_token_ids.get(row, ())),
+                                             offset + num_new))
     return flat
 
 

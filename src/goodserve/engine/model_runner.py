@@ -17,6 +17,7 @@ tensors that read them.
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass
 
@@ -32,6 +33,7 @@ from goodserve.engine.model_inputs import (
 from goodserve.engine.runner_output import ModelRunnerOutput, PendingOutput
 from goodserve.engine.sampling_inputs import GrammarBitmask, SamplingRow, build_sampling_batch
 from goodserve.engine.scheduler_output import SchedulerOutput
+from goodserve.engine.spec_decode.acceptance import kept_tokens
 from goodserve.model.llama import LlamaForCausalLM
 from goodserve.ops.attention import AttentionMetadata, LayerKVCache
 from goodserve.ops.sampler import SamplerOutput, gather_logprobs, sample
@@ -67,10 +69,12 @@ class ModelRunner:
         self._last_sampled: tuple[list[str], torch.Tensor] | None = None
         # Two sets of host buffers, used in turn: with async scheduling a step is prepared while the
         # last one's copies may still be queued behind the step before it. Staging holds a step's
-        # int32 inputs; tokens holds row 0: sampled tokens out, row 1: row indices in.
+        # int32 inputs; tokens holds row 0: sampled tokens out (one per position that samples), row
+        # 1: row indices in.
         cuda = device.type == "cuda"
         self._staging = [torch.empty(0, dtype=torch.int32)] * 2
-        self._tokens = [torch.zeros(2, config.max_num_seqs, dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
+        max_samples = config.max_num_seqs * (1 + (config.num_speculative_tokens if config.speculative_method else 0))
+        self._tokens = [torch.zeros(2, max_samples, dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
         self._copied = [torch.cuda.Event() for _ in range(2)] if cuda else [None, None]
         self._turn = 0
         self.decode_graphs, self.mixed_graphs = GraphSet(), GraphSet()
@@ -113,18 +117,20 @@ class ModelRunner:
         step, self._launched = self._launched, None
         t0 = time.perf_counter()
         out, rows = step.out, step.inputs.sample_rows
-        sampled = None
+        drafts = [out.draft_token_ids.get(r, []) for r in rows]
+        sampled, seeded = None, []
         if rows:
-            sampling_rows = [SamplingRow(self.requests[out.seq_ids[r]], out.num_output_tokens[r],
-                                         out.penalty_token_ids.get(r)) for r in rows]
-            sampling = build_sampling_batch(sampling_rows, self.vocab_size, self.device, self.eos_token_ids, grammar)
+            sampling = build_sampling_batch(_sampling_rows(out, rows, drafts, self.requests), self.vocab_size,
+                                            self.device, self.eos_token_ids, _per_position(grammar, drafts))
+            if not trial and not sampling.all_greedy:
+                seeded = _seeded_drafting_rows(rows, drafts, out, self.requests)
             with rewind_generators(sampling, always=trial):
                 sampled = sample(step.output.logits, sampling, self.model.kernels, step.output.logits_argmax)
             # A copy of its own: the next replay of the same graph overwrites the graph's argmax buffer.
             sampled.token_ids = sampled.token_ids.clone()
             if not trial:
                 self._last_sampled = ([out.seq_ids[r] for r in rows], sampled.token_ids)
-        host_tokens = self._tokens[self._turn][0, : len(rows)]
+        host_tokens = self._tokens[self._turn][0, : len(rows) + sum(map(len, drafts))]
         if sampled is not None:
             host_tokens.copy_(sampled.token_ids, non_blocking=True)
         # Recorded for every step, sampling or not: waiting for it is what keeps the host from reusing
@@ -139,8 +145,10 @@ class ModelRunner:
             t1 = time.perf_counter()
             if copied is not None:
                 copied.synchronize()
+            kept = kept_tokens(host_tokens.tolist(), drafts)
+            _draw_as_if_not_drafted(seeded, kept, step.output.logits.shape[-1])
             return ModelRunnerOutput(
-                rows, host_tokens.tolist(), _sampled_logprobs(sampled, rows, out, self.requests),
+                rows, kept, _sampled_logprobs(sampled, rows, drafts, kept, out, self.requests),
                 {row: (first, *(t.tolist() for t in lists)) for row, (first, *lists) in prompt_logprobs.items()},
                 {row: total.cpu() for row, total in step.output.pooled.items()},
                 step.prepare_s, step.launch_s + time.perf_counter() - t1, sample_s)
@@ -198,7 +206,8 @@ class ModelRunner:
     def _eager_input(self, flat: FlatBatch) -> ModelInput:
         """The batch in the step input layout (engine/input_layout.py), sized to it exactly."""
         num_tokens, num_seqs = len(flat.input_ids), len(flat.seq_lens)
-        layout = InputLayout(num_tokens, num_seqs, max(map(len, flat.block_tables)))
+        # Rows verifying drafts have a logits row per position: the sequence rows hold them all.
+        layout = InputLayout(num_tokens, max(num_seqs, len(flat.logits_indices)), max(map(len, flat.block_tables)))
         host = self._staging_buffer(layout.size)[: layout.size]
         layout.pack(flat, host.numpy())
         views = layout.views(host.to(self.device, non_blocking=True) if self.device.type == "cuda" else host)
@@ -210,7 +219,7 @@ class ModelRunner:
             if self.config.kernels.decode_kernel_for_mixed_decodes else 0,
         )
         return ModelInput(views.input_ids[:num_tokens], views.positions[:num_tokens], meta, flat.sample_rows,
-                          views.logits_indices[: len(flat.sample_rows)], flat.prompt_logit_spans,
+                          views.logits_indices[: len(flat.logits_indices)], flat.prompt_logit_spans,
                           pooling_spans=flat.pooling_spans)
 
     def _staging_buffer(self, count: int) -> torch.Tensor:
@@ -236,15 +245,60 @@ class ModelRunner:
         return ModelOutput(logits, prompt_logits, pooled=pooled_sums(hidden, inputs.pooling_spans))
 
 
-def _sampled_logprobs(sampled: SamplerOutput | None, rows: list[int], out: SchedulerOutput,
-                      requests: dict[str, RequestState]) -> dict[int, tuple[list[float], list[int], int]]:
-    """Per sampled row that asked for logprobs: its sampled token's and its top alternatives'."""
+def _sampling_rows(out: SchedulerOutput, rows: list[int], drafts: list[list[int]],
+                   requests: dict[str, RequestState]) -> list[SamplingRow]:
+    """One per position that samples: a row with k drafts samples at 1 + k positions, position j as if
+    its first j drafts were already output (penalties count them, min_tokens is j tokens nearer)."""
+    found = []
+    for row, row_drafts in zip(rows, drafts):
+        state, penalized = requests[out.seq_ids[row]], out.penalty_token_ids.get(row)
+        for j in range(1 + len(row_drafts)):
+            found.append(SamplingRow(state, out.num_output_tokens[row] + j,
+                                     None if penalized is None else penalized + row_drafts[:j]))
+    return found
+
+
+def _per_position(grammar: GrammarBitmask | None, drafts: list[list[int]]) -> GrammarBitmask | None:
+    """The grammar masks' rows among the sampled positions (a sequence with a grammar never drafts)."""
+    if grammar is None or not any(drafts):
+        return grammar
+    first = [0, *itertools.accumulate(1 + len(d) for d in drafts)]
+    return GrammarBitmask(grammar.bitmask, [first[i] for i in (grammar.rows or range(len(drafts)))])
+
+
+def _seeded_drafting_rows(rows: list[int], drafts: list[list[int]], out: SchedulerOutput,
+                          requests: dict[str, RequestState]) -> list[tuple[int, torch.Generator, torch.Tensor]]:
+    """(index, generator, state before sampling) of the drafting rows with a seed."""
+    found = []
+    for i, (row, row_drafts) in enumerate(zip(rows, drafts)):
+        generator = requests[out.seq_ids[row]].generator
+        if row_drafts and generator is not None:
+            found.append((i, generator, generator.get_state()))
+    return found
+
+
+def _draw_as_if_not_drafted(seeded: list, kept: list[list[int]], vocab_size: int) -> None:
+    """A seeded row drew noise for each of its 1 + k positions; plain decoding would have drawn it for
+    the tokens it kept only. Set its generator where plain decoding leaves it, so a seed samples the
+    same tokens with or without speculation (the noise of position j is the j-th draw either way)."""
+    for i, generator, state in seeded:
+        generator.set_state(state)
+        for _ in kept[i]:
+            torch.empty(vocab_size, device=generator.device).exponential_(generator=generator)
+
+
+def _sampled_logprobs(sampled: SamplerOutput | None, rows: list[int], drafts: list[list[int]],
+                      kept: list[list[int]], out: SchedulerOutput,
+                      requests: dict[str, RequestState]) -> dict[int, list[tuple[list[float], list[int], int]]]:
+    """Per sampled row that asked for logprobs: per kept token, its logprob and its top alternatives'."""
     if sampled is None or sampled.logprobs is None:
         return {}
     values, ids, ranks = sampled.logprobs.tolist(), sampled.logprob_token_ids.tolist(), sampled.ranks.tolist()
-    found = {}
-    for i, row in enumerate(rows):
+    found, at = {}, 0
+    for i, (row, row_drafts, tokens) in enumerate(zip(rows, drafts, kept)):
         num_top = requests[out.seq_ids[row]].params.logprobs
         if num_top is not None:
-            found[i] = (values[i][: 1 + num_top], ids[i][: 1 + num_top], ranks[i])
+            found[i] = [(values[p][: 1 + num_top], ids[p][: 1 + num_top], ranks[p])
+                        for p in range(at, at + len(tokens))]
+        at += 1 + len(row_drafts)
     return found

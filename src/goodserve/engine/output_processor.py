@@ -22,7 +22,7 @@ from goodserve.engine.runner_output import ModelRunnerOutput
 from goodserve.engine.scheduler_output import SchedulerOutput
 from goodserve.engine.sequence import Sequence
 from goodserve.model.detokenizer import IncrementalDetokenizer
-from goodserve.outputs import Logprob, LogprobsEntry
+from goodserve.outputs import Logprob, LogprobsEntry, RequestOutput
 
 logger = logging.getLogger("goodserve.engine")
 
@@ -62,10 +62,26 @@ class OutputProcessor:
         for seq in seqs:
             if seq.params.prefill_only and not seq.is_finished and seq.num_computed_tokens >= seq.num_prompt_tokens:
                 guarded(seq, self._finish_prefill_only)
-        for i, (row, token) in enumerate(zip(output.sample_rows, output.token_ids)):
-            seq = seqs[row]
-            if not seq.is_finished:  # else it stopped a step before (a spare token), or a sibling failed it
-                guarded(seq, self._append_token, token, output.logprobs.get(i), stream_text)
+        for i, (row, tokens) in enumerate(zip(output.sample_rows, output.token_ids)):
+            seq, logprobs = seqs[row], output.logprobs.get(i)
+            for j, token in enumerate(tokens):
+                if seq.is_finished:  # it stopped (at a token before, or a step before), or a sibling failed it
+                    break
+                guarded(seq, self._append_token, token, logprobs and logprobs[j], stream_text)
+
+    @staticmethod
+    def collect(requests: dict[str, Request], changed: set[str], finished_only: bool) -> list[RequestOutput]:
+        """The outputs of the changed requests (only the finished ones, with finished_only); a
+        finished request leaves `requests`."""
+        outputs = []
+        for request_id in changed:
+            request = requests.get(request_id)
+            if request is None or (finished_only and not request.finished):
+                continue
+            outputs.append(request.output())
+            if request.finished:
+                del requests[request_id]
+        return outputs
 
     def _append_token(self, request: Request, seq: Sequence, token: int, logprobs: tuple | None,
                      stream_text: bool) -> Finish | None:

@@ -12,9 +12,11 @@ import torch
 @dataclass
 class ModelRunnerOutput:
     sample_rows: list[int]  # the scheduler output's rows that sampled, in the order of token_ids
-    token_ids: list[int]
-    # index into token_ids -> (logprobs of the sampled token then the top ones, their token ids, its rank)
-    logprobs: dict[int, tuple[list[float], list[int], int]] = field(default_factory=dict)
+    # Per sampled row, its new tokens: one, or for a row verifying drafts the drafts it kept and the
+    # target's token after them (engine/spec_decode/acceptance.py).
+    token_ids: list[list[int]]
+    # index into token_ids -> per new token: (logprobs of the token then the top ones, their ids, its rank)
+    logprobs: dict[int, list[tuple[list[float], list[int], int]]] = field(default_factory=dict)
     # row -> (index of the first prompt token predicted, values, ids, ranks): one entry per position
     prompt_logprobs: dict[int, tuple[int, list, list, list]] = field(default_factory=dict)
     pooled: dict[int, torch.Tensor] = field(default_factory=dict)  # row -> float32 hidden-state sum, on the host

@@ -21,6 +21,10 @@ Its decision goes to the runner as plain data (engine/scheduler_output.py); the 
 over stay here, with the engine. With async scheduling the engine passes the step still in flight:
 its sequences' next tokens exist only on the device (placeholders), and the step scheduled ahead of
 them decodes those tokens.
+
+Speculative decoding (engine/spec_decode/): a decoding sequence may carry drafts, computed in the
+same step after its last token (1 + k tokens, one row); advance() rolls back the ones the runner
+rejected (their K/V slots are rewritten later, their tail blocks freed).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from goodserve.engine.scheduler_output import SchedulerOutput
 from goodserve.engine.sequence import Sequence, SequenceStatus
 from goodserve.engine.slo_policy import SloForecast, SloPolicy, tokens_left
 from goodserve.engine.step_time_model import StepTimeModel
+from goodserve.engine.spec_decode.policy import Speculator
 from goodserve.engine.waiting_queue import WaitingQueue
 
 
@@ -42,13 +47,15 @@ class _Decision:
 
     def __init__(self, num_ahead: int = 0) -> None:
         self.seqs: list[Sequence] = []
-        self.num_new: list[int] = []
+        self.num_new: list[int] = []  # drafts included
+        self.drafts: list[list[int]] = []
         self.num_ahead = num_ahead
         self.preempted = False
 
-    def add(self, seq: Sequence, num_new: int) -> None:
+    def add(self, seq: Sequence, num_new: int, drafts: list[int] | None = None) -> None:
         self.seqs.append(seq)
         self.num_new.append(num_new)
+        self.drafts.append(drafts or [])
 
 
 def _decodes_first(seq: Sequence) -> tuple:
@@ -70,6 +77,7 @@ class Scheduler:
             if config.scheduler_policy == "slo" else None
         key = longest_first_key if makespan else self.slo.key if self.slo else Sequence.priority_key
         self.waiting = WaitingQueue(key)
+        self.speculator = Speculator(config) if config.speculative_method else None
 
     # ---- queue management ----------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -167,16 +175,25 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            num_new = min(seq.num_uncomputed_tokens, budget)
+            drafts = self._drafts(seq, budget)
+            num_new = min(seq.num_uncomputed_tokens, budget) + len(drafts)
+            if drafts and not self.kv.allocate(seq, num_new):  # speculation never preempts anyone
+                drafts, num_new = [], num_new - len(drafts)
             while not self.kv.allocate(seq, num_new):
                 victim = self._lowest_priority_running(exclude=decision.seqs)
                 self._preempt(victim, decision)
                 if victim is seq:
                     break
             if seq.status is SequenceStatus.RUNNING:
-                decision.add(seq, num_new)
+                decision.add(seq, num_new, drafts)
                 budget -= num_new
         return budget
+
+    def _drafts(self, seq: Sequence, budget: int) -> list[int]:
+        """Proposed tokens for a decoding sequence to verify this step (room left for its own token)."""
+        if self.speculator is None or seq.num_uncomputed_tokens != 1:
+            return []
+        return self.speculator.propose(seq, len(self.running), budget - 1)
 
     def _schedule_waiting(self, decision: _Decision, budget: int, admissible=None) -> None:
         """Admit waiting sequences in order while the budget lasts; `admissible`, when given, stops
@@ -249,15 +266,17 @@ class Scheduler:
         """The decision as plain data: each row's tokens to compute, its block table, whether it samples."""
         out = SchedulerOutput(num_ahead=decision.num_ahead)
         tables = self.kv.tables
-        for row, (seq, num_new) in enumerate(zip(decision.seqs, decision.num_new)):
-            start = seq.num_computed_tokens
+        for row, (seq, num_new, drafts) in enumerate(zip(decision.seqs, decision.num_new, decision.drafts)):
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new - len(drafts)
             ahead = row < decision.num_ahead
             out.seq_ids.append(seq.seq_id)
             out.num_new_tokens.append(num_new)
             out.num_computed_tokens.append(start)
-            out.token_ids.append([] if ahead else seq.token_ids[start : start + num_new])
+            out.token_ids.append([] if ahead else seq.token_ids[start:end] + drafts)
             out.block_tables.append(list(tables[seq.seq_id]))
-            out.samples.append(ahead or (start + num_new == seq.num_tokens and not seq.params.prefill_only))
+            out.samples.append(ahead or (end == seq.num_tokens and not seq.params.prefill_only))
+            if drafts:
+                out.draft_token_ids[row] = drafts
             out.num_output_tokens.append(seq.num_output_tokens)
             if seq.counts_output_tokens:
                 out.penalty_token_ids[row] = seq.output_token_ids
@@ -273,13 +292,21 @@ class Scheduler:
                            tuple(sorted(tokens_left(seq) + (seq.num_uncomputed_tokens > 1) for seq in self.running)))
 
     # ---- after the step ------------------------------------------------------------------
-    def advance(self, out: SchedulerOutput) -> None:
-        """The runner computed the scheduled tokens: their K/V are now cached. Sequences that finished
-        meanwhile (stopped or aborted while an async step ran) hold no blocks and are skipped."""
+    def advance(self, out: SchedulerOutput, num_rejected: dict[int, int] | None = None) -> None:
+        """The runner computed the scheduled tokens: their K/V are now cached, except the
+        num_rejected[row] last drafts of a speculating row, rolled back (its tokens, appended after
+        this, are the kept drafts and one more). Sequences that finished meanwhile (stopped or
+        aborted while an async step ran) hold no blocks and are skipped."""
         if self.makespan is not None:
             self.makespan.advance(out.num_tokens)
-        for seq_id, num_new in zip(out.seq_ids, out.num_new_tokens):
+        for row, (seq_id, num_new) in enumerate(zip(out.seq_ids, out.num_new_tokens)):
             seq = self.seqs.get(seq_id)
-            if seq is not None:
-                seq.num_computed_tokens += num_new
-                self.kv.register_full_blocks(seq)
+            if seq is None:
+                continue
+            rejected = num_rejected.get(row, 0) if num_rejected else 0
+            seq.num_computed_tokens += num_new - rejected
+            if row in out.draft_token_ids:
+                num_drafts = len(out.draft_token_ids[row])
+                self.speculator.observe(seq, num_drafts, num_drafts - rejected)
+                self.kv.free_tail(seq)
+            self.kv.register_full_blocks(seq)

@@ -2,7 +2,7 @@
 cross a process boundary (pickled to a worker) and be cut into sub-batches to isolate a culprit.
 
 Rows are sequences, decodes first (the attention kernels take a batch's leading one-token rows
-apart). With async scheduling the first `num_ahead` rows decode a token the step in flight is still
+apart; a decode verifying k drafts is a row of 1 + k tokens). With async scheduling the first `num_ahead` rows decode a token the step in flight is still
 sampling: their input is that step's token, which the runner keeps on the device.
 """
 
@@ -34,6 +34,8 @@ class SchedulerOutput:
     num_output_tokens: list[int] = field(default_factory=list)  # generated so far (min_tokens bans)
     # row -> its generated tokens, for the rows whose penalties count them
     penalty_token_ids: dict[int, list[int]] = field(default_factory=dict)
+    # row -> the drafts it verifies (the last of its token_ids; engine/spec_decode/acceptance.py)
+    draft_token_ids: dict[int, list[int]] = field(default_factory=dict)
     num_ahead: int = 0
     # Set by the engine: runner-side state to create and to drop (both idempotent, so a retried
     # or sub-batched step may carry them again).
@@ -61,4 +63,5 @@ class SchedulerOutput:
             token_ids=[self.token_ids[r] for r in rows], block_tables=[self.block_tables[r] for r in rows],
             samples=[self.samples[r] for r in rows], num_output_tokens=[self.num_output_tokens[r] for r in rows],
             penalty_token_ids={kept[r]: ids for r, ids in self.penalty_token_ids.items() if r in kept},
+            draft_token_ids={kept[r]: ids for r, ids in self.draft_token_ids.items() if r in kept},
             new_requests=self.new_requests, finished_seq_ids=self.finished_seq_ids)

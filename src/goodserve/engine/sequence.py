@@ -41,6 +41,7 @@ class Sequence:
     pooled: object | None = None  # pooling: the sum (a tensor) of the hidden states pooled so far
     embedding: list[float] | None = None  # pooling: the result, once the prompt is computed
     metrics: RequestMetrics | None = None
+    spec_acceptance: float = 1.0  # moving average of its drafts' acceptance rate (spec_decode/policy.py)
 
     def __post_init__(self) -> None:
         if self.metrics is None:

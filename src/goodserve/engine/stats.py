@@ -28,6 +28,12 @@ class EngineStats:
     sample_seconds_total: float
     detokenize_seconds_total: float
     output_seconds_total: float  # building RequestOutputs for callers
+    spec_decode_num_draft_tokens: int = 0  # drafts verified (engine/spec_decode/)
+    spec_decode_num_accepted_tokens: int = 0  # of those, kept
+
+    @property
+    def spec_decode_acceptance_rate(self) -> float:
+        return self.spec_decode_num_accepted_tokens / max(self.spec_decode_num_draft_tokens, 1)
 
 
 @dataclass
@@ -58,4 +64,6 @@ def engine_stats(scheduler: Scheduler, kv: KVCacheManager, steps: StepLog) -> En
         prepare_seconds_total=steps.prepare, forward_seconds_total=steps.forward,
         sample_seconds_total=steps.sample, detokenize_seconds_total=steps.detokenize,
         output_seconds_total=steps.output,
+        spec_decode_num_draft_tokens=scheduler.speculator.num_draft_tokens if scheduler.speculator else 0,
+        spec_decode_num_accepted_tokens=scheduler.speculator.num_accepted_tokens if scheduler.speculator else 0,
     )

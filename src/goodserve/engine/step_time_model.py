@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from goodserve.engine.scheduler_output import SchedulerOutput
+
 MIN_STEPS = 8  # fewer steps than this: no prediction
 # The fit needs steps of different shapes; a run of identical ones says nothing about b or c.
 _MIN_DISTINCT_SHAPES = 3
@@ -65,6 +67,13 @@ class StepTimeModel:
         self._since_fit += 1
         if self._since_fit >= self.refit_every or self.fit is None:
             self.refit()
+
+    def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
+        """A step's time (from its launch, or, pipelined, from the step before it reaching the host:
+        the interval at which its decodes got their tokens); a decode row is one token, or one and
+        its drafts to verify."""
+        prompt_rows = [n for row, n in enumerate(out.num_new_tokens) if n > 1 and row not in out.draft_token_ids]
+        self.observe(len(out) - len(prompt_rows), sum(prompt_rows), seconds)
 
     def refit(self) -> None:
         self._since_fit = 0

@@ -114,6 +114,12 @@ class EngineStatsCollector:
         yield self._counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits)
         yield self._counter("num_preemptions", "Requests preempted to free KV cache.", s.num_preemptions)
         yield self._counter("engine_steps", "Engine steps run.", s.num_steps)
+        yield self._counter("spec_decode_num_draft_tokens", "Speculative tokens proposed and verified.",
+                            s.spec_decode_num_draft_tokens)
+        yield self._counter("spec_decode_num_accepted_tokens", "Speculative tokens the target model kept.",
+                            s.spec_decode_num_accepted_tokens)
+        yield self._gauge("spec_decode_acceptance_rate", "Accepted over proposed speculative tokens, so far (0..1).",
+                          s.spec_decode_acceptance_rate)
         fill = GaugeMetricFamily(
             PREFIX + "batch_fill_ratio",
             "Last step's batch over its limit: tokens / max_num_batched_tokens, seqs / max_num_seqs.",

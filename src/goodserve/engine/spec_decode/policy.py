@@ -1,0 +1,44 @@
+"""When to speculate, and how it went. Verifying k drafts costs about one decode step while the
+batch is small (a decode step reads every weight once for however few tokens); in a large batch the
+step is compute-bound and rejected drafts cost real work. So: no drafts while more than
+spec_max_batch sequences run; per sequence, an exponential moving average of its acceptance rate
+(kept / proposed), and no drafts while it is under spec_min_acceptance, except a probe every
+PROBE_EVERY tokens so a sequence that starts copying later is noticed. Drafts never exceed what the
+sequence may still write (max_tokens, the context window) or the step's token budget.
+
+Not speculated: sequences with a grammar (its mask for position j would need the matcher advanced
+through the drafts before j) and prefill-only ones. Everything else is exact under speculation
+(engine/spec_decode/acceptance.py)."""
+
+from __future__ import annotations
+
+from goodserve.config import EngineConfig
+from goodserve.engine.sequence import Sequence
+from goodserve.engine.spec_decode.ngram import propose_ngram
+
+EMA_WEIGHT = 0.3  # of the newest step's acceptance rate
+PROBE_EVERY = 8
+
+
+class Speculator:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.num_draft_tokens = 0  # proposed and verified
+        self.num_accepted_tokens = 0  # of those, kept
+
+    def propose(self, seq: Sequence, num_running: int, room: int) -> list[int]:
+        """Drafts for seq's next step (it decodes one token), at most `room`."""
+        c = self.config
+        if num_running > c.spec_max_batch or seq.grammar is not None or seq.params.prefill_only:
+            return []
+        if seq.spec_acceptance < c.spec_min_acceptance and seq.num_output_tokens % PROBE_EVERY:
+            return []
+        # The step writes 1 + k tokens: all of them must be allowed.
+        left = min((seq.params.max_tokens or seq.max_len) - seq.num_output_tokens, seq.max_len - seq.num_tokens)
+        k = min(c.num_speculative_tokens, room, left - 1)
+        return propose_ngram(seq.token_ids, c.ngram_min, c.ngram_max, k) if k > 0 else []
+
+    def observe(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        seq.spec_acceptance += EMA_WEIGHT * (num_accepted / num_drafts - seq.spec_acceptance)

@@ -1,0 +1,156 @@
+"""Speculative decoding (engine/spec_decode/): the n-gram proposer, the exact verifier, rollback.
+
+Greedy outputs with speculation are token-for-token those without it (embedded_llm, speculation off,
+is the reference), alone, in mixed batches, with chunked prefill and prefix-cache hits; the
+acceptance rule keeps the target distribution (chi-square over seeded draws); no block leaks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from goodserve import LLM, SamplingParams
+from goodserve.engine.spec_decode.acceptance import kept_tokens
+from goodserve.engine.spec_decode.ngram import propose_ngram
+from goodserve.ops.kernel_choice import KernelChoice
+from goodserve.ops.sampler import SamplingBatch, sample
+
+PASSAGE = ("The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single "
+           "step. To be or not to be, that is the question.")
+COPY = f"Repeat the following passage exactly, word for word:\n\n{PASSAGE}\n\n{PASSAGE[:40]}"
+OTHERS = ["Once upon a time", "def fibonacci(n):\n", "The capital of France is"]
+GREEDY = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+
+
+def _spec_llm(**options) -> LLM:
+    return LLM("smollm2-135m", quantization="none", cpu_kv_cache_bytes=64 << 20, speculative_method="ngram",
+               num_speculative_tokens=4, **options)
+
+
+@pytest.fixture(scope="module")
+def spec_llm():
+    return _spec_llm()
+
+
+def _tokens(outputs) -> list[list[int]]:
+    return [out.outputs[0].token_ids for out in outputs]
+
+
+# ---- the proposer and the acceptance rule --------------------------------------------------------
+def test_ngram_proposes_what_followed_the_longest_latest_match():
+    assert propose_ngram([1, 2, 3, 4, 5, 9, 2, 3], 1, 3, 2) == [4, 5]
+    assert propose_ngram([7, 3, 8, 1, 3, 9, 3], 1, 3, 5) == [9, 3]  # the latest occurrence of [3]
+    assert propose_ngram([1, 2, 3, 1, 2], 2, 2, 4) == [3, 1, 2]
+    assert propose_ngram([5, 6, 7], 1, 2, 3) == []  # no earlier occurrence
+    assert propose_ngram([1, 2, 1], 2, 3, 3) == []  # shorter than ngram_min matches only
+
+
+def test_kept_tokens_are_the_confirmed_drafts_then_the_targets_token():
+    sampled = [10, 11, 99, 13, 7, 20, 21, 22, 5]  # 4 positions, 1, 4
+    assert kept_tokens(sampled, [[10, 11, 12], [], [20, 21, 22]]) == [[10, 11, 99], [7], [20, 21, 22, 5]]
+
+
+def test_rejection_keeps_the_target_distribution():
+    """Point-mass drafts d0, d1 verified over 3 positions of a 6-token vocabulary: the first kept token
+    follows p0, the second (after d0 was kept) follows p1, d0 is kept with probability p0(d0)."""
+    torch.manual_seed(0)
+    vocab, draws, drafts = 6, 40_000, [2, 4]
+    logits = torch.tensor([[1.0, 0.2, 0.5, -1.0, 0.0, 0.7], [0.3, -0.5, 1.2, 0.0, 0.9, -2.0], [0.0] * vocab])
+    rows = 3 * draws
+    batch = SamplingBatch(temperature=torch.ones(rows), top_k=torch.full((rows,), vocab), top_p=torch.ones(rows),
+                          min_p=torch.zeros(rows), generators=[None] * rows, needs_top_k_p=False)
+    sampled = sample(logits.repeat(draws, 1), batch, KernelChoice()).token_ids.tolist()
+    kept = kept_tokens(sampled, [drafts] * draws)
+    p0, p1, _ = logits.softmax(-1)
+    first = torch.bincount(torch.tensor([row[0] for row in kept]), minlength=vocab).double()
+    second = torch.bincount(torch.tensor([row[1] for row in kept if row[0] == drafts[0]]), minlength=vocab).double()
+    chi_square_5_dof_p001 = 20.52
+    for counts, p in ((first, p0), (second, p1)):
+        expected = counts.sum() * p.double()
+        assert ((counts - expected) ** 2 / expected).sum() < chi_square_5_dof_p001
+    assert abs(first[drafts[0]] / draws - p0[drafts[0]]) < 0.01
+
+
+# ---- exactness in the engine ---------------------------------------------------------------------
+def test_greedy_alone_is_identical_and_drafts_are_accepted(embedded_llm, spec_llm):
+    before = spec_llm.engine.stats()
+    assert _tokens(spec_llm.generate([COPY], GREEDY)) == _tokens(embedded_llm.generate([COPY], GREEDY))
+    stats = spec_llm.engine.stats()
+    drafted = stats.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
+    accepted = stats.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
+    assert drafted > 0 and 0 < accepted <= drafted
+    assert spec_llm.engine.kv.num_used_blocks == 0
+
+
+def test_greedy_mixed_batch_is_identical(embedded_llm, spec_llm):
+    prompts = [COPY, *OTHERS, COPY + " jumps"]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (40, 25, 33, 12, 30)]
+    assert _tokens(spec_llm.generate(prompts, params)) == _tokens(embedded_llm.generate(prompts, params))
+
+
+def test_greedy_with_chunked_prefill_and_prefix_hits_is_identical(embedded_llm):
+    """A small token budget chunks the prompts and cuts drafts short; the second round hits the
+    prefix cache (including blocks that hold kept drafts)."""
+    llm = _spec_llm(max_num_batched_tokens=24)
+    prompts = [COPY, OTHERS[0], COPY]
+    expected = _tokens(embedded_llm.generate(prompts, GREEDY))
+    assert _tokens(llm.generate(prompts, GREEDY)) == expected
+    hits = llm.engine.stats().prefix_cache_hits
+    assert _tokens(llm.generate(prompts, GREEDY)) == expected
+    assert llm.engine.stats().prefix_cache_hits > hits
+    assert llm.engine.kv.num_used_blocks == 0
+
+
+def test_sampling_features_keep_working(embedded_llm, spec_llm):
+    """Seeds (the same tokens as without speculation), penalties, min_tokens, stop strings, stop
+    tokens, max_tokens and logprobs per kept token."""
+    cases = [
+        SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=60, ignore_eos=True),
+        SamplingParams(temperature=0, repetition_penalty=1.3, frequency_penalty=0.2, max_tokens=30),
+        SamplingParams(temperature=0, min_tokens=20, max_tokens=30),
+        SamplingParams(temperature=0, stop=["thousand"], max_tokens=60),
+        SamplingParams(temperature=0, max_tokens=7, ignore_eos=True),
+        SamplingParams(temperature=0, logprobs=2, max_tokens=30, ignore_eos=True),
+    ]
+    ours, ref = spec_llm.generate([COPY] * len(cases), cases), embedded_llm.generate([COPY] * len(cases), cases)
+    for mine, theirs in zip(ours, ref):
+        a, b = mine.outputs[0], theirs.outputs[0]
+        assert (a.token_ids, a.text, a.finish_reason, a.stop_reason) == (b.token_ids, b.text, b.finish_reason,
+                                                                       b.stop_reason)
+    mine, theirs = ours[-1].outputs[0], ref[-1].outputs[0]
+    assert len(mine.logprobs) == len(mine.token_ids)
+    for entry, other, token in zip(mine.logprobs, theirs.logprobs, mine.token_ids):
+        assert entry.keys() == other.keys() and entry[token].logprob == pytest.approx(other[token].logprob, abs=1e-4)
+    assert spec_llm.engine.stats().spec_decode_num_accepted_tokens > 0
+
+
+def test_abort_mid_speculation_leaks_no_blocks(spec_llm):
+    engine = spec_llm.engine
+    drafted = engine.stats().spec_decode_num_draft_tokens
+    for i, prompt in enumerate([COPY, COPY + " jumps", OTHERS[1]]):
+        engine.add_request(f"abort-{i}", prompt, GREEDY)
+    for _ in range(20):
+        engine.step()
+        if engine.stats().spec_decode_num_draft_tokens > drafted and engine.stats().num_running == 3:
+            break
+    assert engine.stats().spec_decode_num_draft_tokens > drafted and engine.kv.num_used_blocks > 0
+    for i in range(3):
+        engine.abort_request(f"abort-{i}")
+    assert not engine.has_unfinished() and engine.kv.num_used_blocks == 0
+
+
+def test_no_drafts_above_the_batch_bound():
+    llm = _spec_llm(spec_max_batch=2)
+    llm.generate([COPY] * 3, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    assert llm.engine.stats().spec_decode_num_draft_tokens == 0
+
+
+def test_metrics_serve_the_counters(spec_llm):
+    from goodserve.server.metrics import EngineStatsCollector
+
+    spec_llm.generate([COPY], GREEDY)
+    samples = {s.name: s.value for family in EngineStatsCollector(spec_llm.engine, "m").collect()
+               for s in family.samples}
+    drafts = samples["goodserve:spec_decode_num_draft_tokens_total"]
+    accepted = samples["goodserve:spec_decode_num_accepted_tokens_total"]
+    assert 0 < accepted <= drafts and samples["goodserve:spec_decode_acceptance_rate"] == accepted / drafts
