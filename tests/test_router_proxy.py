@@ -100,6 +100,28 @@ def test_relays_the_stream_whole_and_counts_it_per_replica():
     run(scenario())
 
 
+def test_each_chunk_is_relayed_as_it_arrives():
+    """The router hands on the replica's first SSE event while the replica still holds back the rest."""
+    async def scenario():
+        release = asyncio.Event()
+
+        async def slow_stream():
+            yield b"data: first\n\n"
+            await release.wait()
+            yield b"data: [DONE]\n\n"
+
+        transport = httpx.MockTransport(lambda request: httpx.Response(200, content=slow_stream()))
+        app = build_app(RouterConfig(backends=(A,)), transport=transport)
+        body = json.dumps({"prompt": "p", "stream": True}).encode()
+        response = await asyncio.wait_for(app.state.router.forward("POST", "/v1/completions", body, {}), 5)
+        chunks = response.body_iterator
+        assert await asyncio.wait_for(anext(chunks), 5) == b"data: first\n\n"
+        release.set()
+        assert [chunk async for chunk in chunks] == [b"data: [DONE]\n\n"]
+        assert app.state.router.backends[0].in_flight == 0
+    run(scenario())
+
+
 def test_a_request_that_never_started_goes_to_the_other_replica_and_the_dead_one_is_taken_out():
     async def scenario():
         fakes = FakeReplicas()
