@@ -122,6 +122,27 @@ def test_each_chunk_is_relayed_as_it_arrives():
     run(scenario())
 
 
+def test_a_client_gone_before_the_body_began_releases_the_replica():
+    async def scenario():
+        fakes = FakeReplicas()
+        app = build_app(RouterConfig(backends=(A,)), transport=httpx.MockTransport(fakes))
+        body = json.dumps({"prompt": "p", "stream": True}).encode()
+        response = await app.state.router.forward("POST", "/v1/completions", body, {})
+        assert app.state.router.backends[0].in_flight == 1
+
+        async def receive():
+            await asyncio.sleep(60)
+
+        async def send(message):
+            raise OSError("the client closed the connection")
+
+        scope = {"type": "http", "asgi": {"spec_version": "2.4"}, "method": "POST", "path": "/v1/completions"}
+        with pytest.raises(Exception):
+            await response(scope, receive, send)
+        assert app.state.router.backends[0].in_flight == 0
+    run(scenario())
+
+
 def test_a_request_that_never_started_goes_to_the_other_replica_and_the_dead_one_is_taken_out():
     async def scenario():
         fakes = FakeReplicas()

@@ -106,16 +106,46 @@ class Router:
         backend.finished(prompt_chars)
         self.metrics.requests.labels(backend.url, outcome).inc()
 
-    def _relay(self, backend: Backend, response: httpx.Response, prompt_chars: int) -> StreamingResponse:
-        async def body():
-            outcome = "ok" if response.status_code < 400 else "http_error"
-            try:
-                async for chunk in response.aiter_raw():
-                    yield chunk
-            except httpx.HTTPError:
-                outcome = "stream_error"
-                raise  # the client must see a broken stream, not a short one that looks complete
-            finally:
-                await self._done(backend, response, prompt_chars, outcome)
+    def _relay(self, backend: Backend, response: httpx.Response, prompt_chars: int) -> "RelayResponse":
+        relay = Relay(response, lambda outcome: self._done(backend, response, prompt_chars, outcome))
+        return RelayResponse(relay, status_code=response.status_code, headers=_end_to_end(response.headers))
 
-        return StreamingResponse(body(), status_code=response.status_code, headers=_end_to_end(response.headers))
+
+class Relay:
+    """A replica's response body handed on chunk by chunk, closed once whichever way it ends."""
+
+    def __init__(self, response: httpx.Response, on_close):
+        self.response = response
+        self.outcome = "ok" if response.status_code < 400 else "http_error"
+        self.on_close = on_close
+        self.closed = False
+
+    async def chunks(self):
+        try:
+            async for chunk in self.response.aiter_raw():
+                yield chunk
+        except httpx.HTTPError:
+            self.outcome = "stream_error"
+            raise  # the client must see a broken stream, not a short one that looks complete
+        finally:
+            await self.close()
+
+    async def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            await self.on_close(self.outcome)
+
+
+class RelayResponse(StreamingResponse):
+    """Closes the relay even when the client left before its body began (the generator never ran, so
+    its own `finally` never would): the replica's connection and the in-flight count are released."""
+
+    def __init__(self, relay: Relay, **kwargs):
+        super().__init__(relay.chunks(), **kwargs)
+        self.relay = relay
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.relay.close()
