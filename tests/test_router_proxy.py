@@ -23,10 +23,12 @@ async def _streamed(body: bytes):
 
 class FakeReplicas:
     """Each replica answers /health, /metrics and the OpenAI routes; `down` ones refuse connections,
-    `broken` ones stream two chunks and then drop the connection."""
+    `reset` ones drop a request's connection before answering, `broken` ones stream a chunk and then
+    drop it."""
 
     def __init__(self):
         self.down: set[str] = set()
+        self.reset: set[str] = set()
         self.broken: set[str] = set()
         self.unhealthy: set[str] = set()
         self.draining: set[str] = set()
@@ -37,6 +39,8 @@ class FakeReplicas:
         if url in self.down:
             raise httpx.ConnectError("connection refused", request=request)
         path = request.url.path
+        if url in self.reset and path.startswith("/v1/"):
+            raise httpx.RemoteProtocolError("server disconnected without sending a response", request=request)
         if path == "/health":
             return httpx.Response(503 if url in self.unhealthy else 200, json={})
         if path == "/metrics":
@@ -156,6 +160,17 @@ def test_a_request_that_never_started_goes_to_the_other_replica_and_the_dead_one
         assert found[f"goodserve:router_requests_total{{backend={A},outcome=connect_error}}"] == 1
         assert found[f"goodserve:router_backend_healthy{{backend={A}}}"] == 0
         assert (await client.get("/health")).status_code == 200
+    run(scenario())
+
+
+def test_a_reset_before_the_response_is_retried_without_taking_the_replica_out():
+    async def scenario():
+        fakes = FakeReplicas()
+        fakes.reset.add(A)
+        client, app = router_client(fakes)
+        assert (await complete(client, "p")).status_code == 200
+        assert fakes.served == {A: [], B: ["p"]}
+        assert app.state.router.backends[0].healthy  # the health check judges it
     run(scenario())
 
 

@@ -21,9 +21,12 @@ from goodserve.router.prompt_text import prompt_text
 
 logger = logging.getLogger("goodserve.router")
 
-# Raised by send() before any byte of a response: the replica never ran the request.
+# Raised by send() before any byte of a response: the replica never answered the request.
 NEVER_STARTED = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError,
                  httpx.WriteError)
+# Of those, the ones that say the replica is gone (no connection at all); a reset of one kept-alive
+# connection may be a race with its idle expiry, left for the health check to judge.
+UNREACHABLE = (httpx.ConnectError, httpx.ConnectTimeout)
 # Per connection, not end to end: a proxy relays these itself.
 HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "proxy-authorization",
               "proxy-authenticate", "host", "content-length", "date", "server"}
@@ -95,7 +98,8 @@ class Router:
         except NEVER_STARTED as exc:
             backend.finished(prompt_chars)
             self.metrics.requests.labels(backend.url, "connect_error").inc()
-            self.set_health(backend, False, f"{type(exc).__name__}: {exc}")
+            if isinstance(exc, UNREACHABLE):
+                self.set_health(backend, False, f"{type(exc).__name__}: {exc}")
             return None
         except BaseException:
             backend.finished(prompt_chars)
