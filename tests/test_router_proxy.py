@@ -65,7 +65,8 @@ class FakeReplicas:
 
 
 def router_client(fakes: FakeReplicas, policy: str = "round-robin") -> tuple[httpx.AsyncClient, object]:
-    app = build_app(RouterConfig(backends=(A, B), policy=policy), transport=httpx.MockTransport(fakes))
+    config = RouterConfig(backends=(A, B), policy=policy, scrape_load=True)
+    app = build_app(config, transport=httpx.MockTransport(fakes))
     client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router")
     return client, app
 

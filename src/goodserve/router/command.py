@@ -28,9 +28,10 @@ def register(subparsers) -> None:
                         help="seconds between health checks (GET /health) of each replica")
     parser.add_argument("--health-timeout-s", type=float, default=defaults.health_timeout_s,
                         help="a replica that does not answer its health check in this long is taken out")
-    parser.add_argument("--no-scrape-load", dest="scrape_load", action="store_false",
-                        help="count load by the router's own requests only, not also the replicas' "
-                             "goodserve:num_requests_running + _waiting")
+    parser.add_argument("--scrape-load", action="store_true",
+                        help="also read each replica's goodserve:num_requests_running + _waiting from its /metrics "
+                             "at each health check (when other routers or clients send it work too); without it the "
+                             "router counts its own requests, which is exact and never stale when it is the only one")
     parser.add_argument("--connect-timeout-s", type=float, default=defaults.connect_timeout_s,
                         help="a replica not accepting the connection this fast is skipped (the request retried)")
     parser.add_argument("--prefix-chunk-chars", type=int, default=defaults.prefix_chunk_chars,

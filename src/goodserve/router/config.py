@@ -13,7 +13,7 @@ class RouterConfig:
     port: int = 8000
     health_interval_s: float = 2.0
     health_timeout_s: float = 2.0
-    scrape_load: bool = True
+    scrape_load: bool = False
     connect_timeout_s: float = 5.0
     prefix_chunk_chars: int = 64
     prefix_tree_max_nodes: int = 100_000
