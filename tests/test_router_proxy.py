@@ -7,11 +7,11 @@ import json
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from goodserve.router.app import build_app
 from goodserve.router.config import RouterConfig
 from goodserve.router.health import queued_requests
-from prometheus_client.parser import text_string_to_metric_families
 
 A, B = "http://a:8000", "http://b:8000"
 
@@ -96,6 +96,7 @@ def test_relays_the_stream_whole_and_counts_it_per_replica():
         first, second = await complete(client, "one"), await complete(client, "two")
         assert first.headers["content-type"].startswith("text/event-stream")
         assert first.text.count("data: ") == 4 and first.text.endswith("data: [DONE]\n\n")
+        assert f'"replica": "{B}"' in second.text
         assert fakes.served == {A: ["one"], B: ["two"]}  # round-robin
         assert (await client.get("/v1/models")).json()["data"][0]["id"] == "m"
         found = metrics((await client.get("/metrics")).text)
