@@ -16,8 +16,9 @@ with fresh replicas:
 
     python benchmarks/gpu_router.py --tokenizer DIR [--replicas 2] [--phases capacity,prefix]
 
-Writes $OUT/gpu_router.json (and each bench run's result file beside it). A phase takes a few
-minutes; run them in separate calls when one call's time is short.
+Writes $OUT/gpu_router.json (and each bench run's result file beside it), with the router's CPU use
+over the routed capacity search (one core is its ceiling). A phase takes a few minutes; run them in
+separate calls when one call's time is short.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from goodserve.server.process import ServerProcess, free_port, launch_server, scrape_metrics
@@ -65,6 +67,13 @@ def router(urls: list[str], policy: str):
         front.stop()
 
 
+def cpu_seconds(pid: int) -> float:
+    """A process's user + system CPU time: the router is one Python process, and a core it keeps busy
+    the whole run caps what R replicas can deliver through it."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def bench(url: str, args, extra: list[str], filename: str) -> dict:
     command = [sys.executable, "-m", "goodserve.cli", "bench", "--base-url", url, "--model", args.model,
                "--tokenizer", args.tokenizer, "--save-result", "--result-dir", OUT, "--result-filename", filename,
@@ -80,11 +89,14 @@ def capacity_phase(args) -> dict:
     with replicas(args, args.replicas, []) as servers:
         one = bench(servers[0].url, args, workload, "router_capacity_1.json").get("capacity", {})
         with router([s.url for s in servers], args.capacity_policy) as front:
+            started, cpu_before = time.monotonic(), cpu_seconds(front.process.pid)
             many = bench(front.url, args, workload, f"router_capacity_{args.replicas}.json").get("capacity", {})
+            router_busy = (cpu_seconds(front.process.pid) - cpu_before) / (time.monotonic() - started)
             routed = scrape_metrics(front.url)
     ratio = many.get("rate", 0) / one["rate"] if one.get("rate") else None
     return {"replicas": args.replicas, "policy": args.capacity_policy, "one_replica": one, "routed": many,
-            "ratio": ratio, "router_metrics": {k: v for k, v in routed.items() if k.startswith("goodserve:router")}}
+            "ratio": ratio, "router_cpu_fraction_of_a_core": router_busy,
+            "router_metrics": {k: v for k, v in routed.items() if k.startswith("goodserve:router")}}
 
 
 def cache_counters(servers: list[ServerProcess]) -> tuple[float, float]:
