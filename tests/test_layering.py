@@ -1,9 +1,9 @@
-"""The package layering (issue 14), read from the source with `ast`, and the load generator's promise
-of never importing torch, checked in a fresh interpreter.
+"""The package layering (issue 14), read from the source with `ast`, and the promise of the load
+generator and the router never to import torch, checked in a fresh interpreter.
 
 Layers, bottom up: native (C++ kernels behind ctypes) <- ops <- quant <- model <- engine <- llm /
 server / commands; the root modules (config, errors, model_names, ...) hold the shared vocabulary.
-bench and diagnose talk to a server over HTTP and read results; a cycle between any two of these
+bench, diagnose and router talk to servers over HTTP; a cycle between any two of these
 would make one unimportable without the other."""
 
 from __future__ import annotations
@@ -100,6 +100,17 @@ def test_quant_is_layers_and_kernels_not_commands():
     assert not _imports_of("quant", lambda unit: unit not in ("engine", "llm", "server", "commands", "bench", "cli"))
 
 
+def _torch_free(script: str) -> None:
+    """script runs in a fresh interpreter and ends with torch still unimported."""
+    script += """
+loaded = sorted(name for name in sys.modules if name == "torch" or name.startswith("torch."))
+assert not loaded, loaded[:5]
+"""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SOURCE.parent), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 0, result.stderr
+
+
 def test_bench_never_imports_torch():
     """`goodserve bench` is an HTTP load generator: its CLI path and the embedded model's tokenizer
     (read from the GGUF file for prompt lengths and token counts) load without torch."""
@@ -111,9 +122,18 @@ from goodserve.cli import build_parser
 args = build_parser().parse_args(["bench", "--model", "smollm2-135m", "--num-prompts", "2"])
 assert args.func is not None
 assert load_bench_tokenizer(args.model).encode("Hello there") and load_bench_tokenizer("dummy:llama-3.1-8b")
-loaded = sorted(name for name in sys.modules if name == "torch" or name.startswith("torch."))
-assert not loaded, loaded[:5]
 """
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SOURCE.parent), os.environ.get("PYTHONPATH", "")])}
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
-    assert result.returncode == 0, result.stderr
+    _torch_free(script)
+
+
+def test_router_never_imports_torch():
+    """`goodserve router` relays HTTP: a router host needs no torch (nor a GPU)."""
+    _torch_free("""
+import sys
+from goodserve.cli import build_parser
+from goodserve.router.app import build_app
+from goodserve.router.command import config_from_args
+
+args = build_parser().parse_args(["router", "--backend", "http://a:8000", "--backend", "http://b:8000"])
+assert build_app(config_from_args(args)).state.router.backends[1].url == "http://b:8000"
+""")

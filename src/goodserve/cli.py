@@ -12,6 +12,7 @@ from goodserve.errors import GoodserveError
 SUBCOMMAND_MODULES = [
     "goodserve.commands.generate",
     "goodserve.server.command",
+    "goodserve.router.command",
     "goodserve.bench.command",
     "goodserve.diagnose.command",
     "goodserve.diagnose.calc_command",

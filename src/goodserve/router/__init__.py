@@ -1,0 +1,1 @@
+"""`goodserve router`: one OpenAI-compatible front over R `goodserve serve` replicas (load-, prefix-aware)."""

@@ -1,0 +1,29 @@
+"""The text a request's prompt starts with, for prefix routing: no tokenizer, the router serves any model."""
+
+from __future__ import annotations
+
+import json
+
+
+def _as_text(value) -> str:
+    return value if isinstance(value, str) else json.dumps(value, sort_keys=True, ensure_ascii=False)
+
+
+def prompt_text(body: bytes) -> str:
+    """messages (chat), prompt (completions) or input (embeddings, responses) as one string; requests
+    that share a system prompt or a document share its prefix. A body that is not a JSON object: ""
+    (the replica answers its 400)."""
+    try:
+        request = json.loads(body)
+    except ValueError:
+        return ""
+    if not isinstance(request, dict):
+        return ""
+    messages = request.get("messages")
+    if isinstance(messages, list):
+        return "".join(f"{m.get('role')}: {_as_text(m.get('content'))}\n" if isinstance(m, dict) else _as_text(m)
+                       for m in messages)
+    for field in ("prompt", "input"):
+        if field in request:
+            return _as_text(request.get("instructions") or "") + _as_text(request[field])
+    return ""
