@@ -43,6 +43,13 @@ class _Clock:
         return self.now
 
 
+def workload_config(args) -> WorkloadConfig:
+    if args.workload == "long-prompt":  # DistServe's summarisation-like shape: ~2k in, ~200 out
+        return WorkloadConfig(dataset_name="random", num_prompts=args.num_prompts, seed=args.seed,
+                              random_input_len=2000, random_output_len=200)
+    return WorkloadConfig(dataset_name="sharegpt", num_prompts=args.num_prompts, seed=args.seed)
+
+
 def simulate(policy: str, rate: float, args, fit: StepTimeFit) -> dict:
     clock = _Clock()
     config = EngineConfig(scheduler_policy=policy, max_num_seqs=args.max_num_seqs,
@@ -51,8 +58,7 @@ def simulate(policy: str, rate: float, args, fit: StepTimeFit) -> dict:
     if sched.slo is not None:
         sched.slo.clock = clock
     admission = Admission(max_waiting=1 << 62) if policy == "slo" else None
-    requests = build_workload(WorkloadConfig(dataset_name="sharegpt", num_prompts=args.num_prompts, seed=args.seed),
-                              PromptText(None, args.seed))
+    requests = build_workload(workload_config(args), PromptText(None, args.seed))
     offsets = send_offsets(ArrivalConfig(rate, args.burstiness), len(requests), args.seed)
     ttft_s, tpot_s = args.ttft_ms / 1000, args.tpot_ms / 1000
     next_arrival, met, refused, token = 0, 0, 0, 1
@@ -111,6 +117,7 @@ def capacity(runs: list[dict], target: float = 90.0) -> float:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rates", default="8,12,16,20,24,28,32,40")
+    p.add_argument("--workload", choices=("sharegpt", "long-prompt"), default="sharegpt")
     p.add_argument("--burstiness", type=float, default=0.25)
     p.add_argument("--num-prompts", type=int, default=1000)
     p.add_argument("--seed", type=int, default=0)
