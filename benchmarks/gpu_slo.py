@@ -22,10 +22,23 @@ rate where the ladder's attainment crosses 90% (interpolated between rungs: Dist
 probe's drain tail, its longest answer decoding alone, pulls below the offered rate). The issue's
 target: slo's crossing rate >= 1.3x continuous's (`meets_1_3x`).
 
-    python benchmarks/gpu_slo.py                # H100: ~6-7 minutes (two engine loads + 300 s of probes)
-    python benchmarks/gpu_slo.py --smoke        # dummy:tiny on the CPU, a quick check of the script
+The batch phase (--phases batch; the issue's second target) measures, under the slo policy at one
+online rate (--batch-rate, else the highest rung the slo ladder passed in this run, else
+BATCH_RATE_FRACTION x the saturated throughput), the online attainment of a probe alone and of the
+same probe (the same requests and arrivals) beside a batch job of --batch-lines ShareGPT-like lines
+sent the way the server's batch runner sends them (bench/batch_job.py: server/batch_lines.run_lines,
+BATCH_PRIORITY, --batch-concurrency lines in the engine at once). It reports both attainments, the
+drop in points (target <= 2, `within_2_points`), and the lines the job completed and their output
+tokens/s during the probe; the job need not finish, and is stopped when the probe ends.
 
-Writes $OUT/gpu_slo.json (benchmarks/result_file.py).
+--arrivals poisson|gamma and --workload sharegpt|long-prompt (~2k-token prompts, ~200-token
+answers) give the other DistServe curves; the defaults are the issue's (gamma, ShareGPT-like).
+
+    python benchmarks/gpu_slo.py                  # H100: ~6-7 minutes (two engine loads + 300 s of probes)
+    python benchmarks/gpu_slo.py --phases batch   # H100: ~3-4 minutes (one engine load, saturation, 2 probes)
+    python benchmarks/gpu_slo.py --smoke --phases capacity,batch   # dummy:tiny on the CPU, a quick check
+
+Writes $OUT/gpu_slo.json, or with other --phases $OUT/gpu_slo_<phases>.json (benchmarks/result_file.py).
 """
 
 from __future__ import annotations
@@ -56,11 +69,22 @@ TARGET_ATTAINMENT = 0.9
 SLO_SCALES = [0.5, 0.75, 1.0, 1.5, 2.0]
 STOP_BELOW = 80.0  # percent: the ladder is past this policy's capacity
 AUTO_LADDER = (0.6, 0.75, 0.9, 1.05, 1.2)  # x the saturated throughput
+PHASES = ("capacity", "batch")
+BATCH_RATE_FRACTION = AUTO_LADDER[0]  # the batch phase's online rate, x the saturated throughput, by default
+BATCH_RAMP_S = 5.0  # the batch job runs this long before the probe beside it starts: its lines fill their slots
+BATCH_SEED = 1_000_003  # its lines' lengths and prompt ids, apart from any probe's
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true", help="dummy:tiny on the CPU, two short probes")
+    p.add_argument("--phases", default="capacity",
+                   help="comma-separated: capacity (both policies' ladders), batch (slo, a probe with and "
+                        "without a batch job)")
+    p.add_argument("--arrivals", choices=("gamma", "poisson"), default="gamma",
+                   help="gamma with --burstiness, or Poisson (burstiness 1)")
+    p.add_argument("--workload", choices=("sharegpt", "long-prompt"), default="sharegpt",
+                   help="ShareGPT-like lengths, or ~2,000-token prompts with ~200-token answers")
     p.add_argument("--model", default="dummy:llama-3.1-8b")
     p.add_argument("--device", default="cuda")
     p.add_argument("--rates", default="auto", help="the ladder, req/s, or auto (x the saturated throughput)")
@@ -70,30 +94,51 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--min-prompts", type=int, default=100)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--budget-s", type=float, default=300.0,
-                   help="both policies' probes, wall seconds (each engine's load and warm-up come on top)")
+                   help="both policies' capacity probes, wall seconds (each engine's load and warm-up, and "
+                        "the batch phase, come on top)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-total-len", type=int, default=2048, help="prompt + output tokens at most")
+    p.add_argument("--max-total-len", type=int, help="prompt + output tokens at most (prompts at most half; "
+                   "default 2048, 4096 for long-prompt)")
+    p.add_argument("--batch-rate", type=float, help="the batch phase's online rate, req/s (default: see above)")
+    p.add_argument("--batch-lines", type=int, default=10_000)
+    p.add_argument("--batch-concurrency", type=int, default=64,
+                   help="batch lines in the engine at once (the server's --batch-max-concurrency default)")
     p.add_argument("--warmup-requests", type=int, default=48,
                    help="sent all at once first: CUDA graphs, caches, steps of many shapes for the step-time fit")
     p.add_argument("--policy", choices=POLICIES, help="(internal) measure one policy, write --json-out")
     p.add_argument("--json-out")
     args = p.parse_args(argv)
+    args.phases = args.phases.split(",") if isinstance(args.phases, str) else args.phases
+    if not args.phases or set(args.phases) - set(PHASES):
+        p.error(f"--phases takes {', '.join(PHASES)}, comma-separated")
+    if args.max_total_len is None:
+        args.max_total_len = 4096 if args.workload == "long-prompt" else 2048
     if args.smoke:
         args.model, args.device, args.saturation_prompts = "dummy:tiny", "cpu", 40
         args.probe_seconds, args.min_prompts, args.max_num_seqs, args.budget_s = 1.0, 20, 64, 120.0
         args.max_total_len, args.warmup_requests = 1024, 16  # dummy:tiny's context
+        args.batch_lines = min(args.batch_lines, 300)
     return args
 
 
-def workload(rate: float, args, n: int | None = None) -> list:
+def workload(rate: float, args, n: int | None = None, seed: int | None = None) -> list:
     n = n or max(args.min_prompts, round(rate * args.probe_seconds))
     # The same requests for both policies at a rate; every rate its own.
-    config = WorkloadConfig(dataset_name="sharegpt", num_prompts=n, seed=args.seed + int(rate * 1000))
+    seed = args.seed + int(rate * 1000) if seed is None else seed
+    if args.workload == "long-prompt":
+        config = WorkloadConfig(dataset_name="random", num_prompts=n, seed=seed, random_input_len=2000,
+                                random_output_len=200, random_range_ratio=0.2)
+    else:
+        config = WorkloadConfig(dataset_name="sharegpt", num_prompts=n, seed=seed)
     requests = build_workload(config, PromptText(None, config.seed))
     for request in requests:
         request.prompt_len = min(request.prompt_len, args.max_total_len // 2)
         request.output_len = min(request.output_len, args.max_total_len - request.prompt_len)
     return requests
+
+
+def arrivals(rate: float, args) -> ArrivalConfig:
+    return ArrivalConfig(rate, 1.0 if args.arrivals == "poisson" else args.burstiness)
 
 
 def probe_result(rate: float, records: list) -> dict:
@@ -114,37 +159,90 @@ async def measure_policy(args) -> dict:
                           max_num_seqs=args.max_num_seqs, seed=args.seed)
     t0 = time.perf_counter()
     target = InProcessTarget(config, ignore_eos=True, slo_ms=SLOS_MS)
-    result = {"policy": args.policy, "probes": []}
+    result = {"policy": args.policy}
     try:
         warmup = workload(0, args)[:args.warmup_requests]
         await BenchRun(target, warmup, ArrivalConfig()).run()
         result["load_and_warmup_s"] = time.perf_counter() - t0
-        deadline = time.perf_counter() + args.budget_s
-        if args.rates == "auto":
-            result["saturation_rate"] = await saturated_throughput(target, args)
-            args.rates = ",".join(f"{result['saturation_rate'] * f:.1f}" for f in AUTO_LADDER)
-        result["rates"] = args.rates
-        for rate in [float(r) for r in args.rates.split(",")]:
-            if time.perf_counter() >= deadline:
-                result["stopped"] = f"budget spent before {rate:g} req/s"
-                break
-            records = await BenchRun(target, workload(rate, args), ArrivalConfig(rate, args.burstiness),
-                                     args.seed).run()
-            probe = probe_result(rate, records)
-            result["probes"].append(probe)
-            print(f"{args.policy:>10} {rate:6.1f} req/s: attainment {probe['slo_attainment']:5.1f}% "
-                  f"p99 TTFT {probe['p99_ttft_ms']:7.1f} ms p99 TPOT {probe['p99_tpot_ms']:6.1f} ms "
-                  f"refused {probe['refused_429']}", flush=True)
-            if probe["slo_attainment"] < STOP_BELOW:
-                break
+        if "capacity" in args.phases:
+            await climb_ladder(target, args, result)
+        if "batch" in args.phases and args.policy == "slo":
+            result["batch"] = await batch_phase(target, args, result)
         fit = target.engine.forecast().fit
         result["step_time_fit"] = None if fit is None else {"a_s": fit.a, "b_s_per_decode_row": fit.b,
                                                              "c_s_per_prefill_token": fit.c}
     finally:
         await target.close()
+    return result
+
+
+async def climb_ladder(target, args, result: dict) -> None:
+    """The capacity phase: probes up the ladder, into result (probes, capacity, crossing_rate)."""
+    result["probes"] = []
+    deadline = time.perf_counter() + args.budget_s
+    if args.rates == "auto":
+        result["saturation_rate"] = await saturated_throughput(target, args)
+        args.rates = ",".join(f"{result['saturation_rate'] * f:.1f}" for f in AUTO_LADDER)
+    result["rates"] = args.rates
+    for rate in [float(r) for r in args.rates.split(",")]:
+        if time.perf_counter() >= deadline:
+            result["stopped"] = f"budget spent before {rate:g} req/s"
+            break
+        probe = await online_probe(target, args, rate)
+        result["probes"].append(probe)
+        if probe["slo_attainment"] < STOP_BELOW:
+            break
     result["capacity"] = capacity_of(result["probes"], TARGET_ATTAINMENT)
     result["crossing_rate"] = crossing_rate(result["probes"])
-    return result
+
+
+async def online_probe(target, args, rate: float, label: str = "") -> dict:
+    records = await BenchRun(target, workload(rate, args), arrivals(rate, args), args.seed).run()
+    probe = probe_result(rate, records)
+    print(f"{args.policy:>10} {rate:6.1f} req/s{label}: attainment {probe['slo_attainment']:5.1f}% "
+          f"p99 TTFT {probe['p99_ttft_ms']:7.1f} ms p99 TPOT {probe['p99_tpot_ms']:6.1f} ms "
+          f"refused {probe['refused_429']}", flush=True)
+    return probe
+
+
+async def batch_phase(target, args, result: dict) -> dict:
+    """Online attainment at one rate without, then beside, a batch job in the same engine."""
+    from goodserve.bench.batch_job import BatchJob, batch_input  # the server's modules: the child only
+
+    rate, rate_from = batch_rate(args, result)
+    if rate is None:
+        result["saturation_rate"] = await saturated_throughput(target, args)
+        rate, rate_from = result["saturation_rate"] * BATCH_RATE_FRACTION, f"{BATCH_RATE_FRACTION} x saturation"
+    lines = workload(0, args, args.batch_lines, seed=BATCH_SEED)
+    prompts = [target.prompt_for(line, BATCH_SEED + i) for i, line in enumerate(lines)]
+    job = BatchJob(target.engine, args.model, batch_input(lines, prompts, args.model), args.batch_concurrency)
+    alone = await online_probe(target, args, rate, " alone")
+    job.start()
+    try:
+        await asyncio.sleep(BATCH_RAMP_S)
+        start = time.perf_counter()
+        beside = await online_probe(target, args, rate, " beside the batch job")
+        window = job.window(start, time.perf_counter())
+        finished_early = job.done
+    finally:
+        await job.stop()
+    drop = alone["slo_attainment"] - beside["slo_attainment"]
+    print(f"batch job: {window.lines} lines, {window.as_dict()['output_tokens_per_s']:.0f} output tokens/s during "
+          f"the probe; attainment {alone['slo_attainment']:.1f}% alone, {beside['slo_attainment']:.1f}% beside it "
+          f"({drop:+.1f} points lost; target <= 2)", flush=True)
+    return {"request_rate": rate, "rate_from": rate_from, "lines": args.batch_lines,
+            "concurrency": args.batch_concurrency, "ramp_s": BATCH_RAMP_S, "alone": alone, "beside_batch": beside,
+            "attainment_drop_points": drop, "within_2_points": drop <= 2.0,
+            "batch_during_probe": window.as_dict(), "job_finished_during_probe": finished_early}
+
+
+def batch_rate(args, result: dict) -> tuple[float | None, str]:
+    """--batch-rate, else the highest rate this run's slo ladder passed; None: neither."""
+    if args.batch_rate is not None:
+        return args.batch_rate, "--batch-rate"
+    passed = [p["request_rate"] for p in result.get("probes", [])
+              if p["slo_attainment"] >= TARGET_ATTAINMENT * 100]
+    return (max(passed), "the highest rung the slo ladder passed") if passed else (None, "")
 
 
 async def saturated_throughput(target, args) -> float:
@@ -182,7 +280,11 @@ def run_child(policy: str, args, budget_s: float) -> dict:
             "--burstiness", str(args.burstiness), "--probe-seconds", str(args.probe_seconds),
             "--min-prompts", str(args.min_prompts), "--max-num-seqs", str(args.max_num_seqs),
             "--budget-s", str(budget_s), "--seed", str(args.seed), "--max-total-len", str(args.max_total_len),
-            "--warmup-requests", str(args.warmup_requests)]
+            "--warmup-requests", str(args.warmup_requests), "--phases", ",".join(args.phases),
+            "--arrivals", args.arrivals, "--workload", args.workload, "--batch-lines", str(args.batch_lines),
+            "--batch-concurrency", str(args.batch_concurrency)]
+    if args.batch_rate is not None:
+        argv += ["--batch-rate", str(args.batch_rate)]
     done = subprocess.run(argv, check=False)
     try:
         with open(path) as f:
@@ -201,25 +303,35 @@ def main(argv=None) -> None:
         return
     started = time.perf_counter()
     results = {}
-    for i, policy in enumerate(POLICIES):  # continuous first: under --rates auto it sets the ladder
-        left = args.budget_s - (time.perf_counter() - started) if i else args.budget_s / len(POLICIES)
+    # continuous first: under --rates auto it sets the ladder; the batch phase runs under slo alone
+    policies = POLICIES if "capacity" in args.phases else ("slo",)
+    for i, policy in enumerate(policies):
+        left = args.budget_s - (time.perf_counter() - started) if i else args.budget_s / len(policies)
         results[policy] = run_child(policy, args, max(left, 0.0))
         args.rates = results[policy].get("rates", args.rates)
-    summary = {"model": args.model, "device": args.device, "burstiness": args.burstiness,
+    summary = {"model": args.model, "device": args.device, "phases": args.phases, "arrivals": args.arrivals,
+               "burstiness": 1.0 if args.arrivals == "poisson" else args.burstiness, "workload": args.workload,
                "slos_ms": SLOS_MS, "target_attainment": TARGET_ATTAINMENT, "rates": args.rates,
                "probe_seconds": args.probe_seconds, "policies": results, "wall_s": time.perf_counter() - started}
+    if "capacity" in args.phases:
+        summarize_capacity(summary, results)
+    if "batch" in args.phases:
+        summary["batch"] = results["slo"].get("batch")
+    name = "gpu_slo.json" if args.phases == ["capacity"] else f"gpu_slo_{'_'.join(args.phases)}.json"
+    print(f"wrote {write_result(name, summary)}")
+
+
+def summarize_capacity(summary: dict, results: dict) -> None:
     caps = {p: r.get("capacity", {}).get("rate", 0.0) for p, r in results.items()}
     crossings = {p: r.get("crossing_rate", 0.0) for p, r in results.items()}
     summary["capacity_ratio"] = caps["slo"] / caps["continuous"] if caps["continuous"] else math.inf
     summary["crossing_ratio"] = crossings["slo"] / crossings["continuous"] if crossings["continuous"] else math.inf
     summary["meets_1_3x"] = summary["crossing_ratio"] >= 1.3
-    path = write_result("gpu_slo.json", summary)
     for policy in POLICIES:
         print(f"{policy:>10}: goodput capacity {crossings[policy]:.2f} req/s offered "
               f"({caps[policy]:.2f} as completed)")
     print(f"slo / continuous: {summary['crossing_ratio']:.2f}x ({summary['capacity_ratio']:.2f}x as completed; "
-          f"target 1.3x); {path}")
-
+          f"target 1.3x)")
 
 if __name__ == "__main__":
     main()

@@ -97,6 +97,19 @@ def test_calc_command_fit_and_cost(capsys):
     assert "$0.5556 per 1M tokens" in capsys.readouterr().out
 
 
+def test_calc_cost_prices_batch_tokens_beside_online(capsys):
+    """$2/h: online at 1000 tok/s, 3.6M tokens an hour, $0.5556 per 1M; batch at 4500 tok/s, 16.2M
+    an hour, $0.1235 per 1M, 4.5x cheaper. On 2 GPUs each costs twice as much."""
+    assert run_calc("cost", "--gpu-hourly-cost", "2", "--tokens-per-s", "1000", "--batch-tokens-per-s", "4500") == 0
+    out = capsys.readouterr().out
+    assert "online: $0.5556 per 1M tokens at 1000 tok/s" in out
+    assert "batch:  $0.1235 per 1M tokens at 4500 tok/s (4.50x cheaper than online)" in out
+    assert run_calc("cost", "--gpu-hourly-cost", "2", "--tokens-per-s", "1000", "--batch-tokens-per-s", "4500",
+                    "--num-gpus", "2") == 0
+    out = capsys.readouterr().out
+    assert "$1.1111" in out and "$0.2469" in out and "4.50x" in out
+
+
 def test_calc_command_bad_input():
     with pytest.raises(InvalidRequestError, match="give --model"):
         run_calc("kv", "--num-layers", "40")

@@ -194,3 +194,61 @@ def test_decodes_ahead_of_their_tpot_let_a_step_carry_more_prompt():
     assert sched.slo.prefill_cap(sched.running) == 2048
     seqs[0].metrics.first_token_time = 100.0 - 0.045 * 99 - 0.001  # 1 ms behind its pace
     assert sched.slo.prefill_cap(sched.running) == 250
+
+
+BATCH = 1 << 30  # server/batch_lines.BATCH_PRIORITY
+
+
+@pytest.mark.parametrize("policy", ["slo", "continuous"])
+def test_an_online_request_takes_a_batch_lines_sequence_slot(policy):
+    """Batch lines fill every sequence slot; an online request that arrives runs in the next step, in
+    the place of the newest batch line (no targets: its slack is infinite), which waits to resume."""
+    clock = Clock(0.0)
+    sched = scheduler(policy, max_num_seqs=2)
+    sched.slo and setattr(sched.slo, "clock", clock)
+    request(sched, "b0", 0.0, priority=BATCH)
+    request(sched, "b1", 0.1, priority=BATCH)
+    decode_step(sched)
+    clock.now = 0.2
+    request(sched, "online", 0.2, ttft_ms=200, tpot_ms=50)
+    assert sorted(decode_step(sched).seq_ids) == ["b0", "online"]
+    assert sched.seqs["b1"].metrics.num_preemptions == 1
+    assert [seq.seq_id for seq in sched.waiting] == ["b1"]
+
+
+@pytest.mark.parametrize("policy", ["slo", "continuous"])
+def test_an_online_request_takes_a_batch_lines_kv_blocks(policy):
+    """Two batch lines hold all 4 KV blocks (4 tokens a block; 7 prompt tokens and their first answer
+    each); the online request's 4-token prompt needs one: a batch line gives its blocks up (and takes
+    back what the online request leaves, to recompute its prompt)."""
+    sched = scheduler(policy, num_blocks=4)
+    sched.slo and setattr(sched.slo, "clock", Clock(0.0))
+    request(sched, "b0", 0.0, prompt_len=7, priority=BATCH)
+    request(sched, "b1", 0.1, prompt_len=7, priority=BATCH)
+    decode_step(sched)
+    request(sched, "online", 0.2, ttft_ms=200)
+    assert "online" in decode_step(sched).seq_ids
+    assert sum(sched.seqs[b].metrics.num_preemptions for b in ("b0", "b1")) == 1
+
+
+def test_a_request_of_the_same_priority_waits_for_a_slot():
+    sched = scheduler("slo", max_num_seqs=2)
+    sched.slo.clock = Clock(0.0)
+    request(sched, "a", 0.0, ttft_ms=200)
+    request(sched, "b", 0.1, ttft_ms=200)
+    decode_step(sched)
+    request(sched, "c", 0.2, ttft_ms=200)
+    assert sorted(decode_step(sched).seq_ids) == ["a", "b"]
+    assert sched.num_preemptions == 0
+
+
+def test_forecast_counts_batch_lines_slots_as_free():
+    """An online request would take a batch line's slot at once: no wait for the batch to finish."""
+    sched = scheduler("slo", max_num_seqs=3)
+    sched.slo.clock = Clock(0.0)
+    request(sched, "online", 0.0, ttft_ms=200, max_tokens=10)
+    request(sched, "b0", 0.0, priority=BATCH)
+    request(sched, "b1", 0.0, priority=BATCH)
+    decode_step(sched)
+    forecast = sched.forecast()
+    assert (forecast.free_seqs, forecast.steps_to_finish, forecast.decode_rows) == (2, (9,), 3)

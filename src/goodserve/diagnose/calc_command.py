@@ -4,6 +4,7 @@
     goodserve calc kv --num-layers 40 --hidden-size 5120 --num-heads 40 --batch 32 --seq-len 2048
     goodserve calc fit --model llama-3.1-70b --gpu h100-sxm --tp 4 --seq-len 8192 --batch 16
     goodserve calc cost --gpu-hourly-cost 2.5 --tokens-per-s 2400
+    goodserve calc cost --gpu-hourly-cost 2.5 --tokens-per-s 2400 --batch-tokens-per-s 9000
 """
 
 from __future__ import annotations
@@ -44,7 +45,11 @@ def register(subparsers) -> None:
 
     cost = actions.add_parser("cost", help="$ per 1M tokens from $/GPU-hour and throughput")
     cost.add_argument("--gpu-hourly-cost", type=float, required=True)
-    cost.add_argument("--tokens-per-s", type=float, required=True)
+    cost.add_argument("--tokens-per-s", type=float, required=True,
+                      help="online: the tokens/s served within the SLOs (goodput's tokens)")
+    cost.add_argument("--batch-tokens-per-s", type=float,
+                      help="batch jobs: the engine's saturated tokens/s (a full batch, no latency targets); "
+                           "prices batch tokens beside online ones")
     cost.add_argument("--num-gpus", type=int, default=1)
     cost.set_defaults(func=_cost)
 
@@ -103,7 +108,16 @@ def _fit(args) -> int:
 
 
 def _cost(args) -> int:
-    price = cost_per_million_tokens(args.gpu_hourly_cost, args.tokens_per_s, args.num_gpus)
-    make_console().print(f"${price:.4f} per 1M tokens at {args.tokens_per_s:g} tok/s on {args.num_gpus} GPU(s) "
-                    f"at ${args.gpu_hourly_cost:g}/GPU-hour")
+    """Online tokens are priced at the rate the SLOs allow; batch tokens (--batch-tokens-per-s) at the
+    full batch's rate, so the same GPU-hour buys more of them."""
+    console = make_console()
+    online = cost_per_million_tokens(args.gpu_hourly_cost, args.tokens_per_s, args.num_gpus)
+    where = f"on {args.num_gpus} GPU(s) at ${args.gpu_hourly_cost:g}/GPU-hour"
+    if args.batch_tokens_per_s is None:
+        console.print(f"${online:.4f} per 1M tokens at {args.tokens_per_s:g} tok/s {where}")
+        return 0
+    batch = cost_per_million_tokens(args.gpu_hourly_cost, args.batch_tokens_per_s, args.num_gpus)
+    console.print(f"online: ${online:.4f} per 1M tokens at {args.tokens_per_s:g} tok/s {where}")
+    console.print(f"batch:  ${batch:.4f} per 1M tokens at {args.batch_tokens_per_s:g} tok/s "
+                  f"({online / batch:.2f}x cheaper than online)")
     return 0

@@ -88,6 +88,9 @@ class KVCacheManager:
         needed = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
         return max(0, needed - len(self.tables.get(seq.seq_id, ())))
 
+    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        return self._blocks_needed(seq, num_new_tokens) <= self.pool.num_free_blocks
+
     def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Give seq enough blocks for num_new_tokens more tokens; False (and no change) if short."""
         needed = self._blocks_needed(seq, num_new_tokens)

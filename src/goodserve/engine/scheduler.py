@@ -6,7 +6,10 @@ rest of its prompt when prefilling. Running sequences are served first, then wai
 the step's token budget (max_num_batched_tokens) or the sequence cap (max_num_seqs) is reached. With
 chunked prefill a long prompt takes whatever budget is left and finishes in later steps, so decodes
 are never stalled behind it. When the KV pool runs out, the newest running sequence is preempted:
-its blocks are freed and it is recomputed later (its prefix may well still be cached).
+its blocks are freed and it is recomputed later (its prefix may well still be cached). A waiting
+sequence of a higher priority (a lower SamplingParams.priority: an online request) that finds no
+sequence slot or KV block takes those of the lowest-priority running one (a batch line), which waits
+to resume: lower priorities only ever fill the room higher ones leave.
 
 The batching policy only gates admission: "continuous" admits whenever there is room; "static"
 admits a new batch only once the previous one has entirely finished; "dynamic" also waits for the
@@ -123,6 +126,9 @@ class Scheduler:
         decision = _Decision()
         if not self._admits_any_step and self._next_batch_ready():
             self._admit_whole_batch()
+        if self._admits_any_step:
+            while (victim := self._outranked_running()) is not None:
+                self._requeue(victim)
         budget = self._schedule_running(decision, self._running_budget())
         if self._admits_any_step and not decision.preempted and self.waiting:
             self._schedule_waiting(decision, min(budget, self._admission_allowance(sum(decision.num_new))))
@@ -134,7 +140,7 @@ class Scheduler:
         now that sample on the device alone. Blocks allocated before a refusal are the ones the next
         step would allocate anyway: they stay in the block tables."""
         going_on = [seq for seq in in_flight if not seq.is_finished and not seq.ends_with_next_token()]
-        if not going_on:
+        if not going_on or (self._admits_any_step and self._outranked_running() is not None):
             return None
         for seq in going_on:
             if not self.kv.allocate(seq, 1):
@@ -224,11 +230,28 @@ class Scheduler:
         self.kv.free(seq)
         seq.num_computed_tokens = 0
 
+    def _outranked_running(self) -> Sequence | None:
+        """The running sequence the waiting head displaces: the head finds no sequence slot or no KV
+        blocks for its first chunk, and the victim's priority is lower. One head a step: those behind
+        it follow in the next steps."""
+        head = self.waiting.peek() if self.running else None
+        if head is None:
+            return None
+        first_chunk = min(head.num_uncomputed_tokens, self.config.max_num_batched_tokens)
+        if len(self.running) < self.config.max_num_seqs and self.kv.can_allocate(head, first_chunk):
+            return None
+        victim = self._lowest_priority_running(exclude=[])
+        return victim if victim.params.priority > head.params.priority else None
+
     def _lowest_priority_running(self, exclude: list[Sequence]) -> Sequence:
         key = self.slo.victim_key if self.slo else Sequence.priority_key
         return max((s for s in self.running if s not in exclude), key=key)
 
     def _preempt(self, seq: Sequence, decision: _Decision) -> None:
+        self._requeue(seq)
+        decision.preempted = True
+
+    def _requeue(self, seq: Sequence) -> None:
         """Recompute preemption: free the blocks, requeue at the front; its tokens are kept."""
         self.running.remove(seq)
         self._release_blocks(seq)
@@ -236,7 +259,6 @@ class Scheduler:
         seq.metrics.num_preemptions += 1
         self.num_preemptions += 1
         self.add(seq)  # its key (priority, arrival) puts it before the requests that came after it
-        decision.preempted = True
 
     def _next_batch_ready(self) -> bool:
         """Static and dynamic batching: a new batch starts only once the last one has finished."""
@@ -287,9 +309,11 @@ class Scheduler:
         when the running sequences finish), for the server's admission check."""
         if self.slo is None:
             return SloForecast(self.step_time.fit, len(self.running), self.config.max_num_batched_tokens)
+        # The slots a request of the default priority waits for: a lower-priority one gives its own up.
+        holding = [seq for seq in self.running if seq.params.priority <= 0]
         return SloForecast(self.step_time.fit, len(self.running), self.slo.cap,
-                           self.config.max_num_seqs - len(self.running),
-                           tuple(sorted(tokens_left(seq) + (seq.num_uncomputed_tokens > 1) for seq in self.running)))
+                           self.config.max_num_seqs - len(holding),
+                           tuple(sorted(tokens_left(seq) + (seq.num_uncomputed_tokens > 1) for seq in holding)))
 
     # ---- after the step ------------------------------------------------------------------
     def advance(self, out: SchedulerOutput, num_rejected: dict[int, int] | None = None) -> None:
