@@ -231,6 +231,21 @@ def test_an_online_request_takes_a_batch_lines_kv_blocks(policy):
     assert sum(sched.seqs[b].metrics.num_preemptions for b in ("b0", "b1")) == 1
 
 
+@pytest.mark.parametrize("policy", ["slo", "continuous"])
+def test_a_burst_of_online_requests_displaces_batch_lines_in_one_step(policy):
+    """Four batch lines hold all four slots; three online requests arrive together: all three run in
+    the next step (not one a step), in the places of the three newest batch lines."""
+    sched = scheduler(policy, max_num_seqs=4)
+    sched.slo and setattr(sched.slo, "clock", Clock(0.0))
+    for i in range(4):
+        request(sched, f"b{i}", 0.1 * i, priority=BATCH)
+    decode_step(sched)
+    for i in range(3):
+        request(sched, f"online{i}", 1.0, ttft_ms=200, tpot_ms=50)
+    assert sorted(decode_step(sched).seq_ids) == ["b0", "online0", "online1", "online2"]
+    assert sorted(seq.seq_id for seq in sched.waiting) == ["b1", "b2", "b3"]
+
+
 def test_a_request_of_the_same_priority_waits_for_a_slot():
     sched = scheduler("slo", max_num_seqs=2)
     sched.slo.clock = Clock(0.0)

@@ -35,6 +35,7 @@ def test_order_and_removal_match_a_sorted_list():
         if i % 100 == 0:
             assert queue.peek() is min(reference, key=Sequence.priority_key)
             assert len(queue) == len(reference) and list(queue) == reference
+            assert list(queue.in_order()) == sorted(reference, key=Sequence.priority_key)
     assert len(queue._heap) <= 2 * len(reference) + 64  # removed entries do not pile up
     by_length = WaitingQueue(lambda seq: -seq.max_len)
     for seq in reference:

@@ -28,6 +28,10 @@ class KVCacheManager:
         return self.pool.num_blocks
 
     @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
     def num_used_blocks(self) -> int:
         return self.pool.num_used_blocks
 
@@ -84,16 +88,13 @@ class KVCacheManager:
         return hashes
 
     # ---- allocation ----------------------------------------------------------------------
-    def _blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         needed = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
         return max(0, needed - len(self.tables.get(seq.seq_id, ())))
 
-    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
-        return self._blocks_needed(seq, num_new_tokens) <= self.pool.num_free_blocks
-
     def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Give seq enough blocks for num_new_tokens more tokens; False (and no change) if short."""
-        needed = self._blocks_needed(seq, num_new_tokens)
+        needed = self.blocks_needed(seq, num_new_tokens)
         if needed > self.pool.num_free_blocks:
             return False
         table = self.tables.setdefault(seq.seq_id, [])

@@ -127,7 +127,7 @@ class Scheduler:
         if not self._admits_any_step and self._next_batch_ready():
             self._admit_whole_batch()
         if self._admits_any_step:
-            while (victim := self._outranked_running()) is not None:
+            for victim in self._displaced_running():
                 self._requeue(victim)
         budget = self._schedule_running(decision, self._running_budget())
         if self._admits_any_step and not decision.preempted and self.waiting:
@@ -140,7 +140,7 @@ class Scheduler:
         now that sample on the device alone. Blocks allocated before a refusal are the ones the next
         step would allocate anyway: they stay in the block tables."""
         going_on = [seq for seq in in_flight if not seq.is_finished and not seq.ends_with_next_token()]
-        if not going_on or (self._admits_any_step and self._outranked_running() is not None):
+        if not going_on or (self._admits_any_step and self._displaced_running()):
             return None
         for seq in going_on:
             if not self.kv.allocate(seq, 1):
@@ -230,22 +230,45 @@ class Scheduler:
         self.kv.free(seq)
         seq.num_computed_tokens = 0
 
-    def _outranked_running(self) -> Sequence | None:
-        """The running sequence the waiting head displaces: the head finds no sequence slot or no KV
-        blocks for its first chunk, and the victim's priority is lower. One head a step: those behind
-        it follow in the next steps."""
-        head = self.waiting.peek() if self.running else None
-        if head is None:
-            return None
-        first_chunk = min(head.num_uncomputed_tokens, self.config.max_num_batched_tokens)
-        if len(self.running) < self.config.max_num_seqs and self.kv.can_allocate(head, first_chunk):
-            return None
-        victim = self._lowest_priority_running(exclude=[])
-        return victim if victim.params.priority > head.params.priority else None
+    def _displaced_running(self) -> list[Sequence]:
+        """The running sequences the waiting ones this step can admit displace: each waiting one in
+        order, while the step's prompt-token budget lasts, that finds no sequence slot or no KV
+        blocks for its first chunk takes those of the lowest-priority running one, if that one's
+        priority is lower. All of a burst at once: one a step made the tenth online arrival behind a
+        full batch job wait ten steps."""
+        head = self.waiting.peek()
+        if head is None or all(seq.params.priority <= head.params.priority for seq in self.running):
+            return []  # (the common case, no walk down the queue)
+        budget = self.config.max_num_batched_tokens if self.slo is None else min(
+            self.config.max_num_batched_tokens, self.slo.cap)
+        slots = self.config.max_num_seqs - len(self.running)
+        free_blocks = self.kv.num_free_blocks
+        candidates = sorted(self.running, key=self._victim_key, reverse=True)  # the first to go first
+        victims: list[Sequence] = []
+        for head in self.waiting.in_order():
+            if budget <= 0:
+                break
+            chunk = min(head.num_uncomputed_tokens, budget)
+            needed = self.kv.blocks_needed(head, chunk)
+            while slots < 1 or free_blocks < needed:
+                if len(victims) == len(candidates) or candidates[len(victims)].params.priority <= head.params.priority:
+                    return victims
+                victim = candidates[len(victims)]
+                victims.append(victim)
+                slots += 1
+                free_blocks += len(self.kv.block_table(victim.seq_id))
+            slots -= 1
+            free_blocks -= needed
+            budget -= chunk
+        return victims
 
     def _lowest_priority_running(self, exclude: list[Sequence]) -> Sequence:
-        key = self.slo.victim_key if self.slo else Sequence.priority_key
-        return max((s for s in self.running if s not in exclude), key=key)
+        return max((s for s in self.running if s not in exclude), key=self._victim_key)
+
+    @property
+    def _victim_key(self):
+        """Larger is preempted first."""
+        return self.slo.victim_key if self.slo else Sequence.priority_key
 
     def _preempt(self, seq: Sequence, decision: _Decision) -> None:
         self._requeue(seq)

@@ -64,6 +64,18 @@ class WaitingQueue:
             heapq.heappop(self._heap)
         return self._heap[0][2] if self._heap else None
 
+    def in_order(self) -> Iterator[Sequence]:
+        """The members, smallest key first, lazily: the first k cost O(k log k), not the queue.
+        The queue must not change while this runs."""
+        frontier = [(self._heap[0], 0)] if self._heap else []
+        while frontier:
+            entry, i = heapq.heappop(frontier)
+            if self._holds(entry):
+                yield entry[2]
+            for child in (2 * i + 1, 2 * i + 2):
+                if child < len(self._heap):
+                    heapq.heappush(frontier, (self._heap[child], child))
+
     def leading(self, keeps: Callable) -> Iterator[Sequence]:
         """The members whose key `keeps` accepts, where keeps(key) implies keeps(every smaller key):
         a walk down the heap from its top that stops at the first refused key of each path, so it
