@@ -7,6 +7,9 @@ import pytest
 from goodserve.diagnose import calc_command
 from goodserve.diagnose.calc import (cost_per_million_tokens, fit, kv_cache_bytes,
                                      max_concurrent_sequences, weight_bytes)
+from goodserve.diagnose.hardware import get_hardware
+from goodserve.diagnose.parallel import (Layout, advise_layout, allreduce_payload_bytes, decode_limit, layout_fit,
+                                         ring_bytes_sent)
 from goodserve.diagnose.roofline import mbu
 from goodserve.errors import InvalidRequestError
 from goodserve.model.presets import get_preset
@@ -117,3 +120,77 @@ def test_calc_command_bad_input():
 
     with pytest.raises(ModelLoadError, match="unknown model"):
         run_calc("kv", "--model", "no-such-model")
+
+
+# Parallel layouts (diagnose/parallel.py), against hand-computed values.
+
+def test_pipeline_stages_split_weights_and_layers_and_replicas_split_the_batch():
+    spec = get_preset("llama-3.1-70b")
+    weights = 70_553_706_496 * 2
+    two_by_two = layout_fit(spec, Layout(tp=2, pp=2), 80e9, 8192, 1, "bf16", "bf16", 0.9)
+    assert two_by_two.weight_bytes_per_gpu == weights / 4
+    # 40 layers per stage x 4 of 8 KV heads x 128 x 2 K/V x 2 bytes = 81920 B per token per GPU
+    assert two_by_two.kv_bytes_per_gpu == 2 * 40 * 4 * 128 * 2 * 8192
+    # 80 layers over 3 stages: the first stages hold 27
+    assert layout_fit(spec, Layout(tp=8, pp=3), 80e9, 1, 1, "bf16", "bf16", 0.9).kv_bytes_per_gpu == 2 * 27 * 1 * 128 * 2
+    # 2 replicas of llama-3.1-8b: 32 sequences of 1024 become 16 per GPU, 128 KiB per token each
+    dp = layout_fit(get_preset("llama-3.1-8b"), Layout(dp=2), 80e9, 1024, 32, "bf16", "bf16", 0.9)
+    assert dp.kv_bytes_per_gpu == 16 * 1024 * 131072
+    with pytest.raises(InvalidRequestError, match="must divide 64 heads"):
+        layout_fit(spec, Layout(tp=3), 80e9, 1, 1, "bf16", "bf16", 0.9)
+
+
+def test_allreduce_bytes_per_step():
+    small, big = get_preset("llama-3.1-8b"), get_preset("llama-3.1-70b")
+    # 2 all-reduces x 32 layers x 4096 hidden x 1 token x 2 bytes; a ring of 2 sends 2 (2 - 1) / 2 = all of it
+    assert allreduce_payload_bytes(small, 2, 1, 1) == 524_288
+    assert ring_bytes_sent(524_288, 2) == 524_288
+    # 70B at TP 4: 2 x 80 x 8192 x 2 = 2.62 MB, of which a ring sends 2 x 3 / 4 = 1.5x per GPU
+    assert allreduce_payload_bytes(big, 4, 1, 1) == 2_621_440
+    assert ring_bytes_sent(2_621_440, 4) == 3_932_160
+    assert allreduce_payload_bytes(big, 4, 2, 16) == 2 * 40 * 8192 * 16 * 2  # a stage all-reduces its layers
+    assert allreduce_payload_bytes(big, 1, 1, 16) == 0
+
+
+def test_decode_limit_with_tensor_parallelism():
+    spec, h100 = get_preset("llama-3.1-8b"), get_hardware("h100-sxm")
+    one = decode_limit(spec, h100, Layout())
+    assert one.token_s == pytest.approx(16_060_522_496 / 3.35e12)  # 4.79 ms: 209 tok/s
+    two = decode_limit(spec, h100, Layout(tp=2))
+    assert two.read_s == pytest.approx(8_030_261_248 / 3.35e12)  # half the weights per GPU
+    # 64 all-reduces of 20 us, and 0.5 MB over a 450 GB/s link
+    assert two.allreduce_s == pytest.approx(64 * 20e-6 + 524_288 / 450e9)
+    assert two.tokens_per_s / one.tokens_per_s == pytest.approx(1.30, abs=0.01)  # far from 2x at 20 us
+    assert decode_limit(spec, h100, Layout(tp=2), allreduce_latency_s=0).tokens_per_s / one.tokens_per_s == \
+        pytest.approx(2.0, abs=0.01)
+    # a pipeline does not speed up one sequence: its stages run one after another
+    assert decode_limit(spec, h100, Layout(pp=2)).read_s == one.read_s
+
+
+def test_layout_advice():
+    h100 = get_hardware("h100-sxm")
+    big, small = get_preset("llama-3.1-70b"), get_preset("llama-3.1-8b")
+    # 141 GB of weights: TP 2 leaves 71.0 - 70.6 GB, less than 8192 tokens of KV; TP 4 fits
+    advice = advise_layout(big, h100, 8, "throughput", 8192, 1)
+    assert [a.option for a in advice] == ["--tensor-parallel-size 4",
+                                          "--tensor-parallel-size 4 --data-parallel-size 2"]
+    # fits one GPU: replicas for throughput, TP for one sequence's latency
+    assert [a.option for a in advise_layout(small, h100, 8, "throughput", 8192, 1)] == ["--data-parallel-size 8"]
+    latency = advise_layout(small, h100, 8, "latency", 8192, 1)
+    assert [a.option for a in latency] == ["--tensor-parallel-size 8"]
+    # an 8000-token prompt is ~1.37e14 FLOPs: >= 138 ms at 989 TFLOP/s, over a 50 ms TPOT target
+    disaggregate = advise_layout(small, h100, 2, "throughput", 8192, 1, prompt_len=8000, tpot_target_s=0.05)
+    assert disaggregate[-1].option.startswith("prefill / decode disaggregation") and "138 ms" in disaggregate[-1].why
+    assert len(advise_layout(small, h100, 2, "throughput", 8192, 1, prompt_len=1000, tpot_target_s=0.05)) == 1
+
+
+def test_calc_command_fit_with_a_parallel_layout(capsys):
+    assert run_calc("fit", "--model", "llama-3.1-70b", "--tensor-parallel-size", "4", "--seq-len", "8192",
+                    "--batch", "16", "--gpus", "8") == 0
+    out = capsys.readouterr().out
+    assert "TP 4 x PP 1 x DP 1 = 4 x h100-sxm: fits" in out
+    assert "weights 35.3 GB" in out and "2 of 8 KV heads" in out
+    assert "all-reduce per decode step of 16 tokens: 41.94 MB per GPU (160 all-reduces), ring sends 62.91 MB" in out
+    assert "--data-parallel-size 2" in out
+    assert run_calc("fit", "--model", "llama-3.1-70b", "--tp", "2", "--pp", "2", "--dp", "2", "--batch", "2") == 0
+    assert "TP 2 x PP 2 x DP 2 = 8 x h100-sxm: fits" in capsys.readouterr().out

@@ -31,7 +31,7 @@ def test_every_help_shows_defaults(argv, capsys):
     assert "(default:" in text
     # An option with a default that is not an on/off switch states it, e.g. --max-tokens / --port.
     expected = {"generate": "--max-tokens MAX_TOKENS", "serve": "--port PORT", "bench": "--num-prompts NUM_PROMPTS",
-                "diagnose": "--interval INTERVAL", "kv": "--seq-len SEQ_LEN", "fit": "--tp TP",
+                "diagnose": "--interval INTERVAL", "kv": "--seq-len SEQ_LEN", "fit": "--tensor-parallel-size TP",
                 "cost": "--num-gpus NUM_GPUS", "eval": "--window WINDOW", "quantize": "--device DEVICE",
                 "router": "--port PORT"}
     option = expected[argv[-1] if argv[-1] != "serve" or len(argv) == 1 else "bench"]

@@ -161,3 +161,27 @@ def test_diagnose_command_bad_input(tmp_path):
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(InvalidRequestError, match="not a bench result"):
         run_diagnose("--model", "llama-2-7b", "--result", str(tmp_path / "bad.json"))
+
+
+def test_a_parallel_layout_is_one_replica_of_tp_gpus():
+    from goodserve.diagnose.parallel import Layout, per_replica, replica_hardware
+
+    spec, h100 = get_preset("llama-3.1-70b"), get_hardware("h100-sxm")
+    four = replica_hardware(h100, Layout(tp=4))
+    assert (four.memory_bandwidth, four.memory_bytes, four.flops_for("bf16")) == (4 * 3.35e12, 320e9, 4 * 989.4e12)
+    assert replica_hardware(h100, Layout(tp=2, pp=2)).memory_bandwidth == 2 * 3.35e12  # stages take turns
+    # 50 tok/s at batch 1, context 150: 141.1 GB of weights + 150 x 327680 B of KV per step, over 4 GPUs
+    decode = analyze_decode(spec, four, obs(tpot_s=0.02))
+    assert decode.mbu == pytest.approx((70_553_706_496 * 2 + 150 * 327_680) * 50 / (4 * 3.35e12))
+    assert per_replica(obs(concurrency=8.0), Layout(dp=2)).concurrency == 4.0
+
+
+def test_diagnose_command_with_tensor_parallelism(capsys):
+    assert run_diagnose("--model", "llama-3.1-70b", "--hardware", "h100-sxm", "--tensor-parallel-size", "4") == 0
+    text = capsys.readouterr().out
+    assert "4 x h100-sxm (TP 4, PP 1)" in text and "35.28 GB per GPU" in text
+    # 4 x 3.35 TB/s / 141.1 GB = 95 tok/s; 160 all-reduces of 16 KiB: 160 x 20 us + a ring's 1.5 x 2.6 MB
+    # over 450 GB/s = 3.21 ms more per token: 73 tok/s
+    assert "95 tok/s" in text and "160 x 16 KiB, 3.21 ms" in text and "73 tok/s" in text
+    with pytest.raises(InvalidRequestError, match="must divide 64 heads"):
+        run_diagnose("--model", "llama-3.1-70b", "--tp", "3")

@@ -103,8 +103,9 @@ MEMORY_QUANT = "--quantization int8"
 GPU_MEMORY = "--gpu-memory-utilization 0.95"
 CPU_MEMORY = "--cpu-kv-cache-bytes (higher)"
 KV_QUANT = "--kv-cache-dtype int8 (or fp8)"
+TP = "--tensor-parallel-size 2 (or 4, 8)"
 ALL = {CHUNKED, PREFIX, CONTINUOUS, GRAPHS, GRAPHS_TRITON, GPU_QUANT, CPU_QUANT, MEMORY_QUANT, GPU_MEMORY,
-       CPU_MEMORY, KV_QUANT}
+       CPU_MEMORY, KV_QUANT, TP}
 
 
 @pytest.mark.parametrize("engine, advised", [
@@ -114,9 +115,10 @@ ALL = {CHUNKED, PREFIX, CONTINUOUS, GRAPHS, GRAPHS_TRITON, GPU_QUANT, CPU_QUANT,
     ({**CPU_ENGINE, "quantization": "gguf", "kv_cache_dtype": "int8"}, {CPU_MEMORY}),
     # A GPU engine with graphs and Triton on but the batching features off.
     ({**GPU_ENGINE, "enable_chunked_prefill": "False", "enable_prefix_caching": "False",
-      "scheduler_policy": "static"}, {CHUNKED, PREFIX, CONTINUOUS, GPU_QUANT, MEMORY_QUANT, GPU_MEMORY, KV_QUANT}),
+      "scheduler_policy": "static"}, {CHUNKED, PREFIX, CONTINUOUS, GPU_QUANT, MEMORY_QUANT, GPU_MEMORY, KV_QUANT,
+                                      TP}),
     ({**GPU_ENGINE, "cuda_graphs": "False", "attention_backend": "torch", "quantization": "int4",
-      "kv_cache_dtype": "float8_e4m3fn"}, {GRAPHS, GRAPHS_TRITON, GPU_MEMORY}),
+      "kv_cache_dtype": "float8_e4m3fn"}, {GRAPHS, GRAPHS_TRITON, GPU_MEMORY, TP}),
     (None, ALL),  # engine unknown (a vLLM result): every fix
 ])
 def test_advice_skips_what_is_on_or_beyond_the_hardware(engine, advised):

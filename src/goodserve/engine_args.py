@@ -114,6 +114,21 @@ def dataclass_from_args(cls: type, args: argparse.Namespace):
     return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)})
 
 
+def dataclass_argv(instance) -> list[str]:
+    """The flags that rebuild `instance` through add_dataclass_arguments: one per field off its
+    default (a child process started with them parses the same dataclass)."""
+    argv = []
+    for field in dataclasses.fields(instance):
+        value = getattr(instance, field.name)
+        if value == field.default or dataclasses.is_dataclass(value):
+            continue
+        if isinstance(value, bool):
+            argv.append(_flag(field.name) if value else "--no-" + _flag(field.name)[2:])
+        elif value is not None:
+            argv += [_flag(field.name), str(value)]
+    return argv
+
+
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     add_dataclass_arguments(parser, EngineConfig, "engine options", _HELP, _CHOICES, _ALIASES)
 

@@ -113,6 +113,7 @@ NOT_FOR: dict[str, Callable[[dict[str, str]], bool]] = {
     "cuda_graphs_and_triton": lambda e: _on_cpu(e) or (_is_on(e, "cuda_graphs")
                                                        and e.get("attention_backend") == "triton"),
     "continuous_batching": lambda e: e.get("scheduler_policy") == "continuous",
+    "tensor_parallel": _on_cpu,  # gloo's all-reduces cost more than a CPU's decode step saves
 }
 
 RULES: tuple[Rule, ...] = (
@@ -137,9 +138,12 @@ RULES: tuple[Rule, ...] = (
               "p99 TTFT and request_queue_time_seconds fall at the same request rate", "chunked_prefill"),
           Fix("--enable-prefix-caching", "repeated prefixes skip prefill entirely",
               "prefix_cache_hits / prefix_cache_queries rises; TTFT falls for repeated prompts", "prefix_caching"),
-          Fix("--max-waiting N (admission control) or more replicas",
+          Fix("--max-waiting N (admission control)",
               "overload turns into fast 429s instead of minutes of queueing",
-              "goodserve bench --goodput ttft:MS: SLO attainment of admitted requests"))),
+              "goodserve bench --goodput ttft:MS: SLO attainment of admitted requests"),
+          Fix("--data-parallel-size R (replicas behind the router; goodserve router across hosts)",
+              "R engines share the arrivals: about R x the request rate at the same TTFT",
+              "goodserve bench --goodput-capacity: the capacity rises about R x"))),
     Rule("high TPOT", _high_tpot,
          lambda o, p: f"TPOT {1000 * (o.tpot_p99_s or o.tpot_s):.1f} ms (p99 where known), "
                       f"decode {p['decode'].verdict}, MBU {100 * p['decode'].mbu:.0f}%",
@@ -153,7 +157,13 @@ RULES: tuple[Rule, ...] = (
           Fix("--max-num-batched-tokens (lower)", "smaller prefill chunks stall decodes less",
               "p99 ITL falls while median ITL stays"),
           Fix("--no-enforce-eager (CUDA graphs)", "removes per-kernel launch overhead from small batches",
-              "step_time_seconds{phase=forward} per step falls", "cuda_graphs"))),
+              "step_time_seconds{phase=forward} per step falls", "cuda_graphs"),
+          # 2 all-reduces a layer of ~20 us each (NCCL in a CUDA graph) eat much of the gain at batch 1.
+          Fix("--tensor-parallel-size 2 (or 4, 8)",
+              "each GPU reads 1 / N of the weights a step, plus 2 all-reduces a layer: `goodserve calc fit --tp N` "
+              "prints the TPOT limit with them",
+              "median TPOT falls at the same load; goodserve diagnose --tp N shows MBU over the N GPUs",
+              "tensor_parallel"))),
     Rule("low throughput at low MBU", _low_mbu,
          lambda o, p: f"decode MBU {100 * p['decode'].mbu:.0f}% with ~{o.concurrency:.1f} requests in flight",
          (Fix("--max-num-seqs (higher) and more client concurrency",

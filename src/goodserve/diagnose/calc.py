@@ -50,12 +50,13 @@ def max_concurrent_sequences(spec: ModelSpec, kv_budget_bytes: float, seq_len: i
 @dataclass
 class FitReport:
     tp: int
+    pp: int
     gpu_memory_bytes: float
     usable_bytes: float  # per GPU, after --gpu-memory-utilization
     weight_bytes_per_gpu: float
     kv_bytes_per_gpu: float  # for the requested batch x seq_len
     kv_budget_per_gpu: float  # what is left for KV after the weights
-    max_sequences: int  # at seq_len, across the TP group
+    max_sequences: int  # at seq_len, across the TP x PP group
 
     @property
     def fits(self) -> bool:
@@ -73,17 +74,19 @@ def kv_heads_per_gpu(spec: ModelSpec, tp: int) -> int:
 
 def fit(spec: ModelSpec, gpu_memory_bytes: float, tp: int = 1, seq_len: int = 4096, batch: int = 1,
         dtype: str = "bf16", kv_dtype: str = "bf16", gpu_memory_utilization: float = 0.9,
-        activation_reserve_bytes: float = 1e9) -> FitReport:
-    """Weights + KV per GPU against its usable memory (activations keep a fixed reserve)."""
+        activation_reserve_bytes: float = 1e9, pp: int = 1) -> FitReport:
+    """Weights + KV per GPU against its usable memory (activations keep a fixed reserve). Pipeline
+    stages hold 1 / pp of the weights each (the embedding and lm_head counted as spread evenly) and
+    the KV of their layers (the first stages take the extra layer when pp does not divide them)."""
     if tp < 1 or spec.num_heads % tp:
         raise InvalidRequestError(f"tensor-parallel degree {tp} must divide {spec.num_heads} heads")
     usable = gpu_memory_bytes * gpu_memory_utilization - activation_reserve_bytes
-    weights = weight_bytes(spec, dtype) / tp
-    kv_per_token_per_gpu = (2 * spec.num_layers * kv_heads_per_gpu(spec, tp) * spec.head_dim
+    weights = weight_bytes(spec, dtype) / (tp * pp)
+    kv_per_token_per_gpu = (2 * math.ceil(spec.num_layers / pp) * kv_heads_per_gpu(spec, tp) * spec.head_dim
                             * dtype_bytes(kv_dtype))
     kv_budget = max(0.0, usable - weights)
     return FitReport(
-        tp=tp, gpu_memory_bytes=gpu_memory_bytes, usable_bytes=usable, weight_bytes_per_gpu=weights,
+        tp=tp, pp=pp, gpu_memory_bytes=gpu_memory_bytes, usable_bytes=usable, weight_bytes_per_gpu=weights,
         kv_bytes_per_gpu=kv_per_token_per_gpu * seq_len * batch, kv_budget_per_gpu=kv_budget,
         max_sequences=math.floor(kv_budget / (kv_per_token_per_gpu * seq_len)),
     )

@@ -3,6 +3,7 @@
     goodserve calc kv --model llama-2-13b --batch 32 --seq-len 2048 --kv-dtype fp16
     goodserve calc kv --num-layers 40 --hidden-size 5120 --num-heads 40 --batch 32 --seq-len 2048
     goodserve calc fit --model llama-3.1-70b --gpu h100-sxm --tp 4 --seq-len 8192 --batch 16
+    goodserve calc fit --model llama-3.1-8b --gpus 8 --goal throughput --prompt-len 8000 --tpot-ms 50
     goodserve calc cost --gpu-hourly-cost 2.5 --tokens-per-s 2400
     goodserve calc cost --gpu-hourly-cost 2.5 --tokens-per-s 2400 --batch-tokens-per-s 9000
 """
@@ -10,11 +11,13 @@
 from __future__ import annotations
 
 import argparse
-
+import math
 
 from goodserve.commands.console import make_console
-from goodserve.diagnose.calc import (DTYPE_BYTES, cost_per_million_tokens, fit, kv_cache_bytes,
+from goodserve.diagnose.calc import (DTYPE_BYTES, cost_per_million_tokens, kv_cache_bytes, kv_heads_per_gpu,
                                      max_concurrent_sequences)
+from goodserve.diagnose.parallel import (ALLREDUCE_LATENCY_S, Layout, advise_layout, allreduce_payload_bytes,
+                                         decode_limit, dtype_for_activations, layout_fit, ring_bytes_sent)
 from goodserve.diagnose.hardware import get_hardware
 from goodserve.diagnose.model_shape import resolve_spec
 from goodserve.errors import InvalidRequestError
@@ -33,14 +36,28 @@ def register(subparsers) -> None:
     kv.add_argument("--memory-gb", type=float, help="KV budget (decimal GB): how many sequences fit")
     kv.set_defaults(func=_kv)
 
-    fit_p = actions.add_parser("fit", help="do weights + KV fit a GPU at a tensor-parallel degree")
+    fit_p = actions.add_parser("fit", help="per-GPU memory, all-reduce traffic and decode limit of a parallel "
+                                           "layout, and the layout that pays")
     _add_model_arguments(fit_p)
     fit_p.add_argument("--gpu", default="h100-sxm")
-    fit_p.add_argument("--tp", type=int, default=1)
+    fit_p.add_argument("--tensor-parallel-size", "--tp", dest="tp", type=int, default=1,
+                       help="GPUs splitting each layer (heads, columns)")
+    fit_p.add_argument("--pipeline-parallel-size", "--pp", dest="pp", type=int, default=1,
+                       help="GPUs each holding a contiguous range of layers")
+    fit_p.add_argument("--data-parallel-size", "--dp", dest="dp", type=int, default=1,
+                       help="replicas, each of TP x PP GPUs; --batch is spread over them")
     fit_p.add_argument("--batch", type=int, default=1)
     fit_p.add_argument("--seq-len", type=int, default=4096)
     fit_p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16", help="weight dtype")
     fit_p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    fit_p.add_argument("--allreduce-latency-us", type=float, default=ALLREDUCE_LATENCY_S * 1e6,
+                       help="one small all-reduce's latency (NCCL in a CUDA graph on NVLink)")
+    fit_p.add_argument("--gpus", type=int, help="GPUs to spend, for the advice (default: the layout's)")
+    fit_p.add_argument("--goal", choices=("throughput", "latency"), default="throughput",
+                       help="what the advice optimizes: tokens/s over all GPUs, or one sequence's TPOT")
+    fit_p.add_argument("--prompt-len", type=int, help="typical prompt tokens: advise disaggregation when their "
+                                                      "prefill outlasts --tpot-ms")
+    fit_p.add_argument("--tpot-ms", type=float, default=100.0, help="TPOT target, for the disaggregation advice")
     fit_p.set_defaults(func=_fit)
 
     cost = actions.add_parser("cost", help="$ per 1M tokens from $/GPU-hour and throughput")
@@ -95,15 +112,38 @@ def _kv(args) -> int:
 def _fit(args) -> int:
     spec = spec_from_args(args)
     gpu = get_hardware(args.gpu)
-    report = fit(spec, gpu.memory_bytes, args.tp, args.seq_len, args.batch, args.dtype, args.kv_dtype,
-                 args.gpu_memory_utilization)
+    layout = Layout(args.tp, args.pp, args.dp)
+    report = layout_fit(spec, layout, gpu.memory_bytes, args.seq_len, args.batch, args.dtype, args.kv_dtype,
+                        args.gpu_memory_utilization)
+    per_replica = math.ceil(args.batch / layout.dp)
     console = make_console()
     verdict = "[green]fits[/green]" if report.fits else "[red]does not fit[/red]"
-    console.print(f"{spec.name} ({args.dtype} weights, {args.kv_dtype} KV) on {args.tp} x {gpu.name}: {verdict}")
+    console.print(f"{spec.name} ({args.dtype} weights, {args.kv_dtype} KV) on TP {layout.tp} x PP {layout.pp} x "
+                  f"DP {layout.dp} = {layout.gpus} x {gpu.name}: {verdict}")
     console.print(f"  per GPU: usable {report.usable_bytes / 1e9:.1f} GB, weights "
-                  f"{report.weight_bytes_per_gpu / 1e9:.1f} GB, KV for {args.batch} x {args.seq_len} "
-                  f"{report.kv_bytes_per_gpu / 1e9:.1f} GB")
-    console.print(f"  KV room after weights holds {report.max_sequences} sequences of {args.seq_len} tokens")
+                  f"{report.weight_bytes_per_gpu / 1e9:.1f} GB, KV for {per_replica} x {args.seq_len} "
+                  f"{report.kv_bytes_per_gpu / 1e9:.1f} GB ({kv_heads_per_gpu(spec, layout.tp)} of "
+                  f"{spec.num_kv_heads} KV heads, {math.ceil(spec.num_layers / layout.pp)} of {spec.num_layers} layers)")
+    console.print(f"  KV room after weights holds {report.max_sequences} sequences of {args.seq_len} tokens "
+                  f"per replica")
+    act = dtype_for_activations(args.dtype)
+    for what, tokens in ((f"decode step of {per_replica}", per_replica), (f"prefill of {args.seq_len}", args.seq_len)):
+        payload = allreduce_payload_bytes(spec, layout.tp, layout.pp, tokens, act)
+        if payload:
+            console.print(f"  all-reduce per {what} tokens: {payload / 1e6:.2f} MB per GPU "
+                          f"({2 * math.ceil(spec.num_layers / layout.pp)} all-reduces), ring sends "
+                          f"{ring_bytes_sent(payload, layout.tp) / 1e6:.2f} MB")
+    limit = decode_limit(spec, gpu, layout, args.seq_len, 1, args.dtype, args.kv_dtype, args.allreduce_latency_us / 1e6)
+    console.print(f"  one sequence at {args.seq_len} tokens of context decodes at most "
+                  f"{limit.bandwidth_tokens_per_s:.0f} tok/s by bandwidth, {limit.tokens_per_s:.0f} tok/s with the "
+                  f"collectives ({1000 * limit.allreduce_s:.2f} ms all-reduce, {1000 * limit.handoff_s:.2f} ms "
+                  f"stage handoffs per token)")
+    advice = advise_layout(spec, gpu, args.gpus or layout.gpus, args.goal, args.seq_len, args.batch, args.dtype,
+                           args.kv_dtype, args.gpu_memory_utilization, args.prompt_len, args.tpot_ms / 1000)
+    if advice:
+        console.print(f"advice ({args.goal}, {args.gpus or layout.gpus} GPUs):")
+    for item in advice:
+        console.print(f"  - [cyan]{item.option}[/cyan]: {item.why}")
     return 0 if report.fits else 1
 
 

@@ -5,6 +5,11 @@ result (or a live goodserve /metrics) recorded; flags apply where none is record
     goodserve diagnose --result result.json
     goodserve diagnose --model llama-3.1-8b --hardware h100-sxm --dtype bf16    # limits only
     goodserve diagnose --measure --metrics-url http://127.0.0.1:8000/metrics
+    goodserve diagnose --model llama-3.1-70b --hardware h100-sxm --tensor-parallel-size 4
+
+With a parallel layout the roofline is one replica's: TP multiplies its FLOP/s and bandwidth, TP x
+PP its memory, and a run measured through a router over DP replicas counts 1 / DP of the requests
+in flight per replica. The all-reduces' cost per decode token is shown beside the decode ceiling.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from goodserve.diagnose.calc import weight_bytes
 from goodserve.diagnose.hardware import HARDWARE, Hardware, get_hardware, measure_local
 from goodserve.diagnose.model_shape import resolve_spec
 from goodserve.diagnose.observations import Observations, from_bench_result, from_metrics_url
+from goodserve.diagnose.parallel import (ALLREDUCE_LATENCY_S, Layout, allreduce_payload_bytes, check_layout,
+                                         decode_limit, dtype_for_activations, per_replica, replica_hardware)
 from goodserve.diagnose.roofline import PhaseAnalysis, analyze, flops_per_token
 from goodserve.model.spec import ModelSpec
 
@@ -45,30 +52,48 @@ def register(subparsers) -> None:
     source = p.add_mutually_exclusive_group()
     source.add_argument("--result", help="a goodserve bench result JSON")
     source.add_argument("--metrics-url", help="a live goodserve server's /metrics URL")
+    p.add_argument("--tensor-parallel-size", "--tp", dest="tp", type=int, default=1,
+                   help="GPUs the run split each layer over")
+    p.add_argument("--pipeline-parallel-size", "--pp", dest="pp", type=int, default=1,
+                   help="GPUs the run split the layers over, in stages")
+    p.add_argument("--data-parallel-size", "--dp", dest="dp", type=int, default=1,
+                   help="replicas the measured run was spread over")
     p.add_argument("--interval", type=float, default=10.0, help="seconds between /metrics scrapes")
     p.add_argument("--json", dest="json_path", help="also write the diagnosis as JSON")
     p.set_defaults(func=run_command)
 
 
-def model_table(spec: ModelSpec, hw: Hardware, dtype: str, compute_dtype: str) -> Table:
+def model_table(spec: ModelSpec, hw: Hardware, dtype: str, compute_dtype: str, layout: Layout = Layout(),
+                kv_dtype: str = "bf16") -> Table:
+    """hw: one GPU; a TP x PP replica's rows are per GPU (weights) or the replica's (ceilings)."""
     weights = weight_bytes(spec, dtype)
-    ridge = hw.ridge_point(compute_dtype)
-    table = Table(title=f"{spec.name} on {hw.name}", show_header=False)
+    group = replica_hardware(hw, layout)
+    ridge = group.ridge_point(compute_dtype)
+    limit = decode_limit(spec, hw, layout, 0, 1, dtype, kv_dtype)
+    table = Table(title=f"{spec.name} on {group.name}" + (f", {layout.dp} replicas" if layout.dp > 1 else ""),
+                  show_header=False)
     table.add_column("what")
     table.add_column("value", justify="right")
     rows = [
         ("parameters", f"{spec.num_params() / 1e9:.3f} B"),
-        (f"weights ({dtype})", f"{weights / 1e9:.2f} GB"),
+        (f"weights ({dtype})", f"{weights / 1e9:.2f} GB"
+         + (f", {weights / (layout.tp * layout.pp) / 1e9:.2f} GB per GPU" if layout.tp * layout.pp > 1 else "")),
         ("FLOPs per token (short context)", f"{flops_per_token(spec, 0) / 1e9:.2f} GFLOP"),
         # 3 significant digits: a CPU's 0.0123 TFLOP/s and 9.8 GB/s must not print as 0.0
-        (f"peak compute ({compute_dtype})", f"{hw.flops_for(compute_dtype) / 1e12:.3g} TFLOP/s"),
-        ("peak bandwidth", f"{hw.memory_bandwidth / 1e9:.3g} GB/s"),
-        ("memory", f"{hw.memory_bytes / 1e9:.0f} GB"),
+        (f"peak compute ({compute_dtype})", f"{group.flops_for(compute_dtype) / 1e12:.3g} TFLOP/s"),
+        ("peak bandwidth", f"{group.memory_bandwidth / 1e9:.3g} GB/s"),
+        ("memory", f"{group.memory_bytes / 1e9:.0f} GB"),
         ("ridge point", f"{ridge:.0f} FLOP/byte"),
         # One sequence: every step reads all weights, so bandwidth caps tokens/s at bw / weights.
-        ("batch-1 decode ceiling", f"{hw.memory_bandwidth / weights:.0f} tok/s"),
+        ("batch-1 decode ceiling", f"{limit.bandwidth_tokens_per_s:.0f} tok/s"),
         ("decode batch to reach the ridge", f"~{ridge * weights / (2 * spec.num_matmul_params()):.0f}"),
     ]
+    if layout.tp > 1:
+        payload = allreduce_payload_bytes(spec, layout.tp, 1, 1, dtype_for_activations(dtype))
+        rows += [(f"all-reduces per decode token (TP {layout.tp})",
+                  f"{2 * spec.num_layers} x {payload / (2 * spec.num_layers) / 1024:.0f} KiB, "
+                  f"{1000 * limit.allreduce_s:.2f} ms at {ALLREDUCE_LATENCY_S * 1e6:.0f} us each"),
+                 ("batch-1 decode ceiling with them", f"{limit.tokens_per_s:.0f} tok/s")]
     for row in rows:
         table.add_row(*row)
     return table
@@ -121,11 +146,15 @@ def run_command(args) -> int:
     assumed = resolve(flags, obs.engine if obs else None, obs.source if obs else "")
     print_assumptions(console, assumed, args.measure)
     spec = resolve_spec(assumed.model)
+    layout = Layout(args.tp, args.pp, args.dp)
+    check_layout(spec, layout)
     hw = measure_local() if args.measure else get_hardware(assumed.hardware)
-    console.print(model_table(spec, hw, assumed.weight_dtype, assumed.compute_dtype))
-    report: dict = {"model": spec.name, "hardware": asdict(hw), "assumptions": asdict(assumed)}
+    console.print(model_table(spec, hw, assumed.weight_dtype, assumed.compute_dtype, layout, assumed.kv_dtype))
+    report: dict = {"model": spec.name, "hardware": asdict(hw), "assumptions": asdict(assumed),
+                    "layout": asdict(layout)}
     if obs is not None:
-        phases = analyze(spec, hw, obs, assumed.weight_dtype, assumed.kv_dtype, assumed.compute_dtype)
+        phases = analyze(spec, replica_hardware(hw, layout), per_replica(obs, layout), assumed.weight_dtype,
+                         assumed.kv_dtype, assumed.compute_dtype)
         console.print(f"measured: {obs.source}: {obs.output_throughput:.1f} output tok/s, "
                       f"~{obs.concurrency:.1f} requests in flight, TTFT {1000 * obs.ttft_s:.0f} ms, "
                       f"TPOT {1000 * obs.tpot_s:.1f} ms")

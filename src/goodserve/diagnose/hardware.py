@@ -22,6 +22,9 @@ class Hardware:
     peak_flops: dict[str, float]  # dtype -> FLOP/s (int8: OP/s)
     memory_bandwidth: float  # bytes/s
     memory_bytes: float
+    # One GPU's link to its peers, one direction (NVLink, else PCIe), for tensor parallelism's
+    # all-reduces; 0: unknown (a measured machine).
+    link_bandwidth: float = 0.0
     note: str = ""
     measured: bool = field(default=False)
 
@@ -50,16 +53,17 @@ def _tensor_core(bf16_tflops: float, fp32_tflops: float, int8_tops: float,
 HARDWARE: dict[str, Hardware] = {
     hw.name: hw
     for hw in [
-        Hardware("h100-sxm", _tensor_core(989.4, 66.9, 1978.9, 1978.9), 3.35e12, 80 * GB),
-        Hardware("h100-pcie", _tensor_core(756.0, 51.2, 1513.0, 1513.0), 2.0e12, 80 * GB),
-        Hardware("h200", _tensor_core(989.4, 66.9, 1978.9, 1978.9), 4.8e12, 141 * GB),
-        Hardware("a100-40gb", _tensor_core(312.0, 19.5, 624.0), 1.555e12, 40 * GB),
-        Hardware("a100-80gb", _tensor_core(312.0, 19.5, 624.0), 2.039e12, 80 * GB),
-        Hardware("l4", _tensor_core(121.0, 30.3, 242.5, 242.5), 0.3e12, 24 * GB),
-        Hardware("a10g", _tensor_core(70.0, 31.2, 140.0), 0.6e12, 24 * GB,
+        Hardware("h100-sxm", _tensor_core(989.4, 66.9, 1978.9, 1978.9), 3.35e12, 80 * GB, 450 * GB),
+        Hardware("h100-pcie", _tensor_core(756.0, 51.2, 1513.0, 1513.0), 2.0e12, 80 * GB, 64 * GB),
+        Hardware("h200", _tensor_core(989.4, 66.9, 1978.9, 1978.9), 4.8e12, 141 * GB, 450 * GB),
+        Hardware("a100-40gb", _tensor_core(312.0, 19.5, 624.0), 1.555e12, 40 * GB, 300 * GB),
+        Hardware("a100-80gb", _tensor_core(312.0, 19.5, 624.0), 2.039e12, 80 * GB, 300 * GB),
+        Hardware("l4", _tensor_core(121.0, 30.3, 242.5, 242.5), 0.3e12, 24 * GB, 32 * GB),
+        Hardware("a10g", _tensor_core(70.0, 31.2, 140.0), 0.6e12, 24 * GB, 32 * GB,
                  note="AWS A10G; tensor peaks are lower than the A10's"),
         Hardware("cpu", {"fp32": 1.0 * TERA, "bf16": 1.0 * TERA, "fp16": 1.0 * TERA, "int8": 2.0 * TERA},
-                 0.1e12, 64 * GB, note="a generic server CPU; use --measure for this machine"),
+                 0.1e12, 64 * GB, 10 * GB, note="a generic server CPU (link: gloo through shared memory, "
+                                                "a guess); use --measure for this machine"),
     ]
 }
 

@@ -22,6 +22,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -29,7 +30,7 @@ from goodserve.config import EngineConfig
 from goodserve.engine.config_resolution import resolve_for_device, torch_dtype, with_overrides
 from goodserve.engine.executor import make_executor
 from goodserve.engine.grammar import accept_tokens_ahead, grammar_bitmask
-from goodserve.engine.input_processor import InputProcessor
+from goodserve.engine.input_processor import InputProcessor, sequence_id
 from goodserve.engine.isolation import find_culprits
 from goodserve.engine.kv_cache_manager import KVCacheManager
 from goodserve.engine.output_processor import Finish, OutputProcessor
@@ -83,8 +84,11 @@ class Engine:
                     arrival_time: float | None = None) -> None:
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        request = self.inputs.make_request(request_id, prompt, params, arrival_time)
-        self.requests[request_id] = request
+        self._register(self.inputs.make_request(request_id, prompt, params, arrival_time))
+
+    def _register(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        params = request.seqs[0].params
         for seq in request.seqs:
             self._new.append(NewRequestData(seq.seq_id, params, seq.index, request.prompt_token_ids))
         # n > 1 with prefix caching: the other samples wait until the first has cached the prompt.
@@ -92,6 +96,45 @@ class Engine:
         request.pending = request.seqs[1:] if sharing else []
         for seq in request.seqs[:1] if sharing else request.seqs:
             self.scheduler.add(seq)
+
+    # ---- prefill here, decode elsewhere (engine/kv_transfer.py moves the blocks) --------------
+    def add_prefill_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
+        """A request whose blocks outlive its finish (its first token: max_tokens=1), until
+        held_kv() was sent and release_held() gives them back."""
+        if params.n != 1:
+            raise InvalidRequestError("a request whose KV moves to another engine has n = 1")
+        self.add_request(request_id, prompt, params)
+        self.kv.hold(sequence_id(request_id, 0))
+
+    def held_kv(self, request_id: str) -> tuple[list[int], int]:
+        """A finished prefill request's blocks, and the tokens whose K/V they hold."""
+        return self.kv.held.get(sequence_id(request_id, 0), ([], 0))
+
+    def release_held(self, request_id: str) -> None:
+        self.kv.release_held(sequence_id(request_id, 0))
+
+    def add_decode_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                           fill: Callable[[list[int]], None]) -> bool:
+        """A request whose prompt's K/V, all but the last token's, another engine computed: its blocks
+        are allocated, fill(block table) writes them, and it is scheduled as a prefix-cache hit would
+        be (the last prompt token computed here samples the first output token). False, nothing
+        allocated and fill never called: the pool has no room now."""
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if params.n != 1:
+            raise InvalidRequestError("a request whose KV comes from another engine has n = 1")
+        request = self.inputs.make_request(request_id, prompt_token_ids, params, None)
+        seq, num_imported = request.seqs[0], len(prompt_token_ids) - 1
+        if not self.kv.allocate(seq, num_imported):
+            return False
+        try:
+            fill(self.kv.block_table(seq.seq_id))
+        except BaseException:
+            self.kv.free(seq, finished=True)
+            raise
+        seq.num_computed_tokens = num_imported
+        self._register(request)
+        return True
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         request = self.requests.pop(request_id, None)

@@ -87,7 +87,7 @@ class InputProcessor:
     def _new_sequence(self, request_id: str, index: int, prompt_ids: list[int], params: SamplingParams,
                       max_len: int, arrival_time: float) -> Sequence:
         seq = Sequence(
-            seq_id=f"{request_id}#{index}", request_id=request_id, index=index,
+            seq_id=sequence_id(request_id, index), request_id=request_id, index=index,
             token_ids=list(prompt_ids), num_prompt_tokens=len(prompt_ids), params=params,
             max_len=max_len, arrival_time=arrival_time,
         )
@@ -96,3 +96,8 @@ class InputProcessor:
         if params.structured_outputs is not None:  # compiled by validate_request: a cache hit
             seq.grammar = self.grammars.new_state(self.grammars.compile(params.structured_outputs))
         return seq
+
+
+def sequence_id(request_id: str, index: int) -> str:
+    """The id of a request's index-th sequence (of its n)."""
+    return f"{request_id}#{index}"

@@ -22,6 +22,9 @@ class KVCacheManager:
         self.tables: dict[str, list[int]] = {}
         self._hashes: dict[str, list[bytes]] = {}  # chained hashes of a sequence's full blocks, memoized
         self._num_registered: dict[str, int] = {}  # leading blocks already offered to the prefix cache
+        # Prefilled here, decoded elsewhere: the blocks a sequence held when it finished and the tokens
+        # whose K/V they hold, kept until they are sent (engine/kv_transfer.py) and released.
+        self.held: dict[str, tuple[list[int], int]] = {}
 
     @property
     def num_blocks(self) -> int:
@@ -109,10 +112,23 @@ class KVCacheManager:
             self.pool.release(table.pop())
 
     def free(self, seq: Sequence, finished: bool = False) -> None:
-        """Release seq's blocks (preempted: it recomputes later; finished: its hashes go too).
-        Tail blocks are freed first so they are also evicted first: a shared prefix outlives them."""
-        for block_id in reversed(self.tables.pop(seq.seq_id, ())):
-            self.pool.release(block_id)
+        """Release seq's blocks (preempted: it recomputes later; finished: its hashes go too, and a
+        held sequence's blocks wait for release_held). Tail blocks are freed first so they are also
+        evicted first: a shared prefix outlives them."""
+        table = self.tables.pop(seq.seq_id, [])
         self._num_registered.pop(seq.seq_id, None)
         if finished:
             self._hashes.pop(seq.seq_id, None)
+            if seq.seq_id in self.held:
+                self.held[seq.seq_id] = (table, seq.num_computed_tokens)
+                return
+        for block_id in reversed(table):
+            self.pool.release(block_id)
+
+    def hold(self, seq_id: str) -> None:
+        """Keep the sequence's blocks past its finish, for a transfer."""
+        self.held[seq_id] = ([], 0)
+
+    def release_held(self, seq_id: str) -> None:
+        for block_id in reversed(self.held.pop(seq_id, ([], 0))[0]):
+            self.pool.release(block_id)

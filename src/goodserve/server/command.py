@@ -14,6 +14,8 @@ from goodserve.engine_args import (
     engine_config_from_args,
 )
 from goodserve.errors import InvalidRequestError
+from goodserve.router.config import RouterConfig
+from goodserve.router.policies import POLICIES
 
 _SERVER_HELP = {
     "host": "address to bind; the default keeps the server on this machine (default: 127.0.0.1)",
@@ -61,11 +63,17 @@ def register(subparsers) -> None:
                             {"log_level": ("critical", "error", "warning", "info", "debug"),
                              "pooling": ("last", "mean")})
     parser.set_defaults(api_key=os.environ.get("GOODSERVE_API_KEY"))
+    replicas = parser.add_argument_group("replicas")
+    replicas.add_argument("--data-parallel-size", type=int, default=1, metavar="R",
+                          help="R engine servers on loopback ports (one GPU each on CUDA; on the CPU they share "
+                               "its cores) and the router in front of them on --host:--port (docs/serving.md)")
+    replicas.add_argument("--router-policy", choices=POLICIES, default=RouterConfig(backends=()).policy,
+                          help="with --data-parallel-size: how the router picks a replica (goodserve router --policy)")
     add_engine_arguments(parser)
     parser.set_defaults(func=run)
 
 
-def _check(config) -> None:
+def _check(config, args: argparse.Namespace) -> None:
     if config.max_waiting < 1:
         raise InvalidRequestError("--max-waiting must be at least 1")
     if config.max_body_bytes < 1024:
@@ -79,6 +87,8 @@ def _check(config) -> None:
         raise InvalidRequestError("--batch-max-concurrency and --batch-max-file-bytes must be positive")
     if config.max_connections is not None and config.max_connections < 1:
         raise InvalidRequestError("--max-connections must be at least 1")
+    if args.data_parallel_size < 1:
+        raise InvalidRequestError("--data-parallel-size must be at least 1")
 
 
 def _is_loopback(host: str) -> bool:
@@ -89,16 +99,23 @@ def _is_loopback(host: str) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
-    from goodserve.engine.async_engine import AsyncEngine  # torch loads only when serving
-    from goodserve.server.app import ServerConfig, run_server
-    from goodserve.server.metrics import engine_info
+    from goodserve.server.app import ServerConfig
 
     config = dataclass_from_args(ServerConfig, args)
-    _check(config)
+    _check(config, args)
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not _is_loopback(config.host) and not config.api_key:
         logging.getLogger("goodserve.server").warning(
             "binding %s without --api-key: anyone who can reach this port can use the model", config.host)
+    if args.data_parallel_size > 1:
+        from goodserve.server.replicas import run_replicas
+
+        run_replicas(engine_config_from_args(args), config, args.data_parallel_size, args.router_policy)
+        return 0
+    from goodserve.engine.async_engine import AsyncEngine  # torch loads only when serving
+    from goodserve.server.app import run_server
+    from goodserve.server.metrics import engine_info
+
     engine = AsyncEngine(engine_config_from_args(args))
     # What auto resolved to (dtype, KV dtype, kernels), as /metrics reports it in engine_config_info.
     logging.getLogger("goodserve.server").info(

@@ -1,0 +1,192 @@
+"""Parallel layouts on paper: TP x PP GPUs per replica, DP replicas. What each GPU holds, what the
+GPUs send each other per step, how fast one sequence can decode, and which layout pays.
+
+- Memory per GPU: weights / (TP x PP); KV for its layers (L / PP) and its KV heads (split by TP,
+  one whole head per GPU when TP exceeds the KV heads: the head is replicated, not cut).
+- Tensor parallelism all-reduces the hidden state twice per layer (after attention's o and the
+  MLP's down projection): 2 x layers x hidden x tokens x activation bytes per step. A ring
+  all-reduce moves 2 (N - 1) / N of that payload over each GPU's link.
+- Decode of one sequence reads every weight once per token. TP splits that read over N GPUs'
+  bandwidth but adds 2 x layers all-reduces, whose latency (not their bytes: 16 KB each for an 8B
+  model) decides small-batch speed. PP stages run one after another for a token: no faster.
+- Advice: a model that does not fit one GPU needs TP (the smallest N that fits; PP across nodes
+  past 8 GPUs); one that fits runs faster per GPU as replicas (no collectives) when throughput is
+  the goal, with TP when per-token latency is; long prompts whose prefill takes longer than the
+  TPOT target stall every colocated decode: disaggregate prefill and decode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from goodserve.diagnose.calc import FitReport, dtype_bytes, fit, kv_heads_per_gpu, weight_bytes
+from goodserve.diagnose.hardware import Hardware
+from goodserve.diagnose.observations import Observations
+from goodserve.diagnose.roofline import prefill_flops
+from goodserve.errors import InvalidRequestError
+from goodserve.model.spec import ModelSpec
+
+# One all-reduce of a decode step's few KB inside a CUDA graph: NCCL measured 20 us on 2 H200s
+# (issue 16; 37-45 us eager, 11 us for a one-shot symmetric-memory all-reduce).
+ALLREDUCE_LATENCY_S = 20e-6
+NODE_GPUS = 8  # past one node's GPUs, TP's all-reduces would cross the network: PP there instead
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def flags(self) -> str:
+        parts = [f"--tensor-parallel-size {self.tp}"] if self.tp > 1 else []
+        parts += [f"--pipeline-parallel-size {self.pp}"] if self.pp > 1 else []
+        parts += [f"--data-parallel-size {self.dp}"] if self.dp > 1 else []
+        return " ".join(parts) or "one GPU"
+
+
+def check_layout(spec: ModelSpec, layout: Layout) -> None:
+    if min(layout.tp, layout.pp, layout.dp) < 1:
+        raise InvalidRequestError("parallel sizes must be at least 1")
+    if spec.num_heads % layout.tp:
+        raise InvalidRequestError(f"--tensor-parallel-size {layout.tp} must divide {spec.num_heads} heads")
+    if layout.pp > spec.num_layers:
+        raise InvalidRequestError(f"--pipeline-parallel-size {layout.pp} exceeds {spec.num_layers} layers")
+
+
+def layout_fit(spec: ModelSpec, layout: Layout, gpu_memory_bytes: float, seq_len: int, batch: int,
+               dtype: str, kv_dtype: str, gpu_memory_utilization: float) -> FitReport:
+    """Memory per GPU; the batch is spread over the replicas (each holds its share's KV)."""
+    check_layout(spec, layout)
+    return fit(spec, gpu_memory_bytes, layout.tp, seq_len, math.ceil(batch / layout.dp), dtype, kv_dtype,
+               gpu_memory_utilization, pp=layout.pp)
+
+
+def allreduce_payload_bytes(spec: ModelSpec, tp: int, pp: int, tokens: int, act_dtype: str = "bf16") -> float:
+    """Bytes all-reduced per step by each GPU: 2 per layer of its stage x hidden x tokens."""
+    if tp == 1:
+        return 0.0
+    return 2 * math.ceil(spec.num_layers / pp) * spec.hidden_size * tokens * dtype_bytes(act_dtype)
+
+
+def ring_bytes_sent(payload_bytes: float, tp: int) -> float:
+    """A ring all-reduce (reduce-scatter + all-gather) sends 2 (N - 1) / N of the payload per GPU."""
+    return payload_bytes * 2 * (tp - 1) / tp
+
+
+@dataclass
+class DecodeLimit:
+    read_s: float  # reading weights + KV at full bandwidth, per token
+    allreduce_s: float  # the all-reduces' latency and bytes on the link
+    handoff_s: float  # PP: one send between consecutive stages each
+
+    @property
+    def token_s(self) -> float:
+        return self.read_s + self.allreduce_s + self.handoff_s
+
+    @property
+    def bandwidth_tokens_per_s(self) -> float:
+        """The limit if collectives were free."""
+        return 1.0 / self.read_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        return 1.0 / self.token_s
+
+
+def decode_limit(spec: ModelSpec, hw: Hardware, layout: Layout, context_len: int = 0, batch: int = 1,
+                 dtype: str = "bf16", kv_dtype: str = "bf16",
+                 allreduce_latency_s: float = ALLREDUCE_LATENCY_S) -> DecodeLimit:
+    """One decode step of `batch` sequences on one replica: each GPU reads its weights (1 / TP of
+    them in turn, stage after stage) and its KV heads, then the all-reduces and stage handoffs."""
+    kv_per_token = 2 * spec.num_layers * kv_heads_per_gpu(spec, layout.tp) * spec.head_dim * dtype_bytes(kv_dtype)
+    read = (weight_bytes(spec, dtype) / layout.tp + batch * context_len * kv_per_token) / hw.memory_bandwidth
+    allreduce = 0.0
+    if layout.tp > 1:
+        count = 2 * spec.num_layers
+        sent = ring_bytes_sent(allreduce_payload_bytes(spec, layout.tp, 1, batch, dtype_for_activations(dtype)),
+                               layout.tp)
+        allreduce = count * allreduce_latency_s + (sent / hw.link_bandwidth if hw.link_bandwidth else 0.0)
+    return DecodeLimit(read, allreduce, (layout.pp - 1) * allreduce_latency_s)
+
+
+def dtype_for_activations(weight_dtype: str) -> str:
+    """Weight-only quantized models compute (and all-reduce) in bf16."""
+    return "bf16" if weight_dtype in ("int8", "int4", "auto") else weight_dtype
+
+
+def replica_hardware(hw: Hardware, layout: Layout) -> Hardware:
+    """One replica's TP x PP GPUs as one device for the roofline: TP multiplies the FLOP/s and the
+    bandwidth a step uses (PP stages take turns on a token, so they do not), both multiply memory."""
+    if layout.tp * layout.pp == 1:
+        return hw
+    n = layout.tp
+    return dataclasses.replace(hw, name=f"{layout.tp * layout.pp} x {hw.name} (TP {layout.tp}, PP {layout.pp})",
+                               peak_flops={k: v * n for k, v in hw.peak_flops.items()},
+                               memory_bandwidth=hw.memory_bandwidth * n,
+                               memory_bytes=hw.memory_bytes * n * layout.pp)
+
+
+def per_replica(obs: Observations, layout: Layout) -> Observations:
+    """A run measured through a router over DP replicas, as one replica saw it: its share of the
+    requests in flight (latencies are each request's own)."""
+    return dataclasses.replace(obs, concurrency=obs.concurrency / layout.dp)
+
+
+@dataclass
+class LayoutAdvice:
+    option: str  # the flags that apply it
+    why: str
+
+
+def smallest_fitting_layout(spec: ModelSpec, gpu_memory_bytes: float, seq_len: int, batch: int, dtype: str,
+                            kv_dtype: str, gpu_memory_utilization: float) -> Layout | None:
+    """TP first (powers of two dividing the heads, up to a node), then PP stages of a full node."""
+    tps = [n for n in (1, 2, 4, 8) if n <= NODE_GPUS and spec.num_heads % n == 0]
+    candidates = [Layout(tp=n) for n in tps] + [Layout(tp=tps[-1], pp=p) for p in range(2, spec.num_layers + 1)]
+    for layout in candidates:
+        if layout_fit(spec, layout, gpu_memory_bytes, seq_len, batch, dtype, kv_dtype, gpu_memory_utilization).fits:
+            return layout
+    return None
+
+
+def advise_layout(spec: ModelSpec, hw: Hardware, gpus: int, goal: str, seq_len: int, batch: int,
+                  dtype: str = "bf16", kv_dtype: str = "bf16", gpu_memory_utilization: float = 0.9,
+                  prompt_len: int | None = None, tpot_target_s: float | None = None) -> list[LayoutAdvice]:
+    """goal: "throughput" (tokens/s over all GPUs) or "latency" (one sequence's TPOT)."""
+    base = smallest_fitting_layout(spec, hw.memory_bytes, seq_len, batch, dtype, kv_dtype, gpu_memory_utilization)
+    if base is None:
+        return [LayoutAdvice("a smaller dtype (--dtype int8 / int4)",
+                             f"{spec.name} does not fit {hw.name}s at any layout tried")]
+    advice = []
+    group = base.tp * base.pp
+    if group > 1:
+        advice.append(LayoutAdvice(base.flags(), f"the smallest layout on which weights + KV for {batch} x {seq_len} "
+                                                 f"tokens fit"))
+    replicas = max(1, gpus // group)
+    if goal == "throughput" and replicas > 1:
+        advice.append(LayoutAdvice(Layout(base.tp, base.pp, replicas).flags(),
+                                   f"{replicas} replicas of {group} GPU{'s' if group > 1 else ''} each: each decodes its own batch with no "
+                                   f"collectives between them, so throughput grows ~{replicas}x"))
+    if goal == "latency" and group < gpus:
+        tp = max(n for n in (1, 2, 4, 8) if n <= gpus // base.pp and spec.num_heads % n == 0)
+        if tp > base.tp:
+            now = decode_limit(spec, hw, base, seq_len, 1, dtype, kv_dtype)
+            faster = decode_limit(spec, hw, Layout(tp, base.pp), seq_len, 1, dtype, kv_dtype)
+            advice.append(LayoutAdvice(Layout(tp, base.pp).flags(), f"one sequence decodes at most "
+                                       f"{faster.tokens_per_s:.0f} tok/s on TP {tp} against "
+                                       f"{now.tokens_per_s:.0f} on TP {base.tp} (all-reduce latency included)"))
+    if prompt_len and tpot_target_s:
+        prefill_s = prefill_flops(spec, prompt_len) / (hw.flops_for(dtype_for_activations(dtype)) * base.tp)
+        if prefill_s > tpot_target_s:
+            advice.append(LayoutAdvice("prefill / decode disaggregation (issue 16)", f"a {prompt_len}-token prefill takes >= {1000 * prefill_s:.0f} ms, "
+                                       f"over the {1000 * tpot_target_s:.0f} ms TPOT target: every colocated "
+                                       f"decode stalls that long (chunked prefill only spreads the stall); "
+                                       f"prefill GPUs apart from decode GPUs keep TPOT flat"))
+    return advice

@@ -1,0 +1,137 @@
+"""`goodserve serve --data-parallel-size 2 --model dummy:tiny`: two engine servers and the router under
+one command, driven by the official openai client: both replicas serve, a replica killed mid-run
+loses no request (none of them had begun answering: a non-streamed answer comes whole), its death is
+reported, and Ctrl-C stops every process. One stack for the module; the tests run in order."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import openai
+import pytest
+
+from goodserve.config import EngineConfig
+from goodserve.engine_args import dataclass_argv, dataclass_from_args
+from goodserve.server import command as serve_command
+from goodserve.server.app import ServerConfig
+from goodserve.server.process import ServerProcess, free_port, scrape_metrics
+
+MODEL = "dummy:tiny"
+REPLICA_LINE = re.compile(r"replica (\d): pid (\d+) at (http://\S+)")
+
+
+def parse_serve(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    serve_command.register(parser.add_subparsers())
+    return parser.parse_args(["serve", *argv])
+
+
+def test_a_replica_is_started_with_the_flags_the_launcher_was_given():
+    args = parse_serve("--model", MODEL, "--max-num-seqs", "7", "--no-enable-prefix-caching",
+                       "--gpu-memory-utilization", "0.5", "--slo-ttft-ms", "250", "--data-parallel-size", "2")
+    engine, server = dataclass_from_args(EngineConfig, args), dataclass_from_args(ServerConfig, args)
+    again = parse_serve(*dataclass_argv(engine), *dataclass_argv(server))
+    assert dataclass_from_args(EngineConfig, again) == engine
+    assert dataclass_from_args(ServerConfig, again) == server
+    assert again.data_parallel_size == 1  # the replica serves; it does not launch replicas of its own
+
+
+def start_launcher(*flags: str, model: str = MODEL) -> ServerProcess:
+    port = free_port()
+    log_path = Path(tempfile.mkstemp(prefix="goodserve-dp-", suffix=".log")[1])
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "goodserve.cli", "serve", "--port", str(port), "--model", model, *flags],
+            stdout=log, stderr=subprocess.STDOUT)
+    return ServerProcess(process, f"http://127.0.0.1:{port}", log_path)
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    launcher = start_launcher("--data-parallel-size", "2", "--router-policy", "round-robin",
+                              "--data-dir", str(tmp_path_factory.mktemp("dp")))
+    try:
+        launcher.wait_ready(300)
+        replicas = {int(i): (int(pid), url) for i, pid, url in REPLICA_LINE.findall(launcher.log())}
+        assert sorted(replicas) == [0, 1]
+        client = openai.OpenAI(base_url=f"{launcher.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        yield launcher, replicas, client
+    finally:
+        launcher.stop(signal.SIGKILL)  # its replicas follow it (parent-death signal)
+
+
+def served(url: str) -> float:
+    return sum(v for k, v in scrape_metrics(url).items() if k.startswith("goodserve:request_success_total"))
+
+
+def test_requests_are_answered_by_both_replicas(stack):
+    launcher, replicas, client = stack
+    answers = [client.completions.create(model=MODEL, prompt=[11, 12, 13 + i], max_tokens=4, temperature=0)
+               for i in range(4)]
+    assert all(a.usage.completion_tokens == 4 for a in answers)
+    assert [served(url) for _, url in replicas.values()] == [2, 2]
+
+
+def test_a_replica_killed_mid_run_loses_no_request(stack):
+    launcher, replicas, client = stack
+    pid, url = replicas[0]
+
+    def ask(i: int):
+        return client.completions.create(model=MODEL, prompt=[20 + i, 21, 22], max_tokens=64,
+                                         extra_body={"ignore_eos": True})
+
+    with ThreadPoolExecutor(8) as pool:
+        pending = [pool.submit(ask, i) for i in range(16)]
+        while not scrape_metrics(url).get("goodserve:num_requests_running{}"):
+            time.sleep(0.01)
+        subprocess.run(["kill", "-KILL", str(pid)], check=True)  # with requests running on it
+        answers = [future.result() for future in pending]
+    assert all(a.usage.completion_tokens == 64 for a in answers)
+    deadline = time.monotonic() + 10
+    while "replica 0 (pid" not in launcher.log() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert f"replica 0 (pid {pid}, {url}) exited with -9" in launcher.log()
+    found = scrape_metrics(launcher.url)
+    assert found["goodserve:router_retries_total{}"] >= 1
+    assert found[f"goodserve:router_backend_healthy{{backend={url}}}"] == 0
+    assert launcher.process.poll() is None
+    assert client.completions.create(model=MODEL, prompt=[5, 6], max_tokens=2).usage.completion_tokens == 2
+
+
+def test_ctrl_c_stops_the_router_and_every_replica(stack):
+    launcher, replicas, _ = stack
+    survivor = replicas[1][0]
+    assert alive(survivor)
+    launcher.process.send_signal(signal.SIGINT)
+    launcher.process.wait(60)
+    deadline = time.monotonic() + 30
+    while alive(survivor) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive(survivor)
+
+
+def test_a_replica_that_fails_to_start_fails_the_launch(tmp_path):
+    launcher = start_launcher("--data-parallel-size", "2", "--data-dir", str(tmp_path), model="dummy:no-such")
+    try:
+        assert launcher.process.wait(120) == 2
+    finally:
+        launcher.stop(signal.SIGKILL)
+    log = launcher.log()
+    assert "exited with 2 while starting" in log
+    for pid in (int(p) for _, p, _ in REPLICA_LINE.findall(log)):
+        assert not alive(pid)
