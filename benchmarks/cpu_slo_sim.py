@@ -29,6 +29,7 @@ from goodserve.engine.step_time_model import StepTimeFit
 from goodserve.errors import QueueFullError
 from goodserve.sampling_params import SamplingParams
 from goodserve.server.admission import Admission
+from goodserve.server.batch_lines import BATCH_PRIORITY
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from result_file import write_result  # noqa: E402
@@ -62,7 +63,11 @@ def simulate(policy: str, rate: float, args, fit: StepTimeFit) -> dict:
     offsets = send_offsets(ArrivalConfig(rate, args.burstiness), len(requests), args.seed)
     ttft_s, tpot_s = args.ttft_ms / 1000, args.tpot_ms / 1000
     next_arrival, met, refused, token = 0, 0, 0, 1
-    while next_arrival < len(requests) or sched.has_unfinished():
+    batch = build_workload(WorkloadConfig(dataset_name="sharegpt", num_prompts=args.batch_concurrency * 50,
+                                          seed=args.seed + 1), PromptText(None, args.seed)) if args.batch_concurrency else []
+    batch_live, batch_done, batch_tokens = 0, 0, 0
+    while next_arrival < len(requests) or any(s.params.priority != BATCH_PRIORITY for s in sched.running) \
+            or any(s.params.priority != BATCH_PRIORITY for s in sched.waiting):
         while next_arrival < len(requests) and offsets[next_arrival] <= clock.now:
             r = requests[next_arrival]
             params = SamplingParams(max_tokens=r.output_len, ignore_eos=True, slo_ttft_ms=args.ttft_ms,
@@ -81,6 +86,15 @@ def simulate(policy: str, rate: float, args, fit: StepTimeFit) -> dict:
                     continue
                 admission.admit(1, r.prompt_len)
             sched.add(seq)
+        while batch_live < args.batch_concurrency and batch and next_arrival < len(requests):
+            r = batch.pop()
+            params = SamplingParams(max_tokens=r.output_len, ignore_eos=True, priority=BATCH_PRIORITY)
+            prompt = list(range(token, token + r.prompt_len))
+            token += r.prompt_len
+            sched.add(Sequence(seq_id=f"batch{len(batch)}", request_id=f"batch{len(batch)}", index=0,
+                               token_ids=prompt, num_prompt_tokens=r.prompt_len, params=params,
+                               max_len=r.prompt_len + r.output_len, arrival_time=clock.now))
+            batch_live += 1
         out = sched.schedule()
         if not out:
             clock.now = offsets[next_arrival]
@@ -96,6 +110,12 @@ def simulate(policy: str, rate: float, args, fit: StepTimeFit) -> dict:
                 continue
             seq = sched.seqs[seq_id]
             seq.token_ids.append(0)
+            if seq.params.priority == BATCH_PRIORITY:
+                batch_tokens += 1
+                if seq.num_tokens >= seq.max_len:
+                    batch_live, batch_done = batch_live - 1, batch_done + 1
+                    sched.finish(seq, "length")
+                continue
             if seq.metrics.first_token_time is None:
                 seq.metrics.first_token_time = clock.now
                 if admission is not None:
@@ -106,7 +126,8 @@ def simulate(policy: str, rate: float, args, fit: StepTimeFit) -> dict:
                 met += first - seq.arrival_time <= ttft_s and (seq.num_output_tokens < 2 or tpot <= tpot_s)
                 sched.finish(seq, "length")
     return {"policy": policy, "request_rate": rate, "slo_attainment": 100.0 * met / len(requests),
-            "refused_429": refused, "duration_s": clock.now, "num_preemptions": sched.num_preemptions}
+            "refused_429": refused, "duration_s": clock.now, "num_preemptions": sched.num_preemptions,
+            "batch_lines_done": batch_done, "batch_output_tok_s": batch_tokens / clock.now if clock.now else 0.0}
 
 
 def capacity(runs: list[dict], target: float = 90.0) -> float:
@@ -126,6 +147,8 @@ def main(argv=None) -> None:
     p.add_argument("--step", default="0.008,0.0001,0.00003", help="a,b,c of the step time, seconds")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--batch-concurrency", type=int, default=0,
+                   help="a batch job beside the online requests: this many lines in the engine at all times")
     p.add_argument("--num-kv-blocks", type=int, default=30000)
     args = p.parse_args(argv)
     fit = StepTimeFit(*(float(x) for x in args.step.split(",")))
@@ -135,7 +158,8 @@ def main(argv=None) -> None:
             run = simulate(policy, rate, args, fit)
             runs[policy].append(run)
             print(f"{policy:>10} {rate:6.1f} req/s: attainment {run['slo_attainment']:5.1f}% "
-                  f"refused {run['refused_429']:4d} preemptions {run['num_preemptions']}", flush=True)
+                  f"refused {run['refused_429']:4d} preemptions {run['num_preemptions']} "
+                  f"batch {run['batch_output_tok_s']:.0f} tok/s", flush=True)
     caps = {policy: capacity(r) for policy, r in runs.items()}
     print(f"capacity: {caps}; slo / continuous {caps['slo'] / caps['continuous'] if caps['continuous'] else 0:.2f}x")
     write_result("cpu_slo_sim.json", {"args": vars(args), "runs": runs, "capacity": caps})
