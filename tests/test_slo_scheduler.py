@@ -32,9 +32,9 @@ def scheduler(policy: str, num_blocks: int = 1024, fit: StepTimeFit | None = FIT
 
 
 def request(sched: Scheduler, name: str, arrival: float, prompt_len: int = 4, ttft_ms: float | None = None,
-            tpot_ms: float | None = None, priority: int = 0, max_tokens: int = 100) -> Sequence:
+            tpot_ms: float | None = None, priority: int = 0, max_tokens: int = 100, first_token: int = 1) -> Sequence:
     params = SamplingParams(max_tokens=max_tokens, slo_ttft_ms=ttft_ms, slo_tpot_ms=tpot_ms, priority=priority)
-    seq = Sequence(seq_id=name, request_id=name, index=0, token_ids=list(range(1, prompt_len + 1)),
+    seq = Sequence(seq_id=name, request_id=name, index=0, token_ids=list(range(first_token, first_token + prompt_len)),
                    num_prompt_tokens=prompt_len, params=params, max_len=prompt_len + 100, arrival_time=arrival)
     sched.add(seq)
     return seq
@@ -244,6 +244,26 @@ def test_a_burst_of_online_requests_displaces_batch_lines_in_one_step(policy):
         request(sched, f"online{i}", 1.0, ttft_ms=200, tpot_ms=50)
     assert sorted(decode_step(sched).seq_ids) == ["b0", "online0", "online1", "online2"]
     assert sorted(seq.seq_id for seq in sched.waiting) == ["b1", "b2", "b3"]
+
+
+def test_batch_lines_get_a_bounded_share_of_a_step_while_online_requests_run():
+    """FIT: one online decode row makes an 11 ms step; batch work may add 20% of it, half in decode rows
+    (1.1 ms / 1 ms a row: 1 row) and half in prompt tokens (1.1 ms / 0.1 ms: 11 tokens)."""
+    sched = scheduler("slo")
+    sched.slo.clock = Clock(0.0)
+    request(sched, "online", 0.0, ttft_ms=200, tpot_ms=50)
+    decode_step(sched)
+    for i in range(4):
+        request(sched, f"b{i}", 0.1 + i, prompt_len=8, priority=BATCH, first_token=100 * (i + 1))  # no prefix hits
+    out = decode_step(sched)
+    assert dict(zip(out.seq_ids, out.num_new_tokens)) == {"online": 1, "b0": 8, "b1": 3}
+    out = decode_step(sched)  # b0 now decodes: the one row; b1's 5 prompt tokens, then 6 of b2's
+    assert dict(zip(out.seq_ids, out.num_new_tokens)) == {"online": 1, "b0": 1, "b1": 5, "b2": 6}
+    out = decode_step(sched)  # b1 decodes too: one row is the share; b0, the first in order, takes it
+    assert dict(zip(out.seq_ids, out.num_new_tokens)) == {"online": 1, "b0": 1, "b2": 2, "b3": 8}
+    sched.finish(sched.seqs["online"], "stop")
+    out = decode_step(sched)  # nothing online: the batch fills the step
+    assert dict(zip(out.seq_ids, out.num_new_tokens)) == {"b0": 1, "b1": 1, "b2": 1, "b3": 1}
 
 
 def test_a_request_of_the_same_priority_waits_for_a_slot():

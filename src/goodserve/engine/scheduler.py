@@ -181,8 +181,11 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
+            num_own = self._granted(seq, min(seq.num_uncomputed_tokens, budget))
+            if num_own == 0:
+                continue
             drafts = self._drafts(seq, budget)
-            num_new = min(seq.num_uncomputed_tokens, budget) + len(drafts)
+            num_new = num_own + len(drafts)
             if drafts and not self.kv.allocate(seq, num_new):  # speculation never preempts anyone
                 drafts, num_new = [], num_new - len(drafts)
             while not self.kv.allocate(seq, num_new):
@@ -194,6 +197,11 @@ class Scheduler:
                 decision.add(seq, num_new, drafts)
                 budget -= num_new
         return budget
+
+    def _granted(self, seq: Sequence, num_new: int) -> int:
+        """Of num_new tokens, those seq may compute this step: under the slo policy a request without
+        targets only within the background share (engine/slo_policy.py)."""
+        return num_new if self.slo is None else self.slo.background.grant(seq, num_new)
 
     def _drafts(self, seq: Sequence, budget: int) -> list[int]:
         """Proposed tokens for a decoding sequence to verify this step (room left for its own token)."""
@@ -212,13 +220,10 @@ class Scheduler:
                 break
             if seq.seq_id not in self.kv.tables:
                 seq.num_computed_tokens = self.kv.match_prefix(seq)
-            num_new = seq.num_uncomputed_tokens
-            if num_new > budget:
-                if not self.config.enable_chunked_prefill:
-                    self._release_blocks(seq)
-                    break
-                num_new = budget
-            if not self.kv.allocate(seq, num_new):
+            num_new = self._granted(seq, min(seq.num_uncomputed_tokens, budget))
+            whole = num_new == seq.num_uncomputed_tokens
+            if num_new == 0 or not (whole or self.config.enable_chunked_prefill) \
+                    or not self.kv.allocate(seq, num_new):
                 self._release_blocks(seq)
                 break
             self._start_running(seq)
