@@ -24,6 +24,7 @@ from goodserve.model.gguf_reader import eos_token_ids, metadata, open_gguf
 from goodserve.model.gguf_tokenizer import gguf_tokenizer
 from goodserve.model.llama import LlamaForCausalLM, WeightFiller, build_empty_model
 from goodserve.model.spec import ModelSpec
+from goodserve.model.tensor_parallel import TensorParallel
 from goodserve.model.tokenizer import Tokenizer
 from goodserve.ops.rope_scaling import RopeScaling
 from goodserve.ops.rotary import inverse_frequencies
@@ -190,11 +191,11 @@ def architecture(reader: gguf.GGUFReader) -> str:
     return metadata(reader, "general.architecture")
 
 
-def load_gguf(path: Path, dtype: torch.dtype, device: torch.device,
-              keep_quantization: bool = False) -> tuple[ModelSpec, LlamaForCausalLM, Tokenizer]:
+def load_gguf(path: Path, dtype: torch.dtype, device: torch.device, keep_quantization: bool = False,
+              tp: TensorParallel = TensorParallel()) -> tuple[ModelSpec, LlamaForCausalLM, Tokenizer]:
     reader = open_gguf(path)
     spec = gguf_spec(reader, name=path.stem)
     tokenizer = gguf_tokenizer(reader)
-    model = build_empty_model(spec, dtype, device)
+    model = build_empty_model(spec, dtype, device, tp)
     load_gguf_weights(model, reader, architecture(reader), keep_quantization)
     return spec, model, tokenizer
