@@ -21,7 +21,7 @@ from goodserve.engine.runner_output import PendingOutput
 from goodserve.engine.sampling_inputs import GrammarBitmask
 from goodserve.engine.scheduler_output import SchedulerOutput
 from goodserve.engine.worker import ModelInfo, Worker
-from goodserve.errors import EngineDeadError
+from goodserve.errors import EngineDeadError, GoodserveError
 
 logger = logging.getLogger("goodserve.engine")
 
@@ -57,7 +57,7 @@ class MultiprocExecutor:
         self._processes = []
         for rank in range(local):
             rank_env = env and env | {"RANK": str(rank), "LOCAL_RANK": str(rank)}
-            target, args = (_leader_main, (child, config, rank_env)) if rank == 0 else (_follower_main, (rank_env,))
+            target, args = (_leader_main, (child, config, rank_env)) if rank == 0 else (run_follower, (rank_env,))
             process = context.Process(target=target, args=args, daemon=True, name=f"goodserve-worker-{rank}")
             process.start()
             self._processes.append(process)
@@ -87,28 +87,34 @@ class MultiprocExecutor:
         return self._receive()
 
     def _receive(self):
-        """Rank 0's answer; a worker process that died instead ends the engine, with its exit code."""
+        """Rank 0's answer; a worker process that died instead ends the engine, with its exit code
+        (unless rank 0's own word comes soon: a load error, which every rank hits, says more)."""
         while not self._conn.poll(_LIVENESS_POLL_S):
-            self._check_alive()
+            if self._exited() and not self._conn.poll(_LAST_WORD_S):
+                raise self._exited()
         try:
             ok, value = self._conn.recv()
         except EOFError:
-            self._check_alive()
-            raise EngineDeadError("the worker process closed its pipe") from None
-        if not ok:
-            self._check_alive()
-            raise value
+            raise self._exited() or EngineDeadError("the worker process closed its pipe") from None
+        if not ok:  # rank 0's account of a user's error stands; any other may come from a lost rank
+            exited = self._exited()
+            if exited is None or (isinstance(value, GoodserveError) and not isinstance(value, EngineDeadError)):
+                raise value
+            raise exited from value
         return value
 
-    def _check_alive(self) -> None:
+    def _exited(self) -> EngineDeadError | None:
         for rank, process in enumerate(self._processes):
             if process.exitcode is not None:
-                raise EngineDeadError(f"worker process of rank {rank} (pid {process.pid}) exited with code "
-                                      f"{process.exitcode}; the engine cannot go on (its log says why)")
+                return EngineDeadError(f"worker process of rank {rank} (pid {process.pid}) exited with code "
+                                       f"{process.exitcode}; the engine cannot go on (its log says why)")
+        return None
 
 
-# How often the engine, waiting for a step, checks that every worker process still lives.
+# How often the engine, waiting for a step, checks that every worker process still lives, and how
+# long it then waits for rank 0's own account.
 _LIVENESS_POLL_S = 0.5
+_LAST_WORD_S = 2.0
 
 
 def _leader_main(conn: Connection, config: EngineConfig, env: dict[str, str] | None) -> None:
@@ -147,7 +153,7 @@ def _leader_main(conn: Connection, config: EngineConfig, env: dict[str, str] | N
             conn.send((False, exc))
 
 
-def _follower_main(env: dict[str, str] | None = None) -> None:
+def run_follower(env: dict[str, str] | None = None) -> None:
     """A rank other than 0, on this host (env: its variables) or another (`goodserve worker`, from
     torchrun's): gets the config from rank 0, builds its share, then runs what rank 0 hands on."""
     if env is not None:
