@@ -13,11 +13,14 @@ import sys
 import time
 
 import pytest
+import torch
 
 from goodserve import LLM, SamplingParams
 from goodserve.errors import EngineDeadError, InvalidRequestError
+from goodserve.model.llama import build_empty_model
 from goodserve.model.presets import get_preset
-from goodserve.model.tensor_parallel import check_tensor_parallel_size
+from goodserve.model.tensor_parallel import TensorParallel, check_tensor_parallel_size
+from goodserve.quant.apply import quantize_model
 
 PROMPTS = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 30, 2)]
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -60,6 +63,25 @@ def test_tiny_model_split_gives_the_same_greedy_tokens_and_leaks_no_block_on_abo
         assert engine.kv.num_used_blocks == 0
     finally:
         llm.engine.executor.shutdown()
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_quantized_shards_hold_the_whole_models_codes(quantization):
+    # int4 groups of 32: the tiny model's o_proj shard at TP=2 has 32 input columns
+    settings = {"quantization": quantization, "quantization_group_size": 32 if quantization == "int4" else None}
+    expected = greedy_tokens(LLM("dummy:tiny", **(SETTINGS | settings)))
+    llm = tensor_parallel("dummy:tiny", 2, **settings)
+    try:
+        assert greedy_tokens(llm) == expected
+    finally:
+        llm.engine.executor.shutdown()
+
+
+def test_int4_groups_must_not_straddle_a_shard():
+    """The whole model's group size (64 for the tiny model) is the one each shard must hold whole."""
+    model = build_empty_model(get_preset("tiny"), torch.float32, "cpu", TensorParallel(rank=0, size=2))
+    with pytest.raises(InvalidRequestError, match="group size 64 does not divide o_proj .*tensor-parallel shard"):
+        quantize_model(model, "int4", group_size=None)
 
 
 def test_embedded_model_split_three_ways_gives_the_same_greedy_tokens():

@@ -162,12 +162,15 @@ class EngineConfig:
         self.kernels.validate()
         if self.quantization == "gguf":
             self._validate_gguf_quantization()
-        if self.tensor_parallel_size > 1 and (self.quantization == "gguf" or self.quantized_checkpoint):
+        if self.tensor_parallel_size > 1 and (self.quantization == "gguf" or self.quantized_checkpoint
+                                              or self.quantization_awq):
             # Their codes come packed for the whole matrix (GGUF blocks, the checkpoint's groups):
-            # slicing them per rank is not written yet; codes computed at load are (int8 / int4).
+            # slicing them per rank is not written yet; codes computed at load are (int8 / int4). AWQ's
+            # scale search reads whole layers' activations.
             raise InvalidRequestError(
                 "tensor parallelism runs float weights or int8 / int4 computed at load (--quantization int8 | "
-                "int4); it cannot split GGUF codes (--quantization gguf) or a --quantized-checkpoint yet")
+                "int4); it cannot split GGUF codes (--quantization gguf), a --quantized-checkpoint or "
+                "--quantization-awq yet")
 
     def resolved_quantization(self, device_type: str) -> str | None:
         """Unset, a GGUF model on the CPU keeps its file's codes ('gguf': the weights exactly as stored,

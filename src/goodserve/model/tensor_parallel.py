@@ -94,6 +94,11 @@ class TensorParallel:
             dist.all_reduce(x)
         return x
 
+    def all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            dist.all_reduce(x, op=dist.ReduceOp.MAX)
+        return x
+
     def broadcast_from_first(self, x: torch.Tensor) -> None:
         if self.size > 1:
             dist.broadcast(x, src=0)
