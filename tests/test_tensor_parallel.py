@@ -23,6 +23,8 @@ from goodserve.model.tensor_parallel import TensorParallel, check_tensor_paralle
 from goodserve.quant.apply import quantize_model
 
 PROMPTS = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 30, 2)]
+# Alone, its first chunks sample nothing: no logits rows to gather.
+LONG_PROMPT = [{"prompt_token_ids": list(range(3, 43))}]
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 # Small prefill chunks: prompts span several steps, beside other sequences' decodes.
 SETTINGS = {"dtype": "float32", "quantization": "none", "num_kv_blocks": 64, "max_num_batched_tokens": 16}
@@ -51,10 +53,12 @@ def test_sizes_that_split_no_head_are_refused_with_the_sizes_that_do():
 
 @pytest.mark.parametrize("size", [2, 4])
 def test_tiny_model_split_gives_the_same_greedy_tokens_and_leaks_no_block_on_abort(size):
-    expected = greedy_tokens(LLM("dummy:tiny", **SETTINGS))
+    whole = LLM("dummy:tiny", **SETTINGS)
+    expected = greedy_tokens(whole)
     llm = tensor_parallel("dummy:tiny", size)
     try:
         assert greedy_tokens(llm) == expected
+        assert greedy_tokens(llm, LONG_PROMPT) == greedy_tokens(whole, LONG_PROMPT)
         engine = llm.engine
         engine.add_request("aborted", list(range(3, 40)), GREEDY)
         engine.step()

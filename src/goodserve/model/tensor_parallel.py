@@ -107,9 +107,10 @@ class TensorParallel:
         """[N, vocab rows] on each rank -> [N, vocab] on every rank (so each can sample)."""
         if self.size == 1:
             return logits
-        parts = [torch.empty_like(logits) for _ in range(self.size)]
-        dist.all_gather(parts, logits.contiguous())
-        return torch.cat(parts, dim=-1)[:, :vocab_size]
+        rows, columns = logits.shape
+        parts = logits.new_empty((self.size * rows, columns))  # rank after rank
+        dist.all_gather_single(parts, logits.contiguous())
+        return parts.view(self.size, rows, columns).movedim(0, 1).reshape(rows, self.size * columns)[:, :vocab_size]
 
 
 def _rows(full: torch.Tensor, start: int, count: int) -> torch.Tensor:
