@@ -21,7 +21,6 @@ import torch
 from torch import nn
 
 from goodserve.errors import InvalidRequestError
-from goodserve.model.tensor_parallel import TensorParallel
 from goodserve.quant import schemes
 from goodserve.quant.linear import Int4Linear, Int8Linear
 
@@ -42,7 +41,8 @@ def target_linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
 
 
 def check_quantizable(targets: list[tuple[nn.Module, str, nn.Linear]], method: str, group_size: int,
-                      tp: TensorParallel = TensorParallel()) -> None:
+                      shards: int = 1) -> None:
+    """shards: the tensor-parallel size the linears are a rank's share of."""
     schemes.check_method(method)
     if not targets:
         raise InvalidRequestError(f"no linear layers named {TARGET_LINEARS} to quantize in this model")
@@ -53,26 +53,27 @@ def check_quantizable(targets: list[tuple[nn.Module, str, nn.Linear]], method: s
                 f"weight-only {method} needs float32, bfloat16 or float16 activations; "
                 f"{name} is {str(dtype).removeprefix('torch.')} on {linear.weight.device}")
         if method == "int4":
-            split = tp.size > 1 and name in ROW_PARALLEL_LINEARS
+            split = shards > 1 and name in ROW_PARALLEL_LINEARS
             schemes.check_group_size(linear.in_features, group_size,
-                                     f"{name} (its 1/{tp.size} tensor-parallel shard)" if split else name)
+                                     f"{name} (its 1/{shards} tensor-parallel shard)" if split else name)
 
 
-def auto_group_size(targets: list[tuple[nn.Module, str, nn.Linear]], tp: TensorParallel = TensorParallel()) -> int:
+def auto_group_size(targets: list[tuple[nn.Module, str, nn.Linear]], shards: int = 1) -> int:
     """The largest int4 group size dividing every layer's whole input (smollm2's 576 rules out 128)."""
     for size in sorted(schemes.INT4_GROUP_SIZES, reverse=True):
-        if all(_whole_in_features(name, linear, tp) % size == 0 for _, name, linear in targets):
+        if all(_whole_in_features(name, linear, shards) % size == 0 for _, name, linear in targets):
             return size
     return max(schemes.INT4_GROUP_SIZES)  # none fits: check_quantizable names the layer
 
 
-def _whole_in_features(name: str, linear: nn.Linear, tp: TensorParallel) -> int:
-    return linear.in_features * (tp.size if name in ROW_PARALLEL_LINEARS else 1)
+def _whole_in_features(name: str, linear: nn.Linear, shards: int) -> int:
+    return linear.in_features * (shards if name in ROW_PARALLEL_LINEARS else 1)
 
 
-def _row_absmax(name: str, linear: nn.Linear, tp: TensorParallel) -> torch.Tensor | None:
-    """A row-parallel shard's rows' largest magnitudes over every rank's columns."""
-    if tp.size == 1 or name not in ROW_PARALLEL_LINEARS:
+def _row_absmax(name: str, linear: nn.Linear, tp) -> torch.Tensor | None:
+    """A row-parallel shard's rows' largest magnitudes over every rank's columns (tp: the model's
+    model/tensor_parallel.TensorParallel, None for a model that is not split)."""
+    if tp is None or tp.size == 1 or name not in ROW_PARALLEL_LINEARS:
         return None
     return tp.all_reduce_max(linear.weight.detach().abs().amax(dim=1).float())
 
@@ -97,9 +98,10 @@ def quantize_model(model: nn.Module, method: str, group_size: int | None = 128,
     first (quant/awq.py).
     """
     targets = target_linears(model)
-    tp = getattr(model, "tp", TensorParallel())
-    group_size = group_size or auto_group_size(targets, tp)
-    check_quantizable(targets, method, group_size, tp)
+    tp = getattr(model, "tp", None)  # the model's split (quant/ does not import model/)
+    shards = tp.size if tp is not None else 1
+    group_size = group_size or auto_group_size(targets, shards)
+    check_quantizable(targets, method, group_size, shards)
     head = lm_head_target(model) if lm_head else []
     if head:
         check_quantizable(head, "int8", group_size)
