@@ -162,25 +162,20 @@ class EngineConfig:
         self.kernels.validate()
         if self.quantization == "gguf":
             self._validate_gguf_quantization()
-        if self.tensor_parallel_size > 1 and (self.quantization == "gguf" or self.quantized_checkpoint
-                                              or self.quantization_awq):
-            # Their codes come packed for the whole matrix (GGUF blocks, the checkpoint's groups):
-            # slicing them per rank is not written yet; codes computed at load are (int8 / int4). AWQ's
-            # scale search reads whole layers' activations.
+        if self.tensor_parallel_size > 1 and (self.quantized_checkpoint or self.quantization_awq):
+            # A checkpoint's codes are not sliced per rank yet (GGUF codes and int8 / int4 computed at
+            # load are); AWQ's scale search reads whole layers' activations.
             raise InvalidRequestError(
-                "tensor parallelism runs float weights or int8 / int4 computed at load (--quantization int8 | "
-                "int4); it cannot split GGUF codes (--quantization gguf), a --quantized-checkpoint or "
-                "--quantization-awq yet")
+                "tensor parallelism cannot split a --quantized-checkpoint or run --quantization-awq yet: use "
+                "--quantization int8 | int4 (computed at load) or a GGUF model's own codes")
 
     def resolved_quantization(self, device_type: str) -> str | None:
         """Unset, a GGUF model on the CPU keeps its file's codes ('gguf': the weights exactly as stored,
         ~3x float32's decode speed there, as llama.cpp runs them) unless another quantization option
-        is set (or tensor parallelism, which cannot split the file's codes); on CUDA and for other
-        models it stays unquantized. 'none' (the opt-out) becomes None."""
+        is set; on CUDA and for other models it stays unquantized. 'none' (the opt-out) becomes None."""
         if self.quantization == "none":
             return None
         if (self.quantization is None and device_type == "cpu" and gguf_model_path(self.model) is not None
-                and self.tensor_parallel_size == 1
                 and not (self.quantized_checkpoint or self.quantization_awq or self.quantization_group_size
                          or self.quantize_lm_head)):
             return "gguf"

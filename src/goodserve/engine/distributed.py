@@ -58,6 +58,9 @@ def join() -> Rank:
     local_rank = int(os.environ["LOCAL_RANK"])
     timeout = datetime.timedelta(seconds=float(os.environ.get("GOODSERVE_DISTRIBUTED_TIMEOUT_S", 300)))
     backend = "gloo"
+    # Lets CUDA graphs capture torch's NCCL collectives (vLLM's finding, vllm-project/vllm#2152):
+    # read when the process group is made.
+    os.environ.setdefault("TORCH_NCCL_AVOID_RECORD_STREAMS", "1")
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
         backend = "cpu:gloo,cuda:nccl"

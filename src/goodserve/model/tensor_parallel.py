@@ -5,7 +5,9 @@ Per layer: the fused qkv and gate_up are column-parallel (a rank holds its query
 heads and its columns of gate and of up), o_proj and down_proj row-parallel (the matching input
 columns), each followed by one all-reduce. The embedding and lm_head are vocab-parallel: a rank
 holds a contiguous range of ceil(vocab / N) rows (the last padded with zeros); the lookup masks the
-ids outside its range and all-reduces, the logits are all-gathered. Norms are replicated.
+ids outside its range and all-reduces, the logits are all-gathered. Norms are replicated. The same
+slicing serves a GGUF layer's codes (packed nibbles, scales and zeros per block of 32 inputs: rows
+are rows, and a row-parallel shard's columns are the same share of each).
 
 KV heads: with N <= num_kv_heads each rank holds num_kv_heads / N of them; with more ranks than
 KV heads each KV head is replicated on N / num_kv_heads ranks (the ranks whose query heads read it).
@@ -78,11 +80,10 @@ class TensorParallel:
             return _rows(full, self.first_kv_head(spec) * spec.head_dim, local.kv_size)
         if part in ("gate", "up"):
             return _rows(full, self.rank * local.intermediate_size, local.intermediate_size)
-        if name.endswith("o_proj.weight"):
-            return full[:, self.rank * local.q_size : (self.rank + 1) * local.q_size]
-        if name.endswith("down_proj.weight"):
-            return full[:, self.rank * local.intermediate_size : (self.rank + 1) * local.intermediate_size]
-        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        if is_row_parallel(name):  # a slice of the input columns, or of their codes (packed, per group)
+            columns = full.shape[1] // self.size
+            return full[:, self.rank * columns : (self.rank + 1) * columns]
+        if name == "model.embed_tokens.weight" or name.startswith("lm_head."):
             rows = _rows(full, self.rank * local.vocab_size, local.vocab_size)
             return F.pad(rows, (0, 0, 0, local.vocab_size - rows.shape[0]))  # the last rank's padding
         return full  # norms: replicated
@@ -111,6 +112,10 @@ class TensorParallel:
         parts = logits.new_empty((self.size * rows, columns))  # rank after rank
         dist.all_gather_single(parts, logits.contiguous())
         return parts.view(self.size, rows, columns).movedim(0, 1).reshape(rows, self.size * columns)[:, :vocab_size]
+
+
+def is_row_parallel(name: str) -> bool:
+    return ".o_proj." in name or ".down_proj." in name
 
 
 def _rows(full: torch.Tensor, start: int, count: int) -> torch.Tensor:
