@@ -6,6 +6,7 @@ host) join through env:// like torchrun's."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import subprocess
@@ -14,9 +15,11 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from goodserve import LLM, SamplingParams
 from goodserve.errors import EngineDeadError, InvalidRequestError
+from goodserve.model.dummy_loader import load_dummy
 from goodserve.model.llama import build_empty_model
 from goodserve.model.presets import get_preset
 from goodserve.model.tensor_parallel import TensorParallel, check_tensor_parallel_size
@@ -49,6 +52,24 @@ def test_sizes_that_split_no_head_are_refused_with_the_sizes_that_do():
         check_tensor_parallel_size(get_preset("smollm2-135m"), 2)
     for size in (2, 4):  # 4 heads, 2 KV heads: at 4 each KV head serves two ranks
         check_tensor_parallel_size(get_preset("tiny"), size)
+
+
+def test_vocab_shards_with_padding_look_up_and_score_as_the_whole_table():
+    spec = dataclasses.replace(get_preset("tiny"), vocab_size=509)  # 255 rows a rank, the last one padded
+    whole = load_dummy(spec, torch.float32, "cpu", seed=0)
+    shards = [load_dummy(spec, torch.float32, "cpu", seed=0, tp=TensorParallel(rank, 2)) for rank in range(2)]
+    ids = torch.tensor([0, 254, 255, 508])
+    # One process: the lookup's all-reduce is the identity, so summing the ranks' lookups here is its sum.
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        looked_up = sum(shard.model.embed_tokens(ids) for shard in shards)
+    finally:
+        dist.destroy_process_group()
+    assert torch.equal(looked_up, whole.model.embed_tokens(ids))
+    hidden = torch.randn(3, spec.hidden_size)
+    logits = torch.cat([shard.lm_head(hidden) for shard in shards], dim=-1)
+    assert torch.equal(logits[:, 509:], torch.zeros(3, 1))  # the padding row
+    torch.testing.assert_close(logits[:, :509], whole.lm_head(hidden))
 
 
 @pytest.mark.parametrize("size", [2, 4])
