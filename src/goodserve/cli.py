@@ -19,6 +19,7 @@ SUBCOMMAND_MODULES = [
     "goodserve.commands.eval",
     "goodserve.commands.quantize",
     "goodserve.commands.batch",
+    "goodserve.commands.worker",
 ]
 
 

@@ -19,6 +19,7 @@ from goodserve.ops.sampler import argmax
 
 if TYPE_CHECKING:
     from goodserve.engine.model_runner import ModelRunner
+    from goodserve.model.tensor_parallel import TensorParallel
 
 logger = logging.getLogger(__name__)
 
@@ -69,10 +70,12 @@ def capture_graphs(runner: ModelRunner) -> tuple[GraphSet, GraphSet]:
     config, options = runner.config, runner.config.kernels
     counts = sorted(mixed_graph_token_counts(config.max_num_batched_tokens, options.mixed_graph_max_tokens),
                     reverse=True)
+    tp = runner.model.tp
     mixed = GraphSet.timed({count: _MixedGraph(runner, count, pool) for count in counts},
-                           options.graph_time_tolerance)
+                           options.graph_time_tolerance, tp)
     sizes = sorted(graph_batch_sizes(config.max_num_seqs), reverse=True)
-    decode = GraphSet.timed({size: _DecodeGraph(runner, size, pool) for size in sizes}, options.graph_time_tolerance)
+    decode = GraphSet.timed({size: _DecodeGraph(runner, size, pool) for size in sizes},
+                            options.graph_time_tolerance, tp)
     for graphs, unit in ((decode, "sequence"), (mixed, "token")):
         for size, chosen in graphs.replaced().items():
             logger.info("batches that fit the %d-%s graph replay the %d one (%.2f ms against %.2f)", size, unit,
@@ -104,8 +107,11 @@ class GraphSet:
         self.size_for = graph_size_for_each_batch(self.replay_ms, tolerance) if self.graphs else []
 
     @classmethod
-    def timed(cls, graphs: dict, tolerance: float) -> GraphSet:
-        return cls(graphs, {size: graph.time_replay() for size, graph in graphs.items()}, tolerance)
+    def timed(cls, graphs: dict, tolerance: float, tp: TensorParallel) -> GraphSet:
+        """Under tensor parallelism every rank must replay the same graph for a batch (their
+        collectives must match), so all take the slowest rank's times."""
+        replay_ms = torch.tensor([graph.time_replay() for graph in graphs.values()], dtype=torch.float64)
+        return cls(graphs, dict(zip(graphs, tp.all_reduce_max(replay_ms).tolist())), tolerance)
 
     def holding(self, size: int):
         """The graph a batch of `size` replays; None when none holds it."""

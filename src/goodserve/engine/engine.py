@@ -40,7 +40,7 @@ from goodserve.engine.scheduler import Scheduler
 from goodserve.engine.scheduler_output import NewRequestData, SchedulerOutput
 from goodserve.engine.sequence import Sequence
 from goodserve.engine.stats import EngineStats, StepLog, engine_stats
-from goodserve.errors import InvalidRequestError
+from goodserve.errors import EngineDeadError, InvalidRequestError
 from goodserve.outputs import RequestOutput
 from goodserve.sampling_params import SamplingParams
 
@@ -182,6 +182,8 @@ class Engine:
         try:
             step = self._launch(out, seqs)
             output = None if self._may_run_ahead(step) else step.pending.result()
+        except EngineDeadError:  # a lost worker process: no request caused it, none can run
+            raise
         except Exception as exc:  # a failed step fails the requests that cause it, never the engine
             return self._isolate(out, seqs, exc, stream_text)
         self.scheduler.advance(out, output and _num_rejected(out, output))

@@ -11,18 +11,20 @@ from goodserve.config import EngineConfig
 from goodserve.engine.config_resolution import torch_dtype
 from goodserve.errors import InvalidRequestError
 from goodserve.model.loader import LoadedModel, load_model
+from goodserve.model.tensor_parallel import TensorParallel
 from goodserve.model.tokenizer_loader import load_tokenizer
 from goodserve.ops.cpu_linear import pack_linears_for_cpu
 from goodserve.ops.kernel_choice import KernelChoice, choose_kernels, use_kernels
 
 
-def build_model(config: EngineConfig) -> LoadedModel:
-    """The model's modules hold their KernelChoice (ops/kernel_choice.py): no process-wide setting."""
+def build_model(config: EngineConfig, tp: TensorParallel = TensorParallel()) -> LoadedModel:
+    """The model (this rank's share of it). Its modules hold their KernelChoice (ops/kernel_choice.py):
+    no process-wide setting."""
     device = torch.device(config.device)
     torch.manual_seed(config.seed)
     kernels = choose_kernels(config.attention_backend, config.kernels, device)
     loaded = load_model(config.model, torch_dtype(config), device, seed=config.seed,
-                        keep_gguf_quantization=config.quantization == "gguf")
+                        keep_gguf_quantization=config.quantization == "gguf", tp=tp)
     apply_quantization(loaded, config)
     specialize_linears(loaded.model, device, config, kernels)
     use_kernels(loaded.model, kernels)
@@ -65,7 +67,8 @@ def specialize_linears(model, device: torch.device, config: EngineConfig, kernel
 
             use_int8_activations(model)
         pack_linears_for_cpu(model)
-        native_decode.attach(model)
+        if model.tp.size == 1:  # it runs all layers in one native call: no room for the all-reduces
+            native_decode.attach(model)
     elif kernels.triton:
         from goodserve.ops.gemv_linear import route_decode_rows_to_gemv
 

@@ -61,8 +61,9 @@ class ModelRunner:
         self.vocab_size = model.spec.vocab_size
         self.eos_token_ids = eos_token_ids
         assert num_blocks * config.block_size < 2**31, "slot numbers must fit int32"
-        self.kv_caches: list[LayerKVCache] = allocate_kv_cache(model.spec, num_blocks, config.block_size, device,
-                                                               kv_dtype)
+        # This rank's KV heads (all of them at TP=1), in blocks the scheduler numbers for every rank.
+        self.kv_caches: list[LayerKVCache] = allocate_kv_cache(model.tp.local_spec(model.spec), num_blocks,
+                                                               config.block_size, device, kv_dtype)
         self.requests: dict[str, RequestState] = {}
         self._launched: _Launched | None = None
         # The last step's sampled tokens on the device, and the sequences they belong to, in order.
@@ -126,6 +127,10 @@ class ModelRunner:
                 seeded = _seeded_drafting_rows(rows, drafts, out, self.requests)
             with rewind_generators(sampling, always=trial):
                 sampled = sample(step.output.logits, sampling, self.model.kernels, step.output.logits_argmax)
+            # Every rank samples from the same gathered logits; rank 0's tokens are the ones the engine
+            # gets, and the others take them too, so a token that feeds the next step from the device
+            # (async scheduling) is the same on every rank whatever their random streams did.
+            self.model.tp.broadcast_from_first(sampled.token_ids)
             # A copy of its own: the next replay of the same graph overwrites the graph's argmax buffer.
             sampled.token_ids = sampled.token_ids.clone()
             if not trial:

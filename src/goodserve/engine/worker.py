@@ -1,5 +1,7 @@
 """One device's share of the engine: builds the model, sizes and allocates the KV cache, and runs the
-steps the executor hands it through its model runner."""
+steps the executor hands it through its model runner. Under tensor parallelism there is one per
+rank (`rank`): each holds its share of the weights and of the KV heads, and all agree on one number
+of KV blocks, since the scheduler's block tables serve them all."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from goodserve.config import EngineConfig
+from goodserve.engine import distributed
 from goodserve.engine.config_resolution import resolve_for_model, resolve_for_pool, torch_dtype
 from goodserve.engine.kv_cache import kv_storage_dtype, num_blocks_for_memory
 from goodserve.engine.model_builder import build_model
@@ -17,6 +20,7 @@ from goodserve.engine.runner_output import PendingOutput
 from goodserve.engine.sampling_inputs import GrammarBitmask
 from goodserve.engine.scheduler_output import SchedulerOutput
 from goodserve.model.spec import ModelSpec
+from goodserve.model.tensor_parallel import TensorParallel
 from goodserve.model.tokenizer import Tokenizer
 
 logger = logging.getLogger("goodserve.engine")
@@ -35,22 +39,26 @@ class ModelInfo:
 
 
 class Worker:
-    def __init__(self, config: EngineConfig) -> None:
-        loaded = build_model(config)
+    def __init__(self, config: EngineConfig, rank: distributed.Rank | None = None) -> None:
+        tp = rank.tp if rank is not None else TensorParallel()
+        loaded = build_model(config, tp)
         config = resolve_for_model(config, loaded.spec)
         kv_dtype = kv_storage_dtype(config, torch_dtype(config))
         device = torch.device(config.device)
-        config = resolve_for_pool(config, num_blocks_for_memory(loaded.spec, config, device, torch_dtype(config),
-                                                                kv_dtype))
+        num_blocks = num_blocks_for_memory(tp.local_spec(loaded.spec), config, device, torch_dtype(config), kv_dtype)
+        if rank is not None:
+            num_blocks = distributed.min_over_ranks(num_blocks, rank)
+        config = resolve_for_pool(config, num_blocks)
         tokenizer = loaded.tokenizer
         eos = sorted(set(loaded.spec.eos_token_ids) | set(tokenizer.eos_token_ids if tokenizer else []))
         self.runner = ModelRunner(config, loaded.model, config.num_kv_blocks, kv_dtype, eos)
         self.info = ModelInfo(config, loaded.spec, tokenizer, eos, loaded.revision,
                               bool(self.runner.decode_graphs.graphs or self.runner.mixed_graphs.graphs))
         logger.info(
-            "model %s (%s) dtype=%s device=%s kv_cache=%d blocks x %d tokens (%s) max_model_len=%d",
+            "model %s (%s) dtype=%s device=%s kv_cache=%d blocks x %d tokens (%s) max_model_len=%d%s",
             config.model, loaded.source, config.dtype, device, config.num_kv_blocks, config.block_size,
             str(kv_dtype).removeprefix("torch."), config.max_model_len,
+            f" tensor-parallel rank {tp.rank}/{tp.size}" if tp.size > 1 else "",
         )
 
     def execute_model(self, out: SchedulerOutput) -> None:

@@ -1,15 +1,17 @@
 """`dummy:<preset>`: random weights of a real model's shape, for benchmarking (vLLM --load-format dummy).
 
 Weights are drawn on the target device in the target dtype, so an 8B model appears in seconds on a
-GPU and is never materialized on the CPU.
+GPU and is never materialized on the CPU. Under tensor parallelism each rank draws every whole
+(TP=1) tensor in turn from the same seed and keeps its slice, so any TP size runs the same model.
 """
 
 from __future__ import annotations
 
 import torch
 
-from goodserve.model.llama import LlamaForCausalLM, build_empty_model
+from goodserve.model.llama import LlamaForCausalLM, WeightFiller, build_empty_model
 from goodserve.model.spec import ModelSpec
+from goodserve.model.tensor_parallel import TensorParallel
 
 # Small enough that activations stay finite through dozens of layers in bf16.
 INIT_STD = 0.02
@@ -17,18 +19,25 @@ INIT_STD = 0.02
 
 @torch.no_grad()
 def init_random_weights(model: LlamaForCausalLM, seed: int) -> None:
-    device = next(model.parameters()).device
+    device, dtype = model.rotary_cache.device, next(model.parameters()).dtype
     generator = torch.Generator(device=device).manual_seed(seed)
-    for name, param in model.named_parameters():
+    with torch.device("meta"):
+        whole = LlamaForCausalLM(model.spec)  # the TP=1 shapes, in the TP=1 order of draws
+    filler = WeightFiller(model)
+    for name, param in whole.named_parameters():
+        full = torch.empty(param.shape, dtype=dtype, device=device)
         if name.endswith("norm.weight"):
-            param.fill_(1.0)
+            full.fill_(1.0)
         elif name.endswith(".bias"):
-            param.zero_()
+            full.zero_()
         else:
-            param.normal_(0.0, INIT_STD, generator=generator)
+            full.normal_(0.0, INIT_STD, generator=generator)
+        filler.fill_whole(name, full)
+    filler.finish()
 
 
-def load_dummy(spec: ModelSpec, dtype: torch.dtype, device: torch.device, seed: int) -> LlamaForCausalLM:
-    model = build_empty_model(spec, dtype, device)
+def load_dummy(spec: ModelSpec, dtype: torch.dtype, device: torch.device, seed: int,
+               tp: TensorParallel = TensorParallel()) -> LlamaForCausalLM:
+    model = build_empty_model(spec, dtype, device, tp)
     init_random_weights(model, seed)
     return model

@@ -19,11 +19,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from goodserve.errors import ModelLoadError
+from goodserve.errors import InvalidRequestError, ModelLoadError
 from goodserve.model.gguf_reader import eos_token_ids, metadata, open_gguf
 from goodserve.model.gguf_tokenizer import gguf_tokenizer
 from goodserve.model.llama import LlamaForCausalLM, WeightFiller, build_empty_model
 from goodserve.model.spec import ModelSpec
+from goodserve.model.tensor_parallel import TensorParallel, is_row_parallel
 from goodserve.model.tokenizer import Tokenizer
 from goodserve.ops.rope_scaling import RopeScaling
 from goodserve.ops.rotary import inverse_frequencies
@@ -155,11 +156,24 @@ def _keep_native_linears(model: LlamaForCausalLM, reader: gguf.GGUFReader) -> di
         if attr not in (*TARGET_LINEARS, "lm_head") or len(found) != 1 or next(iter(found)) not in gguf_native.NATIVE_TYPES:
             continue
         parent = model.get_submodule(parent_path)
+        _check_split(path, next(iter(found)), getattr(parent, attr), model.tp)
         # lm_head tied to the embedding: its float table serves many-row (prefill) calls as before.
         table = model.model.embed_tokens.weight if attr == "lm_head" and model.spec.tie_word_embeddings else None
         native[path] = gguf_native.native_linear(found.pop(), getattr(parent, attr), table)
         setattr(parent, attr, native[path])
     return native
+
+
+def _check_split(path: str, tensor_type, linear: nn.Linear, tp: TensorParallel) -> None:
+    """A row-parallel layer's shard must hold whole blocks of 32 inputs, and a Q8_0 one's codes
+    (two int4 halves side by side, gguf_native.Int8GroupLinear) are not sliced per half."""
+    if tp.size == 1 or not is_row_parallel(path + "."):
+        return
+    if tensor_type == gguf_native.Q8_0 or linear.in_features % gguf_native.GROUP_SIZE:
+        raise InvalidRequestError(
+            f"--tensor-parallel-size {tp.size} cannot split the GGUF codes of {path} ({tensor_type.name}, "
+            f"{linear.in_features} inputs a rank; Q4_0 / Q4_1 split on blocks of {gguf_native.GROUP_SIZE}): "
+            f"use --quantization none (or int8 / int4) or another size")
 
 
 def load_gguf_weights(model: LlamaForCausalLM, reader: gguf.GGUFReader, arch: str,
@@ -190,11 +204,11 @@ def architecture(reader: gguf.GGUFReader) -> str:
     return metadata(reader, "general.architecture")
 
 
-def load_gguf(path: Path, dtype: torch.dtype, device: torch.device,
-              keep_quantization: bool = False) -> tuple[ModelSpec, LlamaForCausalLM, Tokenizer]:
+def load_gguf(path: Path, dtype: torch.dtype, device: torch.device, keep_quantization: bool = False,
+              tp: TensorParallel = TensorParallel()) -> tuple[ModelSpec, LlamaForCausalLM, Tokenizer]:
     reader = open_gguf(path)
     spec = gguf_spec(reader, name=path.stem)
     tokenizer = gguf_tokenizer(reader)
-    model = build_empty_model(spec, dtype, device)
+    model = build_empty_model(spec, dtype, device, tp)
     load_gguf_weights(model, reader, architecture(reader), keep_quantization)
     return spec, model, tokenizer

@@ -16,6 +16,7 @@ from goodserve.errors import ModelLoadError
 from goodserve.model.hf_tokenizer import hf_tokenizer, read_json
 from goodserve.model.llama import LlamaForCausalLM, WeightFiller, build_empty_model
 from goodserve.model.spec import ModelSpec
+from goodserve.model.tensor_parallel import TensorParallel
 from goodserve.model.tokenizer import Tokenizer
 from goodserve.ops.rope_scaling import RopeScaling
 
@@ -122,13 +123,14 @@ def load_hf_weights(model: LlamaForCausalLM, files: list[Path]) -> None:
     filler.finish()
 
 
-def load_hf(path: Path, dtype: torch.dtype, device: torch.device) -> tuple[ModelSpec, LlamaForCausalLM, Tokenizer | None]:
+def load_hf(path: Path, dtype: torch.dtype, device: torch.device,
+            tp: TensorParallel = TensorParallel()) -> tuple[ModelSpec, LlamaForCausalLM, Tokenizer | None]:
     try:
         spec = hf_spec(read_json(path / "config.json"), path.name, read_json(path / "generation_config.json"))
     except KeyError as e:
         raise ModelLoadError(f"{path / 'config.json'} lacks the field {e}") from e
     files = safetensors_files(path)
     tokenizer = hf_tokenizer(path, spec)
-    model = build_empty_model(spec, dtype, device)
+    model = build_empty_model(spec, dtype, device, tp)
     load_hf_weights(model, files)
     return spec, model, tokenizer

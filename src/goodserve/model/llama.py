@@ -4,6 +4,10 @@ Tokens of all sequences in a batch are laid end to end ([T, hidden]); the attent
 which sequence each belongs to. q/k/v and gate/up are fused into one matmul each; those linears are
 plain nn.Linear so quantization can swap them by name. Modules that launch kernels hold the model's
 KernelChoice (`kernels`: torch's until the engine gives them its own, ops/kernel_choice.use_kernels).
+
+Under tensor parallelism (model/tensor_parallel.py) each rank builds the modules of its own shapes
+(`tp.local_spec`) and joins them where they meet: an all-reduce after o_proj and after down_proj, a
+masked lookup plus all-reduce in the embedding, an all-gather of the logits.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from torch import nn
 
 from goodserve.errors import ModelLoadError
 from goodserve.model.spec import ModelSpec
+from goodserve.model.tensor_parallel import TensorParallel, check_tensor_parallel_size
 from goodserve.ops.activation import silu_and_mul
 from goodserve.ops.attention import AttentionMetadata, LayerKVCache, attention
 from goodserve.ops.kernel_choice import TORCH_KERNELS
@@ -36,9 +41,28 @@ class RMSNorm(nn.Module):
         return add_rms_norm(x, residual, self.weight, self.eps, self.kernels)
 
 
+class VocabParallelEmbedding(nn.Embedding):
+    """The rank's rows of the table: ids of other ranks' rows look up zeros, the sum over ranks is
+    the full lookup."""
+
+    def __init__(self, rows: int, hidden_size: int, tp: TensorParallel):
+        super().__init__(rows, hidden_size)
+        self.tp = tp
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return super().forward(input_ids)
+        local = input_ids - self.tp.rank * self.num_embeddings
+        outside = (local < 0) | (local >= self.num_embeddings)
+        x = super().forward(local.masked_fill(outside, 0)).masked_fill(outside.unsqueeze(-1), 0.0)
+        return self.tp.all_reduce(x)
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, tp: TensorParallel):
+        """spec: the rank's shapes (its heads)."""
         super().__init__()
+        self.tp = tp
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.q_size, self.kv_size = spec.q_size, spec.kv_size
         self.scale = spec.head_dim**-0.5
@@ -55,27 +79,29 @@ class LlamaAttention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         out = attention(q, k, v, positions, rotary_cache, kv_cache, meta, self.scale, self.kernels)
-        return self.o_proj(out.flatten(1))
+        return self.tp.all_reduce(self.o_proj(out.flatten(1)))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, tp: TensorParallel):
+        """spec: the rank's shapes (its columns)."""
         super().__init__()
+        self.tp = tp
         self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False)
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
         self.kernels = TORCH_KERNELS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.kernels))
+        return self.tp.all_reduce(self.down_proj(silu_and_mul(self.gate_up_proj(x), self.kernels)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, tp: TensorParallel):
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.self_attn = LlamaAttention(spec)
+        self.self_attn = LlamaAttention(spec, tp)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.mlp = LlamaMLP(spec)
+        self.mlp = LlamaMLP(spec, tp)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
@@ -92,19 +118,22 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, tp: TensorParallel):
+        """spec: the rank's shapes."""
         super().__init__()
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(spec) for _ in range(spec.num_layers))
+        self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, tp)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(spec, tp) for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, tp: TensorParallel = TensorParallel()):
+        """spec: the whole model's shapes; each rank builds its share (tp.local_spec)."""
         super().__init__()
-        self.spec = spec
-        self.model = LlamaModel(spec)
-        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.spec, self.tp = spec, tp
+        local = tp.local_spec(spec)
+        self.model = LlamaModel(local, tp)
+        self.lm_head = nn.Linear(spec.hidden_size, local.vocab_size, bias=False)
         self.tie_weights()
         # Set on the CPU for int4 models (model/native_decode.py): runs the decode steps it takes
         # through all layers in one native call. Not a module, so the state dict is the same either way.
@@ -139,20 +168,22 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] (only the rows to sample from) -> float32 logits [N, vocab]."""
-        return self.lm_head(hidden).float()
+        return self.tp.gather_vocab(self.lm_head(hidden), self.spec.vocab_size).float()
 
 
-def build_empty_model(spec: ModelSpec, dtype: torch.dtype, device: torch.device | str) -> LlamaForCausalLM:
-    """The model with uninitialized weights allocated straight on `device` in `dtype`.
+def build_empty_model(spec: ModelSpec, dtype: torch.dtype, device: torch.device | str,
+                      tp: TensorParallel = TensorParallel()) -> LlamaForCausalLM:
+    """The model (this rank's share of it) with uninitialized weights allocated straight on `device` in `dtype`.
 
     Built on the meta device first, so no CPU copy and no init pass happen (an 8B model would spend
     minutes in kaiming init); loaders then fill every parameter.
     """
+    check_tensor_parallel_size(spec, tp.size)
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"):
-            model = LlamaForCausalLM(spec)
+            model = LlamaForCausalLM(spec, tp)
     finally:
         torch.set_default_dtype(default_dtype)
     model = model.to_empty(device=device)
@@ -165,18 +196,16 @@ class WeightFiller:
     """Copies checkpoint tensors into the model's parameters, fused ones shard by shard.
 
     Checkpoints store q, k, v (and gate, up) separately; here they are row blocks of one matrix.
+    Tensors come whole (as at TP=1); under tensor parallelism each rank copies its slice of them.
     `finish` fails if any parameter row was never written: the model would run on garbage.
     `extra` names more tensors to fill the same way (a quantized layer's codes and scales).
     """
 
     def __init__(self, model: LlamaForCausalLM, extra: dict[str, torch.Tensor] | None = None):
-        s = model.spec
+        self.spec, self.tp = model.spec, model.tp
         # A tied lm_head appears once, as the embedding.
         self.params = dict(model.named_parameters()) | (extra or {})
-        self.shard_rows = {
-            "q": (0, s.q_size), "k": (s.q_size, s.kv_size), "v": (s.q_size + s.kv_size, s.kv_size),
-            "gate": (0, s.intermediate_size), "up": (s.intermediate_size, s.intermediate_size),
-        }
+        self.shard_rows = _fused_rows(model.tp.local_spec(model.spec))
         self.rows_filled = dict.fromkeys(self.params, 0)
 
     @torch.no_grad()
@@ -187,6 +216,7 @@ class WeightFiller:
         if shard is not None:
             start, rows = self.shard_rows[shard]
             target = target[start : start + rows]
+        tensor = self.tp.shard(name, shard, tensor, self.spec)
         if target.shape != tensor.shape:
             raise ModelLoadError(
                 f"checkpoint tensor {name}{f' ({shard})' if shard else ''} has shape "
@@ -195,7 +225,25 @@ class WeightFiller:
         target.copy_(tensor)
         self.rows_filled[name] += tensor.shape[0]
 
+    def fill_whole(self, name: str, tensor: torch.Tensor) -> None:
+        """A parameter as the TP=1 model holds it, fused ones included."""
+        parts = [(shard, start, rows) for shard, (start, rows) in _fused_rows(self.spec).items()
+                 if f".{_FUSED_MODULES[shard]}." in name]
+        if not parts:
+            return self.fill(name, None, tensor)
+        for shard, start, rows in parts:
+            self.fill(name, shard, tensor[start : start + rows])
+
     def finish(self) -> None:
         missing = [n for n, p in self.params.items() if self.rows_filled[n] != p.shape[0]]
         if missing:
             raise ModelLoadError(f"checkpoint is missing weights for: {', '.join(missing[:5])}")
+
+
+_FUSED_MODULES = {"q": "qkv_proj", "k": "qkv_proj", "v": "qkv_proj", "gate": "gate_up_proj", "up": "gate_up_proj"}
+
+
+def _fused_rows(s: ModelSpec) -> dict[str, tuple[int, int]]:
+    """Where each shard's rows start in its fused matrix, and how many there are."""
+    return {"q": (0, s.q_size), "k": (s.q_size, s.kv_size), "v": (s.q_size + s.kv_size, s.kv_size),
+            "gate": (0, s.intermediate_size), "up": (s.intermediate_size, s.intermediate_size)}

@@ -8,6 +8,11 @@ error hurts the output distribution most directly, so it always gets int8 per ou
 tied embeddings lm_head's weight is the embedding table: the quantized lm_head is a new module
 with its own codes, and the embedding keeps its float table for lookups. Embeddings themselves
 stay as they are (a lookup reads one row per token).
+
+Under tensor parallelism each rank quantizes its shard to the codes of the whole matrix's slice:
+int4 groups run along the input, so a row-parallel shard (o_proj, down_proj: a slice of the input)
+keeps the group size the whole model would get, and must hold whole groups; int8 scales run per
+output row, so a row-parallel shard takes each row's largest magnitude over all ranks.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from goodserve.quant import schemes
 from goodserve.quant.linear import Int4Linear, Int8Linear
 
 TARGET_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+ROW_PARALLEL_LINEARS = ("o_proj", "down_proj")  # under tensor parallelism: a slice of the input columns
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -34,7 +40,9 @@ def target_linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
     return found
 
 
-def check_quantizable(targets: list[tuple[nn.Module, str, nn.Linear]], method: str, group_size: int) -> None:
+def check_quantizable(targets: list[tuple[nn.Module, str, nn.Linear]], method: str, group_size: int,
+                      shards: int = 1) -> None:
+    """shards: the tensor-parallel size the linears are a rank's share of."""
     schemes.check_method(method)
     if not targets:
         raise InvalidRequestError(f"no linear layers named {TARGET_LINEARS} to quantize in this model")
@@ -45,15 +53,29 @@ def check_quantizable(targets: list[tuple[nn.Module, str, nn.Linear]], method: s
                 f"weight-only {method} needs float32, bfloat16 or float16 activations; "
                 f"{name} is {str(dtype).removeprefix('torch.')} on {linear.weight.device}")
         if method == "int4":
-            schemes.check_group_size(linear.in_features, group_size, name)
+            split = shards > 1 and name in ROW_PARALLEL_LINEARS
+            schemes.check_group_size(linear.in_features, group_size,
+                                     f"{name} (its 1/{shards} tensor-parallel shard)" if split else name)
 
 
-def auto_group_size(targets: list[tuple[nn.Module, str, nn.Linear]]) -> int:
-    """The largest int4 group size dividing every layer's input (smollm2's 576 rules out 128)."""
+def auto_group_size(targets: list[tuple[nn.Module, str, nn.Linear]], shards: int = 1) -> int:
+    """The largest int4 group size dividing every layer's whole input (smollm2's 576 rules out 128)."""
     for size in sorted(schemes.INT4_GROUP_SIZES, reverse=True):
-        if all(linear.in_features % size == 0 for _, _, linear in targets):
+        if all(_whole_in_features(name, linear, shards) % size == 0 for _, name, linear in targets):
             return size
     return max(schemes.INT4_GROUP_SIZES)  # none fits: check_quantizable names the layer
+
+
+def _whole_in_features(name: str, linear: nn.Linear, shards: int) -> int:
+    return linear.in_features * (shards if name in ROW_PARALLEL_LINEARS else 1)
+
+
+def _row_absmax(name: str, linear: nn.Linear, tp) -> torch.Tensor | None:
+    """A row-parallel shard's rows' largest magnitudes over every rank's columns (tp: the model's
+    model/tensor_parallel.TensorParallel, None for a model that is not split)."""
+    if tp is None or tp.size == 1 or name not in ROW_PARALLEL_LINEARS:
+        return None
+    return tp.all_reduce_max(linear.weight.detach().abs().amax(dim=1).float())
 
 
 def lm_head_target(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
@@ -76,8 +98,10 @@ def quantize_model(model: nn.Module, method: str, group_size: int | None = 128,
     first (quant/awq.py).
     """
     targets = target_linears(model)
-    group_size = group_size or auto_group_size(targets)
-    check_quantizable(targets, method, group_size)
+    tp = getattr(model, "tp", None)  # the model's split (quant/ does not import model/)
+    shards = tp.size if tp is not None else 1
+    group_size = group_size or auto_group_size(targets, shards)
+    check_quantizable(targets, method, group_size, shards)
     head = lm_head_target(model) if lm_head else []
     if head:
         check_quantizable(head, "int8", group_size)
@@ -86,7 +110,8 @@ def quantize_model(model: nn.Module, method: str, group_size: int | None = 128,
 
         apply_awq(model, awq_calibration_ids, method, group_size)
     for parent, name, linear in targets:
-        quantized = Int8Linear.from_linear(linear) if method == "int8" else Int4Linear.from_linear(linear, group_size)
+        quantized = Int8Linear.from_linear(linear, _row_absmax(name, linear, tp)) if method == "int8" \
+            else Int4Linear.from_linear(linear, group_size)
         setattr(parent, name, quantized)
     for parent, name, linear in head:
         setattr(parent, name, Int8Linear.from_linear(linear))

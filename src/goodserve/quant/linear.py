@@ -125,10 +125,10 @@ class Int8Linear(_QuantizedLinear):
         self.register_buffer("scales", torch.ones(out_features, dtype=torch.float32, device=device))
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> Int8Linear:
+    def from_linear(cls, linear: nn.Linear, row_absmax: torch.Tensor | None = None) -> Int8Linear:
         w = linear.weight
         module = cls(linear.in_features, linear.out_features, linear.bias is not None, w.dtype, w.device)
-        q = schemes.quantize_int8(w)
+        q = schemes.quantize_int8(w, row_absmax)
         module.qweight.copy_(q.qweight)
         module.scales.copy_(q.scales)
         if linear.bias is not None:

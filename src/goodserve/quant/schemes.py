@@ -54,9 +54,11 @@ def check_group_size(in_features: int, group_size: int, layer: str = "weight") -
         )
 
 
-def quantize_int8(weight: torch.Tensor) -> Int8Weight:
+def quantize_int8(weight: torch.Tensor, row_absmax: torch.Tensor | None = None) -> Int8Weight:
+    """row_absmax: each row's largest magnitude when `weight` holds only some of its columns (a
+    tensor-parallel shard), so the shard gets the whole matrix's codes."""
     w = weight.detach().float()
-    scales = (w.abs().amax(dim=1) / INT8_MAX).clamp(min=MIN_SCALE)
+    scales = ((w.abs().amax(dim=1) if row_absmax is None else row_absmax) / INT8_MAX).clamp(min=MIN_SCALE)
     qweight = torch.round(w / scales[:, None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
     return Int8Weight(qweight, scales)
 

@@ -1,0 +1,132 @@
+"""Tensor parallelism (issue 16): batch-1 decode of dummy llama-3.1-8b bf16 at TP=1, 2, 4, each
+beside the bandwidth limit of its GPUs.
+
+The limit of a TP=N step is what one GPU reads (its weight shard, its KV heads' cache) over that
+GPU's measured copy bandwidth: the ranks read in parallel, and the collectives (2 all-reduces a
+layer, one for the embedding, an all-gather of the logits, a broadcast of the sampled token) are
+the overhead the measurement shows. Targets: TP=2 >= 1.7x TP=1 tok/s, TP=4 >= 2.5x.
+
+Each size runs in this process's engine (TP=1: the worker in this process, as the engine runs by
+default; TP>1: one worker process per GPU, NCCL). NCCL's NVLink multicast stays off
+(NCCL_NVLS_ENABLE=0, set here for the workers to inherit). CUDA graphs capture the collectives
+unless --enforce-eager.
+
+  python benchmarks/gpu_tp.py [--sizes 1,2,4] [--enforce-eager]   (on an nvidia-h100-x2 / -x4)
+  python benchmarks/gpu_tp.py --smoke   (CPU, gloo, dummy:tiny float32, TP=1 and 2: exercises the code)
+
+Writes $OUT/gpu_tp.json (or gpu_tp_smoke.json) and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import time
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # before any NCCL communicator exists (workers inherit it)
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from goodserve import LLM, SamplingParams  # noqa: E402
+from goodserve.model.llama import build_empty_model  # noqa: E402
+from goodserve.model.presets import get_preset  # noqa: E402
+from goodserve.model.tensor_parallel import TensorParallel  # noqa: E402
+from result_file import write_result  # noqa: E402
+
+PROMPT_LEN = 128
+
+
+def copy_bandwidth_gbps(device: str) -> float:
+    """Read + write bytes per second of a large copy: what a GPU (or the CPU) can stream."""
+    if device == "cuda":
+        import gpu_engine
+
+        return gpu_engine.copy_bandwidth_gbps()
+    src = torch.randn(1 << 24)
+    dst = torch.empty_like(src)
+    start = time.perf_counter()
+    for _ in range(10):
+        dst.copy_(src)
+    return 2 * src.numel() * 4 * 10 / (time.perf_counter() - start) / 1e9
+
+
+def bytes_per_gpu(preset: str, size: int, dtype: torch.dtype, new_tokens: int) -> dict:
+    """What one rank reads per decode step: its weights (one embedding row, not its table, unless
+    tied to lm_head) and its KV heads' cache at the decode's mean context."""
+    spec = get_preset(preset)
+    model = build_empty_model(spec, dtype, "meta", TensorParallel(rank=0, size=size))
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    embedding = model.model.embed_tokens.weight
+    read = weights - (0 if spec.tie_word_embeddings else embedding.numel() * embedding.element_size())
+    local = model.tp.local_spec(spec)
+    kv = local.kv_bytes_per_token(dtype.itemsize) * (PROMPT_LEN + new_tokens // 2)
+    return {"weight_bytes": weights, "step_read_bytes": read + kv}
+
+
+def decode_tok_s(llm: LLM, new_tokens: int) -> list[dict]:
+    prompt = {"prompt_token_ids": list(np.random.default_rng(0).integers(100, 500, PROMPT_LEN))}
+    llm.generate(prompt, SamplingParams(temperature=0, max_tokens=min(16, new_tokens), ignore_eos=True))  # warm-up
+    runs = []
+    for _ in range(3):
+        out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True))[0]
+        times = out.metrics.token_times
+        runs.append({"decode_tok_s": (new_tokens - 1) / (times[-1] - times[0]), "token_ids": out.outputs[0].token_ids})
+    return runs
+
+
+def measure(args: argparse.Namespace, size: int, bandwidth_gbps: float) -> dict:
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, tensor_parallel_size=size, max_num_seqs=16,
+              enforce_eager=args.enforce_eager, quantization="none")
+    try:
+        runs = decode_tok_s(llm, args.new_tokens)
+        cuda_graphs = llm.engine.executor.info.cuda_graphs
+    finally:
+        if size > 1:
+            llm.engine.executor.shutdown()
+        del llm
+        gc.collect()
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+    best = max(r["decode_tok_s"] for r in runs)
+    read = bytes_per_gpu(args.model.removeprefix("dummy:"), size, getattr(torch, args.dtype), args.new_tokens)
+    limit = bandwidth_gbps * 1e9 / read["step_read_bytes"]
+    return {"tensor_parallel_size": size, "cuda_graphs": cuda_graphs, "decode_tok_s": best,
+            "runs": [r["decode_tok_s"] for r in runs], "tokens": runs[0]["token_ids"], **read,
+            "bandwidth_limit_tok_s": limit, "share_of_limit": best / limit}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default=None, help="comma-separated TP sizes (default: 1,2,4 up to the GPUs here)")
+    parser.add_argument("--model", default="dummy:llama-3.1-8b")
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (to see what capture buys)")
+    parser.add_argument("--smoke", action="store_true", help="CPU, gloo, dummy:tiny float32, TP=1 and 2")
+    args = parser.parse_args()
+    args.device, args.dtype = ("cpu", "float32") if args.smoke else ("cuda", "bfloat16")
+    if args.smoke:
+        args.model, args.new_tokens, args.sizes = "dummy:tiny", 16, args.sizes or "1,2"
+    sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else \
+        [s for s in (1, 2, 4) if s <= torch.cuda.device_count()]
+    bandwidth = copy_bandwidth_gbps(args.device)
+    results = {"model": args.model, "dtype": args.dtype, "device": torch.cuda.get_device_name() if args.device == "cuda"
+               else "cpu", "copy_bandwidth_gbps_per_gpu": bandwidth, "prompt_len": PROMPT_LEN,
+               "new_tokens": args.new_tokens, "nccl_nvls_enable": os.environ["NCCL_NVLS_ENABLE"],
+               "sizes": [measure(args, size, bandwidth) for size in sizes]}
+    base = results["sizes"][0]
+    for row in results["sizes"]:
+        row["speedup_over_first"] = row["decode_tok_s"] / base["decode_tok_s"]
+        row["same_tokens_as_first"] = row["tokens"] == base["tokens"]
+    path = write_result("gpu_tp_smoke.json" if args.smoke else "gpu_tp.json", results)
+    print(f"{'TP':>3} {'graphs':>6} {'tok/s':>9} {'limit':>9} {'share':>6} {'speedup':>7} same-tokens")
+    for row in results["sizes"]:
+        print(f"{row['tensor_parallel_size']:>3} {str(row['cuda_graphs']):>6} {row['decode_tok_s']:>9.1f} "
+              f"{row['bandwidth_limit_tok_s']:>9.1f} {row['share_of_limit']:>6.2f} {row['speedup_over_first']:>7.2f} "
+              f"{row['same_tokens_as_first']}")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
