@@ -16,8 +16,9 @@ import math
 from goodserve.commands.console import make_console
 from goodserve.diagnose.calc import (DTYPE_BYTES, cost_per_million_tokens, kv_cache_bytes, kv_heads_per_gpu,
                                      max_concurrent_sequences)
-from goodserve.diagnose.parallel import (ALLREDUCE_LATENCY_S, Layout, advise_layout, allreduce_payload_bytes,
-                                         decode_limit, dtype_for_activations, layout_fit, ring_bytes_sent)
+from goodserve.diagnose.parallel import (ALLREDUCE_LATENCY_S, Layout, add_layout_arguments, advise_layout,
+                                         allreduce_payload_bytes, decode_limit, dtype_for_activations, layout_fit,
+                                         ring_bytes_sent)
 from goodserve.diagnose.hardware import get_hardware
 from goodserve.diagnose.model_shape import resolve_spec
 from goodserve.errors import InvalidRequestError
@@ -40,12 +41,7 @@ def register(subparsers) -> None:
                                            "layout, and the layout that pays")
     _add_model_arguments(fit_p)
     fit_p.add_argument("--gpu", default="h100-sxm")
-    fit_p.add_argument("--tensor-parallel-size", "--tp", dest="tp", type=int, default=1,
-                       help="GPUs splitting each layer (heads, columns)")
-    fit_p.add_argument("--pipeline-parallel-size", "--pp", dest="pp", type=int, default=1,
-                       help="GPUs each holding a contiguous range of layers")
-    fit_p.add_argument("--data-parallel-size", "--dp", dest="dp", type=int, default=1,
-                       help="replicas, each of TP x PP GPUs; --batch is spread over them")
+    add_layout_arguments(fit_p, "the layout")
     fit_p.add_argument("--batch", type=int, default=1)
     fit_p.add_argument("--seq-len", type=int, default=4096)
     fit_p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16", help="weight dtype")

@@ -28,8 +28,9 @@ from goodserve.diagnose.calc import weight_bytes
 from goodserve.diagnose.hardware import HARDWARE, Hardware, get_hardware, measure_local
 from goodserve.diagnose.model_shape import resolve_spec
 from goodserve.diagnose.observations import Observations, from_bench_result, from_metrics_url
-from goodserve.diagnose.parallel import (ALLREDUCE_LATENCY_S, Layout, allreduce_payload_bytes, check_layout,
-                                         decode_limit, dtype_for_activations, per_replica, replica_hardware)
+from goodserve.diagnose.parallel import (ALLREDUCE_LATENCY_S, Layout, add_layout_arguments, allreduce_payload_bytes,
+                                         check_layout, decode_limit, dtype_for_activations, per_replica,
+                                         replica_hardware)
 from goodserve.diagnose.roofline import PhaseAnalysis, analyze, flops_per_token
 from goodserve.model.spec import ModelSpec
 
@@ -52,12 +53,7 @@ def register(subparsers) -> None:
     source = p.add_mutually_exclusive_group()
     source.add_argument("--result", help="a goodserve bench result JSON")
     source.add_argument("--metrics-url", help="a live goodserve server's /metrics URL")
-    p.add_argument("--tensor-parallel-size", "--tp", dest="tp", type=int, default=1,
-                   help="GPUs the run split each layer over")
-    p.add_argument("--pipeline-parallel-size", "--pp", dest="pp", type=int, default=1,
-                   help="GPUs the run split the layers over, in stages")
-    p.add_argument("--data-parallel-size", "--dp", dest="dp", type=int, default=1,
-                   help="replicas the measured run was spread over")
+    add_layout_arguments(p, "the measured run")
     p.add_argument("--interval", type=float, default=10.0, help="seconds between /metrics scrapes")
     p.add_argument("--json", dest="json_path", help="also write the diagnosis as JSON")
     p.set_defaults(func=run_command)

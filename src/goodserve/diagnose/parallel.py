@@ -51,6 +51,17 @@ class Layout:
         return " ".join(parts) or "one GPU"
 
 
+def add_layout_arguments(parser, what: str) -> None:
+    """--tensor-parallel-size / --pipeline-parallel-size / --data-parallel-size (short: --tp, --pp,
+    --dp) of `what` (calc's layout, or the layout a diagnosed run used)."""
+    parser.add_argument("--tensor-parallel-size", "--tp", dest="tp", type=int, default=1,
+                        help=f"GPUs {what} splits each layer over (heads, columns)")
+    parser.add_argument("--pipeline-parallel-size", "--pp", dest="pp", type=int, default=1,
+                        help=f"GPUs {what} splits the layers over, in contiguous stages")
+    parser.add_argument("--data-parallel-size", "--dp", dest="dp", type=int, default=1,
+                        help=f"replicas of TP x PP GPUs {what} spreads the requests over")
+
+
 def check_layout(spec: ModelSpec, layout: Layout) -> None:
     if min(layout.tp, layout.pp, layout.dp) < 1:
         raise InvalidRequestError("parallel sizes must be at least 1")
