@@ -17,6 +17,8 @@ import json
 import platform
 import time
 
+import torch
+
 from goodserve import LLM, SamplingParams
 from goodserve.bench.text import PromptText
 from goodserve.bench.workloads import BenchRequest, WorkloadConfig, build_workload
@@ -101,7 +103,8 @@ def main() -> None:
     args = parser.parse_args()
     options = dict(quantization=args.quantization, cpu_kv_cache_bytes=256 << 20)
     sections = {"copy": copy_section, "chat": chat_section}
-    result = {"tag": args.tag, "machine": platform.processor() or platform.machine(), "args": vars(args),
+    result = {"tag": args.tag, "machine": platform.processor() or platform.machine(),
+              "threads": torch.get_num_threads(), "args": vars(args),
               **{name: sections[name](args, options) for name in args.sections}}
     print(json.dumps(result, indent=1))
     write_result(f"cpu_spec_decode_{args.tag}.json", result)

@@ -10,10 +10,12 @@ sampling: their input is that step's token, which the runner keeps on the device
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from goodserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # the bench and the router import this module and never torch (tests/test_layering.py)
+    import torch
 
 
 @dataclass

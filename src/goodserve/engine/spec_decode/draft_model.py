@@ -53,7 +53,6 @@ def draft_config(config: EngineConfig) -> EngineConfig:
         return dataclasses.replace(base, quantization=quantization,
                                    quantization_group_size=SELF_INT4_GROUP_SIZE if quantization == "int4" else None)
     other = dataclasses.replace(base, model=name, tokenizer=None, quantization=None)
-    other.validate()
     return dataclasses.replace(other, quantization=other.resolved_quantization(torch.device(config.device).type))
 
 
