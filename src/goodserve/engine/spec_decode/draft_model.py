@@ -168,5 +168,6 @@ class DraftModelProposer:
         if seq.params.seed is None:
             return None
         if seq.seq_id not in self.generators:
-            self.generators[seq.seq_id] = torch.Generator(self.device).manual_seed((seq.params.seed + seq.index) % 2**64)
+            seed = (seq.params.seed + seq.index) % 2**64
+            self.generators[seq.seq_id] = torch.Generator(self.device).manual_seed(seed)
         return self.generators[seq.seq_id]

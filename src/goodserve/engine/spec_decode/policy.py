@@ -8,7 +8,8 @@ sequence may still write (max_tokens, the context window) or the step's token bu
 
 Not speculated: sequences with a grammar (its mask for position j would need the matcher advanced
 through the drafts before j) and prefill-only ones. Everything else is exact under speculation
-(engine/spec_decode/acceptance.py)."""
+(engine/spec_decode/acceptance.py, rejection.py). The policy decides each sequence's k; the proposer
+behind it (proposer.py) proposes for all of them in one call."""
 
 from __future__ import annotations
 
@@ -40,7 +41,8 @@ class Speculator:
 
     def propose(self, wanted: list[tuple[Sequence, int]]) -> dict[str, Drafts]:
         """Drafts per sequence id, for every (sequence, k) at once."""
-        return {seq.seq_id: drafts for (seq, _), drafts in zip(wanted, self.proposer.propose(wanted)) if drafts.token_ids}
+        proposed = self.proposer.propose(wanted)
+        return {seq.seq_id: drafts for (seq, _), drafts in zip(wanted, proposed) if drafts.token_ids}
 
     def release(self, seq: Sequence) -> None:
         self.proposer.release(seq)
