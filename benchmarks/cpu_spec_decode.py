@@ -1,9 +1,11 @@
-"""Speculative decoding on the CPU (issue 15): the embedded model at batch 1 on `goodserve bench`'s
-`copy` workload ("repeat this passage" chat prompts whose answer copies the prompt), speculation off
-against prompt lookup (ngram) with each k given, in one run: output tok/s, acceptance rate, and
-whether the greedy outputs are identical (they must be).
+"""Speculative decoding on the CPU (issue 15): the embedded model at batch 1, in one run,
+- copy: `goodserve bench`'s `copy` workload ("repeat this passage" chat prompts whose answer copies
+  the prompt), speculation off against prompt lookup (ngram) with each k given;
+- chat: ordinary chat questions (CHAT_PROMPTS), speculation off against each quantized self-draft
+  (--speculative-model self:int4 / self:gguf) with each k given;
+output tok/s, acceptance rate, and whether the greedy outputs are identical (they must be).
 
-    PYTHONPATH=src python benchmarks/cpu_spec_decode.py     # writes $OUT/cpu_spec_decode.json
+    PYTHONPATH=src python benchmarks/cpu_spec_decode.py     # writes $OUT/cpu_spec_decode_cpu.json
 
 Requests run one at a time, each alone in its engine (batch 1), on each engine in turn.
 """
@@ -15,10 +17,24 @@ import json
 import platform
 import time
 
+import torch
+
 from goodserve import LLM, SamplingParams
 from goodserve.bench.text import PromptText
-from goodserve.bench.workloads import WorkloadConfig, build_workload
+from goodserve.bench.workloads import BenchRequest, WorkloadConfig, build_workload
 from result_file import write_result
+
+# Ordinary assistant questions: answers in the model's own words, nothing to copy from the prompt.
+CHAT_PROMPTS = [
+    "What are three tips for staying healthy?",
+    "Explain how photosynthesis works in simple terms.",
+    "Write a short story about a robot who learns to paint.",
+    "What is the difference between weather and climate?",
+    "Give me a recipe for a simple vegetable soup.",
+    "Why is the sky blue?",
+    "Describe the water cycle to a ten-year-old.",
+    "What should I pack for a weekend hiking trip?",
+]
 
 
 def run_interleaved(engines: dict[str, LLM], requests, params: list[SamplingParams]) -> dict[str, dict]:
@@ -45,19 +61,11 @@ def run_interleaved(engines: dict[str, LLM], requests, params: list[SamplingPara
             "steps": stats.num_steps - old.num_steps, "draft_tokens": drafts, "accepted_tokens": accepted,
             "acceptance_rate": accepted / drafts if drafts else None,
             "identical_outputs": tokens[name] == tokens["off"]}
+        results[name]["speedup"] = results[name]["output_tok_s"] / results["off"]["output_tok_s"]
     return results
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--num-prompts", type=int, default=8)
-    parser.add_argument("--input-len", type=int, default=256)
-    parser.add_argument("--output-len", type=int, default=256)
-    parser.add_argument("--k", type=int, nargs="+", default=[4, 8], help="num_speculative_tokens, one run each")
-    parser.add_argument("--quantization", default="none", help="none: the float32 model; gguf: the CPU default")
-    parser.add_argument("--tag", default="cpu")
-    args = parser.parse_args()
-    options = dict(quantization=args.quantization, cpu_kv_cache_bytes=256 << 20)
+def copy_section(args, options: dict) -> dict:
     engines = {"off": LLM("smollm2-135m", **options)}
     for k in args.k:
         engines[f"ngram_k{k}"] = LLM("smollm2-135m", speculative_method="ngram", num_speculative_tokens=k, **options)
@@ -65,10 +73,39 @@ def main() -> None:
                          random_output_len=args.output_len)
     requests = build_workload(cfg, PromptText(engines["off"].tokenizer))
     params = [SamplingParams(temperature=0, max_tokens=r.output_len) for r in requests]
-    result = {"tag": args.tag, "machine": platform.processor() or platform.machine(), "args": vars(args),
-              **run_interleaved(engines, requests, params)}
-    for k in args.k:
-        result[f"ngram_k{k}"]["speedup"] = result[f"ngram_k{k}"]["output_tok_s"] / result["off"]["output_tok_s"]
+    return run_interleaved(engines, requests, params)
+
+
+def chat_section(args, options: dict) -> dict:
+    engines = {"off": LLM("smollm2-135m", **options)}
+    for draft in args.self_drafts:
+        for k in args.draft_k:
+            engines[f"{draft}_k{k}"] = LLM("smollm2-135m", speculative_model=draft, num_speculative_tokens=k,
+                                           **options)
+    requests = [BenchRequest(prompt, 0, args.chat_output_len) for prompt in CHAT_PROMPTS[: args.num_chat_prompts]]
+    params = [SamplingParams(temperature=0, max_tokens=r.output_len) for r in requests]
+    return run_interleaved(engines, requests, params)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--num-prompts", type=int, default=8)
+    parser.add_argument("--input-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--k", type=int, nargs="+", default=[4, 8], help="ngram's num_speculative_tokens, one each")
+    parser.add_argument("--num-chat-prompts", type=int, default=len(CHAT_PROMPTS))
+    parser.add_argument("--chat-output-len", type=int, default=128)
+    parser.add_argument("--self-drafts", nargs="*", default=["self:int4", "self:gguf"])
+    parser.add_argument("--draft-k", type=int, nargs="+", default=[4], help="self-drafts' num_speculative_tokens")
+    parser.add_argument("--sections", nargs="+", default=["copy", "chat"], choices=["copy", "chat"])
+    parser.add_argument("--quantization", default="none", help="none: the float32 model; gguf: the CPU default")
+    parser.add_argument("--tag", default="cpu")
+    args = parser.parse_args()
+    options = dict(quantization=args.quantization, cpu_kv_cache_bytes=256 << 20)
+    sections = {"copy": copy_section, "chat": chat_section}
+    result = {"tag": args.tag, "machine": platform.processor() or platform.machine(),
+              "threads": torch.get_num_threads(), "args": vars(args),
+              **{name: sections[name](args, options) for name in args.sections}}
     print(json.dumps(result, indent=1))
     write_result(f"cpu_spec_decode_{args.tag}.json", result)
 

@@ -9,10 +9,15 @@ import random
 
 import pytest
 
+import dataclasses
+
 from goodserve.config import EngineConfig
 from goodserve.engine.kv_cache_manager import KVCacheManager
 from goodserve.engine.scheduler import Scheduler
 from goodserve.engine.sequence import Sequence, SequenceStatus
+from goodserve.engine.spec_decode.draft_model import DraftModelProposer
+from goodserve.engine.spec_decode.proposer import make_proposer
+from goodserve.model.presets import get_preset
 from goodserve.sampling_params import SamplingParams
 
 BLOCK = 4
@@ -44,18 +49,23 @@ def check_invariants(kv: KVCacheManager, live: list[Sequence], shadow: dict[int,
 
 @pytest.mark.parametrize("policy,chunked,speculative", [
     ("continuous", True, False), ("continuous", False, False), ("static", True, False), ("makespan", True, False),
-    ("continuous", True, True)])
+    ("continuous", True, "ngram"), ("continuous", True, "draft")])
 def test_random_traffic_leaks_nothing(policy, chunked, speculative):
-    """speculative: n-gram drafts (tokens 0..2 repeat, so most decodes draft), of which a random number
-    is kept: the rejected ones' K/V slots are rolled back and rewritten."""
+    """speculative: n-gram drafts (tokens 0..2 repeat, so most decodes draft) or a draft model's
+    (dummy:tiny, with its own block pool), of which a random number is kept: the rejected ones' K/V
+    slots are rolled back and rewritten; the draft's blocks are held by live sequences only."""
     rng = random.Random(1234)
     config = EngineConfig(scheduler_policy=policy, max_num_seqs=6, max_num_batched_tokens=24 if chunked else 64,
                           enable_chunked_prefill=chunked, block_size=BLOCK,
-                          speculative_method="ngram" if speculative else None, num_speculative_tokens=3,
+                          speculative_method="ngram" if speculative == "ngram" else None, num_speculative_tokens=3,
                           spec_max_batch=6, spec_min_acceptance=0.0)
     kv = KVCacheManager(num_blocks=14, block_size=BLOCK)
     pool = kv.pool
-    scheduler = Scheduler(config, kv)
+    drafting = dataclasses.replace(config, speculative_model="dummy:tiny", num_kv_blocks=14, device="cpu",
+                                   dtype="float32")
+    proposer = DraftModelProposer(drafting, get_preset("tiny"), None) if speculative == "draft" \
+        else make_proposer(config, get_preset("tiny"), None)
+    scheduler = Scheduler(config, kv, proposer)
     prefixes = [[rng.randrange(3) for _ in range(rng.randrange(0, 14))] for _ in range(3)]
     shadow = {b: [None] * BLOCK for b in range(pool.num_blocks)}
     live: list[Sequence] = []
@@ -93,6 +103,8 @@ def test_random_traffic_leaks_nothing(policy, chunked, speculative):
                     scheduler.finish(seq, "length")
                     live.remove(seq)
         check_invariants(kv, live, shadow)
+        if speculative == "draft":
+            assert set(proposer.kv.tables) <= {seq.seq_id for seq in live}
         if draining and not scheduler.has_unfinished():
             break
     assert not live and not scheduler.has_unfinished(), "requests starved or deadlocked"
@@ -104,6 +116,8 @@ def test_random_traffic_leaks_nothing(policy, chunked, speculative):
         assert scheduler.num_preemptions > 0, "the pool is small; preemption must be exercised"
     if speculative:
         assert scheduler.speculator.num_accepted_tokens > 500 and events > 1000
+    if speculative == "draft":
+        assert proposer.kv.num_used_blocks == 0
 
 
 def test_prefix_hit_leaves_last_token_to_compute():

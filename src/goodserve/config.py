@@ -22,7 +22,10 @@ QUANTIZATIONS = (None, "none", *WEIGHT_QUANTIZATIONS, "gguf")  # None: not asked
 # uni: the worker runs in the engine's process; mp: in a process of its own (as each of N
 # tensor-parallel workers always does)
 EXECUTOR_BACKENDS = ("uni", "mp")
-SPECULATIVE_METHODS = (None, "ngram")  # None: no speculative decoding
+SPECULATIVE_METHODS = (None, "ngram", "draft")  # None: no speculative decoding
+# --speculative-model self:<q>: the target's own weights, quantized so, as the draft model
+SELF_DRAFT_QUANTIZATIONS = (*WEIGHT_QUANTIZATIONS, "gguf")
+SELF_DRAFT_PREFIX = "self:"
 # int4, one row (batch-1 decode) on CUDA: "tinygemm" (with bfloat16 activations; Triton otherwise),
 # "triton" (the GEMV family's one-row path), "rows" (ops/triton_gemv.py's thread-per-row kernel on
 # the checkpoint layout) or "rows_repacked" (the same on a copy repacked once at first use; 0.5 byte
@@ -126,8 +129,12 @@ class EngineConfig:
     # (MASTER_ADDR / MASTER_PORT as torchrun sets them; ranks on other hosts run `goodserve worker`).
     tensor_parallel_size: int = 1
     # Speculative decoding (engine/spec_decode/): None (off) | ngram (prompt lookup: propose the
-    # tokens that followed the last ngram_max..ngram_min tokens' latest earlier occurrence).
+    # tokens that followed the last ngram_max..ngram_min tokens' latest earlier occurrence) | draft
+    # (a draft model proposes: speculative_model, which alone implies it).
     speculative_method: str | None = None
+    # The draft model: a model name / path / dummy:<preset> sharing the target's vocabulary, or
+    # self:int4 / self:int8 / self:gguf (the target's own weights, quantized so).
+    speculative_model: str | None = None
     num_speculative_tokens: int = 4
     ngram_min: int = 1
     ngram_max: int = 4
@@ -154,6 +161,15 @@ class EngineConfig:
              f"speculative_method must be one of {SPECULATIVE_METHODS[1:]}"),
             (self.num_speculative_tokens >= 1, "num_speculative_tokens must be at least 1"),
             (self.tensor_parallel_size >= 1, "tensor_parallel_size must be at least 1"),
+            (self.speculative_method != "draft" or self.speculative_model,
+             "speculative_method 'draft' needs --speculative-model (a model, or self:int4 / self:gguf)"),
+            (not self.speculative_model or self.speculative_method in (None, "draft"),
+             f"--speculative-model proposes with a draft model; it cannot be combined with speculative_method "
+             f"{self.speculative_method!r}"),
+            (not (self.speculative_model or "").startswith(SELF_DRAFT_PREFIX)
+             or self.speculative_model.removeprefix(SELF_DRAFT_PREFIX) in SELF_DRAFT_QUANTIZATIONS,
+             f"--speculative-model self:<quantization> takes one of "
+             f"{', '.join(SELF_DRAFT_PREFIX + q for q in SELF_DRAFT_QUANTIZATIONS)}"),
             (1 <= self.ngram_min <= self.ngram_max, "ngram_min and ngram_max must satisfy 1 <= min <= max"),
         ]
         for ok, message in checks:

@@ -36,6 +36,7 @@ def resolve_for_device(config: EngineConfig) -> EngineConfig:
         config, device=str(device), attention_backend=backend,
         dtype=config.dtype if config.dtype != "auto" else "bfloat16" if device.type == "cuda" else "float32",
         quantization=config.resolved_quantization(device.type),
+        speculative_method="draft" if config.speculative_model else config.speculative_method,
         # Pipelined steps replay CUDA graphs, which need the Triton kernels.
         async_scheduling=config.async_scheduling and device.type == "cuda" and not config.enforce_eager
         and backend == "triton")

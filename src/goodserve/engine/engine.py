@@ -39,6 +39,7 @@ from goodserve.engine.runner_output import ModelRunnerOutput, PendingOutput
 from goodserve.engine.scheduler import Scheduler
 from goodserve.engine.scheduler_output import NewRequestData, SchedulerOutput
 from goodserve.engine.sequence import Sequence
+from goodserve.engine.spec_decode.proposer import make_proposer
 from goodserve.engine.stats import EngineStats, StepLog, engine_stats
 from goodserve.errors import EngineDeadError, InvalidRequestError
 from goodserve.outputs import RequestOutput
@@ -68,7 +69,7 @@ class Engine:
         c = self.config
         salt = f"{info.revision}|{c.kv_cache_dtype}|{c.quantization}|{c.quantized_checkpoint}|{c.quantization_awq}"
         self.kv = KVCacheManager(c.num_kv_blocks, c.block_size, c.enable_prefix_caching, salt.encode())
-        self.scheduler = Scheduler(c, self.kv)
+        self.scheduler = Scheduler(c, self.kv, make_proposer(c, self.spec, self.tokenizer))
         self.inputs = InputProcessor(c, self.spec, self.tokenizer)
         self.outputs = OutputProcessor(self.tokenizer, info.eos_token_ids)
         self.requests: dict[str, Request] = {}

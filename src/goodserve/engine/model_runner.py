@@ -34,6 +34,7 @@ from goodserve.engine.runner_output import ModelRunnerOutput, PendingOutput
 from goodserve.engine.sampling_inputs import GrammarBitmask, SamplingRow, build_sampling_batch
 from goodserve.engine.scheduler_output import SchedulerOutput
 from goodserve.engine.spec_decode.acceptance import kept_tokens
+from goodserve.engine.spec_decode.rejection import kept_by_rejection
 from goodserve.model.llama import LlamaForCausalLM
 from goodserve.ops.attention import AttentionMetadata, LayerKVCache
 from goodserve.ops.sampler import SamplerOutput, gather_logprobs, sample
@@ -150,10 +151,13 @@ class ModelRunner:
             t1 = time.perf_counter()
             if copied is not None:
                 copied.synchronize()
-            kept = kept_tokens(host_tokens.tolist(), drafts)
+            host = host_tokens.tolist()
+            kept = kept_tokens(host, drafts)
             _draw_as_if_not_drafted(seeded, kept, step.output.logits.shape[-1])
+            if out.draft_probs:
+                _verify_sampled_drafts(kept, sampled.probs, host, rows, drafts, out, self.requests)
             return ModelRunnerOutput(
-                rows, kept, _sampled_logprobs(sampled, rows, drafts, kept, out, self.requests),
+                rows, kept, _sampled_logprobs(sampled, step.output.logits, rows, drafts, kept, out, self.requests),
                 {row: (first, *(t.tolist() for t in lists)) for row, (first, *lists) in prompt_logprobs.items()},
                 {row: total.cpu() for row, total in step.output.pooled.items()},
                 step.prepare_s, step.launch_s + time.perf_counter() - t1, sample_s)
@@ -273,11 +277,12 @@ def _per_position(grammar: GrammarBitmask | None, drafts: list[list[int]]) -> Gr
 
 def _seeded_drafting_rows(rows: list[int], drafts: list[list[int]], out: SchedulerOutput,
                           requests: dict[str, RequestState]) -> list[tuple[int, torch.Generator, torch.Tensor]]:
-    """(index, generator, state before sampling) of the drafting rows with a seed."""
+    """(index, generator, state before sampling) of the drafting rows with a seed and point-mass
+    drafts (the rejection rule of sampled drafts draws on from where sampling left the generator)."""
     found = []
     for i, (row, row_drafts) in enumerate(zip(rows, drafts)):
         generator = requests[out.seq_ids[row]].generator
-        if row_drafts and generator is not None:
+        if row_drafts and generator is not None and row not in out.draft_probs:
             found.append((i, generator, generator.get_state()))
     return found
 
@@ -292,17 +297,34 @@ def _draw_as_if_not_drafted(seeded: list, kept: list[list[int]], vocab_size: int
             torch.empty(vocab_size, device=generator.device).exponential_(generator=generator)
 
 
-def _sampled_logprobs(sampled: SamplerOutput | None, rows: list[int], drafts: list[list[int]],
+def _verify_sampled_drafts(kept: list[list[int]], probs: torch.Tensor, sampled: list[int], rows: list[int],
+                           drafts: list[list[int]], out: SchedulerOutput, requests: dict[str, RequestState]) -> None:
+    """The rows whose drafts a draft model sampled keep what the rejection rule keeps (in place); the
+    target's own sample at the position after their drafts is the bonus token."""
+    at = 0
+    for i, (row, row_drafts) in enumerate(zip(rows, drafts)):
+        end = at + len(row_drafts)
+        if row in out.draft_probs:
+            kept[i] = kept_by_rejection(probs[at : end + 1], out.draft_probs[row], row_drafts, sampled[end],
+                                        requests[out.seq_ids[row]].generator)
+        at = end + 1
+
+
+def _sampled_logprobs(sampled: SamplerOutput | None, logits: torch.Tensor, rows: list[int], drafts: list[list[int]],
                       kept: list[list[int]], out: SchedulerOutput,
                       requests: dict[str, RequestState]) -> dict[int, list[tuple[list[float], list[int], int]]]:
-    """Per sampled row that asked for logprobs: per kept token, its logprob and its top alternatives'."""
+    """Per sampled row that asked for logprobs: per kept token, its logprob and its top alternatives'.
+    A row verifying sampled drafts may keep tokens other than the sampler's: those are looked up."""
     if sampled is None or sampled.logprobs is None:
         return {}
     values, ids, ranks = sampled.logprobs.tolist(), sampled.logprob_token_ids.tolist(), sampled.ranks.tolist()
     found, at = {}, 0
     for i, (row, row_drafts, tokens) in enumerate(zip(rows, drafts, kept)):
         num_top = requests[out.seq_ids[row]].params.logprobs
-        if num_top is not None:
+        if num_top is not None and row in out.draft_probs:
+            own = gather_logprobs(logits[at : at + len(tokens)], torch.tensor(tokens, device=logits.device), num_top)
+            found[i] = list(zip(*(t.tolist() for t in own)))
+        elif num_top is not None:
             found[i] = [(values[p][: 1 + num_top], ids[p][: 1 + num_top], ranks[p])
                         for p in range(at, at + len(tokens))]
         at += 1 + len(row_drafts)

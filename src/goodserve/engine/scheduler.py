@@ -26,8 +26,10 @@ its sequences' next tokens exist only on the device (placeholders), and the step
 them decodes those tokens.
 
 Speculative decoding (engine/spec_decode/): a decoding sequence may carry drafts, computed in the
-same step after its last token (1 + k tokens, one row); advance() rolls back the ones the runner
-rejected (their K/V slots are rewritten later, their tail blocks freed).
+same step after its last token (1 + k tokens, one row). The policy picks each one's k, then the
+proposer proposes for all of them in one call (a draft model batches them), before the step is laid
+out; advance() rolls back the ones the runner rejected (their K/V slots are rewritten later, their
+tail blocks freed). A sequence that leaves (finished, aborted, preempted) leaves the proposer too.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from goodserve.engine.sequence import Sequence, SequenceStatus
 from goodserve.engine.slo_policy import SloForecast, SloPolicy, tokens_left
 from goodserve.engine.step_time_model import StepTimeModel
 from goodserve.engine.spec_decode.policy import Speculator
+from goodserve.engine.spec_decode.proposer import Drafts, Proposer
 from goodserve.engine.waiting_queue import WaitingQueue
 
 
@@ -51,14 +54,14 @@ class _Decision:
     def __init__(self, num_ahead: int = 0) -> None:
         self.seqs: list[Sequence] = []
         self.num_new: list[int] = []  # drafts included
-        self.drafts: list[list[int]] = []
+        self.drafts: list[Drafts | None] = []
         self.num_ahead = num_ahead
         self.preempted = False
 
-    def add(self, seq: Sequence, num_new: int, drafts: list[int] | None = None) -> None:
+    def add(self, seq: Sequence, num_new: int, drafts: Drafts | None = None) -> None:
         self.seqs.append(seq)
         self.num_new.append(num_new)
-        self.drafts.append(drafts or [])
+        self.drafts.append(drafts)
 
 
 def _decodes_first(seq: Sequence) -> tuple:
@@ -66,7 +69,7 @@ def _decodes_first(seq: Sequence) -> tuple:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, proposer: Proposer | None = None) -> None:
         self.config = config
         self.kv = kv
         self.running: list[Sequence] = []
@@ -80,7 +83,7 @@ class Scheduler:
             if config.scheduler_policy == "slo" else None
         key = longest_first_key if makespan else self.slo.key if self.slo else Sequence.priority_key
         self.waiting = WaitingQueue(key)
-        self.speculator = Speculator(config) if config.speculative_method else None
+        self.speculator = Speculator(config, proposer) if proposer is not None else None
 
     # ---- queue management ----------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -105,9 +108,8 @@ class Scheduler:
             self.running.remove(seq)
         else:  # waiting, or not handed over by the engine yet (in neither queue)
             self._leave_waiting(seq)
-        self.kv.free(seq, finished=True)
+        self._release_blocks(seq, finished=True)
         self.seqs.pop(seq.seq_id, None)
-        seq.num_computed_tokens = 0
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason, seq.stop_reason = reason, stop_reason
 
@@ -176,7 +178,9 @@ class Scheduler:
     def _schedule_running(self, decision: _Decision, budget: int) -> int:
         """Decodes first (the attention kernels take a batch's leading one-token rows apart), then
         unfinished prompts in priority order."""
-        for seq in sorted(self.running, key=self.slo.running_key if self.slo else _decodes_first):
+        ordered = sorted(self.running, key=self.slo.running_key if self.slo else _decodes_first)
+        proposed = self._propose(ordered, budget)
+        for seq in ordered:
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
@@ -184,10 +188,11 @@ class Scheduler:
             num_own = self._granted(seq, min(seq.num_uncomputed_tokens, budget))
             if num_own == 0:
                 continue
-            drafts = self._drafts(seq, budget)
-            num_new = num_own + len(drafts)
+            drafts = proposed.get(seq.seq_id)
+            num_drafts = len(drafts.token_ids) if drafts else 0
+            num_new = num_own + num_drafts
             if drafts and not self.kv.allocate(seq, num_new):  # speculation never preempts anyone
-                drafts, num_new = [], num_new - len(drafts)
+                drafts, num_new = None, num_new - num_drafts
             while not self.kv.allocate(seq, num_new):
                 victim = self._lowest_priority_running(exclude=decision.seqs)
                 self._preempt(victim, decision)
@@ -203,11 +208,21 @@ class Scheduler:
         targets only within the background share (engine/slo_policy.py)."""
         return num_new if self.slo is None else self.slo.background.grant(seq, num_new)
 
-    def _drafts(self, seq: Sequence, budget: int) -> list[int]:
-        """Proposed tokens for a decoding sequence to verify this step (room left for its own token)."""
-        if self.speculator is None or seq.num_uncomputed_tokens != 1:
-            return []
-        return self.speculator.propose(seq, len(self.running), budget - 1)
+    def _propose(self, ordered: list[Sequence], budget: int) -> dict[str, Drafts]:
+        """Drafts for the decoding sequences to verify this step, by id: each one's k with room left
+        for its own token and what the sequences before it take, then one call to the proposer."""
+        if self.speculator is None:
+            return {}
+        wanted = []
+        for seq in ordered:
+            if budget <= 0:
+                break
+            decoding = seq.num_uncomputed_tokens == 1
+            k = self.speculator.num_drafts(seq, len(self.running), budget - 1) if decoding else 0
+            if k:
+                wanted.append((seq, k))
+            budget -= min(seq.num_uncomputed_tokens, budget) + k
+        return self.speculator.propose(wanted) if wanted else {}
 
     def _schedule_waiting(self, decision: _Decision, budget: int, admissible=None) -> None:
         """Admit waiting sequences in order while the budget lasts; `admissible`, when given, stops
@@ -230,9 +245,12 @@ class Scheduler:
             decision.add(seq, num_new)
             budget -= num_new
 
-    def _release_blocks(self, seq: Sequence) -> None:
-        """A sequence that could not be admitted (or is preempted) gives back its blocks."""
-        self.kv.free(seq)
+    def _release_blocks(self, seq: Sequence, finished: bool = False) -> None:
+        """A sequence that could not be admitted (or is preempted, or finished) gives back its blocks,
+        the draft model's too."""
+        self.kv.free(seq, finished)
+        if self.speculator is not None:
+            self.speculator.release(seq)
         seq.num_computed_tokens = 0
 
     def _displaced_running(self) -> list[Sequence]:
@@ -317,16 +335,19 @@ class Scheduler:
         out = SchedulerOutput(num_ahead=decision.num_ahead)
         tables = self.kv.tables
         for row, (seq, num_new, drafts) in enumerate(zip(decision.seqs, decision.num_new, decision.drafts)):
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new - len(drafts)
+            draft_ids = drafts.token_ids if drafts else []
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new - len(draft_ids)
             ahead = row < decision.num_ahead
             out.seq_ids.append(seq.seq_id)
             out.num_new_tokens.append(num_new)
             out.num_computed_tokens.append(start)
-            out.token_ids.append([] if ahead else seq.token_ids[start:end] + drafts)
+            out.token_ids.append([] if ahead else seq.token_ids[start:end] + draft_ids)
             out.block_tables.append(list(tables[seq.seq_id]))
             out.samples.append(ahead or (end == seq.num_tokens and not seq.params.prefill_only))
             if drafts:
-                out.draft_token_ids[row] = drafts
+                out.draft_token_ids[row] = draft_ids
+                if drafts.probs is not None:
+                    out.draft_probs[row] = drafts.probs
             out.num_output_tokens.append(seq.num_output_tokens)
             if seq.counts_output_tokens:
                 out.penalty_token_ids[row] = seq.output_token_ids

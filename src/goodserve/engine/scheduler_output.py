@@ -1,5 +1,6 @@
-"""What the scheduler hands the model runner each step: plain data only (ids, ints, lists), so it can
-cross a process boundary (pickled to a worker) and be cut into sub-batches to isolate a culprit.
+"""What the scheduler hands the model runner each step: plain data only (ids, ints, lists; a draft
+model's distributions are host tensors), so it can cross a process boundary (pickled to a worker)
+and be cut into sub-batches to isolate a culprit.
 
 Rows are sequences, decodes first (the attention kernels take a batch's leading one-token rows
 apart; a decode verifying k drafts is a row of 1 + k tokens). With async scheduling the first `num_ahead` rows decode a token the step in flight is still
@@ -9,8 +10,12 @@ sampling: their input is that step's token, which the runner keeps on the device
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from goodserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # the bench and the router import this module and never torch (tests/test_layering.py)
+    import torch
 
 
 @dataclass
@@ -36,6 +41,9 @@ class SchedulerOutput:
     penalty_token_ids: dict[int, list[int]] = field(default_factory=dict)
     # row -> the drafts it verifies (the last of its token_ids; engine/spec_decode/acceptance.py)
     draft_token_ids: dict[int, list[int]] = field(default_factory=dict)
+    # row -> [k, vocab] float32: the distributions a draft model sampled those drafts from (rows
+    # without: point-mass drafts; engine/spec_decode/rejection.py)
+    draft_probs: dict[int, torch.Tensor] = field(default_factory=dict)
     num_ahead: int = 0
     # Set by the engine: runner-side state to create and to drop (both idempotent, so a retried
     # or sub-batched step may carry them again).
@@ -64,4 +72,5 @@ class SchedulerOutput:
             samples=[self.samples[r] for r in rows], num_output_tokens=[self.num_output_tokens[r] for r in rows],
             penalty_token_ids={kept[r]: ids for r, ids in self.penalty_token_ids.items() if r in kept},
             draft_token_ids={kept[r]: ids for r, ids in self.draft_token_ids.items() if r in kept},
+            draft_probs={kept[r]: probs for r, probs in self.draft_probs.items() if r in kept},
             new_requests=self.new_requests, finished_seq_ids=self.finished_seq_ids)

@@ -67,6 +67,9 @@ class SamplerOutput:
     logprobs: torch.Tensor | None = None  # [N, 1 + K]: sampled token's, then the top K
     logprob_token_ids: torch.Tensor | None = None  # [N, 1 + K]
     ranks: torch.Tensor | None = None  # [N]: rank of the sampled token (1 = most likely)
+    # [N, V]: the distributions the sampled rows drew from (after penalties, temperature, top-k/p);
+    # None when every row is greedy. Speculative decoding's rejection rule reads them.
+    probs: torch.Tensor | None = None
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -134,6 +137,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, kernels: KernelChoice,
     logits = apply_penalties(logits, batch)
     use_raw = raw_argmax is not None and not batch.changes_logits
     greedy_tokens = raw_argmax if use_raw else argmax(logits, kernels)
+    probs = None
     if batch.all_greedy:
         token_ids = greedy_tokens
     else:
@@ -145,8 +149,8 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, kernels: KernelChoice,
         sampled = argmax(probs / noise, kernels)
         token_ids = torch.where(batch.temperature == 0, greedy_tokens, sampled)
     if batch.max_logprobs < 0:
-        return SamplerOutput(token_ids=token_ids)
-    return SamplerOutput(token_ids, *gather_logprobs(raw_logits, token_ids, batch.max_logprobs))
+        return SamplerOutput(token_ids=token_ids, probs=probs)
+    return SamplerOutput(token_ids, *gather_logprobs(raw_logits, token_ids, batch.max_logprobs), probs=probs)
 
 
 def gather_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int):

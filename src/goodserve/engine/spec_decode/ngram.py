@@ -8,6 +8,9 @@ from __future__ import annotations
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
+from goodserve.engine.sequence import Sequence
+from goodserve.engine.spec_decode.proposer import Drafts
+
 
 def propose_ngram(token_ids: list[int], ngram_min: int, ngram_max: int, k: int) -> list[int]:
     """Up to k tokens that followed the latest earlier occurrence of the longest matching suffix; []
@@ -21,3 +24,16 @@ def propose_ngram(token_ids: list[int], ngram_min: int, ngram_max: int, k: int) 
             start = int(hits[-1]) + n
             return token_ids[start : start + k]
     return []
+
+
+class NgramProposer:
+    """propose_ngram per sequence; it keeps nothing between steps."""
+
+    def __init__(self, ngram_min: int, ngram_max: int) -> None:
+        self.ngram_min, self.ngram_max = ngram_min, ngram_max
+
+    def propose(self, wanted: list[tuple[Sequence, int]]) -> list[Drafts]:
+        return [Drafts(propose_ngram(seq.token_ids, self.ngram_min, self.ngram_max, k)) for seq, k in wanted]
+
+    def release(self, seq: Sequence) -> None:
+        pass

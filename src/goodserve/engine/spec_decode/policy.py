@@ -8,35 +8,44 @@ sequence may still write (max_tokens, the context window) or the step's token bu
 
 Not speculated: sequences with a grammar (its mask for position j would need the matcher advanced
 through the drafts before j) and prefill-only ones. Everything else is exact under speculation
-(engine/spec_decode/acceptance.py)."""
+(engine/spec_decode/acceptance.py, rejection.py). The policy decides each sequence's k; the proposer
+behind it (proposer.py) proposes for all of them in one call."""
 
 from __future__ import annotations
 
 from goodserve.config import EngineConfig
 from goodserve.engine.sequence import Sequence
-from goodserve.engine.spec_decode.ngram import propose_ngram
+from goodserve.engine.spec_decode.proposer import Drafts, Proposer
 
 EMA_WEIGHT = 0.3  # of the newest step's acceptance rate
 PROBE_EVERY = 8
 
 
 class Speculator:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, proposer: Proposer) -> None:
         self.config = config
+        self.proposer = proposer
         self.num_draft_tokens = 0  # proposed and verified
         self.num_accepted_tokens = 0  # of those, kept
 
-    def propose(self, seq: Sequence, num_running: int, room: int) -> list[int]:
-        """Drafts for seq's next step (it decodes one token), at most `room`."""
+    def num_drafts(self, seq: Sequence, num_running: int, room: int) -> int:
+        """How many drafts seq's next step (it decodes one token) may verify, at most `room`."""
         c = self.config
         if num_running > c.spec_max_batch or seq.grammar is not None or seq.params.prefill_only:
-            return []
+            return 0
         if seq.spec_acceptance < c.spec_min_acceptance and seq.num_output_tokens % PROBE_EVERY:
-            return []
+            return 0
         # The step writes 1 + k tokens: all of them must be allowed.
         left = min((seq.params.max_tokens or seq.max_len) - seq.num_output_tokens, seq.max_len - seq.num_tokens)
-        k = min(c.num_speculative_tokens, room, left - 1)
-        return propose_ngram(seq.token_ids, c.ngram_min, c.ngram_max, k) if k > 0 else []
+        return max(min(c.num_speculative_tokens, room, left - 1), 0)
+
+    def propose(self, wanted: list[tuple[Sequence, int]]) -> dict[str, Drafts]:
+        """Drafts per sequence id, for every (sequence, k) at once."""
+        proposed = self.proposer.propose(wanted)
+        return {seq.seq_id: drafts for (seq, _), drafts in zip(wanted, proposed) if drafts.token_ids}
+
+    def release(self, seq: Sequence) -> None:
+        self.proposer.release(seq)
 
     def observe(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
         self.num_draft_tokens += num_drafts

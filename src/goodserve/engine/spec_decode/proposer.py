@@ -1,0 +1,51 @@
+"""One interface for every proposer: given the decoding sequences that speculate this step and how
+many tokens each may take (the policy's k), propose up to that many each, in one call for the whole
+batch (a draft model runs them all in one forward per draft position). The scheduler asks before it
+lays out the step; the verifier (acceptance.py, rejection.py) never needs to know who proposed.
+
+- ngram.py: prompt lookup, pure host work; its drafts are deterministic (a point mass).
+- draft_model.py: a draft model (another model with the target's vocabulary, or the target's own
+  weights quantized: self:int4 / self:gguf) with a paged KV cache of its own; at temperature > 0 it
+  samples its drafts and hands over the distributions it drew them from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from goodserve.config import EngineConfig
+from goodserve.engine.sequence import Sequence
+from goodserve.model.spec import ModelSpec
+
+
+@dataclass
+class Drafts:
+    token_ids: list[int]
+    # [len(token_ids), vocab] float32: the distribution each draft was drawn from, for the
+    # Leviathan / Chen rejection rule (rejection.py); None when the drafts are a point mass (ngram,
+    # or a draft model at temperature 0), which acceptance.py's rule verifies.
+    probs: torch.Tensor | None = None
+
+
+class Proposer(Protocol):
+    def propose(self, wanted: list[tuple[Sequence, int]]) -> list[Drafts]:
+        """Per (sequence, k): up to k tokens to follow its tokens (its last one not yet computed)."""
+
+    def release(self, seq: Sequence) -> None:
+        """seq finished, was aborted or preempted: drop what the proposer keeps for it."""
+
+
+def make_proposer(config: EngineConfig, target: ModelSpec, tokenizer) -> Proposer | None:
+    """The proposer the (resolved) config names, or None when speculation is off."""
+    if config.speculative_method == "ngram":
+        from goodserve.engine.spec_decode.ngram import NgramProposer
+
+        return NgramProposer(config.ngram_min, config.ngram_max)
+    if config.speculative_method == "draft":
+        from goodserve.engine.spec_decode.draft_model import DraftModelProposer
+
+        return DraftModelProposer(config, target, tokenizer)
+    return None
