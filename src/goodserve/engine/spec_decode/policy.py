@@ -23,8 +23,11 @@ PROBE_EVERY = 8
 class Speculator:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        # Counted as vLLM counts them (served under its metric names, server/metrics.py).
+        self.num_drafts = 0  # verifications: one sequence's proposals checked in one step
         self.num_draft_tokens = 0  # proposed and verified
         self.num_accepted_tokens = 0  # of those, kept
+        self.num_accepted_per_pos = [0] * config.num_speculative_tokens  # [j]: verifications that kept draft j
 
     def propose(self, seq: Sequence, num_running: int, room: int) -> list[int]:
         """Drafts for seq's next step (it decodes one token), at most `room`."""
@@ -38,7 +41,10 @@ class Speculator:
         k = min(c.num_speculative_tokens, room, left - 1)
         return propose_ngram(seq.token_ids, c.ngram_min, c.ngram_max, k) if k > 0 else []
 
-    def observe(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
-        self.num_draft_tokens += num_drafts
+    def observe(self, seq: Sequence, num_proposed: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_proposed
         self.num_accepted_tokens += num_accepted
-        seq.spec_acceptance += EMA_WEIGHT * (num_accepted / num_drafts - seq.spec_acceptance)
+        for position in range(num_accepted):  # kept drafts are a prefix: positions 0..num_accepted-1
+            self.num_accepted_per_pos[position] += 1
+        seq.spec_acceptance += EMA_WEIGHT * (num_accepted / num_proposed - seq.spec_acceptance)
