@@ -132,6 +132,7 @@ def test_bench_reports_the_runs_speculation(spec_server, tmp_path, capsys):
     rates = result["spec_decode_per_position_acceptance_rates"]
     assert len(rates) == K and rates == sorted(rates, reverse=True)  # kept drafts are a prefix
     assert sum(rates) * drafts == pytest.approx(accepted)
+    assert result["prompt_lookup_overlap"] > 0.5  # the answers repeat (their own tokens, mostly)
     console = capsys.readouterr().out
     assert "Draft acceptance rate (%)" in console and "Per-position acceptance rate" in console
     assert "spec_decode_acceptance_length" in html.read_text()

@@ -31,7 +31,12 @@ from goodserve.bench.records import RequestRecord
 from goodserve.bench.report import print_report, write_csv, write_html
 from goodserve.bench.result import build_result, save_json
 from goodserve.bench.runner import BenchRun, search_capacity
-from goodserve.bench.spec_decode import SpecDecodeCounts, fetch_spec_decode_counts, spec_decode_metrics
+from goodserve.bench.spec_decode import (
+    SpecDecodeCounts,
+    fetch_spec_decode_counts,
+    prompt_lookup_overlap,
+    spec_decode_metrics,
+)
 from goodserve.bench.text import PromptText
 from goodserve.bench.workloads import DATASETS, LENGTH_DISTS, WorkloadConfig, build_workload
 from goodserve.commands.console import make_console
@@ -254,6 +259,9 @@ class _Bench:
                                   percentiles=self.percentiles, cost=self.cost)
         if self.slo_scales:
             metrics["slo_scale_sweep"] = attainment_by_slo_scale(records, self.slos, self.slo_scales)
+        metrics["prompt_lookup_overlap"] = prompt_lookup_overlap([
+            (" ".join(m["content"] for m in self.requests[r.index].chat_messages()), r.generated_text)
+            for r in records if r.success], self.tokenizer)
         spec_after = self._spec_decode_counts() if self.spec_before is not None else None
         if spec_after:
             metrics.update(spec_decode_metrics(spec_after - self.spec_before))

@@ -31,7 +31,9 @@ _SUMMARY_ROWS = [
     ("$ per 1M input tokens", "cost_per_1m_input_tokens", "{:.4f}"),
     ("$ per 1M output tokens", "cost_per_1m_output_tokens", "{:.4f}"),
     ("$ per request", "cost_per_request", "{:.6f}"),
-    # Speculative decoding, where the server's /metrics has its counters (bench/spec_decode.py).
+    # Speculative decoding (bench/spec_decode.py): what prompt lookup would predict, for any server;
+    # what speculation did, where the server's /metrics has its counters.
+    ("Prompt-lookup overlap (output words predicted)", "prompt_lookup_overlap", "{:.3f}"),
     ("Speculative drafts (verifications)", "spec_decode_num_drafts", "{:d}"),
     ("Draft tokens", "spec_decode_draft_tokens", "{:d}"),
     ("Accepted draft tokens", "spec_decode_accepted_tokens", "{:d}"),

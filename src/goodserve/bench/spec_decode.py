@@ -1,6 +1,7 @@
 """Speculative decoding as a bench run saw it: the server's counters (vLLM's names under goodserve:,
 server/metrics.py), scraped after the warm-up and after the run; their differences are the run's.
-Other traffic to the server meanwhile counts too.
+Other traffic to the server meanwhile counts too. And for any server, how much of the output prompt
+lookup would have predicted (`prompt_lookup_overlap`), which `goodserve diagnose` reads.
 
 The result keys are `vllm bench serve`'s: draft tokens, accepted tokens, drafts (verifications: one
 sequence's proposals checked in one step), acceptance rate in percent (accepted / draft tokens),
@@ -73,3 +74,35 @@ def spec_decode_metrics(run: SpecDecodeCounts) -> dict:
         "spec_decode_acceptance_length": 1.0 + accepted / drafts if drafts else None,
         "spec_decode_per_position_acceptance_rates": [n / drafts for n in run.accepted_per_pos] if drafts else [],
     }
+
+
+def prompt_lookup_overlap(texts: list[tuple[str, str]], tokenizer=None) -> float | None:
+    """Over (prompt, output) pairs, the share of output tokens prompt lookup predicts (None: none).
+    Tokens of the bench's tokenizer, the engine's unit, or words where there is none."""
+    split = (lambda text: tokenizer.encode(text, add_special_tokens=False)) if tokenizer else str.split
+    counts = [prompt_lookup_hits(split(prompt), split(output)) for prompt, output in texts]
+    total = sum(n for _, n in counts)
+    return sum(hits for hits, _ in counts) / total if total else None
+
+
+def prompt_lookup_hits(prompt: list, output: list, ngram_max: int = 4) -> tuple[int, int]:
+    """(tokens predicted, tokens) of output: a token counts as predicted when it follows the latest
+    earlier occurrence of the longest suffix (ngram_max tokens down to one) of the sequence before
+    it, the prompt included: what prompt lookup (engine/spec_decode/ngram.py) would propose first."""
+    tokens = [*prompt, *output]
+    after: dict[tuple, int] = {}  # n-gram -> the index of the token after its latest occurrence
+    hits = 0
+    for i in range(len(tokens)):  # predict tokens[i] from tokens[:i]
+        if i >= len(prompt):
+            hits += _follower(after, tokens, i, ngram_max) == tokens[i]
+        for n in range(1, min(ngram_max, i) + 1):  # tokens[:i]'s suffixes are earlier occurrences from now on
+            after[tuple(tokens[i - n:i])] = i
+    return hits, len(output)
+
+
+def _follower(after: dict[tuple, int], tokens: list, i: int, ngram_max: int):
+    for n in range(min(ngram_max, i), 0, -1):
+        at = after.get(tuple(tokens[i - n:i]))
+        if at is not None:
+            return tokens[at]
+    return None
