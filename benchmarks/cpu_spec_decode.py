@@ -1,13 +1,9 @@
 """Speculative decoding on the CPU (issue 15): the embedded model at batch 1 on `goodserve bench`'s
-`copy` workload ("repeat this passage" chat prompts whose answer copies the prompt) or on chat
-questions (`--workload questions`: the eval's 16 questions, answers written anew), speculation off
-against each method given (ngram: prompt lookup; lookahead: prompt lookup, else the pool of the
-model's own verify predictions) with each k given, in one run: output tok/s, acceptance rate, and
+`copy` workload ("repeat this passage" chat prompts whose answer copies the prompt), speculation off
+against prompt lookup (ngram) with each k given, in one run: output tok/s, acceptance rate, and
 whether the greedy outputs are identical (they must be).
 
-    PYTHONPATH=src python benchmarks/cpu_spec_decode.py     # writes $OUT/cpu_spec_decode_cpu.json
-    PYTHONPATH=src python benchmarks/cpu_spec_decode.py --workload questions --methods ngram lookahead \
-        --k 4 --ngram-min 2 --tag questions
+    PYTHONPATH=src python benchmarks/cpu_spec_decode.py     # writes $OUT/cpu_spec_decode.json
 
 Requests run one at a time, each alone in its engine (batch 1), on each engine in turn.
 """
@@ -21,8 +17,7 @@ import time
 
 from goodserve import LLM, SamplingParams
 from goodserve.bench.text import PromptText
-from goodserve.bench.workloads import BenchRequest, WorkloadConfig, build_workload
-from goodserve.commands.quality_gate import QUESTIONS
+from goodserve.bench.workloads import WorkloadConfig, build_workload
 from result_file import write_result
 
 
@@ -59,30 +54,21 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--k", type=int, nargs="+", default=[4, 8], help="num_speculative_tokens, one run each")
-    parser.add_argument("--methods", nargs="+", default=["ngram"], choices=["ngram", "lookahead"])
-    parser.add_argument("--ngram-min", type=int, default=1, help="prompt lookup's shortest match (all methods)")
-    parser.add_argument("--workload", choices=["copy", "questions"], default="copy")
     parser.add_argument("--quantization", default="none", help="none: the float32 model; gguf: the CPU default")
     parser.add_argument("--tag", default="cpu")
     args = parser.parse_args()
     options = dict(quantization=args.quantization, cpu_kv_cache_bytes=256 << 20)
     engines = {"off": LLM("smollm2-135m", **options)}
-    names = [f"{method}_k{k}" for method in args.methods for k in args.k]
-    for method in args.methods:
-        for k in args.k:
-            engines[f"{method}_k{k}"] = LLM("smollm2-135m", speculative_method=method, num_speculative_tokens=k,
-                                            ngram_min=args.ngram_min, **options)
-    if args.workload == "questions":
-        requests = [BenchRequest(q, 0, args.output_len) for q in QUESTIONS[: args.num_prompts]]
-    else:
-        cfg = WorkloadConfig(dataset_name="copy", num_prompts=args.num_prompts, random_input_len=args.input_len,
-                             random_output_len=args.output_len)
-        requests = build_workload(cfg, PromptText(engines["off"].tokenizer))
+    for k in args.k:
+        engines[f"ngram_k{k}"] = LLM("smollm2-135m", speculative_method="ngram", num_speculative_tokens=k, **options)
+    cfg = WorkloadConfig(dataset_name="copy", num_prompts=args.num_prompts, random_input_len=args.input_len,
+                         random_output_len=args.output_len)
+    requests = build_workload(cfg, PromptText(engines["off"].tokenizer))
     params = [SamplingParams(temperature=0, max_tokens=r.output_len) for r in requests]
     result = {"tag": args.tag, "machine": platform.processor() or platform.machine(), "args": vars(args),
               **run_interleaved(engines, requests, params)}
-    for name in names:
-        result[name]["speedup"] = result[name]["output_tok_s"] / result["off"]["output_tok_s"]
+    for k in args.k:
+        result[f"ngram_k{k}"]["speedup"] = result[f"ngram_k{k}"]["output_tok_s"] / result["off"]["output_tok_s"]
     print(json.dumps(result, indent=1))
     write_result(f"cpu_spec_decode_{args.tag}.json", result)
 

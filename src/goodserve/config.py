@@ -21,7 +21,7 @@ WEIGHT_QUANTIZATIONS = ("int8", "int4")  # codes computed from float weights (at
 QUANTIZATIONS = (None, "none", *WEIGHT_QUANTIZATIONS, "gguf")  # None: not asked (resolved_quantization)
 # uni: the worker runs in the engine's process; mp: in a process of its own (as each of N workers will)
 EXECUTOR_BACKENDS = ("uni", "mp")
-SPECULATIVE_METHODS = (None, "ngram", "lookahead")  # None: no speculative decoding
+SPECULATIVE_METHODS = (None, "ngram")  # None: no speculative decoding
 # int4, one row (batch-1 decode) on CUDA: "tinygemm" (with bfloat16 activations; Triton otherwise),
 # "triton" (the GEMV family's one-row path), "rows" (ops/triton_gemv.py's thread-per-row kernel on
 # the checkpoint layout) or "rows_repacked" (the same on a copy repacked once at first use; 0.5 byte
@@ -121,8 +121,7 @@ class EngineConfig:
     tokenizer: str | None = None  # tokenizer path when it differs from the model's
     executor_backend: str = "uni"
     # Speculative decoding (engine/spec_decode/): None (off) | ngram (prompt lookup: propose the
-    # tokens that followed the last ngram_max..ngram_min tokens' latest earlier occurrence) |
-    # lookahead (prompt lookup, else an n-gram pool filled by the model's own verify forwards).
+    # tokens that followed the last ngram_max..ngram_min tokens' latest earlier occurrence).
     speculative_method: str | None = None
     num_speculative_tokens: int = 4
     ngram_min: int = 1

@@ -59,9 +59,7 @@ _HELP = {
                             "but greedy tokens can then depend on the batch (docs/quantization.md)",
     "tokenizer": "tokenizer path, when it differs from the model's",
     "speculative_method": "speculative decoding: ngram (prompt lookup: propose what followed the last tokens' "
-                          "earlier occurrence in the prompt or output; exact, docs/architecture.md); lookahead "
-                          "(prompt lookup, else an n-gram pool of the model's own predictions from earlier verify "
-                          "steps, engine/spec_decode/lookahead.py) (default: off)",
+                          "earlier occurrence in the prompt or output; exact, docs/architecture.md) (default: off)",
     "num_speculative_tokens": "most tokens proposed per sequence and step (default: 4)",
     "ngram_min": "ngram proposer: shortest suffix matched (default: 1)",
     "ngram_max": "ngram proposer: longest suffix matched, tried first (default: 4)",

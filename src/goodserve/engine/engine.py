@@ -141,7 +141,7 @@ class Engine:
             output = None if self._may_run_ahead(step) else step.pending.result()
         except Exception as exc:  # a failed step fails the requests that cause it, never the engine
             return self._isolate(out, seqs, exc, stream_text)
-        self.scheduler.advance(out, output and _num_rejected(out, output), output and output.window_samples)
+        self.scheduler.advance(out, output and _num_rejected(out, output))
         if output is not None:
             return self._record(step, output, stream_text)
         self._inflight = step
@@ -223,7 +223,7 @@ class Engine:
             except Exception as exc:  # the failure needs the whole batch (none failed alone): fail it
                 logger.exception("step failed again without its culprits; aborting its %d sequences", len(rows))
                 return changed | self._fail_all(rest_seqs, exc)
-            self.scheduler.advance(rest, _num_rejected(rest, output), output.window_samples)
+            self.scheduler.advance(rest, _num_rejected(rest, output))
             changed |= self._record(step, output, stream_text)
         return changed
 

@@ -33,7 +33,7 @@ from goodserve.engine.model_inputs import (
 from goodserve.engine.runner_output import ModelRunnerOutput, PendingOutput
 from goodserve.engine.sampling_inputs import GrammarBitmask, SamplingRow, build_sampling_batch
 from goodserve.engine.scheduler_output import SchedulerOutput
-from goodserve.engine.spec_decode.acceptance import kept_tokens, window_samples
+from goodserve.engine.spec_decode.acceptance import kept_tokens
 from goodserve.model.llama import LlamaForCausalLM
 from goodserve.ops.attention import AttentionMetadata, LayerKVCache
 from goodserve.ops.sampler import SamplerOutput, gather_logprobs, sample
@@ -145,15 +145,13 @@ class ModelRunner:
             t1 = time.perf_counter()
             if copied is not None:
                 copied.synchronize()
-            samples = host_tokens.tolist()
-            kept = kept_tokens(samples, drafts)
+            kept = kept_tokens(host_tokens.tolist(), drafts)
             _draw_as_if_not_drafted(seeded, kept, step.output.logits.shape[-1])
-            windows = {rows[i]: window for i, window in window_samples(samples, drafts).items()}
             return ModelRunnerOutput(
                 rows, kept, _sampled_logprobs(sampled, rows, drafts, kept, out, self.requests),
                 {row: (first, *(t.tolist() for t in lists)) for row, (first, *lists) in prompt_logprobs.items()},
                 {row: total.cpu() for row, total in step.output.pooled.items()},
-                step.prepare_s, step.launch_s + time.perf_counter() - t1, sample_s, windows)
+                step.prepare_s, step.launch_s + time.perf_counter() - t1, sample_s)
 
         return PendingOutput(fetch, replayed_graph=step.inputs.graph is not None)
 

@@ -24,9 +24,6 @@ class ModelRunnerOutput:
     prepare_s: float = 0.0
     forward_s: float = 0.0
     sample_s: float = 0.0
-    # row -> for a row that verified drafts, the target's token at every position of its window
-    # (spec_decode/acceptance.window_samples), for lookahead's pool
-    window_samples: dict[int, list[int]] = field(default_factory=dict)
 
 
 class PendingOutput:

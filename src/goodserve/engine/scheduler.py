@@ -292,12 +292,10 @@ class Scheduler:
                            tuple(sorted(tokens_left(seq) + (seq.num_uncomputed_tokens > 1) for seq in self.running)))
 
     # ---- after the step ------------------------------------------------------------------
-    def advance(self, out: SchedulerOutput, num_rejected: dict[int, int] | None = None,
-                window_samples: dict[int, list[int]] | None = None) -> None:
+    def advance(self, out: SchedulerOutput, num_rejected: dict[int, int] | None = None) -> None:
         """The runner computed the scheduled tokens: their K/V are now cached, except the
         num_rejected[row] last drafts of a speculating row, rolled back (its tokens, appended after
-        this, are the kept drafts and one more; window_samples[row], the target's token at each
-        position of its window, go to the speculator). Sequences that finished meanwhile (stopped or
+        this, are the kept drafts and one more). Sequences that finished meanwhile (stopped or
         aborted while an async step ran) hold no blocks and are skipped."""
         if self.makespan is not None:
             self.makespan.advance(out.num_tokens)
@@ -306,12 +304,9 @@ class Scheduler:
             if seq is None:
                 continue
             rejected = num_rejected.get(row, 0) if num_rejected else 0
-            start = seq.num_computed_tokens
             seq.num_computed_tokens += num_new - rejected
             if row in out.draft_token_ids:
                 num_drafts = len(out.draft_token_ids[row])
                 self.speculator.observe(seq, num_drafts, num_drafts - rejected)
-                if window_samples and row in window_samples:
-                    self.speculator.learn(seq, seq.token_ids[start - 1], out.token_ids[row], window_samples[row])
                 self.kv.free_tail(seq)
             self.kv.register_full_blocks(seq)

@@ -42,7 +42,6 @@ class Sequence:
     embedding: list[float] | None = None  # pooling: the result, once the prompt is computed
     metrics: RequestMetrics | None = None
     spec_acceptance: float = 1.0  # moving average of its drafts' acceptance rate (spec_decode/policy.py)
-    spec_pool: dict = field(default_factory=dict)  # lookahead's n-gram pool (spec_decode/lookahead.py)
 
     def __post_init__(self) -> None:
         if self.metrics is None:

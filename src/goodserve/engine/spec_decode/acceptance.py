@@ -26,17 +26,6 @@ def num_accepted(sampled: list[int], drafts: list[int]) -> int:
     return len(drafts)
 
 
-def window_samples(sampled: list[int], drafts_per_row: list[list[int]]) -> dict[int, list[int]]:
-    """Per row with drafts (its index in drafts_per_row), all its 1 + len(drafts) samples: the
-    target's token after each position of its window, the rejected ones' included."""
-    samples, at = {}, 0
-    for i, drafts in enumerate(drafts_per_row):
-        if drafts:
-            samples[i] = sampled[at : at + 1 + len(drafts)]
-        at += 1 + len(drafts)
-    return samples
-
-
 def kept_tokens(sampled: list[int], drafts_per_row: list[list[int]]) -> list[list[int]]:
     """Per row, the tokens it keeps from its samples (1 + len(drafts) consecutive entries of sampled):
     the confirmed drafts, then the target's own token at the first mismatch (or the bonus token)."""

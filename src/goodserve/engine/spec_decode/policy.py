@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from goodserve.config import EngineConfig
 from goodserve.engine.sequence import Sequence
-from goodserve.engine.spec_decode.lookahead import harvest, propose_from_pool
 from goodserve.engine.spec_decode.ngram import propose_ngram
 
 EMA_WEIGHT = 0.3  # of the newest step's acceptance rate
@@ -40,17 +39,7 @@ class Speculator:
         # The step writes 1 + k tokens: all of them must be allowed.
         left = min((seq.params.max_tokens or seq.max_len) - seq.num_output_tokens, seq.max_len - seq.num_tokens)
         k = min(c.num_speculative_tokens, room, left - 1)
-        if k <= 0:
-            return []
-        drafts = propose_ngram(seq.token_ids, c.ngram_min, c.ngram_max, k)
-        if not drafts and c.speculative_method == "lookahead":
-            drafts = propose_from_pool(seq.spec_pool, seq.token_ids, k)
-        return drafts
-
-    def learn(self, seq: Sequence, before: int, window: list[int], predicted: list[int]) -> None:
-        """What the target predicted at every position of seq's verify window (lookahead's pool)."""
-        if self.config.speculative_method == "lookahead":
-            harvest(seq.spec_pool, before, window, predicted)
+        return propose_ngram(seq.token_ids, c.ngram_min, c.ngram_max, k) if k > 0 else []
 
     def observe(self, seq: Sequence, num_proposed: int, num_accepted: int) -> None:
         self.num_drafts += 1
