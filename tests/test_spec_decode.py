@@ -149,8 +149,10 @@ def test_metrics_serve_the_counters(spec_llm):
     from goodserve.server.metrics import EngineStatsCollector
 
     spec_llm.generate([COPY], GREEDY)
-    samples = {s.name: s.value for family in EngineStatsCollector(spec_llm.engine, "m").collect()
-               for s in family.samples}
-    drafts = samples["goodserve:spec_decode_num_draft_tokens_total"]
-    accepted = samples["goodserve:spec_decode_num_accepted_tokens_total"]
-    assert 0 < accepted <= drafts and samples["goodserve:spec_decode_acceptance_rate"] == accepted / drafts
+    samples = [s for family in EngineStatsCollector(spec_llm.engine, "m").collect() for s in family.samples]
+    totals = {s.name: s.value for s in samples}
+    drafts = totals["goodserve:spec_decode_num_draft_tokens_total"]
+    accepted = totals["goodserve:spec_decode_num_accepted_tokens_total"]
+    assert 0 < totals["goodserve:spec_decode_num_drafts_total"] <= drafts and 0 < accepted <= drafts
+    per_pos = [s.value for s in samples if s.name == "goodserve:spec_decode_num_accepted_tokens_per_pos_total"]
+    assert len(per_pos) == spec_llm.engine.config.num_speculative_tokens and sum(per_pos) == accepted

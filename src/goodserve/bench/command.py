@@ -31,6 +31,12 @@ from goodserve.bench.records import RequestRecord
 from goodserve.bench.report import print_report, write_csv, write_html
 from goodserve.bench.result import build_result, save_json
 from goodserve.bench.runner import BenchRun, search_capacity
+from goodserve.bench.spec_decode import (
+    SpecDecodeCounts,
+    fetch_spec_decode_counts,
+    prompt_lookup_overlap,
+    spec_decode_metrics,
+)
 from goodserve.bench.text import PromptText
 from goodserve.bench.workloads import DATASETS, LENGTH_DISTS, WorkloadConfig, build_workload
 from goodserve.commands.console import make_console
@@ -200,6 +206,7 @@ class _Bench:
         if self.engine_config:
             console.print(f"engine: {describe(self.engine_config)}")
         self.runs: list[dict] = []
+        self.spec_before: SpecDecodeCounts | None = None  # the current run's counters after its warm-up
         self.capacity: dict | None = None
 
     def _tokenizer(self):
@@ -227,6 +234,8 @@ class _Bench:
         run = BenchRun(self.target, [r for r in self.requests], arrivals, self.args.seed, self.args.num_warmups)
         settings = settings_of(self.args, arrivals, self.target, self.args.tokenizer or self.args.model,
                                self.engine_config)
+        self.spec_before = None
+        run.on_start = self._note_spec_decode_counts
         with self._progress(arrivals) as hook:
             run.on_record = hook
             try:
@@ -236,11 +245,26 @@ class _Bench:
                 self.runs.append(self._result(settings, run.records))
         return self.runs[-1]
 
+    def _spec_decode_counts(self) -> SpecDecodeCounts | None:
+        """The server's speculative-decoding counters (None: it has none, or the target is in-process)."""
+        if self.args.backend == "inprocess":
+            return None
+        return fetch_spec_decode_counts(f"{self.target.config.base_url.rstrip('/')}/metrics", self.args.api_key)
+
+    def _note_spec_decode_counts(self) -> None:
+        self.spec_before = self._spec_decode_counts()
+
     def _result(self, settings: dict, records: list[RequestRecord]) -> dict:
         metrics = compute_metrics(records, slos=self.slos, percentile_metrics=self.percentile_metrics,
                                   percentiles=self.percentiles, cost=self.cost)
         if self.slo_scales:
             metrics["slo_scale_sweep"] = attainment_by_slo_scale(records, self.slos, self.slo_scales)
+        metrics["prompt_lookup_overlap"] = prompt_lookup_overlap([
+            (" ".join(m["content"] for m in self.requests[r.index].chat_messages()), r.generated_text)
+            for r in records if r.success], self.tokenizer)
+        spec_after = self._spec_decode_counts() if self.spec_before is not None else None
+        if spec_after:
+            metrics.update(spec_decode_metrics(spec_after - self.spec_before))
         return build_result(settings, metrics, records)
 
     @contextlib.contextmanager

@@ -14,6 +14,7 @@ _HIGHER_IS_BETTER = {
     "request_throughput": True, "input_throughput": True, "output_throughput": True,
     "total_token_throughput": True, "request_goodput": True, "slo_attainment": True,
     "cost_per_1m_output_tokens": False, "cost_per_request": False,
+    "spec_decode_acceptance_rate": True, "spec_decode_acceptance_length": True,
 }
 
 

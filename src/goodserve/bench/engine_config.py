@@ -21,15 +21,24 @@ def parse_engine_config(metrics_text: str) -> dict[str, str] | None:
     return None
 
 
-def fetch_engine_config(metrics_url: str, api_key: str | None = None,
-                        timeout_s: float = 5.0) -> dict[str, str] | None:
-    """None when the URL cannot be read or is not a goodserve server's /metrics (vLLM, a hosted API)."""
+def fetch_metrics_text(metrics_url: str, api_key: str | None = None, timeout_s: float = 5.0) -> str | None:
+    """The /metrics text, or None when the URL cannot be read (a hosted API has none)."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
         response = httpx.get(metrics_url, headers=headers, timeout=timeout_s)
         response.raise_for_status()
-        return parse_engine_config(response.text)
-    except (httpx.HTTPError, ValueError):
+        return response.text
+    except httpx.HTTPError:
+        return None
+
+
+def fetch_engine_config(metrics_url: str, api_key: str | None = None,
+                        timeout_s: float = 5.0) -> dict[str, str] | None:
+    """None when the URL cannot be read or is not a goodserve server's /metrics (vLLM, a hosted API)."""
+    text = fetch_metrics_text(metrics_url, api_key, timeout_s)
+    try:
+        return None if text is None else parse_engine_config(text)
+    except ValueError:  # not Prometheus text
         return None
 
 

@@ -31,6 +31,14 @@ _SUMMARY_ROWS = [
     ("$ per 1M input tokens", "cost_per_1m_input_tokens", "{:.4f}"),
     ("$ per 1M output tokens", "cost_per_1m_output_tokens", "{:.4f}"),
     ("$ per request", "cost_per_request", "{:.6f}"),
+    # Speculative decoding (bench/spec_decode.py): what prompt lookup would predict, for any server;
+    # what speculation did, where the server's /metrics has its counters.
+    ("Prompt-lookup overlap (output words predicted)", "prompt_lookup_overlap", "{:.3f}"),
+    ("Speculative drafts (verifications)", "spec_decode_num_drafts", "{:d}"),
+    ("Draft tokens", "spec_decode_draft_tokens", "{:d}"),
+    ("Accepted draft tokens", "spec_decode_accepted_tokens", "{:d}"),
+    ("Draft acceptance rate (%)", "spec_decode_acceptance_rate", "{:.1f}"),
+    ("Mean acceptance length (tokens/verification)", "spec_decode_acceptance_length", "{:.2f}"),
 ]
 _LATENCY_NAMES = {"ttft": "Time to first token", "tpot": "Time per output token (excl. 1st)",
                   "itl": "Inter-token latency", "e2el": "End-to-end latency"}
@@ -72,6 +80,8 @@ def sweep_table(runs: list[dict]) -> Table:
                ("TTFT p50", "median_ttft_ms"), ("TTFT p99", "p99_ttft_ms"),
                ("TPOT p50", "median_tpot_ms"), ("TPOT p99", "p99_tpot_ms"),
                ("good req/s", "request_goodput"), ("SLO %", "slo_attainment"), ("failed", "failed")]
+    if any("spec_decode_acceptance_rate" in run for run in runs):
+        columns += [("accept %", "spec_decode_acceptance_rate"), ("accept len", "spec_decode_acceptance_length")]
     for label, _ in columns:
         table.add_column(label, justify="right")
     for run in runs:
@@ -84,6 +94,8 @@ def _cell(value) -> str:
         return "-"
     if isinstance(value, float):
         return f"{value:.2f}"
+    if isinstance(value, list):  # per-position acceptance rates
+        return " ".join(_cell(v) for v in value)
     return str(value)
 
 
@@ -95,6 +107,9 @@ def print_report(result: dict, console: Console | None = None) -> None:
     else:
         console.print(sweep_table(runs))
     for run in runs:
+        if run.get("spec_decode_per_position_acceptance_rates"):
+            rates = ", ".join(f"{rate:.3f}" for rate in run["spec_decode_per_position_acceptance_rates"])
+            console.print(f"Per-position acceptance rate ({_run_label(run)}): {rates}")
         if "slo_scale_sweep" in run:
             cells = ", ".join(f"x{p['scale']:g}: {p['slo_attainment']:.1f}%" for p in run["slo_scale_sweep"])
             console.print(f"SLO attainment vs SLO scale ({_run_label(run)}): {cells}")
@@ -243,7 +258,9 @@ td,th{border:1px solid #ccc;padding:4px 8px;text-align:right}img{margin:8px}</st
 
 _HTML_COLUMNS = ["request_rate", "max_concurrency", "completed", "failed", "request_throughput",
                  "output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms",
-                 "median_itl_ms", "p99_itl_ms", "request_goodput", "slo_attainment"]
+                 "median_itl_ms", "p99_itl_ms", "request_goodput", "slo_attainment",
+                 "spec_decode_acceptance_rate", "spec_decode_acceptance_length",
+                 "spec_decode_per_position_acceptance_rates"]
 
 
 def write_html(result: dict, path: Path) -> None:

@@ -45,10 +45,13 @@ class BenchRun:
     seed: int = 0
     num_warmups: int = 0
     on_record: ProgressHook | None = None
+    on_start: Callable[[], None] | None = None  # after the warm-up, before the first measured request
     records: list[RequestRecord] = field(default_factory=list)
 
     async def run(self) -> list[RequestRecord]:
         await self._warm_up()
+        if self.on_start:
+            self.on_start()
         clock = monotonic_clock()
         offsets = send_offsets(self.arrivals, len(self.requests), self.seed)
         limit = self.arrivals.max_concurrency

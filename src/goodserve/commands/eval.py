@@ -16,7 +16,9 @@ def register(subparsers) -> None:
         help="quality gate: compare an engine configuration against the unoptimized one",
         description="Run the same model twice, unoptimized and as configured by the engine flags "
                     "(e.g. --quantization int8, --kv-cache-dtype int8, --no-prefix-caching), and compare "
-                    "perplexity, top-1 next-token agreement and greedy agreement against thresholds.",
+                    "perplexity, top-1 next-token agreement and greedy agreement against thresholds. "
+                    "With --speculative-method the candidate must also agree exactly (1.000) with "
+                    "itself without speculation.",
     )
     parser.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                         help="same as --no-enable-prefix-caching")
@@ -67,6 +69,20 @@ def _read_prompts(path: str) -> list[str]:
     return prompts
 
 
+def _check_lines(rows: list[dict]) -> list[str]:
+    return [f"  {'PASS' if row['passed'] else 'FAIL'}  {row['metric']:<20} {row['value']:.4f} {row['op']} "
+            f"{row['limit']:.4f}" for row in rows]
+
+
+def _speculation_summary(spec: dict) -> list[str]:
+    m = spec["metrics"]
+    rate = "-" if spec["acceptance_rate"] is None else f"{spec['acceptance_rate']:.3f}"
+    return [f"speculation ({spec['method']}) against the {spec['reference']}: greedy agreement "
+            f"{m['greedy_agreement']:.3f}, perplexity {m['baseline_perplexity']:.4f} -> "
+            f"{m['candidate_perplexity']:.4f}; {spec['accepted_tokens']} of {spec['draft_tokens']} "
+            f"draft tokens kept (acceptance {rate})", *_check_lines(spec["checks"])]
+
+
 def summary(report: dict) -> str:
     m = report["metrics"]
     changes = ", ".join(f"{k}={v}" for k, v in report["differs_from_baseline"].items()) or "nothing"
@@ -76,10 +92,10 @@ def summary(report: dict) -> str:
         f"greedy: {report['greedy']['prompts']} prompts x {report['greedy']['max_new_tokens']} tokens",
         f"perplexity: baseline {m['baseline_perplexity']:.4f}, candidate {m['candidate_perplexity']:.4f}",
     ]
-    for row in report["checks"]:
-        verdict = "PASS" if row["passed"] else "FAIL"
-        lines.append(f"  {verdict}  {row['metric']:<20} {row['value']:.4f} {row['op']} {row['limit']:.4f}")
+    lines += _check_lines(report["checks"])
     lines.append(f"greedy exact match {m['greedy_exact_match']:.3f}, "
                  f"mean |logprob diff| {m['mean_abs_logprob_diff']:.5f}")
+    if "speculation" in report:
+        lines += _speculation_summary(report["speculation"])
     lines.append("PASSED" if report["passed"] else "FAILED")
     return "\n".join(lines)

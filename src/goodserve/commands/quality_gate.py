@@ -8,7 +8,9 @@ runs the same work as the unoptimized baseline on the same model:
   baseline's;
 - greedy agreement over a prompt set: the share of generated tokens before the first divergence.
 Each metric is checked against a threshold; defaults depend on what the candidate changes.
-The two engines run one after the other, so a GPU only ever holds one model.
+A candidate with speculative decoding is also checked against itself without it (the baseline's run
+when that is the same configuration): speculation is exact, so all three must agree exactly.
+The engines run one after the other, so a GPU only ever holds one model.
 """
 
 from __future__ import annotations
@@ -28,9 +30,11 @@ from goodserve.errors import InvalidRequestError
 from goodserve.sampling_params import SamplingParams
 
 # What "unoptimized" means: full-precision weights and KV, no cache reuse, reference attention,
-# eager execution. Every other field keeps the candidate's value, so both run the same model.
+# eager execution, no speculation. Every other field keeps the candidate's value, so both run the
+# same model.
 BASELINE_OPTIONS = {"quantization": "none", "kv_cache_dtype": "auto", "enable_prefix_caching": False,
-                    "attention_backend": "torch", "enforce_eager": True}
+                    "attention_backend": "torch", "enforce_eager": True, "speculative_method": None,
+                    "speculative_model": None}
 
 # A shared preamble longer than a KV block, so a candidate with prefix caching reuses it.
 PREAMBLE = ("You are a careful assistant who answers questions about programming, science and history "
@@ -98,6 +102,8 @@ class RunResult:
     top1_tokens: list[list[int]]
     greedy_tokens: list[list[int]]
     seconds: float  # the workload only, not loading
+    draft_tokens: int = 0  # speculative decoding: tokens proposed and verified, and of those kept
+    accepted_tokens: int = 0
 
 
 # (perplexity increase, top-1 agreement drop, greedy agreement drop) each lossy change may cost.
@@ -113,6 +119,9 @@ LOSS_BUDGETS = {
     ("kv_cache_dtype", "fp8"): (0.03, 0.06, 0.45),
 }
 EXACT_THRESHOLDS = (0.005, 0.98, 0.90)  # changes meant to be exact: rounding noise only
+# Speculative decoding is exact (engine/spec_decode/acceptance.py): against the same configuration
+# without it, not one greedy token, top-1 token or perplexity digit may move.
+SPECULATION_THRESHOLDS = (0.0, 1.0, 1.0)
 
 
 def default_thresholds(candidate: EngineConfig) -> Thresholds:
@@ -181,6 +190,7 @@ def measure(config: EngineConfig, settings: EvalSettings, workload: Workload | N
 def run_workload(llm, workload: Workload, max_new_tokens: int,
                  on_progress: ProgressHook = _no_progress) -> RunResult:
     start = time.perf_counter()
+    before = llm.engine.stats()
     windows = workload.windows
     # As many windows a call as one engine step holds: progress to report, and no batching lost.
     per_call = max(1, llm.engine.config.max_num_batched_tokens // len(windows[0]))
@@ -201,7 +211,10 @@ def run_workload(llm, workload: Workload, max_new_tokens: int,
             outputs += llm.generate([{"prompt_token_ids": p} for p in part], greedy_params)
             on_progress("greedy prompts", len(outputs), len(prompts))
     greedy = [list(out.outputs[0].token_ids) for out in outputs]
-    return RunResult(list(logprobs), list(top1), greedy, time.perf_counter() - start)
+    after = llm.engine.stats()
+    return RunResult(list(logprobs), list(top1), greedy, time.perf_counter() - start,
+                     after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens,
+                     after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens)
 
 
 def _score_window(window: list[int], prompt_logprobs: list) -> tuple[list[float], list[int]]:
@@ -261,8 +274,9 @@ def evaluate(candidate: EngineConfig, settings: EvalSettings, thresholds: Thresh
     # report and the loss budgets name it.
     from goodserve.engine.config_resolution import resolve_for_device
 
-    candidate = dataclasses.replace(candidate, quantization=resolve_for_device(candidate).quantization)
-    if candidate.quantization_awq and not candidate.quantization:
+    # Unquantized is "none", the baseline's spelling, so a candidate can be the baseline's equal.
+    candidate = dataclasses.replace(candidate, quantization=resolve_for_device(candidate).quantization or "none")
+    if candidate.quantization_awq and candidate.quantization == "none":
         raise InvalidRequestError("--quantization-awq scales weights for quantization: add --quantization int8 or int4")
     thresholds = thresholds or default_thresholds(candidate)
     baseline = dataclasses.replace(candidate, **BASELINE_OPTIONS)
@@ -270,7 +284,7 @@ def evaluate(candidate: EngineConfig, settings: EvalSettings, thresholds: Thresh
     _, cand_run = measure(candidate, settings, workload, on_progress, "candidate")
     metrics = compare(base_run, cand_run)
     rows = checks(metrics, thresholds)
-    return {
+    report = {
         "model": candidate.model,
         "differs_from_baseline": changed_options(candidate, baseline),
         "baseline": dataclasses.asdict(baseline),
@@ -283,4 +297,31 @@ def evaluate(candidate: EngineConfig, settings: EvalSettings, thresholds: Thresh
         "checks": rows,
         "passed": all(row["passed"] for row in rows),
         "seconds": {"baseline": base_run.seconds, "candidate": cand_run.seconds},
+    }
+    if candidate.speculative_method or candidate.speculative_model:
+        report["speculation"] = speculation_check(candidate, baseline, base_run, cand_run, workload, settings,
+                                                  on_progress)
+        report["passed"] = report["passed"] and report["speculation"]["passed"]
+    return report
+
+
+def speculation_check(candidate: EngineConfig, baseline: EngineConfig, base_run: RunResult, cand_run: RunResult,
+                      workload: Workload, settings: EvalSettings, on_progress: ProgressHook) -> dict:
+    """The candidate against itself without speculation (the baseline's run, when that is the same
+    configuration): speculation must change nothing. With how many drafts it kept."""
+    plain = dataclasses.replace(candidate, speculative_method=None, speculative_model=None)
+    plain_run = base_run if plain == baseline else measure(plain, settings, workload, on_progress,
+                                                          "candidate without speculation")[1]
+    metrics = compare(plain_run, cand_run)
+    rows = checks(metrics, Thresholds(*SPECULATION_THRESHOLDS))
+    drafted, accepted = cand_run.draft_tokens, cand_run.accepted_tokens
+    return {
+        "method": candidate.speculative_model or candidate.speculative_method,
+        "reference": "baseline" if plain == baseline else "candidate without speculation",
+        "metrics": metrics,
+        "checks": rows,
+        "passed": all(row["passed"] for row in rows),
+        "draft_tokens": drafted,
+        "accepted_tokens": accepted,
+        "acceptance_rate": accepted / drafted if drafted else None,
     }

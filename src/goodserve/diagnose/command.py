@@ -32,6 +32,7 @@ from goodserve.diagnose.parallel import (ALLREDUCE_LATENCY_S, Layout, add_layout
                                          check_layout, decode_limit, dtype_for_activations, per_replica,
                                          replica_hardware)
 from goodserve.diagnose.roofline import PhaseAnalysis, analyze, flops_per_token
+from goodserve.diagnose.speculation import SpeculationAdvice, recommend_speculation
 from goodserve.model.spec import ModelSpec
 
 DTYPES = ("bf16", "fp16", "fp32", "int8", "int4")
@@ -118,6 +119,11 @@ def print_advice(console: Console, advice: list[Advice]) -> None:
             console.print(f"   - [cyan]{fix.option}[/cyan]: {fix.effect}\n     confirm: {fix.confirm}")
 
 
+def print_speculation(console: Console, advice: SpeculationAdvice) -> None:
+    verdict = "keep" if advice.keeps else "use"
+    console.print(f"\n[bold]speculative decoding:[/bold] {verdict} [cyan]{advice.option}[/cyan] ({advice.why})")
+
+
 def observations_of(args) -> Observations | None:
     if args.result:
         return from_bench_result(args.result)
@@ -159,8 +165,10 @@ def run_command(args) -> int:
             console.print(f"  {p.phase}: {p.why}")
         advice = advise(obs, phases, assumed.engine)
         print_advice(console, advice)
+        speculation = recommend_speculation(obs)
+        print_speculation(console, speculation)
         report.update(observations=asdict(obs), phases=[asdict(p) for p in phases],
-                      advice=[asdict(a) for a in advice])
+                      advice=[asdict(a) for a in advice], speculation=asdict(speculation))
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(report, indent=2))
     return 0

@@ -37,6 +37,10 @@ class Observations:
     slos_ms: dict | None = None
     slo_attainment: float | None = None  # percent
     engine: dict | None = None  # the server's engine_config_info labels, when the source recorded them
+    # Speculative decoding (diagnose/speculation.py): the share of output words prompt lookup would
+    # predict (bench results only), and the measured acceptance (0..1) where the server speculated.
+    prompt_lookup_overlap: float | None = None
+    spec_acceptance_rate: float | None = None
 
     @property
     def mean_context_len(self) -> float:
@@ -71,11 +75,17 @@ def from_bench_result(path: str) -> Observations:
         repeated_prefixes=run.get("dataset_name") in ("prefix_repetition", "multiturn"),
         slos_ms=run.get("goodput_slos_ms"), slo_attainment=run.get("slo_attainment"),
         engine=run.get("engine_config") or result.get("engine_config"),
+        prompt_lookup_overlap=run.get("prompt_lookup_overlap"),
+        spec_acceptance_rate=_percent(run.get("spec_decode_acceptance_rate")),
     )
 
 
 def _ms(value: float | None) -> float | None:
     return None if value is None else value / 1000
+
+
+def _percent(value: float | None) -> float | None:
+    return None if value is None else value / 100
 
 
 def scrape(url: str, timeout_s: float = 10.0) -> dict[str, float]:
@@ -123,6 +133,7 @@ def observations_from_scrapes(before: dict[str, float], after: dict[str, float],
                                   "put the server under load (e.g. goodserve bench) while diagnosing")
     prompt, generated = delta("prompt_tokens_total"), delta("generation_tokens_total")
     queries = delta("prefix_cache_queries_total")
+    draft_tokens = delta("spec_decode_num_draft_tokens_total")
     return Observations(
         source=f"live server {url} over {elapsed_s:.0f}s",
         mean_prompt_len=prompt / finished, mean_output_len=generated / finished,
@@ -135,4 +146,5 @@ def observations_from_scrapes(before: dict[str, float], after: dict[str, float],
         kv_cache_usage=after.get("kv_cache_usage_perc"),
         num_waiting=after.get("num_requests_waiting"),
         prefix_cache_hit_rate=delta("prefix_cache_hits_total") / queries if queries else None,
+        spec_acceptance_rate=delta("spec_decode_num_accepted_tokens_total") / draft_tokens if draft_tokens else None,
     )

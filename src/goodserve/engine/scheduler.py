@@ -218,7 +218,7 @@ class Scheduler:
             if budget <= 0:
                 break
             decoding = seq.num_uncomputed_tokens == 1
-            k = self.speculator.num_drafts(seq, len(self.running), budget - 1) if decoding else 0
+            k = self.speculator.drafts_wanted(seq, len(self.running), budget - 1) if decoding else 0
             if k:
                 wanted.append((seq, k))
             budget -= min(seq.num_uncomputed_tokens, budget) + k

@@ -28,12 +28,13 @@ class EngineStats:
     sample_seconds_total: float
     detokenize_seconds_total: float
     output_seconds_total: float  # building RequestOutputs for callers
-    spec_decode_num_draft_tokens: int = 0  # drafts verified (engine/spec_decode/)
-    spec_decode_num_accepted_tokens: int = 0  # of those, kept
-
-    @property
-    def spec_decode_acceptance_rate(self) -> float:
-        return self.spec_decode_num_accepted_tokens / max(self.spec_decode_num_draft_tokens, 1)
+    # Speculative decoding (engine/spec_decode/), vLLM's counts: verifications (one sequence's
+    # proposals checked in one step), tokens proposed, tokens kept, and per draft position j the
+    # verifications that kept the draft at j (kept drafts are a prefix, so the list falls).
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()
 
 
 @dataclass
@@ -64,6 +65,14 @@ def engine_stats(scheduler: Scheduler, kv: KVCacheManager, steps: StepLog) -> En
         prepare_seconds_total=steps.prepare, forward_seconds_total=steps.forward,
         sample_seconds_total=steps.sample, detokenize_seconds_total=steps.detokenize,
         output_seconds_total=steps.output,
-        spec_decode_num_draft_tokens=scheduler.speculator.num_draft_tokens if scheduler.speculator else 0,
-        spec_decode_num_accepted_tokens=scheduler.speculator.num_accepted_tokens if scheduler.speculator else 0,
+        **_spec_decode_counts(scheduler.speculator),
     )
+
+
+def _spec_decode_counts(speculator) -> dict:
+    if speculator is None:
+        return {}
+    return dict(spec_decode_num_drafts=speculator.num_drafts,
+                spec_decode_num_draft_tokens=speculator.num_draft_tokens,
+                spec_decode_num_accepted_tokens=speculator.num_accepted_tokens,
+                spec_decode_num_accepted_tokens_per_pos=tuple(speculator.num_accepted_per_pos))

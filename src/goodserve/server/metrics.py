@@ -71,6 +71,8 @@ def engine_info(engine) -> dict[str, str]:
         "cuda_graphs": str(engine.engine.executor.info.cuda_graphs),
         "max_num_seqs": str(config.max_num_seqs),
         "max_num_batched_tokens": str(config.max_num_batched_tokens),
+        "speculative_method": config.speculative_method or "none",
+        "speculative_model": config.speculative_model or "none",
     }
 
 
@@ -102,6 +104,23 @@ class EngineStatsCollector:
         family.add_metric([self.model_name], value)
         return family
 
+    def _spec_decode(self, s) -> Iterator[Metric]:
+        """vLLM's speculative-decoding counters; acceptance rate (accepted / draft tokens), mean
+        acceptance length (1 + accepted / drafts) and per-position rates (per_pos / drafts) derive
+        from them over any window (bench/spec_decode.py)."""
+        yield self._counter("spec_decode_num_drafts", "Verifications: a sequence's proposals checked in a step.",
+                            s.spec_decode_num_drafts)
+        yield self._counter("spec_decode_num_draft_tokens", "Speculative tokens proposed and verified.",
+                            s.spec_decode_num_draft_tokens)
+        yield self._counter("spec_decode_num_accepted_tokens", "Speculative tokens the target model kept.",
+                            s.spec_decode_num_accepted_tokens)
+        per_pos = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                      "Verifications that kept the proposed token at each position (0-based).",
+                                      labels=["model_name", "position"])
+        for position, count in enumerate(s.spec_decode_num_accepted_tokens_per_pos):
+            per_pos.add_metric([self.model_name, str(position)], count)
+        yield per_pos
+
     def collect(self) -> Iterator[Metric]:
         s = self.engine.stats()
         yield self._gauge("num_requests_running", "Requests in the running batch.", s.num_running)
@@ -114,12 +133,8 @@ class EngineStatsCollector:
         yield self._counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits)
         yield self._counter("num_preemptions", "Requests preempted to free KV cache.", s.num_preemptions)
         yield self._counter("engine_steps", "Engine steps run.", s.num_steps)
-        yield self._counter("spec_decode_num_draft_tokens", "Speculative tokens proposed and verified.",
-                            s.spec_decode_num_draft_tokens)
-        yield self._counter("spec_decode_num_accepted_tokens", "Speculative tokens the target model kept.",
-                            s.spec_decode_num_accepted_tokens)
-        yield self._gauge("spec_decode_acceptance_rate", "Accepted over proposed speculative tokens, so far (0..1).",
-                          s.spec_decode_acceptance_rate)
+        if self.config.speculative_method:
+            yield from self._spec_decode(s)
         fill = GaugeMetricFamily(
             PREFIX + "batch_fill_ratio",
             "Last step's batch over its limit: tokens / max_num_batched_tokens, seqs / max_num_seqs.",

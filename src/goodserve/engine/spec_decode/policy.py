@@ -25,10 +25,13 @@ class Speculator:
     def __init__(self, config: EngineConfig, proposer: Proposer) -> None:
         self.config = config
         self.proposer = proposer
+        # Counted as vLLM counts them (served under its metric names, server/metrics.py).
+        self.num_drafts = 0  # verifications: one sequence's proposals checked in one step
         self.num_draft_tokens = 0  # proposed and verified
         self.num_accepted_tokens = 0  # of those, kept
+        self.num_accepted_per_pos = [0] * config.num_speculative_tokens  # [j]: verifications that kept draft j
 
-    def num_drafts(self, seq: Sequence, num_running: int, room: int) -> int:
+    def drafts_wanted(self, seq: Sequence, num_running: int, room: int) -> int:
         """How many drafts seq's next step (it decodes one token) may verify, at most `room`."""
         c = self.config
         if num_running > c.spec_max_batch or seq.grammar is not None or seq.params.prefill_only:
@@ -47,7 +50,10 @@ class Speculator:
     def release(self, seq: Sequence) -> None:
         self.proposer.release(seq)
 
-    def observe(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
-        self.num_draft_tokens += num_drafts
+    def observe(self, seq: Sequence, num_proposed: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_proposed
         self.num_accepted_tokens += num_accepted
-        seq.spec_acceptance += EMA_WEIGHT * (num_accepted / num_drafts - seq.spec_acceptance)
+        for position in range(num_accepted):  # kept drafts are a prefix: positions 0..num_accepted-1
+            self.num_accepted_per_pos[position] += 1
+        seq.spec_acceptance += EMA_WEIGHT * (num_accepted / num_proposed - seq.spec_acceptance)
