@@ -105,6 +105,31 @@ def test_aborts_free_both_sides(servers):
     assert complete(disaggregated, PROMPT, max_tokens=4)  # still serving
 
 
+def test_no_room_for_the_kv_here_prefills_it_here(servers, tmp_path):
+    colocated, _ = servers
+    # A pool of 24 blocks: the first request's ~300-token prompt holds 19 of them while it decodes,
+    # so the second's ~120 tokens of KV find no room when they arrive; it waits and is prefilled here.
+    with start_server([*FLAGS, "--disaggregate", "prefill:0,decode:1", "--num-kv-blocks", "24", "--max-model-len", "384",
+                       "--data-dir", str(tmp_path)]) as small:
+        small.wait_ready(300)
+        long_prompt, short_prompt = PROMPT * 8, "Once upon a time, " + PROMPT * 3
+        results = {}
+
+        def ask(prompt: str, tokens: int) -> None:
+            results[prompt] = complete(small, prompt, max_tokens=tokens, extra_body={"ignore_eos": True})
+
+        first = threading.Thread(target=ask, args=(long_prompt, 80))
+        first.start()
+        while not scrape_metrics(small.url)["goodserve:num_requests_running{}"]:
+            time.sleep(0.01)
+        ask(short_prompt, 8)
+        first.join()
+        assert "prefilled here: its KV did not arrive" in small.log()
+        assert wait_all_freed(small) == (0, 0)
+    for prompt, tokens in ((long_prompt, 80), (short_prompt, 8)):
+        assert results[prompt] == complete(colocated, prompt, max_tokens=tokens, extra_body={"ignore_eos": True})
+
+
 def test_a_dead_prefill_worker_gives_503_and_the_server_answers(servers):
     _, disaggregated = servers
     pid = int(PREFILL_LINE.search(disaggregated.log()).group(1))

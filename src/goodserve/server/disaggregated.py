@@ -159,8 +159,7 @@ class DisaggregatedEngine(AsyncEngine):
         elif isinstance(command, _Prefilled):
             self._receive(self.prefilling.pop(command.request_id))
         elif isinstance(command, _Refused):
-            logger.info("the prefill side refused %s (%s): prefilled here", command.request_id, command.reason)
-            self._prefill_here(self.prefilling.pop(command.request_id))
+            self._prefill_here(self.prefilling.pop(command.request_id), f"the prefill side refused it: {command.reason}")
         elif isinstance(command, _PrefillExited):
             for add in self.prefilling.values():
                 add.stream.put(EngineDeadError(f"{command.reason} before this request started"))
@@ -200,10 +199,11 @@ class DisaggregatedEngine(AsyncEngine):
         wanted = request_id in self.streams
         if taken and not wanted:
             self.engine.abort_request(request_id)
-        elif not taken and wanted:  # aborted or failed there, or no room here now: prefill here
-            self._prefill_here(add)
+        elif not taken and wanted:
+            self._prefill_here(add, "its KV did not arrive (failed there, or no room here now)")
 
-    def _prefill_here(self, add: _Add) -> None:
+    def _prefill_here(self, add: _Add, why: str) -> None:
         if add.request_id in self.streams:
+            logger.info("%s prefilled here: %s", add.request_id, why)
             super()._apply(add)
 
