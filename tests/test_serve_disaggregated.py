@@ -11,6 +11,7 @@ import signal
 import subprocess
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -57,6 +58,14 @@ def chat_streamed(server, text: str) -> str:
 def used_blocks(server) -> tuple[float, float]:
     found = scrape_metrics(server.url)
     return (found["goodserve:num_used_kv_blocks{}"], found["goodserve:prefill_num_used_kv_blocks{}"])
+
+
+def gone(pid: int) -> bool:
+    """Exited (a zombie not yet reaped counts)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+    except FileNotFoundError:
+        return True
 
 
 def wait_all_freed(server, timeout_s: float = 30.0) -> tuple[float, float]:
@@ -126,6 +135,9 @@ def test_no_room_for_the_kv_here_prefills_it_here(servers, tmp_path):
         first.join()
         assert "prefilled here: its KV did not arrive" in small.log()
         assert wait_all_freed(small) == (0, 0)
+        prefill_pid = int(PREFILL_LINE.search(small.log()).group(1))
+    assert "Application shutdown complete" in small.log()  # SIGTERM (leaving the with) drained it
+    assert gone(prefill_pid)  # and stopped its prefill child
     for prompt, tokens in ((long_prompt, 80), (short_prompt, 8)):
         assert results[prompt] == complete(colocated, prompt, max_tokens=tokens, extra_body={"ignore_eos": True})
 

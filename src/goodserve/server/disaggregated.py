@@ -25,6 +25,7 @@ import queue
 import threading
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
 from goodserve.config import EngineConfig
@@ -72,7 +73,9 @@ def start_prefill_process(config: EngineConfig, layout: DisaggLayout):
     # A spawned child takes this process's environment as it is when started.
     _set_env("CUDA_VISIBLE_DEVICES", prefill_gpu)
     if prefill_gpu is None and saved["OMP_NUM_THREADS"] is None:  # the CPU's cores split between the two
-        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // 2))
+        half = max(1, (os.cpu_count() or 1) // 2)
+        os.environ["OMP_NUM_THREADS"] = str(half)
+        torch.set_num_threads(half)
     process = ctx.Process(target=prefill_worker_main, args=(config, child_conn, init_method),
                           name="goodserve-prefill", daemon=True)
     try:
