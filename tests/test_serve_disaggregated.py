@@ -118,7 +118,8 @@ def test_no_room_for_the_kv_here_prefills_it_here(servers, tmp_path):
     colocated, _ = servers
     # A pool of 24 blocks: the first request's ~300-token prompt holds 19 of them while it decodes,
     # so the second's ~120 tokens of KV find no room when they arrive; it waits and is prefilled here.
-    with start_server([*FLAGS, "--disaggregate", "prefill:0,decode:1", "--num-kv-blocks", "24", "--max-model-len", "384",
+    with start_server([*FLAGS, "--disaggregate", "prefill:0,decode:1", "--num-kv-blocks", "24",
+                       "--max-model-len", "384",
                        "--data-dir", str(tmp_path)]) as small:
         small.wait_ready(300)
         long_prompt, short_prompt = PROMPT * 8, "Once upon a time, " + PROMPT * 3

@@ -162,7 +162,8 @@ class DisaggregatedEngine(AsyncEngine):
         elif isinstance(command, _Prefilled):
             self._receive(self.prefilling.pop(command.request_id))
         elif isinstance(command, _Refused):
-            self._prefill_here(self.prefilling.pop(command.request_id), f"the prefill side refused it: {command.reason}")
+            add = self.prefilling.pop(command.request_id)
+            self._prefill_here(add, f"the prefill side refused it: {command.reason}")
         elif isinstance(command, _PrefillExited):
             for add in self.prefilling.values():
                 add.stream.put(EngineDeadError(f"{command.reason} before this request started"))
