@@ -90,6 +90,10 @@ class AsyncEngine:
         """The stats as of the last step (refreshed by the engine thread; safe to read anywhere)."""
         return self._stats
 
+    def prefill_stats(self) -> EngineStats | None:
+        """A separate prefill engine's stats (server/disaggregated.py); None: this engine prefills."""
+        return None
+
     def forecast(self) -> SloForecast:
         """The step-time fit and queue shape as of the last step (published by the engine thread)."""
         return self._forecast
@@ -118,7 +122,7 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's cumulative output after every step it took part in."""
         if self.dead is not None or self.stopping.is_set():
-            raise EngineDeadError("the engine is not running")
+            raise EngineDeadError(f"the engine is not running{f': {self.dead}' if self.dead else ''}")
         stream = _Stream(asyncio.get_running_loop())
         self.streams[request_id] = stream
         self.commands.put(_Add(request_id, prompt, params, time.time(), stream))

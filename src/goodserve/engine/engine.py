@@ -115,7 +115,7 @@ class Engine:
         self.kv.release_held(sequence_id(request_id, 0))
 
     def add_decode_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                           fill: Callable[[list[int]], None]) -> bool:
+                           fill: Callable[[list[int]], None], arrival_time: float | None = None) -> bool:
         """A request whose prompt's K/V, all but the last token's, another engine computed: its blocks
         are allocated, fill(block table) writes them, and it is scheduled as a prefix-cache hit would
         be (the last prompt token computed here samples the first output token). False, nothing
@@ -124,7 +124,7 @@ class Engine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if params.n != 1:
             raise InvalidRequestError("a request whose KV comes from another engine has n = 1")
-        request = self.inputs.make_request(request_id, prompt_token_ids, params, None)
+        request = self.inputs.make_request(request_id, prompt_token_ids, params, arrival_time)
         seq, num_imported = request.seqs[0], len(prompt_token_ids) - 1
         if not self.kv.allocate(seq, num_imported):
             return False

@@ -66,12 +66,12 @@ def _wire_device(layers: list[LayerKVCache], group) -> torch.device:
     return torch.device("cpu") if dist.get_backend(group) == "gloo" else layers[0].k.device
 
 
-def _send(values: list[int], dst: int, group) -> None:
-    dist.send(torch.tensor(values, dtype=torch.int64), dst, group)
+def _send(values: list[int], dst: int, group, device: torch.device) -> None:
+    dist.send(torch.tensor(values, dtype=torch.int64, device=device), dst, group)
 
 
-def _recv(count: int, src: int, group) -> list[int]:
-    buffer = torch.empty(count, dtype=torch.int64)
+def _recv(count: int, src: int, group, device: torch.device) -> list[int]:
+    buffer = torch.empty(count, dtype=torch.int64, device=device)  # NCCL moves GPU tensors only
     dist.recv(buffer, src, group)
     return buffer.tolist()
 
@@ -83,15 +83,15 @@ def send_prefilled(engine: Engine, request_id: str, prompt_token_ids: list[int],
     layers, (blocks, num_computed) = kv_layers(engine), engine.held_kv(request_id)
     size = engine.config.block_size
     needed = -(-(len(prompt_token_ids) - 1) // size)
+    device = _wire_device(layers, group)
     try:
         if num_computed < len(prompt_token_ids) - 1:  # aborted or failed before its prompt was computed
-            _send([ABORTED, 0, 0, 0, size], dst, group)
+            _send([ABORTED, 0, 0, 0, size], dst, group, device)
             return False
-        device = _wire_device(layers, group)
         block_bytes = pack_block(layers, blocks[0]).numel() if needed else 0
-        _send([OK, len(prompt_token_ids), needed, block_bytes, size], dst, group)
-        _send(prompt_token_ids, dst, group)
-        if _recv(1, dst, group)[0] != ACCEPTED:
+        _send([OK, len(prompt_token_ids), needed, block_bytes, size], dst, group, device)
+        _send(prompt_token_ids, dst, group, device)
+        if _recv(1, dst, group, device)[0] != ACCEPTED:
             return False
         for block_id in blocks[:needed]:
             dist.send(pack_block(layers, block_id).to(device), dst, group)
@@ -100,14 +100,17 @@ def send_prefilled(engine: Engine, request_id: str, prompt_token_ids: list[int],
         engine.release_held(request_id)
 
 
-def receive_prefilled(engine: Engine, request_id: str, params: SamplingParams, src: int, group=None) -> bool:
+def receive_prefilled(engine: Engine, request_id: str, params: SamplingParams, src: int, group=None,
+                      arrival_time: float | None = None) -> bool:
     """Take a prefilled request from rank src into this engine, which then decodes it (step as
-    usual). False: the sender aborted it, or this engine refused it (no room): nothing is held."""
-    status, num_tokens, num_blocks, block_bytes, size = _recv(5, src, group)
+    usual). False: the sender aborted it, or this engine refused it (no room): nothing is held.
+    arrival_time: when the request reached the sender's side (its TTFT counts the prefill)."""
+    layers = kv_layers(engine)
+    device = _wire_device(layers, group)
+    status, num_tokens, num_blocks, block_bytes, size = _recv(5, src, group, device)
     if status == ABORTED:
         return False
-    prompt = _recv(num_tokens, src, group)
-    layers = kv_layers(engine)
+    prompt = _recv(num_tokens, src, group, device)
     answered = False
 
     def fill(table: list[int]) -> None:
@@ -115,16 +118,16 @@ def receive_prefilled(engine: Engine, request_id: str, params: SamplingParams, s
         if size != engine.config.block_size or block_bytes != pack_block(layers, table[0]).numel():
             raise InvalidRequestError(f"the sender's KV blocks ({size} tokens, {block_bytes} bytes) are not this "
                                       f"engine's (same model, dtype, KV dtype and block size needed)")
-        _send([ACCEPTED], src, group)
+        _send([ACCEPTED], src, group, device)
         answered = True
-        buffer = torch.empty(block_bytes, dtype=torch.uint8, device=_wire_device(layers, group))
+        buffer = torch.empty(block_bytes, dtype=torch.uint8, device=device)
         for block_id in table[:num_blocks]:
             dist.recv(buffer, src, group)
             unpack_block(layers, block_id, buffer.to(layers[0].k.device))
 
     try:
-        taken = engine.add_decode_request(request_id, prompt, params, fill) if num_blocks else False
+        taken = engine.add_decode_request(request_id, prompt, params, fill, arrival_time) if num_blocks else False
     finally:
         if not answered:
-            _send([REFUSED], src, group)
+            _send([REFUSED], src, group, device)
     return taken

@@ -13,6 +13,7 @@ from goodserve.engine_args import (
     dataclass_from_args,
     engine_config_from_args,
 )
+from goodserve.engine.disagg_layout import parse_disaggregate
 from goodserve.errors import InvalidRequestError
 from goodserve.router.config import RouterConfig
 from goodserve.router.policies import POLICIES
@@ -69,6 +70,10 @@ def register(subparsers) -> None:
                                "its cores) and the router in front of them on --host:--port (docs/serving.md)")
     replicas.add_argument("--router-policy", choices=POLICIES, default=RouterConfig(backends=()).policy,
                           help="with --data-parallel-size: how the router picks a replica (goodserve router --policy)")
+    replicas.add_argument("--disaggregate", metavar="prefill:ID,decode:ID",
+                          help="prefill and decode in two engines: this process decodes on GPU ID, a child process "
+                               "prefills on its GPU and sends each prompt's KV over torch.distributed (on the CPU "
+                               "the ids only name the processes) (docs/serving.md)")
     add_engine_arguments(parser)
     parser.set_defaults(func=run)
 
@@ -89,6 +94,8 @@ def _check(config, args: argparse.Namespace) -> None:
         raise InvalidRequestError("--max-connections must be at least 1")
     if args.data_parallel_size < 1:
         raise InvalidRequestError("--data-parallel-size must be at least 1")
+    if args.disaggregate is not None and args.data_parallel_size > 1:
+        raise InvalidRequestError("--disaggregate and --data-parallel-size are not combined yet: give one")
 
 
 def _is_loopback(host: str) -> bool:
@@ -103,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
 
     config = dataclass_from_args(ServerConfig, args)
     _check(config, args)
+    layout = parse_disaggregate(args.disaggregate) if args.disaggregate is not None else None
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not _is_loopback(config.host) and not config.api_key:
         logging.getLogger("goodserve.server").warning(
@@ -116,7 +124,12 @@ def run(args: argparse.Namespace) -> int:
     from goodserve.server.app import run_server
     from goodserve.server.metrics import engine_info
 
-    engine = AsyncEngine(engine_config_from_args(args))
+    if layout is not None:
+        from goodserve.server.disaggregated import DisaggregatedEngine
+
+        engine = DisaggregatedEngine(engine_config_from_args(args), layout)
+    else:
+        engine = AsyncEngine(engine_config_from_args(args))
     # What auto resolved to (dtype, KV dtype, kernels), as /metrics reports it in engine_config_info.
     logging.getLogger("goodserve.server").info(
         "engine: %s", " ".join(f"{k}={v}" for k, v in engine_info(engine).items()))

@@ -151,6 +151,18 @@ class EngineStatsCollector:
         yield split
 
 
+class PrefillStatsCollector(EngineStatsCollector):
+    """--disaggregate: the prefill engine's pool and queue, as its process last reported them."""
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.engine.prefill_stats()
+        yield self._gauge("prefill_num_kv_blocks", "The prefill engine's KV cache blocks.", s.num_kv_blocks)
+        yield self._gauge("prefill_num_used_kv_blocks", "The prefill engine's KV blocks held by requests.",
+                          s.num_used_kv_blocks)
+        yield self._gauge("prefill_num_requests_running", "Requests the prefill engine is running.", s.num_running)
+        yield self._gauge("prefill_num_requests_waiting", "Requests waiting in the prefill engine.", s.num_waiting)
+
+
 class ServerMetrics:
     def __init__(self, engine, model_name: str, slo: Slo):
         # A registry per server, not the process-global one, so several servers can share a process.
@@ -158,6 +170,8 @@ class ServerMetrics:
         self.slo = slo
         self.model_name = model_name
         self.registry.register(EngineStatsCollector(engine, model_name))
+        if engine.prefill_stats() is not None:
+            self.registry.register(PrefillStatsCollector(engine, model_name))
         labels = ["model_name"]
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:

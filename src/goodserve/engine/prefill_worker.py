@@ -1,0 +1,120 @@
+"""The prefill half of a disaggregated server: a child process whose engine computes each prompt's KV
+and sends it to the decode engine (engine/kv_transfer.py) over the torch.distributed group the two
+share; requests and news cross a multiprocessing pipe.
+
+From the decode side:   ("add", request_id, prompt token ids), ("abort", request_id), ("stop",)
+To the decode side:     ("started", stats)       its engine is built
+                        ("refused", id, message) it cannot take the request (nothing follows)
+                        ("prefilled", id)        a send_prefilled exchange for id follows on the group
+                        ("stats", stats)         its EngineStats, when they changed
+Every "add" is answered by exactly one "refused" or "prefilled" (an aborted request's exchange says
+ABORTED and moves nothing), so both sides take the group's messages in the same order. The pipe is
+read by a thread of its own: this process never stops draining it while a send waits on the decode
+side, which would deadlock a decode side blocked on a full pipe.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from goodserve.config import EngineConfig
+from goodserve.engine.engine import Engine
+from goodserve.engine.kv_transfer import send_prefilled
+from goodserve.errors import GoodserveError
+from goodserve.sampling_params import SamplingParams
+
+logger = logging.getLogger("goodserve.prefill")
+
+DECODE_RANK, PREFILL_RANK = 0, 1
+GROUP_TIMEOUT = timedelta(minutes=5)  # a peer that vanished mid-exchange fails the exchange, not hangs it
+_IDLE_WAIT_S = 0.05
+# The first token is sampled again by the decode side (it computes the last prompt token itself).
+FIRST_TOKEN = SamplingParams(max_tokens=1, temperature=0.0)
+
+
+def kv_backend(config: EngineConfig) -> str:
+    on_cpu = config.device == "cpu" or (config.device == "auto" and not torch.cuda.is_available())
+    return "gloo" if on_cpu else "nccl"
+
+
+def join_group(config: EngineConfig, init_method: str, rank: int) -> None:
+    dist.init_process_group(kv_backend(config), init_method=init_method, rank=rank, world_size=2,
+                            timeout=GROUP_TIMEOUT)
+
+
+def _read(conn, inbox: queue.SimpleQueue) -> None:
+    try:
+        while True:
+            inbox.put(conn.recv())
+    except (EOFError, OSError):  # the decode side is gone: stop
+        inbox.put(("stop",))
+
+
+def prefill_worker_main(config: EngineConfig, conn, init_method: str) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    join_group(config, init_method, PREFILL_RANK)
+    try:
+        engine = Engine(config)
+        conn.send(("started", engine.stats()))
+        inbox: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=_read, args=(conn, inbox), daemon=True, name="prefill-pipe").start()
+        PrefillLoop(engine, conn, inbox).run()
+    except (BrokenPipeError, EOFError):  # the decode side is gone: nothing left to serve
+        pass
+    finally:
+        dist.destroy_process_group()
+
+
+class PrefillLoop:
+    def __init__(self, engine: Engine, conn, inbox: queue.SimpleQueue):
+        self.engine, self.conn, self.inbox = engine, conn, inbox
+        self.published = None
+
+    def run(self) -> None:
+        while True:
+            for message in self._messages(block=not self.engine.has_unfinished()):
+                if message[0] == "stop":
+                    return
+                self._apply(*message)
+            self._publish_stats()  # what it took on shows while the step runs
+            if self.engine.has_unfinished():
+                for out in self.engine.step(finished_only=True):
+                    self._hand_over(out.request_id, out.prompt_token_ids)
+            self._publish_stats()
+
+    def _messages(self, block: bool) -> list[tuple]:
+        try:
+            messages = [self.inbox.get(timeout=_IDLE_WAIT_S) if block else self.inbox.get_nowait()]
+        except queue.Empty:
+            return []
+        while not self.inbox.empty():
+            messages.append(self.inbox.get_nowait())
+        return messages
+
+    def _apply(self, kind: str, request_id: str, *rest) -> None:
+        if kind == "add":
+            try:
+                self.engine.add_prefill_request(request_id, rest[0], FIRST_TOKEN)
+            except GoodserveError as exc:  # e.g. a prompt this engine's pool can never hold
+                self.conn.send(("refused", request_id, str(exc)))
+        elif kind == "abort":
+            aborted = self.engine.abort_request(request_id)
+            if aborted is not None:  # not yet handed over: its exchange says ABORTED, frees its blocks
+                self._hand_over(request_id, aborted.prompt_token_ids)
+
+    def _hand_over(self, request_id: str, prompt_token_ids: list[int]) -> None:
+        self.conn.send(("prefilled", request_id))
+        send_prefilled(self.engine, request_id, prompt_token_ids, DECODE_RANK)
+
+    def _publish_stats(self) -> None:
+        stats = self.engine.stats()
+        shape = (stats.num_used_kv_blocks, stats.num_running, stats.num_waiting)
+        if shape != self.published:
+            self.published = shape
+            self.conn.send(("stats", stats))

@@ -1,0 +1,213 @@
+"""`goodserve serve --disaggregate prefill:0,decode:1`: the server's engine decodes here, in the server
+process, and a child process (engine/prefill_worker.py) prefills. A request goes to the prefill side
+over a pipe; its KV comes back block by block over torch.distributed (engine/kv_transfer.py) and is
+decoded here. The first output token is sampled here, by the decode engine computing the prompt's last
+token on arrival, so TTFT counts the prefill, the transfer and one decode step (the request's arrival
+time travels with it).
+
+Where the KV does not arrive, the request is prefilled here instead (local prefill), so the client is
+answered either way: the prefill side refused it (a prompt its pool cannot hold) or failed it, or this
+engine had no room for the blocks when they came. Requests that need the prompt's own logits or hidden
+states (prompt_logprobs, embeddings), n > 1, or one-token prompts are prefilled here from the start.
+
+An abort here (client disconnect) while the prefill side has the request tells it to abort: its
+exchange then moves nothing and frees its blocks; blocks that arrive for a request no longer wanted are
+freed on arrival. A prefill process that exits fails the requests it had with 503 and the server
+answers 503 (and /health 503) from then on; requests already decoding here finish.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import queue
+import threading
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from goodserve.config import EngineConfig
+from goodserve.engine.async_engine import AsyncEngine, _Abort, _Add
+from goodserve.engine.disagg_layout import DisaggLayout, cuda_visible
+from goodserve.engine.kv_transfer import receive_prefilled
+from goodserve.engine.prefill_worker import DECODE_RANK, PREFILL_RANK, join_group, prefill_worker_main
+from goodserve.engine.stats import EngineStats
+from goodserve.errors import EngineDeadError, GoodserveError, InvalidRequestError
+from goodserve.server.process import free_port
+
+logger = logging.getLogger("goodserve.disaggregated")
+
+STOP_TIMEOUT_S = 30.0
+
+
+@dataclass
+class _Prefilled:  # its KV exchange is next on the group
+    request_id: str
+
+
+@dataclass
+class _Refused:
+    request_id: str
+    reason: str
+
+
+@dataclass
+class _PrefillExited:
+    reason: str
+
+
+def _set_env(name: str, value: str | None) -> None:
+    if value is not None:
+        os.environ[name] = value
+
+
+def start_prefill_process(config: EngineConfig, layout: DisaggLayout):
+    """The prefill child on its GPU (or its share of the CPU cores), joined with this process's group."""
+    prefill_gpu, decode_gpu = cuda_visible(layout, config.device)
+    ctx = multiprocessing.get_context("spawn")
+    parent_conn, child_conn = ctx.Pipe()
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    saved = {name: os.environ.get(name) for name in ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS")}
+    # A spawned child takes this process's environment as it is when started.
+    _set_env("CUDA_VISIBLE_DEVICES", prefill_gpu)
+    if prefill_gpu is None and saved["OMP_NUM_THREADS"] is None:  # the CPU's cores split between the two
+        half = max(1, (os.cpu_count() or 1) // 2)
+        os.environ["OMP_NUM_THREADS"] = str(half)
+        torch.set_num_threads(half)
+    process = ctx.Process(target=prefill_worker_main, args=(config, child_conn, init_method),
+                          name="goodserve-prefill", daemon=True)
+    try:
+        process.start()
+    finally:
+        for name, value in saved.items():
+            os.environ.pop(name, None)
+            _set_env(name, value)
+    _set_env("CUDA_VISIBLE_DEVICES", decode_gpu)  # before this process touches CUDA
+    child_conn.close()
+    logger.info("prefill worker: pid %d%s", process.pid,
+                f" (CUDA_VISIBLE_DEVICES={prefill_gpu})" if prefill_gpu is not None else " (CPU)")
+    join_group(config, init_method, DECODE_RANK)
+    return process, parent_conn
+
+
+class DisaggregatedEngine(AsyncEngine):
+    def __init__(self, config: EngineConfig, layout: DisaggLayout) -> None:
+        if config.executor_backend != "uni":
+            raise InvalidRequestError("--disaggregate needs --executor-backend uni (the KV pools in the engines' "
+                                      "processes)")
+        self.process, self.conn = start_prefill_process(config, layout)
+        try:
+            _, self._prefill_stats = self.conn.recv()  # its engine is built
+        except EOFError:
+            self.process.join(5.0)
+            raise EngineDeadError(f"the prefill worker exited with {self.process.exitcode} while starting "
+                                  f"(its log is above)") from None
+        super().__init__(config)
+        self.prefilling: dict[str, _Add] = {}  # engine thread only
+        self.outbox: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._write, daemon=True, name="goodserve-to-prefill").start()
+        threading.Thread(target=self._read, daemon=True, name="goodserve-from-prefill").start()
+
+    def prefill_stats(self) -> EngineStats:
+        """The prefill engine's stats as it last reported them."""
+        return self._prefill_stats
+
+    async def shutdown(self, drain_timeout_s: float = 30.0) -> None:
+        await super().shutdown(drain_timeout_s)
+        self.outbox.put(("stop",))
+        self.process.join(STOP_TIMEOUT_S)
+        if self.process.is_alive():
+            logger.warning("the prefill worker did not stop in time: killed")
+            self.process.kill()
+        dist.destroy_process_group()
+
+    # ---- the pipe (its own threads: the engine thread never waits on it) ----------------------
+    def _write(self) -> None:
+        while True:
+            message = self.outbox.get()
+            try:
+                self.conn.send(message)
+            except OSError:  # the prefill side is gone; _read reports it
+                return
+            if message[0] == "stop":
+                return
+
+    def _read(self) -> None:
+        try:
+            while True:
+                kind, *rest = self.conn.recv()
+                if kind == "stats":
+                    self._prefill_stats = rest[0]
+                elif kind == "prefilled":
+                    self.commands.put(_Prefilled(rest[0]))
+                else:
+                    self.commands.put(_Refused(*rest))
+        except (EOFError, OSError):
+            if self.stopping.is_set():
+                return
+            self.process.join(1.0)
+            reason = f"the prefill worker (pid {self.process.pid}) exited with {self.process.exitcode}"
+            logger.error("%s; new requests get 503", reason)
+            self.dead = EngineDeadError(reason)
+            self.commands.put(_PrefillExited(reason))
+
+    # ---- the engine thread ---------------------------------------------------------------
+    def _apply(self, command) -> None:
+        if isinstance(command, _Add):
+            self._prefill_there(command)
+        elif isinstance(command, _Abort) and command.request_id in self.prefilling:
+            self.outbox.put(("abort", command.request_id))
+        elif isinstance(command, _Prefilled):
+            self._receive(self.prefilling.pop(command.request_id))
+        elif isinstance(command, _Refused):
+            add = self.prefilling.pop(command.request_id)
+            self._prefill_here(add, f"the prefill side refused it: {command.reason}")
+        elif isinstance(command, _PrefillExited):
+            for add in self.prefilling.values():
+                add.stream.put(EngineDeadError(f"{command.reason} before this request started"))
+            self.prefilling.clear()
+        else:
+            super()._apply(command)
+
+    def _prefill_there(self, add: _Add) -> None:
+        try:
+            if add.request_id in self.prefilling or add.request_id in self.engine.requests:
+                raise InvalidRequestError(f"request id {add.request_id!r} is already in use")
+            if self.dead is not None:
+                raise EngineDeadError(str(self.dead))
+            prompt_ids = self.engine.inputs.tokenize_prompt(add.prompt)[1]
+            self.engine.inputs.validate_request(prompt_ids, add.params)
+        except GoodserveError as exc:
+            add.stream.put(exc)
+            return
+        p = add.params
+        if p.n != 1 or p.prompt_logprobs is not None or p.pooling is not None or len(prompt_ids) < 2:
+            super()._apply(add)  # needs the prompt computed here (or there is nothing to move)
+            return
+        self.prefilling[add.request_id] = add
+        self.outbox.put(("add", add.request_id, prompt_ids))
+
+    def _receive(self, add: _Add) -> None:
+        request_id = add.request_id
+        try:
+            taken = receive_prefilled(self.engine, request_id, add.params, PREFILL_RANK,
+                                      arrival_time=add.arrival_time)
+        except GoodserveError as exc:  # blocks this engine cannot take (another model or block size)
+            add.stream.put(exc)
+            return
+        except RuntimeError as exc:  # the group failed mid-exchange: the prefill side is gone
+            add.stream.put(EngineDeadError(f"the KV transfer from the prefill worker failed: {exc}"))
+            return
+        wanted = request_id in self.streams
+        if taken and not wanted:
+            self.engine.abort_request(request_id)
+        elif not taken and wanted:
+            self._prefill_here(add, "its KV did not arrive (failed there, or no room here now)")
+
+    def _prefill_here(self, add: _Add, why: str) -> None:
+        if add.request_id in self.streams:
+            logger.info("%s prefilled here: %s", add.request_id, why)
+            super()._apply(add)
+
