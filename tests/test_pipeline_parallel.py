@@ -69,10 +69,23 @@ def test_tensor_and_pipeline_parallel_together_give_the_same_greedy_tokens():
         llm.engine.executor.shutdown()
 
 
-def test_embedded_model_in_two_stages_gives_the_same_greedy_tokens():
+def test_quantized_stages_give_the_same_greedy_tokens():
+    """int8 computed at load, lm_head included: only the last stage has one to quantize."""
+    settings = {"quantization": "int8", "quantize_lm_head": True}
+    expected = greedy_tokens(LLM("dummy:tiny", **(SETTINGS | settings)))
+    llm = parallel("dummy:tiny", 2, **settings)
+    try:
+        assert greedy_tokens(llm) == expected
+    finally:
+        llm.engine.executor.shutdown()
+
+
+@pytest.mark.parametrize("quantization", ["none", "gguf"])
+def test_embedded_model_in_two_stages_gives_the_same_greedy_tokens(quantization):
+    """Float32, and the file's own Q4_1 / Q8_0 codes, each stage keeping its layers' only."""
     prompts = ["The capital of France is", "def fibonacci(n):"]
-    expected = greedy_tokens(LLM("smollm2-135m", **SETTINGS), prompts)
-    llm = parallel("smollm2-135m", 2)
+    expected = greedy_tokens(LLM("smollm2-135m", **(SETTINGS | {"quantization": quantization})), prompts)
+    llm = parallel("smollm2-135m", 2, quantization=quantization)
     try:
         assert greedy_tokens(llm, prompts) == expected
     finally:
