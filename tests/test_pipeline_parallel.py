@@ -1,15 +1,17 @@
 """Pipeline parallelism on the CPU (gloo, one process per rank): the model cut into stages of
 contiguous layers gives the greedy tokens of the whole one, alone and under tensor parallelism
 (TP=2 x PP=2, four processes); a stage holds only its layers; sizes past the layer count are
-refused clearly; aborts leak no block."""
+refused clearly; aborts leak no block; a stage that dies ends the engine instead of hanging it."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 import torch
 
 from goodserve import LLM
-from goodserve.errors import InvalidRequestError
+from goodserve.errors import EngineDeadError, InvalidRequestError
 from goodserve.model.llama import build_empty_model
 from goodserve.model.pipeline_parallel import PipelineParallel
 from goodserve.model.presets import get_preset
@@ -90,3 +92,19 @@ def test_embedded_model_in_two_stages_gives_the_same_greedy_tokens(quantization)
         assert greedy_tokens(llm, prompts) == expected
     finally:
         llm.engine.executor.shutdown()
+
+
+def test_a_last_stage_that_dies_ends_the_engine_with_a_clear_error():
+    """Rank 0 waits for the last stage's output: its death must not hang the engine."""
+    llm = parallel("dummy:tiny", 2)
+    executor = llm.engine.executor
+    try:
+        greedy_tokens(llm)
+        executor._processes[1].kill()
+        executor._processes[1].join()
+        t0 = time.perf_counter()
+        with pytest.raises(EngineDeadError, match="rank 1 .* exited"):
+            greedy_tokens(llm)
+        assert time.perf_counter() - t0 < 10
+    finally:
+        executor.shutdown()
