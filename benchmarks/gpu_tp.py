@@ -1,18 +1,24 @@
-"""Tensor parallelism (issue 16): batch-1 decode of dummy llama-3.1-8b bf16 at TP=1, 2, 4, each
-beside the bandwidth limit of its GPUs.
+"""Tensor and pipeline parallelism (issue 16): batch-1 decode of dummy llama-3.1-8b bf16 at TP=1, 2, 4
+(and any TP x PP layout asked for), each beside the bandwidth limit of its GPUs.
 
 The limit of a TP=N step is what one GPU reads (its weight shard, its KV heads' cache) over that
 GPU's measured copy bandwidth: the ranks read in parallel, and the collectives (2 all-reduces a
 layer, one for the embedding, an all-gather of the logits, a broadcast of the sampled token) are
 the overhead the measurement shows. Targets: TP=2 >= 1.7x TP=1 tok/s, TP=4 >= 2.5x.
 
+A layout NxM is TP=N in each of M pipeline stages (N x M GPUs). Its stages run one after another
+(no micro-batches in flight yet, and batch-1 decode has nothing to overlap anyway), so its limit is
+the sum over stages of a stage's read over one GPU's bandwidth: TP=N's limit; what PP buys is memory
+(weight_bytes: the largest stage's share a GPU holds), and what it costs (the hand-offs, one
+[2, 1, hidden] send a stage boundary a token, and no CUDA graphs under PP) is the gap to TP=N.
+
 Each size runs in this process's engine (TP=1: the worker in this process, as the engine runs by
 default; TP>1: one worker process per GPU, NCCL). NCCL's NVLink multicast stays off
 (NCCL_NVLS_ENABLE=0, set here for the workers to inherit). CUDA graphs capture the collectives
 unless --enforce-eager.
 
-  python benchmarks/gpu_tp.py [--sizes 1,2,4] [--enforce-eager]   (on an nvidia-h100-x2 / -x4)
-  python benchmarks/gpu_tp.py --smoke   (CPU, gloo, dummy:tiny float32, TP=1 and 2: exercises the code)
+  python benchmarks/gpu_tp.py [--sizes 1,2,4,1x2,2x2] [--enforce-eager]   (on an nvidia-h100-x2 / -x4)
+  python benchmarks/gpu_tp.py --smoke   (CPU, gloo, dummy:tiny float32, TP=1, 2, PP=2 and 2x2)
 
 Writes $OUT/gpu_tp.json (or gpu_tp_smoke.json) and prints a table.
 """
@@ -31,6 +37,7 @@ import torch  # noqa: E402
 
 from goodserve import LLM, SamplingParams  # noqa: E402
 from goodserve.model.llama import build_empty_model  # noqa: E402
+from goodserve.model.pipeline_parallel import PipelineParallel  # noqa: E402
 from goodserve.model.presets import get_preset  # noqa: E402
 from goodserve.model.tensor_parallel import TensorParallel  # noqa: E402
 from result_file import write_result  # noqa: E402
@@ -52,17 +59,23 @@ def copy_bandwidth_gbps(device: str) -> float:
     return 2 * src.numel() * 4 * 10 / (time.perf_counter() - start) / 1e9
 
 
-def bytes_per_gpu(preset: str, size: int, dtype: torch.dtype, new_tokens: int) -> dict:
-    """What one rank reads per decode step: its weights (one embedding row, not its table, unless
-    tied to lm_head) and its KV heads' cache at the decode's mean context."""
+def bytes_per_gpu(preset: str, tp: int, pp: int, dtype: torch.dtype, new_tokens: int) -> dict:
+    """What one rank of each stage reads per decode step, summed over the stages (they run one after
+    another): its weights (one embedding row, not its table, unless the table is its lm_head) and
+    its KV heads' cache of its layers at the decode's mean context; weight_bytes: the most a GPU holds."""
     spec = get_preset(preset)
-    model = build_empty_model(spec, dtype, "meta", TensorParallel(rank=0, size=size))
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    embedding = model.model.embed_tokens.weight
-    read = weights - (0 if spec.tie_word_embeddings else embedding.numel() * embedding.element_size())
-    local = model.tp.local_spec(spec)
-    kv = local.kv_bytes_per_token(dtype.itemsize) * (PROMPT_LEN + new_tokens // 2)
-    return {"weight_bytes": weights, "step_read_bytes": read + kv}
+    weights, read = [], 0
+    for stage in range(pp):
+        model = build_empty_model(spec, dtype, "meta", TensorParallel(rank=0, size=tp),
+                                  PipelineParallel(stage, pp, tp))
+        weights.append(sum(p.numel() * p.element_size() for p in model.parameters()))
+        embedding = model.model.embed_tokens
+        table_is_head = model.lm_head is not None and spec.tie_word_embeddings
+        table = 0 if embedding is None or table_is_head else embedding.weight.numel() * embedding.weight.element_size()
+        read += weights[-1] - table
+        local = model.pp.local_spec(model.tp.local_spec(spec))
+        read += local.kv_bytes_per_token(dtype.itemsize) * (PROMPT_LEN + new_tokens // 2)
+    return {"weight_bytes": max(weights), "step_read_bytes": read}
 
 
 def decode_tok_s(llm: LLM, new_tokens: int) -> list[dict]:
@@ -76,53 +89,57 @@ def decode_tok_s(llm: LLM, new_tokens: int) -> list[dict]:
     return runs
 
 
-def measure(args: argparse.Namespace, size: int, bandwidth_gbps: float) -> dict:
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, tensor_parallel_size=size, max_num_seqs=16,
-              enforce_eager=args.enforce_eager, quantization="none")
+def measure(args: argparse.Namespace, layout: str, bandwidth_gbps: float) -> dict:
+    """layout: "N" (TP=N) or "NxM" (TP=N in each of M pipeline stages)."""
+    tp, _, pp = layout.partition("x")
+    tp, pp = int(tp), int(pp or 1)
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+              max_num_seqs=16, enforce_eager=args.enforce_eager, quantization="none")
     try:
         runs = decode_tok_s(llm, args.new_tokens)
         cuda_graphs = llm.engine.executor.info.cuda_graphs
     finally:
-        if size > 1:
+        if tp * pp > 1:
             llm.engine.executor.shutdown()
         del llm
         gc.collect()
         if args.device == "cuda":
             torch.cuda.empty_cache()
     best = max(r["decode_tok_s"] for r in runs)
-    read = bytes_per_gpu(args.model.removeprefix("dummy:"), size, getattr(torch, args.dtype), args.new_tokens)
+    read = bytes_per_gpu(args.model.removeprefix("dummy:"), tp, pp, getattr(torch, args.dtype), args.new_tokens)
     limit = bandwidth_gbps * 1e9 / read["step_read_bytes"]
-    return {"tensor_parallel_size": size, "cuda_graphs": cuda_graphs, "decode_tok_s": best,
+    return {"layout": layout, "tensor_parallel_size": tp, "pipeline_parallel_size": pp, "cuda_graphs": cuda_graphs,
+            "decode_tok_s": best,
             "runs": [r["decode_tok_s"] for r in runs], "tokens": runs[0]["token_ids"], **read,
             "bandwidth_limit_tok_s": limit, "share_of_limit": best / limit}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", default=None, help="comma-separated TP sizes (default: 1,2,4 up to the GPUs here)")
+    parser.add_argument("--sizes", default=None, help="comma-separated layouts: N (TP=N) or NxM (TP=N x PP=M) "
+                        "(default: TP 1,2,4 up to the GPUs here)")
     parser.add_argument("--model", default="dummy:llama-3.1-8b")
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (to see what capture buys)")
-    parser.add_argument("--smoke", action="store_true", help="CPU, gloo, dummy:tiny float32, TP=1 and 2")
+    parser.add_argument("--smoke", action="store_true", help="CPU, gloo, dummy:tiny float32, TP=1, 2, PP=2, 2x2")
     args = parser.parse_args()
     args.device, args.dtype = ("cpu", "float32") if args.smoke else ("cuda", "bfloat16")
     if args.smoke:
-        args.model, args.new_tokens, args.sizes = "dummy:tiny", 16, args.sizes or "1,2"
-    sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else \
-        [s for s in (1, 2, 4) if s <= torch.cuda.device_count()]
+        args.model, args.new_tokens, args.sizes = "dummy:tiny", 16, args.sizes or "1,2,1x2,2x2"
+    layouts = args.sizes.split(",") if args.sizes else [str(s) for s in (1, 2, 4) if s <= torch.cuda.device_count()]
     bandwidth = copy_bandwidth_gbps(args.device)
     results = {"model": args.model, "dtype": args.dtype, "device": torch.cuda.get_device_name() if args.device == "cuda"
                else "cpu", "copy_bandwidth_gbps_per_gpu": bandwidth, "prompt_len": PROMPT_LEN,
                "new_tokens": args.new_tokens, "nccl_nvls_enable": os.environ["NCCL_NVLS_ENABLE"],
-               "sizes": [measure(args, size, bandwidth) for size in sizes]}
+               "sizes": [measure(args, layout, bandwidth) for layout in layouts]}
     base = results["sizes"][0]
     for row in results["sizes"]:
         row["speedup_over_first"] = row["decode_tok_s"] / base["decode_tok_s"]
         row["same_tokens_as_first"] = row["tokens"] == base["tokens"]
     path = write_result("gpu_tp_smoke.json" if args.smoke else "gpu_tp.json", results)
-    print(f"{'TP':>3} {'graphs':>6} {'tok/s':>9} {'limit':>9} {'share':>6} {'speedup':>7} same-tokens")
+    print(f"{'TPxPP':>5} {'graphs':>6} {'tok/s':>9} {'limit':>9} {'share':>6} {'speedup':>7} same-tokens")
     for row in results["sizes"]:
-        print(f"{row['tensor_parallel_size']:>3} {str(row['cuda_graphs']):>6} {row['decode_tok_s']:>9.1f} "
+        print(f"{row['layout']:>5} {str(row['cuda_graphs']):>6} {row['decode_tok_s']:>9.1f} "
               f"{row['bandwidth_limit_tok_s']:>9.1f} {row['share_of_limit']:>6.2f} {row['speedup_over_first']:>7.2f} "
               f"{row['same_tokens_as_first']}")
     print(f"wrote {path}")

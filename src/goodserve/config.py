@@ -123,11 +123,14 @@ class EngineConfig:
     # min_tokens); else synchronous.
     async_scheduling: bool = True
     tokenizer: str | None = None  # tokenizer path when it differs from the model's
-    executor_backend: str = "uni"  # tensor_parallel_size > 1 runs its workers in processes whatever this says
+    executor_backend: str = "uni"  # world_size > 1 runs its workers in processes whatever this says
     # Tensor parallelism (model/tensor_parallel.py, engine/executor.py): the model split over this many
     # ranks (GPUs, or CPU processes over gloo), which rendezvous through torch.distributed env://
     # (MASTER_ADDR / MASTER_PORT as torchrun sets them; ranks on other hosts run `goodserve worker`).
     tensor_parallel_size: int = 1
+    # Pipeline parallelism (model/pipeline_parallel.py): the layers split into this many contiguous
+    # stages, each of tensor_parallel_size ranks (world: N x M ranks, stage-major).
+    pipeline_parallel_size: int = 1
     # Speculative decoding (engine/spec_decode/): None (off) | ngram (prompt lookup: propose the
     # tokens that followed the last ngram_max..ngram_min tokens' latest earlier occurrence) | draft
     # (a draft model proposes: speculative_model, which alone implies it).
@@ -170,6 +173,7 @@ class EngineConfig:
              or self.speculative_model.removeprefix(SELF_DRAFT_PREFIX) in SELF_DRAFT_QUANTIZATIONS,
              f"--speculative-model self:<quantization> takes one of "
              f"{', '.join(SELF_DRAFT_PREFIX + q for q in SELF_DRAFT_QUANTIZATIONS)}"),
+            (self.pipeline_parallel_size >= 1, "pipeline_parallel_size must be at least 1"),
             (1 <= self.ngram_min <= self.ngram_max, "ngram_min and ngram_max must satisfy 1 <= min <= max"),
         ]
         for ok, message in checks:
@@ -178,12 +182,17 @@ class EngineConfig:
         self.kernels.validate()
         if self.quantization == "gguf":
             self._validate_gguf_quantization()
-        if self.tensor_parallel_size > 1 and (self.quantized_checkpoint or self.quantization_awq):
+        if self.world_size > 1 and (self.quantized_checkpoint or self.quantization_awq):
             # A checkpoint's codes are not sliced per rank yet (GGUF codes and int8 / int4 computed at
             # load are); AWQ's scale search reads whole layers' activations.
             raise InvalidRequestError(
-                "tensor parallelism cannot split a --quantized-checkpoint or run --quantization-awq yet: use "
+                "tensor and pipeline parallelism cannot split a --quantized-checkpoint or run --quantization-awq "
+                "yet: use "
                 "--quantization int8 | int4 (computed at load) or a GGUF model's own codes")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     def resolved_quantization(self, device_type: str) -> str | None:
         """Unset, a GGUF model on the CPU keeps its file's codes ('gguf': the weights exactly as stored,

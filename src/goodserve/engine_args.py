@@ -53,6 +53,8 @@ _HELP = {
     "tensor_parallel_size": "split the model over this many GPUs (or CPU processes): must divide the attention "
                             "heads; ranks rendezvous through MASTER_ADDR / MASTER_PORT (torchrun's env://), ranks on "
                             "other hosts run `goodserve worker` (docs/architecture.md)",
+    "pipeline_parallel_size": "split the model's layers into this many contiguous stages (each of "
+                              "--tensor-parallel-size ranks); steps run through the stages one at a time",
     "async_scheduling": "launch step N+1 before step N's tokens reach the host (CUDA graphs only)",
     "quantization": "weight-only int8 / int4 computed at load, or gguf: run a GGUF file's own Q4_0 / Q4_1 / Q8_0 "
                     "weights as they are (docs/quantization.md); none: unquantized (default: gguf for a GGUF model on the CPU, "

@@ -1,11 +1,12 @@
-"""`goodserve worker`: one tensor-parallel rank on a host other than the engine's.
+"""`goodserve worker`: one tensor- or pipeline-parallel rank on a host other than the engine's.
 
-The engine's host runs `goodserve serve --tensor-parallel-size N` with MASTER_ADDR / MASTER_PORT
-set (and LOCAL_WORLD_SIZE, the ranks it starts itself: 0 .. LOCAL_WORLD_SIZE-1); every other rank
-runs this command with the variables torchrun sets (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR,
-MASTER_PORT), e.g. `torchrun --nnodes 2 --node-rank 1 --nproc-per-node 4 --master-addr HOST
---master-port PORT -m goodserve worker`. It takes the engine's config from rank 0, so it needs
-no model flags, only the same model files at the same path.
+The engine's host runs `goodserve serve --tensor-parallel-size N [--pipeline-parallel-size M]` with
+MASTER_ADDR / MASTER_PORT set (and LOCAL_WORLD_SIZE, the ranks it starts itself: 0 ..
+LOCAL_WORLD_SIZE-1); every other rank runs this command with the variables torchrun sets (RANK,
+LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), e.g. `torchrun --nnodes 2 --node-rank 1
+--nproc-per-node 4 --master-addr HOST --master-port PORT -m goodserve worker`. It takes the
+engine's config from rank 0 (and from it its layout: its stage and tensor-parallel group), so it
+needs no model flags, only the same model files at the same path.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import os
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
         "worker",
-        help="run one tensor-parallel rank for an engine on another host (torchrun's environment)",
+        help="run one tensor- or pipeline-parallel rank for an engine on another host (torchrun's environment)",
         description=__doc__.split("\n\n", 1)[1],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

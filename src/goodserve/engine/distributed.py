@@ -1,11 +1,16 @@
-"""The tensor-parallel ranks' rendezvous and their plain-data channel, on torch.distributed.
+"""The ranks' rendezvous, their layout (tensor-parallel groups within pipeline stages) and their
+plain-data channel, on torch.distributed.
 
 Ranks join through env:// exactly as torchrun starts them (MASTER_ADDR, MASTER_PORT, WORLD_SIZE,
 RANK, LOCAL_RANK), so ranks on other hosts join the same way. The tensors' collectives go through
 the default group: NCCL for CUDA tensors (one GPU per rank: cuda:LOCAL_RANK), gloo for CPU ones.
 Plain data (the engine config once, then each call of the executor: the scheduler's output and the
 grammar masks) goes from rank 0 to the others through a gloo group of its own, rank 0 being the one
-the engine talks to.
+the engine talks to. Under pipeline parallelism the last stage samples: its first rank sends
+each step's output (plain data) to rank 0 on the same group.
+
+Layout: ranks are stage-major (model/pipeline_parallel.py): stage s holds ranks s*N .. s*N+N-1,
+which form its tensor-parallel group; without pipeline stages that group is the default one.
 
 A collective waits GOODSERVE_DISTRIBUTED_TIMEOUT_S (default 300) seconds for a peer before it
 fails (and the engine reports the ranks lost); the message group waits without limit, since a
@@ -23,6 +28,8 @@ import torch
 import torch.distributed as dist
 
 from goodserve.config import EngineConfig
+from goodserve.errors import InvalidRequestError
+from goodserve.model.pipeline_parallel import PipelineParallel
 from goodserve.model.tensor_parallel import TensorParallel
 
 ENV_NAMES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK")
@@ -34,6 +41,7 @@ class Rank:
     tp: TensorParallel
     local_rank: int
     messages: dist.ProcessGroup  # gloo: rank 0 -> all, plain data
+    pp: PipelineParallel = PipelineParallel()
 
 
 def launch_env(world_size: int, rank: int, local_rank: int) -> dict[str, str]:
@@ -67,6 +75,33 @@ def join() -> Rank:
     dist.init_process_group(backend, init_method="env://", timeout=timeout)
     messages = dist.new_group(backend="gloo", timeout=_IDLE_FOREVER)
     return Rank(TensorParallel(dist.get_rank(), dist.get_world_size()), local_rank, messages)
+
+
+def arrange(rank: Rank, config: EngineConfig) -> Rank:
+    """This rank's place in the config's layout (every rank calls it: each makes every stage's group)."""
+    n, m = config.tensor_parallel_size, config.pipeline_parallel_size
+    world, me = dist.get_world_size(), dist.get_rank()
+    if world != n * m:
+        raise InvalidRequestError(f"{world} ranks joined, but tensor-parallel size {n} x pipeline-parallel "
+                                  f"size {m} needs {n * m}")
+    if m == 1:
+        return rank
+    groups = [dist.new_group(list(range(stage * n, (stage + 1) * n))) for stage in range(m)]
+    stage = me // n
+    return dataclasses.replace(rank, tp=TensorParallel(me % n, n, groups[stage]), pp=PipelineParallel(stage, m, n))
+
+
+def from_last_stage(answer, rank: Rank):
+    """The last stage's answer to a step (where the logits are), on rank 0; others keep their own."""
+    last = (rank.pp.size - 1) * rank.pp.tp_size
+    if rank.pp.size == 1 or dist.get_rank() not in (0, last):
+        return answer
+    box = [answer]
+    if dist.get_rank() == last:
+        dist.send_object_list(box, dst=0, group=rank.messages)
+    else:
+        dist.recv_object_list(box, src=last, group=rank.messages)
+    return box[0]
 
 
 def for_rank(config: EngineConfig, rank: Rank) -> EngineConfig:

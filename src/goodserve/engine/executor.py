@@ -1,8 +1,9 @@
 """The engine's handle on its workers. `uni`: one worker in the engine's own process (calls are plain
 method calls). `mp`: the worker in a process of its own, reached through a pipe: everything that
 crosses is plain data (the scheduler's output, the grammar masks, the runner's output). Tensor
-parallelism runs N such workers, one per rank; the engine's scheduler runs once and every rank
-gets its same plain-data output.
+parallelism runs N such workers, one per rank, pipeline parallelism M stages of them (N x M ranks);
+the engine's scheduler runs once and every rank gets its same plain-data output. Steps go through
+the stages one at a time (no micro-batches in flight yet): the last stage's output is the step's.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ class MultiprocExecutor:
     def __init__(self, config: EngineConfig) -> None:
         context = multiprocessing.get_context("spawn")
         self._conn, child = context.Pipe()
-        world = config.tensor_parallel_size
+        world = config.world_size
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if world > 1 else 1
         env = distributed.launch_env(world, 0, 0) if world > 1 else None
         self._processes = []
@@ -126,6 +127,7 @@ def _leader_main(conn: Connection, config: EngineConfig, env: dict[str, str] | N
             os.environ.update(env)
             rank = distributed.join()
             distributed.broadcast(config, rank)
+            rank = distributed.arrange(rank, config)
             config = distributed.for_rank(config, rank)
         worker = Worker(config, rank)
     except BaseException as exc:  # noqa: BLE001 - reported to the engine, which raises it
@@ -144,13 +146,24 @@ def _leader_main(conn: Connection, config: EngineConfig, env: dict[str, str] | N
             return
         method, args = message
         try:
-            result = getattr(worker, method)(*args)
-            conn.send((True, result.result() if method == "sample_tokens" else result))
+            answer = (True, _call(worker, method, args))
         except dist.DistError as exc:
             conn.send((False, EngineDeadError(f"tensor-parallel collective failed: {exc}")))
             return
         except Exception as exc:  # noqa: BLE001 - a request's error: the engine isolates it
-            conn.send((False, exc))
+            answer = (False, exc)
+        if rank is not None and method == "sample_tokens":
+            try:
+                answer = distributed.from_last_stage(answer, rank)
+            except Exception as exc:  # noqa: BLE001 - a lost rank: nothing more can run
+                conn.send((False, EngineDeadError(f"tensor-parallel ranks lost: {exc}")))
+                return
+        conn.send(answer)
+
+
+def _call(worker: Worker, method: str, args: tuple):
+    result = getattr(worker, method)(*args)
+    return result.result() if method == "sample_tokens" else result
 
 
 def run_follower(env: dict[str, str] | None = None) -> None:
@@ -160,20 +173,22 @@ def run_follower(env: dict[str, str] | None = None) -> None:
         os.environ.update(env)
     rank = distributed.join()
     config = distributed.broadcast(None, rank)
+    rank = distributed.arrange(rank, config)
     worker = Worker(distributed.for_rank(config, rank), rank)
     while (message := distributed.broadcast(None, rank)) is not None:
         method, args = message
         try:
-            result = getattr(worker, method)(*args)
-            if method == "sample_tokens":
-                result.result()
+            answer = (True, _call(worker, method, args))
         except dist.DistError:
             raise
-        except Exception:  # noqa: BLE001 - a request's error, which rank 0 reports
-            logger.debug("rank %d: step failed", rank.tp.rank, exc_info=True)
+        except Exception as exc:  # noqa: BLE001 - a request's error, which rank 0 reports
+            logger.debug("rank %d: step failed", dist.get_rank(), exc_info=True)
+            answer = (False, exc)
+        if method == "sample_tokens":
+            distributed.from_last_stage(answer, rank)
 
 
 def make_executor(config: EngineConfig) -> UniProcExecutor | MultiprocExecutor:
-    if config.executor_backend == "mp" or config.tensor_parallel_size > 1:
+    if config.executor_backend == "mp" or config.world_size > 1:
         return MultiprocExecutor(config)
     return UniProcExecutor(config)

@@ -11,20 +11,22 @@ from goodserve.config import EngineConfig
 from goodserve.engine.config_resolution import torch_dtype
 from goodserve.errors import InvalidRequestError
 from goodserve.model.loader import LoadedModel, load_model
+from goodserve.model.pipeline_parallel import PipelineParallel
 from goodserve.model.tensor_parallel import TensorParallel
 from goodserve.model.tokenizer_loader import load_tokenizer
 from goodserve.ops.cpu_linear import pack_linears_for_cpu
 from goodserve.ops.kernel_choice import KernelChoice, choose_kernels, use_kernels
 
 
-def build_model(config: EngineConfig, tp: TensorParallel = TensorParallel()) -> LoadedModel:
+def build_model(config: EngineConfig, tp: TensorParallel = TensorParallel(),
+                pp: PipelineParallel = PipelineParallel()) -> LoadedModel:
     """The model (this rank's share of it). Its modules hold their KernelChoice (ops/kernel_choice.py):
     no process-wide setting."""
     device = torch.device(config.device)
     torch.manual_seed(config.seed)
     kernels = choose_kernels(config.attention_backend, config.kernels, device)
     loaded = load_model(config.model, torch_dtype(config), device, seed=config.seed,
-                        keep_gguf_quantization=config.quantization == "gguf", tp=tp)
+                        keep_gguf_quantization=config.quantization == "gguf", tp=tp, pp=pp)
     apply_quantization(loaded, config)
     specialize_linears(loaded.model, device, config, kernels)
     use_kernels(loaded.model, kernels)
@@ -52,7 +54,7 @@ def apply_quantization(loaded: LoadedModel, config: EngineConfig) -> None:
                 raise InvalidRequestError("quantization_awq needs a tokenizer for its calibration text")
             calibration = loaded.tokenizer.encode(default_calibration_text())
         quantize_model(loaded.model, config.quantization, config.quantization_group_size, calibration,
-                       lm_head=config.quantize_lm_head)
+                       lm_head=config.quantize_lm_head and loaded.model.pp.is_last)  # the last stage holds it
 
 
 def specialize_linears(model, device: torch.device, config: EngineConfig, kernels: KernelChoice) -> None:
@@ -67,7 +69,8 @@ def specialize_linears(model, device: torch.device, config: EngineConfig, kernel
 
             use_int8_activations(model)
         pack_linears_for_cpu(model)
-        if model.tp.size == 1:  # it runs all layers in one native call: no room for the all-reduces
+        # It runs all layers in one native call: no room for the all-reduces, nor for a stage's hand-off.
+        if model.tp.size == 1 and model.pp.size == 1:
             native_decode.attach(model)
     elif kernels.triton:
         from goodserve.ops.gemv_linear import route_decode_rows_to_gemv

@@ -62,9 +62,10 @@ class ModelRunner:
         self.vocab_size = model.spec.vocab_size
         self.eos_token_ids = eos_token_ids
         assert num_blocks * config.block_size < 2**31, "slot numbers must fit int32"
-        # This rank's KV heads (all of them at TP=1), in blocks the scheduler numbers for every rank.
-        self.kv_caches: list[LayerKVCache] = allocate_kv_cache(model.tp.local_spec(model.spec), num_blocks,
-                                                               config.block_size, device, kv_dtype)
+        # This rank's KV heads (all of them at TP=1) of its stage's layers (all at PP=1), in blocks the
+        # scheduler numbers for every rank.
+        self.kv_caches: list[LayerKVCache] = allocate_kv_cache(
+            model.pp.local_spec(model.tp.local_spec(model.spec)), num_blocks, config.block_size, device, kv_dtype)
         self.requests: dict[str, RequestState] = {}
         self._launched: _Launched | None = None
         # The last step's sampled tokens on the device, and the sequences they belong to, in order.
@@ -121,7 +122,7 @@ class ModelRunner:
         out, rows = step.out, step.inputs.sample_rows
         drafts = [out.draft_token_ids.get(r, []) for r in rows]
         sampled, seeded = None, []
-        if rows:
+        if rows and self.model.pp.is_last:  # stages before the last have no logits: rank 0 takes the last's output
             sampling = build_sampling_batch(_sampling_rows(out, rows, drafts, self.requests), self.vocab_size,
                                             self.device, self.eos_token_ids, _per_position(grammar, drafts))
             if not trial and not sampling.all_greedy:
@@ -153,7 +154,7 @@ class ModelRunner:
                 copied.synchronize()
             host = host_tokens.tolist()
             kept = kept_tokens(host, drafts)
-            _draw_as_if_not_drafted(seeded, kept, step.output.logits.shape[-1])
+            _draw_as_if_not_drafted(seeded, kept, self.vocab_size)
             if out.draft_probs:
                 _verify_sampled_drafts(kept, sampled.probs, host, rows, drafts, out, self.requests)
             return ModelRunnerOutput(
@@ -246,6 +247,8 @@ class ModelRunner:
         if inputs.graph is not None:
             return inputs.graph.run(inputs)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        if hidden is None:  # a stage before the last: its output went to the next stage
+            return ModelOutput(None, {})
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         prompt_logits = {
             row: self.model.compute_logits(hidden[start:end])

@@ -1,12 +1,14 @@
 """One device's share of the engine: builds the model, sizes and allocates the KV cache, and runs the
 steps the executor hands it through its model runner. Under tensor parallelism there is one per
 rank (`rank`): each holds its share of the weights and of the KV heads, and all agree on one number
-of KV blocks, since the scheduler's block tables serve them all."""
+of KV blocks, since the scheduler's block tables serve them all. Under pipeline parallelism a stage's
+workers hold its layers only, and their KV cache those layers' (no CUDA graphs yet: the stages'
+hand-off is not captured)."""
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -19,6 +21,7 @@ from goodserve.engine.model_runner import ModelRunner
 from goodserve.engine.runner_output import PendingOutput
 from goodserve.engine.sampling_inputs import GrammarBitmask
 from goodserve.engine.scheduler_output import SchedulerOutput
+from goodserve.model.pipeline_parallel import PipelineParallel
 from goodserve.model.spec import ModelSpec
 from goodserve.model.tensor_parallel import TensorParallel
 from goodserve.model.tokenizer import Tokenizer
@@ -40,12 +43,15 @@ class ModelInfo:
 
 class Worker:
     def __init__(self, config: EngineConfig, rank: distributed.Rank | None = None) -> None:
-        tp = rank.tp if rank is not None else TensorParallel()
-        loaded = build_model(config, tp)
+        tp, pp = (rank.tp, rank.pp) if rank is not None else (TensorParallel(), PipelineParallel())
+        if pp.size > 1:
+            config = replace(config, enforce_eager=True, async_scheduling=False)
+        loaded = build_model(config, tp, pp)
         config = resolve_for_model(config, loaded.spec)
         kv_dtype = kv_storage_dtype(config, torch_dtype(config))
         device = torch.device(config.device)
-        num_blocks = num_blocks_for_memory(tp.local_spec(loaded.spec), config, device, torch_dtype(config), kv_dtype)
+        local_spec = pp.local_spec(tp.local_spec(loaded.spec))
+        num_blocks = num_blocks_for_memory(local_spec, config, device, torch_dtype(config), kv_dtype)
         if rank is not None:
             num_blocks = distributed.min_over_ranks(num_blocks, rank)
         config = resolve_for_pool(config, num_blocks)
@@ -55,10 +61,11 @@ class Worker:
         self.info = ModelInfo(config, loaded.spec, tokenizer, eos, loaded.revision,
                               bool(self.runner.decode_graphs.graphs or self.runner.mixed_graphs.graphs))
         logger.info(
-            "model %s (%s) dtype=%s device=%s kv_cache=%d blocks x %d tokens (%s) max_model_len=%d%s",
+            "model %s (%s) dtype=%s device=%s kv_cache=%d blocks x %d tokens (%s) max_model_len=%d%s%s",
             config.model, loaded.source, config.dtype, device, config.num_kv_blocks, config.block_size,
             str(kv_dtype).removeprefix("torch."), config.max_model_len,
             f" tensor-parallel rank {tp.rank}/{tp.size}" if tp.size > 1 else "",
+            f" pipeline stage {pp.stage}/{pp.size} (layers {pp.layers(loaded.spec.num_layers)})" if pp.size > 1 else "",
         )
 
     def execute_model(self, out: SchedulerOutput) -> None:

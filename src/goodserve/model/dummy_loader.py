@@ -2,7 +2,8 @@
 
 Weights are drawn on the target device in the target dtype, so an 8B model appears in seconds on a
 GPU and is never materialized on the CPU. Under tensor parallelism each rank draws every whole
-(TP=1) tensor in turn from the same seed and keeps its slice, so any TP size runs the same model.
+(TP=1) tensor in turn from the same seed and keeps its slice (a pipeline stage: its layers' tensors),
+so any TP and PP size runs the same model.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from goodserve.model.llama import LlamaForCausalLM, WeightFiller, build_empty_model
+from goodserve.model.pipeline_parallel import PipelineParallel
 from goodserve.model.spec import ModelSpec
 from goodserve.model.tensor_parallel import TensorParallel
 
@@ -37,7 +39,7 @@ def init_random_weights(model: LlamaForCausalLM, seed: int) -> None:
 
 
 def load_dummy(spec: ModelSpec, dtype: torch.dtype, device: torch.device, seed: int,
-               tp: TensorParallel = TensorParallel()) -> LlamaForCausalLM:
-    model = build_empty_model(spec, dtype, device, tp)
+               tp: TensorParallel = TensorParallel(), pp: PipelineParallel = PipelineParallel()) -> LlamaForCausalLM:
+    model = build_empty_model(spec, dtype, device, tp, pp)
     init_random_weights(model, seed)
     return model

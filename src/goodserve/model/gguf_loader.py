@@ -23,6 +23,7 @@ from goodserve.errors import InvalidRequestError, ModelLoadError
 from goodserve.model.gguf_reader import eos_token_ids, metadata, open_gguf
 from goodserve.model.gguf_tokenizer import gguf_tokenizer
 from goodserve.model.llama import LlamaForCausalLM, WeightFiller, build_empty_model
+from goodserve.model.pipeline_parallel import PipelineParallel
 from goodserve.model.spec import ModelSpec
 from goodserve.model.tensor_parallel import TensorParallel, is_row_parallel
 from goodserve.model.tokenizer import Tokenizer
@@ -153,7 +154,8 @@ def _keep_native_linears(model: LlamaForCausalLM, reader: gguf.GGUFReader) -> di
     native = {}
     for path, found in types.items():
         parent_path, _, attr = path.rpartition(".")
-        if attr not in (*TARGET_LINEARS, "lm_head") or len(found) != 1 or next(iter(found)) not in gguf_native.NATIVE_TYPES:
+        if (not model.pp.holds(f"{path}.weight", model.spec) or attr not in (*TARGET_LINEARS, "lm_head")
+                or len(found) != 1 or next(iter(found)) not in gguf_native.NATIVE_TYPES):
             continue
         parent = model.get_submodule(parent_path)
         _check_split(path, next(iter(found)), getattr(parent, attr), model.tp)
@@ -205,10 +207,11 @@ def architecture(reader: gguf.GGUFReader) -> str:
 
 
 def load_gguf(path: Path, dtype: torch.dtype, device: torch.device, keep_quantization: bool = False,
-              tp: TensorParallel = TensorParallel()) -> tuple[ModelSpec, LlamaForCausalLM, Tokenizer]:
+              tp: TensorParallel = TensorParallel(),
+              pp: PipelineParallel = PipelineParallel()) -> tuple[ModelSpec, LlamaForCausalLM, Tokenizer]:
     reader = open_gguf(path)
     spec = gguf_spec(reader, name=path.stem)
     tokenizer = gguf_tokenizer(reader)
-    model = build_empty_model(spec, dtype, device, tp)
+    model = build_empty_model(spec, dtype, device, tp, pp)
     load_gguf_weights(model, reader, architecture(reader), keep_quantization)
     return spec, model, tokenizer

@@ -15,6 +15,7 @@ from safetensors import safe_open
 from goodserve.errors import ModelLoadError
 from goodserve.model.hf_tokenizer import hf_tokenizer, read_json
 from goodserve.model.llama import LlamaForCausalLM, WeightFiller, build_empty_model
+from goodserve.model.pipeline_parallel import PipelineParallel
 from goodserve.model.spec import ModelSpec
 from goodserve.model.tensor_parallel import TensorParallel
 from goodserve.model.tokenizer import Tokenizer
@@ -124,13 +125,14 @@ def load_hf_weights(model: LlamaForCausalLM, files: list[Path]) -> None:
 
 
 def load_hf(path: Path, dtype: torch.dtype, device: torch.device,
-            tp: TensorParallel = TensorParallel()) -> tuple[ModelSpec, LlamaForCausalLM, Tokenizer | None]:
+            tp: TensorParallel = TensorParallel(),
+            pp: PipelineParallel = PipelineParallel()) -> tuple[ModelSpec, LlamaForCausalLM, Tokenizer | None]:
     try:
         spec = hf_spec(read_json(path / "config.json"), path.name, read_json(path / "generation_config.json"))
     except KeyError as e:
         raise ModelLoadError(f"{path / 'config.json'} lacks the field {e}") from e
     files = safetensors_files(path)
     tokenizer = hf_tokenizer(path, spec)
-    model = build_empty_model(spec, dtype, device, tp)
+    model = build_empty_model(spec, dtype, device, tp, pp)
     load_hf_weights(model, files)
     return spec, model, tokenizer

@@ -8,6 +8,11 @@ KernelChoice (`kernels`: torch's until the engine gives them its own, ops/kernel
 Under tensor parallelism (model/tensor_parallel.py) each rank builds the modules of its own shapes
 (`tp.local_spec`) and joins them where they meet: an all-reduce after o_proj and after down_proj, a
 masked lookup plus all-reduce in the embedding, an all-gather of the logits.
+
+Under pipeline parallelism (model/pipeline_parallel.py) a stage builds only its layers (the others
+stay as empty placeholders, so parameter names are the checkpoint's), the embedding on the first
+stage, the final norm and lm_head on the last; forward receives the hidden states from the previous
+stage and, except on the last, sends them on and returns None.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import torch
 from torch import nn
 
 from goodserve.errors import ModelLoadError
+from goodserve.model.pipeline_parallel import PipelineParallel, check_pipeline_parallel_size
 from goodserve.model.spec import ModelSpec
 from goodserve.model.tensor_parallel import TensorParallel, check_tensor_parallel_size
 from goodserve.ops.activation import silu_and_mul
@@ -118,22 +124,26 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, spec: ModelSpec, tp: TensorParallel):
-        """spec: the rank's shapes."""
+    def __init__(self, spec: ModelSpec, tp: TensorParallel, pp: PipelineParallel):
+        """spec: the rank's shapes; layers outside the stage's range are empty placeholders."""
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, tp)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(spec, tp) for _ in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        held = pp.layers(spec.num_layers)
+        self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, tp) \
+            if pp.holds_embedding(spec) else None
+        self.layers = nn.ModuleList(LlamaDecoderLayer(spec, tp) if i in held else nn.Identity()
+                                    for i in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps) if pp.is_last else None
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, spec: ModelSpec, tp: TensorParallel = TensorParallel()):
-        """spec: the whole model's shapes; each rank builds its share (tp.local_spec)."""
+    def __init__(self, spec: ModelSpec, tp: TensorParallel = TensorParallel(),
+                 pp: PipelineParallel = PipelineParallel()):
+        """spec: the whole model's shapes; each rank builds its share (tp.local_spec, pp.layers)."""
         super().__init__()
-        self.spec, self.tp = spec, tp
+        self.spec, self.tp, self.pp = spec, tp, pp
         local = tp.local_spec(spec)
-        self.model = LlamaModel(local, tp)
-        self.lm_head = nn.Linear(spec.hidden_size, local.vocab_size, bias=False)
+        self.model = LlamaModel(local, tp, pp)
+        self.lm_head = nn.Linear(spec.hidden_size, local.vocab_size, bias=False) if pp.is_last else None
         self.tie_weights()
         # Set on the CPU for int4 models (model/native_decode.py): runs the decode steps it takes
         # through all layers in one native call. Not a module, so the state dict is the same either way.
@@ -148,21 +158,31 @@ class LlamaForCausalLM(nn.Module):
         return table.to(device) if device is not None else table
 
     def tie_weights(self) -> None:
-        if self.spec.tie_word_embeddings:
+        if self.spec.tie_word_embeddings and self.lm_head is not None:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor,
         kv_caches: list[LayerKVCache], meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        """input_ids, positions: [T] -> final-normed hidden states [T, hidden]."""
+    ) -> torch.Tensor | None:
+        """input_ids, positions: [T] -> final-normed hidden states [T, hidden]; None on a stage
+        before the last (kv_caches: the stage's layers' own)."""
         meta = meta.for_new_step()
-        x, residual = self.model.embed_tokens(input_ids), None
+        held = self.pp.layers(self.spec.num_layers)
+        layers = self.model.layers[held.start : held.stop]
+        if self.pp.is_first:
+            x, residual = self.model.embed_tokens(input_ids), None
+        else:
+            x, residual = self.pp.receive_from_previous(len(input_ids), self.spec.hidden_size,
+                                                        layers[0].input_layernorm.weight)
         if self.native_decode is not None and self.native_decode.takes(x, kv_caches[0], meta):
             x, residual = self.native_decode(x, positions, self.rotary_cache, kv_caches, meta)
         else:
-            for layer, kv_cache in zip(self.model.layers, kv_caches):
+            for layer, kv_cache in zip(layers, kv_caches):
                 x, residual = layer(x, residual, positions, self.rotary_cache, kv_cache, meta)
+        if not self.pp.is_last:
+            self.pp.send_forward(x, residual)
+            return None
         x, _ = self.model.norm(x, residual)
         return x
 
@@ -172,18 +192,20 @@ class LlamaForCausalLM(nn.Module):
 
 
 def build_empty_model(spec: ModelSpec, dtype: torch.dtype, device: torch.device | str,
-                      tp: TensorParallel = TensorParallel()) -> LlamaForCausalLM:
+                      tp: TensorParallel = TensorParallel(),
+                      pp: PipelineParallel = PipelineParallel()) -> LlamaForCausalLM:
     """The model (this rank's share of it) with uninitialized weights allocated straight on `device` in `dtype`.
 
     Built on the meta device first, so no CPU copy and no init pass happen (an 8B model would spend
     minutes in kaiming init); loaders then fill every parameter.
     """
     check_tensor_parallel_size(spec, tp.size)
+    check_pipeline_parallel_size(spec, pp.size)
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"):
-            model = LlamaForCausalLM(spec, tp)
+            model = LlamaForCausalLM(spec, tp, pp)
     finally:
         torch.set_default_dtype(default_dtype)
     model = model.to_empty(device=device)
@@ -196,13 +218,14 @@ class WeightFiller:
     """Copies checkpoint tensors into the model's parameters, fused ones shard by shard.
 
     Checkpoints store q, k, v (and gate, up) separately; here they are row blocks of one matrix.
-    Tensors come whole (as at TP=1); under tensor parallelism each rank copies its slice of them.
+    Tensors come whole (as at TP=1); under tensor parallelism each rank copies its slice of them, under
+    pipeline parallelism a stage skips the tensors of other stages.
     `finish` fails if any parameter row was never written: the model would run on garbage.
     `extra` names more tensors to fill the same way (a quantized layer's codes and scales).
     """
 
     def __init__(self, model: LlamaForCausalLM, extra: dict[str, torch.Tensor] | None = None):
-        self.spec, self.tp = model.spec, model.tp
+        self.spec, self.tp, self.pp = model.spec, model.tp, model.pp
         # A tied lm_head appears once, as the embedding.
         self.params = dict(model.named_parameters()) | (extra or {})
         self.shard_rows = _fused_rows(model.tp.local_spec(model.spec))
@@ -210,6 +233,8 @@ class WeightFiller:
 
     @torch.no_grad()
     def fill(self, name: str, shard: str | None, tensor: torch.Tensor) -> None:
+        if not self.pp.holds(name, self.spec):
+            return
         if name not in self.params:
             raise ModelLoadError(f"checkpoint tensor for {name!r} does not fit this model")
         target = self.params[name]

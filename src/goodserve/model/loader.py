@@ -15,6 +15,7 @@ from goodserve.model.gguf_loader import load_gguf
 from goodserve.model.hf_loader import is_hf_model_dir, load_hf, safetensors_files
 from goodserve.model.llama import LlamaForCausalLM
 from goodserve.model.presets import get_preset
+from goodserve.model.pipeline_parallel import PipelineParallel
 from goodserve.model.spec import ModelSpec
 from goodserve.model.tensor_parallel import TensorParallel
 from goodserve.model.tokenizer import Tokenizer
@@ -32,10 +33,11 @@ class LoadedModel:
 
 
 def load_model(name: str, dtype: torch.dtype, device: torch.device | str, seed: int = 0,
-               keep_gguf_quantization: bool = False, tp: TensorParallel = TensorParallel()) -> LoadedModel:
+               keep_gguf_quantization: bool = False, tp: TensorParallel = TensorParallel(),
+               pp: PipelineParallel = PipelineParallel()) -> LoadedModel:
     """keep_gguf_quantization: a GGUF model's Q4_0 / Q4_1 / Q8_0 linears keep the file's codes
-    (model/gguf_loader.py); any other model is refused. tp: which rank's share to load (all of it
-    at TP=1)."""
+    (model/gguf_loader.py); any other model is refused. tp, pp: which rank's share to load (all of it
+    at TP=1, PP=1)."""
     device = torch.device(device)
     path = model_path(name)
     is_gguf = gguf_model_path(name) is not None
@@ -44,23 +46,23 @@ def load_model(name: str, dtype: torch.dtype, device: torch.device | str, seed: 
             f"quantization 'gguf' keeps a GGUF file's own quantized weights, but {name!r} is not a GGUF "
             f"model: use '{EMBEDDED_MODEL}' or a .gguf file, or --quantization int8 / int4")
     if path is None:
-        return _load_dummy(name.removeprefix(DUMMY_PREFIX), dtype, device, seed, tp)
+        return _load_dummy(name.removeprefix(DUMMY_PREFIX), dtype, device, seed, tp, pp)
     if is_gguf:
-        spec, model, tokenizer = load_gguf(path, dtype, device, keep_gguf_quantization, tp)
+        spec, model, tokenizer = load_gguf(path, dtype, device, keep_gguf_quantization, tp, pp)
         if name == EMBEDDED_MODEL:
             spec = replace(spec, name=EMBEDDED_MODEL)
         return LoadedModel(spec, model, tokenizer, source=str(path), revision=_files_digest([path]))
     if is_hf_model_dir(path):
-        spec, model, tokenizer = load_hf(path, dtype, device, tp)
+        spec, model, tokenizer = load_hf(path, dtype, device, tp, pp)
         files = [path / "config.json", *safetensors_files(path)]
         return LoadedModel(spec, model, tokenizer, source=str(path), revision=_files_digest(files))
     raise ModelLoadError(f"cannot load model {name!r}: expected {ACCEPTED_FORMS}")
 
 
 def _load_dummy(preset: str, dtype: torch.dtype, device: torch.device, seed: int,
-                tp: TensorParallel) -> LoadedModel:
+                tp: TensorParallel, pp: PipelineParallel) -> LoadedModel:
     spec = get_preset(preset)
-    model = load_dummy(spec, dtype, device, seed, tp)
+    model = load_dummy(spec, dtype, device, seed, tp, pp)
     tokenizer = dummy_tokenizer(spec)
     return LoadedModel(spec, model, tokenizer, source=f"{DUMMY_PREFIX}{preset}", revision=f"dummy-{preset}-seed{seed}")
 

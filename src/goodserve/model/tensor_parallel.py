@@ -49,6 +49,9 @@ def _fits(spec: ModelSpec, n: int) -> bool:
 class TensorParallel:
     rank: int = 0
     size: int = 1
+    # The ranks this one's collectives join: None, all of them (the default group); under pipeline
+    # parallelism its stage's ranks (engine/distributed.py).
+    group: dist.ProcessGroup | None = None
 
     # ---- local shapes --------------------------------------------------------------------
     def local_spec(self, spec: ModelSpec) -> ModelSpec:
@@ -92,17 +95,18 @@ class TensorParallel:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of the ranks' partial results (row-parallel outputs, masked embedding rows)."""
         if self.size > 1:
-            dist.all_reduce(x)
+            dist.all_reduce(x, group=self.group)
         return x
 
     def all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
-            dist.all_reduce(x, op=dist.ReduceOp.MAX)
+            dist.all_reduce(x, op=dist.ReduceOp.MAX, group=self.group)
         return x
 
     def broadcast_from_first(self, x: torch.Tensor) -> None:
         if self.size > 1:
-            dist.broadcast(x, src=0)
+            dist.broadcast(x, src=0 if self.group is None else dist.get_global_rank(self.group, 0),
+                           group=self.group)
 
     def gather_vocab(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
         """[N, vocab rows] on each rank -> [N, vocab] on every rank (so each can sample)."""
@@ -110,7 +114,7 @@ class TensorParallel:
             return logits
         rows, columns = logits.shape
         parts = logits.new_empty((self.size * rows, columns))  # rank after rank
-        dist.all_gather_single(parts, logits.contiguous())
+        dist.all_gather_single(parts, logits.contiguous(), group=self.group)
         return parts.view(self.size, rows, columns).movedim(0, 1).reshape(rows, self.size * columns)[:, :vocab_size]
 
 
