@@ -5,17 +5,17 @@ refused clearly; aborts leak no block; a stage that dies ends the engine instead
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
 from goodserve import LLM
-from goodserve.errors import EngineDeadError, InvalidRequestError
+from goodserve.errors import InvalidRequestError
 from goodserve.model.llama import build_empty_model
 from goodserve.model.pipeline_parallel import PipelineParallel
 from goodserve.model.presets import get_preset
-from test_tensor_parallel import GREEDY, LONG_PROMPT, SETTINGS, fast_timeout, greedy_tokens  # noqa: F401
+from test_tensor_parallel import fast_timeout  # noqa: F401 (a fixture its tests use)
+from test_tensor_parallel import (LONG_PROMPT, SETTINGS, assert_a_dead_rank_1_ends_the_engine, assert_split_matches,
+                                  greedy_tokens)
 
 
 def parallel(model: str, pp: int, tp: int = 1, **settings) -> LLM:
@@ -44,20 +44,7 @@ def test_more_stages_than_layers_are_refused():
 
 @pytest.mark.parametrize("model", ["dummy:tiny", "dummy:tiny-qwen"])  # lm_head apart from / tied to the embedding
 def test_tiny_model_in_two_stages_gives_the_same_greedy_tokens_and_leaks_no_block_on_abort(model):
-    whole = LLM(model, **SETTINGS)
-    expected = greedy_tokens(whole)
-    llm = parallel(model, 2)
-    try:
-        assert greedy_tokens(llm) == expected
-        assert greedy_tokens(llm, LONG_PROMPT) == greedy_tokens(whole, LONG_PROMPT)
-        engine = llm.engine
-        engine.add_request("aborted", list(range(3, 40)), GREEDY)
-        engine.step()
-        engine.abort_request("aborted")
-        assert greedy_tokens(llm) == expected  # the stages dropped the aborted sequence too
-        assert engine.kv.num_used_blocks == 0
-    finally:
-        llm.engine.executor.shutdown()
+    assert_split_matches(LLM(model, **SETTINGS), parallel(model, 2))
 
 
 def test_tensor_and_pipeline_parallel_together_give_the_same_greedy_tokens():
@@ -95,16 +82,4 @@ def test_embedded_model_in_two_stages_gives_the_same_greedy_tokens(quantization)
 
 
 def test_a_last_stage_that_dies_ends_the_engine_with_a_clear_error():
-    """Rank 0 waits for the last stage's output: its death must not hang the engine."""
-    llm = parallel("dummy:tiny", 2)
-    executor = llm.engine.executor
-    try:
-        greedy_tokens(llm)
-        executor._processes[1].kill()
-        executor._processes[1].join()
-        t0 = time.perf_counter()
-        with pytest.raises(EngineDeadError, match="rank 1 .* exited"):
-            greedy_tokens(llm)
-        assert time.perf_counter() - t0 < 10
-    finally:
-        executor.shutdown()
+    assert_a_dead_rank_1_ends_the_engine(parallel("dummy:tiny", 2))

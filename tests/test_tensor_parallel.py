@@ -72,11 +72,10 @@ def test_vocab_shards_with_padding_look_up_and_score_as_the_whole_table():
     torch.testing.assert_close(logits[:, :509], whole.lm_head(hidden))
 
 
-@pytest.mark.parametrize("size", [2, 4])
-def test_tiny_model_split_gives_the_same_greedy_tokens_and_leaks_no_block_on_abort(size):
-    whole = LLM("dummy:tiny", **SETTINGS)
+def assert_split_matches(whole: LLM, llm: LLM) -> None:
+    """The split engine gives the whole model's greedy tokens, short and chunked prompts, and an abort
+    mid-prompt leaves every rank without the sequence and no block in use."""
     expected = greedy_tokens(whole)
-    llm = tensor_parallel("dummy:tiny", size)
     try:
         assert greedy_tokens(llm) == expected
         assert greedy_tokens(llm, LONG_PROMPT) == greedy_tokens(whole, LONG_PROMPT)
@@ -88,6 +87,11 @@ def test_tiny_model_split_gives_the_same_greedy_tokens_and_leaks_no_block_on_abo
         assert engine.kv.num_used_blocks == 0
     finally:
         llm.engine.executor.shutdown()
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_tiny_model_split_gives_the_same_greedy_tokens_and_leaks_no_block_on_abort(size):
+    assert_split_matches(LLM("dummy:tiny", **SETTINGS), tensor_parallel("dummy:tiny", size))
 
 
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
@@ -127,8 +131,9 @@ def test_embedded_model_refuses_two_ranks():
         tensor_parallel("smollm2-135m", 2)
 
 
-def test_a_rank_that_dies_ends_the_engine_with_a_clear_error():
-    llm = tensor_parallel("dummy:tiny", 2)
+def assert_a_dead_rank_1_ends_the_engine(llm: LLM) -> None:
+    """Rank 0 waits on rank 1 (a tensor-parallel peer, or the next pipeline stage): once it dies the
+    next step ends the engine with an error naming it, fast, not a hang."""
     executor = llm.engine.executor
     try:
         greedy_tokens(llm)
@@ -140,6 +145,10 @@ def test_a_rank_that_dies_ends_the_engine_with_a_clear_error():
         assert time.perf_counter() - t0 < 10
     finally:
         executor.shutdown()
+
+
+def test_a_rank_that_dies_ends_the_engine_with_a_clear_error():
+    assert_a_dead_rank_1_ends_the_engine(tensor_parallel("dummy:tiny", 2))
 
 
 def test_ranks_started_apart_join_like_a_second_host(monkeypatch):
