@@ -5,6 +5,7 @@ Eager by default (no CUDA graph, so each kernel's launch is visible too); --grap
 captured decode graphs, as the engine runs them (CUPTI still times each kernel inside a graph).
 
     python benchmarks/gpu_profile.py [--model dummy:llama-3.1-8b] [--batch 1] [--context 256] [--graphs] [--nopdl]
+                                     [--quantization int4 [--quantize-lm-head]]
     python benchmarks/gpu_profile.py --device cpu --model smollm2-135m   # a CPU smoke run
 """
 
@@ -33,9 +34,12 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--nopdl", action="store_true",
                         help="programmatic dependent launch off, so a kernel's time excludes waiting for the one before")
+    parser.add_argument("--quantization", help="weight-only quantization of the model (int8, int4, ...)")
+    parser.add_argument("--quantize-lm-head", action="store_true", help="with --quantization: lm_head too")
     args = parser.parse_args()
     llm = LLM(args.model, device=args.device, enforce_eager=not args.graphs, max_num_seqs=max(8, args.batch),
-              kernels=KernelOptions(pdl=not args.nopdl))
+              kernels=KernelOptions(pdl=not args.nopdl), quantization=args.quantization,
+              quantize_lm_head=args.quantize_lm_head)
     engine = llm.engine
     rng = np.random.default_rng(0)
     for i in range(args.batch):
@@ -57,7 +61,8 @@ def main() -> None:
     table += "\n" + host_breakdown(engine)
     out = os.environ.get("OUT", "out")
     os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, f"gpu_profile_b{args.batch}_ctx{args.context}{'_graphs' if args.graphs else ''}.txt"), "w") as f:
+    with open(os.path.join(out, f"gpu_profile_b{args.batch}_ctx{args.context}{'_graphs' if args.graphs else ''}"
+                           f"{'_' + args.quantization if args.quantization else ''}.txt"), "w") as f:
         f.write(table)
     print(table)
 
