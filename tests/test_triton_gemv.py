@@ -14,6 +14,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from goodserve.ops import triton_gemv  # noqa: E402
+from goodserve.ops.activation import silu_and_mul_torch  # noqa: E402
 from goodserve.ops.triton_gemv import GemvConfig, gemv, gemv_config, split_plan  # noqa: E402
 from goodserve.quant import schemes  # noqa: E402
 
@@ -151,8 +152,9 @@ def poisoned_empty(monkeypatch):
 
 
 def rows_weight(layout: str, n: int, k: int, group: int, block_n: int, seed: int):
-    """(int4_rows_gemv's weight arguments, the float64 weight they stand for): the repacked layout
-    keeps bfloat16 scales and midpoints, so its reference rounds them the same way."""
+    """(int4_rows_gemv's weight arguments, the float64 weight they stand for): the repacked layouts
+    ("repacked", "paired") keep bfloat16 scales and midpoints, so their reference rounds them the
+    same way."""
     torch.manual_seed(seed)
     q = schemes.quantize_int4(torch.randn(n, k) + 0.3, group)
     if layout == "checkpoint":
@@ -160,7 +162,7 @@ def rows_weight(layout: str, n: int, k: int, group: int, block_n: int, seed: int
     scales = q.scales.bfloat16().double()
     zeros = (q.zeros + 8 * q.scales).bfloat16().double() - 8 * scales  # stored as the group's midpoint
     rounded = schemes.Int4Weight(q.qweight, scales, zeros, group)
-    return (triton_gemv.int4_rows_layout(q.qweight, q.scales, q.zeros, group, block_n),), \
+    return (triton_gemv.int4_rows_layout(q.qweight, q.scales, q.zeros, group, block_n, layout == "paired"),), \
         schemes.dequantize_int4(rounded).double()
 
 
@@ -203,6 +205,40 @@ def test_int4_rows_columns_come_back_in_order(layout, denormal):
         x[0, col] = 1
         out = triton_gemv.int4_rows_gemv(x, *args, block_n=8, split_k=2, denormal=denormal)
         torch.testing.assert_close(out[0].double(), w[:, col], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("n,k,group,block_n", [(40, 256, 64, 8), (70, 256, 32, 32), (64, 128, 64, 64)])
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_int4_rows_paired_layout_stores_rows_at_their_own_index(poisoned_empty, n, k, group, block_n, split_k):
+    """Rows j and N/2 + j share a program; a plain call still gives y in the weight's row order."""
+    args, w = rows_weight("paired", n, k, group, block_n, seed=n + k)
+    x = torch.randn(1, k)
+    out = triton_gemv.int4_rows_gemv(x, *args, block_n=block_n, split_k=split_k, denormal=True)
+    assert out.shape == (1, n)
+    assert relative_error(out, x.double() @ w.T) < 2e-5
+
+
+@pytest.mark.parametrize("n,k,group,block_n", [(40, 256, 64, 8), (70, 256, 32, 32), (64, 128, 64, 64)])
+@pytest.mark.parametrize("split_k", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_rows_gated_output_is_silu_and_mul_of_the_projection(poisoned_empty, n, k, group, block_n, split_k,
+                                                                  dtype):
+    """gated: [1, N / 2] = silu(gate) * up of the projection's [gate | up] rows, rounded as the unfused
+    path (projection in dtype, then ops/activation's silu_and_mul) rounds it."""
+    args, w = rows_weight("paired", n, k, group, block_n, seed=n * k)
+    x = torch.randn(1, k).to(dtype)
+    out = triton_gemv.int4_rows_gemv(x, *args, block_n=block_n, split_k=split_k, gated=True)
+    assert out.shape == (1, n // 2) and out.dtype == dtype
+    reference = silu_and_mul_torch((x.double() @ w.T).to(dtype))
+    assert relative_error(out, reference.double()) < (2e-5 if dtype == torch.float32 else 2e-2)
+    if split_k > 1:
+        assert not triton_gemv._split_counters(x.device).any()
+
+
+def test_int4_rows_gated_output_needs_a_paired_layout():
+    args, _ = rows_weight("repacked", 40, 256, 64, 8, seed=1)
+    with pytest.raises(AssertionError, match="paired"):
+        triton_gemv.int4_rows_gemv(torch.randn(1, 256), *args, gated=True)
 
 
 @pytest.mark.parametrize("scale", [1e-4, 1e4])

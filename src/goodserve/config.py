@@ -50,6 +50,10 @@ class KernelOptions:
     # The rows kernels' launch per shape, (out_features, in_features) -> ops/triton_gemv.Int4RowsConfig
     # fields as a dict (what benchmarks/gpu_int4.py measured best); else INT4_ROWS_TUNED / its defaults.
     int4_rows_configs: dict[tuple[int, int], dict] = field(default_factory=dict)
+    # SwiGLU in the int4 gate_up projection's one-row kernel: where gate_up_proj's one-row kernel is
+    # "rows_repacked", its copy pairs gate row j with up row j and the kernel writes silu(gate) * up,
+    # so the activation kernel drops out of a batch-1 decode step (benchmarks/gpu_int4.py measures it).
+    int4_fused_silu_and_mul: bool = False
     # int4 with bfloat16 activations: tinygemm up to this many rows, the Triton kernels above it. On an
     # H100 (benchmarks/results/gpu_gemv_h100.json, Llama-3.1-8B shapes) tinygemm was faster at 1 and 4
     # rows, the tuned Triton GEMV at 16. At 0 the layers never build tinygemm's copy of the weights.
