@@ -17,9 +17,16 @@ Parts (--parts, default kernels,e2e,peer; in this order, one process):
            path (of_copy: against the copy bandwidth measured here). Picks each shape's fastest
            kernel and prints the quant/linear.py and ops/triton_gemv.py entries that route to it.
   e2e      goodserve's LLM API, dummy:llama-3.1-8b, batch 1, 128-token prompt, 256 greedy tokens
-           (gpu_engine.part_decode, best of 3): bf16; int4 with the default routing; int4 with the
-           kernels part's winners (if it ran); each int4 run with the default bf16 lm_head and with
-           quantize_lm_head (int8).
+           (gpu_engine.part_decode, best of 3), int4 layers with a quantized lm_head (e2e_runs):
+             int4_best_lm_head_int8        the best so far (337.5 tok/s): gate_up on rows_repacked
+                                           (or the kernels part's winners, if it ran), int8 lm_head
+             int4_lm_head_int4             the same with an int4 lm_head on rows_repacked
+             int4_fused_silu               int8 lm_head, SwiGLU in gate_up's kernel
+                                           (KernelOptions.int4_fused_silu_and_mul)
+             int4_lm_head_int4_fused_silu  both levers
+             int4_default_lm_head_int4     default routing (tinygemm at one row), int4 lm_head
+             bf16                          the reference
+           Kernel configs: INT4_ROWS_TUNED (the sixth session's H100 winners), or the kernels part's.
   peer     Hugging Face transformers generate() (eager), bf16, batch 1, 256 tokens (gpu_engine.part_peer).
 --budget-s: e2e / peer runs that would start after it are skipped (and listed as skipped).
 
@@ -42,9 +49,16 @@ codes): 14% fewer than the family, 20% fewer than the mantissa decode, so gate_u
 if issue is half the limit, and ~0.25 ms a token over 32 layers: int4 decode 334 -> ~360 tok/s with
 the int8 lm_head, not 400. Past that, packed bf16x2 decoding and FMAs through inline PTX (~1.2
 instructions a code; the interpreter cannot run it) or a tensor-core path like tinygemm's.
+Prediction for the e2e runs (written on the CPU from the sixth session's H100 numbers, 337.5 tok/s =
+2963 us a token): an int4 lm_head takes 112 us where int8 took 185 (-73 us: ~346 tok/s); the fused
+SwiGLU drops the activation kernel (1.5 us a layer in the bf16 profile, plus its launch) and gate_up
+writes half the outputs, the same 4 us of work a layer more in its epilogue: -50 to -65 us (~343);
+both ~352 tok/s. Not 400: that needs ~460 us less a token, and the linears' own gap to their bytes
+floor (65 against 39 us a layer) is the rest (the rows kernel's code decoding, docs above).
 --smoke: CPU, TRITON_INTERPRET=1, tiny shapes, the smollm2-135m preset for 4 tokens: catches Python errors.
 
     PYTHONPATH=src python3 benchmarks/gpu_int4.py          # writes $OUT/gpu_int4.json (OUT: ./out)
+    PYTHONPATH=src python3 benchmarks/gpu_int4.py --parts e2e --budget-s 200   # the levers alone, ~4 min
 """
 
 from __future__ import annotations
@@ -158,7 +172,7 @@ def measure_shape(name: str, n: int, k: int, bandwidth: float, device: str, dead
                           ref, floor, bandwidth)
             row["rows_repacked"].append({**config.__dict__, **entry})
         del repacked
-    if name == "lm_head":  # what the engine runs there: bf16 (default) or int8 (quantize_lm_head)
+    if name == "lm_head":  # the engine's other formats there: bf16 (default) or int8 (quantize_lm_head)
         x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
         q8 = schemes.quantize_int8(w)
         result["lm_head_bf16"] = timed([lambda: F.linear(x, w)], x.float() @ w.float().T, 2 * n * k / 3e6, bandwidth)
@@ -186,7 +200,7 @@ def winners(kernels: dict) -> dict:
 
 def routing_entries(picks: dict) -> tuple[dict, dict]:
     """(KernelOptions.int4_one_row_kernel_by_shape, INT4_ROWS_TUNED / KernelOptions.int4_rows_configs)
-    for the layers' shapes (not lm_head, which the engine keeps bf16 or int8)."""
+    for the layers' shapes (not lm_head: the e2e runs put an int4 one on rows_repacked)."""
     by_shape, tuned = {}, {}
     for name, pick in picks.items():
         if name == "lm_head" or pick["fastest"] is None:
@@ -240,33 +254,54 @@ def part_kernels(bandwidth: float, device: str, budget_s: float) -> dict:
 # Engine
 
 
+def e2e_runs(by_shape: dict, tuned: dict) -> list[tuple[str, str | None, KernelOptions | None]]:
+    """(name, lm_head method, kernel options) of each engine run: the best so far first, then each
+    lever alone and all together, bf16 (the reference) last. Layers take the kernels part's winners
+    where it ran, else gate_up on rows_repacked (the best measured routing, results/gpu_int4_h100.json),
+    with INT4_ROWS_TUNED's configs; an int4 lm_head takes rows_repacked (112 us there against
+    tinygemm's 135), and the fused SwiGLU needs gate_up on it."""
+    gate_up, head = SHAPES["gate_up_proj"], SHAPES["lm_head"]
+    layers = by_shape or {gate_up: "rows_repacked"}
+    fused_layers = {**layers, gate_up: "rows_repacked"}
+    configs = {shape: dataclasses.asdict(config) for shape, config in tuned.items()}
+
+    def options(routing: dict, fused: bool = False) -> KernelOptions:
+        return KernelOptions(int4_one_row_kernel_by_shape=routing, int4_rows_configs=configs,
+                             int4_fused_silu_and_mul=fused)
+
+    return [
+        ("int4_best_lm_head_int8", "int8", options(layers)),  # 337.5 tok/s on the sixth session's H100
+        ("int4_lm_head_int4", "int4", options({**layers, head: "rows_repacked"})),
+        ("int4_fused_silu", "int8", options(fused_layers, fused=True)),
+        ("int4_lm_head_int4_fused_silu", "int4", options({**fused_layers, head: "rows_repacked"}, fused=True)),
+        ("int4_default_lm_head_int4", "int4", KernelOptions()),  # tinygemm at one row everywhere, lm_head too
+        ("bf16", None, None),
+    ]
+
+
 def part_e2e(bandwidth: float, by_shape: dict, tuned: dict, deadline: float) -> tuple[dict, list[str]]:
     import gpu_engine  # imports goodserve.LLM: here, so that a failing import leaves the kernels' numbers
 
-    order = []  # the issue's comparison first, bf16 (the reference) last
-    for head in (False, True):
-        order.append((f"int4_default{'_qlh' if head else ''}", "int4", head, {}))
-        if by_shape:
-            order.append((f"int4_fastest{'_qlh' if head else ''}", "int4", head, by_shape))
-    order.append(("bf16", None, False, None))
-    if SMOKE:  # CPU: two runs exercise the code
-        order = order[:2]
+    order = e2e_runs(by_shape, tuned)
+    if SMOKE:  # CPU: two runs exercise the code (an int4 lm_head and the fused option's wiring)
+        order = [order[0], order[3]]
     results, skipped = {}, []
     device = "cpu" if SMOKE else "cuda"
-    for name, quantization, head, routing in order:
+    for name, head, kernels in order:
         if time.monotonic() + E2E_SECONDS > deadline:
             skipped.append(name)
             continue
         started = time.monotonic()
-        kernels = KernelOptions(int4_one_row_kernel_by_shape=routing or {},
-                                int4_rows_configs={shape: dataclasses.asdict(config) for shape, config in tuned.items()}
-                                if routing else {})
         try:
             gpu_engine.results.clear()
-            gpu_engine.part_decode(bandwidth / 1e9, E2E_MODEL, quantization, quantize_lm_head=head, device=device,
-                                   new_tokens=4 if SMOKE else 256, kernels=kernels)
+            gpu_engine.part_decode(bandwidth / 1e9, E2E_MODEL, None if head is None else "int4",
+                                   quantize_lm_head=head is not None, lm_head_quantization=head or "int8",
+                                   device=device, new_tokens=4 if SMOKE else 256, kernels=kernels or KernelOptions())
             (result,) = gpu_engine.results.values()
-            result["routing"] = {f"{n}x{k}": kernel for (n, k), kernel in (routing or {}).items()} or "default"
+            if kernels is not None:
+                result["routing"] = {f"{n}x{k}": kernel for (n, k), kernel in
+                                     kernels.int4_one_row_kernel_by_shape.items()} or "default"
+                result["fused_silu_and_mul"] = kernels.int4_fused_silu_and_mul
             results[name] = result
         except Exception as exc:  # noqa: BLE001 - keep the other runs' numbers
             import traceback
@@ -334,10 +369,12 @@ def print_tables(report: dict) -> None:
             f"({s}): Int4RowsConfig({c})" for s, c in tuned.items()) + "}")
     e2e = report.get("e2e", {})
     if e2e:
-        print(f"\n{'e2e batch-1 decode':<22}{'tok/s':>8}{'MBU':>7}  routing")
+        print(f"\n{'e2e batch-1 decode':<30}{'tok/s':>8}{'MBU':>7}  lm_head  fused  routing")
         for name, result in e2e.items():
             mbu = f"{100 * result['mbu']:.0f}%" if "mbu" in result else "-"
-            print(f"{name:<22}{_tok_s(result) or result.get('error', '-')!s:>8}{mbu:>7}  {result.get('routing', '')}")
+            print(f"{name:<30}{_tok_s(result) or result.get('error', '-')!s:>8}{mbu:>7}  "
+                  f"{result.get('lm_head_quantization')!s:<7}  {result.get('fused_silu_and_mul', '-')!s:<5}  "
+                  f"{result.get('routing', '')}")
     peer = report.get("peer", {})
     if peer:
         print(f"HF transformers generate bf16: {peer.get('hf_generate_batch1_tok_s', peer)} tok/s")
