@@ -1,7 +1,8 @@
 """The batch-1 int4 decode paths that are off by default (benchmarks/gpu_int4.py measures them): the
-rows kernel's paired copy with SwiGLU in its epilogue (KernelOptions.int4_fused_silu_and_mul) and an
-int4 lm_head (lm_head_quantization "int4"), on CUDA, where the CPU suite cannot reach them (the
-fused path takes CUDA rows only).
+rows kernel's paired copy with SwiGLU in its epilogue (KernelOptions.int4_fused_silu_and_mul), its
+prescaled x (Int4RowsConfig.prescaled: a block's threads share x through global scratch, which the
+interpreter's sequential programs cannot race) and an int4 lm_head (lm_head_quantization "int4"), on
+CUDA, where the CPU suite cannot reach them (the fused path takes CUDA rows only).
 
 A layer against the unfused path and against its own dequantized weight, then an engine with both
 options and every int4 layer on rows_repacked against the torch path with the default kernels.
@@ -22,24 +23,27 @@ from goodserve.quant.linear import Int4Linear
 HIDDEN, INTERMEDIATE, GROUP = 512, 768, 128
 
 
-def choice(fused: bool, split_k: int | None) -> KernelChoice:
+def choice(fused: bool, split_k: int | None, prescaled: bool) -> KernelChoice:
     shape = (2 * INTERMEDIATE, HIDDEN)
+    config = {"split_k": split_k, "denormal": True, "prescaled": prescaled}
     options = KernelOptions(int4_one_row_kernel="rows_repacked", int4_fused_silu_and_mul=fused,
-                            int4_rows_configs={shape: {"split_k": split_k}} if split_k else {})
-    return KernelChoice(triton=True, pdl=False, options=options)
+                            int4_rows_configs={shape: config})
+    return KernelChoice(triton=True, pdl=True, options=options)
 
 
 @pytest.mark.parametrize("split_k", [1, None])  # None: the split rule's (4 slices here)
-def test_fused_silu_and_mul_matches_projection_then_activation(split_k, device, cuda_only, record_property):
+@pytest.mark.parametrize("prescaled", [False, True])
+def test_fused_silu_and_mul_matches_projection_then_activation(split_k, prescaled, device, cuda_only,
+                                                              record_property):
     linear = torch.nn.Linear(HIDDEN, 2 * INTERMEDIATE, bias=False)
     torch.nn.init.normal_(linear.weight, std=0.05, generator=torch.Generator().manual_seed(0))
     layer = Int4Linear.from_linear(linear.to(torch.bfloat16), GROUP).to(device)
     x = torch.randn(1, HIDDEN, generator=torch.Generator().manual_seed(1)).to(device, torch.bfloat16)
     reference = silu_and_mul_torch(F.linear(x.float(), layer.dequantize(torch.float32)).to(torch.bfloat16)).float()
 
-    layer.kernels = choice(False, split_k)
+    layer.kernels = choice(False, split_k, prescaled)
     unfused = layer.silu_and_mul(x).float()
-    layer.kernels = choice(True, split_k)
+    layer.kernels = choice(True, split_k, prescaled)
     fused = layer.silu_and_mul(x).float()
     assert layer._rows_layout is not None and layer._rows_layout[1].paired  # the fused path ran
     plain = layer(x).float()  # the paired copy, stored back in row order
@@ -56,13 +60,17 @@ def test_fused_silu_and_mul_matches_projection_then_activation(split_k, device, 
 
 def test_int4_decode_fast_paths_match_the_torch_path(device, cuda_only, record_property):
     options = dict(dtype="bfloat16", quantization="int4", quantize_lm_head=True, lm_head_quantization="int4")
-    kernels = KernelOptions(int4_one_row_kernel="rows_repacked", int4_fused_silu_and_mul=True)
+    shapes = [(128, 64), (64, 64), (256, 64), (64, 128), (512, 64)]  # dummy:tiny's qkv, o, gate_up, down, lm_head
+    kernels = KernelOptions(int4_one_row_kernel="rows_repacked", int4_fused_silu_and_mul=True,
+                            int4_rows_configs={shape: {"denormal": True, "prescaled": True} for shape in shapes})
     fast = build("dummy:tiny", device, kernels=kernels, enforce_eager=False, async_scheduling=True, **options)
     prompts = [[5, 17, 99, 3, 250], [42, 7, 11]]
     tokens = [greedy(fast, [prompt])[0] for prompt in prompts]  # one at a time: decode steps of one row
     model = fast.engine.executor.worker.runner.model
     assert isinstance(model.lm_head, Int4Linear)
-    assert all(m._rows_layout[1].paired for m in model.modules() if isinstance(m, Int4Linear) and m.paired_rows)
+    layers = [m for m in model.modules() if isinstance(m, Int4Linear)]
+    assert {m.rows_overrides.get("prescaled") for m in layers} == {True}
+    assert all(m._rows_layout[1].paired for m in layers if m.paired_rows)
     sequences = [p + t for p, t in zip(prompts, tokens)]
     ours = engine_scores(fast, sequences)
     del fast
