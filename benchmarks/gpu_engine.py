@@ -129,10 +129,11 @@ def _first_diff(a: list[int], b: list[int]) -> int | None:
 # ---- decode --------------------------------------------------------------------------------
 def part_decode(bandwidth_gbps: float, model: str, quantization: str | None = None, int4_kernel: str = "",
                 quantize_lm_head: bool | None = None, tag: str = "", device: str = "cuda",
-                new_tokens: int = 256, kernels: KernelOptions = KernelOptions()) -> None:
-    """Batch-1 decode. Quantized runs quantize lm_head too (int8: it is 1 GB of an 8B model's step)
-    unless quantize_lm_head says otherwise; tag is appended to the result's key (device "cpu" and
-    fewer new_tokens: only gpu_int4.py's --smoke, to exercise the code)."""
+                new_tokens: int = 256, kernels: KernelOptions = KernelOptions(),
+                lm_head_quantization: str = "int8") -> None:
+    """Batch-1 decode. Quantized runs quantize lm_head too (it is 1 GB of an 8B model's step; int8, or
+    as lm_head_quantization says) unless quantize_lm_head says otherwise; tag is appended to the
+    result's key (device "cpu" and fewer new_tokens: only gpu_int4.py's --smoke, to exercise the code)."""
     # "triton" / "tinygemm": that int4 kernel at every decode batch size; "": the engine's choice
     if int4_kernel:
         kernels = dataclasses.replace(kernels, int4_tinygemm_max_m={"triton": 0, "tinygemm": linear.CUDA_KERNEL_MAX_M}[
@@ -140,7 +141,7 @@ def part_decode(bandwidth_gbps: float, model: str, quantization: str | None = No
     if quantize_lm_head is None:
         quantize_lm_head = quantization is not None
     llm = LLM(model, device=device, max_num_seqs=64, quantization=quantization, quantize_lm_head=quantize_lm_head,
-              kernels=kernels)
+              lm_head_quantization=lm_head_quantization, kernels=kernels)
     spec = llm.spec
     prompt = {"prompt_token_ids": list(np.random.default_rng(0).integers(100, 20000, 128))}
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
@@ -161,6 +162,7 @@ def part_decode(bandwidth_gbps: float, model: str, quantization: str | None = No
     name = "decode" if quantization is None else f"decode_{quantization}{'_' + int4_kernel if int4_kernel else ''}"
     results[name + tag] = {
         "model": model, "quantization": quantization, "quantize_lm_head": quantize_lm_head,
+        "lm_head_quantization": lm_head_quantization if quantize_lm_head else None,
         "int4_kernel": int4_kernel or None, "runs": runs, "weight_bytes": weight_bytes,
         "step_read_bytes": read_bytes + kv_bytes,
         # the issue's convention: every weight byte (the embedding table included) per token

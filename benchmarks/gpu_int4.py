@@ -7,19 +7,29 @@ Parts (--parts, default kernels,e2e,peer; in this order, one process):
              triton         the GEMV family's int4 path (int4_matmul, TUNED_CONFIGS)
              rows           ops/triton_gemv.int4_rows_gemv on the checkpoint layout
              rows_repacked  the same on int4_rows_layout's copy (bf16 scale / zero pairs)
-           each rows kernel over both decodes x (block_n, num_warps) x split_k (--kernel-budget-s); M = 4: tinygemm and triton
-           (the rows kernel takes one row). lm_head also as bf16 (cuBLAS) and int8 (Triton GEMV),
-           what the engine runs there. Timing, weight copies (>= 256 MB, so every call streams from
-           HBM) and errors come from gpu_gemv.py's harness: CUDA graphs of back-to-back calls, median
-           replay; rel_error = |y - x W^T| / |x W^T| in float32 against the dequantized codes (float32
-           scales: the repacked layout's bfloat16 rounding counts as error, as tinygemm's does).
+           each rows kernel over the decodes (rows_configs) x (block_n, num_warps) x split_k
+           (--kernel-budget-s); M = 4: tinygemm and triton (the rows kernel takes one row). lm_head
+           also as bf16 (cuBLAS) and int8 (Triton GEMV), what the engine runs there. Timing, weight
+           copies (>= 256 MB, so every call streams from HBM) and errors come from gpu_gemv.py's
+           harness: CUDA graphs of back-to-back calls, median replay; rel_error = |y - x W^T| / |x W^T|
+           in float32 against the dequantized codes (float32 scales: the repacked layout's bfloat16
+           rounding counts as error, as tinygemm's does).
            floor = (codes + 4 bytes of scale and zero a group) / 3.0 TB/s, the same for every int4
            path (of_copy: against the copy bandwidth measured here). Picks each shape's fastest
            kernel and prints the quant/linear.py and ops/triton_gemv.py entries that route to it.
   e2e      goodserve's LLM API, dummy:llama-3.1-8b, batch 1, 128-token prompt, 256 greedy tokens
-           (gpu_engine.part_decode, best of 3): bf16; int4 with the default routing; int4 with the
-           kernels part's winners (if it ran); each int4 run with the default bf16 lm_head and with
-           quantize_lm_head (int8).
+           (gpu_engine.part_decode, best of 3), int4 layers with a quantized lm_head (e2e_runs):
+             int4_best_lm_head_int8       the best so far (337.5 tok/s): gate_up on rows_repacked
+                                          (or the kernels part's winners, if it ran), int8 lm_head
+             int4_lm_head_int4_fused_silu_prescaled   all three levers below
+             int4_lm_head_int4            the first with an int4 lm_head on rows_repacked
+             int4_fused_silu              int8 lm_head, SwiGLU in gate_up's kernel
+                                          (KernelOptions.int4_fused_silu_and_mul)
+             int4_prescaled               int8 lm_head, gate_up's rows kernel with x prescaled once
+                                          per block (Int4RowsConfig.prescaled)
+             int4_all_and_down_on_rows    all three with down_proj on rows_repacked (prescaled) too
+             bf16                         the reference (left out when the budget runs out)
+           Kernel configs: INT4_ROWS_TUNED (the sixth session's H100 winners), or the kernels part's.
   peer     Hugging Face transformers generate() (eager), bf16, batch 1, 256 tokens (gpu_engine.part_peer).
 --budget-s: e2e / peer runs that would start after it are skipped (and listed as skipped).
 
@@ -42,9 +52,20 @@ codes): 14% fewer than the family, 20% fewer than the mantissa decode, so gate_u
 if issue is half the limit, and ~0.25 ms a token over 32 layers: int4 decode 334 -> ~360 tok/s with
 the int8 lm_head, not 400. Past that, packed bf16x2 decoding and FMAs through inline PTX (~1.2
 instructions a code; the interpreter cannot run it) or a tensor-core path like tinygemm's.
+Prediction for the e2e runs (written on the CPU from the sixth session's H100 numbers, 337.5 tok/s =
+2963 us a token): an int4 lm_head takes 112 us where int8 took 185 (-73 us: ~346 tok/s); the fused
+SwiGLU drops the activation kernel (1.5 us a layer in the bf16 profile, plus its launch) and gate_up
+writes half the outputs, the same 4 us of work a layer more in its epilogue: -50 to -65 us (~343).
+Prescaled x: in Triton 3.9's sm_90 SASS (AOT, 16-byte aligned arguments) the subnormal decode's loop
+at 256 rows / 4 warps issues 1008 instructions a group (3.94 a code; 330 of them convert and scale
+x's bf16), prescaled 683 (2.67: an AND and an FMA a code, 64 FADDs, the loads), at 138 registers
+instead of 126 (3 programs an SM instead of 4). If gate_up's 30.5 us is half issue-bound, ~-15%:
+~-4.5 us a layer, ~-145 us a token (~350 alone); on lm_head (at 83% of its bytes floor) little.
+All together ~365-375 tok/s; 400 needs ~460 us less a token than 337.5.
 --smoke: CPU, TRITON_INTERPRET=1, tiny shapes, the smollm2-135m preset for 4 tokens: catches Python errors.
 
     PYTHONPATH=src python3 benchmarks/gpu_int4.py          # writes $OUT/gpu_int4.json (OUT: ./out)
+    PYTHONPATH=src python3 benchmarks/gpu_int4.py --parts e2e --budget-s 230   # the levers alone, < 4 min
 """
 
 from __future__ import annotations
@@ -107,14 +128,15 @@ def timed(calls: list[Callable[[], torch.Tensor]], ref: torch.Tensor, floor: flo
 
 
 def rows_configs(n: int, k: int, device: torch.device) -> list[Int4RowsConfig]:
-    """Both decodes (the subnormal one first: fewer instructions a code in the SASS) x ROWS_TILES,
-    each with the split rule's split_k, half and twice it (and none where the rule asks for at most 2)."""
+    """The decodes (fewest instructions a code in the SASS first: subnormal with x prescaled, subnormal,
+    mantissa) x ROWS_TILES, each with the split rule's split_k, half and twice it (and none where the
+    rule asks for at most 2)."""
     configs = []
-    for denormal in (True, False):
+    for denormal, prescaled in ((True, True), (True, False), (False, False)):
         for block_n, num_warps in ROWS_TILES:
             rule = triton_gemv.int4_rows_config(n, k, GROUP, device, block_n=block_n, num_warps=num_warps).split_k
             for split_k in sorted({1 if rule <= 2 else rule, rule, max(1, rule // 2), min(k // GROUP, 2 * rule)}):
-                configs.append(Int4RowsConfig(block_n, num_warps, split_k, denormal))
+                configs.append(Int4RowsConfig(block_n, num_warps, split_k, denormal, prescaled))
     return configs
 
 
@@ -148,7 +170,7 @@ def measure_shape(name: str, n: int, k: int, bandwidth: float, device: str, dead
                 row["rows_sweep_cut"] = True
                 break
             fields = {"num_warps": config.num_warps, "split_k": config.split_k, "denormal": config.denormal,
-                      "pdl": gpu_gemv.PDL}
+                      "prescaled": config.prescaled, "pdl": gpu_gemv.PDL}
             entry = timed([lambda c=c: int4_rows_gemv(x, *c, GROUP, block_n=config.block_n, **fields)
                            for c in copies], ref, floor, bandwidth)
             row["rows"].append({**config.__dict__, **entry})
@@ -158,7 +180,7 @@ def measure_shape(name: str, n: int, k: int, bandwidth: float, device: str, dead
                           ref, floor, bandwidth)
             row["rows_repacked"].append({**config.__dict__, **entry})
         del repacked
-    if name == "lm_head":  # what the engine runs there: bf16 (default) or int8 (quantize_lm_head)
+    if name == "lm_head":  # the engine's other formats there: bf16 (default) or int8 (quantize_lm_head)
         x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
         q8 = schemes.quantize_int8(w)
         result["lm_head_bf16"] = timed([lambda: F.linear(x, w)], x.float() @ w.float().T, 2 * n * k / 3e6, bandwidth)
@@ -186,7 +208,7 @@ def winners(kernels: dict) -> dict:
 
 def routing_entries(picks: dict) -> tuple[dict, dict]:
     """(KernelOptions.int4_one_row_kernel_by_shape, INT4_ROWS_TUNED / KernelOptions.int4_rows_configs)
-    for the layers' shapes (not lm_head, which the engine keeps bf16 or int8)."""
+    for the layers' shapes (not lm_head: the e2e runs put an int4 one on rows_repacked)."""
     by_shape, tuned = {}, {}
     for name, pick in picks.items():
         if name == "lm_head" or pick["fastest"] is None:
@@ -195,7 +217,7 @@ def routing_entries(picks: dict) -> tuple[dict, dict]:
         by_shape[n, k] = pick["fastest"]
         if pick["fastest"].startswith("rows"):
             e = pick["paths"][pick["fastest"]]
-            tuned[n, k] = Int4RowsConfig(e["block_n"], e["num_warps"], e["split_k"], e["denormal"])
+            tuned[n, k] = Int4RowsConfig(e["block_n"], e["num_warps"], e["split_k"], e["denormal"], e["prescaled"])
     return by_shape, tuned
 
 
@@ -240,33 +262,61 @@ def part_kernels(bandwidth: float, device: str, budget_s: float) -> dict:
 # Engine
 
 
+def e2e_runs(by_shape: dict, tuned: dict) -> list[tuple[str, str | None, KernelOptions | None]]:
+    """(name, lm_head method, kernel options) of each engine run: the best so far first, then each
+    lever alone and all together, bf16 (the reference) last. Layers take the kernels part's winners
+    where it ran, else gate_up on rows_repacked (the best measured routing, results/gpu_int4_h100.json),
+    with INT4_ROWS_TUNED's configs; an int4 lm_head takes rows_repacked (112 us there against
+    tinygemm's 135), the fused SwiGLU needs gate_up on it, and "prescaled" turns Int4RowsConfig.prescaled
+    on for every shape on a rows kernel."""
+    gate_up, down, head = SHAPES["gate_up_proj"], SHAPES["down_proj"], SHAPES["lm_head"]
+    layers = by_shape or {gate_up: "rows_repacked"}
+    rows = {**layers, gate_up: "rows_repacked"}
+    configs = {**triton_gemv.INT4_ROWS_TUNED, **tuned}
+
+    def options(routing: dict, fused: bool = False, prescaled: bool = False) -> KernelOptions:
+        chosen = {shape: {**dataclasses.asdict(configs[shape]), **({"prescaled": True} if prescaled else {})}
+                  for shape, kernel in routing.items() if kernel.startswith("rows") and shape in configs}
+        return KernelOptions(int4_one_row_kernel_by_shape=routing, int4_rows_configs=chosen,
+                             int4_fused_silu_and_mul=fused)
+
+    head4 = {**layers, head: "rows_repacked"}
+    every = {**rows, head: "rows_repacked"}
+    return [  # the comparison that matters first: a run the budget leaves out is the least needed
+        ("int4_best_lm_head_int8", "int8", options(layers)),  # 337.5 tok/s on the sixth session's H100
+        ("int4_lm_head_int4_fused_silu_prescaled", "int4", options(every, fused=True, prescaled=True)),
+        ("int4_lm_head_int4", "int4", options(head4)),
+        ("int4_fused_silu", "int8", options(rows, fused=True)),
+        ("int4_prescaled", "int8", options(rows, prescaled=True)),
+        ("int4_all_and_down_on_rows", "int4", options({**every, down: "rows_repacked"}, fused=True, prescaled=True)),
+        ("bf16", None, None),
+    ]
+
+
 def part_e2e(bandwidth: float, by_shape: dict, tuned: dict, deadline: float) -> tuple[dict, list[str]]:
     import gpu_engine  # imports goodserve.LLM: here, so that a failing import leaves the kernels' numbers
 
-    order = []  # the issue's comparison first, bf16 (the reference) last
-    for head in (False, True):
-        order.append((f"int4_default{'_qlh' if head else ''}", "int4", head, {}))
-        if by_shape:
-            order.append((f"int4_fastest{'_qlh' if head else ''}", "int4", head, by_shape))
-    order.append(("bf16", None, False, None))
-    if SMOKE:  # CPU: two runs exercise the code
+    order = e2e_runs(by_shape, tuned)
+    if SMOKE:  # CPU: two runs exercise the code (an int4 lm_head and the options' wiring)
         order = order[:2]
     results, skipped = {}, []
     device = "cpu" if SMOKE else "cuda"
-    for name, quantization, head, routing in order:
+    for name, head, kernels in order:
         if time.monotonic() + E2E_SECONDS > deadline:
             skipped.append(name)
             continue
         started = time.monotonic()
-        kernels = KernelOptions(int4_one_row_kernel_by_shape=routing or {},
-                                int4_rows_configs={shape: dataclasses.asdict(config) for shape, config in tuned.items()}
-                                if routing else {})
         try:
             gpu_engine.results.clear()
-            gpu_engine.part_decode(bandwidth / 1e9, E2E_MODEL, quantization, quantize_lm_head=head, device=device,
-                                   new_tokens=4 if SMOKE else 256, kernels=kernels)
+            gpu_engine.part_decode(bandwidth / 1e9, E2E_MODEL, None if head is None else "int4",
+                                   quantize_lm_head=head is not None, lm_head_quantization=head or "int8",
+                                   device=device, new_tokens=4 if SMOKE else 256, kernels=kernels or KernelOptions())
             (result,) = gpu_engine.results.values()
-            result["routing"] = {f"{n}x{k}": kernel for (n, k), kernel in (routing or {}).items()} or "default"
+            if kernels is not None:
+                result["routing"] = {f"{n}x{k}": kernel for (n, k), kernel in
+                                     kernels.int4_one_row_kernel_by_shape.items()} or "default"
+                result["rows_configs"] = {f"{n}x{k}": config for (n, k), config in kernels.int4_rows_configs.items()}
+                result["fused_silu_and_mul"] = kernels.int4_fused_silu_and_mul
             results[name] = result
         except Exception as exc:  # noqa: BLE001 - keep the other runs' numbers
             import traceback
@@ -334,10 +384,12 @@ def print_tables(report: dict) -> None:
             f"({s}): Int4RowsConfig({c})" for s, c in tuned.items()) + "}")
     e2e = report.get("e2e", {})
     if e2e:
-        print(f"\n{'e2e batch-1 decode':<22}{'tok/s':>8}{'MBU':>7}  routing")
+        print(f"\n{'e2e batch-1 decode':<40}{'tok/s':>8}{'MBU':>7}  lm_head  fused  routing")
         for name, result in e2e.items():
             mbu = f"{100 * result['mbu']:.0f}%" if "mbu" in result else "-"
-            print(f"{name:<22}{_tok_s(result) or result.get('error', '-')!s:>8}{mbu:>7}  {result.get('routing', '')}")
+            print(f"{name:<40}{_tok_s(result) or result.get('error', '-')!s:>8}{mbu:>7}  "
+                  f"{result.get('lm_head_quantization')!s:<7}  {result.get('fused_silu_and_mul', '-')!s:<5}  "
+                  f"{result.get('routing', '')}")
     peer = report.get("peer", {})
     if peer:
         print(f"HF transformers generate bf16: {peer.get('hf_generate_batch1_tok_s', peer)} tok/s")
@@ -371,7 +423,8 @@ def main() -> None:
         by_shape, tuned = routing_entries(picks)
         report["routing_entries"] = ({f"{n}, {k}": v for (n, k), v in by_shape.items()},
                                      {f"{n}, {k}": f"block_n={c.block_n}, num_warps={c.num_warps}, split_k={c.split_k}, "
-                                                   f"denormal={c.denormal}" for (n, k), c in tuned.items()})
+                                                   f"denormal={c.denormal}, prescaled={c.prescaled}"
+                                      for (n, k), c in tuned.items()})
     try:  # goodserve.LLM's imports (gguf, via model/loader.py) must not cost the kernels' numbers
         if "e2e" in parts:
             report["e2e"], skipped = part_e2e(bandwidth, by_shape, tuned, deadline)

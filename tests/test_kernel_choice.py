@@ -58,3 +58,17 @@ def test_kernel_options_reach_every_layer_of_their_engine_only():
         assert layers and {layer.one_row_kernel for layer in layers} == {kernel}
         assert all(m.kernels is llm.engine.executor.worker.runner.model.kernels for m in llm.engine.executor.worker.runner.model.modules() if hasattr(m, "kernels"))
     assert rows.engine.executor.worker.runner.model.kernels.options.int4_one_row_kernel == "rows"
+
+
+def test_fused_silu_and_mul_reaches_the_gate_up_layer_it_routes_to_rows_repacked():
+    """KernelOptions.int4_fused_silu_and_mul fuses SwiGLU where gate_up_proj's one-row kernel is
+    rows_repacked; on the CPU the MLP still runs projection then activation, with the tokens of an
+    engine without the option."""
+    gate_up = (256, 64)  # dummy:tiny's (2 x intermediate, hidden)
+    options = KernelOptions(int4_fused_silu_and_mul=True, int4_one_row_kernel_by_shape={gate_up: "rows_repacked"})
+    fused = LLM(**TINY, quantization="int4", kernels=options)
+    model = fused.engine.executor.worker.runner.model
+    fusing = {name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+              if isinstance(m, Int4Linear) and m.fuses_silu}
+    assert fusing == {"gate_up_proj"}
+    assert greedy_tokens(fused, PROMPTS[0]) == greedy_tokens(LLM(**TINY, quantization="int4"), PROMPTS[0])

@@ -215,6 +215,23 @@ def test_tied_lm_head_gets_int8_codes_and_the_embedding_keeps_its_table(method):
     assert ((logits - float_logits).norm() / float_logits.norm()).item() < 1e-2
 
 
+def test_int4_lm_head_gives_the_logits_of_its_dequantized_codes():
+    """lm_head_method int4: an Int4Linear of the layers' group size whose logits are hidden @ its
+    dequantized codes (float32, so to float32 rounding), within int4's error of the float logits."""
+    model = _tiny_model(0)
+    hidden = torch.randn(5, TINY.hidden_size)
+    float_logits = model.compute_logits(hidden)
+    quantize_model(model, "int4", group_size=32, lm_head=True, lm_head_method="int4")
+    head = model.lm_head
+    assert isinstance(head, Int4Linear) and head.group_size == 32
+    logits = model.compute_logits(hidden)
+    reference = hidden.double() @ head.dequantize(torch.float64).T
+    assert ((logits.double() - reference).norm() / reference.norm()).item() < 1e-5
+    assert ((logits - float_logits).norm() / float_logits.norm()).item() < 0.15
+    with pytest.raises(InvalidRequestError, match="int4 lm_head needs int4 layers"):
+        quantize_model(_tiny_model(0), "int8", lm_head=True, lm_head_method="int4")
+
+
 def test_lm_head_is_left_alone_by_default_and_checked_before_anything_changes():
     model = quantize_model(_tiny_model(0), "int8")
     assert type(model.lm_head) is nn.Linear and model.lm_head.weight is model.model.embed_tokens.weight
@@ -257,6 +274,19 @@ def test_checkpoint_with_lm_head_reloads_bit_identically_and_refuses_a_mismatch(
         load_quantized_into(_tiny_model(1), float_head, revision="r1", quantize_lm_head=True)
 
 
+def test_checkpoint_with_an_int4_lm_head_reloads_it_and_refuses_another_method(tmp_path):
+    path = tmp_path / "q4.safetensors"
+    source = quantize_model(_tiny_model(0), "int4", group_size=32, lm_head=True, lm_head_method="int4")
+    save_quantized(source, path, revision="r1")
+    assert read_metadata(path)["lm_head"] == "int4"
+    target = load_quantized_into(_tiny_model(1), path, revision="r1", quantize_lm_head=True,
+                                 lm_head_quantization="int4")
+    assert isinstance(target.lm_head, Int4Linear)
+    assert all(torch.equal(target.state_dict()[name], tensor) for name, tensor in source.state_dict().items())
+    with pytest.raises(ModelLoadError, match="int4 lm_head.*--lm-head-quantization int4"):
+        load_quantized_into(_tiny_model(1), path, revision="r1", quantize_lm_head=True, lm_head_quantization="int8")
+
+
 def test_checkpoint_from_before_the_option_loads_with_a_float_lm_head(tmp_path):
     path = tmp_path / "old.safetensors"
     save_quantized(quantize_model(_tiny_model(0), "int8"), path, revision="r1")
@@ -281,3 +311,19 @@ def test_engine_serves_a_quantized_lm_head_at_load_or_from_a_checkpoint(tmp_path
     assert isinstance(from_file.engine.executor.worker.runner.model.lm_head, Int8Linear)
     with pytest.raises(ModelLoadError, match="--quantize-lm-head"):
         LLM("dummy:tiny-qwen", quantized_checkpoint=str(path), num_kv_blocks=16)
+
+
+def test_engine_serves_an_int4_lm_head_at_load_or_from_a_checkpoint(tmp_path):
+    path = tmp_path / "tiny-int4-int4-head.safetensors"
+    assert main(["quantize", "--model", "dummy:tiny-qwen", "--quantization", "int4", "--group-size", "32",
+                 "--lm-head", "int4", "--output", str(path)]) == 0
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompt = {"prompt_token_ids": [5, 9, 13, 2]}
+    options = dict(quantize_lm_head=True, lm_head_quantization="int4", num_kv_blocks=16)
+    at_load = LLM("dummy:tiny-qwen", quantization="int4", quantization_group_size=32, **options)
+    from_file = LLM("dummy:tiny-qwen", quantized_checkpoint=str(path), **options)
+    assert from_file.generate(prompt, params)[0].outputs[0].token_ids == \
+        at_load.generate(prompt, params)[0].outputs[0].token_ids
+    assert isinstance(at_load.engine.executor.worker.runner.model.lm_head, Int4Linear)
+    with pytest.raises(InvalidRequestError, match="int4 lm_head"):
+        LLM("dummy:tiny-qwen", quantization="int8", **options)

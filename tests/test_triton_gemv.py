@@ -14,6 +14,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from goodserve.ops import triton_gemv  # noqa: E402
+from goodserve.ops.activation import silu_and_mul_torch  # noqa: E402
 from goodserve.ops.triton_gemv import GemvConfig, gemv, gemv_config, split_plan  # noqa: E402
 from goodserve.quant import schemes  # noqa: E402
 
@@ -151,8 +152,9 @@ def poisoned_empty(monkeypatch):
 
 
 def rows_weight(layout: str, n: int, k: int, group: int, block_n: int, seed: int):
-    """(int4_rows_gemv's weight arguments, the float64 weight they stand for): the repacked layout
-    keeps bfloat16 scales and midpoints, so its reference rounds them the same way."""
+    """(int4_rows_gemv's weight arguments, the float64 weight they stand for): the repacked layouts
+    ("repacked", "paired") keep bfloat16 scales and midpoints, so their reference rounds them the
+    same way."""
     torch.manual_seed(seed)
     q = schemes.quantize_int4(torch.randn(n, k) + 0.3, group)
     if layout == "checkpoint":
@@ -160,10 +162,12 @@ def rows_weight(layout: str, n: int, k: int, group: int, block_n: int, seed: int
     scales = q.scales.bfloat16().double()
     zeros = (q.zeros + 8 * q.scales).bfloat16().double() - 8 * scales  # stored as the group's midpoint
     rounded = schemes.Int4Weight(q.qweight, scales, zeros, group)
-    return (triton_gemv.int4_rows_layout(q.qweight, q.scales, q.zeros, group, block_n),), \
+    return (triton_gemv.int4_rows_layout(q.qweight, q.scales, q.zeros, group, block_n, layout == "paired"),), \
         schemes.dequantize_int4(rounded).double()
 
 
+# the mantissa decode, the subnormal one, and the subnormal one with x prescaled once per block
+DECODES = [dict(denormal=False), dict(denormal=True), dict(denormal=True, prescaled=True)]
 # (N, K, group, block_n): N a multiple of the block or not (33, 70: a ragged last block), 1-8 groups
 ROWS_SHAPES = [(40, 256, 64, 8), (33, 512, 128, 16), (70, 256, 32, 32), (64, 128, 64, 64)]
 
@@ -171,11 +175,11 @@ ROWS_SHAPES = [(40, 256, 64, 8), (33, 512, 128, 16), (70, 256, 32, 32), (64, 128
 @pytest.mark.parametrize("layout", ["checkpoint", "repacked"])
 @pytest.mark.parametrize("n,k,group,block_n", ROWS_SHAPES)
 @pytest.mark.parametrize("split_k", [1, 3, None])
-@pytest.mark.parametrize("denormal", [False, True])
-def test_int4_rows_matches_dequantized_matmul(poisoned_empty, layout, n, k, group, block_n, split_k, denormal):
+@pytest.mark.parametrize("decode", DECODES)
+def test_int4_rows_matches_dequantized_matmul(poisoned_empty, layout, n, k, group, block_n, split_k, decode):
     args, w = rows_weight(layout, n, k, group, block_n, seed=n + k)
     x = torch.randn(1, k)
-    out = triton_gemv.int4_rows_gemv(x, *args, block_n=block_n, split_k=split_k, denormal=denormal)
+    out = triton_gemv.int4_rows_gemv(x, *args, block_n=block_n, split_k=split_k, **decode)
     assert out.shape == (1, n) and out.dtype == torch.float32
     assert relative_error(out, x.double() @ w.T) < 2e-5
     if split_k:
@@ -193,25 +197,61 @@ def test_int4_rows_keeps_half_precision_activations(poisoned_empty, layout, dtyp
 
 
 @pytest.mark.parametrize("layout", ["checkpoint", "repacked"])
-@pytest.mark.parametrize("denormal", [False, True])
-def test_int4_rows_columns_come_back_in_order(layout, denormal):
+@pytest.mark.parametrize("decode", DECODES)
+def test_int4_rows_columns_come_back_in_order(layout, decode):
     """One-hot rows: every nibble of every 16-byte chunk lands on its own column, with its own
     group's scale and zero, across chunk and group boundaries."""
     args, w = rows_weight(layout, 24, 4 * GROUP, GROUP, 8, seed=7)
     for col in [0, 1, 2, 3, 4, 5, 6, 7, 8, 31, 32, 33, GROUP - 1, GROUP, GROUP + 1, 4 * GROUP - 1]:
         x = torch.zeros(1, 4 * GROUP)
         x[0, col] = 1
-        out = triton_gemv.int4_rows_gemv(x, *args, block_n=8, split_k=2, denormal=denormal)
+        out = triton_gemv.int4_rows_gemv(x, *args, block_n=8, split_k=2, **decode)
         torch.testing.assert_close(out[0].double(), w[:, col], rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("n,k,group,block_n", [(40, 256, 64, 8), (70, 256, 32, 32), (64, 128, 64, 64)])
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_int4_rows_paired_layout_stores_rows_at_their_own_index(poisoned_empty, n, k, group, block_n, split_k):
+    """Rows j and N/2 + j share a program; a plain call still gives y in the weight's row order."""
+    args, w = rows_weight("paired", n, k, group, block_n, seed=n + k)
+    x = torch.randn(1, k)
+    out = triton_gemv.int4_rows_gemv(x, *args, block_n=block_n, split_k=split_k, denormal=True)
+    assert out.shape == (1, n)
+    assert relative_error(out, x.double() @ w.T) < 2e-5
+
+
+@pytest.mark.parametrize("n,k,group,block_n", [(40, 256, 64, 8), (70, 256, 32, 32), (64, 128, 64, 64)])
+@pytest.mark.parametrize("split_k", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_rows_gated_output_is_silu_and_mul_of_the_projection(poisoned_empty, n, k, group, block_n, split_k,
+                                                                  dtype):
+    """gated: [1, N / 2] = silu(gate) * up of the projection's [gate | up] rows, rounded as the unfused
+    path (projection in dtype, then ops/activation's silu_and_mul) rounds it."""
+    args, w = rows_weight("paired", n, k, group, block_n, seed=n * k)
+    x = torch.randn(1, k).to(dtype)
+    out = triton_gemv.int4_rows_gemv(x, *args, block_n=block_n, split_k=split_k, gated=True, denormal=True,
+                                     prescaled=True)
+    assert out.shape == (1, n // 2) and out.dtype == dtype
+    reference = silu_and_mul_torch((x.double() @ w.T).to(dtype))
+    assert relative_error(out, reference.double()) < (2e-5 if dtype == torch.float32 else 2e-2)
+    if split_k > 1:
+        assert not triton_gemv._split_counters(x.device).any()
+
+
+def test_int4_rows_gated_output_needs_a_paired_layout():
+    args, _ = rows_weight("repacked", 40, 256, 64, 8, seed=1)
+    with pytest.raises(AssertionError, match="paired"):
+        triton_gemv.int4_rows_gemv(torch.randn(1, 256), *args, gated=True)
+
+
 @pytest.mark.parametrize("scale", [1e-4, 1e4])
-def test_int4_rows_subnormal_decode_holds_over_the_activation_range(scale):
+@pytest.mark.parametrize("prescaled", [False, True])
+def test_int4_rows_subnormal_decode_holds_over_the_activation_range(scale, prescaled):
     """The subnormal decode scales x by up to 2**89: products stay normal and finite for small and
     large activations."""
     args, w = rows_weight("checkpoint", 40, 256, 64, 8, seed=11)
     x = torch.randn(1, 256) * scale
-    out = triton_gemv.int4_rows_gemv(x, *args, block_n=8, denormal=True)
+    out = triton_gemv.int4_rows_gemv(x, *args, block_n=8, denormal=True, prescaled=prescaled)
     assert relative_error(out, x.double() @ w.T) < 2e-5
 
 
@@ -225,3 +265,5 @@ def test_int4_rows_configs_for_llama_shapes_split_only_the_small_layers(monkeypa
     assert all(c.split_k <= k // 128 for c, (_, k) in zip(configs.values(), shapes.values()))
     with pytest.raises(ValueError):
         triton_gemv.int4_rows_config(64, 512, 64, torch.device("cpu"), block_n=24)
+    with pytest.raises(ValueError, match="prescaled"):
+        triton_gemv.int4_rows_config(64, 512, 64, torch.device("cpu"), prescaled=True)

@@ -18,6 +18,7 @@ KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 WEIGHT_QUANTIZATIONS = ("int8", "int4")  # codes computed from float weights (at load or by `goodserve quantize`)
+LM_HEAD_QUANTIZATIONS = ("int8", "int4")
 QUANTIZATIONS = (None, "none", *WEIGHT_QUANTIZATIONS, "gguf")  # None: not asked (resolved_quantization)
 # uni: the worker runs in the engine's process; mp: in a process of its own (as each of N
 # tensor-parallel workers always does)
@@ -49,6 +50,10 @@ class KernelOptions:
     # The rows kernels' launch per shape, (out_features, in_features) -> ops/triton_gemv.Int4RowsConfig
     # fields as a dict (what benchmarks/gpu_int4.py measured best); else INT4_ROWS_TUNED / its defaults.
     int4_rows_configs: dict[tuple[int, int], dict] = field(default_factory=dict)
+    # SwiGLU in the int4 gate_up projection's one-row kernel: where gate_up_proj's one-row kernel is
+    # "rows_repacked", its copy pairs gate row j with up row j and the kernel writes silu(gate) * up,
+    # so the activation kernel drops out of a batch-1 decode step (benchmarks/gpu_int4.py measures it).
+    int4_fused_silu_and_mul: bool = False
     # int4 with bfloat16 activations: tinygemm up to this many rows, the Triton kernels above it. On an
     # H100 (benchmarks/results/gpu_gemv_h100.json, Llama-3.1-8B shapes) tinygemm was faster at 1 and 4
     # rows, the tuned Triton GEMV at 16. At 0 the layers never build tinygemm's copy of the weights.
@@ -107,7 +112,9 @@ class EngineConfig:
     quantization_group_size: int | None = None  # int4; None: the largest of 128/64/32 that divides
     quantization_awq: bool = False  # activation-aware scales from a built-in calibration text
     quantized_checkpoint: str | None = None  # a checkpoint saved by `goodserve quantize`
-    quantize_lm_head: bool = False  # with quantization: lm_head too, int8 per channel (docs/quantization.md)
+    quantize_lm_head: bool = False  # with quantization: lm_head too (docs/quantization.md)
+    # quantize_lm_head's method: int8 per channel, or int4 with the layers' group size (int4 layers only)
+    lm_head_quantization: str = "int8"
     # GGUF layers on the CPU: llama.cpp's arithmetic (each activation row quantized to int8 blocks of
     # 32, integer dot products). Faster (1.04x llama.cpp against 0.7x with float32 rows,
     # benchmarks/BENCHMARKS.md), but off by default: the rounding of a row's activations amplifies
@@ -174,6 +181,11 @@ class EngineConfig:
              f"--speculative-model self:<quantization> takes one of "
              f"{', '.join(SELF_DRAFT_PREFIX + q for q in SELF_DRAFT_QUANTIZATIONS)}"),
             (self.pipeline_parallel_size >= 1, "pipeline_parallel_size must be at least 1"),
+            (self.lm_head_quantization in LM_HEAD_QUANTIZATIONS,
+             f"lm_head_quantization must be one of {LM_HEAD_QUANTIZATIONS}"),
+            (not (self.quantize_lm_head and self.lm_head_quantization == "int4" and self.quantization == "int8"),
+             "an int4 lm_head (--lm-head-quantization int4) takes the layers' group size: it needs "
+             "--quantization int4"),
             (1 <= self.ngram_min <= self.ngram_max, "ngram_min and ngram_max must satisfy 1 <= min <= max"),
         ]
         for ok, message in checks:

@@ -16,6 +16,7 @@ from goodserve.config import (
     BLOCK_SIZES,
     DTYPES,
     KV_CACHE_DTYPES,
+    LM_HEAD_QUANTIZATIONS,
     QUANTIZATIONS,
     SCHEDULER_POLICIES,
     SPECULATIVE_METHODS,
@@ -30,6 +31,7 @@ _CHOICES = {
     "attention_backend": ATTENTION_BACKENDS,
     "block_size": BLOCK_SIZES,
     "speculative_method": tuple(m for m in SPECULATIVE_METHODS if m),
+    "lm_head_quantization": LM_HEAD_QUANTIZATIONS,
 }
 
 _HELP = {
@@ -59,7 +61,10 @@ _HELP = {
     "quantization": "weight-only int8 / int4 computed at load, or gguf: run a GGUF file's own Q4_0 / Q4_1 / Q8_0 "
                     "weights as they are (docs/quantization.md); none: unquantized (default: gguf for a GGUF model on the CPU, "
                     "else none)",
-    "quantize_lm_head": "with --quantization (or a checkpoint made with it): lm_head in int8 too (default: False)",
+    "quantize_lm_head": "with --quantization (or a checkpoint made with it): lm_head quantized too, as "
+                        "--lm-head-quantization says (default: False)",
+    "lm_head_quantization": "--quantize-lm-head's method: int8 per channel, or int4 with the layers' group size "
+                            "(--quantization int4 only; half int8's bytes) (default: int8)",
     "cpu_int8_activations": "GGUF layers on the CPU quantize activation rows to int8 as llama.cpp does: faster, "
                             "but greedy tokens can then depend on the batch (docs/quantization.md)",
     "tokenizer": "tokenizer path, when it differs from the model's",

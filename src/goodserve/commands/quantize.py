@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from goodserve.config import WEIGHT_QUANTIZATIONS
+from goodserve.config import LM_HEAD_QUANTIZATIONS, WEIGHT_QUANTIZATIONS
 from goodserve.model_names import EMBEDDED_MODEL
 
 
@@ -20,8 +20,10 @@ def register(subparsers) -> None:
     parser.add_argument("--quantization", choices=WEIGHT_QUANTIZATIONS, required=True)
     parser.add_argument("--group-size", type=int, default=None, help="int4 group (default: largest that divides)")
     parser.add_argument("--awq", action="store_true", help="activation-aware scaling before rounding")
-    parser.add_argument("--lm-head", action="store_true",
-                        help="quantize lm_head too (int8 per channel); serve with --quantize-lm-head")
+    parser.add_argument("--lm-head", nargs="?", const="int8", default=None, choices=LM_HEAD_QUANTIZATIONS,
+                        help="quantize lm_head too: int8 per channel (the default method) or int4 (the layers' "
+                             "group size, with --quantization int4); serve with --quantize-lm-head "
+                             "[--lm-head-quantization int4]")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--output", required=True, help="the .safetensors file to write")
     parser.set_defaults(func=run)
@@ -43,7 +45,8 @@ def run(args: argparse.Namespace) -> int:
 
     config = resolve_for_device(EngineConfig(
         model=args.model, device=args.device, quantization=args.quantization,
-        quantization_group_size=args.group_size, quantization_awq=args.awq, quantize_lm_head=args.lm_head))
+        quantization_group_size=args.group_size, quantization_awq=args.awq, quantize_lm_head=args.lm_head is not None,
+        lm_head_quantization=args.lm_head or "int8"))
     loaded = load_model(args.model, torch_dtype(config), config.device)
     with torch.inference_mode():
         apply_quantization(loaded, config)

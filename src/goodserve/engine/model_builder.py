@@ -43,7 +43,8 @@ def apply_quantization(loaded: LoadedModel, config: EngineConfig) -> None:
     if config.quantized_checkpoint:
         from goodserve.quant.checkpoint import load_quantized_into
 
-        load_quantized_into(loaded.model, config.quantized_checkpoint, loaded.revision, config.quantize_lm_head)
+        load_quantized_into(loaded.model, config.quantized_checkpoint, loaded.revision, config.quantize_lm_head,
+                            config.lm_head_quantization)
     elif config.quantization:
         from goodserve.quant.apply import quantize_model
         from goodserve.quant.awq import default_calibration_text
@@ -54,7 +55,8 @@ def apply_quantization(loaded: LoadedModel, config: EngineConfig) -> None:
                 raise InvalidRequestError("quantization_awq needs a tokenizer for its calibration text")
             calibration = loaded.tokenizer.encode(default_calibration_text())
         quantize_model(loaded.model, config.quantization, config.quantization_group_size, calibration,
-                       lm_head=config.quantize_lm_head and loaded.model.pp.is_last)  # the last stage holds it
+                       lm_head=config.quantize_lm_head and loaded.model.pp.is_last,  # the last stage holds it
+                       lm_head_method=config.lm_head_quantization)
 
 
 def specialize_linears(model, device: torch.device, config: EngineConfig, kernels: KernelChoice) -> None:

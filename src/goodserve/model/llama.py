@@ -29,6 +29,7 @@ from goodserve.ops.attention import AttentionMetadata, LayerKVCache, attention
 from goodserve.ops.kernel_choice import TORCH_KERNELS
 from goodserve.ops.norm import add_rms_norm, rms_norm
 from goodserve.ops.rotary import cos_sin_cache
+from goodserve.quant.linear import Int4Linear
 
 
 class RMSNorm(nn.Module):
@@ -98,7 +99,12 @@ class LlamaMLP(nn.Module):
         self.kernels = TORCH_KERNELS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.down_proj(silu_and_mul(self.gate_up_proj(x), self.kernels)))
+        gate_up = self.gate_up_proj
+        if isinstance(gate_up, Int4Linear):  # may finish SwiGLU inside its own kernel
+            hidden = gate_up.silu_and_mul(x)
+        else:
+            hidden = silu_and_mul(gate_up(x), self.kernels)
+        return self.tp.all_reduce(self.down_proj(hidden))
 
 
 class LlamaDecoderLayer(nn.Module):

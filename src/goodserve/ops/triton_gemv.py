@@ -301,19 +301,31 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, part_ptr, count_ptr,
 
 @triton.jit
 def _finish_split(acc, part_ptr, count_ptr, y_ptrs, offs_n, offs_m, out_mask, M, N, pid_n, split):
-    """Store this slice's partial; the last slice of the row block to arrive sums all of them in
+    """Store this slice's partial; the last slice of a row block to arrive sums all of them in
     slice order (deterministic) into y and resets the block's counter."""
     part_offs = offs_m[None, :] * N + offs_n[:, None]
+    if _arrived_last(acc, part_ptr, count_ptr, part_offs, out_mask, M, N, pid_n, split):
+        total = _sum_partials(acc, part_ptr, part_offs, out_mask, M, N)
+        tl.store(y_ptrs, total.to(y_ptrs.dtype.element_ty), mask=out_mask)
+        tl.atomic_xchg(count_ptr + pid_n, 0)
+
+
+@triton.jit
+def _arrived_last(acc, part_ptr, count_ptr, part_offs, out_mask, M, N, pid_n, split):
+    """_finish_split's first half: store this slice's partial; whether it was the row block's last."""
     tl.store(part_ptr + split * M * N + part_offs, acc, mask=out_mask)
     tl.debug_barrier()  # every thread's partial is written before the counter says so
     arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-    num_splits = tl.num_programs(1)
-    if arrived == num_splits - 1:
-        total = tl.zeros(acc.shape, dtype=tl.float32)
-        for s in range(0, num_splits):  # .cg: read the other SMs' partials from L2, not a stale L1
-            total += tl.load(part_ptr + s * M * N + part_offs, mask=out_mask, other=0.0, cache_modifier=".cg")
-        tl.store(y_ptrs, total.to(y_ptrs.dtype.element_ty), mask=out_mask)
-        tl.atomic_xchg(count_ptr + pid_n, 0)
+    return arrived == tl.num_programs(1) - 1
+
+
+@triton.jit
+def _sum_partials(acc, part_ptr, part_offs, out_mask, M, N):
+    """The row block's partials summed in slice order (the last slice to arrive calls it)."""
+    total = tl.zeros(acc.shape, dtype=tl.float32)
+    for s in range(0, tl.num_programs(1)):  # .cg: read the other SMs' partials from L2, not a stale L1
+        total += tl.load(part_ptr + s * M * N + part_offs, mask=out_mask, other=0.0, cache_modifier=".cg")
+    return total
 
 
 # ---------------------------------------------------------------------------------------------
@@ -465,6 +477,11 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, pdl: bool = False, **overr
 #   zero as a bfloat16 pair in one int32 word per (row, group), 4 bytes instead of 8. As tinygemm
 #   does, the zero stored is the group's midpoint z + 8 s, near 0 where z is near -8 s, so its
 #   rounding costs far less than z's would.
+# - paired (Int4RowsWeight.paired): the repacked rows interleaved as 0, N/2, 1, N/2 + 1, ..., so
+#   that a program holds row j and row N/2 + j side by side. For gate_up_proj ([gate | up] rows)
+#   the kernel can then finish SwiGLU itself (gated: y[j] = silu(gate j) * up j, rounded as
+#   ops/triton_ops' silu_and_mul kernel rounds it) and the activation kernel drops out of the
+#   decode step; a plain call stores each row back at its own index.
 # Split-K is by whole groups, with the family's deterministic finish (_finish_split).
 # Two decodes (Int4RowsConfig.denormal): the family's _lane (1 + q / 16: a shift and a mask-or a
 # code, the OR's constant rematerialized under register pressure), or a code masked in place into
@@ -472,6 +489,11 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, pdl: bool = False, **overr
 # eight codes need only the AND, the other three share one shift. x is scaled per position by
 # 2**(89 - b) once per chunk, so every product is x q 2**-60, a normal number (|x| up to 2**39);
 # FMAs keep subnormal inputs (no flush to zero in Triton's fp32 arithmetic).
+# Every thread needs all of x's group, so every thread converts x's bfloat16 to float32 and scales it:
+# ~1.3 of the subnormal decode's 3.9 instructions a code in the sm_90 SASS (at 2 rows a thread).
+# Prescaled (Int4RowsConfig.prescaled) does that once per block: each program writes its slice of
+# x, scaled, and the slice's group sums into a float32 scratch [K + K / group] (every program of a
+# slice writes the same bits there), syncs its threads, and its loop reads float32 x as it is.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -480,10 +502,19 @@ class Int4RowsConfig:
     num_warps: int
     split_k: int  # K slices of whole groups (1: none)
     denormal: bool = False  # the subnormal decode (see above)
+    prescaled: bool = False  # with denormal: x scaled once per block, not per thread (see above)
 
 
-# (N, K) -> config, measured by benchmarks/gpu_int4.py; empty until an H100 run fills it.
-INT4_ROWS_TUNED: dict[tuple[int, int], Int4RowsConfig] = {}
+# (N, K) -> config: the repacked layout's fastest at Llama-3.1-8B's shapes, group 128, from
+# benchmarks/gpu_int4.py on an H100 80GB HBM3 (benchmarks/results/gpu_int4_h100.json). Both layouts
+# read it; the checkpoint layout's own winners differ, and were slower than these at every shape.
+INT4_ROWS_TUNED: dict[tuple[int, int], Int4RowsConfig] = {
+    (6144, 4096): Int4RowsConfig(256, 4, 22, True),  # qkv_proj 10.88 us (tinygemm 9.64)
+    (4096, 4096): Int4RowsConfig(256, 4, 32, True),  # o_proj 8.64 us (tinygemm 6.90)
+    (28672, 4096): Int4RowsConfig(256, 4, 5, True),  # gate_up_proj 30.51 us (tinygemm 33.21)
+    (4096, 14336): Int4RowsConfig(128, 2, 34, True),  # down_proj 18.63 us (tinygemm 18.26)
+    (128256, 4096): Int4RowsConfig(128, 2, 1, True),  # lm_head 112.34 us (tinygemm 134.56, int8 185.2)
+}
 # block_n, num_warps, programs resident per SM (an estimate for the split rule: ~128 registers a
 # thread at two rows a thread).
 INT4_ROWS_DEFAULT = (256, 4, 4)
@@ -499,6 +530,7 @@ class Int4RowsWeight:
     k: int
     group: int
     block_n: int
+    paired: bool = False  # rows j and N/2 + j adjacent (see above)
 
 
 def _bf16_pair(low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
@@ -509,17 +541,22 @@ def _bf16_pair(low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
 
 
 def int4_rows_layout(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
-                     block_n: int) -> Int4RowsWeight:
-    """Our packed codes [N, K // 2] and float32 scales / zeros [N, K // group] -> Int4RowsWeight."""
+                     block_n: int, paired: bool = False) -> Int4RowsWeight:
+    """Our packed codes [N, K // 2] and float32 scales / zeros [N, K // group] -> Int4RowsWeight;
+    paired: rows j and N/2 + j next to each other (N even)."""
     n, k = qweight.shape[0], qweight.shape[1] * 2
     assert group % 32 == 0 and k % group == 0, "int4 rows kernel: groups of a multiple of 32 columns"
+    if paired:
+        assert n % 2 == 0 and block_n % 2 == 0, "a paired layout needs an even number of rows and block_n"
+        order = torch.arange(n, device=qweight.device).view(2, n // 2).T.reshape(-1)  # 0, N/2, 1, N/2 + 1, ...
+        qweight, scales, zeros = qweight[order], scales[order], zeros[order]
     blocks, groups = triton.cdiv(n, block_n), k // group
     pad = blocks * block_n - n
     codes = torch.nn.functional.pad(qweight, (0, 0, 0, pad))
     codes = codes.view(blocks, block_n, groups, group // 32, 16).permute(0, 2, 3, 1, 4).contiguous()
     words = _bf16_pair(scales, zeros + 8 * scales)
     words = torch.nn.functional.pad(words, (0, 0, 0, pad)).view(blocks, block_n, groups).transpose(1, 2).contiguous()
-    return Int4RowsWeight(codes, words, n, k, group, block_n)
+    return Int4RowsWeight(codes, words, n, k, group, block_n, paired)
 
 
 @triton.jit
@@ -553,11 +590,15 @@ def _subnormal_codes(words):
 
 
 @triton.jit
-def _int4_rows_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, part_ptr, count_ptr, N, K, stride_ww, stride_sn,
+def _int4_rows_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, part_ptr, count_ptr, xs_ptr, N, K, stride_ww, stride_sn,
                       groups_per_split, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, REPACKED: tl.constexpr,
-                      DENORMAL: tl.constexpr, SPLIT: tl.constexpr, USE_PDL: tl.constexpr):
-    """Program (row block, K slice of whole groups) -> y[0, row block] (or its slice's partial).
-    stride_ww: the checkpoint layout's row stride in int32 words."""
+                      DENORMAL: tl.constexpr, PRESCALED: tl.constexpr, SPLIT: tl.constexpr, PAIRED: tl.constexpr,
+                      GATED: tl.constexpr, USE_PDL: tl.constexpr):
+    """Program (row block, K slice of whole groups) -> y[0, row block] (or its slice's partial; the
+    last slice stores the block). stride_ww: the checkpoint layout's row stride in int32 words.
+    PAIRED: the weight's rows are paired (see above); GATED: then y is [1, N / 2], silu(gate) * up.
+    PRESCALED (with DENORMAL): x scaled per position and each group's x sum go through xs_ptr (see
+    above) instead of every thread converting and scaling the whole of x itself."""
     CHUNKS: tl.constexpr = GROUP // 32  # 16-byte pieces of a row's group
     pid_n, split = tl.program_id(0), tl.program_id(1)
     rows = tl.arange(0, BLOCK_N)
@@ -575,21 +616,34 @@ def _int4_rows_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, part_ptr, count_ptr, N,
     cols = tl.arange(0, 32)
     x_scale = _position_scales(cols)[None, :]
     pdl_sync(USE_PDL)
+    if PRESCALED:  # this slice's x, scaled, and its group sums, written once for the block's threads
+        offs_g = tl.arange(0, GROUP)
+        for g in range(g_start, g_stop):
+            x_group = tl.load(x_ptr + g * GROUP + offs_g).to(tl.float32)
+            tl.store(xs_ptr + g * GROUP + offs_g, x_group * _position_scales(offs_g))
+            tl.store(xs_ptr + K + g, tl.sum(x_group, axis=0))
+        tl.debug_barrier()  # the block's stores are visible to all of its threads
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for g in range(g_start, g_stop):
         dots = tl.zeros((BLOCK_N, 32), dtype=tl.float32)
         x_acc = tl.zeros((1, 32), dtype=tl.float32)
         for c in tl.static_range(CHUNKS):
-            x = tl.load(x_ptr + g * GROUP + c * 32 + cols).to(tl.float32)[None, :]
+            if PRESCALED:  # .cg: from L2, where the block's own stores went
+                x = tl.load(xs_ptr + g * GROUP + c * 32 + cols, cache_modifier=".cg")[None, :]
+            else:
+                x = tl.load(x_ptr + g * GROUP + c * 32 + cols).to(tl.float32)[None, :]
             if REPACKED:
                 packed = tl.load(chunk_ptrs + (g * CHUNKS + c) * (BLOCK_N * 4))
             else:
                 packed = tl.load(chunk_ptrs + g * (GROUP // 8) + c * 4, mask=n_mask[:, None], other=0)
-            if DENORMAL:
+            if PRESCALED:
+                dots += tl.reshape(_subnormal_codes(packed), (BLOCK_N, 32)) * x  # x q 2**-60
+            elif DENORMAL:
                 dots += tl.reshape(_subnormal_codes(packed), (BLOCK_N, 32)) * (x * x_scale)  # x q 2**-60
             else:
                 dots += tl.reshape(_word_codes(packed, 4, 0), (BLOCK_N, 32)) * x  # codes as 1 + q / 16
-            x_acc += x
+            if not PRESCALED:
+                x_acc += x
         if REPACKED:
             sz = tl.load(s_ptr.to(tl.pointer_type(tl.int32)) + (pid_n * groups + g) * BLOCK_N + rows)
             scale = (sz << 16).to(tl.float32, bitcast=True)
@@ -597,27 +651,54 @@ def _int4_rows_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, part_ptr, count_ptr, N,
         else:
             scale = tl.load(s_ptr + offs_n * stride_sn + g, mask=n_mask, other=0.0)
             zero = tl.load(z_ptr + offs_n * stride_sn + g, mask=n_mask, other=0.0)
-        if DENORMAL:  # sum x q = 2**60 sum dots
+        if PRESCALED:
+            acc += (scale * 1.152921504606846976e18) * tl.sum(dots, axis=1) + zero * tl.load(xs_ptr + K + g,
+                                                                                           cache_modifier=".cg")
+        elif DENORMAL:  # sum x q = 2**60 sum dots
             acc += (scale * 1.152921504606846976e18) * tl.sum(dots, axis=1) + zero * tl.sum(x_acc, axis=1)
         else:  # q = 16 (code - 1)
             acc += (16.0 * scale) * tl.sum(dots, axis=1) + (zero - 16.0 * scale) * tl.sum(x_acc, axis=1)
-    offs_m = tl.arange(0, 1)
-    out_mask = n_mask[:, None]
-    y_ptrs = y_ptr + offs_n[:, None] + offs_m[None, :]
     if SPLIT:
-        _finish_split(acc[:, None], part_ptr, count_ptr, y_ptrs, offs_n, offs_m, out_mask, 1, N, pid_n, split)
+        part_offs = offs_n[:, None]
+        if _arrived_last(acc[:, None], part_ptr, count_ptr, part_offs, n_mask[:, None], 1, N, pid_n, split):
+            total = tl.sum(_sum_partials(acc[:, None], part_ptr, part_offs, n_mask[:, None], 1, N), axis=1)
+            _store_rows(total, y_ptr, pid_n, offs_n, n_mask, N, BLOCK_N, PAIRED, GATED)
+            tl.atomic_xchg(count_ptr + pid_n, 0)
     else:
-        tl.store(y_ptrs, acc[:, None].to(y_ptr.dtype.element_ty), mask=out_mask)
+        _store_rows(acc, y_ptr, pid_n, offs_n, n_mask, N, BLOCK_N, PAIRED, GATED)
+
+
+@triton.jit
+def _store_rows(acc, y_ptr, pid_n, offs_n, n_mask, N, BLOCK_N: tl.constexpr, PAIRED: tl.constexpr,
+                GATED: tl.constexpr):
+    """A row block's sums [BLOCK_N] into y: at their rows, at the rows a paired layout took them
+    from, or (GATED) as silu(gate) * up of each adjacent pair."""
+    dtype = y_ptr.dtype.element_ty
+    if GATED:
+        gate, up = tl.split(tl.reshape(acc, (BLOCK_N // 2, 2)))
+        # Rounded as the unfused path rounds them: the projection's output, then silu(gate) (torch
+        # rounds it before the product, and so does ops/triton_ops' kernel), then the product.
+        gate = gate.to(dtype).to(tl.float32)
+        act = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
+        out = act * up.to(dtype).to(tl.float32)
+        offs_j = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        tl.store(y_ptr + offs_j, out.to(dtype), mask=offs_j < N // 2)
+    elif PAIRED:
+        tl.store(y_ptr + (offs_n % 2) * (N // 2) + offs_n // 2, acc.to(dtype), mask=n_mask)
+    else:
+        tl.store(y_ptr + offs_n, acc.to(dtype), mask=n_mask)
 
 
 def int4_rows_config(n: int, k: int, group: int, device: torch.device, block_n: int | None = None,
                      num_warps: int | None = None, split_k: int | None = None,
-                     denormal: bool | None = None) -> Int4RowsConfig:
-    """INT4_ROWS_TUNED on CUDA where listed and nothing is given, else INT4_ROWS_DEFAULT with the
-    given fields; split_k, unless given, fills every SM's resident programs within the family's
+                     denormal: bool | None = None, prescaled: bool | None = None) -> Int4RowsConfig:
+    """INT4_ROWS_TUNED on CUDA where listed and nothing else is given (block_n aside where it is the
+    tuned one: a repacked copy's, built from that config), else INT4_ROWS_DEFAULT with the given
+    fields; split_k, unless given, fills every SM's resident programs within the family's
     PARTIALS_MAX_SHARE."""
     tuned = INT4_ROWS_TUNED.get((n, k)) if device.type == "cuda" else None
-    if tuned is not None and block_n is None and num_warps is None and split_k is None and denormal is None:
+    if tuned is not None and block_n in (None, tuned.block_n) and num_warps is None and split_k is None \
+            and denormal is None and prescaled is None:
         return tuned
     default_n, default_warps, resident = INT4_ROWS_DEFAULT
     block_n, num_warps = block_n or default_n, num_warps or default_warps
@@ -626,19 +707,25 @@ def int4_rows_config(n: int, k: int, group: int, device: torch.device, block_n: 
     wanted = triton.cdiv(resident * num_sms(device), triton.cdiv(n, block_n))
     affordable = int(PARTIALS_MAX_SHARE * k * BYTES_PER_WEIGHT["int4"] / 4)
     split_k = split_k or max(1, min(wanted, affordable, k // group))
-    return Int4RowsConfig(block_n, num_warps, split_k, bool(denormal))
+    if prescaled and not denormal:
+        raise ValueError("int4 rows kernel: prescaled x needs the subnormal decode (denormal=True)")
+    return Int4RowsConfig(block_n, num_warps, split_k, bool(denormal), bool(prescaled))
 
 
 def int4_rows_gemv(x: torch.Tensor, weight: torch.Tensor | Int4RowsWeight, scales: torch.Tensor | None = None,
-                   zeros: torch.Tensor | None = None, group: int = 0, pdl: bool = False,
+                   zeros: torch.Tensor | None = None, group: int = 0, pdl: bool = False, gated: bool = False,
                    **overrides) -> torch.Tensor:
     """x [1, K] times int4 weights -> [1, N] in x's dtype, with _int4_rows_kernel: weight either our
     packed codes [N, K // 2] with float32 scales / zeros [N, K // group] (read as stored), or an
-    Int4RowsWeight (its block_n fixes the config's). pdl: launch with PDL. overrides: Int4RowsConfig fields."""
+    Int4RowsWeight (its block_n fixes the config's). pdl: launch with PDL. gated (a paired
+    Int4RowsWeight only): [1, N / 2], silu(y[:, :N/2]) * y[:, N/2:] as ops/activation.silu_and_mul
+    computes it. overrides: Int4RowsConfig fields."""
     x = x.contiguous()
     m, k = x.shape
     assert m == 1, "the int4 rows kernel takes one row"
     repacked = isinstance(weight, Int4RowsWeight)
+    paired = repacked and weight.paired
+    assert paired or not gated, "the gated output needs a paired Int4RowsWeight"
     if repacked:
         n, group = weight.n, weight.group
         overrides["block_n"] = weight.block_n
@@ -653,14 +740,16 @@ def int4_rows_gemv(x: torch.Tensor, weight: torch.Tensor | Int4RowsWeight, scale
     per_split = triton.cdiv(groups, min(config.split_k, groups))
     splits = triton.cdiv(groups, per_split)
     n_blocks = triton.cdiv(n, config.block_n)
-    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    y = torch.empty((1, n // 2 if gated else n), dtype=x.dtype, device=x.device)
     partials = counters = y
     if splits > 1:
         assert n_blocks <= MAX_SPLIT_BLOCKS, f"{n_blocks} row blocks: raise MAX_SPLIT_BLOCKS or block_n"
         partials = torch.empty((splits, 1, n), dtype=torch.float32, device=x.device)
         counters = _split_counters(x.device)
+    x_scaled = torch.empty(k + groups, dtype=torch.float32, device=x.device) if config.prescaled else y
     _int4_rows_kernel[(n_blocks, splits)](
-        x, w, s, z, y, partials, counters, n, k, stride_ww, stride_sn, per_split,
-        GROUP=group, BLOCK_N=config.block_n, REPACKED=repacked, DENORMAL=config.denormal, SPLIT=splits > 1,
-        num_warps=config.num_warps, **pdl_launch(pdl))
+        x, w, s, z, y, partials, counters, x_scaled, n, k, stride_ww, stride_sn, per_split,
+        GROUP=group, BLOCK_N=config.block_n, REPACKED=repacked, DENORMAL=config.denormal,
+        PRESCALED=config.prescaled, SPLIT=splits > 1, PAIRED=paired, GATED=gated, num_warps=config.num_warps,
+        **pdl_launch(pdl))
     return y

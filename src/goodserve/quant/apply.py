@@ -3,8 +3,10 @@
 The per-layer projections hold nearly all the bytes a decode step reads and are quantized with
 the chosen method. lm_head is optional (lm_head=True): it is a large read too (1.05 GB of the
 16 GB a Llama-3.1-8B bf16 step reads, a fifth of an int4 step), but it is where quantization
-error hurts the output distribution most directly, so it always gets int8 per output channel
-(error <= half a step of 1/127 of the row's largest weight), whatever the method. In a model with
+error hurts the output distribution most directly, so it gets int8 per output channel by default (error <= half a step of 1/127 of the
+row's largest weight), whatever the method; lm_head_method="int4" asks for int4 with the layers'
+group size instead (half int8's bytes: 112 against 185 us a token at Llama-3.1-8B's 128256 x 4096
+on an H100, benchmarks/BENCHMARKS.md). In a model with
 tied embeddings lm_head's weight is the embedding table: the quantized lm_head is a new module
 with its own codes, and the embedding keeps its float table for lookups. Embeddings themselves
 stay as they are (a lookup reads one row per token).
@@ -20,6 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from goodserve.config import LM_HEAD_QUANTIZATIONS
 from goodserve.errors import InvalidRequestError
 from goodserve.quant import schemes
 from goodserve.quant.linear import Int4Linear, Int8Linear
@@ -88,9 +91,11 @@ def lm_head_target(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
 
 
 def quantize_model(model: nn.Module, method: str, group_size: int | None = 128,
-                   awq_calibration_ids: list[int] | None = None, lm_head: bool = False) -> nn.Module:
+                   awq_calibration_ids: list[int] | None = None, lm_head: bool = False,
+                   lm_head_method: str = "int8") -> nn.Module:
     """Replace qkv_proj / o_proj / gate_up_proj / down_proj with Int8Linear or Int4Linear, and with
-    lm_head=True lm_head with an Int8Linear (see the module doc).
+    lm_head=True lm_head with an Int8Linear (lm_head_method "int8") or an Int4Linear of the layers'
+    group size ("int4"; see the module doc).
 
     group_size None picks the largest of 128 / 64 / 32 that divides every layer; a size given
     explicitly that does not divide is an error. Checks every layer before changing any, so bad
@@ -104,7 +109,8 @@ def quantize_model(model: nn.Module, method: str, group_size: int | None = 128,
     check_quantizable(targets, method, group_size, shards)
     head = lm_head_target(model) if lm_head else []
     if head:
-        check_quantizable(head, "int8", group_size)
+        check_lm_head_method(lm_head_method, method)
+        check_quantizable(head, lm_head_method, group_size)
     if awq_calibration_ids:
         from goodserve.quant.awq import apply_awq
 
@@ -114,19 +120,34 @@ def quantize_model(model: nn.Module, method: str, group_size: int | None = 128,
             else Int4Linear.from_linear(linear, group_size)
         setattr(parent, name, quantized)
     for parent, name, linear in head:
-        setattr(parent, name, Int8Linear.from_linear(linear))
+        quantized = Int8Linear.from_linear(linear) if lm_head_method == "int8" \
+            else Int4Linear.from_linear(linear, group_size)
+        setattr(parent, name, quantized)
     return model
 
 
-def empty_quantized_like(model: nn.Module, method: str, group_size: int, lm_head: bool = False) -> nn.Module:
-    """Same swap without computing codes: the skeleton a pre-quantized checkpoint loads into."""
+def check_lm_head_method(lm_head_method: str, method: str) -> None:
+    """An int4 lm_head takes the layers' group size, so it needs int4 layers."""
+    if lm_head_method not in LM_HEAD_QUANTIZATIONS:
+        raise InvalidRequestError(f"lm_head quantization must be one of {LM_HEAD_QUANTIZATIONS}, got {lm_head_method!r}")
+    if lm_head_method == "int4" and method != "int4":
+        raise InvalidRequestError(f"an int4 lm_head needs int4 layers (quantization {method!r}): use an int8 lm_head")
+
+
+def empty_quantized_like(model: nn.Module, method: str, group_size: int, lm_head: str | None = None) -> nn.Module:
+    """Same swap without computing codes: the skeleton a pre-quantized checkpoint loads into.
+    lm_head: its method ("int8" / "int4"), None for a float lm_head."""
     targets = target_linears(model)
     check_quantizable(targets, method, group_size)
     head = lm_head_target(model) if lm_head else []
+    if head:
+        check_lm_head_method(lm_head, method)
+        check_quantizable(head, lm_head, group_size)
     for parent, name, linear in targets + head:
         w = linear.weight
         args = (linear.in_features, linear.out_features, linear.bias is not None)
-        quantized = Int8Linear(*args, dtype=w.dtype, device=w.device) if method == "int8" or name == "lm_head" \
+        layer_method = lm_head if name == "lm_head" else method
+        quantized = Int8Linear(*args, dtype=w.dtype, device=w.device) if layer_method == "int8" \
             else Int4Linear(*args, group_size=group_size, dtype=w.dtype, device=w.device)
         setattr(parent, name, quantized)
     return model

@@ -1,7 +1,8 @@
 """Pre-quantized checkpoints: one safetensors file holding the whole quantized model's state.
 
-The header's metadata names the scheme, the group size, whether lm_head is quantized (int8;
-files from before that option say nothing and have a float lm_head) and the model the codes came
+The header's metadata names the scheme, the group size, how lm_head is quantized ("int8", "int4"
+with the layers' group size, or "float"; files from before that option say nothing and have a float
+lm_head) and the model the codes came
 from (its spec and weight revision), so loading codes into a different model, or into an engine
 configured otherwise, fails with a clear error instead of producing garbage text. Tensors are
 stored as they are in memory: a reload is bit-identical.
@@ -28,8 +29,10 @@ def model_identity(model: nn.Module, revision: str) -> dict[str, str]:
     return {"model_spec": json.dumps(dataclasses.asdict(model.spec), sort_keys=True), "model_revision": revision}
 
 
-def lm_head_quantized(model: nn.Module) -> bool:
-    return isinstance(getattr(model, "lm_head", None), Int8Linear)
+def lm_head_format(model: nn.Module) -> str:
+    """"int8", "int4" or "float": the checkpoint metadata's name for the model's lm_head."""
+    head = getattr(model, "lm_head", None)
+    return "int8" if isinstance(head, Int8Linear) else "int4" if isinstance(head, Int4Linear) else "float"
 
 
 def quantization_of(model: nn.Module) -> tuple[str, int]:
@@ -50,7 +53,7 @@ def save_quantized(model: nn.Module, path: str | Path, revision: str) -> None:
     """Write a quantized model (its spec on `model.spec`) and the identity of its source weights."""
     method, group_size = quantization_of(model)
     metadata = {"format": FORMAT, "method": method, "group_size": str(group_size),
-                "lm_head": "int8" if lm_head_quantized(model) else "float", **model_identity(model, revision)}
+                "lm_head": lm_head_format(model), **model_identity(model, revision)}
     # save_model (not save_file) drops the duplicate name of tied tensors (lm_head = embed_tokens).
     safetensors.torch.save_model(model, str(path), metadata=metadata)
 
@@ -82,29 +85,36 @@ def check_same_model(metadata: dict[str, str], model: nn.Module, revision: str, 
             f"{metadata.get('model_revision')!r}) than the ones loaded ({revision!r}); quantize these weights instead")
 
 
-def check_lm_head(metadata: dict[str, str], quantize_lm_head: bool | None, path: str | Path) -> bool:
-    """Whether the checkpoint's lm_head is quantized; refuses one that differs from quantize_lm_head."""
-    saved = metadata.get("lm_head", "float") == "int8"
-    if quantize_lm_head is not None and saved != quantize_lm_head:
+def check_lm_head(metadata: dict[str, str], quantize_lm_head: bool | None, lm_head_quantization: str | None,
+                  path: str | Path) -> str | None:
+    """The checkpoint's lm_head method ("int8" / "int4"), None for a float one; refuses one that differs
+    from quantize_lm_head, or (when quantized) from lm_head_quantization. None asks nothing."""
+    saved = metadata.get("lm_head", "float")
+    if quantize_lm_head is not None and (saved != "float") != quantize_lm_head:
         raise ModelLoadError(
-            f"quantized checkpoint {path} has {'an int8' if saved else 'a float'} lm_head, but quantize_lm_head "
-            f"is {quantize_lm_head}: pass {'--quantize-lm-head' if saved else '--no-quantize-lm-head'} to serve "
+            f"quantized checkpoint {path} has {'an ' + saved if saved != 'float' else 'a float'} lm_head, but "
+            f"quantize_lm_head is {quantize_lm_head}: pass "
+            f"{'--quantize-lm-head' if saved != 'float' else '--no-quantize-lm-head'} to serve "
             "it, or quantize again with the lm_head you want")
-    return saved
+    if quantize_lm_head and lm_head_quantization is not None and saved != lm_head_quantization:
+        raise ModelLoadError(
+            f"quantized checkpoint {path} has an {saved} lm_head, but lm_head_quantization is "
+            f"{lm_head_quantization!r}: pass --lm-head-quantization {saved} to serve it, or quantize again")
+    return None if saved == "float" else saved
 
 
-def load_quantized_into(model: nn.Module, path: str | Path, revision: str,
-                        quantize_lm_head: bool | None = None) -> nn.Module:
+def load_quantized_into(model: nn.Module, path: str | Path, revision: str, quantize_lm_head: bool | None = None,
+                        lm_head_quantization: str | None = None) -> nn.Module:
     """Swap `model`'s linears for quantized ones and fill the whole model from the checkpoint.
 
     `model` is the unquantized model the checkpoint was made from (its weights may be
     uninitialized, e.g. build_empty_model); `revision` is the identity of its weights.
-    quantize_lm_head: what the caller expects of lm_head (a mismatch is an error); None takes the
-    checkpoint's.
+    quantize_lm_head, lm_head_quantization: what the caller expects of lm_head (a mismatch is an
+    error); None takes the checkpoint's.
     """
     metadata = read_metadata(path)
     check_same_model(metadata, model, revision, path)
-    lm_head = check_lm_head(metadata, quantize_lm_head, path)
+    lm_head = check_lm_head(metadata, quantize_lm_head, lm_head_quantization, path)
     empty_quantized_like(model, metadata["method"], int(metadata["group_size"]) or 128, lm_head)
     device = next(model.parameters()).device
     missing, unexpected = safetensors.torch.load_model(model, str(path), strict=False, device=str(device))

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from goodserve.native import int4_gemv
+from goodserve.ops.activation import silu_and_mul
 from goodserve.ops.kernel_choice import TORCH_KERNELS, KernelChoice
 from goodserve.quant import schemes
 
@@ -222,6 +223,9 @@ class Int4Linear(_QuantizedLinear):
         self.one_row_kernel = kernels.int4_one_row_kernel(self.out_features, self.in_features)
         self.rows_overrides = kernels.options.int4_rows_configs.get((self.out_features, self.in_features), {})
         self.tinygemm_rows = (1 if self.one_row_kernel == "tinygemm" else 2, kernels.options.int4_tinygemm_max_m)
+        # silu_and_mul's one-row calls on a paired rows_repacked copy (see silu_and_mul)
+        self.fuses_silu = (kernels.options.int4_fused_silu_and_mul and self.one_row_kernel == "rows_repacked"
+                           and self.out_features % 2 == 0)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group_size: int = 128) -> Int4Linear:
@@ -283,11 +287,27 @@ class Int4Linear(_QuantizedLinear):
 
         return int4_matmul(rows, self.qweight, self.scales, self.zeros, self.group_size, pdl)
 
-    def _rows_repacked(self):
-        """The rows kernel's repacked copy (built on first use, outside graph capture), or None."""
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """ops/activation.silu_and_mul(self(x)), for a layer whose outputs are [gate | up] (gate_up_proj).
+        One CUDA row with a paired copy (KernelOptions.int4_fused_silu_and_mul) takes one kernel, the
+        GEMV finishing SwiGLU itself; every other call, the projection and then the activation."""
+        if self.fuses_silu and x.is_cuda and x.numel() == self.in_features and self.bias is None:
+            layout = self._rows_repacked(paired=True)
+            if layout is not None:
+                from goodserve.ops.triton_gemv import int4_rows_gemv
+
+                y = int4_rows_gemv(x.reshape(1, -1), layout, pdl=self._kernels.pdl, gated=True, **self.rows_overrides)
+                return y.reshape(*x.shape[:-1], self.out_features // 2)
+        return silu_and_mul(self(x), self._kernels)
+
+    def _rows_repacked(self, paired: bool = False):
+        """The rows kernel's repacked copy (built on first use, outside graph capture), or None.
+        paired: one with rows j and N/2 + j side by side (silu_and_mul's); plain calls take either,
+        so a layer keeps one copy."""
         key = self._codes_key()
-        if self._rows_layout is not None and self._rows_layout[0] == key:
-            return self._rows_layout[1]
+        held = self._rows_layout
+        if held is not None and held[0] == key and (held[1].paired or not paired):
+            return held[1]
         if self.qweight.is_cuda and torch.cuda.is_current_stream_capturing():
             return None  # the runner's warm-up calls build it; meanwhile the checkpoint layout serves
         from goodserve.ops.triton_gemv import int4_rows_config, int4_rows_layout
@@ -295,7 +315,7 @@ class Int4Linear(_QuantizedLinear):
         config = int4_rows_config(self.out_features, self.in_features, self.group_size, self.qweight.device,
                                   **self.rows_overrides)
         self._rows_layout = (key, int4_rows_layout(self.qweight, self.scales, self.zeros, self.group_size,
-                                                   config.block_n))
+                                                   config.block_n, paired))
         return self._rows_layout[1]
 
     def _tinygemm_layout(self) -> tuple[torch.Tensor, torch.Tensor] | None:
