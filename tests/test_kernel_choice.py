@@ -9,6 +9,7 @@ import pytest
 from goodserve import LLM, SamplingParams
 from goodserve.config import KernelOptions
 from goodserve.ops import triton_attention, triton_ops
+from goodserve.ops.kernel_choice import KernelChoice
 from goodserve.quant.linear import Int4Linear
 
 TINY = {"model": "dummy:tiny", "num_kv_blocks": 16, "max_num_seqs": 2}
@@ -58,3 +59,25 @@ def test_kernel_options_reach_every_layer_of_their_engine_only():
         assert layers and {layer.one_row_kernel for layer in layers} == {kernel}
         assert all(m.kernels is llm.engine.executor.worker.runner.model.kernels for m in llm.engine.executor.worker.runner.model.modules() if hasattr(m, "kernels"))
     assert rows.engine.executor.worker.runner.model.kernels.options.int4_one_row_kernel == "rows"
+
+
+def test_decode_attention_tuning_is_chosen_by_batch_size():
+    table = {1: {"DIRECT_KEYS": 512}, 16: {"BLOCK_N": 32}}
+    choice = KernelChoice(triton=True, options=KernelOptions(decode_attention_tuning_by_batch=table))
+    assert [choice.decode_attention_tuning(b) for b in (1, 2, 16, 17)] == [table[1], table[16], table[16], None]
+
+
+def test_fused_rotary_decode_gives_the_reference_tokens(monkeypatch):
+    """With RoPE + the cache write fused into decode attention, every decode step takes the fused launch
+    (prefill steps the separate kernel) and the greedy tokens are the torch engine's."""
+    fused_launches = []
+    kernel = triton_attention.triton_decode_attention
+    monkeypatch.setattr(triton_attention, "triton_decode_attention",
+                        lambda *a, **kw: fused_launches.append(kw.get("new_tokens") is not None) or kernel(*a, **kw))
+    options = KernelOptions(fuse_rotary_into_decode_attention=True,
+                            decode_attention_tuning_by_batch={2: {"DIRECT_KEYS": 3}})
+    fused = LLM(**TINY, attention_backend="triton", kernels=options)
+    reference = LLM(**TINY, attention_backend="torch")
+    for prompt in PROMPTS:
+        assert greedy_tokens(fused, prompt) == greedy_tokens(reference, prompt)
+    assert fused_launches and all(fused_launches)
