@@ -8,6 +8,7 @@ import pytest
 
 from goodserve import LLM, SamplingParams
 from goodserve.config import KernelOptions
+from goodserve.errors import InvalidRequestError
 from goodserve.ops import triton_attention, triton_ops
 from goodserve.ops.kernel_choice import KernelChoice
 from goodserve.quant.linear import Int4Linear
@@ -81,3 +82,9 @@ def test_fused_rotary_decode_gives_the_reference_tokens(monkeypatch):
     for prompt in PROMPTS:
         assert greedy_tokens(fused, prompt) == greedy_tokens(reference, prompt)
     assert fused_launches and all(fused_launches)
+
+
+@pytest.mark.parametrize("table", [{0: {}}, {1: {"BLOCKN": 64}}])
+def test_decode_attention_tuning_table_is_checked(table):
+    with pytest.raises(InvalidRequestError, match="decode_attention_tuning_by_batch"):
+        KernelOptions(decode_attention_tuning_by_batch=table).validate()
