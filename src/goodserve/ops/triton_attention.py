@@ -232,7 +232,7 @@ def _merge_splits(out_ptr, part_out_ptr, part_lse_ptr, seq, kv_head, num_used, n
 def _rotated_queries(rows_ptr, rotary_row, d, row_mask, HALF: tl.constexpr, HEAD_DIM: tl.constexpr):
     """[BLOCK_G, BLOCK_D] query rows (rows_ptr [BLOCK_G, 1]) rotated exactly as _rotary_write_kv_kernel
     rotates them: each element meets its rotate-half partner (loaded a second time, from L1) and its
-    frequency's cos / sin in _rotate's float32 expression, then rounds to the query dtype."""
+    frequency's cos / sin in float32, then rounds to the query dtype."""
     first = d < HALF
     partner = tl.where(first, d + HALF, d - HALF)
     freq = tl.where(first, d, d - HALF)
@@ -240,9 +240,10 @@ def _rotated_queries(rows_ptr, rotary_row, d, row_mask, HALF: tl.constexpr, HEAD
     y = tl.load(rows_ptr + partner[None, :], mask=row_mask, other=0.0).to(tl.float32)
     cos = tl.load(rotary_row + freq, mask=d < HEAD_DIM, other=0.0)[None, :]
     sin = tl.load(rotary_row + HALF + freq, mask=d < HEAD_DIM, other=0.0)[None, :]
-    # first half: x1 cos - x2 sin; second half: x2 cos + x1 sin (x is the element, y its partner)
-    rotated = tl.where(first[None, :], x * cos - y * sin, x * cos + y * sin)
-    return rotated.to(rows_ptr.dtype.element_ty)
+    # x cos - y sin in the first half, x cos + y sin in the second (x the element, y its partner) as
+    # one sum of two single-use products, the shape of _rotate's: a compiler that contracts the sum
+    # into an FMA does so alike in both kernels (negating y is exact), so the bits agree.
+    return (x * cos + tl.where(first[None, :], -y, y) * sin).to(rows_ptr.dtype.element_ty)
 
 
 @triton.jit
