@@ -247,22 +247,34 @@ def _rotated_queries(rows_ptr, rotary_row, d, row_mask, HALF: tl.constexpr, HEAD
 
 
 @triton.jit
-def _write_new_kv(k_row, v_row, stride_kh, stride_vh, rotary_row, slot_ptr, k_cache, v_cache, k_scale, v_scale,
-                  kv_head, num_kv_heads, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, KV_QUANT: tl.constexpr):
-    """One decode token's K (rotated) and V of one KV head into its cache slot, as
-    _rotary_write_kv_kernel stores them; the barrier makes the stores visible to the program's
-    own threads, whose tile loads then read them back like any cached key."""
+def _new_kv(k_row, v_row, stride_kh, stride_vh, slot_ptr, rotary_row, kv_head, HALF: tl.constexpr,
+            BLOCK_HALF: tl.constexpr):
+    """One decode token's K (rotated, as _rotary_write_kv_kernel rotates it) and V of one KV head, as
+    [1, BLOCK_HALF] halves, its slot, and rotary_row. Independent loads are issued first: a load whose
+    address waits on another (cos / sin on the position) stalls every load after it."""
+    hk = kv_head + tl.arange(0, 1)
+    d = tl.arange(0, BLOCK_HALF)[None, :]
+    mask = d < HALF
     slot = tl.load(slot_ptr).to(tl.int64)
+    k1, k2 = _load_halves(k_row + hk[:, None] * stride_kh, d, HALF, mask)
+    v1, v2 = _load_halves(v_row + hk[:, None] * stride_vh, d, HALF, mask)
+    cos = tl.load(rotary_row + d, mask=mask, other=0.0)
+    sin = tl.load(rotary_row + HALF + d, mask=mask, other=0.0)
+    k1, k2 = _rotate(k1, k2, cos, sin, k_row.dtype.element_ty)
+    return k1, k2, v1, v2, slot, rotary_row
+
+
+@triton.jit
+def _store_new_kv(k1, k2, v1, v2, slot, k_cache, v_cache, k_scale, v_scale, kv_head, num_kv_heads,
+                  HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, KV_QUANT: tl.constexpr):
+    """_new_kv's K and V into their cache slot as _rotary_write_kv_kernel stores them; the barrier
+    makes the stores visible to the program's own threads, whose tile loads then read them back
+    like any cached key."""
     if slot >= 0:  # -1 marks padding: nothing to store
         hk = kv_head + tl.arange(0, 1)
         d = tl.arange(0, BLOCK_HALF)[None, :]
         mask = d < HALF
-        cos = tl.load(rotary_row + d, mask=mask, other=0.0)
-        sin = tl.load(rotary_row + HALF + d, mask=mask, other=0.0)
-        k1, k2 = _load_halves(k_row + hk[:, None] * stride_kh, d, HALF, mask)
-        k1, k2 = _rotate(k1, k2, cos, sin, k_row.dtype.element_ty)
         _store_kv(k1, k2, k_cache, k_scale, slot, hk, d, HALF, num_kv_heads, mask, KV_QUANT)
-        v1, v2 = _load_halves(v_row + hk[:, None] * stride_vh, d, HALF, mask)
         _store_kv(v1, v2, v_cache, v_scale, slot, hk, d, HALF, num_kv_heads, mask, KV_QUANT)
     tl.debug_barrier()
 
@@ -285,6 +297,11 @@ def _decode_kernel(q_ptr, out_ptr, part_out_ptr, part_lse_ptr, arrivals_ptr, k_c
     seq = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens + seq)
+    if ROTARY:  # every program, before the lengths arrive: these loads overlap seq_len's
+        new_k1, new_k2, new_v1, new_v2, new_slot, rotary_row = _new_kv(
+            k_ptr + seq * stride_kt, v_ptr + seq * stride_vt, stride_kh, stride_vh, slot_ptr + seq,
+            rotary_ptr + tl.load(positions_ptr + seq).to(tl.int64) * stride_rotary, kv_head, HEAD_DIM // 2,
+            BLOCK_HALF)
     split_keys = tl.maximum(tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), SPLIT_KEYS), 1) * SPLIT_KEYS
     # Up to DIRECT_KEYS keys, one split takes them all and writes its output itself: no partials, no
     # arrival counter, no merge (those cost several dependent memory round trips).
@@ -302,13 +319,11 @@ def _decode_kernel(q_ptr, out_ptr, part_out_ptr, part_lse_ptr, arrivals_ptr, k_c
         head = kv_head * GROUP + g
         row_mask = (g < GROUP)[:, None] & d_mask[None, :]
         if ROTARY:
-            rotary_row = rotary_ptr + tl.load(positions_ptr + seq).to(tl.int64) * stride_rotary
             q = _rotated_queries(q_ptr + seq * stride_qt + head[:, None] * stride_qh, rotary_row, d, row_mask,
                                  HEAD_DIM // 2, HEAD_DIM)
             if split == num_used - 1:  # the split holding the new token's key writes it, then reads it back
-                _write_new_kv(k_ptr + seq * stride_kt, v_ptr + seq * stride_vt, stride_kh, stride_vh, rotary_row,
-                              slot_ptr + seq, k_cache, v_cache, k_scale, v_scale, kv_head, num_kv_heads,
-                              HEAD_DIM // 2, BLOCK_HALF, KV_QUANT)
+                _store_new_kv(new_k1, new_k2, new_v1, new_v2, new_slot, k_cache, v_cache, k_scale, v_scale, kv_head,
+                              num_kv_heads, HEAD_DIM // 2, BLOCK_HALF, KV_QUANT)
         else:
             q = tl.load(q_ptr + seq * stride_qt + head[:, None] * stride_qh + d[None, :], mask=row_mask, other=0.0)
         if UPCAST_DOT:
