@@ -286,13 +286,13 @@ def sweep_decode_batches(bw: float, cases: list[tuple[int, int]]) -> None:
                         print(f"  {tuning} splits={splits}: {type(e).__name__}")
 
 
-# Launch settings against DECODE_TUNING (the first, {}): one split up to DIRECT_KEYS keys, wider tiles.
+# Launch settings against DECODE_TUNING (the first, {}): one split up to DIRECT_KEYS keys (a plain
+# kernel argument: the three values share each tile shape's compiled kernel), wider tiles.
 LATENCY_VARIANTS = [{}] + [
     {"DIRECT_KEYS": keys, "BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
-    for keys in (256, 512) for block_n, warps in ((64, 4), (128, 4), (128, 8)) for stages in (2, 3)
+    for block_n, warps, stages in ((64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 4, 3), (128, 8, 2), (256, 8, 1))
+    for keys in (256, 512, 1024)
 ] + [
-    {"DIRECT_KEYS": 1024, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2},
-    {"DIRECT_KEYS": 256, "BLOCK_N": 256, "num_warps": 8, "num_stages": 1},
     {"SPLIT_KEYS": 128},
     {"DIRECT_KEYS": 256, "SPLIT_KEYS": 128, "BLOCK_N": 128, "num_warps": 4},
 ]

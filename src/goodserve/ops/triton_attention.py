@@ -281,14 +281,14 @@ def _store_new_kv(k1, k2, v1, v2, slot, k_cache, v_cache, k_scale, v_scale, kv_h
 
 # Arguments that change from step to step are not specialized on (Triton would otherwise compile a
 # variant for each new "== 1" / "divisible by 16" combination, hundreds of ms in the middle of a run).
-@triton.jit(do_not_specialize=["stride_bt", "stride_bb"])
+@triton.jit(do_not_specialize=["stride_bt", "stride_bb", "DIRECT_KEYS"])
 def _decode_kernel(q_ptr, out_ptr, part_out_ptr, part_lse_ptr, arrivals_ptr, k_cache, v_cache, k_scale, v_scale,
                    block_tables, seq_lens, num_decodes_ptr, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh,
                    stride_bt, stride_bb, num_kv_heads,
                    k_ptr, v_ptr, positions_ptr, rotary_ptr, slot_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
                    stride_rotary, HEAD_DIM: tl.constexpr,
                    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_SIZE: tl.constexpr, SPLIT_KEYS: tl.constexpr, DIRECT_KEYS: tl.constexpr,
+                   BLOCK_SIZE: tl.constexpr, SPLIT_KEYS: tl.constexpr, DIRECT_KEYS,
                    NUM_SPLITS: tl.constexpr, KV_QUANT: tl.constexpr, UPCAST_DOT: tl.constexpr,
                    DOT_PRECISION: tl.constexpr, BOUNDED: tl.constexpr, ROTARY: tl.constexpr,
                    BLOCK_HALF: tl.constexpr, USE_PDL: tl.constexpr):
@@ -304,7 +304,8 @@ def _decode_kernel(q_ptr, out_ptr, part_out_ptr, part_lse_ptr, arrivals_ptr, k_c
             BLOCK_HALF)
     split_keys = tl.maximum(tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), SPLIT_KEYS), 1) * SPLIT_KEYS
     # Up to DIRECT_KEYS keys, one split takes them all and writes its output itself: no partials, no
-    # arrival counter, no merge (those cost several dependent memory round trips).
+    # arrival counter, no merge (those cost several dependent memory round trips). A plain argument,
+    # not a constexpr: the values to compare share one compiled kernel.
     split_keys = tl.where(seq_len <= DIRECT_KEYS, tl.maximum(seq_len, 1), split_keys)
     num_used = tl.maximum(tl.cdiv(seq_len, split_keys), 1)  # a zero-length (padding) sequence writes zeros
     active = split < num_used
