@@ -316,8 +316,9 @@ def sweep_decode_latency(bw: float, batches: list[int], contexts: list[int]) -> 
     """Decode attention where it is latency, not bytes (issue 13: batch 1, short contexts): each of
     LATENCY_VARIANTS at every batch x context, CUDA-graph timed, then per batch RoPE + cache write as
     its own kernel (as now) against fused into decode attention (KernelOptions.fuse_rotary_into_decode_attention).
-    Returns the table for KernelOptions.decode_attention_tuning_by_batch: per batch, the variant with
-    the smallest mean time relative to each context's best (each context counts alike)."""
+    Returns the table for KernelOptions.decode_attention_tuning_by_batch: per batch (the largest it
+    stands for), the variant with the smallest mean time relative to each context's best (each context
+    counts alike)."""
     print("decode latency sweep (graph layout)")
     variants = LATENCY_VARIANTS[:3] if SMOKE else LATENCY_VARIANTS
     times: dict[tuple[int, int], list[float]] = {}
@@ -350,8 +351,7 @@ def sweep_decode_latency(bw: float, batches: list[int], contexts: list[int]) -> 
                   f"{variants[winner]}, batch's pick v{best} {row[best]:.2f} us")
         print(f"  B={batch}: pick v{best} {variants[best] or 'current'} (mean {mean_slowdown(best):.3f}x each "
               f"context's best; current {mean_slowdown(0):.3f}x)")
-        if best:
-            table[batch] = variants[best]
+        table[batch] = variants[best]  # {} too: a batch the default suits must not fall to a larger one's entry
         bench_fused_rotary(batch, contexts, [{}, variants[best]] if best else [{}])
     return table
 
