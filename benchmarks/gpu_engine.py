@@ -23,7 +23,12 @@ split to fill the GPU once (not twice), `sharegpt:kvfp8` with an fp8 KV cache,
 fastest measured at start-up), `sharegpt:makespan` (or `throughput:makespan`) with the makespan
 scheduling policy (engine/makespan.py; `slack<x>` and `admit<n>` set makespan_slack and
 makespan_min_admit), `:nomixedgraphs` with every step that has a prefill chunk run eagerly (no
-mixed-step CUDA graphs); results get the variant appended to their keys. (The gate_up variants
+mixed-step CUDA graphs), `:fuserope` with RoPE + the KV-cache write fused into decode attention
+(KernelOptions.fuse_rotary_into_decode_attention), `:decodetable` with decode attention's launch
+chosen by batch size (KernelOptions.decode_attention_tuning_by_batch: the table in --decode-tuning,
+the JSON `gpu_kernels.py --decode-latency-sweep` writes, else DECODE_TABLE_GUESS); results get the
+variant appended to their keys. Issue 13's batch-1 decode, the switches off and on in one process:
+  --parts int4,int4:fuserope,int4:decodetable,int4:fuserope:decodetable,decode,decode:fuserope:decodetable (The gate_up variants
 that asked cuBLAS another way, measured in gpu_engine_gate_up_paths_h100.json, lost and are gone:
 gpu_gemm.py keeps those paths.)
 Writes $OUT/gpu_engine.json and prints a summary table last.
@@ -46,6 +51,10 @@ from goodserve.config import EngineConfig, KernelOptions
 from goodserve.quant import linear
 
 QKV_SHAPE = (6144, 4096)  # Llama-3.1-8B's qkv_proj (out_features, in_features): `cublasqkv`
+# `decodetable` without --decode-tuning: batch 1 in one split up to 512 keys (written before any
+# measurement: the H200's sweep had one split of 128 keys at 5.2 us against 7.9 for the default's 2 merged).
+DECODE_TABLE_GUESS = {1: {"DIRECT_KEYS": 512}}
+decode_table: dict[int, dict] = DECODE_TABLE_GUESS
 
 
 def variant_options(variants: list[str], max_num_batched_tokens: int) -> dict:
@@ -57,7 +66,9 @@ def variant_options(variants: list[str], max_num_batched_tokens: int) -> dict:
         decode_attention_waves=1 if "halvedsplits" in variants else defaults.kernels.decode_attention_waves,
         graph_time_tolerance=float("inf") if "smallestgraph" in variants else defaults.kernels.graph_time_tolerance,
         mixed_graph_max_tokens=0 if "nomixedgraphs" in variants else defaults.kernels.mixed_graph_max_tokens,
-        decode_kernel_for_mixed_decodes="prefillonly" not in variants)
+        decode_kernel_for_mixed_decodes="prefillonly" not in variants,
+        fuse_rotary_into_decode_attention="fuserope" in variants,
+        decode_attention_tuning_by_batch=decode_table if "decodetable" in variants else {})
     return {
         "kernels": kernels,
         "kv_cache_dtype": "fp8" if "kvfp8" in variants else "auto",
@@ -416,7 +427,14 @@ def main() -> None:
     parser.add_argument("--model", default="dummy:llama-3.1-8b")
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--max-num-seqs", type=int, default=512)
+    parser.add_argument("--decode-tuning", metavar="JSON", help="the `decodetable` variant's table (default: "
+                        "DECODE_TABLE_GUESS): gpu_kernels.py --decode-latency-sweep's decode_tuning_by_batch.json")
     args = parser.parse_args()
+    global decode_table
+    if args.decode_tuning:
+        with open(args.decode_tuning) as f:
+            decode_table = {int(batch): tuning for batch, tuning in json.load(f).items()}
+    results["decode_table"] = decode_table
     os.makedirs(OUT, exist_ok=True)
     results["card"] = torch.cuda.get_device_name()
     results["torch"] = torch.__version__

@@ -13,6 +13,7 @@ table sized for max_model_len 8192, column-major.
     python benchmarks/gpu_kernels.py            # writes $OUT/gpu_kernels.json (OUT defaults to ./out)
     python benchmarks/gpu_kernels.py --quick    # fewer shapes, no tuning sweeps
     python benchmarks/gpu_kernels.py --decode-sweep 8x1000,256x300  # only: decode splits and tiles
+    python benchmarks/gpu_kernels.py --decode-latency-sweep  # only: batch 1-16 decode launches, fused RoPE (~1.5 min)
     python benchmarks/gpu_kernels.py --smoke    # CPU, TRITON_INTERPRET=1, tiny shapes: catches Python errors
 """
 
@@ -73,8 +74,9 @@ def bench_ms(fn) -> float:
     return do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
-def graph_us(fn, launches: int = 20) -> float | None:
-    """Microseconds per call of fn replayed inside a CUDA graph (no host launch cost between calls)."""
+def graph_us(fn, launches: int = 20, rep: int = 100) -> float | None:
+    """Microseconds per call of fn replayed inside a CUDA graph (no host launch cost between calls);
+    rep: milliseconds of replays to take the median over."""
     if SMOKE:
         fn()
         return None
@@ -84,7 +86,7 @@ def graph_us(fn, launches: int = 20) -> float | None:
     with torch.cuda.graph(graph):
         for _ in range(launches):
             fn()
-    ms = do_bench(graph.replay, warmup=10, rep=100, return_mode="median")
+    ms = do_bench(graph.replay, warmup=10, rep=rep, return_mode="median")
     return ms * 1e3 / launches
 
 
@@ -284,6 +286,105 @@ def sweep_decode_batches(bw: float, cases: list[tuple[int, int]]) -> None:
                         print(f"  {tuning} splits={splits}: {type(e).__name__}")
 
 
+# Launch settings against DECODE_TUNING (the first, {}): one split up to DIRECT_KEYS keys (a plain
+# kernel argument: the three values share each tile shape's compiled kernel), wider tiles.
+LATENCY_VARIANTS = [{}] + [
+    {"DIRECT_KEYS": keys, "BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
+    for block_n, warps, stages in ((64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 4, 3), (128, 8, 2), (256, 8, 1))
+    for keys in (256, 512, 1024)
+] + [
+    {"SPLIT_KEYS": 128},
+    {"DIRECT_KEYS": 256, "SPLIT_KEYS": 128, "BLOCK_N": 128, "num_warps": 4},
+]
+
+
+def decode_step_inputs(batch: int, ctx: int):
+    """A graph-layout decode batch plus what RoPE + the cache write take: k, v views into one qkv
+    projection, positions ctx - 1 and each sequence's slot for that position."""
+    q, cache, meta = make_paged(batch, [1] * batch, [ctx] * batch, BF16, seed=ctx + batch, capacity=GRAPH_MAX_LEN,
+                                column_major=True)
+    qkv = torch.randn(batch, (HQ + 2 * HK) * D, device=DEVICE).to(BF16)
+    q_view, k, v = (x.view(batch, -1, D) for x in qkv.split([HQ * D, HK * D, HK * D], dim=-1))
+    q_view.copy_(q)
+    positions = torch.full((batch,), ctx - 1, device=DEVICE)
+    slots = (meta.block_tables[:, (ctx - 1) // BLOCK].long() * BLOCK + (ctx - 1) % BLOCK).to(torch.int32)
+    table = cos_sin_cache(D, GRAPH_MAX_LEN, 500000.0, None).to(DEVICE)
+    return q_view, cache, meta, triton_attention.NewTokens(k, v, positions, table, slots)
+
+
+def sweep_decode_latency(bw: float, batches: list[int], contexts: list[int]) -> dict[int, dict]:
+    """Decode attention where it is latency, not bytes (issue 13: batch 1, short contexts): each of
+    LATENCY_VARIANTS at every batch x context, CUDA-graph timed, then per batch RoPE + cache write as
+    its own kernel (as now) against fused into decode attention (KernelOptions.fuse_rotary_into_decode_attention).
+    Returns the table for KernelOptions.decode_attention_tuning_by_batch: per batch (the largest it
+    stands for), the variant with the smallest mean time relative to each context's best (each context
+    counts alike)."""
+    print("decode latency sweep (graph layout)")
+    variants = LATENCY_VARIANTS[:3] if SMOKE else LATENCY_VARIANTS
+    times: dict[tuple[int, int], list[float]] = {}
+    for batch in batches:
+        for ctx in contexts:
+            q, cache, meta = make_paged(batch, [1] * batch, [ctx] * batch, BF16, seed=ctx + batch,
+                                        capacity=GRAPH_MAX_LEN, column_major=True)
+            ref = decode_reference(q, cache, meta)
+            for i, tuning in enumerate(variants):
+                call = decode_call(q, cache, meta, tuning)
+                try:
+                    err = rel_err(call(), ref)
+                    us = graph_us(call, rep=40)
+                except Exception as e:  # e.g. out of shared memory: report, keep sweeping
+                    print(f"  {tuning}: {type(e).__name__}")
+                    us = float("inf")
+                    err = None
+                times.setdefault((batch, ctx), []).append(us if us is not None else 0.0)
+                record("decode-latency", f"B={batch} ctx={ctx} v{i} {tuning or 'current'}", 0.0,
+                       kv_bytes(cache, batch * ctx), bw, err, graph_us=us, tuning=tuning)
+    table = {}
+    for batch in batches:
+        def mean_slowdown(i: int) -> float:
+            return sum(times[batch, ctx][i] / max(min(times[batch, ctx]), 1e-9) for ctx in contexts) / len(contexts)
+        best = min(range(len(variants)), key=mean_slowdown)
+        for ctx in contexts:
+            row = times[batch, ctx]
+            winner = min(range(len(variants)), key=row.__getitem__)
+            print(f"  B={batch} ctx={ctx}: current {row[0]:.2f} us, winner v{winner} {row[winner]:.2f} us "
+                  f"{variants[winner]}, batch's pick v{best} {row[best]:.2f} us")
+        print(f"  B={batch}: pick v{best} {variants[best] or 'current'} (mean {mean_slowdown(best):.3f}x each "
+              f"context's best; current {mean_slowdown(0):.3f}x)")
+        table[batch] = variants[best]  # {} too: a batch the default suits must not fall to a larger one's entry
+        bench_fused_rotary(batch, contexts, [{}, variants[best]] if best else [{}])
+    return table
+
+
+def bench_fused_rotary(batch: int, contexts: list[int], tunings: list[dict]) -> None:
+    """RoPE + cache write then decode attention (two launches) against the fused launch, both exact:
+    the fused output and cache must equal the two kernels' bit for bit."""
+    for ctx in contexts:
+        for tuning in tunings:
+            q, cache, meta, new = decode_step_inputs(batch, ctx)
+            args = (cache, meta.block_tables, meta.seq_lens, D**-0.5)
+            fused_cache = LayerKVCache(cache.k.clone(), cache.v.clone())
+            fused_out = triton_decode_attention(q, fused_cache, *args[1:], tuning=tuning, new_tokens=new)
+            rotated = q.clone()
+            triton_rotary_write_kv(rotated, new.k, new.v, new.positions, new.rotary_cache, cache, new.slot_mapping)
+            two_out = triton_decode_attention(rotated, *args, tuning=tuning)
+            identical = torch.equal(fused_out, two_out) and torch.equal(fused_cache.k, cache.k) \
+                and torch.equal(fused_cache.v, cache.v)
+
+            def two_kernels():
+                triton_rotary_write_kv(q, new.k, new.v, new.positions, new.rotary_cache, cache, new.slot_mapping)
+                triton_decode_attention(q, *args, tuning=tuning)
+
+            fused = lambda: triton_decode_attention(q, *args, tuning=tuning, new_tokens=new)  # noqa: E731
+            label = f"B={batch} ctx={ctx} {tuning or 'current'}"
+            two_us, fused_us = graph_us(two_kernels, rep=40), graph_us(fused, rep=40)
+            rows.append({"kernel": "decode-fused-rotary", "shape": label, "two_kernels_graph_us": two_us,
+                         "fused_graph_us": fused_us, "identical": identical, "tuning": tuning})
+            print(f"  RoPE + write + decode {label}: two kernels "
+                  + (f"{two_us:.2f} us, fused {fused_us:.2f} us" if two_us else "(not timed)")
+                  + f", identical {identical}", flush=True)
+
+
 def check_decode_cuda_graph() -> None:
     """Capture decode once at a graph-sized table, then replay with new lengths (short, empty,
     split-boundary, long): every result must match the reference, and repeated replays must agree
@@ -420,7 +521,7 @@ def print_table() -> None:
     print(f"\n{'kernel':18s} {'shape':44s} {'ms':>9s} {'graph us':>9s} {'floor ms':>9s} {'bw%':>6s} "
           f"{'TFLOP/s':>8s} {'torch ms':>9s} {'rel err':>9s}")
     for r in rows:
-        if r["kernel"] in ("decode-tune", "decode-graph-tune"):
+        if r["kernel"] in ("decode-tune", "decode-graph-tune", "decode-fused-rotary"):
             continue
         fmt = lambda key, spec: format(r[key], spec) if r.get(key) is not None else "-"  # noqa: E731
         bw_pct = format(100 * r["bw_fraction"], "5.1f") if r.get("bw_fraction") else "-"
@@ -448,19 +549,25 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer shapes, no tuning sweeps")
     parser.add_argument("--smoke", action="store_true", help="CPU interpreter, tiny shapes, no timing")
     parser.add_argument("--decode-sweep", metavar="BxCTX,...", help="only the decode sweep, at these batches x contexts")
+    parser.add_argument("--decode-latency-sweep", action="store_true",
+                        help="only: decode launch variants at batch 1/4/16, contexts 128-4096, and fused RoPE; "
+                             "writes $OUT/decode_tuning_by_batch.json")
     args = parser.parse_args()
     torch.manual_seed(0)
     started = time.time()
     bw = copy_bandwidth()
     device_name = "cpu (TRITON_INTERPRET=1)" if SMOKE else torch.cuda.get_device_name()
     print(f"{device_name}: device-to-device copy {bw / 1e12:.2f} TB/s")
-    if args.decode_sweep:
+    table = None
+    if args.decode_latency_sweep:
+        table = sweep_decode_latency(bw, [2] if SMOKE else [1, 4, 16], [16, 40] if SMOKE else [128, 256, 1024, 4096])
+    elif args.decode_sweep:
         sweep_decode_batches(bw, [tuple(map(int, case.split("x"))) for case in args.decode_sweep.split(",")])
     elif SMOKE:
         bench_decode(bw, [1, 2], [16, 40])
     else:
         bench_decode(bw, [1, 8, 64], [512, 4096, 32768] if args.quick else [512, 2048, 8192, 32768])
-    if not args.decode_sweep:
+    if not (args.decode_sweep or args.decode_latency_sweep):
         bench_decode_graph_layout(bw, sweep=not (args.quick or SMOKE))
         bench_decode_cache_dtypes(bw)
         if not SMOKE:
@@ -469,10 +576,14 @@ def main() -> None:
         bench_rotary_write_kv(bw)
         bench_argmax(bw)
         bench_small_ops(bw)
-    if not (args.quick or SMOKE or args.decode_sweep):
+    if not (args.quick or SMOKE or args.decode_sweep or args.decode_latency_sweep):
         sweep_decode_tuning(bw)
     out_dir = os.environ.get("OUT", "./out")
     os.makedirs(out_dir, exist_ok=True)
+    if table is not None:
+        with open(os.path.join(out_dir, "decode_tuning_by_batch.json"), "w") as f:
+            json.dump(table, f, indent=1)
+        print(f"KernelOptions(decode_attention_tuning_by_batch={table!r})  (also in decode_tuning_by_batch.json)")
     result = {
         "device": device_name, "torch": torch.__version__, "triton": triton.__version__,
         "copy_bandwidth_bytes_per_s": bw, "seconds": time.time() - started, "rows": rows,

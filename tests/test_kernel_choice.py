@@ -8,7 +8,9 @@ import pytest
 
 from goodserve import LLM, SamplingParams
 from goodserve.config import KernelOptions
+from goodserve.errors import InvalidRequestError
 from goodserve.ops import triton_attention, triton_ops
+from goodserve.ops.kernel_choice import KernelChoice
 from goodserve.quant.linear import Int4Linear
 
 TINY = {"model": "dummy:tiny", "num_kv_blocks": 16, "max_num_seqs": 2}
@@ -72,3 +74,31 @@ def test_fused_silu_and_mul_reaches_the_gate_up_layer_it_routes_to_rows_repacked
               if isinstance(m, Int4Linear) and m.fuses_silu}
     assert fusing == {"gate_up_proj"}
     assert greedy_tokens(fused, PROMPTS[0]) == greedy_tokens(LLM(**TINY, quantization="int4"), PROMPTS[0])
+
+
+def test_decode_attention_tuning_is_chosen_by_batch_size():
+    table = {1: {"DIRECT_KEYS": 512}, 16: {"BLOCK_N": 32}}
+    choice = KernelChoice(triton=True, options=KernelOptions(decode_attention_tuning_by_batch=table))
+    assert [choice.decode_attention_tuning(b) for b in (1, 2, 16, 17)] == [table[1], table[16], table[16], None]
+
+
+def test_fused_rotary_decode_gives_the_reference_tokens(monkeypatch):
+    """With RoPE + the cache write fused into decode attention, every decode step takes the fused launch
+    (prefill steps the separate kernel) and the greedy tokens are the torch engine's."""
+    fused_launches = []
+    kernel = triton_attention.triton_decode_attention
+    monkeypatch.setattr(triton_attention, "triton_decode_attention",
+                        lambda *a, **kw: fused_launches.append(kw.get("new_tokens") is not None) or kernel(*a, **kw))
+    options = KernelOptions(fuse_rotary_into_decode_attention=True,
+                            decode_attention_tuning_by_batch={2: {"DIRECT_KEYS": 3}})
+    fused = LLM(**TINY, attention_backend="triton", kernels=options)
+    reference = LLM(**TINY, attention_backend="torch")
+    for prompt in PROMPTS:
+        assert greedy_tokens(fused, prompt) == greedy_tokens(reference, prompt)
+    assert fused_launches and all(fused_launches)
+
+
+@pytest.mark.parametrize("table", [{0: {}}, {1: {"BLOCKN": 64}}])
+def test_decode_attention_tuning_table_is_checked(table):
+    with pytest.raises(InvalidRequestError, match="decode_attention_tuning_by_batch"):
+        KernelOptions(decode_attention_tuning_by_batch=table).validate()

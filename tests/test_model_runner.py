@@ -48,6 +48,29 @@ def test_decode_graph_inputs_give_the_eager_tokens(embedded_llm):
     assert got[0].outputs[0].logprobs == expected[0].outputs[0].logprobs
 
 
+def test_decode_graph_inputs_through_fused_rotary_decode_attention_give_the_reference_tokens():
+    """The decode graphs' buffers (column-major block tables, padding rows of length 0 and slot -1)
+    through decode attention with RoPE + the cache write fused in, under the Triton interpreter, give
+    the plain-torch path's tokens."""
+    from goodserve import LLM
+    from goodserve.config import KernelOptions
+
+    torch.manual_seed(0)
+    prompts = [{"prompt_token_ids": torch.randint(3, 500, (n,)).tolist()} for n in (3, 20, 9)]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (10, 4, 7)]
+    settings = {"model": "dummy:tiny", "num_kv_blocks": 48, "max_num_seqs": 4}
+    expected = LLM(**settings, attention_backend="torch").generate(prompts, params)
+    llm = LLM(**settings, attention_backend="triton", kernels=KernelOptions(fuse_rotary_into_decode_attention=True))
+    runner = llm.engine.executor.worker.runner
+    runner.decode_graphs = cuda_graphs.GraphSet({size: EagerDecodeGraph(runner, size, None) for size in (1, 2, 4)},
+                                                 {1: 1.0, 2: 1.0, 4: 1.0})
+    replays = EagerDecodeGraph.replays
+    got = llm.generate(prompts, params)
+    assert EagerDecodeGraph.replays > replays
+    for ours, ref in zip(got, expected):
+        assert ours.outputs[0].token_ids == ref.outputs[0].token_ids
+
+
 class EagerMixedGraph(cuda_graphs._MixedGraph):
     replays = 0
 

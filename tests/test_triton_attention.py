@@ -142,6 +142,7 @@ def graph_shaped_batch(num_q_heads, num_kv_heads, seq_lens, capacity_blocks=40):
     {"BLOCK_N": 16, "SPLIT_KEYS": 16},  # one tile per split
     {"BLOCK_N": 32, "SPLIT_KEYS": 16},  # tiles wider than splits (masked)
     {"BLOCK_N": 16, "SPLIT_KEYS": 48},  # several tiles per split
+    {"BLOCK_N": 16, "SPLIT_KEYS": 16, "DIRECT_KEYS": 40},  # up to 40 keys in one split, several tiles
 ])
 def test_decode_short_contexts_in_a_graph_sized_launch(kernels, tuning):
     """Splits sized for 640 keys on contexts of 1..150: one split used (direct write), several
@@ -256,6 +257,69 @@ def test_rotary_write_kv_matches_reference(kernels, dtype, kv_dtype):
             torch.testing.assert_close(dequantized(pool, scale), dequantized(ref_pool, ref_scale), atol=0.05, rtol=0.02)
     untouched = ours.k.view(-1, 3, 24)[[1, 2, 4, 5]]
     assert untouched.float().abs().sum() == 0
+
+
+def decode_step(dtype, kv_dtype, head_dim=24):
+    """A decode step as the model has it before RoPE: unrotated q, k, v views into one projection, the
+    new tokens' slots already in the block tables (their K/V not yet written), and a padding row
+    (length 0, slot -1) last."""
+    lengths = [(1, 1), (1, 17), (1, 64), (1, 150)]  # the new key alone, block edges, several splits
+    _, cache, meta = make_batch(lengths, 6, 2, head_dim, dtype, kv_dtype, seed=5)
+    for pool in (cache.k, cache.v):
+        pool.view(-1, 2, head_dim)[meta.slot_mapping.long()] = 0
+    q, k, v = fused_qkv(len(lengths) + 1, 6, 2, head_dim, dtype, seed=6)
+    tables = torch.cat([meta.block_tables, torch.zeros_like(meta.block_tables[:1])])
+    seq_lens = torch.cat([meta.seq_lens, torch.zeros(1, dtype=torch.int32)])
+    slots = torch.cat([meta.slot_mapping, torch.full((1,), -1, dtype=torch.int32)])
+    positions = (seq_lens - 1).clamp(min=0).long()
+    rotary = cos_sin_cache(head_dim, 256, 10000.0, RopeScaling(8.0, 1.0, 4.0, 64))
+    return q, k, v, cache, meta, tables, seq_lens, positions, rotary, slots
+
+
+def copied(cache: LayerKVCache) -> LayerKVCache:
+    return LayerKVCache(*(None if x is None else x.clone() for x in (cache.k, cache.v, cache.k_scale, cache.v_scale)))
+
+
+@pytest.mark.parametrize("dtype,kv_dtype", [
+    (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.int8),
+    (torch.bfloat16, torch.float8_e4m3fn),
+])
+@pytest.mark.parametrize("num_splits,tuning", [(1, None), (4, None), (4, {"DIRECT_KEYS": 64})])
+def test_decode_with_fused_rotary_equals_the_two_kernels(kernels, dtype, kv_dtype, num_splits, tuning):
+    """RoPE + cache write inside decode attention: the same output and cache, bit for bit, as
+    _rotary_write_kv_kernel followed by the decode kernel; q is left unrotated."""
+    q, k, v, cache, meta, tables, seq_lens, positions, rotary, slots = decode_step(dtype, kv_dtype)
+    fused_cache, two_kernel_cache, q_before = copied(cache), copied(cache), q.clone()
+    out = kernels.triton_decode_attention(q, fused_cache, tables, seq_lens, 0.3, num_splits, tuning,
+                                          new_tokens=kernels.NewTokens(k, v, positions, rotary, slots))
+    assert torch.equal(q, q_before)
+    rotated = q.clone()
+    kernels.triton_rotary_write_kv(rotated, k, v, positions, rotary, two_kernel_cache, slots)
+    expected = kernels.triton_decode_attention(rotated, two_kernel_cache, tables, seq_lens, 0.3, num_splits, tuning)
+    assert torch.equal(out, expected)
+    for ours, theirs in zip((fused_cache.k, fused_cache.v, fused_cache.k_scale),
+                            (two_kernel_cache.k, two_kernel_cache.v, two_kernel_cache.k_scale)):
+        assert ours is None or torch.equal(ours, theirs)
+    assert torch.equal(out[-1], torch.zeros_like(out[-1]))  # the padding row
+    if dtype == torch.float32:  # and the plain-torch definition
+        reference_q, reference_cache = q.clone(), copied(cache)
+        rotary_write_kv_torch(reference_q, k, v, positions, rotary, reference_cache, slots)
+        assert_close(out[:-1], paged_attention_reference(reference_q[:-1], reference_cache, meta, 0.3), dtype)
+
+
+def test_attention_fuses_rotary_into_decode_only_steps_when_asked(kernels):
+    q, k, v, cache, meta, *_ = decode_step(torch.float32, torch.float32)
+    q, k, v = q[:-1], k[:-1], v[:-1]  # no padding row: meta describes the four sequences
+    positions, rotary = (meta.seq_lens - 1).long(), cos_sin_cache(24, 256, 10000.0, None)
+    fused = replace(TRITON, options=KernelOptions(fuse_rotary_into_decode_attention=True,
+                                                  decode_attention_tuning_by_batch={8: {"DIRECT_KEYS": 64}}))
+    fused_cache, q_before = copied(cache), q.clone()
+    out = attention.attention(q, k, v, positions, rotary, fused_cache, meta, 0.3, fused)
+    assert torch.equal(q, q_before)  # the fused path took it: the separate kernel rotates q in place
+    two_kernel_cache = copied(cache)
+    expected = attention.attention(q, k, v, positions, rotary, two_kernel_cache, meta, 0.3, TRITON)
+    assert_close(out, expected, torch.float32)
+    assert torch.equal(fused_cache.k, two_kernel_cache.k) and torch.equal(fused_cache.v, two_kernel_cache.v)
 
 
 def test_public_dispatch_takes_triton_when_chosen(kernels):

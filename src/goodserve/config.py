@@ -32,6 +32,8 @@ SELF_DRAFT_PREFIX = "self:"
 # the checkpoint layout) or "rows_repacked" (the same on a copy repacked once at first use; 0.5 byte
 # a weight more on the GPU). benchmarks/gpu_int4.py measures the four.
 INT4_ONE_ROW_KERNELS = ("tinygemm", "triton", "rows", "rows_repacked")
+# What KernelOptions.decode_attention_tuning_by_batch may set (ops/triton_attention.DECODE_TUNING's keys).
+DECODE_TUNING_KEYS = ("BLOCK_N", "SPLIT_KEYS", "DIRECT_KEYS", "num_warps", "num_stages")
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,14 @@ class KernelOptions:
     cublas_linears: tuple[tuple[int, int], ...] = ()
     # How many times over decode attention's splits fill the GPU (ops/triton_attention.default_num_splits).
     decode_attention_waves: int = 2
+    # Decode attention's launch by batch size: max_batch -> ops/triton_attention.DECODE_TUNING overrides
+    # (e.g. {1: {"DIRECT_KEYS": 512, "BLOCK_N": 128}}); a launch of B sequences takes the entry with the
+    # smallest max_batch >= B, none: DECODE_TUNING. `benchmarks/gpu_kernels.py --decode-latency-sweep`
+    # prints the table its winners make.
+    decode_attention_tuning_by_batch: dict[int, dict] = field(default_factory=dict)
+    # Decode-only steps: RoPE and the KV-cache write inside the decode attention kernel (one launch a
+    # layer less; ops/triton_attention.NewTokens); off: the separate _rotary_write_kv_kernel first.
+    fuse_rotary_into_decode_attention: bool = False
     # Engine level (engine/model_runner.py): steps with prefill chunks of up to this many tokens replay
     # mixed-step CUDA graphs (0: run eagerly); a batch replays the smallest graph that holds it whose
     # replay time is within this share of the fastest that does (inf: always the smallest); a mixed
@@ -75,6 +85,10 @@ class KernelOptions:
         kernels = [self.int4_one_row_kernel, *self.int4_one_row_kernel_by_shape.values()]
         if any(kernel not in INT4_ONE_ROW_KERNELS for kernel in kernels):
             raise InvalidRequestError(f"int4 one-row kernels must be among {INT4_ONE_ROW_KERNELS}, got {kernels}")
+        table = self.decode_attention_tuning_by_batch
+        if any(max_batch < 1 or not set(tuning) <= set(DECODE_TUNING_KEYS) for max_batch, tuning in table.items()):
+            raise InvalidRequestError(f"decode_attention_tuning_by_batch maps batch sizes >= 1 to settings among "
+                                      f"{DECODE_TUNING_KEYS}, got {table}")
         if self.decode_attention_waves < 1 or self.int4_tinygemm_max_m < 0 or self.mixed_graph_max_tokens < 0:
             raise InvalidRequestError("decode_attention_waves must be at least 1, int4_tinygemm_max_m and "
                                       "mixed_graph_max_tokens at least 0")

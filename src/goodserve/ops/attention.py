@@ -92,8 +92,16 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torc
               rotary_cache: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, scale: float,
               kernels: KernelChoice) -> torch.Tensor:
     """One layer: RoPE on q [T, Hq, D] (in place) and k [T, Hk, D], the new K/V into the cache, then
-    q attending its context -> [T, Hq, D]."""
+    q attending its context -> [T, Hq, D]. A decode-only step with KernelOptions.fuse_rotary_into_decode_attention
+    does all of it in the decode kernel, and q is left unrotated."""
     if kernels.triton:
+        if meta.is_decode_only and kernels.options.fuse_rotary_into_decode_attention:
+            from goodserve.ops.triton_attention import NewTokens, triton_decode_attention
+
+            return triton_decode_attention(
+                q, cache, meta.block_tables, meta.seq_lens, scale, tuning=kernels.decode_attention_tuning(q.shape[0]),
+                pdl=kernels.pdl, waves=kernels.options.decode_attention_waves,
+                new_tokens=NewTokens(k, v, positions, rotary_cache, meta.slot_mapping))
         rotary_write_kv(q, k, v, positions, rotary_cache, cache, meta.slot_mapping, kernels)
         return paged_attention(q, cache, meta, scale, kernels)
     if native_attention_usable(q, cache):
@@ -135,13 +143,15 @@ def paged_attention(q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadat
 
     pdl, waves = kernels.pdl, kernels.options.decode_attention_waves
     if meta.is_decode_only:
-        return triton_decode_attention(q, cache, meta.block_tables, meta.seq_lens, scale, pdl=pdl, waves=waves)
+        return triton_decode_attention(q, cache, meta.block_tables, meta.seq_lens, scale, pdl=pdl, waves=waves,
+                                       tuning=kernels.decode_attention_tuning(q.shape[0]))
     out, decodes, first_seq = torch.empty_like(q), meta.num_leading_decodes, meta.num_leading_decodes
     if meta.leading_decodes is not None:  # any of the rows may be a decode
         decodes, first_seq = min(q.shape[0], meta.seq_lens.shape[0]), meta.leading_decodes
     if decodes:
         triton_decode_attention(q[:decodes], cache, meta.block_tables[:decodes], meta.seq_lens[:decodes], scale,
-                                out=out[:decodes], num_decodes=meta.leading_decodes, pdl=pdl, waves=waves)
+                                out=out[:decodes], num_decodes=meta.leading_decodes, pdl=pdl, waves=waves,
+                                tuning=kernels.decode_attention_tuning(decodes))
     return triton_prefill_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,
                                     first_seq=first_seq, out=out, max_seqs=meta.max_prefill_seqs, pdl=pdl)
 

@@ -29,6 +29,13 @@ class KernelChoice:
         return self.options.int4_one_row_kernel_by_shape.get((out_features, in_features),
                                                              self.options.int4_one_row_kernel)
 
+    def decode_attention_tuning(self, batch: int) -> dict | None:
+        """Decode attention's launch overrides for `batch` sequences
+        (KernelOptions.decode_attention_tuning_by_batch); None: DECODE_TUNING's."""
+        table = self.options.decode_attention_tuning_by_batch
+        fitting = [max_batch for max_batch in table if max_batch >= batch]
+        return table[min(fitting)] if fitting else None
+
 
 # The choice of a module built outside an engine (tests, tools): torch and native kernels only.
 TORCH_KERNELS = KernelChoice()

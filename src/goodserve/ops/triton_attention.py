@@ -15,6 +15,7 @@ so on CPU tensors the dot operands are upcast to float32 (UPCAST_DOT); GPU launc
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -201,7 +202,11 @@ def _slots_of(block_table_row, stride_bb, pos, valid, BLOCK_SIZE: tl.constexpr):
 # context spreads over fewer, but still several, splits of >= SPLIT_KEYS keys and the splits past
 # it exit at once. A sequence that fits one split writes its output directly; otherwise each split
 # stores a partial result and the last of the group to finish merges them by log-sum-exp
-# (flash-decoding's reduce, without a second kernel).
+# (flash-decoding's reduce, without a second kernel). Contexts up to DIRECT_KEYS always take one
+# split: at batch 1 a short context is latency, not bytes, and the merge is the longest chain.
+# With ROTARY (a decode-only step), the kernel also does _rotary_write_kv_kernel's work for its
+# decode tokens: every program rotates its group's queries itself, and the program whose split
+# holds the new position writes that token's K/V before reading it back: one launch a layer less.
 
 
 @triton.jit
@@ -223,22 +228,85 @@ def _merge_splits(out_ptr, part_out_ptr, part_lse_ptr, seq, kv_head, num_used, n
                  mask=d < HEAD_DIM)
 
 
+@triton.jit
+def _rotated_queries(rows_ptr, rotary_row, d, row_mask, HALF: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """[BLOCK_G, BLOCK_D] query rows (rows_ptr [BLOCK_G, 1]) rotated exactly as _rotary_write_kv_kernel
+    rotates them: each element meets its rotate-half partner (loaded a second time, from L1) and its
+    frequency's cos / sin in float32, then rounds to the query dtype."""
+    first = d < HALF
+    partner = tl.where(first, d + HALF, d - HALF)
+    freq = tl.where(first, d, d - HALF)
+    x = tl.load(rows_ptr + d[None, :], mask=row_mask, other=0.0).to(tl.float32)
+    y = tl.load(rows_ptr + partner[None, :], mask=row_mask, other=0.0).to(tl.float32)
+    cos = tl.load(rotary_row + freq, mask=d < HEAD_DIM, other=0.0)[None, :]
+    sin = tl.load(rotary_row + HALF + freq, mask=d < HEAD_DIM, other=0.0)[None, :]
+    # x cos - y sin in the first half, x cos + y sin in the second (x the element, y its partner) as
+    # one sum of two single-use products, the shape of _rotate's: a compiler that contracts the sum
+    # into an FMA does so alike in both kernels (negating y is exact), so the bits agree.
+    return (x * cos + tl.where(first[None, :], -y, y) * sin).to(rows_ptr.dtype.element_ty)
+
+
+@triton.jit
+def _new_kv(k_row, v_row, stride_kh, stride_vh, slot_ptr, rotary_row, kv_head, HALF: tl.constexpr,
+            BLOCK_HALF: tl.constexpr):
+    """One decode token's K (rotated, as _rotary_write_kv_kernel rotates it) and V of one KV head, as
+    [1, BLOCK_HALF] halves, its slot, and rotary_row. Independent loads are issued first: a load whose
+    address waits on another (cos / sin on the position) stalls every load after it."""
+    hk = kv_head + tl.arange(0, 1)
+    d = tl.arange(0, BLOCK_HALF)[None, :]
+    mask = d < HALF
+    slot = tl.load(slot_ptr).to(tl.int64)
+    k1, k2 = _load_halves(k_row + hk[:, None] * stride_kh, d, HALF, mask)
+    v1, v2 = _load_halves(v_row + hk[:, None] * stride_vh, d, HALF, mask)
+    cos = tl.load(rotary_row + d, mask=mask, other=0.0)
+    sin = tl.load(rotary_row + HALF + d, mask=mask, other=0.0)
+    k1, k2 = _rotate(k1, k2, cos, sin, k_row.dtype.element_ty)
+    return k1, k2, v1, v2, slot, rotary_row
+
+
+@triton.jit
+def _store_new_kv(k1, k2, v1, v2, slot, k_cache, v_cache, k_scale, v_scale, kv_head, num_kv_heads,
+                  HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, KV_QUANT: tl.constexpr):
+    """_new_kv's K and V into their cache slot as _rotary_write_kv_kernel stores them; the barrier
+    makes the stores visible to the program's own threads, whose tile loads then read them back
+    like any cached key."""
+    if slot >= 0:  # -1 marks padding: nothing to store
+        hk = kv_head + tl.arange(0, 1)
+        d = tl.arange(0, BLOCK_HALF)[None, :]
+        mask = d < HALF
+        _store_kv(k1, k2, k_cache, k_scale, slot, hk, d, HALF, num_kv_heads, mask, KV_QUANT)
+        _store_kv(v1, v2, v_cache, v_scale, slot, hk, d, HALF, num_kv_heads, mask, KV_QUANT)
+    tl.debug_barrier()
+
+
 # Arguments that change from step to step are not specialized on (Triton would otherwise compile a
 # variant for each new "== 1" / "divisible by 16" combination, hundreds of ms in the middle of a run).
-@triton.jit(do_not_specialize=["stride_bt", "stride_bb"])
+@triton.jit(do_not_specialize=["stride_bt", "stride_bb", "DIRECT_KEYS"])
 def _decode_kernel(q_ptr, out_ptr, part_out_ptr, part_lse_ptr, arrivals_ptr, k_cache, v_cache, k_scale, v_scale,
                    block_tables, seq_lens, num_decodes_ptr, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh,
-                   stride_bt, stride_bb, num_kv_heads, HEAD_DIM: tl.constexpr,
+                   stride_bt, stride_bb, num_kv_heads,
+                   k_ptr, v_ptr, positions_ptr, rotary_ptr, slot_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
+                   stride_rotary, HEAD_DIM: tl.constexpr,
                    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_SIZE: tl.constexpr, SPLIT_KEYS: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                   KV_QUANT: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                   BOUNDED: tl.constexpr, USE_PDL: tl.constexpr):
+                   BLOCK_SIZE: tl.constexpr, SPLIT_KEYS: tl.constexpr, DIRECT_KEYS,
+                   NUM_SPLITS: tl.constexpr, KV_QUANT: tl.constexpr, UPCAST_DOT: tl.constexpr,
+                   DOT_PRECISION: tl.constexpr, BOUNDED: tl.constexpr, ROTARY: tl.constexpr,
+                   BLOCK_HALF: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_sync(USE_PDL)
     kv_head = tl.program_id(0)
     seq = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens + seq)
+    if ROTARY:  # every program, before the lengths arrive: these loads overlap seq_len's
+        new_k1, new_k2, new_v1, new_v2, new_slot, rotary_row = _new_kv(
+            k_ptr + seq * stride_kt, v_ptr + seq * stride_vt, stride_kh, stride_vh, slot_ptr + seq,
+            rotary_ptr + tl.load(positions_ptr + seq).to(tl.int64) * stride_rotary, kv_head, HEAD_DIM // 2,
+            BLOCK_HALF)
     split_keys = tl.maximum(tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), SPLIT_KEYS), 1) * SPLIT_KEYS
+    # Up to DIRECT_KEYS keys, one split takes them all and writes its output itself: no partials, no
+    # arrival counter, no merge (those cost several dependent memory round trips). A plain argument,
+    # not a constexpr: the values to compare share one compiled kernel.
+    split_keys = tl.where(seq_len <= DIRECT_KEYS, tl.maximum(seq_len, 1), split_keys)
     num_used = tl.maximum(tl.cdiv(seq_len, split_keys), 1)  # a zero-length (padding) sequence writes zeros
     active = split < num_used
     if BOUNDED:  # the rows past the first num_decodes are someone else's: leave them alone
@@ -251,7 +319,14 @@ def _decode_kernel(q_ptr, out_ptr, part_out_ptr, part_lse_ptr, arrivals_ptr, k_c
         d_mask = d < HEAD_DIM
         head = kv_head * GROUP + g
         row_mask = (g < GROUP)[:, None] & d_mask[None, :]
-        q = tl.load(q_ptr + seq * stride_qt + head[:, None] * stride_qh + d[None, :], mask=row_mask, other=0.0)
+        if ROTARY:
+            q = _rotated_queries(q_ptr + seq * stride_qt + head[:, None] * stride_qh, rotary_row, d, row_mask,
+                                 HEAD_DIM // 2, HEAD_DIM)
+            if split == num_used - 1:  # the split holding the new token's key writes it, then reads it back
+                _store_new_kv(new_k1, new_k2, new_v1, new_v2, new_slot, k_cache, v_cache, k_scale, v_scale, kv_head,
+                              num_kv_heads, HEAD_DIM // 2, BLOCK_HALF, KV_QUANT)
+        else:
+            q = tl.load(q_ptr + seq * stride_qt + head[:, None] * stride_qh + d[None, :], mask=row_mask, other=0.0)
         if UPCAST_DOT:
             q = q.to(tl.float32)
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
@@ -318,26 +393,44 @@ def default_num_splits(batch: int, num_kv_heads: int, max_context: int, device: 
     return min(triton.next_power_of_2(wanted), 32, triton.next_power_of_2(by_length))
 
 
-# Launch settings on sm_90; `tuning` overrides them. SPLIT_KEYS: the fewest keys a decode split takes.
-DECODE_TUNING = {"BLOCK_N": 64, "SPLIT_KEYS": 64, "num_warps": 4, "num_stages": 3}
+# Launch settings on sm_90; `tuning` overrides them. SPLIT_KEYS: the fewest keys a decode split takes;
+# DIRECT_KEYS: contexts up to this many keys take one split (KernelOptions.decode_attention_tuning_by_batch
+# sets it per batch size).
+DECODE_TUNING = {"BLOCK_N": 64, "SPLIT_KEYS": 64, "DIRECT_KEYS": 0, "num_warps": 4, "num_stages": 3}
 PREFILL_TUNING = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
 # The interpreter runs every element in numpy: small tiles keep CPU tests fast.
-INTERPRETER_TUNING = {"BLOCK_M": 16, "BLOCK_N": 16, "SPLIT_KEYS": 16, "num_warps": 4, "num_stages": 1}
+INTERPRETER_TUNING = {"BLOCK_M": 16, "BLOCK_N": 16, "SPLIT_KEYS": 16, "DIRECT_KEYS": 0, "num_warps": 4,
+                      "num_stages": 1}
 
 
 def _tuning(q: torch.Tensor, defaults: dict, tuning: dict | None) -> dict:
     return {**(defaults if q.is_cuda else INTERPRETER_TUNING), **(tuning or {})}
 
 
+class NewTokens(NamedTuple):
+    """A decode step's new tokens, for decode attention to rotate and write itself (`new_tokens`):
+    k, v [B, Hk, D] as the projection left them, positions [B], rotary_cache [P, D] (cos | sin),
+    slot_mapping [B] (-1: padding)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    positions: torch.Tensor
+    rotary_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+
+
 def triton_decode_attention(q: torch.Tensor, cache, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                             scale: float, num_splits: int | None = None, tuning: dict | None = None,
                             out: torch.Tensor | None = None, num_decodes: torch.Tensor | None = None,
-                            pdl: bool = False, waves: int = 2) -> torch.Tensor:
+                            pdl: bool = False, waves: int = 2, new_tokens: NewTokens | None = None) -> torch.Tensor:
     """q: [B, Hq, D], one query per sequence -> [B, Hq, D] (into `out` when given).
     num_splits: a power of two, or None (default_num_splits, filling the GPU `waves` times over).
     num_decodes: an int32 device scalar; only the first
     num_decodes sequences are computed, the other rows of `out` are left as they are (a mixed
-    graph's decodes, whose count the host does not know when the launch is recorded)."""
+    graph's decodes, whose count the host does not know when the launch is recorded).
+    new_tokens: RoPE and the cache write fused in (what triton_rotary_write_kv would do first): q is
+    then taken unrotated and left so, and the new K/V land in the cache as that kernel stores them.
+    tuning: DECODE_TUNING overrides; DIRECT_KEYS (default 0): contexts up to it take one split."""
     batch, num_q_heads, head_dim = q.shape
     _check_cache(cache)
     assert seq_lens.shape[0] == batch, "decode attention takes exactly one query per sequence"
@@ -354,15 +447,25 @@ def triton_decode_attention(q: torch.Tensor, cache, block_tables: torch.Tensor, 
         part_out = torch.empty(batch, num_q_heads, num_splits, head_dim, device=q.device, dtype=torch.float32)
         part_lse = torch.empty(batch, num_q_heads, num_splits, device=q.device, dtype=torch.float32)
         arrivals = _arrival_counters(q.device, batch * num_kv_heads)
+    if new_tokens is None:  # stand-ins: the kernel takes pointers either way
+        k, v, positions, rotary_cache, slot_mapping = q, q, seq_lens, q[0], seq_lens
+    else:
+        k, v, positions, rotary_cache, slot_mapping = new_tokens
+        assert num_decodes is None and head_dim % 2 == 0, "fused RoPE: a decode-only batch, an even head dim"
+        assert all(x.stride(-1) == 1 for x in (q, k, v, rotary_cache)), "the head dim must be contiguous"
     _decode_kernel[(num_kv_heads, batch, num_splits)](
         q, out, part_out, part_lse, arrivals, cache.k, cache.v,
         *_scales(cache),
         block_tables, seq_lens, seq_lens if num_decodes is None else num_decodes, scale * LOG2E, q.stride(0),
         q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), block_tables.stride(1), num_kv_heads,
+        k, v, positions, rotary_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        rotary_cache.stride(0),
         head_dim, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
         BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=tune["BLOCK_N"], BLOCK_SIZE=block_size,
-        SPLIT_KEYS=tune["SPLIT_KEYS"], NUM_SPLITS=num_splits, KV_QUANT=_kv_quant(cache), UPCAST_DOT=not q.is_cuda,
-        DOT_PRECISION=_dot_precision(q.dtype), BOUNDED=num_decodes is not None, num_warps=tune["num_warps"],
+        SPLIT_KEYS=tune["SPLIT_KEYS"], DIRECT_KEYS=tune["DIRECT_KEYS"], NUM_SPLITS=num_splits,
+        KV_QUANT=_kv_quant(cache), UPCAST_DOT=not q.is_cuda, DOT_PRECISION=_dot_precision(q.dtype),
+        BOUNDED=num_decodes is not None, ROTARY=new_tokens is not None,
+        BLOCK_HALF=triton.next_power_of_2(max(head_dim // 2, 1)), num_warps=tune["num_warps"],
         num_stages=tune["num_stages"], **pdl_launch(pdl),
     )
     return out
