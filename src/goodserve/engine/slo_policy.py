@@ -51,23 +51,34 @@ class SloForecast:
     """What the admission check needs from the engine, published by its thread after every step."""
 
     fit: StepTimeFit | None
-    decode_rows: int  # running sequences
+    decode_rows: int  # in the steps a new request will share: targeted rows, and the background share's
     prefill_tokens_per_step: int  # the step's prefill cap now
-    free_seqs: int = 1 << 30  # max_num_seqs - running
+    free_seqs: int = 1 << 30  # the sequences that may run (max_running) - those a new request cannot displace
     # The running sequences' steps left (tokens they may still generate), ascending: when slots free
     # up. Exact with ignore_eos; otherwise max_tokens is an upper bound, and the forecast pessimistic.
     steps_to_finish: tuple[int, ...] = ()
+    # Of the requests with targets that have not answered yet (the admission check counts them as
+    # waiting ahead), those not ahead of a new one: running (a slot already theirs) or ranked behind it
+    # (late, or of a lower priority); and their prompt tokens that are computed or ranked behind.
+    seqs_not_ahead: int = 0
+    prompt_tokens_not_ahead: int = 0
+    # The latest step's time: a request arriving while one runs joins the step after it, half a step
+    # later on average.
+    step_seconds: float = 0.0
 
     def ttft_seconds(self, prompt_tokens_ahead: int, prompt_tokens: int, seqs_ahead: int = 0) -> float | None:
         """Predicted time to first token of a request queued behind seqs_ahead sequences holding
-        prompt_tokens_ahead prompt tokens: its prompt starts once those ahead are computed and a
-        sequence slot is free, whichever comes last."""
+        prompt_tokens_ahead prompt tokens (the admission check's count: every request that has not
+        answered yet, less what the engine knows is not ahead): its prompt starts once those ahead are
+        computed and a sequence slot is free, whichever comes last."""
         if self.fit is None:
             return None
+        prompt_tokens_ahead = max(prompt_tokens_ahead - self.prompt_tokens_not_ahead, 0)
+        seqs_ahead = max(seqs_ahead - self.seqs_not_ahead, 0)
         both = self.fit.prefill_seconds(prompt_tokens_ahead + prompt_tokens, self.decode_rows,
                                         self.prefill_tokens_per_step)
         own = self.fit.prefill_seconds(prompt_tokens, self.decode_rows, self.prefill_tokens_per_step)
-        return max(both, self._slot_wait_seconds(seqs_ahead) + own)
+        return self.step_seconds / 2 + max(both, self._slot_wait_seconds(seqs_ahead) + own)
 
     def _slot_wait_seconds(self, seqs_ahead: int) -> float:
         short = seqs_ahead + 1 - self.free_seqs  # running sequences that must finish first
@@ -141,10 +152,15 @@ class SloPolicy:
         self.model = model
         self.clock = clock
         self.late: set[str] = set()  # waiting sequences whose TTFT can no longer be met
+        # Waiting requests with targets, no answer yet and ranked behind a new request of the default
+        # priority (late, or a lower priority): their prompt tokens, by id, and in all.
+        self.behind: dict[str, int] = {}
+        self.behind_tokens = 0
         # This step's (begin_step): the running decodes, and the prompt tokens the step may carry.
         self.num_decodes = 0
         self.cap = max_num_batched_tokens
         self.background = BackgroundAllowance()
+        self.tightest_tpot_s = math.inf  # the running sequences' tightest TPOT target
 
     # ---- waiting order ---------------------------------------------------------------------
     def key(self, seq: Sequence) -> tuple:
@@ -169,16 +185,46 @@ class SloPolicy:
                 return
             waiting.remove(seq)
             self.late.add(seq.seq_id)
+            self._rank_behind(seq)
             waiting.add(seq)
+
+    def entered_waiting(self, seq: Sequence) -> None:
+        if seq.params.priority > 0 and has_targets(seq) and not _has_answered(seq):
+            self._rank_behind(seq)
+
+    def _rank_behind(self, seq: Sequence) -> None:
+        if seq.seq_id not in self.behind:
+            self.behind[seq.seq_id] = seq.num_prompt_tokens
+            self.behind_tokens += seq.num_prompt_tokens
 
     def left_waiting(self, seq: Sequence) -> None:
         self.late.discard(seq.seq_id)
+        self.behind_tokens -= self.behind.pop(seq.seq_id, 0)
 
     # ---- running -----------------------------------------------------------------------------
     def begin_step(self, running: list[Sequence]) -> None:
         self.num_decodes = sum(seq.num_uncomputed_tokens <= 1 for seq in running)
         self.cap = self.prefill_cap(running)
         self.background = self.background_allowance(running)
+        self.tightest_tpot_s = math.inf
+        for seq in running:
+            self.joined(seq)
+
+    def joined(self, seq: Sequence) -> None:
+        """seq runs from this step on: its TPOT target bounds the sequences that may run beside it."""
+        if seq.params.slo_tpot_ms is not None:
+            self.tightest_tpot_s = min(self.tightest_tpot_s, seq.params.slo_tpot_ms / 1000.0)
+
+    def max_running(self, ceiling: int, tpot_ms: float | None = None) -> int:
+        """The sequences that may run at once, one with a TPOT target of tpot_ms among them: as many
+        as a decode step holds, by the fitted model, within TPOT_MARGIN x the tightest target (of
+        theirs and the running ones'), and at most `ceiling` (max_num_seqs). Without a fit or a
+        target: the ceiling."""
+        fit = self.model.fit
+        tightest_s = self.tightest_tpot_s if tpot_ms is None else min(self.tightest_tpot_s, tpot_ms / 1000.0)
+        if fit is None or math.isinf(tightest_s):
+            return ceiling
+        return max(1, min(ceiling, fit.max_decode_rows(TPOT_MARGIN * tightest_s)))
 
     def background_allowance(self, running: list[Sequence]) -> BackgroundAllowance:
         fit = self.model.fit
@@ -189,6 +235,12 @@ class SloPolicy:
         half_share_s = BACKGROUND_SHARE * fit.seconds(targeted_decodes, 0) / 2
         return BackgroundAllowance(_UNBOUNDED if fit.b <= 0 else int(half_share_s / fit.b),
                                    _UNBOUNDED if fit.c <= 0 else int(half_share_s / fit.c))
+
+    def forecast_rows(self, running: list[Sequence]) -> int:
+        """The decode rows of the steps a new request with targets will share: the targeted ones', and
+        of those without targets at most the background share's."""
+        targeted = sum(has_targets(seq) for seq in running)
+        return targeted + min(len(running) - targeted, self.background_allowance(running).rows)
 
     def prefill_cap(self, running: list[Sequence]) -> int:
         """The prompt tokens a step may carry beside the running decodes and keep their TPOT."""
