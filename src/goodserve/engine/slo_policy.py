@@ -1,7 +1,7 @@
 """The "slo" scheduler policy: serve each request within its latency targets, not first come first served.
 
 A request may carry targets (SamplingParams.slo_ttft_ms, slo_tpot_ms; the server fills in its
---slo-ttft-ms / --slo-tpot-ms where the body sets none). The policy acts on them in three places:
+--slo-ttft-ms / --slo-tpot-ms where the body sets none). The policy acts on them in these places:
 
 - Waiting order: by slack, i.e. by the latest time the request can start and still meet its TTFT,
   deadline - predicted prefill time (the step-time model, engine/step_time_model.py), after the
@@ -16,6 +16,13 @@ A request may carry targets (SamplingParams.slo_ttft_ms, slo_tpot_ms; the server
   step time, will save: while decode steps run well under the targets the cap rarely binds, and as a
   large batch brings them near, prompt tokens give way. At least TPOT_MARGIN x the target, and at
   least MIN_PREFILL_CHUNK tokens, so prompts always progress; without a fit or a target, no cap.
+- Concurrency: a sequence joins the running ones only while a decode step with one more row, by the
+  fitted model, lasts within TPOT_MARGIN x the tightest TPOT target among them and it
+  (`max_running`); max_num_seqs stays the ceiling (CUDA graphs are captured up to it, memory). A
+  fixed max_num_seqs is either too low (on the H100 at 256, FCFS's queue waited seconds for a slot
+  while steps took 28 ms against a 50 ms target) or, past capacity, lets TPOT grow without bound.
+  Batch lines (no targets) take slots up to the same limit and give theirs up to an online request
+  that needs one (Scheduler._displaced_running). Without a fit or a TPOT target: max_num_seqs.
 - Preemption victim: the running request with the most slack (its TPOT budget ahead of the tokens
   it has produced, or its TTFT slack while it prefills), after the priority (batch lines first).
 - Background share: requests without targets (batch lines) fill what targeted ones leave, but while
@@ -25,7 +32,14 @@ A request may carry targets (SamplingParams.slo_ttft_ms, slo_tpot_ms; the server
   22 ms, online requests held their sequence slots that much longer, and the slots ran out.
 
 The server's admission check (server/admission.py) reads the same model through `forecast` to
-refuse, with 429, a request whose TTFT the queue ahead of it already makes impossible.
+refuse, with 429, a request whose TTFT the queue ahead of it already makes impossible. What the new
+request will see: slots up to `max_running`, a batch line's counted free; steps of the targeted rows
+and the batch rows' background share (not every running row); of the prompts the server counts as
+waiting, only those ahead of it (not yet computed, not late, not of a lower priority); and half the
+step in flight first. Before, it counted the computed part of prompts being prefilled (refusing
+some it could serve) and left out the step in flight (admitting some that then missed): on
+cpu_slo_sim.py's long-prompt workload at 4 req/s, 186 refused and 49 served late before, 210 and 5
+after (attainment 76.5 -> 78.5%).
 """
 
 from __future__ import annotations
