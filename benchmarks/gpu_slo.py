@@ -192,10 +192,10 @@ async def measure_policy(args) -> dict:
 async def climb_ladder(target, args, result: dict) -> None:
     """The capacity phase: probes up the ladder, into result (probes, capacity, crossing_rate)."""
     result["probes"] = []
-    deadline = time.perf_counter() + args.budget_s
     if args.rates == "auto":
         result["saturation_rate"] = await saturated_throughput(target, args)
         args.rates = ",".join(f"{result['saturation_rate'] * f:.1f}" for f in AUTO_LADDER)
+    deadline = time.perf_counter() + args.budget_s
     result["rates"] = args.rates
     probe_s = 0.0  # the last probe's wall time: the next one is expected to take as long
     for rate in [float(r) for r in args.rates.split(",")]:
