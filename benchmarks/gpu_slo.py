@@ -36,8 +36,11 @@ tokens/s during the probe; the job need not finish, and is stopped when the prob
 --arrivals poisson|gamma and --workload sharegpt|long-prompt (~2k-token prompts, ~200-token
 answers) give the other DistServe curves; the defaults are the issue's (gamma, ShareGPT-like).
 
-    # H100: ~6-6.5 minutes (three engine loads of ~30-45 s, saturation ~15 s, ~8 probes of ~32 s)
-    python benchmarks/gpu_slo.py --max-num-seqs 1024 --fcfs-ceilings 256,1024 --probe-seconds 20 --budget-s 270
+    # H100: ~6.5-8 minutes (three engine loads of ~30-45 s; probes of 20 s of arrivals and their
+    # drain, ~35 s at 256 sequences and longer at 1024, where decode steps are slower; 2 for FCFS@256,
+    # 2-3 for each 1024 run; --rates skips the saturation measure)
+    python benchmarks/gpu_slo.py --max-num-seqs 1024 --fcfs-ceilings 256,1024 --probe-seconds 20 \
+        --rates 36,45,54,63 --budget-s 300
     # H100: ~2.5 minutes (one engine load, 2 probes)
     python benchmarks/gpu_slo.py --phases batch --max-num-seqs 1024 --batch-rate 36.2
     # dummy:tiny on the CPU, a quick check of every path (~3-4 minutes on 2 cores)
