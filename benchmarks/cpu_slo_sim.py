@@ -3,13 +3,15 @@ check, with each step's time given by a step-time model instead of a GPU.
 
 What it isolates is the policy: which requests run when, and which are refused. Arrivals are gamma
 (burstiness 0.25 by default), lengths ShareGPT-like (bench/workloads.py), every output ignore_eos;
-a step of d decode rows and p prompt tokens lasts a + b d + c p seconds (defaults near an H100 on
-dummy llama-3.1-8b, benchmarks/BENCHMARKS.md: 8 ms a step, 0.1 ms a decode row, 30 us a prompt
-token). Under "slo" every request carries the targets and a request the admission check refuses
-(server/admission.py) is a miss. Prints SLO attainment per policy and rate, and the goodput
-capacity (highest rate with attainment >= 90%).
+a step of d decode rows and p prompt tokens lasts a + b d + c p seconds (defaults: the H100's FCFS
+fit on dummy llama-3.1-8b in results/gpu_slo_h100.json, 6.3 ms a step and 0.059 ms a decode row,
+with 30 us a prompt token). Under "slo" every request carries the targets and a request the
+admission check refuses (server/admission.py) is a miss. FCFS runs at each of --fcfs-ceilings
+(max_num_seqs), slo at --max-num-seqs, as benchmarks/gpu_slo.py does on the card. Prints SLO
+attainment per run and rate (refusals, and the served requests that missed TTFT or TPOT), and the
+goodput capacity (highest rate with attainment >= 90%) with slo's ratio to each FCFS run.
 
-    python benchmarks/cpu_slo_sim.py [--rates 8,12,16,20,24,28,32] [--num-prompts 1000]
+    python benchmarks/cpu_slo_sim.py [--rates 24,28,32] [--max-num-seqs 1024 --fcfs-ceilings 256,1024]
 """
 
 from __future__ import annotations
@@ -34,7 +36,6 @@ from goodserve.server.batch_lines import BATCH_PRIORITY
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from result_file import write_result  # noqa: E402
 
-POLICIES = ("continuous", "slo")
 
 
 class _Clock:
@@ -51,9 +52,9 @@ def workload_config(args) -> WorkloadConfig:
     return WorkloadConfig(dataset_name="sharegpt", num_prompts=args.num_prompts, seed=args.seed)
 
 
-def simulate(policy: str, rate: float, args, fit: StepTimeFit) -> dict:
+def simulate(policy: str, max_num_seqs: int, rate: float, args, fit: StepTimeFit) -> dict:
     clock = _Clock()
-    config = EngineConfig(scheduler_policy=policy, max_num_seqs=args.max_num_seqs,
+    config = EngineConfig(scheduler_policy=policy, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens, block_size=16)
     sched = Scheduler(config, KVCacheManager(args.num_kv_blocks, 16))
     if sched.slo is not None:
@@ -63,6 +64,7 @@ def simulate(policy: str, rate: float, args, fit: StepTimeFit) -> dict:
     offsets = send_offsets(ArrivalConfig(rate, args.burstiness), len(requests), args.seed)
     ttft_s, tpot_s = args.ttft_ms / 1000, args.tpot_ms / 1000
     next_arrival, met, refused, token = 0, 0, 0, 1
+    missed = {"ttft": 0, "tpot": 0}  # of the requests served
     batch = build_workload(WorkloadConfig(dataset_name="sharegpt", num_prompts=args.batch_concurrency * 50,
                                           seed=args.seed + 1), PromptText(None, args.seed)) if args.batch_concurrency else []
     batch_live, batch_done, batch_tokens = 0, 0, 0
@@ -123,10 +125,14 @@ def simulate(policy: str, rate: float, args, fit: StepTimeFit) -> dict:
             if seq.num_tokens >= seq.max_len:
                 first = seq.metrics.first_token_time
                 tpot = (clock.now - first) / max(seq.num_output_tokens - 1, 1)
-                met += first - seq.arrival_time <= ttft_s and (seq.num_output_tokens < 2 or tpot <= tpot_s)
+                ttft_met = first - seq.arrival_time <= ttft_s
+                tpot_met = seq.num_output_tokens < 2 or tpot <= tpot_s
+                met += ttft_met and tpot_met
+                missed["ttft"] += not ttft_met
+                missed["tpot"] += not tpot_met
                 sched.finish(seq, "length")
-    return {"policy": policy, "request_rate": rate, "slo_attainment": 100.0 * met / len(requests),
-            "refused_429": refused, "duration_s": clock.now, "num_preemptions": sched.num_preemptions,
+    return {"policy": policy, "max_num_seqs": max_num_seqs, "request_rate": rate, "slo_attainment": 100.0 * met / len(requests),
+            "refused_429": refused, "missed_ttft": missed["ttft"], "missed_tpot": missed["tpot"], "duration_s": clock.now, "num_preemptions": sched.num_preemptions,
             "batch_lines_done": batch_done, "batch_output_tok_s": batch_tokens / clock.now if clock.now else 0.0}
 
 
@@ -144,25 +150,30 @@ def main(argv=None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ttft-ms", type=float, default=200.0)
     p.add_argument("--tpot-ms", type=float, default=50.0)
-    p.add_argument("--step", default="0.008,0.0001,0.00003", help="a,b,c of the step time, seconds")
-    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--step", default="0.0063,0.000059,0.00003", help="a,b,c of the step time, seconds")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="the slo run's sequence ceiling")
+    p.add_argument("--fcfs-ceilings", help="comma-separated max_num_seqs of the FCFS runs (default: --max-num-seqs)")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--batch-concurrency", type=int, default=0,
                    help="a batch job beside the online requests: this many lines in the engine at all times")
     p.add_argument("--num-kv-blocks", type=int, default=30000)
     args = p.parse_args(argv)
     fit = StepTimeFit(*(float(x) for x in args.step.split(",")))
-    runs = {policy: [] for policy in POLICIES}
+    ceilings = [int(c) for c in (args.fcfs_ceilings or str(args.max_num_seqs)).split(",")]
+    labels = {f"continuous@{c}": ("continuous", c) for c in ceilings}
+    labels[slo := f"slo@{args.max_num_seqs}"] = ("slo", args.max_num_seqs)
+    runs = {label: [] for label in labels}
     for rate in (float(r) for r in args.rates.split(",")):
-        for policy in POLICIES:
-            run = simulate(policy, rate, args, fit)
-            runs[policy].append(run)
-            print(f"{policy:>10} {rate:6.1f} req/s: attainment {run['slo_attainment']:5.1f}% "
-                  f"refused {run['refused_429']:4d} preemptions {run['num_preemptions']} "
+        for label, (policy, ceiling) in labels.items():
+            run = simulate(policy, ceiling, rate, args, fit)
+            runs[label].append(run)
+            print(f"{label:>16} {rate:6.1f} req/s: attainment {run['slo_attainment']:5.1f}% "
+                  f"refused {run['refused_429']:4d} missed TTFT {run['missed_ttft']:4d} TPOT {run['missed_tpot']:4d} preemptions {run['num_preemptions']} "
                   f"batch {run['batch_output_tok_s']:.0f} tok/s", flush=True)
-    caps = {policy: capacity(r) for policy, r in runs.items()}
-    print(f"capacity: {caps}; slo / continuous {caps['slo'] / caps['continuous'] if caps['continuous'] else 0:.2f}x")
-    write_result("cpu_slo_sim.json", {"args": vars(args), "runs": runs, "capacity": caps})
+    caps = {label: capacity(r) for label, r in runs.items()}
+    ratios = {label: caps[slo] / cap if cap else 0.0 for label, cap in caps.items() if label != slo}
+    print(f"capacity: {caps}; {slo} / " + ", ".join(f"{label} {r:.2f}x" for label, r in ratios.items()))
+    write_result("cpu_slo_sim.json", {"args": vars(args), "runs": runs, "capacity": caps, "slo_ratio_vs": ratios})
 
 
 if __name__ == "__main__":

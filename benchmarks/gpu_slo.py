@@ -3,24 +3,26 @@
 
 dummy llama-3.1-8b (bf16), ShareGPT-like lengths (bench/workloads.py's synthetic profile; the model
 has no tokenizer, so prompts are random token ids), gamma arrivals with burstiness 0.25, targets
-TTFT <= 200 ms and TPOT <= 50 ms. Each policy gets an in-process engine of its own, in a process of
-its own (so the second gets all the GPU memory back), driven by bench/inprocess.py at each rate of a
-ladder: every request carries the targets, and under "slo" the server's TTFT admission check
+TTFT <= 200 ms and TPOT <= 50 ms. FCFS runs at each sequence ceiling of --fcfs-ceilings (max_num_seqs)
+and slo at --max-num-seqs: slo sizes its running batch from the TPOT target under that ceiling, so
+the fair peer is FCFS at the same ceiling, and FCFS at the default 256 is what a user gets without
+tuning. Each run gets an in-process engine of its own, in a process of its own (so the next gets all
+the GPU memory back), driven by bench/inprocess.py at each rate of a ladder: every request carries the targets, and under "slo" the server's TTFT admission check
 (server/admission.py) refuses what the server would refuse with a 429, which counts as a miss.
 With --rates auto (the default) the ladder is set from the engine's saturated throughput, measured
-under FCFS first (--saturation-prompts sent at once; req/s completed while the batch is full), at
-AUTO_LADDER times it, and
-both policies climb the same ladder. A probe holds its rate for --probe-seconds (at least
+under the first FCFS run (--saturation-prompts sent at once; req/s completed while the batch is
+full), at AUTO_LADDER times it, and every run climbs the same ladder. A probe holds its rate for --probe-seconds (at least
 --min-prompts requests): long enough for the running batch to fill (--max-num-seqs sequences of
 ~9 s of decoding each; a short probe ends before the queue builds, and every policy passes it). A
-policy's ladder stops at the first probe below STOP_BELOW attainment or when its share of
---budget-s is spent. Per probe: SLO
+run's ladder stops at the first probe below STOP_BELOW attainment or before a probe that would
+overrun its share of --budget-s (its last probe's wall time). Per probe: SLO
 attainment, goodput, TTFT / TPOT percentiles, refusals, and attainment at SLO scales 0.5..2
 (DistServe's attainment vs SLO scale, scored on the same requests). Goodput capacity: the offered
 rate where the ladder's attainment crosses 90% (interpolated between rungs: DistServe's measure,
 `crossing_rate`); also bench/capacity.py's highest passing rate as completed (`capacity`, which a
 probe's drain tail, its longest answer decoding alone, pulls below the offered rate). The issue's
-target: slo's crossing rate >= 1.3x continuous's (`meets_1_3x`).
+target: slo's crossing rate >= 1.3x FCFS's at the same ceiling (`crossing_ratio`, `meets_1_3x`);
+`crossing_ratio_vs` gives it against every FCFS ceiling.
 
 The batch phase (--phases batch; the issue's second target) measures, under the slo policy at one
 online rate (--batch-rate, else the highest rung the slo ladder passed in this run, else
@@ -34,9 +36,15 @@ tokens/s during the probe; the job need not finish, and is stopped when the prob
 --arrivals poisson|gamma and --workload sharegpt|long-prompt (~2k-token prompts, ~200-token
 answers) give the other DistServe curves; the defaults are the issue's (gamma, ShareGPT-like).
 
-    python benchmarks/gpu_slo.py                  # H100: ~6-7 minutes (two engine loads + 300 s of probes)
-    python benchmarks/gpu_slo.py --phases batch   # H100: ~3-4 minutes (one engine load, saturation, 2 probes)
-    python benchmarks/gpu_slo.py --smoke --phases capacity,batch   # dummy:tiny on the CPU, a quick check
+    # H100: ~7.5-8.5 minutes (three engine loads of ~30-45 s; probes of 20 s of arrivals and their
+    # drain, ~35 s at 256 sequences and longer at 1024, where decode steps are slower; 2 for FCFS@256,
+    # 2-3 for each 1024 run; --rates skips the saturation measure)
+    python benchmarks/gpu_slo.py --max-num-seqs 1024 --fcfs-ceilings 256,1024 --probe-seconds 20 \
+        --rates 36,45,54,63 --budget-s 360
+    # H100: ~2.5 minutes (one engine load, 2 probes)
+    python benchmarks/gpu_slo.py --phases batch --max-num-seqs 1024 --batch-rate 36.2
+    # dummy:tiny on the CPU, a quick check of every path (~3-4 minutes on 2 cores)
+    python benchmarks/gpu_slo.py --smoke --max-num-seqs 128 --fcfs-ceilings 64,128 --phases capacity,batch
 
 Writes $OUT/gpu_slo.json, or with other --phases $OUT/gpu_slo_<phases>.json (benchmarks/result_file.py).
 """
@@ -92,10 +100,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--burstiness", type=float, default=0.25)
     p.add_argument("--probe-seconds", type=float, default=25.0, help="arrivals per probe span this long")
     p.add_argument("--min-prompts", type=int, default=100)
-    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-seqs", type=int,
+                   help="the sequence ceiling of the slo run (and of the batch phase); default 256 (64 with --smoke)")
+    p.add_argument("--fcfs-ceilings",
+                   help="comma-separated max_num_seqs of the FCFS runs, each a capacity ladder of its own "
+                        "(e.g. 256,1024: the default ceiling and slo's); default: --max-num-seqs alone")
     p.add_argument("--budget-s", type=float, default=300.0,
-                   help="both policies' capacity probes, wall seconds (each engine's load and warm-up, and "
-                        "the batch phase, come on top)")
+                   help="all the runs' capacity probes, wall seconds, shared equally, what a run leaves going "
+                        "to the next (each engine's load and warm-up, the saturation measure and the batch "
+                        "phase come on top)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-total-len", type=int, help="prompt + output tokens at most (prompts at most half; "
                    "default 2048, 4096 for long-prompt)")
@@ -113,9 +126,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--phases takes {', '.join(PHASES)}, comma-separated")
     if args.max_total_len is None:
         args.max_total_len = 4096 if args.workload == "long-prompt" else 2048
+    if args.max_num_seqs is None:
+        args.max_num_seqs = 64 if args.smoke else 256
+    args.fcfs_ceilings = [int(c) for c in (args.fcfs_ceilings or str(args.max_num_seqs)).split(",")]
     if args.smoke:
         args.model, args.device, args.saturation_prompts = "dummy:tiny", "cpu", 40
-        args.probe_seconds, args.min_prompts, args.max_num_seqs, args.budget_s = 1.0, 20, 64, 120.0
+        args.probe_seconds, args.min_prompts, args.budget_s = 1.0, 20, 120.0
         args.max_total_len, args.warmup_requests = 1024, 16  # dummy:tiny's context
         args.batch_lines = min(args.batch_lines, 300)
     return args
@@ -159,7 +175,7 @@ async def measure_policy(args) -> dict:
                           max_num_seqs=args.max_num_seqs, seed=args.seed)
     t0 = time.perf_counter()
     target = InProcessTarget(config, ignore_eos=True, slo_ms=SLOS_MS)
-    result = {"policy": args.policy}
+    result = {"policy": args.policy, "max_num_seqs": args.max_num_seqs}
     try:
         warmup = workload(0, args)[:args.warmup_requests]
         await BenchRun(target, warmup, ArrivalConfig()).run()
@@ -179,27 +195,33 @@ async def measure_policy(args) -> dict:
 async def climb_ladder(target, args, result: dict) -> None:
     """The capacity phase: probes up the ladder, into result (probes, capacity, crossing_rate)."""
     result["probes"] = []
-    deadline = time.perf_counter() + args.budget_s
     if args.rates == "auto":
         result["saturation_rate"] = await saturated_throughput(target, args)
         args.rates = ",".join(f"{result['saturation_rate'] * f:.1f}" for f in AUTO_LADDER)
+    deadline = time.perf_counter() + args.budget_s
     result["rates"] = args.rates
+    probe_s = 0.0  # the last probe's wall time: the next one is expected to take as long
     for rate in [float(r) for r in args.rates.split(",")]:
-        if time.perf_counter() >= deadline:
+        if time.perf_counter() + probe_s > deadline:
             result["stopped"] = f"budget spent before {rate:g} req/s"
             break
+        start = time.perf_counter()
         probe = await online_probe(target, args, rate)
+        probe_s = time.perf_counter() - start
+        result["probes_s"] = result.get("probes_s", 0.0) + probe_s
         result["probes"].append(probe)
         if probe["slo_attainment"] < STOP_BELOW:
             break
     result["capacity"] = capacity_of(result["probes"], TARGET_ATTAINMENT)
     result["crossing_rate"] = crossing_rate(result["probes"])
+    # no rung fell below the target: the crossing is somewhere above the last one
+    result["crossing_is_lower_bound"] = all(p["slo_attainment"] >= TARGET_ATTAINMENT * 100 for p in result["probes"])
 
 
 async def online_probe(target, args, rate: float, label: str = "") -> dict:
     records = await BenchRun(target, workload(rate, args), arrivals(rate, args), args.seed).run()
     probe = probe_result(rate, records)
-    print(f"{args.policy:>10} {rate:6.1f} req/s{label}: attainment {probe['slo_attainment']:5.1f}% "
+    print(f"{args.policy:>10}@{args.max_num_seqs} {rate:6.1f} req/s{label}: attainment {probe['slo_attainment']:5.1f}% "
           f"p99 TTFT {probe['p99_ttft_ms']:7.1f} ms p99 TPOT {probe['p99_tpot_ms']:6.1f} ms "
           f"refused {probe['refused_429']}", flush=True)
     return probe
@@ -271,14 +293,15 @@ def crossing_rate(probes: list[dict]) -> float:
     return passing  # never fell through: at least the last rung
 
 
-def run_child(policy: str, args, budget_s: float) -> dict:
-    """One policy in a fresh process: its engine's memory is the GPU's again when it exits."""
+def run_child(policy: str, max_num_seqs: int, args, budget_s: float) -> dict:
+    """One policy at one sequence ceiling in a fresh process: its engine's memory is the GPU's again
+    when it exits."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         path = f.name
     argv = [sys.executable, os.path.abspath(__file__), "--policy", policy, "--json-out", path,
             "--model", args.model, "--device", args.device, "--rates", args.rates,
             "--burstiness", str(args.burstiness), "--probe-seconds", str(args.probe_seconds),
-            "--min-prompts", str(args.min_prompts), "--max-num-seqs", str(args.max_num_seqs),
+            "--min-prompts", str(args.min_prompts), "--max-num-seqs", str(max_num_seqs),
             "--budget-s", str(budget_s), "--seed", str(args.seed), "--max-total-len", str(args.max_total_len),
             "--warmup-requests", str(args.warmup_requests), "--phases", ",".join(args.phases),
             "--arrivals", args.arrivals, "--workload", args.workload, "--batch-lines", str(args.batch_lines),
@@ -290,7 +313,8 @@ def run_child(policy: str, args, budget_s: float) -> dict:
         with open(path) as f:
             return json.load(f)
     except (OSError, json.JSONDecodeError):
-        return {"policy": policy, "error": f"the run exited with {done.returncode} and wrote no result"}
+        return {"policy": policy, "max_num_seqs": max_num_seqs,
+                "error": f"the run exited with {done.returncode} and wrote no result"}
     finally:
         os.unlink(path)
 
@@ -303,35 +327,47 @@ def main(argv=None) -> None:
         return
     started = time.perf_counter()
     results = {}
-    # continuous first: under --rates auto it sets the ladder; the batch phase runs under slo alone
-    policies = POLICIES if "capacity" in args.phases else ("slo",)
-    for i, policy in enumerate(policies):
-        left = args.budget_s - (time.perf_counter() - started) if i else args.budget_s / len(policies)
-        results[policy] = run_child(policy, args, max(left, 0.0))
-        args.rates = results[policy].get("rates", args.rates)
+    # FCFS first: under --rates auto the first sets the ladder; the batch phase runs under slo alone
+    runs = [("continuous", c) for c in args.fcfs_ceilings] if "capacity" in args.phases else []
+    runs.append(("slo", args.max_num_seqs))
+    spent = 0.0  # probe seconds of the runs so far: what one leaves of its share goes to the next
+    for i, (policy, ceiling) in enumerate(runs):
+        share = max(args.budget_s - spent, 0.0) / (len(runs) - i)
+        result = results[f"{policy}@{ceiling}"] = run_child(policy, ceiling, args, share)
+        spent += result.get("probes_s", share)
+        args.rates = result.get("rates", args.rates)
     summary = {"model": args.model, "device": args.device, "phases": args.phases, "arrivals": args.arrivals,
                "burstiness": 1.0 if args.arrivals == "poisson" else args.burstiness, "workload": args.workload,
                "slos_ms": SLOS_MS, "target_attainment": TARGET_ATTAINMENT, "rates": args.rates,
-               "probe_seconds": args.probe_seconds, "policies": results, "wall_s": time.perf_counter() - started}
+               "probe_seconds": args.probe_seconds, "max_num_seqs": args.max_num_seqs,
+               "fcfs_ceilings": args.fcfs_ceilings, "policies": results}
     if "capacity" in args.phases:
-        summarize_capacity(summary, results)
+        summarize_capacity(summary, results, f"slo@{args.max_num_seqs}")
     if "batch" in args.phases:
-        summary["batch"] = results["slo"].get("batch")
+        summary["batch"] = results[f"slo@{args.max_num_seqs}"].get("batch")
+    summary["wall_s"] = time.perf_counter() - started
     name = "gpu_slo.json" if args.phases == ["capacity"] else f"gpu_slo_{'_'.join(args.phases)}.json"
     print(f"wrote {write_result(name, summary)}")
 
 
-def summarize_capacity(summary: dict, results: dict) -> None:
-    caps = {p: r.get("capacity", {}).get("rate", 0.0) for p, r in results.items()}
-    crossings = {p: r.get("crossing_rate", 0.0) for p, r in results.items()}
-    summary["capacity_ratio"] = caps["slo"] / caps["continuous"] if caps["continuous"] else math.inf
-    summary["crossing_ratio"] = crossings["slo"] / crossings["continuous"] if crossings["continuous"] else math.inf
-    summary["meets_1_3x"] = summary["crossing_ratio"] >= 1.3
-    for policy in POLICIES:
-        print(f"{policy:>10}: goodput capacity {crossings[policy]:.2f} req/s offered "
-              f"({caps[policy]:.2f} as completed)")
-    print(f"slo / continuous: {summary['crossing_ratio']:.2f}x ({summary['capacity_ratio']:.2f}x as completed; "
-          f"target 1.3x)")
+def summarize_capacity(summary: dict, results: dict, slo: str) -> None:
+    """slo's capacity against each FCFS run's: `crossing_ratio` (and `meets_1_3x`) against FCFS at slo's
+    own ceiling, the fair peer, where one ran; `crossing_ratio_vs` against every FCFS ceiling."""
+    caps = {run: r.get("capacity", {}).get("rate", 0.0) for run, r in results.items()}
+    crossings = {run: r.get("crossing_rate", 0.0) for run, r in results.items()}
+    for run in results:
+        at_least = "at least " if results[run].get("crossing_is_lower_bound") else ""
+        print(f"{run:>16}: goodput capacity {at_least}{crossings[run]:.2f} req/s offered ({caps[run]:.2f} as completed)")
+    ratio = {run: crossings[slo] / crossings[run] if crossings[run] else math.inf for run in results if run != slo}
+    summary["crossing_ratio_vs"] = ratio
+    summary["capacity_ratio_vs"] = {run: caps[slo] / caps[run] if caps[run] else math.inf for run in ratio}
+    peer = f"continuous@{slo.split('@')[1]}"
+    if peer in ratio:
+        summary["crossing_ratio"], summary["capacity_ratio"] = ratio[peer], summary["capacity_ratio_vs"][peer]
+        summary["meets_1_3x"] = ratio[peer] >= 1.3
+    for run in ratio:
+        print(f"{slo} / {run}: {ratio[run]:.2f}x ({summary['capacity_ratio_vs'][run]:.2f}x as completed; "
+              f"target 1.3x{' at the same ceiling' if run == peer else ''})")
 
 if __name__ == "__main__":
     main()

@@ -11,6 +11,7 @@ from goodserve.engine.scheduler_output import SchedulerOutput
 from goodserve.engine.sequence import Sequence
 from goodserve.engine.slo_policy import SloForecast
 from goodserve.engine.step_time_model import StepTimeFit
+from goodserve.server.admission import BEST_EFFORT_PRIORITY, Admission
 
 # 10 ms a step, 1 ms a decode row, 0.1 ms a prompt token
 FIT = StepTimeFit(a=0.010, b=0.001, c=0.0001)
@@ -164,7 +165,8 @@ def test_forecast_predicts_ttft_from_the_queue_ahead():
     assert (forecast.decode_rows, forecast.prefill_tokens_per_step) == (10, 250)
     # 600 tokens ahead and its own 150: three 250-token steps of 10 + 10 + 25 ms
     assert forecast.ttft_seconds(600, 150) == pytest.approx(0.135)
-    assert (forecast.free_seqs, forecast.steps_to_finish) == (54, (0,) * 10)  # their last tokens are out
+    # their last tokens are out; 35 rows make a 45 ms decode step (0.9 x their 50 ms TPOT), 25 more
+    assert (forecast.free_seqs, forecast.steps_to_finish) == (25, (0,) * 10)
 
 
 def test_forecast_waits_for_a_free_sequence_slot():
@@ -278,7 +280,9 @@ def test_a_request_of_the_same_priority_waits_for_a_slot():
 
 
 def test_forecast_counts_batch_lines_slots_as_free():
-    """An online request would take a batch line's slot at once: no wait for the batch to finish."""
+    """An online request would take a batch line's slot at once: no wait for the batch to finish. And
+    the batch lines' rows lengthen its steps by the background share at most: one row of the two here
+    (20% of the 11 ms online step, half of it in rows, at 1 ms a row)."""
     sched = scheduler("slo", max_num_seqs=3)
     sched.slo.clock = Clock(0.0)
     request(sched, "online", 0.0, ttft_ms=200, max_tokens=10)
@@ -286,4 +290,64 @@ def test_forecast_counts_batch_lines_slots_as_free():
     request(sched, "b1", 0.0, priority=BATCH)
     decode_step(sched)
     forecast = sched.forecast()
-    assert (forecast.free_seqs, forecast.steps_to_finish, forecast.decode_rows) == (2, (9,), 3)
+    assert (forecast.free_seqs, forecast.steps_to_finish, forecast.decode_rows) == (2, (9,), 2)
+
+
+def test_running_sequences_are_capped_by_the_tightest_tpot_target():
+    """FIT: 10 ms a step and 1 ms a decode row, so 35 rows keep a decode step within 0.9 x 50 ms and 17
+    within 0.9 x 30 ms. max_num_seqs (64) stays the ceiling; FCFS and requests without a TPOT target
+    run up to it."""
+    def running_after_one_step(policy: str, tpots: list) -> int:
+        sched = scheduler(policy)
+        sched.slo and setattr(sched.slo, "clock", Clock(0.0))
+        for i, tpot_ms in enumerate(tpots):
+            request(sched, f"r{i}", arrival=0.001 * i, ttft_ms=1000, tpot_ms=tpot_ms, first_token=10 * i + 1)
+        decode_step(sched)
+        return len(sched.running)
+
+    assert running_after_one_step("slo", [50] * 40) == 35
+    assert running_after_one_step("slo", [30] + [50] * 39) == 17  # the first one's target binds them all
+    assert running_after_one_step("slo", [None] * 70) == 64
+    assert running_after_one_step("continuous", [50] * 70) == 64
+
+
+def test_online_requests_displace_batch_lines_down_to_the_tpot_limit():
+    """30 batch lines run (no targets: up to the 64 of max_num_seqs); 10 online requests with a 50 ms
+    TPOT target may run 35 at once (FIT): 5 batch lines give their slots up, and all 10 run."""
+    sched = scheduler("slo")
+    sched.slo.clock = Clock(0.0)
+    for i in range(30):
+        request(sched, f"b{i}", 0.01 * i, priority=BATCH, first_token=10 * i + 1)
+    decode_step(sched)
+    for i in range(10):
+        request(sched, f"online{i}", 1.0, ttft_ms=200, tpot_ms=50, first_token=1000 + 10 * i)
+    out = decode_step(sched)
+    assert {f"online{i}" for i in range(10)} <= set(out.seq_ids)
+    assert len(sched.running) == 35 and len(sched.waiting) == 5
+
+
+def test_forecast_leaves_out_prompts_not_ahead_of_a_new_request():
+    """The admission check counts every request that has not answered. Of those, 'long' runs (its slot
+    is taken) and 200 of its 300 prompt tokens are computed; 'late' (past its TTFT) and 'best' (best
+    effort) wait behind a new request. Ahead of a new 10-token prompt: 'long''s last 100 tokens, one
+    100-token step and one of 10, each beside 'long''s decode row: 21 + 12 ms."""
+    sched = scheduler("slo", max_num_batched_tokens=100)
+    sched.slo.clock = Clock(0.0)
+    admission = Admission(max_waiting=100)
+    for name, arrival, prompt_len, priority in [("long", 0.0, 300, 0), ("late", -10.0, 50, 0),
+                                                 ("best", 0.0, 40, BEST_EFFORT_PRIORITY)]:
+        request(sched, name, arrival, prompt_len=prompt_len, ttft_ms=1000 if name == "long" else 200,
+                priority=priority, first_token=1000 * len(sched.seqs) + 1)
+        admission.admit(1, prompt_len)
+    decode_step(sched)
+    decode_step(sched)
+    forecast = sched.forecast()
+    assert (forecast.seqs_not_ahead, forecast.prompt_tokens_not_ahead) == (3, 200 + 50 + 40)
+    assert forecast.ttft_seconds(admission.waiting_prompt_tokens, 10, admission.num_waiting) == pytest.approx(0.033)
+    admission.check_ttft(forecast, prompt_tokens=10, ttft_ms=50)
+
+
+def test_forecast_adds_half_the_step_in_flight():
+    """A request that arrives while a step runs joins the step after it: half a step later on average."""
+    forecast = SloForecast(FIT, decode_rows=0, prefill_tokens_per_step=2048, step_seconds=0.040)
+    assert forecast.ttft_seconds(0, 100) == pytest.approx(0.020 + 0.020)

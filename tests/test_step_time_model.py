@@ -62,6 +62,13 @@ def test_prefill_cap_and_prefill_time():
     assert fit.prefill_seconds(2500, 100, 1000) == pytest.approx(0.110)
 
 
+def test_decode_rows_a_step_budget_holds():
+    fit = StepTimeFit(a=0.010, b=0.0001, c=0.00002)
+    assert fit.max_decode_rows(0.045) == 350  # (45 - 10) ms at 0.1 ms a row
+    assert fit.max_decode_rows(0.005) == 0  # the step alone takes longer
+    assert StepTimeFit(a=0.010, b=0.0, c=0.0).max_decode_rows(0.045) == 1 << 30  # rows cost nothing measurable
+
+
 def test_the_engine_fits_its_own_steps():
     """Prompts of several lengths and their decodes: the engine feeds every step, and the fit it
     publishes predicts a positive time for a step (its intercept alone may come out 0 on a loaded

@@ -41,7 +41,7 @@ from goodserve.engine.kv_cache_manager import KVCacheManager
 from goodserve.engine.makespan import MakespanAdmission, longest_first_key
 from goodserve.engine.scheduler_output import SchedulerOutput
 from goodserve.engine.sequence import Sequence, SequenceStatus
-from goodserve.engine.slo_policy import SloForecast, SloPolicy, tokens_left
+from goodserve.engine.slo_policy import SloForecast, SloPolicy, has_targets, tokens_left
 from goodserve.engine.step_time_model import StepTimeModel
 from goodserve.engine.spec_decode.policy import Speculator
 from goodserve.engine.spec_decode.proposer import Drafts, Proposer
@@ -89,6 +89,8 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.seqs[seq.seq_id] = seq
         self.waiting.add(seq)
+        if self.slo is not None:
+            self.slo.entered_waiting(seq)
         if self.makespan is not None:
             self.makespan.add_waiting(seq)
 
@@ -229,9 +231,9 @@ class Scheduler:
         at the first sequence it refuses."""
         if self.slo is not None:
             self.slo.demote_late(self.waiting)
-        while budget > 0 and len(self.running) < self.config.max_num_seqs and self.waiting:
+        while budget > 0 and self.waiting:
             seq = self.waiting.peek()
-            if admissible is not None and not admissible(seq):
+            if len(self.running) >= self._max_running(seq) or (admissible is not None and not admissible(seq)):
                 break
             if seq.seq_id not in self.kv.tables:
                 seq.num_computed_tokens = self.kv.match_prefix(seq)
@@ -242,8 +244,17 @@ class Scheduler:
                 self._release_blocks(seq)
                 break
             self._start_running(seq)
+            if self.slo is not None:
+                self.slo.joined(seq)
             decision.add(seq, num_new)
             budget -= num_new
+
+    def _max_running(self, seq: Sequence) -> int:
+        """The sequences that may run once seq joins them: max_num_seqs, or under the slo policy as
+        many as keep the tightest TPOT target's decode step (engine/slo_policy.py)."""
+        if self.slo is None:
+            return self.config.max_num_seqs
+        return self.slo.max_running(self.config.max_num_seqs, seq.params.slo_tpot_ms)
 
     def _release_blocks(self, seq: Sequence, finished: bool = False) -> None:
         """A sequence that could not be admitted (or is preempted, or finished) gives back its blocks,
@@ -264,7 +275,7 @@ class Scheduler:
             return []  # (the common case, no walk down the queue)
         budget = self.config.max_num_batched_tokens if self.slo is None else min(
             self.config.max_num_batched_tokens, self.slo.cap)
-        slots = self.config.max_num_seqs - len(self.running)
+        taken = len(self.running)  # slots held once the victims so far leave and the heads so far join
         free_blocks = self.kv.num_free_blocks
         candidates = sorted(self.running, key=self._victim_key, reverse=True)  # the first to go first
         victims: list[Sequence] = []
@@ -273,14 +284,14 @@ class Scheduler:
                 break
             chunk = min(head.num_uncomputed_tokens, budget)
             needed = self.kv.blocks_needed(head, chunk)
-            while slots < 1 or free_blocks < needed:
+            while taken >= self._max_running(head) or free_blocks < needed:
                 if len(victims) == len(candidates) or candidates[len(victims)].params.priority <= head.params.priority:
                     return victims
                 victim = candidates[len(victims)]
                 victims.append(victim)
-                slots += 1
+                taken -= 1
                 free_blocks += len(self.kv.block_table(victim.seq_id))
-            slots -= 1
+            taken += 1
             free_blocks -= needed
             budget -= chunk
         return victims
@@ -360,9 +371,13 @@ class Scheduler:
             return SloForecast(self.step_time.fit, len(self.running), self.config.max_num_batched_tokens)
         # The slots a request of the default priority waits for: a lower-priority one gives its own up.
         holding = [seq for seq in self.running if seq.params.priority <= 0]
-        return SloForecast(self.step_time.fit, len(self.running), self.slo.cap,
-                           self.config.max_num_seqs - len(holding),
-                           tuple(sorted(tokens_left(seq) + (seq.num_uncomputed_tokens > 1) for seq in holding)))
+        prefilling = [seq for seq in self.running if seq.num_output_tokens == 0 and has_targets(seq)]
+        return SloForecast(self.step_time.fit, self.slo.forecast_rows(self.running), self.slo.cap,
+                           self.slo.max_running(self.config.max_num_seqs) - len(holding),
+                           tuple(sorted(tokens_left(seq) + (seq.num_uncomputed_tokens > 1) for seq in holding)),
+                           seqs_not_ahead=len(prefilling) + len(self.slo.behind),
+                           prompt_tokens_not_ahead=sum(seq.num_computed_tokens for seq in prefilling)
+                           + self.slo.behind_tokens, step_seconds=self.step_time.last_seconds)
 
     # ---- after the step ------------------------------------------------------------------
     def advance(self, out: SchedulerOutput, num_rejected: dict[int, int] | None = None) -> None:

@@ -23,7 +23,7 @@ from goodserve.engine.scheduler_output import SchedulerOutput
 MIN_STEPS = 8  # fewer steps than this: no prediction
 # The fit needs steps of different shapes; a run of identical ones says nothing about b or c.
 _MIN_DISTINCT_SHAPES = 3
-_UNBOUNDED = 1 << 30  # prompt tokens a step may carry when they cost nothing measurable
+_UNBOUNDED = 1 << 30  # prompt tokens or decode rows a step may carry when they cost nothing measurable
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,14 @@ class StepTimeFit:
         # (+1e-6: 0.02 / 2e-5 is 999.99...)
         return _UNBOUNDED if self.c <= 0 else min(int(room / self.c + 1e-6), _UNBOUNDED)
 
+    def max_decode_rows(self, step_budget_s: float) -> int:
+        """The most decode rows a step without prompt tokens may carry and still last at most
+        step_budget_s (0 when even an empty step takes longer)."""
+        room = step_budget_s - self.a
+        if room < 0:
+            return 0
+        return _UNBOUNDED if self.b <= 0 else min(int(room / self.b + 1e-6), _UNBOUNDED)
+
     def prefill_seconds(self, prompt_tokens: int, decode_rows: int, tokens_per_step: int) -> float:
         """Time to compute prompt_tokens in chunks of tokens_per_step beside decode_rows decodes."""
         if prompt_tokens <= 0:
@@ -60,10 +68,12 @@ class StepTimeModel:
         self.mixed_steps: deque[tuple[int, int, float]] = deque(maxlen=window)  # with prompt tokens
         self.refit_every = refit_every
         self.fit: StepTimeFit | None = None  # None until MIN_STEPS steps of enough shapes were seen
+        self.last_seconds = 0.0  # the latest step's time, as measured
         self._since_fit = 0
 
     def observe(self, decode_rows: int, prefill_tokens: int, seconds: float) -> None:
         (self.mixed_steps if prefill_tokens else self.decode_steps).append((decode_rows, prefill_tokens, seconds))
+        self.last_seconds = seconds
         self._since_fit += 1
         if self._since_fit >= self.refit_every or self.fit is None:
             self.refit()
