@@ -21,7 +21,10 @@ Parts (--parts, default kernels,e2e,peer; in this order, one process):
            (gpu_engine.part_decode, best of 3), int4 layers with a quantized lm_head (e2e_runs):
              int4_best_lm_head_int8       the best so far (337.5 tok/s): gate_up on rows_repacked
                                           (or the kernels part's winners, if it ran), int8 lm_head
+             int4_all_and_attention       all three levers below, and decode attention's (RoPE + KV
+                                          write fused in, one split by the --decode-tuning table)
              int4_lm_head_int4_fused_silu_prescaled   all three levers below
+             int4_best_and_attention      the best so far with decode attention's levers
              int4_lm_head_int4            the first with an int4 lm_head on rows_repacked
              int4_fused_silu              int8 lm_head, SwiGLU in gate_up's kernel
                                           (KernelOptions.int4_fused_silu_and_mul)
@@ -262,7 +265,7 @@ def part_kernels(bandwidth: float, device: str, budget_s: float) -> dict:
 # Engine
 
 
-def e2e_runs(by_shape: dict, tuned: dict) -> list[tuple[str, str | None, KernelOptions | None]]:
+def e2e_runs(by_shape: dict, tuned: dict, decode_table: dict) -> list[tuple[str, str | None, KernelOptions | None]]:
     """(name, lm_head method, kernel options) of each engine run: the best so far first, then each
     lever alone and all together, bf16 (the reference) last. Layers take the kernels part's winners
     where it ran, else gate_up on rows_repacked (the best measured routing, results/gpu_int4_h100.json),
@@ -274,17 +277,20 @@ def e2e_runs(by_shape: dict, tuned: dict) -> list[tuple[str, str | None, KernelO
     rows = {**layers, gate_up: "rows_repacked"}
     configs = {**triton_gemv.INT4_ROWS_TUNED, **tuned}
 
-    def options(routing: dict, fused: bool = False, prescaled: bool = False) -> KernelOptions:
+    def options(routing: dict, fused: bool = False, prescaled: bool = False, attention: bool = False) -> KernelOptions:
         chosen = {shape: {**dataclasses.asdict(configs[shape]), **({"prescaled": True} if prescaled else {})}
                   for shape, kernel in routing.items() if kernel.startswith("rows") and shape in configs}
         return KernelOptions(int4_one_row_kernel_by_shape=routing, int4_rows_configs=chosen,
-                             int4_fused_silu_and_mul=fused)
+                             int4_fused_silu_and_mul=fused, fuse_rotary_into_decode_attention=attention,
+                             decode_attention_tuning_by_batch=decode_table if attention else {})
 
     head4 = {**layers, head: "rows_repacked"}
     every = {**rows, head: "rows_repacked"}
     return [  # the comparison that matters first: a run the budget leaves out is the least needed
         ("int4_best_lm_head_int8", "int8", options(layers)),  # 337.5 tok/s on the sixth session's H100
+        ("int4_all_and_attention", "int4", options(every, fused=True, prescaled=True, attention=True)),
         ("int4_lm_head_int4_fused_silu_prescaled", "int4", options(every, fused=True, prescaled=True)),
+        ("int4_best_and_attention", "int8", options(layers, attention=True)),
         ("int4_lm_head_int4", "int4", options(head4)),
         ("int4_fused_silu", "int8", options(rows, fused=True)),
         ("int4_prescaled", "int8", options(rows, prescaled=True)),
@@ -293,10 +299,15 @@ def e2e_runs(by_shape: dict, tuned: dict) -> list[tuple[str, str | None, KernelO
     ]
 
 
-def part_e2e(bandwidth: float, by_shape: dict, tuned: dict, deadline: float) -> tuple[dict, list[str]]:
+def part_e2e(bandwidth: float, by_shape: dict, tuned: dict, deadline: float,
+             decode_tuning: str | None) -> tuple[dict, list[str]]:
     import gpu_engine  # imports goodserve.LLM: here, so that a failing import leaves the kernels' numbers
 
-    order = e2e_runs(by_shape, tuned)
+    decode_table = gpu_engine.DECODE_TABLE_GUESS
+    if decode_tuning:
+        with open(decode_tuning) as f:
+            decode_table = {int(batch): tuning for batch, tuning in json.load(f).items()}
+    order = e2e_runs(by_shape, tuned, decode_table)
     if SMOKE:  # CPU: two runs exercise the code (an int4 lm_head and the options' wiring)
         order = order[:2]
     results, skipped = {}, []
@@ -317,6 +328,8 @@ def part_e2e(bandwidth: float, by_shape: dict, tuned: dict, deadline: float) -> 
                                      kernels.int4_one_row_kernel_by_shape.items()} or "default"
                 result["rows_configs"] = {f"{n}x{k}": config for (n, k), config in kernels.int4_rows_configs.items()}
                 result["fused_silu_and_mul"] = kernels.int4_fused_silu_and_mul
+                result["fused_rotary_decode_attention"] = kernels.fuse_rotary_into_decode_attention
+                result["decode_attention_tuning_by_batch"] = kernels.decode_attention_tuning_by_batch
             results[name] = result
         except Exception as exc:  # noqa: BLE001 - keep the other runs' numbers
             import traceback
@@ -405,6 +418,8 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=330.0, help="no e2e / peer run starts past it")
     parser.add_argument("--smoke", action="store_true", help="CPU interpreter, tiny shapes")
     parser.add_argument("--output", default=str(Path(os.environ.get("OUT", "./out")) / "gpu_int4.json"))
+    parser.add_argument("--decode-tuning", metavar="JSON", help="the attention runs' decode launch table (default: "
+                        "gpu_engine.DECODE_TABLE_GUESS): gpu_kernels.py --decode-latency-sweep's decode_tuning_by_batch.json")
     args = parser.parse_args()
     parts = args.parts.split(",")
     began = time.monotonic()
@@ -427,7 +442,7 @@ def main() -> None:
                                       for (n, k), c in tuned.items()})
     try:  # goodserve.LLM's imports (gguf, via model/loader.py) must not cost the kernels' numbers
         if "e2e" in parts:
-            report["e2e"], skipped = part_e2e(bandwidth, by_shape, tuned, deadline)
+            report["e2e"], skipped = part_e2e(bandwidth, by_shape, tuned, deadline, args.decode_tuning)
             report["skipped"] += skipped
         if "peer" in parts:
             report["peer"], skipped = part_peer(deadline)
