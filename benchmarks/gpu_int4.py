@@ -21,6 +21,7 @@ Parts (--parts, default kernels,e2e,peer; in this order, one process):
            (gpu_engine.part_decode, best of 3), int4 layers with a quantized lm_head (e2e_runs):
              int4_best_lm_head_int8       the best so far (337.5 tok/s): gate_up on rows_repacked
                                           (or the kernels part's winners, if it ran), int8 lm_head
+             int4_lm_head_int4_and_attention   an int4 lm_head and decode attention's levers
              int4_all_and_attention       all three levers below, and decode attention's (RoPE + KV
                                           write fused in, one split by the --decode-tuning table)
              int4_lm_head_int4_fused_silu_prescaled   all three levers below
@@ -288,6 +289,7 @@ def e2e_runs(by_shape: dict, tuned: dict, decode_table: dict) -> list[tuple[str,
     every = {**rows, head: "rows_repacked"}
     return [  # the comparison that matters first: a run the budget leaves out is the least needed
         ("int4_best_lm_head_int8", "int8", options(layers)),  # 337.5 tok/s on the sixth session's H100
+        ("int4_lm_head_int4_and_attention", "int4", options(head4, attention=True)),
         ("int4_all_and_attention", "int4", options(every, fused=True, prescaled=True, attention=True)),
         ("int4_lm_head_int4_fused_silu_prescaled", "int4", options(every, fused=True, prescaled=True)),
         ("int4_best_and_attention", "int8", options(layers, attention=True)),

@@ -68,11 +68,15 @@ class KernelOptions:
     # Decode attention's launch by batch size: max_batch -> ops/triton_attention.DECODE_TUNING overrides
     # (e.g. {1: {"DIRECT_KEYS": 512, "BLOCK_N": 128}}); a launch of B sequences takes the entry with the
     # smallest max_batch >= B, none: DECODE_TUNING. `benchmarks/gpu_kernels.py --decode-latency-sweep`
-    # prints the table its winners make.
-    decode_attention_tuning_by_batch: dict[int, dict] = field(default_factory=dict)
+    # prints the table its winners make. Default: up to 16 sequences, contexts up to 256 keys in one split
+    # (H100, benchmarks/results/gpu_kernels_decode_latency_h100.json: 4.8 against 7.6 us at batch 1 and
+    # 128 keys, and no slower than the split launch at any measured batch 1-16 x 128-4096 keys; the
+    # sweep's own picks, BLOCK_N 128, were faster still up to 256 keys but slower at 1024-4096).
+    decode_attention_tuning_by_batch: dict[int, dict] = field(default_factory=lambda: {16: {"DIRECT_KEYS": 256}})
     # Decode-only steps: RoPE and the KV-cache write inside the decode attention kernel (one launch a
     # layer less; ops/triton_attention.NewTokens); off: the separate _rotary_write_kv_kernel first.
-    fuse_rotary_into_decode_attention: bool = False
+    # 1.1-2.3 us faster a layer than the two launches at every measured shape, bit-identical (same file).
+    fuse_rotary_into_decode_attention: bool = True
     # Engine level (engine/model_runner.py): steps with prefill chunks of up to this many tokens replay
     # mixed-step CUDA graphs (0: run eagerly); a batch replays the smallest graph that holds it whose
     # replay time is within this share of the fastest that does (inf: always the smallest); a mixed
