@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import math
 import os
 import platform
 import statistics
@@ -425,17 +424,12 @@ def guarded(report: dict, name: str, run) -> None:
     write_result(OUTPUT, report)
 
 
-def target_parts(args, parts: list[str], report: dict, budget: Budget) -> None:
-    """verify and the ngram ShareGPT-like run on one engine (verify first: it writes K/V into blocks
-    it takes from the pool, before any request could cache a prefix there), then the engine without
-    speculation, built after the first is freed."""
-    sharegpt: dict = {}
-    tokens: dict = {}
-    if not budget.allows("target engine (ngram)", TARGET_ENGINE_S):
-        return
+def ngram_engine_parts(args, parts: list[str], report: dict, sharegpt: dict, tokens: dict) -> int:
+    """verify, then the ngram ShareGPT-like run, on one engine (verify first: it writes K/V into blocks
+    it takes from the pool, before any request could cache a prefix there); its spec_max_batch. The
+    engine is freed on return."""
     llm, sharegpt["ngram_engine"] = build(TARGET, speculative_method="ngram", num_speculative_tokens=NGRAM_K,
                                           **TARGET_OPTIONS)
-    spec_max_batch = llm.engine.config.spec_max_batch
     if "verify" in parts:
         guarded(report, "verify", lambda: report.__setitem__(
             "verify", part_verify(llm, args.context, args.warmup, args.repeats)))
@@ -446,7 +440,18 @@ def target_parts(args, parts: list[str], report: dict, budget: Budget) -> None:
             sharegpt[f"ngram_k{NGRAM_K}"], tokens["ngram"] = run_sharegpt(llm, args.sharegpt_prompts)
 
         guarded(report, "sharegpt_ngram", ngram_run)
-    del llm
+    return llm.engine.config.spec_max_batch
+
+
+def target_parts(args, parts: list[str], report: dict, budget: Budget) -> None:
+    """The ngram engine's parts, then the engine without speculation, built after the first is freed."""
+    sharegpt: dict = {}
+    tokens: dict = {}
+    if not budget.allows("target engine (ngram)", TARGET_ENGINE_S):
+        return
+    policy: dict = {}  # its start may fail too (out of memory): recorded, and the copy part still runs
+    guarded(report, "ngram_engine", lambda: policy.update(
+        spec_max_batch=ngram_engine_parts(args, parts, report, sharegpt, tokens)))
     free_device()
     if "sharegpt" not in parts or "ngram" not in tokens:
         return
@@ -460,7 +465,7 @@ def target_parts(args, parts: list[str], report: dict, budget: Budget) -> None:
         del llm
         free_device()
         sharegpt["comparison"] = compare_sharegpt(sharegpt["off"], sharegpt[f"ngram_k{NGRAM_K}"], tokens["off"],
-                                                  tokens["ngram"], spec_max_batch)
+                                                  tokens["ngram"], policy["spec_max_batch"])
         print(f"sharegpt: off {sharegpt['off']['output_tok_s']} tok/s, ngram "
               f"{sharegpt[f'ngram_k{NGRAM_K}']['output_tok_s']} ({sharegpt['comparison']})", flush=True)
 
