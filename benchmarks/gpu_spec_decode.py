@@ -207,8 +207,19 @@ def break_even_acceptance(ratio: float, k: int) -> float | None:
     return round((low + high) / 2, 3)
 
 
-def part_verify(llm: LLM, context: int, warmup: int, repeats: int) -> dict:
+def part_verify(llm: LLM, context: int, warmup: int, repeats: int, result: dict) -> None:
+    """Fills result, a batch size at a time (a failure keeps the sizes measured before it)."""
     runner = llm.engine.executor.worker.runner
+    config = llm.engine.config
+    result.update({
+        "model": TARGET, "dtype": config.dtype, "context": context, "warmup": warmup, "repeats": repeats,
+        "block_size": runner.block_size,
+        "policy": {"assumes": "verifying k drafts costs about one decode step at <= spec_max_batch sequences; "
+                              "no drafts above it (engine/spec_decode/policy.py)",
+                   "spec_max_batch": config.spec_max_batch, "spec_min_acceptance": config.spec_min_acceptance,
+                   "num_speculative_tokens": config.num_speculative_tokens},
+        "by_batch": {}})
+    cells = result["by_batch"]
     pool, block_size = llm.engine.kv.pool, runner.block_size
     rng = np.random.default_rng(0)
     blocks_per_row = -(-(context + 1 + max(KS)) // block_size)
@@ -216,7 +227,6 @@ def part_verify(llm: LLM, context: int, warmup: int, repeats: int) -> dict:
     taken = [pool.take_free() for _ in range(max(BATCHES) * blocks_per_row)]
     tables = [taken[i * blocks_per_row:(i + 1) * blocks_per_row] for i in range(max(BATCHES))]
     timer, vocab = StepTimer(llm), llm.spec.vocab_size
-    cells = {}
     try:
         for batch in BATCHES:
             variants = {"decode": (0, False), **{f"verify_k{k}": (k, True) for k in KS},
@@ -228,6 +238,8 @@ def part_verify(llm: LLM, context: int, warmup: int, repeats: int) -> dict:
                     if rep >= warmup:
                         times[name].append(measured)
             cells[batch] = summarize_cells(times)
+            result["verify_graphed"] = sorted({cell["graphed"] for by_name in cells.values()
+                                               for name, cell in by_name.items() if name.startswith("verify")})
             print(f"verify batch {batch}: decode {cells[batch]['decode']['wall_ms']} ms, " + ", ".join(
                 f"k{k} {cells[batch][f'verify_k{k}']['wall_ms']}" for k in KS), flush=True)
     finally:
@@ -235,16 +247,6 @@ def part_verify(llm: LLM, context: int, warmup: int, repeats: int) -> dict:
             runner.requests.pop(seq_id)
         for block in taken:
             pool.release(block)
-    config = llm.engine.config
-    return {"model": TARGET, "dtype": config.dtype, "context": context, "warmup": warmup, "repeats": repeats,
-            "block_size": block_size,
-            "policy": {"assumes": "verifying k drafts costs about one decode step at <= spec_max_batch sequences; "
-                                  "no drafts above it (engine/spec_decode/policy.py)",
-                       "spec_max_batch": config.spec_max_batch, "spec_min_acceptance": config.spec_min_acceptance,
-                       "num_speculative_tokens": config.num_speculative_tokens},
-            "verify_graphed": sorted({cell["graphed"] for batch in cells.values()
-                                      for name, cell in batch.items() if name.startswith("verify")}),
-            "by_batch": cells}
 
 
 def summarize_cells(times: dict[str, list]) -> dict:
@@ -358,16 +360,17 @@ def run_copy_interleaved(engines: dict[str, LLM], requests, batch: int, output_l
     return results
 
 
-def part_copy(num_prompts: int, input_len: int, output_len: int, batches: list[int]) -> dict:
+def part_copy(num_prompts: int, input_len: int, output_len: int, batches: list[int], result: dict) -> None:
+    """Fills result, a batch size at a time."""
     engines, startup = {}, {}
+    result.update({"model": EMBEDDED, "options": dict(COPY_OPTIONS), "engines": startup, "num_prompts": num_prompts,
+                   "input_len": input_len, "output_len": output_len})
     engines["off"], startup["off"] = build(EMBEDDED, **COPY_OPTIONS)
     engines[f"ngram_k{NGRAM_K}"], startup[f"ngram_k{NGRAM_K}"] = build(
         EMBEDDED, speculative_method="ngram", num_speculative_tokens=NGRAM_K, **COPY_OPTIONS)
     cfg = WorkloadConfig(dataset_name="copy", num_prompts=num_prompts, random_input_len=input_len,
                          random_output_len=output_len)
     requests = build_workload(cfg, PromptText(engines["off"].tokenizer))
-    result = {"model": EMBEDDED, "options": {k: v for k, v in COPY_OPTIONS.items()}, "engines": startup,
-              "num_prompts": num_prompts, "input_len": input_len, "output_len": output_len}
     for batch in batches:
         result[f"batch_{batch}"] = run_copy_interleaved(engines, requests, batch, output_len)
         ngram = result[f"batch_{batch}"][f"ngram_k{NGRAM_K}"]
@@ -375,7 +378,6 @@ def part_copy(num_prompts: int, input_len: int, output_len: int, batches: list[i
               f"{ngram['output_tok_s']} ({ngram['speedup']}x, acceptance {ngram['acceptance_rate']}, "
               f"identical {ngram['identical_greedy_tokens']})", flush=True)
     result["memory"] = memory()
-    return result
 
 
 # ---------------------------------------------------------------------------------------------
@@ -431,8 +433,8 @@ def ngram_engine_parts(args, parts: list[str], report: dict, sharegpt: dict, tok
     llm, sharegpt["ngram_engine"] = build(TARGET, speculative_method="ngram", num_speculative_tokens=NGRAM_K,
                                           **TARGET_OPTIONS)
     if "verify" in parts:
-        guarded(report, "verify", lambda: report.__setitem__(
-            "verify", part_verify(llm, args.context, args.warmup, args.repeats)))
+        guarded(report, "verify", lambda: part_verify(llm, args.context, args.warmup, args.repeats,
+                                                      report.setdefault("verify", {})))
     if "sharegpt" in parts:
         report["sharegpt"] = sharegpt
 
@@ -499,8 +501,8 @@ def main() -> None:
         target_parts(args, parts, report, budget)
     if "copy" in parts and budget.allows("copy", COPY_PART_S):
         batches = [int(b) for b in args.copy_batches.split(",")]
-        guarded(report, "copy", lambda: report.__setitem__(
-            "copy", part_copy(args.copy_prompts, args.copy_input_len, args.copy_output_len, batches)))
+        guarded(report, "copy", lambda: part_copy(args.copy_prompts, args.copy_input_len, args.copy_output_len,
+                                                  batches, report.setdefault("copy", {})))
     report["seconds"] = round(time.monotonic() - began, 1)
     report["memory_end"] = memory()
     identical = [run["identical_greedy_tokens"] for key, section in report.get("copy", {}).items()
