@@ -39,7 +39,7 @@ or engine whose estimated time would end past it is skipped (listed in `skipped`
 Prediction (before any run): a graphed 8B decode step at batch 1 takes ~5.8 ms (172 tok/s,
 results/gpu_engine_h100_v8.json) and an eager 8B step ~16-17 ms of launches whatever its size
 (results/gpu_engine_makespan_eager_h100.json), so verify / decode ~3 at batch 1 and 8 for every k,
-against the policy's ~1: break-even acceptance ~0.65-0.7 at k = 4, well above spec_min_acceptance
+against the policy's ~1: break-even acceptance ~0.75 at k = 4, well above spec_min_acceptance
 (0.3). Graphed (same_tokens_one_sample), k = 8 at batch 1 should cost within ~10% of a decode step.
 On the copy workload the embedded model's steps are launch-bound too (~1.5 ms graphed, ~5 ms eager
 for 30 layers), so ngram's ~3 tokens a verification may barely beat off at batch 1. ShareGPT-like:
