@@ -15,7 +15,7 @@ from goodserve.config import EngineConfig
 from goodserve.engine.kv_cache_manager import KVCacheManager
 from goodserve.engine.scheduler import Scheduler
 from goodserve.engine.sequence import Sequence, SequenceStatus
-from goodserve.engine.spec_decode.draft_model import DraftModelProposer
+from goodserve.engine.spec_decode.draft_model import DraftModelProposer, load_draft
 from goodserve.engine.spec_decode.proposer import make_proposer
 from goodserve.model.presets import get_preset
 from goodserve.sampling_params import SamplingParams
@@ -63,7 +63,7 @@ def test_random_traffic_leaks_nothing(policy, chunked, speculative):
     pool = kv.pool
     drafting = dataclasses.replace(config, speculative_model="dummy:tiny", num_kv_blocks=14, device="cpu",
                                    dtype="float32")
-    proposer = DraftModelProposer(drafting, get_preset("tiny"), None) if speculative == "draft" \
+    proposer = DraftModelProposer(drafting, load_draft(drafting), get_preset("tiny"), None) if speculative == "draft" \
         else make_proposer(config, get_preset("tiny"), None)
     scheduler = Scheduler(config, kv, proposer)
     prefixes = [[rng.randrange(3) for _ in range(rng.randrange(0, 14))] for _ in range(3)]

@@ -13,7 +13,7 @@ import torch
 
 from goodserve.errors import ModelLoadError
 from goodserve.model.llama import build_empty_model
-from goodserve.model.loader import load_model
+from goodserve.model.loader import load_model, load_spec
 from goodserve.model.tokenizer_loader import embedded_tokenizer
 from goodserve.model.presets import get_preset
 from goodserve.ops.attention import AttentionMetadata, LayerKVCache
@@ -140,6 +140,14 @@ def test_revision_identifies_weights(tmp_path: Path):
     first = load_model(str(tmp_path / "a"), torch.float32, "cpu").revision
     assert first == load_model(str(tmp_path / "a"), torch.float32, "cpu").revision
     assert first != load_model(str(tmp_path / "b"), torch.float32, "cpu").revision
+
+
+def test_spec_without_weights_is_the_loaded_models(tmp_path: Path):
+    """load_spec reads shapes only (a draft model's memory is sized before it loads): the same spec as
+    loading the weights gives, for an HF directory, the embedded GGUF and a preset."""
+    save_tiny_hf_model(TINY_CONFIGS["llama3-rope-tied"](), tmp_path)
+    for name in (str(tmp_path), "smollm2-135m", "dummy:tiny-qwen"):
+        assert load_spec(name) == load_model(name, torch.float32, "cpu").spec
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-qwen", "tiny-llama3"])

@@ -14,6 +14,8 @@ import torch
 
 from goodserve import LLM, SamplingParams
 from goodserve.cli import main
+from goodserve.engine import engine as engine_module
+from goodserve.engine import worker
 from goodserve.engine.spec_decode.rejection import kept_by_rejection
 from goodserve.errors import InvalidRequestError
 from goodserve.ops.kernel_choice import KernelChoice
@@ -80,6 +82,28 @@ def test_another_draft_model_greedy_is_identical():
     assert _tokens(same.generate(prompts, params)) == expected
     stats = same.engine.stats()  # the target's own weights as the draft: every draft is kept
     assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens > 0
+
+
+def test_the_kv_budget_holds_the_draft_pool_beside_the_targets():
+    """The draft's pool has as many blocks as the target's: the budget (cpu_kv_cache_bytes; on CUDA
+    the memory both models' weights leave) must hold both pools, not the target's alone."""
+    budget = 8 << 20
+    llm = LLM("dummy:tiny", speculative_model="dummy:tiny-llama3", cpu_kv_cache_bytes=budget)
+    caches = llm.engine.executor.worker.runner.kv_caches + llm.engine.scheduler.speculator.proposer.kv_caches
+    held = sum(cache.k.nbytes + cache.v.nbytes for cache in caches)
+    per_block = held // llm.engine.kv.num_blocks  # the target's block and the draft's
+    assert budget - per_block < held <= budget
+
+
+def test_the_draft_weights_are_loaded_before_the_pool_is_sized(monkeypatch):
+    """On CUDA the pool is sized from the device's free memory: the draft's weights must hold theirs
+    by then, or the draft would not fit beside the pool."""
+    events = []
+    load_draft, sizing = engine_module.load_draft, worker.num_blocks_for_memory
+    monkeypatch.setattr(engine_module, "load_draft", lambda config: events.append("draft") or load_draft(config))
+    monkeypatch.setattr(worker, "num_blocks_for_memory", lambda *args: events.append("pool") or sizing(*args))
+    LLM("dummy:tiny", speculative_model="dummy:tiny", cpu_kv_cache_bytes=8 << 20)
+    assert events == ["draft", "pool"]
 
 
 def test_abort_mid_speculation_frees_target_and_draft_blocks(self_draft_llm):

@@ -41,7 +41,7 @@ _HELP = {
     "max_model_len": "context length limit (default: the model's)",
     "num_kv_blocks": "KV cache pool size in blocks (default: from memory)",
     "gpu_memory_utilization": "fraction of GPU memory for weights + KV cache",
-    "cpu_kv_cache_bytes": "KV cache pool size on CPU, in bytes",
+    "cpu_kv_cache_bytes": "KV cache pool size on CPU, in bytes (a draft model's pool included)",
     "max_num_seqs": "most sequences in one batch",
     "max_num_batched_tokens": "most tokens in one step (prefill chunks + decodes)",
     "max_wait_ms": "dynamic batching: how long a partial batch waits to fill",

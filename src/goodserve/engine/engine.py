@@ -39,6 +39,7 @@ from goodserve.engine.runner_output import ModelRunnerOutput, PendingOutput
 from goodserve.engine.scheduler import Scheduler
 from goodserve.engine.scheduler_output import NewRequestData, SchedulerOutput
 from goodserve.engine.sequence import Sequence
+from goodserve.engine.spec_decode.draft_model import load_draft
 from goodserve.engine.spec_decode.proposer import make_proposer
 from goodserve.engine.stats import EngineStats, StepLog, engine_stats
 from goodserve.errors import EngineDeadError, InvalidRequestError
@@ -60,7 +61,10 @@ class _Step:
 
 class Engine:
     def __init__(self, config: EngineConfig | None = None, **overrides) -> None:
-        self.executor = make_executor(resolve_for_device(with_overrides(config, overrides)))
+        config = resolve_for_device(with_overrides(config, overrides))
+        # A draft model's weights go on the device first: the target's KV pool is sized from what is left.
+        draft = load_draft(config) if config.speculative_model else None
+        self.executor = make_executor(config)
         info = self.executor.info
         self.config, self.spec, self.tokenizer = info.config, info.spec, info.tokenizer
         self.device, self.dtype = torch.device(self.config.device), torch_dtype(self.config)
@@ -69,7 +73,7 @@ class Engine:
         c = self.config
         salt = f"{info.revision}|{c.kv_cache_dtype}|{c.quantization}|{c.quantized_checkpoint}|{c.quantization_awq}"
         self.kv = KVCacheManager(c.num_kv_blocks, c.block_size, c.enable_prefix_caching, salt.encode())
-        self.scheduler = Scheduler(c, self.kv, make_proposer(c, self.spec, self.tokenizer))
+        self.scheduler = Scheduler(c, self.kv, make_proposer(c, self.spec, self.tokenizer, draft))
         self.inputs = InputProcessor(c, self.spec, self.tokenizer)
         self.outputs = OutputProcessor(self.tokenizer, info.eos_token_ids)
         self.requests: dict[str, Request] = {}

@@ -32,7 +32,10 @@ def activation_reserve_bytes(spec: ModelSpec, config: EngineConfig, dtype: torch
 
 
 def num_blocks_for_memory(spec: ModelSpec, config: EngineConfig, device: torch.device,
-                          model_dtype: torch.dtype, kv_dtype: torch.dtype) -> int:
+                          model_dtype: torch.dtype, kv_dtype: torch.dtype, draft_bytes_per_block: int = 0) -> int:
+    """Blocks of the pool: as many as the budget holds, each with a draft model's block beside it
+    (draft_bytes_per_block: its pool has as many blocks; the draft's weights are on the device
+    already, so counted in what is used)."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
     if device.type == "cuda":
@@ -42,7 +45,7 @@ def num_blocks_for_memory(spec: ModelSpec, config: EngineConfig, device: torch.d
         budget -= activation_reserve_bytes(spec, config, model_dtype)
     else:
         budget = config.cpu_kv_cache_bytes
-    num_blocks = int(budget // bytes_per_block(spec, config.block_size, kv_dtype))
+    num_blocks = int(budget // (bytes_per_block(spec, config.block_size, kv_dtype) + draft_bytes_per_block))
     if num_blocks < 2:
         raise InvalidRequestError(
             f"no room for the KV cache ({budget / _GiB:.2f} GiB left for it on {device}): raise "

@@ -21,6 +21,7 @@ from goodserve.engine.model_runner import ModelRunner
 from goodserve.engine.runner_output import PendingOutput
 from goodserve.engine.sampling_inputs import GrammarBitmask
 from goodserve.engine.scheduler_output import SchedulerOutput
+from goodserve.engine.spec_decode.draft_model import draft_kv_bytes_per_block
 from goodserve.model.pipeline_parallel import PipelineParallel
 from goodserve.model.spec import ModelSpec
 from goodserve.model.tensor_parallel import TensorParallel
@@ -51,7 +52,11 @@ class Worker:
         kv_dtype = kv_storage_dtype(config, torch_dtype(config))
         device = torch.device(config.device)
         local_spec = pp.local_spec(tp.local_spec(loaded.spec))
-        num_blocks = num_blocks_for_memory(local_spec, config, device, torch_dtype(config), kv_dtype)
+        # A draft model's pool has as many blocks, in the engine's process on rank 0's device (the
+        # pool is the smallest over the ranks: rank 0's).
+        holds_draft = config.speculative_model and tp.rank == 0 and pp.stage == 0
+        draft = draft_kv_bytes_per_block(config, loaded.spec) if holds_draft else 0
+        num_blocks = num_blocks_for_memory(local_spec, config, device, torch_dtype(config), kv_dtype, draft)
         if rank is not None:
             num_blocks = distributed.min_over_ranks(num_blocks, rank)
         config = resolve_for_pool(config, num_blocks)

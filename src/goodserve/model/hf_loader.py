@@ -124,13 +124,17 @@ def load_hf_weights(model: LlamaForCausalLM, files: list[Path]) -> None:
     filler.finish()
 
 
+def read_hf_spec(path: Path) -> ModelSpec:
+    try:
+        return hf_spec(read_json(path / "config.json"), path.name, read_json(path / "generation_config.json"))
+    except KeyError as e:
+        raise ModelLoadError(f"{path / 'config.json'} lacks the field {e}") from e
+
+
 def load_hf(path: Path, dtype: torch.dtype, device: torch.device,
             tp: TensorParallel = TensorParallel(),
             pp: PipelineParallel = PipelineParallel()) -> tuple[ModelSpec, LlamaForCausalLM, Tokenizer | None]:
-    try:
-        spec = hf_spec(read_json(path / "config.json"), path.name, read_json(path / "generation_config.json"))
-    except KeyError as e:
-        raise ModelLoadError(f"{path / 'config.json'} lacks the field {e}") from e
+    spec = read_hf_spec(path)
     files = safetensors_files(path)
     tokenizer = hf_tokenizer(path, spec)
     model = build_empty_model(spec, dtype, device, tp, pp)

@@ -11,8 +11,9 @@ import torch
 
 from goodserve.errors import InvalidRequestError, ModelLoadError
 from goodserve.model.dummy_loader import load_dummy
-from goodserve.model.gguf_loader import load_gguf
-from goodserve.model.hf_loader import is_hf_model_dir, load_hf, safetensors_files
+from goodserve.model.gguf_loader import gguf_spec, load_gguf
+from goodserve.model.gguf_reader import open_gguf
+from goodserve.model.hf_loader import is_hf_model_dir, load_hf, read_hf_spec, safetensors_files
 from goodserve.model.llama import LlamaForCausalLM
 from goodserve.model.presets import get_preset
 from goodserve.model.pipeline_parallel import PipelineParallel
@@ -56,6 +57,19 @@ def load_model(name: str, dtype: torch.dtype, device: torch.device | str, seed: 
         spec, model, tokenizer = load_hf(path, dtype, device, tp, pp)
         files = [path / "config.json", *safetensors_files(path)]
         return LoadedModel(spec, model, tokenizer, source=str(path), revision=_files_digest(files))
+    raise ModelLoadError(f"cannot load model {name!r}: expected {ACCEPTED_FORMS}")
+
+
+def load_spec(name: str) -> ModelSpec:
+    """A model's shapes without its weights (a preset, a GGUF file's metadata, a config.json): what
+    sizing memory for it takes."""
+    path = model_path(name)
+    if path is None:
+        return get_preset(name.removeprefix(DUMMY_PREFIX))
+    if gguf_model_path(name) is not None:
+        return gguf_spec(open_gguf(path), name=EMBEDDED_MODEL if name == EMBEDDED_MODEL else path.stem)
+    if is_hf_model_dir(path):
+        return read_hf_spec(path)
     raise ModelLoadError(f"cannot load model {name!r}: expected {ACCEPTED_FORMS}")
 
 

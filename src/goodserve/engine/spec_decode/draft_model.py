@@ -4,7 +4,9 @@ smollm2-135m | PATH | dummy:<preset>`), or the target's own weights quantized (`
 they agree with the target on most tokens).
 
 It runs in the engine's process, beside the scheduler, with a paged KV cache of its own
-(draft_kv.py) sized like the target's pool. Each proposal, for every speculating sequence at once:
+(draft_kv.py) of as many blocks as the target's pool. Its weights are loaded first (load_draft), so
+the target's pool is sized from the memory they leave, with room for the draft's blocks beside
+its own (draft_kv_bytes_per_block). Each proposal, for every speculating sequence at once:
 one forward over what its draft cache lacks (the whole prompt the first time; after a
 verification the one or two tokens past the accepted drafts), then one forward per further draft.
 All of them are decode steps for the attention (a sequence's few new tokens are laid out as
@@ -24,12 +26,13 @@ import torch
 
 from goodserve.config import SELF_DRAFT_PREFIX, EngineConfig
 from goodserve.engine.config_resolution import torch_dtype
-from goodserve.engine.kv_cache import allocate_kv_cache
+from goodserve.engine.kv_cache import allocate_kv_cache, bytes_per_block
 from goodserve.engine.model_builder import build_model
 from goodserve.engine.sequence import Sequence
 from goodserve.engine.spec_decode.draft_kv import DraftKV
 from goodserve.engine.spec_decode.proposer import Drafts
 from goodserve.errors import InvalidRequestError
+from goodserve.model.loader import LoadedModel, load_spec
 from goodserve.model.spec import ModelSpec
 from goodserve.ops.attention import AttentionMetadata
 from goodserve.ops.kernel_choice import use_kernels
@@ -79,19 +82,32 @@ def int4_tied_lm_head(model, group_size: int) -> None:
     use_kernels(model.lm_head, model.kernels)
 
 
+def load_draft(config: EngineConfig) -> LoadedModel:
+    """The draft model the (device-resolved) config names, on its device."""
+    built = draft_config(config)
+    loaded = build_model(built)
+    if built.quantization == "int4" and config.speculative_model.startswith(SELF_DRAFT_PREFIX):
+        int4_tied_lm_head(loaded.model, SELF_INT4_GROUP_SIZE)
+    return loaded
+
+
+def draft_kv_bytes_per_block(config: EngineConfig, target: ModelSpec) -> int:
+    """What the draft's pool takes per block of the target's (a self-draft has the target's shapes)."""
+    name = config.speculative_model
+    spec = target if name.startswith(SELF_DRAFT_PREFIX) else load_spec(name)
+    return bytes_per_block(spec, config.block_size, torch_dtype(draft_config(config)))
+
+
 class DraftModelProposer:
-    def __init__(self, config: EngineConfig, target: ModelSpec, target_tokenizer) -> None:
-        built = draft_config(config)
-        loaded = build_model(built)
-        check_vocabulary(config.speculative_model, loaded.spec, loaded.tokenizer, target, target_tokenizer)
-        if built.quantization == "int4" and config.speculative_model.startswith(SELF_DRAFT_PREFIX):
-            int4_tied_lm_head(loaded.model, SELF_INT4_GROUP_SIZE)
-        self.model = loaded.model
+    def __init__(self, config: EngineConfig, draft: LoadedModel, target: ModelSpec, target_tokenizer) -> None:
+        """draft: load_draft(config); config: resolved for the pool (num_kv_blocks)."""
+        check_vocabulary(config.speculative_model, draft.spec, draft.tokenizer, target, target_tokenizer)
+        self.model = draft.model
         self.device = torch.device(config.device)
-        self.max_positions = loaded.spec.max_position_embeddings
+        self.max_positions = draft.spec.max_position_embeddings
         self.kv = DraftKV(config.num_kv_blocks, config.block_size)
-        self.kv_caches = allocate_kv_cache(loaded.spec, config.num_kv_blocks, config.block_size, self.device,
-                                           torch_dtype(built))
+        self.kv_caches = allocate_kv_cache(draft.spec, config.num_kv_blocks, config.block_size, self.device,
+                                           torch_dtype(draft_config(config)))
         self.generators: dict[str, torch.Generator] = {}  # seeded sequences' own draws
 
     def release(self, seq: Sequence) -> None:

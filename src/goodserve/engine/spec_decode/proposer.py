@@ -12,13 +12,16 @@ lays out the step; the verifier (acceptance.py, rejection.py) never needs to kno
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from goodserve.config import EngineConfig
 from goodserve.engine.sequence import Sequence
 from goodserve.model.spec import ModelSpec
+
+if TYPE_CHECKING:
+    from goodserve.model.loader import LoadedModel
 
 
 @dataclass
@@ -38,8 +41,10 @@ class Proposer(Protocol):
         """seq finished, was aborted or preempted: drop what the proposer keeps for it."""
 
 
-def make_proposer(config: EngineConfig, target: ModelSpec, tokenizer) -> Proposer | None:
-    """The proposer the (resolved) config names, or None when speculation is off."""
+def make_proposer(config: EngineConfig, target: ModelSpec, tokenizer,
+                  draft: LoadedModel | None = None) -> Proposer | None:
+    """The proposer the (resolved) config names, or None when speculation is off; draft: the draft
+    model (draft_model.load_draft) when the config names one."""
     if config.speculative_method == "ngram":
         from goodserve.engine.spec_decode.ngram import NgramProposer
 
@@ -47,5 +52,5 @@ def make_proposer(config: EngineConfig, target: ModelSpec, tokenizer) -> Propose
     if config.speculative_method == "draft":
         from goodserve.engine.spec_decode.draft_model import DraftModelProposer
 
-        return DraftModelProposer(config, target, tokenizer)
+        return DraftModelProposer(config, draft, target, tokenizer)
     return None
