@@ -159,3 +159,11 @@ def test_abort_mid_speculation_leaks_no_blocks(lookahead_llm):
         engine.abort_request(f"abort-{i}")
     assert not engine.has_unfinished() and engine.kv.num_used_blocks == 0
     assert not engine.scheduler.speculator.proposer.windows  # the windows leave with their sequences
+
+
+def test_pipeline_parallel_is_refused_with_the_reason():
+    from goodserve.config import EngineConfig
+    from goodserve.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="pipeline_parallel_size 1"):
+        EngineConfig(speculative_method="lookahead", pipeline_parallel_size=2).validate()

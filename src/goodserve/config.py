@@ -143,7 +143,7 @@ class EngineConfig:
     num_speculative_tokens: int = 4
     ngram_min: int = 1
     ngram_max: int = 4
-    lookahead_window: int = 4
+    lookahead_window: int = 2
     lookahead_ngram: int = 3
     # Policy (engine/spec_decode/policy.py): no proposals while more sequences run than this, or
     # for a sequence whose acceptance EMA fell under spec_min_acceptance (it probes again now and then).
@@ -181,6 +181,9 @@ class EngineConfig:
             (1 <= self.ngram_min <= self.ngram_max, "ngram_min and ngram_max must satisfy 1 <= min <= max"),
             (self.lookahead_window >= 1 and self.lookahead_ngram >= 2,
              "lookahead_window must be at least 1 and lookahead_ngram at least 2"),
+            (self.speculative_method != "lookahead" or self.pipeline_parallel_size == 1,
+             "speculative_method 'lookahead' needs pipeline_parallel_size 1: its window's tokens come back from the "
+             "last stage's logits, which only the sampled tokens travel from yet"),
         ]
         for ok, message in checks:
             if not ok:

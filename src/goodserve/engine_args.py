@@ -73,7 +73,8 @@ _HELP = {
     "num_speculative_tokens": "most tokens proposed per sequence and step (default: 4)",
     "ngram_min": "ngram proposer: shortest suffix matched (default: 1)",
     "ngram_max": "ngram proposer: longest suffix matched, tried first (default: 4)",
-    "lookahead_window": "lookahead: parallel Jacobi guesses per level (W, default: 4)",
+    "lookahead_window": "lookahead: parallel Jacobi guesses per level (W; default: 2, as fast as any measured "
+                        "on a 2-core CPU, benchmarks/BENCHMARKS.md)",
     "lookahead_ngram": "lookahead: n-gram length N; the window holds N - 1 levels (default: 3)",
     "spec_max_batch": "no speculation while more sequences run than this (verifying costs more than it saves "
                       "in large batches) (default: 8)",
