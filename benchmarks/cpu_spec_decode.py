@@ -3,9 +3,12 @@
   the prompt), speculation off against prompt lookup (ngram) with each k given;
 - chat: ordinary chat questions (CHAT_PROMPTS), speculation off against each quantized self-draft
   (--speculative-model self:int4 / self:gguf) with each k given;
+- lookahead: the same chat questions, speculation off against lookahead decoding
+  (--speculative-method lookahead) with each window W x N and k given;
 output tok/s, acceptance rate, and whether the greedy outputs are identical (they must be).
 
     PYTHONPATH=src python benchmarks/cpu_spec_decode.py     # writes $OUT/cpu_spec_decode_cpu.json
+    PYTHONPATH=src python benchmarks/cpu_spec_decode.py --sections lookahead --tag lookahead
 
 Requests run one at a time, each alone in its engine (batch 1), on each engine in turn.
 """
@@ -87,6 +90,19 @@ def chat_section(args, options: dict) -> dict:
     return run_interleaved(engines, requests, params)
 
 
+def lookahead_section(args, options: dict) -> dict:
+    engines = {"off": LLM("smollm2-135m", **options)}
+    for window in args.lookahead:
+        width, ngram = map(int, window.split("x"))
+        for k in args.lookahead_k:
+            engines[f"lookahead_w{width}n{ngram}_k{k}"] = LLM(
+                "smollm2-135m", speculative_method="lookahead", lookahead_window=width, lookahead_ngram=ngram,
+                num_speculative_tokens=k, **options)
+    requests = [BenchRequest(prompt, 0, args.chat_output_len) for prompt in CHAT_PROMPTS[: args.num_chat_prompts]]
+    params = [SamplingParams(temperature=0, max_tokens=r.output_len) for r in requests]
+    return run_interleaved(engines, requests, params)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--num-prompts", type=int, default=8)
@@ -97,12 +113,14 @@ def main() -> None:
     parser.add_argument("--chat-output-len", type=int, default=128)
     parser.add_argument("--self-drafts", nargs="*", default=["self:int4", "self:gguf"])
     parser.add_argument("--draft-k", type=int, nargs="+", default=[4], help="self-drafts' num_speculative_tokens")
-    parser.add_argument("--sections", nargs="+", default=["copy", "chat"], choices=["copy", "chat"])
+    parser.add_argument("--lookahead", nargs="+", default=["2x3"], help="lookahead windows, WxN: W columns, N-gram")
+    parser.add_argument("--lookahead-k", type=int, nargs="+", default=[4], help="lookahead's num_speculative_tokens")
+    parser.add_argument("--sections", nargs="+", default=["copy", "chat"], choices=["copy", "chat", "lookahead"])
     parser.add_argument("--quantization", default="none", help="none: the float32 model; gguf: the CPU default")
     parser.add_argument("--tag", default="cpu")
     args = parser.parse_args()
     options = dict(quantization=args.quantization, cpu_kv_cache_bytes=256 << 20)
-    sections = {"copy": copy_section, "chat": chat_section}
+    sections = {"copy": copy_section, "chat": chat_section, "lookahead": lookahead_section}
     result = {"tag": args.tag, "machine": platform.processor() or platform.machine(),
               "threads": torch.get_num_threads(), "args": vars(args),
               **{name: sections[name](args, options) for name in args.sections}}

@@ -23,7 +23,7 @@ QUANTIZATIONS = (None, "none", *WEIGHT_QUANTIZATIONS, "gguf")  # None: not asked
 # uni: the worker runs in the engine's process; mp: in a process of its own (as each of N
 # tensor-parallel workers always does)
 EXECUTOR_BACKENDS = ("uni", "mp")
-SPECULATIVE_METHODS = (None, "ngram", "draft")  # None: no speculative decoding
+SPECULATIVE_METHODS = (None, "ngram", "draft", "lookahead")  # None: no speculative decoding
 # --speculative-model self:<q>: the target's own weights, quantized so, as the draft model
 SELF_DRAFT_QUANTIZATIONS = (*WEIGHT_QUANTIZATIONS, "gguf")
 SELF_DRAFT_PREFIX = "self:"
@@ -158,7 +158,9 @@ class EngineConfig:
     pipeline_parallel_size: int = 1
     # Speculative decoding (engine/spec_decode/): None (off) | ngram (prompt lookup: propose the
     # tokens that followed the last ngram_max..ngram_min tokens' latest earlier occurrence) | draft
-    # (a draft model proposes: speculative_model, which alone implies it).
+    # (a draft model proposes: speculative_model, which alone implies it) | lookahead (Jacobi
+    # iterations over a window of lookahead_window columns x lookahead_ngram - 1 levels, computed in
+    # the same step, fill an n-gram pool the drafts come from; engine/spec_decode/lookahead.py).
     speculative_method: str | None = None
     # The draft model: a model name / path / dummy:<preset> sharing the target's vocabulary, or
     # self:int4 / self:int8 / self:gguf (the target's own weights, quantized so).
@@ -166,6 +168,8 @@ class EngineConfig:
     num_speculative_tokens: int = 4
     ngram_min: int = 1
     ngram_max: int = 4
+    lookahead_window: int = 2
+    lookahead_ngram: int = 3
     # Policy (engine/spec_decode/policy.py): no proposals while more sequences run than this, or
     # for a sequence whose acceptance EMA fell under spec_min_acceptance (it probes again now and then).
     spec_max_batch: int = 8
@@ -205,6 +209,11 @@ class EngineConfig:
              "an int4 lm_head (--lm-head-quantization int4) takes the layers' group size: it needs "
              "--quantization int4"),
             (1 <= self.ngram_min <= self.ngram_max, "ngram_min and ngram_max must satisfy 1 <= min <= max"),
+            (self.lookahead_window >= 1 and self.lookahead_ngram >= 2,
+             "lookahead_window must be at least 1 and lookahead_ngram at least 2"),
+            (self.speculative_method != "lookahead" or self.pipeline_parallel_size == 1,
+             "speculative_method 'lookahead' needs pipeline_parallel_size 1: its window's tokens come back from the "
+             "last stage's logits, which only the sampled tokens travel from yet"),
         ]
         for ok, message in checks:
             if not ok:

@@ -69,14 +69,18 @@ _HELP = {
                             "but greedy tokens can then depend on the batch (docs/quantization.md)",
     "tokenizer": "tokenizer path, when it differs from the model's",
     "speculative_method": "speculative decoding: ngram (prompt lookup: propose what followed the last tokens' "
-                          "earlier occurrence in the prompt or output), or draft (--speculative-model proposes); "
-                          "exact, docs/architecture.md (default: off)",
+                          "earlier occurrence in the prompt or output), draft (--speculative-model proposes), or "
+                          "lookahead (Jacobi iterations in the same step fill an n-gram pool; CPU only); exact, "
+                          "docs/architecture.md (default: off)",
     "speculative_model": "draft model for speculative decoding (implies --speculative-method draft): a model "
                          "sharing the target's vocabulary ('smollm2-135m', a path, dummy:<preset>), or "
                          "self:int4 / self:int8 / self:gguf, the target's own weights quantized so (default: none)",
     "num_speculative_tokens": "most tokens proposed per sequence and step (default: 4)",
     "ngram_min": "ngram proposer: shortest suffix matched (default: 1)",
     "ngram_max": "ngram proposer: longest suffix matched, tried first (default: 4)",
+    "lookahead_window": "lookahead: parallel Jacobi guesses per level (W; default: 2, as fast as any measured "
+                        "on a 2-core CPU, benchmarks/BENCHMARKS.md)",
+    "lookahead_ngram": "lookahead: n-gram length N; the window holds N - 1 levels (default: 3)",
     "spec_max_batch": "no speculation while more sequences run than this (verifying costs more than it saves "
                       "in large batches) (default: 8)",
     "spec_min_acceptance": "no speculation for a sequence whose acceptance rate (moving average) is under this; "

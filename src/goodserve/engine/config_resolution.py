@@ -31,6 +31,13 @@ def with_overrides(config: EngineConfig | None, overrides: dict) -> EngineConfig
 def resolve_for_device(config: EngineConfig) -> EngineConfig:
     config.validate()
     device = _resolve_device(config.device)
+    if config.speculative_method == "lookahead" and device.type != "cpu":
+        # Its side branch (ops/tree_attention.py) runs in torch between the batch's own rows; the
+        # CUDA path's captured graphs and ahead-scheduled steps have no place for it yet.
+        raise InvalidRequestError(
+            "speculative_method 'lookahead' runs on the CPU only: its window's tree mask is applied on the torch "
+            "attention path, which CUDA graphs and async scheduling bypass; on a GPU use 'ngram' or "
+            "--speculative-model")
     backend = _resolve_attention_backend(config.attention_backend, device)
     return dataclasses.replace(
         config, device=str(device), attention_backend=backend,

@@ -191,7 +191,7 @@ class Engine:
             raise
         except Exception as exc:  # a failed step fails the requests that cause it, never the engine
             return self._isolate(out, seqs, exc, stream_text)
-        self.scheduler.advance(out, output and _num_rejected(out, output))
+        self.scheduler.advance(out, output and _num_rejected(out, output), output and output.branches)
         if output is not None:
             return self._record(step, output, stream_text)
         self._inflight = step
@@ -273,7 +273,7 @@ class Engine:
             except Exception as exc:  # the failure needs the whole batch (none failed alone): fail it
                 logger.exception("step failed again without its culprits; aborting its %d sequences", len(rows))
                 return changed | self._fail_all(rest_seqs, exc)
-            self.scheduler.advance(rest, _num_rejected(rest, output))
+            self.scheduler.advance(rest, _num_rejected(rest, output), output.branches)
             changed |= self._record(step, output, stream_text)
         return changed
 

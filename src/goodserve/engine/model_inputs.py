@@ -8,7 +8,9 @@ from dataclasses import dataclass, field
 import torch
 
 from goodserve.engine.scheduler_output import SchedulerOutput
+from goodserve.engine.spec_decode.proposer import Branch
 from goodserve.ops.attention import AttentionMetadata
+from goodserve.ops.tree_attention import tree_depths
 from goodserve.sampling_params import SamplingParams
 
 
@@ -37,6 +39,15 @@ class FlatBatch:
     logits_indices: list[int]  # their last token's row in the flat batch (their drafts' rows before it)
     prompt_logit_spans: dict[int, tuple[int, int]]  # batch row -> flat [start, end) wanting logits
     pooling_spans: dict[int, tuple[int, int]] = field(default_factory=dict)  # batch row -> flat rows to sum
+    # Side branches (lookahead's guesses), their tokens after every row's own: per branch, (batch row,
+    # first flat token, context length, parents); and the flat tokens whose greedy token is returned.
+    branches: list[tuple[int, int, int, list[int]]] = field(default_factory=list)
+    branch_logit_rows: list[int] = field(default_factory=list)
+
+    @property
+    def num_own_tokens(self) -> int:
+        """The rows' own tokens: those before the branches."""
+        return self.branches[0][1] if self.branches else len(self.input_ids)
 
 
 @dataclass
@@ -49,6 +60,7 @@ class ModelInput:
     prompt_logit_spans: dict[int, tuple[int, int]]
     graph: object | None = None  # the captured graph (engine/cuda_graphs.py) whose input buffer holds the batch  # the captured graph whose input buffer holds the batch
     pooling_spans: dict[int, tuple[int, int]] = field(default_factory=dict)
+    branch_logit_rows: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -57,6 +69,7 @@ class ModelOutput:
     prompt_logits: dict[int, torch.Tensor]  # batch row -> [n, V] float32
     logits_argmax: torch.Tensor | None = None  # [len(sample_rows)]: argmax(logits), when a graph computed it
     pooled: dict[int, torch.Tensor] = field(default_factory=dict)  # batch row -> [hidden] float32 sum
+    branch_argmax: torch.Tensor | None = None  # [len(branch_logit_rows)]: the greedy token after each
 
 
 
@@ -84,7 +97,21 @@ def flatten(out: SchedulerOutput, requests: dict[str, RequestState], block_size:
             flat.sample_rows.append(row)
             flat.logits_indices.extend(range(offset + num_new - 1 - len(out.draft_token_ids.get(row, ())),
                                              offset + num_new))
+    for row, branch in out.branches.items():
+        _add_branch(flat, row, branch, out, block_size)
     return flat
+
+
+def _add_branch(flat: FlatBatch, row: int, branch: Branch, out: SchedulerOutput, block_size: int) -> None:
+    """A branch's tokens after everything before them, hung after the row's last own token (its drafts
+    are not in its context); slot -1: nothing of theirs is cached."""
+    context_len = out.num_computed_tokens[row] + out.num_new_tokens[row] - len(out.draft_token_ids.get(row, ()))
+    first = len(flat.input_ids)
+    flat.branches.append((row, first, context_len, branch.parents))
+    flat.input_ids.extend(branch.token_ids)
+    flat.positions.extend(context_len - 1 + depth for depth in tree_depths(branch.parents))
+    flat.slots.extend([-1] * len(branch.token_ids))
+    flat.branch_logit_rows.extend(first + i for i in branch.logit_rows)
 
 
 def pooled_sums(hidden: torch.Tensor, spans: dict[int, tuple[int, int]]) -> dict[int, torch.Tensor]:

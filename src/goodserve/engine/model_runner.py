@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -30,7 +30,7 @@ from goodserve.engine.kv_cache import allocate_kv_cache
 from goodserve.engine.input_layout import InputLayout
 from goodserve.engine.model_inputs import (
     FlatBatch, ModelInput, ModelOutput, RequestState, flatten, leading_decodes, pooled_sums)
-from goodserve.engine.runner_output import ModelRunnerOutput, PendingOutput
+from goodserve.engine.runner_output import BranchOutput, ModelRunnerOutput, PendingOutput
 from goodserve.engine.sampling_inputs import GrammarBitmask, SamplingRow, build_sampling_batch
 from goodserve.engine.scheduler_output import SchedulerOutput
 from goodserve.engine.spec_decode.acceptance import kept_tokens
@@ -38,6 +38,7 @@ from goodserve.engine.spec_decode.rejection import kept_by_rejection
 from goodserve.model.llama import LlamaForCausalLM
 from goodserve.ops.attention import AttentionMetadata, LayerKVCache
 from goodserve.ops.sampler import SamplerOutput, gather_logprobs, sample
+from goodserve.ops.tree_attention import BranchTree, SideBranches, tree_mask
 
 
 @dataclass
@@ -161,7 +162,8 @@ class ModelRunner:
                 rows, kept, _sampled_logprobs(sampled, step.output.logits, rows, drafts, kept, out, self.requests),
                 {row: (first, *(t.tolist() for t in lists)) for row, (first, *lists) in prompt_logprobs.items()},
                 {row: total.cpu() for row, total in step.output.pooled.items()},
-                step.prepare_s, step.launch_s + time.perf_counter() - t1, sample_s)
+                step.prepare_s, step.launch_s + time.perf_counter() - t1, sample_s,
+                _branch_outputs(out, step.output.branch_argmax, host, rows, drafts))
 
         return PendingOutput(fetch, replayed_graph=step.inputs.graph is not None)
 
@@ -208,7 +210,7 @@ class ModelRunner:
     # ---- inputs --------------------------------------------------------------------------
     def _prepare(self, flat: FlatBatch) -> ModelInput:
         """The batch's input tensors on the device, in one host-to-device copy."""
-        graph = graph_for(flat, self.decode_graphs, self.mixed_graphs)
+        graph = None if flat.branches else graph_for(flat, self.decode_graphs, self.mixed_graphs)
         if graph is not None:
             return graph.load(flat, self._staging_buffer(graph.layout.used(flat)))
         return self._eager_input(flat)
@@ -228,9 +230,11 @@ class ModelRunner:
             seq_lens_host=flat.seq_lens, num_leading_decodes=leading_decodes(flat.query_lens)
             if self.config.kernels.decode_kernel_for_mixed_decodes else 0,
         )
+        if flat.branches:
+            meta = _with_branches(meta, flat)
         return ModelInput(views.input_ids[:num_tokens], views.positions[:num_tokens], meta, flat.sample_rows,
                           views.logits_indices[: len(flat.logits_indices)], flat.prompt_logit_spans,
-                          pooling_spans=flat.pooling_spans)
+                          pooling_spans=flat.pooling_spans, branch_logit_rows=flat.branch_logit_rows)
 
     def _staging_buffer(self, count: int) -> torch.Tensor:
         """A reusable int32 host buffer of >= count entries, pinned on CUDA (pinning fresh memory every
@@ -254,7 +258,36 @@ class ModelRunner:
             row: self.model.compute_logits(hidden[start:end])
             for row, (start, end) in inputs.prompt_logit_spans.items()
         }
-        return ModelOutput(logits, prompt_logits, pooled=pooled_sums(hidden, inputs.pooling_spans))
+        branch_argmax = self.model.compute_logits(hidden[inputs.branch_logit_rows]).argmax(dim=-1) \
+            if inputs.branch_logit_rows else None
+        return ModelOutput(logits, prompt_logits, pooled=pooled_sums(hidden, inputs.pooling_spans),
+                           branch_argmax=branch_argmax)
+
+
+def _with_branches(meta: AttentionMetadata, flat: FlatBatch) -> AttentionMetadata:
+    """meta (for all tokens) as the rows' own metadata plus the side branches after them."""
+    num_own = flat.num_own_tokens
+    main = replace(meta, slot_mapping=meta.slot_mapping[:num_own])
+    trees = [BranchTree(row, first - num_own, first - num_own + len(parents), context_len, tree_mask(parents))
+             for row, first, context_len, parents in flat.branches]
+    return replace(main, slot_mapping=meta.slot_mapping, branches=SideBranches(num_own, main, trees))
+
+
+def _branch_outputs(out: SchedulerOutput, branch_argmax: torch.Tensor | None, sampled: list[int], rows: list[int],
+                    drafts: list[list[int]]) -> dict[int, BranchOutput]:
+    """Per row with a branch: the greedy tokens after its branch's logit rows (in the order the
+    branches were laid out), and its samples at its last token and each draft."""
+    if not out.branches:
+        return {}
+    greedy, samples, at = branch_argmax.tolist(), {}, 0
+    for row, row_drafts in zip(rows, drafts):
+        samples[row] = sampled[at : at + 1 + len(row_drafts)]
+        at += 1 + len(row_drafts)
+    found, at = {}, 0
+    for row, branch in out.branches.items():
+        found[row] = BranchOutput(greedy[at : at + len(branch.logit_rows)], samples.get(row, []))
+        at += len(branch.logit_rows)
+    return found
 
 
 def _sampling_rows(out: SchedulerOutput, rows: list[int], drafts: list[list[int]],

@@ -10,6 +10,14 @@ import torch
 
 
 @dataclass
+class BranchOutput:
+    """What a row with a side branch (engine/spec_decode/proposer.Branch) learned in its step."""
+
+    tokens: list[int]  # the target's greedy token after each of the branch's logit rows
+    samples: list[int]  # its samples at its last token and each draft (rejected ones' too)
+
+
+@dataclass
 class ModelRunnerOutput:
     sample_rows: list[int]  # the scheduler output's rows that sampled, in the order of token_ids
     # Per sampled row, its new tokens: one, or for a row verifying drafts the drafts it kept and the
@@ -24,6 +32,7 @@ class ModelRunnerOutput:
     prepare_s: float = 0.0
     forward_s: float = 0.0
     sample_s: float = 0.0
+    branches: dict[int, BranchOutput] = field(default_factory=dict)  # row -> its branch's results
 
 
 class PendingOutput:

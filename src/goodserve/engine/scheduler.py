@@ -39,6 +39,7 @@ import time
 from goodserve.config import EngineConfig
 from goodserve.engine.kv_cache_manager import KVCacheManager
 from goodserve.engine.makespan import MakespanAdmission, longest_first_key
+from goodserve.engine.runner_output import BranchOutput
 from goodserve.engine.scheduler_output import SchedulerOutput
 from goodserve.engine.sequence import Sequence, SequenceStatus
 from goodserve.engine.slo_policy import SloForecast, SloPolicy, has_targets, tokens_left
@@ -355,10 +356,12 @@ class Scheduler:
             out.token_ids.append([] if ahead else seq.token_ids[start:end] + draft_ids)
             out.block_tables.append(list(tables[seq.seq_id]))
             out.samples.append(ahead or (end == seq.num_tokens and not seq.params.prefill_only))
-            if drafts:
+            if draft_ids:
                 out.draft_token_ids[row] = draft_ids
                 if drafts.probs is not None:
                     out.draft_probs[row] = drafts.probs
+            if drafts and drafts.branch is not None:
+                out.branches[row] = drafts.branch
             out.num_output_tokens.append(seq.num_output_tokens)
             if seq.counts_output_tokens:
                 out.penalty_token_ids[row] = seq.output_token_ids
@@ -380,11 +383,13 @@ class Scheduler:
                            + self.slo.behind_tokens, step_seconds=self.step_time.last_seconds)
 
     # ---- after the step ------------------------------------------------------------------
-    def advance(self, out: SchedulerOutput, num_rejected: dict[int, int] | None = None) -> None:
+    def advance(self, out: SchedulerOutput, num_rejected: dict[int, int] | None = None,
+                branches: dict[int, BranchOutput] | None = None) -> None:
         """The runner computed the scheduled tokens: their K/V are now cached, except the
         num_rejected[row] last drafts of a speculating row, rolled back (its tokens, appended after
-        this, are the kept drafts and one more). Sequences that finished meanwhile (stopped or
-        aborted while an async step ran) hold no blocks and are skipped."""
+        this, are the kept drafts and one more; a row with a side branch hands its results,
+        branches[row], to the proposer). Sequences that finished meanwhile (stopped or aborted while
+        an async step ran) hold no blocks and are skipped."""
         if self.makespan is not None:
             self.makespan.advance(out.num_tokens)
         for row, (seq_id, num_new) in enumerate(zip(out.seq_ids, out.num_new_tokens)):
@@ -397,4 +402,6 @@ class Scheduler:
                 num_drafts = len(out.draft_token_ids[row])
                 self.speculator.observe(seq, num_drafts, num_drafts - rejected)
                 self.kv.free_tail(seq)
+            if branches and row in branches:
+                self.speculator.learn(seq, out.draft_token_ids.get(row, []), out.branches[row], branches[row])
             self.kv.register_full_blocks(seq)

@@ -17,6 +17,8 @@ from goodserve.sampling_params import SamplingParams
 if TYPE_CHECKING:  # the bench and the router import this module and never torch (tests/test_layering.py)
     import torch
 
+    from goodserve.engine.spec_decode.proposer import Branch
+
 
 @dataclass
 class NewRequestData:
@@ -44,6 +46,8 @@ class SchedulerOutput:
     # row -> [k, vocab] float32: the distributions a draft model sampled those drafts from (rows
     # without: point-mass drafts; engine/spec_decode/rejection.py)
     draft_probs: dict[int, torch.Tensor] = field(default_factory=dict)
+    # row -> tokens computed after its last own token and never cached (lookahead's guesses)
+    branches: dict[int, Branch] = field(default_factory=dict)
     num_ahead: int = 0
     # Set by the engine: runner-side state to create and to drop (both idempotent, so a retried
     # or sub-batched step may carry them again).
@@ -73,4 +77,5 @@ class SchedulerOutput:
             penalty_token_ids={kept[r]: ids for r, ids in self.penalty_token_ids.items() if r in kept},
             draft_token_ids={kept[r]: ids for r, ids in self.draft_token_ids.items() if r in kept},
             draft_probs={kept[r]: probs for r, probs in self.draft_probs.items() if r in kept},
+            branches={kept[r]: branch for r, branch in self.branches.items() if r in kept},
             new_requests=self.new_requests, finished_seq_ids=self.finished_seq_ids)

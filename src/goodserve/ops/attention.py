@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from goodserve.native import layer_ops
 from goodserve.ops.kernel_choice import KernelChoice
 from goodserve.ops.rotary import apply_rotary_torch
+from goodserve.ops.tree_attention import SideBranches, as_cached, branch_attention
 
 INT8_MAX = 127.0
 
@@ -54,6 +55,9 @@ class AttentionMetadata:
     # The torch path's per-step indices, derived by the first layer that needs them and reused by
     # the rest. The model's forward attaches fresh ones each step (a decode graph reuses its metadata).
     step_indices: StepIndices | None = field(default=None, repr=False, compare=False)
+    # Tokens of side branches (lookahead's guesses, ops/tree_attention.py) at the end of the batch;
+    # the fields above then describe the rows before them only (its `main` metadata) plus these.
+    branches: SideBranches | None = None
 
     def for_new_step(self) -> AttentionMetadata:
         """This metadata with empty per-step indices, for one forward pass."""
@@ -94,6 +98,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torc
     """One layer: RoPE on q [T, Hq, D] (in place) and k [T, Hk, D], the new K/V into the cache, then
     q attending its context -> [T, Hq, D]. A decode-only step with KernelOptions.fuse_rotary_into_decode_attention
     does all of it in the decode kernel, and q is left unrotated."""
+    if meta.branches is not None:
+        return _with_side_branches(q, k, v, positions, rotary_cache, cache, meta.branches, scale, kernels)
     if kernels.triton:
         if meta.is_decode_only and kernels.options.fuse_rotary_into_decode_attention:
             from goodserve.ops.triton_attention import NewTokens, triton_decode_attention
@@ -114,6 +120,22 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torc
     q.copy_(rotate(q, cos, sin))
     write_kv_slots(rotate(k, cos, sin), v, cache, *indices.write())
     return paged_attention_torch(q, cache, meta, scale)
+
+
+def _with_side_branches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                        rotary_cache: torch.Tensor, cache: LayerKVCache, branches: SideBranches, scale: float,
+                        kernels: KernelChoice) -> torch.Tensor:
+    """The batch's own rows the usual way (their K/V written first), then the branch rows over the
+    context those rows leave in the cache."""
+    n, out = branches.first_row, torch.empty_like(q)
+    out[:n] = attention(q[:n], k[:n], v[:n], positions[:n], rotary_cache, cache, branches.main, scale, kernels)
+    branch_q, branch_k = apply_rotary_torch(q[n:], k[n:], positions[n:], rotary_cache)
+    tables = branches.main.block_tables
+    contexts = [gather_kv(cache, tables[t.seq, : -(-t.context_len // cache.block_size)].long(), t.context_len, q.dtype)
+                for t in branches.trees]
+    out[n:] = branch_attention(branch_q, as_cached(branch_k, cache.k), as_cached(v[n:], cache.v),
+                               [c[0] for c in contexts], [c[1] for c in contexts], branches.trees, scale)
+    return out
 
 
 def native_attention_usable(q: torch.Tensor, cache: LayerKVCache) -> bool:

@@ -14,8 +14,9 @@ behind it (proposer.py) proposes for all of them in one call."""
 from __future__ import annotations
 
 from goodserve.config import EngineConfig
+from goodserve.engine.runner_output import BranchOutput
 from goodserve.engine.sequence import Sequence
-from goodserve.engine.spec_decode.proposer import Drafts, Proposer
+from goodserve.engine.spec_decode.proposer import Branch, Drafts, Proposer
 
 EMA_WEIGHT = 0.3  # of the newest step's acceptance rate
 PROBE_EVERY = 8
@@ -45,7 +46,12 @@ class Speculator:
     def propose(self, wanted: list[tuple[Sequence, int]]) -> dict[str, Drafts]:
         """Drafts per sequence id, for every (sequence, k) at once."""
         proposed = self.proposer.propose(wanted)
-        return {seq.seq_id: drafts for (seq, _), drafts in zip(wanted, proposed) if drafts.token_ids}
+        return {seq.seq_id: drafts for (seq, _), drafts in zip(wanted, proposed)
+                if drafts.token_ids or drafts.branch is not None}
+
+    def learn(self, seq: Sequence, drafts: list[int], branch: Branch, output: BranchOutput) -> None:
+        """A step's results for a sequence that computed a side branch (lookahead), for its proposer."""
+        self.proposer.learn(seq, drafts, branch, output)
 
     def release(self, seq: Sequence) -> None:
         self.proposer.release(seq)

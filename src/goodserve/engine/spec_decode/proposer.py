@@ -4,6 +4,9 @@ batch (a draft model runs them all in one forward per draft position). The sched
 lays out the step; the verifier (acceptance.py, rejection.py) never needs to know who proposed.
 
 - ngram.py: prompt lookup, pure host work; its drafts are deterministic (a point mass).
+- lookahead.py: lookahead (Jacobi) decoding: drafts from an n-gram pool that a window of parallel
+  guesses fills, computed in the same step as a side branch (Drafts.branch) whose outputs come back
+  through `learn`.
 - draft_model.py: a draft model (another model with the target's vocabulary, or the target's own
   weights quantized: self:int4 / self:gguf) with a paged KV cache of its own; at temperature > 0 it
   samples its drafts and hands over the distributions it drew them from.
@@ -31,6 +34,19 @@ class Drafts:
     # Leviathan / Chen rejection rule (rejection.py); None when the drafts are a point mass (ngram,
     # or a draft model at temperature 0), which acceptance.py's rule verifies.
     probs: torch.Tensor | None = None
+    # Tokens to compute beside the drafts without keeping them (lookahead's window); may come with
+    # no drafts at all.
+    branch: Branch | None = None
+
+
+@dataclass
+class Branch:
+    """Guessed tokens hung after a sequence's last token: computed in its step, never cached, seen by
+    no other token (ops/tree_attention.py). A tree: each token sees its ancestors and the context."""
+
+    token_ids: list[int]
+    parents: list[int]  # each token's parent, an earlier index (-1: the sequence's last token)
+    logit_rows: list[int]  # the tokens after which the runner returns the target's greedy token
 
 
 class Proposer(Protocol):
@@ -39,6 +55,9 @@ class Proposer(Protocol):
 
     def release(self, seq: Sequence) -> None:
         """seq finished, was aborted or preempted: drop what the proposer keeps for it."""
+
+    # A proposer whose Drafts carry a branch also has learn(seq, drafts, branch, output): the step's
+    # results for that sequence (engine/runner_output.BranchOutput), before its kept tokens are appended.
 
 
 def make_proposer(config: EngineConfig, target: ModelSpec, tokenizer,
@@ -49,6 +68,10 @@ def make_proposer(config: EngineConfig, target: ModelSpec, tokenizer,
         from goodserve.engine.spec_decode.ngram import NgramProposer
 
         return NgramProposer(config.ngram_min, config.ngram_max)
+    if config.speculative_method == "lookahead":
+        from goodserve.engine.spec_decode.lookahead import LookaheadProposer
+
+        return LookaheadProposer(config)
     if config.speculative_method == "draft":
         from goodserve.engine.spec_decode.draft_model import DraftModelProposer
 
