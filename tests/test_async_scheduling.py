@@ -276,3 +276,19 @@ def test_a_step_whose_tokens_never_arrive_fails_its_requests_not_the_engine(embe
     assert all("the device lost the step" in out.error for out in final.values())
     again = embedded_llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=3))[0]
     assert again.error is None and len(again.outputs[0].token_ids) == 3
+
+
+def test_speculation_still_drafts_under_async_scheduling(embedded_llm):
+    """A step scheduled ahead of the one in flight cannot carry drafts (they continue tokens not yet
+    on the host), so while the speculator may draft the engine does not run ahead: drafts are made
+    and verified, and the tokens are plain greedy decoding's."""
+    from test_spec_decode import GREEDY, _spec_llm, _tokens
+
+    # No earlier occurrence of its last token: the first decode steps have no drafts (and may run
+    # ahead); the story repeats itself later, where prompt lookup finds matches.
+    prompt = "Once upon a time"
+    spec_llm = _spec_llm()
+    with engine_mode(spec_llm, graphs=True, async_scheduling=True):
+        tokens = _tokens(spec_llm.generate([prompt], GREEDY))
+    assert spec_llm.engine.stats().spec_decode_num_draft_tokens > 0
+    assert tokens == _tokens(embedded_llm.generate([prompt], GREEDY))

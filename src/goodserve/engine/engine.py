@@ -213,7 +213,8 @@ class Engine:
 
     def _may_run_ahead(self, step: _Step) -> bool:
         return (self.config.async_scheduling and step.pending.replayed_graph and step.out.all_sample
-                and not step.out.draft_token_ids and all(seq.samples_on_device for seq in step.seqs))
+                and not step.out.draft_token_ids and not self.scheduler.may_propose()
+                and all(seq.samples_on_device for seq in step.seqs))
 
     def _step_pipelined(self, stream_text: bool) -> set[str]:
         """Launch the step after the one in flight (if the scheduler can decide it without that
@@ -238,7 +239,8 @@ class Engine:
         """If launching fails, the step is dropped: nothing advanced, its blocks are the ones the
         next step allocates anyway, and the next step, synchronous, runs its sequences again and
         isolates the request that broke it."""
-        out = self._schedule(in_flight=current.seqs) if current.out.all_sample else None
+        ahead = current.out.all_sample and not self.scheduler.may_propose()
+        out = self._schedule(in_flight=current.seqs) if ahead else None
         if out is None:
             return
         self.steps.num_pipelined_steps += 1

@@ -127,6 +127,12 @@ class Scheduler:
         decision = self._schedule_ahead(in_flight) if in_flight else self._schedule_now()
         return None if decision is None else self._output(decision)
 
+    def may_propose(self) -> bool:
+        """Whether the next step may carry drafts. A step scheduled ahead of the one in flight (async
+        scheduling) cannot: its sequences' last tokens, which drafts continue, are not known yet, so
+        the engine stops running ahead while this holds (the speculator's batch bound)."""
+        return self.speculator is not None and self.speculator.may_draft(len(self.running))
+
     def _schedule_now(self) -> _Decision:
         decision = _Decision()
         if not self._admits_any_step and self._next_batch_ready():

@@ -32,10 +32,14 @@ class Speculator:
         self.num_accepted_tokens = 0  # of those, kept
         self.num_accepted_per_pos = [0] * config.num_speculative_tokens  # [j]: verifications that kept draft j
 
+    def may_draft(self, num_running: int) -> bool:
+        """Whether a step of num_running sequences speculates at all (the batch bound)."""
+        return num_running <= self.config.spec_max_batch
+
     def drafts_wanted(self, seq: Sequence, num_running: int, room: int) -> int:
         """How many drafts seq's next step (it decodes one token) may verify, at most `room`."""
         c = self.config
-        if num_running > c.spec_max_batch or seq.grammar is not None or seq.params.prefill_only:
+        if not self.may_draft(num_running) or seq.grammar is not None or seq.params.prefill_only:
             return 0
         if seq.spec_acceptance < c.spec_min_acceptance and seq.num_output_tokens % PROBE_EVERY:
             return 0
