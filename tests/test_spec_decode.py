@@ -124,19 +124,24 @@ def test_sampling_features_keep_working(embedded_llm, spec_llm):
     assert spec_llm.engine.stats().spec_decode_num_accepted_tokens > 0
 
 
-def test_abort_mid_speculation_leaks_no_blocks(spec_llm):
-    engine = spec_llm.engine
+def abort_mid_speculation(engine, prompts: list[str], max_steps: int) -> None:
+    """Step the prompts until drafts were made with all of them running, abort them all: no request
+    is left and no block is held."""
     drafted = engine.stats().spec_decode_num_draft_tokens
-    for i, prompt in enumerate([COPY, COPY + " jumps", OTHERS[1]]):
+    for i, prompt in enumerate(prompts):
         engine.add_request(f"abort-{i}", prompt, GREEDY)
-    for _ in range(20):
+    for _ in range(max_steps):
         engine.step()
-        if engine.stats().spec_decode_num_draft_tokens > drafted and engine.stats().num_running == 3:
+        if engine.stats().spec_decode_num_draft_tokens > drafted and engine.stats().num_running == len(prompts):
             break
     assert engine.stats().spec_decode_num_draft_tokens > drafted and engine.kv.num_used_blocks > 0
-    for i in range(3):
+    for i in range(len(prompts)):
         engine.abort_request(f"abort-{i}")
     assert not engine.has_unfinished() and engine.kv.num_used_blocks == 0
+
+
+def test_abort_mid_speculation_leaks_no_blocks(spec_llm):
+    abort_mid_speculation(spec_llm.engine, [COPY, COPY + " jumps", OTHERS[1]], max_steps=20)
 
 
 def test_no_drafts_above_the_batch_bound():

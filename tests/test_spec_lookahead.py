@@ -14,7 +14,7 @@ from goodserve import LLM, SamplingParams
 from goodserve.engine.spec_decode.lookahead import learn_ngram, learn_verified, propose_from_pool, window_branch
 from goodserve.ops.rotary import apply_rotary_torch, cos_sin_cache
 from goodserve.ops.tree_attention import BranchTree, as_cached, branch_attention, tree_depths, tree_mask
-from tests.test_spec_decode import COPY, OTHERS
+from tests.test_spec_decode import COPY, OTHERS, abort_mid_speculation
 
 CHAT = ["What are three tips for staying healthy?", "Why is the sky blue?"]
 
@@ -147,17 +147,7 @@ def test_seeded_sampling_is_the_same_as_without_speculation(embedded_llm, lookah
 
 def test_abort_mid_speculation_leaks_no_blocks(lookahead_llm):
     engine = lookahead_llm.engine
-    drafted = engine.stats().spec_decode_num_draft_tokens
-    for i, prompt in enumerate([COPY, CHAT[0], OTHERS[1]]):
-        engine.add_request(f"abort-{i}", prompt, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True))
-    for _ in range(30):
-        engine.step()
-        if engine.stats().spec_decode_num_draft_tokens > drafted and engine.stats().num_running == 3:
-            break
-    assert engine.stats().spec_decode_num_draft_tokens > drafted and engine.kv.num_used_blocks > 0
-    for i in range(3):
-        engine.abort_request(f"abort-{i}")
-    assert not engine.has_unfinished() and engine.kv.num_used_blocks == 0
+    abort_mid_speculation(engine, [COPY, CHAT[0], OTHERS[1]], max_steps=30)
     assert not engine.scheduler.speculator.proposer.windows  # the windows leave with their sequences
 
 
