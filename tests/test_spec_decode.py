@@ -91,12 +91,15 @@ def test_greedy_mixed_batch_is_identical(embedded_llm, spec_llm):
 def test_greedy_with_chunked_prefill_and_prefix_hits_is_identical(embedded_llm):
     """A small token budget chunks the prompts and cuts drafts short; the second round hits the
     prefix cache (including blocks that hold kept drafts)."""
-    llm = _spec_llm(max_num_batched_tokens=24)
-    prompts = [COPY, OTHERS[0], COPY]
-    expected = _tokens(embedded_llm.generate(prompts, GREEDY))
-    assert _tokens(llm.generate(prompts, GREEDY)) == expected
+    check_chunked_and_prefix_hits(_spec_llm(max_num_batched_tokens=24), embedded_llm, [COPY, OTHERS[0], COPY], GREEDY)
+
+
+def check_chunked_and_prefix_hits(llm, embedded_llm, prompts: list[str], params: SamplingParams) -> None:
+    """Greedy tokens as the plain engine's, twice: the second round hits the prefix cache."""
+    expected = _tokens(embedded_llm.generate(prompts, params))
+    assert _tokens(llm.generate(prompts, params)) == expected
     hits = llm.engine.stats().prefix_cache_hits
-    assert _tokens(llm.generate(prompts, GREEDY)) == expected
+    assert _tokens(llm.generate(prompts, params)) == expected
     assert llm.engine.stats().prefix_cache_hits > hits
     assert llm.engine.kv.num_used_blocks == 0
 

@@ -14,7 +14,7 @@ from goodserve import LLM, SamplingParams
 from goodserve.engine.spec_decode.lookahead import learn_ngram, learn_verified, propose_from_pool, window_branch
 from goodserve.ops.rotary import apply_rotary_torch, cos_sin_cache
 from goodserve.ops.tree_attention import BranchTree, as_cached, branch_attention, tree_depths, tree_mask
-from tests.test_spec_decode import COPY, OTHERS, abort_mid_speculation
+from tests.test_spec_decode import COPY, OTHERS, abort_mid_speculation, check_chunked_and_prefix_hits
 
 CHAT = ["What are three tips for staying healthy?", "Why is the sky blue?"]
 
@@ -117,15 +117,8 @@ def test_greedy_mixed_batch_with_plain_requests_is_identical(embedded_llm, looka
 
 
 def test_greedy_with_chunked_prefill_and_prefix_hits_is_identical(embedded_llm):
-    llm = _lookahead_llm(max_num_batched_tokens=24)
-    prompts = [COPY, OTHERS[0], COPY, CHAT[1]]
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    expected = _tokens(embedded_llm.generate(prompts, params))
-    assert _tokens(llm.generate(prompts, params)) == expected
-    hits = llm.engine.stats().prefix_cache_hits
-    assert _tokens(llm.generate(prompts, params)) == expected
-    assert llm.engine.stats().prefix_cache_hits > hits
-    assert llm.engine.kv.num_used_blocks == 0
+    check_chunked_and_prefix_hits(_lookahead_llm(max_num_batched_tokens=24), embedded_llm,
+                                  [COPY, OTHERS[0], COPY, CHAT[1]], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
 
 
 def test_greedy_on_a_random_model_is_identical():
