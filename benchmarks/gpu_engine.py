@@ -57,6 +57,12 @@ DECODE_TABLE_GUESS = {1: {"DIRECT_KEYS": 512}}
 decode_table: dict[int, dict] = DECODE_TABLE_GUESS
 
 
+def load_decode_table(path: str) -> dict[int, dict]:
+    """gpu_kernels.py --decode-latency-sweep's decode_tuning_by_batch.json, keyed by batch size."""
+    with open(path) as f:
+        return {int(batch): tuning for batch, tuning in json.load(f).items()}
+
+
 def variant_options(variants: list[str], max_num_batched_tokens: int) -> dict:
     """The engine options (LLM keywords) of a part's variants; no variant: the defaults."""
     defaults = EngineConfig()
@@ -432,8 +438,7 @@ def main() -> None:
     args = parser.parse_args()
     global decode_table
     if args.decode_tuning:
-        with open(args.decode_tuning) as f:
-            decode_table = {int(batch): tuning for batch, tuning in json.load(f).items()}
+        decode_table = load_decode_table(args.decode_tuning)
     results["decode_table"] = decode_table
     os.makedirs(OUT, exist_ok=True)
     results["card"] = torch.cuda.get_device_name()

@@ -305,10 +305,7 @@ def part_e2e(bandwidth: float, by_shape: dict, tuned: dict, deadline: float,
              decode_tuning: str | None) -> tuple[dict, list[str]]:
     import gpu_engine  # imports goodserve.LLM: here, so that a failing import leaves the kernels' numbers
 
-    decode_table = gpu_engine.DECODE_TABLE_GUESS
-    if decode_tuning:
-        with open(decode_tuning) as f:
-            decode_table = {int(batch): tuning for batch, tuning in json.load(f).items()}
+    decode_table = gpu_engine.load_decode_table(decode_tuning) if decode_tuning else gpu_engine.DECODE_TABLE_GUESS
     order = e2e_runs(by_shape, tuned, decode_table)
     if SMOKE:  # CPU: two runs exercise the code (an int4 lm_head and the options' wiring)
         order = order[:2]

@@ -14,8 +14,8 @@ from goodserve.model.llama import build_empty_model
 from goodserve.model.pipeline_parallel import PipelineParallel
 from goodserve.model.presets import get_preset
 from test_tensor_parallel import fast_timeout  # noqa: F401 (a fixture its tests use)
-from test_tensor_parallel import (LONG_PROMPT, SETTINGS, assert_a_dead_rank_1_ends_the_engine, assert_split_matches,
-                                  greedy_tokens)
+from test_tensor_parallel import (LONG_PROMPT, SETTINGS, assert_a_dead_rank_1_ends_the_engine,
+                                  assert_embedded_split_matches, assert_split_matches, greedy_tokens)
 
 
 def parallel(model: str, pp: int, tp: int = 1, **settings) -> LLM:
@@ -72,13 +72,7 @@ def test_quantized_stages_give_the_same_greedy_tokens():
 @pytest.mark.parametrize("quantization", ["none", "gguf"])
 def test_embedded_model_in_two_stages_gives_the_same_greedy_tokens(quantization):
     """Float32, and the file's own Q4_1 / Q8_0 codes, each stage keeping its layers' only."""
-    prompts = ["The capital of France is", "def fibonacci(n):"]
-    expected = greedy_tokens(LLM("smollm2-135m", **(SETTINGS | {"quantization": quantization})), prompts)
-    llm = parallel("smollm2-135m", 2, quantization=quantization)
-    try:
-        assert greedy_tokens(llm, prompts) == expected
-    finally:
-        llm.engine.executor.shutdown()
+    assert_embedded_split_matches(parallel("smollm2-135m", 2, quantization=quantization), quantization)
 
 
 def test_a_last_stage_that_dies_ends_the_engine_with_a_clear_error():

@@ -117,9 +117,13 @@ def test_int4_groups_must_not_straddle_a_shard():
 def test_embedded_model_split_three_ways_gives_the_same_greedy_tokens(quantization):
     """Float32, and the file's own Q4_1 / Q8_0 codes sliced per rank (o_proj and down_proj on whole
     blocks of 32 inputs)."""
+    assert_embedded_split_matches(tensor_parallel("smollm2-135m", 3, quantization=quantization), quantization)
+
+
+def assert_embedded_split_matches(llm: LLM, quantization: str) -> None:
+    """The split engine's greedy tokens are one process's, at the same quantization; shuts it down."""
     prompts = ["The capital of France is", "def fibonacci(n):"]
     expected = greedy_tokens(LLM("smollm2-135m", **(SETTINGS | {"quantization": quantization})), prompts)
-    llm = tensor_parallel("smollm2-135m", 3, quantization=quantization)
     try:
         assert greedy_tokens(llm, prompts) == expected
     finally:
