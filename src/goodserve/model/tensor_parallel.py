@@ -114,7 +114,7 @@ class TensorParallel:
             return logits
         rows, columns = logits.shape
         parts = logits.new_empty((self.size * rows, columns))  # rank after rank
-        dist.all_gather_single(parts, logits.contiguous(), group=self.group)
+        dist.all_gather_into_tensor(parts, logits.contiguous(), group=self.group)
         return parts.view(self.size, rows, columns).movedim(0, 1).reshape(rows, self.size * columns)[:, :vocab_size]
 
 
