@@ -45,9 +45,10 @@ class UniProcExecutor:
 class MultiprocExecutor:
     """The workers in spawned processes: one (`mp`), or the tensor-parallel ranks this host runs
     (all of them unless LOCAL_WORLD_SIZE says fewer: the rest join from other hosts through
-    `goodserve worker`). The engine talks to rank 0 through a pipe; rank 0 hands each call on to the
-    other ranks (engine/distributed.py) and answers with its own result. Steps run synchronously
-    (the engine reads each step's output before the next is launched)."""
+    `goodserve worker`). The engine sends rank 0 one message a step through a pipe; rank 0 hands it
+    on to the other ranks (engine/distributed.py: a shared-memory ring on one host) and answers
+    with its own result. Steps run synchronously (the engine reads each step's output before the
+    next is launched)."""
 
     def __init__(self, config: EngineConfig) -> None:
         context = multiprocessing.get_context("spawn")
@@ -117,7 +118,7 @@ _LAST_WORD_S = 2.0
 
 
 def _leader_main(conn: Connection, config: EngineConfig, env: dict[str, str] | None) -> None:
-    """Rank 0 (or the only worker): build the worker, then answer the engine's calls until told to
+    """Rank 0 (or the only worker): build the worker, then answer the engine's steps until told to
     stop (None), handing each to the other ranks first."""
     try:
         rank = None
