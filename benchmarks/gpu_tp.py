@@ -19,8 +19,14 @@ unless --enforce-eager.
 
   python benchmarks/gpu_tp.py [--sizes 1,2,4,1x2,2x2] [--enforce-eager]   (on an nvidia-h100-x2 / -x4)
   python benchmarks/gpu_tp.py --smoke   (CPU, gloo, dummy:tiny float32, TP=1, 2, PP=2 and 2x2)
+  python benchmarks/gpu_tp.py --host-overhead [--smoke]   (what the worker processes cost a step)
 
-Writes $OUT/gpu_tp.json (or gpu_tp_smoke.json) and prints a table.
+--host-overhead runs batch-1 decode at TP=1 with the worker in the engine's process, TP=1 with it in
+a process of its own (executor_backend mp) and TP=2, and reports per step its wall time and the part
+of it spent outside rank 0's worker (building inputs, forward, sampling): the engine's own work and
+the executor's messages, unless async scheduling hides them behind the device's work.
+
+Writes $OUT/gpu_tp.json (or gpu_tp_smoke.json, gpu_tp_host.json) and prints a table.
 """
 
 from __future__ import annotations
@@ -114,6 +120,29 @@ def measure(args: argparse.Namespace, layout: str, bandwidth_gbps: float) -> dic
             "bandwidth_limit_tok_s": limit, "share_of_limit": best / limit}
 
 
+def host_overhead(args: argparse.Namespace) -> list[dict]:
+    rows = []
+    for name, options in (("TP=1 uni", {}), ("TP=1 mp", {"executor_backend": "mp"}),
+                          ("TP=2", {"tensor_parallel_size": 2})):
+        llm = LLM(args.model, device=args.device, dtype=args.dtype, max_num_seqs=16, enforce_eager=args.enforce_eager,
+                  quantization="none", **options)
+        try:
+            steps = llm.engine.steps
+            worker_s = -(steps.prepare + steps.forward + steps.sample)
+            num_steps = -steps.num_steps
+            runs = decode_tok_s(llm, args.new_tokens)  # its warm-up too: the mean over every step
+            worker_s += steps.prepare + steps.forward + steps.sample
+            num_steps += steps.num_steps
+        finally:
+            if options:
+                llm.engine.executor.shutdown()
+            del llm
+            gc.collect()
+        step_ms = 1e3 * np.mean([1 / r["decode_tok_s"] for r in runs])
+        rows.append({"layout": name, "step_ms": step_ms, "outside_worker_ms": step_ms - 1e3 * worker_s / num_steps})
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default=None, help="comma-separated layouts: N (TP=N) or NxM (TP=N x PP=M) "
@@ -122,10 +151,20 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (to see what capture buys)")
     parser.add_argument("--smoke", action="store_true", help="CPU, gloo, dummy:tiny float32, TP=1, 2, PP=2, 2x2")
+    parser.add_argument("--host-overhead", action="store_true",
+                        help="ms a step at TP=1 in-process, TP=1 in a worker process, TP=2, and the part outside rank 0's worker")
     args = parser.parse_args()
     args.device, args.dtype = ("cpu", "float32") if args.smoke else ("cuda", "bfloat16")
     if args.smoke:
         args.model, args.new_tokens, args.sizes = "dummy:tiny", 16, args.sizes or "1,2,1x2,2x2"
+    if args.host_overhead:
+        args.new_tokens = 128 if args.smoke else args.new_tokens
+        rows = host_overhead(args)
+        path = write_result("gpu_tp_host.json", {"model": args.model, "device": args.device, "steps": rows})
+        for row in rows:
+            print(f"{row['layout']:>9}: {row['step_ms']:.3f} ms a step, {row['outside_worker_ms']:.3f} outside rank 0's worker")
+        print(f"wrote {path}")
+        return
     layouts = args.sizes.split(",") if args.sizes else [str(s) for s in (1, 2, 4) if s <= torch.cuda.device_count()]
     bandwidth = copy_bandwidth_gbps(args.device)
     results = {"model": args.model, "dtype": args.dtype, "device": torch.cuda.get_device_name() if args.device == "cuda"

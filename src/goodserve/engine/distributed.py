@@ -4,9 +4,10 @@ plain-data channel, on torch.distributed.
 Ranks join through env:// exactly as torchrun starts them (MASTER_ADDR, MASTER_PORT, WORLD_SIZE,
 RANK, LOCAL_RANK), so ranks on other hosts join the same way. The tensors' collectives go through
 the default group: NCCL for CUDA tensors (one GPU per rank: cuda:LOCAL_RANK), gloo for CPU ones.
-Plain data (the engine config once, then each call of the executor: the scheduler's output and the
-grammar masks) goes from rank 0 to the others through a gloo group of its own, rank 0 being the one
-the engine talks to. Under pipeline parallelism the last stage samples: its first rank sends
+Plain data (the engine config once, then each step of the executor: the scheduler's output and the
+grammar masks) goes from rank 0 to the others, rank 0 being the one the engine talks to: the steps
+through a shared-memory ring (engine/shm_broadcast.py) when every rank runs on rank 0's host
+(LOCAL_WORLD_SIZE = WORLD_SIZE), else, and the config always, through a gloo group of its own. Under pipeline parallelism the last stage samples: its first rank sends
 each step's output (plain data) to rank 0 on the same group.
 
 Layout: ranks are stage-major (model/pipeline_parallel.py): stage s holds ranks s*N .. s*N+N-1,
@@ -23,11 +24,13 @@ import dataclasses
 import datetime
 import os
 import socket
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 from goodserve.config import EngineConfig
+from goodserve.engine.shm_broadcast import Reader, Writer
 from goodserve.errors import InvalidRequestError
 from goodserve.model.pipeline_parallel import PipelineParallel
 from goodserve.model.tensor_parallel import TensorParallel
@@ -42,6 +45,7 @@ class Rank:
     local_rank: int
     messages: dist.ProcessGroup  # gloo: rank 0 -> all, plain data
     pp: PipelineParallel = PipelineParallel()
+    steps: Writer | Reader | None = None  # rank 0's end or another's of the steps' ring; None: gloo
 
 
 def launch_env(world_size: int, rank: int, local_rank: int) -> dict[str, str]:
@@ -91,6 +95,23 @@ def arrange(rank: Rank, config: EngineConfig) -> Rank:
     return dataclasses.replace(rank, tp=TensorParallel(me % n, n, groups[stage]), pp=PipelineParallel(stage, m, n))
 
 
+def open_step_ring(rank: Rank) -> Rank:
+    """The steps' ring, where every rank runs on this host (every rank calls it). A rank's death
+    leaves no name behind: rank 0 removes it once all have attached."""
+    world = dist.get_world_size()
+    local = dist.get_rank() == 0 and int(os.environ.get("LOCAL_WORLD_SIZE", world)) == world
+    ring = Writer(num_readers=world - 1) if local else None
+    handle = broadcast(ring and ring.handle(), rank)
+    if handle is None:
+        return rank
+    if ring is None:
+        ring = Reader(handle, dist.get_rank() - 1, alive=_parent_alive())
+    dist.barrier(group=rank.messages)
+    if isinstance(ring, Writer):
+        ring.unlink()
+    return dataclasses.replace(rank, steps=ring)
+
+
 def from_last_stage(answer, rank: Rank):
     """The last stage's answer to a step (where the logits are), on rank 0; others keep their own."""
     last = (rank.pp.size - 1) * rank.pp.tp_size
@@ -113,9 +134,21 @@ def for_rank(config: EngineConfig, rank: Rank) -> EngineConfig:
 
 def broadcast(message, rank: Rank):
     """Rank 0's message, on every rank (rank 0 passes it, the others get it)."""
+    if isinstance(rank.steps, Writer):
+        rank.steps.enqueue(message)
+        return message
+    if isinstance(rank.steps, Reader):
+        return rank.steps.dequeue()
     box = [message]
     dist.broadcast_object_list(box, src=0, group=rank.messages)
     return box[0]
+
+
+def _parent_alive() -> Callable[[], bool]:
+    """Whether the engine that spawned this rank still runs (rank 0's death the engine sees, and
+    ends every rank; the engine's own death hands them to a new parent)."""
+    parent = os.getppid()
+    return lambda: os.getppid() == parent
 
 
 def min_over_ranks(value: int, rank: Rank) -> int:

@@ -45,9 +45,10 @@ class UniProcExecutor:
 class MultiprocExecutor:
     """The workers in spawned processes: one (`mp`), or the tensor-parallel ranks this host runs
     (all of them unless LOCAL_WORLD_SIZE says fewer: the rest join from other hosts through
-    `goodserve worker`). The engine talks to rank 0 through a pipe; rank 0 hands each call on to the
-    other ranks (engine/distributed.py) and answers with its own result. Steps run synchronously
-    (the engine reads each step's output before the next is launched)."""
+    `goodserve worker`). The engine sends rank 0 one message a step through a pipe; rank 0 hands it
+    on to the other ranks (engine/distributed.py: a shared-memory ring on one host) and answers
+    with its own result. Steps run synchronously (the engine reads each step's output before the
+    next is launched)."""
 
     def __init__(self, config: EngineConfig) -> None:
         context = multiprocessing.get_context("spawn")
@@ -57,7 +58,7 @@ class MultiprocExecutor:
         env = distributed.launch_env(world, 0, 0) if world > 1 else None
         self._processes = []
         for rank in range(local):
-            rank_env = env and env | {"RANK": str(rank), "LOCAL_RANK": str(rank)}
+            rank_env = env and env | {"RANK": str(rank), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(local)}
             target, args = (_leader_main, (child, config, rank_env)) if rank == 0 else (run_follower, (rank_env,))
             process = context.Process(target=target, args=args, daemon=True, name=f"goodserve-worker-{rank}")
             process.start()
@@ -66,10 +67,12 @@ class MultiprocExecutor:
         self.info: ModelInfo = self._receive()
 
     def execute_model(self, out: SchedulerOutput) -> None:
-        self._call("execute_model", out)
+        self._launching = out  # sent with the step's grammar masks: one message a step
 
     def sample_tokens(self, grammar: GrammarBitmask | None, trial: bool = False) -> PendingOutput:
-        output = self._call("sample_tokens", grammar, trial)
+        out, self._launching = self._launching, None
+        self._conn.send((out, grammar, trial))
+        output = self._receive()
         return PendingOutput(lambda: output, replayed_graph=False)
 
     def shutdown(self) -> None:
@@ -82,10 +85,6 @@ class MultiprocExecutor:
             if process.is_alive():
                 process.terminate()
         self._conn.close()
-
-    def _call(self, method: str, *args):
-        self._conn.send((method, args))
-        return self._receive()
 
     def _receive(self):
         """Rank 0's answer; a worker process that died instead ends the engine, with its exit code
@@ -119,7 +118,7 @@ _LAST_WORD_S = 2.0
 
 
 def _leader_main(conn: Connection, config: EngineConfig, env: dict[str, str] | None) -> None:
-    """Rank 0 (or the only worker): build the worker, then answer the engine's calls until told to
+    """Rank 0 (or the only worker): build the worker, then answer the engine's steps until told to
     stop (None), handing each to the other ranks first."""
     try:
         rank = None
@@ -127,7 +126,7 @@ def _leader_main(conn: Connection, config: EngineConfig, env: dict[str, str] | N
             os.environ.update(env)
             rank = distributed.join()
             distributed.broadcast(config, rank)
-            rank = distributed.arrange(rank, config)
+            rank = distributed.open_step_ring(distributed.arrange(rank, config))
             config = distributed.for_rank(config, rank)
         worker = Worker(config, rank)
     except BaseException as exc:  # noqa: BLE001 - reported to the engine, which raises it
@@ -144,15 +143,14 @@ def _leader_main(conn: Connection, config: EngineConfig, env: dict[str, str] | N
                 return
         if message is None:
             return
-        method, args = message
         try:
-            answer = (True, _call(worker, method, args))
+            answer = (True, _step(worker, *message))
         except dist.DistError as exc:
             conn.send((False, EngineDeadError(f"tensor-parallel collective failed: {exc}")))
             return
         except Exception as exc:  # noqa: BLE001 - a request's error: the engine isolates it
             answer = (False, exc)
-        if rank is not None and method == "sample_tokens":
+        if rank is not None:
             try:
                 answer = distributed.from_last_stage(answer, rank)
             except Exception as exc:  # noqa: BLE001 - a lost rank: nothing more can run
@@ -161,9 +159,9 @@ def _leader_main(conn: Connection, config: EngineConfig, env: dict[str, str] | N
         conn.send(answer)
 
 
-def _call(worker: Worker, method: str, args: tuple):
-    result = getattr(worker, method)(*args)
-    return result.result() if method == "sample_tokens" else result
+def _step(worker: Worker, out: SchedulerOutput, grammar: GrammarBitmask | None, trial: bool):
+    worker.execute_model(out)
+    return worker.sample_tokens(grammar, trial).result()
 
 
 def run_follower(env: dict[str, str] | None = None) -> None:
@@ -173,19 +171,17 @@ def run_follower(env: dict[str, str] | None = None) -> None:
         os.environ.update(env)
     rank = distributed.join()
     config = distributed.broadcast(None, rank)
-    rank = distributed.arrange(rank, config)
+    rank = distributed.open_step_ring(distributed.arrange(rank, config))
     worker = Worker(distributed.for_rank(config, rank), rank)
     while (message := distributed.broadcast(None, rank)) is not None:
-        method, args = message
         try:
-            answer = (True, _call(worker, method, args))
+            answer = (True, _step(worker, *message))
         except dist.DistError:
             raise
         except Exception as exc:  # noqa: BLE001 - a request's error, which rank 0 reports
             logger.debug("rank %d: step failed", dist.get_rank(), exc_info=True)
             answer = (False, exc)
-        if method == "sample_tokens":
-            distributed.from_last_stage(answer, rank)
+        distributed.from_last_stage(answer, rank)
 
 
 def make_executor(config: EngineConfig) -> UniProcExecutor | MultiprocExecutor:
