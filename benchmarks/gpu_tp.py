@@ -15,9 +15,12 @@ the sum over stages of a stage's read over one GPU's bandwidth: TP=N's limit; wh
 Each size runs in this process's engine (TP=1: the worker in this process, as the engine runs by
 default; TP>1: one worker process per GPU, NCCL). NCCL's NVLink multicast stays off
 (NCCL_NVLS_ENABLE=0, set here for the workers to inherit). CUDA graphs capture the collectives
-unless --enforce-eager.
+unless --enforce-eager. Each TP>1 layout runs once per all-reduce of --all-reduce: custom (small
+all-reduces one-shot on symmetric memory, model/custom_all_reduce.py; NCCL's when it cannot be set up:
+each row records the one its engine used) and nccl (--disable-custom-all-reduce).
 
-  python benchmarks/gpu_tp.py [--sizes 1,2,4,1x2,2x2] [--enforce-eager]   (on an nvidia-h100-x2 / -x4)
+  python benchmarks/gpu_tp.py [--sizes 1,2,4,1x2,2x2] [--enforce-eager] [--all-reduce custom,nccl]
+      (on an nvidia-h100-x2 / -x4)
   python benchmarks/gpu_tp.py --smoke   (CPU, gloo, dummy:tiny float32, TP=1, 2, PP=2 and 2x2)
   python benchmarks/gpu_tp.py --host-overhead [--smoke]   (what the worker processes cost a step)
 
@@ -37,6 +40,7 @@ import os
 import time
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # before any NCCL communicator exists (workers inherit it)
+os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")  # the custom all-reduce's buffer: no multicast
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -95,15 +99,15 @@ def decode_tok_s(llm: LLM, new_tokens: int) -> list[dict]:
     return runs
 
 
-def measure(args: argparse.Namespace, layout: str, bandwidth_gbps: float) -> dict:
-    """layout: "N" (TP=N) or "NxM" (TP=N in each of M pipeline stages)."""
-    tp, _, pp = layout.partition("x")
-    tp, pp = int(tp), int(pp or 1)
+def measure(args: argparse.Namespace, layout: str, all_reduce: str, bandwidth_gbps: float) -> dict:
+    """layout: "N" (TP=N) or "NxM" (TP=N in each of M pipeline stages); all_reduce: custom or nccl."""
+    tp, pp = parse_layout(layout)
     llm = LLM(args.model, device=args.device, dtype=args.dtype, tensor_parallel_size=tp, pipeline_parallel_size=pp,
-              max_num_seqs=16, enforce_eager=args.enforce_eager, quantization="none")
+              max_num_seqs=16, enforce_eager=args.enforce_eager, quantization="none",
+              disable_custom_all_reduce=all_reduce == "nccl")
     try:
         runs = decode_tok_s(llm, args.new_tokens)
-        cuda_graphs = llm.engine.executor.info.cuda_graphs
+        info = llm.engine.executor.info
     finally:
         if tp * pp > 1:
             llm.engine.executor.shutdown()
@@ -114,10 +118,22 @@ def measure(args: argparse.Namespace, layout: str, bandwidth_gbps: float) -> dic
     best = max(r["decode_tok_s"] for r in runs)
     read = bytes_per_gpu(args.model.removeprefix("dummy:"), tp, pp, getattr(torch, args.dtype), args.new_tokens)
     limit = bandwidth_gbps * 1e9 / read["step_read_bytes"]
-    return {"layout": layout, "tensor_parallel_size": tp, "pipeline_parallel_size": pp, "cuda_graphs": cuda_graphs,
+    return {"layout": layout, "tensor_parallel_size": tp, "pipeline_parallel_size": pp, "cuda_graphs": info.cuda_graphs,
+            "all_reduce": info.all_reduce,
             "decode_tok_s": best,
             "runs": [r["decode_tok_s"] for r in runs], "tokens": runs[0]["token_ids"], **read,
             "bandwidth_limit_tok_s": limit, "share_of_limit": best / limit}
+
+
+def parse_layout(layout: str) -> tuple[int, int]:
+    tp, _, pp = layout.partition("x")
+    return int(tp), int(pp or 1)
+
+
+def runs_to_make(layouts: list[str], all_reduces: list[str]) -> list[tuple[str, str]]:
+    """(layout, all-reduce) pairs: a layout without tensor parallelism once (it has no all-reduce)."""
+    return [(layout, all_reduce) for layout in layouts
+            for all_reduce in (all_reduces if parse_layout(layout)[0] > 1 else all_reduces[:1])]
 
 
 def host_overhead(args: argparse.Namespace) -> list[dict]:
@@ -150,10 +166,14 @@ def main() -> None:
     parser.add_argument("--model", default="dummy:llama-3.1-8b")
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (to see what capture buys)")
+    parser.add_argument("--all-reduce", default="custom", help="comma-separated: custom (the engine's default) "
+                        "and / or nccl (--disable-custom-all-reduce); each TP>1 layout runs once per entry")
     parser.add_argument("--smoke", action="store_true", help="CPU, gloo, dummy:tiny float32, TP=1, 2, PP=2, 2x2")
     parser.add_argument("--host-overhead", action="store_true",
                         help="ms a step at TP=1 in-process, TP=1 in a worker process, TP=2, and the part outside rank 0's worker")
     args = parser.parse_args()
+    if not set(args.all_reduce.split(",")) <= {"custom", "nccl"}:
+        parser.error("--all-reduce takes custom and / or nccl")
     args.device, args.dtype = ("cpu", "float32") if args.smoke else ("cuda", "bfloat16")
     if args.smoke:
         args.model, args.new_tokens, args.sizes = "dummy:tiny", 16, args.sizes or "1,2,1x2,2x2"
@@ -170,15 +190,18 @@ def main() -> None:
     results = {"model": args.model, "dtype": args.dtype, "device": torch.cuda.get_device_name() if args.device == "cuda"
                else "cpu", "copy_bandwidth_gbps_per_gpu": bandwidth, "prompt_len": PROMPT_LEN,
                "new_tokens": args.new_tokens, "nccl_nvls_enable": os.environ["NCCL_NVLS_ENABLE"],
-               "sizes": [measure(args, layout, bandwidth) for layout in layouts]}
+               "sizes": [measure(args, layout, all_reduce, bandwidth)
+                         for layout, all_reduce in runs_to_make(layouts, args.all_reduce.split(","))]}
     base = results["sizes"][0]
     for row in results["sizes"]:
         row["speedup_over_first"] = row["decode_tok_s"] / base["decode_tok_s"]
         row["same_tokens_as_first"] = row["tokens"] == base["tokens"]
     path = write_result("gpu_tp_smoke.json" if args.smoke else "gpu_tp.json", results)
-    print(f"{'TPxPP':>5} {'graphs':>6} {'tok/s':>9} {'limit':>9} {'share':>6} {'speedup':>7} same-tokens")
+    print(f"{'TPxPP':>5} {'all-reduce':>10} {'graphs':>6} {'tok/s':>9} {'limit':>9} {'share':>6} {'speedup':>7} "
+          f"same-tokens")
     for row in results["sizes"]:
-        print(f"{row['layout']:>5} {str(row['cuda_graphs']):>6} {row['decode_tok_s']:>9.1f} "
+        print(f"{row['layout']:>5} {str(row['all_reduce'] or '-'):>10} {str(row['cuda_graphs']):>6} "
+              f"{row['decode_tok_s']:>9.1f} "
               f"{row['bandwidth_limit_tok_s']:>9.1f} {row['share_of_limit']:>6.2f} {row['speedup_over_first']:>7.2f} "
               f"{row['same_tokens_as_first']}")
     print(f"wrote {path}")

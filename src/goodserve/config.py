@@ -84,6 +84,12 @@ class KernelOptions:
     mixed_graph_max_tokens: int = 2048
     graph_time_tolerance: float = 0.03
     decode_kernel_for_mixed_decodes: bool = True
+    # Tensor parallelism on CUDA: all-reduces of up to this many bytes take the one-shot all-reduce on
+    # symmetric memory (model/custom_all_reduce.py), larger ones NCCL; its buffer is this size. One-shot
+    # has every rank read each peer's whole message: at TP=2 the bytes of NCCL's ring, at TP=4 twice
+    # them, so it pays where latency, not bytes, decides: decode (8 KB a token for an 8B model, so
+    # 512 KiB holds a 64-sequence batch), not prefill chunks (MBs, where NCCL's bandwidth wins).
+    custom_all_reduce_max_bytes: int = 512 << 10
 
     def validate(self) -> None:
         kernels = [self.int4_one_row_kernel, *self.int4_one_row_kernel_by_shape.values()]
@@ -93,9 +99,10 @@ class KernelOptions:
         if any(max_batch < 1 or not set(tuning) <= set(DECODE_TUNING_KEYS) for max_batch, tuning in table.items()):
             raise InvalidRequestError(f"decode_attention_tuning_by_batch maps batch sizes >= 1 to settings among "
                                       f"{DECODE_TUNING_KEYS}, got {table}")
-        if self.decode_attention_waves < 1 or self.int4_tinygemm_max_m < 0 or self.mixed_graph_max_tokens < 0:
-            raise InvalidRequestError("decode_attention_waves must be at least 1, int4_tinygemm_max_m and "
-                                      "mixed_graph_max_tokens at least 0")
+        if (self.decode_attention_waves < 1 or self.int4_tinygemm_max_m < 0 or self.mixed_graph_max_tokens < 0
+                or self.custom_all_reduce_max_bytes < 0):
+            raise InvalidRequestError("decode_attention_waves must be at least 1, int4_tinygemm_max_m, "
+                                      "mixed_graph_max_tokens and custom_all_reduce_max_bytes at least 0")
 
 
 @dataclass(frozen=True)
@@ -153,6 +160,9 @@ class EngineConfig:
     # ranks (GPUs, or CPU processes over gloo), which rendezvous through torch.distributed env://
     # (MASTER_ADDR / MASTER_PORT as torchrun sets them; ranks on other hosts run `goodserve worker`).
     tensor_parallel_size: int = 1
+    # Tensor parallelism on CUDA: NCCL for every all-reduce, not the one-shot all-reduce on symmetric
+    # memory that small ones (decode's) take otherwise (model/custom_all_reduce.py; vLLM's flag).
+    disable_custom_all_reduce: bool = False
     # Pipeline parallelism (model/pipeline_parallel.py): the layers split into this many contiguous
     # stages, each of tensor_parallel_size ranks (world: N x M ranks, stage-major).
     pipeline_parallel_size: int = 1

@@ -55,6 +55,9 @@ _HELP = {
     "tensor_parallel_size": "split the model over this many GPUs (or CPU processes): must divide the attention "
                             "heads; ranks rendezvous through MASTER_ADDR / MASTER_PORT (torchrun's env://), ranks on "
                             "other hosts run `goodserve worker` (docs/architecture.md)",
+    "disable_custom_all_reduce": "tensor parallelism on CUDA: NCCL for every all-reduce, not the one-shot "
+                                 "all-reduce on symmetric memory that decode's small ones take otherwise "
+                                 "(default: False)",
     "pipeline_parallel_size": "split the model's layers into this many contiguous stages (each of "
                               "--tensor-parallel-size ranks); steps run through the stages one at a time",
     "async_scheduling": "launch step N+1 before step N's tokens reach the host (CUDA graphs only)",

@@ -29,7 +29,9 @@ from goodserve.errors import InvalidRequestError
 from goodserve.model.spec import ModelSpec
 
 # One all-reduce of a decode step's few KB inside a CUDA graph: NCCL measured 20 us on 2 H200s
-# (issue 16; 37-45 us eager, 11 us for a one-shot symmetric-memory all-reduce).
+# (issue 16; 37-45 us eager). The engine's TP ranks on one host take a one-shot all-reduce on
+# symmetric memory for such sizes instead (model/custom_all_reduce.py; 11 us for torch's, measured
+# apart from the engine): NCCL's figure stays until benchmarks/gpu_allreduce.py measures the engine's.
 ALLREDUCE_LATENCY_S = 20e-6
 NODE_GPUS = 8  # past one node's GPUs, TP's all-reduces would cross the network: PP there instead
 

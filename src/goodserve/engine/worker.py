@@ -22,6 +22,7 @@ from goodserve.engine.runner_output import PendingOutput
 from goodserve.engine.sampling_inputs import GrammarBitmask
 from goodserve.engine.scheduler_output import SchedulerOutput
 from goodserve.engine.spec_decode.draft_model import draft_kv_bytes_per_block
+from goodserve.model.custom_all_reduce import set_up_custom_all_reduce
 from goodserve.model.pipeline_parallel import PipelineParallel
 from goodserve.model.spec import ModelSpec
 from goodserve.model.tensor_parallel import TensorParallel
@@ -40,6 +41,9 @@ class ModelInfo:
     eos_token_ids: list[int]
     revision: str  # identity of the weights
     cuda_graphs: bool
+    # Tensor parallelism's all-reduce: "custom" (small tensors one-shot on symmetric memory, the rest
+    # NCCL), "nccl" or "gloo"; None without tensor parallelism.
+    all_reduce: str | None
 
 
 class Worker:
@@ -47,10 +51,13 @@ class Worker:
         tp, pp = (rank.tp, rank.pp) if rank is not None else (TensorParallel(), PipelineParallel())
         if pp.size > 1:
             config = replace(config, enforce_eager=True, async_scheduling=False)
+        device = torch.device(config.device)
+        if tp.size > 1 and not config.disable_custom_all_reduce:
+            tp = replace(tp, custom_all_reduce=set_up_custom_all_reduce(
+                tp.group, device, config.kernels.custom_all_reduce_max_bytes))
         loaded = build_model(config, tp, pp)
         config = resolve_for_model(config, loaded.spec)
         kv_dtype = kv_storage_dtype(config, torch_dtype(config))
-        device = torch.device(config.device)
         local_spec = pp.local_spec(tp.local_spec(loaded.spec))
         # A draft model's pool has as many blocks, in the engine's process on rank 0's device (the
         # pool is the smallest over the ranks: rank 0's).
@@ -64,12 +71,13 @@ class Worker:
         eos = sorted(set(loaded.spec.eos_token_ids) | set(tokenizer.eos_token_ids if tokenizer else []))
         self.runner = ModelRunner(config, loaded.model, config.num_kv_blocks, kv_dtype, eos)
         self.info = ModelInfo(config, loaded.spec, tokenizer, eos, loaded.revision,
-                              bool(self.runner.decode_graphs.graphs or self.runner.mixed_graphs.graphs))
+                              bool(self.runner.decode_graphs.graphs or self.runner.mixed_graphs.graphs),
+                              _all_reduce_name(tp, device))
         logger.info(
             "model %s (%s) dtype=%s device=%s kv_cache=%d blocks x %d tokens (%s) max_model_len=%d%s%s",
             config.model, loaded.source, config.dtype, device, config.num_kv_blocks, config.block_size,
             str(kv_dtype).removeprefix("torch."), config.max_model_len,
-            f" tensor-parallel rank {tp.rank}/{tp.size}" if tp.size > 1 else "",
+            f" tensor-parallel rank {tp.rank}/{tp.size} ({self.info.all_reduce} all-reduce)" if tp.size > 1 else "",
             f" pipeline stage {pp.stage}/{pp.size} (layers {pp.layers(loaded.spec.num_layers)})" if pp.size > 1 else "",
         )
 
@@ -78,3 +86,9 @@ class Worker:
 
     def sample_tokens(self, grammar: GrammarBitmask | None, trial: bool = False) -> PendingOutput:
         return self.runner.sample_tokens(grammar, trial)
+
+
+def _all_reduce_name(tp: TensorParallel, device: torch.device) -> str | None:
+    if tp.size == 1:
+        return None
+    return "custom" if tp.custom_all_reduce is not None else "nccl" if device.type == "cuda" else "gloo"

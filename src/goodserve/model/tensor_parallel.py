@@ -9,6 +9,10 @@ ids outside its range and all-reduces, the logits are all-gathered. Norms are re
 slicing serves a GGUF layer's codes (packed nibbles, scales and zeros per block of 32 inputs: rows
 are rows, and a row-parallel shard's columns are the same share of each).
 
+The all-reduces go through NCCL (gloo on the CPU), except small ones on CUDA where the ranks share a
+host: those take the one-shot all-reduce on symmetric memory (custom_all_reduce.py), set up by the
+worker and held here.
+
 KV heads: with N <= num_kv_heads each rank holds num_kv_heads / N of them; with more ranks than
 KV heads each KV head is replicated on N / num_kv_heads ranks (the ranks whose query heads read it).
 """
@@ -23,6 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from goodserve.errors import InvalidRequestError
+from goodserve.model.custom_all_reduce import CustomAllReduce
 from goodserve.model.spec import ModelSpec
 
 
@@ -52,6 +57,8 @@ class TensorParallel:
     # The ranks this one's collectives join: None, all of them (the default group); under pipeline
     # parallelism its stage's ranks (engine/distributed.py).
     group: dist.ProcessGroup | None = None
+    # The group's all-reduce of small CUDA tensors, where it could be set up (engine/worker.py).
+    custom_all_reduce: CustomAllReduce | None = None
 
     # ---- local shapes --------------------------------------------------------------------
     def local_spec(self, spec: ModelSpec) -> ModelSpec:
@@ -93,9 +100,13 @@ class TensorParallel:
 
     # ---- collectives ---------------------------------------------------------------------
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """The sum of the ranks' partial results (row-parallel outputs, masked embedding rows)."""
-        if self.size > 1:
-            dist.all_reduce(x, group=self.group)
+        """The sum of the ranks' partial results (row-parallel outputs, masked embedding rows): x
+        itself, summed in place, or a new tensor where the custom all-reduce takes x."""
+        if self.size == 1:
+            return x
+        if self.custom_all_reduce is not None and self.custom_all_reduce.takes(x):
+            return self.custom_all_reduce(x)
+        dist.all_reduce(x, group=self.group)
         return x
 
     def all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:
