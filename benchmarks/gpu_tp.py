@@ -35,6 +35,7 @@ Writes $OUT/gpu_tp.json (or gpu_tp_smoke.json, gpu_tp_host.json) and prints a ta
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
 import time
@@ -102,19 +103,10 @@ def decode_tok_s(llm: LLM, new_tokens: int) -> list[dict]:
 def measure(args: argparse.Namespace, layout: str, all_reduce: str, bandwidth_gbps: float) -> dict:
     """layout: "N" (TP=N) or "NxM" (TP=N in each of M pipeline stages); all_reduce: custom or nccl."""
     tp, pp = parse_layout(layout)
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, tensor_parallel_size=tp, pipeline_parallel_size=pp,
-              max_num_seqs=16, enforce_eager=args.enforce_eager, quantization="none",
-              disable_custom_all_reduce=all_reduce == "nccl")
-    try:
+    with engine(args, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                disable_custom_all_reduce=all_reduce == "nccl") as llm:
         runs = decode_tok_s(llm, args.new_tokens)
         info = llm.engine.executor.info
-    finally:
-        if tp * pp > 1:
-            llm.engine.executor.shutdown()
-        del llm
-        gc.collect()
-        if args.device == "cuda":
-            torch.cuda.empty_cache()
     best = max(r["decode_tok_s"] for r in runs)
     read = bytes_per_gpu(args.model.removeprefix("dummy:"), tp, pp, getattr(torch, args.dtype), args.new_tokens)
     limit = bandwidth_gbps * 1e9 / read["step_read_bytes"]
@@ -123,6 +115,21 @@ def measure(args: argparse.Namespace, layout: str, all_reduce: str, bandwidth_gb
             "decode_tok_s": best,
             "runs": [r["decode_tok_s"] for r in runs], "tokens": runs[0]["token_ids"], **read,
             "bandwidth_limit_tok_s": limit, "share_of_limit": best / limit}
+
+
+@contextlib.contextmanager
+def engine(args: argparse.Namespace, **options):
+    """An LLM for batch-1 decode, its worker processes shut and its GPU memory given back after."""
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, max_num_seqs=16, enforce_eager=args.enforce_eager,
+              quantization="none", **options)
+    try:
+        yield llm
+    finally:
+        llm.engine.executor.shutdown()
+        vars(llm).clear()  # the caller's name for it outlives the block: drop what holds the GPU memory
+        gc.collect()
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
 
 
 def parse_layout(layout: str) -> tuple[int, int]:
@@ -140,20 +147,13 @@ def host_overhead(args: argparse.Namespace) -> list[dict]:
     rows = []
     for name, options in (("TP=1 uni", {}), ("TP=1 mp", {"executor_backend": "mp"}),
                           ("TP=2", {"tensor_parallel_size": 2})):
-        llm = LLM(args.model, device=args.device, dtype=args.dtype, max_num_seqs=16, enforce_eager=args.enforce_eager,
-                  quantization="none", **options)
-        try:
+        with engine(args, **options) as llm:
             steps = llm.engine.steps
             worker_s = -(steps.prepare + steps.forward + steps.sample)
             num_steps = -steps.num_steps
             runs = decode_tok_s(llm, args.new_tokens)  # its warm-up too: the mean over every step
             worker_s += steps.prepare + steps.forward + steps.sample
             num_steps += steps.num_steps
-        finally:
-            if options:
-                llm.engine.executor.shutdown()
-            del llm
-            gc.collect()
         step_ms = 1e3 * np.mean([1 / r["decode_tok_s"] for r in runs])
         rows.append({"layout": name, "step_ms": step_ms, "outside_worker_ms": step_ms - 1e3 * worker_s / num_steps})
     return rows
@@ -168,13 +168,14 @@ def main() -> None:
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (to see what capture buys)")
     parser.add_argument("--all-reduce", default="custom", help="comma-separated: custom (the engine's default) "
                         "and / or nccl (--disable-custom-all-reduce); each TP>1 layout runs once per entry")
+    parser.add_argument("--dtype", default="bfloat16", help="on CUDA (float32: greedy tokens comparable across sizes)")
     parser.add_argument("--smoke", action="store_true", help="CPU, gloo, dummy:tiny float32, TP=1, 2, PP=2, 2x2")
     parser.add_argument("--host-overhead", action="store_true",
                         help="ms a step at TP=1 in-process, TP=1 in a worker process, TP=2, and the part outside rank 0's worker")
     args = parser.parse_args()
     if not set(args.all_reduce.split(",")) <= {"custom", "nccl"}:
         parser.error("--all-reduce takes custom and / or nccl")
-    args.device, args.dtype = ("cpu", "float32") if args.smoke else ("cuda", "bfloat16")
+    args.device, args.dtype = ("cpu", "float32") if args.smoke else ("cuda", args.dtype)
     if args.smoke:
         args.model, args.new_tokens, args.sizes = "dummy:tiny", 16, args.sizes or "1,2,1x2,2x2"
     if args.host_overhead:
