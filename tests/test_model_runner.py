@@ -171,31 +171,31 @@ def test_a_batch_replays_a_larger_graph_only_when_it_is_measurably_faster():
 
 
 def test_the_layout_holds_a_logits_row_per_token():
-    """Two sequences verifying 2 and 1 drafts: 5 logits rows, more than the 2 sequence rows (token rows
-    are aligned to 8, sequence rows to 4 plus query_start_loc's extra entry: 8)."""
+    """Two sequences verifying 4 and 3 drafts: 9 logits rows, more than the sequence rows hold (token
+    rows are aligned to 12, sequence rows to 4 plus query_start_loc's extra entry: 8)."""
     import numpy as np
 
     from goodserve.engine.input_layout import InputLayout
 
-    flat = FlatBatch(input_ids=[11, 12, 13, 21, 22], positions=[5, 6, 7, 9, 10], slots=[117, 118, 119, 57, 58],
-                     query_lens=[3, 2], seq_lens=[8, 11], block_tables=[[7], [3, 4]], sample_rows=[0, 1],
-                     logits_indices=[0, 1, 2, 3, 4], prompt_logit_spans={})
-    layout = InputLayout(5, 2, 3)
-    assert layout.used(flat) == 60 and layout.size == 64
+    flat = FlatBatch(input_ids=[11, 12, 13, 14, 15, 21, 22, 23, 24], positions=[5, 6, 7, 8, 9, 9, 10, 11, 12],
+                     slots=[117, 118, 119, 120, 121, 57, 58, 59, 60], query_lens=[5, 4], seq_lens=[10, 13],
+                     block_tables=[[7], [3, 4]], sample_rows=[0, 1], logits_indices=list(range(9)),
+                     prompt_logit_spans={})
+    layout = InputLayout(9, 2, 3)
+    assert layout.used(flat) == 76 and layout.size == 80
     host = np.full(layout.used(flat), 99, dtype=np.int32)
     layout.pack(flat, host)
-    pad = [99, 99, 99]  # logits rows past the batch's are never read, nor written
     assert host.tolist() == [
-        11, 12, 13, 21, 22, 0, 0, 0,  # input ids
-        5, 6, 7, 9, 10, 0, 0, 0,  # positions
-        117, 118, 119, 57, 58, -1, -1, -1,  # slots
-        0, 1, 2, 3, 4, *pad,  # logits indices
-        8, 11, 0, 0, 0, 0, 0, 0,  # seq lens
-        0, 3, 5, 8, 8, 8, 8, 8,  # query start locations
+        11, 12, 13, 14, 15, 21, 22, 23, 24, 0, 0, 0,  # input ids
+        5, 6, 7, 8, 9, 9, 10, 11, 12, 0, 0, 0,  # positions
+        117, 118, 119, 120, 121, 57, 58, 59, 60, -1, -1, -1,  # slots
+        0, 1, 2, 3, 4, 5, 6, 7, 8, 99, 99, 99,  # logits indices: rows past the batch's never read nor written
+        10, 13, 0, 0, 0, 0, 0, 0,  # seq lens
+        0, 5, 9, 12, 12, 12, 12, 12,  # query start locations
         0, 99, 99, 99,  # leading decodes: the first entry
         7, 3, 0, 0, 0, 4, 0, 0]  # block tables, column-major: the two columns used
     views = layout.views(torch.from_numpy(np.concatenate([host, np.zeros(4, dtype=np.int32)])))
-    assert views.logits_indices[:5].tolist() == [0, 1, 2, 3, 4] and views.block_tables[1, :2].tolist() == [3, 4]
+    assert views.logits_indices[:9].tolist() == list(range(9)) and views.block_tables[1, :2].tolist() == [3, 4]
 
 
 def test_steps_verifying_drafts_replay_a_mixed_graph_and_prompt_logits_run_eagerly():

@@ -3,8 +3,8 @@ step's inputs reach the device in one host-to-device copy whichever runs it:
 
     [input_ids | positions | slot_mapping | logits_indices]   token rows, num_tokens entries each
     [seq_lens | query_start_loc]                              sequence rows, num_seqs + ALIGN_INT32 each
-    [leading decodes]                                ALIGN_INT32 entries, the first one used
-    [block tables, column-major]                     max_blocks x num_seqs
+    [leading decodes]                                         ALIGN_INT32 entries, the first one used
+    [block tables, column-major]                              max_blocks x num_seqs
 
 logits_indices has a row per token: a sequence verifying k drafts has logits at its last 1 + k
 tokens, so a step has up to num_tokens logits rows, whatever its sequence count.

@@ -58,7 +58,6 @@ class _Decision:
         self.drafts: list[Drafts | None] = []
         self.num_ahead = num_ahead
         self.preempted = False
-        self.probed = False  # drafts were proposed while the speculator's probe was due
 
     def add(self, seq: Sequence, num_new: int, drafts: Drafts | None = None) -> None:
         self.seqs.append(seq)
@@ -129,7 +128,7 @@ class Scheduler:
         if decision is None:
             return None
         if self.speculator is not None:
-            self.speculator.counted_step(decision.probed)
+            self.speculator.counted_step()
         return self._output(decision)
 
     def may_propose(self) -> bool:
@@ -195,7 +194,6 @@ class Scheduler:
         unfinished prompts in priority order."""
         ordered = sorted(self.running, key=self.slo.running_key if self.slo else _decodes_first)
         proposed = self._propose(ordered, budget)
-        decision.probed = bool(proposed) and self.speculator.probe_due
         for seq in ordered:
             if budget == 0:
                 break

@@ -5,7 +5,8 @@ acceptance, against what a verify step costs beside a plain decode step (VerifyC
   or the first rejected), so it estimates the chance a draft is kept; k drafts then add
   a + a^2 + ... + a^k tokens in expectation (kept drafts are a prefix).
 - For each k, the sequences whose expected gain pays their own drafts' cost draft k; the step drafts
-  with the k of the best throughput (tokens per step time over a plain step's), if that beats 1.
+  with the k of the best throughput (tokens per step time over a plain step's), if that beats 1. A
+  drafting sequence's cost counts lookahead's window too (tokens computed beside the drafts).
 - A sequence left out keeps its estimate, so it is re-measured by a probe: at most one step in
   PROBE_EVERY gives every eligible sequence left out k drafts, so a sequence that starts copying
   later is noticed. No wall-clock time enters the decision (CPU timing noise would switch drafting
@@ -54,9 +55,10 @@ class VerifyCost:
 # 1.15x that at batch 1 (any k <= 8), 1.09-1.18x at batch 8 and 1.14-1.51x at batch 32 (k = 1..8).
 # This form gives 1.15-1.17, 1.16-1.22 and 1.17-1.55: a little dearer than measured.
 GRAPHED_COST = VerifyCost(per_seq=0.0064, fixed=0.15, per_draft_token=0.002)
-# Eager steps (the CPU): each token adds ~0.1 of a one-token step; verifying 4 drafts costs ~1.4
-# decode steps of the embedded model, float32 (benchmarks/BENCHMARKS.md, CPU speculative decoding).
-EAGER_COST = VerifyCost(per_seq=0.1, fixed=0.0, per_draft_token=0.1)
+# Eager steps (the CPU): each token adds ~0.056 of a one-token step; the embedded model, float32,
+# two threads, 300-token context: 1 / 5 / 9 / 13 / 17 tokens in 33.5 / 40.2 / 47.8 / 55.4 / 63.4 ms
+# (benchmarks/BENCHMARKS.md, lookahead decoding).
+EAGER_COST = VerifyCost(per_seq=0.056, fixed=0.0, per_draft_token=0.056)
 
 
 def verify_cost(config: EngineConfig) -> VerifyCost:
@@ -76,6 +78,9 @@ class Speculator:
         self.config = config
         self.proposer = proposer
         self.cost = cost or verify_cost(config)
+        # tokens a drafting sequence computes beside its drafts: lookahead's window (lookahead.py)
+        self.branch_tokens = config.lookahead_window * (config.lookahead_ngram - 1) \
+            if config.speculative_method == "lookahead" else 0
         self.steps_since_probe = 0
         # Counted as vLLM counts them (served under its metric names, server/metrics.py).
         self.num_drafts = 0  # verifications: one sequence's proposals checked in one step
@@ -100,14 +105,15 @@ class Speculator:
         best, best_gain = {}, 1.0
         decode = 1 + self.cost.per_seq * (num_running - 1)
         for k in range(1, self.config.num_speculative_tokens + 1):
-            # a sequence's k drafts cost per_draft_token * k of a step that gives num_running tokens
-            own_cost = num_running * self.cost.per_draft_token * k / decode
+            # a sequence's k drafts (and window) cost per_draft_token each, of a step that gives
+            # num_running tokens
+            own_cost = num_running * self.cost.per_draft_token * (k + self.branch_tokens) / decode
             gains = {seq.seq_id: expected_accepted(seq.spec_acceptance, k) for seq in seqs}
             chosen = {seq_id: k for seq_id, gain in gains.items() if gain > own_cost}
             if not chosen:
                 continue
             tokens = num_running + sum(gains[seq_id] for seq_id in chosen)
-            gain = tokens / num_running / self.cost.ratio(num_running, k * len(chosen))
+            gain = tokens / num_running / self.cost.ratio(num_running, (k + self.branch_tokens) * len(chosen))
             if gain > best_gain:
                 best, best_gain = chosen, gain
         return best
@@ -122,13 +128,16 @@ class Speculator:
     def probe_due(self) -> bool:
         return self.steps_since_probe >= PROBE_EVERY
 
-    def counted_step(self, probed: bool) -> None:
-        """A step was scheduled (ahead of the one in flight too); probed: it drafted while a probe
-        was due."""
-        self.steps_since_probe = 0 if probed else self.steps_since_probe + 1
+    def counted_step(self) -> None:
+        """A step was scheduled (ahead of the one in flight too)."""
+        self.steps_since_probe += 1
 
     def propose(self, wanted: list[tuple[Sequence, int]]) -> dict[str, Drafts]:
-        """Drafts per sequence id, for every (sequence, k) at once."""
+        """Drafts per sequence id, for every (sequence, k) at once. Asked while a probe is due, it
+        probes (the plan held every eligible sequence) even if nothing is proposed (an n-gram finds no
+        match), so the probes' steps stay bounded: each of them stops the engine running ahead."""
+        if self.probe_due:
+            self.steps_since_probe = 0
         proposed = self.proposer.propose(wanted)
         return {seq.seq_id: drafts for (seq, _), drafts in zip(wanted, proposed)
                 if drafts.token_ids or drafts.branch is not None}
