@@ -6,7 +6,8 @@ acceptance, against what a verify step costs beside a plain decode step (VerifyC
   a + a^2 + ... + a^k tokens in expectation (kept drafts are a prefix).
 - For each k, the sequences whose expected gain pays their own drafts' cost draft k; the step drafts
   with the k of the best throughput (tokens per step time over a plain step's), if that beats 1. A
-  drafting sequence's cost counts lookahead's window too (tokens computed beside the drafts).
+  drafting sequence's cost counts lookahead's window too (tokens computed beside the drafts); a
+  draft model's forwards (one per draft position, for the whole batch) count once per step.
 - A sequence left out keeps its estimate, so it is re-measured by a probe: at most one step in
   PROBE_EVERY gives every eligible sequence left out k drafts, so a sequence that starts copying
   later is noticed. No wall-clock time enters the decision (CPU timing noise would switch drafting
@@ -61,6 +62,12 @@ GRAPHED_COST = VerifyCost(per_seq=0.0064, fixed=0.15, per_draft_token=0.002)
 EAGER_COST = VerifyCost(per_seq=0.056, fixed=0.0, per_draft_token=0.056)
 
 
+# A draft model's step (draft_model.py), eager: ~1/4 of a float32 target step for the embedded
+# model's self:int4 draft on the CPU (benchmarks/BENCHMARKS.md, CPU speculative decoding). Not
+# measured on a GPU, where the draft runs eagerly beside graphed target steps: likely dearer there.
+DRAFT_POSITION_COST = 0.25
+
+
 def verify_cost(config: EngineConfig) -> VerifyCost:
     """The table of the path a verify step takes: a CUDA graph where graphs run (model_runner.py)."""
     graphed = config.device.startswith("cuda") and not config.enforce_eager \
@@ -81,6 +88,8 @@ class Speculator:
         # tokens a drafting sequence computes beside its drafts: lookahead's window (lookahead.py)
         self.branch_tokens = config.lookahead_window * (config.lookahead_ngram - 1) \
             if config.speculative_method == "lookahead" else 0
+        # a draft model's forward per draft position, for the whole batch, in one-sequence decode steps
+        self.draft_position_cost = DRAFT_POSITION_COST if config.speculative_method == "draft" else 0.0
         self.steps_since_probe = 0
         # Counted as vLLM counts them (served under its metric names, server/metrics.py).
         self.num_drafts = 0  # verifications: one sequence's proposals checked in one step
@@ -113,7 +122,9 @@ class Speculator:
             if not chosen:
                 continue
             tokens = num_running + sum(gains[seq_id] for seq_id in chosen)
-            gain = tokens / num_running / self.cost.ratio(num_running, (k + self.branch_tokens) * len(chosen))
+            cost = self.cost.ratio(num_running, (k + self.branch_tokens) * len(chosen)) \
+                + self.draft_position_cost * k / decode
+            gain = tokens / num_running / cost
             if gain > best_gain:
                 best, best_gain = chosen, gain
         return best
