@@ -38,12 +38,19 @@ or engine whose estimated time would end past it is skipped (listed in `skipped`
 Prediction (before any run): a graphed 8B decode step at batch 1 takes ~5.8 ms (172 tok/s,
 results/gpu_engine_h100_v8.json) and an eager 8B step ~16-17 ms of launches whatever its size
 (results/gpu_engine_makespan_eager_h100.json), so verify / decode ~3 at batch 1 and 8 for every k,
-against the policy's ~1: break-even acceptance ~0.75 at k = 4, well above spec_min_acceptance
-(0.3). Graphed (same_tokens_one_sample), k = 8 at batch 1 should cost within ~10% of a decode step.
-On the copy workload the embedded model's steps are launch-bound too (~1.5 ms graphed, ~5 ms eager
-for 30 layers), so ngram's ~3 tokens a verification may barely beat off at batch 1. ShareGPT-like:
+against the policy's ~1: break-even acceptance ~0.75 at k = 4, well above the policy's gate then
+(spec_min_acceptance 0.3; now the cost table, engine/spec_decode/policy.py). Graphed
+(same_tokens_one_sample), k = 8 at batch 1 should cost within ~10% of a decode step. On the copy
+workload the embedded model's steps are launch-bound too (~1.5 ms graphed, ~5 ms eager for 30
+layers), so ngram's ~3 tokens a verification may barely beat off at batch 1. ShareGPT-like:
 speculation is off while > 8 sequences run, so the ratio should be ~1 (the tail's small batches,
 where the acceptance EMA decides, are a few seconds of the run).
+
+Prediction for graphed verification (verify steps replay mixed-step graphs, per-step cost policy):
+verify_k* within ~2% of same_tokens_one_sample_k* (1.15x decode at batch 1); copy at batch 1 above
+2x of off (4.1 tokens a verification at ~1.2x a decode step); ShareGPT-like within 2% of off (a
+handful of tries per sequence in the tail, then a probe per 32 steps); every verify step graphed
+(`graphed_verify_steps` == `verify_steps`).
 
 --smoke: the CPU, dummy:tiny and the embedded model at tiny sizes, every code path (no graphs there).
 """
