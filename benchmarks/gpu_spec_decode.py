@@ -5,16 +5,15 @@
             through the engine's own seam (executor.execute_model + sample_tokens, as Engine.step calls
             them, scheduler and proposer left out): the decode step replays its CUDA graph; a verify step
             runs as graph_for (engine/cuda_graphs.py) sends it, which the JSON records per cell
-            (`graphed`: today eager, since the graphs' layouts hold one logits row per sequence). Beside
-            them, the same 1 + k tokens a sequence as plain prefill-chunk rows that sample once
-            (`same_tokens_one_sample`): they fit a mixed-step graph, so they show what a graphed verify
-            would cost. Per cell the median wall time of a step between two synchronizes, and the CUDA
+            (`graphed`: a mixed-step graph since the layout holds a logits row per token; eager on
+            commit ebe1590 and before). Beside them, the same 1 + k tokens a sequence as plain
+            prefill-chunk rows that sample once (`same_tokens_one_sample`). Per cell the median wall time of a step between two synchronizes, and the CUDA
             event time between its start and end, over --repeats after --warmup (cells interleaved).
-            The cost model it checks (engine/spec_decode/policy.py): verifying k drafts costs about one
-            decode step while the batch is <= spec_max_batch (8); none above. `cost_ratio` = verify /
+            The cost model it checks (engine/spec_decode/policy.py's VerifyCost, recorded under
+            `policy`); no drafts above spec_max_batch (8). `cost_ratio` = verify /
             decode; `break_even_acceptance`: the per-draft acceptance rate a at which a step of k drafts
             pays, (1 - a^(k+1)) / (1 - a) = cost_ratio (None: never, even with every draft kept).
-  sharegpt  the same engine (ngram, k = 4, the default policy), then one without speculation (each built
+  sharegpt  the same engine (ngram, k = 4, the default policy, CUDA graphs on), then one without speculation (each built
             after the last is freed, with the whole card, as gpu_engine.py's throughput part): bench's
             ShareGPT-like workload (the synthetic profile's lengths, random token ids: the dummy model has
             no tokenizer), --sharegpt-prompts at once, greedy, ignore_eos; output tok/s each and their
@@ -39,12 +38,19 @@ or engine whose estimated time would end past it is skipped (listed in `skipped`
 Prediction (before any run): a graphed 8B decode step at batch 1 takes ~5.8 ms (172 tok/s,
 results/gpu_engine_h100_v8.json) and an eager 8B step ~16-17 ms of launches whatever its size
 (results/gpu_engine_makespan_eager_h100.json), so verify / decode ~3 at batch 1 and 8 for every k,
-against the policy's ~1: break-even acceptance ~0.75 at k = 4, well above spec_min_acceptance
-(0.3). Graphed (same_tokens_one_sample), k = 8 at batch 1 should cost within ~10% of a decode step.
-On the copy workload the embedded model's steps are launch-bound too (~1.5 ms graphed, ~5 ms eager
-for 30 layers), so ngram's ~3 tokens a verification may barely beat off at batch 1. ShareGPT-like:
+against the policy's ~1: break-even acceptance ~0.75 at k = 4, well above the policy's gate then
+(spec_min_acceptance 0.3; now the cost table, engine/spec_decode/policy.py). Graphed
+(same_tokens_one_sample), k = 8 at batch 1 should cost within ~10% of a decode step. On the copy
+workload the embedded model's steps are launch-bound too (~1.5 ms graphed, ~5 ms eager for 30
+layers), so ngram's ~3 tokens a verification may barely beat off at batch 1. ShareGPT-like:
 speculation is off while > 8 sequences run, so the ratio should be ~1 (the tail's small batches,
 where the acceptance EMA decides, are a few seconds of the run).
+
+Prediction for graphed verification (verify steps replay mixed-step graphs, per-step cost policy):
+verify_k* within ~2% of same_tokens_one_sample_k* (1.15x decode at batch 1); copy at batch 1 above
+2x of off (4.1 tokens a verification at ~1.2x a decode step); ShareGPT-like within 2% of off (a
+handful of tries per sequence in the tail, then a probe per 32 steps); every verify step graphed
+(`graphed_verify_steps` == `verify_steps`).
 
 --smoke: the CPU, dummy:tiny and the embedded model at tiny sizes, every code path (no graphs there).
 """
@@ -52,6 +58,7 @@ where the acceptance EMA decides, are a few seconds of the run).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import os
 import platform
@@ -124,7 +131,9 @@ def spec_counts(llm: LLM) -> dict:
     stats = llm.engine.stats()
     return {"steps": stats.num_steps, "verifications": stats.spec_decode_num_drafts,
             "draft_tokens": stats.spec_decode_num_draft_tokens,
-            "accepted_tokens": stats.spec_decode_num_accepted_tokens}
+            "accepted_tokens": stats.spec_decode_num_accepted_tokens,
+            # steps that verified drafts, and those of them that replayed a CUDA graph (the rest: eager)
+            "verify_steps": stats.num_verify_steps, "graphed_verify_steps": stats.num_graphed_verify_steps}
 
 
 def spec_summary(before: dict, after: dict, output_tokens: int, seconds: float) -> dict:
@@ -214,9 +223,10 @@ def part_verify(llm: LLM, context: int, warmup: int, repeats: int, result: dict)
     result.update({
         "model": TARGET, "dtype": config.dtype, "context": context, "warmup": warmup, "repeats": repeats,
         "block_size": runner.block_size,
-        "policy": {"assumes": "verifying k drafts costs about one decode step at <= spec_max_batch sequences; "
-                              "no drafts above it (engine/spec_decode/policy.py)",
-                   "spec_max_batch": config.spec_max_batch, "spec_min_acceptance": config.spec_min_acceptance,
+        "policy": {"assumes": "verify / decode step time per VerifyCost (engine/spec_decode/policy.py); "
+                              "no drafts above spec_max_batch",
+                   "verify_cost": dataclasses.asdict(llm.engine.scheduler.speculator.cost),
+                   "spec_policy": config.spec_policy, "spec_max_batch": config.spec_max_batch,
                    "num_speculative_tokens": config.num_speculative_tokens},
         "by_batch": {}})
     cells = result["by_batch"]
@@ -285,16 +295,14 @@ def sharegpt_requests(num: int, vocab: int) -> tuple[list[dict], list[SamplingPa
 def drafts_by_running(llm: LLM) -> Counter:
     """From now on: per running batch size, how often the policy let a sequence speculate (k > 0; the
     proposer may still find nothing to propose)."""
-    speculator, grants = llm.engine.scheduler.speculator, Counter()
-    wanted = speculator.drafts_wanted
+    scheduler, grants = llm.engine.scheduler, Counter()
+    propose = scheduler.speculator.propose
 
-    def counted(seq, num_running: int, room: int) -> int:
-        k = wanted(seq, num_running, room)
-        if k:
-            grants[num_running] += 1
-        return k
+    def counted(wanted: list) -> dict:
+        grants[len(scheduler.running)] += len(wanted)
+        return propose(wanted)
 
-    speculator.drafts_wanted = counted
+    scheduler.speculator.propose = counted
     return grants
 
 

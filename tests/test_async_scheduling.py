@@ -292,3 +292,38 @@ def test_speculation_still_drafts_under_async_scheduling(embedded_llm):
         tokens = _tokens(spec_llm.generate([prompt], GREEDY))
     assert spec_llm.engine.stats().spec_decode_num_draft_tokens > 0
     assert tokens == _tokens(embedded_llm.generate([prompt], GREEDY))
+
+
+class _WrongProposer:
+    """Proposes a token greedy decoding never picks here: every verification rejects its drafts."""
+
+    def __init__(self, token: int) -> None:
+        self.token = token
+
+    def propose(self, wanted):
+        from goodserve.engine.spec_decode.proposer import Drafts
+
+        return [Drafts([self.token] * k) for _, k in wanted]
+
+    def release(self, seq) -> None:
+        pass
+
+
+def test_rejected_speculation_stops_and_steps_run_ahead_again(embedded_llm):
+    """Once a sequence's drafts keep being rejected the policy plans none for it, so the engine runs
+    ahead of the step in flight again, but for the probes' bounded share of steps."""
+    from test_spec_decode import _spec_llm, _tokens
+
+    from goodserve.engine.spec_decode.policy import PROBE_EVERY
+
+    params = SamplingParams(temperature=0, max_tokens=3 * PROBE_EVERY, ignore_eos=True)
+    spec_llm = _spec_llm()
+    speculator = spec_llm.engine.scheduler.speculator
+    speculator.proposer = _WrongProposer(spec_llm.tokenizer.encode("zebra")[0])
+    with engine_mode(spec_llm, graphs=True, async_scheduling=True) as pipelined:
+        tokens = _tokens(spec_llm.generate(["Once upon a time"], params))
+        assert pipelined() > 2 * PROBE_EVERY
+    stats = spec_llm.engine.stats()
+    # a few tries while its acceptance estimate falls from the unmeasured 0.5, then a probe per PROBE_EVERY steps
+    assert 0 < stats.spec_decode_num_drafts <= 8 + 3 and stats.spec_decode_num_accepted_tokens == 0
+    assert tokens == _tokens(embedded_llm.generate(["Once upon a time"], params))

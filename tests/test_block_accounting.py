@@ -58,7 +58,7 @@ def test_random_traffic_leaks_nothing(policy, chunked, speculative):
     config = EngineConfig(scheduler_policy=policy, max_num_seqs=6, max_num_batched_tokens=24 if chunked else 64,
                           enable_chunked_prefill=chunked, block_size=BLOCK,
                           speculative_method="ngram" if speculative == "ngram" else None, num_speculative_tokens=3,
-                          spec_max_batch=6, spec_min_acceptance=0.0)
+                          spec_max_batch=6, spec_policy="always")
     kv = KVCacheManager(num_blocks=14, block_size=BLOCK)
     pool = kv.pool
     drafting = dataclasses.replace(config, speculative_model="dummy:tiny", num_kv_blocks=14, device="cpu",

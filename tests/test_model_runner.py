@@ -168,3 +168,78 @@ def test_a_batch_replays_a_larger_graph_only_when_it_is_measurably_faster():
     assert choice[3] == 4 and choice[5] == 8
     assert choice[9] == choice[16] == 32  # 16 is slower than 32: pad further
     assert choice[17] == 32 and choice[33] == 64
+
+
+def test_the_layout_holds_a_logits_row_per_token():
+    """Two sequences verifying 4 and 3 drafts: 9 logits rows, more than the sequence rows hold (token
+    rows are aligned to 12, sequence rows to 4 plus query_start_loc's extra entry: 8)."""
+    import numpy as np
+
+    from goodserve.engine.input_layout import InputLayout
+
+    flat = FlatBatch(input_ids=[11, 12, 13, 14, 15, 21, 22, 23, 24], positions=[5, 6, 7, 8, 9, 9, 10, 11, 12],
+                     slots=[117, 118, 119, 120, 121, 57, 58, 59, 60], query_lens=[5, 4], seq_lens=[10, 13],
+                     block_tables=[[7], [3, 4]], sample_rows=[0, 1], logits_indices=list(range(9)),
+                     prompt_logit_spans={})
+    layout = InputLayout(9, 2, 3)
+    assert layout.used(flat) == 76 and layout.size == 80
+    host = np.full(layout.used(flat), 99, dtype=np.int32)
+    layout.pack(flat, host)
+    assert host.tolist() == [
+        11, 12, 13, 14, 15, 21, 22, 23, 24, 0, 0, 0,  # input ids
+        5, 6, 7, 8, 9, 9, 10, 11, 12, 0, 0, 0,  # positions
+        117, 118, 119, 120, 121, 57, 58, 59, 60, -1, -1, -1,  # slots
+        0, 1, 2, 3, 4, 5, 6, 7, 8, 99, 99, 99,  # logits indices: rows past the batch's never read nor written
+        10, 13, 0, 0, 0, 0, 0, 0,  # seq lens
+        0, 5, 9, 12, 12, 12, 12, 12,  # query start locations
+        0, 99, 99, 99,  # leading decodes: the first entry
+        7, 3, 0, 0, 0, 4, 0, 0]  # block tables, column-major: the two columns used
+    views = layout.views(torch.from_numpy(np.concatenate([host, np.zeros(4, dtype=np.int32)])))
+    assert views.logits_indices[:9].tolist() == list(range(9)) and views.block_tables[1, :2].tolist() == [3, 4]
+
+
+def test_steps_verifying_drafts_replay_a_mixed_graph_and_prompt_logits_run_eagerly():
+    from goodserve import LLM
+
+    runner = LLM("dummy:tiny", num_kv_blocks=16).engine.executor.worker.runner
+    graph = EagerMixedGraph(runner, 16, None)
+    runner.mixed_graphs = cuda_graphs.GraphSet({16: graph}, {16: 1.0})
+    flat = FlatBatch(input_ids=[1] * 5, positions=[5, 6, 7, 9, 10], slots=[5, 6, 7, 25, 26], query_lens=[3, 2],
+                     seq_lens=[8, 11], block_tables=[[0], [1]], sample_rows=[0, 1], logits_indices=[0, 1, 2, 3, 4],
+                     prompt_logit_spans={})
+    assert cuda_graphs.graph_for(flat, runner.decode_graphs, runner.mixed_graphs) is graph
+    assert graph.load(flat, torch.zeros(graph.layout.size, dtype=torch.int32)).logits_indices.tolist() == [0, 1, 2, 3, 4]
+    flat.prompt_logit_spans = {0: (0, 2)}
+    assert cuda_graphs.graph_for(flat, runner.decode_graphs, runner.mixed_graphs) is None
+
+
+class VerifyCountingMixedGraph(EagerMixedGraph):
+    verify_replays = 0
+
+    def run(self, inputs):
+        VerifyCountingMixedGraph.verify_replays += len(inputs.logits_indices) > len(inputs.sample_rows)
+        return super().run(inputs)
+
+
+def test_verify_steps_through_mixed_graph_buffers_give_the_speculation_off_tokens():
+    """Greedy prompt lookup whose verify steps run in a mixed graph's buffers (a logits row per draft,
+    gathered after the forward), under the Triton interpreter, gives the plain-torch path's tokens
+    without speculation; the engine counts those steps as graphed verifications."""
+    from goodserve import LLM
+
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8, 9] * 4}, {"prompt_token_ids": [40, 41, 42] * 3 + [40]}]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    settings = {"model": "dummy:tiny", "num_kv_blocks": 48, "max_num_seqs": 4}
+    expected = LLM(**settings, attention_backend="torch").generate(prompts, params)
+    llm = LLM(**settings, attention_backend="triton", speculative_method="ngram", num_speculative_tokens=3,
+              spec_policy="always")
+    runner = llm.engine.executor.worker.runner
+    counts = cuda_graphs.mixed_graph_token_counts(llm.engine.config.max_num_batched_tokens, 64)
+    runner.mixed_graphs = cuda_graphs.GraphSet({c: VerifyCountingMixedGraph(runner, c, None) for c in counts},
+                                                dict.fromkeys(counts, 1.0))
+    got = llm.generate(prompts, params)
+    stats = llm.engine.stats()
+    assert VerifyCountingMixedGraph.verify_replays > 0 and stats.spec_decode_num_draft_tokens > 0
+    assert 0 < stats.num_graphed_verify_steps == stats.num_verify_steps
+    for ours, ref in zip(got, expected):
+        assert ours.outputs[0].token_ids == ref.outputs[0].token_ids

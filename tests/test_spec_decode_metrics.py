@@ -25,10 +25,10 @@ from tests.test_bench_client import bench_args
 from tests.test_spec_decode import COPY
 
 K, NGRAM_MIN, NGRAM_MAX, MAX_TOKENS = 4, 1, 4, 40
-# --spec-min-acceptance 0: the acceptance moving average never pauses a sequence's proposals, so the
+# --spec-policy always: neither acceptance nor cost ever pauses a sequence's proposals, so the
 # replay needs no model of that policy.
 SERVER_ARGS = ["--quantization", "none", "--speculative-method", "ngram", "--num-speculative-tokens", str(K),
-               "--spec-min-acceptance", "0", "--max-model-len", "512", "--log-level", "warning"]
+               "--spec-policy", "always", "--max-model-len", "512", "--log-level", "warning"]
 DRAFTS = "goodserve:spec_decode_num_drafts_total"
 DRAFT_TOKENS = "goodserve:spec_decode_num_draft_tokens_total"
 ACCEPTED = "goodserve:spec_decode_num_accepted_tokens_total"

@@ -25,7 +25,7 @@ def _tokens(outputs) -> list[list[int]]:
 
 def _lookahead_llm(model: str = "smollm2-135m", **options) -> LLM:
     options = {"quantization": "none", "cpu_kv_cache_bytes": 64 << 20, **options}
-    return LLM(model, speculative_method="lookahead", num_speculative_tokens=4, spec_min_acceptance=0, **options)
+    return LLM(model, speculative_method="lookahead", num_speculative_tokens=4, spec_policy="always", **options)
 
 
 @pytest.fixture(scope="module")

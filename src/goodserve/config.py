@@ -14,6 +14,7 @@ from goodserve.model_names import EMBEDDED_MODEL, gguf_model_path
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULER_POLICIES = ("continuous", "static", "dynamic", "makespan", "slo")
+SPEC_POLICIES = ("cost", "always")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
@@ -180,15 +181,17 @@ class EngineConfig:
     ngram_max: int = 4
     lookahead_window: int = 2
     lookahead_ngram: int = 3
-    # Policy (engine/spec_decode/policy.py): no proposals while more sequences run than this, or
-    # for a sequence whose acceptance EMA fell under spec_min_acceptance (it probes again now and then).
+    # Policy (engine/spec_decode/policy.py): no proposals while more sequences run than this; under
+    # it "cost" drafts per step where the measured acceptance pays a verify step's cost, "always"
+    # drafts num_speculative_tokens for every sequence that may.
     spec_max_batch: int = 8
-    spec_min_acceptance: float = 0.3
+    spec_policy: str = "cost"
 
     def validate(self) -> None:
         checks = [
             (self.scheduler_policy in SCHEDULER_POLICIES,
              f"scheduler_policy must be one of {SCHEDULER_POLICIES}"),
+            (self.spec_policy in SPEC_POLICIES, f"spec_policy must be one of {SPEC_POLICIES}"),
             (self.kv_cache_dtype in KV_CACHE_DTYPES, f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}"),
             (self.quantization in QUANTIZATIONS, f"quantization must be one of {QUANTIZATIONS[1:]}"),
             (self.attention_backend in ATTENTION_BACKENDS, f"attention_backend must be one of {ATTENTION_BACKENDS}"),

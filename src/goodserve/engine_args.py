@@ -19,6 +19,7 @@ from goodserve.config import (
     LM_HEAD_QUANTIZATIONS,
     QUANTIZATIONS,
     SCHEDULER_POLICIES,
+    SPEC_POLICIES,
     SPECULATIVE_METHODS,
     EngineConfig,
 )
@@ -26,6 +27,7 @@ from goodserve.config import (
 _CHOICES = {
     "dtype": DTYPES,
     "scheduler_policy": SCHEDULER_POLICIES,
+    "spec_policy": SPEC_POLICIES,
     "kv_cache_dtype": KV_CACHE_DTYPES,
     "quantization": tuple(q for q in QUANTIZATIONS if q),
     "attention_backend": ATTENTION_BACKENDS,
@@ -86,8 +88,9 @@ _HELP = {
     "lookahead_ngram": "lookahead: n-gram length N; the window holds N - 1 levels (default: 3)",
     "spec_max_batch": "no speculation while more sequences run than this (verifying costs more than it saves "
                       "in large batches) (default: 8)",
-    "spec_min_acceptance": "no speculation for a sequence whose acceptance rate (moving average) is under this; "
-                           "it probes again every 8 steps (default: 0.3)",
+    "spec_policy": "cost: draft per step where each sequence's measured acceptance pays a verify step's cost "
+                   "(a table from measurements, engine/spec_decode/policy.py); always: draft "
+                   "--num-speculative-tokens for every sequence that may (default: cost)",
 }
 
 # Short names kept beside the derived flag (--max-n-per-request is --max-n too).

@@ -79,3 +79,19 @@ def test_embeddings_and_logit_bias_on_cuda_match_transformers(text_ids, device, 
     logits = hf(torch.tensor([generating], device=device)).logits[0, -1]
     logits[first] -= 100.0
     assert first not in tokens and tokens[0] == int(logits.argmax())
+
+
+def test_graphed_prompt_lookup_gives_the_speculation_off_tokens(text_ids, device, cuda_only, record_property):
+    """Greedy ngram speculation with CUDA graphs on, float32, on a copy-like prompt (a passage, then
+    its start again): the same tokens as speculation off, and the verify steps replay mixed-step
+    graphs (none runs eagerly)."""
+    passage = text_ids[:120]
+    prompt = passage + passage[:12]
+    off = greedy(build(EMBEDDED_MODEL, device, dtype="float32"), [prompt], max_tokens=64)[0]
+    llm = build(EMBEDDED_MODEL, device, dtype="float32", speculative_method="ngram", num_speculative_tokens=4)
+    assert greedy(llm, [prompt], max_tokens=64)[0] == off
+    stats = llm.engine.stats()
+    record_property("verify_steps", stats.num_verify_steps)
+    record_property("graphed_verify_steps", stats.num_graphed_verify_steps)
+    assert stats.spec_decode_num_accepted_tokens > 0
+    assert 0 < stats.num_graphed_verify_steps == stats.num_verify_steps

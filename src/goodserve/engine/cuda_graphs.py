@@ -85,12 +85,14 @@ def capture_graphs(runner: ModelRunner) -> tuple[GraphSet, GraphSet]:
 
 def graph_for(flat: FlatBatch, decode_graphs: GraphSet, mixed_graphs: GraphSet) -> _DecodeGraph | _MixedGraph | None:
     """The captured graph the batch replays: a decode graph if every sequence computes one token
-    and samples, else a mixed-step graph unless some sequence wants prompt logits or verifies drafts
-    (more logits rows than sequences: the graphs' layouts hold one per sequence)."""
+    and samples, else a mixed-step graph (prefill chunks, and sequences verifying drafts: their logits
+    rows are gathered from the graph's hidden states after it) unless some sequence wants prompt
+    logits. Those steps are rare (a prompt-logprobs request's prefill chunks) and run eagerly, the
+    one path that computes logits over a span."""
     num_seqs = len(flat.seq_lens)
     if max(flat.query_lens) == 1 and len(flat.sample_rows) == num_seqs:
         return decode_graphs.holding(num_seqs)
-    if flat.prompt_logit_spans or len(flat.logits_indices) > len(flat.sample_rows):  # drafts: eager
+    if flat.prompt_logit_spans:
         return None
     graph = mixed_graphs.holding(len(flat.input_ids))
     return graph if graph is not None and graph.holds(flat) else None
@@ -192,7 +194,8 @@ class _DecodeGraph(_StepGraph):
 
 class _MixedGraph(_StepGraph):
     """A CUDA graph of one step's forward over up to `num_tokens` tokens of up to `max_seqs` sequences,
-    prefill chunks and decodes in any mix; the logits of the sampled rows are computed after it.
+    prefill chunks, decodes and decodes verifying drafts in any mix; the logits of the sampled rows
+    (1 + k of a row verifying k drafts) are computed after it.
 
     The attention kernels' grids cover any batch of the graph's size, and the count of leading
     decodes (the decode kernel's; the prefill kernel takes the rest) is read on the device, from the
@@ -228,7 +231,7 @@ class _MixedGraph(_StepGraph):
         self.layout.pack(flat, staging[:count].numpy())
         self.inputs[:count].copy_(staging[:count], non_blocking=True)
         return ModelInput(self.input_ids, self.positions, self.meta, flat.sample_rows,
-                          self.logits_indices[: len(flat.sample_rows)], {}, graph=self,
+                          self.logits_indices[: len(flat.logits_indices)], {}, graph=self,
                           pooling_spans=flat.pooling_spans)
 
     def _forward(self) -> None:

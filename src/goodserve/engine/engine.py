@@ -306,6 +306,9 @@ class Engine:
         self.steps.prepare += output.prepare_s
         self.steps.forward += output.forward_s
         self.steps.sample += output.sample_s
+        if step.out.draft_token_ids:
+            self.steps.num_verify_steps += 1
+            self.steps.num_graphed_verify_steps += step.pending.replayed_graph
         self.steps.detokenize += time.perf_counter() - t0
         return {seq.request_id for seq in step.seqs}
 

@@ -1,10 +1,13 @@
 """One int32 layout for a step's inputs, shared by the eager path and both kinds of CUDA graph, so a
 step's inputs reach the device in one host-to-device copy whichever runs it:
 
-    [input_ids | positions | slot_mapping]           token rows, num_tokens entries each
-    [logits_indices | seq_lens | query_start_loc]    sequence rows, num_seqs + ALIGN_INT32 each
-    [leading decodes]                                ALIGN_INT32 entries, the first one used
-    [block tables, column-major]                     max_blocks x num_seqs
+    [input_ids | positions | slot_mapping | logits_indices]   token rows, num_tokens entries each
+    [seq_lens | query_start_loc]                              sequence rows, num_seqs + ALIGN_INT32 each
+    [leading decodes]                                         ALIGN_INT32 entries, the first one used
+    [block tables, column-major]                              max_blocks x num_seqs
+
+logits_indices has a row per token: a sequence verifying k drafts has logits at its last 1 + k
+tokens, so a step has up to num_tokens logits rows, whatever its sequence count.
 
 Column-major tables put the columns a step uses first, so a copy covers only those; columns past
 them keep valid block ids of earlier steps, which the kernels never read (seq_lens bound them).
@@ -50,7 +53,7 @@ class InputLayout:
     def __init__(self, num_tokens: int, num_seqs: int, max_blocks: int) -> None:
         self.num_tokens, self.num_seqs, self.max_blocks = _aligned(num_tokens), _aligned(num_seqs), max_blocks
         self.seq_rows = self.num_seqs + ALIGN_INT32  # room for query_start_loc's extra entry, aligned
-        self.tables_at = 3 * self.num_tokens + 3 * self.seq_rows + ALIGN_INT32
+        self.tables_at = 4 * self.num_tokens + 2 * self.seq_rows + ALIGN_INT32
         self.size = self.tables_at + max_blocks * self.num_seqs
 
     def used(self, flat: FlatBatch) -> int:
@@ -59,8 +62,8 @@ class InputLayout:
 
     def views(self, buffer: torch.Tensor) -> StepBuffers:
         t, s = self.num_tokens, self.seq_rows
-        input_ids, positions, slot_mapping = buffer[: 3 * t].view(3, t)
-        logits_indices, seq_lens, query_start_loc = buffer[3 * t : 3 * t + 3 * s].view(3, s)
+        input_ids, positions, slot_mapping, logits_indices = buffer[: 4 * t].view(4, t)
+        seq_lens, query_start_loc = buffer[4 * t : 4 * t + 2 * s].view(2, s)
         return StepBuffers(input_ids, positions, slot_mapping, logits_indices, seq_lens[: self.num_seqs],
                            query_start_loc[: self.num_seqs + 1], buffer[self.tables_at - ALIGN_INT32 :][:1],
                            buffer[self.tables_at : self.size].view(self.max_blocks, self.num_seqs).t())
@@ -68,13 +71,13 @@ class InputLayout:
     def pack(self, flat: FlatBatch, host: np.ndarray) -> None:
         """Write the batch into host (the layout's first `used(flat)` entries), padding included."""
         num_tokens, num_seqs = len(flat.input_ids), len(flat.seq_lens)
-        tokens = host[: 3 * self.num_tokens].reshape(3, self.num_tokens)
+        tokens = host[: 4 * self.num_tokens].reshape(4, self.num_tokens)
         for row, values, pad in zip(tokens, (flat.input_ids, flat.positions, flat.slots), _PADDING):
             row[:num_tokens] = values
             row[num_tokens:] = pad
-        logits_indices, seq_lens, query_start_loc = \
-            host[3 * self.num_tokens : 3 * self.num_tokens + 3 * self.seq_rows].reshape(3, self.seq_rows)
-        logits_indices[: len(flat.logits_indices)] = flat.logits_indices
+        tokens[3, : len(flat.logits_indices)] = flat.logits_indices  # read up to their count only
+        seq_lens, query_start_loc = \
+            host[4 * self.num_tokens : 4 * self.num_tokens + 2 * self.seq_rows].reshape(2, self.seq_rows)
         seq_lens[:num_seqs] = flat.seq_lens
         seq_lens[num_seqs:] = 0
         query_start_loc[0] = 0

@@ -56,9 +56,11 @@ class ModelInput:
     positions: torch.Tensor  # [T]
     meta: AttentionMetadata
     sample_rows: list[int]
-    logits_indices: torch.Tensor | None  # [len(sample_rows)]; None when a graph replays (all rows, in order)
+    # [flat logits rows]: 1 + k per sampled row verifying k drafts; None when a decode graph replays
+    # (one per row, in order)
+    logits_indices: torch.Tensor | None
     prompt_logit_spans: dict[int, tuple[int, int]]
-    graph: object | None = None  # the captured graph (engine/cuda_graphs.py) whose input buffer holds the batch  # the captured graph whose input buffer holds the batch
+    graph: object | None = None  # the captured graph (engine/cuda_graphs.py) whose input buffer holds the batch
     pooling_spans: dict[int, tuple[int, int]] = field(default_factory=dict)
     branch_logit_rows: list[int] = field(default_factory=list)
 

@@ -218,8 +218,7 @@ class ModelRunner:
     def _eager_input(self, flat: FlatBatch) -> ModelInput:
         """The batch in the step input layout (engine/input_layout.py), sized to it exactly."""
         num_tokens, num_seqs = len(flat.input_ids), len(flat.seq_lens)
-        # Rows verifying drafts have a logits row per position: the sequence rows hold them all.
-        layout = InputLayout(num_tokens, max(num_seqs, len(flat.logits_indices)), max(map(len, flat.block_tables)))
+        layout = InputLayout(num_tokens, num_seqs, max(map(len, flat.block_tables)))
         host = self._staging_buffer(layout.size)[: layout.size]
         layout.pack(flat, host.numpy())
         views = layout.views(host.to(self.device, non_blocking=True) if self.device.type == "cuda" else host)

@@ -125,13 +125,18 @@ class Scheduler:
         if self.slo is not None:
             self.slo.begin_step(self.running)
         decision = self._schedule_ahead(in_flight) if in_flight else self._schedule_now()
-        return None if decision is None else self._output(decision)
+        if decision is None:
+            return None
+        if self.speculator is not None:
+            self.speculator.counted_step()
+        return self._output(decision)
 
     def may_propose(self) -> bool:
         """Whether the next step may carry drafts. A step scheduled ahead of the one in flight (async
         scheduling) cannot: its sequences' last tokens, which drafts continue, are not known yet, so
-        the engine stops running ahead while this holds (the speculator's batch bound)."""
-        return self.speculator is not None and self.speculator.may_draft(len(self.running))
+        the engine stops running ahead while this holds (the speculator's plan for the running
+        sequences is not empty)."""
+        return self.speculator is not None and bool(self.speculator.plan(self.running, len(self.running)))
 
     def _schedule_now(self) -> _Decision:
         decision = _Decision()
@@ -222,12 +227,12 @@ class Scheduler:
         for its own token and what the sequences before it take, then one call to the proposer."""
         if self.speculator is None:
             return {}
+        plan = self.speculator.plan([seq for seq in ordered if seq.num_uncomputed_tokens == 1], len(self.running))
         wanted = []
         for seq in ordered:
             if budget <= 0:
                 break
-            decoding = seq.num_uncomputed_tokens == 1
-            k = self.speculator.drafts_wanted(seq, len(self.running), budget - 1) if decoding else 0
+            k = self.speculator.drafts_for(seq, plan[seq.seq_id], budget - 1) if seq.seq_id in plan else 0
             if k:
                 wanted.append((seq, k))
             budget -= min(seq.num_uncomputed_tokens, budget) + k

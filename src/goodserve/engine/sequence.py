@@ -41,7 +41,9 @@ class Sequence:
     pooled: object | None = None  # pooling: the sum (a tensor) of the hidden states pooled so far
     embedding: list[float] | None = None  # pooling: the result, once the prompt is computed
     metrics: RequestMetrics | None = None
-    spec_acceptance: float = 1.0  # moving average of its drafts' acceptance rate (spec_decode/policy.py)
+    # moving average of its judged drafts' outcomes (spec_decode/policy.py); unmeasured: even odds,
+    # enough to try drafting in a small batch
+    spec_acceptance: float = 0.5
 
     def __post_init__(self) -> None:
         if self.metrics is None:

@@ -35,6 +35,8 @@ class EngineStats:
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()
+    num_verify_steps: int = 0  # steps that verified drafts
+    num_graphed_verify_steps: int = 0  # of those, the ones that replayed a CUDA graph
 
 
 @dataclass
@@ -43,6 +45,8 @@ class StepLog:
 
     num_steps: int = 0
     num_pipelined_steps: int = 0
+    num_verify_steps: int = 0
+    num_graphed_verify_steps: int = 0
     last_batch_tokens: int = 0
     last_batch_seqs: int = 0
     schedule: float = 0.0
@@ -64,7 +68,8 @@ def engine_stats(scheduler: Scheduler, kv: KVCacheManager, steps: StepLog) -> En
         last_batch_seqs=steps.last_batch_seqs, schedule_seconds_total=steps.schedule,
         prepare_seconds_total=steps.prepare, forward_seconds_total=steps.forward,
         sample_seconds_total=steps.sample, detokenize_seconds_total=steps.detokenize,
-        output_seconds_total=steps.output,
+        output_seconds_total=steps.output, num_verify_steps=steps.num_verify_steps,
+        num_graphed_verify_steps=steps.num_graphed_verify_steps,
         **_spec_decode_counts(scheduler.speculator),
     )
 

@@ -1,54 +1,154 @@
-"""When to speculate, and how it went. Verifying k drafts costs about one decode step while the
-batch is small (a decode step reads every weight once for however few tokens); in a large batch the
-step is compute-bound and rejected drafts cost real work. So: no drafts while more than
-spec_max_batch sequences run; per sequence, an exponential moving average of its acceptance rate
-(kept / proposed), and no drafts while it is under spec_min_acceptance, except a probe every
-PROBE_EVERY tokens so a sequence that starts copying later is noticed. Drafts never exceed what the
-sequence may still write (max_tokens, the context window) or the step's token budget.
+"""When to speculate, and how it went. Decided per step, from the batch and each sequence's measured
+acceptance, against what a verify step costs beside a plain decode step (VerifyCost):
 
-Not speculated: sequences with a grammar (its mask for position j would need the matcher advanced
-through the drafts before j) and prefill-only ones. Everything else is exact under speculation
-(engine/spec_decode/acceptance.py, rejection.py). The policy decides each sequence's k; the proposer
-behind it (proposer.py) proposes for all of them in one call."""
+- A sequence's acceptance is a moving average over its drafts' outcomes, one per draft judged (kept,
+  or the first rejected), so it estimates the chance a draft is kept; k drafts then add
+  a + a^2 + ... + a^k tokens in expectation (kept drafts are a prefix).
+- For each k, the sequences whose expected gain pays their own drafts' cost draft k; the step drafts
+  with the k of the best throughput (tokens per step time over a plain step's), if that beats 1. A
+  drafting sequence's cost counts lookahead's window too (tokens computed beside the drafts); a
+  draft model's forwards (one per draft position, for the whole batch) count once per step.
+- A sequence left out keeps its estimate, so it is re-measured by a probe: at most one step in
+  PROBE_EVERY gives every eligible sequence left out k drafts, so a sequence that starts copying
+  later is noticed. No wall-clock time enters the decision (CPU timing noise would switch drafting
+  on and off mid-run); the costs are a fixed table.
+- No drafts at all while more than spec_max_batch sequences run (the cost table was measured up to
+  batch 32); spec_policy "always" drafts num_speculative_tokens for every eligible sequence under
+  that bound (tests, and benchmarks of the verify path).
+
+Drafts never exceed what the sequence may still write (max_tokens, the context window) or the
+step's token budget. Not speculated: sequences with a grammar (its mask for position j would need
+the matcher advanced through the drafts before j) and prefill-only ones. Everything else is exact
+under speculation (engine/spec_decode/acceptance.py, rejection.py). The policy decides each
+sequence's k; the proposer behind it (proposer.py) proposes for all of them in one call."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from goodserve.config import EngineConfig
 from goodserve.engine.runner_output import BranchOutput
 from goodserve.engine.sequence import Sequence
 from goodserve.engine.spec_decode.proposer import Branch, Drafts, Proposer
 
-EMA_WEIGHT = 0.3  # of the newest step's acceptance rate
-PROBE_EVERY = 8
+TRIAL_WEIGHT = 0.3  # of each judged draft in a sequence's acceptance average
+PROBE_EVERY = 32  # steps: at most one in this many probes the sequences left out
+
+
+@dataclass(frozen=True)
+class VerifyCost:
+    """Step times in units of a one-sequence decode step: a decode step of B sequences costs
+    1 + per_seq * (B - 1); verifying D draft tokens among them adds fixed + per_draft_token * D."""
+
+    per_seq: float
+    fixed: float
+    per_draft_token: float
+
+    def ratio(self, num_seqs: int, num_draft_tokens: int) -> float:
+        """A verify step's time over a plain decode step's, same sequences."""
+        decode = 1 + self.per_seq * (num_seqs - 1)
+        return (decode + self.fixed + self.per_draft_token * num_draft_tokens) / decode
+
+
+# Verify steps replay the mixed-step CUDA graphs. H100, dummy llama-3.1-8b bf16, 512 cached tokens
+# a sequence (benchmarks/results/gpu_spec_decode_ebe1590_h100.json, `verify`): a decode graph takes
+# 6.21 / 6.65 / 7.45 ms at batch 1 / 8 / 32; the same 1 + k tokens a sequence through a mixed graph
+# 1.15x that at batch 1 (any k <= 8), 1.09-1.18x at batch 8 and 1.14-1.51x at batch 32 (k = 1..8).
+# This form gives 1.15-1.17, 1.16-1.22 and 1.17-1.55: a little dearer than measured.
+GRAPHED_COST = VerifyCost(per_seq=0.0064, fixed=0.15, per_draft_token=0.002)
+# Eager steps (the CPU): each token adds ~0.056 of a one-token step; the embedded model, float32,
+# two threads, 300-token context: 1 / 5 / 9 / 13 / 17 tokens in 33.5 / 40.2 / 47.8 / 55.4 / 63.4 ms
+# (benchmarks/BENCHMARKS.md, lookahead decoding).
+EAGER_COST = VerifyCost(per_seq=0.056, fixed=0.0, per_draft_token=0.056)
+
+
+# A draft model's step (draft_model.py), eager: ~1/4 of a float32 target step for the embedded
+# model's self:int4 draft on the CPU (benchmarks/BENCHMARKS.md, CPU speculative decoding). Not
+# measured on a GPU, where the draft runs eagerly beside graphed target steps: likely dearer there.
+DRAFT_POSITION_COST = 0.25
+
+
+def verify_cost(config: EngineConfig) -> VerifyCost:
+    """The table of the path a verify step takes: a CUDA graph where graphs run (model_runner.py)."""
+    graphed = config.device.startswith("cuda") and not config.enforce_eager \
+        and config.attention_backend == "triton" and config.pipeline_parallel_size == 1
+    return GRAPHED_COST if graphed else EAGER_COST
+
+
+def expected_accepted(acceptance: float, k: int) -> float:
+    """Drafts kept of k, each kept with chance `acceptance` once those before it were."""
+    return sum(acceptance ** j for j in range(1, k + 1))
 
 
 class Speculator:
-    def __init__(self, config: EngineConfig, proposer: Proposer) -> None:
+    def __init__(self, config: EngineConfig, proposer: Proposer, cost: VerifyCost | None = None) -> None:
         self.config = config
         self.proposer = proposer
+        self.cost = cost or verify_cost(config)
+        # tokens a drafting sequence computes beside its drafts: lookahead's window (lookahead.py)
+        self.branch_tokens = config.lookahead_window * (config.lookahead_ngram - 1) \
+            if config.speculative_method == "lookahead" else 0
+        # a draft model's forward per draft position, for the whole batch, in one-sequence decode steps
+        self.draft_position_cost = DRAFT_POSITION_COST if config.speculative_method == "draft" else 0.0
+        self.steps_since_probe = 0
         # Counted as vLLM counts them (served under its metric names, server/metrics.py).
         self.num_drafts = 0  # verifications: one sequence's proposals checked in one step
         self.num_draft_tokens = 0  # proposed and verified
         self.num_accepted_tokens = 0  # of those, kept
         self.num_accepted_per_pos = [0] * config.num_speculative_tokens  # [j]: verifications that kept draft j
 
-    def may_draft(self, num_running: int) -> bool:
-        """Whether a step of num_running sequences speculates at all (the batch bound)."""
-        return num_running <= self.config.spec_max_batch
-
-    def drafts_wanted(self, seq: Sequence, num_running: int, room: int) -> int:
-        """How many drafts seq's next step (it decodes one token) may verify, at most `room`."""
+    def plan(self, seqs: list[Sequence], num_running: int) -> dict[str, int]:
+        """k per sequence id (of seqs, the decoding ones) for the next step; absent: no drafts."""
         c = self.config
-        if not self.may_draft(num_running) or seq.grammar is not None or seq.params.prefill_only:
-            return 0
-        if seq.spec_acceptance < c.spec_min_acceptance and seq.num_output_tokens % PROBE_EVERY:
-            return 0
-        # The step writes 1 + k tokens: all of them must be allowed.
+        eligible = [seq for seq in seqs if seq.grammar is None and not seq.params.prefill_only] \
+            if num_running <= c.spec_max_batch else []
+        if c.spec_policy == "always":
+            return dict.fromkeys((seq.seq_id for seq in eligible), c.num_speculative_tokens)
+        plan = self._paying(eligible, num_running)
+        if self.probe_due:
+            plan |= {seq.seq_id: c.num_speculative_tokens for seq in eligible if seq.seq_id not in plan}
+        return plan
+
+    def _paying(self, seqs: list[Sequence], num_running: int) -> dict[str, int]:
+        """The k of the best expected throughput, for the sequences whose gain pays their drafts."""
+        best, best_gain = {}, 1.0
+        decode = 1 + self.cost.per_seq * (num_running - 1)
+        for k in range(1, self.config.num_speculative_tokens + 1):
+            # a sequence's k drafts (and window) cost per_draft_token each, of a step that gives
+            # num_running tokens
+            own_cost = num_running * self.cost.per_draft_token * (k + self.branch_tokens) / decode
+            gains = {seq.seq_id: expected_accepted(seq.spec_acceptance, k) for seq in seqs}
+            chosen = {seq_id: k for seq_id, gain in gains.items() if gain > own_cost}
+            if not chosen:
+                continue
+            tokens = num_running + sum(gains[seq_id] for seq_id in chosen)
+            cost = self.cost.ratio(num_running, (k + self.branch_tokens) * len(chosen)) \
+                + self.draft_position_cost * k / decode
+            gain = tokens / num_running / cost
+            if gain > best_gain:
+                best, best_gain = chosen, gain
+        return best
+
+    def drafts_for(self, seq: Sequence, k: int, room: int) -> int:
+        """Of the plan's k, those seq's step may verify: at most `room`, and the step writes 1 + k
+        tokens, all of which must be allowed."""
         left = min((seq.params.max_tokens or seq.max_len) - seq.num_output_tokens, seq.max_len - seq.num_tokens)
-        return max(min(c.num_speculative_tokens, room, left - 1), 0)
+        return max(min(k, room, left - 1), 0)
+
+    @property
+    def probe_due(self) -> bool:
+        return self.steps_since_probe >= PROBE_EVERY
+
+    def counted_step(self) -> None:
+        """A step was scheduled (ahead of the one in flight too)."""
+        self.steps_since_probe += 1
 
     def propose(self, wanted: list[tuple[Sequence, int]]) -> dict[str, Drafts]:
-        """Drafts per sequence id, for every (sequence, k) at once."""
+        """Drafts per sequence id, for every (sequence, k) at once. Asked while a probe is due, it
+        probes (the plan held every eligible sequence) even if nothing is proposed (an n-gram finds no
+        match), so the probes' steps stay bounded: each of them stops the engine running ahead."""
+        if self.probe_due:
+            self.steps_since_probe = 0
         proposed = self.proposer.propose(wanted)
         return {seq.seq_id: drafts for (seq, _), drafts in zip(wanted, proposed)
                 if drafts.token_ids or drafts.branch is not None}
@@ -66,4 +166,6 @@ class Speculator:
         self.num_accepted_tokens += num_accepted
         for position in range(num_accepted):  # kept drafts are a prefix: positions 0..num_accepted-1
             self.num_accepted_per_pos[position] += 1
-        seq.spec_acceptance += EMA_WEIGHT * (num_accepted / num_proposed - seq.spec_acceptance)
+        # the judged drafts: the kept ones, then the first rejected (the rest were never judged)
+        for kept in [1.0] * num_accepted + [0.0] * (num_accepted < num_proposed):
+            seq.spec_acceptance += TRIAL_WEIGHT * (kept - seq.spec_acceptance)
