@@ -3,9 +3,9 @@ check, with each step's time given by a step-time model instead of a GPU.
 
 What it isolates is the policy: which requests run when, and which are refused. Arrivals are gamma
 (burstiness 0.25 by default), lengths ShareGPT-like (bench/workloads.py), every output ignore_eos;
-a step of d decode rows and p prompt tokens lasts a + b d + c p seconds (defaults: the H100's FCFS
-fit on dummy llama-3.1-8b in results/gpu_slo_h100.json, 6.3 ms a step and 0.059 ms a decode row,
-with 30 us a prompt token). Under "slo" every request carries the targets and a request the
+a step of r decode rows reading k tokens of context and p prompt tokens lasts a + b r + c p + d k
+seconds (defaults: the H100's FCFS fit on dummy llama-3.1-8b in results/gpu_slo_h100.json, 6.3 ms
+a step and 0.059 ms a decode row, with 30 us a prompt token; that fit had no context term: d = 0). Under "slo" every request carries the targets and a request the
 admission check refuses (server/admission.py) is a miss. FCFS runs at each of --fcfs-ceilings
 (max_num_seqs), slo at --max-num-seqs, as benchmarks/gpu_slo.py does on the card. Prints SLO
 attainment per run and rate (refusals, and the served requests that missed TTFT or TPOT), and the
@@ -27,7 +27,7 @@ from goodserve.config import EngineConfig
 from goodserve.engine.kv_cache_manager import KVCacheManager
 from goodserve.engine.scheduler import Scheduler
 from goodserve.engine.sequence import Sequence
-from goodserve.engine.step_time_model import StepTimeFit
+from goodserve.engine.step_time_model import StepTimeFit, step_shape
 from goodserve.errors import QueueFullError
 from goodserve.sampling_params import SamplingParams
 from goodserve.server.admission import Admission
@@ -101,10 +101,9 @@ def simulate(policy: str, max_num_seqs: int, rate: float, args, fit: StepTimeFit
         if not out:
             clock.now = offsets[next_arrival]
             continue
-        prefill = sum(n for n in out.num_new_tokens if n > 1)
-        decodes = len(out) - sum(n > 1 for n in out.num_new_tokens)
-        seconds = fit.seconds(decodes, prefill)
-        sched.step_time.observe(decodes, prefill, seconds)
+        shape = step_shape(out)
+        seconds = fit.seconds(*shape)
+        sched.step_time.observe(*shape, seconds)
         clock.now += seconds
         sched.advance(out)
         for seq_id, samples in zip(out.seq_ids, out.samples):
@@ -150,7 +149,7 @@ def main(argv=None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ttft-ms", type=float, default=200.0)
     p.add_argument("--tpot-ms", type=float, default=50.0)
-    p.add_argument("--step", default="0.0063,0.000059,0.00003", help="a,b,c of the step time, seconds")
+    p.add_argument("--step", default="0.0063,0.000059,0.00003", help="a,b,c[,d] of the step time, seconds")
     p.add_argument("--max-num-seqs", type=int, default=256, help="the slo run's sequence ceiling")
     p.add_argument("--fcfs-ceilings", help="comma-separated max_num_seqs of the FCFS runs (default: --max-num-seqs)")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)

@@ -31,7 +31,8 @@ same probe (the same requests and arrivals) beside a batch job of --batch-lines 
 sent the way the server's batch runner sends them (bench/batch_job.py: server/batch_lines.run_lines,
 BATCH_PRIORITY, --batch-concurrency lines in the engine at once). It reports both attainments, the
 drop in points (target <= 2, `within_2_points`), and the lines the job completed and their output
-tokens/s during the probe; the job need not finish, and is stopped when the probe ends.
+tokens/s during the probe, and the step-time fit and its relative prediction error as the probe
+beside the job left them (`step_time_fit`); the job need not finish, and is stopped when the probe ends.
 
 --arrivals poisson|gamma and --workload sharegpt|long-prompt (~2k-token prompts, ~200-token
 answers) give the other DistServe curves; the defaults are the issue's (gamma, ShareGPT-like).
@@ -184,9 +185,7 @@ async def measure_policy(args) -> dict:
             await climb_ladder(target, args, result)
         if "batch" in args.phases and args.policy == "slo":
             result["batch"] = await batch_phase(target, args, result)
-        fit = target.engine.forecast().fit
-        result["step_time_fit"] = None if fit is None else {"a_s": fit.a, "b_s_per_decode_row": fit.b,
-                                                             "c_s_per_prefill_token": fit.c}
+        result["step_time_fit"] = step_time_report(target.engine)
     finally:
         await target.close()
     return result
@@ -246,6 +245,7 @@ async def batch_phase(target, args, result: dict) -> dict:
         beside = await online_probe(target, args, rate, " beside the batch job")
         window = job.window(start, time.perf_counter())
         finished_early = job.done
+        fit_beside = step_time_report(target.engine)  # as the probe beside the job left it
     finally:
         await job.stop()
     drop = alone["slo_attainment"] - beside["slo_attainment"]
@@ -255,7 +255,17 @@ async def batch_phase(target, args, result: dict) -> dict:
     return {"request_rate": rate, "rate_from": rate_from, "lines": args.batch_lines,
             "concurrency": args.batch_concurrency, "ramp_s": BATCH_RAMP_S, "alone": alone, "beside_batch": beside,
             "attainment_drop_points": drop, "within_2_points": drop <= 2.0,
-            "batch_during_probe": window.as_dict(), "job_finished_during_probe": finished_early}
+            "batch_during_probe": window.as_dict(), "job_finished_during_probe": finished_early,
+            "step_time_fit": fit_beside}
+
+
+def step_time_report(engine) -> dict:
+    """The engine's step-time fit (engine/step_time_model.py) as of its last step, and how far off its
+    predictions ran lately (the EWMA of |measured - predicted| / predicted the slo policy's margin reads)."""
+    fit = engine.forecast().fit
+    report = {} if fit is None else {"a_s": fit.a, "b_s_per_decode_row": fit.b, "c_s_per_prefill_token": fit.c,
+                                     "d_s_per_context_token": fit.d}
+    return {**report, "relative_error": engine.stats().step_time_relative_error}
 
 
 def batch_rate(args, result: dict) -> tuple[float | None, str]:

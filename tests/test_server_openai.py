@@ -234,7 +234,7 @@ def test_metrics_parse_and_counters_move(stack):
     assert moved("goodserve:prefix_cache_queries_total{}") >= len(stack.llm.tokenizer.encode(prompt)) - 1
     assert moved("goodserve:step_time_seconds_total{phase=forward}") > 0
     for gauge in ("num_requests_waiting", "kv_cache_usage_perc", "batch_fill_ratio", "num_preemptions_total",
-                  "prefix_cache_hits_total"):
+                  "prefix_cache_hits_total", "step_time_prediction_error"):
         assert any(name.startswith(f"goodserve:{gauge}{{") for name in after), gauge
 
 

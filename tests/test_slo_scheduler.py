@@ -351,3 +351,76 @@ def test_forecast_adds_half_the_step_in_flight():
     """A request that arrives while a step runs joins the step after it: half a step later on average."""
     forecast = SloForecast(FIT, decode_rows=0, prefill_tokens_per_step=2048, step_seconds=0.040)
     assert forecast.ttft_seconds(0, 100) == pytest.approx(0.020 + 0.020)
+
+
+# FIT and 10 us a token of context a decode row reads
+FIT_CONTEXT = StepTimeFit(a=0.010, b=0.001, c=0.0001, d=0.00001)
+
+
+def test_running_sequences_are_capped_lower_as_their_contexts_grow():
+    """A 45 ms decode step (0.9 x 50 ms) leaves 35 ms beside the 10 ms every step pays: 35 rows at 1 ms
+    without context; each row reading 100 tokens costs 2 ms (17 rows), 400 tokens 5 ms (7 rows)."""
+    def running_after_one_step(fit: StepTimeFit, prompt_len: int) -> int:
+        sched = scheduler("slo", num_blocks=8192, fit=fit, max_num_batched_tokens=16384)
+        sched.slo.clock = Clock(0.0)
+        for i in range(40):
+            request(sched, f"r{i}", arrival=0.001 * i, prompt_len=prompt_len, ttft_ms=1000, tpot_ms=50,
+                    first_token=1000 * i + 1)
+        decode_step(sched)
+        return len(sched.running)
+
+    assert running_after_one_step(FIT, 400) == 35
+    assert running_after_one_step(FIT_CONTEXT, 100) == 17
+    assert running_after_one_step(FIT_CONTEXT, 400) == 7
+
+
+@pytest.mark.parametrize("fit, batch_running, batch_rows", [(FIT, 10, 1), (FIT_CONTEXT, 7, 0)])
+def test_long_batch_lines_are_held_back_first(fit, batch_running, batch_rows):
+    """Ten batch lines of 301 tokens run; four online requests (4 tokens) arrive. Without the context
+    term 14 rows make a 24 ms step, within 0.9 x 50 ms: nothing gives way, and one batch row (1 ms)
+    fits the background share (20% of the online decodes' 14 ms step, half in rows: 1.4 ms). Each row
+    reading its context, the ten lines alone make a 50 ms step: the online requests take the slots of
+    three (10 + 11 + 30.1 ms, then 47.1, fits at 43.1; 45.2 after the second online one, fits at 41.2),
+    all four run at once, and no batch row (1 + 3 ms) fits the share: the online rows decode alone."""
+    sched = scheduler("slo", fit=fit, max_num_batched_tokens=4096)
+    sched.slo.clock = Clock(0.0)
+    for i in range(10):
+        request(sched, f"b{i}", 0.01 * i, prompt_len=300, priority=BATCH, first_token=1000 * i + 1)
+    decode_step(sched)
+    for i in range(4):
+        request(sched, f"online{i}", 1.0, ttft_ms=200, tpot_ms=50, first_token=100_000 + 10 * i)
+    online = {f"online{i}" for i in range(4)}
+    assert online <= set(decode_step(sched).seq_ids)
+    assert sum(seq.params.priority == BATCH for seq in sched.running) == batch_running
+    for _ in range(3):
+        out = decode_step(sched)
+        assert online <= set(out.seq_ids) and len(out) == 4 + batch_rows
+    assert len(sched.waiting) == 10 - batch_running  # the displaced lines wait: no room for them
+
+
+def test_the_plan_grows_more_conservative_as_the_fit_misses():
+    """With the model's steps off by 50% on average the margin is 0.9 / 1.5 = 0.6: a 30 ms decode step
+    holds 20 rows (FIT), not 35, and the prefill cap beside ten decodes falls from 250 tokens to 100."""
+    sched = scheduler("slo")
+    sched.slo.clock = Clock(0.0)
+    for i in range(10):
+        request(sched, f"d{i}", arrival=0.0, ttft_ms=1000, tpot_ms=50, max_tokens=2)
+    decode_step(sched)
+    sched.slo.begin_step(sched.running)
+    assert (sched.slo.max_running(64), sched.slo.cap) == (35, 250)
+    sched.step_time.relative_error = 0.5
+    sched.slo.begin_step(sched.running)
+    assert sched.slo.margin == pytest.approx(0.6)
+    assert (sched.slo.max_running(64), sched.slo.cap) == (20, 100)
+
+
+def test_forecast_counts_the_context_its_steps_read():
+    """Ten online decodes of 5 tokens each (after their first): a decode step of 10 + 10 + 0.5 ms."""
+    sched = scheduler("slo", fit=FIT_CONTEXT)
+    sched.slo.clock = Clock(0.0)
+    for i in range(10):
+        request(sched, f"d{i}", arrival=0.0, tpot_ms=50, first_token=10 * i + 1)
+    decode_step(sched)
+    forecast = sched.forecast()
+    assert (forecast.decode_rows, forecast.context_tokens) == (10, 50)
+    assert forecast.fit.seconds(forecast.decode_rows, 0, forecast.context_tokens) == pytest.approx(0.0205)

@@ -11,8 +11,8 @@ def test_fit_recovers_the_line_the_steps_lie_on():
     model = StepTimeModel(refit_every=1)
     shapes = [(1, 0), (8, 0), (8, 512), (32, 256), (4, 1024), (16, 0), (2, 2048), (64, 128)]
     for rows, tokens in shapes:
-        model.observe(rows, tokens, 0.005 + 0.0001 * rows + 0.00002 * tokens)
-    assert astuple(model.fit) == pytest.approx((0.005, 0.0001, 0.00002))
+        model.observe(rows, tokens, 0, 0.005 + 0.0001 * rows + 0.00002 * tokens)
+    assert astuple(model.fit) == pytest.approx((0.005, 0.0001, 0.00002, 0.0))
 
 
 def test_fit_by_hand_on_noisy_steps():
@@ -20,16 +20,16 @@ def test_fit_by_hand_on_noisy_steps():
     (0,0,1.0) (1,0,2.0) (0,1,3.0) (1,1,5.0) give a = 0.75, b = 1.5, c = 2.5 (residuals +-0.25)."""
     model = StepTimeModel(refit_every=1)
     for rows, tokens, t in [(0, 0, 1.0), (1, 0, 2.0), (0, 1, 3.0), (1, 1, 5.0)] * 2:
-        model.observe(rows, tokens, t)
+        model.observe(rows, tokens, 0, t)
     assert (model.fit.a, model.fit.b, model.fit.c) == pytest.approx((0.75, 1.5, 2.5))
 
 
 def test_no_fit_from_too_few_steps_or_one_shape():
     model = StepTimeModel(refit_every=1)
     for _ in range(MIN_STEPS - 1):
-        model.observe(8, 0, 0.01)
+        model.observe(8, 0, 0, 0.01)
     assert model.fit is None
-    model.observe(8, 0, 0.01)
+    model.observe(8, 0, 0, 0.01)
     assert model.fit is None  # many steps, but all of one shape say nothing about b or c
 
 
@@ -37,19 +37,19 @@ def test_window_forgets_old_steps():
     model = StepTimeModel(window=4, refit_every=1)
     shapes = [(1, 0), (2, 0), (3, 0), (4, 0), (1, 100), (2, 300), (3, 200), (4, 400)]
     for rows, tokens in shapes:
-        model.observe(rows, tokens, 1.0)  # a machine that took 1 s a step...
+        model.observe(rows, tokens, 0, 1.0)  # a machine that took 1 s a step...
     for rows, tokens in shapes:
-        model.observe(rows, tokens, 0.5 + 0.01 * rows + 0.001 * tokens)  # ...then got faster
-    assert astuple(model.fit) == pytest.approx((0.5, 0.01, 0.001))
+        model.observe(rows, tokens, 0, 0.5 + 0.01 * rows + 0.001 * tokens)  # ...then got faster
+    assert astuple(model.fit) == pytest.approx((0.5, 0.01, 0.001, 0.0))
 
 
 def test_decode_steps_do_not_push_out_what_a_prompt_token_costs():
     model = StepTimeModel(window=4, refit_every=1)
     for rows, tokens in [(1, 100), (2, 300), (3, 200), (4, 400)]:
-        model.observe(rows, tokens, 0.5 + 0.01 * rows + 0.001 * tokens)
+        model.observe(rows, tokens, 0, 0.5 + 0.01 * rows + 0.001 * tokens)
     for _ in range(50):
         for rows in (1, 2, 3):
-            model.observe(rows, 0, 0.5 + 0.01 * rows)
+            model.observe(rows, 0, 0, 0.5 + 0.01 * rows)
     assert model.fit.c == pytest.approx(0.001)
 
 
@@ -82,3 +82,58 @@ def test_the_engine_fits_its_own_steps():
     assert model.fit is not None and model.fit.seconds(1, 150) > 0
     assert len(model.decode_steps) + len(model.mixed_steps) == llm.engine.steps.num_steps
     assert llm.engine.scheduler.forecast().fit == model.fit
+
+
+def test_fit_recovers_the_context_term():
+    """Steps whose decode rows read contexts of many lengths: the fit tells what a row costs (b) from
+    what a token of its K/V costs (d)."""
+    model = StepTimeModel(refit_every=1)
+    for rows, tokens, context in [(1, 0, 100), (8, 0, 8000), (8, 512, 800), (32, 256, 64_000), (4, 1024, 400),
+                                  (16, 0, 1600), (2, 2048, 10_000), (64, 128, 6400), (32, 0, 3200)]:
+        model.observe(rows, tokens, context, 0.005 + 0.0001 * rows + 0.00002 * tokens + 4e-8 * context)
+    assert astuple(model.fit) == pytest.approx((0.005, 0.0001, 0.00002, 4e-8))
+
+
+def test_the_roofline_prior_tells_rows_from_context_where_the_steps_cannot():
+    """Every row reads 500 tokens: the steps say only what a row and its context cost together
+    (0.1 ms + 500 d). The prior holds d at a x kv_read_ratio; b is the rest."""
+    model = StepTimeModel(refit_every=1, kv_read_ratio=1e-5)
+    for rows in (1, 2, 4, 8, 16, 32, 64, 128):
+        model.observe(rows, 0, 500 * rows, 0.005 + 0.0001 * rows)
+    fit = model.fit
+    assert fit.d == pytest.approx(0.005 * 1e-5, rel=1e-3)
+    assert fit.b == pytest.approx(0.0001 - 500 * fit.d, rel=1e-3)
+    assert fit.seconds(100, 0, 50_000) == pytest.approx(0.015, rel=1e-3)
+
+
+def test_no_negative_cost_the_rest_refitted():
+    """Steps that got faster with more context (noise, or a kernel switch): d is 0, not negative, and
+    a and b are fitted to the steps without it."""
+    model = StepTimeModel(refit_every=1)
+    for rows, context in [(1, 900), (2, 800), (4, 700), (8, 600), (16, 500), (32, 400), (64, 300), (128, 200)]:
+        model.observe(rows, 0, context, 0.005 + 0.0001 * rows - 1e-7 * context)
+    assert model.fit.d == 0.0 and model.fit.a > 0 and model.fit.b > 0
+
+
+def test_context_a_step_reads_is_its_decode_rows_lengths():
+    """Two decodes at positions 99 and 9 (100 and 10 tokens read), one verifying 2 drafts at position
+    49 (52), and a 30-token prompt chunk (its own attention is prompt compute, c)."""
+    from goodserve.engine.scheduler_output import SchedulerOutput
+    from goodserve.engine.step_time_model import step_shape
+
+    out = SchedulerOutput(seq_ids=["a", "b", "c", "p"], num_new_tokens=[1, 1, 3, 30],
+                          num_computed_tokens=[99, 9, 49, 60], draft_token_ids={2: [5, 6]})
+    assert step_shape(out) == (3, 30, 100 + 10 + 52)
+
+
+def test_relative_error_grows_with_mispredicted_steps():
+    """Steps on the line the fit found: no error. Steps 50% slower than it says (a machine that got
+    slower, not refitted yet): the error climbs to 0.5."""
+    model = StepTimeModel(refit_every=1000)
+    shapes = [(1, 0, 10), (8, 0, 800), (8, 512, 80), (32, 256, 640), (4, 1024, 40), (16, 0, 3200)] * 4
+    for rows, tokens, context in shapes:
+        model.observe(rows, tokens, context, 0.005 + 0.0001 * rows + 0.00002 * tokens + 1e-6 * context)
+    assert model.relative_error == pytest.approx(0.0, abs=1e-9)
+    for rows, tokens, context in shapes * 5:
+        model.observe(rows, tokens, context, 1.5 * (0.005 + 0.0001 * rows + 0.00002 * tokens + 1e-6 * context))
+    assert model.relative_error == pytest.approx(0.5, abs=0.01)

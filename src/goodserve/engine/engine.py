@@ -32,6 +32,7 @@ from goodserve.engine.executor import make_executor
 from goodserve.engine.grammar import accept_tokens_ahead, grammar_bitmask
 from goodserve.engine.input_processor import InputProcessor, sequence_id
 from goodserve.engine.isolation import find_culprits
+from goodserve.engine.kv_cache import kv_read_ratio, kv_storage_dtype
 from goodserve.engine.kv_cache_manager import KVCacheManager
 from goodserve.engine.output_processor import Finish, OutputProcessor
 from goodserve.engine.request import Request
@@ -73,7 +74,11 @@ class Engine:
         c = self.config
         salt = f"{info.revision}|{c.kv_cache_dtype}|{c.quantization}|{c.quantized_checkpoint}|{c.quantization_awq}"
         self.kv = KVCacheManager(c.num_kv_blocks, c.block_size, c.enable_prefix_caching, salt.encode())
-        self.scheduler = Scheduler(c, self.kv, make_proposer(c, self.spec, self.tokenizer, draft))
+        # The step-time fit's roofline prior for a token of context (a CPU step's fixed cost is the
+        # host's, not a weight read: no prior there)
+        kv_prior = kv_read_ratio(self.spec, kv_storage_dtype(c, self.dtype), self.dtype) \
+            if self.device.type == "cuda" else 0.0
+        self.scheduler = Scheduler(c, self.kv, make_proposer(c, self.spec, self.tokenizer, draft), kv_prior)
         self.inputs = InputProcessor(c, self.spec, self.tokenizer)
         self.outputs = OutputProcessor(self.tokenizer, info.eos_token_ids)
         self.requests: dict[str, Request] = {}

@@ -67,3 +67,11 @@ def allocate_kv_cache(spec: ModelSpec, num_blocks: int, block_size: int, device:
                      scales[1, i] if scales is not None else None)
         for i in range(spec.num_layers)
     ]
+
+
+def kv_read_ratio(spec: ModelSpec, kv_dtype: torch.dtype, model_dtype: torch.dtype) -> float:
+    """A token's K/V bytes over the weights' bytes: the step-time model's prior for what a decode row's
+    attention pays per token of context, as a share of what a step pays to read the weights (a
+    memory-bound decode step reads both at the same bandwidth; engine/step_time_model.py). Quantized
+    weights are counted at the model dtype: the prior is then low, and the measured steps correct it."""
+    return bytes_per_block(spec, 1, kv_dtype) / (spec.num_params() * model_dtype.itemsize)

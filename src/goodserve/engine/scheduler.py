@@ -70,7 +70,8 @@ def _decodes_first(seq: Sequence) -> tuple:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv: KVCacheManager, proposer: Proposer | None = None) -> None:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, proposer: Proposer | None = None,
+                 kv_read_ratio: float = 0.0) -> None:
         self.config = config
         self.kv = kv
         self.running: list[Sequence] = []
@@ -79,7 +80,7 @@ class Scheduler:
         makespan = config.scheduler_policy == "makespan"
         self.makespan = MakespanAdmission(config.max_num_batched_tokens, config.makespan_slack,
                                           config.makespan_min_admit) if makespan else None
-        self.step_time = StepTimeModel()  # the engine feeds it every step
+        self.step_time = StepTimeModel(kv_read_ratio=kv_read_ratio)  # the engine feeds it every step
         self.slo = SloPolicy(config.max_num_batched_tokens, self.step_time) \
             if config.scheduler_policy == "slo" else None
         key = longest_first_key if makespan else self.slo.key if self.slo else Sequence.priority_key
@@ -245,7 +246,8 @@ class Scheduler:
             self.slo.demote_late(self.waiting)
         while budget > 0 and self.waiting:
             seq = self.waiting.peek()
-            if len(self.running) >= self._max_running(seq) or (admissible is not None and not admissible(seq)):
+            if not self._has_room(seq, len(self.running), self._running_tokens) \
+                    or (admissible is not None and not admissible(seq)):
                 break
             if seq.seq_id not in self.kv.tables:
                 seq.num_computed_tokens = self.kv.match_prefix(seq)
@@ -261,12 +263,18 @@ class Scheduler:
             decision.add(seq, num_new)
             budget -= num_new
 
-    def _max_running(self, seq: Sequence) -> int:
-        """The sequences that may run once seq joins them: max_num_seqs, or under the slo policy as
-        many as keep the tightest TPOT target's decode step (engine/slo_policy.py)."""
+    def _has_room(self, seq: Sequence, num_running: int, running_tokens: int) -> bool:
+        """Whether seq may join num_running sequences of running_tokens tokens in all: under max_num_seqs,
+        and under the slo policy while their decode step, each row reading its context, keeps the
+        tightest TPOT target (engine/slo_policy.py)."""
         if self.slo is None:
-            return self.config.max_num_seqs
-        return self.slo.max_running(self.config.max_num_seqs, seq.params.slo_tpot_ms)
+            return num_running < self.config.max_num_seqs
+        return self.slo.has_room(seq, self.config.max_num_seqs, num_running, running_tokens)
+
+    @property
+    def _running_tokens(self) -> int:
+        """The running sequences' tokens, as the slo policy tallies them (other policies count slots only)."""
+        return 0 if self.slo is None else self.slo.running_tokens
 
     def _release_blocks(self, seq: Sequence, finished: bool = False) -> None:
         """A sequence that could not be admitted (or is preempted, or finished) gives back its blocks,
@@ -288,6 +296,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens if self.slo is None else min(
             self.config.max_num_batched_tokens, self.slo.cap)
         taken = len(self.running)  # slots held once the victims so far leave and the heads so far join
+        tokens = self._running_tokens  # and their tokens, what their decode rows read
         free_blocks = self.kv.num_free_blocks
         candidates = sorted(self.running, key=self._victim_key, reverse=True)  # the first to go first
         victims: list[Sequence] = []
@@ -296,14 +305,14 @@ class Scheduler:
                 break
             chunk = min(head.num_uncomputed_tokens, budget)
             needed = self.kv.blocks_needed(head, chunk)
-            while taken >= self._max_running(head) or free_blocks < needed:
+            while not self._has_room(head, taken, tokens) or free_blocks < needed:
                 if len(victims) == len(candidates) or candidates[len(victims)].params.priority <= head.params.priority:
                     return victims
                 victim = candidates[len(victims)]
                 victims.append(victim)
-                taken -= 1
+                taken, tokens = taken - 1, tokens - victim.num_tokens
                 free_blocks += len(self.kv.block_table(victim.seq_id))
-            taken += 1
+            taken, tokens = taken + 1, tokens + head.num_tokens
             free_blocks -= needed
             budget -= chunk
         return victims
@@ -323,6 +332,8 @@ class Scheduler:
     def _requeue(self, seq: Sequence) -> None:
         """Recompute preemption: free the blocks, requeue at the front; its tokens are kept."""
         self.running.remove(seq)
+        if self.slo is not None:
+            self.slo.left(seq)
         self._release_blocks(seq)
         seq.status = SequenceStatus.WAITING
         seq.metrics.num_preemptions += 1
@@ -386,7 +397,8 @@ class Scheduler:
         # The slots a request of the default priority waits for: a lower-priority one gives its own up.
         holding = [seq for seq in self.running if seq.params.priority <= 0]
         prefilling = [seq for seq in self.running if seq.num_output_tokens == 0 and has_targets(seq)]
-        return SloForecast(self.step_time.fit, self.slo.forecast_rows(self.running), self.slo.cap,
+        decode_rows, context_tokens = self.slo.forecast_decodes(self.running)
+        return SloForecast(self.step_time.fit, decode_rows, self.slo.cap, context_tokens,
                            self.slo.max_running(self.config.max_num_seqs) - len(holding),
                            tuple(sorted(tokens_left(seq) + (seq.num_uncomputed_tokens > 1) for seq in holding)),
                            seqs_not_ahead=len(prefilling) + len(self.slo.behind),

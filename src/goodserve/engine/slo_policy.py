@@ -14,27 +14,36 @@ A request may carry targets (SamplingParams.slo_ttft_ms, slo_tpot_ms; the server
   over the request's tokens, so a step may outlast it by what the decode's tokens so far saved and
   what its next TPOT_HORIZON tokens (no more than it may still generate), at the fitted decode-only
   step time, will save: while decode steps run well under the targets the cap rarely binds, and as a
-  large batch brings them near, prompt tokens give way. At least TPOT_MARGIN x the target, and at
+  large batch brings them near, prompt tokens give way. At least `margin` x the target, and at
   least MIN_PREFILL_CHUNK tokens, so prompts always progress; without a fit or a target, no cap.
-- Concurrency: a sequence joins the running ones only while a decode step with one more row, by the
-  fitted model, lasts within TPOT_MARGIN x the tightest TPOT target among them and it
-  (`max_running`); max_num_seqs stays the ceiling (CUDA graphs are captured up to it, memory). A
-  fixed max_num_seqs is either too low (on the H100 at 256, FCFS's queue waited seconds for a slot
-  while steps took 28 ms against a 50 ms target) or, past capacity, lets TPOT grow without bound.
-  Batch lines (no targets) take slots up to the same limit and give theirs up to an online request
-  that needs one (Scheduler._displaced_running). Without a fit or a TPOT target: max_num_seqs.
+- Margin: steps are planned to TPOT_MARGIN / (1 + the model's relative error) of a TPOT target, so
+  a model whose predictions miss (engine/step_time_model.py's EWMA of |measured - predicted| /
+  predicted) plans conservatively.
+- Concurrency: a sequence joins the running ones only while a decode step of them all and it, every
+  row reading its whole length (the fit's context term), lasts by the fitted model within `margin` x
+  the tightest TPOT target among them and it (`has_room`): long contexts leave room for fewer rows.
+  max_num_seqs stays the ceiling (CUDA graphs are captured up to it, memory). A fixed max_num_seqs
+  is either too low (on the H100 at 256, FCFS's queue waited seconds for a slot while steps took
+  28 ms against a 50 ms target) or, past capacity, lets TPOT grow without bound. Batch lines (no
+  targets) take room up to the same limit and give it up first: an online request that finds no room
+  displaces batch lines, the newest first (the victim order below), until it fits, never the other
+  way round (Scheduler._displaced_running); displaced lines wait, and rejoin only where a step with
+  them still fits. Without a fit or a TPOT target: max_num_seqs.
 - Preemption victim: the running request with the most slack (its TPOT budget ahead of the tokens
   it has produced, or its TTFT slack while it prefills), after the priority (batch lines first).
 - Background share: requests without targets (batch lines) fill what targeted ones leave, but while
   a targeted one runs they may lengthen a step by BACKGROUND_SHARE of its targeted work at most (half
-  in decode rows, half in prompt tokens). Without the bound the prefill cap spent the online decodes'
+  in decode time, each batch row charged its row and its context's read, so long lines sit a step
+  out first; half in prompt tokens). Batch rows beyond it stay running (their K/V kept) but compute
+  nothing that step. Without the bound the prefill cap spent the online decodes'
   TPOT slack on batch prompts: on the H100 a 64-line batch job took the online median TPOT from 12 to
   22 ms, online requests held their sequence slots that much longer, and the slots ran out.
 
 The server's admission check (server/admission.py) reads the same model through `forecast` to
 refuse, with 429, a request whose TTFT the queue ahead of it already makes impossible. What the new
-request will see: slots up to `max_running`, a batch line's counted free; steps of the targeted rows
-and the batch rows' background share (not every running row); of the prompts the server counts as
+request will see: slots up to `max_running` (has_room's rule at the running ones' mean length), a
+batch line's counted free; steps of the targeted rows and the batch rows' background share (not
+every running row), with the context they read; of the prompts the server counts as
 waiting, only those ahead of it (not yet computed, not late, not of a lower priority); and half the
 step in flight first. Before, it counted the computed part of prompts being prefilled (refusing
 some it could serve) and left out the step in flight (admitting some that then missed): on
@@ -67,6 +76,7 @@ class SloForecast:
     fit: StepTimeFit | None
     decode_rows: int  # in the steps a new request will share: targeted rows, and the background share's
     prefill_tokens_per_step: int  # the step's prefill cap now
+    context_tokens: int = 0  # the K/V those decode rows read (their lengths, summed)
     free_seqs: int = 1 << 30  # the sequences that may run (max_running) - those a new request cannot displace
     # The running sequences' steps left (tokens they may still generate), ascending: when slots free
     # up. Exact with ignore_eos; otherwise max_tokens is an upper bound, and the forecast pessimistic.
@@ -90,8 +100,9 @@ class SloForecast:
         prompt_tokens_ahead = max(prompt_tokens_ahead - self.prompt_tokens_not_ahead, 0)
         seqs_ahead = max(seqs_ahead - self.seqs_not_ahead, 0)
         both = self.fit.prefill_seconds(prompt_tokens_ahead + prompt_tokens, self.decode_rows,
-                                        self.prefill_tokens_per_step)
-        own = self.fit.prefill_seconds(prompt_tokens, self.decode_rows, self.prefill_tokens_per_step)
+                                        self.prefill_tokens_per_step, self.context_tokens)
+        own = self.fit.prefill_seconds(prompt_tokens, self.decode_rows, self.prefill_tokens_per_step,
+                                       self.context_tokens)
         return self.step_seconds / 2 + max(both, self._slot_wait_seconds(seqs_ahead) + own)
 
     def _slot_wait_seconds(self, seqs_ahead: int) -> float:
@@ -100,7 +111,7 @@ class SloForecast:
             return 0.0
         rounds, i = divmod(short - 1, len(self.steps_to_finish))  # past one batch: it turns over again
         steps = rounds * self.steps_to_finish[-1] + self.steps_to_finish[i]
-        return steps * self.fit.seconds(self.decode_rows, 0)
+        return steps * self.fit.seconds(self.decode_rows, 0, self.context_tokens)
 
 
 def ttft_deadline(seq: Sequence) -> float:
@@ -118,10 +129,12 @@ def has_targets(seq: Sequence) -> bool:
 
 
 class BackgroundAllowance:
-    """What sequences without targets may still add to this step: decode rows and prompt tokens."""
+    """What sequences without targets may still add to this step: decode time (each decode row costs
+    its row and its context's K/V read, so a long line takes more of it) and prompt tokens."""
 
-    def __init__(self, rows: int = _UNBOUNDED, tokens: int = _UNBOUNDED) -> None:
-        self.rows = rows
+    def __init__(self, fit: StepTimeFit | None = None, decode_s: float = math.inf, tokens: int = _UNBOUNDED) -> None:
+        self.fit = fit
+        self.decode_s = decode_s
         self.tokens = tokens
 
     def grant(self, seq: Sequence, num_new: int) -> int:
@@ -129,13 +142,25 @@ class BackgroundAllowance:
         if has_targets(seq):
             return num_new
         if seq.num_uncomputed_tokens <= 1:  # a decode row
-            if self.rows <= 0:
-                return 0
-            self.rows -= 1
-            return num_new
+            return num_new if self.take_row(seq.num_tokens) else 0
         granted = min(num_new, self.tokens)
         self.tokens -= granted
         return granted
+
+    def take_row(self, context_tokens: int) -> bool:
+        """Whether a decode row reading context_tokens fits what is left (and, if so, take it)."""
+        if math.isinf(self.decode_s):
+            return True
+        cost_s = self.fit.b + self.fit.d * context_tokens
+        if cost_s > self.decode_s + 1e-12:
+            return False
+        self.decode_s -= cost_s
+        return True
+
+
+def _lengths(seqs: list[Sequence]) -> int:
+    """The K/V their decode rows read: their lengths, summed."""
+    return sum(seq.num_tokens for seq in seqs)
 
 
 def _has_answered(seq: Sequence) -> bool:
@@ -148,10 +173,10 @@ def _tpot_slack(seq: Sequence, now: float) -> float:
     return -math.inf if first is None else first + seq.params.slo_tpot_ms / 1000.0 * seq.num_output_tokens - now
 
 
-def _step_budget(seq: Sequence, now: float, decode_step_s: float) -> float:
+def _step_budget(seq: Sequence, now: float, decode_step_s: float, margin: float) -> float:
     """How long the next step may last with the decode seq's mean time per token, over its tokens so
-    far, this one and its next TPOT_HORIZON at decode_step_s each, within TPOT_MARGIN x its target."""
-    per_token_s = TPOT_MARGIN * seq.params.slo_tpot_ms / 1000.0
+    far, this one and its next TPOT_HORIZON at decode_step_s each, within margin x its target."""
+    per_token_s = margin * seq.params.slo_tpot_ms / 1000.0
     first = now if seq.metrics.first_token_time is None else seq.metrics.first_token_time
     ahead = min(TPOT_HORIZON, max(tokens_left(seq) - 1, 0))
     # after this step: num_output_tokens intervals since the first token, then `ahead` more
@@ -175,6 +200,10 @@ class SloPolicy:
         self.cap = max_num_batched_tokens
         self.background = BackgroundAllowance()
         self.tightest_tpot_s = math.inf  # the running sequences' tightest TPOT target
+        # The running sequences (those that joined this step too) and their lengths, summed: the K/V
+        # a decode row of theirs reads, on average.
+        self.num_running = 0
+        self.running_tokens = 0
 
     # ---- waiting order ---------------------------------------------------------------------
     def key(self, seq: Sequence) -> tuple:
@@ -221,40 +250,72 @@ class SloPolicy:
         self.cap = self.prefill_cap(running)
         self.background = self.background_allowance(running)
         self.tightest_tpot_s = math.inf
+        self.num_running = self.running_tokens = 0
         for seq in running:
             self.joined(seq)
 
     def joined(self, seq: Sequence) -> None:
-        """seq runs from this step on: its TPOT target bounds the sequences that may run beside it."""
+        """seq runs from this step on: its TPOT target bounds the sequences that may run beside it, and
+        its length the K/V each of their decode rows reads."""
         if seq.params.slo_tpot_ms is not None:
             self.tightest_tpot_s = min(self.tightest_tpot_s, seq.params.slo_tpot_ms / 1000.0)
+        self.num_running += 1
+        self.running_tokens += seq.num_tokens
 
-    def max_running(self, ceiling: int, tpot_ms: float | None = None) -> int:
-        """The sequences that may run at once, one with a TPOT target of tpot_ms among them: as many
-        as a decode step holds, by the fitted model, within TPOT_MARGIN x the tightest target (of
-        theirs and the running ones'), and at most `ceiling` (max_num_seqs). Without a fit or a
-        target: the ceiling."""
+    @property
+    def margin(self) -> float:
+        """What share of a TPOT target a step is planned to: TPOT_MARGIN, less as the step-time model's
+        predictions miss (its relative error): a poorly fitted model plans conservatively."""
+        return TPOT_MARGIN / (1.0 + self.model.relative_error)
+
+    def left(self, seq: Sequence) -> None:
+        """seq stopped running this step (preempted, or displaced by a request of a higher priority)."""
+        self.num_running -= 1
+        self.running_tokens -= seq.num_tokens
+
+    def has_room(self, seq: Sequence, ceiling: int, num_running: int, running_tokens: int) -> bool:
+        """Whether seq may join num_running sequences of running_tokens tokens: under `ceiling`
+        (max_num_seqs), and a decode step of them all, every row reading its whole length, lasting, by
+        the fitted model, within `margin` x the tightest TPOT target (of theirs and its). Long
+        contexts leave room for fewer rows. Without a fit or a target: the ceiling alone."""
+        if num_running >= ceiling:
+            return False
         fit = self.model.fit
-        tightest_s = self.tightest_tpot_s if tpot_ms is None else min(self.tightest_tpot_s, tpot_ms / 1000.0)
+        tightest_s = self._tightest_with(seq.params.slo_tpot_ms)
+        if fit is None or math.isinf(tightest_s) or num_running == 0:
+            return True
+        return fit.seconds(num_running + 1, 0, running_tokens + seq.num_tokens) <= self.margin * tightest_s + 1e-9
+
+    def max_running(self, ceiling: int) -> int:
+        """The sequences that may run at once, by has_room's rule, each the running ones' mean length
+        (what the admission forecast counts slots by). Without a fit or a target: the ceiling."""
+        fit = self.model.fit
+        tightest_s = self.tightest_tpot_s
         if fit is None or math.isinf(tightest_s):
             return ceiling
-        return max(1, min(ceiling, fit.max_decode_rows(TPOT_MARGIN * tightest_s)))
+        mean_context = self.running_tokens / self.num_running if self.num_running else 0.0
+        return max(1, min(ceiling, fit.max_decode_rows(self.margin * tightest_s + 1e-9, mean_context)))
+
+    def _tightest_with(self, tpot_ms: float | None) -> float:
+        return self.tightest_tpot_s if tpot_ms is None else min(self.tightest_tpot_s, tpot_ms / 1000.0)
 
     def background_allowance(self, running: list[Sequence]) -> BackgroundAllowance:
         fit = self.model.fit
         targeted = [seq for seq in running if has_targets(seq)]
         if fit is None or not targeted:
             return BackgroundAllowance()
-        targeted_decodes = sum(seq.num_uncomputed_tokens <= 1 for seq in targeted)
-        half_share_s = BACKGROUND_SHARE * fit.seconds(targeted_decodes, 0) / 2
-        return BackgroundAllowance(_UNBOUNDED if fit.b <= 0 else int(half_share_s / fit.b),
-                                   _UNBOUNDED if fit.c <= 0 else int(half_share_s / fit.c))
+        targeted_decodes = [seq for seq in targeted if seq.num_uncomputed_tokens <= 1]
+        half_share_s = BACKGROUND_SHARE * fit.seconds(len(targeted_decodes), 0, _lengths(targeted_decodes)) / 2
+        return BackgroundAllowance(fit, half_share_s, _UNBOUNDED if fit.c <= 0 else int(half_share_s / fit.c + 1e-6))
 
-    def forecast_rows(self, running: list[Sequence]) -> int:
-        """The decode rows of the steps a new request with targets will share: the targeted ones', and
-        of those without targets at most the background share's."""
-        targeted = sum(has_targets(seq) for seq in running)
-        return targeted + min(len(running) - targeted, self.background_allowance(running).rows)
+    def forecast_decodes(self, running: list[Sequence]) -> tuple[int, int]:
+        """The decode rows of the steps a new request with targets will share, and the K/V they read:
+        the targeted ones', and of those without targets what the background share holds."""
+        targeted = [seq for seq in running if has_targets(seq)]
+        allowance = self.background_allowance(running)
+        untargeted = sorted((seq for seq in running if not has_targets(seq)), key=self.running_key)
+        background = [seq for seq in untargeted if allowance.take_row(seq.num_tokens)]
+        return len(targeted) + len(background), _lengths(targeted) + _lengths(background)
 
     def prefill_cap(self, running: list[Sequence]) -> int:
         """The prompt tokens a step may carry beside the running decodes and keep their TPOT."""
@@ -263,9 +324,10 @@ class SloPolicy:
         targeted = [seq for seq in decodes if seq.params.slo_tpot_ms is not None]
         if fit is None or not targeted:
             return self.max_tokens
-        now, decode_step_s = self.clock(), fit.seconds(len(decodes), 0)
-        budget_s = min(_step_budget(seq, now, decode_step_s) for seq in targeted)
-        return max(MIN_PREFILL_CHUNK, min(self.max_tokens, fit.max_prefill_tokens(len(decodes), budget_s)))
+        context = _lengths(decodes)
+        now, decode_step_s, margin = self.clock(), fit.seconds(len(decodes), 0, context), self.margin
+        budget_s = min(_step_budget(seq, now, decode_step_s, margin) for seq in targeted)
+        return max(MIN_PREFILL_CHUNK, min(self.max_tokens, fit.max_prefill_tokens(len(decodes), budget_s, context)))
 
     def running_key(self, seq: Sequence) -> tuple:
         """Decodes first (the kernels want them leading), then prefill chunks by slack."""

@@ -28,6 +28,9 @@ class EngineStats:
     sample_seconds_total: float
     detokenize_seconds_total: float
     output_seconds_total: float  # building RequestOutputs for callers
+    # The step-time model's (engine/step_time_model.py) EWMA of |measured - predicted| / predicted
+    # step time: what the "slo" policy's planning margin grows with.
+    step_time_relative_error: float
     # Speculative decoding (engine/spec_decode/), vLLM's counts: verifications (one sequence's
     # proposals checked in one step), tokens proposed, tokens kept, and per draft position j the
     # verifications that kept the draft at j (kept drafts are a prefix, so the list falls).
@@ -70,6 +73,7 @@ def engine_stats(scheduler: Scheduler, kv: KVCacheManager, steps: StepLog) -> En
         sample_seconds_total=steps.sample, detokenize_seconds_total=steps.detokenize,
         output_seconds_total=steps.output, num_verify_steps=steps.num_verify_steps,
         num_graphed_verify_steps=steps.num_graphed_verify_steps,
+        step_time_relative_error=scheduler.step_time.relative_error,
         **_spec_decode_counts(scheduler.speculator),
     )
 

@@ -133,6 +133,9 @@ class EngineStatsCollector:
         yield self._counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits)
         yield self._counter("num_preemptions", "Requests preempted to free KV cache.", s.num_preemptions)
         yield self._counter("engine_steps", "Engine steps run.", s.num_steps)
+        yield self._gauge("step_time_prediction_error",
+                          "The step-time model's mean relative error, |measured - predicted| / predicted (EWMA).",
+                          s.step_time_relative_error)
         if self.config.speculative_method:
             yield from self._spec_decode(s)
         fill = GaugeMetricFamily(
