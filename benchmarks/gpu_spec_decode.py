@@ -133,7 +133,11 @@ def spec_counts(llm: LLM) -> dict:
             "draft_tokens": stats.spec_decode_num_draft_tokens,
             "accepted_tokens": stats.spec_decode_num_accepted_tokens,
             # steps that verified drafts, and those of them that replayed a CUDA graph (the rest: eager)
-            "verify_steps": stats.num_verify_steps, "graphed_verify_steps": stats.num_graphed_verify_steps}
+            "verify_steps": stats.num_verify_steps, "graphed_verify_steps": stats.num_graphed_verify_steps,
+            # where a run's wall time goes: steps that ran ahead (async), host seconds per stage
+            "pipelined_steps": stats.num_pipelined_steps,
+            **{f"{stage}_s": getattr(stats, f"{stage}_seconds_total")
+               for stage in ("schedule", "prepare", "forward", "sample", "detokenize", "output")}}
 
 
 def spec_summary(before: dict, after: dict, output_tokens: int, seconds: float) -> dict:
