@@ -15,6 +15,7 @@ import torch
 from goodserve import SamplingParams
 from goodserve.engine import cuda_graphs
 from goodserve.engine.runner_output import PendingOutput
+from goodserve.engine.spec_decode.policy import PROBE_EVERY
 
 
 class EagerDecodeGraph(cuda_graphs._DecodeGraph):
@@ -284,14 +285,17 @@ def test_speculation_still_drafts_under_async_scheduling(embedded_llm):
     and verified, and the tokens are plain greedy decoding's."""
     from test_spec_decode import GREEDY, _spec_llm, _tokens
 
-    # No earlier occurrence of its last token: the first decode steps have no drafts (and may run
-    # ahead); the story repeats itself later, where prompt lookup finds matches.
+    # No earlier occurrence of its last token: the first decode steps have no drafts (the sequence
+    # leaves the plan after a few misses, and steps run ahead); the story repeats itself later,
+    # where a probe (one step in PROBE_EVERY) finds prompt lookup's matches again.
     prompt = "Once upon a time"
+    params = dataclasses.replace(GREEDY, max_tokens=3 * PROBE_EVERY)
     spec_llm = _spec_llm()
     with engine_mode(spec_llm, graphs=True, async_scheduling=True):
-        tokens = _tokens(spec_llm.generate([prompt], GREEDY))
-    assert spec_llm.engine.stats().spec_decode_num_draft_tokens > 0
-    assert tokens == _tokens(embedded_llm.generate([prompt], GREEDY))
+        tokens = _tokens(spec_llm.generate([prompt], params))
+    stats = spec_llm.engine.stats()
+    assert stats.spec_decode_num_draft_tokens > 0 and stats.num_pipelined_steps > 0
+    assert tokens == _tokens(embedded_llm.generate([prompt], params))
 
 
 class _WrongProposer:

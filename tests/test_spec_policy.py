@@ -57,6 +57,23 @@ def test_low_acceptance_stops_drafting_but_for_bounded_probes_which_notice_a_lat
     assert start <= PROBE_EVERY and all(plan == {seq.seq_id: K for seq in seqs} for plan in plans[start + 2:])
 
 
+class _NoMatch:
+    """An n-gram proposer on text that never repeats: nothing to propose."""
+
+    def propose(self, wanted):
+        return [Drafts([]) for _ in wanted]
+
+
+def test_sequences_whose_drafts_are_never_found_leave_the_plan_but_for_probes():
+    """Without the misses counted, a sequence keeps its starting estimate and stays in every plan,
+    and no step may run ahead (ShareGPT-like text on the H100 ran 0.91x of speculation off)."""
+    config = EngineConfig(model="dummy:tiny", speculative_method="ngram", num_speculative_tokens=K)
+    speculator, seqs = Speculator(config, _NoMatch(), cost=GRAPHED_COST), _seqs(2)
+    plans = _run(speculator, seqs, 4 * PROBE_EVERY, lambda step, k: 0)
+    planned = [step for step, plan in enumerate(plans) if plan]
+    assert len(planned) <= 4 + 4 and planned[-1] >= PROBE_EVERY  # a few tries, then the probes alone
+
+
 def test_high_acceptance_at_batch_one_drafts_every_step():
     plans = _run(_speculator(), _seqs(1), 50, lambda step, k: k)
     assert all(plan == {"s0": K} for plan in plans)

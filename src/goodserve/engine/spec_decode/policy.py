@@ -2,8 +2,11 @@
 acceptance, against what a verify step costs beside a plain decode step (VerifyCost):
 
 - A sequence's acceptance is a moving average over its drafts' outcomes, one per draft judged (kept,
-  or the first rejected), so it estimates the chance a draft is kept; k drafts then add
-  a + a^2 + ... + a^k tokens in expectation (kept drafts are a prefix).
+  or the first rejected), and a miss for each step the plan gave it drafts the proposer could not
+  find (an n-gram with no match), so it estimates the chance a planned draft is kept; k drafts then
+  add a + a^2 + ... + a^k tokens in expectation (kept drafts are a prefix). Counting the misses keeps
+  a sequence whose text is never copied from staying in the plan on its starting estimate, which
+  would keep every step synchronous (a step with a plan cannot run ahead: engine/scheduler.py).
 - For each k, the sequences whose expected gain pays their own drafts' cost draft k; the step drafts
   with the k of the best throughput (tokens per step time over a plain step's), if that beats 1. A
   drafting sequence's cost counts lookahead's window too (tokens computed beside the drafts); a
@@ -149,9 +152,13 @@ class Speculator:
         match), so the probes' steps stay bounded: each of them stops the engine running ahead."""
         if self.probe_due:
             self.steps_since_probe = 0
-        proposed = self.proposer.propose(wanted)
-        return {seq.seq_id: drafts for (seq, _), drafts in zip(wanted, proposed)
-                if drafts.token_ids or drafts.branch is not None}
+        found = {}
+        for (seq, _), drafts in zip(wanted, self.proposer.propose(wanted)):
+            if drafts.token_ids or drafts.branch is not None:
+                found[seq.seq_id] = drafts
+            else:  # nothing to verify: a draft planned and not kept, or the plan never empties
+                seq.spec_acceptance -= TRIAL_WEIGHT * seq.spec_acceptance
+        return found
 
     def learn(self, seq: Sequence, drafts: list[int], branch: Branch, output: BranchOutput) -> None:
         """A step's results for a sequence that computed a side branch (lookahead), for its proposer."""
