@@ -19,19 +19,14 @@ Parts (--parts, default kernels,e2e,peer; in this order, one process):
            kernel and prints the quant/linear.py and ops/triton_gemv.py entries that route to it.
   e2e      goodserve's LLM API, dummy:llama-3.1-8b, batch 1, 128-token prompt, 256 greedy tokens
            (gpu_engine.part_decode, best of 3), int4 layers with a quantized lm_head (e2e_runs):
-             int4_best_lm_head_int8       the best so far (337.5 tok/s): gate_up on rows_repacked
+             int4_lm_head_int4_and_attention   an int4 lm_head on rows_repacked and decode attention's
+                                          levers (RoPE + KV write fused in, one split by the
+                                          --decode-tuning table): 370.5 tok/s on an H100
+                                          (results/gpu_int4_levers_alone_h100.json)
+             int4_lm_head_int4_attention_fused_silu   the same with SwiGLU in gate_up's kernel
+                                          (KernelOptions.int4_fused_silu_and_mul, off by default)
+             int4_best_lm_head_int8       the sixth session's best (337.5 tok/s): gate_up on rows_repacked
                                           (or the kernels part's winners, if it ran), int8 lm_head
-             int4_lm_head_int4_and_attention   an int4 lm_head and decode attention's levers
-             int4_all_and_attention       all three levers below, and decode attention's (RoPE + KV
-                                          write fused in, one split by the --decode-tuning table)
-             int4_lm_head_int4_fused_silu_prescaled   all three levers below
-             int4_best_and_attention      the best so far with decode attention's levers
-             int4_lm_head_int4            the first with an int4 lm_head on rows_repacked
-             int4_fused_silu              int8 lm_head, SwiGLU in gate_up's kernel
-                                          (KernelOptions.int4_fused_silu_and_mul)
-             int4_prescaled               int8 lm_head, gate_up's rows kernel with x prescaled once
-                                          per block (Int4RowsConfig.prescaled)
-             int4_all_and_down_on_rows    all three with down_proj on rows_repacked (prescaled) too
              bf16                         the reference (left out when the budget runs out)
            Kernel configs: INT4_ROWS_TUNED (the sixth session's H100 winners), or the kernels part's.
   peer     Hugging Face transformers generate() (eager), bf16, batch 1, 256 tokens (gpu_engine.part_peer).
@@ -60,12 +55,8 @@ Prediction for the e2e runs (written on the CPU from the sixth session's H100 nu
 2963 us a token): an int4 lm_head takes 112 us where int8 took 185 (-73 us: ~346 tok/s); the fused
 SwiGLU drops the activation kernel (1.5 us a layer in the bf16 profile, plus its launch) and gate_up
 writes half the outputs, the same 4 us of work a layer more in its epilogue: -50 to -65 us (~343).
-Prescaled x: in Triton 3.9's sm_90 SASS (AOT, 16-byte aligned arguments) the subnormal decode's loop
-at 256 rows / 4 warps issues 1008 instructions a group (3.94 a code; 330 of them convert and scale
-x's bf16), prescaled 683 (2.67: an AND and an FMA a code, 64 FADDs, the loads), at 138 registers
-instead of 126 (3 programs an SM instead of 4). If gate_up's 30.5 us is half issue-bound, ~-15%:
-~-4.5 us a layer, ~-145 us a token (~350 alone); on lm_head (at 83% of its bytes floor) little.
-All together ~365-375 tok/s; 400 needs ~460 us less a token than 337.5.
+400 needs ~460 us less a token than 337.5. (A third lever, x prescaled once per block in the rows
+kernel, was measured slower and removed: benchmarks/BENCHMARKS.md, tenth session.)
 --smoke: CPU, TRITON_INTERPRET=1, tiny shapes, the smollm2-135m preset for 4 tokens: catches Python errors.
 
     PYTHONPATH=src python3 benchmarks/gpu_int4.py          # writes $OUT/gpu_int4.json (OUT: ./out)
@@ -132,15 +123,14 @@ def timed(calls: list[Callable[[], torch.Tensor]], ref: torch.Tensor, floor: flo
 
 
 def rows_configs(n: int, k: int, device: torch.device) -> list[Int4RowsConfig]:
-    """The decodes (fewest instructions a code in the SASS first: subnormal with x prescaled, subnormal,
-    mantissa) x ROWS_TILES, each with the split rule's split_k, half and twice it (and none where the
-    rule asks for at most 2)."""
+    """The decodes (fewest instructions a code in the SASS first: subnormal, mantissa) x ROWS_TILES,
+    each with the split rule's split_k, half and twice it (and none where the rule asks for at most 2)."""
     configs = []
-    for denormal, prescaled in ((True, True), (True, False), (False, False)):
+    for denormal in (True, False):
         for block_n, num_warps in ROWS_TILES:
             rule = triton_gemv.int4_rows_config(n, k, GROUP, device, block_n=block_n, num_warps=num_warps).split_k
             for split_k in sorted({1 if rule <= 2 else rule, rule, max(1, rule // 2), min(k // GROUP, 2 * rule)}):
-                configs.append(Int4RowsConfig(block_n, num_warps, split_k, denormal, prescaled))
+                configs.append(Int4RowsConfig(block_n, num_warps, split_k, denormal))
     return configs
 
 
@@ -174,7 +164,7 @@ def measure_shape(name: str, n: int, k: int, bandwidth: float, device: str, dead
                 row["rows_sweep_cut"] = True
                 break
             fields = {"num_warps": config.num_warps, "split_k": config.split_k, "denormal": config.denormal,
-                      "prescaled": config.prescaled, "pdl": gpu_gemv.PDL}
+                      "pdl": gpu_gemv.PDL}
             entry = timed([lambda c=c: int4_rows_gemv(x, *c, GROUP, block_n=config.block_n, **fields)
                            for c in copies], ref, floor, bandwidth)
             row["rows"].append({**config.__dict__, **entry})
@@ -210,6 +200,12 @@ def winners(kernels: dict) -> dict:
     return picks
 
 
+def rows_config(entry: dict) -> Int4RowsConfig:
+    """A sweep entry's Int4RowsConfig: its fields only (an older JSON's "prescaled", a removed variant,
+    and the timings are not fields)."""
+    return Int4RowsConfig(**{f.name: entry[f.name] for f in dataclasses.fields(Int4RowsConfig) if f.name in entry})
+
+
 def routing_entries(picks: dict) -> tuple[dict, dict]:
     """(KernelOptions.int4_one_row_kernel_by_shape, INT4_ROWS_TUNED / KernelOptions.int4_rows_configs)
     for the layers' shapes (not lm_head: the e2e runs put an int4 one on rows_repacked)."""
@@ -221,7 +217,7 @@ def routing_entries(picks: dict) -> tuple[dict, dict]:
         by_shape[n, k] = pick["fastest"]
         if pick["fastest"].startswith("rows"):
             e = pick["paths"][pick["fastest"]]
-            tuned[n, k] = Int4RowsConfig(e["block_n"], e["num_warps"], e["split_k"], e["denormal"], e["prescaled"])
+            tuned[n, k] = rows_config(e)
     return by_shape, tuned
 
 
@@ -267,20 +263,18 @@ def part_kernels(bandwidth: float, device: str, budget_s: float) -> dict:
 
 
 def e2e_runs(by_shape: dict, tuned: dict, decode_table: dict) -> list[tuple[str, str | None, KernelOptions | None]]:
-    """(name, lm_head method, kernel options) of each engine run: the best so far first, then each
-    lever not yet measured alone (the fused SwiGLU, the prescaled x) added to it, the sixth session's
-    best, bf16 (the reference) last. Layers take the kernels part's winners
-    where it ran, else gate_up on rows_repacked (the best measured routing, results/gpu_int4_h100.json),
-    with INT4_ROWS_TUNED's configs; an int4 lm_head takes rows_repacked (112 us there against
-    tinygemm's 135), the fused SwiGLU needs gate_up on it, and "prescaled" turns Int4RowsConfig.prescaled
-    on for every shape on a rows kernel."""
+    """(name, lm_head method, kernel options) of each engine run: the best so far first, then the
+    fused SwiGLU (off by default) added to it, the sixth session's best, bf16 (the reference) last.
+    Layers take the kernels part's winners where it ran, else gate_up on rows_repacked (the best
+    measured routing, results/gpu_int4_h100.json), with INT4_ROWS_TUNED's configs; an int4 lm_head
+    takes rows_repacked (112 us there against tinygemm's 135), and the fused SwiGLU needs gate_up on it."""
     gate_up, head = SHAPES["gate_up_proj"], SHAPES["lm_head"]
     layers = by_shape or {gate_up: "rows_repacked"}
     rows = {**layers, gate_up: "rows_repacked"}
     configs = {**triton_gemv.INT4_ROWS_TUNED, **tuned}
 
-    def options(routing: dict, fused: bool = False, prescaled: bool = False, attention: bool = False) -> KernelOptions:
-        chosen = {shape: {**dataclasses.asdict(configs[shape]), **({"prescaled": True} if prescaled else {})}
+    def options(routing: dict, fused: bool = False, attention: bool = False) -> KernelOptions:
+        chosen = {shape: dataclasses.asdict(configs[shape])
                   for shape, kernel in routing.items() if kernel.startswith("rows") and shape in configs}
         return KernelOptions(int4_one_row_kernel_by_shape=routing, int4_rows_configs=chosen,
                              int4_fused_silu_and_mul=fused, fuse_rotary_into_decode_attention=attention,
@@ -289,9 +283,8 @@ def e2e_runs(by_shape: dict, tuned: dict, decode_table: dict) -> list[tuple[str,
     head4 = {**layers, head: "rows_repacked"}
     every = {**rows, head: "rows_repacked"}
     return [  # the comparison that matters first: a run the budget leaves out is the least needed
-        ("int4_lm_head_int4_and_attention", "int4", options(head4, attention=True)),  # 367.8 tok/s, tenth session
+        ("int4_lm_head_int4_and_attention", "int4", options(head4, attention=True)),  # 370.5 tok/s, tenth session
         ("int4_lm_head_int4_attention_fused_silu", "int4", options(every, fused=True, attention=True)),
-        ("int4_lm_head_int4_attention_prescaled", "int4", options(head4, prescaled=True, attention=True)),
         ("int4_best_lm_head_int8", "int8", options(layers)),  # 337.5 tok/s on the sixth session's H100
         ("bf16", None, None),
     ]
@@ -433,7 +426,7 @@ def main() -> None:
         by_shape, tuned = routing_entries(picks)
         report["routing_entries"] = ({f"{n}, {k}": v for (n, k), v in by_shape.items()},
                                      {f"{n}, {k}": f"block_n={c.block_n}, num_warps={c.num_warps}, split_k={c.split_k}, "
-                                                   f"denormal={c.denormal}, prescaled={c.prescaled}"
+                                                   f"denormal={c.denormal}"
                                       for (n, k), c in tuned.items()})
     try:  # goodserve.LLM's imports (gguf, via model/loader.py) must not cost the kernels' numbers
         if "e2e" in parts:

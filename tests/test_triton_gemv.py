@@ -166,8 +166,8 @@ def rows_weight(layout: str, n: int, k: int, group: int, block_n: int, seed: int
         schemes.dequantize_int4(rounded).double()
 
 
-# the mantissa decode, the subnormal one, and the subnormal one with x prescaled once per block
-DECODES = [dict(denormal=False), dict(denormal=True), dict(denormal=True, prescaled=True)]
+# the mantissa decode and the subnormal one
+DECODES = [dict(denormal=False), dict(denormal=True)]
 # (N, K, group, block_n): N a multiple of the block or not (33, 70: a ragged last block), 1-8 groups
 ROWS_SHAPES = [(40, 256, 64, 8), (33, 512, 128, 16), (70, 256, 32, 32), (64, 128, 64, 64)]
 
@@ -229,8 +229,7 @@ def test_int4_rows_gated_output_is_silu_and_mul_of_the_projection(poisoned_empty
     path (projection in dtype, then ops/activation's silu_and_mul) rounds it."""
     args, w = rows_weight("paired", n, k, group, block_n, seed=n * k)
     x = torch.randn(1, k).to(dtype)
-    out = triton_gemv.int4_rows_gemv(x, *args, block_n=block_n, split_k=split_k, gated=True, denormal=True,
-                                     prescaled=True)
+    out = triton_gemv.int4_rows_gemv(x, *args, block_n=block_n, split_k=split_k, gated=True, denormal=True)
     assert out.shape == (1, n // 2) and out.dtype == dtype
     reference = silu_and_mul_torch((x.double() @ w.T).to(dtype))
     assert relative_error(out, reference.double()) < (2e-5 if dtype == torch.float32 else 2e-2)
@@ -245,13 +244,12 @@ def test_int4_rows_gated_output_needs_a_paired_layout():
 
 
 @pytest.mark.parametrize("scale", [1e-4, 1e4])
-@pytest.mark.parametrize("prescaled", [False, True])
-def test_int4_rows_subnormal_decode_holds_over_the_activation_range(scale, prescaled):
+def test_int4_rows_subnormal_decode_holds_over_the_activation_range(scale):
     """The subnormal decode scales x by up to 2**89: products stay normal and finite for small and
     large activations."""
     args, w = rows_weight("checkpoint", 40, 256, 64, 8, seed=11)
     x = torch.randn(1, 256) * scale
-    out = triton_gemv.int4_rows_gemv(x, *args, block_n=8, denormal=True, prescaled=prescaled)
+    out = triton_gemv.int4_rows_gemv(x, *args, block_n=8, denormal=True)
     assert relative_error(out, x.double() @ w.T) < 2e-5
 
 
@@ -265,5 +263,3 @@ def test_int4_rows_configs_for_llama_shapes_split_only_the_small_layers(monkeypa
     assert all(c.split_k <= k // 128 for c, (_, k) in zip(configs.values(), shapes.values()))
     with pytest.raises(ValueError):
         triton_gemv.int4_rows_config(64, 512, 64, torch.device("cpu"), block_n=24)
-    with pytest.raises(ValueError, match="prescaled"):
-        triton_gemv.int4_rows_config(64, 512, 64, torch.device("cpu"), prescaled=True)

@@ -489,11 +489,10 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, pdl: bool = False, **overr
 # eight codes need only the AND, the other three share one shift. x is scaled per position by
 # 2**(89 - b) once per chunk, so every product is x q 2**-60, a normal number (|x| up to 2**39);
 # FMAs keep subnormal inputs (no flush to zero in Triton's fp32 arithmetic).
-# Every thread needs all of x's group, so every thread converts x's bfloat16 to float32 and scales it:
-# ~1.3 of the subnormal decode's 3.9 instructions a code in the sm_90 SASS (at 2 rows a thread).
-# Prescaled (Int4RowsConfig.prescaled) does that once per block: each program writes its slice of
-# x, scaled, and the slice's group sums into a float32 scratch [K + K / group] (every program of a
-# slice writes the same bits there), syncs its threads, and its loop reads float32 x as it is.
+# Every thread needs all of x's group, so every thread converts x's bfloat16 to float32 and scales it
+# (~1.3 of the subnormal decode's 3.9 instructions a code in the sm_90 SASS, at 2 rows a thread).
+# Doing that once per block through a float32 scratch instead was slower end to end (138 registers
+# a thread, 3 blocks an SM instead of 4: benchmarks/BENCHMARKS.md), so every thread still does it.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -502,7 +501,6 @@ class Int4RowsConfig:
     num_warps: int
     split_k: int  # K slices of whole groups (1: none)
     denormal: bool = False  # the subnormal decode (see above)
-    prescaled: bool = False  # with denormal: x scaled once per block, not per thread (see above)
 
 
 # (N, K) -> config: the repacked layout's fastest at Llama-3.1-8B's shapes, group 128, from
@@ -590,15 +588,13 @@ def _subnormal_codes(words):
 
 
 @triton.jit
-def _int4_rows_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, part_ptr, count_ptr, xs_ptr, N, K, stride_ww, stride_sn,
+def _int4_rows_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, part_ptr, count_ptr, N, K, stride_ww, stride_sn,
                       groups_per_split, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, REPACKED: tl.constexpr,
-                      DENORMAL: tl.constexpr, PRESCALED: tl.constexpr, SPLIT: tl.constexpr, PAIRED: tl.constexpr,
-                      GATED: tl.constexpr, USE_PDL: tl.constexpr):
+                      DENORMAL: tl.constexpr, SPLIT: tl.constexpr, PAIRED: tl.constexpr, GATED: tl.constexpr,
+                      USE_PDL: tl.constexpr):
     """Program (row block, K slice of whole groups) -> y[0, row block] (or its slice's partial; the
     last slice stores the block). stride_ww: the checkpoint layout's row stride in int32 words.
-    PAIRED: the weight's rows are paired (see above); GATED: then y is [1, N / 2], silu(gate) * up.
-    PRESCALED (with DENORMAL): x scaled per position and each group's x sum go through xs_ptr (see
-    above) instead of every thread converting and scaling the whole of x itself."""
+    PAIRED: the weight's rows are paired (see above); GATED: then y is [1, N / 2], silu(gate) * up."""
     CHUNKS: tl.constexpr = GROUP // 32  # 16-byte pieces of a row's group
     pid_n, split = tl.program_id(0), tl.program_id(1)
     rows = tl.arange(0, BLOCK_N)
@@ -616,34 +612,21 @@ def _int4_rows_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, part_ptr, count_ptr, xs
     cols = tl.arange(0, 32)
     x_scale = _position_scales(cols)[None, :]
     pdl_sync(USE_PDL)
-    if PRESCALED:  # this slice's x, scaled, and its group sums, written once for the block's threads
-        offs_g = tl.arange(0, GROUP)
-        for g in range(g_start, g_stop):
-            x_group = tl.load(x_ptr + g * GROUP + offs_g).to(tl.float32)
-            tl.store(xs_ptr + g * GROUP + offs_g, x_group * _position_scales(offs_g))
-            tl.store(xs_ptr + K + g, tl.sum(x_group, axis=0))
-        tl.debug_barrier()  # the block's stores are visible to all of its threads
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for g in range(g_start, g_stop):
         dots = tl.zeros((BLOCK_N, 32), dtype=tl.float32)
         x_acc = tl.zeros((1, 32), dtype=tl.float32)
         for c in tl.static_range(CHUNKS):
-            if PRESCALED:  # .cg: from L2, where the block's own stores went
-                x = tl.load(xs_ptr + g * GROUP + c * 32 + cols, cache_modifier=".cg")[None, :]
-            else:
-                x = tl.load(x_ptr + g * GROUP + c * 32 + cols).to(tl.float32)[None, :]
+            x = tl.load(x_ptr + g * GROUP + c * 32 + cols).to(tl.float32)[None, :]
             if REPACKED:
                 packed = tl.load(chunk_ptrs + (g * CHUNKS + c) * (BLOCK_N * 4))
             else:
                 packed = tl.load(chunk_ptrs + g * (GROUP // 8) + c * 4, mask=n_mask[:, None], other=0)
-            if PRESCALED:
-                dots += tl.reshape(_subnormal_codes(packed), (BLOCK_N, 32)) * x  # x q 2**-60
-            elif DENORMAL:
+            if DENORMAL:
                 dots += tl.reshape(_subnormal_codes(packed), (BLOCK_N, 32)) * (x * x_scale)  # x q 2**-60
             else:
                 dots += tl.reshape(_word_codes(packed, 4, 0), (BLOCK_N, 32)) * x  # codes as 1 + q / 16
-            if not PRESCALED:
-                x_acc += x
+            x_acc += x
         if REPACKED:
             sz = tl.load(s_ptr.to(tl.pointer_type(tl.int32)) + (pid_n * groups + g) * BLOCK_N + rows)
             scale = (sz << 16).to(tl.float32, bitcast=True)
@@ -651,10 +634,7 @@ def _int4_rows_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, part_ptr, count_ptr, xs
         else:
             scale = tl.load(s_ptr + offs_n * stride_sn + g, mask=n_mask, other=0.0)
             zero = tl.load(z_ptr + offs_n * stride_sn + g, mask=n_mask, other=0.0)
-        if PRESCALED:
-            acc += (scale * 1.152921504606846976e18) * tl.sum(dots, axis=1) + zero * tl.load(xs_ptr + K + g,
-                                                                                           cache_modifier=".cg")
-        elif DENORMAL:  # sum x q = 2**60 sum dots
+        if DENORMAL:  # sum x q = 2**60 sum dots
             acc += (scale * 1.152921504606846976e18) * tl.sum(dots, axis=1) + zero * tl.sum(x_acc, axis=1)
         else:  # q = 16 (code - 1)
             acc += (16.0 * scale) * tl.sum(dots, axis=1) + (zero - 16.0 * scale) * tl.sum(x_acc, axis=1)
@@ -691,14 +671,14 @@ def _store_rows(acc, y_ptr, pid_n, offs_n, n_mask, N, BLOCK_N: tl.constexpr, PAI
 
 def int4_rows_config(n: int, k: int, group: int, device: torch.device, block_n: int | None = None,
                      num_warps: int | None = None, split_k: int | None = None,
-                     denormal: bool | None = None, prescaled: bool | None = None) -> Int4RowsConfig:
+                     denormal: bool | None = None) -> Int4RowsConfig:
     """INT4_ROWS_TUNED on CUDA where listed and nothing else is given (block_n aside where it is the
     tuned one: a repacked copy's, built from that config), else INT4_ROWS_DEFAULT with the given
     fields; split_k, unless given, fills every SM's resident programs within the family's
     PARTIALS_MAX_SHARE."""
     tuned = INT4_ROWS_TUNED.get((n, k)) if device.type == "cuda" else None
     if tuned is not None and block_n in (None, tuned.block_n) and num_warps is None and split_k is None \
-            and denormal is None and prescaled is None:
+            and denormal is None:
         return tuned
     default_n, default_warps, resident = INT4_ROWS_DEFAULT
     block_n, num_warps = block_n or default_n, num_warps or default_warps
@@ -707,9 +687,7 @@ def int4_rows_config(n: int, k: int, group: int, device: torch.device, block_n: 
     wanted = triton.cdiv(resident * num_sms(device), triton.cdiv(n, block_n))
     affordable = int(PARTIALS_MAX_SHARE * k * BYTES_PER_WEIGHT["int4"] / 4)
     split_k = split_k or max(1, min(wanted, affordable, k // group))
-    if prescaled and not denormal:
-        raise ValueError("int4 rows kernel: prescaled x needs the subnormal decode (denormal=True)")
-    return Int4RowsConfig(block_n, num_warps, split_k, bool(denormal), bool(prescaled))
+    return Int4RowsConfig(block_n, num_warps, split_k, bool(denormal))
 
 
 def int4_rows_gemv(x: torch.Tensor, weight: torch.Tensor | Int4RowsWeight, scales: torch.Tensor | None = None,
@@ -746,10 +724,8 @@ def int4_rows_gemv(x: torch.Tensor, weight: torch.Tensor | Int4RowsWeight, scale
         assert n_blocks <= MAX_SPLIT_BLOCKS, f"{n_blocks} row blocks: raise MAX_SPLIT_BLOCKS or block_n"
         partials = torch.empty((splits, 1, n), dtype=torch.float32, device=x.device)
         counters = _split_counters(x.device)
-    x_scaled = torch.empty(k + groups, dtype=torch.float32, device=x.device) if config.prescaled else y
     _int4_rows_kernel[(n_blocks, splits)](
-        x, w, s, z, y, partials, counters, x_scaled, n, k, stride_ww, stride_sn, per_split,
-        GROUP=group, BLOCK_N=config.block_n, REPACKED=repacked, DENORMAL=config.denormal,
-        PRESCALED=config.prescaled, SPLIT=splits > 1, PAIRED=paired, GATED=gated, num_warps=config.num_warps,
-        **pdl_launch(pdl))
+        x, w, s, z, y, partials, counters, n, k, stride_ww, stride_sn, per_split,
+        GROUP=group, BLOCK_N=config.block_n, REPACKED=repacked, DENORMAL=config.denormal, SPLIT=splits > 1,
+        PAIRED=paired, GATED=gated, num_warps=config.num_warps, **pdl_launch(pdl))
     return y
