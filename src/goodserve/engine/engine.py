@@ -58,6 +58,7 @@ class _Step:
     seqs: list[Sequence]
     pending: PendingOutput
     launched: float  # time.perf_counter() at launch
+    may_run_ahead: bool  # the next step is launched before this one's tokens are read, if it replays a graph
 
 
 class Engine:
@@ -191,7 +192,7 @@ class Engine:
         """Launch the step; finish it now, or leave it in flight and finish it with the next launch."""
         try:
             step = self._launch(out, seqs)
-            output = None if self._may_run_ahead(step) else step.pending.result()
+            output = None if step.may_run_ahead and step.pending.replayed_graph else step.pending.result()
         except EngineDeadError:  # a lost worker process: no request caused it, none can run
             raise
         except Exception as exc:  # a failed step fails the requests that cause it, never the engine
@@ -211,15 +212,18 @@ class Engine:
         if previous is not None and any(seq.grammar is not None for seq in sampling):
             accept_tokens_ahead(previous.seqs, previous.pending.result())  # the forward runs meanwhile
         grammar = grammar_bitmask(sampling, pinned=self.device.type == "cuda")
-        step = _Step(out, seqs, self.executor.sample_tokens(grammar, trial), launched)
+        ahead = not trial and self._may_run_ahead(out, seqs)
+        step = _Step(out, seqs, self.executor.sample_tokens(grammar, trial, ahead), launched, ahead)
         if not trial:
             self._new, self._finished = [], []
         return step
 
-    def _may_run_ahead(self, step: _Step) -> bool:
-        return (self.config.async_scheduling and step.pending.replayed_graph and step.out.all_sample
-                and not step.out.draft_token_ids and not self.scheduler.may_propose()
-                and all(seq.samples_on_device for seq in step.seqs))
+    def _may_run_ahead(self, out: SchedulerOutput, seqs: list[Sequence]) -> bool:
+        """Whether the next step may launch before this one's tokens reach the host, should this one
+        replay a graph (known once launched). The executor is told before: a worker process then
+        holds the step's output until the next step has launched (engine/executor.py)."""
+        return (self.config.async_scheduling and out.all_sample and not out.draft_token_ids
+                and not self.scheduler.may_propose() and all(seq.samples_on_device for seq in seqs))
 
     def _step_pipelined(self, stream_text: bool) -> set[str]:
         """Launch the step after the one in flight (if the scheduler can decide it without that
@@ -231,6 +235,8 @@ class Engine:
             if self._inflight is not None:  # its input tokens are on the host now: register full blocks
                 self.scheduler.advance(self._inflight.out)
             return changed
+        except EngineDeadError:  # a lost worker process: no request caused it, none can run
+            raise
         except Exception as exc:
             steps = [current] + ([self._inflight] if self._inflight is not None else [])
             self._inflight = None
@@ -252,6 +258,8 @@ class Engine:
         seqs = [self.scheduler.seqs[seq_id] for seq_id in out.seq_ids]
         try:
             self._inflight = self._launch(out, seqs, previous=current)
+        except EngineDeadError:
+            raise
         except Exception as exc:
             logger.warning("launching a step ahead failed (%s: %s); its sequences run synchronously next",
                            type(exc).__name__, exc)

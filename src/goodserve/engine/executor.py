@@ -35,7 +35,10 @@ class UniProcExecutor:
     def execute_model(self, out: SchedulerOutput) -> None:
         self.worker.execute_model(out)
 
-    def sample_tokens(self, grammar: GrammarBitmask | None, trial: bool = False) -> PendingOutput:
+    def sample_tokens(self, grammar: GrammarBitmask | None, trial: bool = False,
+                      may_run_ahead: bool = False) -> PendingOutput:
+        """may_run_ahead: whether the engine may launch the next step before it reads this one's
+        output (in one process the output simply waits on the device until it does)."""
         return self.worker.sample_tokens(grammar, trial)
 
     def shutdown(self) -> None:
@@ -46,9 +49,13 @@ class MultiprocExecutor:
     """The workers in spawned processes: one (`mp`), or the tensor-parallel ranks this host runs
     (all of them unless LOCAL_WORLD_SIZE says fewer: the rest join from other hosts through
     `goodserve worker`). The engine sends rank 0 one message a step through a pipe; rank 0 hands it
-    on to the other ranks (engine/distributed.py: a shared-memory ring on one host) and answers
-    with its own result. Steps run synchronously (the engine reads each step's output before the
-    next is launched)."""
+    on to the other ranks (engine/distributed.py: a shared-memory ring on one host) and answers.
+
+    Async scheduling: a step the engine may run ahead of (it says so with the step) and that
+    replayed a graph is answered at once with "held" and its output comes with the reply to the
+    engine's next message, the next step (launched first, so the device runs it while the host
+    reads the tokens) or, where the engine needs the output before any next step, a request for it.
+    Other steps are answered with their output (pipeline stages replay no graphs: always)."""
 
     def __init__(self, config: EngineConfig) -> None:
         context = multiprocessing.get_context("spawn")
@@ -64,16 +71,20 @@ class MultiprocExecutor:
             process.start()
             self._processes.append(process)
         child.close()
-        self.info: ModelInfo = self._receive()
+        self.info: ModelInfo = self._value(self._receive())
+        self._held: _Held | None = None  # the step whose output rank 0 holds
 
     def execute_model(self, out: SchedulerOutput) -> None:
         self._launching = out  # sent with the step's grammar masks: one message a step
 
-    def sample_tokens(self, grammar: GrammarBitmask | None, trial: bool = False) -> PendingOutput:
+    def sample_tokens(self, grammar: GrammarBitmask | None, trial: bool = False,
+                      may_run_ahead: bool = False) -> PendingOutput:
         out, self._launching = self._launching, None
-        self._conn.send((out, grammar, trial))
-        output = self._receive()
-        return PendingOutput(lambda: output, replayed_graph=False)
+        output = self._value(self._ask((out, grammar, trial, may_run_ahead)))
+        if output is not None:
+            return PendingOutput(lambda: output, replayed_graph=False)
+        held = self._held = _Held()
+        return PendingOutput(lambda: self._held_output(held), replayed_graph=True)
 
     def shutdown(self) -> None:
         if self._processes[0].is_alive():
@@ -86,22 +97,47 @@ class MultiprocExecutor:
                 process.terminate()
         self._conn.close()
 
+    def _held_output(self, held: _Held):
+        if held.answer is None:  # still held: the engine launches no step before it needs this output
+            self._ask(_SEND_HELD)
+        return self._value(held.answer)
+
+    def _ask(self, message) -> tuple[bool, object] | None:
+        """Send rank 0 a message; its reply brings the held step's answer (once held, rank 0 sends
+        it with the reply to the next message), then the answer to this message (None for _SEND_HELD)."""
+        try:
+            self._conn.send(message)
+        except OSError:  # rank 0's process is gone
+            raise self._lost() from None
+        earlier, answer = self._receive()
+        if earlier is not None:
+            self._held.answer, self._held = earlier, None
+        return answer
+
     def _receive(self):
-        """Rank 0's answer; a worker process that died instead ends the engine, with its exit code
+        """Rank 0's reply; a worker process that died instead ends the engine, with its exit code
         (unless rank 0's own word comes soon: a load error, which every rank hits, says more)."""
         while not self._conn.poll(_LIVENESS_POLL_S):
             if self._exited() and not self._conn.poll(_LAST_WORD_S):
                 raise self._exited()
         try:
-            ok, value = self._conn.recv()
+            return self._conn.recv()
         except EOFError:
-            raise self._exited() or EngineDeadError("the worker process closed its pipe") from None
-        if not ok:  # rank 0's account of a user's error stands; any other may come from a lost rank
-            exited = self._exited()
-            if exited is None or (isinstance(value, GoodserveError) and not isinstance(value, EngineDeadError)):
-                raise value
-            raise exited from value
-        return value
+            raise self._lost() from None
+
+    def _value(self, answer: tuple[bool, object]):
+        """An answer's value, or its error raised. Rank 0's account of a user's error stands; any
+        other may come from a lost rank."""
+        ok, value = answer
+        if ok:
+            return value
+        exited = self._exited()
+        if exited is None or (isinstance(value, GoodserveError) and not isinstance(value, EngineDeadError)):
+            raise value
+        raise exited from value
+
+    def _lost(self) -> EngineDeadError:
+        return self._exited() or EngineDeadError("the worker process closed its pipe")
 
     def _exited(self) -> EngineDeadError | None:
         for rank, process in enumerate(self._processes):
@@ -111,6 +147,15 @@ class MultiprocExecutor:
         return None
 
 
+class _Held:
+    """A step's output that rank 0 holds: its answer, once it came."""
+
+    answer: tuple[bool, object] | None = None
+
+
+# The engine's request for the output rank 0 holds, when it launches no step before it needs it.
+_SEND_HELD = "send held"
+
 # How often the engine, waiting for a step, checks that every worker process still lives, and how
 # long it then waits for rank 0's own account.
 _LIVENESS_POLL_S = 0.5
@@ -118,8 +163,8 @@ _LAST_WORD_S = 2.0
 
 
 def _leader_main(conn: Connection, config: EngineConfig, env: dict[str, str] | None) -> None:
-    """Rank 0 (or the only worker): build the worker, then answer the engine's steps until told to
-    stop (None), handing each to the other ranks first."""
+    """Rank 0 (or the only worker): build the worker, then answer the engine's messages until told
+    to stop (None), handing each step to the other ranks first."""
     try:
         rank = None
         if env is not None:
@@ -133,55 +178,75 @@ def _leader_main(conn: Connection, config: EngineConfig, env: dict[str, str] | N
         conn.send((False, exc))
         return
     conn.send((True, worker.info))
+    held = None  # a launched step whose output waits for the engine's next message
     while True:
         message = conn.recv()
-        if rank is not None:
+        if rank is not None and message != _SEND_HELD:
             try:
                 distributed.broadcast(message, rank)
             except Exception as exc:  # noqa: BLE001 - a lost rank: nothing more can run
-                conn.send((False, EngineDeadError(f"tensor-parallel ranks lost: {exc}")))
+                conn.send((None, (False, EngineDeadError(f"tensor-parallel ranks lost: {exc}"))))
                 return
         if message is None:
             return
         try:
-            answer = (True, _step(worker, *message))
-        except dist.DistError as exc:
-            conn.send((False, EngineDeadError(f"tensor-parallel collective failed: {exc}")))
+            if message == _SEND_HELD:
+                reply, held = (_settle(held), None), None
+            else:
+                *reply, held = _step(worker, rank, message, held)
+        except Exception as exc:  # noqa: BLE001 - a collective failed (a request's error is an answer)
+            conn.send((None, (False, EngineDeadError(f"tensor-parallel collective failed: {exc}"))))
             return
-        except Exception as exc:  # noqa: BLE001 - a request's error: the engine isolates it
-            answer = (False, exc)
-        if rank is not None:
-            try:
-                answer = distributed.from_last_stage(answer, rank)
-            except Exception as exc:  # noqa: BLE001 - a lost rank: nothing more can run
-                conn.send((False, EngineDeadError(f"tensor-parallel ranks lost: {exc}")))
-                return
-        conn.send(answer)
+        conn.send(tuple(reply))
 
 
-def _step(worker: Worker, out: SchedulerOutput, grammar: GrammarBitmask | None, trial: bool):
-    worker.execute_model(out)
-    return worker.sample_tokens(grammar, trial).result()
+def _step(worker: Worker, rank: distributed.Rank | None, message: tuple, held: PendingOutput | None):
+    """Launch a step, then settle the one held before it (whose tokens the device computed while the
+    host prepared this one, as in the engine's own process). Returns the held step's answer (None:
+    none), this step's ((True, None): held), and the step now held. A step is held where the engine
+    may run ahead of it and it replayed a graph; pipeline stages replay none, so the last stage's
+    answer goes to rank 0 at once."""
+    out, grammar, trial, may_run_ahead = message
+    try:
+        worker.execute_model(out)
+        pending, answer = worker.sample_tokens(grammar, trial), None
+    except dist.DistError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a request's error: the engine isolates it
+        pending, answer = None, (False, exc)
+    earlier = _settle(held) if held is not None else None
+    if pending is not None and may_run_ahead and pending.replayed_graph:
+        return earlier, (True, None), pending
+    answer = answer or _settle(pending)
+    return earlier, distributed.from_last_stage(answer, rank) if rank is not None else answer, None
+
+
+def _settle(pending: PendingOutput) -> tuple[bool, object]:
+    """A launched step's answer: (True, its output), or (False, a request's error)."""
+    try:
+        return True, pending.result()
+    except dist.DistError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a request's error: the engine isolates it
+        return False, exc
 
 
 def run_follower(env: dict[str, str] | None = None) -> None:
     """A rank other than 0, on this host (env: its variables) or another (`goodserve worker`, from
-    torchrun's): gets the config from rank 0, builds its share, then runs what rank 0 hands on."""
+    torchrun's): gets the config from rank 0, builds its share, then runs what rank 0 hands on,
+    holding the steps rank 0 holds (it waits for their tokens once the next step has launched)."""
     if env is not None:
         os.environ.update(env)
     rank = distributed.join()
     config = distributed.broadcast(None, rank)
     rank = distributed.open_step_ring(distributed.arrange(rank, config))
     worker = Worker(distributed.for_rank(config, rank), rank)
+    held = None
     while (message := distributed.broadcast(None, rank)) is not None:
-        try:
-            answer = (True, _step(worker, *message))
-        except dist.DistError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - a request's error, which rank 0 reports
-            logger.debug("rank %d: step failed", dist.get_rank(), exc_info=True)
-            answer = (False, exc)
-        distributed.from_last_stage(answer, rank)
+        *answers, held = _step(worker, rank, message, held)
+        for answer in answers:
+            if answer is not None and not answer[0]:  # a request's error, which rank 0 reports
+                logger.debug("rank %d: step failed", dist.get_rank(), exc_info=answer[1])
 
 
 def make_executor(config: EngineConfig) -> UniProcExecutor | MultiprocExecutor:
