@@ -158,7 +158,7 @@ RULES: tuple[Rule, ...] = (
               "p99 ITL falls while median ITL stays"),
           Fix("--no-enforce-eager (CUDA graphs)", "removes per-kernel launch overhead from small batches",
               "step_time_seconds{phase=forward} per step falls", "cuda_graphs"),
-          # 2 all-reduces a layer of ~20 us each (NCCL in a CUDA graph) eat much of the gain at batch 1.
+          # 2 all-reduces a layer of ~7 us each (one-shot, in a CUDA graph) take part of the gain at batch 1.
           Fix("--tensor-parallel-size 2 (or 4, 8)",
               "each GPU reads 1 / N of the weights a step, plus 2 all-reduces a layer: `goodserve calc fit --tp N` "
               "prints the TPOT limit with them",

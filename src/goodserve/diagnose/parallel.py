@@ -28,11 +28,11 @@ from goodserve.diagnose.roofline import prefill_flops
 from goodserve.errors import InvalidRequestError
 from goodserve.model.spec import ModelSpec
 
-# One all-reduce of a decode step's few KB inside a CUDA graph: NCCL measured 20 us on 2 H200s
-# (issue 16; 37-45 us eager). The engine's TP ranks on one host take a one-shot all-reduce on
-# symmetric memory for such sizes instead (model/custom_all_reduce.py; 11 us for torch's, measured
-# apart from the engine): NCCL's figure stays until benchmarks/gpu_allreduce.py measures the engine's.
-ALLREDUCE_LATENCY_S = 20e-6
+# One all-reduce of a decode step's few KB inside a CUDA graph, as the engine's TP ranks on one host
+# run it: the one-shot all-reduce on symmetric memory (model/custom_all_reduce.py) took 6.5-6.8 us at
+# 8-64 KB of bf16 on 2 H200s (NV18), NCCL 20.6-22.2 us in a graph and 34-40 us eager
+# (benchmarks/results/gpu_allreduce_h200x2.json). --allreduce-latency-us: another interconnect's.
+ALLREDUCE_LATENCY_S = 7e-6
 NODE_GPUS = 8  # past one node's GPUs, TP's all-reduces would cross the network: PP there instead
 
 

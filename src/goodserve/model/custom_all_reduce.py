@@ -4,8 +4,8 @@ all-reduce on symmetric memory, as vLLM's custom all-reduce does it with a kerne
 One buffer per tensor-parallel group, allocated at set-up and mapped into every rank's address
 space (CUDA IPC over NVLink or PCIe P2P). A call is one kernel: it copies the rank's input into its
 buffer, waits for its peers' (signal pads on the device, no host, no NCCL proxy), then reads every
-peer's buffer and sums. On 2 H200s that was ~11 us against NCCL's ~20 us in a CUDA graph for 16 KB
-(issue 16; benchmarks/gpu_allreduce.py measures both). Each rank reads each peer's whole message,
+peer's buffer and sums. On 2 H200s that was 6.6 us against NCCL's 22.2 us in a CUDA graph for 16 KB
+(benchmarks/results/gpu_allreduce_h200x2.json, from benchmarks/gpu_allreduce.py). Each rank reads each peer's whole message,
 so only messages up to the buffer's size (KernelOptions.custom_all_reduce_max_bytes) take it;
 larger ones (prefill chunks) stay on NCCL.
 
