@@ -58,6 +58,26 @@ def check_blocks(engine) -> None:
         assert (block.ref_count == 0) == (block.block_id in pool.free)
 
 
+def abort_mid_pipeline(engine, requests) -> dict:
+    """Run the requests with a1 aborted at step 4 and a3 at step 9, each while a step is in flight,
+    checking the block accounting after every event; the aborted requests' outputs."""
+    for rid, prompt, params in requests:
+        engine.add_request(rid, prompt, params)
+    aborted = {}
+    for step in range(40):
+        if not engine.has_unfinished():
+            break
+        if engine._inflight is not None and step in (4, 9):  # the abort lands mid-pipeline
+            rid = "a1" if step == 4 else "a3"
+            aborted[rid] = engine.abort_request(rid)
+            check_blocks(engine)
+        engine.step(finished_only=True)
+        check_blocks(engine)
+    assert not engine.has_unfinished() and engine.kv.num_used_blocks == 0
+    assert set(aborted) == {"a1", "a3"}
+    return aborted
+
+
 def drive(engine, arrivals: dict[int, list], aborts: dict[int, list[str]] | None = None,
           check: bool = False) -> dict:
     """Step until done; arrivals[k] / aborts[k] happen before step call k. Returns the final
@@ -186,21 +206,8 @@ def test_aborts_while_a_step_is_in_flight_leak_nothing(embedded_llm):
     with engine_mode(embedded_llm, graphs=True, async_scheduling=True):
         reference = summary(drive(engine, arrivals))
     with engine_mode(embedded_llm, graphs=True, async_scheduling=True) as pipelined:
-        for i, (rid, prompt, p) in enumerate(arrivals[0]):
-            engine.add_request(rid, prompt, p)
-        aborted = {}
-        for step in range(40):
-            if not engine.has_unfinished():
-                break
-            if engine._inflight is not None and step in (4, 9):  # the abort lands mid-pipeline
-                rid = "a1" if step == 4 else "a3"
-                aborted[rid] = engine.abort_request(rid)
-                check_blocks(engine)
-            engine.step(finished_only=True)
-            check_blocks(engine)
-        assert not engine.has_unfinished() and engine.kv.num_used_blocks == 0
+        aborted = abort_mid_pipeline(engine, arrivals[0])
         assert pipelined() > 0
-    assert set(aborted) == {"a1", "a3"}
     for rid, output in aborted.items():
         choice = output.outputs[0]
         assert choice.finish_reason == "abort"

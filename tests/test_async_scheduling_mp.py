@@ -18,7 +18,7 @@ import pytest
 from goodserve import LLM, SamplingParams
 from goodserve.engine import cuda_graphs, executor, model_runner
 from goodserve.errors import EngineDeadError
-from test_async_scheduling import EagerDecodeGraph, check_blocks, drive, summary
+from test_async_scheduling import EagerDecodeGraph, abort_mid_pipeline, drive, summary
 from test_tensor_parallel import SETTINGS
 from test_tensor_parallel import fast_timeout  # noqa: F401 (a fixture its tests use)
 
@@ -115,21 +115,8 @@ def test_aborts_while_a_held_step_is_in_flight_free_their_blocks(workers_with_gr
     with async_scheduling(engine, on=False):
         reference = summary(drive(engine, arrivals))
     with async_scheduling(engine, on=True) as pipelined:
-        for rid, prompt, p in arrivals[0]:
-            engine.add_request(rid, prompt, p)
-        aborted = {}
-        for step in range(40):
-            if not engine.has_unfinished():
-                break
-            if engine._inflight is not None and step in (4, 9):  # the abort lands mid-pipeline
-                rid = "a1" if step == 4 else "a3"
-                aborted[rid] = engine.abort_request(rid)
-                check_blocks(engine)
-            engine.step(finished_only=True)
-            check_blocks(engine)
-        assert not engine.has_unfinished() and engine.kv.num_used_blocks == 0
+        aborted = abort_mid_pipeline(engine, arrivals[0])
         assert pipelined() > 0
-    assert set(aborted) == {"a1", "a3"}
     for rid, output in aborted.items():
         tokens, full = output.outputs[0].token_ids, reference[rid][0][0]
         assert output.outputs[0].finish_reason == "abort"
