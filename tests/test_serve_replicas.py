@@ -25,6 +25,7 @@ from goodserve.server.app import ServerConfig
 from goodserve.server.process import ServerProcess, free_port, scrape_metrics
 
 MODEL = "dummy:tiny"
+MAX_TOKENS = 512  # a killed-replica test's requests (see there)
 REPLICA_LINE = re.compile(r"replica (\d): pid (\d+) at (http://\S+)")
 
 
@@ -91,17 +92,22 @@ def test_a_replica_killed_mid_run_loses_no_request(stack):
     launcher, replicas, client = stack
     pid, url = replicas[0]
 
+    # Long enough that replica 0 is still answering when a scrape sees it busy, even on a loaded
+    # machine (with 64 tokens the requests could all finish between two scrapes, and the wait below
+    # had no end).
     def ask(i: int):
-        return client.completions.create(model=MODEL, prompt=[20 + i, 21, 22], max_tokens=64,
+        return client.completions.create(model=MODEL, prompt=[20 + i, 21, 22], max_tokens=MAX_TOKENS,
                                          extra_body={"ignore_eos": True})
 
     with ThreadPoolExecutor(8) as pool:
         pending = [pool.submit(ask, i) for i in range(16)]
+        deadline = time.monotonic() + 60
         while not scrape_metrics(url).get("goodserve:num_requests_running{}"):
+            assert time.monotonic() < deadline and not all(f.done() for f in pending), "replica 0 never seen busy"
             time.sleep(0.01)
         subprocess.run(["kill", "-KILL", str(pid)], check=True)  # with requests running on it
         answers = [future.result() for future in pending]
-    assert all(a.usage.completion_tokens == 64 for a in answers)
+    assert all(a.usage.completion_tokens == MAX_TOKENS for a in answers)
     deadline = time.monotonic() + 10
     while "replica 0 (pid" not in launcher.log() and time.monotonic() < deadline:
         time.sleep(0.1)
