@@ -121,12 +121,13 @@ def record(kernel: str, shape: str, ms: float, nbytes: float, bw: float, err: fl
 
 
 def make_paged(batch: int, q_lens: list[int], seq_lens: list[int], kv_dtype: torch.dtype, seed: int,
-               capacity: int | None = None, column_major: bool = False):
+               capacity: int | None = None, column_major: bool = False, heads: tuple[int, int, int] | None = None):
     """Random K/V for every sequence's whole context, in shuffled blocks; q for the new tokens.
 
     capacity: tokens the block table has room for (default: the longest sequence); column_major:
-    the decode graphs' table layout.
+    the decode graphs' table layout; heads: (q heads, KV heads, head dim), default the 8B layer's.
     """
+    HQ, HK, D = heads or (globals()["HQ"], globals()["HK"], globals()["D"])  # noqa: N806
     gen = torch.Generator(device=DEVICE).manual_seed(seed)
     blocks = [triton.cdiv(s, BLOCK) for s in seq_lens]
     num_blocks = sum(blocks) + 1
@@ -443,6 +444,49 @@ def bench_prefill(bw: float) -> None:
                torch_ms, flops=flops)
 
 
+# Prefill tile sweep: verify steps (1 + 4 tokens a sequence on a 512-token context) and prompts, in
+# float32 (exact dots, no tensor cores) and bf16, on the 8B's and the embedded model's head shapes.
+PREFILL_SWEEP_CASES = [("verify b1", [5], [512]), ("verify b8", [5] * 8, [512] * 8),
+                       ("verify b32", [5] * 32, [512] * 32), ("512 prompt", [512], [512]),
+                       ("2K prompt", [2048], [2048])]
+PREFILL_SWEEP_TUNINGS = [
+    {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2},
+    {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
+    {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2},
+    {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2},
+    {"BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
+    {"BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 2, "num_stages": 2},
+    {"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
+]
+PREFILL_SWEEP_HEADS = {"8B": (32, 8, 128), "135M": (9, 3, 64)}
+
+
+def sweep_prefill_tuning(bw: float) -> dict:
+    """Median ms of each tuning per (dtype, heads, case), its error against the reference, and the
+    fastest per case."""
+    cases = [("verify b2", [5] * 2, [40] * 2), ("prompt", [40], [40])] if SMOKE else PREFILL_SWEEP_CASES
+    tunings = PREFILL_SWEEP_TUNINGS[-2:] if SMOKE else PREFILL_SWEEP_TUNINGS
+    best = {}
+    for dtype in (torch.float32, BF16):
+        for shape_name, heads in PREFILL_SWEEP_HEADS.items():
+            for name, q_lens, seq_lens in cases:
+                q, cache, meta = make_paged(len(q_lens), q_lens, seq_lens, dtype, seed=len(q_lens), heads=heads)
+                q = q.to(dtype)
+                args = (q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, heads[2] ** -0.5)
+                ref = paged_attention_reference(q, cache, meta, heads[2] ** -0.5)
+                times = {}
+                for tune in tunings:
+                    out = triton_prefill_attention(*args, tuning=tune)
+                    ms = 0.0 if SMOKE else bench_ms(lambda: triton_prefill_attention(*args, tuning=tune))
+                    label = f"{tune['BLOCK_M']}x{tune['BLOCK_N']}w{tune['num_warps']}s{tune['num_stages']}"
+                    times[label] = ms
+                    record("prefill-sweep", f"{str(dtype)[6:]} {shape_name} {name} {label}", ms,
+                           2 * cache.k.numel() * cache.k.element_size(), bw, rel_err(out, ref), tuning=tune)
+                best[f"{str(dtype)[6:]} {shape_name} {name}"] = {"fastest": min(times, key=times.get), "ms": times}
+    print(json.dumps(best, indent=1))
+    return best
+
+
 # ---------------------------------------------------------------------------------------------
 # RoPE + cache write, the small fused ops, argmax
 
@@ -552,6 +596,8 @@ def main() -> None:
     parser.add_argument("--decode-latency-sweep", action="store_true",
                         help="only: decode launch variants at batch 1/4/16, contexts 128-4096, and fused RoPE; "
                              "writes $OUT/decode_tuning_by_batch.json")
+    parser.add_argument("--prefill-sweep", action="store_true",
+                        help="only: prefill tiles for verify steps and prompts, float32 and bf16 (~1 min)")
     args = parser.parse_args()
     torch.manual_seed(0)
     started = time.time()
@@ -559,7 +605,9 @@ def main() -> None:
     device_name = "cpu (TRITON_INTERPRET=1)" if SMOKE else torch.cuda.get_device_name()
     print(f"{device_name}: device-to-device copy {bw / 1e12:.2f} TB/s")
     table = None
-    if args.decode_latency_sweep:
+    if args.prefill_sweep:
+        table = sweep_prefill_tuning(bw)
+    elif args.decode_latency_sweep:
         table = sweep_decode_latency(bw, [2] if SMOKE else [1, 4, 16], [16, 40] if SMOKE else [128, 256, 1024, 4096])
     elif args.decode_sweep:
         sweep_decode_batches(bw, [tuple(map(int, case.split("x"))) for case in args.decode_sweep.split(",")])
@@ -567,7 +615,8 @@ def main() -> None:
         bench_decode(bw, [1, 2], [16, 40])
     else:
         bench_decode(bw, [1, 8, 64], [512, 4096, 32768] if args.quick else [512, 2048, 8192, 32768])
-    if not (args.decode_sweep or args.decode_latency_sweep):
+    only = args.decode_sweep or args.decode_latency_sweep or args.prefill_sweep
+    if not only:
         bench_decode_graph_layout(bw, sweep=not (args.quick or SMOKE))
         bench_decode_cache_dtypes(bw)
         if not SMOKE:
@@ -576,17 +625,18 @@ def main() -> None:
         bench_rotary_write_kv(bw)
         bench_argmax(bw)
         bench_small_ops(bw)
-    if not (args.quick or SMOKE or args.decode_sweep or args.decode_latency_sweep):
+    if not (args.quick or SMOKE or only):
         sweep_decode_tuning(bw)
     out_dir = os.environ.get("OUT", "./out")
     os.makedirs(out_dir, exist_ok=True)
-    if table is not None:
+    if table is not None and args.decode_latency_sweep:
         with open(os.path.join(out_dir, "decode_tuning_by_batch.json"), "w") as f:
             json.dump(table, f, indent=1)
         print(f"KernelOptions(decode_attention_tuning_by_batch={table!r})  (also in decode_tuning_by_batch.json)")
     result = {
         "device": device_name, "torch": torch.__version__, "triton": triton.__version__,
         "copy_bandwidth_bytes_per_s": bw, "seconds": time.time() - started, "rows": rows,
+        **({"prefill_sweep_fastest": table} if args.prefill_sweep else {}),
     }
     path = os.path.join(out_dir, "gpu_kernels_smoke.json" if SMOKE else "gpu_kernels.json")
     with open(path, "w") as f:

@@ -13,8 +13,10 @@
             `policy`); no drafts above spec_max_batch (8). `cost_ratio` = verify /
             decode; `break_even_acceptance`: the per-draft acceptance rate a at which a step of k drafts
             pays, (1 - a^(k+1)) / (1 - a) = cost_ratio (None: never, even with every draft kept).
-  sharegpt  the same engine (ngram, k = 4, the default policy, CUDA graphs on), then one without speculation (each built
-            after the last is freed, with the whole card, as gpu_engine.py's throughput part): bench's
+  sharegpt  an engine with ngram (k = 4, the default policy, CUDA graphs on) and one without speculation, both
+            alive (SHAREGPT_KV_BLOCKS each), the same batch run on each in the order off, ngram, ngram,
+            off (so drift and run order weigh on both alike; an earlier sequential version measured
+            0.93-0.94x with no drafts at all, the order's bias): bench's
             ShareGPT-like workload (the synthetic profile's lengths, random token ids: the dummy model has
             no tokenizer), --sharegpt-prompts at once, greedy, ignore_eos; output tok/s each and their
             ratio (the issue: ngram not slower), the running batch sizes at which the policy gave drafts
@@ -91,6 +93,9 @@ TARGET_OPTIONS = dict(max_num_seqs=64, max_num_batched_tokens=512) if SMOKE else
 # The copy engines: both alive at once, so each gets a pool of its own size rather than most of the card.
 COPY_OPTIONS = dict(dtype="float32", quantization="none", max_num_seqs=8, max_num_batched_tokens=1024,
                     **(dict(cpu_kv_cache_bytes=256 << 20) if SMOKE else dict(num_kv_blocks=2048)))
+# The ShareGPT-like part's engines: both alive at once, each with this many KV blocks (16 tokens:
+# 160 K tokens for the 300 requests' ~135 K, and 2 x (15 GiB + 19.5 GiB) on an 80 GB card).
+SHAREGPT_KV_BLOCKS = 1000 if SMOKE else 10_000
 # Estimated seconds, for the budget: an engine start, and the copy part (both its engines' starts included).
 TARGET_ENGINE_S = 5 if SMOKE else 35
 COPY_PART_S = 30 if SMOKE else 45
@@ -220,12 +225,14 @@ def break_even_acceptance(ratio: float, k: int) -> float | None:
     return round((low + high) / 2, 3)
 
 
-def part_verify(llm: LLM, context: int, warmup: int, repeats: int, result: dict) -> None:
-    """Fills result, a batch size at a time (a failure keeps the sizes measured before it)."""
+def part_verify(llm: LLM, model: str, context: int, warmup: int, repeats: int, result: dict,
+                profile_dir: str | None = None) -> None:
+    """Fills result, a batch size at a time (a failure keeps the sizes measured before it). With
+    profile_dir: after the timed cells, torch.profiler tables of batch-1 decode and k = 4 verify steps."""
     runner = llm.engine.executor.worker.runner
     config = llm.engine.config
     result.update({
-        "model": TARGET, "dtype": config.dtype, "context": context, "warmup": warmup, "repeats": repeats,
+        "model": model, "dtype": config.dtype, "graph_replay_ms": graph_replay_ms(runner), "context": context, "warmup": warmup, "repeats": repeats,
         "block_size": runner.block_size,
         "policy": {"assumes": "verify / decode step time per VerifyCost (engine/spec_decode/policy.py); "
                               "no drafts above spec_max_batch",
@@ -256,11 +263,41 @@ def part_verify(llm: LLM, context: int, warmup: int, repeats: int, result: dict)
                                                for name, cell in by_name.items() if name.startswith("verify")})
             print(f"verify batch {batch}: decode {cells[batch]['decode']['wall_ms']} ms, " + ", ".join(
                 f"k{k} {cells[batch][f'verify_k{k}']['wall_ms']}" for k in KS), flush=True)
+        if profile_dir:
+            for name, (k, drafted) in {"decode": (0, False), "verify_k4": (4, True)}.items():
+                profile_steps(timer, lambda: step_rows(1, k, context, tables, vocab, drafted, rng),
+                              os.path.join(profile_dir, f"gpu_spec_profile_{model.replace(':', '_')}_{name}.txt"))
     finally:
         for seq_id in [s for s in runner.requests if s.startswith("verify-")]:
             runner.requests.pop(seq_id)
         for block in taken:
             pool.release(block)
+
+
+def graph_replay_ms(runner) -> dict:
+    """The captured graphs' replay times (ms, at capture, padding inputs) and the graph each small
+    size replays: what a verify step of b x (1 + k) tokens costs by the engine's own measure."""
+    return {name: {"replay_ms": {size: round(ms, 4) for size, ms in graphs.replay_ms.items()},
+                   "size_for": {n: graphs.size_for[n] for n in (1, 2, 4, 5, 8, 9, 16, 17, 32, 40, 64, 160, 288)
+                                if n < len(graphs.size_for)}}
+            for name, graphs in (("decode", runner.decode_graphs), ("mixed", runner.mixed_graphs))}
+
+
+def profile_steps(timer: StepTimer, make_step, path: str, steps: int = 10) -> None:
+    """torch.profiler over `steps` steps: kernels by device time, then host ops by CPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            timer(make_step())
+    averages = prof.key_averages()
+    tables = [averages.table(sort_by=key, row_limit=30, max_name_column_width=70)
+              for key in (["cuda_time_total"] if DEVICE == "cuda" else []) + ["cpu_time_total"]]
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        f.write(f"{steps} steps\n" + "\n\n".join(tables))
+    print(f"wrote {path}", flush=True)
 
 
 def summarize_cells(times: dict[str, list]) -> dict:
@@ -310,24 +347,51 @@ def drafts_by_running(llm: LLM) -> Counter:
     return grants
 
 
-def run_sharegpt(llm: LLM, num: int) -> tuple[dict, list[list[int]]]:
-    prompts, params = sharegpt_requests(num, llm.spec.vocab_size)
-    llm.generate(prompts[:8], params[:8])  # warm-up
-    grants = drafts_by_running(llm) if llm.engine.scheduler.speculator is not None else None
+def run_sharegpt(llm: LLM, prompts: list[dict], params: list[SamplingParams]) -> tuple[dict, list[list[int]]]:
     before = spec_counts(llm)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
     seconds = time.perf_counter() - start
     tokens = [o.outputs[0].token_ids for o in outputs]
     result = spec_summary(before, spec_counts(llm), sum(map(len, tokens)), seconds)
-    result["requests"] = len(prompts)
-    result["input_tokens"] = sum(len(p["prompt_token_ids"]) for p in prompts)
     result["preemptions"] = llm.engine.stats().num_preemptions
-    if grants is not None:
-        result["draft_grants_by_running_batch"] = dict(sorted(grants.items()))
-        result["max_running_batch_with_drafts"] = max(grants, default=None)
-    result["memory"] = memory()
     return result, tokens
+
+
+def sum_runs(runs: list[dict]) -> dict:
+    """Runs of the same engine on the same requests, as one: counts and seconds add up."""
+    seconds = sum(run["seconds"] for run in runs)
+    tokens = sum(run["output_tokens"] for run in runs)
+    return {"runs": runs, "seconds": round(seconds, 3), "output_tokens": tokens,
+            "output_tok_s": round(tokens / seconds, 1)}
+
+
+def part_sharegpt(num: int, result: dict) -> None:
+    """Speculation off and ngram, both engines alive (each with SHAREGPT_KV_BLOCKS), the same batch
+    run on each in the order off, ngram, ngram, off: drift and the order weigh on both alike."""
+    engines: dict[str, LLM] = {}
+    for name, options in (("off", {}), ("ngram", dict(speculative_method="ngram", num_speculative_tokens=NGRAM_K))):
+        engines[name], result[f"{name}_engine"] = build(TARGET, **TARGET_OPTIONS, **options,
+                                                        num_kv_blocks=SHAREGPT_KV_BLOCKS)
+    prompts, params = sharegpt_requests(num, engines["off"].spec.vocab_size)
+    result.update({"requests": len(prompts), "input_tokens": sum(len(p["prompt_token_ids"]) for p in prompts),
+                   "num_kv_blocks": SHAREGPT_KV_BLOCKS, "order": ["off", "ngram", "ngram", "off"]})
+    for llm in engines.values():
+        llm.generate(prompts[:8], params[:8])  # warm-up
+    grants = drafts_by_running(engines["ngram"])
+    runs: dict[str, list] = {"off": [], "ngram": []}
+    tokens: dict[str, list] = {}
+    for name in result["order"]:
+        run, tokens[name] = run_sharegpt(engines[name], prompts, params)
+        runs[name].append(run)
+        print(f"sharegpt {name}: {run['output_tok_s']} tok/s", flush=True)
+    result["off"], result[f"ngram_k{NGRAM_K}"] = sum_runs(runs["off"]), sum_runs(runs["ngram"])
+    result[f"ngram_k{NGRAM_K}"].update(draft_grants_by_running_batch=dict(sorted(grants.items())),
+                                       max_running_batch_with_drafts=max(grants, default=None))
+    result["memory"] = memory()
+    result["comparison"] = compare_sharegpt(result["off"], result[f"ngram_k{NGRAM_K}"], tokens["off"],
+                                            tokens["ngram"], engines["ngram"].engine.config.spec_max_batch)
+    print(f"sharegpt: {result['comparison']}", flush=True)
 
 
 def compare_sharegpt(off: dict, ngram: dict, off_tokens: list, ngram_tokens: list, spec_max_batch: int) -> dict:
@@ -438,57 +502,40 @@ def guarded(report: dict, name: str, run) -> None:
     write_result(OUTPUT, report)
 
 
-def ngram_engine_parts(args, parts: list[str], report: dict, sharegpt: dict, tokens: dict) -> int:
-    """verify, then the ngram ShareGPT-like run, on one engine (verify first: it writes K/V into blocks
-    it takes from the pool, before any request could cache a prefix there); its spec_max_batch. The
-    engine is freed on return."""
-    llm, sharegpt["ngram_engine"] = build(TARGET, speculative_method="ngram", num_speculative_tokens=NGRAM_K,
-                                          **TARGET_OPTIONS)
-    if "verify" in parts:
-        guarded(report, "verify", lambda: part_verify(llm, args.context, args.warmup, args.repeats,
-                                                      report.setdefault("verify", {})))
-    if "sharegpt" in parts:
-        report["sharegpt"] = sharegpt
-
-        def ngram_run():
-            sharegpt[f"ngram_k{NGRAM_K}"], tokens["ngram"] = run_sharegpt(llm, args.sharegpt_prompts)
-
-        guarded(report, "sharegpt_ngram", ngram_run)
-    return llm.engine.config.spec_max_batch
-
-
-def target_parts(args, parts: list[str], report: dict, budget: Budget) -> None:
-    """The ngram engine's parts, then the engine without speculation, built after the first is freed."""
-    sharegpt: dict = {}
-    tokens: dict = {}
-    if not budget.allows("target engine (ngram)", TARGET_ENGINE_S):
-        return
-    policy: dict = {}  # its start may fail too (out of memory): recorded, and the copy part still runs
-    guarded(report, "ngram_engine", lambda: policy.update(
-        spec_max_batch=ngram_engine_parts(args, parts, report, sharegpt, tokens)))
+def verify_part(args, report: dict) -> None:
+    """The verify table on the target, in an engine of its own (freed after)."""
+    llm, report["verify_engine"] = build(TARGET, speculative_method="ngram", num_speculative_tokens=NGRAM_K,
+                                         **TARGET_OPTIONS)
+    part_verify(llm, TARGET, args.context, args.warmup, args.repeats, report.setdefault("verify", {}),
+                profile_dir(args))
+    del llm
     free_device()
-    if "sharegpt" not in parts or "ngram" not in tokens:
-        return
-    ngram_s = sharegpt[f"ngram_k{NGRAM_K}"]["seconds"]
-    if not budget.allows("sharegpt off", TARGET_ENGINE_S + 1.2 * ngram_s):
-        return
 
-    def off_run():
-        llm, sharegpt["off_engine"] = build(TARGET, **TARGET_OPTIONS)
-        sharegpt["off"], tokens["off"] = run_sharegpt(llm, args.sharegpt_prompts)
-        del llm
-        free_device()
-        sharegpt["comparison"] = compare_sharegpt(sharegpt["off"], sharegpt[f"ngram_k{NGRAM_K}"], tokens["off"],
-                                                  tokens["ngram"], policy["spec_max_batch"])
-        print(f"sharegpt: off {sharegpt['off']['output_tok_s']} tok/s, ngram "
-              f"{sharegpt[f'ngram_k{NGRAM_K}']['output_tok_s']} ({sharegpt['comparison']})", flush=True)
 
-    guarded(report, "sharegpt_off", off_run)
+def profile_dir(args) -> str | None:
+    return os.environ.get("OUT", "out") if args.profile else None
+
+
+def part_small_verify(args, dtype: str, result: dict) -> None:
+    """The verify table on the embedded model's shape (random weights: the cost, not acceptance), in
+    the copy part's engine options at `dtype`: what its verify step costs against its decode step."""
+    model = f"dummy:{EMBEDDED}"
+    # The runner's token buffers hold max_num_seqs x (1 + NGRAM_K) rows; the table's largest cell,
+    # max(BATCHES) x (1 + max(KS)), fits twice the batch.
+    llm, result["engine"] = build(model, speculative_method="ngram", num_speculative_tokens=NGRAM_K,
+                                  **{**COPY_OPTIONS, "dtype": dtype, "max_num_seqs": 2 * max(BATCHES)})
+    part_verify(llm, f"{model}-{dtype}", args.context, args.warmup, args.repeats, result, profile_dir(args))
+    del llm
+    free_device()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--parts", default="verify,sharegpt,copy", help="comma-separated: verify, sharegpt, copy")
+    parser.add_argument("--parts", default="verify,sharegpt,copy",
+                        help="comma-separated: verify, sharegpt, copy, small_verify (the verify table on the "
+                             "embedded model's shape in float32 and bfloat16)")
+    parser.add_argument("--profile", action="store_true",
+                        help="verify parts: torch.profiler tables of batch-1 decode and k = 4 verify steps, under $OUT")
     parser.add_argument("--budget-s", type=float, default=200.0)
     parser.add_argument("--smoke", action="store_true", help="CPU, dummy:tiny and the embedded model, tiny sizes")
     parser.add_argument("--context", type=int, default=16 if SMOKE else 512,
@@ -502,15 +549,22 @@ def main() -> None:
     parser.add_argument("--copy-batches", default="1,2" if SMOKE else "1,4")
     args = parser.parse_args()
     parts = args.parts.split(",")
-    unknown = set(parts) - {"verify", "sharegpt", "copy"}
+    unknown = set(parts) - {"verify", "sharegpt", "copy", "small_verify"}
     if unknown:
         parser.error(f"unknown parts {sorted(unknown)}")
     began = time.monotonic()
     torch.manual_seed(0)
     report: dict = {**versions(), "target": TARGET, "args": vars(args), "skipped": [], "part_seconds": {}}
     budget = Budget(args.budget_s, report)
-    if "verify" in parts or "sharegpt" in parts:
-        target_parts(args, parts, report, budget)
+    if "verify" in parts and budget.allows("verify", TARGET_ENGINE_S + 15):
+        guarded(report, "verify", lambda: verify_part(args, report))
+    if "sharegpt" in parts and budget.allows("sharegpt", 2 * TARGET_ENGINE_S + 60):
+        guarded(report, "sharegpt", lambda: part_sharegpt(args.sharegpt_prompts, report.setdefault("sharegpt", {})))
+    if "small_verify" in parts:
+        for dtype in ("float32", "bfloat16"):
+            if budget.allows(f"small_verify_{dtype}", COPY_PART_S):
+                guarded(report, f"small_verify_{dtype}", lambda: part_small_verify(
+                    args, dtype, report.setdefault("small_verify", {}).setdefault(dtype, {})))
     if "copy" in parts and budget.allows("copy", COPY_PART_S):
         batches = [int(b) for b in args.copy_batches.split(",")]
         guarded(report, "copy", lambda: part_copy(args.copy_prompts, args.copy_input_len, args.copy_output_len,

@@ -397,7 +397,15 @@ def default_num_splits(batch: int, num_kv_heads: int, max_context: int, device: 
 # DIRECT_KEYS: contexts up to this many keys take one split (KernelOptions.decode_attention_tuning_by_batch
 # sets it per batch size).
 DECODE_TUNING = {"BLOCK_N": 64, "SPLIT_KEYS": 64, "DIRECT_KEYS": 0, "num_warps": 4, "num_stages": 3}
-PREFILL_TUNING = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
+# Tiles by a sweep on an H100 (`gpu_kernels.py --prefill-sweep`,
+# benchmarks/results/gpu_kernels_prefill_sweep_h100.json): 64 x 64 with 4 warps beat 128 x 64 with 8
+# on every bf16 case, verify steps (5 queries a sequence) and 512-2K prompts alike, by 8-30%.
+PREFILL_TUNING = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+# float32 dots are exact ("ieee"), so they run on the FMA units, not the tensor cores, where large
+# tiles spill registers: 128 x 64 made an embedded-model verify step 11.3 ms against 1.3 for its
+# decode step (benchmarks/results/gpu_spec_decode_small_verify_h100.json); 16 x 64 is the fastest
+# in the same sweep on every float32 case, 4-50x faster than 128 x 64.
+PREFILL_TUNING_FLOAT32 = {"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
 # The interpreter runs every element in numpy: small tiles keep CPU tests fast.
 INTERPRETER_TUNING = {"BLOCK_M": 16, "BLOCK_N": 16, "SPLIT_KEYS": 16, "DIRECT_KEYS": 0, "num_warps": 4,
                       "num_stages": 1}
@@ -574,7 +582,7 @@ def triton_prefill_attention(q: torch.Tensor, cache, block_tables: torch.Tensor,
     num_kv_heads, block_size = cache.k.shape[2], cache.k.shape[1]
     num_seqs = seq_lens.shape[0]
     group = num_q_heads // num_kv_heads
-    tune = _tuning(q, PREFILL_TUNING, tuning)
+    tune = _tuning(q, PREFILL_TUNING_FLOAT32 if q.dtype == torch.float32 else PREFILL_TUNING, tuning)
     block_m = max(tune["BLOCK_M"], triton.next_power_of_2(group))
     block_q = block_m // group
     out = torch.empty_like(q) if out is None else out
