@@ -4,8 +4,9 @@ check, with each step's time given by a step-time model instead of a GPU.
 What it isolates is the policy: which requests run when, and which are refused. Arrivals are gamma
 (burstiness 0.25 by default), lengths ShareGPT-like (bench/workloads.py), every output ignore_eos;
 a step of r decode rows reading k tokens of context and p prompt tokens lasts a + b r + c p + d k
-seconds (defaults: the H100's FCFS fit on dummy llama-3.1-8b in results/gpu_slo_h100.json, 6.3 ms
-a step and 0.059 ms a decode row, with 30 us a prompt token; that fit had no context term: d = 0). Under "slo" every request carries the targets and a request the
+seconds, times a seeded random factor uniform in 1 +- 2 x --step-error (its mean |error|: the card's
+steps miss their fit by ~15%) (defaults: the H100's FCFS fit on dummy llama-3.1-8b in
+results/gpu_slo_h100.json, 6.3 ms a step and 0.059 ms a decode row, with 30 us a prompt token; that fit had no context term: d = 0). Under "slo" every request carries the targets and a request the
 admission check refuses (server/admission.py) is a miss. FCFS runs at each of --fcfs-ceilings
 (max_num_seqs), slo at --max-num-seqs, as benchmarks/gpu_slo.py does on the card. Prints SLO
 attainment per run and rate (refusals, and the served requests that missed TTFT or TPOT), and the
@@ -18,7 +19,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import sys
+
+import numpy as np
 
 from goodserve.bench.arrivals import ArrivalConfig, send_offsets
 from goodserve.bench.text import PromptText
@@ -65,9 +69,11 @@ def simulate(policy: str, max_num_seqs: int, rate: float, args, fit: StepTimeFit
     ttft_s, tpot_s = args.ttft_ms / 1000, args.tpot_ms / 1000
     next_arrival, met, refused, token = 0, 0, 0, 1
     missed = {"ttft": 0, "tpot": 0}  # of the requests served
+    ttfts, tpots = [], []
     batch = build_workload(WorkloadConfig(dataset_name="sharegpt", num_prompts=args.batch_concurrency * 50,
                                           seed=args.seed + 1), PromptText(None, args.seed)) if args.batch_concurrency else []
     batch_live, batch_done, batch_tokens = 0, 0, 0
+    noise = random.Random(args.seed)
     while next_arrival < len(requests) or any(s.params.priority != BATCH_PRIORITY for s in sched.running) \
             or any(s.params.priority != BATCH_PRIORITY for s in sched.waiting):
         while next_arrival < len(requests) and offsets[next_arrival] <= clock.now:
@@ -102,7 +108,7 @@ def simulate(policy: str, max_num_seqs: int, rate: float, args, fit: StepTimeFit
             clock.now = offsets[next_arrival]
             continue
         shape = step_shape(out)
-        seconds = fit.seconds(*shape)
+        seconds = fit.seconds(*shape) * (1 + noise.uniform(-2, 2) * args.step_error)
         sched.step_time.observe(*shape, seconds)
         clock.now += seconds
         sched.advance(out)
@@ -124,6 +130,8 @@ def simulate(policy: str, max_num_seqs: int, rate: float, args, fit: StepTimeFit
             if seq.num_tokens >= seq.max_len:
                 first = seq.metrics.first_token_time
                 tpot = (clock.now - first) / max(seq.num_output_tokens - 1, 1)
+                ttfts.append(first - seq.arrival_time)
+                tpots.append(tpot)
                 ttft_met = first - seq.arrival_time <= ttft_s
                 tpot_met = seq.num_output_tokens < 2 or tpot <= tpot_s
                 met += ttft_met and tpot_met
@@ -132,7 +140,13 @@ def simulate(policy: str, max_num_seqs: int, rate: float, args, fit: StepTimeFit
                 sched.finish(seq, "length")
     return {"policy": policy, "max_num_seqs": max_num_seqs, "request_rate": rate, "slo_attainment": 100.0 * met / len(requests),
             "refused_429": refused, "missed_ttft": missed["ttft"], "missed_tpot": missed["tpot"], "duration_s": clock.now, "num_preemptions": sched.num_preemptions,
+            "median_tpot_ms": _percentile_ms(tpots, 50), "p90_tpot_ms": _percentile_ms(tpots, 90),
+            "p99_tpot_ms": _percentile_ms(tpots, 99), "p99_ttft_ms": _percentile_ms(ttfts, 99),
             "batch_lines_done": batch_done, "batch_output_tok_s": batch_tokens / clock.now if clock.now else 0.0}
+
+
+def _percentile_ms(seconds: list[float], q: float) -> float:
+    return 1000 * float(np.percentile(seconds, q)) if seconds else 0.0
 
 
 def capacity(runs: list[dict], target: float = 90.0) -> float:
@@ -150,6 +164,8 @@ def main(argv=None) -> None:
     p.add_argument("--ttft-ms", type=float, default=200.0)
     p.add_argument("--tpot-ms", type=float, default=50.0)
     p.add_argument("--step", default="0.0063,0.000059,0.00003", help="a,b,c[,d] of the step time, seconds")
+    p.add_argument("--step-error", type=float, default=0.0,
+                   help="the steps' mean relative error against the fit (each step times 1 + U(-2, 2) x this)")
     p.add_argument("--max-num-seqs", type=int, default=256, help="the slo run's sequence ceiling")
     p.add_argument("--fcfs-ceilings", help="comma-separated max_num_seqs of the FCFS runs (default: --max-num-seqs)")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -168,7 +184,8 @@ def main(argv=None) -> None:
             runs[label].append(run)
             print(f"{label:>16} {rate:6.1f} req/s: attainment {run['slo_attainment']:5.1f}% "
                   f"refused {run['refused_429']:4d} missed TTFT {run['missed_ttft']:4d} TPOT {run['missed_tpot']:4d} preemptions {run['num_preemptions']} "
-                  f"batch {run['batch_output_tok_s']:.0f} tok/s", flush=True)
+                  f"TPOT p50/p90/p99 {run['median_tpot_ms']:.1f}/{run['p90_tpot_ms']:.1f}/{run['p99_tpot_ms']:.1f} ms "
+                  f"p99 TTFT {run['p99_ttft_ms']:.0f} ms batch {run['batch_output_tok_s']:.0f} tok/s", flush=True)
     caps = {label: capacity(r) for label, r in runs.items()}
     ratios = {label: caps[slo] / cap if cap else 0.0 for label, cap in caps.items() if label != slo}
     print(f"capacity: {caps}; {slo} / " + ", ".join(f"{label} {r:.2f}x" for label, r in ratios.items()))

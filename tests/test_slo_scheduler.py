@@ -5,12 +5,13 @@ import pytest
 
 from goodserve import SamplingParams
 from goodserve.config import EngineConfig
+from goodserve.engine import slo_policy
 from goodserve.engine.kv_cache_manager import KVCacheManager
 from goodserve.engine.scheduler import Scheduler
 from goodserve.engine.scheduler_output import SchedulerOutput
 from goodserve.engine.sequence import Sequence
 from goodserve.engine.slo_policy import SloForecast
-from goodserve.engine.step_time_model import StepTimeFit
+from goodserve.engine.step_time_model import StepTimeFit, step_shape
 from goodserve.server.admission import BEST_EFFORT_PRIORITY, Admission
 
 # 10 ms a step, 1 ms a decode row, 0.1 ms a prompt token
@@ -248,7 +249,13 @@ def test_a_burst_of_online_requests_displaces_batch_lines_in_one_step(policy):
     assert sorted(seq.seq_id for seq in sched.waiting) == ["b1", "b2", "b3"]
 
 
-def test_batch_lines_get_a_bounded_share_of_a_step_while_online_requests_run():
+@pytest.fixture
+def share_20_percent(monkeypatch):
+    """A background share of 20% (FIT's 1 ms rows need a share that large to show in a small step)."""
+    monkeypatch.setattr(slo_policy, "BACKGROUND_SHARE", 0.2)
+
+
+def test_batch_lines_get_a_bounded_share_of_a_step_while_online_requests_run(share_20_percent):
     """FIT: one online decode row makes an 11 ms step; batch work may add 20% of it, half in decode rows
     (1.1 ms / 1 ms a row: 1 row) and half in prompt tokens (1.1 ms / 0.1 ms: 11 tokens)."""
     sched = scheduler("slo")
@@ -280,9 +287,8 @@ def test_a_request_of_the_same_priority_waits_for_a_slot():
 
 
 def test_forecast_counts_batch_lines_slots_as_free():
-    """An online request would take a batch line's slot at once: no wait for the batch to finish. And
-    the batch lines' rows lengthen its steps by the background share at most: one row of the two here
-    (20% of the 11 ms online step, half of it in rows, at 1 ms a row)."""
+    """An online request would take a batch line's slot at once: no wait for the batch to finish. Nor do
+    the batch lines' rows count in its steps: they give way first (and add the background share at most)."""
     sched = scheduler("slo", max_num_seqs=3)
     sched.slo.clock = Clock(0.0)
     request(sched, "online", 0.0, ttft_ms=200, max_tokens=10)
@@ -290,7 +296,7 @@ def test_forecast_counts_batch_lines_slots_as_free():
     request(sched, "b1", 0.0, priority=BATCH)
     decode_step(sched)
     forecast = sched.forecast()
-    assert (forecast.free_seqs, forecast.steps_to_finish, forecast.decode_rows) == (2, (9,), 2)
+    assert (forecast.free_seqs, forecast.steps_to_finish, forecast.decode_rows) == (2, (9,), 1)
 
 
 def test_running_sequences_are_capped_by_the_tightest_tpot_target():
@@ -375,7 +381,7 @@ def test_running_sequences_are_capped_lower_as_their_contexts_grow():
 
 
 @pytest.mark.parametrize("fit, batch_running, batch_rows", [(FIT, 10, 1), (FIT_CONTEXT, 7, 0)])
-def test_long_batch_lines_are_held_back_first(fit, batch_running, batch_rows):
+def test_long_batch_lines_are_held_back_first(fit, batch_running, batch_rows, share_20_percent):
     """Ten batch lines of 301 tokens run; four online requests (4 tokens) arrive. Without the context
     term 14 rows make a 24 ms step, within 0.9 x 50 ms: nothing gives way, and one batch row (1 ms)
     fits the background share (20% of the online decodes' 14 ms step, half in rows: 1.4 ms). Each row
@@ -424,3 +430,50 @@ def test_forecast_counts_the_context_its_steps_read():
     forecast = sched.forecast()
     assert (forecast.decode_rows, forecast.context_tokens) == (10, 50)
     assert forecast.fit.seconds(forecast.decode_rows, 0, forecast.context_tokens) == pytest.approx(0.0205)
+
+
+# The H100's online fit beside a batch job (issue 17): 7.24 ms a step, 1.44 us a decode row, 20.7 us a
+# prompt token, 0.072 us a token of context read.
+FIT_H100 = StepTimeFit(a=0.00724, b=1.44e-6, c=20.7e-6, d=0.072e-6)
+
+
+def online_step_beside(num_batch_lines: int) -> tuple[SchedulerOutput, Scheduler]:
+    """100 online decodes of 205 tokens, behind their TPOT pace (the prefill cap binds: a 45 ms step),
+    a 2,000-token online prompt waiting, and num_batch_lines batch lines of 500 tokens decoding, as
+    many again waiting: the next step."""
+    clock = Clock(10.0)
+    sched = scheduler("slo", num_blocks=65536, fit=FIT_H100, max_num_seqs=1024)
+    sched.slo.clock = clock
+    lines = [request(sched, f"b{i}", 0.0, prompt_len=500, priority=BATCH, first_token=1_000_000 + 1000 * i)
+             for i in range(num_batch_lines)]
+    online = [request(sched, f"d{i}", 0.0, prompt_len=200, ttft_ms=200, tpot_ms=50, first_token=1000 * i + 1)
+              for i in range(100)]
+    for seq in lines + online:  # running, their prompts and first answers computed
+        sched._start_running(seq)
+        sched.slo.joined(seq)
+        seq.token_ids += [7] * (5 if seq in online else 1)
+        assert sched.kv.allocate(seq, seq.num_tokens - 1)
+        seq.num_computed_tokens = seq.num_tokens - 1
+        seq.metrics.first_token_time = 9.0  # 5 tokens in a second: behind a 45 ms pace
+    request(sched, "prompt", 10.0, prompt_len=2000, ttft_ms=200, tpot_ms=50, first_token=500_000)
+    for i in range(num_batch_lines):
+        request(sched, f"w{i}", 0.0, prompt_len=150, priority=BATCH, first_token=2_000_000 + 1000 * i)
+    return sched.schedule(), sched
+
+
+def test_batch_lines_take_only_what_the_online_step_leaves():
+    """Beside the batch job the online work plans its step as alone: the waiting online prompt gets the
+    same chunk (batch rows no longer shrink the prefill cap), and batch rows and prompt tokens lengthen
+    the step by BACKGROUND_SHARE of the online decodes' step at most, not the online decodes' TPOT
+    slack."""
+    alone, _ = online_step_beside(0)
+    beside, sched = online_step_beside(64)
+    online_rows = {seq_id: n for seq_id, n in zip(alone.seq_ids, alone.num_new_tokens)}
+    assert {seq_id: n for seq_id, n in zip(beside.seq_ids, beside.num_new_tokens) if seq_id in online_rows} \
+        == online_rows
+    assert online_rows["prompt"] > 1500
+    batch_tokens = sum(n for seq_id, n in zip(beside.seq_ids, beside.num_new_tokens) if seq_id not in online_rows)
+    assert batch_tokens > 0  # the job still progresses
+    online_decode_s = FIT_H100.seconds(100, 0, 100 * 205)
+    added_s = FIT_H100.seconds(*step_shape(beside)) - FIT_H100.seconds(*step_shape(alone))
+    assert added_s <= slo_policy.BACKGROUND_SHARE * online_decode_s + 1e-9

@@ -397,8 +397,8 @@ class Scheduler:
         # The slots a request of the default priority waits for: a lower-priority one gives its own up.
         holding = [seq for seq in self.running if seq.params.priority <= 0]
         prefilling = [seq for seq in self.running if seq.num_output_tokens == 0 and has_targets(seq)]
-        decode_rows, context_tokens = self.slo.forecast_decodes(self.running)
-        return SloForecast(self.step_time.fit, decode_rows, self.slo.cap, context_tokens,
+        targeted = [seq for seq in self.running if has_targets(seq)]  # batch rows give way first
+        return SloForecast(self.step_time.fit, len(targeted), self.slo.cap, sum(seq.num_tokens for seq in targeted),
                            self.slo.max_running(self.config.max_num_seqs) - len(holding),
                            tuple(sorted(tokens_left(seq) + (seq.num_uncomputed_tokens > 1) for seq in holding)),
                            seqs_not_ahead=len(prefilling) + len(self.slo.behind),

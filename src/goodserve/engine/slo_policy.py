@@ -10,8 +10,10 @@ A request may carry targets (SamplingParams.slo_ttft_ms, slo_tpot_ms; the server
   target any more: it moves behind those that still can (serving it first would make them late too,
   the domino effect of earliest-deadline-first under overload) and is served, FCFS, when they are.
 - Prefill cap: the prompt tokens mixed into a step are capped so that the step, by the fitted model,
-  lasts no longer than every running decode with a TPOT target can absorb. The target is a mean
-  over the request's tokens, so a step may outlast it by what the decode's tokens so far saved and
+  lasts no longer than every running decode with a TPOT target can absorb. It plans the online work's
+  step alone: batch rows are not counted (they compute only within the background share, on top),
+  so a batch job leaves the online prompts' room as it was. The target is a mean over the request's
+  tokens, so a step may outlast it by what the decode's tokens so far saved and
   what its next TPOT_HORIZON tokens (no more than it may still generate), at the fitted decode-only
   step time, will save: while decode steps run well under the targets the cap rarely binds, and as a
   large batch brings them near, prompt tokens give way. At least `margin` x the target, and at
@@ -32,18 +34,24 @@ A request may carry targets (SamplingParams.slo_ttft_ms, slo_tpot_ms; the server
 - Preemption victim: the running request with the most slack (its TPOT budget ahead of the tokens
   it has produced, or its TTFT slack while it prefills), after the priority (batch lines first).
 - Background share: requests without targets (batch lines) fill what targeted ones leave, but while
-  a targeted one runs they may lengthen a step by BACKGROUND_SHARE of its targeted work at most (half
-  in decode time, each batch row charged its row and its context's read, so long lines sit a step
-  out first; half in prompt tokens). Batch rows beyond it stay running (their K/V kept) but compute
-  nothing that step. Without the bound the prefill cap spent the online decodes'
-  TPOT slack on batch prompts: on the H100 a 64-line batch job took the online median TPOT from 12 to
-  22 ms, online requests held their sequence slots that much longer, and the slots ran out.
+  a targeted one runs they may lengthen a step by BACKGROUND_SHARE (10%) of the targeted decodes'
+  step at most, on top of what the online work plans alone (half in decode time, each batch row
+  charged its row and its context's read, so long lines sit a step out first; half in prompt
+  tokens, which also come out of the prefill cap's room left). Batch rows beyond it stay running
+  (their K/V kept) but compute nothing that step. The online TPOT slack is the online requests':
+  without the bound the prefill cap spent it on batch prompts (on the H100 a 64-line batch job took
+  the online median TPOT from 12 to 22 ms, online requests held their slots that much longer, and
+  the slots ran out); at 20% of the step, and with batch rows shrinking the online prefill cap,
+  the job still took the card's online attainment from 99.7 to 68.2% (median TPOT 12 -> 31 ms, 104
+  refused), which cpu_slo_sim.py with the card's fit and 15% step noise does not reproduce (100%
+  beside the job, median TPOT 14.2 -> 16.8 ms; 15.6 ms at 10%): by that run's throughput its steps
+  beside the job lasted ~31 ms where the fit predicts ~17 ms, a cost the linear model does not see.
 
 The server's admission check (server/admission.py) reads the same model through `forecast` to
 refuse, with 429, a request whose TTFT the queue ahead of it already makes impossible. What the new
 request will see: slots up to `max_running` (has_room's rule at the running ones' mean length), a
-batch line's counted free; steps of the targeted rows and the batch rows' background share (not
-every running row), with the context they read; of the prompts the server counts as
+batch line's counted free; steps of the targeted rows alone, with the context they read (batch rows
+give way first, and add no more than the background share); of the prompts the server counts as
 waiting, only those ahead of it (not yet computed, not late, not of a lower priority); and half the
 step in flight first. Before, it counted the computed part of prompts being prefilled (refusing
 some it could serve) and left out the step in flight (admitting some that then missed): on
@@ -65,7 +73,7 @@ from goodserve.engine.waiting_queue import WaitingQueue
 TPOT_MARGIN = 0.9  # aim a mixed step this far under the TPOT target: the fit is an average
 MIN_PREFILL_CHUNK = 64
 TPOT_HORIZON = 16  # tokens after a step over which a decode's mean time per token may recover
-BACKGROUND_SHARE = 0.2  # of a step's targeted work, what untargeted work may add while it runs
+BACKGROUND_SHARE = 0.1  # of the targeted decodes' step, what untargeted work may add to it
 _UNBOUNDED = 1 << 30
 
 
@@ -308,19 +316,12 @@ class SloPolicy:
         half_share_s = BACKGROUND_SHARE * fit.seconds(len(targeted_decodes), 0, _lengths(targeted_decodes)) / 2
         return BackgroundAllowance(fit, half_share_s, _UNBOUNDED if fit.c <= 0 else int(half_share_s / fit.c + 1e-6))
 
-    def forecast_decodes(self, running: list[Sequence]) -> tuple[int, int]:
-        """The decode rows of the steps a new request with targets will share, and the K/V they read:
-        the targeted ones', and of those without targets what the background share holds."""
-        targeted = [seq for seq in running if has_targets(seq)]
-        allowance = self.background_allowance(running)
-        untargeted = sorted((seq for seq in running if not has_targets(seq)), key=self.running_key)
-        background = [seq for seq in untargeted if allowance.take_row(seq.num_tokens)]
-        return len(targeted) + len(background), _lengths(targeted) + _lengths(background)
 
     def prefill_cap(self, running: list[Sequence]) -> int:
-        """The prompt tokens a step may carry beside the running decodes and keep their TPOT."""
+        """The prompt tokens a step may carry beside the running decodes with targets and keep their TPOT.
+        Batch rows are not counted: they compute only within the background share, on top of this plan."""
         fit = self.model.fit
-        decodes = [seq for seq in running if seq.num_uncomputed_tokens <= 1]
+        decodes = [seq for seq in running if seq.num_uncomputed_tokens <= 1 and has_targets(seq)]
         targeted = [seq for seq in decodes if seq.params.slo_tpot_ms is not None]
         if fit is None or not targeted:
             return self.max_tokens
