@@ -316,7 +316,6 @@ class SloPolicy:
         half_share_s = BACKGROUND_SHARE * fit.seconds(len(targeted_decodes), 0, _lengths(targeted_decodes)) / 2
         return BackgroundAllowance(fit, half_share_s, _UNBOUNDED if fit.c <= 0 else int(half_share_s / fit.c + 1e-6))
 
-
     def prefill_cap(self, running: list[Sequence]) -> int:
         """The prompt tokens a step may carry beside the running decodes with targets and keep their TPOT.
         Batch rows are not counted: they compute only within the background share, on top of this plan."""
