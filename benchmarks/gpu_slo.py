@@ -33,6 +33,8 @@ BATCH_PRIORITY, --batch-concurrency lines in the engine at once). It reports bot
 drop in points (target <= 2, `within_2_points`), and the lines the job completed and their output
 tokens/s during the probe, and the step-time fit and its relative prediction error as the probe
 beside the job left them (`step_time_fit`); the job need not finish, and is stopped when the probe ends.
+Per probe, its steps by the path they ran (decode graph, mixed-step graph, eager: `steps_by_path_alone`,
+`steps_by_path_beside`): count, mean shape, mean measured and predicted ms (StepLog).
 
 --arrivals poisson|gamma and --workload sharegpt|long-prompt (~2k-token prompts, ~200-token
 answers) give the other DistServe curves; the defaults are the issue's (gamma, ShareGPT-like).
@@ -237,17 +239,25 @@ async def batch_phase(target, args, result: dict) -> dict:
     lines = workload(0, args, args.batch_lines, seed=BATCH_SEED)
     prompts = [target.prompt_for(line, BATCH_SEED + i) for i, line in enumerate(lines)]
     job = BatchJob(target.engine, args.model, batch_input(lines, prompts, args.model), args.batch_concurrency)
+    log = StepLog(target.engine)
     alone = await online_probe(target, args, rate, " alone")
+    steps_alone = log.summary(0)
     job.start()
     try:
         await asyncio.sleep(BATCH_RAMP_S)
-        start = time.perf_counter()
+        start, first_step = time.perf_counter(), len(log.rows)
         beside = await online_probe(target, args, rate, " beside the batch job")
         window = job.window(start, time.perf_counter())
         finished_early = job.done
         fit_beside = step_time_report(target.engine)  # as the probe beside the job left it
+        steps_beside = log.summary(first_step)
     finally:
         await job.stop()
+    for label, steps in (("alone", steps_alone), ("beside", steps_beside)):
+        print(f"steps {label}: " + "; ".join(f"{path} {s['steps']} x {s['mean_measured_ms']:.1f} ms "
+                                             f"(predicted {s['mean_predicted_ms']}, {s['mean_decode_rows']:.0f} rows, "
+                                             f"{s['mean_prompt_tokens']:.0f} prompt tokens)"
+                                             for path, s in steps.items()), flush=True)
     drop = alone["slo_attainment"] - beside["slo_attainment"]
     print(f"batch job: {window.lines} lines, {window.as_dict()['output_tokens_per_s']:.0f} output tokens/s during "
           f"the probe; attainment {alone['slo_attainment']:.1f}% alone, {beside['slo_attainment']:.1f}% beside it "
@@ -256,7 +266,60 @@ async def batch_phase(target, args, result: dict) -> dict:
             "concurrency": args.batch_concurrency, "ramp_s": BATCH_RAMP_S, "alone": alone, "beside_batch": beside,
             "attainment_drop_points": drop, "within_2_points": drop <= 2.0,
             "batch_during_probe": window.as_dict(), "job_finished_during_probe": finished_early,
-            "step_time_fit": fit_beside}
+            "step_time_fit": fit_beside, "steps_by_path_alone": steps_alone, "steps_by_path_beside": steps_beside}
+
+
+class StepLog:
+    """Each step the engine records, as the step-time model sees it: the path it ran (the CUDA graph
+    class it replayed, or eager), its shape (decode rows, prompt tokens, context tokens), the fit's
+    prediction before it and the measured time. For the batch phase's question: beside a batch job
+    steps ran ~2x longer than the fit predicted, and which steps do is what a fix needs. Reads the
+    in-process engine's runner and model (this child process's own), so a diagnostic only."""
+
+    def __init__(self, async_engine) -> None:
+        from goodserve.engine.step_time_model import step_shape
+
+        engine = async_engine.engine
+        runner, model = engine.executor.worker.runner, engine.scheduler.step_time
+        self.rows: list[tuple] = []
+        paths: dict[int, str] = {}
+        execute, observe = runner.execute_model, model.observe_step
+
+        def execute_and_note(out) -> None:
+            execute(out)
+            graph = runner._launched.inputs.graph
+            paths[id(out)] = "eager" if graph is None else type(graph).__name__.strip("_")
+
+        def observe_and_log(out, seconds: float) -> None:
+            shape = step_shape(out)
+            predicted = model.fit.seconds(*shape) if model.fit is not None else None
+            self.rows.append((paths.pop(id(out), "unknown"), *shape, predicted, seconds))
+            observe(out, seconds)
+
+        runner.execute_model, model.observe_step = execute_and_note, observe_and_log
+
+    def summary(self, start: int, stop: int | None = None) -> dict:
+        """Per path, over rows[start:stop]: steps, mean shape, mean predicted and measured ms, and the
+        median of measured / predicted."""
+        by_path: dict[str, list] = {}
+        for row in self.rows[start:stop]:
+            by_path.setdefault(row[0], []).append(row)
+        report = {}
+        for path, rows in sorted(by_path.items()):
+            predicted = [r[4] for r in rows if r[4]]
+            ratios = sorted(r[5] / r[4] for r in rows if r[4])
+            report[path] = {"steps": len(rows), "mean_decode_rows": _mean(r[1] for r in rows),
+                            "mean_prompt_tokens": _mean(r[2] for r in rows),
+                            "mean_context_tokens": _mean(r[3] for r in rows),
+                            "mean_measured_ms": _mean(r[5] * 1e3 for r in rows),
+                            "mean_predicted_ms": _mean(p * 1e3 for p in predicted) if predicted else None,
+                            "median_measured_over_predicted": ratios[len(ratios) // 2] if ratios else None}
+        return report
+
+
+def _mean(values) -> float:
+    values = list(values)
+    return round(sum(values) / len(values), 3) if values else 0.0
 
 
 def step_time_report(engine) -> dict:
