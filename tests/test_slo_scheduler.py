@@ -1,6 +1,8 @@
 """The "slo" policy on a scripted clock and a hand-set step-time fit: waiting order by slack, late
 requests behind the ones that can still make it, the prefill cap, the preemption victim."""
 
+import math
+
 import pytest
 
 from goodserve import SamplingParams
@@ -257,22 +259,67 @@ def share_20_percent(monkeypatch):
 
 def test_batch_lines_get_a_bounded_share_of_a_step_while_online_requests_run(share_20_percent):
     """FIT: one online decode row makes an 11 ms step; batch work may add 20% of it, half in decode rows
-    (1.1 ms / 1 ms a row: 1 row) and half in prompt tokens (1.1 ms / 0.1 ms: 11 tokens)."""
+    (1.1 ms / 1 ms a row: 1 row) and half in prompt tokens (1.1 ms / 0.1 ms: 11 tokens a step, banked:
+    a prompt computes whole once the bank covers it)."""
     sched = scheduler("slo")
     sched.slo.clock = Clock(0.0)
     request(sched, "online", 0.0, ttft_ms=200, tpot_ms=50)
     decode_step(sched)
     for i in range(4):
         request(sched, f"b{i}", 0.1 + i, prompt_len=8, priority=BATCH, first_token=100 * (i + 1))  # no prefix hits
-    out = decode_step(sched)
-    assert dict(zip(out.seq_ids, out.num_new_tokens)) == {"online": 1, "b0": 8, "b1": 3}
-    out = decode_step(sched)  # b0 now decodes: the one row; b1's 5 prompt tokens, then 6 of b2's
-    assert dict(zip(out.seq_ids, out.num_new_tokens)) == {"online": 1, "b0": 1, "b1": 5, "b2": 6}
-    out = decode_step(sched)  # b1 decodes too: one row is the share; b0, the first in order, takes it
-    assert dict(zip(out.seq_ids, out.num_new_tokens)) == {"online": 1, "b0": 1, "b2": 2, "b3": 8}
+    out = decode_step(sched)  # 11 banked: b0's 8; b1 waits for its 8 (3 left)
+    assert dict(zip(out.seq_ids, out.num_new_tokens)) == {"online": 1, "b0": 8}
+    out = decode_step(sched)  # b0 now decodes: the one row; 14 banked: b1's 8
+    assert dict(zip(out.seq_ids, out.num_new_tokens)) == {"online": 1, "b0": 1, "b1": 8}
+    out = decode_step(sched)  # b1 decodes too: one row is the share; b0, the first in order, takes it; 17: b2, b3
+    assert dict(zip(out.seq_ids, out.num_new_tokens)) == {"online": 1, "b0": 1, "b2": 8, "b3": 8}
     sched.finish(sched.seqs["online"], "stop")
     out = decode_step(sched)  # nothing online: the batch fills the step
     assert dict(zip(out.seq_ids, out.num_new_tokens)) == {"b0": 1, "b1": 1, "b2": 1, "b3": 1}
+
+
+def online_decodes_beside_batch_lines(num_lines: int) -> Scheduler:
+    """Ten online requests decoding (FIT: a 20 ms step; the background share lends batch prompts half of
+    10% of it, 1 ms, 10 tokens a step) and num_lines batch lines of 200-token prompts waiting."""
+    sched = scheduler("slo")
+    sched.slo.clock = Clock(0.0)
+    for i in range(10):
+        request(sched, f"online{i}", 0.0, ttft_ms=200, tpot_ms=50, first_token=10 * i + 1)
+    decode_step(sched)
+    for i in range(num_lines):
+        request(sched, f"b{i}", 0.0, prompt_len=200, priority=BATCH, first_token=10_000 + 1000 * i)
+    return sched
+
+
+def test_batch_prompts_compute_whole_in_one_step_of_twenty():
+    """The share's 10 tokens a step are banked: each 200-token batch prompt computes whole, in one step
+    of 20, and the steps between carry no unfinished prompt (they sample in every row: async
+    scheduling launches them ahead), where a 10-token slice a step left one in every step. Over 60
+    steps the job gets the share's 600 tokens, within one prompt."""
+    sched = online_decodes_beside_batch_lines(8)
+    steps_with_prompts = prompt_tokens = 0
+    for _ in range(60):
+        out = decode_step(sched)
+        chunks = [n for seq_id, n in zip(out.seq_ids, out.num_new_tokens) if seq_id.startswith("b") and n > 1]
+        assert all(n == 200 for n in chunks) and out.all_sample
+        steps_with_prompts += bool(chunks)
+        prompt_tokens += sum(chunks)
+    assert steps_with_prompts <= math.ceil(60 / 20)
+    assert 60 * 10 - 200 <= prompt_tokens <= 60 * 10
+
+
+def test_a_batch_prompt_the_bank_covers_joins_a_step_scheduled_ahead():
+    """A batch line that arrives while a step is in flight joins the step scheduled ahead of it (async
+    scheduling admits waiting sequences there) whole, once 20 steps have banked its 200 tokens: that
+    step samples in every row, so the one after it can run ahead too."""
+    sched = online_decodes_beside_batch_lines(0)
+    for _ in range(20):
+        decode_step(sched)
+    in_flight = sched.schedule()
+    sched.advance(in_flight)
+    request(sched, "b0", 0.0, prompt_len=200, priority=BATCH, first_token=10_000)
+    ahead = sched.schedule(in_flight=[sched.seqs[seq_id] for seq_id in in_flight.seq_ids])
+    assert dict(zip(ahead.seq_ids, ahead.num_new_tokens))["b0"] == 200 and ahead.all_sample
 
 
 def test_a_request_of_the_same_priority_waits_for_a_slot():

@@ -35,17 +35,23 @@ A request may carry targets (SamplingParams.slo_ttft_ms, slo_tpot_ms; the server
   it has produced, or its TTFT slack while it prefills), after the priority (batch lines first).
 - Background share: requests without targets (batch lines) fill what targeted ones leave, but while
   a targeted one runs they may lengthen a step by BACKGROUND_SHARE (10%) of the targeted decodes'
-  step at most, on top of what the online work plans alone (half in decode time, each batch row
-  charged its row and its context's read, so long lines sit a step out first; half in prompt
-  tokens, which also come out of the prefill cap's room left). Batch rows beyond it stay running
-  (their K/V kept) but compute nothing that step. The online TPOT slack is the online requests':
-  without the bound the prefill cap spent it on batch prompts (on the H100 a 64-line batch job took
-  the online median TPOT from 12 to 22 ms, online requests held their slots that much longer, and
-  the slots ran out); at 20% of the step, and with batch rows shrinking the online prefill cap,
-  the job still took the card's online attainment from 99.7 to 68.2% (median TPOT 12 -> 31 ms, 104
-  refused), which cpu_slo_sim.py with the card's fit and 15% step noise does not reproduce (100%
-  beside the job, median TPOT 14.2 -> 16.8 ms; 15.6 ms at 10%): by that run's throughput its steps
-  beside the job lasted ~31 ms where the fit predicts ~17 ms, a cost the linear model does not see.
+  step, on top of what the online work plans alone (half in decode time, each batch row charged
+  its row and its context's read, so long lines sit a step out first; half in prompt tokens, which
+  also come out of the prefill cap's room left). Batch rows beyond it stay running (their K/V kept)
+  but compute nothing that step. The prompt tokens are banked across steps (PromptBank, up to
+  max_num_batched_tokens: the share holds on average, not in each step) and a batch prompt
+  computes whole, in one step, once the bank covers it: sliced ~20 tokens a step, a prompt left an
+  unfinished chunk in nearly every step, no step can launch ahead of such a step (async
+  scheduling), and on the H100 54% of the steps beside the job paid the host's ~2 ms that steps
+  ahead hide (cpu_slo_sim.py --sync-step-cost: 30% -> 0% of its steps). The online TPOT slack is
+  the online requests': without the bound the prefill cap spent it on batch prompts (on the H100 a
+  64-line batch job took the online median TPOT from 12 to 22 ms, online requests held their slots
+  that much longer, and the slots ran out); at 20% of the step, and with batch rows shrinking the
+  online prefill cap, the job still took the card's online attainment from 99.7 to 68.2% (median
+  TPOT 12 -> 31 ms, 104 refused), which cpu_slo_sim.py with the card's fit and 15% step noise does
+  not reproduce (100% beside the job, median TPOT 14.2 -> 16.8 ms; 15.6 ms at 10%): by that run's
+  throughput its steps beside the job lasted ~31 ms where the fit predicts ~17 ms, a cost the linear
+  model does not see (in part the host time of steps that cannot run ahead, above).
 
 The server's admission check (server/admission.py) reads the same model through `forecast` to
 refuse, with 429, a request whose TTFT the queue ahead of it already makes impossible. What the new
@@ -74,7 +80,6 @@ TPOT_MARGIN = 0.9  # aim a mixed step this far under the TPOT target: the fit is
 MIN_PREFILL_CHUNK = 64
 TPOT_HORIZON = 16  # tokens after a step over which a decode's mean time per token may recover
 BACKGROUND_SHARE = 0.1  # of the targeted decodes' step, what untargeted work may add to it
-_UNBOUNDED = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -136,14 +141,40 @@ def has_targets(seq: Sequence) -> bool:
     return seq.params.slo_ttft_ms is not None or seq.params.slo_tpot_ms is not None
 
 
+class PromptBank:
+    """The prompt tokens sequences without targets have saved up, step by step, up to `size`: a batch
+    prompt computes whole once they cover it (the module's docstring says why); one longer than a
+    step offers it takes a chunk once the bank is full."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.tokens = 0.0
+
+    def deposit(self, tokens: float) -> None:
+        self.tokens = min(float(self.size), self.tokens + tokens)
+
+    def take(self, num_new: int, whole: bool) -> int:
+        """The tokens of num_new (the rest of a prompt when whole) it grants, and spends."""
+        if whole and num_new <= self.tokens:
+            granted = num_new
+        elif self.tokens >= self.size:
+            granted = min(num_new, self.size)
+        else:
+            return 0
+        self.tokens -= granted
+        return granted
+
+
 class BackgroundAllowance:
     """What sequences without targets may still add to this step: decode time (each decode row costs
-    its row and its context's K/V read, so a long line takes more of it) and prompt tokens."""
+    its row and its context's K/V read, so a long line takes more of it) and the banked prompt tokens
+    (none: no bound)."""
 
-    def __init__(self, fit: StepTimeFit | None = None, decode_s: float = math.inf, tokens: int = _UNBOUNDED) -> None:
+    def __init__(self, fit: StepTimeFit | None = None, decode_s: float = math.inf,
+                 bank: PromptBank | None = None) -> None:
         self.fit = fit
         self.decode_s = decode_s
-        self.tokens = tokens
+        self.bank = bank
 
     def grant(self, seq: Sequence, num_new: int) -> int:
         """The tokens of num_new that seq may compute this step (0: none; targeted ones: all)."""
@@ -151,9 +182,7 @@ class BackgroundAllowance:
             return num_new
         if seq.num_uncomputed_tokens <= 1:  # a decode row
             return num_new if self.take_row(seq.num_tokens) else 0
-        granted = min(num_new, self.tokens)
-        self.tokens -= granted
-        return granted
+        return num_new if self.bank is None else self.bank.take(num_new, num_new == seq.num_uncomputed_tokens)
 
     def take_row(self, context_tokens: int) -> bool:
         """Whether a decode row reading context_tokens fits what is left (and, if so, take it)."""
@@ -207,6 +236,7 @@ class SloPolicy:
         self.num_decodes = 0
         self.cap = max_num_batched_tokens
         self.background = BackgroundAllowance()
+        self.prompt_bank = PromptBank(max_num_batched_tokens)  # the background share's prompt tokens
         self.tightest_tpot_s = math.inf  # the running sequences' tightest TPOT target
         # The running sequences (those that joined this step too) and their lengths, summed: the K/V
         # a decode row of theirs reads, on average.
@@ -314,7 +344,10 @@ class SloPolicy:
             return BackgroundAllowance()
         targeted_decodes = [seq for seq in targeted if seq.num_uncomputed_tokens <= 1]
         half_share_s = BACKGROUND_SHARE * fit.seconds(len(targeted_decodes), 0, _lengths(targeted_decodes)) / 2
-        return BackgroundAllowance(fit, half_share_s, _UNBOUNDED if fit.c <= 0 else int(half_share_s / fit.c + 1e-6))
+        if fit.c <= 0:
+            return BackgroundAllowance(fit, half_share_s)
+        self.prompt_bank.deposit(half_share_s / fit.c)
+        return BackgroundAllowance(fit, half_share_s, self.prompt_bank)
 
     def prefill_cap(self, running: list[Sequence]) -> int:
         """The prompt tokens a step may carry beside the running decodes with targets and keep their TPOT.
