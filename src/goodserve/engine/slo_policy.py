@@ -43,15 +43,9 @@ A request may carry targets (SamplingParams.slo_ttft_ms, slo_tpot_ms; the server
   computes whole, in one step, once the bank covers it: sliced ~20 tokens a step, a prompt left an
   unfinished chunk in nearly every step, no step can launch ahead of such a step (async
   scheduling), and on the H100 54% of the steps beside the job paid the host's ~2 ms that steps
-  ahead hide (cpu_slo_sim.py --sync-step-cost: 30% -> 0% of its steps). The online TPOT slack is
-  the online requests': without the bound the prefill cap spent it on batch prompts (on the H100 a
-  64-line batch job took the online median TPOT from 12 to 22 ms, online requests held their slots
-  that much longer, and the slots ran out); at 20% of the step, and with batch rows shrinking the
-  online prefill cap, the job still took the card's online attainment from 99.7 to 68.2% (median
-  TPOT 12 -> 31 ms, 104 refused), which cpu_slo_sim.py with the card's fit and 15% step noise does
-  not reproduce (100% beside the job, median TPOT 14.2 -> 16.8 ms; 15.6 ms at 10%): by that run's
-  throughput its steps beside the job lasted ~31 ms where the fit predicts ~17 ms, a cost the linear
-  model does not see (in part the host time of steps that cannot run ahead, above).
+  ahead hide (cpu_slo_sim.py --sync-step-cost: 30% -> 0% of its steps). Without the bound the
+  prefill cap spent the online decodes' TPOT slack on batch prompts; the card's measurements of
+  each step of this are in benchmarks/BENCHMARKS.md (SLO-aware scheduling).
 
 The server's admission check (server/admission.py) reads the same model through `forecast` to
 refuse, with 429, a request whose TTFT the queue ahead of it already makes impossible. What the new
