@@ -256,7 +256,8 @@ async def batch_phase(target, args, result: dict) -> dict:
     for label, steps in (("alone", steps_alone), ("beside", steps_beside)):
         print(f"steps {label}: " + "; ".join(f"{path} {s['steps']} x {s['mean_measured_ms']:.1f} ms "
                                              f"(predicted {s['mean_predicted_ms']}, {s['mean_decode_rows']:.0f} rows, "
-                                             f"{s['mean_prompt_tokens']:.0f} prompt tokens)"
+                                             f"{s['mean_prompt_tokens']:.0f} prompt tokens, online rows "
+                                             f"{s['mean_online_decode_rows']:.0f} of {s['mean_online_answering']:.0f})"
                                              for path, s in steps.items()), flush=True)
     drop = alone["slo_attainment"] - beside["slo_attainment"]
     print(f"batch job: {window.lines} lines, {window.as_dict()['output_tokens_per_s']:.0f} output tokens/s during "
@@ -272,15 +273,18 @@ async def batch_phase(target, args, result: dict) -> dict:
 class StepLog:
     """Each step the engine records, as the step-time model sees it: the path it ran (the CUDA graph
     class it replayed, or eager), its shape (decode rows, prompt tokens, context tokens), the fit's
-    prediction before it and the measured time. For the batch phase's question: beside a batch job
+    prediction before it and the measured time; and its online decode rows beside the online
+    sequences then running with their answer started (fewer rows: online decodes sat the step out). For the batch phase's question: beside a batch job
     steps ran ~2x longer than the fit predicted, and which steps do is what a fix needs. Reads the
     in-process engine's runner and model (this child process's own), so a diagnostic only."""
 
     def __init__(self, async_engine) -> None:
+        from goodserve.engine.slo_policy import has_targets
         from goodserve.engine.step_time_model import step_shape
 
         engine = async_engine.engine
         runner, model = engine.executor.worker.runner, engine.scheduler.step_time
+        seqs, running = engine.scheduler.seqs, engine.scheduler.running
         self.rows: list[tuple] = []
         paths: dict[int, str] = {}
         execute, observe = runner.execute_model, model.observe_step
@@ -293,7 +297,11 @@ class StepLog:
         def observe_and_log(out, seconds: float) -> None:
             shape = step_shape(out)
             predicted = model.fit.seconds(*shape) if model.fit is not None else None
-            self.rows.append((paths.pop(id(out), "unknown"), *shape, predicted, seconds))
+            decodes = [out.seq_ids[row] for row, n in enumerate(out.num_new_tokens) if n == 1]
+            online = sum(seq_id in seqs and has_targets(seqs[seq_id]) for seq_id in decodes)
+            # online sequences running with their answer started: the decode rows the step could have had
+            answering = sum(has_targets(seq) and seq.num_output_tokens > 0 for seq in running)
+            self.rows.append((paths.pop(id(out), "unknown"), *shape, predicted, seconds, online, answering))
             observe(out, seconds)
 
         runner.execute_model, model.observe_step = execute_and_note, observe_and_log
@@ -311,6 +319,8 @@ class StepLog:
             report[path] = {"steps": len(rows), "mean_decode_rows": _mean(r[1] for r in rows),
                             "mean_prompt_tokens": _mean(r[2] for r in rows),
                             "mean_context_tokens": _mean(r[3] for r in rows),
+                            "mean_online_decode_rows": _mean(r[6] for r in rows),
+                            "mean_online_answering": _mean(r[7] for r in rows),
                             "mean_measured_ms": _mean(r[5] * 1e3 for r in rows),
                             "mean_predicted_ms": _mean(p * 1e3 for p in predicted) if predicted else None,
                             "median_measured_over_predicted": ratios[len(ratios) // 2] if ratios else None}
