@@ -158,10 +158,11 @@ RULES: tuple[Rule, ...] = (
               "p99 ITL falls while median ITL stays"),
           Fix("--no-enforce-eager (CUDA graphs)", "removes per-kernel launch overhead from small batches",
               "step_time_seconds{phase=forward} per step falls", "cuda_graphs"),
-          # 2 all-reduces a layer of ~7 us each (one-shot, in a CUDA graph) take part of the gain at batch 1.
+          # 2 all-reduces a layer (~12.5 us each in a step on H100s) and each layer's fixed latencies take
+          # much of the gain at batch 1: TP 2 measured 1.40x, TP 4 2.06x on H100s (diagnose/parallel.py).
           Fix("--tensor-parallel-size 2 (or 4, 8)",
               "each GPU reads 1 / N of the weights a step, plus 2 all-reduces a layer: `goodserve calc fit --tp N` "
-              "prints the TPOT limit with them",
+              "prints the TPOT to expect with them",
               "median TPOT falls at the same load; goodserve diagnose --tp N shows MBU over the N GPUs",
               "tensor_parallel"))),
     Rule("low throughput at low MBU", _low_mbu,

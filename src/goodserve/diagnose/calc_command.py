@@ -16,7 +16,7 @@ import math
 from goodserve.commands.console import make_console
 from goodserve.diagnose.calc import (DTYPE_BYTES, cost_per_million_tokens, kv_cache_bytes, kv_heads_per_gpu,
                                      max_concurrent_sequences)
-from goodserve.diagnose.parallel import (ALLREDUCE_LATENCY_S, Layout, add_layout_arguments, advise_layout,
+from goodserve.diagnose.parallel import (ALLREDUCE_LATENCY_S, LAYER_LATENCY_S, Layout, add_layout_arguments, advise_layout,
                                          allreduce_payload_bytes, decode_limit, dtype_for_activations, layout_fit,
                                          ring_bytes_sent)
 from goodserve.diagnose.hardware import get_hardware
@@ -47,7 +47,11 @@ def register(subparsers) -> None:
     fit_p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16", help="weight dtype")
     fit_p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     fit_p.add_argument("--allreduce-latency-us", type=float, default=ALLREDUCE_LATENCY_S * 1e6,
-                       help="one small all-reduce's latency (NCCL in a CUDA graph on NVLink)")
+                       help="what one small all-reduce costs a decode step (the one-shot all-reduce in a CUDA "
+                            "graph on NVLink, measured on H100s)")
+    fit_p.add_argument("--layer-latency-us", type=float, default=LAYER_LATENCY_S * 1e6,
+                       help="what a decoder layer's kernels cost a decode step beyond their bytes (H100, CUDA "
+                            "graphs, measured)")
     fit_p.add_argument("--gpus", type=int, help="GPUs to spend, for the advice (default: the layout's)")
     fit_p.add_argument("--goal", choices=("throughput", "latency"), default="throughput",
                        help="what the advice optimizes: tokens/s over all GPUs, or one sequence's TPOT")
@@ -129,11 +133,13 @@ def _fit(args) -> int:
             console.print(f"  all-reduce per {what} tokens: {payload / 1e6:.2f} MB per GPU "
                           f"({2 * math.ceil(spec.num_layers / layout.pp)} all-reduces), ring sends "
                           f"{ring_bytes_sent(payload, layout.tp) / 1e6:.2f} MB")
-    limit = decode_limit(spec, gpu, layout, args.seq_len, 1, args.dtype, args.kv_dtype, args.allreduce_latency_us / 1e6)
+    limit = decode_limit(spec, gpu, layout, args.seq_len, 1, args.dtype, args.kv_dtype, args.allreduce_latency_us / 1e6,
+                         args.layer_latency_us / 1e6)
     console.print(f"  one sequence at {args.seq_len} tokens of context decodes at most "
-                  f"{limit.bandwidth_tokens_per_s:.0f} tok/s by bandwidth, {limit.tokens_per_s:.0f} tok/s with the "
-                  f"collectives ({1000 * limit.allreduce_s:.2f} ms all-reduce, {1000 * limit.handoff_s:.2f} ms "
-                  f"stage handoffs per token)")
+                  f"{limit.bandwidth_tokens_per_s:.0f} tok/s by bandwidth; expect ~{limit.tokens_per_s:.0f} tok/s "
+                  f"with the layers' kernel latencies ({1000 * limit.layers_s:.2f} ms) and the collectives "
+                  f"({1000 * limit.allreduce_s:.2f} ms all-reduce, {1000 * limit.handoff_s:.2f} ms stage handoffs) "
+                  f"per token")
     advice = advise_layout(spec, gpu, args.gpus or layout.gpus, args.goal, args.seq_len, args.batch, args.dtype,
                            args.kv_dtype, args.gpu_memory_utilization, args.prompt_len, args.tpot_ms / 1000)
     if advice:

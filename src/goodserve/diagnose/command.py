@@ -89,8 +89,8 @@ def model_table(spec: ModelSpec, hw: Hardware, dtype: str, compute_dtype: str, l
         payload = allreduce_payload_bytes(spec, layout.tp, 1, 1, dtype_for_activations(dtype))
         rows += [(f"all-reduces per decode token (TP {layout.tp})",
                   f"{2 * spec.num_layers} x {payload / (2 * spec.num_layers) / 1024:.0f} KiB, "
-                  f"{1000 * limit.allreduce_s:.2f} ms at {ALLREDUCE_LATENCY_S * 1e6:.0f} us each"),
-                 ("batch-1 decode ceiling with them", f"{limit.tokens_per_s:.0f} tok/s")]
+                  f"{1000 * limit.allreduce_s:.2f} ms at {ALLREDUCE_LATENCY_S * 1e6:.1f} us each"),
+                 ("batch-1 decode expected with them and the layers' latencies", f"{limit.tokens_per_s:.0f} tok/s")]
     for row in rows:
         table.add_row(*row)
     return table

@@ -28,11 +28,19 @@ from goodserve.diagnose.roofline import prefill_flops
 from goodserve.errors import InvalidRequestError
 from goodserve.model.spec import ModelSpec
 
-# One all-reduce of a decode step's few KB inside a CUDA graph, as the engine's TP ranks on one host
-# run it: the one-shot all-reduce on symmetric memory (model/custom_all_reduce.py) took 6.5-6.8 us at
-# 8-64 KB of bf16 on 2 H200s (NV18), NCCL 20.6-22.2 us in a graph and 34-40 us eager
-# (benchmarks/results/gpu_allreduce_h200x2.json). --allreduce-latency-us: another interconnect's.
-ALLREDUCE_LATENCY_S = 7e-6
+# What an all-reduce of a decode step's few KB costs inside the step, one host, the engine's one-shot
+# all-reduce on symmetric memory (model/custom_all_reduce.py), CUDA graphs. Alone it takes 6.5-6.8 us
+# at 8-64 KB of bf16 on 2 H200s (benchmarks/results/gpu_allreduce_h200x2.json); in the step each
+# waits for the slowest rank's kernels too: on 4 H100s (NV18) batch-1 decode lost 13.1 / 11.7 us an
+# all-reduce beyond TP=1's per-layer cost at TP=2 / 4 for llama-3.1-8b and 12.4 us for llama-3.1-70b
+# at TP=4 (benchmarks/results/gpu_tp_h100x4.json, gpu_tp_70b_h100x4.json). --allreduce-latency-us:
+# another interconnect's.
+ALLREDUCE_LATENCY_S = 12.5e-6
+# What a decoder layer's ~8 kernels cost a decode step beyond the bytes they read (launch and
+# dependency latencies, inside a CUDA graph): 26 us on an H100 at TP=1 (llama-3.1-8b batch 1: 5.87 ms a
+# token against 5.03 at the measured copy bandwidth, over 32 layers; gpu_tp_h100x4.json). Every rank
+# pays it at any TP. --layer-latency-us: another GPU's or kernel set's.
+LAYER_LATENCY_S = 26e-6
 NODE_GPUS = 8  # past one node's GPUs, TP's all-reduces would cross the network: PP there instead
 
 
@@ -98,10 +106,11 @@ class DecodeLimit:
     read_s: float  # reading weights + KV at full bandwidth, per token
     allreduce_s: float  # the all-reduces' latency and bytes on the link
     handoff_s: float  # PP: one send between consecutive stages each
+    layers_s: float = 0.0  # each layer's kernel latencies beyond its bytes
 
     @property
     def token_s(self) -> float:
-        return self.read_s + self.allreduce_s + self.handoff_s
+        return self.read_s + self.layers_s + self.allreduce_s + self.handoff_s
 
     @property
     def bandwidth_tokens_per_s(self) -> float:
@@ -110,14 +119,18 @@ class DecodeLimit:
 
     @property
     def tokens_per_s(self) -> float:
+        """What to expect: the bytes at full bandwidth, each layer's latencies and the collectives."""
         return 1.0 / self.token_s
 
 
 def decode_limit(spec: ModelSpec, hw: Hardware, layout: Layout, context_len: int = 0, batch: int = 1,
-                 dtype: str = "bf16", kv_dtype: str = "bf16",
-                 allreduce_latency_s: float = ALLREDUCE_LATENCY_S) -> DecodeLimit:
+                 dtype: str = "bf16", kv_dtype: str = "bf16", allreduce_latency_s: float = ALLREDUCE_LATENCY_S,
+                 layer_latency_s: float = LAYER_LATENCY_S) -> DecodeLimit:
     """One decode step of `batch` sequences on one replica: each GPU reads its weights (1 / TP of
-    them in turn, stage after stage) and its KV heads, then the all-reduces and stage handoffs."""
+    them in turn, stage after stage) and its KV heads and pays each layer's kernel latencies, then the
+    all-reduces and stage handoffs. On H100s at a 256-token context this predicts llama-3.1-8b batch 1
+    at 177 / 248 / 353 tok/s for TP 1 / 2 / 4 (measured 170.5 / 238.6 / 351.4) and llama-3.1-70b at TP 4
+    68 tok/s (measured 63.8), where the bandwidth alone says 208 / 416 / 833 and 95."""
     kv_per_token = 2 * spec.num_layers * kv_heads_per_gpu(spec, layout.tp) * spec.head_dim * dtype_bytes(kv_dtype)
     read = (weight_bytes(spec, dtype) / layout.tp + batch * context_len * kv_per_token) / hw.memory_bandwidth
     allreduce = 0.0
@@ -126,7 +139,7 @@ def decode_limit(spec: ModelSpec, hw: Hardware, layout: Layout, context_len: int
         sent = ring_bytes_sent(allreduce_payload_bytes(spec, layout.tp, 1, batch, dtype_for_activations(dtype)),
                                layout.tp)
         allreduce = count * allreduce_latency_s + (sent / hw.link_bandwidth if hw.link_bandwidth else 0.0)
-    return DecodeLimit(read, allreduce, (layout.pp - 1) * allreduce_latency_s)
+    return DecodeLimit(read, allreduce, (layout.pp - 1) * allreduce_latency_s, spec.num_layers * layer_latency_s)
 
 
 def dtype_for_activations(weight_dtype: str) -> str:
@@ -192,9 +205,10 @@ def advise_layout(spec: ModelSpec, hw: Hardware, gpus: int, goal: str, seq_len: 
         if tp > base.tp:
             now = decode_limit(spec, hw, base, seq_len, 1, dtype, kv_dtype)
             faster = decode_limit(spec, hw, Layout(tp, base.pp), seq_len, 1, dtype, kv_dtype)
-            advice.append(LayoutAdvice(Layout(tp, base.pp).flags(), f"one sequence decodes at most "
+            advice.append(LayoutAdvice(Layout(tp, base.pp).flags(), f"one sequence decodes at ~"
                                        f"{faster.tokens_per_s:.0f} tok/s on TP {tp} against "
-                                       f"{now.tokens_per_s:.0f} on TP {base.tp} (all-reduce latency included)"))
+                                       f"~{now.tokens_per_s:.0f} on TP {base.tp} (layer and all-reduce latencies "
+                                       f"included)"))
     if prompt_len and tpot_target_s:
         prefill_s = prefill_flops(spec, prompt_len) / (hw.flops_for(dtype_for_activations(dtype)) * base.tp)
         if prefill_s > tpot_target_s:
