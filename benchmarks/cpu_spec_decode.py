@@ -5,10 +5,15 @@
   (--speculative-model self:int4 / self:gguf) with each k given;
 - lookahead: the same chat questions, speculation off against lookahead decoding
   (--speculative-method lookahead) with each window W x N and k given;
-output tok/s, acceptance rate, and whether the greedy outputs are identical (they must be).
+output tok/s, acceptance rate, and whether the greedy outputs are identical (they must be);
+- verify: what a step verifying k drafts costs against a decode step (gpu_spec_decode.py's verify
+  table, on this CPU), for the float32 model and for gguf, whose decode steps run the native stack
+  (model/native_decode.py) while a verify step takes the per-op path: the speculation policy's cost
+  tables (engine/spec_decode/policy.py) come from it.
 
     PYTHONPATH=src python benchmarks/cpu_spec_decode.py     # writes $OUT/cpu_spec_decode_cpu.json
     PYTHONPATH=src python benchmarks/cpu_spec_decode.py --sections lookahead --tag lookahead
+    PYTHONPATH=src python benchmarks/cpu_spec_decode.py --sections verify --tag verify   # ~1 minute
 
 Requests run one at a time, each alone in its engine (batch 1), on each engine in turn.
 """
@@ -25,6 +30,7 @@ import torch
 from goodserve import LLM, SamplingParams
 from goodserve.bench.text import PromptText
 from goodserve.bench.workloads import BenchRequest, WorkloadConfig, build_workload
+from gpu_spec_decode import part_verify
 from result_file import write_result
 
 # Ordinary assistant questions: answers in the model's own words, nothing to copy from the prompt.
@@ -103,6 +109,21 @@ def lookahead_section(args, options: dict) -> dict:
     return run_interleaved(engines, requests, params)
 
 
+VERIFY_BATCHES, VERIFY_KS, VERIFY_CONTEXT = (1, 4), (1, 2, 4), 300
+
+
+def verify_section(args, options: dict) -> dict:
+    result = {}
+    for quantization in ("gguf", "none"):
+        # the runner's token buffers hold max_num_seqs x (1 + k) rows: twice the largest batch fits its cells
+        llm = LLM("smollm2-135m", **{**options, "quantization": quantization}, speculative_method="ngram",
+                  num_speculative_tokens=max(VERIFY_KS), max_num_seqs=2 * max(VERIFY_BATCHES))
+        part_verify(llm, f"smollm2-135m {quantization}", VERIFY_CONTEXT, 2, 7, result.setdefault(quantization, {}),
+                    batches=VERIFY_BATCHES, ks=VERIFY_KS)
+        del llm
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--num-prompts", type=int, default=8)
@@ -115,12 +136,13 @@ def main() -> None:
     parser.add_argument("--draft-k", type=int, nargs="+", default=[4], help="self-drafts' num_speculative_tokens")
     parser.add_argument("--lookahead", nargs="+", default=["2x3"], help="lookahead windows, WxN: W columns, N-gram")
     parser.add_argument("--lookahead-k", type=int, nargs="+", default=[4], help="lookahead's num_speculative_tokens")
-    parser.add_argument("--sections", nargs="+", default=["copy", "chat"], choices=["copy", "chat", "lookahead"])
+    parser.add_argument("--sections", nargs="+", default=["copy", "chat"],
+                        choices=["copy", "chat", "lookahead", "verify"])
     parser.add_argument("--quantization", default="none", help="none: the float32 model; gguf: the CPU default")
     parser.add_argument("--tag", default="cpu")
     args = parser.parse_args()
     options = dict(quantization=args.quantization, cpu_kv_cache_bytes=256 << 20)
-    sections = {"copy": copy_section, "chat": chat_section, "lookahead": lookahead_section}
+    sections = {"copy": copy_section, "chat": chat_section, "lookahead": lookahead_section, "verify": verify_section}
     result = {"tag": args.tag, "machine": platform.processor() or platform.machine(),
               "threads": torch.get_num_threads(), "args": vars(args),
               **{name: sections[name](args, options) for name in args.sections}}

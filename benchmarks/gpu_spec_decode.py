@@ -102,8 +102,8 @@ COPY_PART_S = 30 if SMOKE else 45
 OUTPUT = "gpu_spec_decode_smoke.json" if SMOKE else "gpu_spec_decode.json"
 
 
-def synchronize() -> None:
-    if DEVICE == "cuda":
+def synchronize(device: str = DEVICE) -> None:
+    if device.startswith("cuda"):
         torch.cuda.synchronize()
 
 
@@ -166,10 +166,11 @@ class StepTimer:
 
     def __init__(self, llm: LLM) -> None:
         self.executor = llm.engine.executor
-        self.cuda = DEVICE == "cuda"
+        self.device = llm.engine.config.device
+        self.cuda = self.device.startswith("cuda")
 
     def __call__(self, out: SchedulerOutput) -> tuple[float, float | None, bool]:
-        synchronize()
+        synchronize(self.device)
         if self.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -179,7 +180,7 @@ class StepTimer:
         pending.result()
         if self.cuda:
             end.record()
-        synchronize()
+        synchronize(self.device)
         wall_ms = (time.perf_counter() - began) * 1e3
         return wall_ms, start.elapsed_time(end) if self.cuda else None, pending.replayed_graph
 
@@ -226,9 +227,10 @@ def break_even_acceptance(ratio: float, k: int) -> float | None:
 
 
 def part_verify(llm: LLM, model: str, context: int, warmup: int, repeats: int, result: dict,
-                profile_dir: str | None = None) -> None:
+                profile_dir: str | None = None, batches: tuple[int, ...] = BATCHES, ks: tuple[int, ...] = KS) -> None:
     """Fills result, a batch size at a time (a failure keeps the sizes measured before it). With
-    profile_dir: after the timed cells, torch.profiler tables of batch-1 decode and k = 4 verify steps."""
+    profile_dir: after the timed cells, torch.profiler tables of batch-1 decode and k = 4 verify steps.
+    On whatever device the engine runs (cpu_spec_decode.py's verify section times the CPU's paths)."""
     runner = llm.engine.executor.worker.runner
     config = llm.engine.config
     result.update({
@@ -243,15 +245,15 @@ def part_verify(llm: LLM, model: str, context: int, warmup: int, repeats: int, r
     cells = result["by_batch"]
     pool, block_size = llm.engine.kv.pool, runner.block_size
     rng = np.random.default_rng(0)
-    blocks_per_row = -(-(context + 1 + max(KS)) // block_size)
+    blocks_per_row = -(-(context + 1 + max(ks)) // block_size)
     # Blocks taken from the engine's pool, so nothing else holds them while the steps write their K/V.
-    taken = [pool.take_free() for _ in range(max(BATCHES) * blocks_per_row)]
-    tables = [taken[i * blocks_per_row:(i + 1) * blocks_per_row] for i in range(max(BATCHES))]
+    taken = [pool.take_free() for _ in range(max(batches) * blocks_per_row)]
+    tables = [taken[i * blocks_per_row:(i + 1) * blocks_per_row] for i in range(max(batches))]
     timer, vocab = StepTimer(llm), llm.spec.vocab_size
     try:
-        for batch in BATCHES:
-            variants = {"decode": (0, False), **{f"verify_k{k}": (k, True) for k in KS},
-                        **{f"same_tokens_one_sample_k{k}": (k, False) for k in KS}}
+        for batch in batches:
+            variants = {"decode": (0, False), **{f"verify_k{k}": (k, True) for k in ks},
+                        **{f"same_tokens_one_sample_k{k}": (k, False) for k in ks}}
             times: dict[str, list] = {name: [] for name in variants}
             for rep in range(warmup + repeats):
                 for name, (k, drafted) in variants.items():  # interleaved: drift weighs on every cell alike
@@ -262,7 +264,7 @@ def part_verify(llm: LLM, model: str, context: int, warmup: int, repeats: int, r
             result["verify_graphed"] = sorted({cell["graphed"] for by_name in cells.values()
                                                for name, cell in by_name.items() if name.startswith("verify")})
             print(f"verify batch {batch}: decode {cells[batch]['decode']['wall_ms']} ms, " + ", ".join(
-                f"k{k} {cells[batch][f'verify_k{k}']['wall_ms']}" for k in KS), flush=True)
+                f"k{k} {cells[batch][f'verify_k{k}']['wall_ms']}" for k in ks), flush=True)
         if profile_dir:
             for name, (k, drafted) in {"decode": (0, False), "verify_k4": (4, True)}.items():
                 profile_steps(timer, lambda: step_rows(1, k, context, tables, vocab, drafted, rng),

@@ -41,6 +41,7 @@ from goodserve.engine.scheduler import Scheduler
 from goodserve.engine.scheduler_output import NewRequestData, SchedulerOutput
 from goodserve.engine.sequence import Sequence
 from goodserve.engine.spec_decode.draft_model import load_draft
+from goodserve.engine.spec_decode.policy import verify_cost
 from goodserve.engine.spec_decode.proposer import make_proposer
 from goodserve.engine.stats import EngineStats, StepLog, engine_stats
 from goodserve.errors import EngineDeadError, InvalidRequestError
@@ -79,7 +80,8 @@ class Engine:
         # host's, not a weight read: no prior there)
         kv_prior = kv_read_ratio(self.spec, kv_storage_dtype(c, self.dtype), self.dtype) \
             if self.device.type == "cuda" else 0.0
-        self.scheduler = Scheduler(c, self.kv, make_proposer(c, self.spec, self.tokenizer, draft), kv_prior)
+        self.scheduler = Scheduler(c, self.kv, make_proposer(c, self.spec, self.tokenizer, draft), kv_prior,
+                                   verify_cost(c, info.native_decode))
         self.inputs = InputProcessor(c, self.spec, self.tokenizer)
         self.outputs = OutputProcessor(self.tokenizer, info.eos_token_ids)
         self.requests: dict[str, Request] = {}

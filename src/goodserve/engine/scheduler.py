@@ -44,7 +44,7 @@ from goodserve.engine.scheduler_output import SchedulerOutput
 from goodserve.engine.sequence import Sequence, SequenceStatus
 from goodserve.engine.slo_policy import SloForecast, SloPolicy, has_targets, tokens_left
 from goodserve.engine.step_time_model import StepTimeModel
-from goodserve.engine.spec_decode.policy import Speculator
+from goodserve.engine.spec_decode.policy import Speculator, VerifyCost
 from goodserve.engine.spec_decode.proposer import Drafts, Proposer
 from goodserve.engine.waiting_queue import WaitingQueue
 
@@ -71,7 +71,7 @@ def _decodes_first(seq: Sequence) -> tuple:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, kv: KVCacheManager, proposer: Proposer | None = None,
-                 kv_read_ratio: float = 0.0) -> None:
+                 kv_read_ratio: float = 0.0, verify_cost: VerifyCost | None = None) -> None:
         self.config = config
         self.kv = kv
         self.running: list[Sequence] = []
@@ -85,7 +85,7 @@ class Scheduler:
             if config.scheduler_policy == "slo" else None
         key = longest_first_key if makespan else self.slo.key if self.slo else Sequence.priority_key
         self.waiting = WaitingQueue(key)
-        self.speculator = Speculator(config, proposer) if proposer is not None else None
+        self.speculator = Speculator(config, proposer, verify_cost) if proposer is not None else None
 
     # ---- queue management ----------------------------------------------------------------
     def add(self, seq: Sequence) -> None:

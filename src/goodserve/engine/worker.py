@@ -44,6 +44,8 @@ class ModelInfo:
     # Tensor parallelism's all-reduce: "custom" (small tensors one-shot on symmetric memory, the rest
     # NCCL), "nccl" or "gloo"; None without tensor parallelism.
     all_reduce: str | None
+    # Decode steps run the CPU's native decoder stack (model/native_decode.py); a verify step does not
+    native_decode: bool
 
 
 class Worker:
@@ -72,7 +74,7 @@ class Worker:
         self.runner = ModelRunner(config, loaded.model, config.num_kv_blocks, kv_dtype, eos)
         self.info = ModelInfo(config, loaded.spec, tokenizer, eos, loaded.revision,
                               bool(self.runner.decode_graphs.graphs or self.runner.mixed_graphs.graphs),
-                              _all_reduce_name(tp, device))
+                              _all_reduce_name(tp, device), loaded.model.native_decode is not None)
         logger.info(
             "model %s (%s) dtype=%s device=%s kv_cache=%d blocks x %d tokens (%s) max_model_len=%d%s%s",
             config.model, loaded.source, config.dtype, device, config.num_kv_blocks, config.block_size,

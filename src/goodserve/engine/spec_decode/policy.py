@@ -65,14 +65,28 @@ GRAPHED_COST = VerifyCost(per_seq=0.0064, fixed=0.15, per_draft_token=0.002)
 EAGER_COST = VerifyCost(per_seq=0.056, fixed=0.0, per_draft_token=0.056)
 
 
+# The CPU's native decode stack (model/native_decode.py: a GGUF or int4 model's decode step in one
+# native call) runs decode steps only: a verify step takes the per-op path, so it costs several
+# decode steps. The embedded model in gguf, two threads, 300 cached tokens, two runs: decode 11.1-11.6 /
+# 20.4-23.9 ms at batch 1 / 4; verify k = 1 / 2 / 4 21.2-25.9 / 22.4-28.3 / 29.2-35.0 ms at batch 1 and
+# 50.5-73.5 / 63.0-84.7 / 81.3-107.4 at batch 4 (benchmarks/results/cpu_spec_decode_verify{,_run1}.json).
+# Least squares on the relative error over both runs' 16 cells: batch 1 within 2.0-3.1 decode steps of
+# the measured 1.9-3.0, batch 4 4.2-8.5 against 4.5-9.2. EAGER_COST above still holds for the float32
+# model in the same runs (verify k = 4 at batch 1 1.02-1.07x a decode step).
+NATIVE_DECODE_COST = VerifyCost(per_seq=0.37, fixed=0.61, per_draft_token=0.36)
+
+
 # A draft model's step (draft_model.py), eager: ~1/4 of a float32 target step for the embedded
 # model's self:int4 draft on the CPU (benchmarks/BENCHMARKS.md, CPU speculative decoding). Not
 # measured on a GPU, where the draft runs eagerly beside graphed target steps: likely dearer there.
 DRAFT_POSITION_COST = 0.25
 
 
-def verify_cost(config: EngineConfig) -> VerifyCost:
-    """The table of the path a verify step takes: a CUDA graph where graphs run (model_runner.py)."""
+def verify_cost(config: EngineConfig, native_decode: bool = False) -> VerifyCost:
+    """The table of the path a verify step takes: a CUDA graph where graphs run (model_runner.py);
+    native_decode: the decode steps it is weighed against run the CPU's native stack."""
+    if native_decode:
+        return NATIVE_DECODE_COST
     graphed = config.device.startswith("cuda") and not config.enforce_eager \
         and config.attention_backend == "triton" and config.pipeline_parallel_size == 1
     return GRAPHED_COST if graphed else EAGER_COST
