@@ -120,3 +120,19 @@ def test_the_cost_table_follows_the_path_decode_steps_take():
     assert native.executor.worker.runner.model.native_decode is not None
     assert native.scheduler.speculator.cost is NATIVE_DECODE_COST
     assert LLM("dummy:tiny", **options).engine.scheduler.speculator.cost is EAGER_COST
+
+
+def test_probes_come_less_often_where_a_probe_step_is_dear():
+    """A probe's step costs ratio - 1 plain steps more: 0.16 on the graphed table and 0.22 on the CPU's
+    per-op one (one in 32 steps), 0.61 + 4 x 0.36 = 2.05 off the native decode stack (one in 66), and
+    with lookahead's 2 x 2 window there 0.61 + 8 x 0.36 = 3.49 (one in 112): about 1/32 of the run."""
+    assert _speculator(GRAPHED_COST).probe_every == PROBE_EVERY == 32
+    assert _speculator(EAGER_COST).probe_every == PROBE_EVERY
+    native = _speculator(NATIVE_DECODE_COST)
+    assert native.probe_every == 66
+    seqs = _seqs(1)
+    plans = _run(native, seqs, 3 * 66, lambda step, k: 0)
+    probes = [step for step, plan in enumerate(plans) if plan and step > 66]  # after the first tries
+    assert probes and all(b - a >= 66 for a, b in zip(probes, probes[1:]))
+    assert _speculator(NATIVE_DECODE_COST, speculative_method="lookahead", lookahead_window=2,
+                       lookahead_ngram=3).probe_every == 112

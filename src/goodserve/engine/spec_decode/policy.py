@@ -13,7 +13,9 @@ acceptance, against what a verify step costs beside a plain decode step (VerifyC
   draft model's forwards (one per draft position, for the whole batch) count once per step.
 - A sequence left out keeps its estimate, so it is re-measured by a probe: at most one step in
   PROBE_EVERY gives every eligible sequence left out k drafts, so a sequence that starts copying
-  later is noticed. No wall-clock time enters the decision (CPU timing noise would switch drafting
+  later is noticed. Where a probe step costs more than two plain steps (a verify step off the CPU's
+  native decode stack), probes come that much less often, so they never take more than about
+  1 / PROBE_EVERY of a run's time: on the CPU's gguf path lookahead lost 10% to its probes alone. No wall-clock time enters the decision (CPU timing noise would switch drafting
   on and off mid-run); the costs are a fixed table.
 - No drafts at all while more than spec_max_batch sequences run (the cost table was measured up to
   batch 32); spec_policy "always" drafts num_speculative_tokens for every eligible sequence under
@@ -107,6 +109,10 @@ class Speculator:
             if config.speculative_method == "lookahead" else 0
         # a draft model's forward per draft position, for the whole batch, in one-sequence decode steps
         self.draft_position_cost = DRAFT_POSITION_COST if config.speculative_method == "draft" else 0.0
+        # a probe step's cost beyond a plain step's, in plain steps (one sequence, k drafts and any window)
+        k = config.num_speculative_tokens
+        probe_extra = self.cost.ratio(1, k + self.branch_tokens) - 1 + self.draft_position_cost * k
+        self.probe_every = max(PROBE_EVERY, round(PROBE_EVERY * probe_extra))
         self.steps_since_probe = 0
         # Counted as vLLM counts them (served under its metric names, server/metrics.py).
         self.num_drafts = 0  # verifications: one sequence's proposals checked in one step
@@ -154,7 +160,7 @@ class Speculator:
 
     @property
     def probe_due(self) -> bool:
-        return self.steps_since_probe >= PROBE_EVERY
+        return self.steps_since_probe >= self.probe_every
 
     def counted_step(self) -> None:
         """A step was scheduled (ahead of the one in flight too)."""
