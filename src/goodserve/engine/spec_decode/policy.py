@@ -15,8 +15,9 @@ acceptance, against what a verify step costs beside a plain decode step (VerifyC
   PROBE_EVERY gives every eligible sequence left out k drafts, so a sequence that starts copying
   later is noticed. Where a probe step costs more than two plain steps (a verify step off the CPU's
   native decode stack), probes come that much less often, so they never take more than about
-  1 / PROBE_EVERY of a run's time: on the CPU's gguf path lookahead lost 10% to its probes alone. No wall-clock time enters the decision (CPU timing noise would switch drafting
-  on and off mid-run); the costs are a fixed table.
+  1 / PROBE_EVERY of a run's time: on the CPU's gguf path lookahead lost 10% to its probes alone.
+  No wall-clock time enters the decision (CPU timing noise would switch drafting on and off
+  mid-run); the costs are a fixed table.
 - No drafts at all while more than spec_max_batch sequences run (the cost table was measured up to
   batch 32); spec_policy "always" drafts num_speculative_tokens for every eligible sequence under
   that bound (tests, and benchmarks of the verify path).
