@@ -123,6 +123,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="sent all at once first: CUDA graphs, caches, steps of many shapes for the step-time fit")
     p.add_argument("--policy", choices=POLICIES, help="(internal) measure one policy, write --json-out")
     p.add_argument("--json-out")
+    p.add_argument("--full-ladder", action="store_true",
+                   help=f"probe every rung even below {STOP_BELOW:g}%% attainment (e.g. --rates 54,54,54: the "
+                        "same probe again, its run-to-run spread)")
+    p.add_argument("--step-log", action="store_true",
+                   help="capacity phase: every step of every probe (StepLog rows) into "
+                        "$OUT/gpu_slo_steps_<policy>_<max_num_seqs>.json, and each probe's steps by size")
     args = p.parse_args(argv)
     args.phases = args.phases.split(",") if isinstance(args.phases, str) else args.phases
     if not args.phases or set(args.phases) - set(PHASES):
@@ -196,6 +202,7 @@ async def measure_policy(args) -> dict:
 async def climb_ladder(target, args, result: dict) -> None:
     """The capacity phase: probes up the ladder, into result (probes, capacity, crossing_rate)."""
     result["probes"] = []
+    log = StepLog(target.engine) if args.step_log else None
     if args.rates == "auto":
         result["saturation_rate"] = await saturated_throughput(target, args)
         args.rates = ",".join(f"{result['saturation_rate'] * f:.1f}" for f in AUTO_LADDER)
@@ -207,12 +214,21 @@ async def climb_ladder(target, args, result: dict) -> None:
             result["stopped"] = f"budget spent before {rate:g} req/s"
             break
         start = time.perf_counter()
+        first_step = len(log.rows) if log else 0
         probe = await online_probe(target, args, rate)
+        if log:
+            probe["steps_by_size"] = log.by_size(first_step)
+            print("  steps by decode rows: " + "; ".join(
+                f"{size} {b['steps']} x {b['mean_measured_ms']:.1f} ms (predicted {b['mean_predicted_ms']:.1f})"
+                for size, b in probe["steps_by_size"].items()), flush=True)
         probe_s = time.perf_counter() - start
         result["probes_s"] = result.get("probes_s", 0.0) + probe_s
         result["probes"].append(probe)
-        if probe["slo_attainment"] < STOP_BELOW:
+        if probe["slo_attainment"] < STOP_BELOW and not args.full_ladder:
             break
+    if log:
+        write_result(f"gpu_slo_steps_{args.policy}_{args.max_num_seqs}.json",
+                     {"fields": StepLog.FIELDS, "rows": log.rows, "probe_first_rows": log.marks})
     result["capacity"] = capacity_of(result["probes"], TARGET_ATTAINMENT)
     result["crossing_rate"] = crossing_rate(result["probes"])
     # no rung fell below the target: the crossing is somewhere above the last one
@@ -286,6 +302,7 @@ class StepLog:
         runner, model = engine.executor.worker.runner, engine.scheduler.step_time
         seqs, running = engine.scheduler.seqs, engine.scheduler.running
         self.rows: list[tuple] = []
+        self.marks: list[int] = []  # where each by_size window began
         paths: dict[int, str] = {}
         execute, observe = runner.execute_model, model.observe_step
 
@@ -305,6 +322,25 @@ class StepLog:
             observe(out, seconds)
 
         runner.execute_model, model.observe_step = execute_and_note, observe_and_log
+
+    FIELDS = ("path", "decode_rows", "prompt_tokens", "context_tokens", "predicted_s", "measured_s",
+              "online_decode_rows", "online_answering")
+    SIZES = (64, 128, 256, 384, 512, 768, 1024)  # by_size's bins: decode rows up to each
+
+    def by_size(self, start: int) -> dict:
+        """Over rows[start:], per bin of decode rows: steps, mean shape, mean measured and predicted ms,
+        and the mean of measured / predicted: where the fit's straight line leaves the card's steps."""
+        self.marks.append(start)
+        bins: dict[int, list] = {}
+        for row in self.rows[start:]:
+            bins.setdefault(next((s for s in self.SIZES if row[1] <= s), 1 << 30), []).append(row)
+        return {f"<={size}": {"steps": len(rows), "mean_decode_rows": _mean(r[1] for r in rows),
+                              "mean_prompt_tokens": _mean(r[2] for r in rows),
+                              "mean_context_tokens": _mean(r[3] for r in rows),
+                              "mean_measured_ms": _mean(r[5] * 1e3 for r in rows),
+                              "mean_predicted_ms": _mean(r[4] * 1e3 for r in rows if r[4]),
+                              "mean_measured_over_predicted": _mean(r[5] / r[4] for r in rows if r[4])}
+                for size, rows in sorted(bins.items())}
 
     def summary(self, start: int, stop: int | None = None) -> dict:
         """Per path, over rows[start:stop]: steps, mean shape, mean predicted and measured ms, and the
@@ -388,7 +424,8 @@ def run_child(policy: str, max_num_seqs: int, args, budget_s: float) -> dict:
             "--budget-s", str(budget_s), "--seed", str(args.seed), "--max-total-len", str(args.max_total_len),
             "--warmup-requests", str(args.warmup_requests), "--phases", ",".join(args.phases),
             "--arrivals", args.arrivals, "--workload", args.workload, "--batch-lines", str(args.batch_lines),
-            "--batch-concurrency", str(args.batch_concurrency)]
+            "--batch-concurrency", str(args.batch_concurrency)] + [f for f, on in (("--step-log", args.step_log),
+                                                                     ("--full-ladder", args.full_ladder)) if on]
     if args.batch_rate is not None:
         argv += ["--batch-rate", str(args.batch_rate)]
     done = subprocess.run(argv, check=False)

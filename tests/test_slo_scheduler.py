@@ -101,9 +101,9 @@ def test_a_request_past_its_latest_start_waits_behind_those_that_can_still_make_
 
 def test_prefill_cap_keeps_the_running_decodes_tpot():
     """Ten decodes with a 50 ms TPOT target that just gave their first token and have one more to
-    give: nothing to make up for a long step, so it may last 0.9 x 50 = 45 ms; 10 ms + 10 x 1 ms leave
-    25 ms, 250 prompt tokens at 0.1 ms. FCFS gives the prompt all the step's budget."""
-    for policy, chunk in [("slo", 250), ("continuous", 2048 - 10)]:
+    give: nothing to make up for a long step, so it may last 50 ms; 10 ms + 10 x 1 ms leave 30 ms,
+    300 prompt tokens at 0.1 ms. FCFS gives the prompt all the step's budget."""
+    for policy, chunk in [("slo", 300), ("continuous", 2048 - 10)]:
         sched = scheduler(policy, num_blocks=4096)
         sched.slo and setattr(sched.slo, "clock", Clock(0.0))
         for i in range(10):
@@ -115,10 +115,10 @@ def test_prefill_cap_keeps_the_running_decodes_tpot():
 
 def test_prefill_cap_lets_a_long_answer_make_up_for_a_long_step():
     """Ten decodes that just gave their first token, 99 to go; a decode-only step takes 20 ms by the fit.
-    Over the next 16 tokens a 50 ms target (45 ms with the margin) saves 25 ms a token, 400 ms: the
-    step may hold all 2,048 tokens. A 25 ms target (22.5) saves 2.5 ms a token: 17 x 22.5 - 16 x 20 =
-    62.5 ms, so 42.5 ms of prompt tokens, 425."""
-    for tpot_ms, cap in [(50, 2048), (25, 425)]:
+    Over the next 16 tokens a 50 ms target saves 30 ms a token, 480 ms: the step may hold all 2,048
+    tokens. A 25 ms target saves 5 ms a token: 17 x 25 - 16 x 20 = 105 ms, so 85 ms of prompt tokens
+    beside the decodes' 20, 850."""
+    for tpot_ms, cap in [(50, 2048), (25, 850)]:
         clock = Clock(0.0)
         sched = scheduler("slo", num_blocks=4096)
         sched.slo.clock = clock
@@ -165,11 +165,11 @@ def test_forecast_predicts_ttft_from_the_queue_ahead():
     decode_step(sched)
     decode_step(sched)  # (the cap is the last step's: this one's decodes carry the targets)
     forecast = sched.forecast()
-    assert (forecast.decode_rows, forecast.prefill_tokens_per_step) == (10, 250)
-    # 600 tokens ahead and its own 150: three 250-token steps of 10 + 10 + 25 ms
+    assert (forecast.decode_rows, forecast.prefill_tokens_per_step) == (10, 300)
+    # 600 tokens ahead and its own 150: two 300-token steps of 10 + 10 + 30 ms, one of 150, 35 ms
     assert forecast.ttft_seconds(600, 150) == pytest.approx(0.135)
-    # their last tokens are out; 35 rows make a 45 ms decode step (0.9 x their 50 ms TPOT), 25 more
-    assert (forecast.free_seqs, forecast.steps_to_finish) == (25, (0,) * 10)
+    # their last tokens are out; 40 rows make a 50 ms decode step (their TPOT target), 30 more
+    assert (forecast.free_seqs, forecast.steps_to_finish) == (30, (0,) * 10)
 
 
 def test_forecast_waits_for_a_free_sequence_slot():
@@ -184,9 +184,9 @@ def test_forecast_waits_for_a_free_sequence_slot():
 
 
 def test_decodes_ahead_of_their_tpot_let_a_step_carry_more_prompt():
-    """The decodes' first tokens came 1 s ago and they have 100 tokens each, their last: at 45 ms a
-    token they could have taken 4.5 s, so the next step may last 3.5 s, more than the 2,048 tokens a
-    step holds. One that is behind its pace keeps the cap at its 45 ms."""
+    """The decodes' first tokens came 1 s ago and they have 100 tokens each, their last: at 50 ms a
+    token they could have taken 5 s, so the next step may last 4 s, more than the 2,048 tokens a step
+    holds. One that is behind its pace keeps the cap at its 50 ms: 300 tokens beside the 20 ms of decodes."""
     clock = Clock(100.0)
     sched = scheduler("slo", num_blocks=4096)
     sched.slo.clock = clock
@@ -197,8 +197,8 @@ def test_decodes_ahead_of_their_tpot_let_a_step_carry_more_prompt():
         seq.num_computed_tokens = seq.num_tokens - 1
         seq.metrics.first_token_time = 99.0
     assert sched.slo.prefill_cap(sched.running) == 2048
-    seqs[0].metrics.first_token_time = 100.0 - 0.045 * 99 - 0.001  # 1 ms behind its pace
-    assert sched.slo.prefill_cap(sched.running) == 250
+    seqs[0].metrics.first_token_time = 100.0 - 0.050 * 99 - 0.001  # 1 ms behind its pace
+    assert sched.slo.prefill_cap(sched.running) == 300
 
 
 BATCH = 1 << 30  # server/batch_lines.BATCH_PRIORITY
@@ -347,8 +347,8 @@ def test_forecast_counts_batch_lines_slots_as_free():
 
 
 def test_running_sequences_are_capped_by_the_tightest_tpot_target():
-    """FIT: 10 ms a step and 1 ms a decode row, so 35 rows keep a decode step within 0.9 x 50 ms and 17
-    within 0.9 x 30 ms. max_num_seqs (64) stays the ceiling; FCFS and requests without a TPOT target
+    """FIT: 10 ms a step and 1 ms a decode row, so 40 rows keep a decode step within 50 ms and 20
+    within 30 ms. max_num_seqs (64) stays the ceiling; FCFS and requests without a TPOT target
     run up to it."""
     def running_after_one_step(policy: str, tpots: list) -> int:
         sched = scheduler(policy)
@@ -358,25 +358,25 @@ def test_running_sequences_are_capped_by_the_tightest_tpot_target():
         decode_step(sched)
         return len(sched.running)
 
-    assert running_after_one_step("slo", [50] * 40) == 35
-    assert running_after_one_step("slo", [30] + [50] * 39) == 17  # the first one's target binds them all
+    assert running_after_one_step("slo", [50] * 50) == 40
+    assert running_after_one_step("slo", [30] + [50] * 49) == 20  # the first one's target binds them all
     assert running_after_one_step("slo", [None] * 70) == 64
     assert running_after_one_step("continuous", [50] * 70) == 64
 
 
 def test_online_requests_displace_batch_lines_down_to_the_tpot_limit():
-    """30 batch lines run (no targets: up to the 64 of max_num_seqs); 10 online requests with a 50 ms
-    TPOT target may run 35 at once (FIT): 5 batch lines give their slots up, and all 10 run."""
+    """35 batch lines run (no targets: up to the 64 of max_num_seqs); 10 online requests with a 50 ms
+    TPOT target may run 40 at once (FIT): 5 batch lines give their slots up, and all 10 run."""
     sched = scheduler("slo")
     sched.slo.clock = Clock(0.0)
-    for i in range(30):
+    for i in range(35):
         request(sched, f"b{i}", 0.01 * i, priority=BATCH, first_token=10 * i + 1)
     decode_step(sched)
     for i in range(10):
         request(sched, f"online{i}", 1.0, ttft_ms=200, tpot_ms=50, first_token=1000 + 10 * i)
     out = decode_step(sched)
     assert {f"online{i}" for i in range(10)} <= set(out.seq_ids)
-    assert len(sched.running) == 35 and len(sched.waiting) == 5
+    assert len(sched.running) == 40 and len(sched.waiting) == 5
 
 
 def test_forecast_leaves_out_prompts_not_ahead_of_a_new_request():
@@ -411,30 +411,31 @@ FIT_CONTEXT = StepTimeFit(a=0.010, b=0.001, c=0.0001, d=0.00001)
 
 
 def test_running_sequences_are_capped_lower_as_their_contexts_grow():
-    """A 45 ms decode step (0.9 x 50 ms) leaves 35 ms beside the 10 ms every step pays: 35 rows at 1 ms
-    without context; each row reading 100 tokens costs 2 ms (17 rows), 400 tokens 5 ms (7 rows)."""
+    """A 50 ms decode step (the TPOT target) leaves 40 ms beside the 10 ms every step pays: 40 rows at
+    1 ms without context; each row reading 100 tokens costs 2 ms (20 rows), 400 tokens 5 ms (8 rows)."""
     def running_after_one_step(fit: StepTimeFit, prompt_len: int) -> int:
         sched = scheduler("slo", num_blocks=8192, fit=fit, max_num_batched_tokens=16384)
         sched.slo.clock = Clock(0.0)
-        for i in range(40):
+        for i in range(50):
             request(sched, f"r{i}", arrival=0.001 * i, prompt_len=prompt_len, ttft_ms=1000, tpot_ms=50,
                     first_token=1000 * i + 1)
         decode_step(sched)
         return len(sched.running)
 
-    assert running_after_one_step(FIT, 400) == 35
-    assert running_after_one_step(FIT_CONTEXT, 100) == 17
-    assert running_after_one_step(FIT_CONTEXT, 400) == 7
+    assert running_after_one_step(FIT, 400) == 40
+    assert running_after_one_step(FIT_CONTEXT, 100) == 20
+    assert running_after_one_step(FIT_CONTEXT, 400) == 8
 
 
-@pytest.mark.parametrize("fit, batch_running, batch_rows", [(FIT, 10, 1), (FIT_CONTEXT, 7, 0)])
+@pytest.mark.parametrize("fit, batch_running, batch_rows", [(FIT, 10, 1), (FIT_CONTEXT, 8, 0)])
 def test_long_batch_lines_are_held_back_first(fit, batch_running, batch_rows, share_20_percent):
     """Ten batch lines of 301 tokens run; four online requests (4 tokens) arrive. Without the context
-    term 14 rows make a 24 ms step, within 0.9 x 50 ms: nothing gives way, and one batch row (1 ms)
-    fits the background share (20% of the online decodes' 14 ms step, half in rows: 1.4 ms). Each row
-    reading its context, the ten lines alone make a 50 ms step: the online requests take the slots of
-    three (10 + 11 + 30.1 ms, then 47.1, fits at 43.1; 45.2 after the second online one, fits at 41.2),
-    all four run at once, and no batch row (1 + 3 ms) fits the share: the online rows decode alone."""
+    term 14 rows make a 24 ms step, within 50 ms: nothing gives way, and one batch row (1 ms) fits the
+    background share (20% of the online decodes' 14 ms step, half in rows: 1.4 ms). Each row reading
+    its context, the ten lines alone make a 50.1 ms step: the online requests take the slots of two
+    (the first: 10 + 11 + 30.1 ms, then 47.1 with one line out; the second and third fit at 48.2 and
+    49.2; the fourth at 50.3, then 46.2 with another line out), all four run at once, and no batch row
+    (1 + 3 ms) fits the share: the online rows decode alone."""
     sched = scheduler("slo", fit=fit, max_num_batched_tokens=4096)
     sched.slo.clock = Clock(0.0)
     for i in range(10):
@@ -452,19 +453,19 @@ def test_long_batch_lines_are_held_back_first(fit, batch_running, batch_rows, sh
 
 
 def test_the_plan_grows_more_conservative_as_the_fit_misses():
-    """With the model's steps off by 50% on average the margin is 0.9 / 1.5 = 0.6: a 30 ms decode step
-    holds 20 rows (FIT), not 35, and the prefill cap beside ten decodes falls from 250 tokens to 100."""
+    """With the model's steps off by 50% on average the margin is 1 / 1.5: a 33.3 ms decode step holds
+    23 rows (FIT), not 40, and the prefill cap beside ten decodes falls from 300 tokens to 133."""
     sched = scheduler("slo")
     sched.slo.clock = Clock(0.0)
     for i in range(10):
         request(sched, f"d{i}", arrival=0.0, ttft_ms=1000, tpot_ms=50, max_tokens=2)
     decode_step(sched)
     sched.slo.begin_step(sched.running)
-    assert (sched.slo.max_running(64), sched.slo.cap) == (35, 250)
+    assert (sched.slo.max_running(64), sched.slo.cap) == (40, 300)
     sched.step_time.relative_error = 0.5
     sched.slo.begin_step(sched.running)
-    assert sched.slo.margin == pytest.approx(0.6)
-    assert (sched.slo.max_running(64), sched.slo.cap) == (20, 100)
+    assert sched.slo.margin == pytest.approx(1 / 1.5)
+    assert (sched.slo.max_running(64), sched.slo.cap) == (23, 133)
 
 
 def test_forecast_counts_the_context_its_steps_read():
@@ -485,11 +486,11 @@ FIT_H100 = StepTimeFit(a=0.00724, b=1.44e-6, c=20.7e-6, d=0.072e-6)
 
 
 def online_step_beside(num_batch_lines: int) -> tuple[SchedulerOutput, Scheduler]:
-    """100 online decodes of 205 tokens, behind their TPOT pace (the prefill cap binds: a 45 ms step),
-    a 2,000-token online prompt waiting, and num_batch_lines batch lines of 500 tokens decoding, as
-    many again waiting: the next step."""
+    """100 online decodes of 205 tokens, behind their TPOT pace (the prefill cap binds: a 50 ms step,
+    ~1,990 prompt tokens of the 4,096 a step may hold), a 2,000-token online prompt waiting, and
+    num_batch_lines batch lines of 500 tokens decoding, as many again waiting: the next step."""
     clock = Clock(10.0)
-    sched = scheduler("slo", num_blocks=65536, fit=FIT_H100, max_num_seqs=1024)
+    sched = scheduler("slo", num_blocks=65536, fit=FIT_H100, max_num_seqs=1024, max_num_batched_tokens=4096)
     sched.slo.clock = clock
     lines = [request(sched, f"b{i}", 0.0, prompt_len=500, priority=BATCH, first_token=1_000_000 + 1000 * i)
              for i in range(num_batch_lines)]
@@ -501,7 +502,7 @@ def online_step_beside(num_batch_lines: int) -> tuple[SchedulerOutput, Scheduler
         seq.token_ids += [7] * (5 if seq in online else 1)
         assert sched.kv.allocate(seq, seq.num_tokens - 1)
         seq.num_computed_tokens = seq.num_tokens - 1
-        seq.metrics.first_token_time = 9.0  # 5 tokens in a second: behind a 45 ms pace
+        seq.metrics.first_token_time = 9.0  # 5 tokens in a second: behind a 50 ms pace
     request(sched, "prompt", 10.0, prompt_len=2000, ttft_ms=200, tpot_ms=50, first_token=500_000)
     for i in range(num_batch_lines):
         request(sched, f"w{i}", 0.0, prompt_len=150, priority=BATCH, first_token=2_000_000 + 1000 * i)
