@@ -106,6 +106,25 @@ def test_the_roofline_prior_tells_rows_from_context_where_the_steps_cannot():
     assert fit.seconds(100, 0, 50_000) == pytest.approx(0.015, rel=1e-3)
 
 
+def test_the_roofline_prior_keeps_a_row_from_costing_nothing():
+    """A batch that barely changes size (112-120 rows), its contexts growing, and step times that fall
+    1.5 us a row as it grows (noise the narrow range cannot average out): alone, the solve puts b near
+    0 (it is 30 us) and a takes its part, so a row looks free. The prior holds b near a x row_compute_ratio; the steps'
+    mean time is predicted as well either way."""
+    steps = [(rows, 400 * rows + 2000 * i) for i, rows in enumerate([112, 120, 114, 118, 116, 113, 119, 115, 117])]
+    times = [0.008 + 30e-6 * rows + 2e-8 * context - 31.5e-6 * (rows - 116) for rows, context in steps]
+    fits = {}
+    for ratio in (0.0, 0.0034):
+        model = StepTimeModel(refit_every=1, kv_read_ratio=2.5e-6, row_compute_ratio=ratio)
+        for (rows, context), t in zip(steps, times):
+            model.observe(rows, 0, context, t)
+        fits[ratio] = model.fit
+        mean_predicted = sum(model.fit.seconds(r, 0, k) for r, k in steps) / len(steps)
+        assert mean_predicted == pytest.approx(sum(times) / len(times), rel=0.01)
+    assert fits[0.0].b < 3e-6
+    assert fits[0.0034].b == pytest.approx(0.0034 * fits[0.0034].a, rel=0.05)
+
+
 def test_no_negative_cost_the_rest_refitted():
     """Steps that got faster with more context (noise, or a kernel switch): d is 0, not negative, and
     a and b are fitted to the steps without it."""

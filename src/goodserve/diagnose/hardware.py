@@ -36,6 +36,11 @@ class Hardware:
             key = "bf16" if "bf16" in self.peak_flops else next(iter(self.peak_flops))
         return self.peak_flops[key]
 
+    def decode_row_ratio(self, dtype: str, bytes_per_weight: float) -> float:
+        """One token's matmuls (2 FLOPs a weight, at peak) over one read of the weights (at peak
+        bandwidth): what a decode row adds to a memory-bound step, as a share of the step's weight read."""
+        return 2.0 * self.memory_bandwidth / (self.flops_for(dtype) * bytes_per_weight)
+
     def ridge_point(self, dtype: str = "bf16") -> float:
         """FLOPs per byte at which a kernel turns from bandwidth- to compute-bound."""
         return self.flops_for(dtype) / self.memory_bandwidth

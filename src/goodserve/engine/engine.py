@@ -27,6 +27,8 @@ from typing import Callable
 import torch
 
 from goodserve.config import EngineConfig
+from goodserve.diagnose.assumptions import hardware_for_device
+from goodserve.diagnose.hardware import HARDWARE
 from goodserve.engine.config_resolution import resolve_for_device, torch_dtype, with_overrides
 from goodserve.engine.executor import make_executor
 from goodserve.engine.grammar import accept_tokens_ahead, grammar_bitmask
@@ -44,6 +46,7 @@ from goodserve.engine.spec_decode.draft_model import load_draft
 from goodserve.engine.spec_decode.policy import verify_cost
 from goodserve.engine.spec_decode.proposer import make_proposer
 from goodserve.engine.stats import EngineStats, StepLog, engine_stats
+from goodserve.engine.step_time_model import StepTimeModel
 from goodserve.errors import EngineDeadError, InvalidRequestError
 from goodserve.outputs import RequestOutput
 from goodserve.sampling_params import SamplingParams
@@ -76,12 +79,8 @@ class Engine:
         c = self.config
         salt = f"{info.revision}|{c.kv_cache_dtype}|{c.quantization}|{c.quantized_checkpoint}|{c.quantization_awq}"
         self.kv = KVCacheManager(c.num_kv_blocks, c.block_size, c.enable_prefix_caching, salt.encode())
-        # The step-time fit's roofline prior for a token of context (a CPU step's fixed cost is the
-        # host's, not a weight read: no prior there)
-        kv_prior = kv_read_ratio(self.spec, kv_storage_dtype(c, self.dtype), self.dtype) \
-            if self.device.type == "cuda" else 0.0
-        self.scheduler = Scheduler(c, self.kv, make_proposer(c, self.spec, self.tokenizer, draft), kv_prior,
-                                   verify_cost(c, info.native_decode))
+        self.scheduler = Scheduler(c, self.kv, make_proposer(c, self.spec, self.tokenizer, draft),
+                                   self._step_time_model(), verify_cost(c, info.native_decode))
         self.inputs = InputProcessor(c, self.spec, self.tokenizer)
         self.outputs = OutputProcessor(self.tokenizer, info.eos_token_ids)
         self.requests: dict[str, Request] = {}
@@ -91,6 +90,18 @@ class Engine:
         self._inflight: _Step | None = None
         self.steps = StepLog()
         self._last_recorded = 0.0  # perf_counter() when the last step's output was recorded
+
+    def _step_time_model(self) -> StepTimeModel:
+        """The scheduler's step-time model, with the roofline's priors for a decode row and a token of
+        context on a GPU the hardware table knows (a CPU step's fixed cost is the host's, not a weight
+        read: no priors there)."""
+        if self.device.type != "cuda":
+            return StepTimeModel()
+        kv_prior = kv_read_ratio(self.spec, kv_storage_dtype(self.config, self.dtype), self.dtype)
+        key = hardware_for_device("cuda", torch.cuda.get_device_name(self.device))
+        row_prior = HARDWARE[key].decode_row_ratio(str(self.dtype).removeprefix("torch."), self.dtype.itemsize) \
+            if key else 0.0
+        return StepTimeModel(kv_read_ratio=kv_prior, row_compute_ratio=row_prior)
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,

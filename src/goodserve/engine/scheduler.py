@@ -71,7 +71,7 @@ def _decodes_first(seq: Sequence) -> tuple:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, kv: KVCacheManager, proposer: Proposer | None = None,
-                 kv_read_ratio: float = 0.0, verify_cost: VerifyCost | None = None) -> None:
+                 step_time: StepTimeModel | None = None, verify_cost: VerifyCost | None = None) -> None:
         self.config = config
         self.kv = kv
         self.running: list[Sequence] = []
@@ -80,7 +80,7 @@ class Scheduler:
         makespan = config.scheduler_policy == "makespan"
         self.makespan = MakespanAdmission(config.max_num_batched_tokens, config.makespan_slack,
                                           config.makespan_min_admit) if makespan else None
-        self.step_time = StepTimeModel(kv_read_ratio=kv_read_ratio)  # the engine feeds it every step
+        self.step_time = step_time or StepTimeModel()  # the engine feeds it every step
         self.slo = SloPolicy(config.max_num_batched_tokens, self.step_time) \
             if config.scheduler_policy == "slo" else None
         key = longest_first_key if makespan else self.slo.key if self.slo else Sequence.priority_key

@@ -13,10 +13,15 @@ prompt tokens and the last `window` without (kept apart so a long run of decode-
 push out what says what a prompt token costs), redone every `refit_every` steps (a 4-column solve
 over a few hundred rows: tens of microseconds). Every coefficient is at least 0 (a negative cost is
 noise: the solve drops that column and redoes the rest). Decode rows and their contexts move
-together (a batch of similar lengths), so the data alone may not tell `b` from `d`: a prior holds
-`d` near the roofline's `a` x kv_read_ratio (a token's K/V bytes over the weights' bytes: a memory-bound
-step reads both at the same bandwidth), worth PRIOR_STEPS steps, which the steps outweigh where their
-shapes do tell them apart.
+together (a batch of similar lengths), and both with the steps' count, so the data alone may not
+tell `a`, `b` and `d` apart: priors hold `d` near the roofline's `a` x kv_read_ratio (a token's K/V
+bytes over the weights' bytes: a memory-bound step reads both at the same bandwidth) and `b` near
+`a` x row_compute_ratio (a token's matmuls at peak FLOP/s over the weights' read at peak bandwidth),
+each worth PRIOR_STEPS steps, which the steps outweigh where their shapes do tell them apart. Without
+the second, on the H100 beside a batch job (rows and contexts growing together) the solve put `b` at 0
+and `a` took its share: the slo policy's background share then charged a batch row its context's
+read alone, ~8 us, and let ~35 rows into steps it meant to lengthen by 10% (+45%; online attainment
+99.3 -> 94.0%, benchmarks/BENCHMARKS.md).
 
 It also tracks how wrong it is: an EWMA of |measured - predicted| / predicted over the steps it had
 a fit for (`relative_error`), which the "slo" policy plans against (a margin that grows with it).
@@ -39,7 +44,7 @@ MIN_STEPS = 8  # fewer steps than this: no prediction
 # The fit needs steps of different shapes; a run of identical ones says nothing about b, c or d.
 _MIN_DISTINCT_SHAPES = 3
 _UNBOUNDED = 1 << 30  # prompt tokens or decode rows a step may carry when they cost nothing measurable
-PRIOR_STEPS = 4.0  # what the roofline's d weighs, in steps
+PRIOR_STEPS = 4.0  # what each roofline prior (b, d) weighs, in steps
 ERROR_EWMA = 0.05  # the prediction error's smoothing: about the last 20 steps
 MAX_STEP_ERROR = 1.0  # one step's relative error counts at most this much (a GC pause is not the fit)
 
@@ -85,12 +90,14 @@ class StepTimeFit:
 
 
 class StepTimeModel:
-    def __init__(self, window: int = 128, refit_every: int = 16, kv_read_ratio: float = 0.0) -> None:
+    def __init__(self, window: int = 128, refit_every: int = 16, kv_read_ratio: float = 0.0,
+                 row_compute_ratio: float = 0.0) -> None:
         # (decode_rows, prefill_tokens, context_tokens, seconds)
         self.decode_steps: deque[tuple[int, int, int, float]] = deque(maxlen=window)
         self.mixed_steps: deque[tuple[int, int, int, float]] = deque(maxlen=window)  # with prompt tokens
         self.refit_every = refit_every
-        self.kv_read_ratio = kv_read_ratio  # the prior: d = a x this (0: none)
+        self.kv_read_ratio = kv_read_ratio  # the priors: d = a x this, b = a x row_compute_ratio (0: none)
+        self.row_compute_ratio = row_compute_ratio
         self.fit: StepTimeFit | None = None  # None until MIN_STEPS steps of enough shapes were seen
         self.last_seconds = 0.0  # the latest step's time, as measured
         self.relative_error = 0.0  # EWMA of |measured - predicted| / predicted, over steps with a fit
@@ -125,11 +132,14 @@ class StepTimeModel:
         steps = np.asarray(samples, dtype=np.float64)
         design = np.column_stack([np.ones(len(steps)), steps[:, :3]])
         times = steps[:, 3]
-        if self.kv_read_ratio > 0:  # the prior as one more row: (d - ratio x a) x typical context = 0
-            typical_context = math.sqrt(float(np.mean(steps[:, 2] ** 2)))
-            weight = math.sqrt(PRIOR_STEPS) * typical_context
-            design = np.vstack([design, [-weight * self.kv_read_ratio, 0.0, 0.0, weight]])
-            times = np.append(times, 0.0)
+        # each prior as one more row: (coefficient - ratio x a) x its size in a typical step = 0
+        for column, ratio in ((1, self.row_compute_ratio), (3, self.kv_read_ratio)):
+            if ratio > 0:
+                prior = np.zeros(4)
+                prior[0], prior[column] = -ratio, 1.0
+                typical = math.sqrt(float(np.mean(steps[:, column - 1] ** 2)))
+                design = np.vstack([design, math.sqrt(PRIOR_STEPS) * typical * prior])
+                times = np.append(times, 0.0)
         self.fit = StepTimeFit(*_nonnegative_least_squares(design, times))
 
 
