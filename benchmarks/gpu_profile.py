@@ -43,7 +43,7 @@ def main() -> None:
     engine = llm.engine
     rng = np.random.default_rng(0)
     for i in range(args.batch):
-        engine.add_request(f"r{i}", rng.integers(100, 20000, args.context).tolist(),
+        engine.add_request(f"r{i}", rng.integers(1, min(20000, engine.spec.vocab_size), args.context).tolist(),
                            SamplingParams(temperature=0, max_tokens=128, ignore_eos=True))
     while engine.stats().last_batch_tokens != args.batch:  # prefill (in chunks) until every sequence decodes
         engine.step()

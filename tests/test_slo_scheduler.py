@@ -525,3 +525,19 @@ def test_batch_lines_take_only_what_the_online_step_leaves():
     online_decode_s = FIT_H100.seconds(100, 0, 100 * 205)
     added_s = FIT_H100.seconds(*step_shape(beside)) - FIT_H100.seconds(*step_shape(alone))
     assert added_s <= slo_policy.BACKGROUND_SHARE * online_decode_s + 1e-9
+
+
+def test_a_step_refused_ahead_banks_nothing():
+    """Under async scheduling the engine asks for a step ahead of the one in flight; refused (here its
+    only sequence's token in flight is its last), it asks again once that step is done. The background
+    share's prompt tokens are banked once for each step that runs, not for each time one is planned."""
+    sched = scheduler("slo")
+    sched.slo.clock = Clock(0.0)
+    seq = request(sched, "online", arrival=0.0, ttft_ms=1000, tpot_ms=50, max_tokens=2)
+    decode_step(sched)  # its prompt computed, its first token out
+    banked = sched.slo.prompt_bank.tokens
+    assert sched.schedule(in_flight=[seq]) is None
+    assert sched.slo.prompt_bank.tokens == banked
+    sched.schedule()
+    # 10% of its 11 ms decode step, half of it in prompt tokens at 0.1 ms: 5.5 tokens
+    assert sched.slo.prompt_bank.tokens == pytest.approx(banked + 5.5)

@@ -127,6 +127,8 @@ class Scheduler:
             self.slo.begin_step(self.running)
         decision = self._schedule_ahead(in_flight) if in_flight else self._schedule_now()
         if decision is None:
+            if self.slo is not None:  # asked again once the step in flight is done: plan it once
+                self.slo.step_refused()
             return None
         if self.speculator is not None:
             self.speculator.counted_step()

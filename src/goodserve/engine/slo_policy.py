@@ -145,8 +145,14 @@ class PromptBank:
         self.size = size
         self.tokens = 0.0
 
-    def deposit(self, tokens: float) -> None:
+    def deposit(self, tokens: float) -> float:
+        """Bank tokens (up to size); the amount banked."""
+        before = self.tokens
         self.tokens = min(float(self.size), self.tokens + tokens)
+        return self.tokens - before
+
+    def withdraw(self, tokens: float) -> None:
+        self.tokens = max(0.0, self.tokens - tokens)
 
     def take(self, num_new: int, whole: bool) -> int:
         """The tokens of num_new (the rest of a prompt when whole) it grants, and spends."""
@@ -232,6 +238,7 @@ class SloPolicy:
         self.cap = max_num_batched_tokens
         self.background = BackgroundAllowance()
         self.prompt_bank = PromptBank(max_num_batched_tokens)  # the background share's prompt tokens
+        self.banked = 0.0  # what this step's plan put in the bank
         self.tightest_tpot_s = math.inf  # the running sequences' tightest TPOT target
         # The running sequences (those that joined this step too) and their lengths, summed: the K/V
         # a decode row of theirs reads, on average.
@@ -279,6 +286,7 @@ class SloPolicy:
 
     # ---- running -----------------------------------------------------------------------------
     def begin_step(self, running: list[Sequence]) -> None:
+        self.banked = 0.0
         self.num_decodes = sum(seq.num_uncomputed_tokens <= 1 for seq in running)
         self.cap = self.prefill_cap(running)
         self.background = self.background_allowance(running)
@@ -341,8 +349,14 @@ class SloPolicy:
         half_share_s = BACKGROUND_SHARE * fit.seconds(len(targeted_decodes), 0, _lengths(targeted_decodes)) / 2
         if fit.c <= 0:
             return BackgroundAllowance(fit, half_share_s)
-        self.prompt_bank.deposit(half_share_s / fit.c)
+        self.banked = self.prompt_bank.deposit(half_share_s / fit.c)
         return BackgroundAllowance(fit, half_share_s, self.prompt_bank)
+
+    def step_refused(self) -> None:
+        """The step just planned will not run (one asked for ahead of the step in flight, refused):
+        its share leaves the bank, or the step planned again after it would bank it twice."""
+        self.prompt_bank.withdraw(self.banked)
+        self.banked = 0.0
 
     def prefill_cap(self, running: list[Sequence]) -> int:
         """The prompt tokens a step may carry beside the running decodes with targets and keep their TPOT.
