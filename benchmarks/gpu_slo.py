@@ -124,8 +124,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--policy", choices=POLICIES, help="(internal) measure one policy, write --json-out")
     p.add_argument("--json-out")
     p.add_argument("--full-ladder", action="store_true",
-                   help=f"probe every rung even below {STOP_BELOW:g}%% attainment (e.g. --rates 54,54,54: the "
-                        "same probe again, its run-to-run spread)")
+                   help=f"probe every rung even below {STOP_BELOW:g}%% attainment (e.g. --rates 45,45,54,54: each "
+                        "probe twice, its run-to-run spread; the crossing reads each rung at its mean)")
     p.add_argument("--step-log", action="store_true",
                    help="capacity phase: every step of every probe (StepLog rows) into "
                         "$OUT/gpu_slo_steps_<policy>_<max_num_seqs>.json, and each probe's steps by size")
@@ -399,16 +399,21 @@ async def saturated_throughput(target, args) -> float:
 
 
 def crossing_rate(probes: list[dict]) -> float:
-    """The offered rate where attainment falls through the target, interpolated between ladder rungs."""
+    """The offered rate where attainment falls through the target, interpolated between ladder rungs
+    (a rung probed more than once counts at its mean attainment)."""
     target = TARGET_ATTAINMENT * 100
+    by_rate: dict[float, list[float]] = {}
+    for probe in probes:
+        by_rate.setdefault(probe["request_rate"], []).append(probe["slo_attainment"])
+    rungs = [(rate, sum(a) / len(a)) for rate, a in sorted(by_rate.items())]
     passing = 0.0
-    for lower, upper in zip([None, *probes], probes):
-        if upper["slo_attainment"] < target:
+    for lower, (rate, attained) in zip([None, *rungs], rungs):
+        if attained < target:
             if lower is None:
                 return 0.0
-            a, b = lower["slo_attainment"], upper["slo_attainment"]
-            return lower["request_rate"] + (a - target) / (a - b) * (upper["request_rate"] - lower["request_rate"])
-        passing = upper["request_rate"]
+            lower_rate, a = lower
+            return lower_rate + (a - target) / (a - attained) * (rate - lower_rate)
+        passing = rate
     return passing  # never fell through: at least the last rung
 
 
