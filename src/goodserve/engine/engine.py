@@ -94,7 +94,8 @@ class Engine:
     def _step_time_model(self) -> StepTimeModel:
         """The scheduler's step-time model, with the roofline's priors for a decode row and a token of
         context on a GPU the hardware table knows (a CPU step's fixed cost is the host's, not a weight
-        read: no priors there)."""
+        read: no priors there). Quantized weights count at the model dtype, as in kv_read_ratio: the
+        priors are then low, and the measured steps correct them."""
         if self.device.type != "cuda":
             return StepTimeModel()
         kv_prior = kv_read_ratio(self.spec, kv_storage_dtype(self.config, self.dtype), self.dtype)
