@@ -22,7 +22,8 @@ A request may carry targets (SamplingParams.slo_ttft_ms, slo_tpot_ms; the server
   whose predictions miss (engine/step_time_model.py's EWMA of |measured - predicted| / predicted)
   plans conservatively. A fixed 0.9 on top of that made the running batch ~10% smaller than the
   target allows, and under bursts requests waited for room FCFS at the same ceiling gave them
-  (cpu_slo_sim.py at 63 req/s on the H100's fit: 89.3% attainment, FCFS 100%; without it 99.6%).
+  (cpu_slo_sim.py on the H100's fit at 63 / 81 req/s: 93.8 / 81.3% attainment, FCFS 100 / 96.4%;
+  without it 100 / 91.1%: benchmarks/BENCHMARKS.md).
 - Concurrency: a sequence joins the running ones only while a decode step of them all and it, every
   row reading its whole length (the fit's context term), lasts by the fitted model within `margin` x
   the tightest TPOT target among them and it (`has_room`): long contexts leave room for fewer rows.
