@@ -10,7 +10,7 @@ from goodserve.bench.records import RequestRecord
 from goodserve.bench.result import build_result, save_json
 from goodserve.diagnose import command as diagnose_command
 from goodserve.diagnose.advisor import advise
-from goodserve.diagnose.hardware import Hardware, get_hardware, measure_local
+from goodserve.hardware import Hardware, get_hardware, measure_local
 from goodserve.diagnose.observations import Observations, from_bench_result, observations_from_scrapes
 from goodserve.diagnose.roofline import (analyze, analyze_decode, decode_step_bytes, flops_per_token,
                                          prefill_flops)

@@ -9,8 +9,8 @@ import pytest
 from goodserve.bench.metrics import compute_metrics
 from goodserve.bench.result import build_result, save_json
 from goodserve.diagnose.advisor import advise
-from goodserve.diagnose.assumptions import hardware_for_device, resolve
-from goodserve.diagnose.hardware import Hardware
+from goodserve.diagnose.assumptions import resolve
+from goodserve.hardware import Hardware, hardware_for_device
 from goodserve.diagnose.observations import Observations
 from goodserve.diagnose.roofline import analyze
 from goodserve.model.presets import get_preset

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from goodserve.diagnose.hardware import HARDWARE
+from goodserve.hardware import HARDWARE, hardware_for_device
 
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_HARDWARE = "h100-sxm"
@@ -18,11 +18,6 @@ _TORCH_TO_SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "in
                    "float8_e4m3fn": "fp8"}
 # gguf keeps the file's Q4_0 / Q4_1 / Q8_0 codes: about 4 bits a weight for the usual Q4 files.
 _QUANT_WEIGHT_DTYPE = {"int8": "int8", "int4": "int4", "gguf": "int4"}
-# Substrings of torch.cuda.get_device_name() -> hardware table entry, most specific first.
-_GPU_NAMES = (("H100 PCIe", "h100-pcie"), ("H100", "h100-sxm"), ("H200", "h200"),
-              ("A100-SXM4-40GB", "a100-40gb"), ("A100-PCIE-40GB", "a100-40gb"), ("A100", "a100-80gb"),
-              ("L4", "l4"), ("A10G", "a10g"))
-
 
 @dataclass
 class Assumptions:
@@ -34,12 +29,6 @@ class Assumptions:
     engine: dict[str, str] | None = None  # the recorded engine configuration, if any
     source: str = "flags"
     warnings: list[str] = field(default_factory=list)
-
-
-def hardware_for_device(device: str, device_name: str) -> str | None:
-    if device == "cpu":
-        return "cpu"
-    return next((key for part, key in _GPU_NAMES if part.lower() in device_name.lower()), None)
 
 
 def _from_engine(engine: dict[str, str]) -> dict[str, str | None]:

@@ -19,7 +19,7 @@ from goodserve.diagnose.calc import (DTYPE_BYTES, cost_per_million_tokens, kv_ca
 from goodserve.diagnose.parallel import (ALLREDUCE_LATENCY_S, LAYER_LATENCY_S, Layout, add_layout_arguments, advise_layout,
                                          allreduce_payload_bytes, decode_limit, dtype_for_activations, layout_fit,
                                          ring_bytes_sent)
-from goodserve.diagnose.hardware import get_hardware
+from goodserve.hardware import get_hardware
 from goodserve.diagnose.model_shape import resolve_spec
 from goodserve.errors import InvalidRequestError
 from goodserve.model.spec import ModelSpec

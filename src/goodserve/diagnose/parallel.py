@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass
 
 from goodserve.diagnose.calc import FitReport, dtype_bytes, fit, kv_heads_per_gpu, weight_bytes
-from goodserve.diagnose.hardware import Hardware
+from goodserve.hardware import Hardware
 from goodserve.diagnose.observations import Observations
 from goodserve.diagnose.roofline import prefill_flops
 from goodserve.errors import InvalidRequestError

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from goodserve.diagnose.calc import dtype_bytes, max_concurrent_sequences, weight_bytes
-from goodserve.diagnose.hardware import Hardware
+from goodserve.hardware import Hardware
 from goodserve.diagnose.observations import Observations
 from goodserve.model.spec import ModelSpec
 

@@ -27,8 +27,6 @@ from typing import Callable
 import torch
 
 from goodserve.config import EngineConfig
-from goodserve.diagnose.assumptions import hardware_for_device
-from goodserve.diagnose.hardware import HARDWARE
 from goodserve.engine.config_resolution import resolve_for_device, torch_dtype, with_overrides
 from goodserve.engine.executor import make_executor
 from goodserve.engine.grammar import accept_tokens_ahead, grammar_bitmask
@@ -48,6 +46,7 @@ from goodserve.engine.spec_decode.proposer import make_proposer
 from goodserve.engine.stats import EngineStats, StepLog, engine_stats
 from goodserve.engine.step_time_model import StepTimeModel
 from goodserve.errors import EngineDeadError, InvalidRequestError
+from goodserve.hardware import HARDWARE, hardware_for_device
 from goodserve.outputs import RequestOutput
 from goodserve.sampling_params import SamplingParams
 

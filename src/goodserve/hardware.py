@@ -2,7 +2,8 @@
 
 Numbers are the vendors' datasheet peaks for dense math (no 2:4 sparsity); real kernels reach
 roughly 60-80% of FLOP/s and 80-90% of bandwidth, which is why MFU/MBU near 100% never happen.
-`measure_local()` probes the machine it runs on instead (a copy and a matmul, with torch).
+`measure_local()` probes the machine it runs on instead (a copy and a matmul, with torch). A root
+module: `diagnose/` reads it, and so does the engine (its step-time model's roofline priors).
 """
 
 from __future__ import annotations
@@ -73,6 +74,18 @@ HARDWARE: dict[str, Hardware] = {
 }
 
 ALIASES = {"h100": "h100-sxm", "a100": "a100-80gb", "generic-cpu": "cpu"}
+
+# Substrings of torch.cuda.get_device_name() -> hardware table entry, most specific first.
+_GPU_NAMES = (("H100 PCIe", "h100-pcie"), ("H100", "h100-sxm"), ("H200", "h200"),
+              ("A100-SXM4-40GB", "a100-40gb"), ("A100-PCIE-40GB", "a100-40gb"), ("A100", "a100-80gb"),
+              ("L4", "l4"), ("A10G", "a10g"))
+
+
+def hardware_for_device(device: str, device_name: str) -> str | None:
+    """The HARDWARE key of a torch device ("cpu", or "cuda" and its device name); None: not in the table."""
+    if device == "cpu":
+        return "cpu"
+    return next((key for part, key in _GPU_NAMES if part.lower() in device_name.lower()), None)
 
 
 def get_hardware(name: str) -> Hardware:
