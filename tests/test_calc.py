@@ -7,11 +7,11 @@ import pytest
 from goodserve.diagnose import calc_command
 from goodserve.diagnose.calc import (cost_per_million_tokens, fit, kv_cache_bytes,
                                      max_concurrent_sequences, weight_bytes)
-from goodserve.hardware import get_hardware
 from goodserve.diagnose.parallel import (Layout, advise_layout, allreduce_payload_bytes, decode_limit, layout_fit,
                                          ring_bytes_sent)
 from goodserve.diagnose.roofline import mbu
 from goodserve.errors import InvalidRequestError
+from goodserve.hardware import get_hardware
 from goodserve.model.presets import get_preset
 from goodserve.model.spec import ModelSpec
 

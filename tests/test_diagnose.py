@@ -10,11 +10,11 @@ from goodserve.bench.records import RequestRecord
 from goodserve.bench.result import build_result, save_json
 from goodserve.diagnose import command as diagnose_command
 from goodserve.diagnose.advisor import advise
-from goodserve.hardware import Hardware, get_hardware, measure_local
 from goodserve.diagnose.observations import Observations, from_bench_result, observations_from_scrapes
 from goodserve.diagnose.roofline import (analyze, analyze_decode, decode_step_bytes, flops_per_token,
                                          prefill_flops)
 from goodserve.errors import InvalidRequestError
+from goodserve.hardware import Hardware, get_hardware, measure_local
 from goodserve.model.presets import get_preset
 
 SPEC = get_preset("llama-2-7b")  # 32 layers, 32 heads x 128, MHA: KV 524288 B/token in bf16

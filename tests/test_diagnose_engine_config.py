@@ -10,9 +10,9 @@ from goodserve.bench.metrics import compute_metrics
 from goodserve.bench.result import build_result, save_json
 from goodserve.diagnose.advisor import advise
 from goodserve.diagnose.assumptions import resolve
-from goodserve.hardware import Hardware, hardware_for_device
 from goodserve.diagnose.observations import Observations
 from goodserve.diagnose.roofline import analyze
+from goodserve.hardware import Hardware, hardware_for_device
 from goodserve.model.presets import get_preset
 from tests.test_diagnose import records, run_diagnose
 

@@ -16,12 +16,12 @@ import math
 from goodserve.commands.console import make_console
 from goodserve.diagnose.calc import (DTYPE_BYTES, cost_per_million_tokens, kv_cache_bytes, kv_heads_per_gpu,
                                      max_concurrent_sequences)
-from goodserve.diagnose.parallel import (ALLREDUCE_LATENCY_S, LAYER_LATENCY_S, Layout, add_layout_arguments, advise_layout,
-                                         allreduce_payload_bytes, decode_limit, dtype_for_activations, layout_fit,
-                                         ring_bytes_sent)
-from goodserve.hardware import get_hardware
+from goodserve.diagnose.parallel import (ALLREDUCE_LATENCY_S, LAYER_LATENCY_S, Layout, add_layout_arguments,
+                                         advise_layout, allreduce_payload_bytes, decode_limit, dtype_for_activations,
+                                         layout_fit, ring_bytes_sent)
 from goodserve.diagnose.model_shape import resolve_spec
 from goodserve.errors import InvalidRequestError
+from goodserve.hardware import get_hardware
 from goodserve.model.spec import ModelSpec
 
 

@@ -25,7 +25,6 @@ from goodserve.commands.console import make_console
 from goodserve.diagnose.advisor import Advice, advise
 from goodserve.diagnose.assumptions import DEFAULT_HARDWARE, DEFAULT_MODEL, Assumptions, resolve
 from goodserve.diagnose.calc import weight_bytes
-from goodserve.hardware import HARDWARE, Hardware, get_hardware, measure_local
 from goodserve.diagnose.model_shape import resolve_spec
 from goodserve.diagnose.observations import Observations, from_bench_result, from_metrics_url
 from goodserve.diagnose.parallel import (ALLREDUCE_LATENCY_S, Layout, add_layout_arguments, allreduce_payload_bytes,
@@ -33,6 +32,7 @@ from goodserve.diagnose.parallel import (ALLREDUCE_LATENCY_S, Layout, add_layout
                                          replica_hardware)
 from goodserve.diagnose.roofline import PhaseAnalysis, analyze, flops_per_token
 from goodserve.diagnose.speculation import SpeculationAdvice, recommend_speculation
+from goodserve.hardware import HARDWARE, Hardware, get_hardware, measure_local
 from goodserve.model.spec import ModelSpec
 
 DTYPES = ("bf16", "fp16", "fp32", "int8", "int4")

@@ -22,10 +22,10 @@ import math
 from dataclasses import dataclass
 
 from goodserve.diagnose.calc import FitReport, dtype_bytes, fit, kv_heads_per_gpu, weight_bytes
-from goodserve.hardware import Hardware
 from goodserve.diagnose.observations import Observations
 from goodserve.diagnose.roofline import prefill_flops
 from goodserve.errors import InvalidRequestError
+from goodserve.hardware import Hardware
 from goodserve.model.spec import ModelSpec
 
 # What an all-reduce of a decode step's few KB costs inside the step, one host, the engine's one-shot

@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from goodserve.diagnose.calc import dtype_bytes, max_concurrent_sequences, weight_bytes
-from goodserve.hardware import Hardware
 from goodserve.diagnose.observations import Observations
+from goodserve.hardware import Hardware
 from goodserve.model.spec import ModelSpec
 
 # KV pool this full (or any preemption) means memory, not speed, caps the batch.
