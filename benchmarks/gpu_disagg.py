@@ -28,6 +28,7 @@ import subprocess
 import sys
 
 from goodserve.server.process import launch_server, scrape_metrics
+from result_file import gpu_names
 
 OUT = os.environ.get("OUT", "out")
 SETUPS = {"disagg": ["--disaggregate", "prefill:0,decode:1"], "colocated": ["--data-parallel-size", "2"]}
@@ -54,15 +55,17 @@ def bench(url: str, args, extra: list[str], filename: str) -> dict:
                str(args.input_len), "--random-output-len", str(args.output_len), "--random-range-ratio", "0.1",
                "--ignore-eos", "--goodput", f"ttft:{args.ttft_ms}", f"tpot:{args.tpot_ms}", "--percentile-metrics",
                "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99", "--save-result", "--result-dir", OUT,
-               "--result-filename", filename, "--disable-tqdm", *extra]
+               "--result-filename", filename, "--disable-tqdm", "--num-warmups", str(args.num_warmups), *extra]
     subprocess.run(command, check=False)
     path = os.path.join(OUT, filename)
     return json.load(open(path)) if os.path.exists(path) else {"error": "no result written"}
 
 
-def kv_blocks_used(url: str) -> dict[str, float]:
-    """After a phase: every KV block freed on both sides (0 expected)."""
-    return {k: v for k, v in scrape_metrics(url).items() if "used_kv_blocks" in k}
+def kv_blocks_used(url: str) -> dict[str, float] | str:
+    """After a phase: every KV block freed on both sides (0 expected). Colocated replicas sit behind a
+    router, whose /metrics has no pool to report."""
+    used = {k: v for k, v in scrape_metrics(url).items() if "used_kv_blocks" in k}
+    return used or "not exposed here (the router's /metrics)"
 
 
 def capacity_phase(args, setup: str, url: str) -> dict:
@@ -102,6 +105,8 @@ def main() -> None:
     parser.add_argument("--capacity-start-rate", type=float, default=8.0)
     parser.add_argument("--burst-rate", type=float, default=6.0)
     parser.add_argument("--burst-burstiness", type=float, default=0.25, help="< 1: arrivals in clumps")
+    parser.add_argument("--num-warmups", type=int, default=2,
+                        help="requests first, left out (the first transfers set up NCCL's communicators)")
     parser.add_argument("--smoke", action="store_true", help="run on the CPU with a tiny workload")
     args = parser.parse_args()
     args.server_flags = ["--max-num-seqs", "256"]
@@ -111,14 +116,15 @@ def main() -> None:
         parser.error("--tokenizer DIR is needed for a dummy model (benchmarks/export_tokenizer.py)")
     os.makedirs(OUT, exist_ok=True)
     phases = {"capacity": capacity_phase, "burst": burst_phase}
-    summary = {"workload": {k: getattr(args, k) for k in ("model", "input_len", "output_len", "num_prompts",
-                                                          "ttft_ms", "tpot_ms", "burstiness", "burst_rate",
-                                                          "burst_burstiness", "smoke")}}
+    workload = ("model", "input_len", "output_len", "num_prompts", "ttft_ms", "tpot_ms", "burstiness", "burst_rate",
+                "burst_burstiness", "smoke")
+    summary = {"gpus": gpu_names(), "workload": {k: getattr(args, k) for k in workload}}
     for setup in args.setups.split(","):
         with serving(args, setup) as server:
             summary[setup] = {name: phases[name](args, setup, server.url) for name in args.phases.split(",")}
             summary[setup]["kv_blocks_used_after"] = kv_blocks_used(server.url)
-    json.dump(summary, open(os.path.join(OUT, "gpu_disagg.json"), "w"), indent=1)
+        # after each setup: kept if the next one times out
+        json.dump(summary, open(os.path.join(OUT, "gpu_disagg.json"), "w"), indent=1)
     print(json.dumps(summary, indent=1, default=str))
 
 

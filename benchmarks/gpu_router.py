@@ -9,12 +9,14 @@ with fresh replicas:
   against replica 0 alone, then against the router over R replicas (--capacity-policy). Bar: R=2
   at least 1.9x.
 - prefix: prefix_repetition at --prefix-rate through the router, once per policy (round-robin,
-  then prefix), each on fresh replicas whose KV pool (--prefix-kv-tokens) holds about half of the
-  workload's distinct prefixes: round-robin sends every prefix to every replica and evicts, prefix
-  keeps each on one. Recorded: TTFT p50 / p99 and the replicas' prefix-cache hit rate
+  then prefix), each on fresh replicas whose KV pool (--prefix-kv-tokens) holds most but not all of
+  the workload's distinct prefixes (32 of 40 at the defaults): round-robin sends every prefix to
+  every replica and evicts, prefix keeps each on one. Recorded: TTFT p50 / p99 and the replicas' prefix-cache hit rate
   (goodserve:prefix_cache_hits / _queries). Bar: prefix beats round-robin on both.
+- fixed: one replica at --fixed-rate, then R behind the router at R x that rate (R x the prompts):
+  throughput and attainment side by side, and the router's CPU, in a minute or two.
 
-    python benchmarks/gpu_router.py --tokenizer DIR [--replicas 2] [--phases capacity,prefix]
+    python benchmarks/gpu_router.py --tokenizer DIR [--replicas 2] [--phases capacity,prefix,fixed]
 
 Writes $OUT/gpu_router.json (and each bench run's result file beside it), with the router's CPU use
 over the routed capacity search (one core is its ceiling). A phase takes a few minutes; run them in
@@ -32,7 +34,8 @@ import sys
 import time
 from pathlib import Path
 
-from goodserve.server.process import ServerProcess, free_port, launch_server, scrape_metrics
+from goodserve.server.process import ServerProcess, free_port, scrape_metrics, start_server
+from result_file import gpu_names
 
 OUT = os.environ.get("OUT", "out")
 SLO = ["--goodput", "ttft:200", "tpot:50"]
@@ -40,13 +43,17 @@ SLO = ["--goodput", "ttft:200", "tpot:50"]
 
 @contextlib.contextmanager
 def replicas(args, count: int, extra: list[str]):
-    """count replicas, replica i on GPU i, each started with the GPU named in its environment."""
+    """count replicas, replica i on GPU i, each started with the GPU named in its environment; they load
+    side by side."""
     started = []
     try:
         for gpu in range(count):
             os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)  # start_server's child inherits it
-            started.append(launch_server(["--model", args.model, "--tokenizer", args.tokenizer, "--max-num-seqs",
-                                          "256", "--log-level", "warning", *extra], 600))
+            started.append(start_server(["--model", args.model, "--tokenizer", args.tokenizer, "--max-num-seqs",
+                                         "256", "--log-level", "warning", *extra]))
+        os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        for server in started:
+            server.wait_ready(600)
         yield started
     finally:
         os.environ.pop("CUDA_VISIBLE_DEVICES", None)
@@ -78,25 +85,61 @@ def bench(url: str, args, extra: list[str], filename: str) -> dict:
     command = [sys.executable, "-m", "goodserve.cli", "bench", "--base-url", url, "--model", args.model,
                "--tokenizer", args.tokenizer, "--save-result", "--result-dir", OUT, "--result-filename", filename,
                "--disable-tqdm", *extra]
-    subprocess.run(command, check=False)
+    started = time.monotonic()
+    _, _, usage = os.wait4(subprocess.Popen(command).pid, 0)
+    # The load generator is one Python process too: near a core, it delays the events it times.
+    client = {"bench_cpu_fraction_of_a_core": (usage.ru_utime + usage.ru_stime) / (time.monotonic() - started)}
     path = os.path.join(OUT, filename)
-    return json.load(open(path)) if os.path.exists(path) else {"error": "no result written"}
+    return {**json.load(open(path)), **client} if os.path.exists(path) else {"error": "no result written", **client}
+
+
+def capacity_workload(args, num_prompts: int) -> list[str]:
+    return ["--dataset-name", "sharegpt", "--num-prompts", str(num_prompts), "--ignore-eos", *SLO,
+            "--goodput-capacity", "--capacity-start-rate", str(args.capacity_start_rate)]
 
 
 def capacity_phase(args) -> dict:
-    workload = ["--dataset-name", "sharegpt", "--num-prompts", str(args.num_prompts), "--ignore-eos", *SLO,
-                "--goodput-capacity", "--capacity-start-rate", str(args.capacity_start_rate)]
+    """One replica alone, then all behind the router with as many prompts a replica as it had (the same
+    probe length at each rate a replica sees: a shorter burst is easier to absorb)."""
     with replicas(args, args.replicas, []) as servers:
-        one = bench(servers[0].url, args, workload, "router_capacity_1.json").get("capacity", {})
+        alone = bench(servers[0].url, args, capacity_workload(args, args.num_prompts), "router_capacity_1.json")
         with router([s.url for s in servers], args.capacity_policy) as front:
             started, cpu_before = time.monotonic(), cpu_seconds(front.process.pid)
-            many = bench(front.url, args, workload, f"router_capacity_{args.replicas}.json").get("capacity", {})
+            routed = bench(front.url, args, capacity_workload(args, args.num_prompts * args.replicas),
+                           f"router_capacity_{args.replicas}.json")
             router_busy = (cpu_seconds(front.process.pid) - cpu_before) / (time.monotonic() - started)
-            routed = scrape_metrics(front.url)
+            router_metrics = scrape_metrics(front.url)
+    one, many = alone.get("capacity", {}), routed.get("capacity", {})
     ratio = many.get("rate", 0) / one["rate"] if one.get("rate") else None
     return {"replicas": args.replicas, "policy": args.capacity_policy, "one_replica": one, "routed": many,
             "ratio": ratio, "router_cpu_fraction_of_a_core": router_busy,
-            "router_metrics": {k: v for k, v in routed.items() if k.startswith("goodserve:router")}}
+            "bench_cpu_fraction_of_a_core": {"one_replica": alone["bench_cpu_fraction_of_a_core"],
+                                             "routed": routed["bench_cpu_fraction_of_a_core"]},
+            "router_metrics": {k: v for k, v in router_metrics.items() if k.startswith("goodserve:router")}}
+
+
+def fixed_phase(args) -> dict:
+    """One replica alone at --fixed-rate, then all behind the router at R x that rate with R x the
+    prompts (each replica offered what the one alone was): a quick check that the router passes R
+    replicas' tokens, where a capacity search takes minutes."""
+    def workload(rate: float, num_prompts: int) -> list[str]:
+        return ["--dataset-name", "sharegpt", "--num-prompts", str(num_prompts), "--request-rate", str(rate),
+                "--ignore-eos", *SLO]
+
+    keys = ("completed", "request_throughput", "output_throughput", "slo_attainment", "median_ttft_ms",
+            "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "bench_cpu_fraction_of_a_core")
+    with replicas(args, args.replicas, []) as servers:
+        one = bench(servers[0].url, args, workload(args.fixed_rate, args.num_prompts), "router_fixed_1.json")
+        with router([s.url for s in servers], args.capacity_policy) as front:
+            started, cpu_before = time.monotonic(), cpu_seconds(front.process.pid)
+            many = bench(front.url, args, workload(args.fixed_rate * args.replicas, args.num_prompts * args.replicas),
+                         f"router_fixed_{args.replicas}.json")
+            router_busy = (cpu_seconds(front.process.pid) - cpu_before) / (time.monotonic() - started)
+    summary = {"one_replica": {k: one.get(k) for k in keys}, "routed": {k: many.get(k) for k in keys}}
+    throughput = [summary[side]["request_throughput"] for side in ("one_replica", "routed")]
+    return {"replicas": args.replicas, "rate_per_replica": args.fixed_rate, **summary,
+            "throughput_ratio": throughput[1] / throughput[0] if all(throughput) else None,
+            "router_cpu_fraction_of_a_core": router_busy}
 
 
 def cache_counters(servers: list[ServerProcess]) -> tuple[float, float]:
@@ -135,16 +178,19 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=400)
     parser.add_argument("--capacity-policy", default="least-load", help="the router's policy in the capacity phase")
     parser.add_argument("--capacity-start-rate", type=float, default=64.0)
+    parser.add_argument("--fixed-rate", type=float, default=32.0, help="the fixed phase's rate a replica")
     parser.add_argument("--prefix-rate", type=float, default=16.0)
     parser.add_argument("--num-prefixes", type=int, default=40)
     parser.add_argument("--prefix-len", type=int, default=2048)
     parser.add_argument("--prefix-kv-tokens", type=int, default=65536,
-                        help="each replica's KV pool in the prefix phase: about half the distinct prefixes' tokens")
+                        help="each replica's KV pool in the prefix phase: most, not all, distinct prefixes' tokens")
     args = parser.parse_args()
     os.makedirs(OUT, exist_ok=True)
-    phases = {"capacity": capacity_phase, "prefix": prefix_phase}
-    summary = {name: phases[name](args) for name in args.phases.split(",")}
-    json.dump(summary, open(os.path.join(OUT, "gpu_router.json"), "w"), indent=1)
+    phases = {"capacity": capacity_phase, "prefix": prefix_phase, "fixed": fixed_phase}
+    summary = {"gpus": gpu_names()}
+    for name in args.phases.split(","):
+        summary[name] = phases[name](args)
+        json.dump(summary, open(os.path.join(OUT, "gpu_router.json"), "w"), indent=1)  # kept if a later phase times out
     print(json.dumps({k: {kk: vv for kk, vv in v.items() if kk != "router_metrics"} if isinstance(v, dict) else v
                       for k, v in summary.items()}, indent=1, default=str))
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 
 
 def write_result(name: str, result) -> str:
@@ -14,3 +15,14 @@ def write_result(name: str, result) -> str:
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
     return path
+
+
+def gpu_names() -> list[str]:
+    """The host's GPUs by name, from nvidia-smi: a driver process that serves through others keeps no
+    CUDA context of its own (one would take memory on GPU 0 before the servers size their pools)."""
+    try:
+        listed = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                                text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return [line.strip() for line in listed.splitlines() if line.strip()]

@@ -22,9 +22,17 @@ WHEELS=(
   # grammar-constrained decoding (engine/grammar.py); its torch, transformers and triton are there
   xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2
 )
-WHL=.gate/whl
-rm -rf "$WHL" && mkdir -p "$WHL"
-$PIP download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-  --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
-  --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d "$WHL" "${WHEELS[@]}"
-du -sh "$WHL"
+# uvicorn's C event loop and HTTP parser: the serving benchmarks carry them (.gate/whl_fast, 4.5 MB);
+# the gate leaves them out, its first call having no room (uvicorn runs without them).
+FAST_WHEELS=(uvloop==0.23.0 httptools==0.9.0)
+
+download() {  # directory, wheels...
+  local dir=$1 && shift
+  rm -rf "$dir" && mkdir -p "$dir"
+  $PIP download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d "$dir" "$@"
+  du -sh "$dir"
+}
+download .gate/whl "${WHEELS[@]}"
+download .gate/whl_fast "${FAST_WHEELS[@]}"

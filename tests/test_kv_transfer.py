@@ -111,3 +111,47 @@ def test_prefill_here_decode_there_matches_one_engine_and_frees_both_sides(tmp_p
     # No room on the receiver: refused, and the sender's blocks are released all the same.
     assert not sent["refused_sent"] and not got["refused_taken"]
     assert sent["used_at_end"] == 0 and got["used_at_end"] == 0
+
+
+def random_layers(num_blocks: int, dtype: torch.dtype, seed: int) -> list:
+    from goodserve.ops.attention import LayerKVCache
+
+    g = torch.Generator().manual_seed(seed)
+    shape = (num_blocks, 4, 2, 8)  # blocks, block size, KV heads, head dim
+
+    def pool() -> torch.Tensor:
+        return torch.randn(shape, generator=g).mul(20).to(dtype)
+
+    scales = dtype == torch.int8
+    return [LayerKVCache(pool(), pool(), torch.rand(shape[:3], generator=g) if scales else None,
+                         torch.rand(shape[:3], generator=g) if scales else None) for _ in range(3)]
+
+
+def test_blocks_cross_in_groups_byte_for_byte_for_every_kv_dtype(monkeypatch):
+    """More blocks than a message holds, at scattered ids on both sides, in every KV dtype the engine
+    keeps (int8 with its scales, float8): each block lands whole at its new id, and nothing else moves."""
+    from goodserve.engine import kv_transfer
+
+    monkeypatch.setattr(kv_transfer, "BLOCKS_PER_MESSAGE", 3)
+    for dtype in (torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn):
+        sender, receiver = random_layers(12, dtype, 0), random_layers(12, dtype, 1)
+        before = [[t.clone() for t in (layer.k, layer.v, layer.k_scale, layer.v_scale) if t is not None]
+                  for layer in receiver]
+        src_ids, dst_ids = [5, 0, 9, 3, 11, 7, 2], [1, 10, 4, 6, 0, 8, 3]
+        src_pools, dst_pools = kv_transfer._pools(sender), kv_transfer._pools(receiver)
+        groups = list(zip(kv_transfer._groups(src_ids, torch.device("cpu")),
+                          kv_transfer._groups(dst_ids, torch.device("cpu"))))
+        assert len(groups) == 3
+        for src, dst in groups:
+            data = kv_transfer.pack_blocks(src_pools, src)
+            assert data.numel() == len(src) * kv_transfer._bytes_per_block(src_pools)
+            kv_transfer.unpack_blocks(dst_pools, dst, data)
+        for layer_from, layer_to, kept in zip(sender, receiver, before):
+            pools = [(a, b) for a, b in ((layer_from.k, layer_to.k), (layer_from.v, layer_to.v),
+                                         (layer_from.k_scale, layer_to.k_scale),
+                                         (layer_from.v_scale, layer_to.v_scale)) if a is not None]
+            for (a, b), old in zip(pools, kept):
+                for s, d in zip(src_ids, dst_ids):
+                    assert torch.equal(a[s].view(torch.uint8), b[d].view(torch.uint8)), dtype
+                untouched = [i for i in range(12) if i not in dst_ids]
+                assert torch.equal(b[untouched].view(torch.uint8), old[untouched].view(torch.uint8)), dtype

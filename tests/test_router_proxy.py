@@ -1,11 +1,11 @@
-"""The router's HTTP front against fake replicas (httpx.MockTransport): relay, retry, health, metrics."""
+"""The router's HTTP front against fake replicas (httpx2.MockTransport): relay, retry, health, metrics."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 
-import httpx
+import httpx2
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -34,40 +34,40 @@ class FakeReplicas:
         self.draining: set[str] = set()
         self.served: dict[str, list[str]] = {A: [], B: []}
 
-    async def __call__(self, request: httpx.Request) -> httpx.Response:
+    async def __call__(self, request: httpx2.Request) -> httpx2.Response:
         url = f"{request.url.scheme}://{request.url.host}:{request.url.port}"
         if url in self.down:
-            raise httpx.ConnectError("connection refused", request=request)
+            raise httpx2.ConnectError("connection refused", request=request)
         path = request.url.path
         if url in self.reset and path.startswith("/v1/"):
-            raise httpx.RemoteProtocolError("server disconnected without sending a response", request=request)
+            raise httpx2.RemoteProtocolError("server disconnected without sending a response", request=request)
         if path == "/health":
-            return httpx.Response(503 if url in self.unhealthy else 200, json={})
+            return httpx2.Response(503 if url in self.unhealthy else 200, json={})
         if path == "/metrics":
-            return httpx.Response(200, text="goodserve:num_requests_waiting{model_name=\"m\"} 3.0\n")
+            return httpx2.Response(200, text="goodserve:num_requests_waiting{model_name=\"m\"} 3.0\n")
         if path == "/v1/models":
-            return httpx.Response(200, content=_streamed(b'{"object": "list", "data": [{"id": "m"}]}'))
+            return httpx2.Response(200, content=_streamed(b'{"object": "list", "data": [{"id": "m"}]}'))
         if url in self.draining:
-            return httpx.Response(503, content=_streamed(b'{"error": {"message": "draining"}}'))
+            return httpx2.Response(503, content=_streamed(b'{"error": {"message": "draining"}}'))
         self.served[url].append(json.loads(request.content)["prompt"])
         if url in self.broken:
-            return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=self._break(request))
-        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=self._stream(url))
+            return httpx2.Response(200, headers={"content-type": "text/event-stream"}, content=self._break(request))
+        return httpx2.Response(200, headers={"content-type": "text/event-stream"}, content=self._stream(url))
 
     async def _stream(self, url: str):
         for i in range(3):
             yield f"data: {json.dumps({'chunk': i, 'replica': url})}\n\n".encode()
         yield b"data: [DONE]\n\n"
 
-    async def _break(self, request: httpx.Request):
+    async def _break(self, request: httpx2.Request):
         yield b"data: {\"chunk\": 0}\n\n"
-        raise httpx.ReadError("connection reset by peer", request=request)
+        raise httpx2.ReadError("connection reset by peer", request=request)
 
 
-def router_client(fakes: FakeReplicas, policy: str = "round-robin") -> tuple[httpx.AsyncClient, object]:
+def router_client(fakes: FakeReplicas, policy: str = "round-robin") -> tuple[httpx2.AsyncClient, object]:
     config = RouterConfig(backends=(A, B), policy=policy, scrape_load=True)
-    app = build_app(config, transport=httpx.MockTransport(fakes))
-    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router")
+    app = build_app(config, transport=httpx2.MockTransport(fakes))
+    client = httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://router")
     return client, app
 
 
@@ -81,7 +81,7 @@ def metrics(text: str) -> dict[str, float]:
     return found
 
 
-async def complete(client: httpx.AsyncClient, prompt: str) -> httpx.Response:
+async def complete(client: httpx2.AsyncClient, prompt: str) -> httpx2.Response:
     return await client.post("/v1/completions", json={"model": "m", "prompt": prompt, "stream": True})
 
 
@@ -116,7 +116,7 @@ def test_each_chunk_is_relayed_as_it_arrives():
             await release.wait()
             yield b"data: [DONE]\n\n"
 
-        transport = httpx.MockTransport(lambda request: httpx.Response(200, content=slow_stream()))
+        transport = httpx2.MockTransport(lambda request: httpx2.Response(200, content=slow_stream()))
         app = build_app(RouterConfig(backends=(A,)), transport=transport)
         body = json.dumps({"prompt": "p", "stream": True}).encode()
         response = await asyncio.wait_for(app.state.router.forward("POST", "/v1/completions", body, {}), 5)
@@ -131,7 +131,7 @@ def test_each_chunk_is_relayed_as_it_arrives():
 def test_a_client_gone_before_the_body_began_releases_the_replica():
     async def scenario():
         fakes = FakeReplicas()
-        app = build_app(RouterConfig(backends=(A,)), transport=httpx.MockTransport(fakes))
+        app = build_app(RouterConfig(backends=(A,)), transport=httpx2.MockTransport(fakes))
         body = json.dumps({"prompt": "p", "stream": True}).encode()
         response = await app.state.router.forward("POST", "/v1/completions", body, {})
         assert app.state.router.backends[0].in_flight == 1
@@ -191,7 +191,7 @@ def test_a_stream_that_broke_after_it_began_is_never_retried():
         fakes = FakeReplicas()
         fakes.broken.add(A)
         client, _ = router_client(fakes)
-        with pytest.raises(httpx.ReadError):
+        with pytest.raises(httpx2.ReadError):
             await complete(client, "p")
         assert fakes.served == {A: ["p"], B: []}
         found = metrics((await client.get("/metrics")).text)

@@ -13,7 +13,7 @@ import threading
 import time
 from pathlib import Path
 
-import httpx
+import httpx2
 import openai
 import pytest
 
@@ -101,7 +101,7 @@ def test_greedy_answers_equal_a_colocated_servers(servers):
 def test_aborts_free_both_sides(servers):
     _, disaggregated = servers
     body = {"model": MODEL, "max_tokens": 200, "ignore_eos": True, "stream": True}
-    with httpx.Client(base_url=disaggregated.url, timeout=60) as http:
+    with httpx2.Client(base_url=disaggregated.url, timeout=60) as http:
         # Gone while decoding: a few tokens read, then the connection closed.
         with http.stream("POST", "/v1/completions", json={**body, "prompt": PROMPT}) as response:
             lines = response.iter_lines()
@@ -169,7 +169,7 @@ def test_a_dead_prefill_worker_gives_503_and_the_server_answers(servers):
     with pytest.raises(openai.APIStatusError) as refused:
         complete(disaggregated, PROMPT, max_tokens=4)
     assert refused.value.status_code == 503 and "prefill worker" in refused.value.message
-    assert httpx.get(f"{disaggregated.url}/health").status_code == 503
+    assert httpx2.get(f"{disaggregated.url}/health").status_code == 503
     assert f"the prefill worker (pid {pid}) exited with -9" in disaggregated.log()
     assert used_blocks(disaggregated)[0] == 0
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 
-import httpx
+import httpx2
 import pytest
 
 from goodserve.server.process import launch_server, scrape_metrics
@@ -32,7 +32,7 @@ def url():
         server.stop()
 
 
-def assert_error(resp: httpx.Response, status: int) -> dict:
+def assert_error(resp: httpx2.Response, status: int) -> dict:
     assert resp.status_code == status, resp.text
     error = resp.json()["error"]
     assert error["message"] and error["type"] and error["code"] == status
@@ -40,25 +40,25 @@ def assert_error(resp: httpx.Response, status: int) -> dict:
 
 
 def assert_healthy_and_serving(url: str) -> None:
-    assert httpx.get(f"{url}/health").status_code == 200
-    resp = httpx.post(f"{url}/v1/completions", headers=AUTH, json={"prompt": [3, 4], "max_tokens": 2}, timeout=30)
+    assert httpx2.get(f"{url}/health").status_code == 200
+    resp = httpx2.post(f"{url}/v1/completions", headers=AUTH, json={"prompt": [3, 4], "max_tokens": 2}, timeout=30)
     assert resp.status_code == 200, resp.text
     assert resp.json()["usage"]["completion_tokens"] == 2
 
 
 def test_missing_or_wrong_key_is_401(url):
     body = {"prompt": [3, 4], "max_tokens": 2}
-    assert_error(httpx.post(f"{url}/v1/completions", json=body), 401)
-    assert_error(httpx.post(f"{url}/v1/completions", json=body, headers={"Authorization": "Bearer nope"}), 401)
-    assert_error(httpx.get(f"{url}/v1/models"), 401)
-    assert httpx.get(f"{url}/v1/models", headers=AUTH).json()["data"][0]["id"] == MODEL
-    assert httpx.get(f"{url}/metrics").status_code == 200  # scrapers and probes need no key
+    assert_error(httpx2.post(f"{url}/v1/completions", json=body), 401)
+    assert_error(httpx2.post(f"{url}/v1/completions", json=body, headers={"Authorization": "Bearer nope"}), 401)
+    assert_error(httpx2.get(f"{url}/v1/models"), 401)
+    assert httpx2.get(f"{url}/v1/models", headers=AUTH).json()["data"][0]["id"] == MODEL
+    assert httpx2.get(f"{url}/metrics").status_code == 200  # scrapers and probes need no key
     assert_healthy_and_serving(url)
 
 
 def test_oversized_body_is_413_declared_or_chunked(url):
     big = {"prompt": list(range(2, 2000)), "max_tokens": 2}
-    assert_error(httpx.post(f"{url}/v1/completions", headers=AUTH, json=big), 413)
+    assert_error(httpx2.post(f"{url}/v1/completions", headers=AUTH, json=big), 413)
 
     def chunked():  # no Content-Length: the limit is enforced while reading
         yield b'{"prompt": ['
@@ -66,7 +66,7 @@ def test_oversized_body_is_413_declared_or_chunked(url):
             yield b"2, 3, 4, 5, "
         yield b"6]}"
 
-    resp = httpx.post(f"{url}/v1/completions", headers={**AUTH, "content-type": "application/json"},
+    resp = httpx2.post(f"{url}/v1/completions", headers={**AUTH, "content-type": "application/json"},
                       content=chunked())
     assert_error(resp, 413)
     assert_healthy_and_serving(url)
@@ -74,7 +74,7 @@ def test_oversized_body_is_413_declared_or_chunked(url):
 
 def test_request_that_can_never_fit_is_400_at_once(url):
     body = {"prompt": [5] * 1000, "max_tokens": 100}
-    assert "context" in assert_error(httpx.post(f"{url}/v1/completions", headers=AUTH, json=body), 400)["message"]
+    assert "context" in assert_error(httpx2.post(f"{url}/v1/completions", headers=AUTH, json=body), 400)["message"]
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +91,7 @@ def slow_url():
 
 def test_full_waiting_queue_is_429_with_retry_after(slow_url):
     url, long = slow_url, {**LONG, "model": "dummy:smollm2-135m"}
-    with httpx.Client(headers=AUTH, timeout=60) as client:
+    with httpx2.Client(headers=AUTH, timeout=60) as client:
         with client.stream("POST", f"{url}/v1/completions", json=long) as running:
             assert running.status_code == 200
             next(line for line in running.iter_lines() if line.startswith("data: "))  # it is running
@@ -110,9 +110,9 @@ def test_full_waiting_queue_is_429_with_retry_after(slow_url):
 
 def test_request_past_its_deadline_is_408_and_aborted(url):
     body = {**LONG, "stream": False, "request_timeout_s": 0.3}
-    assert_error(httpx.post(f"{url}/v1/completions", headers=AUTH, json=body, timeout=60), 408)
+    assert_error(httpx2.post(f"{url}/v1/completions", headers=AUTH, json=body, timeout=60), 408)
     stream_body = {**LONG, "request_timeout_s": 0.3}
-    with httpx.stream("POST", f"{url}/v1/completions", headers=AUTH, json=stream_body, timeout=60) as resp:
+    with httpx2.stream("POST", f"{url}/v1/completions", headers=AUTH, json=stream_body, timeout=60) as resp:
         lines = [line for line in resp.iter_lines() if line.startswith("data: ")]
     assert lines[-1] == "data: [DONE]" and '"code": 408' in lines[-2]
     assert_healthy_and_serving(url)
@@ -120,9 +120,9 @@ def test_request_past_its_deadline_is_408_and_aborted(url):
 
 def test_logprobs_of_a_model_without_tokenizer_name_token_ids(url):
     body = {"prompt": [3, 4], "max_tokens": 2, "logprobs": 1, "temperature": 0}
-    resp = httpx.post(f"{url}/v1/completions", headers=AUTH, json=body, timeout=30)
+    resp = httpx2.post(f"{url}/v1/completions", headers=AUTH, json=body, timeout=30)
     assert resp.status_code == 200, resp.text
     logprobs = resp.json()["choices"][0]["logprobs"]
     assert len(logprobs["tokens"]) == 2 and all(t.startswith("token_id:") for t in logprobs["tokens"])
-    text_prompt = httpx.post(f"{url}/v1/completions", headers=AUTH, json={"prompt": "hi"}, timeout=30)
+    text_prompt = httpx2.post(f"{url}/v1/completions", headers=AUTH, json={"prompt": "hi"}, timeout=30)
     assert "tokenizer" in assert_error(text_prompt, 400)["message"]

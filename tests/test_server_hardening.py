@@ -12,7 +12,7 @@ import json
 import socket
 import time
 
-import httpx
+import httpx2
 import openai
 import pytest
 from tokenizers import Tokenizer as HFTokenizer
@@ -55,13 +55,13 @@ def tiny():
         server.stop()
 
 
-def post_json(url: str, path: str, body: dict, **kwargs) -> httpx.Response:
+def post_json(url: str, path: str, body: dict, **kwargs) -> httpx2.Response:
     """json.dumps escapes a lone surrogate as \\ud800, as a client in another language would send it."""
-    return httpx.post(f"{url}{path}", content=json.dumps(body).encode(),
+    return httpx2.post(f"{url}{path}", content=json.dumps(body).encode(),
                       headers={"content-type": "application/json"}, timeout=120, **kwargs)
 
 
-def assert_error(resp: httpx.Response, status: int, *words: str) -> str:
+def assert_error(resp: httpx2.Response, status: int, *words: str) -> str:
     assert resp.status_code == status, resp.text
     error = resp.json()["error"]
     assert error["code"] == status and error["type"]
@@ -100,7 +100,7 @@ def test_lone_surrogates_anywhere_are_400_naming_the_field_and_counted(text_url)
     emoji = post_json(text_url, "/tokenize", {"prompt": "\U0001F600", "add_special_tokens": False})
     assert emoji.status_code == 200
     assert emoji.json()["tokens"] == embedded_tokenizer().encode("\U0001F600", add_special_tokens=False)
-    assert httpx.get(f"{text_url}/health").status_code == 200
+    assert httpx2.get(f"{text_url}/health").status_code == 200
 
 
 # ---- item 6: tokenization off the event loop, refusal before tokenizing -------------------------
@@ -112,7 +112,7 @@ def test_health_answers_while_big_prompts_tokenize(text_url):
     assert len(big.encode()) <= bound
 
     async def scenario():
-        async with httpx.AsyncClient(timeout=300) as client:
+        async with httpx2.AsyncClient(timeout=300) as client:
             calls = [asyncio.create_task(client.post(f"{text_url}/tokenize", json={"prompt": big}))
                      for _ in range(3)]
             await asyncio.sleep(0.2)  # the bodies are in; the server is tokenizing (a call takes over 0.3s)
@@ -137,7 +137,7 @@ def test_health_answers_while_a_grammar_compiles(text_url):
             "response_format": {"type": "json_schema", "json_schema": {"name": "form", "schema": schema}}}
 
     async def scenario():
-        async with httpx.AsyncClient(timeout=300) as client:
+        async with httpx2.AsyncClient(timeout=300) as client:
             call = asyncio.create_task(client.post(f"{text_url}/v1/chat/completions", json=body))
             await asyncio.sleep(0.3)  # the body is in; the grammar is compiling
             health = await client.get(f"{text_url}/health")
@@ -239,7 +239,7 @@ def test_connections_that_never_finish_their_headers_are_closed(tiny):
     finally:
         for sock in sockets:
             sock.close()
-    assert httpx.post(f"{tiny.url}/v1/completions", json={"prompt": [5], "max_tokens": 2}).status_code == 200
+    assert httpx2.post(f"{tiny.url}/v1/completions", json={"prompt": [5], "max_tokens": 2}).status_code == 200
 
 
 def _wait_for(url: str, done, timeout_s: float = 60.0) -> dict[str, float]:
@@ -282,13 +282,13 @@ def test_burst_gets_200_or_a_json_429_503_with_retry_after_never_a_connection_er
     burst = 3 * MAX_CONNECTIONS
     before = {status: rejected(tiny.url, status) for status in (429, 503)}
 
-    async def one(client: httpx.AsyncClient) -> httpx.Response:
+    async def one(client: httpx2.AsyncClient) -> httpx2.Response:
         return await client.post(f"{tiny.url}/v1/completions",
                                  json={"prompt": [5, 6, 7], "max_tokens": 32, "ignore_eos": True, "n": 2})
 
-    async def all_at_once() -> list[httpx.Response]:
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)  # a connection each
-        async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+    async def all_at_once() -> list[httpx2.Response]:
+        limits = httpx2.Limits(max_connections=None, max_keepalive_connections=0)  # a connection each
+        async with httpx2.AsyncClient(timeout=120, limits=limits) as client:
             return await asyncio.gather(*(one(client) for _ in range(burst)))  # raises on a connection error
 
     responses = asyncio.run(all_at_once())
@@ -312,11 +312,11 @@ def test_connections_past_the_cap_get_a_json_503_with_retry_after(tiny):
     before = rejected(tiny.url, 503)
     idle = [socket.create_connection((host, int(port))) for _ in range(MAX_CONNECTIONS)]
     try:  # the cap is full (for the header timeout) with connections that sent nothing yet
-        resp = httpx.post(f"{tiny.url}/v1/completions", json={"prompt": [5], "max_tokens": 2})
+        resp = httpx2.post(f"{tiny.url}/v1/completions", json={"prompt": [5], "max_tokens": 2})
     finally:
         for sock in idle:
             sock.close()
     assert_error(resp, 503, f"{MAX_CONNECTIONS} open connections")
     assert int(resp.headers["retry-after"]) >= 1
     assert rejected(tiny.url, 503) - before == 1
-    assert httpx.post(f"{tiny.url}/v1/completions", json={"prompt": [5], "max_tokens": 2}).status_code == 200
+    assert httpx2.post(f"{tiny.url}/v1/completions", json={"prompt": [5], "max_tokens": 2}).status_code == 200

@@ -12,7 +12,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-import httpx
+import httpx2
 import openai
 import pytest
 
@@ -193,7 +193,7 @@ def test_disconnected_streams_are_aborted_and_free_their_blocks(stack):
     body = {"model": MODEL, "prompt": "Tell me a very long story about dragons.", "max_tokens": 400,
             "ignore_eos": True, "stream": True}
 
-    async def read_one_chunk_and_hang_up(client: httpx.AsyncClient) -> None:
+    async def read_one_chunk_and_hang_up(client: httpx2.AsyncClient) -> None:
         async with client.stream("POST", f"{stack.url}/v1/completions", json=body) as resp:
             assert resp.status_code == 200
             async for line in resp.aiter_lines():
@@ -201,7 +201,7 @@ def test_disconnected_streams_are_aborted_and_free_their_blocks(stack):
                     return  # leaving the block closes the connection mid-stream
 
     async def twenty_clients() -> None:
-        async with httpx.AsyncClient(timeout=60) as client:
+        async with httpx2.AsyncClient(timeout=60) as client:
             await asyncio.gather(*(read_one_chunk_and_hang_up(client) for _ in range(20)))
 
     asyncio.run(twenty_clients())
@@ -240,12 +240,12 @@ def test_metrics_parse_and_counters_move(stack):
 
 def test_tokenize_and_detokenize(stack):
     text = "Hello, tokenizer!"
-    tokens = httpx.post(f"{stack.url}/tokenize", json={"model": MODEL, "prompt": text}).json()
+    tokens = httpx2.post(f"{stack.url}/tokenize", json={"model": MODEL, "prompt": text}).json()
     assert tokens["tokens"] == stack.llm.tokenizer.encode(text)
     assert tokens["count"] == len(tokens["tokens"]) and tokens["max_model_len"] == MAX_MODEL_LEN
-    back = httpx.post(f"{stack.url}/detokenize", json={"model": MODEL, "tokens": tokens["tokens"]}).json()
+    back = httpx2.post(f"{stack.url}/detokenize", json={"model": MODEL, "tokens": tokens["tokens"]}).json()
     assert back["prompt"] == stack.llm.tokenizer.decode(tokens["tokens"])
-    chat = httpx.post(f"{stack.url}/tokenize", json={"messages": CHAT}).json()
+    chat = httpx2.post(f"{stack.url}/tokenize", json={"messages": CHAT}).json()
     usage = stack.client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1).usage
     assert chat["count"] == usage.prompt_tokens
 
@@ -272,12 +272,12 @@ BAD_REQUESTS = [
 def test_bad_input_gets_typed_error_and_server_stays_healthy(stack, name, path, body, status):
     kwargs = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) \
         else {"json": body}
-    resp = httpx.post(f"{stack.url}{path}", timeout=30, **kwargs)
+    resp = httpx2.post(f"{stack.url}{path}", timeout=30, **kwargs)
     assert resp.status_code == status, resp.text
     error = resp.json()["error"]
     assert error["message"] and error["type"] and error["code"] == status
     assert "Traceback" not in resp.text
-    assert httpx.get(f"{stack.url}/health").status_code == 200
+    assert httpx2.get(f"{stack.url}/health").status_code == 200
 
 
 def test_bad_input_through_the_openai_client_raises_its_typed_errors(stack):
@@ -314,7 +314,7 @@ def test_schemathesis_finds_no_server_errors(stack):
             no_server_error()
         checked.append(operation.path)
     assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize"} <= set(checked)
-    assert httpx.get(f"{stack.url}/health").status_code == 200
+    assert httpx2.get(f"{stack.url}/health").status_code == 200
 
 
 def test_sigterm_drains_in_flight_request_then_exits(stack):
@@ -326,7 +326,7 @@ def test_sigterm_drains_in_flight_request_then_exits(stack):
 
     def consume() -> None:
         lines = []
-        with httpx.stream("POST", f"{stack.url}/v1/completions", json=body, timeout=120) as resp:
+        with httpx2.stream("POST", f"{stack.url}/v1/completions", json=body, timeout=120) as resp:
             for line in resp.iter_lines():
                 if line.startswith("data: "):
                     lines.append(line)

@@ -11,7 +11,7 @@ import base64
 import logging
 from importlib.metadata import version
 
-import httpx
+import httpx2
 import numpy as np
 import openai
 import pytest
@@ -102,7 +102,7 @@ def test_embeddings_equal_transformers_last_token_hidden_state(served, hf_embedd
     np.testing.assert_allclose(np.array([d.embedding for d in floats.data]), expected, atol=2e-4)
     by_default = client.embeddings.create(model=MODEL, input=ids)  # the client asks for base64 and decodes it
     np.testing.assert_allclose(np.array([d.embedding for d in by_default.data]), expected, atol=2e-4)
-    raw = httpx.post(f"{client.base_url}embeddings", json={"input": ids[0], "encoding_format": "base64"}).json()
+    raw = httpx2.post(f"{client.base_url}embeddings", json={"input": ids[0], "encoding_format": "base64"}).json()
     decoded = np.frombuffer(base64.b64decode(raw["data"][0]["embedding"]), dtype="<f4")
     np.testing.assert_allclose(decoded, expected[0], atol=2e-4)
     with pytest.raises(openai.BadRequestError, match="dimensions"):
@@ -115,7 +115,7 @@ def test_model_by_id_and_version(served):
     assert client.models.retrieve(MODEL).id == MODEL
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("gpt-17")
-    assert httpx.get(f"{server.url}/version").json() == {"version": version("goodserve")}
+    assert httpx2.get(f"{server.url}/version").json() == {"version": version("goodserve")}
 
 
 def test_responses_non_stream_and_stream_equal_the_chat_path(served):
@@ -150,7 +150,7 @@ REFUSED = [(path, body, name) for path, (body, schema) in BODIES.items()
 
 def test_every_unimplemented_field_is_refused_by_name(served):
     server, _, client = served
-    with httpx.Client(base_url=server.url, timeout=30) as http:
+    with httpx2.Client(base_url=server.url, timeout=30) as http:
         for path, body, name in REFUSED:
             resp = http.post(path, json={**body, name: "x"})
             assert resp.status_code == 400, (path, name, resp.text)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 
-import httpx
+import httpx2
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -44,7 +44,7 @@ def spec_server():
 def scrape(url: str) -> dict[str, float]:
     """Every goodserve sample; per-position counters keyed name[position]."""
     samples = {}
-    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=30).text):
+    for family in text_string_to_metric_families(httpx2.get(f"{url}/metrics", timeout=30).text):
         for s in family.samples:
             samples[f"{s.name}[{s.labels['position']}]" if s.name == PER_POS else s.name] = s.value
     return samples
@@ -83,7 +83,7 @@ def test_server_counters_match_a_replay_of_the_requests(spec_server, embedded_ll
     for prompt, ref in zip(prompts, reference):  # one at a time: each step is one request's
         body = {"model": "smollm2-135m", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
                 "ignore_eos": True}
-        answer = httpx.post(f"{spec_server}/v1/completions", json=body, timeout=120).json()
+        answer = httpx2.post(f"{spec_server}/v1/completions", json=body, timeout=120).json()
         assert answer["choices"][0]["text"] == ref.outputs[0].text  # exact: plain greedy decoding's
     after = scrape(spec_server)
     expected: dict[str, float] = {}

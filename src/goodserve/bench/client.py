@@ -1,4 +1,4 @@
-"""Streaming OpenAI client over httpx: one request in, one RequestRecord out, never an exception.
+"""Streaming OpenAI client over httpx2: one request in, one RequestRecord out, never an exception.
 
 It speaks /v1/completions and /v1/chat/completions as any OpenAI-compatible server does (goodserve,
 vLLM, SGLang, TGI, hosted APIs): SSE chunks `data: {...}` ending with `data: [DONE]`, with
@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-import httpx
+import httpx2
 
 from goodserve.bench.records import RequestRecord
 from goodserve.bench.workloads import BenchRequest
@@ -59,9 +59,9 @@ class HttpTarget:
         self.config = config
         self.counter = counter
         headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
-        limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
-        self.client = httpx.AsyncClient(headers=headers, limits=limits,
-                                        timeout=httpx.Timeout(config.timeout_s, connect=10.0))
+        limits = httpx2.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+        self.client = httpx2.AsyncClient(headers=headers, limits=limits,
+                                        timeout=httpx2.Timeout(config.timeout_s, connect=10.0))
 
     @property
     def description(self) -> str:
@@ -96,11 +96,11 @@ class HttpTarget:
                         if stream.feed(line, clock(), self.config.is_chat):
                             break
                     record.error = stream.problem()
-        except httpx.ConnectError as exc:
+        except httpx2.ConnectError as exc:
             record.error = f"cannot connect to {self.config.url}: {exc or type(exc).__name__}"
-        except httpx.TimeoutException as exc:
+        except httpx2.TimeoutException as exc:
             record.error = f"timed out after {self.config.timeout_s:g}s: {type(exc).__name__}"
-        except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        except (httpx2.HTTPError, json.JSONDecodeError) as exc:
             record.error = (f"stream broke after {len(stream.chunk_times)} chunks: "
                             f"{type(exc).__name__}: {exc}")
         record.end_time = clock()

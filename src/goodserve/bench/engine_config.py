@@ -6,7 +6,7 @@ neither has to guess the model, dtype, quantization, KV dtype or hardware a run 
 
 from __future__ import annotations
 
-import httpx
+import httpx2
 from prometheus_client.parser import text_string_to_metric_families
 
 INFO_SAMPLE = "goodserve:engine_config_info"
@@ -25,10 +25,10 @@ def fetch_metrics_text(metrics_url: str, api_key: str | None = None, timeout_s: 
     """The /metrics text, or None when the URL cannot be read (a hosted API has none)."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        response = httpx.get(metrics_url, headers=headers, timeout=timeout_s)
+        response = httpx2.get(metrics_url, headers=headers, timeout=timeout_s)
         response.raise_for_status()
         return response.text
-    except httpx.HTTPError:
+    except httpx2.HTTPError:
         return None
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-import httpx
+import httpx2
 from prometheus_client.parser import text_string_to_metric_families
 
 from goodserve.bench.engine_config import fetch_engine_config
@@ -91,9 +91,9 @@ def _percent(value: float | None) -> float | None:
 def scrape(url: str, timeout_s: float = 10.0) -> dict[str, float]:
     """Every goodserve sample of one /metrics scrape, summed over labels: name -> value."""
     try:
-        response = httpx.get(url, timeout=timeout_s)
+        response = httpx2.get(url, timeout=timeout_s)
         response.raise_for_status()
-    except httpx.HTTPError as exc:
+    except httpx2.HTTPError as exc:
         raise InvalidRequestError(f"cannot read metrics from {url}: {exc}") from None
     totals: dict[str, float] = {}
     for family in text_string_to_metric_families(response.text):

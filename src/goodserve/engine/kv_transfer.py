@@ -9,13 +9,21 @@ exchange, on one process group:
                          status ABORTED (the request ended before its prefill did): nothing follows
     sender -> receiver   the prompt's token ids
     receiver -> sender   ACCEPTED, or REFUSED (no room, or a request the receiver cannot take)
-    sender -> receiver   each block, one message per block: every layer's K and V (and int8 scales)
-                         as raw bytes, so any KV dtype crosses unchanged
+    sender -> receiver   the blocks, BLOCKS_PER_MESSAGE to a message: every layer's K and V (and int8
+                         scales) of those blocks as raw bytes, so any KV dtype crosses unchanged
 
 The sender releases its blocks once they are sent, refused or aborted; a refused or failed import
 frees the receiver's; afterwards the receiver's blocks are its request's like any other's (an abort
 frees them). Every block of the prompt but the last token's is sent: the receiver computes that
 token itself, which samples the first output token as a prefix-cache hit would.
+
+Why groups of blocks: one message a block (a 2 MB block of Llama-3.1-8B in bfloat16) cost a gather
+and a send on the sender and 64 copies into the pool on the receiver for every 16 tokens, and the
+receiver does it on its engine thread, between decode steps: on two H100s, 2k-token prompts at 2
+req/s waited a median 636 ms for their first token and the decodes beside them saw inter-token gaps
+of up to 528 ms (benchmarks/BENCHMARKS.md). Gathered per layer part with one index_select, a group
+is one message and one index_copy_ per part on arrival; a group, not the whole prompt, so the
+receive buffer stays small beside a pool that fills the GPU.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ from goodserve.sampling_params import SamplingParams
 
 OK, ABORTED = 1, 0
 ACCEPTED, REFUSED = 1, 0
+BLOCKS_PER_MESSAGE = 32  # 64 MB a message at Llama-3.1-8B's 2 MB bfloat16 blocks
 
 
 def kv_layers(engine: Engine) -> list[LayerKVCache]:
@@ -40,26 +49,33 @@ def kv_layers(engine: Engine) -> list[LayerKVCache]:
     return worker.runner.kv_caches
 
 
-def _block_parts(layer: LayerKVCache, block_id: int) -> list[torch.Tensor]:
-    parts = [layer.k[block_id], layer.v[block_id]]
-    return parts + [s[block_id] for s in (layer.k_scale, layer.v_scale) if s is not None]
+def _pools(layers: list[LayerKVCache]) -> list[torch.Tensor]:
+    """Every pool a block has a row in (each layer's K and V, and int8 scales), as bytes [blocks, -1]:
+    index_select and index_copy_ take uint8 where some take no float8."""
+    return [pool.view(pool.shape[0], -1).view(torch.uint8) for layer in layers
+            for pool in (layer.k, layer.v, layer.k_scale, layer.v_scale) if pool is not None]
 
 
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1).view(torch.uint8)
+def _bytes_per_block(pools: list[torch.Tensor]) -> int:
+    return sum(pool.shape[1] for pool in pools)
 
 
-def pack_block(layers: list[LayerKVCache], block_id: int) -> torch.Tensor:
-    return torch.cat([_bytes(part) for layer in layers for part in _block_parts(layer, block_id)])
+def pack_blocks(pools: list[torch.Tensor], block_ids: torch.Tensor) -> torch.Tensor:
+    """The blocks' rows of every pool, pool after pool."""
+    return torch.cat([pool.index_select(0, block_ids).reshape(-1) for pool in pools])
 
 
-def unpack_block(layers: list[LayerKVCache], block_id: int, data: torch.Tensor) -> None:
+def unpack_blocks(pools: list[torch.Tensor], block_ids: torch.Tensor, data: torch.Tensor) -> None:
     offset = 0
-    for layer in layers:
-        for part in _block_parts(layer, block_id):
-            target = _bytes(part)  # a view: the copy writes into the pool
-            target.copy_(data[offset:offset + target.numel()])
-            offset += target.numel()
+    for pool in pools:
+        size = len(block_ids) * pool.shape[1]
+        pool.index_copy_(0, block_ids, data[offset:offset + size].view(len(block_ids), pool.shape[1]))
+        offset += size
+
+
+def _groups(block_ids: list[int], device: torch.device) -> list[torch.Tensor]:
+    return [torch.tensor(block_ids[i:i + BLOCKS_PER_MESSAGE], dtype=torch.int64, device=device)
+            for i in range(0, len(block_ids), BLOCKS_PER_MESSAGE)]
 
 
 def _wire_device(layers: list[LayerKVCache], group) -> torch.device:
@@ -81,6 +97,7 @@ def send_prefilled(engine: Engine, request_id: str, prompt_token_ids: list[int],
     """After the engine finished request_id (added with add_prefill_request): send its blocks to
     rank dst and release them. True: the receiver took them."""
     layers, (blocks, num_computed) = kv_layers(engine), engine.held_kv(request_id)
+    pools = _pools(layers)
     size = engine.config.block_size
     needed = -(-(len(prompt_token_ids) - 1) // size)
     device = _wire_device(layers, group)
@@ -88,13 +105,12 @@ def send_prefilled(engine: Engine, request_id: str, prompt_token_ids: list[int],
         if num_computed < len(prompt_token_ids) - 1:  # aborted or failed before its prompt was computed
             _send([ABORTED, 0, 0, 0, size], dst, group, device)
             return False
-        block_bytes = pack_block(layers, blocks[0]).numel() if needed else 0
-        _send([OK, len(prompt_token_ids), needed, block_bytes, size], dst, group, device)
+        _send([OK, len(prompt_token_ids), needed, _bytes_per_block(pools), size], dst, group, device)
         _send(prompt_token_ids, dst, group, device)
         if _recv(1, dst, group, device)[0] != ACCEPTED:
             return False
-        for block_id in blocks[:needed]:
-            dist.send(pack_block(layers, block_id).to(device), dst, group)
+        for ids in _groups(blocks[:needed], layers[0].k.device):
+            dist.send(pack_blocks(pools, ids).to(device), dst, group)
         return True
     finally:
         engine.release_held(request_id)
@@ -106,6 +122,7 @@ def receive_prefilled(engine: Engine, request_id: str, params: SamplingParams, s
     usual). False: the sender aborted it, or this engine refused it (no room): nothing is held.
     arrival_time: when the request reached the sender's side (its TTFT counts the prefill)."""
     layers = kv_layers(engine)
+    pools = _pools(layers)
     device = _wire_device(layers, group)
     status, num_tokens, num_blocks, block_bytes, size = _recv(5, src, group, device)
     if status == ABORTED:
@@ -115,15 +132,15 @@ def receive_prefilled(engine: Engine, request_id: str, params: SamplingParams, s
 
     def fill(table: list[int]) -> None:
         nonlocal answered
-        if size != engine.config.block_size or block_bytes != pack_block(layers, table[0]).numel():
+        if size != engine.config.block_size or block_bytes != _bytes_per_block(pools):
             raise InvalidRequestError(f"the sender's KV blocks ({size} tokens, {block_bytes} bytes) are not this "
                                       f"engine's (same model, dtype, KV dtype and block size needed)")
         _send([ACCEPTED], src, group, device)
         answered = True
-        buffer = torch.empty(block_bytes, dtype=torch.uint8, device=device)
-        for block_id in table[:num_blocks]:
+        for ids in _groups(table[:num_blocks], layers[0].k.device):
+            buffer = torch.empty(len(ids) * block_bytes, dtype=torch.uint8, device=device)
             dist.recv(buffer, src, group)
-            unpack_block(layers, block_id, buffer.to(layers[0].k.device))
+            unpack_blocks(pools, ids, buffer.to(layers[0].k.device))
 
     try:
         taken = engine.add_decode_request(request_id, prompt, params, fill, arrival_time) if num_blocks else False

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-import httpx
+import httpx2
 from prometheus_client.parser import text_string_to_metric_families
 
 from goodserve.router.backend import Backend
@@ -37,7 +37,7 @@ class HealthChecker:
             if self.scrape_load:
                 metrics = await client.get(f"{backend.url}/metrics", timeout=self.timeout_s)
                 backend.scraped_requests = queued_requests(metrics.text)
-        except httpx.HTTPError as exc:
+        except httpx2.HTTPError as exc:
             self.router.set_health(backend, False, f"/health: {type(exc).__name__}: {exc}")
             return
         self.router.set_health(backend, True)

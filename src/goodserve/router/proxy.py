@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 
-import httpx
+import httpx2
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.responses import Response
 
@@ -22,11 +22,11 @@ from goodserve.router.prompt_text import prompt_text
 logger = logging.getLogger("goodserve.router")
 
 # Raised by send() before any byte of a response: the replica never answered the request.
-NEVER_STARTED = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError,
-                 httpx.WriteError)
+NEVER_STARTED = (httpx2.ConnectError, httpx2.ConnectTimeout, httpx2.RemoteProtocolError, httpx2.ReadError,
+                 httpx2.WriteError)
 # Of those, the ones that say the replica is gone (no connection at all); a reset of one kept-alive
 # connection may be a race with its idle expiry, left for the health check to judge.
-UNREACHABLE = (httpx.ConnectError, httpx.ConnectTimeout)
+UNREACHABLE = (httpx2.ConnectError, httpx2.ConnectTimeout)
 # Per connection, not end to end: a proxy relays these itself.
 HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "proxy-authorization",
               "proxy-authenticate", "host", "content-length", "date", "server"}
@@ -43,7 +43,7 @@ def no_backend_response() -> JSONResponse:
 
 
 class Router:
-    def __init__(self, backends: list[Backend], policy, tree: PrefixTree, client: httpx.AsyncClient,
+    def __init__(self, backends: list[Backend], policy, tree: PrefixTree, client: httpx2.AsyncClient,
                  metrics: RouterMetrics):
         self.backends = backends
         self.policy = policy
@@ -89,7 +89,7 @@ class Router:
         return choice.backend
 
     async def _send(self, backend: Backend, method: str, path: str, body: bytes, headers,
-                    prompt_chars: int) -> httpx.Response | None:
+                    prompt_chars: int) -> httpx2.Response | None:
         """The replica's response once its headers came; None if the request never started there."""
         backend.started(prompt_chars)
         request = self.client.build_request(method, backend.url + path, content=body, headers=_end_to_end(headers))
@@ -105,12 +105,12 @@ class Router:
             backend.finished(prompt_chars)
             raise
 
-    async def _done(self, backend: Backend, response: httpx.Response, prompt_chars: int, outcome: str) -> None:
+    async def _done(self, backend: Backend, response: httpx2.Response, prompt_chars: int, outcome: str) -> None:
         await response.aclose()
         backend.finished(prompt_chars)
         self.metrics.requests.labels(backend.url, outcome).inc()
 
-    def _relay(self, backend: Backend, response: httpx.Response, prompt_chars: int) -> "RelayResponse":
+    def _relay(self, backend: Backend, response: httpx2.Response, prompt_chars: int) -> "RelayResponse":
         relay = Relay(response, lambda outcome: self._done(backend, response, prompt_chars, outcome))
         return RelayResponse(relay, status_code=response.status_code, headers=_end_to_end(response.headers))
 
@@ -118,7 +118,7 @@ class Router:
 class Relay:
     """A replica's response body handed on chunk by chunk, closed once whichever way it ends."""
 
-    def __init__(self, response: httpx.Response, on_close):
+    def __init__(self, response: httpx2.Response, on_close):
         self.response = response
         self.outcome = "ok" if response.status_code < 400 else "http_error"
         self.on_close = on_close
@@ -128,7 +128,7 @@ class Relay:
         try:
             async for chunk in self.response.aiter_raw():
                 yield chunk
-        except httpx.HTTPError:
+        except httpx2.HTTPError:
             self.outcome = "stream_error"
             raise  # the client must see a broken stream, not a short one that looks complete
         finally:

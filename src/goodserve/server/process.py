@@ -11,14 +11,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
+import httpx2
 from prometheus_client.parser import text_string_to_metric_families
 
 
 def scrape_metrics(url: str) -> dict[str, float]:
     """A server's /metrics as {'name{label=value,...}': value}, labels sorted, model_name left out."""
     samples = {}
-    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=30).text):
+    for family in text_string_to_metric_families(httpx2.get(f"{url}/metrics", timeout=30).text):
         for s in family.samples:
             labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
             samples[f"{s.name}{{{labels}}}"] = s.value
@@ -57,9 +57,9 @@ class ServerProcess:
             if self.process.poll() is not None:
                 raise RuntimeError(f"goodserve serve exited with {self.process.returncode}:\n{self.log()[-4000:]}")
             try:
-                if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
+                if httpx2.get(f"{self.url}/health", timeout=1.0).status_code == 200:
                     return
-            except httpx.TransportError:
+            except httpx2.TransportError:
                 pass
             time.sleep(0.2)
         self.stop(signal.SIGKILL)

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
+import httpx2
 
 from goodserve.config import EngineConfig
 from goodserve.engine_args import dataclass_argv
@@ -43,8 +43,8 @@ class Replica:
 
     def healthy(self) -> bool:
         try:
-            return httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200
-        except httpx.TransportError:
+            return httpx2.get(f"{self.url}/health", timeout=1.0).status_code == 200
+        except httpx2.TransportError:
             return False
 
 

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Issue 16's serving measurements on a 2-GPU kind: replicas behind the router (gpu_router.py: the
+# fixed-rate check, then the goodput capacity searches) and prefill / decode disaggregation against
+# two colocated replicas (gpu_disagg.py). Two device calls of at most 600 s: `capacity`, then
+# `fixed,disagg`. Each step has its own time limit, so one that hangs leaves the next its time, and its
+# summary lands in $OUT as it ends.
+#
+#   carry: [".gate/whl", ".gate/whl_fast", ".gate/tok"]   (scripts/gpu_wheels.sh, benchmarks/export_tokenizer.py)
+#   command: bash benchmarks/gpu_scaleout.sh STEPS        STEPS: capacity, or fixed,disagg
+set -uo pipefail
+cd "$(dirname "$0")/.."
+STEPS=${1:?"which steps: capacity, or fixed,disagg"}
+OUT=${OUT:-out}
+SITE=${SITE:-/tmp/site}
+python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$SITE" .gate/whl/*.whl \
+  .gate/whl_fast/*.whl 2>&1 | grep -v WARNING
+export PYTHONPATH="$SITE:$PWD/src:$PWD/benchmarks"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # the device README's rule
+nvidia-smi -L
+
+step() {  # name, seconds, command...
+  local name=$1 limit=$2 && shift 2
+  [[ ",$STEPS," == *",$name,"* ]] || return 0
+  mkdir -p "$OUT/$name"
+  local started=$SECONDS
+  OUT="$OUT/$name" timeout "$limit" "$@" > "$OUT/$name/log.txt" 2>&1
+  echo "$name: exit $? after $((SECONDS - started)) s"
+  rm -f "$OUT/$name"/router_*.json "$OUT/$name"/disagg_*.json  # per-request records: too large to bring back
+}
+
+step fixed 150 python3 benchmarks/gpu_router.py --tokenizer .gate/tok --phases fixed --num-prompts 300 --fixed-rate 32
+step capacity 560 python3 benchmarks/gpu_router.py --tokenizer .gate/tok --phases capacity
+step disagg 420 python3 benchmarks/gpu_disagg.py --tokenizer .gate/tok --num-prompts 120
+for name in fixed capacity disagg; do
+  [ -f "$OUT/$name/log.txt" ] && { echo "== $name"; tail -c 1500 "$OUT/$name/log.txt"; }
+done
