@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx2
 import pytest
@@ -103,6 +104,8 @@ def test_relays_the_stream_whole_and_counts_it_per_replica():
         assert found[f"goodserve:router_requests_total{{backend={A},outcome=ok}}"] == 2  # "one" and /v1/models
         assert found[f"goodserve:router_in_flight_requests{{backend={B}}}"] == 0
         assert found["goodserve:router_decisions_total{decision=round_robin}"] == 2
+        # Its own CPU time (Prometheus' process metrics), the measure of whether it is the limit.
+        assert 0 < found["process_cpu_seconds_total"] <= time.process_time() + 1
     run(scenario())
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client import CollectorRegistry, Counter, ProcessCollector, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from goodserve.router.backend import Backend
@@ -38,6 +38,10 @@ class RouterMetrics:
     def __init__(self, backends: list[Backend]):
         self.registry = CollectorRegistry()
         self.registry.register(BackendStateCollector(backends))
+        # process_cpu_seconds_total and the rest of Prometheus' standard process metrics: the router is
+        # one Python process, and a rate of its CPU seconds near 1 says it, not the replicas, is the
+        # limit (docs/serving.md).
+        ProcessCollector(registry=self.registry)
         self.requests = Counter(PREFIX + "requests", "Requests by replica and outcome.", ["backend", "outcome"],
                                 registry=self.registry)
         self.retries = Counter(PREFIX + "retries", "Requests sent again to another replica after one that "
