@@ -22,9 +22,14 @@ WHEELS=(
   # grammar-constrained decoding (engine/grammar.py); its torch, transformers and triton are there
   xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2
 )
-# uvicorn's C event loop and HTTP parser: the serving benchmarks carry them (.gate/whl_fast, 4.5 MB);
-# the gate leaves them out, its first call having no room (uvicorn runs without them).
-FAST_WHEELS=(uvloop==0.23.0 httptools==0.9.0)
+# For the serving benchmarks (.gate/whl_fast, ~7 MB): uvicorn's C event loop and HTTP parser (it runs
+# without them), and `goodserve bench`'s HTTP client. The gate needs neither, and its first call has
+# no room for them.
+FAST_WHEELS=(
+  uvloop==0.23.0 httptools==0.9.0
+  aiohttp==3.14.5 aiohappyeyeballs==2.7.1 aiosignal==1.4.0 attrs==26.1.0 frozenlist==1.8.0 multidict==7.2.1
+  propcache==0.5.4 yarl==1.25.1
+)
 
 download() {  # directory, wheels...
   local dir=$1 && shift
