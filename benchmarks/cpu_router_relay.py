@@ -10,7 +10,7 @@ delivering 1.66x one replica's requests a second at 64 req/s offered, with the r
 
     PYTHONPATH=src python benchmarks/cpu_router_relay.py [--concurrency 128] [--seconds 15]
 
-Writes $OUT/cpu_router_relay.json (or results/ when OUT is unset).
+Writes $OUT/cpu_router_relay.json (./out without OUT).
 
 `--bench-client RATE` measures the other end instead: `goodserve bench` against one stand-in replica
 at RATE req/s (no router), its CPU time an event, and the TTFT and inter-token gaps it reports
@@ -32,6 +32,7 @@ import tempfile
 import time
 
 from goodserve.server.process import ServerProcess, free_port
+from result_file import cpu_seconds, write_result
 
 CHUNK = json.dumps({"id": "cmpl-0", "object": "text_completion", "created": 0, "model": "m",
                     "choices": [{"index": 0, "text": " token", "logprobs": None, "finish_reason": None}]})
@@ -108,11 +109,6 @@ async def client_stream(port: int, body: bytes, counts: dict, deadline: float) -
         writer.close()
 
 
-def cpu_seconds(pid: int) -> float:
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 async def drive(port: int, concurrency: int, seconds: float, pid: int) -> dict:
     body = json.dumps({"model": "m", "prompt": "hello " * 64, "max_tokens": 256, "stream": True}).encode()
     counts = {"events": 0, "bytes": 0, "streams": 0}
@@ -168,7 +164,7 @@ def main() -> None:
         result = {"machine": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                   "event_loop": _event_loop(), "commit": _commit(), **bench_client(args)}
         print(json.dumps(result, indent=1))
-        _write("cpu_bench_client.json", result)
+        write_result("cpu_bench_client.json", result)
         return
     ports = [free_port(), free_port()]
     replicas = [subprocess.Popen([sys.executable, __file__, "--replica", str(p), str(args.tokens),
@@ -189,13 +185,7 @@ def main() -> None:
               "tokens_per_stream": args.tokens, "interval_ms": args.interval_ms, "policy": args.policy,
               "event_loop": _event_loop(), "commit": _commit(), "runs": runs}
     print(json.dumps(result, indent=1))
-    _write("cpu_router_relay.json", result)
-
-
-def _write(name: str, result: dict) -> None:
-    out = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
-    os.makedirs(out, exist_ok=True)
-    json.dump(result, open(os.path.join(out, name), "w"), indent=1)
+    write_result("cpu_router_relay.json", result)
 
 
 def _commit() -> str:

@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 from goodserve.server.process import ServerProcess, free_port, scrape_metrics, start_server
-from result_file import gpu_names
+from result_file import cpu_seconds, gpu_names
 
 OUT = os.environ.get("OUT", "out")
 SLO = ["--goodput", "ttft:200", "tpot:50"]
@@ -72,13 +72,6 @@ def router(urls: list[str], policy: str):
         yield front
     finally:
         front.stop()
-
-
-def cpu_seconds(pid: int) -> float:
-    """A process's user + system CPU time: the router is one Python process, and a core it keeps busy
-    the whole run caps what R replicas can deliver through it."""
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def bench(url: str, args, extra: list[str], filename: str) -> dict:

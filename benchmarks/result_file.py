@@ -1,4 +1,5 @@
-"""Where a benchmark's JSON result goes: $OUT (the device tool's folder that comes back) or ./out."""
+"""Where a benchmark's JSON result goes: $OUT (the device tool's folder that comes back) or ./out; and the
+facts about the host a result records (its GPUs, a process's CPU time)."""
 
 from __future__ import annotations
 
@@ -26,3 +27,10 @@ def gpu_names() -> list[str]:
     except (OSError, subprocess.TimeoutExpired):
         return []
     return [line.strip() for line in listed.splitlines() if line.strip()]
+
+
+def cpu_seconds(pid: int) -> float:
+    """A process's user + system CPU time so far (Linux /proc): one Python process near a core of it
+    (a router, a load generator) limits what it serves or measures."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

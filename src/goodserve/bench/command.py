@@ -329,8 +329,9 @@ class _Bench:
 
 
 def run_event_loop(main) -> None:
-    """main() on uvloop where installed: a client reading ~10k SSE events a second spent a quarter of its
-    time in asyncio's own selector (registering and unregistering every socket it paused)."""
+    """main() on uvloop where installed: asyncio's own selector delays every event a busy client times
+    (at 60 req/s of 256-chunk streams, a 20 ms TTFT reported as 121 ms median on asyncio's loop, 27 ms
+    on uvloop: benchmarks/BENCHMARKS.md, "Replicas behind the router")."""
     try:
         import uvloop
     except ImportError:
