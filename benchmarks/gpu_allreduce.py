@@ -6,10 +6,17 @@ path's sums equal NCCL's, eager and replayed, with the kernel's own input copy a
 copy (an input not 16-byte aligned), and exits non-zero where one does not: the GPU check of the
 custom all-reduce, which the one-GPU regression gate cannot run.
 
+Then, per rows x hidden of --fused-shapes, the all-reduce fused with the residual add and RMSNorm
+(ops/all_reduce_norm.py, what a decoder layer's norms run) against the one-shot all-reduce followed
+by the Triton add + RMSNorm kernel it replaces, in CUDA graphs of GRAPH_CALLS calls: µs a call and
+whether the outputs are the same (bit for bit at 2 GPUs, eager and replayed, the replayed graph
+alternating two inputs so a call that read a stale row would show).
+
 NCCL's NVLink multicast and symmetric memory's stay off (NCCL_NVLS_ENABLE=0,
 TORCH_SYMM_MEM_DISABLE_MULTICAST=1, set here before either starts; the ranks inherit them).
 
-  python benchmarks/gpu_allreduce.py [--gpus 2] [--sizes-kb 8,16,64,256,1024]   (on an nvidia-h100-x2)
+  python benchmarks/gpu_allreduce.py [--gpus 2] [--sizes-kb 8,16,64,256,1024] [--fused-shapes 1x4096,...]
+      (on an nvidia-h100-x2)
 
 Writes $OUT/gpu_allreduce.json and prints a table.
 """
@@ -29,6 +36,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 from goodserve.model.custom_all_reduce import set_up_custom_all_reduce  # noqa: E402
+from goodserve.ops.triton_ops import triton_add_rms_norm  # noqa: E402
 from result_file import write_result  # noqa: E402
 
 GRAPH_CALLS = 64
@@ -112,7 +120,36 @@ def measure(nbytes: int, custom, rank: int, world: int, device: torch.device) ->
             "custom_graph_us": graph_us(graph), **checks}
 
 
-def rank_main(rank: int, world: int, port: int, sizes: list[int]) -> None:
+def measure_fused(rows: int, hidden: int, custom, rank: int, world: int, device: torch.device) -> dict:
+    generator = torch.Generator(device=device).manual_seed(rank)
+    x = torch.randn(rows, hidden, generator=generator, device=device).to(torch.bfloat16)
+    common = torch.Generator(device=device).manual_seed(1000)  # residual and weight: alike on every rank
+    residual = torch.randn(rows, hidden, generator=common, device=device).to(torch.bfloat16)
+    weight = (1 + 0.1 * torch.randn(hidden, generator=common, device=device)).to(torch.bfloat16)
+
+    def fused(i: int):
+        return custom.add_rms_norm(inputs[i % 2], residual, weight, 1e-5)
+
+    def unfused(i: int):
+        return triton_add_rms_norm(custom(inputs[i % 2]), residual, weight, 1e-5)
+
+    def same(got, expected) -> bool:
+        return all(sums_equal(g, e, world) for g, e in zip(got, expected))
+
+    inputs = (x, x.flip(0).flip(1).contiguous())
+    expected = [unfused(i) for i in range(2)]
+    checks = {"fused_eager_equals_unfused": all(same(fused(i), expected[i]) for i in range(2))}
+    fused_graph, fused_outs = capture(fused)
+    unfused_graph, _ = capture(unfused)
+    for _ in range(3):
+        fused_graph.replay()
+    torch.cuda.synchronize()
+    checks["fused_graph_equals_unfused"] = all(same(out, expected[i % 2]) for i, out in enumerate(fused_outs))
+    return {"rows": rows, "hidden": hidden, "unfused_graph_us": graph_us(unfused_graph),
+            "fused_graph_us": graph_us(fused_graph), **checks}
+
+
+def rank_main(rank: int, world: int, port: int, sizes: list[int], fused_shapes: list[tuple[int, int]]) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank),
                       LOCAL_RANK=str(rank))
     device = torch.device("cuda", rank)
@@ -123,32 +160,41 @@ def rank_main(rank: int, world: int, port: int, sizes: list[int]) -> None:
         if custom is None:
             raise SystemExit("the custom all-reduce could not be set up (the log says why)")
         rows = [measure(nbytes, custom, rank, world, device) for nbytes in sizes]
+        fused = [measure_fused(r, h, custom, rank, world, device) for r, h in fused_shapes if custom.fuses(
+            torch.empty(r, h, dtype=torch.bfloat16, device=device))]
         if rank == 0:
-            report(rows, world)
+            report(rows, fused, world)
     finally:
         dist.destroy_process_group()
 
 
-def report(rows: list[dict], world: int) -> None:
-    all_equal = all(value for row in rows for key, value in row.items() if key.endswith("_equals_nccl"))
+def report(rows: list[dict], fused: list[dict], world: int) -> None:
+    all_equal = all(value for row in rows + fused for key, value in row.items() if "_equals_" in key)
     result = {"device": torch.cuda.get_device_name(), "gpus": world, "torch": torch.__version__,
               "dtype": "bfloat16", "graph_calls": GRAPH_CALLS, "nccl_nvls_enable": os.environ["NCCL_NVLS_ENABLE"],
-              "all_equal": all_equal, "sizes": rows}
+              "all_equal": all_equal, "sizes": rows, "fused_add_rms_norm": fused}
     path = write_result("gpu_allreduce.json", result)
     print(f"{'KB':>6} {'nccl eager':>10} {'nccl graph':>10} {'custom eager':>12} {'custom graph':>12}  (us)  equal")
     for row in rows:
         equal = all(value for key, value in row.items() if key.endswith("_equals_nccl"))
         print(f"{row['bytes'] >> 10:>6} {row['nccl_eager_us']:>10.1f} {row['nccl_graph_us']:>10.1f} "
               f"{row['custom_eager_us']:>12.1f} {row['custom_graph_us']:>12.1f}        {equal}")
+    print(f"{'rows x hidden':>14} {'all-reduce + add_rms_norm':>26} {'fused':>8}  (us, graphs)  equal")
+    for row in fused:
+        equal = row["fused_eager_equals_unfused"] and row["fused_graph_equals_unfused"]
+        print(f"{row['rows']:>7} x {row['hidden']:<5} {row['unfused_graph_us']:>26.1f} {row['fused_graph_us']:>8.1f}"
+              f"                {equal}")
     print(f"wrote {path}")
     if not all_equal:
-        raise SystemExit("the custom all-reduce's sums differ from NCCL's (see the *_equals_nccl fields)")
+        raise SystemExit("a custom all-reduce's result differs from its reference (see the *_equals_* fields)")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gpus", type=int, default=2)
     parser.add_argument("--sizes-kb", default="8,16,64,256,1024", help="comma-separated message sizes in KiB")
+    parser.add_argument("--fused-shapes", default="1x4096,16x4096,64x4096,1x8192,16x8192",
+                        help="comma-separated rows x hidden for the fused all-reduce + add + RMSNorm")
     args = parser.parse_args()
     if torch.cuda.device_count() < args.gpus:
         raise SystemExit(f"{args.gpus} GPUs asked for, {torch.cuda.device_count()} here")
@@ -156,7 +202,8 @@ def main() -> None:
         s.bind(("", 0))
         port = s.getsockname()[1]
     sizes = [int(kb) << 10 for kb in args.sizes_kb.split(",")]
-    mp.spawn(rank_main, args=(args.gpus, port, sizes), nprocs=args.gpus)  # raises where a rank fails
+    fused_shapes = [tuple(int(n) for n in shape.split("x")) for shape in args.fused_shapes.split(",")]
+    mp.spawn(rank_main, args=(args.gpus, port, sizes, fused_shapes), nprocs=args.gpus)  # raises where a rank fails
 
 
 if __name__ == "__main__":

@@ -15,11 +15,13 @@ the sum over stages of a stage's read over one GPU's bandwidth: TP=N's limit; wh
 Each size runs in this process's engine (TP=1: the worker in this process, as the engine runs by
 default; TP>1: one worker process per GPU, NCCL). NCCL's NVLink multicast stays off
 (NCCL_NVLS_ENABLE=0, set here for the workers to inherit). CUDA graphs capture the collectives
-unless --enforce-eager. Each TP>1 layout runs once per all-reduce of --all-reduce: custom (small
-all-reduces one-shot on symmetric memory, model/custom_all_reduce.py; NCCL's when it cannot be set up:
-each row records the one its engine used) and nccl (--disable-custom-all-reduce).
+unless --enforce-eager. Each TP>1 layout runs once per all-reduce of --all-reduce: fused (the
+default: small all-reduces on symmetric memory, those before a residual add + RMSNorm in one kernel
+with it, ops/all_reduce_norm.py), custom (the one-shot all-reduce on symmetric memory alone,
+model/custom_all_reduce.py, then the norm's kernel) and nccl (--disable-custom-all-reduce). Where the
+custom ones cannot be set up the engine takes NCCL: each row records the one its engine used.
 
-  python benchmarks/gpu_tp.py [--sizes 1,2,4,1x2,2x2] [--enforce-eager] [--all-reduce custom,nccl]
+  python benchmarks/gpu_tp.py [--sizes 1,2,4,1x2,2x2] [--enforce-eager] [--all-reduce fused,custom,nccl]
       (on an nvidia-h100-x2 / -x4)
   python benchmarks/gpu_tp.py --smoke   (CPU, gloo, dummy:tiny float32, TP=1, 2, PP=2 and 2x2)
   python benchmarks/gpu_tp.py --host-overhead [--smoke]   (what the worker processes cost a step)
@@ -47,6 +49,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from goodserve import LLM, SamplingParams  # noqa: E402
+from goodserve.config import KernelOptions  # noqa: E402
 from goodserve.model.llama import build_empty_model  # noqa: E402
 from goodserve.model.pipeline_parallel import PipelineParallel  # noqa: E402
 from goodserve.model.presets import get_preset  # noqa: E402
@@ -101,10 +104,10 @@ def decode_tok_s(llm: LLM, new_tokens: int) -> list[dict]:
 
 
 def measure(args: argparse.Namespace, layout: str, all_reduce: str, bandwidth_gbps: float) -> dict:
-    """layout: "N" (TP=N) or "NxM" (TP=N in each of M pipeline stages); all_reduce: custom or nccl."""
+    """layout: "N" (TP=N) or "NxM" (TP=N in each of M pipeline stages); all_reduce: fused, custom or nccl."""
     tp, pp = parse_layout(layout)
-    with engine(args, tensor_parallel_size=tp, pipeline_parallel_size=pp,
-                disable_custom_all_reduce=all_reduce == "nccl") as llm:
+    with engine(args, tensor_parallel_size=tp, pipeline_parallel_size=pp, disable_custom_all_reduce=all_reduce == "nccl",
+                kernels=KernelOptions(fuse_all_reduce_into_norm=all_reduce == "fused")) as llm:
         runs = decode_tok_s(llm, args.new_tokens)
         info = llm.engine.executor.info
     best = max(r["decode_tok_s"] for r in runs)
@@ -166,15 +169,16 @@ def main() -> None:
     parser.add_argument("--model", default="dummy:llama-3.1-8b")
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (to see what capture buys)")
-    parser.add_argument("--all-reduce", default="custom", help="comma-separated: custom (the engine's default) "
-                        "and / or nccl (--disable-custom-all-reduce); each TP>1 layout runs once per entry")
+    parser.add_argument("--all-reduce", default="fused", help="comma-separated, of fused (the engine's default), "
+                        "custom (one-shot, unfused) and nccl (--disable-custom-all-reduce); each TP>1 layout runs "
+                        "once per entry")
     parser.add_argument("--dtype", default="bfloat16", help="on CUDA (float32: greedy tokens comparable across sizes)")
     parser.add_argument("--smoke", action="store_true", help="CPU, gloo, dummy:tiny float32, TP=1, 2, PP=2, 2x2")
     parser.add_argument("--host-overhead", action="store_true",
                         help="ms a step at TP=1 in-process, TP=1 in a worker process, TP=2, and the part outside rank 0's worker")
     args = parser.parse_args()
-    if not set(args.all_reduce.split(",")) <= {"custom", "nccl"}:
-        parser.error("--all-reduce takes custom and / or nccl")
+    if not set(args.all_reduce.split(",")) <= {"fused", "custom", "nccl"}:
+        parser.error("--all-reduce takes fused, custom and / or nccl")
     args.device, args.dtype = ("cpu", "float32") if args.smoke else ("cuda", args.dtype)
     if args.smoke:
         args.model, args.new_tokens, args.sizes = "dummy:tiny", 16, args.sizes or "1,2,1x2,2x2"

@@ -91,6 +91,9 @@ class KernelOptions:
     # them, so it pays where latency, not bytes, decides: decode (8 KB a token for an 8B model, so
     # 512 KiB holds a 64-sequence batch), not prefill chunks (MBs, where NCCL's bandwidth wins).
     custom_all_reduce_max_bytes: int = 512 << 10
+    # Those all-reduces fused with the residual add and RMSNorm after them, one kernel without a
+    # barrier (ops/all_reduce_norm.py); off: the one-shot all-reduce, then the norm's kernel.
+    fuse_all_reduce_into_norm: bool = True
 
     def validate(self) -> None:
         kernels = [self.int4_one_row_kernel, *self.int4_one_row_kernel_by_shape.values()]

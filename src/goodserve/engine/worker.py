@@ -41,8 +41,9 @@ class ModelInfo:
     eos_token_ids: list[int]
     revision: str  # identity of the weights
     cuda_graphs: bool
-    # Tensor parallelism's all-reduce: "custom" (small tensors one-shot on symmetric memory, the rest
-    # NCCL), "nccl" or "gloo"; None without tensor parallelism.
+    # Tensor parallelism's all-reduce: "fused" (small tensors on symmetric memory, those before a norm
+    # in its kernel), "custom" (small tensors one-shot on symmetric memory, the rest NCCL), "nccl" or
+    # "gloo"; None without tensor parallelism.
     all_reduce: str | None
     # Decode steps run the CPU's native decoder stack (model/native_decode.py); a verify step does not
     native_decode: bool
@@ -56,7 +57,7 @@ class Worker:
         device = torch.device(config.device)
         if tp.size > 1 and not config.disable_custom_all_reduce:
             tp = replace(tp, custom_all_reduce=set_up_custom_all_reduce(
-                tp.group, device, config.kernels.custom_all_reduce_max_bytes))
+                tp.group, device, config.kernels.custom_all_reduce_max_bytes, config.kernels.fuse_all_reduce_into_norm))
         loaded = build_model(config, tp, pp)
         config = resolve_for_model(config, loaded.spec)
         kv_dtype = kv_storage_dtype(config, torch_dtype(config))
@@ -93,4 +94,6 @@ class Worker:
 def _all_reduce_name(tp: TensorParallel, device: torch.device) -> str | None:
     if tp.size == 1:
         return None
-    return "custom" if tp.custom_all_reduce is not None else "nccl" if device.type == "cuda" else "gloo"
+    if tp.custom_all_reduce is not None:
+        return "fused" if tp.custom_all_reduce.lamport is not None else "custom"
+    return "nccl" if device.type == "cuda" else "gloo"

@@ -6,8 +6,10 @@ plain nn.Linear so quantization can swap them by name. Modules that launch kerne
 KernelChoice (`kernels`: torch's until the engine gives them its own, ops/kernel_choice.use_kernels).
 
 Under tensor parallelism (model/tensor_parallel.py) each rank builds the modules of its own shapes
-(`tp.local_spec`) and joins them where they meet: an all-reduce after o_proj and after down_proj, a
-masked lookup plus all-reduce in the embedding, an all-gather of the logits.
+(`tp.local_spec`) and joins them where they meet: o_proj's and down_proj's partial sums all-reduced
+inside the residual add + RMSNorm after them, a masked lookup plus all-reduce in the embedding, an
+all-gather of the logits. A stage hands its last layer's partial sums on, rank to rank of the same
+tensor-parallel index, and the next stage's first norm sums them.
 
 Under pipeline parallelism (model/pipeline_parallel.py) a stage builds only its layers (the others
 stay as empty placeholders, so parameter names are the checkpoint's), the embedding on the first
@@ -27,25 +29,27 @@ from goodserve.model.tensor_parallel import TensorParallel, check_tensor_paralle
 from goodserve.ops.activation import silu_and_mul
 from goodserve.ops.attention import AttentionMetadata, LayerKVCache, attention
 from goodserve.ops.kernel_choice import TORCH_KERNELS
-from goodserve.ops.norm import add_rms_norm, rms_norm
+from goodserve.ops.norm import rms_norm
 from goodserve.ops.rotary import cos_sin_cache
 from goodserve.quant.linear import Int4Linear
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float):
+    def __init__(self, hidden_size: int, eps: float, tp: TensorParallel = TensorParallel()):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.tp = tp
         self.kernels = TORCH_KERNELS
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """With a residual: add it first and return (normed, new residual), one fused pass."""
+        """With a residual: x is a sublayer's output, under tensor parallelism this rank's partial sum;
+        sum it over the ranks, add the residual and return (normed, new residual), fused."""
         if residual is None:
             return rms_norm(x, self.weight, self.eps, self.kernels)
-        return add_rms_norm(x, residual, self.weight, self.eps, self.kernels)
+        return self.tp.all_reduce_add_rms_norm(x, residual, self.weight, self.eps, self.kernels)
 
 
 class VocabParallelEmbedding(nn.Embedding):
@@ -86,7 +90,7 @@ class LlamaAttention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         out = attention(q, k, v, positions, rotary_cache, kv_cache, meta, self.scale, self.kernels)
-        return self.tp.all_reduce(self.o_proj(out.flatten(1)))
+        return self.o_proj(out.flatten(1))  # a partial sum under TP: the next norm all-reduces it
 
 
 class LlamaMLP(nn.Module):
@@ -104,15 +108,15 @@ class LlamaMLP(nn.Module):
             hidden = gate_up.silu_and_mul(x)
         else:
             hidden = silu_and_mul(gate_up(x), self.kernels)
-        return self.tp.all_reduce(self.down_proj(hidden))
+        return self.down_proj(hidden)  # a partial sum under TP: the next norm all-reduces it
 
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, spec: ModelSpec, tp: TensorParallel):
         super().__init__()
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, tp)
         self.self_attn = LlamaAttention(spec, tp)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, tp)
         self.mlp = LlamaMLP(spec, tp)
 
     def forward(
@@ -138,7 +142,7 @@ class LlamaModel(nn.Module):
             if pp.holds_embedding(spec) else None
         self.layers = nn.ModuleList(LlamaDecoderLayer(spec, tp) if i in held else nn.Identity()
                                     for i in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps) if pp.is_last else None
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, tp) if pp.is_last else None
 
 
 class LlamaForCausalLM(nn.Module):

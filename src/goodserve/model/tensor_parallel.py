@@ -3,7 +3,8 @@ that join the slices.
 
 Per layer: the fused qkv and gate_up are column-parallel (a rank holds its query heads, their KV
 heads and its columns of gate and of up), o_proj and down_proj row-parallel (the matching input
-columns), each followed by one all-reduce. The embedding and lm_head are vocab-parallel: a rank
+columns), each followed by one all-reduce, which the residual add and RMSNorm after it take in
+(`all_reduce_add_rms_norm`: the sublayers return their partial sums). The embedding and lm_head are vocab-parallel: a rank
 holds a contiguous range of ceil(vocab / N) rows (the last padded with zeros); the lookup masks the
 ids outside its range and all-reduces, the logits are all-gathered. Norms are replicated. The same
 slicing serves a GGUF layer's codes (packed nibbles, scales and zeros per block of 32 inputs: rows
@@ -29,6 +30,8 @@ import torch.nn.functional as F
 from goodserve.errors import InvalidRequestError
 from goodserve.model.custom_all_reduce import CustomAllReduce
 from goodserve.model.spec import ModelSpec
+from goodserve.ops.kernel_choice import KernelChoice
+from goodserve.ops.norm import add_rms_norm
 
 
 def check_tensor_parallel_size(spec: ModelSpec, size: int) -> None:
@@ -108,6 +111,14 @@ class TensorParallel:
             return self.custom_all_reduce(x)
         dist.all_reduce(x, group=self.group)
         return x
+
+    def all_reduce_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                                kernels: KernelChoice) -> tuple[torch.Tensor, torch.Tensor]:
+        """add_rms_norm of the sum of the ranks' partial x: one kernel where the custom all-reduce
+        fuses it (ops/all_reduce_norm.py), else the all-reduce and then the norm's kernel."""
+        if self.size > 1 and self.custom_all_reduce is not None and self.custom_all_reduce.fuses(x):
+            return self.custom_all_reduce.add_rms_norm(x, residual, weight, eps)
+        return add_rms_norm(self.all_reduce(x), residual, weight, eps, kernels)
 
     def all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:
         if self.size > 1:

@@ -31,6 +31,14 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, new_residual_ptr,
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    add_residual_and_norm(x, row, cols, mask, residual_ptr, weight_ptr, out_ptr, new_residual_ptr, stride_r,
+                          stride_o, stride_nr, hidden, eps, HAS_RESIDUAL)
+
+
+@triton.jit
+def add_residual_and_norm(x, row, cols, mask, residual_ptr, weight_ptr, out_ptr, new_residual_ptr, stride_r,
+                          stride_o, stride_nr, hidden, eps, HAS_RESIDUAL: tl.constexpr):
+    """One row: x (+ residual, stored as the new residual), RMS-normed and scaled by weight, into out."""
     if HAS_RESIDUAL:
         # The sum is rounded to the activation dtype first, as `x + residual` is in torch.
         x = (x.to(tl.float32) + tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32))
