@@ -32,7 +32,7 @@ step allreduce 90 python3 benchmarks/gpu_allreduce.py --gpus "$GPUS" --sizes-kb 
 if [ "$GPUS" -ge 4 ]; then
   step tp70b 260 python3 benchmarks/gpu_tp.py --model dummy:llama-3.1-70b --sizes 4 --new-tokens 128 \
     --all-reduce fused,custom
-  step tp8b 240 python3 benchmarks/gpu_tp.py --sizes 1,2,4 --all-reduce fused
+  step tp8b 200 python3 benchmarks/gpu_tp.py --sizes 1,2,4 --all-reduce fused
 else
   step tp8b 240 python3 benchmarks/gpu_tp.py --sizes 1,2 --all-reduce fused,custom
 fi
