@@ -233,6 +233,28 @@ def test_sweep_over_rates_against_server(tmp_path):
     assert "Goodput vs rate" in (tmp_path / "s.html").read_text()
 
 
+@pytest.mark.parametrize("reuse", [False, True])
+def test_each_run_of_a_sweep_draws_its_own_prompts(tmp_path, reuse):
+    """A server's prefix cache holds what an earlier run sent: a later run of the same prompts would
+    measure cache hits. Each run draws new prompts of the same lengths, unless --reuse-prompts."""
+    server = SseServer(mode="ok", tokens=2)
+    try:
+        args = bench_args("--base-url", server.url, "--num-prompts", "3", "--random-input-len", "12",
+                          "--random-output-len", "2", "--sweep-request-rates", "50,100,200",
+                          "--result-filename", str(tmp_path / "sweep.json"), *(["--reuse-prompts"] if reuse else []))
+        assert command.run_command(args) == 0
+    finally:
+        server.close()
+    runs = [sorted(body["prompt"] for body in server.bodies[i * 3:(i + 1) * 3]) for i in range(3)]
+    assert all(len(prompt.split()) == 12 for run in runs for prompt in run)
+    if reuse:
+        assert runs[0] == runs[1] == runs[2]
+    else:
+        assert not set(runs[0]) & set(runs[1]) and not set(runs[1]) & set(runs[2]) and not set(runs[0]) & set(runs[2])
+    seeds = [run["prompt_seed"] for run in load_json(tmp_path / "sweep.json")["sweep"]]
+    assert seeds == ([0, 0, 0] if reuse else [0, 1, 2])
+
+
 def test_multiturn_history_grows_with_real_answers(tmp_path):
     server = SseServer(mode="ok", tokens=2)
     try:

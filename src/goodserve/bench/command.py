@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import math
 import os
 import sys
@@ -38,7 +39,7 @@ from goodserve.bench.spec_decode import (
     spec_decode_metrics,
 )
 from goodserve.bench.text import PromptText
-from goodserve.bench.workloads import DATASETS, LENGTH_DISTS, WorkloadConfig, build_workload
+from goodserve.bench.workloads import DATASETS, LENGTH_DISTS, BenchRequest, WorkloadConfig, build_workload
 from goodserve.commands.console import make_console
 from goodserve.config import DTYPES, SCHEDULER_POLICIES
 from goodserve.errors import InvalidRequestError
@@ -110,6 +111,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--constant-rate", action="store_true", help="fixed gaps of 1/rate")
     g.add_argument("--max-concurrency", type=int)
     g.add_argument("--num-warmups", type=int, default=0, help="requests sent first and left out")
+    g.add_argument("--reuse-prompts", action="store_true",
+                   help="every run of a sweep or capacity search sends the first run's prompts (default: run i "
+                        "draws its own with seed --seed + i, so no run finds its prompts in a prefix cache the "
+                        "runs before it filled; a --dataset-path file's prompts are sampled anew the same way)")
     g.add_argument("--sweep-request-rates", help="comma list: one run per rate")
     g.add_argument("--sweep-max-concurrency", help="comma list: one run per concurrency")
 
@@ -181,6 +186,11 @@ def settings_of(args, arrivals: ArrivalConfig, target, tokenizer_id: str | None,
     }
 
 
+def prompt_seed(args, run_index: int) -> int:
+    """The seed of run run_index's prompts: a new draw each run unless --reuse-prompts."""
+    return args.seed if args.reuse_prompts else args.seed + run_index
+
+
 class _Bench:
     """One invocation: shared target and workload, one or more runs, results saved even on failure."""
 
@@ -200,7 +210,7 @@ class _Bench:
         if self.slo_scales and not self.slos:
             raise InvalidRequestError("--sweep-slo-scale needs SLOs: add --goodput ttft:MS tpot:MS")
         self.tokenizer = self._tokenizer()
-        self.requests = build_workload(workload_config(args), PromptText(self.tokenizer, args.seed))
+        self.requests = self._workload(0)  # the current run's: each run draws its own (prompt_seed)
         self.target = make_target(args, self.tokenizer)
         self.engine_config = engine_config_of(args, self.target)
         if self.engine_config:
@@ -230,10 +240,17 @@ class _Bench:
             arrivals.validate()
         return plan or [base]
 
+    def _workload(self, run_index: int) -> list[BenchRequest]:
+        seed = prompt_seed(self.args, run_index)
+        return build_workload(dataclasses.replace(workload_config(self.args), seed=seed),
+                              PromptText(self.tokenizer, seed))
+
     async def run_one(self, arrivals: ArrivalConfig) -> dict:
+        if self.runs and not self.args.reuse_prompts:
+            self.requests = self._workload(len(self.runs))
         run = BenchRun(self.target, [r for r in self.requests], arrivals, self.args.seed, self.args.num_warmups)
-        settings = settings_of(self.args, arrivals, self.target, self.args.tokenizer or self.args.model,
-                               self.engine_config)
+        settings = {**settings_of(self.args, arrivals, self.target, self.args.tokenizer or self.args.model,
+                                  self.engine_config), "prompt_seed": prompt_seed(self.args, len(self.runs))}
         self.spec_before = None
         run.on_start = self._note_spec_decode_counts
         with self._progress(arrivals) as hook:
