@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # Issue 16's serving measurements on a 2-GPU kind: replicas behind the router (gpu_router.py: the
 # fixed-rate check, then the goodput capacity searches) and prefill / decode disaggregation against
-# two colocated replicas (gpu_disagg.py). Two device calls of at most 600 s: `capacity`, then
-# `fixed,disagg`. Each step has its own time limit, so one that hangs leaves the next its time, and its
-# summary lands in $OUT as it ends.
+# two colocated replicas (gpu_disagg.py, each setup a step of its own). Device calls of at most 600 s:
+# `capacity`, `colocated,disagg`, `fixed`. Each step has its own time limit, so one that hangs leaves
+# the next its time, and its summary lands in $OUT as it ends.
 #
 #   carry: [".gate/whl", ".gate/whl_fast", ".gate/tok"]   (scripts/gpu_wheels.sh, benchmarks/export_tokenizer.py)
-#   command: bash benchmarks/gpu_scaleout.sh STEPS        STEPS: capacity, or fixed,disagg
+#   command: bash benchmarks/gpu_scaleout.sh STEPS        STEPS: capacity, colocated,disagg, or fixed
 set -uo pipefail
 cd "$(dirname "$0")/.."
-STEPS=${1:?"which steps: capacity, or fixed,disagg"}
+STEPS=${1:?"which steps: capacity, colocated,disagg, or fixed"}
 OUT=${OUT:-out}
 SITE=${SITE:-/tmp/site}
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$SITE" .gate/whl/*.whl \
@@ -30,7 +30,8 @@ step() {  # name, seconds, command...
 
 step fixed 150 python3 benchmarks/gpu_router.py --tokenizer .gate/tok --phases fixed --num-prompts 300 --fixed-rate 32
 step capacity 560 python3 benchmarks/gpu_router.py --tokenizer .gate/tok --phases capacity
-step disagg 420 python3 benchmarks/gpu_disagg.py --tokenizer .gate/tok --num-prompts 120
-for name in fixed capacity disagg; do
+step colocated 270 python3 benchmarks/gpu_disagg.py --tokenizer .gate/tok --num-prompts 120 --setups colocated
+step disagg 300 python3 benchmarks/gpu_disagg.py --tokenizer .gate/tok --num-prompts 120 --setups disagg
+for name in fixed capacity colocated disagg; do
   [ -f "$OUT/$name/log.txt" ] && { echo "== $name"; tail -c 1500 "$OUT/$name/log.txt"; }
 done

@@ -180,8 +180,8 @@ def test_diagnose_command_with_tensor_parallelism(capsys):
     assert run_diagnose("--model", "llama-3.1-70b", "--hardware", "h100-sxm", "--tensor-parallel-size", "4") == 0
     text = capsys.readouterr().out
     assert "4 x h100-sxm (TP 4, PP 1)" in text and "35.28 GB per GPU" in text
-    # 4 x 3.35 TB/s / 141.1 GB = 95 tok/s (10.53 ms); 160 all-reduces of 16 KiB: 160 x 12.5 us + a ring's
-    # 1.5 x 2.6 MB over 450 GB/s = 2.01 ms, and 80 layers x 26 us = 2.08 ms more per token: 68 tok/s
-    assert "95 tok/s" in text and "160 x 16 KiB, 2.01 ms at 12.5 us each" in text and "68 tok/s" in text
+    # 4 x 3.35 TB/s / 141.1 GB = 95 tok/s (10.53 ms); 160 all-reduces of 16 KiB: 160 x 8.5 us + a ring's
+    # 1.5 x 2.6 MB over 450 GB/s = 1.37 ms, and 80 layers x 26 us = 2.08 ms more per token: 71.5 tok/s
+    assert "95 tok/s" in text and "160 x 16 KiB, 1.37 ms at 8.5 us each" in text and "72 tok/s" in text
     with pytest.raises(InvalidRequestError, match="must divide 64 heads"):
         run_diagnose("--model", "llama-3.1-70b", "--tp", "3")

@@ -28,14 +28,15 @@ from goodserve.errors import InvalidRequestError
 from goodserve.hardware import Hardware
 from goodserve.model.spec import ModelSpec
 
-# What an all-reduce of a decode step's few KB costs inside the step, one host, the engine's one-shot
-# all-reduce on symmetric memory (model/custom_all_reduce.py), CUDA graphs. Alone it takes 6.5-6.8 us
-# at 8-64 KB of bf16 on 2 H200s (benchmarks/results/gpu_allreduce_h200x2.json); in the step each
-# waits for the slowest rank's kernels too: on 4 H100s (NV18) batch-1 decode lost 13.1 / 11.7 us an
-# all-reduce beyond TP=1's per-layer cost at TP=2 / 4 for llama-3.1-8b and 12.4 us for llama-3.1-70b
-# at TP=4 (benchmarks/results/gpu_tp_h100x4.json, gpu_tp_70b_h100x4.json). --allreduce-latency-us:
-# another interconnect's.
-ALLREDUCE_LATENCY_S = 12.5e-6
+# What an all-reduce of a decode step's few KB costs inside the step, one host, the engine's all-reduce
+# fused with the residual add and RMSNorm after it (ops/all_reduce_norm.py), CUDA graphs. Alone, with
+# the norm, it takes 4.7-6.4 us at 1 x 4096-8192 bf16 rows on 2 H100s (10.3-10.8 unfused;
+# benchmarks/results/gpu_allreduce_fused_h100x2.json); in the step each waits for the slowest rank's
+# kernels too: on 4 H100s (NV18) batch-1 decode lost 7.1 / 7.4 us an all-reduce beyond TP=1's per-layer
+# cost at TP=2 / 4 for llama-3.1-8b and 10.4 us for llama-3.1-70b at TP=4 (13.1 / 11.7 / 12.4 with the
+# one-shot all-reduce and a separate norm; gpu_tp_fused_h100x4.json, gpu_tp_70b_fused_h100x4.json).
+# --allreduce-latency-us: another interconnect's.
+ALLREDUCE_LATENCY_S = 8.5e-6
 # What a decoder layer's ~8 kernels cost a decode step beyond the bytes they read (launch and
 # dependency latencies, inside a CUDA graph): 26 us on an H100 at TP=1 (llama-3.1-8b batch 1: 5.87 ms a
 # token against 5.03 at the measured copy bandwidth, over 32 layers; gpu_tp_h100x4.json). Every rank
