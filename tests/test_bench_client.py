@@ -236,17 +236,21 @@ def test_sweep_over_rates_against_server(tmp_path):
 @pytest.mark.parametrize("reuse", [False, True])
 def test_each_run_of_a_sweep_draws_its_own_prompts(tmp_path, reuse):
     """A server's prefix cache holds what an earlier run sent: a later run of the same prompts would
-    measure cache hits. Each run draws new prompts of the same lengths, unless --reuse-prompts."""
+    measure cache hits. Each run draws new prompts of the same lengths, unless --reuse-prompts; the
+    warm-ups never send a prompt that is then measured."""
     server = SseServer(mode="ok", tokens=2)
     try:
         args = bench_args("--base-url", server.url, "--num-prompts", "3", "--random-input-len", "12",
-                          "--random-output-len", "2", "--sweep-request-rates", "50,100,200",
+                          "--random-output-len", "2", "--sweep-request-rates", "50,100,200", "--num-warmups", "2",
                           "--result-filename", str(tmp_path / "sweep.json"), *(["--reuse-prompts"] if reuse else []))
         assert command.run_command(args) == 0
     finally:
         server.close()
-    runs = [sorted(body["prompt"] for body in server.bodies[i * 3:(i + 1) * 3]) for i in range(3)]
+    # Each run: its 2 warm-ups, then its 3 measured requests.
+    warmups = [{body["prompt"] for body in server.bodies[i * 5:i * 5 + 2]} for i in range(3)]
+    runs = [sorted(body["prompt"] for body in server.bodies[i * 5 + 2:(i + 1) * 5]) for i in range(3)]
     assert all(len(prompt.split()) == 12 for run in runs for prompt in run)
+    assert all(len(warmups[i]) == 2 and not warmups[i] & set(runs[i]) for i in range(3))  # none measured
     if reuse:
         assert runs[0] == runs[1] == runs[2]
     else:

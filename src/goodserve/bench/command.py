@@ -110,7 +110,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of gaps; 1 = Poisson")
     g.add_argument("--constant-rate", action="store_true", help="fixed gaps of 1/rate")
     g.add_argument("--max-concurrency", type=int)
-    g.add_argument("--num-warmups", type=int, default=0, help="requests sent first and left out")
+    g.add_argument("--num-warmups", type=int, default=0,
+                   help="requests sent first and left out (prompts of their own, none of the measured ones)")
     g.add_argument("--reuse-prompts", action="store_true",
                    help="every run of a sweep or capacity search sends the first run's prompts (default: run i "
                         "draws its own with seed --seed + i, so no run finds its prompts in a prefix cache the "
@@ -191,6 +192,10 @@ def prompt_seed(args, run_index: int) -> int:
     return args.seed if args.reuse_prompts else args.seed + run_index
 
 
+# Warm-up prompts are drawn with the run's seed plus this: never a seed a run's own prompts take.
+WARMUP_SEED_OFFSET = 1_000_000
+
+
 class _Bench:
     """One invocation: shared target and workload, one or more runs, results saved even on failure."""
 
@@ -240,15 +245,18 @@ class _Bench:
             arrivals.validate()
         return plan or [base]
 
-    def _workload(self, run_index: int) -> list[BenchRequest]:
-        seed = prompt_seed(self.args, run_index)
-        return build_workload(dataclasses.replace(workload_config(self.args), seed=seed),
-                              PromptText(self.tokenizer, seed))
+    def _workload(self, run_index: int, warmup: bool = False) -> list[BenchRequest]:
+        seed = prompt_seed(self.args, run_index) + (WARMUP_SEED_OFFSET if warmup else 0)
+        config = workload_config(self.args)
+        if warmup:
+            config = dataclasses.replace(config, num_prompts=self.args.num_warmups)
+        return build_workload(dataclasses.replace(config, seed=seed), PromptText(self.tokenizer, seed))
 
     async def run_one(self, arrivals: ArrivalConfig) -> dict:
         if self.runs and not self.args.reuse_prompts:
             self.requests = self._workload(len(self.runs))
-        run = BenchRun(self.target, [r for r in self.requests], arrivals, self.args.seed, self.args.num_warmups)
+        warmups = self._workload(len(self.runs), warmup=True) if self.args.num_warmups > 0 else []
+        run = BenchRun(self.target, list(self.requests), arrivals, self.args.seed, warmups)
         settings = {**settings_of(self.args, arrivals, self.target, self.args.tokenizer or self.args.model,
                                   self.engine_config), "prompt_seed": prompt_seed(self.args, len(self.runs))}
         self.spec_before = None

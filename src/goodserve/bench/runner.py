@@ -43,7 +43,9 @@ class BenchRun:
     requests: list[BenchRequest]
     arrivals: ArrivalConfig
     seed: int = 0
-    num_warmups: int = 0
+    # Sent first, their records dropped; prompts of their own, so that they leave no measured
+    # prompt in the server's prefix cache.
+    warmups: list[BenchRequest] = field(default_factory=list)
     on_record: ProgressHook | None = None
     on_start: Callable[[], None] | None = None  # after the warm-up, before the first measured request
     records: list[RequestRecord] = field(default_factory=list)
@@ -69,11 +71,10 @@ class BenchRun:
 
     async def _warm_up(self) -> None:
         """Requests whose records are dropped: they pay for lazy init, compilation, cold caches."""
-        if self.num_warmups <= 0:
+        if not self.warmups:
             return
         clock = monotonic_clock()
-        warmups = [BenchRequest(r.prompt, r.prompt_len, r.output_len)
-                   for r in self.requests[: self.num_warmups]]
+        warmups = [BenchRequest(r.prompt, r.prompt_len, r.output_len) for r in self.warmups]  # no turns
         await asyncio.gather(*(self.target.send(r, -1, clock) for r in warmups))
 
     async def _one(self, index: int, request: BenchRequest, due: float, clock: Clock,
