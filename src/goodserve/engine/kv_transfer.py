@@ -96,24 +96,32 @@ def send_prefilled(engine: Engine, request_id: str, prompt_token_ids: list[int],
                    group=None) -> bool:
     """After the engine finished request_id (added with add_prefill_request): send its blocks to
     rank dst and release them. True: the receiver took them."""
-    layers, (blocks, num_computed) = kv_layers(engine), engine.held_kv(request_id)
-    pools = _pools(layers)
-    size = engine.config.block_size
-    needed = -(-(len(prompt_token_ids) - 1) // size)
-    device = _wire_device(layers, group)
     try:
-        if num_computed < len(prompt_token_ids) - 1:  # aborted or failed before its prompt was computed
-            _send([ABORTED, 0, 0, 0, size], dst, group, device)
-            return False
-        _send([OK, len(prompt_token_ids), needed, _bytes_per_block(pools), size], dst, group, device)
-        _send(prompt_token_ids, dst, group, device)
-        if _recv(1, dst, group, device)[0] != ACCEPTED:
-            return False
-        for ids in _groups(blocks[:needed], layers[0].k.device):
-            dist.send(pack_blocks(pools, ids).to(device), dst, group)
-        return True
+        return send_held(kv_layers(engine), engine.held_kv(request_id), engine.config.block_size, prompt_token_ids,
+                         dst, group)
     finally:
         engine.release_held(request_id)
+
+
+def send_held(layers: list[LayerKVCache], held: tuple[list[int], int], block_size: int,
+              prompt_token_ids: list[int], dst: int, group=None) -> bool:
+    """send_prefilled's exchange without the engine: held is its held_kv(), and the caller releases
+    the blocks once this returns (it may run on a thread of its own while the engine steps on: it
+    only reads those blocks, which nothing else writes while they are held)."""
+    blocks, num_computed = held
+    pools = _pools(layers)
+    needed = -(-(len(prompt_token_ids) - 1) // block_size)
+    device = _wire_device(layers, group)
+    if num_computed < len(prompt_token_ids) - 1:  # aborted or failed before its prompt was computed
+        _send([ABORTED, 0, 0, 0, block_size], dst, group, device)
+        return False
+    _send([OK, len(prompt_token_ids), needed, _bytes_per_block(pools), block_size], dst, group, device)
+    _send(prompt_token_ids, dst, group, device)
+    if _recv(1, dst, group, device)[0] != ACCEPTED:
+        return False
+    for ids in _groups(blocks[:needed], layers[0].k.device):
+        dist.send(pack_blocks(pools, ids).to(device), dst, group)
+    return True
 
 
 def receive_prefilled(engine: Engine, request_id: str, params: SamplingParams, src: int, group=None,
