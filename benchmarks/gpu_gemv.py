@@ -18,6 +18,9 @@ Then the linears-only batch-1 decode bound of the 32-layer model for each scheme
 --sweep: for each shape at M = 1 and M = 16 and each Triton format, a coordinate descent over
 (block_m, block_n, block_k, num_warps, num_stages, split_k) from the config in use; prints the
 winners as TUNED_CONFIGS lines to paste into ops/triton_gemv.py. --sweep-budget-s bounds it.
+--tensor-parallel N: one rank's shards at TP=N instead (qkv, gate_up and lm_head split along N, o
+and down along K, as model/tensor_parallel.py splits them): the shapes a TP=N decode step runs, which
+have no tuned entry of their own, so ops/gemv_linear.py leaves them on cuBLAS until one is added.
 --smoke: CPU, TRITON_INTERPRET=1, tiny shapes, no graphs: catches Python errors.
 
     PYTHONPATH=src python3 benchmarks/gpu_gemv.py [--sweep]    # writes $OUT/gpu_gemv.json (OUT: ./out)
@@ -54,6 +57,7 @@ SHAPES = {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up_proj": (286
           "down_proj": (4096, 14336), "lm_head": (128256, 4096)}
 SMOKE_SHAPES = {"qkv_proj": (96, 256), "o_proj": (64, 256), "gate_up_proj": (160, 256), "down_proj": (64, 512),
                 "lm_head": (200, 256)}
+ROW_PARALLEL = ("o_proj", "down_proj")  # a rank holds a slice of their input columns
 NUM_LAYERS = 32
 GROUP = 128
 SMOKE_GROUP = 64
@@ -370,6 +374,12 @@ def release(layer: Layer) -> None:
         torch.cuda.empty_cache()
 
 
+def rank_shape(name: str, shape: tuple[int, int], tp: int) -> tuple[int, int]:
+    """(N, K) of one rank's shard of the layer at tensor-parallel size tp."""
+    n, k = shape
+    return (n, k // tp) if name in ROW_PARALLEL else (-(-n // tp), k)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default="1,4,16", help="M values, comma separated")
@@ -380,10 +390,12 @@ def main() -> None:
     parser.add_argument("--sweep-budget-s", type=float, default=170.0, help="shared fairly by (shape, M, format)")
     parser.add_argument("--no-measure", action="store_true", help="sweep only")
     parser.add_argument("--smoke", action="store_true", help="CPU interpreter, tiny shapes")
+    parser.add_argument("--tensor-parallel", type=int, default=1, help="one rank's shards at this TP size")
     parser.add_argument("--output", default=str(Path(os.environ.get("OUT", "./out")) / "gpu_gemv.json"))
     args = parser.parse_args()
     device = "cpu" if SMOKE else "cuda"
     shapes = SMOKE_SHAPES if SMOKE else {name: SHAPES[name] for name in args.shapes.split(",")}
+    shapes = {name: rank_shape(name, shape, args.tensor_parallel) for name, shape in shapes.items()}
     group = SMOKE_GROUP if SMOKE else GROUP
     rows = [int(r) for r in args.rows.split(",")]
     torch.manual_seed(0)
@@ -408,7 +420,7 @@ def main() -> None:
                 print(f"sweep {fmt} M={m} {name}: {json.dumps(sweep[fmt, m, name]['best'])}", flush=True)
             release(layer)
     report = {"device": "cpu (smoke)" if SMOKE else torch.cuda.get_device_name(), "torch": torch.__version__,
-              "group_size": group, "peak_bytes_per_s": PEAK_BYTES_PER_S, "copy_bytes_per_s": bandwidth,
+              "tensor_parallel": args.tensor_parallel, "group_size": group, "peak_bytes_per_s": PEAK_BYTES_PER_S, "copy_bytes_per_s": bandwidth,
               "layers": layers, "decode_batch1": decode_bound(layers) if layers else {},
               "int4_faster": int4_faster(layers),
               "sweep": {f"{fmt}/M={m}/{name}": r for (fmt, m, name), r in sweep.items()},
