@@ -244,9 +244,11 @@ def sharegpt_like_lengths(n: int, seed: int = 0) -> tuple[list[int], list[int]]:
     return lognormal(200, 0.9).tolist(), lognormal(180, 0.9).tolist()
 
 
-def random_prompts(lengths: list[int], seed: int = 1) -> list[dict]:
+def random_prompts(lengths: list[int], seed: int = 1, vocab_size: int = 20000) -> list[dict]:
+    """Token ids from 100 to 20000 (above the special and byte tokens), or within a smaller vocabulary."""
     rng = np.random.default_rng(seed)
-    return [{"prompt_token_ids": rng.integers(100, 20000, n).tolist()} for n in lengths]
+    high = min(20000, vocab_size)
+    return [{"prompt_token_ids": rng.integers(min(100, high // 2), high, n).tolist()} for n in lengths]
 
 
 STEP_BUCKETS = ((1, 1), (2, 8), (9, 64), (65, 256), (257, 1 << 30))

@@ -26,6 +26,10 @@ custom ones cannot be set up the engine takes NCCL: each row records the one its
   python benchmarks/gpu_tp.py --smoke   (CPU, gloo, dummy:tiny float32, TP=1, 2, PP=2 and 2x2)
   python benchmarks/gpu_tp.py --host-overhead [--smoke]   (what the worker processes cost a step)
 
+--offline N: after each layout's decode runs, the same engine runs N ShareGPT-like requests offline
+(gpu_engine.py's lengths and prompts: the issue's "offline batch measured" for the 70B at TP=4); give
+it --max-num-seqs (default 16, what batch-1 decode needs) to let the batch grow.
+
 --host-overhead runs batch-1 decode at TP=1 with the worker in the engine's process, TP=1 with it in
 a process of its own (executor_backend mp) and TP=2, and reports per step its wall time and the part
 of it spent outside rank 0's worker (building inputs, forward, sampling): the engine's own work and
@@ -110,6 +114,7 @@ def measure(args: argparse.Namespace, layout: str, all_reduce: str, bandwidth_gb
                 kernels=KernelOptions(fuse_all_reduce_into_norm=all_reduce == "fused")) as llm:
         runs = decode_tok_s(llm, args.new_tokens)
         info = llm.engine.executor.info
+        offline = run_offline(llm, args.offline) if args.offline else None
     best = max(r["decode_tok_s"] for r in runs)
     read = bytes_per_gpu(args.model.removeprefix("dummy:"), tp, pp, getattr(torch, args.dtype), args.new_tokens)
     limit = bandwidth_gbps * 1e9 / read["step_read_bytes"]
@@ -117,13 +122,24 @@ def measure(args: argparse.Namespace, layout: str, all_reduce: str, bandwidth_gb
             "all_reduce": info.all_reduce,
             "decode_tok_s": best,
             "runs": [r["decode_tok_s"] for r in runs], "tokens": runs[0]["token_ids"], **read,
-            "bandwidth_limit_tok_s": limit, "share_of_limit": best / limit}
+            "bandwidth_limit_tok_s": limit, "share_of_limit": best / limit,
+            **({"offline_sharegpt_like": offline} if offline else {})}
+
+
+def run_offline(llm: LLM, num_requests: int) -> dict:
+    import gpu_engine
+
+    inputs, outputs = gpu_engine.sharegpt_like_lengths(num_requests)
+    result = gpu_engine.run_offline(llm, gpu_engine.random_prompts(inputs, vocab_size=llm.spec.vocab_size), outputs)
+    result["steps"].pop("prefill_steps")  # one entry a prefill step: too long to keep
+    return result
 
 
 @contextlib.contextmanager
 def engine(args: argparse.Namespace, **options):
     """An LLM for batch-1 decode, its worker processes shut and its GPU memory given back after."""
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, max_num_seqs=16, enforce_eager=args.enforce_eager,
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+              enforce_eager=args.enforce_eager,
               quantization="none", **options)
     try:
         yield llm
@@ -173,6 +189,8 @@ def main() -> None:
                         "custom (one-shot, unfused) and nccl (--disable-custom-all-reduce); each TP>1 layout runs "
                         "once per entry")
     parser.add_argument("--dtype", default="bfloat16", help="on CUDA (float32: greedy tokens comparable across sizes)")
+    parser.add_argument("--offline", type=int, default=0, help="also N ShareGPT-like requests offline per layout")
+    parser.add_argument("--max-num-seqs", type=int, default=16)
     parser.add_argument("--smoke", action="store_true", help="CPU, gloo, dummy:tiny float32, TP=1, 2, PP=2, 2x2")
     parser.add_argument("--host-overhead", action="store_true",
                         help="ms a step at TP=1 in-process, TP=1 in a worker process, TP=2, and the part outside rank 0's worker")
@@ -209,6 +227,11 @@ def main() -> None:
               f"{row['decode_tok_s']:>9.1f} "
               f"{row['bandwidth_limit_tok_s']:>9.1f} {row['share_of_limit']:>6.2f} {row['speedup_over_first']:>7.2f} "
               f"{row['same_tokens_as_first']}")
+    for row in results["sizes"]:
+        if "offline_sharegpt_like" in row:
+            offline = row["offline_sharegpt_like"]
+            print(f"{row['layout']:>5} offline: {offline['requests']} ShareGPT-like requests, "
+                  f"{offline['requests_per_s']:.2f} req/s, {offline['output_tok_s']:.0f} output tok/s")
     print(f"wrote {path}")
 
 

@@ -2,7 +2,7 @@
 # Issue 16's tensor-parallel measurements in one device call on a 4-GPU kind (2 GPUs: the TP=4 and 70B
 # steps are skipped): the all-reduce kernels checked and timed (gpu_allreduce.py: one-shot and fused with
 # add + RMSNorm against NCCL and the unfused pair); a float32 check that TP's greedy tokens are TP=1's;
-# batch-1 decode of the 70B at TP=4 with the fused and the unfused all-reduce; the 8B at TP=1, 2, 4.
+# batch-1 decode of the 70B at TP=4, then its ShareGPT-like offline batch; the 8B at TP=1, 2, 4.
 # Each step has its own time limit and writes to $OUT/<step>/; a failed all-reduce check stops the call
 # (the decode steps would run the same kernels).
 #
@@ -35,7 +35,7 @@ step tpf32 150 python3 benchmarks/gpu_tp.py --model dummy:llama-3.2-1b --dtype f
   --sizes "$( [ "$GPUS" -ge 4 ] && echo 1,2,4 || echo 1,2 )" --all-reduce fused,custom
 if [ "$GPUS" -ge 4 ]; then
   step tp70b 260 python3 benchmarks/gpu_tp.py --model dummy:llama-3.1-70b --sizes 4 --new-tokens 128 \
-    --all-reduce fused,custom
+    --offline 500 --max-num-seqs 256
   step tp8b 200 python3 benchmarks/gpu_tp.py --sizes 1,2,4 --all-reduce fused
 else
   step tp8b 240 python3 benchmarks/gpu_tp.py --sizes 1,2 --all-reduce fused,custom
