@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from goodserve.ops.triton_ops import _num_warps, add_residual_and_norm
+from goodserve.ops.triton_ops import add_residual_and_norm, row_num_warps
 
 # A 16-bit word of the buffer where nothing has arrived: -0.0 in bfloat16 and float16; two of them
 # make the float32 mark (0x80008000, a negative denormal: -4.6e-41).
@@ -76,7 +76,7 @@ def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: tor
     _all_reduce_add_rms_norm_kernel[(x2.shape[0],)](
         x2, res2, weight, out.view(-1, hidden), new_residual.view(-1, hidden), buffers.addresses, buffers.parity,
         buffers.rank, hidden, buffers.slot_bytes // x.element_size(), eps,
-        WORLD=buffers.world, BLOCK=block, WORDS_32=x.element_size() == 4, num_warps=_num_warps(block))
+        WORLD=buffers.world, BLOCK=block, WORDS_32=x.element_size() == 4, num_warps=row_num_warps(block))
     return out, new_residual
 
 

@@ -14,7 +14,8 @@ import triton.language as tl
 from goodserve.ops.pdl import pdl_launch, pdl_sync
 
 
-def _num_warps(block: int) -> int:
+def row_num_warps(block: int) -> int:
+    """Warps for a program that holds one row of `block` elements: 256 elements a warp, 1 to 16."""
     return min(max(block // 256, 1), 16)
 
 
@@ -68,7 +69,7 @@ def _launch_rms_norm(x, residual, weight, eps, pdl):
     if x2.shape[0] > 0:
         _rms_norm_kernel[(x2.shape[0],)](
             x2, res2, weight, out2, new_res2, x2.stride(0), res2.stride(0), out2.stride(0), new_res2.stride(0),
-            hidden, eps, BLOCK=block, HAS_RESIDUAL=residual is not None, num_warps=_num_warps(block),
+            hidden, eps, BLOCK=block, HAS_RESIDUAL=residual is not None, num_warps=row_num_warps(block),
             **pdl_launch(pdl),
         )
     return out, new_residual
