@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from goodserve import SamplingParams
 from goodserve.bench import command
+from goodserve.bench.command import WARMUP_SEED_OFFSET
 from goodserve.bench.result import load_json
 from goodserve.engine.spec_decode.ngram import propose_ngram
 from goodserve.server.process import launch_server
@@ -111,13 +112,16 @@ def test_bench_reports_the_runs_speculation(spec_server, tmp_path, capsys):
     rates derive from them."""
     args = ["--base-url", spec_server, "--model", "smollm2-135m", "--tokenizer", "smollm2-135m",
             "--dataset-name", "copy", "--random-input-len", "96", "--random-output-len", "24", "--ignore-eos",
-            "--max-concurrency", "1", "--seed", "3"]
-    warm_up = tmp_path / "warm_up.json"  # the warm-up request alone: what --num-warmups 1 adds
+            "--max-concurrency", "1"]
+    # The warm-up request alone: what --num-warmups 1 adds (its prompt is drawn with the run's seed
+    # plus WARMUP_SEED_OFFSET).
+    warm_up = tmp_path / "warm_up.json"
     before = scrape(spec_server)
-    assert command.run_command(bench_args(*args, "--num-prompts", "1", "--result-filename", str(warm_up))) == 0
+    assert command.run_command(bench_args(*args, "--seed", str(3 + WARMUP_SEED_OFFSET), "--num-prompts", "1",
+                                          "--result-filename", str(warm_up))) == 0
     middle = scrape(spec_server)
     out, html = tmp_path / "run.json", tmp_path / "run.html"
-    assert command.run_command(bench_args(*args, "--num-prompts", "3", "--num-warmups", "1",
+    assert command.run_command(bench_args(*args, "--seed", "3", "--num-prompts", "3", "--num-warmups", "1",
                                           "--result-filename", str(out), "--save-html", str(html))) == 0
     after = scrape(spec_server)
     first, result = load_json(warm_up), load_json(out)
