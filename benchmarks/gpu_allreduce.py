@@ -96,8 +96,8 @@ def sums_equal(got: torch.Tensor, expected: torch.Tensor, world: int) -> bool:
     the fused kernel's float32 sum), so each of the world - 1 additions may round differently, by at
     most half a bfloat16 step (2^-8) of the largest sum; a missing or doubled rank is off by a whole
     value. (An element-wise 2% tolerance failed at 4 GPUs on 64 KB and more,
-    results/gpu_allreduce_fused_h100x4.json: with tens of thousands of elements, a few small ones
-    rounded differently are off by more than 2% of themselves.)"""
+    results/gpu_allreduce_fused_h100x4.json: among tens of thousands of elements, small ones rounded
+    differently can be off by more than 2% of themselves.)"""
     if world == 2:
         return torch.equal(got, expected)
     error = (got.float() - expected.float()).abs().max()
