@@ -3,8 +3,10 @@
 addresses in each, as CUDA IPC maps a peer's buffer. Each rank spins on its own buffer until the
 other's rows arrive, so the calls really wait on each other.
 
-Reference: the sum of both ranks' partial rows (float32, rank order, rounded once), then the Triton
-add_rms_norm kernel that the fused kernel replaces (same bits) and the torch reference (tolerance)."""
+The calls go through TensorParallel.all_reduce_add_rms_norm, as a decoder layer's norm makes them.
+References: the sum of both ranks' partial rows (float32, rank order, rounded once), then the Triton
+add_rms_norm kernel that the fused kernel replaces (same bits) and the torch reference (tolerance);
+and what the same ranks get from gloo's all-reduce and the norm, the path a CPU run takes."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import os
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from goodserve.ops.norm import add_rms_norm_torch
@@ -35,24 +38,36 @@ def _inputs(call: int, rows: int, dtype: torch.dtype):
     return partials, residual, weight
 
 
-def _rank_main(rank: int, buffers: list[torch.Tensor], dtype: torch.dtype, results) -> None:
+def _rank_main(rank: int, buffers: list[torch.Tensor], dtype: torch.dtype, init_file: str, results) -> None:
+    """Each call through TensorParallel.all_reduce_add_rms_norm twice, as a decoder layer's norm makes
+    it: with the fused kernel, and (the same rank, the same inputs) with gloo's all-reduce and then
+    the norm, the path every CPU run takes."""
     os.environ["TRITON_INTERPRET"] = "1"
-    from goodserve.ops.all_reduce_norm import LamportBuffers, all_reduce_add_rms_norm
+    from goodserve.model.custom_all_reduce import CustomAllReduce
+    from goodserve.model.tensor_parallel import TensorParallel
+    from goodserve.ops.all_reduce_norm import LamportBuffers
+    from goodserve.ops.kernel_choice import TORCH_KERNELS
 
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     addresses = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)
     lamport = LamportBuffers(buffers[rank], addresses, torch.zeros(max(ROWS), dtype=torch.int32), rank, WORLD, SLOT_BYTES)
-    outs = []
+    # No one-shot buffer (that kernel is CUDA's): a plain all-reduce goes to gloo, one before a norm to the kernel.
+    fused = TensorParallel(rank, WORLD, custom_all_reduce=CustomAllReduce(torch.empty(0, dtype=torch.uint8), "", lamport))
+    plain = TensorParallel(rank, WORLD)
+    outs, gloo = [], []
     for call, rows in enumerate(ROWS):
         partials, residual, weight = _inputs(call, rows, dtype)
-        assert lamport.takes(partials[rank])
-        outs.append(all_reduce_add_rms_norm(partials[rank], residual, weight, EPS, lamport))
+        assert fused.custom_all_reduce.fuses(partials[rank])
+        outs.append(fused.all_reduce_add_rms_norm(partials[rank], residual, weight, EPS, TORCH_KERNELS))
+        gloo.append(plain.all_reduce_add_rms_norm(partials[rank].clone(), residual, weight, EPS, TORCH_KERNELS))
+    dist.destroy_process_group()
     saved = io.BytesIO()
-    torch.save((outs, lamport.parity), saved)  # bytes, not tensors: a tensor crosses the queue as shared memory of a process that exits
+    torch.save((outs, lamport.parity, gloo), saved)  # bytes, not tensors: a tensor crosses the queue as shared memory of a process that exits
     results.put((rank, saved.getvalue()))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_two_ranks_get_the_all_reduce_then_add_rms_norm(dtype):
+def test_two_ranks_get_the_all_reduce_then_add_rms_norm(dtype, tmp_path):
     from goodserve.ops.all_reduce_norm import fill_with_marks
     from goodserve.ops.triton_ops import triton_add_rms_norm
 
@@ -61,7 +76,8 @@ def test_two_ranks_get_the_all_reduce_then_add_rms_norm(dtype):
     for buffer in buffers:
         fill_with_marks(buffer)
     results = context.Queue()
-    ranks = [context.Process(target=_rank_main, args=(rank, buffers, dtype, results)) for rank in range(WORLD)]
+    ranks = [context.Process(target=_rank_main, args=(rank, buffers, dtype, str(tmp_path / "init"), results))
+             for rank in range(WORLD)]
     for process in ranks:
         process.start()
     got = {rank: torch.load(io.BytesIO(saved)) for rank, saved in (results.get(timeout=240) for _ in ranks)}
@@ -83,6 +99,10 @@ def test_two_ranks_get_the_all_reduce_then_add_rms_norm(dtype):
         tolerance = {"rtol": 2 ** -6, "atol": 2 ** -6} if dtype == torch.bfloat16 else {}
         torch.testing.assert_close(out, reference_out, **tolerance)
         torch.testing.assert_close(new_residual, reference_residual, **tolerance)
+        for rank in range(WORLD):  # what the same ranks got from gloo's all-reduce and the norm
+            gloo_out, gloo_residual = got[rank][2][call]
+            torch.testing.assert_close(out, gloo_out, **tolerance)
+            torch.testing.assert_close(new_residual, gloo_residual, **tolerance)
     # A row's calls alternate between the two parities of slots (a peer a call ahead writes to the other).
     calls_per_row = torch.tensor([sum(rows > row for rows in ROWS) for row in range(max(ROWS))], dtype=torch.int32)
     assert all(torch.equal(got[rank][1], calls_per_row % 2) for rank in range(WORLD))
