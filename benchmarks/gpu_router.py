@@ -93,22 +93,29 @@ def capacity_workload(args, num_prompts: int) -> list[str]:
 
 def capacity_phase(args) -> dict:
     """One replica alone, then all behind the router with as many prompts a replica as it had (the same
-    probe length at each rate a replica sees: a shorter burst is easier to absorb)."""
-    with replicas(args, args.replicas, []) as servers:
-        alone = bench(servers[0].url, args, capacity_workload(args, args.num_prompts), "router_capacity_1.json")
-        with router([s.url for s in servers], args.capacity_policy) as front:
-            started, cpu_before = time.monotonic(), cpu_seconds(front.process.pid)
-            routed = bench(front.url, args, capacity_workload(args, args.num_prompts * args.replicas),
-                           f"router_capacity_{args.replicas}.json")
-            router_busy = (cpu_seconds(front.process.pid) - cpu_before) / (time.monotonic() - started)
-            router_metrics = scrape_metrics(front.url)
-    one, many = alone.get("capacity", {}), routed.get("capacity", {})
-    ratio = many.get("rate", 0) / one["rate"] if one.get("rate") else None
-    return {"replicas": args.replicas, "policy": args.capacity_policy, "one_replica": one, "routed": many,
-            "ratio": ratio, "router_cpu_fraction_of_a_core": router_busy,
-            "bench_cpu_fraction_of_a_core": {"one_replica": alone["bench_cpu_fraction_of_a_core"],
-                                             "routed": routed["bench_cpu_fraction_of_a_core"]},
-            "router_metrics": {k: v for k, v in router_metrics.items() if k.startswith("goodserve:router")}}
+    probe length at each rate a replica sees: a shorter burst is easier to absorb). --capacity-sides
+    one or routed runs one search alone (a call may not hold both with long probes); ratio: both."""
+    sides = args.capacity_sides.split(",")
+    result: dict = {"replicas": args.replicas, "policy": args.capacity_policy, "prompts_per_replica": args.num_prompts}
+    with replicas(args, args.replicas if "routed" in sides else 1, []) as servers:
+        if "one" in sides:
+            alone = bench(servers[0].url, args, capacity_workload(args, args.num_prompts), "router_capacity_1.json")
+            result["one_replica"] = alone.get("capacity", {})
+            result["bench_cpu_fraction_of_a_core_one"] = alone["bench_cpu_fraction_of_a_core"]
+        if "routed" in sides:
+            with router([s.url for s in servers], args.capacity_policy) as front:
+                started, cpu_before = time.monotonic(), cpu_seconds(front.process.pid)
+                routed = bench(front.url, args, capacity_workload(args, args.num_prompts * args.replicas),
+                               f"router_capacity_{args.replicas}.json")
+                result["router_cpu_fraction_of_a_core"] = (cpu_seconds(front.process.pid) - cpu_before) / (
+                    time.monotonic() - started)
+                router_metrics = scrape_metrics(front.url)
+            result["routed"] = routed.get("capacity", {})
+            result["bench_cpu_fraction_of_a_core_routed"] = routed["bench_cpu_fraction_of_a_core"]
+            result["router_metrics"] = {k: v for k, v in router_metrics.items() if k.startswith("goodserve:router")}
+    one, many = result.get("one_replica", {}), result.get("routed", {})
+    result["ratio"] = many.get("rate", 0) / one["rate"] if one.get("rate") and many else None
+    return result
 
 
 def fixed_phase(args) -> dict:
@@ -171,6 +178,7 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=400)
     parser.add_argument("--capacity-policy", default="least-load", help="the router's policy in the capacity phase")
     parser.add_argument("--capacity-start-rate", type=float, default=64.0)
+    parser.add_argument("--capacity-sides", default="one,routed", help="one, routed, or both (the ratio)")
     parser.add_argument("--fixed-rate", type=float, default=32.0, help="the fixed phase's rate a replica")
     parser.add_argument("--prefix-rate", type=float, default=16.0)
     parser.add_argument("--num-prefixes", type=int, default=40)

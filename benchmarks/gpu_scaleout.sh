@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # Issue 16's serving measurements on a 2-GPU kind: replicas behind the router (gpu_router.py: the
 # fixed-rate check, then the goodput capacity searches) and prefill / decode disaggregation against
-# two colocated replicas (gpu_disagg.py, each setup a step of its own). Device calls of at most 600 s:
-# `capacity`, `colocated,disagg`, `fixed`. Each step has its own time limit, so one that hangs leaves
+# two colocated replicas (gpu_disagg.py, each setup a step of its own). Device calls of at most 600 s,
+# sent back to back so that they keep one machine: `capacity1` (one replica), `capacity2` (two behind
+# the router), `colocated,disagg`, `fixed`. Each step has its own time limit, so one that hangs leaves
 # the next its time, and its summary lands in $OUT as it ends.
 #
 #   carry: [".gate/whl", ".gate/whl_fast", ".gate/tok"]   (scripts/gpu_wheels.sh, benchmarks/export_tokenizer.py)
-#   command: bash benchmarks/gpu_scaleout.sh STEPS        STEPS: capacity, colocated,disagg, or fixed
+#   command: bash benchmarks/gpu_scaleout.sh STEPS        STEPS: capacity1, capacity2, colocated,disagg, or fixed
 set -uo pipefail
 cd "$(dirname "$0")/.."
-STEPS=${1:?"which steps: capacity, colocated,disagg, or fixed"}
+STEPS=${1:?"which steps: capacity1, capacity2, colocated,disagg, or fixed"}
 OUT=${OUT:-out}
 SITE=${SITE:-/tmp/site}
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$SITE" .gate/whl/*.whl \
@@ -29,9 +30,13 @@ step() {  # name, seconds, command...
 }
 
 step fixed 150 python3 benchmarks/gpu_router.py --tokenizer .gate/tok --phases fixed --num-prompts 300 --fixed-rate 32
-step capacity 560 python3 benchmarks/gpu_router.py --tokenizer .gate/tok --phases capacity
+# 800 prompts a replica a probe (400 left the probes short of steady state): each side a call of its own
+step capacity1 560 python3 benchmarks/gpu_router.py --tokenizer .gate/tok --phases capacity --num-prompts 800 \
+  --capacity-sides one
+step capacity2 560 python3 benchmarks/gpu_router.py --tokenizer .gate/tok --phases capacity --num-prompts 800 \
+  --capacity-sides routed
 step colocated 270 python3 benchmarks/gpu_disagg.py --tokenizer .gate/tok --num-prompts 120 --setups colocated
 step disagg 300 python3 benchmarks/gpu_disagg.py --tokenizer .gate/tok --num-prompts 120 --setups disagg
-for name in fixed capacity colocated disagg; do  # (an `&&` list here made the call's status 1 when the last was not run)
+for name in fixed capacity1 capacity2 colocated disagg; do  # (an `&&` list here made the call's status 1 when the last was not run)
   if [ -f "$OUT/$name/log.txt" ]; then echo "== $name"; tail -c 1500 "$OUT/$name/log.txt"; fi
 done
