@@ -102,12 +102,10 @@ class Handover:
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.todo: queue.SimpleQueue = queue.SimpleQueue()
         self.done: queue.SimpleQueue = queue.SimpleQueue()
-        self.pending = 0
         self.thread = threading.Thread(target=self._run, daemon=True, name="prefill-handover")
         self.thread.start()
 
     def put(self, request_id: str, prompt_token_ids: list[int], held: tuple[list[int], int]) -> None:
-        self.pending += 1
         self.todo.put((request_id, prompt_token_ids, held))
 
     def finished(self) -> list[str]:
@@ -116,7 +114,6 @@ class Handover:
         ended = []
         while not self.done.empty():
             request_id, error = self.done.get_nowait()
-            self.pending -= 1
             if error is not None:
                 raise error
             ended.append(request_id)
