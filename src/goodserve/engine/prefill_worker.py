@@ -13,10 +13,10 @@ read by a thread of its own: this process never stops draining it while a send w
 side, which would deadlock a decode side blocked on a full pipe.
 
 The exchanges run on a thread of their own too (`Handover`), one after another in the order the
-engine finished the prompts, so the engine prefills the next prompts while one's KV crosses: on two
-H100s, 2k-token prompts done one exchange at a time (the decode side takes each between its decode
-steps) kept 1 prefill + 1 decode GPU at 6.4 req/s, where the prefill alone takes ~70 ms a prompt
-(benchmarks/BENCHMARKS.md, disaggregation).
+engine finished the prompts, so the engine prefills the next prompts while one's KV crosses. Done
+one exchange at a time, the engine waited out each (the decode side takes it between its decode
+steps, then the bytes move): on two H100s, 1 prefill + 1 decode GPU held 2k-token prompts at 6.4
+req/s (benchmarks/BENCHMARKS.md, disaggregation; how much of that the wait was is not measured).
 """
 
 from __future__ import annotations
