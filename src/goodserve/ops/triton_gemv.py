@@ -101,6 +101,12 @@ TUNED_CONFIGS: dict[tuple[str, int, int, int], GemvConfig] = {
     ("dense", 1, 128256, 4096): GemvConfig(1, 8, 512, 8, 1, 1),  # lm_head 336.54 us, 104% of floor
     ("int8", 16, 128256, 4096): GemvConfig(16, 32, 256, 2, 3, 1),  # lm_head 180.61 us, 97% of floor
     ("int4", 16, 128256, 4096): GemvConfig(16, 64, 128, 4, 3, 1),  # lm_head 176.23 us, 56% of floor
+    # One rank's shards at TP=2 (gpu_gemv.py --tensor-parallel 2 --sweep, 2 x H200; cuBLAS in brackets)
+    ("dense", 1, 3072, 4096): GemvConfig(1, 16, 256, 4, 1, 5),  # TP=2 qkv_proj 8.96 us (11.0)
+    ("dense", 1, 4096, 2048): GemvConfig(1, 8, 256, 8, 1, 1),  # TP=2 o_proj 7.25 us (7.2)
+    ("dense", 1, 14336, 4096): GemvConfig(1, 8, 512, 1, 1, 1),  # TP=2 gate_up_proj 30.11 us (30.6)
+    ("dense", 1, 4096, 7168): GemvConfig(1, 8, 256, 8, 1, 2),  # TP=2 down_proj 17.37 us (18.9)
+    ("dense", 1, 64128, 4096): GemvConfig(1, 32, 256, 4, 1, 1),  # TP=2 lm_head 120.46 us (130.3)
 }
 
 # default_config's tiles: (format, block_m) -> (block_n, block_k, num_warps, num_stages, programs
