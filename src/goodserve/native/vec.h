@@ -86,14 +86,26 @@ struct Int4Group {
   }
 };
 
+#if defined(__AVX2__)
+static inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#endif
+
 static inline float hsum16(v16f v) {
   v8f lo, hi;
   std::memcpy(&lo, &v, sizeof lo);
   std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof lo, sizeof hi);
-  v8f s = lo + hi;
+  const v8f s = lo + hi;
+#if defined(__AVX2__)
+  return hsum8((__m256)s);  // shuffles, not eight dependent scalar adds: attention takes one per key
+#else
   float total = 0.f;
   for (int i = 0; i < 8; i++) total += s[i];
   return total;
+#endif
 }
 
 // e^x to ~2 float32 ulp (Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial in r,
