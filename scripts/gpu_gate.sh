@@ -23,6 +23,13 @@ tree_bytes() {  # what every call carries besides its carry list: tracked and un
   git ls-files -z --cached --others --exclude-standard | xargs -0 stat -c %s 2>/dev/null | awk '{s += $1} END {print s}'
 }
 
+# What the gate runs: src/ and tests/ as the call's copy holds them (no git on the device), so a
+# label written at `prepare` cannot outlive a later commit unnoticed.
+src_digest() {
+  find src tests -type f \( -name '*.py' -o -name '*.cpp' -o -name '*.h' \) | LC_ALL=C sort | xargs sha256sum |
+    sha256sum | cut -c1-16
+}
+
 prepare() {
   local model="${1:-}"
   # (again when a wheel list from before xgrammar joined it lies there)
@@ -36,6 +43,7 @@ prepare() {
   tail -c +$((PART_BYTES + 1)) "$model" > .gate/p1/part01
   md5sum < "$model" | cut -d' ' -f1 > .gate/p1/model.md5
   echo "$(git rev-parse --short HEAD)$(git diff --quiet HEAD -- src tests || echo -dirty)" > .gate/p1/commit
+  src_digest > .gate/p1/src_digest
   local tree call1 call2
   tree=$(tree_bytes)
   call1=$((tree + $(du -cb .gate/p0 .gate/whl | tail -1 | cut -f1)))
@@ -104,7 +112,10 @@ case "${1:-}" in
     shift
     assemble_model
     export PYTHONPATH="$SITE"
-    GOODSERVE_GATE_COMMIT=$(cat .gate/p1/commit) && export GOODSERVE_GATE_COMMIT
+    GOODSERVE_GATE_COMMIT=$(cat .gate/p1/commit)
+    # src/ or tests/ changed after `prepare` labelled them: say so rather than claim the old commit
+    [ "$(src_digest)" = "$(cat .gate/p1/src_digest)" ] || GOODSERVE_GATE_COMMIT="$GOODSERVE_GATE_COMMIT+changed-since"
+    export GOODSERVE_GATE_COMMIT
     suite "$@" ;;
   suite) shift; suite "$@" ;;
   *) echo "usage: $0 prepare [model.gguf] | part1 | run [pytest args] | suite [pytest args]" >&2; exit 2 ;;
