@@ -16,7 +16,7 @@ void gs_decode_attention(const float* q, int64_t q_stride, const float* k_cache,
                          const int32_t* block_tables, int64_t bt_row, int64_t bt_col, const int32_t* seq_lens,
                          float* out, int64_t batch, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
                          int64_t block_size, float scale, int max_threads) {
-  const int64_t group = q_heads / kv_heads, tasks = batch * kv_heads, vecs = head_dim / 16;
+  const int64_t group = q_heads / kv_heads, tasks = batch * kv_heads, vecs = head_dim / kRegLanes;
   int64_t work = 0;
   for (int64_t b = 0; b < batch; b++) work += seq_lens[b];
   // ~0.02 ns per multiply-add (two per key and query head per element: scores, then values).
@@ -37,9 +37,10 @@ void gs_decode_attention(const float* q, int64_t q_stride, const float* k_cache,
       for (int64_t j = 0; j < len; j++) {
         const float* kj = row(k_cache, j);
         for (int64_t g = 0; g < group; g++) {
-          v16f dot = {};
-          for (int64_t c = 0; c < vecs; c++) dot += load16(qb + g * head_dim + 16 * c) * load16(kj + 16 * c);
-          scores[g * len + j] = hsum16(dot) * scale;
+          vreg dot = {};
+          for (int64_t c = 0; c < vecs; c++)
+            dot += load_reg(qb + g * head_dim + kRegLanes * c) * load_reg(kj + kRegLanes * c);
+          scores[g * len + j] = hsum_reg(dot) * scale;
         }
       }
       float* ob = out + (b * q_heads + h * group) * head_dim;
@@ -54,10 +55,10 @@ void gs_decode_attention(const float* q, int64_t q_stride, const float* k_cache,
       for (int64_t j = 0; j < len; j++) {
         const float* vj = row(v_cache, j);
         for (int64_t g = 0; g < group; g++) {
-          const v16f p = splat16(scores[g * len + j]);
+          const vreg p = splat_reg(scores[g * len + j]);
           for (int64_t c = 0; c < vecs; c++) {
-            float* o = ob + g * head_dim + 16 * c;
-            store16(o, load16(o) + p * load16(vj + 16 * c));
+            float* o = ob + g * head_dim + kRegLanes * c;
+            store_reg(o, load_reg(o) + p * load_reg(vj + kRegLanes * c));
           }
         }
       }

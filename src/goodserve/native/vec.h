@@ -108,6 +108,34 @@ static inline float hsum16(v16f v) {
 #endif
 }
 
+// One register of floats: 16 lanes with AVX-512, else 8. A 16-lane vector without AVX-512 is a
+// register pair that GCC keeps in memory in loops holding a few of them live (decode attention's
+// per-key dot went through the stack, every key); loops written in vreg avoid that.
+#if defined(__AVX512F__)
+typedef v16f vreg;
+static inline vreg splat_reg(float x) { return splat16(x); }
+static inline float hsum_reg(vreg v) { return hsum16(v); }
+#else
+typedef v8f vreg;
+static inline vreg splat_reg(float x) { return v8f{x, x, x, x, x, x, x, x}; }
+#if defined(__AVX2__)
+static inline float hsum_reg(vreg v) { return hsum8((__m256)v); }
+#else
+static inline float hsum_reg(vreg v) {
+  float total = 0.f;
+  for (int i = 0; i < 8; i++) total += v[i];
+  return total;
+}
+#endif
+#endif
+constexpr int kRegLanes = sizeof(vreg) / sizeof(float);
+static inline vreg load_reg(const float* p) {
+  vreg v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+static inline void store_reg(float* p, vreg v) { std::memcpy(p, &v, sizeof v); }
+
 // e^x to ~2 float32 ulp (Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial in r,
 // then 2^n into the exponent bits); inputs below -87 flush to 0, as softmax and SiLU want.
 static inline v16f exp16(v16f x) {
