@@ -63,3 +63,17 @@ def test_cpu_int8_activations_is_an_engine_option_off_by_default():
 
     assert flags(LLM("smollm2-135m", num_kv_blocks=8)) == {False}
     assert flags(LLM("smollm2-135m", num_kv_blocks=8, cpu_int8_activations=True)) == {True}
+
+
+def test_cpu_int8_activations_without_the_kernel_says_it_keeps_float_rows(monkeypatch, caplog):
+    """Where the build has no int8 kernel (it needs AVX-512BW) the option cannot act: the log says so."""
+    from goodserve.native import int4_gemv
+
+    monkeypatch.setattr(int4_gemv, "int8_dot_available", lambda: False)
+    with caplog.at_level("WARNING", logger="goodserve.engine"):
+        LLM("smollm2-135m", num_kv_blocks=8, cpu_int8_activations=True)
+    assert any("keep float32 activation rows" in record.getMessage() for record in caplog.records)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="goodserve.engine"):
+        LLM("smollm2-135m", num_kv_blocks=8)
+    assert not any("activation rows" in record.getMessage() for record in caplog.records)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import torch
 
@@ -16,6 +17,8 @@ from goodserve.model.tensor_parallel import TensorParallel
 from goodserve.model.tokenizer_loader import load_tokenizer
 from goodserve.ops.cpu_linear import pack_linears_for_cpu
 from goodserve.ops.kernel_choice import KernelChoice, choose_kernels, use_kernels
+
+logger = logging.getLogger("goodserve.engine")
 
 
 def build_model(config: EngineConfig, tp: TensorParallel = TensorParallel(),
@@ -67,8 +70,12 @@ def specialize_linears(model, device: torch.device, config: EngineConfig, kernel
         from goodserve.model import native_decode
 
         if config.cpu_int8_activations:
+            from goodserve.native.int4_gemv import int8_dot_available
             from goodserve.quant.gguf_native import use_int8_activations
 
+            if not int8_dot_available():
+                logger.warning("cpu_int8_activations: this CPU (or build) has no AVX-512BW int8 kernel; "
+                               "the GGUF layers keep float32 activation rows")
             use_int8_activations(model)
         pack_linears_for_cpu(model)
         # It runs all layers in one native call: no room for the all-reduces, nor for a stage's hand-off.
