@@ -24,16 +24,22 @@ struct Q8Gemv {
   int64_t ldy, n, blocks;
 };
 
+// Tile t's blocks in order: run(block, its 4 rows' scales, their codes).
+template <typename Run>
+inline void for_blocks(const Q8Gemv& p, int64_t t, Run run) {
+  const uint8_t* at = p.tiles + t * p.blocks * kBlockBytes;
+  for (int64_t b = 0; b < p.blocks; b++, at += kBlockBytes) {
+    __builtin_prefetch(at + kPrefetchBytes);
+    run(b, reinterpret_cast<const float*>(at), reinterpret_cast<const int8_t*>(at + kRows * sizeof(float)));
+  }
+}
+
 // Tile t of W against activation rows [m0, m0 + MT).
 template <int MT>
 void tile(const Q8Gemv& p, int64_t t, int64_t m0) {
   v16f acc[kRows][MT] = {};
   const float* x = p.x + m0 * p.ldx;
-  const uint8_t* at = p.tiles + t * p.blocks * kBlockBytes;
-  for (int64_t b = 0; b < p.blocks; b++, at += kBlockBytes) {
-    __builtin_prefetch(at + kPrefetchBytes);
-    const float* scales = reinterpret_cast<const float*>(at);
-    const int8_t* codes = reinterpret_cast<const int8_t*>(at + kRows * sizeof(float));
+  for_blocks(p, t, [&](int64_t b, const float* scales, const int8_t* codes) {
     v16f xl[MT], xh[MT];
     for (int m = 0; m < MT; m++) {
       xl[m] = load16(x + m * p.ldx + b * kBlock);
@@ -48,7 +54,7 @@ void tile(const Q8Gemv& p, int64_t t, int64_t m0) {
         acc[r][m] += hi * xh[m];
       }
     }
-  }
+  });
   for (int r = 0; r < kRows && t * kRows + r < p.n; r++)
     for (int m = 0; m < MT; m++) p.y[(m0 + m) * p.ldy + t * kRows + r] = hsum16(acc[r][m]);
 }
@@ -63,11 +69,7 @@ void tile_avx2(const Q8Gemv& p, int64_t t, int64_t m0) {
   for (int r = 0; r < kRows; r++)
     for (int m = 0; m < MT; m++) acc[r][m] = _mm256_setzero_ps();
   const float* x = p.x + m0 * p.ldx;
-  const uint8_t* at = p.tiles + t * p.blocks * kBlockBytes;
-  for (int64_t b = 0; b < p.blocks; b++, at += kBlockBytes) {
-    __builtin_prefetch(at + kPrefetchBytes);
-    const float* scales = reinterpret_cast<const float*>(at);
-    const int8_t* codes = reinterpret_cast<const int8_t*>(at + kRows * sizeof(float));
+  for_blocks(p, t, [&](int64_t b, const float* scales, const int8_t* codes) {
     for (int r = 0; r < kRows; r++) {
       __m256 q[4];
       for (int j = 0; j < 4; j++)
@@ -81,7 +83,7 @@ void tile_avx2(const Q8Gemv& p, int64_t t, int64_t m0) {
         acc[r][m] = _mm256_fmadd_ps(dot, d, acc[r][m]);
       }
     }
-  }
+  });
   for (int r = 0; r < kRows && t * kRows + r < p.n; r++)
     for (int m = 0; m < MT; m++) p.y[(m0 + m) * p.ldy + t * kRows + r] = hsum8(acc[r][m]);
 }
