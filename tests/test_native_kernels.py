@@ -90,7 +90,7 @@ def test_q8_gemv_matches_the_dequantized_matmul(n, k, m):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
-@pytest.mark.skipif(not int8_dot_available(), reason="no int8-activation path in this build (no AVX-512BW)")
+@pytest.mark.skipif(not int8_dot_available(), reason="no int8-activation path in this build (neither AVX2 nor AVX-512BW)")
 @pytest.mark.parametrize("n,k,group_size", [(1, 32, 32), (5, 96, 32), (17, 128, 64), (64, 576, 32),
                                             (30, 384, 128), (4, 256, 64)])
 @pytest.mark.parametrize("m", [1, 3, 4, 9])
@@ -120,7 +120,7 @@ def test_int8_activation_gemv_matches_its_torch_reference(n, k, group_size, m, h
     assert (error <= bound * 1.001 + 1e-5).all()
 
 
-@pytest.mark.skipif(not int8_dot_available(), reason="no int8-activation path in this build (no AVX-512BW)")
+@pytest.mark.skipif(not int8_dot_available(), reason="no int8-activation path in this build (neither AVX2 nor AVX-512BW)")
 def test_int8_activation_rows_do_not_depend_on_the_batch():
     """A decode row (native kernel) and the same row in a prefill-sized call (dequantize + dense
     matmul) quantize alike, so a request's tokens do not depend on its batch."""

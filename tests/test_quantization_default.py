@@ -66,7 +66,7 @@ def test_cpu_int8_activations_is_an_engine_option_off_by_default():
 
 
 def test_cpu_int8_activations_without_the_kernel_says_it_keeps_float_rows(monkeypatch, caplog):
-    """Where the build has no int8 kernel (it needs AVX-512BW) the option cannot act: the log says so."""
+    """Where the build has no int8 kernel (it needs AVX2 or AVX-512BW) the option cannot act: the log says so."""
     from goodserve.native import int4_gemv
 
     monkeypatch.setattr(int4_gemv, "int8_dot_available", lambda: False)

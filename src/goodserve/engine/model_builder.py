@@ -74,7 +74,7 @@ def specialize_linears(model, device: torch.device, config: EngineConfig, kernel
             from goodserve.quant.gguf_native import use_int8_activations
 
             if not int8_dot_available():
-                logger.warning("cpu_int8_activations: this CPU (or build) has no AVX-512BW int8 kernel; "
+                logger.warning("cpu_int8_activations: this CPU (or build) has no int8 kernel (it needs AVX2 or AVX-512BW); "
                                "the GGUF layers keep float32 activation rows")
             use_int8_activations(model)
         pack_linears_for_cpu(model)

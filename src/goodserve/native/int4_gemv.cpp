@@ -18,8 +18,9 @@
 // instructions than dequantizing to float. w = q s + z makes a group's dot s * (q . x) + z * sum(x),
 // both over the quantized row (x = d q), so the result is the dequantized weight times that row:
 // what the many-row (prefill) calls compute with a dense matmul, so a row's result does not
-// depend on which path its batch took. Machines without AVX-512BW
-// keep the float path (gs_int8_dot_available() says which).
+// depend on which path its batch took. AVX-512BW takes a tile's 4 rows in one register, AVX2 in
+// two (maddubs / madd, or AVX-VNNI's dpbusd); machines with neither keep the float path
+// (gs_int8_dot_available() says which).
 #include <cmath>
 #include <vector>
 
@@ -170,11 +171,12 @@ void gemv(const Gemv& p, int64_t m_rows, int threads) {
 #endif
 }
 
-#if defined(__AVX512BW__)
+#if defined(__AVX512BW__) || (defined(__AVX2__) && defined(__FMA__))
 #define GS_INT8_DOT 1
 
 // Activation rows as int8 blocks of 32 (scale d = max |x| / 127, q = round(x / d)) and each
-// block's d * sum(q), for the zero term; rows `k` codes apart.
+// block's d * sum(q), for the zero term; rows `k` codes apart. AVX2 for every build: a row is a
+// few hundred floats a call, and its rounding must match quantize_activation_blocks' bit for bit.
 struct QuantizedRows {
   std::vector<int8_t> q;
   std::vector<float> d, sum;
@@ -183,31 +185,104 @@ struct QuantizedRows {
     q.resize(m_rows * k);
     d.resize(m_rows * blocks);
     sum.resize(m_rows * blocks);
+    const __m256 sign_bit = _mm256_set1_ps(-0.f);
     for (int64_t m = 0; m < m_rows; m++)
       for (int64_t b = 0; b < blocks; b++) {
         const float* xb = x + m * ldx + b * kChunk;
-        const __m512 lo = _mm512_loadu_ps(xb), hi = _mm512_loadu_ps(xb + 16);
-        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
-        const float inv = amax > 0.f ? 127.f / amax : 0.f;
-        const __m512 scale = _mm512_set1_ps(inv);
-        int8_t* qb = q.data() + m * k + b * kChunk;  // cvtps rounds to nearest even, as torch.round
-        const __m512i ql = _mm512_cvtps_epi32(lo * scale), qh = _mm512_cvtps_epi32(hi * scale);
-        d[m * blocks + b] = amax / 127.f;
-        sum[m * blocks + b] = amax / 127.f * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(ql, qh)));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(qb), _mm512_cvtsepi32_epi8(ql));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 16), _mm512_cvtsepi32_epi8(qh));
+        __m256 v[4], amax = _mm256_setzero_ps();
+        for (int i = 0; i < 4; i++) {
+          v[i] = _mm256_loadu_ps(xb + 8 * i);
+          amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_bit, v[i]));
+        }
+        __m128 top = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+        top = _mm_max_ps(top, _mm_movehl_ps(top, top));
+        const float block_max = _mm_cvtss_f32(_mm_max_ss(top, _mm_movehdup_ps(top)));
+        const __m256 scale = _mm256_set1_ps(block_max > 0.f ? 127.f / block_max : 0.f);
+        __m256i qi[4], total = _mm256_setzero_si256();
+        for (int i = 0; i < 4; i++) {  // cvtps rounds to nearest even, as torch.round
+          qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], scale));
+          total = _mm256_add_epi32(total, qi[i]);
+        }
+        // |q| <= 127, so the saturating packs are exact; they interleave 128-bit lanes, the permute undoes it.
+        const __m256i bytes = _mm256_permutevar8x32_epi32(
+            _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3])),
+            _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q.data() + m * k + b * kChunk), bytes);
+        __m128i s = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+        s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+        s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+        d[m * blocks + b] = block_max / 127.f;
+        sum[m * blocks + b] = block_max / 127.f * static_cast<float>(_mm_cvtsi128_si32(s));
       }
   }
 };
 
-// Lane i: acc_i + sum over k < 4 of w[4i + k] * x[4i + k] (w unsigned, x signed bytes).
-static inline __m512i dot_u8s8(__m512i acc, __m512i w, __m512i x) {
+// A chunk's codes of the tile's 4 rows (16 bytes each) in as few registers as the width allows;
+// in each, lane group j (lanes 4j..4j+3) belongs to one weight row, and lane i of an integer dot is
+// the sum over k < 4 of w[4i + k] * x[4i + k] (w unsigned, x signed bytes). A lane thus holds the
+// same 8 products on either width, so both give the same floats.
+#if defined(__AVX512BW__)
+struct Int8Lanes {  // one 512-bit register: the 4 rows
+  using I = __m512i;
+  using F = __m512;
+  static constexpr int kRowsPerReg = 4;
+  static I load(const uint8_t* p) { return _mm512_loadu_si512(p); }
+  static I low_nibbles(I w) { return _mm512_and_si512(w, _mm512_set1_epi8(0x0F)); }
+  static I high_nibbles(I w) { return _mm512_and_si512(_mm512_srli_epi16(w, 4), _mm512_set1_epi8(0x0F)); }
+  static I broadcast16(const int8_t* p) { return _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  // lo . xl + hi . xh per lane
+  static I dot(I lo, I xl, I hi, I xh) {
 #if defined(__AVX512VNNI__)
-  return _mm512_dpbusd_epi32(acc, w, x);
-#else  // products <= 15 * 128, pair sums fit int16
-  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(w, x), _mm512_set1_epi16(1)));
+    return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xl), hi, xh);
+#else  // products <= 15 * 127: a pair's sum, and two pairs', fit int16
+    return _mm512_madd_epi16(_mm512_add_epi16(_mm512_maddubs_epi16(lo, xl), _mm512_maddubs_epi16(hi, xh)),
+                             _mm512_set1_epi16(1));
 #endif
-}
+  }
+  static F fmadd_dot(I dot, F scale, F acc) { return _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc); }
+  static F zero() { return _mm512_setzero_ps(); }
+  static F times(F v, float d) { return _mm512_mul_ps(v, _mm512_set1_ps(d)); }
+  static void row_scales(__m128 s, F* out) {
+    out[0] = _mm512_permutexvar_ps(_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
+                                   _mm512_castps128_ps512(s));
+  }
+  static __m128 row_sums(const F* acc) {
+    const __m128 r01 = _mm_hadd_ps(_mm512_extractf32x4_ps(acc[0], 0), _mm512_extractf32x4_ps(acc[0], 1));
+    const __m128 r23 = _mm_hadd_ps(_mm512_extractf32x4_ps(acc[0], 2), _mm512_extractf32x4_ps(acc[0], 3));
+    return _mm_hadd_ps(r01, r23);
+  }
+};
+#else
+struct Int8Lanes {  // two 256-bit registers: rows 0-1, rows 2-3
+  using I = __m256i;
+  using F = __m256;
+  static constexpr int kRowsPerReg = 2;
+  static I load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static I low_nibbles(I w) { return _mm256_and_si256(w, _mm256_set1_epi8(0x0F)); }
+  static I high_nibbles(I w) { return _mm256_and_si256(_mm256_srli_epi16(w, 4), _mm256_set1_epi8(0x0F)); }
+  static I broadcast16(const int8_t* p) { return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static I dot(I lo, I xl, I hi, I xh) {
+#if defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), lo, xl), hi, xh);
+#else
+    return _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh)),
+                             _mm256_set1_epi16(1));
+#endif
+  }
+  static F fmadd_dot(I dot, F scale, F acc) { return _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc); }
+  static F zero() { return _mm256_setzero_ps(); }
+  static F times(F v, float d) { return _mm256_mul_ps(v, _mm256_set1_ps(d)); }
+  static void row_scales(__m128 s, F* out) {
+    out[0] = _mm256_set_m128(_mm_shuffle_ps(s, s, 0x55), _mm_shuffle_ps(s, s, 0x00));
+    out[1] = _mm256_set_m128(_mm_shuffle_ps(s, s, 0xFF), _mm_shuffle_ps(s, s, 0xAA));
+  }
+  static __m128 row_sums(const F* acc) {
+    const __m128 r01 = _mm_hadd_ps(_mm256_castps256_ps128(acc[0]), _mm256_extractf128_ps(acc[0], 1));
+    const __m128 r23 = _mm_hadd_ps(_mm256_castps256_ps128(acc[1]), _mm256_extractf128_ps(acc[1], 1));
+    return _mm_hadd_ps(r01, r23);
+  }
+};
+#endif
 
 struct QGemv {
   const QuantizedRows* x;
@@ -216,21 +291,24 @@ struct QGemv {
   int64_t ldy, n, k, groups;
 };
 
-// Tile t (4 weight rows) against quantized rows [m0, m0 + MT). One 64-byte load holds a chunk's
-// codes of all 4 rows (16 bytes each): lane group r of the integer dot (lanes 4r..4r+3) is row r's.
+// Tile t (4 weight rows) against quantized rows [m0, m0 + MT).
 template <typename Scale, int CPG, int MT>
 void qtile(const QGemv& p, int64_t t, int64_t m0) {
+  using L = Int8Lanes;
+  constexpr int kRegs = kRows / L::kRowsPerReg, kRegBytes = 16 * L::kRowsPerReg;
   const int64_t blocks = p.k / kChunk;
-  const __m512i nibble = _mm512_set1_epi8(0x0F);
-  const __m512i rows_of_lanes = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-  __m512 acc[MT];
+  typename L::F acc[MT][kRegs];
   __m128 zacc[MT];
-  for (int m = 0; m < MT; m++) acc[m] = _mm512_setzero_ps(), zacc[m] = _mm_setzero_ps();
+  for (int m = 0; m < MT; m++) {
+    zacc[m] = _mm_setzero_ps();
+    for (int i = 0; i < kRegs; i++) acc[m][i] = L::zero();
+  }
   const uint8_t* at = p.tiles + t * p.groups * group_bytes<Scale, CPG>();
   for (int64_t g = 0; g < p.groups; g++, at += group_bytes<Scale, CPG>()) {
     __builtin_prefetch(at + kPrefetchBytes);
     const Scale* sz = reinterpret_cast<const Scale*>(at);
-    const __m512 scales = _mm512_permutexvar_ps(rows_of_lanes, _mm512_castps128_ps512(load4(sz)));
+    typename L::F scales[kRegs];
+    L::row_scales(load4(sz), scales);
     const __m128 zeros = load4(sz + kRows);
     const uint8_t* codes = at + 2 * kRows * sizeof(Scale);
     for (int m = 0; m < MT; m++) {
@@ -241,24 +319,23 @@ void qtile(const QGemv& p, int64_t t, int64_t m0) {
     }
 #pragma GCC unroll 4
     for (int c = 0; c < CPG; c++) {
-      const __m512i w = _mm512_loadu_si512(codes + c * kRows * 16);
-      const __m512i lo = _mm512_and_si512(w, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), nibble);
+      typename L::I lo[kRegs], hi[kRegs];
+      for (int i = 0; i < kRegs; i++) {
+        const typename L::I w = L::load(codes + c * kRows * 16 + i * kRegBytes);
+        lo[i] = L::low_nibbles(w), hi[i] = L::high_nibbles(w);
+      }
       const int64_t block = g * CPG + c;
       for (int m = 0; m < MT; m++) {
         const int8_t* xq = p.x->q.data() + (m0 + m) * p.k + block * kChunk;
-        const __m512i xl = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xq)));
-        const __m512i xh = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xq + 16)));
-        const __m512i dot = dot_u8s8(dot_u8s8(_mm512_setzero_si512(), lo, xl), hi, xh);
+        const typename L::I xl = L::broadcast16(xq), xh = L::broadcast16(xq + 16);
         const float d = p.x->d[(m0 + m) * blocks + block];
-        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scales * _mm512_set1_ps(d), acc[m]);
+        for (int i = 0; i < kRegs; i++) acc[m][i] = L::fmadd_dot(L::dot(lo[i], xl, hi[i], xh), L::times(scales[i], d), acc[m][i]);
       }
     }
   }
   for (int m = 0; m < MT; m++) {
-    const __m128 r01 = _mm_hadd_ps(_mm512_extractf32x4_ps(acc[m], 0), _mm512_extractf32x4_ps(acc[m], 1));
-    const __m128 r23 = _mm_hadd_ps(_mm512_extractf32x4_ps(acc[m], 2), _mm512_extractf32x4_ps(acc[m], 3));
     float out[kRows];
-    _mm_storeu_ps(out, _mm_hadd_ps(r01, r23) + zacc[m]);
+    _mm_storeu_ps(out, L::row_sums(acc[m]) + zacc[m]);
     for (int r = 0; r < kRows && t * kRows + r < p.n; r++) p.y[(m0 + m) * p.ldy + t * kRows + r] = out[r];
   }
 }

@@ -32,7 +32,7 @@ def supports(in_features: int, group_size: int) -> bool:
 
 @functools.cache
 def int8_dot_available() -> bool:
-    """Whether this build has the int8-activation path (AVX-512BW; VNNI where the CPU has it)."""
+    """Whether this build has the int8-activation path (AVX-512BW or AVX2; VNNI where the CPU has it)."""
     return library() is not None and bool(library().gs_int8_dot_available())
 
 

@@ -15,7 +15,7 @@ float) are dequantized by the loader as before.
 On the CPU, decode calls (up to 64 rows) take goodserve's native int4 kernel (native/int4_gemv.cpp)
 with float32 rows, scales, zeros and output: the dequantized weight's product. With
 `cpu_int8_activations` (EngineConfig) they run as llama.cpp runs these formats: each row quantized to
-int8 per block of 32 (`Int4Linear.int8_activations`; needs AVX-512BW), integer dot products with
+int8 per block of 32 (`Int4Linear.int8_activations`; needs AVX2 or AVX-512BW), integer dot products with
 the codes, and the many-row calls multiply the same quantized rows. Q8_0 layers (the tied lm_head)
 take their own native kernel instead (native/q8_gemv.cpp, int8 codes as they are: a third fewer
 bytes than the two halves), always with float32 rows. Where the native library is
