@@ -8,7 +8,7 @@
 output tok/s, acceptance rate, and whether the greedy outputs are identical (they must be);
 - verify: what a step verifying k drafts costs against a decode step (gpu_spec_decode.py's verify
   table, on this CPU), for the float32 model and for gguf, whose decode steps run the native stack
-  (model/native_decode.py) while a verify step takes the per-op path: the speculation policy's cost
+  (model/native_decode.py), and its verify steps too, as one-token rows: the speculation policy's cost
   tables (engine/spec_decode/policy.py) come from it.
 
     PYTHONPATH=src python benchmarks/cpu_spec_decode.py     # writes $OUT/cpu_spec_decode_cpu.json

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from goodserve import LLM, SamplingParams
+from goodserve.engine.model_inputs import FlatBatch, as_one_token_rows
 from goodserve.engine.spec_decode.acceptance import kept_tokens
 from goodserve.engine.spec_decode.ngram import propose_ngram
 from goodserve.ops.kernel_choice import KernelChoice
@@ -164,3 +165,35 @@ def test_metrics_serve_the_counters(spec_llm):
     assert 0 < totals["goodserve:spec_decode_num_drafts_total"] <= drafts and 0 < accepted <= drafts
     per_pos = [s.value for s in samples if s.name == "goodserve:spec_decode_num_accepted_tokens_per_pos_total"]
     assert len(per_pos) == spec_llm.engine.config.num_speculative_tokens and sum(per_pos) == accepted
+
+
+# ---- verify steps on the CPU's native decode stack ----------------------------------------------
+def test_short_rows_become_one_token_rows_over_their_block_tables():
+    flat = FlatBatch(input_ids=[5, 6, 7, 8, 9, 10], positions=[40, 41, 42, 43, 7, 8], slots=[0, 1, 2, 3, 4, 5],
+                     query_lens=[1, 3, 2], seq_lens=[41, 44, 9], block_tables=[[1], [2, 3], [4]],
+                     sample_rows=[0, 1, 2], logits_indices=[0, 1, 2, 3, 5], prompt_logit_spans={})
+    split = as_one_token_rows(flat)
+    assert split.query_lens == [1] * 6 and split.seq_lens == [41, 42, 43, 44, 8, 9]
+    assert split.block_tables == [[1], [2, 3], [2, 3], [2, 3], [4], [4]]
+    assert (split.input_ids, split.slots, split.logits_indices) == (flat.input_ids, flat.slots, flat.logits_indices)
+    long_row = FlatBatch([0] * 10, list(range(10)), list(range(10)), [1, 9], [5, 9], [[0], [1]], [0, 1], [0, 9], {})
+    assert as_one_token_rows(long_row) is long_row  # a prompt: one prefill row
+
+
+def test_verify_steps_run_the_native_decode_stack_with_the_plain_decode_tokens(monkeypatch):
+    """On the CPU default (gguf codes), a verify step's rows go through the one native call as
+    decode rows, so each position's logits are a plain decode step's: greedy tokens identical."""
+    from goodserve.model.native_decode import NativeDecodeStack
+
+    plain = LLM("smollm2-135m", cpu_kv_cache_bytes=64 << 20)
+    spec = LLM("smollm2-135m", cpu_kv_cache_bytes=64 << 20, speculative_method="ngram", num_speculative_tokens=4,
+               spec_policy="always")
+    rows_per_call, call = [], NativeDecodeStack.__call__
+    monkeypatch.setattr(NativeDecodeStack, "__call__", lambda self, x, *args: rows_per_call.append(x.shape[0])
+                        or call(self, x, *args))
+    prompts = [COPY, OTHERS[1]]
+    assert _tokens(spec.generate(prompts, GREEDY)) == _tokens(plain.generate(prompts, GREEDY))
+    stats = spec.engine.stats()
+    assert stats.spec_decode_num_accepted_tokens > 0
+    assert max(rows_per_call) > len(prompts)  # verify steps: a row a token and draft
+    assert spec.engine.kv.num_used_blocks == 0

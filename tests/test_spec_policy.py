@@ -5,7 +5,8 @@ probes the sequences it left out in a bounded share of steps."""
 from goodserve import LLM
 from goodserve.config import EngineConfig
 from goodserve.engine.sequence import Sequence
-from goodserve.engine.spec_decode.policy import EAGER_COST, GRAPHED_COST, NATIVE_DECODE_COST, PROBE_EVERY, Speculator
+from goodserve.engine.spec_decode.policy import (EAGER_COST, GRAPHED_COST, NATIVE_DECODE_COST, NATIVE_SPLIT_COST,
+                                                PROBE_EVERY, Speculator)
 from goodserve.engine.spec_decode.proposer import Drafts
 from goodserve.sampling_params import SamplingParams
 
@@ -104,20 +105,27 @@ def test_drafting_must_pay_a_verify_step_off_the_native_decode_stack():
     """At acceptance 0.4 two drafts add 0.4 + 0.16 = 0.56 tokens: worth a per-op verify step (EAGER_COST:
     1.11 decode steps, 1.56 / 1.11 = 1.40x, more than four drafts' 1.65 / 1.22 = 1.35x), not one off the
     CPU's native decode stack (one draft: 1.4 tokens for 1 + 0.61 + 0.36 = 1.97 steps, 0.71x; more do
-    worse). At 0.95 four drafts add 3.52: 4.52 tokens for 1 + 0.61 + 4 x 0.36 = 3.05 steps there, 1.48x."""
-    for acceptance, per_op, native in ((0.4, {"s0": 2}, {}), (0.95, {"s0": K}, {"s0": K})):
-        for cost, plan in ((EAGER_COST, per_op), (NATIVE_DECODE_COST, native)):
+    worse). At 0.95 four drafts add 3.52: 4.52 tokens for 1 + 0.61 + 4 x 0.36 = 3.05 steps there, 1.48x.
+    Verify rows on the native stack (NATIVE_SPLIT_COST) at 0.4: one draft 1.4 tokens for 1 - 0.25 + 0.31 =
+    1.06 steps (1.32x), two 1.56 for 1.37 (1.14x); at 0.95 four, 4.52 for 1.99 (2.27x against three's 2.21x)."""
+    cases = ((0.4, {"s0": 2}, {}, {"s0": 1}), (0.95, {"s0": K}, {"s0": K}, {"s0": K}))
+    for acceptance, per_op, native, split in cases:
+        for cost, plan in ((EAGER_COST, per_op), (NATIVE_DECODE_COST, native), (NATIVE_SPLIT_COST, split)):
             seqs = _seqs(1)
             seqs[0].spec_acceptance = acceptance
             assert _speculator(cost).plan(seqs, 1) == plan, (acceptance, cost)
 
 
 def test_the_cost_table_follows_the_path_decode_steps_take():
-    """An int4 model on the CPU decodes on the native stack, which a verify step leaves for the per-op
-    path (benchmarks/results/cpu_spec_decode_verify.json: 2.2-3x a decode step at batch 1)."""
+    """An int4 model on the CPU decodes on the native stack; its verify steps run there as one-token
+    rows (cpu_spec_decode_verify_split.json: 1.1-2.1x a decode step at batch 1), lookahead's leave
+    it for the per-op path (cpu_spec_decode_verify.json: 2.2-3x)."""
     options = dict(speculative_method="ngram", num_speculative_tokens=K, num_kv_blocks=64)
     native = LLM("dummy:tiny", quantization="int4", quantization_group_size=32, **options).engine
     assert native.executor.worker.runner.model.native_decode is not None
+    assert native.scheduler.speculator.cost is NATIVE_SPLIT_COST
+    lookahead = {**options, "speculative_method": "lookahead"}
+    native = LLM("dummy:tiny", quantization="int4", quantization_group_size=32, **lookahead).engine
     assert native.scheduler.speculator.cost is NATIVE_DECODE_COST
     assert LLM("dummy:tiny", **options).engine.scheduler.speculator.cost is EAGER_COST
 

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -102,6 +102,24 @@ def flatten(out: SchedulerOutput, requests: dict[str, RequestState], block_size:
     for row, branch in out.branches.items():
         _add_branch(flat, row, branch, out, block_size)
     return flat
+
+
+# A row of up to this many tokens may go as one-token rows over its block table: a decode step for
+# the attention, since every layer writes the step's K/V before any row attends (each row's context
+# then ends at its own token). Verify rows (a token and its drafts) so take the CPU's native decode
+# stack, and each row's arithmetic is a plain decode step's.
+MAX_SPLIT_TOKENS = 8
+
+
+def as_one_token_rows(flat: FlatBatch) -> FlatBatch:
+    """The batch with every row of 2..MAX_SPLIT_TOKENS tokens laid out as one-token rows (the flat
+    token lists, logits rows and spans are the same); unchanged where a row is longer or side
+    branches hang off the rows (their tree attention needs the rows as they are)."""
+    if flat.branches or max(flat.query_lens) == 1 or max(flat.query_lens) > MAX_SPLIT_TOKENS:
+        return flat
+    tables = [table for table, n in zip(flat.block_tables, flat.query_lens) for _ in range(n)]
+    seq_lens = [end - n + 1 + i for end, n in zip(flat.seq_lens, flat.query_lens) for i in range(n)]
+    return replace(flat, query_lens=[1] * len(seq_lens), seq_lens=seq_lens, block_tables=tables)
 
 
 def _add_branch(flat: FlatBatch, row: int, branch: Branch, out: SchedulerOutput, block_size: int) -> None:

@@ -29,7 +29,7 @@ from goodserve.engine.isolation import rewind_generators
 from goodserve.engine.kv_cache import allocate_kv_cache
 from goodserve.engine.input_layout import InputLayout
 from goodserve.engine.model_inputs import (
-    FlatBatch, ModelInput, ModelOutput, RequestState, flatten, leading_decodes, pooled_sums)
+    FlatBatch, ModelInput, ModelOutput, RequestState, as_one_token_rows, flatten, leading_decodes, pooled_sums)
 from goodserve.engine.runner_output import BranchOutput, ModelRunnerOutput, PendingOutput
 from goodserve.engine.sampling_inputs import GrammarBitmask, SamplingRow, build_sampling_batch
 from goodserve.engine.scheduler_output import SchedulerOutput
@@ -39,6 +39,7 @@ from goodserve.model.llama import LlamaForCausalLM
 from goodserve.ops.attention import AttentionMetadata, LayerKVCache
 from goodserve.ops.sampler import SamplerOutput, gather_logprobs, sample
 from goodserve.ops.tree_attention import BranchTree, SideBranches, tree_mask
+from goodserve.quant.linear import CPU_NATIVE_MAX_M
 
 
 @dataclass
@@ -210,6 +211,8 @@ class ModelRunner:
     # ---- inputs --------------------------------------------------------------------------
     def _prepare(self, flat: FlatBatch) -> ModelInput:
         """The batch's input tensors on the device, in one host-to-device copy."""
+        if self.model.native_decode is not None and len(flat.input_ids) <= CPU_NATIVE_MAX_M:
+            flat = as_one_token_rows(flat)  # verify rows too then run the native decode stack
         graph = None if flat.branches else graph_for(flat, self.decode_graphs, self.mixed_graphs)
         if graph is not None:
             return graph.load(flat, self._staging_buffer(graph.layout.used(flat)))

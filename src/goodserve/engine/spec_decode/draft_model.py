@@ -28,6 +28,7 @@ from goodserve.config import SELF_DRAFT_PREFIX, EngineConfig
 from goodserve.engine.config_resolution import torch_dtype
 from goodserve.engine.kv_cache import allocate_kv_cache, bytes_per_block
 from goodserve.engine.model_builder import build_model
+from goodserve.engine.model_inputs import MAX_SPLIT_TOKENS  # more tokens (a prompt) go as one prefill row
 from goodserve.engine.sequence import Sequence
 from goodserve.engine.spec_decode.draft_kv import DraftKV
 from goodserve.engine.spec_decode.proposer import Drafts
@@ -38,9 +39,6 @@ from goodserve.ops.attention import AttentionMetadata
 from goodserve.ops.kernel_choice import use_kernels
 from goodserve.quant.linear import Int4Linear
 
-# A sequence's new tokens go as one-token rows (a decode step) up to this many; more (a prompt) go
-# as one prefill row.
-MAX_SPLIT_TOKENS = 8
 SELF_INT4_GROUP_SIZE = 32
 
 

@@ -13,7 +13,7 @@ acceptance, against what a verify step costs beside a plain decode step (VerifyC
   draft model's forwards (one per draft position, for the whole batch) count once per step.
 - A sequence left out keeps its estimate, so it is re-measured by a probe: at most one step in
   PROBE_EVERY gives every eligible sequence left out k drafts, so a sequence that starts copying
-  later is noticed. Where a probe step costs more than two plain steps (a verify step off the CPU's
+  later is noticed. Where a probe step costs more than two plain steps (lookahead's, off the CPU's
   native decode stack), probes come that much less often, so they never take more than about
   1 / PROBE_EVERY of a run's time: on the CPU's gguf path lookahead lost 10% to its probes alone.
   No wall-clock time enters the decision (CPU timing noise would switch drafting on and off
@@ -69,14 +69,22 @@ EAGER_COST = VerifyCost(per_seq=0.056, fixed=0.0, per_draft_token=0.056)
 
 
 # The CPU's native decode stack (model/native_decode.py: a GGUF or int4 model's decode step in one
-# native call) runs decode steps only: a verify step takes the per-op path, so it costs several
-# decode steps. The embedded model in gguf, two threads, 300 cached tokens, two runs: decode 11.1-11.6 /
+# native call) runs decode rows only. Lookahead's steps (tree attention over the window) take the
+# per-op path, so they cost several decode steps: The embedded model in gguf, two threads, 300 cached tokens, two runs: decode 11.1-11.6 /
 # 20.4-23.9 ms at batch 1 / 4; verify k = 1 / 2 / 4 21.2-25.9 / 22.4-28.3 / 29.2-35.0 ms at batch 1 and
 # 50.5-73.5 / 63.0-84.7 / 81.3-107.4 at batch 4 (benchmarks/results/cpu_spec_decode_verify{,_run1}.json).
 # Least squares on the relative error over both runs' 16 cells: batch 1 within 2.0-3.1 decode steps of
 # the measured 1.9-3.0, batch 4 4.2-8.5 against 4.5-9.2. EAGER_COST above still holds for the float32
 # model in the same runs (verify k = 4 at batch 1 1.02-1.07x a decode step).
 NATIVE_DECODE_COST = VerifyCost(per_seq=0.37, fixed=0.61, per_draft_token=0.36)
+# Other verify steps go as one-token rows (model_inputs.as_one_token_rows) through the native stack: a
+# decode step of B + D rows. Same model, threads and context, two runs: decode 11.1-11.6 / 18.4-20.6
+# ms at batch 1 / 4; verify k = 1 / 2 / 4 11.7-12.4 / 14.1-15.0 / 22.8-24.6 ms at batch 1 and
+# 30.4-36.3 / 42.5-47.9 / 68.0-71.8 at batch 4 (benchmarks/results/cpu_spec_decode_verify_split{,_run2}.json).
+# Least squares on the relative error over both runs' 12 cells: within 10% of each (1.06-1.99 decode
+# steps at batch 1 against the measured 1.06-2.13). The fixed term is negative: a step's rows go
+# through each weight tile in passes of up to 4, so a draft or two ride in the first pass nearly free.
+NATIVE_SPLIT_COST = VerifyCost(per_seq=0.24, fixed=-0.25, per_draft_token=0.31)
 
 
 # A draft model's step (draft_model.py), eager: ~1/4 of a float32 target step for the embedded
@@ -89,7 +97,7 @@ def verify_cost(config: EngineConfig, native_decode: bool = False) -> VerifyCost
     """The table of the path a verify step takes: a CUDA graph where graphs run (model_runner.py);
     native_decode: the decode steps it is weighed against run the CPU's native stack."""
     if native_decode:
-        return NATIVE_DECODE_COST
+        return NATIVE_DECODE_COST if config.speculative_method == "lookahead" else NATIVE_SPLIT_COST
     graphed = config.device.startswith("cuda") and not config.enforce_eager \
         and config.attention_backend == "triton" and config.pipeline_parallel_size == 1
     return GRAPHED_COST if graphed else EAGER_COST
