@@ -25,9 +25,10 @@ from test_tensor_parallel import fast_timeout  # noqa: F401 (a fixture its tests
 PROMPTS = [list(range(3, 3 + n)) for n in (5, 9, 2, 14, 7)]
 
 
-def _with_stand_in_graphs(target: str, poison: int | None, *args) -> None:
-    """A worker process's entry: the executor's own (target), its runner given stand-in graphs (and
-    with poison, a forward that fails on any step computing that token, on every rank alike)."""
+def _with_stand_in_graphs(target: str, poison: int | None, graphs: bool, *args) -> None:
+    """A worker process's entry: the executor's own (target), its runner given stand-in graphs where
+    `graphs` (and with poison, a forward that fails on any step computing that token, on every rank
+    alike)."""
     build, forward = model_runner.ModelRunner.__init__, model_runner.ModelRunner.forward
 
     def poisoned_forward(runner, inputs):
@@ -41,7 +42,8 @@ def _with_stand_in_graphs(target: str, poison: int | None, *args) -> None:
         runner.decode_graphs = cuda_graphs.GraphSet({size: EagerDecodeGraph(runner, size, None) for size in sizes},
                                                     dict.fromkeys(sizes, 1.0))
 
-    model_runner.ModelRunner.__init__ = build_with_graphs
+    if graphs:
+        model_runner.ModelRunner.__init__ = build_with_graphs
     if poison is not None:
         model_runner.ModelRunner.forward = poisoned_forward
     getattr(executor, target)(*args)
@@ -49,12 +51,13 @@ def _with_stand_in_graphs(target: str, poison: int | None, *args) -> None:
 
 @pytest.fixture
 def workers_with_graphs(monkeypatch):
-    """LLM(...) for the test's layout, its worker processes given stand-in graphs; shut down after."""
+    """LLM(...) for the test's layout, its worker processes given stand-in graphs (graphs=False: none)
+    and a poisoned forward (poison=token); shut down after."""
     made = []
 
-    def make(model: str, poison: int | None = None, **settings) -> LLM:
+    def make(model: str, poison: int | None = None, graphs: bool = True, **settings) -> LLM:
         for target in ("_leader_main", "run_follower"):
-            monkeypatch.setattr(executor, target, functools.partial(_with_stand_in_graphs, target, poison))
+            monkeypatch.setattr(executor, target, functools.partial(_with_stand_in_graphs, target, poison, graphs))
         made.append(LLM(model, **(SETTINGS | settings)))
         return made[-1]
 

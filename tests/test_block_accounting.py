@@ -132,3 +132,67 @@ def test_prefix_hit_leaves_last_token_to_compute():
     assert kv.block_table("b") == kv.block_table("a")[:1]
     third = Sequence("c", "c", 0, [0, 1, 2, 9, 4], 5, SamplingParams(), 16)
     assert kv.match_prefix(third) == 0
+
+
+def test_pipeline_micro_batches_share_no_sequence_and_preempt_none_in_flight():
+    """Three pipeline stages: the engine keeps a step in each, scheduling every new one around the
+    sequences of those in flight (busy). No sequence is in two steps at once, none in flight is
+    preempted (its blocks are being written), each step holds its share of the rows, and random
+    aborts (in flight or not) and a small pool leak nothing."""
+    rng = random.Random(99)
+    stages = 3
+    config = EngineConfig(max_num_seqs=9, max_num_batched_tokens=24, block_size=BLOCK,
+                          pipeline_parallel_size=stages)
+    kv = KVCacheManager(num_blocks=16, block_size=BLOCK)
+    scheduler = Scheduler(config, kv)
+    prefixes = [[rng.randrange(3) for _ in range(rng.randrange(0, 14))] for _ in range(3)]
+    shadow = {b: [None] * BLOCK for b in range(kv.pool.num_blocks)}
+    live: list[Sequence] = []
+    in_flight: list[tuple] = []  # (out, seqs, their block tables at launch)
+    max_overlap = 0
+    for i in range(3000):
+        if i < 500:
+            for k in range(rng.choice([0, 0, 1, 2])):
+                seq = make_seq(rng, i * 10 + k, prefixes)
+                scheduler.add(seq)
+                live.append(seq)
+            if live and rng.random() < 0.1:
+                victim = rng.choice(live)
+                scheduler.finish(victim, "abort")
+                live.remove(victim)
+        while len(in_flight) < stages:
+            busy = [seq for _, seqs, _ in in_flight for seq in seqs]
+            rows = -(-min(len(scheduler.running) + len(scheduler.waiting), config.max_num_seqs) // stages)
+            out = scheduler.schedule(busy=busy)
+            if not out:
+                break
+            by_id = {seq.seq_id: seq for seq in live}
+            seqs = [by_id[seq_id] for seq_id in out.seq_ids]
+            assert not {seq.seq_id for seq in seqs} & {seq.seq_id for seq in busy}, "a sequence in two steps"
+            assert len(seqs) <= rows
+            for row, seq in enumerate(seqs):
+                start, n, table = out.num_computed_tokens[row], out.num_new_tokens[row], out.block_tables[row]
+                for pos in range(start, start + n):
+                    shadow[table[pos // BLOCK]][pos % BLOCK] = out.token_ids[row][pos - start]
+            in_flight.append((out, seqs, [list(kv.block_table(seq.seq_id)) for seq in seqs]))
+            max_overlap = max(max_overlap, len(in_flight))
+        for _, seqs, tables in in_flight:  # nothing in flight lost its blocks but to an abort
+            for seq, table in zip(seqs, tables):
+                assert seq.is_finished or (seq.status is SequenceStatus.RUNNING and kv.block_table(seq.seq_id) == table)
+        if not in_flight:
+            if i >= 500 and not scheduler.has_unfinished():
+                break
+            continue
+        out, seqs, _ = in_flight.pop(0)
+        scheduler.advance(out)
+        for seq in seqs:
+            if seq.status is SequenceStatus.RUNNING and seq.num_computed_tokens >= seq.num_tokens:
+                seq.token_ids.append(rng.randrange(3))
+                if seq.num_tokens >= seq.max_len:
+                    scheduler.finish(seq, "length")
+                    live.remove(seq)
+        check_invariants(kv, live, shadow)
+    assert not live and not scheduler.has_unfinished() and not in_flight, "requests starved or deadlocked"
+    assert max_overlap == stages
+    assert kv.pool.num_free_blocks == kv.pool.num_blocks
+    assert scheduler.num_preemptions > 0, "the pool is small; preemption must be exercised"

@@ -1,18 +1,23 @@
 """Pipeline parallelism on the CPU (gloo, one process per rank): the model cut into stages of
 contiguous layers gives the greedy tokens of the whole one, alone and under tensor parallelism
 (TP=2 x PP=2, four processes); a stage holds only its layers; sizes past the layer count are
-refused clearly; aborts leak no block; a stage that dies ends the engine instead of hanging it."""
+refused clearly; aborts leak no block; a stage that dies ends the engine instead of hanging it.
+Micro-batches: the engine keeps a step in each stage, over sequences no other step holds, with one
+process's tokens under arrivals, stops, aborts in flight and a request whose step fails."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from goodserve import LLM
+from goodserve import LLM, SamplingParams
 from goodserve.errors import InvalidRequestError
 from goodserve.model.llama import build_empty_model
 from goodserve.model.pipeline_parallel import PipelineParallel
 from goodserve.model.presets import get_preset
+from test_async_scheduling import check_blocks, drive, summary
+from test_async_scheduling_mp import traffic
+from test_async_scheduling_mp import workers_with_graphs  # noqa: F401 (a fixture its tests use)
 from test_tensor_parallel import fast_timeout  # noqa: F401 (a fixture its tests use)
 from test_tensor_parallel import (LONG_PROMPT, SETTINGS, assert_a_dead_rank_1_ends_the_engine,
                                   assert_embedded_split_matches, assert_split_matches, greedy_tokens)
@@ -77,3 +82,60 @@ def test_embedded_model_in_two_stages_gives_the_same_greedy_tokens(quantization)
 
 def test_a_last_stage_that_dies_ends_the_engine_with_a_clear_error():
     assert_a_dead_rank_1_ends_the_engine(parallel("dummy:tiny", 2))
+
+
+@pytest.mark.parametrize("model, stages", [("dummy:tiny", 2), ("smollm2-135m", 3)])
+def test_micro_batches_keep_the_stages_busy_with_one_process_tokens(model, stages):
+    """Arrivals while others decode, a stop token, prompts in chunks: the same outputs as one
+    process, most steps launched while the stages hold others, no block leaked."""
+    whole = LLM(model, **SETTINGS).engine
+    stop_token = summary(drive(whole, traffic(None)))["r0"][0][0][6]
+    reference = summary(drive(whole, traffic(stop_token)))
+    llm = parallel(model, stages)
+    try:
+        engine = llm.engine
+        assert summary(drive(engine, traffic(stop_token), check=True)) == reference
+        assert engine.steps.num_pipelined_steps >= engine.steps.num_steps // 2
+    finally:
+        llm.engine.executor.shutdown()
+
+
+def test_aborts_of_sequences_in_flight_in_the_stages_free_their_blocks():
+    params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+    requests = [(f"a{i}", list(range(3 + i, 12 + 2 * i)), params) for i in range(4)]
+    reference = summary(drive(LLM("dummy:tiny", **SETTINGS).engine, {0: requests}))
+    llm = parallel("dummy:tiny", 2)
+    try:
+        engine = llm.engine
+        for rid, prompt, p in requests:
+            engine.add_request(rid, prompt, p)
+        aborted = {}
+        while engine.has_unfinished():
+            in_flight = {seq.request_id for step in engine._stages for seq in step.seqs}
+            if engine.steps.num_steps >= 6 and not aborted and "a1" in in_flight:
+                aborted["a1"] = engine.abort_request("a1")
+                check_blocks(engine)
+            engine.step(finished_only=True)
+            check_blocks(engine)
+        assert engine.kv.num_used_blocks == 0 and set(aborted) == {"a1"}
+        tokens = aborted["a1"].outputs[0].token_ids
+        assert 0 < len(tokens) < len(reference["a1"][0][0]) and tokens == reference["a1"][0][0][: len(tokens)]
+        # the stages dropped the aborted sequence too: the same requests again give the same tokens
+        assert summary(drive(engine, {0: requests})) == reference
+    finally:
+        llm.engine.executor.shutdown()
+
+
+def test_a_request_whose_micro_batch_fails_fails_alone(workers_with_graphs):
+    """The culprit arrives while the stages hold the others' steps: its step fails on every stage,
+    the steps in flight still finish, and only the culprit gets the error."""
+    poison = 2  # in no prompt here, nor in what the others generate (checked below)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    innocents = [(f"r{i}", list(range(3 + i, 10 + i)), params) for i in range(3)]
+    expected = summary(drive(LLM("dummy:tiny", **SETTINGS).engine, {0: innocents}))
+    assert all(poison not in tokens for (tokens, *_), in expected.values())
+    engine = workers_with_graphs("dummy:tiny", poison=poison, graphs=False, pipeline_parallel_size=2).engine
+    final = drive(engine, {0: innocents, 5: [("culprit", [5, poison, 6], params)]}, check=True)
+    assert engine.steps.num_pipelined_steps > 0
+    assert "poisoned forward" in final["culprit"].error
+    assert {rid: v for rid, v in summary(final).items() if rid != "culprit"} == expected

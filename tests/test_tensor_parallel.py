@@ -157,9 +157,11 @@ def test_a_rank_that_dies_ends_the_engine_with_a_clear_error():
     assert_a_dead_rank_1_ends_the_engine(tensor_parallel("dummy:tiny", 2))
 
 
-def test_ranks_started_apart_join_like_a_second_host(monkeypatch):
+@pytest.mark.parametrize("layout", ["tensor_parallel_size", "pipeline_parallel_size"])
+def test_ranks_started_apart_join_like_a_second_host(monkeypatch, layout):
     """The engine's "host" starts rank 0 only (LOCAL_WORLD_SIZE=1); rank 1 is `goodserve worker`
-    with torchrun's variables, as on another host."""
+    with torchrun's variables, as on another host (the steps then go by gloo broadcasts: with
+    pipeline micro-batches in flight too)."""
     expected = greedy_tokens(LLM("dummy:tiny", **SETTINGS))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -172,9 +174,10 @@ def test_ranks_started_apart_join_like_a_second_host(monkeypatch):
     worker = subprocess.Popen([sys.executable, "-m", "goodserve", "worker"], env=worker_env)
     llm = None
     try:
-        llm = tensor_parallel("dummy:tiny", 2)
+        llm = LLM("dummy:tiny", **(SETTINGS | {layout: 2}))
         assert len(llm.engine.executor._processes) == 1
         assert greedy_tokens(llm) == expected
+        assert greedy_tokens(llm, LONG_PROMPT) == greedy_tokens(LLM("dummy:tiny", **SETTINGS), LONG_PROMPT)
         worker.kill()
         worker.wait()
         with pytest.raises(EngineDeadError, match="tensor-parallel"):

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
+import pickle
 import socket
 from collections.abc import Callable
 
@@ -46,6 +47,9 @@ class Rank:
     messages: dist.ProcessGroup  # gloo: rank 0 -> all, plain data
     pp: PipelineParallel = PipelineParallel()
     steps: Writer | Reader | None = None  # rank 0's end or another's of the steps' ring; None: gloo
+    # The last stage's answers on their way to rank 0, kept until sent (rank 0 takes each only once
+    # it has launched the micro-batches after it)
+    answers_sent: list = dataclasses.field(default_factory=list, compare=False)
 
 
 def launch_env(world_size: int, rank: int, local_rank: int) -> dict[str, str]:
@@ -113,16 +117,23 @@ def open_step_ring(rank: Rank) -> Rank:
 
 
 def from_last_stage(answer, rank: Rank):
-    """The last stage's answer to a step (where the logits are), on rank 0; others keep their own."""
+    """The last stage's answer to a step (where the logits are), on rank 0; others keep their own.
+    The last stage sends it without waiting for rank 0 to take it: rank 0, with micro-batches in
+    flight, first launches the next step, whose hidden states wait for the last stage to take them."""
     last = (rank.pp.size - 1) * rank.pp.tp_size
     if rank.pp.size == 1 or dist.get_rank() not in (0, last):
         return answer
-    box = [answer]
     if dist.get_rank() == last:
-        dist.send_object_list(box, dst=0, group=rank.messages)
-    else:
-        dist.recv_object_list(box, src=last, group=rank.messages)
-    return box[0]
+        payload = torch.frombuffer(bytearray(pickle.dumps(answer)), dtype=torch.uint8)
+        length = torch.tensor([len(payload)], dtype=torch.int64)
+        rank.answers_sent[:] = [sent for sent in rank.answers_sent if not sent[0].is_completed()]
+        rank.answers_sent.extend((dist.isend(t, dst=0, group=rank.messages), t) for t in (length, payload))
+        return answer
+    length = torch.empty(1, dtype=torch.int64)
+    dist.recv(length, src=last, group=rank.messages)
+    payload = torch.empty(int(length), dtype=torch.uint8)
+    dist.recv(payload, src=last, group=rank.messages)
+    return pickle.loads(payload.numpy().tobytes())
 
 
 def for_rank(config: EngineConfig, rank: Rank) -> EngineConfig:

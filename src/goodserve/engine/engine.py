@@ -11,6 +11,11 @@ tokens, which the runner keeps on the device; it may also admit waiting requests
 tokens are appended and checked while the device runs N+1. A sequence that stopped at N wastes its
 slot in N+1; preemption and unfinished prefill chunks flush first.
 
+Pipeline parallelism: the engine keeps a step in flight for each stage, each over sequences the
+others do not hold (micro-batches), so that stage 0 computes one while the next stages compute the
+ones before it; it finishes the oldest once the stages are full (or nothing else can run). With a
+speculator the stages take one step at a time: a step's drafts wait on the step before.
+
 Speculative decoding (engine/spec_decode/): the scheduler gives decoding sequences drafts, the runner
 samples at each of their positions and keeps the confirmed ones, the scheduler rolls back the rest
 (advance). A step with drafts never runs ahead: the next step's inputs depend on how many were kept.
@@ -21,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
@@ -87,6 +93,9 @@ class Engine:
         self._new: list[NewRequestData] = []
         self._finished: list[str] = []
         self._inflight: _Step | None = None
+        # Pipeline micro-batches: the steps in the stages, oldest first (None: one step at a time)
+        self._stages: deque[_Step] | None = deque() \
+            if c.pipeline_parallel_size > 1 and self.scheduler.speculator is None else None
         self.steps = StepLog()
         self._last_recorded = 0.0  # perf_counter() when the last step's output was recorded
 
@@ -171,7 +180,7 @@ class Engine:
         return request.output()
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or self._inflight is not None
+        return self.scheduler.has_unfinished() or self._inflight is not None or bool(self._stages)
 
     # ---- one step ------------------------------------------------------------------------
     def step(self, finished_only: bool = False) -> list[RequestOutput]:
@@ -179,7 +188,9 @@ class Engine:
         finished_only only of those it finished: building a long request's output every step costs
         time proportional to its length, which offline callers need not pay."""
         stream_text = not finished_only
-        if self._inflight is not None:
+        if self._stages is not None:
+            changed = self._step_stages(stream_text)
+        elif self._inflight is not None:
             changed = self._step_pipelined(stream_text)
         else:
             out = self._schedule()
@@ -191,9 +202,10 @@ class Engine:
         self.steps.output += time.perf_counter() - t0
         return outputs
 
-    def _schedule(self, in_flight: list[Sequence] | None = None) -> SchedulerOutput | None:
+    def _schedule(self, in_flight: list[Sequence] | None = None,
+                  busy: list[Sequence] | None = None) -> SchedulerOutput | None:
         t0 = time.perf_counter()
-        out = self.scheduler.schedule(in_flight)
+        out = self.scheduler.schedule(in_flight, busy)
         self.steps.schedule += time.perf_counter() - t0
         if not out:
             return None
@@ -216,6 +228,33 @@ class Engine:
         self._inflight = step
         return self._step_pipelined(stream_text)
 
+    def _step_stages(self, stream_text: bool) -> set[str]:
+        """Pipeline parallelism: launch steps until each stage has one in flight (or no sequence is
+        left to run), then finish the oldest."""
+        while len(self._stages) < self.config.pipeline_parallel_size:
+            out = self._schedule(busy=[seq for step in self._stages for seq in step.seqs])
+            if out is None:
+                break
+            self.steps.num_pipelined_steps += bool(self._stages)
+            seqs = [self.scheduler.seqs[seq_id] for seq_id in out.seq_ids]
+            try:
+                self._stages.append(self._launch(out, seqs))
+            except EngineDeadError:
+                raise
+            except Exception as exc:  # failed at once (its inputs): isolate its culprit now
+                return self._isolate(out, seqs, exc, stream_text)
+        if not self._stages:
+            return set()
+        step = self._stages.popleft()
+        try:
+            output = step.pending.result()
+        except EngineDeadError:
+            raise
+        except Exception as exc:
+            return self._isolate(step.out, step.seqs, exc, stream_text)
+        self.scheduler.advance(step.out, _num_rejected(step.out, output), output.branches)
+        return self._record(step, output, stream_text)
+
     def _launch(self, out: SchedulerOutput, seqs: list[Sequence], previous: _Step | None = None,
                 trial: bool = False) -> _Step:
         launched = time.perf_counter()
@@ -234,7 +273,10 @@ class Engine:
     def _may_run_ahead(self, out: SchedulerOutput, seqs: list[Sequence]) -> bool:
         """Whether the next step may launch before this one's tokens reach the host, should this one
         replay a graph (known once launched). The executor is told before: a worker process then
-        holds the step's output until the next step has launched (engine/executor.py)."""
+        holds the step's output until the next step has launched (engine/executor.py). Pipeline
+        micro-batches: always (their sequences are no other step's)."""
+        if self._stages is not None:
+            return True
         return (self.config.async_scheduling and out.all_sample and not out.draft_token_ids
                 and not self.scheduler.may_propose() and all(seq.samples_on_device for seq in seqs))
 

@@ -2,14 +2,17 @@
 method calls). `mp`: the worker in a process of its own, reached through a pipe: everything that
 crosses is plain data (the scheduler's output, the grammar masks, the runner's output). Tensor
 parallelism runs N such workers, one per rank, pipeline parallelism M stages of them (N x M ranks);
-the engine's scheduler runs once and every rank gets its same plain-data output. Steps go through
-the stages one at a time (no micro-batches in flight yet): the last stage's output is the step's.
+the engine's scheduler runs once and every rank gets its same plain-data output. Under pipeline
+parallelism the engine keeps a step in flight for each stage (micro-batches of different sequences):
+rank 0 launches a step's first stage and answers at once, and takes the last stage's output of the
+oldest step (which is the step's) once the stages are full.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+from collections import deque
 import multiprocessing
 import os
 from multiprocessing.connection import Connection
@@ -55,7 +58,8 @@ class MultiprocExecutor:
     replayed a graph is answered at once with "held" and its output comes with the reply to the
     engine's next message, the next step (launched first, so the device runs it while the host
     reads the tokens) or, where the engine needs the output before any next step, a request for it.
-    Other steps are answered with their output (pipeline stages replay no graphs: always)."""
+    Under pipeline parallelism every step the engine runs ahead of is held, up to one a stage after
+    the first. Other steps are answered with their output, after those held before them."""
 
     def __init__(self, config: EngineConfig) -> None:
         context = multiprocessing.get_context("spawn")
@@ -71,8 +75,9 @@ class MultiprocExecutor:
             process.start()
             self._processes.append(process)
         child.close()
-        self.info: ModelInfo = self._value(self._receive())
-        self._held: _Held | None = None  # the step whose output rank 0 holds
+        self.info: ModelInfo = self._value(self._receive()[1])
+        self._held: deque[_Held] = deque()  # the steps whose outputs rank 0 holds, oldest first
+        self._held_graphed = config.pipeline_parallel_size == 1  # stages replay no graphs
 
     def execute_model(self, out: SchedulerOutput) -> None:
         self._launching = out  # sent with the step's grammar masks: one message a step
@@ -83,8 +88,9 @@ class MultiprocExecutor:
         output = self._value(self._ask((out, grammar, trial, may_run_ahead)))
         if output is not None:
             return PendingOutput(lambda: output, replayed_graph=False)
-        held = self._held = _Held()
-        return PendingOutput(lambda: self._held_output(held), replayed_graph=True)
+        held = _Held()
+        self._held.append(held)
+        return PendingOutput(lambda: self._held_output(held), replayed_graph=self._held_graphed)
 
     def shutdown(self) -> None:
         if self._processes[0].is_alive():
@@ -98,20 +104,20 @@ class MultiprocExecutor:
         self._conn.close()
 
     def _held_output(self, held: _Held):
-        if held.answer is None:  # still held: the engine launches no step before it needs this output
+        while held.answer is None:  # still held: rank 0 sends the oldest one it holds when asked
             self._ask(_SEND_HELD)
         return self._value(held.answer)
 
     def _ask(self, message) -> tuple[bool, object] | None:
-        """Send rank 0 a message; its reply brings the held step's answer (once held, rank 0 sends
-        it with the reply to the next message), then the answer to this message (None for _SEND_HELD)."""
+        """Send rank 0 a message; its reply brings the answers of held steps it settled (oldest
+        first), then the answer to this message (None for _SEND_HELD)."""
         try:
             self._conn.send(message)
         except OSError:  # rank 0's process is gone
             raise self._lost() from None
         earlier, answer = self._receive()
-        if earlier is not None:
-            self._held.answer, self._held = earlier, None
+        for settled in earlier:
+            self._held.popleft().answer = settled
         return answer
 
     def _receive(self):
@@ -175,37 +181,37 @@ def _leader_main(conn: Connection, config: EngineConfig, env: dict[str, str] | N
             config = distributed.for_rank(config, rank)
         worker = Worker(config, rank)
     except BaseException as exc:  # noqa: BLE001 - reported to the engine, which raises it
-        conn.send((False, exc))
+        conn.send(((), (False, exc)))
         return
-    conn.send((True, worker.info))
-    held = None  # a launched step whose output waits for the engine's next message
+    conn.send(((), (True, worker.info)))
+    held: deque[PendingOutput] = deque()  # launched steps whose outputs wait for later messages
     while True:
         message = conn.recv()
         if rank is not None and message != _SEND_HELD:
             try:
                 distributed.broadcast(message, rank)
             except Exception as exc:  # noqa: BLE001 - a lost rank: nothing more can run
-                conn.send((None, (False, EngineDeadError(f"tensor-parallel ranks lost: {exc}"))))
+                conn.send(((), (False, EngineDeadError(f"tensor-parallel ranks lost: {exc}"))))
                 return
         if message is None:
             return
         try:
             if message == _SEND_HELD:
-                reply, held = (_settle(held), None), None
+                reply = ([_settle_held(held.popleft(), rank)], None)
             else:
-                *reply, held = _step(worker, rank, message, held)
+                reply = _step(worker, rank, message, held)
         except Exception as exc:  # noqa: BLE001 - a collective failed (a request's error is an answer)
-            conn.send((None, (False, EngineDeadError(f"tensor-parallel collective failed: {exc}"))))
+            conn.send(((), (False, EngineDeadError(f"tensor-parallel collective failed: {exc}"))))
             return
-        conn.send(tuple(reply))
+        conn.send(reply)
 
 
-def _step(worker: Worker, rank: distributed.Rank | None, message: tuple, held: PendingOutput | None):
-    """Launch a step, then settle the one held before it (whose tokens the device computed while the
-    host prepared this one, as in the engine's own process). Returns the held step's answer (None:
-    none), this step's ((True, None): held), and the step now held. A step is held where the engine
-    may run ahead of it and it replayed a graph; pipeline stages replay none, so the last stage's
-    answer goes to rank 0 at once."""
+def _step(worker: Worker, rank: distributed.Rank | None, message: tuple, held: deque[PendingOutput]):
+    """Launch a step, then settle the held steps beyond the depth kept in flight (their tokens the
+    device computed while the host prepared this one, as in the engine's own process). Returns the
+    answers of the held steps settled, oldest first, and this step's ((True, None): held). A step is
+    held where the engine may run ahead of it and it replayed a graph, or, under pipeline
+    parallelism, on rank 0 (the last stage sends each answer as soon as it has it)."""
     out, grammar, trial, may_run_ahead = message
     try:
         worker.execute_model(out)
@@ -214,11 +220,31 @@ def _step(worker: Worker, rank: distributed.Rank | None, message: tuple, held: P
         raise
     except Exception as exc:  # noqa: BLE001 - a request's error: the engine isolates it
         pending, answer = None, (False, exc)
-    earlier = _settle(held) if held is not None else None
-    if pending is not None and may_run_ahead and pending.replayed_graph:
-        return earlier, (True, None), pending
-    answer = answer or _settle(pending)
-    return earlier, distributed.from_last_stage(answer, rank) if rank is not None else answer, None
+    if pending is not None and may_run_ahead and _holds(pending, rank):
+        held.append(pending)
+        return [_settle_held(held.popleft(), rank) for _ in range(len(held) - _held_depth(rank))], (True, None)
+    earlier = [_settle_held(held.popleft(), rank) for _ in range(len(held))]
+    return earlier, _from_last_stage(answer or _settle(pending), rank)
+
+
+def _holds(pending: PendingOutput, rank: distributed.Rank | None) -> bool:
+    if rank is not None and rank.pp.size > 1:
+        return dist.get_rank() == 0
+    return pending.replayed_graph
+
+
+def _held_depth(rank: distributed.Rank | None) -> int:
+    """Steps rank 0 leaves held once it has launched one: one a stage after the first (micro-batches
+    in flight), or the one launched (async scheduling)."""
+    return max(rank.pp.size - 1, 1) if rank is not None else 1
+
+
+def _settle_held(pending: PendingOutput, rank: distributed.Rank | None) -> tuple[bool, object]:
+    return _from_last_stage(_settle(pending), rank)
+
+
+def _from_last_stage(answer: tuple[bool, object], rank: distributed.Rank | None) -> tuple[bool, object]:
+    return distributed.from_last_stage(answer, rank) if rank is not None else answer
 
 
 def _settle(pending: PendingOutput) -> tuple[bool, object]:
@@ -241,11 +267,11 @@ def run_follower(env: dict[str, str] | None = None) -> None:
     config = distributed.broadcast(None, rank)
     rank = distributed.open_step_ring(distributed.arrange(rank, config))
     worker = Worker(distributed.for_rank(config, rank), rank)
-    held = None
+    held: deque[PendingOutput] = deque()
     while (message := distributed.broadcast(None, rank)) is not None:
-        *answers, held = _step(worker, rank, message, held)
-        for answer in answers:
-            if answer is not None and not answer[0]:  # a request's error, which rank 0 reports
+        earlier, answer = _step(worker, rank, message, held)
+        for answer in (*earlier, answer):
+            if not answer[0]:  # a request's error, which rank 0 reports
                 logger.debug("rank %d: step failed", dist.get_rank(), exc_info=answer[1])
 
 

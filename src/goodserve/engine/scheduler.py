@@ -52,12 +52,18 @@ from goodserve.engine.waiting_queue import WaitingQueue
 class _Decision:
     """The sequences a step computes and how many tokens each, while it is being decided."""
 
-    def __init__(self, num_ahead: int = 0) -> None:
+    def __init__(self, num_ahead: int = 0, max_rows: int | None = None, busy: frozenset[str] = frozenset()) -> None:
         self.seqs: list[Sequence] = []
+        self.max_rows = max_rows  # pipeline micro-batches: each takes its share of the sequences
+        self.busy = busy  # ids of sequences another micro-batch in flight computes: not this step's
         self.num_new: list[int] = []  # drafts included
         self.drafts: list[Drafts | None] = []
         self.num_ahead = num_ahead
         self.preempted = False
+
+    @property
+    def full(self) -> bool:
+        return self.max_rows is not None and len(self.seqs) >= self.max_rows
 
     def add(self, seq: Sequence, num_new: int, drafts: Drafts | None = None) -> None:
         self.seqs.append(seq)
@@ -118,14 +124,23 @@ class Scheduler:
         seq.finish_reason, seq.stop_reason = reason, stop_reason
 
     # ---- one step ------------------------------------------------------------------------
-    def schedule(self, in_flight: list[Sequence] | None = None) -> SchedulerOutput | None:
+    def schedule(self, in_flight: list[Sequence] | None = None,
+                 busy: list[Sequence] | None = None) -> SchedulerOutput | None:
         """The next step. in_flight: the sequences of a launched step whose sampled tokens have not
         reached the host (async scheduling); the step is then scheduled ahead of them, or None
         when it cannot be (someone would have to be preempted: the engine finishes the step in
-        flight first and asks again)."""
+        flight first and asks again). busy (pipeline micro-batches): the sequences of the steps
+        in flight in the stages, which this step leaves alone (neither computes nor preempts);
+        it takes its share of the rest, so that the stages' steps hold about as many rows each."""
         if self.slo is not None:
             self.slo.begin_step(self.running)
-        decision = self._schedule_ahead(in_flight) if in_flight else self._schedule_now()
+        if in_flight:
+            decision = self._schedule_ahead(in_flight)
+        elif busy is not None:
+            decision = self._schedule_now(_Decision(max_rows=self._microbatch_rows(),
+                                                    busy=frozenset(seq.seq_id for seq in busy)))
+        else:
+            decision = self._schedule_now()
         if decision is None:
             if self.slo is not None:  # asked again once the step in flight is done: plan it once
                 self.slo.step_refused()
@@ -141,12 +156,17 @@ class Scheduler:
         sequences is not empty)."""
         return self.speculator is not None and bool(self.speculator.plan(self.running, len(self.running)))
 
-    def _schedule_now(self) -> _Decision:
-        decision = _Decision()
+    def _microbatch_rows(self) -> int:
+        """A micro-batch's share of the sequences the stages could hold in flight together."""
+        stages = self.config.pipeline_parallel_size
+        return -(-min(len(self.running) + len(self.waiting), self.config.max_num_seqs) // stages) or 1
+
+    def _schedule_now(self, decision: _Decision | None = None) -> _Decision:
+        decision = decision or _Decision()
         if not self._admits_any_step and self._next_batch_ready():
             self._admit_whole_batch()
         if self._admits_any_step:
-            for victim in self._displaced_running():
+            for victim in self._displaced_running(decision.busy):
                 self._requeue(victim)
         budget = self._schedule_running(decision, self._running_budget())
         if self._admits_any_step and not decision.preempted and self.waiting:
@@ -195,10 +215,11 @@ class Scheduler:
     def _schedule_running(self, decision: _Decision, budget: int) -> int:
         """Decodes first (the attention kernels take a batch's leading one-token rows apart), then
         unfinished prompts in priority order."""
-        ordered = sorted(self.running, key=self.slo.running_key if self.slo else _decodes_first)
+        ordered = sorted((seq for seq in self.running if seq.seq_id not in decision.busy),
+                         key=self.slo.running_key if self.slo else _decodes_first)
         proposed = self._propose(ordered, budget)
         for seq in ordered:
-            if budget == 0:
+            if budget == 0 or decision.full:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
@@ -211,7 +232,7 @@ class Scheduler:
             if drafts and not self.kv.allocate(seq, num_new):  # speculation never preempts anyone
                 drafts, num_new = None, num_new - num_drafts
             while not self.kv.allocate(seq, num_new):
-                victim = self._lowest_priority_running(exclude=decision.seqs)
+                victim = self._lowest_priority_running(decision)
                 self._preempt(victim, decision)
                 if victim is seq:
                     break
@@ -246,7 +267,7 @@ class Scheduler:
         at the first sequence it refuses."""
         if self.slo is not None:
             self.slo.demote_late(self.waiting)
-        while budget > 0 and self.waiting:
+        while budget > 0 and self.waiting and not decision.full:
             seq = self.waiting.peek()
             if not self._has_room(seq, len(self.running), self._running_tokens) \
                     or (admissible is not None and not admissible(seq)):
@@ -286,7 +307,7 @@ class Scheduler:
             self.speculator.release(seq)
         seq.num_computed_tokens = 0
 
-    def _displaced_running(self) -> list[Sequence]:
+    def _displaced_running(self, busy: frozenset[str] = frozenset()) -> list[Sequence]:
         """The running sequences the waiting ones this step can admit displace: each waiting one in
         order, while the step's prompt-token budget lasts, that finds no sequence slot or no KV
         blocks for its first chunk takes those of the lowest-priority running one, if that one's
@@ -300,7 +321,8 @@ class Scheduler:
         taken = len(self.running)  # slots held once the victims so far leave and the heads so far join
         tokens = self._running_tokens  # and their tokens, what their decode rows read
         free_blocks = self.kv.num_free_blocks
-        candidates = sorted(self.running, key=self._victim_key, reverse=True)  # the first to go first
+        candidates = sorted((seq for seq in self.running if seq.seq_id not in busy), key=self._victim_key,
+                            reverse=True)  # the first to go first
         victims: list[Sequence] = []
         for head in self.waiting.in_order():
             if budget <= 0:
@@ -319,8 +341,11 @@ class Scheduler:
             budget -= chunk
         return victims
 
-    def _lowest_priority_running(self, exclude: list[Sequence]) -> Sequence:
-        return max((s for s in self.running if s not in exclude), key=self._victim_key)
+    def _lowest_priority_running(self, decision: _Decision) -> Sequence:
+        """Of the running sequences neither in this step nor in a micro-batch in flight (the one that
+        asks for blocks is neither, so there is always one)."""
+        return max((s for s in self.running if s not in decision.seqs and s.seq_id not in decision.busy),
+                   key=self._victim_key)
 
     @property
     def _victim_key(self):
