@@ -14,10 +14,14 @@ REPO = Path(__file__).resolve().parent.parent
 
 @contextlib.contextmanager
 def commit_trees(commits: list[str]):
-    """commit -> a directory holding that commit's src/, for the block's length."""
+    """commit -> a directory holding that commit's src/, for the block's length. A LABEL=DIR entry is
+    a tree already extracted (where there is no git: a GPU machine gets the working tree only)."""
     with tempfile.TemporaryDirectory() as tmp:
         trees = {}
         for commit in commits:
+            if "=" in commit:
+                trees[commit] = Path(commit.split("=", 1)[1]).resolve()
+                continue
             trees[commit] = Path(tmp) / commit.replace("/", "_")
             trees[commit].mkdir()
             archive = subprocess.run(["git", "-C", str(REPO), "archive", commit, "src"], capture_output=True, check=True)

@@ -10,6 +10,9 @@ CPU: gloo, one process per stage, the embedded model in float32 (OMP_NUM_THREADS
 process). GPU: NCCL, one GPU per stage, --model dummy:llama-3.1-8b in bfloat16.
 
     PYTHONPATH=src python benchmarks/pipeline_microbatch.py 84b99e4 HEAD     # $OUT/pipeline_microbatch.json
+    # on a GPU machine (no git there: carry an extracted tree, e.g. `git archive 84b99e4 src | tar -x -C DIR`)
+    python3 benchmarks/pipeline_microbatch.py before=DIR now=. --device cuda --dtype bfloat16 \
+        --model dummy:llama-3.1-8b --num-requests 128 --output-len 128
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ def child(args: argparse.Namespace) -> None:
 
 
 def run(tree: Path, args: argparse.Namespace, stages: int) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(tree / "src")}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree / "src"), os.environ.get("PYTHONPATH", "")])}
     command = [sys.executable, __file__, "--child", "--stages", str(stages), "--model", args.model, "--device",
                args.device, "--dtype", args.dtype, "--num-requests", str(args.num_requests), "--output-len",
                str(args.output_len), "--max-num-seqs", str(args.max_num_seqs)]
@@ -67,6 +70,12 @@ def run(tree: Path, args: argparse.Namespace, stages: int) -> dict:
     if done.returncode != 0:
         raise RuntimeError(f"{tree.name} at {stages} stages failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def gpu_names() -> list[str]:
+    import torch
+
+    return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
 
 
 def main() -> None:
@@ -97,7 +106,7 @@ def main() -> None:
                          "pipelined_steps": rs[0]["pipelined_steps"],
                          "same_tokens_as_one_process": all(r["token_ids"] == reference["token_ids"] for r in rs)}
                 for commit, rs in runs.items()}
-    result = {"machine": cpu_machine() if args.device == "cpu" else {"device": args.device},
+    result = {"machine": cpu_machine() if args.device == "cpu" else {"gpus": gpu_names()},
               "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
               "workload": {"model": args.model, "dtype": args.dtype, "stages": args.stages,
                            "num_requests": args.num_requests, "prompt_tokens": "16-256", "output_len": args.output_len},
