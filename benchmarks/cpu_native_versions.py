@@ -19,10 +19,9 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
-
-from commit_trees import commit_trees, cpu_machine
 
 REPO = Path(__file__).resolve().parent.parent
 OUT = os.environ.get("OUT", str(REPO / "benchmarks" / "results"))
@@ -133,6 +132,13 @@ def run_version(tree: Path) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def machine() -> dict:
+    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    name = next((line.split(":", 1)[1].strip() for line in lscpu.splitlines() if line.startswith("Model name")), "?")
+    flags = Path("/proc/cpuinfo").read_text().split("flags", 1)[1].split("\n", 1)[0].split()
+    return {"model_name": name, "cores": os.cpu_count(), "avx2": "avx2" in flags, "avx512f": "avx512f" in flags}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("commits", nargs="*")
@@ -142,7 +148,13 @@ def main() -> None:
     if args.child:
         return child()
     rounds: dict[str, list[dict]] = {c: [] for c in args.commits}
-    with commit_trees(args.commits) as trees:
+    with tempfile.TemporaryDirectory() as tmp:
+        trees = {}
+        for commit in args.commits:
+            trees[commit] = Path(tmp) / commit
+            trees[commit].mkdir()
+            archive = subprocess.run(["git", "-C", str(REPO), "archive", commit, "src"], capture_output=True, check=True)
+            subprocess.run(["tar", "-x", "-C", str(trees[commit])], input=archive.stdout, check=True)
         for _ in range(args.rounds):
             for commit in args.commits:
                 rounds[commit].append(run_version(trees[commit]))
@@ -154,7 +166,7 @@ def main() -> None:
                            "decode_tok_s_runs": [r["decode_tok_s"] for r in runs], "kernels_median": kernels,
                            "token_ids": runs[0]["token_ids"]}
     first = summary[args.commits[0]]["token_ids"]
-    result = {"machine": cpu_machine(), "threads": 2, "rounds": args.rounds, "prompt": PROMPT, "versions": summary,
+    result = {"machine": machine(), "threads": 2, "rounds": args.rounds, "prompt": PROMPT, "versions": summary,
               "same_tokens_as_first": {c: s["token_ids"] == first for c, s in summary.items()}}
     Path(OUT).mkdir(parents=True, exist_ok=True)
     path = Path(OUT) / "cpu_native_versions.json"

@@ -40,6 +40,15 @@ def test_stages_hold_contiguous_layer_ranges_and_only_their_own_parts():
     assert last.lm_head.weight is last.model.embed_tokens.weight  # tied: the last stage's lm_head is the table
 
 
+def test_micro_batches_are_on_by_default_on_the_cpu_and_can_be_turned_off():
+    """On CUDA the stages run eagerly: a step's host time, not its rows, bounds it there."""
+    from goodserve.config import EngineConfig
+    from goodserve.engine.config_resolution import resolve_for_device
+
+    assert resolve_for_device(EngineConfig(device="cpu")).pipeline_micro_batches is True
+    assert resolve_for_device(EngineConfig(device="cpu", pipeline_micro_batches=False)).pipeline_micro_batches is False
+
+
 def test_more_stages_than_layers_are_refused():
     with pytest.raises(InvalidRequestError, match="pipeline-parallel-size 3 .* at least one of its 2 layers"):
         parallel("dummy:tiny", 3)
@@ -84,18 +93,21 @@ def test_a_last_stage_that_dies_ends_the_engine_with_a_clear_error():
     assert_a_dead_rank_1_ends_the_engine(parallel("dummy:tiny", 2))
 
 
-@pytest.mark.parametrize("model, stages", [("dummy:tiny", 2), ("smollm2-135m", 3)])
-def test_micro_batches_keep_the_stages_busy_with_one_process_tokens(model, stages):
+@pytest.mark.parametrize("model, stages, micro_batches", [("dummy:tiny", 2, True), ("smollm2-135m", 3, True),
+                                                         ("dummy:tiny", 2, False)])
+def test_micro_batches_keep_the_stages_busy_with_one_process_tokens(model, stages, micro_batches):
     """Arrivals while others decode, a stop token, prompts in chunks: the same outputs as one
-    process, most steps launched while the stages hold others, no block leaked."""
+    process, most steps launched while the stages hold others (none with micro-batches off), no
+    block leaked."""
     whole = LLM(model, **SETTINGS).engine
     stop_token = summary(drive(whole, traffic(None)))["r0"][0][0][6]
     reference = summary(drive(whole, traffic(stop_token)))
-    llm = parallel(model, stages)
+    llm = parallel(model, stages, pipeline_micro_batches=micro_batches)
     try:
         engine = llm.engine
         assert summary(drive(engine, traffic(stop_token), check=True)) == reference
-        assert engine.steps.num_pipelined_steps >= engine.steps.num_steps // 2
+        pipelined, steps = engine.steps.num_pipelined_steps, engine.steps.num_steps
+        assert pipelined >= steps // 2 if micro_batches else pipelined == 0
     finally:
         llm.engine.executor.shutdown()
 

@@ -170,6 +170,11 @@ class EngineConfig:
     # Pipeline parallelism (model/pipeline_parallel.py): the layers split into this many contiguous
     # stages, each of tensor_parallel_size ranks (world: N x M ranks, stage-major).
     pipeline_parallel_size: int = 1
+    # Pipeline micro-batches (engine/engine.py): a step in flight for each stage, each over its share
+    # of the sequences. None: on the CPU, where a stage's time grows with its rows, off on CUDA, where
+    # the stages run eagerly (no graphs) and their host time, the same at any batch, bounds a step:
+    # twice the steps there cost more than the overlap gives (benchmarks/BENCHMARKS.md).
+    pipeline_micro_batches: bool | None = None
     # Speculative decoding (engine/spec_decode/): None (off) | ngram (prompt lookup: propose the
     # tokens that followed the last ngram_max..ngram_min tokens' latest earlier occurrence) | draft
     # (a draft model proposes: speculative_model, which alone implies it) | lookahead (Jacobi

@@ -61,7 +61,10 @@ _HELP = {
                                  "all-reduce on symmetric memory that decode's small ones take otherwise "
                                  "(default: False)",
     "pipeline_parallel_size": "split the model's layers into this many contiguous stages (each of "
-                              "--tensor-parallel-size ranks); steps run through the stages one at a time",
+                              "--tensor-parallel-size ranks)",
+    "pipeline_micro_batches": "pipeline parallelism: keep a step in flight for each stage, each over its share "
+                              "of the sequences (default: on the CPU; off on CUDA, where the stages run eagerly "
+                              "and a step's host time, not its rows, decides: docs/architecture.md)",
     "async_scheduling": "launch step N+1 before step N's tokens reach the host (CUDA graphs only)",
     "quantization": "weight-only int8 / int4 computed at load, or gguf: run a GGUF file's own Q4_0 / Q4_1 / Q8_0 "
                     "weights as they are (docs/quantization.md); none: unquantized (default: gguf for a GGUF model on the CPU, "

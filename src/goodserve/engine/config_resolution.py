@@ -44,6 +44,8 @@ def resolve_for_device(config: EngineConfig) -> EngineConfig:
         dtype=config.dtype if config.dtype != "auto" else "bfloat16" if device.type == "cuda" else "float32",
         quantization=config.resolved_quantization(device.type),
         speculative_method="draft" if config.speculative_model else config.speculative_method,
+        pipeline_micro_batches=device.type != "cuda" if config.pipeline_micro_batches is None
+        else config.pipeline_micro_batches,
         # Pipelined steps replay CUDA graphs, which need the Triton kernels.
         async_scheduling=config.async_scheduling and device.type == "cuda" and not config.enforce_eager
         and backend == "triton")

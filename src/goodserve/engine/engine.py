@@ -11,10 +11,11 @@ tokens, which the runner keeps on the device; it may also admit waiting requests
 tokens are appended and checked while the device runs N+1. A sequence that stopped at N wastes its
 slot in N+1; preemption and unfinished prefill chunks flush first.
 
-Pipeline parallelism: the engine keeps a step in flight for each stage, each over sequences the
-others do not hold (micro-batches), so that stage 0 computes one while the next stages compute the
-ones before it; it finishes the oldest once the stages are full (or nothing else can run). With a
-speculator the stages take one step at a time: a step's drafts wait on the step before.
+Pipeline parallelism (with pipeline_micro_batches): the engine keeps a step in flight for each
+stage, each over sequences the others do not hold (micro-batches), so that stage 0 computes one
+while the next stages compute the ones before it; it finishes the oldest once the stages are full
+(or nothing else can run). Otherwise, and with a speculator (a step's drafts wait on the step
+before), the stages take one step at a time.
 
 Speculative decoding (engine/spec_decode/): the scheduler gives decoding sequences drafts, the runner
 samples at each of their positions and keeps the confirmed ones, the scheduler rolls back the rest
@@ -94,8 +95,8 @@ class Engine:
         self._finished: list[str] = []
         self._inflight: _Step | None = None
         # Pipeline micro-batches: the steps in the stages, oldest first (None: one step at a time)
-        self._stages: deque[_Step] | None = deque() \
-            if c.pipeline_parallel_size > 1 and self.scheduler.speculator is None else None
+        micro_batches = c.pipeline_parallel_size > 1 and c.pipeline_micro_batches and self.scheduler.speculator is None
+        self._stages: deque[_Step] | None = deque() if micro_batches else None
         self.steps = StepLog()
         self._last_recorded = 0.0  # perf_counter() when the last step's output was recorded
 
