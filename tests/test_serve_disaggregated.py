@@ -134,7 +134,7 @@ def test_no_room_for_the_kv_here_prefills_it_here(servers, tmp_path):
             time.sleep(0.01)
         ask(short_prompt, 8)
         first.join()
-        assert "prefilled here: its KV did not arrive" in small.log()
+        assert "prefilled here: no room here for its KV" in small.log()
         assert wait_all_freed(small) == (0, 0)
         prefill_pid = int(PREFILL_LINE.search(small.log()).group(1))
     assert "Application shutdown complete" in small.log()  # SIGTERM (leaving the with) drained it

@@ -29,7 +29,6 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -90,6 +89,7 @@ class Engine:
         self.inputs = InputProcessor(c, self.spec, self.tokenizer)
         self.outputs = OutputProcessor(self.tokenizer, info.eos_token_ids)
         self.requests: dict[str, Request] = {}
+        self._reserved: dict[str, Request] = {}  # requests whose blocks another engine's K/V is filling
         # News for the runner, sent with the next step launched.
         self._new: list[NewRequestData] = []
         self._finished: list[str] = []
@@ -116,7 +116,7 @@ class Engine:
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     arrival_time: float | None = None) -> None:
-        if request_id in self.requests:
+        if request_id in self.requests or request_id in self._reserved:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         self._register(self.inputs.make_request(request_id, prompt, params, arrival_time))
 
@@ -147,28 +147,35 @@ class Engine:
     def release_held(self, request_id: str) -> None:
         self.kv.release_held(sequence_id(request_id, 0))
 
-    def add_decode_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                           fill: Callable[[list[int]], None], arrival_time: float | None = None) -> bool:
-        """A request whose prompt's K/V, all but the last token's, another engine computed: its blocks
-        are allocated, fill(block table) writes them, and it is scheduled as a prefix-cache hit would
-        be (the last prompt token computed here samples the first output token). False, nothing
-        allocated and fill never called: the pool has no room now."""
-        if request_id in self.requests:
+    def reserve_decode_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                               arrival_time: float | None = None) -> Request | None:
+        """Blocks for the prompt's K/V but its last token's, which another engine computed and which
+        anyone may write (reserved_blocks) while this engine steps on: the request is not scheduled
+        until admit_decode_request, or gives them back with release_decode_request. None: no room now."""
+        if request_id in self.requests or request_id in self._reserved:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if params.n != 1:
             raise InvalidRequestError("a request whose KV comes from another engine has n = 1")
         request = self.inputs.make_request(request_id, prompt_token_ids, params, arrival_time)
-        seq, num_imported = request.seqs[0], len(prompt_token_ids) - 1
-        if not self.kv.allocate(seq, num_imported):
-            return False
-        try:
-            fill(self.kv.block_table(seq.seq_id))
-        except BaseException:
-            self.kv.free(seq, finished=True)
-            raise
-        seq.num_computed_tokens = num_imported
+        if not self.kv.allocate(request.seqs[0], len(prompt_token_ids) - 1):
+            return None
+        self._reserved[request_id] = request
+        return request
+
+    def reserved_blocks(self, request: Request) -> list[int]:
+        return self.kv.block_table(request.seqs[0].seq_id)
+
+    def admit_decode_request(self, request: Request) -> None:
+        """Its blocks hold the K/V: it is scheduled as a prefix-cache hit would be (the last prompt token,
+        computed here, samples the first output token)."""
+        del self._reserved[request.request_id]
+        seq = request.seqs[0]
+        seq.num_computed_tokens = seq.num_prompt_tokens - 1
         self._register(request)
-        return True
+
+    def release_decode_request(self, request: Request) -> None:
+        del self._reserved[request.request_id]
+        self.kv.free(request.seqs[0], finished=True)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         request = self.requests.pop(request_id, None)

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections import deque
 import multiprocessing
 import os
+from collections import deque
 from multiprocessing.connection import Connection
 
 import torch.distributed as dist

@@ -2,8 +2,9 @@
 (gloo between CPU processes, NCCL between GPUs): the primitive of prefill / decode disaggregation.
 
 The sender's engine ran the request with add_prefill_request (its blocks held past its finish); the
-receiver's engine allocates blocks when the transfer arrives and decodes (add_decode_request). The
-exchange, on one process group:
+receiver's engine reserves blocks when the transfer arrives, they are filled, then it admits the
+request and decodes it (Engine.reserve_decode_request / admit_decode_request). The exchange, on one
+process group:
 
     sender -> receiver   header [status, prompt tokens, blocks, bytes per block, block size]
                          status ABORTED (the request ended before its prefill did): nothing follows
@@ -19,7 +20,8 @@ token itself, which samples the first output token as a prefix-cache hit would.
 
 Why groups of blocks: one message a block (a 2 MB block of Llama-3.1-8B in bfloat16) cost a gather
 and a send on the sender and 64 copies into the pool on the receiver for every 16 tokens, and the
-receiver does it on its engine thread, between decode steps: on two H100s, 2k-token prompts at 2
+receiver did it on its engine thread, between decode steps (a server now receives on a thread of its
+own, server/disaggregated.py): on two H100s, 2k-token prompts at 2
 req/s waited a median 636 ms for their first token and the decodes beside them saw inter-token gaps
 of up to 528 ms (benchmarks/BENCHMARKS.md). Gathered per layer part with one index_select, a group
 is one message and one index_copy_ per part on arrival; a group, not the whole prompt, so the
@@ -27,6 +29,9 @@ receive buffer stays small beside a pool that fills the GPU.
 """
 
 from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -124,35 +129,73 @@ def send_held(layers: list[LayerKVCache], held: tuple[list[int], int], block_siz
     return True
 
 
+@dataclass
+class Incoming:
+    """A prefilled request's header and prompt, received: its blocks wait for a block table here."""
+
+    prompt_token_ids: list[int]
+    num_blocks: int
+    block_bytes: int
+    block_size: int
+
+
+def receive_header(layers: list[LayerKVCache], src: int, group=None) -> Incoming | None:
+    """The exchange's start; None: the sender aborted the request (nothing follows)."""
+    device = _wire_device(layers, group)
+    status, num_tokens, num_blocks, block_bytes, block_size = _recv(5, src, group, device)
+    if status == ABORTED:
+        return None
+    return Incoming(_recv(num_tokens, src, group, device), num_blocks, block_bytes, block_size)
+
+
+def refuse(layers: list[LayerKVCache], src: int, group=None) -> None:
+    _send([REFUSED], src, group, _wire_device(layers, group))
+
+
+def receive_blocks(layers: list[LayerKVCache], incoming: Incoming, block_size: int, table: list[int], src: int,
+                   group=None) -> None:
+    """Accept the blocks into table and put them in place: blocks no step reads or writes until the
+    request is admitted, so this may run beside the engine's steps (on CUDA on a stream of its own,
+    finished before it returns). Blocks of another shape are refused with InvalidRequestError."""
+    pools = _pools(layers)
+    if incoming.block_size != block_size or incoming.block_bytes != _bytes_per_block(pools):
+        refuse(layers, src, group)
+        raise InvalidRequestError(f"the sender's KV blocks ({incoming.block_size} tokens, {incoming.block_bytes} "
+                                  f"bytes) are not this engine's (same model, dtype, KV dtype and block size needed)")
+    device, pool_device = _wire_device(layers, group), layers[0].k.device
+    _send([ACCEPTED], src, group, device)
+    stream = torch.cuda.Stream(pool_device) if pool_device.type == "cuda" else None
+    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        for ids in _groups(table[:incoming.num_blocks], pool_device):
+            buffer = torch.empty(len(ids) * incoming.block_bytes, dtype=torch.uint8, device=device)
+            dist.recv(buffer, src, group)
+            unpack_blocks(pools, ids, buffer.to(pool_device))
+    if stream is not None:
+        stream.synchronize()
+
+
 def receive_prefilled(engine: Engine, request_id: str, params: SamplingParams, src: int, group=None,
                       arrival_time: float | None = None) -> bool:
     """Take a prefilled request from rank src into this engine, which then decodes it (step as
-    usual). False: the sender aborted it, or this engine refused it (no room): nothing is held.
-    arrival_time: when the request reached the sender's side (its TTFT counts the prefill)."""
+    usual), all on the caller's thread. False: the sender aborted it, or this engine refused it (no
+    room): nothing is held. arrival_time: when the request reached the sender's side (its TTFT counts
+    the prefill). server/disaggregated.py runs the same exchange on a thread of its own instead."""
     layers = kv_layers(engine)
-    pools = _pools(layers)
-    device = _wire_device(layers, group)
-    status, num_tokens, num_blocks, block_bytes, size = _recv(5, src, group, device)
-    if status == ABORTED:
+    incoming = receive_header(layers, src, group)
+    if incoming is None:
         return False
-    prompt = _recv(num_tokens, src, group, device)
-    answered = False
-
-    def fill(table: list[int]) -> None:
-        nonlocal answered
-        if size != engine.config.block_size or block_bytes != _bytes_per_block(pools):
-            raise InvalidRequestError(f"the sender's KV blocks ({size} tokens, {block_bytes} bytes) are not this "
-                                      f"engine's (same model, dtype, KV dtype and block size needed)")
-        _send([ACCEPTED], src, group, device)
-        answered = True
-        for ids in _groups(table[:num_blocks], layers[0].k.device):
-            buffer = torch.empty(len(ids) * block_bytes, dtype=torch.uint8, device=device)
-            dist.recv(buffer, src, group)
-            unpack_blocks(pools, ids, buffer.to(layers[0].k.device))
-
     try:
-        taken = engine.add_decode_request(request_id, prompt, params, fill, arrival_time) if num_blocks else False
-    finally:
-        if not answered:
-            _send([REFUSED], src, group, device)
-    return taken
+        request = engine.reserve_decode_request(request_id, incoming.prompt_token_ids, params, arrival_time)
+    except BaseException:  # a request this engine cannot take: the sender waits for an answer
+        refuse(layers, src, group)
+        raise
+    if request is None:
+        refuse(layers, src, group)
+        return False
+    try:
+        receive_blocks(layers, incoming, engine.config.block_size, engine.reserved_blocks(request), src, group)
+    except BaseException:
+        engine.release_decode_request(request)
+        raise
+    engine.admit_decode_request(request)
+    return True

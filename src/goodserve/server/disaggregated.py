@@ -1,7 +1,8 @@
 """`goodserve serve --disaggregate prefill:0,decode:1`: the server's engine decodes here, in the server
 process, and a child process (engine/prefill_worker.py) prefills. A request goes to the prefill side
 over a pipe; its KV comes back block by block over torch.distributed (engine/kv_transfer.py) and is
-decoded here. The first output token is sampled here, by the decode engine computing the prompt's last
+decoded here. The exchange runs on a thread of its own: the engine thread only reserves the blocks
+(and later admits the request, or gives them back), so the decodes here never wait on a transfer. The first output token is sampled here, by the decode engine computing the prompt's last
 token on arrival, so TTFT counts the prefill, the transfer and one decode step (the request's arrival
 time travels with it).
 
@@ -23,6 +24,7 @@ import multiprocessing
 import os
 import queue
 import threading
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -31,7 +33,8 @@ import torch.distributed as dist
 from goodserve.config import EngineConfig
 from goodserve.engine.async_engine import AsyncEngine, _Abort, _Add
 from goodserve.engine.disagg_layout import DisaggLayout, cuda_visible
-from goodserve.engine.kv_transfer import receive_prefilled
+from goodserve.engine.kv_transfer import kv_layers, receive_blocks, receive_header, refuse
+from goodserve.engine.request import Request
 from goodserve.engine.prefill_worker import DECODE_RANK, PREFILL_RANK, join_group, prefill_worker_main
 from goodserve.engine.stats import EngineStats
 from goodserve.errors import EngineDeadError, GoodserveError, InvalidRequestError
@@ -43,7 +46,21 @@ STOP_TIMEOUT_S = 30.0
 
 
 @dataclass
-class _Prefilled:  # its KV exchange is next on the group
+class _Reserve:  # the receiving thread asks the engine thread for blocks for the prompt's KV
+    request_id: str
+    prompt_token_ids: list[int]
+    reply: Future  # (the reserved request, its block table), or None (not wanted any more, no room, refused)
+
+
+@dataclass
+class _Arrived:  # the blocks were filled (error None) or not
+    request_id: str
+    request: Request
+    error: BaseException | None
+
+
+@dataclass
+class _NotSent:  # the prefill side ended the request before its prompt was computed
     request_id: str
 
 
@@ -107,8 +124,10 @@ class DisaggregatedEngine(AsyncEngine):
         super().__init__(config)
         self.prefilling: dict[str, _Add] = {}  # engine thread only
         self.outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.exchanges: queue.SimpleQueue = queue.SimpleQueue()  # ids whose KV exchange is next on the group
         threading.Thread(target=self._write, daemon=True, name="goodserve-to-prefill").start()
         threading.Thread(target=self._read, daemon=True, name="goodserve-from-prefill").start()
+        threading.Thread(target=self._receive_kv, daemon=True, name="goodserve-kv-receiver").start()
 
     def prefill_stats(self) -> EngineStats:
         """The prefill engine's stats as it last reported them."""
@@ -141,7 +160,7 @@ class DisaggregatedEngine(AsyncEngine):
                 if kind == "stats":
                     self._prefill_stats = rest[0]
                 elif kind == "prefilled":
-                    self.commands.put(_Prefilled(rest[0]))
+                    self.exchanges.put(rest[0])
                 else:
                     self.commands.put(_Refused(*rest))
         except (EOFError, OSError):
@@ -153,14 +172,49 @@ class DisaggregatedEngine(AsyncEngine):
             self.dead = EngineDeadError(reason)
             self.commands.put(_PrefillExited(reason))
 
+    # ---- the KV exchanges, in the order the prefill side makes them -------------------------
+    def _receive_kv(self) -> None:
+        """Header and prompt, blocks reserved by the engine thread, then the blocks put in place here
+        while the engine steps on. A failed group (the prefill side gone) ends the thread: _read
+        reports the exit."""
+        layers = kv_layers(self.engine)
+        while True:
+            request_id = self.exchanges.get()
+            request = None
+            try:
+                incoming = receive_header(layers, PREFILL_RANK)
+                if incoming is None:
+                    self.commands.put(_NotSent(request_id))
+                    continue
+                reply = Future()
+                self.commands.put(_Reserve(request_id, incoming.prompt_token_ids, reply))
+                reserved = reply.result()
+                if reserved is None:
+                    refuse(layers, PREFILL_RANK)
+                    continue
+                request, table = reserved
+                receive_blocks(layers, incoming, self.config.block_size, table, PREFILL_RANK)
+                self.commands.put(_Arrived(request_id, request, None))
+            except GoodserveError as exc:  # blocks this engine cannot take (another model or block size)
+                self.commands.put(_Arrived(request_id, request, exc))
+            except RuntimeError as exc:  # the group failed mid-exchange: the prefill side is gone
+                self.commands.put(_Arrived(request_id, request, EngineDeadError(
+                    f"the KV transfer from the prefill worker failed: {exc}")))
+                return
+
     # ---- the engine thread ---------------------------------------------------------------
     def _apply(self, command) -> None:
         if isinstance(command, _Add):
             self._prefill_there(command)
         elif isinstance(command, _Abort) and command.request_id in self.prefilling:
             self.outbox.put(("abort", command.request_id))
-        elif isinstance(command, _Prefilled):
-            self._receive(self.prefilling.pop(command.request_id))
+        elif isinstance(command, _Reserve):
+            command.reply.set_result(self._reserve(command))
+        elif isinstance(command, _Arrived):
+            self._arrived(command)
+        elif isinstance(command, _NotSent) and command.request_id in self.prefilling:
+            self._prefill_here(self.prefilling.pop(command.request_id),
+                               "the prefill side ended it before its prompt was computed")
         elif isinstance(command, _Refused):
             add = self.prefilling.pop(command.request_id)
             self._prefill_here(add, f"the prefill side refused it: {command.reason}")
@@ -189,22 +243,35 @@ class DisaggregatedEngine(AsyncEngine):
         self.prefilling[add.request_id] = add
         self.outbox.put(("add", add.request_id, prompt_ids))
 
-    def _receive(self, add: _Add) -> None:
-        request_id = add.request_id
+    def _reserve(self, command: _Reserve) -> tuple[Request, list[int]] | None:
+        """Blocks for the request's KV, if it is still wanted; where there is no room, it is prefilled
+        here (None: the receiving thread refuses the blocks)."""
+        add = self.prefilling.get(command.request_id)
+        if add is None or command.request_id not in self.streams:
+            self.prefilling.pop(command.request_id, None)
+            return None
         try:
-            taken = receive_prefilled(self.engine, request_id, add.params, PREFILL_RANK,
-                                      arrival_time=add.arrival_time)
-        except GoodserveError as exc:  # blocks this engine cannot take (another model or block size)
+            request = self.engine.reserve_decode_request(command.request_id, command.prompt_token_ids, add.params,
+                                                         add.arrival_time)
+        except GoodserveError as exc:
+            self.prefilling.pop(command.request_id)
             add.stream.put(exc)
-            return
-        except RuntimeError as exc:  # the group failed mid-exchange: the prefill side is gone
-            add.stream.put(EngineDeadError(f"the KV transfer from the prefill worker failed: {exc}"))
-            return
-        wanted = request_id in self.streams
-        if taken and not wanted:
-            self.engine.abort_request(request_id)
-        elif not taken and wanted:
-            self._prefill_here(add, "its KV did not arrive (failed there, or no room here now)")
+            return None
+        if request is None:
+            self._prefill_here(self.prefilling.pop(command.request_id), "no room here for its KV when it came")
+            return None
+        return request, list(self.engine.reserved_blocks(request))
+
+    def _arrived(self, command: _Arrived) -> None:
+        """Admit a request whose blocks are filled and still wanted; otherwise give them back."""
+        add = self.prefilling.pop(command.request_id, None)
+        if command.request is not None and (command.error is not None or add is None
+                                            or command.request_id not in self.streams):
+            self.engine.release_decode_request(command.request)
+        elif command.request is not None:
+            self.engine.admit_decode_request(command.request)
+        if command.error is not None and add is not None:
+            add.stream.put(command.error)
 
     def _prefill_here(self, add: _Add, why: str) -> None:
         if add.request_id in self.streams:
