@@ -21,9 +21,9 @@ token itself, which samples the first output token as a prefix-cache hit would.
 Why groups of blocks: one message a block (a 2 MB block of Llama-3.1-8B in bfloat16) cost a gather
 and a send on the sender and 64 copies into the pool on the receiver for every 16 tokens, and the
 receiver did it on its engine thread, between decode steps (a server now receives on a thread of its
-own, server/disaggregated.py): on two H100s, 2k-token prompts at 2
-req/s waited a median 636 ms for their first token and the decodes beside them saw inter-token gaps
-of up to 528 ms (benchmarks/BENCHMARKS.md). Gathered per layer part with one index_select, a group
+own, server/disaggregated.py): on two H100s, 2k-token prompts at 2 req/s waited a median 636 ms for
+their first token and the decodes beside them saw inter-token gaps of up to 528 ms
+(benchmarks/BENCHMARKS.md). Gathered per layer part with one index_select, a group
 is one message and one index_copy_ per part on arrival; a group, not the whole prompt, so the
 receive buffer stays small beside a pool that fills the GPU.
 """

@@ -2,9 +2,10 @@
 process, and a child process (engine/prefill_worker.py) prefills. A request goes to the prefill side
 over a pipe; its KV comes back block by block over torch.distributed (engine/kv_transfer.py) and is
 decoded here. The exchange runs on a thread of its own: the engine thread only reserves the blocks
-(and later admits the request, or gives them back), so the decodes here never wait on a transfer. The first output token is sampled here, by the decode engine computing the prompt's last
-token on arrival, so TTFT counts the prefill, the transfer and one decode step (the request's arrival
-time travels with it).
+(and later admits the request, or gives them back), so the decodes here never wait on a transfer.
+The first output token is sampled here, by the decode engine computing the prompt's last token on
+arrival, so TTFT counts the prefill, the transfer and one decode step (the request's arrival time
+travels with it).
 
 Where the KV does not arrive, the request is prefilled here instead (local prefill), so the client is
 answered either way: the prefill side refused it (a prompt its pool cannot hold) or failed it, or this
