@@ -364,6 +364,16 @@ def test_running_sequences_are_capped_by_the_tightest_tpot_target():
     assert running_after_one_step("continuous", [50] * 70) == 64
 
 
+@pytest.mark.parametrize("policy, asked, resolved", [("continuous", None, 256), ("slo", None, 1024),
+                                                     ("slo", 64, 64), ("continuous", 1024, 1024)])
+def test_the_sequence_ceiling_defaults_higher_under_slo(policy, asked, resolved):
+    """slo sizes its batch from the TPOT target, so its ceiling only bounds graphs and memory."""
+    from goodserve.engine.config_resolution import resolve_for_device
+
+    config = EngineConfig(device="cpu", scheduler_policy=policy, max_num_seqs=asked)
+    assert resolve_for_device(config).max_num_seqs == resolved
+
+
 def test_online_requests_displace_batch_lines_down_to_the_tpot_limit():
     """35 batch lines run (no targets: up to the 64 of max_num_seqs); 10 online requests with a 50 ms
     TPOT target may run 40 at once (FIT): 5 batch lines give their slots up, and all 10 run."""

@@ -15,6 +15,8 @@ from goodserve.model_names import EMBEDDED_MODEL, gguf_model_path
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULER_POLICIES = ("continuous", "static", "dynamic", "makespan", "slo")
 SPEC_POLICIES = ("cost", "always")
+DEFAULT_MAX_NUM_SEQS = 256
+SLO_MAX_NUM_SEQS = 1024
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
@@ -125,7 +127,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     # Scheduler
     scheduler_policy: str = "continuous"
-    max_num_seqs: int = 256
+    # None: DEFAULT_MAX_NUM_SEQS, or SLO_MAX_NUM_SEQS under "slo", which sizes its running batch from the TPOT target
+    # (engine/slo_policy.py), so its ceiling bounds only the graphs captured and the memory reserved:
+    # at 256 the queue waited for a slot while steps ran well under the target (benchmarks/BENCHMARKS.md).
+    max_num_seqs: int | None = None
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
     max_wait_ms: float = 10.0  # dynamic batching: how long a partial batch waits to fill
@@ -205,7 +210,7 @@ class EngineConfig:
             (self.attention_backend in ATTENTION_BACKENDS, f"attention_backend must be one of {ATTENTION_BACKENDS}"),
             (self.block_size in BLOCK_SIZES, f"block_size must be one of {BLOCK_SIZES}"),
             (0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be in (0, 1]"),
-            (self.max_num_seqs >= 1, "max_num_seqs must be at least 1"),
+            (self.max_num_seqs is None or self.max_num_seqs >= 1, "max_num_seqs must be at least 1"),
             (self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be at least 1"),
             (self.max_n_per_request >= 1, "max_n_per_request must be at least 1"),
             (self.dtype in DTYPES, f"dtype must be one of {DTYPES}"),
@@ -253,6 +258,11 @@ class EngineConfig:
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def resolved_max_num_seqs(self) -> int:
+        if self.max_num_seqs is not None:
+            return self.max_num_seqs
+        return SLO_MAX_NUM_SEQS if self.scheduler_policy == "slo" else DEFAULT_MAX_NUM_SEQS
 
     def resolved_quantization(self, device_type: str) -> str | None:
         """Unset, a GGUF model on the CPU keeps its file's codes ('gguf': the weights exactly as stored,

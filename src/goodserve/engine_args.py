@@ -44,7 +44,8 @@ _HELP = {
     "num_kv_blocks": "KV cache pool size in blocks (default: from memory)",
     "gpu_memory_utilization": "fraction of GPU memory for weights + KV cache",
     "cpu_kv_cache_bytes": "KV cache pool size on CPU, in bytes (a draft model's pool included)",
-    "max_num_seqs": "most sequences in one batch",
+    "max_num_seqs": "most sequences in one batch (default 256; 1024 under --scheduler-policy slo, which sizes "
+                    "its batch from the TPOT target below it)",
     "max_num_batched_tokens": "most tokens in one step (prefill chunks + decodes)",
     "max_wait_ms": "dynamic batching: how long a partial batch waits to fill",
     "max_n_per_request": "most samples (n) in one request; more get 400 (each counts against --max-waiting)",

@@ -79,7 +79,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
     g.add_argument("--dtype", default="auto", choices=DTYPES, help="inprocess: engine dtype")
     g.add_argument("--device", default="auto", help="inprocess: engine device")
-    g.add_argument("--max-num-seqs", type=int, default=256, help="inprocess: engine batch limit")
+    g.add_argument("--max-num-seqs", type=int,
+                   help="inprocess: engine batch limit (default 256, 1024 under the slo policy)")
     g.add_argument("--scheduler-policy", choices=SCHEDULER_POLICIES, default="continuous",
                    help="inprocess: the engine's policy; with slo, requests carry the --goodput ttft/tpot "
                         "targets and the server's TTFT admission check refuses what it would refuse")

@@ -1,7 +1,7 @@
 """Resolving the caller's EngineConfig, once, into a new frozen one whose values are all concrete.
 
 In three stages, as the facts arrive: the device (device, dtype, kernels, quantization, async
-scheduling), then the model (its context window bounds the step budget), then the memory (the KV
+scheduling, the sequence ceiling), then the model (its context window bounds the step budget), then the memory (the KV
 pool's size bounds the context). The caller's object is never changed.
 """
 
@@ -42,7 +42,7 @@ def resolve_for_device(config: EngineConfig) -> EngineConfig:
     return dataclasses.replace(
         config, device=str(device), attention_backend=backend,
         dtype=config.dtype if config.dtype != "auto" else "bfloat16" if device.type == "cuda" else "float32",
-        quantization=config.resolved_quantization(device.type),
+        quantization=config.resolved_quantization(device.type), max_num_seqs=config.resolved_max_num_seqs(),
         speculative_method="draft" if config.speculative_model else config.speculative_method,
         pipeline_micro_batches=device.type != "cuda" if config.pipeline_micro_batches is None
         else config.pipeline_micro_batches,

@@ -27,9 +27,10 @@ A request may carry targets (SamplingParams.slo_ttft_ms, slo_tpot_ms; the server
 - Concurrency: a sequence joins the running ones only while a decode step of them all and it, every
   row reading its whole length (the fit's context term), lasts by the fitted model within `margin` x
   the tightest TPOT target among them and it (`has_room`): long contexts leave room for fewer rows.
-  max_num_seqs stays the ceiling (CUDA graphs are captured up to it, memory). A fixed max_num_seqs
-  is either too low (on the H100 at 256, FCFS's queue waited seconds for a slot while steps took
-  28 ms against a 50 ms target) or, past capacity, lets TPOT grow without bound. Batch lines (no
+  max_num_seqs stays the ceiling (CUDA graphs are captured up to it, memory), 1024 unless set
+  (config.SLO_MAX_NUM_SEQS against FCFS's 256). A fixed max_num_seqs is either too low (on the
+  H100 at 256, FCFS's queue waited seconds for a slot while steps took 28 ms against a 50 ms
+  target) or, past capacity, lets TPOT grow without bound. Batch lines (no
   targets) take room up to the same limit and give it up first: an online request that finds no room
   displaces batch lines, the newest first (the victim order below), until it fits, never the other
   way round (Scheduler._displaced_running); displaced lines wait, and rejoin only where a step with
