@@ -125,6 +125,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--full-ladder", action="store_true",
                    help=f"probe every rung even below {STOP_BELOW:g}%% attainment (e.g. --rates 45,45,54,54: each "
                         "probe twice, its run-to-run spread; the crossing reads each rung at its mean)")
+    p.add_argument("--no-admission", action="store_true",
+                   help="slo: admit every request (no 429 for a TTFT the queue makes impossible): what the "
+                        "refusals cost or save against the same policy with them")
     p.add_argument("--step-log", action="store_true",
                    help="capacity phase: every step of every probe (StepLog rows) into "
                         "$OUT/gpu_slo_steps_<policy>_<max_num_seqs>.json, and each probe's steps by size")
@@ -182,8 +185,8 @@ async def measure_policy(args) -> dict:
     config = EngineConfig(model=args.model, device=args.device, scheduler_policy=args.policy,
                           max_num_seqs=args.max_num_seqs, seed=args.seed)
     t0 = time.perf_counter()
-    target = InProcessTarget(config, ignore_eos=True, slo_ms=SLOS_MS)
-    result = {"policy": args.policy, "max_num_seqs": args.max_num_seqs}
+    target = InProcessTarget(config, ignore_eos=True, slo_ms=SLOS_MS, refuses_late=not args.no_admission)
+    result = {"policy": args.policy, "max_num_seqs": args.max_num_seqs, "admission_check": not args.no_admission}
     try:
         warmup = workload(0, args)[:args.warmup_requests]
         await BenchRun(target, warmup, ArrivalConfig()).run()
@@ -429,7 +432,8 @@ def run_child(policy: str, max_num_seqs: int, args, budget_s: float) -> dict:
             "--warmup-requests", str(args.warmup_requests), "--phases", ",".join(args.phases),
             "--arrivals", args.arrivals, "--workload", args.workload, "--batch-lines", str(args.batch_lines),
             "--batch-concurrency", str(args.batch_concurrency)] + [f for f, on in (("--step-log", args.step_log),
-                                                                     ("--full-ladder", args.full_ladder)) if on]
+                                                                     ("--full-ladder", args.full_ladder),
+                                                                     ("--no-admission", args.no_admission)) if on]
     if args.batch_rate is not None:
         argv += ["--batch-rate", str(args.batch_rate)]
     done = subprocess.run(argv, check=False)

@@ -190,7 +190,7 @@ def test_the_activation_reserve_is_sized_for_the_budget_the_engine_runs_with(mon
                           max_num_batched_tokens=16, max_model_len=200)
     engine = Engine(config, max_num_seqs=4)
     assert seen == [engine.config.max_num_batched_tokens] and engine.config.max_num_batched_tokens >= 200
-    assert config.max_num_batched_tokens == 16 and config.max_num_seqs == 256
+    assert config.max_num_batched_tokens == 16 and config.max_num_seqs is None
 
 
 def test_prompt_logprobs_under_preemption_match_transformers(hf_embedded):

@@ -6,7 +6,8 @@ reports its token ids. A model without a tokenizer (dummy:...) gets prompts of r
 
 With SLOs (slo_ms: {"ttft": ms, "tpot": ms}, --goodput) each request carries them as its targets;
 under the "slo" scheduler policy the server's admission check runs here too (server/admission.py),
-and a request it refuses is recorded as the 429 a client would get.
+and a request it refuses is recorded as the 429 a client would get (refuses_late=False: every request
+is admitted, as where each client sends slo_best_effort, to measure what the refusals cost).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from goodserve.server.admission import Admission
 
 class InProcessTarget:
     def __init__(self, config: EngineConfig, ignore_eos: bool = False, temperature: float = 0.0,
-                 use_chat_template: bool = False, slo_ms: dict[str, float] | None = None):
+                 use_chat_template: bool = False, slo_ms: dict[str, float] | None = None,
+                 refuses_late: bool = True):
         from goodserve.engine.async_engine import AsyncEngine  # pulls in torch and the model
 
         self.engine = AsyncEngine(config)
@@ -32,7 +34,7 @@ class InProcessTarget:
         self.temperature = temperature
         self.use_chat_template = use_chat_template
         self.slo_ms = slo_ms or {}
-        checks_ttft = config.scheduler_policy == "slo" and "ttft" in self.slo_ms
+        checks_ttft = refuses_late and config.scheduler_policy == "slo" and "ttft" in self.slo_ms
         self.admission = Admission(max_waiting=1 << 62) if checks_ttft else None
         self.description = f"in-process engine ({config.model})"
         self._ids = itertools.count()
