@@ -7,11 +7,12 @@ import pytest
 from goodserve.diagnose import calc_command
 from goodserve.diagnose.calc import (cost_per_million_tokens, fit, kv_cache_bytes,
                                      max_concurrent_sequences, weight_bytes)
-from goodserve.diagnose.parallel import (Layout, advise_layout, allreduce_payload_bytes, decode_limit, layout_fit,
+from goodserve.diagnose.parallel import (Layout, advise_layout, allreduce_payload_bytes, decode_limit,
+                                         decode_tokens_per_s, handoff_bytes, layout_fit, micro_batch_advice,
                                          ring_bytes_sent)
 from goodserve.diagnose.roofline import mbu
 from goodserve.errors import InvalidRequestError
-from goodserve.hardware import get_hardware
+from goodserve.hardware import Hardware, get_hardware
 from goodserve.model.presets import get_preset
 from goodserve.model.spec import ModelSpec
 
@@ -187,6 +188,93 @@ def test_layout_advice():
     disaggregate = advise_layout(small, h100, 2, "throughput", 8192, 1, prompt_len=8000, tpot_target_s=0.05)
     assert disaggregate[-1].option.startswith("prefill / decode disaggregation") and "138 ms" in disaggregate[-1].why
     assert len(advise_layout(small, h100, 2, "throughput", 8192, 1, prompt_len=1000, tpot_target_s=0.05)) == 1
+
+
+# llama-3.1-8b at PP=2 on an H100: 16_060_522_496 B of bf16 weights, 32 layers x 26 us, one 8.5 us handoff;
+# fp16 KV of 2 x 32 layers x 8 heads x 128 x 2 B = 131072 B a token of context.
+WEIGHTS_8B = 16_060_522_496
+FIXED_8B_PP2_S = 32 * 26e-6 + 8.5e-6
+
+
+def test_micro_batches_split_what_grows_with_the_rows_not_the_weight_read():
+    spec, h100 = get_preset("llama-3.1-8b"), get_hardware("h100-sxm")
+    off, on = Layout(pp=2), Layout(pp=2, micro_batches=True)
+    # No context: a step is the weight read, which each micro-batch repeats: no gain
+    alone = 32 / (WEIGHTS_8B / 3.35e12 + FIXED_8B_PP2_S)  # 5679 tok/s
+    assert decode_tokens_per_s(spec, h100, off, 0, 32, kv_dtype="fp16")[0] == pytest.approx(alone)
+    assert decode_tokens_per_s(spec, h100, on, 0, 32, kv_dtype="fp16")[0] == pytest.approx(alone)
+    # 4096 tokens of context: one step at a time reads 32 sequences' KV in a pass (10.76 ms), micro-batches
+    # 16 (8.20 ms): 2973 against 3903 tok/s, and each sequence's token comes that much sooner
+    whole = WEIGHTS_8B / 3.35e12 + 32 * 4096 * 131072 / 3.35e12 + FIXED_8B_PP2_S
+    half = WEIGHTS_8B / 3.35e12 + 16 * 4096 * 131072 / 3.35e12 + FIXED_8B_PP2_S
+    assert decode_tokens_per_s(spec, h100, off, 4096, 32, kv_dtype="fp16") == pytest.approx((32 / whole, whole))
+    assert decode_tokens_per_s(spec, h100, on, 4096, 32, kv_dtype="fp16") == pytest.approx((32 / half, half))
+    # one sequence has one micro-batch: nothing to overlap
+    assert decode_tokens_per_s(spec, h100, on, 4096, 1) == decode_tokens_per_s(spec, h100, off, 4096, 1)
+
+
+def test_micro_batches_double_a_compute_bound_pipeline_of_two():
+    """1 TFLOP/s against 1 TB/s: at 32 rows the matmuls (2 x 7_504_924_672 FLOPs a row) take 0.480 s, the
+    weight read 0.016 s; two micro-batches of 16 halve the pass."""
+    spec, slow = get_preset("llama-3.1-8b"), Hardware("slow", {"bf16": 1e12}, 1e12, 80e9)
+    assert decode_limit(spec, slow, Layout(pp=2), 0, 32).compute_s == pytest.approx(32 * 2 * 7_504_924_672 / 1e12)
+    off = decode_tokens_per_s(spec, slow, Layout(pp=2), 0, 32)[0]
+    on = decode_tokens_per_s(spec, slow, Layout(pp=2, micro_batches=True), 0, 32)[0]
+    assert off == pytest.approx(32 / (32 * 2 * 7_504_924_672 / 1e12 + FIXED_8B_PP2_S))  # 66.5 tok/s
+    assert on == pytest.approx(32 / (16 * 2 * 7_504_924_672 / 1e12 + FIXED_8B_PP2_S))  # 132.8 tok/s
+
+
+def test_stage_handoff_bytes():
+    # hidden states and residual: 2 x 32 tokens x 8192 hidden x 2 bytes from each GPU of a stage
+    assert handoff_bytes(get_preset("llama-3.1-70b"), 32) == 2 * 32 * 8192 * 2
+
+
+def test_calc_prints_a_pipeline_with_and_without_micro_batches(capsys):
+    argv = ("fit", "--model", "llama-3.1-8b", "--pp", "2", "--batch", "32", "--seq-len", "4096")
+    assert run_calc(*argv) == 0
+    default = capsys.readouterr().out  # on an H100 the engine runs one step at a time
+    assert "stage handoffs per decode step of 32 tokens: 1, each 0.52 MB" in default  # 2 x 32 x 4096 x 2 B
+    assert "one step at a time: ~2973 tok/s, each sequence a token every 10.76 ms  <- this layout" in default
+    assert "micro-batches (2 in the stages at once, ~16 sequences each): ~3903 tok/s, each sequence a token " \
+           "every 8.20 ms\n" in default
+    assert run_calc(*argv, "--pipeline-micro-batches") == 0
+    on = capsys.readouterr().out
+    assert "~2973 tok/s, each sequence a token every 10.76 ms\n" in on and "every 8.20 ms  <- this layout" in on
+    assert run_calc(*argv, "--gpu", "cpu") == 0  # the engine's CPU default: micro-batches
+    assert "ms  <- this layout" in capsys.readouterr().out.split("micro-batches (2 in")[1]
+    assert run_calc(*argv, "--gpu", "cpu", "--no-pipeline-micro-batches") == 0
+    assert "ms  <- this layout" not in capsys.readouterr().out.split("micro-batches (2 in")[1]
+
+
+# llama-3.1-70b in fp32 (282 GB) on 40 GB A100s: TP 8 leaves no room for KV, TP 8 x PP 2 fits.
+BIG = dict(spec=get_preset("llama-3.1-70b"), hw=get_hardware("a100-40gb"), seq_len=4096, dtype="fp32")
+
+
+def pipeline_advice(gpus: int, batch: int, goal: str = "throughput", micro_batches: bool = False) -> list[str]:
+    return [a.option for a in advise_layout(BIG["spec"], BIG["hw"], gpus, goal, BIG["seq_len"], batch, BIG["dtype"],
+                                            micro_batches=micro_batches)]
+
+
+def test_layout_advice_on_pipeline_micro_batches():
+    micro = "--pipeline-micro-batches"
+    assert pipeline_advice(16, 64) == ["--tensor-parallel-size 8 --pipeline-parallel-size 2", micro]
+    # 2 replicas of 32 sequences each: still one for every stage
+    assert pipeline_advice(32, 64)[-1] == micro
+    assert pipeline_advice(16, 2)[-1] == micro  # a sequence for each stage
+    assert micro not in pipeline_advice(16, 1)  # one sequence: nothing to overlap
+    assert micro not in pipeline_advice(32, 2)  # 2 replicas of one sequence each
+    assert micro not in pipeline_advice(16, 64, micro_batches=True)  # already on
+    assert micro not in pipeline_advice(16, 64, goal="latency")  # one sequence's token crosses every stage
+    assert micro not in [a.option for a in advise_layout(get_preset("llama-3.1-8b"), get_hardware("h100-sxm"), 8,
+                                                         "throughput", 4096, 64)]  # no pipeline
+    why = advise_layout(BIG["spec"], BIG["hw"], 16, "throughput", BIG["seq_len"], 64, BIG["dtype"])[-1].why
+    # compute-bound in fp32 (19.5 TFLOP/s): two micro-batches of 32 nearly halve the pass
+    assert "~1821 tok/s a replica against ~958 one step at a time by the roofline (1.90x" in why
+    assert "on CUDA they pay only once each stage's step is not host-bound" in why
+    assert "0.88x" in why and "gpu_pipeline_microbatch_h200x2.json" in why
+    on_cpu = micro_batch_advice(get_preset("smollm2-135m"), get_hardware("cpu"), Layout(pp=2), 256, 32, "fp32",
+                                "fp32").why
+    assert "1.29x" in on_cpu and "cpu_pipeline_microbatch_intel.json" in on_cpu and "CUDA" not in on_cpu
 
 
 def test_calc_command_fit_with_a_parallel_layout(capsys):

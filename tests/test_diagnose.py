@@ -11,8 +11,8 @@ from goodserve.bench.result import build_result, save_json
 from goodserve.diagnose import command as diagnose_command
 from goodserve.diagnose.advisor import advise
 from goodserve.diagnose.observations import Observations, from_bench_result, observations_from_scrapes
-from goodserve.diagnose.roofline import (analyze, analyze_decode, decode_step_bytes, flops_per_token,
-                                         prefill_flops)
+from goodserve.diagnose.parallel import analyze_replica
+from goodserve.diagnose.roofline import analyze_decode, decode_step_bytes, flops_per_token, prefill_flops
 from goodserve.errors import InvalidRequestError
 from goodserve.hardware import Hardware, get_hardware, measure_local
 from goodserve.model.presets import get_preset
@@ -57,14 +57,14 @@ def test_decode_verdicts_compute_and_capacity():
 
 
 def test_prefill_is_compute_bound_for_long_prompts():
-    prefill, _ = analyze(SPEC, GPU, obs(mean_prompt_len=2000, ttft_s=0.2))
+    prefill, _ = analyze_replica(SPEC, GPU, obs(mean_prompt_len=2000, ttft_s=0.2))
     assert prefill.verdict == "compute-bound"
     assert prefill.mfu == pytest.approx(prefill_flops(SPEC, 2000) / 0.2 / 312e12)
 
 
 def test_advice_ranked_with_options_and_confirmations():
     o = obs(num_preemptions=5, tpot_p99_s=0.2, slos_ms={"tpot": 50.0})
-    advice = advise(o, analyze(SPEC, GPU, o))
+    advice = advise(o, analyze_replica(SPEC, GPU, o))
     symptoms = [a.symptom for a in advice]
     # TPOT at 4x its SLO (severity 3) outranks 5 preemptions (severity 1.05).
     assert symptoms[:2] == ["high TPOT", "preemptions / KV cache full"]
@@ -75,13 +75,13 @@ def test_advice_ranked_with_options_and_confirmations():
 
 def test_no_advice_when_healthy_and_prefix_rule():
     healthy = obs()  # 100 tok/s at batch 1 on an H100 is 40% MBU: no symptom
-    assert advise(healthy, analyze(SPEC, get_hardware("h100-sxm"), healthy)) == []
+    assert advise(healthy, analyze_replica(SPEC, get_hardware("h100-sxm"), healthy)) == []
     slow = obs(tpot_s=0.05)  # 8% MBU at batch 1
-    assert [a.symptom for a in advise(slow, analyze(SPEC, get_hardware("h100-sxm"), slow))] == [
+    assert [a.symptom for a in advise(slow, analyze_replica(SPEC, get_hardware("h100-sxm"), slow))] == [
         "low throughput at low MBU"]
     missing = obs(repeated_prefixes=True, prefix_cache_hit_rate=0.05)
     assert "low prefix-cache hit rate on repeated prefixes" in [
-        a.symptom for a in advise(missing, analyze(SPEC, GPU, missing))]
+        a.symptom for a in advise(missing, analyze_replica(SPEC, GPU, missing))]
 
 
 def records():
@@ -174,6 +174,46 @@ def test_a_parallel_layout_is_one_replica_of_tp_gpus():
     decode = analyze_decode(spec, four, obs(tpot_s=0.02))
     assert decode.mbu == pytest.approx((70_553_706_496 * 2 + 150 * 327_680) * 50 / (4 * 3.35e12))
     assert per_replica(obs(concurrency=8.0), Layout(dp=2)).concurrency == 4.0
+
+
+def test_micro_batches_put_the_stages_in_flight_on_the_roofline():
+    from goodserve.diagnose.parallel import Layout, replica_hardware
+
+    h100, on = get_hardware("h100-sxm"), Layout(pp=2, micro_batches=True)
+    # one sequence is one micro-batch: the stages take turns, as without micro-batches
+    assert replica_hardware(h100, on, 1) == replica_hardware(h100, Layout(pp=2), 1)
+    assert replica_hardware(h100, on, 1).memory_bandwidth == 3.35e12
+    # 32 sequences fill both stages: twice the bandwidth and FLOP/s, not only the memory
+    both = replica_hardware(h100, on, 32)
+    assert (both.memory_bandwidth, both.flops_for("bf16"), both.memory_bytes) == (2 * 3.35e12, 2 * 989.4e12, 160e9)
+    assert replica_hardware(h100, Layout(pp=2), 32).memory_bandwidth == 3.35e12  # off: the stages take turns
+    # TP 2 x PP 4: 3 sequences keep 3 stages of 2 GPUs busy, 32 all 4
+    assert replica_hardware(h100, Layout(tp=2, pp=4, micro_batches=True), 3).memory_bandwidth == 6 * 3.35e12
+    assert replica_hardware(h100, Layout(tp=2, pp=4, micro_batches=True), 32).memory_bandwidth == 8 * 3.35e12
+
+
+def test_a_decode_round_over_micro_batches_reads_the_weights_once_each():
+    from goodserve.diagnose.parallel import Layout
+
+    spec, h100 = get_preset("llama-3.1-70b"), get_hardware("h100-sxm")
+    o = obs(concurrency=8.0, tpot_s=0.05)  # 20 rounds/s at a context of 100 + 100 / 2 = 150
+    weights, kv = 70_553_706_496 * 2, 8 * 150 * 327_680
+    prefill, decode = analyze_replica(spec, h100, o, Layout(tp=4, pp=2, micro_batches=True))
+    # 8 sequences fill both stages: 2 micro-batches each read the weights, over 2 stages x 4 GPUs' bandwidth
+    assert decode.mbu == pytest.approx((2 * weights + kv) * 20 / (8 * 3.35e12))
+    turns_prefill, turns = analyze_replica(spec, h100, o, Layout(tp=4, pp=2))
+    assert turns.mbu == pytest.approx((weights + kv) * 20 / (4 * 3.35e12))
+    assert decode.mfu == pytest.approx(turns.mfu / 2)  # the same FLOPs over twice the peak
+    # a prompt crosses the stages in turn either way: its peak is one stage's 4 GPUs
+    assert prefill.mfu == turns_prefill.mfu == pytest.approx(prefill_flops(spec, 100) / 0.05 / (4 * 989.4e12))
+
+
+def test_diagnose_command_with_pipeline_micro_batches(capsys):
+    argv = ("--model", "llama-3.1-70b", "--hardware", "h100-sxm", "--tp", "4", "--pp", "2")
+    assert run_diagnose(*argv) == 0
+    assert "off: the stages take turns on each step" in capsys.readouterr().out  # the engine's CUDA default
+    assert run_diagnose(*argv, "--pipeline-micro-batches") == 0
+    assert "on: from 2 requests in flight the 2 stages decode at once" in capsys.readouterr().out
 
 
 def test_diagnose_command_with_tensor_parallelism(capsys):

@@ -11,7 +11,7 @@ from goodserve.bench.result import build_result, save_json
 from goodserve.diagnose.advisor import advise
 from goodserve.diagnose.assumptions import resolve
 from goodserve.diagnose.observations import Observations
-from goodserve.diagnose.roofline import analyze
+from goodserve.diagnose.parallel import analyze_replica
 from goodserve.hardware import Hardware, hardware_for_device
 from goodserve.model.presets import get_preset
 from tests.test_diagnose import records, run_diagnose
@@ -60,13 +60,31 @@ def test_flags_that_disagree_with_the_engine_are_warned_and_overruled(tmp_path, 
 
 
 def test_without_a_recorded_engine_flags_and_defaults_apply():
-    flags = {"model": None, "hardware": "cpu", "dtype": None, "kv_cache_dtype": None}
+    flags = {"model": None, "hardware": "cpu", "dtype": None, "kv_cache_dtype": None, "pipeline_micro_batches": None}
     a = resolve(flags, None, "")
     assert (a.model, a.weight_dtype, a.compute_dtype, a.kv_dtype) == ("smollm2-135m", "fp32", "fp32", "fp32")
+    assert a.micro_batches  # the engine's default on a CPU
     a = resolve({**flags, "hardware": None, "dtype": "int4"}, None, "")
     assert (a.hardware, a.weight_dtype, a.compute_dtype, a.kv_dtype) == ("h100-sxm", "int4", "bf16", "bf16")
+    assert not a.micro_batches  # and on CUDA
+    assert not resolve({**flags, "pipeline_micro_batches": False}, None, "").micro_batches
     gguf = resolve(flags, {**CPU_ENGINE, "quantization": "gguf"}, "x")
     assert (gguf.weight_dtype, gguf.compute_dtype, gguf.kv_dtype) == ("int4", "fp32", "fp32")
+
+
+def test_micro_batches_come_from_the_engine_the_run_used(tmp_path, capsys):
+    out = tmp_path / "d.json"
+    pipelined = {**CPU_ENGINE, "pipeline_micro_batches": "True"}
+    assert run_diagnose("--result", saved_result(tmp_path, pipelined), "--pp", "2", "--no-pipeline-micro-batches",
+                        "--json", str(out)) == 0
+    assert "warning: --pipeline-micro-batches False differs from the engine the run used (micro_batches True" in \
+           capsys.readouterr().out
+    assert json.loads(out.read_text())["layout"] == {"tp": 1, "pp": 2, "dp": 1, "micro_batches": True}
+    flags = {"model": None, "hardware": None, "dtype": None, "kv_cache_dtype": None, "pipeline_micro_batches": None}
+    assert not resolve(flags, {**GPU_ENGINE, "pipeline_micro_batches": "False"}, "x").micro_batches
+    # a result from before the label: the flag, else the engine's default on the device it ran on
+    assert resolve(flags, CPU_ENGINE, "x").micro_batches and not resolve(flags, GPU_ENGINE, "x").micro_batches
+    assert resolve({**flags, "pipeline_micro_batches": True}, GPU_ENGINE, "x").micro_batches
 
 
 @pytest.mark.parametrize("device, name, expected", [
@@ -88,7 +106,7 @@ def advised_options(engine) -> set[str]:
     """Every option advised for a run with every symptom: preemptions, then high TTFT / TPOT at low MBU."""
     options = set()
     for o in (obs(num_preemptions=5), obs(ttft_p99_s=5.0, tpot_s=0.5)):
-        options |= {fix.option for advice in advise(o, analyze(SPEC, GPU, o), engine) for fix in advice.fixes}
+        options |= {fix.option for advice in advise(o, analyze_replica(SPEC, GPU, o), engine) for fix in advice.fixes}
     return options
 
 

@@ -105,6 +105,7 @@ def test_micro_batches_keep_the_stages_busy_with_one_process_tokens(model, stage
     llm = parallel(model, stages, pipeline_micro_batches=micro_batches)
     try:
         engine = llm.engine
+        assert engine.micro_batches == micro_batches  # what engine_config_info reports
         assert summary(drive(engine, traffic(stop_token), check=True)) == reference
         pipelined, steps = engine.steps.num_pipelined_steps, engine.steps.num_steps
         assert pipelined >= steps // 2 if micro_batches else pipelined == 0

@@ -4,6 +4,7 @@
     goodserve calc kv --num-layers 40 --hidden-size 5120 --num-heads 40 --batch 32 --seq-len 2048
     goodserve calc fit --model llama-3.1-70b --gpu h100-sxm --tp 4 --seq-len 8192 --batch 16
     goodserve calc fit --model llama-3.1-8b --gpus 8 --goal throughput --prompt-len 8000 --tpot-ms 50
+    goodserve calc fit --model llama-3.1-70b --tp 2 --pp 2 --batch 32 --pipeline-micro-batches
     goodserve calc cost --gpu-hourly-cost 2.5 --tokens-per-s 2400
     goodserve calc cost --gpu-hourly-cost 2.5 --tokens-per-s 2400 --batch-tokens-per-s 9000
 """
@@ -17,8 +18,9 @@ from goodserve.commands.console import make_console
 from goodserve.diagnose.calc import (DTYPE_BYTES, cost_per_million_tokens, kv_cache_bytes, kv_heads_per_gpu,
                                      max_concurrent_sequences)
 from goodserve.diagnose.parallel import (ALLREDUCE_LATENCY_S, LAYER_LATENCY_S, Layout, add_layout_arguments,
-                                         advise_layout, allreduce_payload_bytes, decode_limit, dtype_for_activations,
-                                         layout_fit, ring_bytes_sent)
+                                         advise_layout, allreduce_payload_bytes, decode_limit, decode_tokens_per_s,
+                                         dtype_for_activations, engine_default_micro_batches, handoff_bytes,
+                                         layout_fit, ring_bytes_sent, stages_in_flight)
 from goodserve.diagnose.model_shape import resolve_spec
 from goodserve.errors import InvalidRequestError
 from goodserve.hardware import get_hardware
@@ -41,7 +43,8 @@ def register(subparsers) -> None:
                                            "layout, and the layout that pays")
     _add_model_arguments(fit_p)
     fit_p.add_argument("--gpu", default="h100-sxm")
-    add_layout_arguments(fit_p, "the layout")
+    # The engine's own default on --gpu, so calc describes what `goodserve serve` would run there.
+    add_layout_arguments(fit_p, "the layout", "the engine's: on for --gpu cpu, off on a GPU")
     fit_p.add_argument("--batch", type=int, default=1)
     fit_p.add_argument("--seq-len", type=int, default=4096)
     fit_p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16", help="weight dtype")
@@ -112,7 +115,8 @@ def _kv(args) -> int:
 def _fit(args) -> int:
     spec = spec_from_args(args)
     gpu = get_hardware(args.gpu)
-    layout = Layout(args.tp, args.pp, args.dp)
+    micro_batches = args.micro_batches if args.micro_batches is not None else engine_default_micro_batches(gpu.name)
+    layout = Layout(args.tp, args.pp, args.dp, micro_batches)
     report = layout_fit(spec, layout, gpu.memory_bytes, args.seq_len, args.batch, args.dtype, args.kv_dtype,
                         args.gpu_memory_utilization)
     per_replica = math.ceil(args.batch / layout.dp)
@@ -133,6 +137,10 @@ def _fit(args) -> int:
             console.print(f"  all-reduce per {what} tokens: {payload / 1e6:.2f} MB per GPU "
                           f"({2 * math.ceil(spec.num_layers / layout.pp)} all-reduces), ring sends "
                           f"{ring_bytes_sent(payload, layout.tp) / 1e6:.2f} MB")
+        if layout.pp > 1:
+            console.print(f"  stage handoffs per {what} tokens: {layout.pp - 1}, each "
+                          f"{handoff_bytes(spec, tokens, act) / 1e6:.2f} MB (hidden states and residual) from every "
+                          f"GPU of a stage to its peer in the next")
     limit = decode_limit(spec, gpu, layout, args.seq_len, 1, args.dtype, args.kv_dtype, args.allreduce_latency_us / 1e6,
                          args.layer_latency_us / 1e6)
     console.print(f"  one sequence at {args.seq_len} tokens of context decodes at most "
@@ -140,13 +148,32 @@ def _fit(args) -> int:
                   f"with the layers' kernel latencies ({1000 * limit.layers_s:.2f} ms) and the collectives "
                   f"({1000 * limit.allreduce_s:.2f} ms all-reduce, {1000 * limit.handoff_s:.2f} ms stage handoffs) "
                   f"per token")
+    if layout.pp > 1:
+        _print_pipeline_throughput(console, spec, gpu, layout, args, per_replica)
     advice = advise_layout(spec, gpu, args.gpus or layout.gpus, args.goal, args.seq_len, args.batch, args.dtype,
-                           args.kv_dtype, args.gpu_memory_utilization, args.prompt_len, args.tpot_ms / 1000)
+                           args.kv_dtype, args.gpu_memory_utilization, args.prompt_len, args.tpot_ms / 1000,
+                           micro_batches)
     if advice:
         console.print(f"advice ({args.goal}, {args.gpus or layout.gpus} GPUs):")
     for item in advice:
         console.print(f"  - [cyan]{item.option}[/cyan]: {item.why}")
     return 0 if report.fits else 1
+
+
+def _print_pipeline_throughput(console, spec: ModelSpec, gpu, layout: Layout, args, batch: int) -> None:
+    """Decode throughput of a replica at its batch, one step at a time and with micro-batches: the
+    layout's setting marked, each sequence's token time beside (one pass through the stages)."""
+    console.print(f"  decode at a batch of {batch} a replica, {args.seq_len} tokens of context:")
+    for micro_batches in (False, True):
+        mode = Layout(layout.tp, layout.pp, layout.dp, micro_batches)
+        tokens_per_s, token_s = decode_tokens_per_s(spec, gpu, mode, args.seq_len, batch, args.dtype, args.kv_dtype,
+                                                    args.allreduce_latency_us / 1e6, args.layer_latency_us / 1e6)
+        steps = stages_in_flight(mode, batch)
+        how = (f"micro-batches ({steps} in the stages at once, ~{math.ceil(batch / steps)} sequences each)"
+               if micro_batches else "one step at a time")
+        ours = "  <- this layout" if micro_batches == layout.micro_batches else ""
+        console.print(f"    {how}: ~{tokens_per_s:.0f} tok/s, each sequence a token every {1000 * token_s:.2f} ms"
+                      f"{ours}")
 
 
 def _cost(args) -> int:

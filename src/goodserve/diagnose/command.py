@@ -9,7 +9,10 @@ result (or a live goodserve /metrics) recorded; flags apply where none is record
 
 With a parallel layout the roofline is one replica's: TP multiplies its FLOP/s and bandwidth, TP x
 PP its memory, and a run measured through a router over DP replicas counts 1 / DP of the requests
-in flight per replica. The all-reduces' cost per decode token is shown beside the decode ceiling.
+in flight per replica. With pipeline micro-batches (the run's engine config, else the flag, else
+the engine's default on that hardware) decode also gets the bandwidth and FLOP/s of the stages in
+flight, min(PP, requests in flight), each micro-batch reading the weights. The all-reduces' cost
+per decode token is shown beside the decode ceiling.
 """
 
 from __future__ import annotations
@@ -28,9 +31,9 @@ from goodserve.diagnose.calc import weight_bytes
 from goodserve.diagnose.model_shape import resolve_spec
 from goodserve.diagnose.observations import Observations, from_bench_result, from_metrics_url
 from goodserve.diagnose.parallel import (ALLREDUCE_LATENCY_S, Layout, add_layout_arguments, allreduce_payload_bytes,
-                                         check_layout, decode_limit, dtype_for_activations, per_replica,
+                                         analyze_replica, check_layout, decode_limit, dtype_for_activations,
                                          replica_hardware)
-from goodserve.diagnose.roofline import PhaseAnalysis, analyze, flops_per_token
+from goodserve.diagnose.roofline import PhaseAnalysis, flops_per_token
 from goodserve.diagnose.speculation import SpeculationAdvice, recommend_speculation
 from goodserve.hardware import HARDWARE, Hardware, get_hardware, measure_local
 from goodserve.model.spec import ModelSpec
@@ -54,7 +57,8 @@ def register(subparsers) -> None:
     source = p.add_mutually_exclusive_group()
     source.add_argument("--result", help="a goodserve bench result JSON")
     source.add_argument("--metrics-url", help="a live goodserve server's /metrics URL")
-    add_layout_arguments(p, "the measured run")
+    add_layout_arguments(p, "the measured run", "the run's engine config, else the engine's on --hardware: "
+                                                "on for cpu, off on a GPU")
     p.add_argument("--interval", type=float, default=10.0, help="seconds between /metrics scrapes")
     p.add_argument("--json", dest="json_path", help="also write the diagnosis as JSON")
     p.set_defaults(func=run_command)
@@ -91,9 +95,19 @@ def model_table(spec: ModelSpec, hw: Hardware, dtype: str, compute_dtype: str, l
                   f"{2 * spec.num_layers} x {payload / (2 * spec.num_layers) / 1024:.0f} KiB, "
                   f"{1000 * limit.allreduce_s:.2f} ms at {ALLREDUCE_LATENCY_S * 1e6:.1f} us each"),
                  ("batch-1 decode expected with them and the layers' latencies", f"{limit.tokens_per_s:.0f} tok/s")]
+    if layout.pp > 1:
+        rows.append(("pipeline micro-batches", micro_batches_note(layout)))
     for row in rows:
         table.add_row(*row)
     return table
+
+
+def micro_batches_note(layout: Layout) -> str:
+    """What the stages of a PP layout add to the ceilings above (one stage's worth, at batch 1)."""
+    if not layout.micro_batches:
+        return "off: the stages take turns on each step"
+    return (f"on: from {layout.pp} requests in flight the {layout.pp} stages decode at once ({layout.pp}x the "
+            f"compute and bandwidth above), each micro-batch reading the weights")
 
 
 def phases_table(phases: list[PhaseAnalysis]) -> Table:
@@ -144,19 +158,18 @@ def run_command(args) -> int:
     console = make_console()
     obs = observations_of(args)
     flags = {"model": args.model, "hardware": args.hardware, "dtype": args.dtype,
-             "kv_cache_dtype": args.kv_cache_dtype}
+             "kv_cache_dtype": args.kv_cache_dtype, "pipeline_micro_batches": args.micro_batches}
     assumed = resolve(flags, obs.engine if obs else None, obs.source if obs else "")
     print_assumptions(console, assumed, args.measure)
     spec = resolve_spec(assumed.model)
-    layout = Layout(args.tp, args.pp, args.dp)
+    layout = Layout(args.tp, args.pp, args.dp, assumed.micro_batches)
     check_layout(spec, layout)
     hw = measure_local() if args.measure else get_hardware(assumed.hardware)
     console.print(model_table(spec, hw, assumed.weight_dtype, assumed.compute_dtype, layout, assumed.kv_dtype))
     report: dict = {"model": spec.name, "hardware": asdict(hw), "assumptions": asdict(assumed),
                     "layout": asdict(layout)}
     if obs is not None:
-        phases = analyze(spec, replica_hardware(hw, layout), per_replica(obs, layout), assumed.weight_dtype,
-                         assumed.kv_dtype, assumed.compute_dtype)
+        phases = analyze_replica(spec, hw, obs, layout, assumed.weight_dtype, assumed.kv_dtype, assumed.compute_dtype)
         console.print(f"measured: {obs.source}: {obs.output_throughput:.1f} output tok/s, "
                       f"~{obs.concurrency:.1f} requests in flight, TTFT {1000 * obs.ttft_s:.0f} ms, "
                       f"TPOT {1000 * obs.tpot_s:.1f} ms")

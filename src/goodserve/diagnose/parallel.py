@@ -8,22 +8,33 @@ GPUs send each other per step, how fast one sequence can decode, and which layou
   all-reduce moves 2 (N - 1) / N of that payload over each GPU's link.
 - Decode of one sequence reads every weight once per token. TP splits that read over N GPUs'
   bandwidth but adds 2 x layers all-reduces, whose latency (not their bytes: 16 KB each for an 8B
-  model) decides small-batch speed. PP stages run one after another for a token: no faster.
+  model) decides small-batch speed. PP stages run one after another for a token: no faster, and
+  one step at a time no more throughput either. Each stage hands the next its hidden states and
+  residual ([2, tokens, hidden]) once a step.
+- Pipeline micro-batches (the engine's --pipeline-micro-batches): at a batch of B, min(M, B) steps
+  of ~B / min(M, B) sequences each are in the M stages at once, so that many stages' bandwidth and
+  FLOP/s work together; but each micro-batch reads its stages' weights again, so a decode round
+  (a token for every sequence) takes one pass through the stages over a micro-batch's rows where one
+  step at a time takes one over all B. They pay where a step's time grows with its rows (KV reads,
+  FLOPs), not while the weight read dominates; one sequence's token still crosses every stage.
 - Advice: a model that does not fit one GPU needs TP (the smallest N that fits; PP across nodes
-  past 8 GPUs); one that fits runs faster per GPU as replicas (no collectives) when throughput is
-  the goal, with TP when per-token latency is; long prompts whose prefill takes longer than the
-  TPOT target stall every colocated decode: disaggregate prefill and decode.
+  past 8 GPUs, with micro-batches for throughput once a replica has a sequence for every stage);
+  one that fits runs faster per GPU as replicas (no collectives) when throughput is the goal, with
+  TP when per-token latency is; long prompts whose prefill takes longer than the TPOT target stall
+  every colocated decode: disaggregate prefill and decode.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 from dataclasses import dataclass
 
 from goodserve.diagnose.calc import FitReport, dtype_bytes, fit, kv_heads_per_gpu, weight_bytes
 from goodserve.diagnose.observations import Observations
-from goodserve.diagnose.roofline import prefill_flops
+from goodserve.diagnose.roofline import (PhaseAnalysis, analyze_decode, analyze_prefill, flops_per_token,
+                                         prefill_flops)
 from goodserve.errors import InvalidRequestError
 from goodserve.hardware import Hardware
 from goodserve.model.spec import ModelSpec
@@ -43,6 +54,13 @@ ALLREDUCE_LATENCY_S = 8.5e-6
 # pays it at any TP. --layer-latency-us: another GPU's or kernel set's.
 LAYER_LATENCY_S = 26e-6
 NODE_GPUS = 8  # past one node's GPUs, TP's all-reduces would cross the network: PP there instead
+# Micro-batches measured against one step at a time at PP=2 (benchmarks/BENCHMARKS.md): on CUDA the
+# stages run eagerly (the hand-off is not in a CUDA graph), so a step's host time bounds it whatever
+# its rows, and twice the steps lost; on the CPU a stage's time grows with its rows, and they won.
+MICRO_BATCHES_MEASURED_CUDA = ("on 2 H200s micro-batches measured 0.88x of one step at a time "
+                               "(benchmarks/results/gpu_pipeline_microbatch_h200x2.json)")
+MICRO_BATCHES_MEASURED_CPU = ("on a 2-core CPU micro-batches measured 1.29x of one step at a time "
+                              "(benchmarks/results/cpu_pipeline_microbatch_intel.json)")
 
 
 @dataclass(frozen=True)
@@ -50,6 +68,7 @@ class Layout:
     tp: int = 1
     pp: int = 1
     dp: int = 1
+    micro_batches: bool = False  # the PP stages work on micro-batches at once (--pipeline-micro-batches)
 
     @property
     def gpus(self) -> int:
@@ -62,15 +81,24 @@ class Layout:
         return " ".join(parts) or "one GPU"
 
 
-def add_layout_arguments(parser, what: str) -> None:
+def add_layout_arguments(parser, what: str, micro_batches_default: str) -> None:
     """--tensor-parallel-size / --pipeline-parallel-size / --data-parallel-size (short: --tp, --pp,
-    --dp) of `what` (calc's layout, or the layout a diagnosed run used)."""
+    --dp) and --pipeline-micro-batches / --no-pipeline-micro-batches (None when not given) of `what`
+    (calc's layout, or the layout a diagnosed run used)."""
     parser.add_argument("--tensor-parallel-size", "--tp", dest="tp", type=int, default=1,
                         help=f"GPUs {what} splits each layer over (heads, columns)")
     parser.add_argument("--pipeline-parallel-size", "--pp", dest="pp", type=int, default=1,
                         help=f"GPUs {what} splits the layers over, in contiguous stages")
     parser.add_argument("--data-parallel-size", "--dp", dest="dp", type=int, default=1,
                         help=f"replicas of TP x PP GPUs {what} spreads the requests over")
+    parser.add_argument("--pipeline-micro-batches", dest="micro_batches", action=argparse.BooleanOptionalAction,
+                        help=f"whether {what}'s pipeline stages work on micro-batches at once, as the engine's "
+                             f"flag (default: {micro_batches_default})")
+
+
+def engine_default_micro_batches(hardware: str) -> bool:
+    """The engine's default (engine/config_resolution.py): on on the CPU, off on CUDA."""
+    return hardware == "cpu"
 
 
 def check_layout(spec: ModelSpec, layout: Layout) -> None:
@@ -108,10 +136,11 @@ class DecodeLimit:
     allreduce_s: float  # the all-reduces' latency and bytes on the link
     handoff_s: float  # PP: one send between consecutive stages each
     layers_s: float = 0.0  # each layer's kernel latencies beyond its bytes
+    compute_s: float = 0.0  # the FLOPs at peak: below read_s until a batch passes the ridge
 
     @property
     def token_s(self) -> float:
-        return self.read_s + self.layers_s + self.allreduce_s + self.handoff_s
+        return max(self.read_s, self.compute_s) + self.layers_s + self.allreduce_s + self.handoff_s
 
     @property
     def bandwidth_tokens_per_s(self) -> float:
@@ -120,7 +149,8 @@ class DecodeLimit:
 
     @property
     def tokens_per_s(self) -> float:
-        """What to expect: the bytes at full bandwidth, each layer's latencies and the collectives."""
+        """What to expect: the bytes at full bandwidth (or the FLOPs at peak), each layer's latencies and
+        the collectives."""
         return 1.0 / self.token_s
 
 
@@ -128,19 +158,48 @@ def decode_limit(spec: ModelSpec, hw: Hardware, layout: Layout, context_len: int
                  dtype: str = "bf16", kv_dtype: str = "bf16", allreduce_latency_s: float = ALLREDUCE_LATENCY_S,
                  layer_latency_s: float = LAYER_LATENCY_S) -> DecodeLimit:
     """One decode step of `batch` sequences on one replica: each GPU reads its weights (1 / TP of
-    them in turn, stage after stage) and its KV heads and pays each layer's kernel latencies, then the
-    all-reduces and stage handoffs. On H100s at a 256-token context this predicts llama-3.1-8b batch 1
-    at 177 / 248 / 353 tok/s for TP 1 / 2 / 4 (measured 170.5 / 238.6 / 351.4) and llama-3.1-70b at TP 4
-    68 tok/s (measured 63.8), where the bandwidth alone says 208 / 416 / 833 and 95."""
+    them in turn, stage after stage) and its KV heads, or computes its share of the FLOPs where they
+    take longer, and pays each layer's kernel latencies, then the all-reduces and stage handoffs. On
+    H100s at a 256-token context this predicts llama-3.1-8b batch 1 at 177 / 248 / 353 tok/s for TP 1
+    / 2 / 4 (measured 170.5 / 238.6 / 351.4) and llama-3.1-70b at TP 4 68 tok/s (measured 63.8),
+    where the bandwidth alone says 208 / 416 / 833 and 95."""
     kv_per_token = 2 * spec.num_layers * kv_heads_per_gpu(spec, layout.tp) * spec.head_dim * dtype_bytes(kv_dtype)
     read = (weight_bytes(spec, dtype) / layout.tp + batch * context_len * kv_per_token) / hw.memory_bandwidth
+    act = dtype_for_activations(dtype)
+    compute = batch * flops_per_token(spec, context_len) / (layout.tp * hw.flops_for(act))
     allreduce = 0.0
     if layout.tp > 1:
         count = 2 * spec.num_layers
-        sent = ring_bytes_sent(allreduce_payload_bytes(spec, layout.tp, 1, batch, dtype_for_activations(dtype)),
-                               layout.tp)
+        sent = ring_bytes_sent(allreduce_payload_bytes(spec, layout.tp, 1, batch, act), layout.tp)
         allreduce = count * allreduce_latency_s + (sent / hw.link_bandwidth if hw.link_bandwidth else 0.0)
-    return DecodeLimit(read, allreduce, (layout.pp - 1) * allreduce_latency_s, spec.num_layers * layer_latency_s)
+    return DecodeLimit(read, allreduce, (layout.pp - 1) * allreduce_latency_s, spec.num_layers * layer_latency_s,
+                       compute)
+
+
+def handoff_bytes(spec: ModelSpec, tokens: int, act_dtype: str = "bf16") -> float:
+    """What a stage sends the next per step, from each of its TP ranks: hidden states and residual."""
+    return 2 * tokens * spec.hidden_size * dtype_bytes(act_dtype)
+
+
+def stages_in_flight(layout: Layout, batch: float) -> int:
+    """Stages busy at once in a decode round: with micro-batches one a stage, each of its own
+    sequences (so at most `batch` of them); one step at a time, one."""
+    if not layout.micro_batches:
+        return 1
+    return max(1, min(layout.pp, math.floor(batch)))
+
+
+def decode_tokens_per_s(spec: ModelSpec, hw: Hardware, layout: Layout, context_len: int, batch: int,
+                        dtype: str = "bf16", kv_dtype: str = "bf16", allreduce_latency_s: float = ALLREDUCE_LATENCY_S,
+                        layer_latency_s: float = LAYER_LATENCY_S) -> tuple[float, float]:
+    """One replica's decode throughput at `batch` sequences, and each sequence's seconds a token. A
+    round (a token for every sequence) is one pass through the stages over a step's rows: all `batch`
+    one step at a time; with micro-batches the k = stages_in_flight steps of batch / k rows pass at
+    once (each stage takes k of them a round, at most the M a pass holds)."""
+    rows = math.ceil(batch / stages_in_flight(layout, batch))
+    token_s = decode_limit(spec, hw, layout, context_len, rows, dtype, kv_dtype, allreduce_latency_s,
+                           layer_latency_s).token_s
+    return batch / token_s, token_s
 
 
 def dtype_for_activations(weight_dtype: str) -> str:
@@ -148,22 +207,37 @@ def dtype_for_activations(weight_dtype: str) -> str:
     return "bf16" if weight_dtype in ("int8", "int4", "auto") else weight_dtype
 
 
-def replica_hardware(hw: Hardware, layout: Layout) -> Hardware:
-    """One replica's TP x PP GPUs as one device for the roofline: TP multiplies the FLOP/s and the
-    bandwidth a step uses (PP stages take turns on a token, so they do not), both multiply memory."""
+def replica_hardware(hw: Hardware, layout: Layout, batch: float = 1) -> Hardware:
+    """One replica's TP x PP GPUs as one device for the roofline of a step over `batch` sequences: TP
+    multiplies the FLOP/s and the bandwidth it uses, and so do the stages in flight (PP stages take
+    turns on a step, so only micro-batches keep more than one busy); TP x PP multiply memory."""
     if layout.tp * layout.pp == 1:
         return hw
-    n = layout.tp
-    return dataclasses.replace(hw, name=f"{layout.tp * layout.pp} x {hw.name} (TP {layout.tp}, PP {layout.pp})",
+    busy = stages_in_flight(layout, batch)
+    n = layout.tp * busy
+    in_flight = f", {busy} stages in flight" if busy > 1 else ""
+    return dataclasses.replace(hw, name=f"{layout.tp * layout.pp} x {hw.name} (TP {layout.tp}, PP {layout.pp}"
+                                        f"{in_flight})",
                                peak_flops={k: v * n for k, v in hw.peak_flops.items()},
                                memory_bandwidth=hw.memory_bandwidth * n,
-                               memory_bytes=hw.memory_bytes * n * layout.pp)
+                               memory_bytes=hw.memory_bytes * layout.tp * layout.pp)
 
 
 def per_replica(obs: Observations, layout: Layout) -> Observations:
     """A run measured through a router over DP replicas, as one replica saw it: its share of the
     requests in flight (latencies are each request's own)."""
     return dataclasses.replace(obs, concurrency=obs.concurrency / layout.dp)
+
+
+def analyze_replica(spec: ModelSpec, hw: Hardware, obs: Observations, layout: Layout = Layout(), dtype: str = "bf16",
+                    kv_dtype: str = "bf16", compute_dtype: str | None = None) -> list[PhaseAnalysis]:
+    """Prefill and decode of one replica against its roofline. A prompt crosses the stages in turn;
+    a decode round keeps the stages in flight busy, each micro-batch reading its stages' weights."""
+    obs = per_replica(obs, layout)
+    busy = stages_in_flight(layout, obs.concurrency)
+    return [analyze_prefill(spec, replica_hardware(hw, layout), obs, dtype, kv_dtype, compute_dtype),
+            analyze_decode(spec, replica_hardware(hw, layout, obs.concurrency), obs, dtype, kv_dtype, compute_dtype,
+                           weight_reads=busy)]
 
 
 @dataclass
@@ -183,10 +257,29 @@ def smallest_fitting_layout(spec: ModelSpec, gpu_memory_bytes: float, seq_len: i
     return None
 
 
+def micro_batch_advice(spec: ModelSpec, hw: Hardware, layout: Layout, seq_len: int, batch: int, dtype: str,
+                       kv_dtype: str) -> LayoutAdvice:
+    """Micro-batches for a replica of `layout` at `batch` sequences, with the gain this model gives
+    them and what the engine measured: on CUDA the host time of an eager stage's step decides."""
+    off, _ = decode_tokens_per_s(spec, hw, dataclasses.replace(layout, micro_batches=False), seq_len, batch, dtype,
+                                 kv_dtype)
+    on, _ = decode_tokens_per_s(spec, hw, dataclasses.replace(layout, micro_batches=True), seq_len, batch, dtype,
+                                kv_dtype)
+    measured = (MICRO_BATCHES_MEASURED_CPU if hw.name == "cpu" else
+                f"on CUDA they pay only once each stage's step is not host-bound: the stages run without CUDA "
+                f"graphs today, and {MICRO_BATCHES_MEASURED_CUDA}")
+    return LayoutAdvice("--pipeline-micro-batches",
+                        f"{batch} sequences a replica fill its {layout.pp} stages at once: ~{on:.0f} tok/s a replica "
+                        f"against ~{off:.0f} one step at a time by the roofline ({on / off:.2f}x: they split a step's "
+                        f"KV reads and FLOPs, not its weight read, which each micro-batch repeats); {measured}")
+
+
 def advise_layout(spec: ModelSpec, hw: Hardware, gpus: int, goal: str, seq_len: int, batch: int,
                   dtype: str = "bf16", kv_dtype: str = "bf16", gpu_memory_utilization: float = 0.9,
-                  prompt_len: int | None = None, tpot_target_s: float | None = None) -> list[LayoutAdvice]:
-    """goal: "throughput" (tokens/s over all GPUs) or "latency" (one sequence's TPOT)."""
+                  prompt_len: int | None = None, tpot_target_s: float | None = None,
+                  micro_batches: bool = False) -> list[LayoutAdvice]:
+    """goal: "throughput" (tokens/s over all GPUs) or "latency" (one sequence's TPOT). micro_batches:
+    whether the pipeline stages run them already (so they are not advised again)."""
     base = smallest_fitting_layout(spec, hw.memory_bytes, seq_len, batch, dtype, kv_dtype, gpu_memory_utilization)
     if base is None:
         return [LayoutAdvice("a smaller dtype (--dtype int8 / int4)",
@@ -201,6 +294,9 @@ def advise_layout(spec: ModelSpec, hw: Hardware, gpus: int, goal: str, seq_len: 
         advice.append(LayoutAdvice(Layout(base.tp, base.pp, replicas).flags(),
                                    f"{replicas} replicas of {group} GPU{'s' if group > 1 else ''} each: each decodes its own batch with no "
                                    f"collectives between them, so throughput grows ~{replicas}x"))
+    per_replica_batch = math.ceil(batch / replicas)
+    if goal == "throughput" and base.pp > 1 and not micro_batches and per_replica_batch >= base.pp:
+        advice.append(micro_batch_advice(spec, hw, base, seq_len, per_replica_batch, dtype, kv_dtype))
     if goal == "latency" and group < gpus:
         tp = max(n for n in (1, 2, 4, 8) if n <= gpus // base.pp and spec.num_heads % n == 0)
         if tp > base.tp:

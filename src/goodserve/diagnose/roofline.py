@@ -3,6 +3,8 @@
 - FLOPs per token = 2 x matmul params + attention (4 x layers x context x q_size: QK^T and AV).
 - A decode step reads every weight once plus each sequence's KV cache; a batch of B shares the
   weight read, so its arithmetic intensity is about B FLOPs per weight byte (x2 / bytes-per-weight).
+  Pipeline micro-batches split a decode round (a token for every sequence) into steps that each read
+  the weights (diagnose/parallel.py).
 - Prefill of P tokens reuses each weight P times: intensity ~ P, far above the ridge point.
 - MBU = bytes moved per step / step time / peak bandwidth; MFU = FLOP/s achieved / peak FLOP/s.
 - `dtype` sets bytes per weight; `compute_dtype` the peak FLOP/s and ridge (weight-only int8/int4
@@ -37,9 +39,11 @@ def prefill_flops(spec: ModelSpec, prompt_len: float) -> float:
 
 
 def decode_step_bytes(spec: ModelSpec, batch: float, context_len: float, dtype: str = "bf16",
-                      kv_dtype: str = "bf16") -> float:
-    """Bytes one decode step reads: all weights once, plus every sequence's KV cache."""
-    return weight_bytes(spec, dtype) + batch * context_len * spec.kv_bytes_per_token(dtype_bytes(kv_dtype))
+                      kv_dtype: str = "bf16", weight_reads: int = 1) -> float:
+    """Bytes a decode round reads: all weights once a step (weight_reads: its micro-batches), plus
+    every sequence's KV cache."""
+    return (weight_reads * weight_bytes(spec, dtype)
+            + batch * context_len * spec.kv_bytes_per_token(dtype_bytes(kv_dtype)))
 
 
 def mbu(bytes_per_step: float, steps_per_s: float, bandwidth: float) -> float:
@@ -68,10 +72,11 @@ def default_compute_dtype(dtype: str) -> str:
 
 
 def analyze_decode(spec: ModelSpec, hw: Hardware, obs: Observations, dtype: str = "bf16",
-                   kv_dtype: str = "bf16", compute_dtype: str | None = None) -> PhaseAnalysis:
+                   kv_dtype: str = "bf16", compute_dtype: str | None = None, weight_reads: int = 1) -> PhaseAnalysis:
+    """A round of TPOT: a token for every sequence in flight, in weight_reads micro-batches."""
     batch = max(1.0, obs.concurrency)
     context = obs.mean_context_len
-    step_bytes = decode_step_bytes(spec, batch, context, dtype, kv_dtype)
+    step_bytes = decode_step_bytes(spec, batch, context, dtype, kv_dtype, weight_reads)
     step_flops = batch * flops_per_token(spec, context)
     steps_per_s = 1.0 / obs.tpot_s if obs.tpot_s > 0 else 0.0
     compute_dtype = compute_dtype or default_compute_dtype(dtype)
@@ -89,7 +94,8 @@ def analyze_decode(spec: ModelSpec, hw: Hardware, obs: Observations, dtype: str 
         verdict, why = "compute-bound", f"batch {batch:.1f} puts intensity {intensity:.0f} above the ridge {ridge:.0f}"
     else:
         verdict = "bandwidth-bound"
-        why = (f"each step reads {step_bytes / 1e9:.2f} GB for {batch:.1f} tokens: intensity "
+        steps = "each step reads" if weight_reads == 1 else f"{weight_reads} micro-batches (the weights each) read"
+        why = (f"{steps} {step_bytes / 1e9:.2f} GB for {batch:.1f} tokens: intensity "
                f"{intensity:.1f} FLOP/B is below the ridge {ridge:.0f}")
     return PhaseAnalysis("decode", step_flops * steps_per_s, step_bytes * steps_per_s,
                          mfu(step_flops * steps_per_s, hw.flops_for(compute_dtype)),
@@ -113,8 +119,3 @@ def analyze_prefill(spec: ModelSpec, hw: Hardware, obs: Observations, dtype: str
     return PhaseAnalysis("prefill", flops * per_s, moved * per_s, mfu(flops * per_s, hw.flops_for(compute_dtype)),
                          mbu(moved, per_s, hw.memory_bandwidth), intensity, ridge, verdict, why)
 
-
-def analyze(spec: ModelSpec, hw: Hardware, obs: Observations, dtype: str = "bf16",
-            kv_dtype: str = "bf16", compute_dtype: str | None = None) -> list[PhaseAnalysis]:
-    return [analyze_prefill(spec, hw, obs, dtype, kv_dtype, compute_dtype),
-            analyze_decode(spec, hw, obs, dtype, kv_dtype, compute_dtype)]

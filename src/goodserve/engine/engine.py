@@ -187,6 +187,12 @@ class Engine:
                 self._finish(seq, Finish("abort"))
         return request.output()
 
+    @property
+    def micro_batches(self) -> bool:
+        """Whether the pipeline stages work on micro-batches at once (what engine_config_info reports:
+        the configured switch, where pipeline parallelism and no speculator let it apply)."""
+        return self._stages is not None
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._inflight is not None or bool(self._stages)
 
