@@ -7,10 +7,10 @@ R requests (32-token prompts, 128 greedy tokens, ignore_eos) run three ways, eac
 Engine.step() alone; through AsyncEngine.generate, each stream read by a task that does nothing
 else; and through goodserve bench's in-process target (bench/inprocess.py, what gpu_slo.py runs:
 each token timed and recorded in the engine's process, under its GIL). Per way, the median time of
-the engine thread's step() calls while all R decode. Compare versions with --src of another checkout,
-alternated in one run (--versions).
+the engine thread's step() calls while all R decode. --versions compares checkouts' src/ (each
+imported in processes of its own), alternated within each run.
 
-    OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/cpu_host_step.py --rows 64,256,448 \\
+    OMP_NUM_THREADS=1 python benchmarks/cpu_host_step.py --rows 64,256,448 \\
         [--versions before=/path/to/old/src,after=src] [--runs 3]
 
 Writes $OUT/cpu_host_step.json (benchmarks/result_file.py).
