@@ -17,7 +17,8 @@ full), at AUTO_LADDER times it, and every run climbs the same ladder. A probe ho
 run's ladder stops at the first probe below STOP_BELOW attainment or before a probe that would
 overrun its share of --budget-s (its last probe's wall time). Per probe: SLO
 attainment, goodput, TTFT / TPOT percentiles, refusals, and attainment at SLO scales 0.5..2
-(DistServe's attainment vs SLO scale, scored on the same requests). Goodput capacity: the offered
+(DistServe's attainment vs SLO scale, scored on the same requests), and the same by the engine's
+own token times (`engine_side`: the client shares the engine's process and GIL). Goodput capacity: the offered
 rate where the ladder's attainment crosses 90% (interpolated between rungs: DistServe's measure,
 `crossing_rate`); also bench/capacity.py's highest passing rate as completed (`capacity`, which a
 probe's drain tail, its longest answer decoding alone, pulls below the offered rate). The issue's
@@ -62,6 +63,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+import numpy as np
 
 from goodserve.bench.arrivals import ArrivalConfig
 from goodserve.bench.capacity import capacity_of
@@ -175,7 +178,23 @@ def probe_result(rate: float, records: list) -> dict:
             "median_tpot_ms", "p90_tpot_ms", "p99_tpot_ms")
     refused = sum("TtftUnattainable" in r.error for r in records)
     return {"request_rate": rate, **{k: metrics[k] for k in keep}, "refused_429": refused,
-            "slo_scale_sweep": attainment_by_slo_scale(records, SLOS_MS, SLO_SCALES)}
+            "slo_scale_sweep": attainment_by_slo_scale(records, SLOS_MS, SLO_SCALES),
+            "engine_side": engine_side(records)}
+
+
+def engine_side(records: list) -> dict:
+    """TTFT / TPOT percentiles and SLO attainment by the engine's own token times (bench/inprocess.py):
+    beside the client's, what of a miss the client's late reading (one process, one GIL) made."""
+    served = [r for r in records if r.success and r.engine_ttft is not None]
+    ttfts = np.array([1000 * r.engine_ttft for r in served])
+    tpots = np.array([1000 * r.engine_tpot for r in served if r.engine_tpot is not None])
+    met = sum(1000 * r.engine_ttft <= SLOS_MS["ttft"] and (r.engine_tpot is None or 1000 * r.engine_tpot
+                                                            <= SLOS_MS["tpot"]) for r in served)
+    result = {"slo_attainment": 100.0 * met / len(records) if records else None}
+    for name, values in (("ttft", ttfts), ("tpot", tpots)):
+        for q in (50, 90, 99):
+            result[f"p{q}_{name}_ms"] = float(np.percentile(values, q)) if len(values) else None
+    return result
 
 
 async def measure_policy(args) -> dict:
@@ -242,8 +261,16 @@ async def online_probe(target, args, rate: float, label: str = "") -> dict:
     probe = probe_result(rate, records)
     print(f"{args.policy:>10}@{args.max_num_seqs} {rate:6.1f} req/s{label}: attainment {probe['slo_attainment']:5.1f}% "
           f"p99 TTFT {probe['p99_ttft_ms']:7.1f} ms p99 TPOT {probe['p99_tpot_ms']:6.1f} ms "
-          f"refused {probe['refused_429']}", flush=True)
+          f"refused {probe['refused_429']}; by the engine's token times {_engine_summary(probe['engine_side'])}",
+          flush=True)
     return probe
+
+
+def _engine_summary(side: dict) -> str:
+    if side["slo_attainment"] is None or side["p99_ttft_ms"] is None:
+        return "-"
+    tpot = f"{side['p99_tpot_ms']:.1f}" if side["p99_tpot_ms"] is not None else "-"
+    return f"{side['slo_attainment']:.1f}%, p99 TTFT {side['p99_ttft_ms']:.1f} ms, p99 TPOT {tpot} ms"
 
 
 async def batch_phase(target, args, result: dict) -> dict:

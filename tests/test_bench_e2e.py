@@ -93,3 +93,16 @@ def test_inprocess_target_drives_the_engine():
         # The engine's own prompt count: the text re-encoded (plus BOS, if the template adds one).
         assert abs(record.prompt_len - request.prompt_len) <= 2
         assert record.ttft > 0 and record.tpot > 0
+        # The engine's times lie inside the client's: it saw the request after it was sent, and its
+        # tokens before the client read them (a small allowance: two clocks).
+        assert 0 < record.engine_ttft <= record.ttft + 1e-3
+        assert 0 < record.engine_tpot <= record.tpot * 1.5 + 1e-3
+
+
+def test_engine_latencies_are_read_off_the_engines_token_times():
+    from goodserve.bench.inprocess import _engine_latencies
+    from goodserve.outputs import RequestMetrics
+
+    metrics = RequestMetrics(arrival_time=100.0, first_token_time=100.25, last_token_time=100.55)
+    assert _engine_latencies(metrics, 4) == pytest.approx((0.25, 0.1))  # 3 gaps after the first token
+    assert _engine_latencies(metrics, 1) == (pytest.approx(0.25), None)

@@ -38,9 +38,8 @@ def test_sweep_slo_scale_in_result_and_html(tmp_path):
     assert "SLO attainment vs request rate" in page and "SLO attainment vs SLO scale" in page
 
 
-def test_inprocess_slo_refusals_are_recorded_as_429s():
-    """An impossible TTFT target: once the engine has a step-time fit, the admission check refuses
-    each request before it reaches the engine, as the server would with a 429."""
+def run_with_impossible_ttft(refuses_late: bool):
+    """Eight requests, one at a time, each with a TTFT target no step can meet; the target and records."""
     import asyncio
 
     from goodserve.bench.arrivals import ArrivalConfig
@@ -50,7 +49,7 @@ def test_inprocess_slo_refusals_are_recorded_as_429s():
     from goodserve.config import EngineConfig
 
     target = InProcessTarget(EngineConfig(model="dummy:tiny", device="cpu", scheduler_policy="slo"),
-                             ignore_eos=True, slo_ms={"ttft": 1e-6})
+                             ignore_eos=True, slo_ms={"ttft": 1e-6}, refuses_late=refuses_late)
     requests = [BenchRequest("", prompt_len, 4) for prompt_len in (3, 60, 3, 60, 3, 60, 3, 60)]
 
     async def go():
@@ -59,8 +58,20 @@ def test_inprocess_slo_refusals_are_recorded_as_429s():
         finally:
             await target.close()
 
-    records = asyncio.run(go())
+    return target, asyncio.run(go())
+
+
+def test_inprocess_slo_refusals_are_recorded_as_429s():
+    """An impossible TTFT target: once the engine has a step-time fit, the admission check refuses
+    each request before it reaches the engine, as the server would with a 429."""
+    target, records = run_with_impossible_ttft(refuses_late=True)
     assert records[0].success  # no fit yet: nothing is refused
     refused = [r for r in records if r.error.startswith("TtftUnattainable")]
     assert refused and refused[-1].index == 7 and not refused[-1].chunk_times
     assert target.admission.num_waiting == 0 and target.admission.waiting_prompt_tokens == 0
+
+
+def test_inprocess_target_can_admit_every_request_to_measure_what_refusals_cost():
+    """refuses_late=False (gpu_slo.py --no-admission): the same requests, none refused."""
+    target, records = run_with_impossible_ttft(refuses_late=False)
+    assert target.admission is None and all(r.success for r in records)

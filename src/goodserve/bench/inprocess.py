@@ -6,8 +6,10 @@ reports its token ids. A model without a tokenizer (dummy:...) gets prompts of r
 
 With SLOs (slo_ms: {"ttft": ms, "tpot": ms}, --goodput) each request carries them as its targets;
 under the "slo" scheduler policy the server's admission check runs here too (server/admission.py),
-and a request it refuses is recorded as the 429 a client would get (refuses_late=False: every request
-is admitted, as where each client sends slo_best_effort, to measure what the refusals cost).
+and a request it refuses is recorded as the 429 a client would get (refuses_late=False: every
+request is admitted, as where each client sends slo_best_effort, to measure what the refusals cost).
+Each record also carries TTFT and TPOT by the engine's own token times (engine_ttft, engine_tpot):
+the client here shares the engine's process and GIL, so the difference is how late it read them.
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ class InProcessTarget:
         params = SamplingParams(max_tokens=request.output_len, temperature=self.temperature,
                                 ignore_eos=self.ignore_eos, slo_ttft_ms=self.slo_ms.get("ttft"),
                                 slo_tpot_ms=self.slo_ms.get("tpot"))
-        seen_tokens = 0
+        seen_tokens, last = 0, None
         queued = 0  # prompt tokens this request holds in the admission count until its first token
         try:
             if self.admission is not None:
@@ -77,7 +79,7 @@ class InProcessTarget:
                 if queued:
                     self.admission.started(1, queued)
                     queued = 0
-                completion = out.outputs[0]
+                completion, last = out.outputs[0], out
                 now = clock()
                 if len(completion.token_ids) > seen_tokens:
                     record.chunk_times.append(now)
@@ -93,6 +95,8 @@ class InProcessTarget:
         record.end_time = clock()
         record.output_len = seen_tokens
         record.first_token_time = record.chunk_times[0] if record.chunk_times else None
+        if last is not None and last.metrics.first_token_time is not None:
+            record.engine_ttft, record.engine_tpot = _engine_latencies(last.metrics, seen_tokens)
         record.success = not record.error and seen_tokens > 0
         if not record.error and seen_tokens == 0:
             record.error = "the engine finished the request without generating a token"
@@ -101,3 +105,11 @@ class InProcessTarget:
     async def close(self) -> None:
         if self._started:
             await self.engine.shutdown(5.0)
+
+
+def _engine_latencies(metrics, num_tokens: int) -> tuple[float, float | None]:
+    """TTFT from the request's arrival at the engine, and TPOT, by the engine's token times."""
+    ttft = metrics.first_token_time - metrics.arrival_time
+    if num_tokens < 2:
+        return ttft, None
+    return ttft, (metrics.last_token_time - metrics.first_token_time) / (num_tokens - 1)

@@ -23,6 +23,10 @@ class RequestRecord:
     error: str = ""
     generated_text: str = ""
     conversation_id: int | None = None  # multi-turn: which conversation the turn belongs to
+    # The in-process target only: TTFT and TPOT as the engine's own token times put them (its clock),
+    # beside the client's, which also count the wait for the client's turn to read each token.
+    engine_ttft: float | None = None
+    engine_tpot: float | None = None
 
     @property
     def ttft(self) -> float | None:
