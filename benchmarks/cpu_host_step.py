@@ -3,15 +3,16 @@ launch ahead (a prompt chunk in it), measured on the CPU, where it is all there 
 
 The model is dummy:tiny (2 layers of 64 wide), so a step is nearly all host work: scheduling, input
 building, sampling bookkeeping, output recording and delivery to each request's asyncio stream.
-R requests (32-token prompts, 128 greedy tokens, ignore_eos) run three ways, each in a fresh engine:
-Engine.step() alone; through AsyncEngine.generate, each stream read by a task that does nothing
-else; and through goodserve bench's in-process target (bench/inprocess.py, what gpu_slo.py runs:
-each token timed and recorded in the engine's process, under its GIL). Per way, the median time of
-the engine thread's step() calls while all R decode. --versions compares checkouts' src/ (each
-imported in processes of its own), alternated within each run.
+R requests (32-token prompts, --max-tokens greedy tokens, ignore_eos) run three ways, each in a fresh
+engine: Engine.step() alone; through AsyncEngine.generate, each stream read by a task that does
+nothing else; and through goodserve bench's in-process target (bench/inprocess.py, what gpu_slo.py
+runs: each token timed and recorded in the engine's process, under its GIL). Per way, the median and
+the longest of the engine thread's step() calls while all R decode, and the longest full (generation
+2) garbage collection meanwhile: one stops every stream for as long as it takes (engine/gc_pauses.py).
+--versions compares checkouts' src/ (each imported in processes of its own), alternated within each run.
 
     OMP_NUM_THREADS=1 python benchmarks/cpu_host_step.py --rows 64,256,448 \\
-        [--versions before=/path/to/old/src,after=src] [--runs 3]
+        [--versions before=/path/to/old/src,after=src] [--runs 3] [--max-tokens 128]
 
 Writes $OUT/cpu_host_step.json (benchmarks/result_file.py).
 """
@@ -28,13 +29,16 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from result_file import write_result  # noqa: E402
 
-PROMPT_LEN, MAX_TOKENS, WARMUP_STEPS = 32, 128, 8
-KEYS = ("engine_step_ms", "async_engine_step_ms", "bench_client_step_ms")
+PROMPT_LEN, WARMUP_STEPS, TAIL_STEPS = 32, 8, 8
+WAYS = ("engine", "async_engine", "bench_client")
+KEYS = tuple(f"{way}_{what}" for way in WAYS for what in ("step_ms", "max_step_ms", "gen2_max_ms"))
 
 
-def measure(rows: int) -> dict:
-    """In this process, on whatever goodserve PYTHONPATH gives: both medians, ms."""
+def measure(rows: int, max_tokens: int) -> dict:
+    """In this process, on whatever goodserve PYTHONPATH gives: per way, the median and the longest
+    decode step and the longest full (generation 2) collection while it ran, ms."""
     import asyncio
+    import gc
     import time
 
     from goodserve.bench.inprocess import InProcessTarget
@@ -45,8 +49,8 @@ def measure(rows: int) -> dict:
     from goodserve.sampling_params import SamplingParams
 
     config = EngineConfig(model="dummy:tiny", device="cpu", max_num_seqs=rows, max_num_batched_tokens=8192,
-                          num_kv_blocks=rows * 12, max_model_len=1024)
-    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0.0)
+                          num_kv_blocks=rows * (2 + (PROMPT_LEN + max_tokens) // 16), max_model_len=1024)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
     prompts = [[(i * 7 + j) % 500 + 1 for j in range(PROMPT_LEN)] for i in range(rows)]
 
     def timed(engine: Engine) -> list[float]:
@@ -61,42 +65,66 @@ def measure(rows: int) -> dict:
         engine.step = step_and_time
         return times
 
+    gen2: list[float] = []  # full collections' seconds, from the first step of a way on
+    started_at: list[float] = []
+
+    def on_collection(phase: str, info: dict) -> None:
+        if info["generation"] == 2:
+            if phase == "start":
+                started_at[:] = [time.perf_counter()]
+            elif started_at:
+                gen2.append(time.perf_counter() - started_at[0])
+    gc.callbacks.append(on_collection)
+
+    def summary(way: str, step_times: list[float]) -> dict:
+        decode = step_times[WARMUP_STEPS:-TAIL_STEPS]
+        result = {f"{way}_step_ms": 1000 * statistics.median(decode), f"{way}_max_step_ms": 1000 * max(decode),
+                  f"{way}_gen2_max_ms": 1000 * max(gen2, default=0.0)}
+        gen2.clear()
+        return result
+
     engine = Engine(config)
     times = timed(engine)
+    gen2.clear()
     for i, prompt in enumerate(prompts):
         engine.add_request(f"r{i}", prompt, params)
     while engine.has_unfinished():
         engine.step()
-    alone = statistics.median(times[WARMUP_STEPS:MAX_TOKENS - 8])
+    result = summary("engine", times)
 
-    async def streamed() -> float:
+    async def streamed() -> list[float]:
         async_engine = AsyncEngine(engine=Engine(config))
         step_times = timed(async_engine.engine)
         await async_engine.start()
+        gen2.clear()
 
         async def consume(i: int) -> None:
             async for _ in async_engine.generate(f"r{i}", prompts[i], params):
                 pass
         await asyncio.gather(*(consume(i) for i in range(rows)))
         await async_engine.shutdown()
-        return statistics.median(step_times[WARMUP_STEPS:MAX_TOKENS - 8])
+        return step_times
 
-    async def bench_client() -> float:
+    async def bench_client() -> list[float]:
         """As gpu_slo.py drives the engine: each stream read by goodserve bench's in-process target."""
         target = InProcessTarget(config, ignore_eos=True)
         step_times = timed(target.engine.engine)
-        request = BenchRequest(prompt="", prompt_len=PROMPT_LEN, output_len=MAX_TOKENS)
+        await target.start()
+        gen2.clear()
+        request = BenchRequest(prompt="", prompt_len=PROMPT_LEN, output_len=max_tokens)
         await asyncio.gather(*(target.send(request, i, time.perf_counter) for i in range(rows)))
         await target.close()
-        return statistics.median(step_times[WARMUP_STEPS:MAX_TOKENS - 8])
+        return step_times
 
-    return {"rows": rows, "engine_step_ms": 1000 * alone, "async_engine_step_ms": 1000 * asyncio.run(streamed()),
-            "bench_client_step_ms": 1000 * asyncio.run(bench_client())}
+    result.update(summary("async_engine", asyncio.run(streamed())))
+    result.update(summary("bench_client", asyncio.run(bench_client())))
+    return {"rows": rows, "max_tokens": max_tokens, **result}
 
 
-def run_version(src: str, rows: int) -> dict:
+def run_version(src: str, rows: int, max_tokens: int) -> dict:
     env = {**os.environ, "PYTHONPATH": os.path.abspath(src)}
-    done = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", str(rows)], env=env,
+    done = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", str(rows),
+                           "--max-tokens", str(max_tokens)], env=env,
                           capture_output=True, text=True, check=True)
     return json.loads(done.stdout.splitlines()[-1])
 
@@ -106,17 +134,18 @@ def main() -> None:
     p.add_argument("--rows", default="64,256,448")
     p.add_argument("--versions", default="current=src", help="name=src_dir,... alternated within each run")
     p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--max-tokens", type=int, default=128, help="each request's greedy tokens")
     p.add_argument("--child", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
-        print(json.dumps(measure(args.child)))
+        print(json.dumps(measure(args.child, args.max_tokens)))
         return
     versions = dict(item.split("=", 1) for item in args.versions.split(","))
     results = {name: {} for name in versions}
     for rows in map(int, args.rows.split(",")):
         for run in range(args.runs):
             for name, src in versions.items():
-                r = run_version(src, rows)
+                r = run_version(src, rows, args.max_tokens)
                 results[name].setdefault(rows, []).append(r)
                 print(f"{name:>8} {rows:4d} rows, run {run + 1}: " + _ms(r), flush=True)
     summary = {name: {rows: {key: statistics.median(r[key] for r in runs)
@@ -129,8 +158,8 @@ def main() -> None:
 
 
 def _ms(r: dict) -> str:
-    return (f"Engine.step {r['engine_step_ms']:6.2f} ms, through AsyncEngine {r['async_engine_step_ms']:6.2f}, "
-            f"through bench's in-process client {r['bench_client_step_ms']:6.2f}")
+    return "; ".join(f"{way} {r[f'{way}_step_ms']:.2f} (max {r[f'{way}_max_step_ms']:.1f}, full collection "
+                     f"{r[f'{way}_gen2_max_ms']:.1f})" for way in WAYS) + " ms"
 
 
 def _cpu_name() -> str:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from goodserve.config import EngineConfig
 from goodserve.engine.engine import Engine
+from goodserve.engine.gc_pauses import freeze_startup_heap, unfreeze_heap
 from goodserve.engine.slo_policy import SloForecast
 from goodserve.engine.stats import EngineStats
 from goodserve.errors import EngineDeadError, EngineStepError, GoodserveError
@@ -104,6 +105,7 @@ class AsyncEngine:
     # ---- lifecycle -----------------------------------------------------------------------
     async def start(self) -> None:
         if self.thread is None:
+            freeze_startup_heap()
             self.thread = threading.Thread(target=self._loop, name="goodserve-engine", daemon=True)
             self.thread.start()
 
@@ -115,6 +117,7 @@ class AsyncEngine:
         self.stopping.set()
         if self.thread is not None:
             await asyncio.to_thread(self.thread.join, 10.0)
+            unfreeze_heap()
 
     # ---- requests ------------------------------------------------------------------------
     async def generate(

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from goodserve.config import EngineConfig
 from goodserve.engine import distributed
+from goodserve.engine.gc_pauses import freeze_startup_heap
 from goodserve.engine.runner_output import PendingOutput
 from goodserve.engine.sampling_inputs import GrammarBitmask
 from goodserve.engine.scheduler_output import SchedulerOutput
@@ -183,6 +184,7 @@ def _leader_main(conn: Connection, config: EngineConfig, env: dict[str, str] | N
     except BaseException as exc:  # noqa: BLE001 - reported to the engine, which raises it
         conn.send(((), (False, exc)))
         return
+    freeze_startup_heap()
     conn.send(((), (True, worker.info)))
     held: deque[PendingOutput] = deque()  # launched steps whose outputs wait for later messages
     while True:
@@ -267,6 +269,7 @@ def run_follower(env: dict[str, str] | None = None) -> None:
     config = distributed.broadcast(None, rank)
     rank = distributed.open_step_ring(distributed.arrange(rank, config))
     worker = Worker(distributed.for_rank(config, rank), rank)
+    freeze_startup_heap()
     held: deque[PendingOutput] = deque()
     while (message := distributed.broadcast(None, rank)) is not None:
         earlier, answer = _step(worker, rank, message, held)

@@ -1,0 +1,30 @@
+"""Garbage-collector pauses in a serving process.
+
+Python's collector walks every tracked object of its oldest generation in one pass, and a process that
+has imported torch and built a model holds a few hundred thousand of them (modules, functions,
+parameters, captured graphs' keep-alives). Such a pass stops the engine thread for 100+ ms (124 and
+137 ms on a 2-core CPU at 448 streams; steps of up to 332 ms on an H200, every running stream's token
+late by as much). What exists once an engine is built lives as long as it does, so it is moved out of
+the collector's reach (gc.freeze); a full pass then walks only what came after (~3-4 ms there).
+"""
+
+from __future__ import annotations
+
+import atexit
+import gc
+
+
+def freeze_startup_heap() -> None:
+    """Collect what startup left as garbage, then freeze every object alive now. At exit they are
+    given back first: the interpreter's last collection skips frozen objects, and extensions that
+    count their instances (Triton's nanobind types) report every one it leaves as leaked."""
+    gc.collect()
+    gc.freeze()
+    atexit.unregister(unfreeze_heap)  # once, however many engines a process starts
+    atexit.register(unfreeze_heap)
+
+
+def unfreeze_heap() -> None:
+    """Give the frozen objects back to the collector: an engine shut down in a process that goes on
+    (a test, an embedding program) leaves cycles only a collection frees."""
+    gc.unfreeze()
