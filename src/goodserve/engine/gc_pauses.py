@@ -5,7 +5,9 @@ has imported torch and built a model holds a few hundred thousand of them (modul
 parameters, captured graphs' keep-alives). Such a pass stops the engine thread for 100+ ms (124 and
 137 ms on a 2-core CPU at 448 streams; steps of up to 332 ms on an H200, every running stream's token
 late by as much). What exists once an engine is built lives as long as it does, so it is moved out of
-the collector's reach (gc.freeze); a full pass then walks only what came after (~3-4 ms there).
+the collector's reach (gc.freeze); a full pass then walks only what came after (~3-9 ms there).
+The server's engine and each worker process freeze once built; the offline LLM does not: a program
+may build many, and a frozen engine's reference cycles would outlive it.
 """
 
 from __future__ import annotations
