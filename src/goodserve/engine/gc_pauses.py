@@ -6,7 +6,7 @@ parameters, captured graphs' keep-alives). Such a pass stops the engine thread f
 137 ms on a 2-core CPU at 448 streams; steps of up to 332 ms on an H200, every running stream's token
 late by as much). What exists once an engine is built lives as long as it does, so it is moved out of
 the collector's reach (gc.freeze); a full pass then walks only what came after (~3-9 ms there).
-The server's engine and each worker process freeze once built; the offline LLM does not: a program
+The server's engine, each worker process and a disaggregated prefill worker freeze once built; the offline LLM does not: a program
 may build many, and a frozen engine's reference cycles would outlive it.
 """
 

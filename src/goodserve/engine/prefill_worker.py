@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from goodserve.config import EngineConfig
 from goodserve.engine.engine import Engine
+from goodserve.engine.gc_pauses import freeze_startup_heap
 from goodserve.engine.kv_transfer import kv_layers, send_held
 from goodserve.errors import GoodserveError
 from goodserve.sampling_params import SamplingParams
@@ -69,6 +70,7 @@ def prefill_worker_main(config: EngineConfig, conn, init_method: str) -> None:
     join_group(config, init_method, PREFILL_RANK)
     try:
         engine = Engine(config)
+        freeze_startup_heap()
         conn.send(("started", engine.stats()))
         inbox: queue.SimpleQueue = queue.SimpleQueue()
         threading.Thread(target=_read, args=(conn, inbox), daemon=True, name="prefill-pipe").start()
