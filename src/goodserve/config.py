@@ -127,9 +127,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     # Scheduler
     scheduler_policy: str = "continuous"
-    # None: DEFAULT_MAX_NUM_SEQS, or SLO_MAX_NUM_SEQS under "slo", which sizes its running batch from the TPOT target
-    # (engine/slo_policy.py), so its ceiling bounds only the graphs captured and the memory reserved:
-    # at 256 the queue waited for a slot while steps ran well under the target (benchmarks/BENCHMARKS.md).
+    # None: DEFAULT_MAX_NUM_SEQS, or SLO_MAX_NUM_SEQS under "slo", which sizes its running batch
+    # from the TPOT target (engine/slo_policy.py), so its ceiling bounds only the graphs captured and
+    # the memory reserved: at 256 the queue waited for a slot while steps ran well under the target
+    # (benchmarks/BENCHMARKS.md).
     max_num_seqs: int | None = None
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
