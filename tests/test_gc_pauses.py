@@ -27,3 +27,23 @@ def test_a_started_engine_freezes_the_startup_heap_and_gives_it_back_at_shutdown
     # The engine, the model and every imported module: frozen, so a full pass walks a fraction.
     assert frozen > 0.9 * built and walked < 0.1 * built
     assert gc.get_freeze_count() == 0
+
+
+def test_the_servers_metrics_count_every_full_collection_and_its_time():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from goodserve.server.metrics import ServerMetrics, Slo
+
+    def full_collections(metrics: ServerMetrics) -> tuple[float, float]:
+        text = metrics.render().decode()
+        family = next(f for f in text_string_to_metric_families(text) if f.name == "goodserve:gc_pause_seconds")
+        full = {s.name.removeprefix("goodserve:gc_pause_seconds"): s.value for s in family.samples
+                if s.labels["generation"] == "2" and "le" not in s.labels}
+        return full["_count"], full["_sum"]
+
+    metrics = ServerMetrics(AsyncEngine(EngineConfig(model="dummy:tiny", device="cpu", num_kv_blocks=16)), "m", Slo())
+    count, seconds = full_collections(metrics)
+    for _ in range(3):
+        gc.collect()
+    after, more_seconds = full_collections(metrics)
+    assert after == count + 3 and more_seconds > seconds

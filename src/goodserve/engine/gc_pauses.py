@@ -7,13 +7,18 @@ parameters, captured graphs' keep-alives). Such a pass stops the engine thread f
 late by as much). What exists once an engine is built lives as long as it does, so it is moved out of
 the collector's reach (gc.freeze); a full pass then walks only what came after (~3-9 ms there).
 The server's engine, each worker process and a disaggregated prefill worker freeze once built; the offline LLM does not: a program
-may build many, and a frozen engine's reference cycles would outlive it.
+may build many, and a frozen engine's reference cycles would outlive it. What pauses remain, the
+server serves as goodserve:gc_pause_seconds (PauseLog).
 """
 
 from __future__ import annotations
 
 import atexit
+import bisect
 import gc
+import time
+
+PAUSE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)  # seconds
 
 
 def freeze_startup_heap() -> None:
@@ -30,3 +35,33 @@ def unfreeze_heap() -> None:
     """Give the frozen objects back to the collector: an engine shut down in a process that goes on
     (a test, an embedding program) leaves cycles only a collection frees."""
     gc.unfreeze()
+
+
+class PauseLog:
+    """Every collection's duration, by generation, in PAUSE_BUCKETS (the server's
+    goodserve:gc_pause_seconds). A collection can start inside any allocation, one made under a
+    metrics library's lock included, so the callback only adds to plain lists: the GIL orders it, and
+    collections never overlap."""
+
+    def __init__(self) -> None:
+        self.bucket_counts = [[0] * (len(PAUSE_BUCKETS) + 1) for _ in range(3)]  # the last: over 1 s
+        self.seconds = [0.0] * 3
+        self._started = 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+            return
+        seconds, generation = time.perf_counter() - self._started, info["generation"]
+        self.bucket_counts[generation][bisect.bisect_left(PAUSE_BUCKETS, seconds)] += 1
+        self.seconds[generation] += seconds
+
+
+PAUSES = PauseLog()
+
+
+def watch_pauses() -> PauseLog:
+    """This process's PauseLog, timing every collection from now on (once, however often asked)."""
+    if PAUSES not in gc.callbacks:
+        gc.callbacks.append(PAUSES)
+    return PAUSES

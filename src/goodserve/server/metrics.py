@@ -3,20 +3,22 @@
 Per-request histograms are observed when a request finishes, from the timestamps the engine
 recorded on it. Engine-wide numbers (queue depths, KV usage, cache hits, step times) are read
 from `engine.stats()` at scrape time by a collector, so they are never stale or double-counted.
-Beyond vLLM: batch fill ratio, step time split by phase, SLO attainment (live goodput), and the
-engine's resolved configuration as an info metric (`goodserve:engine_config_info`), which
-`goodserve bench` records and `goodserve diagnose` reads.
+Beyond vLLM: batch fill ratio, step time split by phase, SLO attainment (live goodput), the
+process's garbage-collector pauses, and the engine's resolved configuration as an info metric
+(`goodserve:engine_config_info`), which `goodserve bench` records and `goodserve diagnose` reads.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, Info, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
+from goodserve.engine.gc_pauses import PAUSE_BUCKETS, watch_pauses
 from goodserve.outputs import RequestOutput
 
 PREFIX = "goodserve:"
@@ -167,6 +169,25 @@ class PrefillStatsCollector(EngineStatsCollector):
         yield self._gauge("prefill_num_requests_waiting", "Requests waiting in the prefill engine.", s.num_waiting)
 
 
+class GcPauseCollector:
+    """This process's garbage-collector pauses (engine/gc_pauses.py): each stops the engine thread,
+    and every stream's next token with it."""
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.pauses = watch_pauses()
+
+    def collect(self) -> Iterator[Metric]:
+        family = HistogramMetricFamily(PREFIX + "gc_pause_seconds",
+                                       "Garbage collections in the server's process, by generation (2: full).",
+                                       labels=["model_name", "generation"])
+        for generation, counts in enumerate(self.pauses.bucket_counts):
+            cumulative = list(itertools.accumulate(counts))
+            buckets = [(f"{le:g}", n) for le, n in zip(PAUSE_BUCKETS, cumulative)] + [("+Inf", cumulative[-1])]
+            family.add_metric([self.model_name, str(generation)], buckets, self.pauses.seconds[generation])
+        yield family
+
+
 class ServerMetrics:
     def __init__(self, engine, model_name: str, slo: Slo):
         # A registry per server, not the process-global one, so several servers can share a process.
@@ -174,6 +195,7 @@ class ServerMetrics:
         self.slo = slo
         self.model_name = model_name
         self.registry.register(EngineStatsCollector(engine, model_name))
+        self.registry.register(GcPauseCollector(model_name))
         if engine.prefill_stats() is not None:
             self.registry.register(PrefillStatsCollector(engine, model_name))
         labels = ["model_name"]
