@@ -1,6 +1,6 @@
 """A serving engine keeps the objects alive at its start out of the collector's full passes
-(engine/gc_pauses.py): on a 2-core CPU at 448 streams those passes took 126-148 ms, after 11-12
-(benchmarks/BENCHMARKS.md)."""
+(engine/gc_pauses.py): on a 2-core CPU at 256-448 streams those passes took 122-166 ms, after 3-9
+(benchmarks/results/cpu_host_step_gc_freeze_intel.json)."""
 
 import asyncio
 import gc

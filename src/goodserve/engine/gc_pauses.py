@@ -1,14 +1,15 @@
 """Garbage-collector pauses in a serving process.
 
-Python's collector walks every tracked object of its oldest generation in one pass, and a process that
-has imported torch and built a model holds a few hundred thousand of them (modules, functions,
-parameters, captured graphs' keep-alives). Such a pass stops the engine thread for 100+ ms (124 and
-137 ms on a 2-core CPU at 448 streams; steps of up to 332 ms on an H200, every running stream's token
-late by as much). What exists once an engine is built lives as long as it does, so it is moved out of
-the collector's reach (gc.freeze); a full pass then walks only what came after (~3-9 ms there).
-The server's engine, each worker process and a disaggregated prefill worker freeze once built; the offline LLM does not: a program
-may build many, and a frozen engine's reference cycles would outlive it. What pauses remain, the
-server serves as goodserve:gc_pause_seconds (PauseLog).
+Python's collector walks every tracked object of its oldest generation in one pass, and a process
+that has imported torch and built a model holds a few hundred thousand of them (modules, functions,
+parameters, captured graphs' keep-alives). Such a pass stops the engine thread, and every running
+stream's next token with it: 122-166 ms on a 2-core CPU at 256-448 streams
+(benchmarks/results/cpu_host_step_gc_freeze_intel.json). What exists once an engine is built lives
+as long as it does, so it is moved out of the collector's reach (gc.freeze); a full pass then walks
+only what came after (3-9 ms there). The server's engine, each worker process and a disaggregated
+prefill worker freeze once built; the offline LLM does not: a program may build many, and a frozen
+engine's reference cycles would outlive it. What pauses remain, the server serves as
+goodserve:gc_pause_seconds (PauseLog).
 """
 
 from __future__ import annotations
