@@ -48,6 +48,11 @@ def test_bench_counts_agree_with_server_metrics(server_url, tmp_path):
         assert len(record["chunk_times"]) >= 1 and record["ttft"] > 0
         assert record["chunk_times"] == sorted(record["chunk_times"])
     assert result["slo_attainment"] == 100.0
+    # The step-time split survives the scrape per phase (what diagnose's host share reads).
+    phases = [after[f"step_time_seconds_total{{phase={p}}}"] for p in
+              ("schedule", "prepare", "forward", "sample", "detokenize", "output")]
+    assert sum(phases) == pytest.approx(after["step_time_seconds_total"]) and min(phases) > 0
+    assert after["gc_pause_seconds_count"] == sum(after[f"gc_pause_seconds_count{{generation={g}}}"] for g in range(3))
     # The server's engine, as its /metrics info metric names it: the CPU's real dtype and the
     # quantization the engine resolved (a GGUF model on the CPU keeps its codes), not a guess.
     engine = result["engine_config"]

@@ -131,6 +131,39 @@ def test_observations_from_two_scrapes():
         observations_from_scrapes(before, before, 10.0, "http://x/metrics")
 
 
+def test_host_share_and_gc_pauses_from_two_scrapes():
+    """The step-time split by phase and the GC pauses, as deltas over the window."""
+    phases = ("schedule", "prepare", "forward", "sample", "detokenize", "output")
+    before = {"e2e_request_latency_seconds_count": 0, "gc_pause_seconds_sum": 1.0,
+              **{f"step_time_seconds_total{{phase={p}}}": 1.0 for p in phases}}
+    spent = {"schedule": 0.5, "prepare": 1.0, "forward": 5.0, "sample": 0.5, "detokenize": 2.0, "output": 1.0}
+    after = {"e2e_request_latency_seconds_count": 5, "gc_pause_seconds_sum": 1.2,
+             **{f"step_time_seconds_total{{phase={p}}}": 1.0 + spent[p] for p in phases}}
+    o = observations_from_scrapes(before, after, 10.0, "u")
+    assert o.step_phase_shares["detokenize"] == pytest.approx(0.2)  # 2 of the 10 s of steps
+    assert o.host_share == pytest.approx(0.5) and o.gc_pause_share == pytest.approx(0.02)  # 0.2 s in 10 s
+    bare = observations_from_scrapes({}, {"e2e_request_latency_seconds_count": 1}, 1.0, "u")
+    assert bare.host_share is None and bare.gc_pause_share is None  # another server, or an older goodserve
+
+
+def test_host_bound_steps_advice_skips_what_is_on():
+    shares = {"schedule": 0.05, "prepare": 0.15, "forward": 0.5, "sample": 0.05, "detokenize": 0.2, "output": 0.05}
+    o = obs(step_phase_shares=shares, gc_pause_share=0.012)
+    advice = {a.symptom: a for a in advise(o, analyze_replica(SPEC, get_hardware("h100-sxm"), o))}
+    host = advice["host-bound steps"]
+    assert host.severity == pytest.approx(0.5 / 0.3 - 1)
+    assert "50% of the engine's step time" in host.evidence and "detokenize 20%, prepare 15%" in host.evidence
+    assert "1.2% of the wall time" in host.evidence
+    gpu = {"device": "cuda", "cuda_graphs": "True", "async_scheduling": "False"}
+    options = lambda engine: [f.option for f in advise(o, analyze_replica(SPEC, GPU, o), engine)[0].fixes]
+    assert "--async-scheduling" in options(gpu)
+    assert "--async-scheduling" not in options({**gpu, "async_scheduling": "True"})  # on already
+    assert "--async-scheduling" not in options({**gpu, "cuda_graphs": "False"})  # it needs graphs
+    assert "--async-scheduling" not in options({"device": "cpu"})
+    calm = obs(step_phase_shares={**shares, "forward": 0.8, "detokenize": 0.05, "prepare": 0.0})
+    assert "host-bound steps" not in [a.symptom for a in advise(calm, analyze_replica(SPEC, GPU, calm))]
+
+
 def test_measure_local_probes_this_machine():
     hw = measure_local("cpu", copy_bytes=1 << 20, matmul_n=64, repeats=2)
     assert hw.measured and hw.memory_bandwidth > 0 and hw.flops_for("bf16") > 0 and hw.memory_bytes > 1e9

@@ -22,7 +22,8 @@ def test_info_metric_names_the_resolved_cpu_engine(int8_kv_engine):
         "model": "dummy:tiny", "dtype": "float32",  # auto on a CPU
         "quantization": "none", "kv_cache_dtype": "int8", "device": "cpu", "device_name": "cpu",
         "attention_backend": "torch", "scheduler_policy": "continuous", "enable_chunked_prefill": "True",
-        "enable_prefix_caching": "False", "cuda_graphs": "False", "pipeline_micro_batches": "False",  # one stage
+        "enable_prefix_caching": "False", "cuda_graphs": "False", "async_scheduling": "False",  # no graphs on a CPU
+        "pipeline_micro_batches": "False",  # one stage
         "max_num_seqs": "8",
         "max_num_batched_tokens": "2048", "speculative_method": "none",
         "speculative_model": "none"}

@@ -18,6 +18,10 @@ HIGH_TPOT_S = 0.1
 LOW_MBU = 0.3
 LOW_PREFIX_HIT_RATE = 0.3
 LONG_CONTEXT_TOKENS = 4096
+# Past this share of the engine's step time on host work, the device waits on the host: in full
+# without async scheduling, and with it once the host's part outlasts the device's.
+HIGH_HOST_SHARE = 0.3
+REPLICAS = "--data-parallel-size R (replicas behind the router; goodserve router across hosts)"
 
 
 @dataclass(frozen=True)
@@ -87,6 +91,19 @@ def _long_context(obs, phases):
     return _over(obs.mean_prompt_len, LONG_CONTEXT_TOKENS)
 
 
+def _host_bound(obs, phases):
+    return _over(obs.host_share, HIGH_HOST_SHARE)
+
+
+def _host_evidence(obs: Observations) -> str:
+    shares = obs.step_phase_shares
+    largest = sorted((p for p in shares if p != "forward"), key=shares.get, reverse=True)[:2]
+    gc = f", garbage-collector pauses {100 * obs.gc_pause_share:.1f}% of the wall time" \
+        if obs.gc_pause_share is not None else ""
+    return (f"{100 * obs.host_share:.0f}% of the engine's step time is host work outside the forward pass ("
+            + ", ".join(f"{p} {100 * shares[p]:.0f}%" for p in largest) + f"){gc}")
+
+
 def _on_cpu(engine: dict[str, str]) -> bool:
     return engine.get("device") == "cpu"
 
@@ -114,6 +131,8 @@ NOT_FOR: dict[str, Callable[[dict[str, str]], bool]] = {
                                                        and e.get("attention_backend") == "triton"),
     "continuous_batching": lambda e: e.get("scheduler_policy") == "continuous",
     "tensor_parallel": _on_cpu,  # gloo's all-reduces cost more than a CPU's decode step saves
+    # async scheduling needs CUDA graphs (engine/config_resolution.py)
+    "async_scheduling": lambda e: _on_cpu(e) or _is_on(e, "async_scheduling") or not _is_on(e, "cuda_graphs"),
 }
 
 RULES: tuple[Rule, ...] = (
@@ -141,7 +160,7 @@ RULES: tuple[Rule, ...] = (
           Fix("--max-waiting N (admission control)",
               "overload turns into fast 429s instead of minutes of queueing",
               "goodserve bench --goodput ttft:MS: SLO attainment of admitted requests"),
-          Fix("--data-parallel-size R (replicas behind the router; goodserve router across hosts)",
+          Fix(REPLICAS,
               "R engines share the arrivals: about R x the request rate at the same TTFT",
               "goodserve bench --goodput-capacity: the capacity rises about R x"))),
     Rule("high TPOT", _high_tpot,
@@ -188,6 +207,17 @@ RULES: tuple[Rule, ...] = (
               "hit rate rises for prefixes that are not block-aligned"),
           Fix("--num-kv-blocks / --gpu-memory-utilization (higher)",
               "a bigger pool evicts cached prefixes later", "hit rate holds as the number of prefixes grows"))),
+    Rule("host-bound steps", _host_bound,
+         lambda o, p: _host_evidence(o),
+         (Fix("--async-scheduling", "the host prepares and launches step N+1 while the device runs step N, "
+              "so the host's part is hidden up to the device's", "TPOT falls at the same load", "async_scheduling"),
+          Fix(REPLICAS,
+              "each replica's engine runs in its own process with its own host thread, so the host work "
+              "is split R ways", "goodserve bench --goodput-capacity rises about R x"),
+          Fix("(the host) a CPU with faster cores, and nothing else on the server's cores",
+              "the engine thread and the HTTP event loop share one Python process, so one core's speed "
+              "bounds how fast host-bound steps follow each other",
+              "goodserve diagnose --metrics-url: the host share of step time falls"))),
     Rule("long contexts", _long_context,
          lambda o, p: f"mean prompt {o.mean_prompt_len:.0f} tokens",
          (Fix("--kv-cache-dtype int8", "halves the KV read that dominates long-context decode steps",

@@ -13,6 +13,9 @@ from goodserve.bench.result import load_json, records_of, runs_of
 from goodserve.errors import InvalidRequestError
 
 PREFIX = "goodserve:"
+# Labels whose values scrape() keeps apart (as name{label=value}) beside the sum over all labels.
+SPLIT_LABELS = ("phase", "generation")
+STEP_PHASES = ("schedule", "prepare", "forward", "sample", "detokenize", "output")
 
 
 @dataclass
@@ -41,6 +44,16 @@ class Observations:
     # predict (bench results only), and the measured acceptance (0..1) where the server speculated.
     prompt_lookup_overlap: float | None = None
     spec_acceptance_rate: float | None = None
+    # The engine thread's step time by phase (0..1 each; /metrics only), and the garbage collector's
+    # pauses as a share of the wall time: the host's part of serving.
+    step_phase_shares: dict[str, float] | None = None
+    gc_pause_share: float | None = None
+
+    @property
+    def host_share(self) -> float | None:
+        """The share of step time spent outside the forward pass (whose time includes waiting for
+        the device): scheduling, building inputs, launching sampling, detokenizing, outputs."""
+        return None if self.step_phase_shares is None else 1.0 - self.step_phase_shares["forward"]
 
     @property
     def mean_context_len(self) -> float:
@@ -89,7 +102,8 @@ def _percent(value: float | None) -> float | None:
 
 
 def scrape(url: str, timeout_s: float = 10.0) -> dict[str, float]:
-    """Every goodserve sample of one /metrics scrape, summed over labels: name -> value."""
+    """Every goodserve sample of one /metrics scrape, summed over labels: name -> value; for the
+    SPLIT_LABELS also per value, as name{label=value}."""
     try:
         response = httpx2.get(url, timeout=timeout_s)
         response.raise_for_status()
@@ -100,7 +114,10 @@ def scrape(url: str, timeout_s: float = 10.0) -> dict[str, float]:
         for sample in family.samples:
             if sample.name.startswith(PREFIX) and "le" not in sample.labels:
                 name = sample.name.removeprefix(PREFIX)
-                totals[name] = totals.get(name, 0.0) + sample.value
+                keys = [name] + [f"{name}{{{label}={sample.labels[label]}}}"
+                                 for label in SPLIT_LABELS if label in sample.labels]
+                for key in keys:
+                    totals[key] = totals.get(key, 0.0) + sample.value
     if not totals:
         raise InvalidRequestError(f"{url} has no goodserve: metrics; is it a goodserve server's /metrics?")
     return totals
@@ -147,4 +164,11 @@ def observations_from_scrapes(before: dict[str, float], after: dict[str, float],
         num_waiting=after.get("num_requests_waiting"),
         prefix_cache_hit_rate=delta("prefix_cache_hits_total") / queries if queries else None,
         spec_acceptance_rate=delta("spec_decode_num_accepted_tokens_total") / draft_tokens if draft_tokens else None,
+        step_phase_shares=_shares({phase: delta(f"step_time_seconds_total{{phase={phase}}}") for phase in STEP_PHASES}),
+        gc_pause_share=delta("gc_pause_seconds_sum") / elapsed_s if "gc_pause_seconds_sum" in after else None,
     )
+
+
+def _shares(seconds: dict[str, float]) -> dict[str, float] | None:
+    total = sum(seconds.values())
+    return {name: value / total for name, value in seconds.items()} if total > 0 else None

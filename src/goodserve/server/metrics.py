@@ -71,6 +71,7 @@ def engine_info(engine) -> dict[str, str]:
         "enable_chunked_prefill": str(config.enable_chunked_prefill),
         "enable_prefix_caching": str(config.enable_prefix_caching),
         "cuda_graphs": str(engine.engine.executor.info.cuda_graphs),
+        "async_scheduling": str(config.async_scheduling),
         "pipeline_micro_batches": str(engine.engine.micro_batches),
         "max_num_seqs": str(config.max_num_seqs),
         "max_num_batched_tokens": str(config.max_num_batched_tokens),

@@ -1,0 +1,101 @@
+"""The host's share of serving on the GPU, as `goodserve diagnose --metrics-url` reads it.
+
+A real `goodserve serve` (dummy llama-3.1-8b bf16, the embedded model's tokenizer exported to a
+directory: benchmarks/export_tokenizer.py) under closed-loop load from `goodserve bench` in another
+process, at several concurrencies, with async scheduling on (the default) and off. While each load
+runs, `goodserve diagnose --metrics-url` scrapes the server twice and writes its JSON: the engine
+thread's step time by phase (the host's share is everything outside the forward pass, whose time
+includes waiting for the device), the garbage collector's pauses, and the advice.
+
+    python benchmarks/gpu_host_share.py --tokenizer DIR [--concurrency 64,256,512]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+from goodserve.server.process import launch_server
+
+OUT = os.environ.get("OUT", "out")
+
+
+def cli(*argv: str) -> list[str]:
+    return [sys.executable, "-m", "goodserve.cli", *argv]
+
+
+def load(url: str, args, concurrency: int, tag: str) -> dict:
+    """One closed-loop bench at this concurrency, diagnosed from /metrics while it runs."""
+    bench_file, diagnose_file = f"bench_{tag}.json", os.path.join(OUT, f"diagnose_{tag}.json")
+    bench = subprocess.Popen(cli(
+        "bench", "--base-url", url, "--model", args.model, "--tokenizer", args.tokenizer,
+        "--dataset-name", "random", "--random-input-len", str(args.input_len),
+        "--random-output-len", str(args.output_len), "--ignore-eos", "--num-prompts",
+        str(args.rounds * concurrency), "--max-concurrency", str(concurrency), "--disable-tqdm",
+        "--save-result", "--result-dir", OUT, "--result-filename", bench_file))
+    time.sleep(args.settle_s)  # past the first prompts' prefill: the steady batch is what is read
+    subprocess.run(cli("diagnose", "--metrics-url", f"{url}/metrics", "--interval", str(args.interval_s),
+                       "--hardware", args.hardware, "--json", diagnose_file), check=False)
+    bench.wait()
+    row: dict = {"concurrency": concurrency}
+    if os.path.exists(diagnose_file):
+        report = json.load(open(diagnose_file))
+        obs = report["observations"]
+        shares = obs.get("step_phase_shares") or {}
+        row.update(step_phase_shares=shares, host_share=1 - shares["forward"] if shares else None,
+                   gc_pause_share=obs.get("gc_pause_share"), tpot_ms=1000 * obs["tpot_s"],
+                   output_tok_s=obs["output_throughput"], requests_in_flight=obs["concurrency"],
+                   advice=[{"symptom": a["symptom"], "evidence": a["evidence"],
+                            "fixes": [f["option"] for f in a["fixes"]]} for a in report["advice"]])
+    path = os.path.join(OUT, bench_file)
+    if os.path.exists(path):
+        result = json.load(open(path))
+        row["bench"] = {k: result.get(k) for k in ("completed", "failed", "output_throughput",
+                                                    "median_tpot_ms", "p99_tpot_ms", "median_ttft_ms")}
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="dummy:llama-3.1-8b")
+    parser.add_argument("--tokenizer", required=True)
+    parser.add_argument("--hardware", default="h200")
+    parser.add_argument("--concurrency", default="64,256,512")
+    parser.add_argument("--rounds", type=int, default=3, help="prompts = rounds x concurrency")
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--settle-s", type=float, default=4.0)
+    parser.add_argument("--interval-s", type=float, default=8.0)
+    parser.add_argument("--modes", default="async,no-async")
+    args = parser.parse_args()
+    os.makedirs(OUT, exist_ok=True)
+    summary: dict = {"model": args.model, "input_len": args.input_len, "output_len": args.output_len,
+                     "runs": {}}
+    try:
+        import torch
+
+        summary["card"] = torch.cuda.get_device_name()
+    except Exception:  # the script also runs on a CPU, where the card is named by diagnose
+        summary["card"] = None
+    summary["host_cpu"] = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
+                                if line.startswith("model name")), None)
+    for mode in args.modes.split(","):
+        server = launch_server(["--model", args.model, "--tokenizer", args.tokenizer, "--max-num-seqs", "1024",
+                                f"--{mode}-scheduling", "--log-level", "warning"], 600)
+        try:
+            summary["runs"][mode] = [load(server.url, args, int(c), f"{mode}_{c}")
+                                     for c in args.concurrency.split(",")]
+        finally:
+            server.stop()
+        json.dump(summary, open(os.path.join(OUT, "gpu_host_share.json"), "w"), indent=1)
+        for row in summary["runs"][mode]:
+            print(mode, row["concurrency"], {k: row.get(k) for k in ("host_share", "gc_pause_share", "tpot_ms",
+                                                                      "output_tok_s")}, flush=True)
+
+
+if __name__ == "__main__":
+    main()
