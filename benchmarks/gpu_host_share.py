@@ -2,12 +2,14 @@
 
 A real `goodserve serve` (dummy llama-3.1-8b bf16, the embedded model's tokenizer exported to a
 directory: benchmarks/export_tokenizer.py) under closed-loop load from `goodserve bench` in another
-process, at several concurrencies, with async scheduling on (the default) and off. While each load
-runs, `goodserve diagnose --metrics-url` scrapes the server twice and writes its JSON: the engine
+process, at several concurrencies, for each server configuration (`--configs`: serve flags and
+environment; by default async scheduling on, the default, and off). Once the batch is full,
+`goodserve diagnose --metrics-url` scrapes the server twice and writes its JSON: the engine
 thread's step time by phase (the host's share is everything outside the forward pass, whose time
 includes waiting for the device), the garbage collector's pauses, and the advice.
 
     python benchmarks/gpu_host_share.py --tokenizer DIR [--concurrency 64,256,512]
+        [--configs '{"base": {}, "gc": {"env": {"GOODSERVE_GC_THRESHOLD": "20000"}}}']
 """
 
 from __future__ import annotations
@@ -17,11 +19,15 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
+from goodserve.diagnose.observations import scrape
 from goodserve.server.process import launch_server
 
 OUT = os.environ.get("OUT", "out")
+WORK = tempfile.mkdtemp(prefix="host_share_")  # the device call brings back 8 files: the summary alone
+DEFAULT_CONFIGS = '{"async": {"flags": ["--async-scheduling"]}, "no-async": {"flags": ["--no-async-scheduling"]}}'
 
 
 def cli(*argv: str) -> list[str]:
@@ -30,16 +36,17 @@ def cli(*argv: str) -> list[str]:
 
 def load(url: str, args, concurrency: int, tag: str) -> dict:
     """One closed-loop bench at this concurrency, diagnosed from /metrics while it runs."""
-    bench_file, diagnose_file = f"bench_{tag}.json", os.path.join(OUT, f"diagnose_{tag}.json")
+    bench_file, diagnose_file = f"bench_{tag}.json", os.path.join(WORK, f"diagnose_{tag}.json")
     bench = subprocess.Popen(cli(
         "bench", "--base-url", url, "--model", args.model, "--tokenizer", args.tokenizer,
         "--dataset-name", "random", "--random-input-len", str(args.input_len),
         "--random-output-len", str(args.output_len), "--ignore-eos", "--num-prompts",
-        str(args.rounds * concurrency), "--max-concurrency", str(concurrency), "--disable-tqdm",
-        "--save-result", "--result-dir", OUT, "--result-filename", bench_file))
-    time.sleep(args.settle_s)  # past the first prompts' prefill: the steady batch is what is read
+        str(max(args.rounds * concurrency, args.min_prompts)), "--max-concurrency", str(concurrency),
+        "--disable-tqdm", "--save-result", "--result-dir", WORK, "--result-filename", bench_file),
+        stdout=subprocess.DEVNULL)
+    wait_for_full_batch(url, concurrency, bench)
     subprocess.run(cli("diagnose", "--metrics-url", f"{url}/metrics", "--interval", str(args.interval_s),
-                       "--hardware", args.hardware, "--json", diagnose_file), check=False)
+                       "--hardware", args.hardware, "--json", diagnose_file), check=False, stdout=subprocess.DEVNULL)
     bench.wait()
     row: dict = {"concurrency": concurrency}
     if os.path.exists(diagnose_file):
@@ -51,12 +58,20 @@ def load(url: str, args, concurrency: int, tag: str) -> dict:
                    output_tok_s=obs["output_throughput"], requests_in_flight=obs["concurrency"],
                    advice=[{"symptom": a["symptom"], "evidence": a["evidence"],
                             "fixes": [f["option"] for f in a["fixes"]]} for a in report["advice"]])
-    path = os.path.join(OUT, bench_file)
+    path = os.path.join(WORK, bench_file)
     if os.path.exists(path):
         result = json.load(open(path))
         row["bench"] = {k: result.get(k) for k in ("completed", "failed", "output_throughput",
                                                     "median_tpot_ms", "p99_tpot_ms", "median_ttft_ms")}
     return row
+
+
+def wait_for_full_batch(url: str, concurrency: int, bench: subprocess.Popen) -> None:
+    """Until the bench (whose start-up takes seconds) has its requests running, plus a settling
+    second: the steady batch is what diagnose should read."""
+    while bench.poll() is None and scrape(f"{url}/metrics").get("num_requests_running", 0) < 0.9 * concurrency:
+        time.sleep(0.2)
+    time.sleep(1.0)
 
 
 def main() -> None:
@@ -65,12 +80,13 @@ def main() -> None:
     parser.add_argument("--tokenizer", required=True)
     parser.add_argument("--hardware", default="h200")
     parser.add_argument("--concurrency", default="64,256,512")
-    parser.add_argument("--rounds", type=int, default=3, help="prompts = rounds x concurrency")
+    parser.add_argument("--rounds", type=int, default=2, help="prompts = rounds x concurrency ...")
+    parser.add_argument("--min-prompts", type=int, default=512, help="... or at least this many")
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=256)
-    parser.add_argument("--settle-s", type=float, default=4.0)
-    parser.add_argument("--interval-s", type=float, default=8.0)
-    parser.add_argument("--modes", default="async,no-async")
+    parser.add_argument("--interval-s", type=float, default=6.0)
+    parser.add_argument("--configs", default=DEFAULT_CONFIGS,
+                        help='JSON: name -> {"flags": [serve flags], "env": {variable: value}}')
     args = parser.parse_args()
     os.makedirs(OUT, exist_ok=True)
     summary: dict = {"model": args.model, "input_len": args.input_len, "output_len": args.output_len,
@@ -83,18 +99,30 @@ def main() -> None:
         summary["card"] = None
     summary["host_cpu"] = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
                                 if line.startswith("model name")), None)
-    for mode in args.modes.split(","):
-        server = launch_server(["--model", args.model, "--tokenizer", args.tokenizer, "--max-num-seqs", "1024",
-                                f"--{mode}-scheduling", "--log-level", "warning"], 600)
+    summary["configs"] = configs = json.loads(args.configs)
+    for name, config in configs.items():
+        server = start(args, config)
         try:
-            summary["runs"][mode] = [load(server.url, args, int(c), f"{mode}_{c}")
+            summary["runs"][name] = [load(server.url, args, int(c), f"{name}_{c}")
                                      for c in args.concurrency.split(",")]
         finally:
             server.stop()
         json.dump(summary, open(os.path.join(OUT, "gpu_host_share.json"), "w"), indent=1)
-        for row in summary["runs"][mode]:
-            print(mode, row["concurrency"], {k: row.get(k) for k in ("host_share", "gc_pause_share", "tpot_ms",
-                                                                      "output_tok_s")}, flush=True)
+        for row in summary["runs"][name]:
+            print(name, row["concurrency"], {k: row.get(k) for k in ("host_share", "gc_pause_share", "tpot_ms",
+                                                                      "output_tok_s")}, row.get("bench"), flush=True)
+
+
+def start(args, config: dict):
+    """The server with this configuration's flags, and its environment for the server alone."""
+    saved = dict(os.environ)
+    os.environ.update(config.get("env", {}))
+    try:
+        return launch_server(["--model", args.model, "--tokenizer", args.tokenizer, "--max-num-seqs", "1024",
+                              *config.get("flags", []), "--log-level", "warning"], 600)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 if __name__ == "__main__":

@@ -47,3 +47,21 @@ def test_the_servers_metrics_count_every_full_collection_and_its_time():
         gc.collect()
     after, more_seconds = full_collections(metrics)
     assert after == count + 3 and more_seconds > seconds
+
+
+def test_serving_tunes_the_collector_and_switch_interval_from_the_environment(monkeypatch):
+    import sys
+
+    from goodserve.engine.gc_pauses import tune_for_serving
+
+    threshold, interval = gc.get_threshold(), sys.getswitchinterval()
+    try:
+        tune_for_serving()  # nothing set: Python's own settings stay
+        assert (gc.get_threshold(), sys.getswitchinterval()) == (threshold, interval)
+        monkeypatch.setenv("GOODSERVE_GC_THRESHOLD", "20000,20")
+        monkeypatch.setenv("GOODSERVE_SWITCH_INTERVAL_MS", "0.5")
+        tune_for_serving()
+        assert gc.get_threshold() == (20000, 20, threshold[2]) and sys.getswitchinterval() == 0.0005
+    finally:
+        gc.set_threshold(*threshold)
+        sys.setswitchinterval(interval)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from goodserve.config import EngineConfig
 from goodserve.engine.engine import Engine
-from goodserve.engine.gc_pauses import freeze_startup_heap, unfreeze_heap
+from goodserve.engine.gc_pauses import freeze_startup_heap, tune_for_serving, unfreeze_heap
 from goodserve.engine.slo_policy import SloForecast
 from goodserve.engine.stats import EngineStats
 from goodserve.errors import EngineDeadError, EngineStepError, GoodserveError
@@ -106,6 +106,7 @@ class AsyncEngine:
     async def start(self) -> None:
         if self.thread is None:
             freeze_startup_heap()
+            tune_for_serving()
             self.thread = threading.Thread(target=self._loop, name="goodserve-engine", daemon=True)
             self.thread.start()
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 import atexit
 import bisect
 import gc
+import os
+import sys
 import time
 
 PAUSE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)  # seconds
@@ -30,6 +32,18 @@ def freeze_startup_heap() -> None:
     gc.freeze()
     atexit.unregister(unfreeze_heap)  # once, however many engines a process starts
     atexit.register(unfreeze_heap)
+
+
+def tune_for_serving() -> None:
+    """The serving process's collector thresholds and GIL switch interval, where the environment
+    sets them (GOODSERVE_GC_THRESHOLD "gen0[,gen1[,gen2]]", GOODSERVE_SWITCH_INTERVAL_MS). The
+    switch interval is how long a thread that wants the GIL waits for another to yield it: the
+    engine thread gives the GIL up at every torch call, and the event loop, busy with many streams,
+    may keep it that long each time."""
+    if threshold := os.environ.get("GOODSERVE_GC_THRESHOLD"):
+        gc.set_threshold(*(int(value) for value in threshold.split(",")))
+    if interval_ms := os.environ.get("GOODSERVE_SWITCH_INTERVAL_MS"):
+        sys.setswitchinterval(float(interval_ms) / 1000)
 
 
 def unfreeze_heap() -> None:
