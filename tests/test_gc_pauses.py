@@ -52,12 +52,14 @@ def test_the_servers_metrics_count_every_full_collection_and_its_time():
 def test_serving_tunes_the_collector_and_switch_interval_from_the_environment(monkeypatch):
     import sys
 
-    from goodserve.engine.gc_pauses import tune_for_serving
+    from goodserve.engine.gc_pauses import SERVING_GC_GEN0_THRESHOLD, tune_for_serving
 
     threshold, interval = gc.get_threshold(), sys.getswitchinterval()
     try:
-        tune_for_serving()  # nothing set: Python's own settings stay
-        assert (gc.get_threshold(), sys.getswitchinterval()) == (threshold, interval)
+        monkeypatch.delenv("GOODSERVE_GC_THRESHOLD", raising=False)
+        monkeypatch.delenv("GOODSERVE_SWITCH_INTERVAL_MS", raising=False)
+        tune_for_serving()  # nothing set: the serving defaults
+        assert gc.get_threshold()[0] == SERVING_GC_GEN0_THRESHOLD and sys.getswitchinterval() == 0.0005
         monkeypatch.setenv("GOODSERVE_GC_THRESHOLD", "20000,20")
         monkeypatch.setenv("GOODSERVE_SWITCH_INTERVAL_MS", "0.5")
         tune_for_serving()
