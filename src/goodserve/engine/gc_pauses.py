@@ -9,7 +9,9 @@ as long as it does, so it is moved out of the collector's reach (gc.freeze); a f
 only what came after (3-9 ms there). The server's engine, each worker process and a disaggregated
 prefill worker freeze once built; the offline LLM does not: a program may build many, and a frozen
 engine's reference cycles would outlive it. What pauses remain, the server serves as
-goodserve:gc_pause_seconds (PauseLog).
+goodserve:gc_pause_seconds (PauseLog). The serving process also collects its young objects less
+often and hands the GIL over sooner than Python's defaults do (tune_for_serving): the engine thread
+otherwise stalls behind the event loop and the young collections of its streams' objects.
 """
 
 from __future__ import annotations
