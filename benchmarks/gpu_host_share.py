@@ -10,11 +10,16 @@ includes waiting for the device), the garbage collector's pauses, and the advice
 
     python benchmarks/gpu_host_share.py --tokenizer DIR [--concurrency 64,256,512]
         [--configs '{"base": {}, "gc": {"env": {"GOODSERVE_GC_THRESHOLD": "20000"}}}']
+
+On the lent GPU machine, install .gate/whl and .gate/whl_fast (scripts/gpu_wheels.sh): without the
+latter uvicorn runs on asyncio and h11 and bench on its fallback client, as an installed goodserve
+does not; the summary records which of them the run had.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -97,6 +102,9 @@ def main() -> None:
         summary["card"] = torch.cuda.get_device_name()
     except Exception:  # the script also runs on a CPU, where the card is named by diagnose
         summary["card"] = None
+    # uvicorn's C event loop and HTTP parser, and bench's client: each has a slower fallback
+    summary["installed"] = {name: importlib.util.find_spec(name) is not None
+                            for name in ("uvloop", "httptools", "aiohttp")}
     summary["host_cpu"] = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
                                 if line.startswith("model name")), None)
     summary["configs"] = configs = json.loads(args.configs)
