@@ -1,0 +1,128 @@
+"""The server's host work per streamed token, on the CPU, where nothing else costs much.
+
+`goodserve serve --model dummy:tiny` (2 layers of 64: its forward is a small part of a step, so
+the step rate is the host's) under many concurrent streaming completions from an aiohttp client in
+another process. Four server configurations, each run twice in the order A B C D D C B A:
+uvicorn with uvloop and httptools (what goodserve installs) or with asyncio and h11 (what runs
+where they are missing; a module that refuses to import hides each), times Python's collector
+threshold and GIL switch interval or the serving process's own (engine/gc_pauses.tune_for_serving).
+Reported: output tokens/s over the whole run, and from the server's /metrics the engine thread's
+step time by phase and the collector's share of the wall time.
+
+    PYTHONPATH=src python benchmarks/cpu_serving_host.py [--streams 256] [--max-tokens 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+
+from goodserve.diagnose.observations import observations_from_scrapes, scrape
+from goodserve.server.process import launch_server
+
+OUT = os.environ.get("OUT", os.path.join(os.path.dirname(__file__), "results"))
+PYTHON_SETTINGS = {"GOODSERVE_GC_THRESHOLD": "700", "GOODSERVE_SWITCH_INTERVAL_MS": "5"}
+CONFIGS = {
+    "uvloop+httptools, serving settings": (True, {}),
+    "uvloop+httptools, Python's settings": (True, PYTHON_SETTINGS),
+    "asyncio+h11, serving settings": (False, {}),
+    "asyncio+h11, Python's settings": (False, PYTHON_SETTINGS),
+}
+
+
+def hiding_dir() -> str:
+    """A directory whose uvloop and httptools refuse to import, so uvicorn takes its fallbacks."""
+    path = Path(tempfile.mkdtemp(prefix="no_fast_"))
+    for name in ("uvloop", "httptools"):
+        (path / name).mkdir()
+        (path / name / "__init__.py").write_text(f"raise ImportError('{name} hidden by cpu_serving_host.py')\n")
+    return str(path)
+
+
+async def stream_one(session: aiohttp.ClientSession, url: str, model: str, prompt: list[int],
+                     max_tokens: int) -> int:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
+            "temperature": 0, "ignore_eos": True}
+    chunks = 0
+    async with session.post(f"{url}/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.content:
+            if line.startswith(b"data: {"):
+                chunks += 1
+    return chunks
+
+
+async def load(url: str, model: str, streams: int, requests: int, max_tokens: int) -> float:
+    """Closed loop: `streams` clients, `requests` in all; the seconds it took."""
+    remaining = requests
+
+    async def client(session, seed: int) -> None:
+        nonlocal remaining
+        while remaining > 0:
+            remaining -= 1
+            await stream_one(session, url, model, [(seed * 7 + i) % 500 + 1 for i in range(16)], max_tokens)
+
+    connector = aiohttp.TCPConnector(limit=streams)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as session:
+        start = time.perf_counter()
+        await asyncio.gather(*(client(session, i) for i in range(streams)))
+        return time.perf_counter() - start
+
+
+def run(name: str, args, hidden: str) -> dict:
+    fast, env = CONFIGS[name]
+    saved = dict(os.environ)
+    os.environ.update(env, OMP_NUM_THREADS="1")
+    if not fast:
+        os.environ["PYTHONPATH"] = hidden + os.pathsep + os.environ.get("PYTHONPATH", "")
+    try:
+        server = launch_server(["--model", "dummy:tiny", "--max-num-seqs", str(args.streams),
+                                "--log-level", "warning"])
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    try:
+        asyncio.run(load(server.url, "dummy:tiny", args.streams, args.streams // 4, 8))  # warm-up
+        before = scrape(f"{server.url}/metrics")
+        seconds = asyncio.run(load(server.url, "dummy:tiny", args.streams, args.rounds * args.streams, args.max_tokens))
+        after = scrape(f"{server.url}/metrics")
+    finally:
+        server.stop()
+    obs = observations_from_scrapes(before, after, seconds, server.url)
+    row = {"config": name, "seconds": seconds,
+           "output_tok_s": args.rounds * args.streams * args.max_tokens / seconds,
+           "host_share": obs.host_share, "step_phase_shares": obs.step_phase_shares,
+           "gc_pause_share": obs.gc_pause_share}
+    print(json.dumps({k: v for k, v in row.items() if k != "step_phase_shares"}), flush=True)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--streams", type=int, default=256)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    hidden = hiding_dir()
+    order = list(CONFIGS) + list(reversed(CONFIGS))
+    rows = [run(name, args, hidden) for name in order]
+    summary = {"machine": next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
+                                if line.startswith("model name")), None), "cores": os.cpu_count(),
+               "streams": args.streams, "max_tokens": args.max_tokens, "prompt_tokens": 16, "runs": rows,
+               "output_tok_s_runs": {name: sorted(r["output_tok_s"] for r in rows if r["config"] == name)
+                                       for name in CONFIGS}}
+    os.makedirs(OUT, exist_ok=True)
+    path = os.path.join(OUT, "cpu_serving_host.json")
+    json.dump(summary, open(path, "w"), indent=1)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
