@@ -5,7 +5,8 @@ the step rate is the host's) under many concurrent streaming completions from an
 another process. Four server configurations, each run twice in the order A B C D D C B A:
 uvicorn with uvloop and httptools (what goodserve installs) or with asyncio and h11 (what runs
 where they are missing; a module that refuses to import hides each), times Python's collector
-threshold and GIL switch interval or the serving process's own (engine/gc_pauses.tune_for_serving).
+threshold and GIL switch interval or the serving process's own (engine/gc_pauses.tune_for_serving);
+or the configurations --configs names (each serving setting alone, too).
 Reported: output tokens/s over the whole run, and from the server's /metrics the engine thread's
 step time by phase and the collector's share of the wall time.
 
@@ -34,7 +35,11 @@ CONFIGS = {
     "uvloop+httptools, Python's settings": (True, PYTHON_SETTINGS),
     "asyncio+h11, serving settings": (False, {}),
     "asyncio+h11, Python's settings": (False, PYTHON_SETTINGS),
+    # each serving setting alone (--configs)
+    "uvloop+httptools, gen0 20,000 alone": (True, {"GOODSERVE_SWITCH_INTERVAL_MS": "5"}),
+    "uvloop+httptools, switch 0.5 ms alone": (True, {"GOODSERVE_GC_THRESHOLD": "700"}),
 }
+DEFAULT_CONFIGS = list(CONFIGS)[:4]
 
 
 def hiding_dir() -> str:
@@ -109,15 +114,17 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=256)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--configs", type=json.loads, default=DEFAULT_CONFIGS,
+                        help=f"JSON list of configuration names, of: {list(CONFIGS)}")
     args = parser.parse_args()
     hidden = hiding_dir()
-    order = list(CONFIGS) + list(reversed(CONFIGS))
+    order = args.configs + list(reversed(args.configs))
     rows = [run(name, args, hidden) for name in order]
     summary = {"machine": next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
                                 if line.startswith("model name")), None), "cores": os.cpu_count(),
                "streams": args.streams, "max_tokens": args.max_tokens, "prompt_tokens": 16, "runs": rows,
                "output_tok_s_runs": {name: sorted(r["output_tok_s"] for r in rows if r["config"] == name)
-                                       for name in CONFIGS}}
+                                       for name in args.configs}}
     os.makedirs(OUT, exist_ok=True)
     path = os.path.join(OUT, "cpu_serving_host.json")
     json.dump(summary, open(path, "w"), indent=1)
