@@ -164,6 +164,20 @@ def test_host_bound_steps_advice_skips_what_is_on():
     assert "host-bound steps" not in [a.symptom for a in advise(calm, analyze_replica(SPEC, GPU, calm))]
 
 
+def test_host_bound_steps_explain_low_mbu_instead_of_asking_for_bigger_batches():
+    """A bandwidth-bound decode at low MBU asks for bigger batches, unless the host bounds the steps:
+    then a bigger batch made the server slower (BENCHMARKS.md), and the host rule says why."""
+    shares = {"schedule": 0.05, "prepare": 0.5, "forward": 0.2, "sample": 0.05, "detokenize": 0.15, "output": 0.05}
+    low_mbu = dict(concurrency=4.0, tpot_s=0.05)  # 80 tok/s at batch 4 of a 7B model: MBU ~8%
+    symptoms = lambda o: [a.symptom for a in advise(o, analyze_replica(SPEC, get_hardware("h100-sxm"), o))]
+    assert "low throughput at low MBU" in symptoms(obs(**low_mbu))
+    host_bound = obs(**low_mbu, step_phase_shares=shares)
+    assert "low throughput at low MBU" not in symptoms(host_bound)
+    host = next(a for a in advise(host_bound, analyze_replica(SPEC, get_hardware("h100-sxm"), host_bound))
+                if a.symptom == "host-bound steps")
+    assert "decode MBU " in host.evidence
+
+
 def test_measure_local_probes_this_machine():
     hw = measure_local("cpu", copy_bytes=1 << 20, matmul_n=64, repeats=2)
     assert hw.measured and hw.memory_bandwidth > 0 and hw.flops_for("bf16") > 0 and hw.memory_bytes > 1e9

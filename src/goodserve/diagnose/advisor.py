@@ -70,7 +70,9 @@ def _high_tpot(obs, phases):
 
 def _low_mbu(obs, phases):
     decode = phases["decode"]
-    if decode.verdict != "bandwidth-bound" or decode.mbu >= LOW_MBU:
+    # Host-bound steps explain a low MBU themselves, and their cure is not a bigger batch: on an H200
+    # the server's output fell from 9.4 K to 7.1 K tok/s going from 64 to 512 streams (BENCHMARKS.md).
+    if decode.verdict != "bandwidth-bound" or decode.mbu >= LOW_MBU or _host_bound(obs, phases) is not None:
         return None
     return (LOW_MBU - decode.mbu) / LOW_MBU
 
@@ -95,13 +97,13 @@ def _host_bound(obs, phases):
     return _over(obs.host_share, HIGH_HOST_SHARE)
 
 
-def _host_evidence(obs: Observations) -> str:
+def _host_evidence(obs: Observations, mbu: float) -> str:
     shares = obs.step_phase_shares
     largest = sorted((p for p in shares if p != "forward"), key=shares.get, reverse=True)[:2]
     gc = f", garbage-collector pauses {100 * obs.gc_pause_share:.1f}% of the wall time" \
         if obs.gc_pause_share is not None else ""
     return (f"{100 * obs.host_share:.0f}% of the engine's step time is host work outside the forward pass ("
-            + ", ".join(f"{p} {100 * shares[p]:.0f}%" for p in largest) + f"){gc}")
+            + ", ".join(f"{p} {100 * shares[p]:.0f}%" for p in largest) + f"){gc}, decode MBU {100 * mbu:.0f}%")
 
 
 def _on_cpu(engine: dict[str, str]) -> bool:
@@ -208,7 +210,7 @@ RULES: tuple[Rule, ...] = (
           Fix("--num-kv-blocks / --gpu-memory-utilization (higher)",
               "a bigger pool evicts cached prefixes later", "hit rate holds as the number of prefixes grows"))),
     Rule("host-bound steps", _host_bound,
-         lambda o, p: _host_evidence(o),
+         lambda o, p: _host_evidence(o, p["decode"].mbu),
          (Fix("--async-scheduling", "the host prepares and launches step N+1 while the device runs step N, "
               "so the host's part is hidden up to the device's", "TPOT falls at the same load", "async_scheduling"),
           Fix(REPLICAS,
