@@ -5,6 +5,8 @@
 import asyncio
 import gc
 
+import pytest
+
 from goodserve.config import EngineConfig
 from goodserve.engine.async_engine import AsyncEngine
 from goodserve.sampling_params import SamplingParams
@@ -67,3 +69,14 @@ def test_serving_tunes_the_collector_and_switch_interval_from_the_environment(mo
     finally:
         gc.set_threshold(*threshold)
         sys.setswitchinterval(interval)
+
+
+@pytest.mark.parametrize("variable, value", [("GOODSERVE_GC_THRESHOLD", "lots"), ("GOODSERVE_GC_THRESHOLD", "1,2,3,4"),
+                                             ("GOODSERVE_GC_THRESHOLD", "-5"), ("GOODSERVE_SWITCH_INTERVAL_MS", "0"),
+                                             ("GOODSERVE_SWITCH_INTERVAL_MS", "fast")])
+def test_serve_refuses_a_bad_setting_before_loading_anything(monkeypatch, capsys, variable, value):
+    from goodserve.cli import main
+
+    monkeypatch.setenv(variable, value)
+    assert main(["serve", "--model", "dummy:tiny"]) != 0
+    assert f"{variable}={value!r}" in capsys.readouterr().err

@@ -23,6 +23,8 @@ import os
 import sys
 import time
 
+from goodserve.errors import InvalidRequestError
+
 PAUSE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)  # seconds
 
 
@@ -37,9 +39,10 @@ def freeze_startup_heap() -> None:
 
 
 # The serving process's settings (benchmarks/results/gpu_host_share_gc_switch_h200.json: 8B on an
-# H200 at 512 streams over HTTP, uvicorn on asyncio and h11, 6.0 K output tok/s with Python's, 7.0 K
-# with this gen0 threshold alone, 8.1 K with both). Young collections come every 700 container allocations by Python's
-# default, and a token's trip to its stream allocates dozens: they took 10-21% of the wall time.
+# H200 at 512 streams over HTTP, uvicorn on asyncio and h11: 6.0 K output tok/s with Python's, 7.0 K
+# with this gen0 threshold alone, 8.1 K with both). Young collections come every 700 container
+# allocations by Python's default, and a token's trip to its stream allocates dozens: they took
+# 10-21% of the wall time.
 SERVING_GC_GEN0_THRESHOLD = 20_000
 # A thread that wants the GIL waits this long for the holder to yield it (Python's default: 5 ms).
 # The engine thread gives the GIL up at every torch call, and the event loop, busy with many
@@ -47,13 +50,34 @@ SERVING_GC_GEN0_THRESHOLD = 20_000
 SERVING_SWITCH_INTERVAL_S = 0.0005
 
 
-def tune_for_serving() -> None:
-    """The serving process's collector threshold and GIL switch interval: the settings above, or the
-    environment's (GOODSERVE_GC_THRESHOLD "gen0[,gen1[,gen2]]", GOODSERVE_SWITCH_INTERVAL_MS)."""
+def serving_settings() -> tuple[tuple[int, ...], float]:
+    """(collector thresholds, switch interval in seconds): the settings above, or the environment's
+    (GOODSERVE_GC_THRESHOLD "gen0[,gen1[,gen2]]", GOODSERVE_SWITCH_INTERVAL_MS); a value that is
+    neither raises, naming the variable (the serve command checks before it starts)."""
     threshold = os.environ.get("GOODSERVE_GC_THRESHOLD", str(SERVING_GC_GEN0_THRESHOLD))
-    gc.set_threshold(*(int(value) for value in threshold.split(",")))
     interval_ms = os.environ.get("GOODSERVE_SWITCH_INTERVAL_MS", str(SERVING_SWITCH_INTERVAL_S * 1000))
-    sys.setswitchinterval(float(interval_ms) / 1000)
+    try:
+        thresholds = tuple(int(value) for value in threshold.split(","))
+        if not 1 <= len(thresholds) <= 3 or min(thresholds) < 0:
+            raise ValueError
+    except ValueError:
+        raise InvalidRequestError(f"GOODSERVE_GC_THRESHOLD={threshold!r}: give gen0[,gen1[,gen2]], "
+                                  "integers >= 0") from None
+    try:
+        interval_s = float(interval_ms) / 1000
+        if not interval_s > 0:
+            raise ValueError
+    except ValueError:
+        raise InvalidRequestError(f"GOODSERVE_SWITCH_INTERVAL_MS={interval_ms!r}: give a number of "
+                                  "milliseconds above 0") from None
+    return thresholds, interval_s
+
+
+def tune_for_serving() -> None:
+    """Apply serving_settings() to this process."""
+    thresholds, interval_s = serving_settings()
+    gc.set_threshold(*thresholds)
+    sys.setswitchinterval(interval_s)
 
 
 def unfreeze_heap() -> None:

@@ -14,6 +14,7 @@ from goodserve.engine_args import (
     engine_config_from_args,
 )
 from goodserve.engine.disagg_layout import parse_disaggregate
+from goodserve.engine.gc_pauses import serving_settings
 from goodserve.errors import InvalidRequestError
 from goodserve.router.config import RouterConfig
 from goodserve.router.policies import POLICIES
@@ -96,6 +97,7 @@ def _check(config, args: argparse.Namespace) -> None:
         raise InvalidRequestError("--data-parallel-size must be at least 1")
     if args.disaggregate is not None and args.data_parallel_size > 1:
         raise InvalidRequestError("--disaggregate and --data-parallel-size are not combined yet: give one")
+    serving_settings()  # the environment's collector threshold and switch interval, before any loading
 
 
 def _is_loopback(host: str) -> bool:
