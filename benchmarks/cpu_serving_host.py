@@ -6,7 +6,7 @@ another process. Four server configurations, each run twice in the order A B C D
 uvicorn with uvloop and httptools (what goodserve installs) or with asyncio and h11 (what runs
 where they are missing; a module that refuses to import hides each), times Python's collector
 threshold and GIL switch interval or the serving process's own (engine/gc_pauses.tune_for_serving);
-or the configurations --configs names (each serving setting alone, too).
+or the configurations --configs names (each serving setting alone, and --stream-interval 4, too).
 Reported: output tokens/s over the whole run, and from the server's /metrics the engine thread's
 step time by phase and the collector's share of the wall time.
 
@@ -30,14 +30,15 @@ from goodserve.server.process import launch_server
 
 OUT = os.environ.get("OUT", os.path.join(os.path.dirname(__file__), "results"))
 PYTHON_SETTINGS = {"GOODSERVE_GC_THRESHOLD": "700", "GOODSERVE_SWITCH_INTERVAL_MS": "5"}
-CONFIGS = {
-    "uvloop+httptools, serving settings": (True, {}),
-    "uvloop+httptools, Python's settings": (True, PYTHON_SETTINGS),
-    "asyncio+h11, serving settings": (False, {}),
-    "asyncio+h11, Python's settings": (False, PYTHON_SETTINGS),
-    # each serving setting alone (--configs)
-    "uvloop+httptools, gen0 20,000 alone": (True, {"GOODSERVE_SWITCH_INTERVAL_MS": "5"}),
-    "uvloop+httptools, switch 0.5 ms alone": (True, {"GOODSERVE_GC_THRESHOLD": "700"}),
+CONFIGS = {  # name: (uvloop and httptools, environment, serve flags)
+    "uvloop+httptools, serving settings": (True, {}, []),
+    "uvloop+httptools, Python's settings": (True, PYTHON_SETTINGS, []),
+    "asyncio+h11, serving settings": (False, {}, []),
+    "asyncio+h11, Python's settings": (False, PYTHON_SETTINGS, []),
+    # each serving setting alone, and chunks of several tokens (--configs)
+    "uvloop+httptools, gen0 20,000 alone": (True, {"GOODSERVE_SWITCH_INTERVAL_MS": "5"}, []),
+    "uvloop+httptools, switch 0.5 ms alone": (True, {"GOODSERVE_GC_THRESHOLD": "700"}, []),
+    "uvloop+httptools, --stream-interval 4": (True, {}, ["--stream-interval", "4"]),
 }
 DEFAULT_CONFIGS = list(CONFIGS)[:4]
 
@@ -82,14 +83,14 @@ async def load(url: str, model: str, streams: int, requests: int, max_tokens: in
 
 
 def run(name: str, args, hidden: str) -> dict:
-    fast, env = CONFIGS[name]
+    fast, env, flags = CONFIGS[name]
     saved = dict(os.environ)
     os.environ.update(env, OMP_NUM_THREADS="1")
     if not fast:
         os.environ["PYTHONPATH"] = hidden + os.pathsep + os.environ.get("PYTHONPATH", "")
     try:
         server = launch_server(["--model", "dummy:tiny", "--max-num-seqs", str(args.streams),
-                                "--log-level", "warning"])
+                                "--log-level", "warning", *flags])
     finally:
         os.environ.clear()
         os.environ.update(saved)

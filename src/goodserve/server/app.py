@@ -63,6 +63,7 @@ class ServerConfig:
     slo_tpot_ms: float | None = None
     log_level: str = "info"
     max_unsent_outputs: int = 512
+    stream_interval: int = 1
     header_timeout_s: float = 15.0
     max_connections: int | None = None  # default: what the open-file limit leaves (connection_capacity)
     backlog: int = 4096
@@ -97,7 +98,8 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
     slo = Slo(config.slo_ttft_ms, config.slo_tpot_ms)
     metrics = ServerMetrics(engine, model_name, slo)
     ctx = ServingContext(engine, model_name, Admission(config.max_waiting), metrics, config.request_timeout_s,
-                         config.max_unsent_outputs, config.pooling, config.allow_unknown_fields, slo)
+                         config.max_unsent_outputs, config.stream_interval, config.pooling,
+                         config.allow_unknown_fields, slo)
     created = int(time.time())
     store = _open_store(Path(config.data_dir) if config.data_dir else default_data_dir())
     runner = None if isinstance(store, DataDirInUseError) else BatchRunner(

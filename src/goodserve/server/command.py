@@ -33,6 +33,9 @@ _SERVER_HELP = {
     "log_level": "uvicorn and goodserve log level",
     "max_unsent_outputs": "a stream whose client stops reading is aborted (its KV blocks freed) once this many "
                           "engine outputs (about one per token) wait unsent",
+    "stream_interval": "streamed responses send a choice's first token at once, then chunks of at least this "
+                       "many tokens (and the last): fewer, larger SSE events, less host work a token; 1: "
+                       "every token its own (default: 1)",
     "header_timeout_s": "close a connection that has not sent complete request headers this long after opening "
                         "(or after its last response)",
     "max_connections": "open connections past this get 503 with Retry-After (default: the open-file limit, "
@@ -86,9 +89,10 @@ def _check(config, args: argparse.Namespace) -> None:
         raise InvalidRequestError("--max-body-bytes must be at least 1024")
     if not 0 <= config.port < 65536:
         raise InvalidRequestError("--port must be in [0, 65535]")
-    if min(config.max_unsent_outputs, config.header_timeout_s, config.backlog, config.keep_alive_s) <= 0:
-        raise InvalidRequestError(
-            "--max-unsent-outputs, --header-timeout-s, --backlog and --keep-alive-s must be positive")
+    if min(config.max_unsent_outputs, config.stream_interval, config.header_timeout_s, config.backlog,
+           config.keep_alive_s) <= 0:
+        raise InvalidRequestError("--max-unsent-outputs, --stream-interval, --header-timeout-s, --backlog and "
+                                  "--keep-alive-s must be positive")
     if config.batch_max_concurrency < 1 or config.batch_max_file_bytes < 1:
         raise InvalidRequestError("--batch-max-concurrency and --batch-max-file-bytes must be positive")
     if config.max_connections is not None and config.max_connections < 1:

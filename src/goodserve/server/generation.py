@@ -12,7 +12,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import aclosing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 from starlette.requests import Request
@@ -59,6 +59,7 @@ class GenerationJob:
     metrics: ServerMetrics
     deadline: float | None = None  # time.monotonic() by which the whole call must finish
     max_unsent_outputs: int = 512  # per prompt: outputs produced but not yet taken by the response
+    stream_interval: int = 1  # deltas() yields a choice's first token alone, then every this many tokens
     final: dict[int, RequestOutput] = field(default_factory=dict)  # latest output per prompt
     _sent: dict[int, _Sent] = field(default_factory=dict)
     _queued: set[int] = field(default_factory=set)  # prompts holding a place in the waiting queue
@@ -133,13 +134,26 @@ class GenerationJob:
             raise DeadlineExceededError("the request did not finish within its timeout; it was aborted") from None
 
     async def deltas(self) -> AsyncIterator[ChoiceDelta]:
-        """Per-choice increments; concatenating a choice's deltas gives its final text."""
+        """Per-choice increments; concatenating a choice's deltas gives its final text. With a
+        stream_interval of N, a choice's first delta comes at once (its time to first token) and the
+        rest at least N tokens at a time, or at its finish: each response chunk costs the event loop
+        the same whatever it holds."""
+        held: dict[int, ChoiceDelta] = {}
         async with aclosing(self.outputs()) as outputs:
             async for prompt_index, out in outputs:
                 for completion in out.outputs:
                     delta = self._diff(prompt_index * self.params.n + completion.index, completion)
-                    if delta is not None:
+                    if delta is None:
+                        continue
+                    delta = _merged(held.pop(delta.index, None), delta)
+                    if self._due(delta):
                         yield delta
+                    else:
+                        held[delta.index] = delta
+
+    def _due(self, delta: ChoiceDelta) -> bool:
+        return (self.stream_interval <= 1 or delta.first or delta.finish_reason is not None
+                or len(delta.token_ids) >= self.stream_interval)
 
     def _diff(self, index: int, completion) -> ChoiceDelta | None:
         sent = self._sent.setdefault(index, _Sent())
@@ -196,3 +210,12 @@ async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
 async def _wait_for_disconnect(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+def _merged(earlier: ChoiceDelta | None, later: ChoiceDelta) -> ChoiceDelta:
+    """One delta for two consecutive ones of a choice."""
+    if earlier is None:
+        return later
+    logprobs = None if earlier.logprobs is None else earlier.logprobs + (later.logprobs or [])
+    return replace(earlier, text=earlier.text + later.text, token_ids=earlier.token_ids + later.token_ids,
+                   logprobs=logprobs, finish_reason=later.finish_reason, stop_reason=later.stop_reason)

@@ -37,6 +37,7 @@ class ServingContext:
     metrics: ServerMetrics
     request_timeout_s: float | None = None  # server-wide deadline; a request may ask for less
     max_unsent_outputs: int = 512  # a stream this far behind its engine request is aborted
+    stream_interval: int = 1  # --stream-interval: tokens a streamed chunk holds, after the first
     pooling: str = "last"  # how /v1/embeddings pools the final hidden states (--pooling)
     allow_unknown_fields: bool = False  # --allow-unknown-fields: ignore them with a warning, not a 400
     slo: Slo | None = None  # --slo-ttft-ms / --slo-tpot-ms: the targets of requests that set none
@@ -112,7 +113,7 @@ class ServingContext:
         job = GenerationJob(
             engine=self.engine, request_id=f"{kind}-{uuid.uuid4().hex}", prompts=prompts, params=params,
             admission=self.admission, metrics=self.metrics, deadline=deadline,
-            max_unsent_outputs=self.max_unsent_outputs,
+            max_unsent_outputs=self.max_unsent_outputs, stream_interval=self.stream_interval,
         )
         self._apply_slo(params, sum(map(len, prompts)), best_effort)
         job.admit()
