@@ -84,16 +84,11 @@ async def load(url: str, model: str, streams: int, requests: int, max_tokens: in
 
 def run(name: str, args, hidden: str) -> dict:
     fast, env, flags = CONFIGS[name]
-    saved = dict(os.environ)
-    os.environ.update(env, OMP_NUM_THREADS="1")
+    env = {**env, "OMP_NUM_THREADS": "1"}
     if not fast:
-        os.environ["PYTHONPATH"] = hidden + os.pathsep + os.environ.get("PYTHONPATH", "")
-    try:
-        server = launch_server(["--model", "dummy:tiny", "--max-num-seqs", str(args.streams),
-                                "--log-level", "warning", *flags])
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
+        env["PYTHONPATH"] = hidden + os.pathsep + os.environ.get("PYTHONPATH", "")
+    server = launch_server(["--model", "dummy:tiny", "--max-num-seqs", str(args.streams),
+                            "--log-level", "warning", *flags], env=env)
     try:
         asyncio.run(load(server.url, "dummy:tiny", args.streams, args.streams // 4, 8))  # warm-up
         before = scrape(f"{server.url}/metrics")

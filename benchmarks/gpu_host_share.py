@@ -123,14 +123,8 @@ def main() -> None:
 
 def start(args, config: dict):
     """The server with this configuration's flags, and its environment for the server alone."""
-    saved = dict(os.environ)
-    os.environ.update(config.get("env", {}))
-    try:
-        return launch_server(["--model", args.model, "--tokenizer", args.tokenizer, "--max-num-seqs", "1024",
-                              *config.get("flags", []), "--log-level", "warning"], 600)
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
+    return launch_server(["--model", args.model, "--tokenizer", args.tokenizer, "--max-num-seqs", "1024",
+                          *config.get("flags", []), "--log-level", "warning"], 600, config.get("env"))
 
 
 if __name__ == "__main__":

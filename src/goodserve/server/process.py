@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -72,20 +73,21 @@ class ServerProcess:
         self.stop()
 
 
-def start_server(args: list[str]) -> ServerProcess:
-    """Start `goodserve serve ARGS --port <free>` without waiting for it (load something else meanwhile)."""
+def start_server(args: list[str], env: dict[str, str] | None = None) -> ServerProcess:
+    """Start `goodserve serve ARGS --port <free>` without waiting for it (load something else meanwhile);
+    env: variables set for the server alone, on top of this process's."""
     port = free_port()
     log_path = Path(tempfile.mkstemp(prefix="goodserve-serve-", suffix=".log")[1])
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
             [sys.executable, "-m", "goodserve.cli", "serve", "--port", str(port), *args],
-            stdout=log, stderr=subprocess.STDOUT,
+            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env} if env else None,
         )
     return ServerProcess(process, f"http://127.0.0.1:{port}", log_path)
 
 
-def launch_server(args: list[str], timeout_s: float = 180.0) -> ServerProcess:
+def launch_server(args: list[str], timeout_s: float = 180.0, env: dict[str, str] | None = None) -> ServerProcess:
     """Start the server and return once /health answers 200."""
-    server = start_server(args)
+    server = start_server(args, env)
     server.wait_ready(timeout_s)
     return server
