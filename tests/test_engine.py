@@ -1,5 +1,7 @@
 """The engine end to end on the embedded model: HF agreement, batch invariance, preemption, errors."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -205,3 +207,31 @@ def test_offline_text_equals_streamed_text(embedded_llm):
         engine.step(finished_only=True)
     aborted = engine.abort_request("aborted").outputs[0]
     assert aborted.text == tok.decode(aborted.token_ids) and len(aborted.token_ids) >= 4
+
+
+def test_delta_outputs_join_to_the_cumulative_ones(embedded_llm):
+    """output_kind "delta" hands over only what each step added: joined step by step, the deltas are
+    the cumulative outputs of the same request run beside them, with stop strings held back, logprobs
+    and n > 1 (seeded, so both runs sample alike)."""
+    engine, finishes = embedded_llm.engine, []
+    for params in (SamplingParams(temperature=0, max_tokens=40, stop=["return"], logprobs=1),
+                   SamplingParams(temperature=0.9, n=3, seed=5, max_tokens=12, logprobs=2)):
+        engine.add_request("whole", "def fibonacci(n):", params)
+        engine.add_request("parts", "def fibonacci(n):", replace(params, output_kind="delta"))
+        joined = [["", [], []] for _ in range(params.n)]
+        steps_with_text = 0
+        while engine.has_unfinished():
+            outputs = {o.request_id: o for o in engine.step()}
+            for whole, part, total in zip(outputs["whole"].outputs, outputs["parts"].outputs, joined):
+                assert len(part.logprobs) == len(part.token_ids)
+                total[0] += part.text
+                total[1] += part.token_ids
+                total[2] += part.logprobs
+                steps_with_text += bool(part.text)
+                assert (total[0], total[1], total[2]) == (whole.text, whole.token_ids, whole.logprobs)
+                assert part.finish_reason == whole.finish_reason
+        assert steps_with_text > 2 * params.n
+        finishes.append(outputs["whole"].outputs[0].finish_reason)
+    assert finishes == ["stop", "length"]
+    with pytest.raises(InvalidRequestError, match="output_kind"):
+        SamplingParams(output_kind="final")

@@ -22,6 +22,7 @@ MAX_TEMPERATURE = 100.0
 MAX_REPETITION_PENALTY = 100.0
 MAX_LOGIT_BIAS_ENTRIES = 300  # bounds the host work and the scatter each step pays per biased request
 POOLING = ("last", "mean")
+OUTPUT_KINDS = ("cumulative", "delta")
 MAX_SLO_MS = 86_400_000.0  # a day
 LOGIT_BIAS_RANGE = 100.0  # OpenAI's: -100 bans a token, +100 makes it all but certain
 
@@ -58,6 +59,10 @@ class SamplingParams:
     # 'last' | 'mean': embed the prompt (its final hidden states pooled, L2-normalized) instead of
     # generating; needs max_tokens=0 and n=1
     pooling: str | None = None
+    # What each of the request's outputs holds, as vLLM's RequestOutputKind: "cumulative" (everything
+    # so far) or "delta" (what was added since the last output). A stream takes deltas: copying a
+    # sequence's tokens into every step's output costs each step time in the length of its answers.
+    output_kind: str = "cumulative"
 
     def __post_init__(self) -> None:
         if not isinstance(self.logit_bias, dict):
@@ -110,6 +115,8 @@ class SamplingParams:
                 raise InvalidRequestError(f"pooling must be one of {', '.join(POOLING)}, got {self.pooling!r}")
             if self.max_tokens != 0 or self.n != 1:
                 raise InvalidRequestError("a pooling request generates nothing: it needs max_tokens=0 and n=1")
+        if self.output_kind not in OUTPUT_KINDS:
+            raise InvalidRequestError(f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, got {self.output_kind!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise InvalidRequestError("stop strings must be non-empty strings")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):

@@ -66,8 +66,8 @@ class InProcessTarget:
                                conversation_id=request.conversation_id, output_len_source="engine")
         params = SamplingParams(max_tokens=request.output_len, temperature=self.temperature,
                                 ignore_eos=self.ignore_eos, slo_ttft_ms=self.slo_ms.get("ttft"),
-                                slo_tpot_ms=self.slo_ms.get("tpot"))
-        seen_tokens, last = 0, None
+                                slo_tpot_ms=self.slo_ms.get("tpot"), output_kind="delta")
+        seen_tokens, last, text = 0, None, []
         queued = 0  # prompt tokens this request holds in the admission count until its first token
         try:
             if self.admission is not None:
@@ -81,18 +81,19 @@ class InProcessTarget:
                     queued = 0
                 completion, last = out.outputs[0], out
                 now = clock()
-                if len(completion.token_ids) > seen_tokens:
+                if completion.token_ids:
                     record.chunk_times.append(now)
-                    seen_tokens = len(completion.token_ids)
+                    seen_tokens += len(completion.token_ids)
+                text.append(completion.text)
                 record.prompt_len = len(out.prompt_token_ids)
                 record.cached_tokens = out.num_cached_tokens
-                record.generated_text = completion.text
         except GoodserveError as exc:
             record.error = f"{type(exc).__name__}: {exc}"
         finally:
             if queued:
                 self.admission.started(1, queued)
         record.end_time = clock()
+        record.generated_text = "".join(text)
         record.output_len = seen_tokens
         record.first_token_time = record.chunk_times[0] if record.chunk_times else None
         if last is not None and last.metrics.first_token_time is not None:

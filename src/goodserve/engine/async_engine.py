@@ -124,7 +124,8 @@ class AsyncEngine:
     async def generate(
         self, request_id: str, prompt: str | list[int], params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
-        """Yield the request's cumulative output after every step it took part in."""
+        """Yield the request's output after every step it took part in (all of it so far, or what the
+        step added: SamplingParams.output_kind)."""
         if self.dead is not None or self.stopping.is_set():
             raise EngineDeadError(f"the engine is not running{f': {self.dead}' if self.dead else ''}")
         stream = _Stream(asyncio.get_running_loop())

@@ -41,15 +41,21 @@ class Request:
         )
 
     def _completion(self, seq: Sequence) -> CompletionOutput:
+        """seq's output: all of it, or (output_kind "delta") what it gained since its last output."""
         text = seq.text
         if not seq.is_finished and self.holdback:
             text = text[: max(0, len(text) - self.holdback)]
+        tokens_from, chars_from = 0, 0
+        if seq.params.output_kind == "delta":
+            tokens_from, chars_from = seq.num_reported_tokens, seq.num_reported_chars
+            # (a stop string found later never cuts into text handed over: the holdback kept it back)
+            seq.num_reported_tokens, seq.num_reported_chars = seq.num_output_tokens, max(len(text), chars_from)
         return CompletionOutput(
             index=seq.index,
-            text=text,
-            token_ids=seq.output_token_ids,  # a fresh slice: the caller may keep it
+            text=text[chars_from:],
+            token_ids=seq.token_ids[seq.num_prompt_tokens + tokens_from:],  # a fresh list: the caller may keep it
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
-            logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
+            logprobs=seq.logprobs[tokens_from:] if seq.params.logprobs is not None else None,
             cumulative_logprob=seq.cumulative_logprob if seq.params.logprobs is not None else None,
         )

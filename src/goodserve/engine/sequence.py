@@ -41,6 +41,9 @@ class Sequence:
     pooled: object | None = None  # pooling: the sum (a tensor) of the hidden states pooled so far
     embedding: list[float] | None = None  # pooling: the result, once the prompt is computed
     metrics: RequestMetrics | None = None
+    # what its outputs have handed over so far (SamplingParams.output_kind "delta")
+    num_reported_tokens: int = 0
+    num_reported_chars: int = 0
     # moving average of its judged drafts' outcomes (spec_decode/policy.py); unmeasured: even odds,
     # enough to try drafting in a small batch
     spec_acceptance: float = 0.5

@@ -1,4 +1,7 @@
-"""One API call's trip through the engine: its prompts' requests, merged, diffed into choice deltas.
+"""One API call's trip through the engine: its prompts' requests, merged into choice deltas.
+
+The engine hands each request's outputs over as deltas (SamplingParams.output_kind "delta": a step
+copies only what it added); the job joins them into each prompt's output so far (`final`).
 
 Cancellation is the abort path: when the client goes away, the task serving it is cancelled, the
 engine streams are closed, and AsyncEngine aborts their requests (their KV blocks are freed at the
@@ -60,7 +63,7 @@ class GenerationJob:
     deadline: float | None = None  # time.monotonic() by which the whole call must finish
     max_unsent_outputs: int = 512  # per prompt: outputs produced but not yet taken by the response
     stream_interval: int = 1  # deltas() yields a choice's first token alone, then every this many tokens
-    final: dict[int, RequestOutput] = field(default_factory=dict)  # latest output per prompt
+    final: dict[int, RequestOutput] = field(default_factory=dict)  # each prompt's output so far
     _sent: dict[int, _Sent] = field(default_factory=dict)
     _queued: set[int] = field(default_factory=set)  # prompts holding a place in the waiting queue
 
@@ -70,7 +73,8 @@ class GenerationJob:
     async def _pump(self, index: int, queue: asyncio.Queue) -> None:
         """Forward one engine request's outputs; (index, None) marks its end, an exception its failure."""
         try:
-            stream = self.engine.generate(self._engine_request_id(index), self.prompts[index], self.params)
+            params = replace(self.params, output_kind="delta")
+            stream = self.engine.generate(self._engine_request_id(index), self.prompts[index], params)
             async with aclosing(stream):
                 async for out in stream:
                     if queue.qsize() >= self.max_unsent_outputs * len(self.prompts):
@@ -95,7 +99,7 @@ class GenerationJob:
         self._queued.clear()
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """(prompt index, cumulative output) as each engine request advances, all prompts at once."""
+        """(prompt index, what its output gained) as each engine request advances, all prompts at once."""
         queue: asyncio.Queue = asyncio.Queue()
         tasks = [asyncio.create_task(self._pump(i, queue)) for i in range(len(self.prompts))]
         remaining = len(tasks)
@@ -111,9 +115,9 @@ class GenerationJob:
                     continue
                 if isinstance(item, Exception):
                     raise item
-                self.final[index] = item
+                self.final[index] = _joined(self.final.get(index), item)
                 if item.finished:
-                    self.metrics.observe_finished(item, Slo(self.params.slo_ttft_ms, self.params.slo_tpot_ms))
+                    self.metrics.observe_finished(self.final[index], Slo(self.params.slo_ttft_ms, self.params.slo_tpot_ms))
                 yield index, item
             finished_cleanly = True
         finally:
@@ -142,7 +146,7 @@ class GenerationJob:
         async with aclosing(self.outputs()) as outputs:
             async for prompt_index, out in outputs:
                 for completion in out.outputs:
-                    delta = self._diff(prompt_index * self.params.n + completion.index, completion)
+                    delta = self._delta(prompt_index * self.params.n + completion.index, completion)
                     if delta is None:
                         continue
                     delta = _merged(held.pop(delta.index, None), delta)
@@ -155,22 +159,21 @@ class GenerationJob:
         return (self.stream_interval <= 1 or delta.first or delta.finish_reason is not None
                 or len(delta.token_ids) >= self.stream_interval)
 
-    def _diff(self, index: int, completion) -> ChoiceDelta | None:
+    def _delta(self, index: int, completion) -> ChoiceDelta | None:
         sent = self._sent.setdefault(index, _Sent())
-        if sent.finished:
+        if sent.finished:  # (a finished choice of n > 1 comes again while its siblings run)
             return None
-        new_text = completion.text[sent.text_len:]
-        new_tokens = completion.token_ids[sent.num_tokens:]
         finished = completion.finish_reason is not None
-        if not new_text and not new_tokens and not finished:
+        if not completion.text and not completion.token_ids and not finished:
             return None
-        logprobs = completion.logprobs[sent.num_tokens:] if completion.logprobs is not None else None
         delta = ChoiceDelta(
-            index=index, text=new_text, token_ids=list(new_tokens), logprobs=logprobs,
+            index=index, text=completion.text, token_ids=completion.token_ids, logprobs=completion.logprobs,
             finish_reason=completion.finish_reason, stop_reason=completion.stop_reason,
             first=sent.num_tokens == 0 and sent.text_len == 0, text_offset=sent.text_len,
         )
-        sent.text_len, sent.num_tokens, sent.finished = len(completion.text), len(completion.token_ids), finished
+        sent.text_len += len(completion.text)
+        sent.num_tokens += len(completion.token_ids)
+        sent.finished = finished
         return delta
 
     async def run(self) -> list[RequestOutput]:
@@ -219,3 +222,18 @@ def _merged(earlier: ChoiceDelta | None, later: ChoiceDelta) -> ChoiceDelta:
     logprobs = None if earlier.logprobs is None else earlier.logprobs + (later.logprobs or [])
     return replace(earlier, text=earlier.text + later.text, token_ids=earlier.token_ids + later.token_ids,
                    logprobs=logprobs, finish_reason=later.finish_reason, stop_reason=later.stop_reason)
+
+
+def _joined(total: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
+    """A prompt's output so far with the delta after it: the completions joined (the total's own
+    lists, grown in place: a delta's may be held unsent by a stream), the other fields the latest."""
+    outputs = total.outputs if total is not None else [
+        replace(c, text="", token_ids=[], logprobs=None if c.logprobs is None else []) for c in delta.outputs]
+    for whole, part in zip(outputs, delta.outputs):
+        whole.text += part.text
+        whole.token_ids.extend(part.token_ids)
+        if part.logprobs is not None:
+            whole.logprobs.extend(part.logprobs)
+        whole.finish_reason, whole.stop_reason = part.finish_reason, part.stop_reason
+        whole.cumulative_logprob = part.cumulative_logprob
+    return replace(delta, outputs=outputs)
