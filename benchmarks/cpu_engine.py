@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -40,6 +39,7 @@ import torch
 import transformers
 
 from cpu_quant_linear import median_us  # the same timing rule as the kernel benchmark
+from result_file import cpu_model_name
 from goodserve import LLM, SamplingParams
 from goodserve.engine.stats import StepLog
 from goodserve.model_names import embedded_gguf_path
@@ -199,13 +199,6 @@ def offline(llm: LLM, prompts: list[list[int]], peer_runs: list | None = None) -
     return {"seconds": seconds, "requests_per_s": len(prompts) / seconds,
             "output_tok_s": len(prompts) * NEW_TOKENS / seconds, "output_tok_s_runs": [r["output_tok_s"] for r in runs],
             "step_breakdown": breakdown(llm)}
-
-
-def cpu_model_name() -> str:
-    try:
-        return next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
 
 
 def main() -> None:

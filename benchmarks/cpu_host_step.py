@@ -27,7 +27,7 @@ import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from result_file import write_result  # noqa: E402
+from result_file import cpu_model_name, write_result  # noqa: E402
 
 PROMPT_LEN, WARMUP_STEPS, TAIL_STEPS = 32, 8, 8
 WAYS = ("engine", "async_engine", "bench_client")
@@ -154,17 +154,12 @@ def main() -> None:
     for name, by_rows in summary.items():
         for rows, medians in by_rows.items():
             print(f"{name:>8} {rows:4d} rows, median of {args.runs}: " + _ms(medians))
-    print(f"wrote {write_result('cpu_host_step.json', {'cpu': _cpu_name(), 'versions': versions, 'runs': results, 'medians': summary})}")
+    print(f"wrote {write_result('cpu_host_step.json', {'cpu': cpu_model_name(), 'versions': versions, 'runs': results, 'medians': summary})}")
 
 
 def _ms(r: dict) -> str:
     return "; ".join(f"{way} {r[f'{way}_step_ms']:.2f} (max {r[f'{way}_max_step_ms']:.1f}, full collection "
                      f"{r[f'{way}_gen2_max_ms']:.1f})" for way in WAYS) + " ms"
-
-
-def _cpu_name() -> str:
-    with open("/proc/cpuinfo") as f:
-        return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown")
 
 
 if __name__ == "__main__":

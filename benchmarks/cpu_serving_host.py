@@ -27,6 +27,7 @@ import aiohttp
 
 from goodserve.diagnose.observations import observations_from_scrapes, scrape
 from goodserve.server.process import launch_server
+from result_file import cpu_model_name
 
 OUT = os.environ.get("OUT", os.path.join(os.path.dirname(__file__), "results"))
 PYTHON_SETTINGS = {"GOODSERVE_GC_THRESHOLD": "700", "GOODSERVE_SWITCH_INTERVAL_MS": "5"}
@@ -116,8 +117,7 @@ def main() -> None:
     hidden = hiding_dir()
     order = args.configs + list(reversed(args.configs))
     rows = [run(name, args, hidden) for name in order]
-    summary = {"machine": next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
-                                if line.startswith("model name")), None), "cores": os.cpu_count(),
+    summary = {"machine": cpu_model_name(), "cores": os.cpu_count(),
                "streams": args.streams, "max_tokens": args.max_tokens, "prompt_tokens": 16, "runs": rows,
                "output_tok_s_runs": {name: sorted(r["output_tok_s"] for r in rows if r["config"] == name)
                                        for name in args.configs}}

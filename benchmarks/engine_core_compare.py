@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -28,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from result_file import write_result
+from result_file import cpu_model_name, write_result
 
 PARTS = "decode,int8,sharegpt"
 METRICS = ("decode_bf16_tok_s", "decode_int8_tok_s", "sharegpt_offline_output_tok_s")
@@ -79,13 +78,6 @@ def cpu_single_stream() -> dict:
         rates.append((CPU_NEW_TOKENS - 1) / (times[-1] - times[0]))
         tokens = out.outputs[0].token_ids
     return {"decode_tok_s_runs": rates, "token_ids": tokens, "quantization": llm.engine.config.quantization}
-
-
-def cpu_model_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.machine()
 
 
 def compare_cpu(roots: dict[str, Path], rounds: int) -> dict:

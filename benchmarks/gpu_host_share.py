@@ -29,6 +29,7 @@ import time
 
 from goodserve.diagnose.observations import scrape
 from goodserve.server.process import launch_server
+from result_file import cpu_model_name
 
 OUT = os.environ.get("OUT", "out")
 WORK = tempfile.mkdtemp(prefix="host_share_")  # the device call brings back 8 files: the summary alone
@@ -105,8 +106,7 @@ def main() -> None:
     # uvicorn's C event loop and HTTP parser, and bench's client: each has a slower fallback
     summary["installed"] = {name: importlib.util.find_spec(name) is not None
                             for name in ("uvloop", "httptools", "aiohttp")}
-    summary["host_cpu"] = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
-                                if line.startswith("model name")), None)
+    summary["host_cpu"] = cpu_model_name()
     summary["configs"] = configs = json.loads(args.configs)
     for name, config in configs.items():
         server = start(args, config)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import subprocess
 
 
@@ -16,6 +17,15 @@ def write_result(name: str, result) -> str:
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
     return path
+
+
+def cpu_model_name() -> str:
+    """The host's CPU as /proc/cpuinfo names it (where there is none, what platform knows)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
 
 
 def gpu_names() -> list[str]:
