@@ -7,10 +7,12 @@ uvicorn with uvloop and httptools (what goodserve installs) or with asyncio and 
 where they are missing; a module that refuses to import hides each), times Python's collector
 threshold and GIL switch interval or the serving process's own (engine/gc_pauses.tune_for_serving);
 or the configurations --configs names (each serving setting alone, and --stream-interval 4, too).
+--versions runs each configuration on several checkouts' src/ (the server imports the one named).
 Reported: output tokens/s over the whole run, and from the server's /metrics the engine thread's
 step time by phase and the collector's share of the wall time.
 
     PYTHONPATH=src python benchmarks/cpu_serving_host.py [--streams 256] [--max-tokens 128]
+        [--versions before=/path/to/old/src,after=src]
 """
 
 from __future__ import annotations
@@ -66,40 +68,43 @@ async def stream_one(session: aiohttp.ClientSession, url: str, model: str, promp
     return chunks
 
 
-async def load(url: str, model: str, streams: int, requests: int, max_tokens: int) -> float:
-    """Closed loop: `streams` clients, `requests` in all; the seconds it took."""
-    remaining = requests
+async def load(url: str, model: str, streams: int, requests: int, max_tokens: int) -> tuple[float, int]:
+    """Closed loop: `streams` clients, `requests` in all; the seconds it took and the chunks streamed."""
+    remaining, chunks = requests, 0
 
     async def client(session, seed: int) -> None:
-        nonlocal remaining
+        nonlocal remaining, chunks
         while remaining > 0:
             remaining -= 1
-            await stream_one(session, url, model, [(seed * 7 + i) % 500 + 1 for i in range(16)], max_tokens)
+            prompt = [(seed * 7 + i) % 500 + 1 for i in range(16)]
+            streamed = await stream_one(session, url, model, prompt, max_tokens)
+            chunks += streamed  # after the await: `chunks += await ...` would read chunks before it
 
     connector = aiohttp.TCPConnector(limit=streams)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as session:
         start = time.perf_counter()
         await asyncio.gather(*(client(session, i) for i in range(streams)))
-        return time.perf_counter() - start
+        return time.perf_counter() - start, chunks
 
 
-def run(name: str, args, hidden: str) -> dict:
+def run(name: str, version: str, src: str, args, hidden: str) -> dict:
     fast, env, flags = CONFIGS[name]
-    env = {**env, "OMP_NUM_THREADS": "1"}
-    if not fast:
-        env["PYTHONPATH"] = hidden + os.pathsep + os.environ.get("PYTHONPATH", "")
+    paths = ([] if fast else [hidden]) + [os.path.abspath(src), os.environ.get("PYTHONPATH", "")]
+    env = {**env, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(filter(None, paths))}
     server = launch_server(["--model", "dummy:tiny", "--max-num-seqs", str(args.streams),
                             "--log-level", "warning", *flags], env=env)
     try:
         asyncio.run(load(server.url, "dummy:tiny", args.streams, args.streams // 4, 8))  # warm-up
         before = scrape(f"{server.url}/metrics")
-        seconds = asyncio.run(load(server.url, "dummy:tiny", args.streams, args.rounds * args.streams, args.max_tokens))
+        seconds, chunks = asyncio.run(load(server.url, "dummy:tiny", args.streams, args.rounds * args.streams,
+                                           args.max_tokens))
         after = scrape(f"{server.url}/metrics")
     finally:
         server.stop()
     obs = observations_from_scrapes(before, after, seconds, server.url)
-    row = {"config": name, "seconds": seconds,
+    row = {"config": name, "version": version, "seconds": seconds,
            "output_tok_s": args.rounds * args.streams * args.max_tokens / seconds,
+           "tokens_per_chunk": args.rounds * args.streams * args.max_tokens / chunks,
            "host_share": obs.host_share, "step_phase_shares": obs.step_phase_shares,
            "gc_pause_share": obs.gc_pause_share}
     print(json.dumps({k: v for k, v in row.items() if k != "step_phase_shares"}), flush=True)
@@ -113,14 +118,17 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--configs", type=json.loads, default=DEFAULT_CONFIGS,
                         help=f"JSON list of configuration names, of: {list(CONFIGS)}")
+    parser.add_argument("--versions", default="current=src", help="name=src_dir,...: each configuration on each")
     args = parser.parse_args()
     hidden = hiding_dir()
-    order = args.configs + list(reversed(args.configs))
-    rows = [run(name, args, hidden) for name in order]
-    summary = {"machine": cpu_model_name(), "cores": os.cpu_count(),
+    versions = dict(item.split("=", 1) for item in args.versions.split(","))
+    runs = [(name, version) for name in args.configs for version in versions]
+    rows = [run(name, version, versions[version], args, hidden) for name, version in runs + runs[::-1]]
+    summary = {"machine": cpu_model_name(), "cores": os.cpu_count(), "versions": versions,
                "streams": args.streams, "max_tokens": args.max_tokens, "prompt_tokens": 16, "runs": rows,
-               "output_tok_s_runs": {name: sorted(r["output_tok_s"] for r in rows if r["config"] == name)
-                                       for name in args.configs}}
+               "output_tok_s_runs": {f"{name} ({version})": sorted(r["output_tok_s"] for r in rows
+                                                                   if (r["config"], r["version"]) == (name, version))
+                                     for name, version in runs}}
     os.makedirs(OUT, exist_ok=True)
     path = os.path.join(OUT, "cpu_serving_host.json")
     json.dump(summary, open(path, "w"), indent=1)

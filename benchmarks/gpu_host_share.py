@@ -69,6 +69,10 @@ def load(url: str, args, concurrency: int, tag: str) -> dict:
         result = json.load(open(path))
         row["bench"] = {k: result.get(k) for k in ("completed", "failed", "output_throughput",
                                                     "median_tpot_ms", "p99_tpot_ms", "median_ttft_ms")}
+        # chunks that carried text (a token that decodes to none is not one): above 1, the server
+        # sent several tokens in a chunk
+        chunks = sum(len(itls) + 1 for itls in result.get("itls", []))
+        row["bench"]["tokens_per_chunk"] = sum(result.get("output_lens", [])) / chunks if chunks else None
     return row
 
 
