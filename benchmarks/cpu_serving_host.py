@@ -8,8 +8,9 @@ where they are missing; a module that refuses to import hides each), times Pytho
 threshold and GIL switch interval or the serving process's own (engine/gc_pauses.tune_for_serving);
 or the configurations --configs names (each serving setting alone, and --stream-interval 4, too).
 --versions runs each configuration on several checkouts' src/ (the server imports the one named).
-Reported: output tokens/s over the whole run, and from the server's /metrics the engine thread's
-step time by phase and the collector's share of the wall time.
+Reported: output tokens/s over the whole run, the server's CPU time over it (its main thread, the
+event loop, apart from the rest: the engine thread and helpers; Linux's /proc), and from the
+server's /metrics the engine thread's step time by phase and the collector's share of the wall time.
 
     PYTHONPATH=src python benchmarks/cpu_serving_host.py [--streams 256] [--max-tokens 128]
         [--versions before=/path/to/old/src,after=src]
@@ -87,6 +88,18 @@ async def load(url: str, model: str, streams: int, requests: int, max_tokens: in
         return time.perf_counter() - start, chunks
 
 
+def cpu_seconds(pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) so far of the process's main thread and of its other threads."""
+    ticks = {"main_thread": 0, "other_threads": 0}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+        except FileNotFoundError:  # the thread ended meanwhile
+            continue
+        ticks["main_thread" if int(tid) == pid else "other_threads"] += int(fields[11]) + int(fields[12])
+    return {key: value / os.sysconf("SC_CLK_TCK") for key, value in ticks.items()}
+
+
 def run(name: str, version: str, src: str, args, hidden: str) -> dict:
     fast, env, flags = CONFIGS[name]
     paths = ([] if fast else [hidden]) + [os.path.abspath(src), os.environ.get("PYTHONPATH", "")]
@@ -95,16 +108,18 @@ def run(name: str, version: str, src: str, args, hidden: str) -> dict:
                             "--log-level", "warning", *flags], env=env)
     try:
         asyncio.run(load(server.url, "dummy:tiny", args.streams, args.streams // 4, 8))  # warm-up
-        before = scrape(f"{server.url}/metrics")
+        before, cpu_before = scrape(f"{server.url}/metrics"), cpu_seconds(server.process.pid)
         seconds, chunks = asyncio.run(load(server.url, "dummy:tiny", args.streams, args.rounds * args.streams,
                                            args.max_tokens))
-        after = scrape(f"{server.url}/metrics")
+        after, cpu_after = scrape(f"{server.url}/metrics"), cpu_seconds(server.process.pid)
     finally:
         server.stop()
     obs = observations_from_scrapes(before, after, seconds, server.url)
     row = {"config": name, "version": version, "seconds": seconds,
            "output_tok_s": args.rounds * args.streams * args.max_tokens / seconds,
            "tokens_per_chunk": args.rounds * args.streams * args.max_tokens / chunks,
+           # of one core over the run: the event loop's and the engine's together are bounded near 1 by the GIL
+           "server_cpu_share": {key: (cpu_after[key] - cpu_before[key]) / seconds for key in cpu_after},
            "host_share": obs.host_share, "step_phase_shares": obs.step_phase_shares,
            "gc_pause_share": obs.gc_pause_share}
     print(json.dumps({k: v for k, v in row.items() if k != "step_phase_shares"}), flush=True)
