@@ -30,7 +30,7 @@ import aiohttp
 
 from goodserve.diagnose.observations import observations_from_scrapes, scrape
 from goodserve.server.process import launch_server
-from result_file import cpu_model_name
+from result_file import cpu_model_name, thread_cpu_seconds
 
 OUT = os.environ.get("OUT", os.path.join(os.path.dirname(__file__), "results"))
 PYTHON_SETTINGS = {"GOODSERVE_GC_THRESHOLD": "700", "GOODSERVE_SWITCH_INTERVAL_MS": "5"}
@@ -88,18 +88,6 @@ async def load(url: str, model: str, streams: int, requests: int, max_tokens: in
         return time.perf_counter() - start, chunks
 
 
-def cpu_seconds(pid: int) -> dict[str, float]:
-    """CPU seconds (user + system) so far of the process's main thread and of its other threads."""
-    ticks = {"main_thread": 0, "other_threads": 0}
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
-        except FileNotFoundError:  # the thread ended meanwhile
-            continue
-        ticks["main_thread" if int(tid) == pid else "other_threads"] += int(fields[11]) + int(fields[12])
-    return {key: value / os.sysconf("SC_CLK_TCK") for key, value in ticks.items()}
-
-
 def run(name: str, version: str, src: str, args, hidden: str) -> dict:
     fast, env, flags = CONFIGS[name]
     paths = ([] if fast else [hidden]) + [os.path.abspath(src), os.environ.get("PYTHONPATH", "")]
@@ -108,10 +96,10 @@ def run(name: str, version: str, src: str, args, hidden: str) -> dict:
                             "--log-level", "warning", *flags], env=env)
     try:
         asyncio.run(load(server.url, "dummy:tiny", args.streams, args.streams // 4, 8))  # warm-up
-        before, cpu_before = scrape(f"{server.url}/metrics"), cpu_seconds(server.process.pid)
+        before, cpu_before = scrape(f"{server.url}/metrics"), thread_cpu_seconds(server.process.pid)
         seconds, chunks = asyncio.run(load(server.url, "dummy:tiny", args.streams, args.rounds * args.streams,
                                            args.max_tokens))
-        after, cpu_after = scrape(f"{server.url}/metrics"), cpu_seconds(server.process.pid)
+        after, cpu_after = scrape(f"{server.url}/metrics"), thread_cpu_seconds(server.process.pid)
     finally:
         server.stop()
     obs = observations_from_scrapes(before, after, seconds, server.url)

@@ -6,7 +6,8 @@ process, at several concurrencies, for each server configuration (`--configs`: s
 environment; by default async scheduling on, the default, and off). Once the batch is full,
 `goodserve diagnose --metrics-url` scrapes the server twice and writes its JSON: the engine
 thread's step time by phase (the host's share is everything outside the forward pass, whose time
-includes waiting for the device), the garbage collector's pauses, and the advice.
+includes waiting for the device), the garbage collector's pauses, and the advice; over the same
+window, the server's CPU time from /proc, its event loop (main thread) apart from its engine thread.
 
     python benchmarks/gpu_host_share.py --tokenizer DIR [--concurrency 64,256,512]
         [--configs '{"base": {}, "gc": {"env": {"GOODSERVE_GC_THRESHOLD": "20000"}}}']
@@ -29,7 +30,7 @@ import time
 
 from goodserve.diagnose.observations import scrape
 from goodserve.server.process import launch_server
-from result_file import cpu_model_name
+from result_file import cpu_model_name, thread_cpu_seconds
 
 OUT = os.environ.get("OUT", "out")
 WORK = tempfile.mkdtemp(prefix="host_share_")  # the device call brings back 8 files: the summary alone
@@ -40,8 +41,10 @@ def cli(*argv: str) -> list[str]:
     return [sys.executable, "-m", "goodserve.cli", *argv]
 
 
-def load(url: str, args, concurrency: int, tag: str) -> dict:
-    """One closed-loop bench at this concurrency, diagnosed from /metrics while it runs."""
+def load(server, args, concurrency: int, tag: str) -> dict:
+    """One closed-loop bench at this concurrency, diagnosed from /metrics while it runs, and the
+    server's threads' CPU time over diagnose's window."""
+    url = server.url
     bench_file, diagnose_file = f"bench_{tag}.json", os.path.join(WORK, f"diagnose_{tag}.json")
     bench = subprocess.Popen(cli(
         "bench", "--base-url", url, "--model", args.model, "--tokenizer", args.tokenizer,
@@ -51,10 +54,14 @@ def load(url: str, args, concurrency: int, tag: str) -> dict:
         "--disable-tqdm", "--save-result", "--result-dir", WORK, "--result-filename", bench_file),
         stdout=subprocess.DEVNULL)
     wait_for_full_batch(url, concurrency, bench)
+    cpu_before, started = thread_cpu_seconds(server.process.pid), time.monotonic()
     subprocess.run(cli("diagnose", "--metrics-url", f"{url}/metrics", "--interval", str(args.interval_s),
                        "--hardware", args.hardware, "--json", diagnose_file), check=False, stdout=subprocess.DEVNULL)
+    window_s = time.monotonic() - started
+    # of one core: the event loop's (main thread) and the engine thread's, which share one GIL
+    row: dict = {"concurrency": concurrency, "server_cpu_share": {
+        key: (seconds - cpu_before[key]) / window_s for key, seconds in thread_cpu_seconds(server.process.pid).items()}}
     bench.wait()
-    row: dict = {"concurrency": concurrency}
     if os.path.exists(diagnose_file):
         report = json.load(open(diagnose_file))
         obs = report["observations"]
@@ -115,14 +122,15 @@ def main() -> None:
     for name, config in configs.items():
         server = start(args, config)
         try:
-            summary["runs"][name] = [load(server.url, args, int(c), f"{name}_{c}")
+            summary["runs"][name] = [load(server, args, int(c), f"{name}_{c}")
                                      for c in args.concurrency.split(",")]
         finally:
             server.stop()
         json.dump(summary, open(os.path.join(OUT, "gpu_host_share.json"), "w"), indent=1)
         for row in summary["runs"][name]:
             print(name, row["concurrency"], {k: row.get(k) for k in ("host_share", "gc_pause_share", "tpot_ms",
-                                                                      "output_tok_s")}, row.get("bench"), flush=True)
+                                                                      "output_tok_s", "server_cpu_share")},
+                  row.get("bench"), flush=True)
 
 
 def start(args, config: dict):

@@ -42,5 +42,23 @@ def gpu_names() -> list[str]:
 def cpu_seconds(pid: int) -> float:
     """A process's user + system CPU time so far (Linux /proc): one Python process near a core of it
     (a router, a load generator) limits what it serves or measures."""
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return _stat_cpu_seconds(f"/proc/{pid}/stat")
+
+
+def thread_cpu_seconds(pid: int) -> dict[str, float]:
+    """The same, split: the process's main thread (a server's event loop) and its other threads (its
+    engine thread and helpers), whose sum one GIL keeps near a core."""
+    seconds = {"main_thread": 0.0, "other_threads": 0.0}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            cpu = _stat_cpu_seconds(f"/proc/{pid}/task/{tid}/stat")
+        except FileNotFoundError:  # the thread ended meanwhile
+            continue
+        seconds["main_thread" if int(tid) == pid else "other_threads"] += cpu
+    return seconds
+
+
+def _stat_cpu_seconds(path: str) -> float:
+    with open(path) as f:
+        fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
