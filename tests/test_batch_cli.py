@@ -62,21 +62,21 @@ def test_batch_run_resumes_after_the_lines_already_answered(tmp_path):
 
 def test_lines_reach_the_engine_at_the_lowest_priority_within_the_concurrency_bound(tmp_path):
     engine = AsyncEngine(EngineConfig(model="dummy:tiny", num_kv_blocks=64))
-    seen, in_flight, most = [], 0, 0
-    generate = engine.generate
+    seen, in_flight, most = [], set(), 0
+    add, release = engine.add, engine.release
 
-    async def spy(request_id, prompt, params):
-        nonlocal in_flight, most
+    def spy_add(request_id, prompt, params, deliver):
+        nonlocal most
         seen.append(params.priority)
-        in_flight += 1
-        most = max(most, in_flight)
-        try:
-            async for out in generate(request_id, prompt, params):
-                yield out
-        finally:
-            in_flight -= 1
+        in_flight.add(request_id)
+        most = max(most, len(in_flight))
+        add(request_id, prompt, params, deliver)
 
-    engine.generate = spy
+    def spy_release(request_id):
+        in_flight.discard(request_id)
+        release(request_id)
+
+    engine.add, engine.release = spy_add, spy_release
     source = tmp_path / "in.jsonl"
     write_lines(source, [completion(f"r{i}", max_tokens=8) for i in range(12)])
     assert asyncio.run(run_file(engine, source, tmp_path / "out.jsonl", 3, "dummy:tiny")) == (12, 0)

@@ -17,13 +17,13 @@ from goodserve.server.batch_lines import BATCH_PRIORITY
 def test_a_window_counts_the_lines_finished_in_it():
     engine = AsyncEngine(EngineConfig(model="dummy:tiny", num_kv_blocks=64))
     seen = []
-    generate = engine.generate
+    add = engine.add
 
-    def spy(request_id, prompt, params):
+    def spy(request_id, prompt, params, deliver):
         seen.append(params.priority)
-        return generate(request_id, prompt, params)
+        add(request_id, prompt, params, deliver)
 
-    engine.generate = spy
+    engine.add = spy
     requests = [BenchRequest("", 3, output_len) for output_len in (2, 3, 4, 5)]
     data = batch_input(requests, [[1, 2, 3]] * 4, "dummy:tiny")
 

@@ -1,8 +1,9 @@
 """The engine behind the server: a background thread runs step() in a loop; asyncio callers stream.
 
 All engine state is touched by that one thread only. Callers hand it work through a command queue
-(add, abort) and receive each step's outputs through per-request asyncio queues, so the HTTP event
-loop never waits on model compute.
+(add, abort) and receive each step's outputs on their event loop: `add` hands each to a callback of
+the caller's (the server's GenerationJob puts them straight into its own queue: one hop a token),
+`generate` streams them through a queue of its own. The HTTP event loop never waits on model compute.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from goodserve.config import EngineConfig
@@ -43,15 +44,23 @@ class _Abort:
     request_id: str
 
 
-class _Stream:
-    """Delivers one request's outputs (or its error) from the engine thread to its asyncio task."""
+Deliver = Callable[[RequestOutput | BaseException], None]
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+
+class _Stream:
+    """Delivers one request's outputs (or its error) from the engine thread to its caller's event loop;
+    an output the engine failed arrives as EngineStepError."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, deliver: Deliver) -> None:
         self.loop = loop
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self.deliver = deliver
+        self.finished = False  # its last item is on its way: nothing left to abort
 
     def put(self, item: RequestOutput | BaseException) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        if isinstance(item, RequestOutput) and item.error is not None:
+            item = EngineStepError(f"the engine failed on this request: {item.error}")
+        self.finished = self.finished or isinstance(item, BaseException) or item.finished
+        self.loop.call_soon_threadsafe(self.deliver, item)
 
 
 class AsyncEngine:
@@ -121,33 +130,40 @@ class AsyncEngine:
             unfreeze_heap()
 
     # ---- requests ------------------------------------------------------------------------
+    def add(self, request_id: str, prompt: str | list[int], params: SamplingParams, deliver: Deliver) -> None:
+        """Start a request: deliver(item) is called on this event loop with its output after every step
+        it took part in (all of it so far, or what the step added: SamplingParams.output_kind), the last
+        one finished, or with the exception that ended it. The caller calls release() when it takes no
+        more."""
+        if self.dead is not None or self.stopping.is_set():
+            raise EngineDeadError(f"the engine is not running{f': {self.dead}' if self.dead else ''}")
+        stream = _Stream(asyncio.get_running_loop(), deliver)
+        self.streams[request_id] = stream
+        self.commands.put(_Add(request_id, prompt, params, time.time(), stream))
+
+    def release(self, request_id: str) -> None:
+        """The caller takes no more of the request's outputs: if it has not finished (the client went
+        away, a cancellation, an error), abort it. Safe to call more than once."""
+        stream = self.streams.pop(request_id, None)
+        if stream is not None and not stream.finished:
+            self.commands.put(_Abort(request_id))
+
     async def generate(
         self, request_id: str, prompt: str | list[int], params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
-        """Yield the request's output after every step it took part in (all of it so far, or what the
-        step added: SamplingParams.output_kind)."""
-        if self.dead is not None or self.stopping.is_set():
-            raise EngineDeadError(f"the engine is not running{f': {self.dead}' if self.dead else ''}")
-        stream = _Stream(asyncio.get_running_loop())
-        self.streams[request_id] = stream
-        self.commands.put(_Add(request_id, prompt, params, time.time(), stream))
-        finished = False
+        """The request's outputs as `add` delivers them; an error is raised."""
+        outputs: asyncio.Queue = asyncio.Queue()
+        self.add(request_id, prompt, params, outputs.put_nowait)
         try:
             while True:
-                item = await stream.queue.get()
+                item = await outputs.get()
                 if isinstance(item, BaseException):
                     raise item
-                if item.error is not None:
-                    finished = True
-                    raise EngineStepError(f"the engine failed on this request: {item.error}")
-                finished = item.finished
                 yield item
-                if finished:
+                if item.finished:
                     return
         finally:
-            self.streams.pop(request_id, None)
-            if not finished:  # the caller went away (client disconnect, cancellation, error)
-                self.commands.put(_Abort(request_id))
+            self.release(request_id)
 
     async def abort(self, request_id: str) -> None:
         self.commands.put(_Abort(request_id))

@@ -16,6 +16,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import aclosing
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import TypeVar
 
 from starlette.requests import Request
@@ -70,23 +71,15 @@ class GenerationJob:
     def _engine_request_id(self, prompt_index: int) -> str:
         return self.request_id if len(self.prompts) == 1 else f"{self.request_id}-{prompt_index}"
 
-    async def _pump(self, index: int, queue: asyncio.Queue) -> None:
-        """Forward one engine request's outputs; (index, None) marks its end, an exception its failure."""
-        try:
-            params = replace(self.params, output_kind="delta")
-            stream = self.engine.generate(self._engine_request_id(index), self.prompts[index], params)
-            async with aclosing(stream):
-                async for out in stream:
-                    if queue.qsize() >= self.max_unsent_outputs * len(self.prompts):
-                        # The response is stuck sending (its client stopped reading): stop generating
-                        # for it; closing the stream aborts the request and frees its KV blocks.
-                        logger.info("aborting %s: its client stopped reading (%d outputs unsent)",
-                                    self.request_id, queue.qsize())
-                        raise ClientNotReadingError("the client stopped reading this stream; it was aborted")
-                    queue.put_nowait((index, out))
-            queue.put_nowait((index, None))
-        except Exception as exc:  # handed to the consumer, which raises it in the request's context
-            queue.put_nowait((index, exc))
+    def _arrived(self, queue: asyncio.Queue, index: int, item: RequestOutput | BaseException) -> None:
+        """One engine request's output (or the exception that ended it), handed over on the event loop."""
+        if queue.qsize() >= self.max_unsent_outputs * len(self.prompts) and isinstance(item, RequestOutput):
+            # The response is stuck sending (its client stopped reading): stop generating for it;
+            # releasing the request aborts it and frees its KV blocks.
+            logger.info("aborting %s: its client stopped reading (%d outputs unsent)", self.request_id, queue.qsize())
+            self.engine.release(self._engine_request_id(index))
+            item = ClientNotReadingError("the client stopped reading this stream; it was aborted")
+        queue.put_nowait((index, item))
 
     def admit(self) -> None:
         """Take queue places for every sequence (prompts x n), or raise 429 before anything is sent."""
@@ -101,33 +94,34 @@ class GenerationJob:
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(prompt index, what its output gained) as each engine request advances, all prompts at once."""
         queue: asyncio.Queue = asyncio.Queue()
-        tasks = [asyncio.create_task(self._pump(i, queue)) for i in range(len(self.prompts))]
-        remaining = len(tasks)
+        params = replace(self.params, output_kind="delta")
+        request_ids = [self._engine_request_id(i) for i in range(len(self.prompts))]
+        remaining = len(request_ids)
         finished_cleanly = False
         try:
+            for index, request_id in enumerate(request_ids):
+                self.engine.add(request_id, self.prompts[index], params, partial(self._arrived, queue, index))
             while remaining:
                 index, item = await self._next(queue)
                 if index in self._queued:
                     self._queued.discard(index)
                     self.admission.started(self.params.n, len(self.prompts[index]))
-                if item is None:
-                    remaining -= 1
-                    continue
-                if isinstance(item, Exception):
+                if isinstance(item, BaseException):
                     raise item
                 self.final[index] = _joined(self.final.get(index), item)
                 if item.finished:
+                    remaining -= 1
+                    self.engine.release(request_ids[index])
                     self.metrics.observe_finished(self.final[index], Slo(self.params.slo_ttft_ms, self.params.slo_tpot_ms))
                 yield index, item
             finished_cleanly = True
         finally:
-            # Bookkeeping before any await: under a cancelled scope (client gone) awaits fail at once.
+            # No await here: under a cancelled scope (client gone) awaits fail at once.
             self.release()
             if not finished_cleanly:
                 self.metrics.observe_aborted()
-            for task in tasks:
-                task.cancel()  # closes the engine streams, which aborts their requests
-            await asyncio.gather(*tasks, return_exceptions=True)
+            for request_id in request_ids:
+                self.engine.release(request_id)  # aborts those still running
 
     async def _next(self, queue: asyncio.Queue) -> tuple[int, object]:
         if self.deadline is None:
