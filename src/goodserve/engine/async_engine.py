@@ -165,9 +165,6 @@ class AsyncEngine:
         finally:
             self.release(request_id)
 
-    async def abort(self, request_id: str) -> None:
-        self.commands.put(_Abort(request_id))
-
     # ---- the engine thread ---------------------------------------------------------------
     def _loop(self) -> None:
         try:

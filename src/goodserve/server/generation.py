@@ -4,8 +4,8 @@ The engine hands each request's outputs over as deltas (SamplingParams.output_ki
 copies only what it added); the job joins them into each prompt's output so far (`final`).
 
 Cancellation is the abort path: when the client goes away, the task serving it is cancelled, the
-engine streams are closed, and AsyncEngine aborts their requests (their KV blocks are freed at the
-engine's next step). A deadline does the same thing on a timer.
+job releases its engine requests, and AsyncEngine aborts those not finished (their KV blocks are
+freed at the engine's next step). A deadline does the same thing on a timer.
 """
 
 from __future__ import annotations
