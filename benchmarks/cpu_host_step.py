@@ -10,9 +10,12 @@ runs: each token timed and recorded in the engine's process, under its GIL). Per
 the longest of the engine thread's step() calls while all R decode, and the longest full (generation
 2) garbage collection meanwhile: one stops every stream for as long as it takes (engine/gc_pauses.py).
 --versions compares checkouts' src/ (each imported in processes of its own), alternated within each run.
+--tokenizer DIR streams text as a server does (dummy:tiny has no tokenizer of its own, so without it
+nothing is detokenized; the bench client's way, which sends text, is left out then, since the
+tokenizer's ids do not fit dummy:tiny's vocabulary): benchmarks/export_tokenizer.py writes the embedded model's.
 
     OMP_NUM_THREADS=1 python benchmarks/cpu_host_step.py --rows 64,256,448 \\
-        [--versions before=/path/to/old/src,after=src] [--runs 3] [--max-tokens 128]
+        [--versions before=/path/to/old/src,after=src] [--runs 3] [--max-tokens 128] [--tokenizer DIR]
 
 Writes $OUT/cpu_host_step.json (benchmarks/result_file.py).
 """
@@ -31,10 +34,11 @@ from result_file import cpu_model_name, write_result  # noqa: E402
 
 PROMPT_LEN, WARMUP_STEPS, TAIL_STEPS = 32, 8, 8
 WAYS = ("engine", "async_engine", "bench_client")
+PHASES = ("schedule", "prepare", "forward", "sample", "detokenize", "output")
 KEYS = tuple(f"{way}_{what}" for way in WAYS for what in ("step_ms", "max_step_ms", "gen2_max_ms"))
 
 
-def measure(rows: int, max_tokens: int) -> dict:
+def measure(rows: int, max_tokens: int, tokenizer: str | None) -> dict:
     """In this process, on whatever goodserve PYTHONPATH gives: per way, the median and the longest
     decode step and the longest full (generation 2) collection while it ran, ms."""
     import asyncio
@@ -49,7 +53,7 @@ def measure(rows: int, max_tokens: int) -> dict:
     from goodserve.sampling_params import SamplingParams
 
     config = EngineConfig(model="dummy:tiny", device="cpu", max_num_seqs=rows, max_num_batched_tokens=8192,
-                          num_kv_blocks=rows * (2 + (PROMPT_LEN + max_tokens) // 16), max_model_len=1024)
+                          num_kv_blocks=rows * (2 + (PROMPT_LEN + max_tokens) // 16), max_model_len=1024, tokenizer=tokenizer)
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
     prompts = [[(i * 7 + j) % 500 + 1 for j in range(PROMPT_LEN)] for i in range(rows)]
 
@@ -91,6 +95,10 @@ def measure(rows: int, max_tokens: int) -> dict:
     while engine.has_unfinished():
         engine.step()
     result = summary("engine", times)
+    # where the engine's step time went, ms a step over the whole run ("detokenize": recording a
+    # step's tokens, stop checks and text included)
+    result["engine_phase_ms"] = {phase: 1000 * getattr(engine.steps, phase) / engine.steps.num_steps
+                                 for phase in PHASES}
 
     async def streamed() -> list[float]:
         async_engine = AsyncEngine(engine=Engine(config))
@@ -117,14 +125,15 @@ def measure(rows: int, max_tokens: int) -> dict:
         return step_times
 
     result.update(summary("async_engine", asyncio.run(streamed())))
-    result.update(summary("bench_client", asyncio.run(bench_client())))
+    if tokenizer is None:
+        result.update(summary("bench_client", asyncio.run(bench_client())))
     return {"rows": rows, "max_tokens": max_tokens, **result}
 
 
-def run_version(src: str, rows: int, max_tokens: int) -> dict:
+def run_version(src: str, rows: int, max_tokens: int, tokenizer: str | None) -> dict:
     env = {**os.environ, "PYTHONPATH": os.path.abspath(src)}
     done = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", str(rows),
-                           "--max-tokens", str(max_tokens)], env=env,
+                           "--max-tokens", str(max_tokens), *(["--tokenizer", tokenizer] if tokenizer else [])], env=env,
                           capture_output=True, text=True, check=True)
     return json.loads(done.stdout.splitlines()[-1])
 
@@ -135,31 +144,35 @@ def main() -> None:
     p.add_argument("--versions", default="current=src", help="name=src_dir,... alternated within each run")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=128, help="each request's greedy tokens")
+    p.add_argument("--tokenizer", help="a tokenizer directory: the engine streams text (detokenizes) as a server does")
     p.add_argument("--child", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
-        print(json.dumps(measure(args.child, args.max_tokens)))
+        print(json.dumps(measure(args.child, args.max_tokens, args.tokenizer)))
         return
     versions = dict(item.split("=", 1) for item in args.versions.split(","))
     results = {name: {} for name in versions}
     for rows in map(int, args.rows.split(",")):
         for run in range(args.runs):
             for name, src in versions.items():
-                r = run_version(src, rows, args.max_tokens)
+                r = run_version(src, rows, args.max_tokens, args.tokenizer)
                 results[name].setdefault(rows, []).append(r)
                 print(f"{name:>8} {rows:4d} rows, run {run + 1}: " + _ms(r), flush=True)
     summary = {name: {rows: {key: statistics.median(r[key] for r in runs)
-                             for key in KEYS}
+                             for key in KEYS if key in runs[0]}
+                      | {f"{phase}_ms": statistics.median(r["engine_phase_ms"][phase] for r in runs) for phase in PHASES}
                       for rows, runs in by_rows.items()} for name, by_rows in results.items()}
     for name, by_rows in summary.items():
         for rows, medians in by_rows.items():
             print(f"{name:>8} {rows:4d} rows, median of {args.runs}: " + _ms(medians))
-    print(f"wrote {write_result('cpu_host_step.json', {'cpu': cpu_model_name(), 'versions': versions, 'runs': results, 'medians': summary})}")
+    print(f"wrote {write_result('cpu_host_step.json', {'cpu': cpu_model_name(), 'versions': versions, 'tokenizer': args.tokenizer, 'runs': results, 'medians': summary})}")
 
 
 def _ms(r: dict) -> str:
     return "; ".join(f"{way} {r[f'{way}_step_ms']:.2f} (max {r[f'{way}_max_step_ms']:.1f}, full collection "
-                     f"{r[f'{way}_gen2_max_ms']:.1f})" for way in WAYS) + " ms"
+                     f"{r[f'{way}_gen2_max_ms']:.1f})" for way in WAYS if f"{way}_step_ms" in r) + " ms; engine phases " + \
+        ", ".join(f"{phase} {ms:.2f}" for phase, ms in (r.get("engine_phase_ms") or
+                                                         {p: r[f"{p}_ms"] for p in PHASES}).items())
 
 
 if __name__ == "__main__":

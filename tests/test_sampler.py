@@ -162,3 +162,22 @@ def test_sampling_follows_the_distribution():
         counts[int(sample(logits, batch, TORCH_KERNELS).token_ids[0])] += 1
     expected = torch.softmax(logits[0], -1) * 4000
     assert torch.all((counts[:4] - expected[:4]).abs() < 5 * expected[:4].sqrt() + 5)
+
+
+def test_penalties_and_bans_land_on_their_own_rows():
+    torch.manual_seed(2)
+    logits = torch.randn(3, VOCAB)
+    rows = [seq_with(SamplingParams(repetition_penalty=1.5, frequency_penalty=0.5), prompt=(1, 2), output=(3, 3)),
+            seq_with(SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[4]), prompt=(5,), output=()),
+            seq_with(SamplingParams(presence_penalty=1.0), prompt=(6, 7, 8), output=(9,))]
+    batch = build_sampling_batch(rows, VOCAB, torch.device("cpu"), [0])
+    expected = logits.clone()
+    for row, (prompt, output, rep, freq, pres) in enumerate([((1, 2), (3, 3), 1.5, 0.5, 0.0), ((5,), (), 1.0, 0.0, 0.0),
+                                                             ((6, 7, 8), (9,), 1.0, 0.0, 1.0)]):
+        for token in set(prompt) | set(output):
+            x = expected[row, token]
+            expected[row, token] = x / rep if x > 0 else x * rep
+        for token in set(output):
+            expected[row, token] -= pres + freq * output.count(token)
+    expected[1, [0, 4]] = float("-inf")  # eos and the stop token, before min_tokens
+    torch.testing.assert_close(apply_penalties(logits, batch), expected)

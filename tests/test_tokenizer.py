@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import models
+from tokenizers import decoders, models
 
 from goodserve.errors import InvalidRequestError
 from goodserve.model.detokenizer import IncrementalDetokenizer
@@ -185,3 +185,21 @@ def test_sentencepiece_gguf_tokenizer_matches_hf(tmp_path, text: str):
     assert ids == ref.encode(text)
     assert ids[0] == 1  # BOS, as llama.cpp adds for a SentencePiece vocabulary
     assert ours.decode(ids) == ref.decode(ids, skip_special_tokens=True)
+
+
+def test_stream_after_a_prompt_cut_mid_character_emits_the_character_whole(tok: Tokenizer):
+    ids = tok.encode("ok 🤖 yes")
+    cut = next(n for n in range(1, len(ids)) if tok.decode(ids[:n]).endswith("\ufffd"))
+    deltas = stream(tok, ids[cut:], prompt=ids[:cut])
+    assert not any("\ufffd" in d for d in deltas)
+    assert "".join(deltas).endswith("🤖 yes")
+    assert "ok" not in "".join(deltas)  # nothing of the prompt's whole characters comes back
+
+
+def test_stream_goes_on_where_the_decoder_rewrites_earlier_text():
+    # "ab" decodes to "XYZ", which does not extend "a"'s text: DecodeStream refuses that window.
+    backend = HFTokenizer(models.WordLevel(vocab={"a": 0, "b": 1, "c": 2}, unk_token="a"))
+    backend.decoder = decoders.Sequence([decoders.Fuse(), decoders.Replace("ab", "XYZ")])
+    tokenizer = Tokenizer(backend, bos_token_id=None, eos_token_ids=[])
+    deltas = stream(tokenizer, [0, 1, 2, 2])
+    assert deltas[0] == "a" and deltas[2:4] == ["c", "c"]

@@ -1,8 +1,16 @@
 """Builds the sampler's per-row tensors for the rows that sample this step, from the runner's
-request states and the scheduler's plain data."""
+request states and the scheduler's plain data.
+
+Every tensor reaches the device through pinned memory, copied without waiting: a CUDA copy from
+pageable memory synchronizes the stream. Under async scheduling the runner builds these right after
+launching step N+1's forward, before the engine records step N, so such a copy would make the host
+wait for that forward (sampling at temperature > 0 pipelines, as greedy does); and a step with
+penalties or min_tokens would pay a synchronization per row.
+"""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -38,7 +46,7 @@ def build_sampling_batch(rows: list[SamplingRow], vocab_size: int, device: torch
     if grammar is not None:
         batch.token_bitmask = grammar.bitmask.to(device, non_blocking=True)
         if grammar.rows is not None:
-            batch.bitmask_rows = torch.tensor(grammar.rows, pin_memory=device.type == "cuda").to(device, non_blocking=True)
+            batch.bitmask_rows = on_device(grammar.rows, torch.int64, device)
     return batch
 
 
@@ -52,11 +60,14 @@ def _settings(seqs: list[SamplingRow], vocab_size: int, device: torch.device, eo
     if plain and not needs_ban and all(p.greedy for p in params):  # the common fast path: argmax only
         return SamplingBatch(all_greedy=True, max_logprobs=max_logprobs, logit_bias=logit_bias)
     top_k = [min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params]
+    temperature, top_p, min_p = on_device(
+        [[0.0 if p.greedy else p.temperature for p in params], [p.top_p for p in params], [p.min_p for p in params]],
+        torch.float32, device)
     batch = SamplingBatch(
-        temperature=torch.tensor([0.0 if p.greedy else p.temperature for p in params], device=device),
-        top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
-        top_p=torch.tensor([p.top_p for p in params], device=device),
-        min_p=torch.tensor([p.min_p for p in params], device=device),
+        temperature=temperature,
+        top_k=on_device(top_k, torch.int64, device),
+        top_p=top_p,
+        min_p=min_p,
         generators=[seq.state.generator for seq in seqs],
         needs_top_k_p=any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params if not p.greedy),
         all_greedy=all(p.greedy for p in params),
@@ -74,22 +85,18 @@ def _logit_bias(params: list[SamplingParams], device) -> tuple[torch.Tensor, tor
     """Every row's bias as one sparse list: (row, token id) pairs and their values."""
     entries = [(row, token, value) for row, p in enumerate(params) for token, value in p.logit_bias.items()]
     rows, tokens, values = zip(*entries)
-    return (torch.tensor([rows, tokens], dtype=torch.int64, device=device),
-            torch.tensor(values, dtype=torch.float32, device=device))
+    return on_device([rows, tokens], torch.int64, device), on_device(values, torch.float32, device)
 
 
 def _add_penalties(batch: SamplingBatch, seqs: list[SamplingRow], vocab_size: int, device) -> None:
     params = [seq.params for seq in seqs]
-    batch.repetition_penalty = torch.tensor([p.repetition_penalty for p in params], device=device)
-    batch.presence_penalty = torch.tensor([p.presence_penalty for p in params], device=device)
-    batch.frequency_penalty = torch.tensor([p.frequency_penalty for p in params], device=device)
-    batch.prompt_mask = torch.zeros(len(seqs), vocab_size, dtype=torch.bool, device=device)
+    batch.repetition_penalty, batch.presence_penalty, batch.frequency_penalty = on_device(
+        [[p.repetition_penalty for p in params], [p.presence_penalty for p in params],
+         [p.frequency_penalty for p in params]], torch.float32, device)
+    batch.prompt_mask = _marked([seq.state.prompt_token_ids for seq in seqs], vocab_size, device)
     batch.output_counts = torch.zeros(len(seqs), vocab_size, device=device)
-    for row, seq in enumerate(seqs):
-        prompt = torch.tensor(seq.state.prompt_token_ids, device=device)
-        batch.prompt_mask[row, prompt] = True
-        output = torch.tensor(seq.output_token_ids or [], dtype=torch.int64, device=device)
-        batch.output_counts[row].index_add_(0, output, torch.ones(len(output), device=device))
+    index = _row_token_index([seq.output_token_ids or [] for seq in seqs], device)
+    batch.output_counts.index_put_(index, torch.ones(len(index[1]), device=device), accumulate=True)
 
 
 def _bans_stop_tokens(seq: SamplingRow) -> bool:
@@ -99,9 +106,29 @@ def _bans_stop_tokens(seq: SamplingRow) -> bool:
 
 
 def _banned_before_min_tokens(seqs: list[SamplingRow], vocab_size: int, device, eos_token_ids: list[int]):
-    banned = torch.zeros(len(seqs), vocab_size, dtype=torch.bool, device=device)
-    for row, seq in enumerate(seqs):
-        if _bans_stop_tokens(seq):
-            stops = list(seq.params.stop_token_ids) + ([] if seq.params.ignore_eos else eos_token_ids)
-            banned[row, [t for t in stops if t < vocab_size]] = True
-    return banned
+    def stops(seq: SamplingRow) -> list[int]:
+        if not _bans_stop_tokens(seq):
+            return []
+        return [t for t in [*seq.params.stop_token_ids, *([] if seq.params.ignore_eos else eos_token_ids)]
+                if t < vocab_size]
+
+    return _marked([stops(seq) for seq in seqs], vocab_size, device)
+
+
+def _marked(token_lists: list[list[int]], vocab_size: int, device) -> torch.Tensor:
+    """[N, V] bool: True at every row's tokens."""
+    marked = torch.zeros(len(token_lists), vocab_size, dtype=torch.bool, device=device)
+    index = _row_token_index(token_lists, device)
+    return marked.index_put_(index, torch.ones(len(index[1]), dtype=torch.bool, device=device))
+
+
+def _row_token_index(token_lists: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, token ids) on the device: the index of every row's tokens in an [N, V] tensor."""
+    rows = [row for row, tokens in enumerate(token_lists) for _ in tokens]
+    return tuple(on_device([rows, list(itertools.chain.from_iterable(token_lists))], torch.int64, device))
+
+
+def on_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """values as a tensor on device, the host not waiting for the copy (pinned memory: the caching
+    host allocator keeps the buffer until the copy is done)."""
+    return torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda").to(device, non_blocking=True)
