@@ -27,6 +27,9 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from result_file import gpu_names, write_result  # noqa: E402
 
+# OpenAI's defaults are temperature 1 and top-p 1: no sort over the vocabulary, which top-p < 1 needs
+MODES = {"greedy": dict(temperature=0.0), "temperature": dict(temperature=1.0),
+         "top_p": dict(temperature=0.8, top_p=0.95)}
 PHASES = ("schedule", "prepare", "forward", "sample", "detokenize", "output")
 
 
@@ -37,8 +40,8 @@ def measure(args) -> dict:
     llm = LLM(args.model, device=args.device, dtype=args.dtype, max_num_seqs=args.requests, seed=0)
     prompts = [{"prompt_token_ids": [(i * 31 + j) % (llm.spec.vocab_size - 1) + 1 for j in range(args.input_len)]}
                for i in range(args.requests)]
-    modes = {"greedy": SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True),
-             "temperature": SamplingParams(temperature=0.8, top_p=0.95, max_tokens=args.output_len, ignore_eos=True)}
+    modes = {mode: SamplingParams(**settings, max_tokens=args.output_len, ignore_eos=True)
+             for mode, settings in MODES.items() if mode in args.modes.split(",")}
     llm.generate(prompts[:16], SamplingParams(temperature=0.8, max_tokens=16, ignore_eos=True))  # warm-up
     runs = []
     for round_index in range(args.rounds):
@@ -66,6 +69,7 @@ def main() -> None:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--modes", default="greedy,temperature,top_p", help=f"of {list(MODES)}")
     p.add_argument("--device", default="cuda", help="cpu: a smoke run (with --model dummy:tiny --dtype float32)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
