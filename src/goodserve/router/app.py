@@ -7,7 +7,6 @@ import contextlib
 import logging
 from contextlib import asynccontextmanager
 
-import httpx2
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -27,21 +26,17 @@ logger = logging.getLogger("goodserve.router")
 ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/responses")
 
 
-def build_router(config: RouterConfig, transport: httpx2.AsyncBaseTransport | None = None) -> Router:
+def build_router(config: RouterConfig) -> Router:
     backends = [Backend(url.rstrip("/")) for url in config.backends]
     tree = PrefixTree(config.prefix_chunk_chars, config.prefix_tree_max_nodes)
     policy = make_policy(config.policy, tree, match_threshold=config.prefix_match_threshold,
                          balance_abs_threshold=config.balance_abs_threshold,
                          balance_rel_threshold=config.balance_rel_threshold)
-    # No read timeout: a long generation streams for minutes. No pool cap: the replicas' admission decides.
-    client = httpx2.AsyncClient(
-        transport=transport, limits=httpx2.Limits(max_connections=None, max_keepalive_connections=1024),
-        timeout=httpx2.Timeout(None, connect=config.connect_timeout_s))
-    return Router(backends, policy, tree, client, RouterMetrics(backends))
+    return Router(backends, policy, tree, RouterMetrics(backends), config.connect_timeout_s)
 
 
-def build_app(config: RouterConfig, transport: httpx2.AsyncBaseTransport | None = None) -> FastAPI:
-    router = build_router(config, transport)
+def build_app(config: RouterConfig) -> FastAPI:
+    router = build_router(config)
     health = HealthChecker(router, config.health_interval_s, config.health_timeout_s, config.scrape_load)
 
     @asynccontextmanager
@@ -54,7 +49,7 @@ def build_app(config: RouterConfig, transport: httpx2.AsyncBaseTransport | None 
         checks.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await checks
-        await router.client.aclose()
+        await router.close()
 
     app = FastAPI(title="goodserve router", version=goodserve.__version__, lifespan=lifespan)
     app.state.router = router

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-import httpx2
+import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from goodserve.router.backend import Backend
@@ -28,16 +28,16 @@ class HealthChecker:
         self.scrape_load = scrape_load
 
     async def check(self, backend: Backend) -> None:
-        client = self.router.client
+        client, timeout = self.router.client, aiohttp.ClientTimeout(total=self.timeout_s)
         try:
-            response = await client.get(f"{backend.url}/health", timeout=self.timeout_s)
-            if response.status_code != 200:
-                self.router.set_health(backend, False, f"/health answered {response.status_code}")
-                return
+            async with client.get(f"{backend.url}/health", timeout=timeout) as response:
+                if response.status != 200:
+                    self.router.set_health(backend, False, f"/health answered {response.status}")
+                    return
             if self.scrape_load:
-                metrics = await client.get(f"{backend.url}/metrics", timeout=self.timeout_s)
-                backend.scraped_requests = queued_requests(metrics.text)
-        except httpx2.HTTPError as exc:
+                async with client.get(f"{backend.url}/metrics", timeout=timeout) as metrics:
+                    backend.scraped_requests = queued_requests(await metrics.text())
+        except (aiohttp.ClientError, TimeoutError) as exc:
             self.router.set_health(backend, False, f"/health: {type(exc).__name__}: {exc}")
             return
         self.router.set_health(backend, True)
