@@ -19,7 +19,7 @@ with fresh replicas:
     python benchmarks/gpu_router.py --tokenizer DIR [--replicas 2] [--phases capacity,prefix,fixed]
 
 Writes $OUT/gpu_router.json (and each bench run's result file beside it), with the router's CPU use
-over the routed capacity search (one core is its ceiling). A phase takes a few minutes; run them in
+over the routed runs (one core is its ceiling): its mean, and its peak over any 5 s. A phase takes a few minutes; run them in
 separate calls when one call's time is short.
 """
 
@@ -31,6 +31,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -74,6 +75,36 @@ def router(urls: list[str], policy: str):
         front.stop()
 
 
+class CpuSampler:
+    """A process's CPU time read every second while it runs: its mean share of a core, and the largest
+    share over any 5 s (a search's mean hides the probes at which the router was saturated)."""
+
+    def __init__(self, pid: int):
+        self.pid, self.samples, self.stop = pid, [], threading.Event()
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while True:
+            self.samples.append((time.monotonic(), cpu_seconds(self.pid)))
+            if self.stop.wait(1.0):
+                return
+
+    def __enter__(self) -> CpuSampler:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join()
+        self.samples.append((time.monotonic(), cpu_seconds(self.pid)))
+
+    def summary(self) -> dict:
+        (t0, c0), (t1, c1) = self.samples[0], self.samples[-1]
+        windows = [(c - cb) / (t - tb) for (tb, cb), (t, c) in zip(self.samples, self.samples[5:])]
+        return {"router_cpu_fraction_of_a_core": (c1 - c0) / (t1 - t0),
+                "router_cpu_peak_5s_fraction_of_a_core": max(windows, default=None)}
+
+
 def bench(url: str, args, extra: list[str], filename: str) -> dict:
     command = [sys.executable, "-m", "goodserve.cli", "bench", "--base-url", url, "--model", args.model,
                "--tokenizer", args.tokenizer, "--save-result", "--result-dir", OUT, "--result-filename", filename,
@@ -104,11 +135,10 @@ def capacity_phase(args) -> dict:
             result["bench_cpu_fraction_of_a_core_one"] = alone["bench_cpu_fraction_of_a_core"]
         if "routed" in sides:
             with router([s.url for s in servers], args.capacity_policy) as front:
-                started, cpu_before = time.monotonic(), cpu_seconds(front.process.pid)
-                routed = bench(front.url, args, capacity_workload(args, args.num_prompts * args.replicas),
-                               f"router_capacity_{args.replicas}.json")
-                result["router_cpu_fraction_of_a_core"] = (cpu_seconds(front.process.pid) - cpu_before) / (
-                    time.monotonic() - started)
+                with CpuSampler(front.process.pid) as cpu:
+                    routed = bench(front.url, args, capacity_workload(args, args.num_prompts * args.replicas),
+                                   f"router_capacity_{args.replicas}.json")
+                result.update(cpu.summary())
                 router_metrics = scrape_metrics(front.url)
             result["routed"] = routed.get("capacity", {})
             result["bench_cpu_fraction_of_a_core_routed"] = routed["bench_cpu_fraction_of_a_core"]
@@ -130,16 +160,13 @@ def fixed_phase(args) -> dict:
             "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "bench_cpu_fraction_of_a_core")
     with replicas(args, args.replicas, []) as servers:
         one = bench(servers[0].url, args, workload(args.fixed_rate, args.num_prompts), "router_fixed_1.json")
-        with router([s.url for s in servers], args.capacity_policy) as front:
-            started, cpu_before = time.monotonic(), cpu_seconds(front.process.pid)
+        with router([s.url for s in servers], args.capacity_policy) as front, CpuSampler(front.process.pid) as cpu:
             many = bench(front.url, args, workload(args.fixed_rate * args.replicas, args.num_prompts * args.replicas),
                          f"router_fixed_{args.replicas}.json")
-            router_busy = (cpu_seconds(front.process.pid) - cpu_before) / (time.monotonic() - started)
     summary = {"one_replica": {k: one.get(k) for k in keys}, "routed": {k: many.get(k) for k in keys}}
     throughput = [summary[side]["request_throughput"] for side in ("one_replica", "routed")]
     return {"replicas": args.replicas, "rate_per_replica": args.fixed_rate, **summary,
-            "throughput_ratio": throughput[1] / throughput[0] if all(throughput) else None,
-            "router_cpu_fraction_of_a_core": router_busy}
+            "throughput_ratio": throughput[1] / throughput[0] if all(throughput) else None, **cpu.summary()}
 
 
 def cache_counters(servers: list[ServerProcess]) -> tuple[float, float]:

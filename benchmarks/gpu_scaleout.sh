@@ -29,7 +29,9 @@ step() {  # name, seconds, command...
   rm -f "$OUT/$name"/router_*.json "$OUT/$name"/disagg_*.json  # per-request records: too large to bring back
 }
 
-step fixed 150 python3 benchmarks/gpu_router.py --tokenizer .gate/tok --phases fixed --num-prompts 300 --fixed-rate 32
+# 48 req/s a replica (where one replica's capacity search last passed) for 50 s a side: long enough to
+# reach steady state, which the searches' probes do not
+step fixed 330 python3 benchmarks/gpu_router.py --tokenizer .gate/tok --phases fixed --num-prompts 2400 --fixed-rate 48
 # 800 prompts a replica a probe (400 left the probes short of steady state): each side a call of its own
 step capacity1 560 python3 benchmarks/gpu_router.py --tokenizer .gate/tok --phases capacity --num-prompts 800 \
   --capacity-sides one
