@@ -49,7 +49,8 @@ def load(server, args, concurrency: int, tag: str) -> dict:
     bench = subprocess.Popen(cli(
         "bench", "--base-url", url, "--model", args.model, "--tokenizer", args.tokenizer,
         "--dataset-name", "random", "--random-input-len", str(args.input_len),
-        "--random-output-len", str(args.output_len), "--ignore-eos", "--num-prompts",
+        "--random-output-len", str(args.output_len), "--ignore-eos", "--temperature", str(args.temperature),
+        "--num-prompts",
         str(max(args.rounds * concurrency, args.min_prompts)), "--max-concurrency", str(concurrency),
         "--disable-tqdm", "--save-result", "--result-dir", WORK, "--result-filename", bench_file),
         stdout=subprocess.DEVNULL)
@@ -102,12 +103,14 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--interval-s", type=float, default=6.0)
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="the requests' (1: OpenAI's default, sampled on the device beside greedy's argmax)")
     parser.add_argument("--configs", default=DEFAULT_CONFIGS,
                         help='JSON: name -> {"flags": [serve flags], "env": {variable: value}}')
     args = parser.parse_args()
     os.makedirs(OUT, exist_ok=True)
     summary: dict = {"model": args.model, "input_len": args.input_len, "output_len": args.output_len,
-                     "runs": {}}
+                     "temperature": args.temperature, "runs": {}}
     try:
         import torch
 
