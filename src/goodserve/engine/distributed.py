@@ -24,7 +24,6 @@ import dataclasses
 import datetime
 import os
 import pickle
-import socket
 from collections.abc import Callable
 
 import torch
@@ -35,6 +34,7 @@ from goodserve.engine.shm_broadcast import Reader, Writer
 from goodserve.errors import InvalidRequestError
 from goodserve.model.pipeline_parallel import PipelineParallel
 from goodserve.model.tensor_parallel import TensorParallel
+from goodserve.ports import free_port
 
 ENV_NAMES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK")
 _IDLE_FOREVER = datetime.timedelta(days=365)
@@ -56,14 +56,8 @@ def launch_env(world_size: int, rank: int, local_rank: int) -> dict[str, str]:
     """What torchrun would set for a rank of this host; MASTER_ADDR / MASTER_PORT from the engine's
     own environment when set (the other hosts must reach them), else this host and a free port."""
     return {"MASTER_ADDR": os.environ.get("MASTER_ADDR", "127.0.0.1"),
-            "MASTER_PORT": os.environ.get("MASTER_PORT") or str(_free_port()),
+            "MASTER_PORT": os.environ.get("MASTER_PORT") or str(free_port("")),
             "WORLD_SIZE": str(world_size), "RANK": str(rank), "LOCAL_RANK": str(local_rank)}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def join() -> Rank:

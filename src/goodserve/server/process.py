@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -15,6 +14,8 @@ from pathlib import Path
 import httpx2
 from prometheus_client.parser import text_string_to_metric_families
 
+from goodserve.ports import free_port
+
 
 def scrape_metrics(url: str) -> dict[str, float]:
     """A server's /metrics as {'name{label=value,...}': value}, labels sorted, model_name left out."""
@@ -24,12 +25,6 @@ def scrape_metrics(url: str) -> dict[str, float]:
             labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
             samples[f"{s.name}{{{labels}}}"] = s.value
     return samples
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
