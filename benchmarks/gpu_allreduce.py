@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # before any NCCL communicator exists (the ranks inherit it)
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
@@ -37,6 +36,7 @@ import torch.multiprocessing as mp  # noqa: E402
 
 from goodserve.model.custom_all_reduce import set_up_custom_all_reduce  # noqa: E402
 from goodserve.ops.triton_ops import triton_add_rms_norm  # noqa: E402
+from goodserve.ports import free_port  # noqa: E402
 from result_file import write_result  # noqa: E402
 
 GRAPH_CALLS = 64
@@ -205,9 +205,7 @@ def main() -> None:
     args = parser.parse_args()
     if torch.cuda.device_count() < args.gpus:
         raise SystemExit(f"{args.gpus} GPUs asked for, {torch.cuda.device_count()} here")
-    with socket.socket() as s:
-        s.bind(("", 0))
-        port = s.getsockname()[1]
+    port = free_port("")
     sizes = [int(kb) << 10 for kb in args.sizes_kb.split(",")]
     fused_shapes = [tuple(int(n) for n in shape.split("x")) for shape in args.fused_shapes.split(",")]
     mp.spawn(rank_main, args=(args.gpus, port, sizes, fused_shapes), nprocs=args.gpus)  # raises where a rank fails

@@ -4,7 +4,6 @@ and the bench command end to end against it: errors are recorded, partial result
 import argparse
 import asyncio
 import json
-import socket
 import threading
 
 import pytest
@@ -13,6 +12,7 @@ from goodserve.bench import command
 from goodserve.bench.client import HttpTarget, HttpTargetConfig, TokenCounter, monotonic_clock
 from goodserve.bench.result import load_json
 from goodserve.bench.workloads import BenchRequest
+from goodserve.ports import free_port
 
 CHUNK_GAP_S = 0.02
 
@@ -117,12 +117,6 @@ def server(request):
     s = SseServer(**getattr(request, "param", {}))
     yield s
     s.close()
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("server", [{"mode": "ok"}], indirect=True)

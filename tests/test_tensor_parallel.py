@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ from goodserve.model.dummy_loader import load_dummy
 from goodserve.model.llama import build_empty_model
 from goodserve.model.presets import get_preset
 from goodserve.model.tensor_parallel import TensorParallel, check_tensor_parallel_size
+from goodserve.ports import free_port
 from goodserve.quant.apply import quantize_model
 
 PROMPTS = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 30, 2)]
@@ -163,9 +163,7 @@ def test_ranks_started_apart_join_like_a_second_host(monkeypatch, layout):
     with torchrun's variables, as on another host (the steps then go by gloo broadcasts: with
     pipeline micro-batches in flight too)."""
     expected = greedy_tokens(LLM("dummy:tiny", **SETTINGS))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     for name, value in (env | {"LOCAL_WORLD_SIZE": "1"}).items():
         monkeypatch.setenv(name, value)
