@@ -43,6 +43,7 @@ CONFIGS = {  # name: (uvloop and httptools, environment, serve flags)
     "uvloop+httptools, gen0 20,000 alone": (True, {"GOODSERVE_SWITCH_INTERVAL_MS": "5"}, []),
     "uvloop+httptools, switch 0.5 ms alone": (True, {"GOODSERVE_GC_THRESHOLD": "700"}, []),
     "uvloop+httptools, --stream-interval 4": (True, {}, ["--stream-interval", "4"]),
+    "uvloop+httptools, worker process": (True, {}, ["--executor-backend", "mp"]),
 }
 DEFAULT_CONFIGS = list(CONFIGS)[:4]
 
