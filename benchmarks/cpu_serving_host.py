@@ -44,6 +44,7 @@ CONFIGS = {  # name: (uvloop and httptools, environment, serve flags)
     "uvloop+httptools, switch 0.5 ms alone": (True, {"GOODSERVE_GC_THRESHOLD": "700"}, []),
     "uvloop+httptools, --stream-interval 4": (True, {}, ["--stream-interval", "4"]),
     "uvloop+httptools, worker process": (True, {}, ["--executor-backend", "mp"]),
+    "uvloop+httptools, engine process": (True, {}, ["--engine-process"]),
 }
 DEFAULT_CONFIGS = list(CONFIGS)[:4]
 

@@ -1,7 +1,9 @@
 """`goodserve serve` on loopback with the embedded model, driven by the official openai client.
 
 References: LLM.generate / LLM.chat in this process (same weights, no HTTP), the model's tokenizer,
-and prometheus_client's own parser. One server for the whole module; the last test stops it.
+and prometheus_client's own parser. One server for the whole module, run twice: the engine on a
+thread of the server's process, and in a process of its own (--engine-process); the last test
+stops each.
 """
 
 from __future__ import annotations
@@ -36,9 +38,9 @@ class Stack:
         return self.server.url
 
 
-@pytest.fixture(scope="module")
-def stack():
-    server = start_server(["--max-model-len", str(MAX_MODEL_LEN), "--slo-ttft-ms", "600000"])
+@pytest.fixture(scope="module", params=[[], ["--engine-process"]], ids=["engine-thread", "engine-process"])
+def stack(request):
+    server = start_server(["--max-model-len", str(MAX_MODEL_LEN), "--slo-ttft-ms", "600000", *request.param])
     try:
         llm = LLM(MODEL, max_model_len=MAX_MODEL_LEN)  # loads while the server loads
         server.wait_ready()

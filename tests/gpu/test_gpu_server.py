@@ -1,5 +1,7 @@
 """`goodserve serve` on the GPU with the embedded model: a chat completion through the official
-openai client, streamed and not, and /metrics through prometheus_client's parser."""
+openai client, streamed and not, and /metrics through prometheus_client's parser; with the engine on
+a thread of the server's process and in a process of its own (--engine-process), which must give
+the same greedy reply."""
 
 from __future__ import annotations
 
@@ -12,10 +14,13 @@ MODEL = "smollm2-135m"
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-@pytest.fixture(scope="module")
-def server(device, cuda_only):
+REPLIES: dict[str, str] = {}
+
+
+@pytest.fixture(scope="module", params=[[], ["--engine-process"]], ids=["engine-thread", "engine-process"])
+def server(request, device, cuda_only):
     server = launch_server(["--model", MODEL, "--device", "cuda", "--num-kv-blocks", "256", "--max-num-seqs", "8",
-                            "--max-num-batched-tokens", "512", "--max-model-len", "1024"])
+                            "--max-num-batched-tokens", "512", "--max-model-len", "1024", *request.param])
     try:
         yield server
     finally:
@@ -33,6 +38,8 @@ def test_chat_stream_and_non_stream_agree_and_metrics_parse(server, record_prope
     chunks = list(client.chat.completions.create(stream=True, **kwargs))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == content
     record_property("reply", content)
+    REPLIES[str(server.process.args)] = content
+    assert len(set(REPLIES.values())) == 1, REPLIES  # the engine's process does not change its tokens
 
     metrics = scrape_metrics(server.url)
     assert metrics["goodserve:request_success_total{finished_reason=" + full.choices[0].finish_reason + "}"] == 2

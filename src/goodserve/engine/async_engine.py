@@ -1,9 +1,11 @@
-"""The engine behind the server: a background thread runs step() in a loop; asyncio callers stream.
+"""The engine behind the server, and the handle callers hold on it (EngineClient).
 
-All engine state is touched by that one thread only. Callers hand it work through a command queue
-(add, abort) and receive each step's outputs on their event loop: `add` hands each to a callback of
-the caller's (the server's GenerationJob puts them straight into its own queue: one hop a token),
+AsyncEngine runs the engine on a background thread of the caller's process: step() in a loop. All
+engine state is touched by that one thread only. Callers hand it work through a command queue (add,
+abort) and receive each step's outputs on their event loop: `add` hands each to a callback of the
+caller's (the server's GenerationJob puts them straight into its own queue: one hop a token),
 `generate` streams them through a queue of its own. The HTTP event loop never waits on model compute.
+engine/engine_process.py runs the same loop in a process of its own, behind the same handle.
 """
 
 from __future__ import annotations
@@ -16,12 +18,17 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+import torch
+
 from goodserve.config import EngineConfig
 from goodserve.engine.engine import Engine
+from goodserve.engine.input_processor import InputProcessor
 from goodserve.engine.gc_pauses import freeze_startup_heap, tune_for_serving, unfreeze_heap
 from goodserve.engine.slo_policy import SloForecast
 from goodserve.engine.stats import EngineStats
-from goodserve.errors import EngineDeadError, EngineStepError, GoodserveError
+from goodserve.errors import EngineDeadError, EngineStepError, GoodserveError, InvalidRequestError
+from goodserve.model.spec import ModelSpec
+from goodserve.model.tokenizer import Tokenizer
 from goodserve.outputs import RequestOutput
 from goodserve.sampling_params import SamplingParams
 
@@ -36,7 +43,7 @@ class _Add:
     prompt: str | list[int]
     params: SamplingParams
     arrival_time: float
-    stream: "_Stream"
+    stream: "_Stream | None"  # None where the command crosses to another process
 
 
 @dataclass
@@ -44,11 +51,19 @@ class _Abort:
     request_id: str
 
 
+@dataclass
+class Failed:
+    """A request the engine refused when it came (a duplicate id, a grammar it cannot compile)."""
+
+    request_id: str
+    error: GoodserveError
+
+
 Deliver = Callable[[RequestOutput | BaseException], None]
 
 
 class _Stream:
-    """Delivers one request's outputs (or its error) from the engine thread to its caller's event loop;
+    """Delivers one request's outputs (or its error) from the engine's side to its caller's event loop;
     an output the engine failed arrives as EngineStepError."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, deliver: Deliver) -> None:
@@ -56,48 +71,51 @@ class _Stream:
         self.deliver = deliver
         self.finished = False  # its last item is on its way: nothing left to abort
 
-    def put(self, item: RequestOutput | BaseException) -> None:
+    def item(self, item: RequestOutput | BaseException) -> RequestOutput | BaseException:
+        """What the caller gets for item; marks the stream finished with its last one."""
         if isinstance(item, RequestOutput) and item.error is not None:
             item = EngineStepError(f"the engine failed on this request: {item.error}")
         self.finished = self.finished or isinstance(item, BaseException) or item.finished
-        self.loop.call_soon_threadsafe(self.deliver, item)
+        return item
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.deliver, self.item(item))
 
 
-class AsyncEngine:
-    def __init__(self, config: EngineConfig | None = None, engine: Engine | None = None) -> None:
-        self.engine = engine or Engine(config or EngineConfig())
-        self.config = self.engine.config
-        self.commands: queue.SimpleQueue = queue.SimpleQueue()
+@dataclass
+class EngineInfo:
+    """What a caller reads about the engine it holds, fixed once the engine is built (plain data)."""
+
+    config: EngineConfig  # resolved: no "auto" left in it
+    spec: ModelSpec
+    tokenizer: Tokenizer | None
+    dtype: torch.dtype
+    device: torch.device
+    cuda_graphs: bool
+    micro_batches: bool
+
+    @classmethod
+    def of(cls, engine: Engine) -> "EngineInfo":
+        return cls(engine.config, engine.spec, engine.tokenizer, engine.dtype, engine.device,
+                   engine.executor.info.cuda_graphs, engine.micro_batches)
+
+
+class EngineClient:
+    """A handle on an engine that runs elsewhere (a thread, a process): requests in, each one's
+    outputs out to its caller's event loop, and the engine's stats as of its last step."""
+
+    def __init__(self, info: EngineInfo, stats: EngineStats, forecast: SloForecast) -> None:
+        self.info = info
+        self.config, self.spec, self.tokenizer = info.config, info.spec, info.tokenizer
+        self.dtype, self.device, self.max_model_len = info.dtype, info.device, info.config.max_model_len
+        self.inputs = InputProcessor(info.config, info.spec, info.tokenizer)  # validates on the caller's side
         self.streams: dict[str, _Stream] = {}
-        self.thread: threading.Thread | None = None
         self.stopping = threading.Event()
         self.dead: BaseException | None = None
-        self._stats = self.engine.stats()
-        self._forecast = self.engine.scheduler.forecast()
-
-    # ---- what the server reads -----------------------------------------------------------
-    @property
-    def tokenizer(self):
-        return self.engine.tokenizer
-
-    @property
-    def spec(self):
-        return self.engine.spec
-
-    @property
-    def dtype(self):
-        return self.engine.dtype
-
-    @property
-    def device(self):
-        return self.engine.device
-
-    @property
-    def max_model_len(self) -> int:
-        return self.engine.max_model_len
+        self._stats, self._forecast = stats, forecast
 
     def stats(self) -> EngineStats:
-        """The stats as of the last step (refreshed by the engine thread; safe to read anywhere)."""
+        """The stats as of the last step (refreshed by the engine's side; safe to read anywhere)."""
         return self._stats
 
     def prefill_stats(self) -> EngineStats | None:
@@ -105,29 +123,26 @@ class AsyncEngine:
         return None
 
     def forecast(self) -> SloForecast:
-        """The step-time fit and queue shape as of the last step (published by the engine thread)."""
+        """The step-time fit and queue shape as of the last step (published by the engine's side)."""
         return self._forecast
 
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
-        return self.engine.inputs.validate_request(prompt_token_ids, params)
+        return self.inputs.validate_request(prompt_token_ids, params)
 
     # ---- lifecycle -----------------------------------------------------------------------
     async def start(self) -> None:
-        if self.thread is None:
-            freeze_startup_heap()
-            tune_for_serving()
-            self.thread = threading.Thread(target=self._loop, name="goodserve-engine", daemon=True)
-            self.thread.start()
+        raise NotImplementedError
 
     async def shutdown(self, drain_timeout_s: float = 30.0) -> None:
-        """Let running requests finish (up to the timeout), then stop the loop and abort the rest."""
+        """Let running requests finish (up to the timeout), then stop the engine and abort the rest."""
         deadline = time.monotonic() + drain_timeout_s
         while self.streams and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         self.stopping.set()
-        if self.thread is not None:
-            await asyncio.to_thread(self.thread.join, 10.0)
-            unfreeze_heap()
+        await self._stop()
+
+    async def _stop(self) -> None:
+        raise NotImplementedError
 
     # ---- requests ------------------------------------------------------------------------
     def add(self, request_id: str, prompt: str | list[int], params: SamplingParams, deliver: Deliver) -> None:
@@ -137,16 +152,21 @@ class AsyncEngine:
         more."""
         if self.dead is not None or self.stopping.is_set():
             raise EngineDeadError(f"the engine is not running{f': {self.dead}' if self.dead else ''}")
+        if request_id in self.streams:  # its outputs would go to this caller
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
         stream = _Stream(asyncio.get_running_loop(), deliver)
         self.streams[request_id] = stream
-        self.commands.put(_Add(request_id, prompt, params, time.time(), stream))
+        self._submit(_Add(request_id, prompt, params, time.time(), stream))
 
     def release(self, request_id: str) -> None:
         """The caller takes no more of the request's outputs: if it has not finished (the client went
         away, a cancellation, an error), abort it. Safe to call more than once."""
         stream = self.streams.pop(request_id, None)
         if stream is not None and not stream.finished:
-            self.commands.put(_Abort(request_id))
+            self._submit(_Abort(request_id))
+
+    def _submit(self, command: _Add | _Abort) -> None:
+        raise NotImplementedError
 
     async def generate(
         self, request_id: str, prompt: str | list[int], params: SamplingParams
@@ -165,6 +185,67 @@ class AsyncEngine:
         finally:
             self.release(request_id)
 
+    # ---- the engine's side ---------------------------------------------------------------
+    def _deliver(self, items: list[RequestOutput | Failed]) -> None:
+        """A step's outputs to their callers: one wake-up of each caller's event loop for all of them.
+        An output whose caller has left is dropped: release() sent its abort."""
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
+        for item in items:
+            stream = self.streams.get(item.request_id)
+            if stream is not None:
+                batch = batches.setdefault(stream.loop, [])
+                batch.append((stream.deliver, stream.item(item.error if isinstance(item, Failed) else item)))
+        for loop, batch in batches.items():
+            loop.call_soon_threadsafe(_deliver_all, batch)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        self.dead = exc
+        for stream in list(self.streams.values()):
+            stream.put(EngineDeadError(f"the engine stopped: {exc}"))
+
+
+def _deliver_all(batch: list[tuple[Deliver, RequestOutput | BaseException]]) -> None:
+    for deliver, item in batch:
+        deliver(item)
+
+
+def apply_command(engine: Engine, command: _Add | _Abort) -> GoodserveError | None:
+    """Hand a caller's command to the engine; the error of an add the engine refuses."""
+    if isinstance(command, _Abort):
+        engine.abort_request(command.request_id)
+        return None
+    try:
+        engine.add_request(command.request_id, command.prompt, command.params, command.arrival_time)
+    except GoodserveError as exc:
+        return exc
+    return None
+
+
+class AsyncEngine(EngineClient):
+    """The engine on a background thread of this process."""
+
+    def __init__(self, config: EngineConfig | None = None, engine: Engine | None = None) -> None:
+        self.engine = engine or Engine(config or EngineConfig())
+        super().__init__(EngineInfo.of(self.engine), self.engine.stats(), self.engine.scheduler.forecast())
+        self.inputs = self.engine.inputs  # one grammar cache for validation and the engine
+        self.commands: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread: threading.Thread | None = None
+
+    async def start(self) -> None:
+        if self.thread is None:
+            freeze_startup_heap()
+            tune_for_serving()
+            self.thread = threading.Thread(target=self._loop, name="goodserve-engine", daemon=True)
+            self.thread.start()
+
+    async def _stop(self) -> None:
+        if self.thread is not None:
+            await asyncio.to_thread(self.thread.join, 10.0)
+            unfreeze_heap()
+
+    def _submit(self, command: _Add | _Abort) -> None:
+        self.commands.put(command)
+
     # ---- the engine thread ---------------------------------------------------------------
     def _loop(self) -> None:
         try:
@@ -176,9 +257,7 @@ class AsyncEngine:
                 self._forecast = self.engine.scheduler.forecast()
         except BaseException as exc:  # a bug in the loop itself: fail every caller, loudly
             logger.exception("engine loop died")
-            self.dead = exc
-            for stream in list(self.streams.values()):
-                stream.put(EngineDeadError(f"the engine stopped: {exc}"))
+            self._fail_all(exc)
         finally:
             for request_id in list(self.engine.requests):
                 self.engine.abort_request(request_id)
@@ -196,19 +275,6 @@ class AsyncEngine:
                 return
 
     def _apply(self, command: _Add | _Abort) -> None:
-        if isinstance(command, _Abort):
-            self.engine.abort_request(command.request_id)
-            return
-        try:
-            self.engine.add_request(command.request_id, command.prompt, command.params, command.arrival_time)
-        except GoodserveError as exc:
-            command.stream.put(exc)
-
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        for output in outputs:
-            stream = self.streams.get(output.request_id)
-            if stream is None:  # the caller left between the step and now
-                if not output.finished:
-                    self.engine.abort_request(output.request_id)
-                continue
-            stream.put(output)
+        error = apply_command(self.engine, command)
+        if error is not None:
+            command.stream.put(error)

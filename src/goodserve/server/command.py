@@ -51,6 +51,9 @@ _SERVER_HELP = {
                 "~/.local/share/goodserve)",
     "batch_max_concurrency": "most batch lines in the engine at once (they run at the lowest priority)",
     "batch_max_file_bytes": "largest file POST /v1/files takes; larger get 413",
+    "engine_process": "run the engine (scheduler, model, sampling, detokenization) in a process of its own, so the "
+                      "HTTP event loop and the engine do not share one GIL: more tokens/s at many concurrent "
+                      "streams (docs/serving.md)",
     "backlog": "listen backlog: connections the kernel queues before the server accepts them (capped by "
                "net.core.somaxconn)",
 }
@@ -101,6 +104,8 @@ def _check(config, args: argparse.Namespace) -> None:
         raise InvalidRequestError("--data-parallel-size must be at least 1")
     if args.disaggregate is not None and args.data_parallel_size > 1:
         raise InvalidRequestError("--disaggregate and --data-parallel-size are not combined yet: give one")
+    if args.disaggregate is not None and config.engine_process:
+        raise InvalidRequestError("--disaggregate runs its decode engine in the serving process: drop --engine-process")
     serving_settings()  # the environment's collector threshold and switch interval, before any loading
 
 
@@ -134,6 +139,10 @@ def run(args: argparse.Namespace) -> int:
         from goodserve.server.disaggregated import DisaggregatedEngine
 
         engine = DisaggregatedEngine(engine_config_from_args(args), layout)
+    elif config.engine_process:
+        from goodserve.engine.engine_process import EngineProcess
+
+        engine = EngineProcess(engine_config_from_args(args))
     else:
         engine = AsyncEngine(engine_config_from_args(args))
     # What auto resolved to (dtype, KV dtype, kernels), as /metrics reports it in engine_config_info.
