@@ -85,14 +85,7 @@ class EngineProcess(EngineClient):
 
     # ---- the pipe (its own threads) ------------------------------------------------------
     def _write(self) -> None:
-        while True:
-            command = self._outbox.get()
-            try:
-                self._conn.send(command)
-            except OSError:  # the engine process is gone; _read reports it
-                return
-            if command == _STOP:
-                return
+        send_from(self._outbox, self._conn, _STOP)
 
     def _read(self) -> None:
         try:
@@ -110,6 +103,19 @@ class EngineProcess(EngineClient):
         except BaseException as exc:  # the engine loop died; the process reported why
             logger.error("engine loop died: %s", exc)
             self._fail_all(exc)
+
+
+def send_from(outbox: queue.SimpleQueue, conn: Connection, last) -> None:
+    """Send what comes into the outbox until `last` has gone, or the other side has (whose reader
+    reports that)."""
+    while True:
+        message = outbox.get()
+        try:
+            conn.send(message)
+        except OSError:
+            return
+        if message == last:
+            return
 
 
 # ---- the engine process --------------------------------------------------------------------

@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from goodserve.config import EngineConfig
 from goodserve.engine.async_engine import AsyncEngine, _Abort, _Add
+from goodserve.engine.engine_process import send_from
 from goodserve.engine.disagg_layout import DisaggLayout, cuda_visible
 from goodserve.engine.kv_transfer import kv_layers, receive_blocks, receive_header, refuse
 from goodserve.engine.request import Request
@@ -145,14 +146,7 @@ class DisaggregatedEngine(AsyncEngine):
 
     # ---- the pipe (its own threads: the engine thread never waits on it) ----------------------
     def _write(self) -> None:
-        while True:
-            message = self.outbox.get()
-            try:
-                self.conn.send(message)
-            except OSError:  # the prefill side is gone; _read reports it
-                return
-            if message[0] == "stop":
-                return
+        send_from(self.outbox, self.conn, ("stop",))
 
     def _read(self) -> None:
         try:
