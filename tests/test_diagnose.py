@@ -160,6 +160,9 @@ def test_host_bound_steps_advice_skips_what_is_on():
     assert "--async-scheduling" not in options({**gpu, "async_scheduling": "True"})  # on already
     assert "--async-scheduling" not in options({**gpu, "cuda_graphs": "False"})  # it needs graphs
     assert "--async-scheduling" not in options({"device": "cpu"})
+    own_process = "the engine in its own process (serve's default: drop --no-engine-process)"
+    assert own_process in options({**gpu, "engine_process": "False"}) and own_process in options({"device": "cpu"})
+    assert own_process not in options({**gpu, "engine_process": "True"})  # there already
     calm = obs(step_phase_shares={**shares, "forward": 0.8, "detokenize": 0.05, "prepare": 0.0})
     assert "host-bound steps" not in [a.symptom for a in advise(calm, analyze_replica(SPEC, GPU, calm))]
 

@@ -23,6 +23,7 @@ def test_info_metric_names_the_resolved_cpu_engine(int8_kv_engine):
         "quantization": "none", "kv_cache_dtype": "int8", "device": "cpu", "device_name": "cpu",
         "attention_backend": "torch", "scheduler_policy": "continuous", "enable_chunked_prefill": "True",
         "enable_prefix_caching": "False", "cuda_graphs": "False", "async_scheduling": "False",  # no graphs on a CPU
+        "engine_process": "False",  # AsyncEngine: a thread of this process
         "pipeline_micro_batches": "False",  # one stage
         "max_num_seqs": "8",
         "max_num_batched_tokens": "2048", "speculative_method": "none",

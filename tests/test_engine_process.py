@@ -2,7 +2,7 @@
 the engine on a thread of this process, a running output light and the finished one whole, a refused
 request failing alone, an abandoned request's blocks freed, a killed engine process failing its
 requests (and new ones) with EngineDeadError, start-up errors raised where it was asked for, and
-the engine process gone with a server killed by SIGKILL.
+`goodserve serve`'s engine process (its default) gone with a server killed by SIGKILL.
 The HTTP side runs in test_server_openai.py, whose every case also runs with --engine-process."""
 
 from __future__ import annotations
@@ -91,6 +91,18 @@ def test_running_outputs_cross_light_and_the_finished_one_whole(process_engine):
     assert final.finished and final.prompt_token_ids == prompt
     assert len(final.metrics.token_times) == 6
     assert sum(len(o.outputs[0].token_ids) for o in outs) == 6  # deltas: each token once
+
+
+def test_the_servers_metrics_carry_the_engine_process_collections(process_engine):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from goodserve.server.metrics import ServerMetrics, Slo
+
+    asyncio.run(run_all(process_engine, SamplingParams(max_tokens=3)))  # a message since start: its pauses
+    text = ServerMetrics(process_engine, "m", Slo()).render().decode()
+    family = next(f for f in text_string_to_metric_families(text) if f.name == "goodserve:gc_pause_seconds")
+    counts = {(s.labels["process"], s.labels["generation"]) for s in family.samples if s.name.endswith("_count")}
+    assert counts == {(process, str(g)) for process in ("server", "engine") for g in range(3)}
 
 
 def test_a_refused_request_fails_alone(process_engine):
@@ -187,8 +199,16 @@ def running(pid: int) -> bool:
         return False
 
 
-def test_the_engine_process_exits_when_the_server_is_killed():
-    server = launch_server(["--model", "dummy:tiny", "--engine-process", "--num-kv-blocks", "64"])
+def test_serve_steps_on_a_thread_with_no_engine_process():
+    server = launch_server(["--model", "dummy:tiny", "--no-engine-process", "--num-kv-blocks", "64"])
+    try:
+        assert children_of(server.process.pid) == set()
+    finally:
+        server.stop()
+
+
+def test_the_engine_process_by_default_exits_when_the_server_is_killed():
+    server = launch_server(["--model", "dummy:tiny", "--num-kv-blocks", "64"])
     try:
         engine_side = children_of(server.process.pid)
         assert engine_side

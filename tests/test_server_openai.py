@@ -2,8 +2,8 @@
 
 References: LLM.generate / LLM.chat in this process (same weights, no HTTP), the model's tokenizer,
 and prometheus_client's own parser. One server for the whole module, run twice: the engine on a
-thread of the server's process, and in a process of its own (--engine-process); the last test
-stops each.
+thread of the server's process (--no-engine-process), and in a process of its own (the default);
+the last test stops each.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ class Stack:
         return self.server.url
 
 
-@pytest.fixture(scope="module", params=[[], ["--engine-process"]], ids=["engine-thread", "engine-process"])
+@pytest.fixture(scope="module", params=[["--no-engine-process"], []], ids=["engine-thread", "engine-process"])
 def stack(request):
     server = start_server(["--max-model-len", str(MAX_MODEL_LEN), "--slo-ttft-ms", "600000", *request.param])
     try:

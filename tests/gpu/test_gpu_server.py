@@ -1,7 +1,7 @@
 """`goodserve serve` on the GPU with the embedded model: a chat completion through the official
 openai client, streamed and not, and /metrics through prometheus_client's parser; with the engine on
-a thread of the server's process and in a process of its own (--engine-process), which must give
-the same greedy reply."""
+a thread of the server's process (--no-engine-process) and in a process of its own (the default),
+which must give the same greedy reply."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 REPLIES: dict[str, str] = {}
 
 
-@pytest.fixture(scope="module", params=[[], ["--engine-process"]], ids=["engine-thread", "engine-process"])
+@pytest.fixture(scope="module", params=[["--no-engine-process"], []], ids=["engine-thread", "engine-process"])
 def server(request, device, cuda_only):
     server = launch_server(["--model", MODEL, "--device", "cuda", "--num-kv-blocks", "256", "--max-num-seqs", "8",
                             "--max-num-batched-tokens", "512", "--max-model-len", "1024", *request.param])

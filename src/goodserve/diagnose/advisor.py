@@ -133,6 +133,7 @@ NOT_FOR: dict[str, Callable[[dict[str, str]], bool]] = {
                                                        and e.get("attention_backend") == "triton"),
     "continuous_batching": lambda e: e.get("scheduler_policy") == "continuous",
     "tensor_parallel": _on_cpu,  # gloo's all-reduces cost more than a CPU's decode step saves
+    "engine_process": lambda e: _is_on(e, "engine_process"),
     # async scheduling needs CUDA graphs (engine/config_resolution.py)
     "async_scheduling": lambda e: _on_cpu(e) or _is_on(e, "async_scheduling") or not _is_on(e, "cuda_graphs"),
 }
@@ -213,13 +214,15 @@ RULES: tuple[Rule, ...] = (
          lambda o, p: _host_evidence(o, p["decode"].mbu),
          (Fix("--async-scheduling", "the host prepares and launches step N+1 while the device runs step N, "
               "so the host's part is hidden up to the device's", "TPOT falls at the same load", "async_scheduling"),
+          Fix("the engine in its own process (serve's default: drop --no-engine-process)",
+              "the engine's steps and the HTTP event loop no longer take turns on one Python process's GIL",
+              "goodserve bench: output tok/s rises at many streams (1.7x at 256 on an H200)", "engine_process"),
           Fix(REPLICAS,
               "each replica's engine runs in its own process with its own host thread, so the host work "
               "is split R ways", "goodserve bench --goodput-capacity rises about R x"),
           Fix("(the host) a CPU with faster cores, and nothing else on the server's cores",
-              "the engine thread and the HTTP event loop share one Python process, so one core's speed "
-              "bounds how fast host-bound steps follow each other",
-              "goodserve diagnose --metrics-url: the host share of step time falls"))),
+              "the engine's step loop is one Python thread, so one core's speed bounds how fast host-bound "
+              "steps follow each other", "goodserve diagnose --metrics-url: the host share of step time falls"))),
     Rule("long contexts", _long_context,
          lambda o, p: f"mean prompt {o.mean_prompt_len:.0f} tokens",
          (Fix("--kv-cache-dtype int8", "halves the KV read that dominates long-context decode steps",

@@ -23,7 +23,7 @@ import torch
 from goodserve.config import EngineConfig
 from goodserve.engine.engine import Engine
 from goodserve.engine.input_processor import InputProcessor
-from goodserve.engine.gc_pauses import freeze_startup_heap, tune_for_serving, unfreeze_heap
+from goodserve.engine.gc_pauses import PauseLog, freeze_startup_heap, tune_for_serving, unfreeze_heap
 from goodserve.engine.slo_policy import SloForecast
 from goodserve.engine.stats import EngineStats
 from goodserve.errors import EngineDeadError, EngineStepError, GoodserveError, InvalidRequestError
@@ -104,6 +104,8 @@ class EngineClient:
     """A handle on an engine that runs elsewhere (a thread, a process): requests in, each one's
     outputs out to its caller's event loop, and the engine's stats as of its last step."""
 
+    runs_in_own_process = False
+
     def __init__(self, info: EngineInfo, stats: EngineStats, forecast: SloForecast) -> None:
         self.info = info
         self.config, self.spec, self.tokenizer = info.config, info.spec, info.tokenizer
@@ -125,6 +127,10 @@ class EngineClient:
     def forecast(self) -> SloForecast:
         """The step-time fit and queue shape as of the last step (published by the engine's side)."""
         return self._forecast
+
+    def gc_pauses(self) -> PauseLog | None:
+        """The engine's process's garbage-collector pauses, where that is not the caller's."""
+        return None
 
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         return self.inputs.validate_request(prompt_token_ids, params)

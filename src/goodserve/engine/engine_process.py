@@ -6,7 +6,7 @@ reached half the output rate of the same engine driven in-process, and moving on
 (`--executor-backend mp`) did not recover it (benchmarks/BENCHMARKS.md).
 
 One pipe carries commands in (add, abort, stop) and one message a step out: the step's outputs, the
-engine's stats and its SLO forecast. A running request's outputs cross without the prompt's token
+engine's stats, its SLO forecast and its process's garbage-collector pauses. A running request's outputs cross without the prompt's token
 ids and the token times, which repeat or grow with every step; its finished output carries both,
 and that is the one the server reads them from.
 """
@@ -25,7 +25,7 @@ from multiprocessing.connection import Connection
 
 from goodserve.config import EngineConfig
 from goodserve.engine.async_engine import _IDLE_WAIT_S, EngineClient, EngineInfo, Failed, _Abort, _Add, apply_command
-from goodserve.engine.gc_pauses import freeze_startup_heap, tune_for_serving
+from goodserve.engine.gc_pauses import PauseLog, freeze_startup_heap, tune_for_serving, watch_pauses
 from goodserve.errors import EngineDeadError
 from goodserve.outputs import RequestMetrics, RequestOutput
 
@@ -36,6 +36,8 @@ _STOP = "stop"
 
 
 class EngineProcess(EngineClient):
+    runs_in_own_process = True
+
     def __init__(self, config: EngineConfig) -> None:
         context = multiprocessing.get_context("spawn")  # CUDA cannot be forked
         self._conn, child = context.Pipe()
@@ -58,8 +60,12 @@ class EngineProcess(EngineClient):
         atexit.register(self._close)
         # Sends leave the event loop's thread at once: a long prompt's pickle never waits on the pipe there.
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._gc_pauses: PauseLog | None = None  # as of the engine process's last message
         self._threads = [threading.Thread(target=self._write, daemon=True, name="goodserve-to-engine"),
                          threading.Thread(target=self._read, daemon=True, name="goodserve-from-engine")]
+
+    def gc_pauses(self) -> PauseLog | None:
+        return self._gc_pauses
 
     async def start(self) -> None:
         if self._threads[0].ident is None:
@@ -93,7 +99,7 @@ class EngineProcess(EngineClient):
                 message = self._conn.recv()
                 if isinstance(message, BaseException):
                     raise message
-                items, self._stats, self._forecast = message
+                items, self._stats, self._forecast, self._gc_pauses = message
                 self._deliver(items)
         except (EOFError, OSError):
             if not self.stopping.is_set():
@@ -134,7 +140,7 @@ def run_engine_process(conn: Connection, config: EngineConfig, log_level: int) -
     freeze_startup_heap()
     tune_for_serving()
     try:
-        _serve(conn, engine)
+        _serve(conn, engine, watch_pauses())
     except (EOFError, OSError):  # the serving process is gone: nothing to answer
         pass
     except BaseException as exc:
@@ -145,7 +151,7 @@ def run_engine_process(conn: Connection, config: EngineConfig, log_level: int) -
             engine.abort_request(request_id)
 
 
-def _serve(conn: Connection, engine) -> None:
+def _serve(conn: Connection, engine, pauses: PauseLog) -> None:
     """Commands in, one message a step out, until the serving process says stop."""
     while True:
         failed = []
@@ -159,7 +165,7 @@ def _serve(conn: Connection, engine) -> None:
                 failed.append(Failed(command.request_id, error))
             timeout = 0.0
         outputs = engine.step() if engine.has_unfinished() else []
-        conn.send((failed + [_for_the_wire(o) for o in outputs], engine.stats(), engine.scheduler.forecast()))
+        conn.send((failed + [_for_the_wire(o) for o in outputs], engine.stats(), engine.scheduler.forecast(), pauses))
 
 
 def _for_the_wire(output: RequestOutput) -> RequestOutput:

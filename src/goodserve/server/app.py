@@ -73,7 +73,8 @@ class ServerConfig:
     data_dir: str | None = None  # the Batch API's files and jobs (default: default_data_dir())
     batch_max_concurrency: int = 64
     batch_max_file_bytes: int = 100 << 20
-    engine_process: bool = False  # the engine in a process of its own (engine/engine_process.py)
+    # The engine in a process of its own (engine/engine_process.py); None: so, unless --disaggregate
+    engine_process: bool | None = None
 
     @property
     def url(self) -> str:

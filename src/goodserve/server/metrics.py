@@ -72,6 +72,7 @@ def engine_info(engine) -> dict[str, str]:
         "enable_prefix_caching": str(config.enable_prefix_caching),
         "cuda_graphs": str(engine.info.cuda_graphs),
         "async_scheduling": str(config.async_scheduling),
+        "engine_process": str(engine.runs_in_own_process),
         "pipeline_micro_batches": str(engine.info.micro_batches),
         "max_num_seqs": str(config.max_num_seqs),
         "max_num_batched_tokens": str(config.max_num_batched_tokens),
@@ -171,21 +172,25 @@ class PrefillStatsCollector(EngineStatsCollector):
 
 
 class GcPauseCollector:
-    """This process's garbage-collector pauses (engine/gc_pauses.py): each stops the engine thread,
-    and every stream's next token with it."""
+    """The garbage-collector pauses (engine/gc_pauses.py) of the server's process and, where the engine
+    runs in one of its own, of that one: each pause there stops the engine's steps, and every stream's
+    next token with them."""
 
-    def __init__(self, model_name: str):
+    def __init__(self, engine, model_name: str):
+        self.engine = engine
         self.model_name = model_name
         self.pauses = watch_pauses()
 
     def collect(self) -> Iterator[Metric]:
         family = HistogramMetricFamily(PREFIX + "gc_pause_seconds",
-                                       "Garbage collections in the server's process, by generation (2: full).",
-                                       labels=["model_name", "generation"])
-        for generation, counts in enumerate(self.pauses.bucket_counts):
-            cumulative = list(itertools.accumulate(counts))
-            buckets = [(f"{le:g}", n) for le, n in zip(PAUSE_BUCKETS, cumulative)] + [("+Inf", cumulative[-1])]
-            family.add_metric([self.model_name, str(generation)], buckets, self.pauses.seconds[generation])
+                                       "Garbage collections by process (server, engine) and generation (2: full).",
+                                       labels=["model_name", "process", "generation"])
+        logs = {"server": self.pauses, "engine": self.engine.gc_pauses()}
+        for process, log in logs.items():
+            for generation, counts in enumerate(log.bucket_counts if log is not None else ()):
+                cumulative = list(itertools.accumulate(counts))
+                buckets = [(f"{le:g}", n) for le, n in zip(PAUSE_BUCKETS, cumulative)] + [("+Inf", cumulative[-1])]
+                family.add_metric([self.model_name, process, str(generation)], buckets, log.seconds[generation])
         yield family
 
 
@@ -196,7 +201,7 @@ class ServerMetrics:
         self.slo = slo
         self.model_name = model_name
         self.registry.register(EngineStatsCollector(engine, model_name))
-        self.registry.register(GcPauseCollector(model_name))
+        self.registry.register(GcPauseCollector(engine, model_name))
         if engine.prefill_stats() is not None:
             self.registry.register(PrefillStatsCollector(engine, model_name))
         labels = ["model_name"]
