@@ -68,10 +68,13 @@ def test_the_same_tokens_as_the_engine_on_a_thread(process_engine):
         assert len(outs_there) == len(outs_here)  # one output a step there too
 
 
-def test_its_own_worker_process_and_the_same_tokens():
-    """Not a daemon process: it may start the worker process of --executor-backend mp (or TP's ranks)."""
-    params = SamplingParams(max_tokens=6, ignore_eos=True)
-    engine = EngineProcess(replace(CONFIG, executor_backend="mp"))
+@pytest.mark.parametrize("workers", [{"executor_backend": "mp"}, {"tensor_parallel_size": 2}],
+                         ids=["worker-process", "tensor-parallel-ranks"])
+def test_workers_of_its_own_and_the_same_tokens(workers, monkeypatch):
+    """Not a daemon process: it may start the worker process of --executor-backend mp, or TP's ranks."""
+    monkeypatch.setenv("GOODSERVE_DISTRIBUTED_TIMEOUT_S", "20")  # a lost rank fails within seconds
+    params = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0)
+    engine = EngineProcess(replace(CONFIG, **workers))
     try:
         there = asyncio.run(run_all(engine, params))
     finally:
