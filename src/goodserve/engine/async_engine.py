@@ -91,12 +91,15 @@ class EngineInfo:
     tokenizer: Tokenizer | None
     dtype: torch.dtype
     device: torch.device
+    device_name: str  # read where the engine runs: asking CUDA in the server's process would start it there
     cuda_graphs: bool
     micro_batches: bool
 
     @classmethod
     def of(cls, engine: Engine) -> "EngineInfo":
-        return cls(engine.config, engine.spec, engine.tokenizer, engine.dtype, engine.device,
+        device = engine.device
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+        return cls(engine.config, engine.spec, engine.tokenizer, engine.dtype, device, name,
                    engine.executor.info.cuda_graphs, engine.micro_batches)
 
 

@@ -65,7 +65,7 @@ def engine_info(engine) -> dict[str, str]:
         "quantization": config.quantization or "none",
         "kv_cache_dtype": _dtype_name(kv_storage_dtype(config, engine.dtype)),
         "device": device.type,
-        "device_name": _device_name(device),
+        "device_name": engine.info.device_name,
         "attention_backend": config.attention_backend,
         "scheduler_policy": config.scheduler_policy,
         "enable_chunked_prefill": str(config.enable_chunked_prefill),
@@ -83,12 +83,6 @@ def engine_info(engine) -> dict[str, str]:
 
 def _dtype_name(dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-def _device_name(device) -> str:
-    import torch
-
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
 class EngineStatsCollector:
