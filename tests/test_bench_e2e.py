@@ -75,12 +75,13 @@ def test_chat_endpoint_against_live_server(server_url, tmp_path):
     assert min(r["prompt_len"] for r in second_turns) > max(r["prompt_len"] for r in first_turns)
 
 
-def test_inprocess_target_drives_the_engine():
+@pytest.mark.parametrize("engine_process", [False, True], ids=["engine-thread", "engine-process"])
+def test_inprocess_target_drives_the_engine(engine_process):
     from goodserve.bench.inprocess import InProcessTarget
     from goodserve.config import EngineConfig
 
     config = EngineConfig(model="smollm2-135m", max_model_len=int(MAX_MODEL_LEN), device="cpu")
-    target = InProcessTarget(config, ignore_eos=True)
+    target = InProcessTarget(config, ignore_eos=True, engine_process=engine_process)
     requests = build_workload(WorkloadConfig(num_prompts=3, random_input_len=8, random_output_len=4),
                               PromptText(target.tokenizer))
 

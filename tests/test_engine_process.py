@@ -8,6 +8,7 @@ The HTTP side runs in test_server_openai.py, whose every case also runs with --e
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import subprocess
 import sys
@@ -41,6 +42,7 @@ async def run_all(engine, params: SamplingParams) -> list[list]:
 @pytest.fixture(scope="module")
 def process_engine():
     engine = EngineProcess(CONFIG)
+    asyncio.run(engine.start())  # its pipe's threads, whichever test comes first
     yield engine
     asyncio.run(engine.shutdown(5.0))
     assert engine.process.exitcode == 0  # stopped when told, not killed
@@ -110,7 +112,6 @@ def test_the_servers_metrics_carry_the_engine_process_collections(process_engine
 
 def test_a_refused_request_fails_alone(process_engine):
     async def one_bad_among_good() -> list:
-        await process_engine.start()
         params = SamplingParams(max_tokens=5, ignore_eos=True)
         bad = [1, 2, 10**6]  # past the vocabulary: the engine refuses it when it comes (nothing validated it here)
         return await asyncio.gather(*(collect(process_engine, f"mixed{i}", p, params)
@@ -124,7 +125,6 @@ def test_a_refused_request_fails_alone(process_engine):
 
 def test_a_request_id_in_use_is_refused_at_once(process_engine):
     async def twice() -> None:
-        await process_engine.start()
         process_engine.add("twice", PROMPTS[0], SamplingParams(max_tokens=2), lambda item: None)
         try:
             with pytest.raises(InvalidRequestError, match="already in use"):
@@ -138,7 +138,6 @@ def test_a_request_id_in_use_is_refused_at_once(process_engine):
 
 def test_an_abandoned_request_is_aborted_and_frees_its_blocks(process_engine):
     async def read_two_and_leave() -> None:
-        await process_engine.start()
         stream = process_engine.generate("left", PROMPTS[2], SamplingParams(max_tokens=500, ignore_eos=True))
         for _ in range(2):
             await anext(stream)
@@ -235,3 +234,17 @@ def test_a_program_that_exits_without_shutdown_does_not_hang():
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert not running(int(done.stdout.split()[-1]))
+
+
+def test_bench_drives_an_engine_process(tmp_path):
+    from goodserve.bench import command
+    from tests.test_bench_client import bench_args
+
+    out = tmp_path / "r.json"
+    args = bench_args("--backend", "inprocess", "--engine-process", "--model", "dummy:tiny", "--device", "cpu",
+                      "--num-prompts", "4", "--random-input-len", "8", "--random-output-len", "3", "--ignore-eos",
+                      "--result-filename", str(out))
+    assert command.run_command(args) == 0
+    result = json.loads(out.read_text())
+    assert result["completed"] == 4 and result["total_output_tokens"] == 12
+    assert result["engine_config"]["engine_process"] == "True"

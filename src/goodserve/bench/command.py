@@ -81,6 +81,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="auto", help="inprocess: engine device")
     g.add_argument("--max-num-seqs", type=int,
                    help="inprocess: engine batch limit (default 256, 1024 under the slo policy)")
+    g.add_argument("--engine-process", action="store_true",
+                   help="inprocess: the engine in a process of its own, as goodserve serve runs it (the client "
+                        "then shares no GIL with it)")
     g.add_argument("--scheduler-policy", choices=SCHEDULER_POLICIES, default="continuous",
                    help="inprocess: the engine's policy; with slo, requests carry the --goodput ttft/tpot "
                         "targets and the server's TTFT admission check refuses what it would refuse")
@@ -156,7 +159,7 @@ def make_target(args, tokenizer):
         config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
                               max_num_seqs=args.max_num_seqs, seed=args.seed, scheduler_policy=args.scheduler_policy)
         return InProcessTarget(config, ignore_eos=args.ignore_eos, temperature=args.temperature,
-                               slo_ms=parse_goodput_slos(args.goodput))
+                               slo_ms=parse_goodput_slos(args.goodput), engine_process=args.engine_process)
     from goodserve.bench.client import HttpTarget, HttpTargetConfig, TokenCounter
 
     endpoint = args.endpoint or ("/v1/chat/completions" if args.backend == "openai-chat" else "/v1/completions")

@@ -10,6 +10,8 @@ and a request it refuses is recorded as the 429 a client would get (refuses_late
 request is admitted, as where each client sends slo_best_effort, to measure what the refusals cost).
 Each record also carries TTFT and TPOT by the engine's own token times (engine_ttft, engine_tpot):
 the client here shares the engine's process and GIL, so the difference is how late it read them.
+With engine_process (bench --engine-process) the engine runs in a process of its own, as `goodserve
+serve` runs it, and the client shares no GIL with it.
 """
 
 from __future__ import annotations
@@ -28,17 +30,18 @@ from goodserve.server.admission import Admission
 class InProcessTarget:
     def __init__(self, config: EngineConfig, ignore_eos: bool = False, temperature: float = 0.0,
                  use_chat_template: bool = False, slo_ms: dict[str, float] | None = None,
-                 refuses_late: bool = True):
+                 refuses_late: bool = True, engine_process: bool = False):
         from goodserve.engine.async_engine import AsyncEngine  # pulls in torch and the model
+        from goodserve.engine.engine_process import EngineProcess
 
-        self.engine = AsyncEngine(config)
+        self.engine = EngineProcess(config) if engine_process else AsyncEngine(config)
         self.ignore_eos = ignore_eos
         self.temperature = temperature
         self.use_chat_template = use_chat_template
         self.slo_ms = slo_ms or {}
         checks_ttft = refuses_late and config.scheduler_policy == "slo" and "ttft" in self.slo_ms
         self.admission = Admission(max_waiting=1 << 62) if checks_ttft else None
-        self.description = f"in-process engine ({config.model})"
+        self.description = f"{'engine process' if engine_process else 'in-process engine'} ({config.model})"
         self._ids = itertools.count()
         self._started = False
 
