@@ -109,11 +109,13 @@ class EngineClient:
 
     runs_in_own_process = False
 
-    def __init__(self, info: EngineInfo, stats: EngineStats, forecast: SloForecast) -> None:
+    def __init__(self, info: EngineInfo, stats: EngineStats, forecast: SloForecast,
+                 inputs: InputProcessor | None = None) -> None:
         self.info = info
         self.config, self.spec, self.tokenizer = info.config, info.spec, info.tokenizer
         self.dtype, self.device, self.max_model_len = info.dtype, info.device, info.config.max_model_len
-        self.inputs = InputProcessor(info.config, info.spec, info.tokenizer)  # validates on the caller's side
+        # validates on the caller's side (an engine in this process lends its own: one grammar cache)
+        self.inputs = inputs or InputProcessor(info.config, info.spec, info.tokenizer)
         self.streams: dict[str, _Stream] = {}
         self.stopping = threading.Event()
         self.dead: BaseException | None = None
@@ -235,8 +237,8 @@ class AsyncEngine(EngineClient):
 
     def __init__(self, config: EngineConfig | None = None, engine: Engine | None = None) -> None:
         self.engine = engine or Engine(config or EngineConfig())
-        super().__init__(EngineInfo.of(self.engine), self.engine.stats(), self.engine.scheduler.forecast())
-        self.inputs = self.engine.inputs  # one grammar cache for validation and the engine
+        super().__init__(EngineInfo.of(self.engine), self.engine.stats(), self.engine.scheduler.forecast(),
+                         self.engine.inputs)
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
         self.thread: threading.Thread | None = None
 
