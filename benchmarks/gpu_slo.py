@@ -37,6 +37,8 @@ beside the job left them (`step_time_fit`); the job need not finish, and is stop
 Per probe, its steps by the path they ran (decode graph, mixed-step graph, eager: `steps_by_path_alone`,
 `steps_by_path_beside`): count, mean shape, mean measured and predicted ms (StepLog).
 
+--engine-process runs each engine in a process of its own, as `goodserve serve` does (capacity phase only).
+
 --arrivals poisson|gamma and --workload sharegpt|long-prompt (~2k-token prompts, ~200-token
 answers) give the other DistServe curves; the defaults are the issue's (gamma, ShareGPT-like).
 
@@ -131,6 +133,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-admission", action="store_true",
                    help="slo: admit every request (no 429 for a TTFT the queue makes impossible): what the "
                         "refusals cost or save against the same policy with them")
+    p.add_argument("--engine-process", action="store_true",
+                   help="the engine in a process of its own, as `goodserve serve` runs it (the client's token "
+                        "handling then shares no GIL with the engine's step); not with --step-log, which "
+                        "reads the engine's runner in this process")
     p.add_argument("--step-log", action="store_true",
                    help="capacity phase: every step of every probe (StepLog rows) into "
                         "$OUT/gpu_slo_steps_<policy>_<max_num_seqs>.json, and each probe's steps by size")
@@ -138,6 +144,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.phases = args.phases.split(",") if isinstance(args.phases, str) else args.phases
     if not args.phases or set(args.phases) - set(PHASES):
         p.error(f"--phases takes {', '.join(PHASES)}, comma-separated")
+    if args.engine_process and (args.step_log or "batch" in args.phases):
+        p.error("--step-log and --phases batch read the engine's steps in this process: not with --engine-process")
     if args.max_total_len is None:
         args.max_total_len = 4096 if args.workload == "long-prompt" else 2048
     if args.max_num_seqs is None:
@@ -204,8 +212,10 @@ async def measure_policy(args) -> dict:
     config = EngineConfig(model=args.model, device=args.device, scheduler_policy=args.policy,
                           max_num_seqs=args.max_num_seqs, seed=args.seed)
     t0 = time.perf_counter()
-    target = InProcessTarget(config, ignore_eos=True, slo_ms=SLOS_MS, refuses_late=not args.no_admission)
-    result = {"policy": args.policy, "max_num_seqs": args.max_num_seqs, "admission_check": not args.no_admission}
+    target = InProcessTarget(config, ignore_eos=True, slo_ms=SLOS_MS, refuses_late=not args.no_admission,
+                             engine_process=args.engine_process)
+    result = {"policy": args.policy, "max_num_seqs": args.max_num_seqs, "admission_check": not args.no_admission,
+              "engine_process": args.engine_process}
     try:
         warmup = workload(0, args)[:args.warmup_requests]
         await BenchRun(target, warmup, ArrivalConfig()).run()
@@ -460,7 +470,8 @@ def run_child(policy: str, max_num_seqs: int, args, budget_s: float) -> dict:
             "--arrivals", args.arrivals, "--workload", args.workload, "--batch-lines", str(args.batch_lines),
             "--batch-concurrency", str(args.batch_concurrency)] + [f for f, on in (("--step-log", args.step_log),
                                                                      ("--full-ladder", args.full_ladder),
-                                                                     ("--no-admission", args.no_admission)) if on]
+                                                                     ("--no-admission", args.no_admission),
+                                                                     ("--engine-process", args.engine_process)) if on]
     if args.batch_rate is not None:
         argv += ["--batch-rate", str(args.batch_rate)]
     done = subprocess.run(argv, check=False)
@@ -495,7 +506,7 @@ def main(argv=None) -> None:
                "burstiness": 1.0 if args.arrivals == "poisson" else args.burstiness, "workload": args.workload,
                "slos_ms": SLOS_MS, "target_attainment": TARGET_ATTAINMENT, "rates": args.rates,
                "probe_seconds": args.probe_seconds, "max_num_seqs": args.max_num_seqs,
-               "fcfs_ceilings": args.fcfs_ceilings, "policies": results}
+               "fcfs_ceilings": args.fcfs_ceilings, "engine_process": args.engine_process, "policies": results}
     if "capacity" in args.phases:
         summarize_capacity(summary, results, f"slo@{args.max_num_seqs}")
     if "batch" in args.phases:
