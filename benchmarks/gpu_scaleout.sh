@@ -8,6 +8,7 @@
 #
 #   carry: [".gate/whl", ".gate/whl_fast", ".gate/tok"]   (scripts/gpu_wheels.sh, benchmarks/export_tokenizer.py)
 #   command: bash benchmarks/gpu_scaleout.sh STEPS        STEPS: capacity1, capacity2, colocated,disagg, or fixed
+#            (FIXED_RATE=64 bash benchmarks/gpu_scaleout.sh fixed: the fixed step at 64 req/s a replica)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 STEPS=${1:?"which steps: capacity1, capacity2, colocated,disagg, or fixed"}
@@ -29,9 +30,11 @@ step() {  # name, seconds, command...
   rm -f "$OUT/$name"/router_*.json "$OUT/$name"/disagg_*.json  # per-request records: too large to bring back
 }
 
-# 48 req/s a replica (where one replica's capacity search last passed) for 50 s a side: long enough to
-# reach steady state, which the searches' probes do not
-step fixed 330 python3 benchmarks/gpu_router.py --tokenizer .gate/tok --phases fixed --num-prompts 2400 --fixed-rate 48
+# FIXED_RATE req/s a replica (default 48, where one replica's capacity search last passed) for 50 s a
+# side: long enough to reach steady state, which the searches' probes do not
+FIXED_RATE=${FIXED_RATE:-48}
+step fixed 330 python3 benchmarks/gpu_router.py --tokenizer .gate/tok --phases fixed \
+  --num-prompts "$(python3 -c "print(round(50 * $FIXED_RATE))")" --fixed-rate "$FIXED_RATE"
 # 800 prompts a replica a probe (400 left the probes short of steady state): each side a call of its own
 step capacity1 560 python3 benchmarks/gpu_router.py --tokenizer .gate/tok --phases capacity --num-prompts 800 \
   --capacity-sides one
