@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import signal
 import subprocess
 import sys
@@ -161,10 +162,13 @@ async def fail_mid_request(engine: EngineProcess, breaking) -> BaseException:
     return raised.value
 
 
-def test_a_killed_engine_process_fails_its_requests_and_refuses_new_ones():
+def test_a_killed_engine_process_fails_its_requests_and_refuses_new_ones(caplog):
     engine = EngineProcess(CONFIG)
-    error = asyncio.run(fail_mid_request(engine, engine.process.kill))
+    with caplog.at_level(logging.ERROR, logger="goodserve.engine"):
+        error = asyncio.run(fail_mid_request(engine, engine.process.kill))
     assert "exited with" in str(error)
+    # said in the log when it happens, not first by the next request's 503
+    assert any(f"pid {engine.process.pid}" in r.getMessage() and "restart" in r.getMessage() for r in caplog.records)
     assert engine.dead is not None
     with pytest.raises(EngineDeadError):
         engine.add("late", PROMPTS[1], SamplingParams(max_tokens=2), lambda item: None)

@@ -104,8 +104,10 @@ class EngineProcess(EngineClient):
         except (EOFError, OSError):
             if not self.stopping.is_set():
                 self.process.join(1.0)
-                self._fail_all(EngineDeadError(f"the engine process (pid {self.process.pid}) exited with "
-                                               f"{self.process.exitcode}"))
+                dead = EngineDeadError(f"the engine process (pid {self.process.pid}) exited with "
+                                       f"{self.process.exitcode}")
+                logger.error("%s: every request now fails with 503 (as GET /health says); restart the server", dead)
+                self._fail_all(dead)
         except BaseException as exc:  # the engine loop died; the process reported why
             logger.error("engine loop died: %s", exc)
             self._fail_all(exc)
