@@ -165,6 +165,22 @@ def test_every_unimplemented_field_is_refused_by_name(served):
     client.completions.create(model=MODEL, prompt="hi", max_tokens=1)
 
 
+def test_a_content_part_the_model_cannot_read_is_refused_by_its_type(served):
+    _, _, client = served
+    image = {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}
+    with pytest.raises(openai.BadRequestError, match="content part type 'image_url' is not supported"):
+        client.chat.completions.create(model=MODEL, max_tokens=1,
+                                       messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}, image]}])
+    with pytest.raises(openai.BadRequestError, match="content part type 'input_image' is not supported"):
+        client.responses.create(model=MODEL, max_output_tokens=1, input=[
+            {"role": "user", "content": [{"type": "input_image", "image_url": "https://example.com/cat.png"}]}])
+    # text parts are read as before
+    parts = client.chat.completions.create(model=MODEL, max_tokens=3, temperature=0, messages=[
+        {"role": "user", "content": [{"type": "text", "text": "What is the capital "}, {"type": "text", "text": "of France?"}]}])
+    plain = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=3, temperature=0)
+    assert parts.choices[0].message.content == plain.choices[0].message.content
+
+
 def test_allow_unknown_fields_ignores_unknown_but_not_unimplemented_fields(caplog):
     chat = ChatCompletionRequest(messages=CHAT, frobnicate=1, service_tier="flex")
     with pytest.raises(Exception, match="'service_tier'"):

@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from goodserve.errors import GoodserveError
+from goodserve.server.contract import UNSUPPORTED_CONTENT_PART
 from goodserve.server.limits import LIMIT_ERROR_TYPES
 
 logger = logging.getLogger("goodserve.server")
@@ -81,10 +82,10 @@ def describe_validation_error(exc: RequestValidationError) -> tuple[int, str]:
     errors = exc.errors()
     if any(e.get("type") == "json_invalid" for e in errors):
         return 400, "request body is not valid JSON"
-    # Past a bound or not text: a bad value (400). Under a union the other members' type errors
-    # come too; the bound is what the client must fix.
-    over_limit = [e for e in errors if e.get("type") in LIMIT_ERROR_TYPES]
-    status, errors = (400, over_limit) if over_limit else (422, errors)
+    # Past a bound, not text, or a content part the models cannot read: a bad value (400). Under a
+    # union the other members' type errors come too; this one is what the client must fix.
+    refused = [e for e in errors if e.get("type") in LIMIT_ERROR_TYPES or e.get("type") == UNSUPPORTED_CONTENT_PART]
+    status, errors = (400, refused) if refused else (422, errors)
     parts = []
     for e in errors[:5]:
         # loc is ("body", field, ...); the client only knows the field path.

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from goodserve.errors import InvalidRequestError
 from goodserve.sampling_params import MAX_LOGIT_BIAS_ENTRIES, SamplingParams
-from goodserve.server.contract import UnsupportedFieldError
+from goodserve.server.contract import UnsupportedFieldError, text_parts_only
 from goodserve.server.limits import (
     MAX_CONTENT_PARTS,
     MAX_MESSAGES,
@@ -191,6 +191,11 @@ class TextContent(_Schema):
     type: Literal["text"]
     text: str
 
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, part: object) -> object:
+        return text_parts_only(part, ("text",))
+
 
 class FunctionCall(BaseModel):
     name: str
@@ -288,6 +293,11 @@ class EmbeddingRequest(_Request):
 class InputText(_Schema):
     type: Literal["input_text", "output_text"]
     text: str
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, part: object) -> object:
+        return text_parts_only(part, ("input_text", "output_text"))
 
 
 class ResponseInputMessage(_Schema):
