@@ -181,6 +181,45 @@ def test_a_content_part_the_model_cannot_read_is_refused_by_its_type(served):
     assert parts.choices[0].message.content == plain.choices[0].message.content
 
 
+SMOL_SYSTEM = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+
+
+def test_continue_final_message_continues_the_assistants_text(served):
+    server, llm, client = served
+    messages = [{"role": "user", "content": "What is the capital of France?"},
+                {"role": "assistant", "content": "The capital of France is"}]
+    # the prompt by hand: SmolLM2's template up to the last message's text, no end of turn after it
+    prompt = (SMOL_SYSTEM + "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n"
+              "<|im_start|>assistant\nThe capital of France is")
+    ids = llm.tokenizer.encode(prompt, add_special_tokens=False)
+    expected = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=4))[0].outputs[0].text
+    continued = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0,
+                                               extra_body={"continue_final_message": True,
+                                                           "add_generation_prompt": False})
+    assert continued.choices[0].message.content == expected and continued.usage.prompt_tokens == len(ids)
+    offline = llm.chat(messages, SamplingParams(temperature=0, max_tokens=4), add_generation_prompt=False,
+                       continue_final_message=True)
+    assert offline[0].outputs[0].text == expected
+    tokenized = httpx2.post(f"{server.url}/tokenize", json={"messages": messages, "continue_final_message": True,
+                                                            "add_generation_prompt": False}).json()
+    assert tokenized["tokens"] == ids
+    with pytest.raises(openai.BadRequestError, match="add_generation_prompt to false"):
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1,
+                                       extra_body={"continue_final_message": True})
+
+
+def test_chat_template_kwargs_the_template_does_not_read_are_refused_by_name(served):
+    _, _, client = served
+    with pytest.raises(openai.BadRequestError, match="'enable_thinking' is not a variable of this model's chat"):
+        client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1,
+                                       extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    with pytest.raises(openai.BadRequestError, match="may not set 'messages'"):
+        client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1,
+                                       extra_body={"chat_template_kwargs": {"messages": []}})
+    # empty: nothing to pass, accepted
+    client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1, extra_body={"chat_template_kwargs": {}})
+
+
 def test_allow_unknown_fields_ignores_unknown_but_not_unimplemented_fields(caplog):
     chat = ChatCompletionRequest(messages=CHAT, frobnicate=1, service_tier="flex")
     with pytest.raises(Exception, match="'service_tier'"):

@@ -86,6 +86,51 @@ def test_chat_template_matches_hf(tok: Tokenizer, hf_tok, messages, add_generati
     assert ours == ref
 
 
+CONTINUED = [
+    [{"role": "user", "content": "Capital of France?"}, {"role": "assistant", "content": "The capital is"}],
+    [{"role": "user", "content": "List three primes:"}, {"role": "assistant", "content": "2, 3, "}],  # trailing space
+    [{"role": "user", "content": "Write a haiku about"}],  # a user turn continued
+]
+
+
+@pytest.mark.parametrize("messages", CONTINUED)
+def test_continue_final_message_matches_hf(tok: Tokenizer, hf_tok, messages):
+    ours = tok.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True)
+    ref = hf_tok.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True,
+                                     tokenize=False)
+    assert ours == ref
+    assert not ours.endswith("<|im_end|>\n")
+
+
+def test_continue_final_message_refuses_what_it_cannot_continue(tok: Tokenizer):
+    last = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hel"}]
+    with pytest.raises(InvalidRequestError, match="add_generation_prompt to false"):
+        tok.apply_chat_template(last, add_generation_prompt=True, continue_final_message=True)
+    with pytest.raises(InvalidRequestError, match="text to continue"):
+        tok.apply_chat_template([{"role": "user", "content": "hi"}, {"role": "assistant", "content": " "}],
+                                add_generation_prompt=False, continue_final_message=True)
+    rewriting = Tokenizer(tok.backend, bos_token_id=None, eos_token_ids=[2],
+                          chat_template="{% for m in messages %}{{ m['content'] | upper }}{% endfor %}")
+    with pytest.raises(InvalidRequestError, match="changed the last message"):
+        rewriting.apply_chat_template(last, add_generation_prompt=False, continue_final_message=True)
+
+
+def test_chat_template_kwargs_reach_the_template_and_only_its_own_variables_pass(tok: Tokenizer):
+    template = "{% if enable_thinking %}<think>{% endif %}{{ messages[-1]['content'] }}"
+    thinking = Tokenizer(tok.backend, bos_token_id=None, eos_token_ids=[2], chat_template=template)
+    messages = [{"role": "user", "content": "x"}]
+    thinking.check_template_kwargs({"enable_thinking": True})
+    assert thinking.apply_chat_template(messages, enable_thinking=True) == "<think>x"
+    assert thinking.apply_chat_template(messages, enable_thinking=False) == "x"
+    with pytest.raises(InvalidRequestError, match="'enable_reasoning' is not a variable.*enable_thinking"):
+        thinking.check_template_kwargs({"enable_reasoning": True})
+    for server_set in ("messages", "add_generation_prompt", "tools"):
+        with pytest.raises(InvalidRequestError, match=f"may not set '{server_set}'"):
+            thinking.check_template_kwargs({server_set: []})
+    with pytest.raises(InvalidRequestError, match="'enable_thinking' is not a variable.*none"):
+        tok.check_template_kwargs({"enable_thinking": False})  # SmolLM2's template reads none
+
+
 @pytest.mark.parametrize("messages", [[], "hello", [{"content": "no role"}], [{"role": "user", "content": 3}]])
 def test_bad_messages_are_invalid_request(tok: Tokenizer, messages):
     with pytest.raises(InvalidRequestError):

@@ -57,14 +57,20 @@ class LLM:
         messages: list[dict] | list[list[dict]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
+        """continue_final_message: the prompt ends inside the last message, which the model continues;
+        chat_template_kwargs: variables the model's chat template reads (as vLLM's LLM.chat)."""
         if self.tokenizer is None:
             raise InvalidRequestError("this model has no tokenizer, so no chat template")
+        self.tokenizer.check_template_kwargs(chat_template_kwargs or {})
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        render = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message,
+                  **(chat_template_kwargs or {})}
         prompts = [
-            {"prompt_token_ids": self.tokenizer.encode(
-                self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt),
-                add_special_tokens=False),
+            {"prompt_token_ids": self.tokenizer.encode(self.tokenizer.apply_chat_template(conv, **render),
+                                                       add_special_tokens=False),
              "prompt": None}
             for conv in conversations
         ]

@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from datetime import datetime
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -66,18 +67,40 @@ class Tokenizer:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+        continue_final_message: bool = False, **kwargs: Any
     ) -> str:
+        """The prompt, as transformers renders it; continue_final_message ends it inside the last
+        message (no end of turn after it), so the model continues that message's text."""
         if self.chat_template is None:
             raise InvalidRequestError("this model has no chat template; send a plain prompt instead")
         _check_messages(messages)
+        if continue_final_message and add_generation_prompt:
+            raise InvalidRequestError("continue_final_message continues the last message, add_generation_prompt "
+                                      "starts a new one: set add_generation_prompt to false")
         try:
-            return _compile(self.chat_template).render(
+            rendered = _compile(self.chat_template).render(
                 messages=messages, add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs,
             )
         except (jinja2.TemplateError, TypeError, ValueError) as e:
             raise InvalidRequestError(f"the chat template rejected these messages: {e}") from e
+        return _cut_after_final_message(rendered, messages[-1]) if continue_final_message else rendered
+
+    def check_template_kwargs(self, kwargs: dict[str, Any]) -> None:
+        """chat_template_kwargs name variables of this model's template that the server does not set
+        itself; a name the template never reads would be silently ignored, so it is refused."""
+        if not kwargs:
+            return
+        if self.chat_template is None:
+            raise InvalidRequestError("this model has no chat template; send a plain prompt instead")
+        free = _template_variables(self.chat_template) - _SERVER_SET_VARIABLES
+        for name in kwargs:
+            if name in _SERVER_SET_VARIABLES:
+                raise InvalidRequestError(f"chat_template_kwargs may not set '{name}': the server sets it")
+            if name not in free:
+                raise InvalidRequestError(f"chat_template_kwargs '{name}' is not a variable of this model's chat "
+                                          f"template (those it reads: {', '.join(sorted(free)) or 'none'})")
 
 
 def _check_messages(messages: Any) -> None:
@@ -91,6 +114,20 @@ def _check_messages(messages: Any) -> None:
             raise InvalidRequestError(f"messages[{i}].content must be a string")
 
 
+def _cut_after_final_message(rendered: str, final: dict[str, Any]) -> str:
+    """The rendered prompt up to the end of the last message's text (transformers' rule: the text as
+    sent, else stripped, for templates that trim it)."""
+    text = final.get("content") or ""
+    if not text.strip():
+        raise InvalidRequestError("continue_final_message needs a last message with text to continue")
+    for candidate in (text, text.strip()):
+        end = rendered.rfind(candidate)
+        if end >= 0:
+            return rendered[: end + len(candidate)]
+    raise InvalidRequestError("continue_final_message: the chat template changed the last message's text, so "
+                              "the prompt cannot end inside it")
+
+
 def _raise_exception(message: str) -> None:
     raise jinja2.TemplateError(message)
 
@@ -102,16 +139,28 @@ def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
 
 
 _compiled_templates: dict[str, jinja2.Template] = {}  # cache: template source -> compiled template
+# What apply_chat_template passes itself, and the environment's globals: not chat_template_kwargs'.
+_SERVER_SET_VARIABLES = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token", "tools",
+                                   "raise_exception", "strftime_now"})
+
+
+@lru_cache(maxsize=1)
+def _environment() -> ImmutableSandboxedEnvironment:
+    # The same environment settings as transformers' apply_chat_template.
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
 
 
 def _compile(source: str) -> jinja2.Template:
     if source not in _compiled_templates:
-        # The same environment settings as transformers' apply_chat_template.
-        env = ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-        )
-        env.filters["tojson"] = _tojson
-        env.globals["raise_exception"] = _raise_exception
-        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        _compiled_templates[source] = env.from_string(source)
+        _compiled_templates[source] = _environment().from_string(source)
     return _compiled_templates[source]
+
+
+@lru_cache(maxsize=16)
+def _template_variables(source: str) -> frozenset[str]:
+    """The variables a template reads without setting them itself."""
+    return frozenset(jinja2.meta.find_undeclared_variables(_environment().parse(source)))

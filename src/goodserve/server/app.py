@@ -182,7 +182,7 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
         if (body.prompt is None) == (body.messages is None):
             raise InvalidRequestError("give exactly one of 'prompt' or 'messages'")
         if body.messages is not None:
-            ids = await ctx.chat_prompt_ids(body.messages, body.add_generation_prompt)
+            ids = await ctx.chat_prompt_ids(body.messages, body)
         else:
             ids = await ctx.encoder.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         return TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids)

@@ -19,6 +19,7 @@ MAX_STOP_STRING_CHARS = 1024  # longer stop strings also hold back that much str
 MAX_STOP_TOKEN_IDS = 1024
 MAX_MESSAGES = 2048
 MAX_CONTENT_PARTS = 256  # text parts in one message
+MAX_TEMPLATE_KWARGS = 32  # chat_template_kwargs entries
 MAX_NAME_CHARS = 256  # model, user, a message's name
 
 StopString = Annotated[str, Field(max_length=MAX_STOP_STRING_CHARS)]

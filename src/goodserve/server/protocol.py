@@ -8,7 +8,7 @@ them by name.
 from __future__ import annotations
 
 import time
-from typing import Annotated, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -20,6 +20,7 @@ from goodserve.server.limits import (
     MAX_MESSAGES,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
+    MAX_TEMPLATE_KWARGS,
     Name,
     StopString,
     reject_lone_surrogates,
@@ -245,7 +246,20 @@ class ChatMessage(_Schema):
 Messages = Annotated[list[ChatMessage], Field(max_length=MAX_MESSAGES)]
 
 
-class ChatCompletionRequest(_SamplingRequest):
+class ChatTemplateFields(_Request):
+    """How a request's messages become its prompt (vLLM's fields of these names)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the prompt ends inside the last message: the model continues it
+    # the chat template's own variables (e.g. a reasoning model's enable_thinking), each one it reads
+    chat_template_kwargs: Annotated[dict[str, Any], Field(max_length=MAX_TEMPLATE_KWARGS)] | None = None
+
+    def render_kwargs(self) -> dict[str, Any]:
+        return {"add_generation_prompt": self.add_generation_prompt,
+                "continue_final_message": self.continue_final_message, **(self.chat_template_kwargs or {})}
+
+
+class ChatCompletionRequest(_SamplingRequest, ChatTemplateFields):
     unsupported: ClassVar[frozenset[str]] = _SamplingRequest.unsupported | frozenset({
         "audio", "function_call", "functions", "metadata", "modalities", "moderation", "prediction",
         "prompt_cache_key", "prompt_cache_options", "prompt_cache_retention", "reasoning_effort",
@@ -256,7 +270,6 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    add_generation_prompt: bool = True
     store: bool | None = None
     # Tools (server/tool_calls.py)
     tools: list[ChatTool] | None = None
@@ -355,12 +368,11 @@ class CreateBatchRequest(_Request):
     metadata: Annotated[dict[str, str], Field(max_length=16)] | None = None
 
 
-class TokenizeRequest(_Request):
+class TokenizeRequest(ChatTemplateFields):
     model: Name | None = None
     prompt: str | None = None
     messages: Messages | None = None
     add_special_tokens: bool = True
-    add_generation_prompt: bool = True
 
 
 class DetokenizeRequest(_Request):

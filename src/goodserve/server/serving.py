@@ -22,7 +22,7 @@ from goodserve.server.contract import check_fields
 from goodserve.server.errors import error_body
 from goodserve.server.generation import GenerationJob, cancel_on_disconnect
 from goodserve.server.metrics import ServerMetrics, Slo
-from goodserve.server.protocol import ChatMessage
+from goodserve.server.protocol import ChatMessage, ChatTemplateFields
 from goodserve.server.tokenization import PromptEncoder
 from goodserve.server.tool_calls import conversation
 
@@ -75,12 +75,14 @@ class ServingContext:
         if model is not None and model != self.model_name:
             raise ModelLoadError(f"model '{model}' is not served here; this server serves '{self.model_name}'")
 
-    async def chat_prompt_ids(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
+    async def chat_prompt_ids(self, messages: list[ChatMessage], template: ChatTemplateFields | None = None,
                               tools: list[dict] = ()) -> list[int]:
         if not messages:
             raise InvalidRequestError("messages must contain at least one message")
-        rendered, template_kwargs = conversation(messages, list(tools), self.tokenizer.chat_template)
-        return await self.encoder.encode_chat(rendered, add_generation_prompt, template_kwargs)
+        template = template or ChatTemplateFields()
+        self.tokenizer.check_template_kwargs(template.chat_template_kwargs or {})
+        rendered, tool_kwargs = conversation(messages, list(tools), self.tokenizer.chat_template)
+        return await self.encoder.encode_chat(rendered, template.render_kwargs() | tool_kwargs)
 
     async def completion_prompt_ids(self, prompt: str | list[str] | list[int] | list[list[int]]) -> list[list[int]]:
         if isinstance(prompt, str):

@@ -36,7 +36,7 @@ async def create_chat_completion(
     ctx.check_request(req)
     params = req.sampling_params()
     mode = tool_mode(req)
-    prompt = await ctx.chat_prompt_ids(req.messages, req.add_generation_prompt, prompt_tools(req))
+    prompt = await ctx.chat_prompt_ids(req.messages, req, prompt_tools(req))
     job = await ctx.new_job("chatcmpl", [prompt], params, req.request_timeout_s, req.slo_best_effort)
     if req.stream:
         k = job.params.logprobs

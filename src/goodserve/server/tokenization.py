@@ -82,9 +82,8 @@ class PromptEncoder:
         self.check_fits(len(text.encode()))
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-    def _encode_chat(self, conversation: list[dict], add_generation_prompt: bool, template_kwargs: dict) -> list[int]:
-        text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
-                                                  **template_kwargs)
+    def _encode_chat(self, conversation: list[dict], render_kwargs: dict) -> list[int]:
+        text = self.tokenizer.apply_chat_template(conversation, **render_kwargs)
         # The template writes the special tokens itself (as transformers' apply_chat_template).
         return self._encode(text, add_special_tokens=False)
 
@@ -96,11 +95,12 @@ class PromptEncoder:
         self.check_fits(len(text.encode()))  # here too, so a refusal does not wait for the pool
         return await self.in_pool(self._encode, text, add_special_tokens)
 
-    async def encode_chat(self, conversation: list[dict], add_generation_prompt: bool = True,
-                          template_kwargs: dict | None = None) -> list[int]:
+    async def encode_chat(self, conversation: list[dict], render_kwargs: dict) -> list[int]:
+        """render_kwargs: apply_chat_template's (add_generation_prompt, continue_final_message, the
+        template's own variables)."""
         # The rendered prompt holds every message's text, so their sum is a lower bound of its size.
         self.check_fits(sum(len((m["content"] or "").encode()) for m in conversation))
-        return await self.in_pool(self._encode_chat, conversation, add_generation_prompt, template_kwargs or {})
+        return await self.in_pool(self._encode_chat, conversation, render_kwargs)
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
