@@ -9,7 +9,7 @@ from tokenizers import decoders, models
 
 from goodserve.errors import InvalidRequestError
 from goodserve.model.detokenizer import IncrementalDetokenizer
-from goodserve.model.tokenizer import Tokenizer
+from goodserve.model.tokenizer import Tokenizer, read_chat_template
 from goodserve.model.tokenizer_loader import embedded_tokenizer
 from goodserve.model_names import embedded_gguf_path
 
@@ -129,6 +129,34 @@ def test_chat_template_kwargs_reach_the_template_and_only_its_own_variables_pass
             thinking.check_template_kwargs({server_set: []})
     with pytest.raises(InvalidRequestError, match="'enable_thinking' is not a variable.*none"):
         tok.check_template_kwargs({"enable_thinking": False})  # SmolLM2's template reads none
+
+
+PLAIN_TEMPLATE = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+                  "{% if add_generation_prompt %}[assistant] {% endif %}")
+
+
+def test_read_chat_template_takes_a_file_or_the_template_and_refuses_what_is_neither(tmp_path):
+    path = tmp_path / "plain.jinja"
+    path.write_text(PLAIN_TEMPLATE)
+    assert read_chat_template(str(path)) == PLAIN_TEMPLATE == read_chat_template(PLAIN_TEMPLATE)
+    with pytest.raises(InvalidRequestError, match="no file .*missing.jinja"):
+        read_chat_template(str(tmp_path / "missing.jinja"))
+    with pytest.raises(InvalidRequestError, match="not a valid Jinja template.*line 1"):
+        read_chat_template("{% if add_generation_prompt %}unclosed")
+
+
+def test_a_chat_template_given_to_the_engine_replaces_the_models(tmp_path):
+    from goodserve import LLM, SamplingParams
+
+    path = tmp_path / "plain.jinja"
+    path.write_text(PLAIN_TEMPLATE)
+    llm = LLM(max_model_len=256, quantization="none", chat_template=str(path))
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+    prompt = "[system] Be brief.\n[user] Name a colour.\n[assistant] "  # by hand
+    assert llm.tokenizer.apply_chat_template(messages) == prompt
+    params = SamplingParams(temperature=0, max_tokens=4)
+    expected = llm.generate({"prompt_token_ids": llm.tokenizer.encode(prompt, add_special_tokens=False)}, params)
+    assert llm.chat(messages, params)[0].outputs[0].token_ids == expected[0].outputs[0].token_ids
 
 
 @pytest.mark.parametrize("messages", [[], "hello", [{"content": "no role"}], [{"role": "user", "content": 3}]])

@@ -165,6 +165,9 @@ class EngineConfig:
     # min_tokens); else synchronous.
     async_scheduling: bool = True
     tokenizer: str | None = None  # tokenizer path when it differs from the model's
+    # A Jinja chat template, or a file holding one, in place of the tokenizer's (vLLM's --chat-template):
+    # a base model's, or a fix to a model's own.
+    chat_template: str | None = None
     executor_backend: str = "uni"  # world_size > 1 runs its workers in processes whatever this says
     # Tensor parallelism (model/tensor_parallel.py, engine/executor.py): the model split over this many
     # ranks (GPUs, or CPU processes over gloo), which rendezvous through torch.distributed env://

@@ -77,6 +77,8 @@ _HELP = {
     "cpu_int8_activations": "GGUF layers on the CPU quantize activation rows to int8 as llama.cpp does: faster, "
                             "but greedy tokens can then depend on the batch (docs/quantization.md)",
     "tokenizer": "tokenizer path, when it differs from the model's",
+    "chat_template": "a Jinja chat template file (or the template itself) in place of the tokenizer's, e.g. for "
+                     "a base model (default: the tokenizer's)",
     "speculative_method": "speculative decoding: ngram (prompt lookup: propose what followed the last tokens' "
                           "earlier occurrence in the prompt or output), draft (--speculative-model proposes), or "
                           "lookahead (Jacobi iterations in the same step fill an n-gram pool; CPU only); exact, "

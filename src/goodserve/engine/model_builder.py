@@ -14,6 +14,7 @@ from goodserve.errors import InvalidRequestError
 from goodserve.model.loader import LoadedModel, load_model
 from goodserve.model.pipeline_parallel import PipelineParallel
 from goodserve.model.tensor_parallel import TensorParallel
+from goodserve.model.tokenizer import read_chat_template
 from goodserve.model.tokenizer_loader import load_tokenizer
 from goodserve.ops.cpu_linear import pack_linears_for_cpu
 from goodserve.ops.kernel_choice import KernelChoice, choose_kernels, use_kernels
@@ -26,6 +27,7 @@ def build_model(config: EngineConfig, tp: TensorParallel = TensorParallel(),
     """The model (this rank's share of it). Its modules hold their KernelChoice (ops/kernel_choice.py):
     no process-wide setting."""
     device = torch.device(config.device)
+    chat_template = read_chat_template(config.chat_template) if config.chat_template else None  # before the load
     torch.manual_seed(config.seed)
     kernels = choose_kernels(config.attention_backend, config.kernels, device)
     loaded = load_model(config.model, torch_dtype(config), device, seed=config.seed,
@@ -35,6 +37,10 @@ def build_model(config: EngineConfig, tp: TensorParallel = TensorParallel(),
     use_kernels(loaded.model, kernels)
     if config.tokenizer:
         loaded = dataclasses.replace(loaded, tokenizer=load_tokenizer(config.tokenizer, loaded.spec))
+    if chat_template:
+        if loaded.tokenizer is None:
+            raise InvalidRequestError("--chat-template needs a tokenizer: this model has none (give --tokenizer)")
+        loaded = dataclasses.replace(loaded, tokenizer=loaded.tokenizer.with_chat_template(chat_template))
     return loaded
 
 

@@ -6,6 +6,7 @@ import json
 from collections.abc import Sequence
 from datetime import datetime
 from functools import cached_property, lru_cache
+from pathlib import Path
 from typing import Any
 
 import jinja2
@@ -33,6 +34,10 @@ class Tokenizer:
         self.chat_template = chat_template
         # HF decides BOS in tokenizer_config; a backend post-processor may add it too, never both.
         self.add_bos_token = add_bos_token and bos_token_id is not None
+
+    def with_chat_template(self, chat_template: str) -> Tokenizer:
+        return Tokenizer(self.backend, bos_token_id=self.bos_token_id, eos_token_ids=self.eos_token_ids,
+                         chat_template=chat_template, add_bos_token=self.add_bos_token)
 
     @property
     def vocab_size(self) -> int:
@@ -112,6 +117,23 @@ def _check_messages(messages: Any) -> None:
         content = message.get("content")
         if not isinstance(content, (str, type(None))):
             raise InvalidRequestError(f"messages[{i}].content must be a string")
+
+
+def read_chat_template(value: str) -> str:
+    """--chat-template: a file's text, or the template itself (vLLM's rule: Jinja syntax in the value
+    means a template), checked to compile."""
+    path = Path(value).expanduser()
+    if path.is_file():
+        source = path.read_text()
+    elif "{{" in value or "{%" in value:
+        source = value
+    else:
+        raise InvalidRequestError(f"--chat-template: no file {value} (nor a Jinja template: no '{{{{' or '{{%' in it)")
+    try:
+        _compile(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise InvalidRequestError(f"--chat-template: not a valid Jinja template (line {e.lineno}: {e.message})") from e
+    return source
 
 
 def _cut_after_final_message(rendered: str, final: dict[str, Any]) -> str:
