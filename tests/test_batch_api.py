@@ -57,6 +57,17 @@ def records(client: openai.OpenAI, file_id: str | None) -> list[dict]:
     return [] if file_id is None else [json.loads(x) for x in client.files.content(file_id).text.splitlines()]
 
 
+def finished_batch(client: openai.OpenAI) -> str:
+    """A one-line job, run to completion: each test makes its own (pytest-xdist may run a module's tests
+    on different workers, each with its own server)."""
+    uploaded = client.files.create(file=("one.jsonl", jsonl([line("one", "/v1/completions",
+                                                                   {"prompt": "x", "max_tokens": 1})])),
+                                   purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h")
+    assert wait_done(client, batch.id).status == "completed"
+    return batch.id
+
+
 def test_upload_create_poll_download_answers_as_the_online_endpoint(served):
     server, client = served
     chat = {"model": MODEL, "messages": CHAT, "max_tokens": 6, "temperature": 0}
@@ -152,13 +163,14 @@ def test_cancel_stops_the_job_and_keeps_the_finished_lines(served):
     assert batch.request_counts.completed < 40
     assert len(records(client, batch.output_file_id)) == batch.request_counts.completed
     with pytest.raises(openai.BadRequestError, match="completed"):  # a finished batch stays as it is
-        client.batches.cancel(client.batches.list().data[-1].id)
+        client.batches.cancel(finished_batch(client))
 
 
 def test_list_pages_newest_first(served):
     _, client = served
+    made = [finished_batch(client) for _ in range(3)]
     ids = [b.id for b in client.batches.list(limit=100).data]
-    assert len(ids) >= 3
+    assert ids[:3] == made[::-1]
     first = client.batches.list(limit=1)
     assert first.data[0].id == ids[0] and first.has_more
     assert [b.id for b in client.batches.list(limit=2, after=ids[0]).data] == ids[1:3]
