@@ -16,7 +16,7 @@ from goodserve.errors import ModelLoadError
 from goodserve.model.hf_tokenizer import hf_tokenizer, read_json
 from goodserve.model.llama import LlamaForCausalLM, WeightFiller, build_empty_model
 from goodserve.model.pipeline_parallel import PipelineParallel
-from goodserve.model.spec import ModelSpec
+from goodserve.model.spec import ModelSpec, SamplingDefaults
 from goodserve.model.tensor_parallel import TensorParallel
 from goodserve.model.tokenizer import Tokenizer
 from goodserve.ops.rope_scaling import RopeScaling
@@ -69,6 +69,7 @@ def hf_spec(config: dict[str, Any], name: str, generation_config: dict[str, Any]
         attention_bias=is_qwen2,  # Qwen2 always has q/k/v biases
         bos_token_id=config.get("bos_token_id"),
         eos_token_ids=tuple(_as_list(generation_config.get("eos_token_id")) or _as_list(config.get("eos_token_id"))),
+        sampling_defaults=SamplingDefaults.from_generation_config(generation_config),
     )
 
 

@@ -2,9 +2,34 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
+from goodserve.errors import ModelLoadError
 from goodserve.ops.rope_scaling import RopeScaling
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """The sampling a model's makers recommend (its generation_config.json): what the server uses where a
+    request sets none (`serve --generation-config auto`, as vLLM's default), in place of OpenAI's."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+
+    @classmethod
+    def from_generation_config(cls, generation_config: dict) -> SamplingDefaults:
+        """The fields it sets (JSON may write 1 for 1.0); the server checks their values at start."""
+        found = {f.name: generation_config[f.name] for f in fields(cls) if generation_config.get(f.name) is not None}
+        try:
+            return cls(**{name: int(v) if name == "top_k" else float(v) for name, v in found.items()})
+        except (TypeError, ValueError) as e:
+            raise ModelLoadError(f"generation_config.json: a sampling field is not a number ({e})") from None
+
+    def as_dict(self) -> dict[str, float]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
 
 
 @dataclass(frozen=True)
@@ -25,6 +50,7 @@ class ModelSpec:
     attention_bias: bool = False  # Qwen2 puts biases on q/k/v
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    sampling_defaults: SamplingDefaults = SamplingDefaults()
 
     @property
     def q_size(self) -> int:

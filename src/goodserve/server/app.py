@@ -14,7 +14,9 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 import goodserve
-from goodserve.errors import InvalidRequestError
+from goodserve.errors import InvalidRequestError, ModelLoadError
+from goodserve.model.spec import SamplingDefaults
+from goodserve.sampling_params import SamplingParams
 from goodserve.server.admission import Admission
 from goodserve.server.auth import ApiKeyMiddleware, BodySizeLimitMiddleware
 from goodserve.server.batch_routes import batch_router
@@ -75,6 +77,9 @@ class ServerConfig:
     batch_max_file_bytes: int = 100 << 20
     # The engine in a process of its own (engine/engine_process.py); None: so, unless --disaggregate
     engine_process: bool | None = None
+    # auto: a request's unset temperature / top_p / top_k / min_p / repetition_penalty take the model's
+    # generation_config.json values (vLLM's default); none: OpenAI's defaults
+    generation_config: str = "auto"
 
     @property
     def url(self) -> str:
@@ -95,13 +100,31 @@ def startup_message(engine, config: ServerConfig, model_name: str) -> str:
     )
 
 
+def sampling_defaults(engine, config: ServerConfig) -> SamplingDefaults:
+    """The model's recommended sampling under --generation-config auto, checked now: a value the sampler
+    refuses would otherwise fail every request that leaves it unset."""
+    if config.generation_config == "none":
+        return SamplingDefaults()
+    defaults = engine.spec.sampling_defaults
+    try:
+        SamplingParams(**defaults.as_dict())
+    except InvalidRequestError as e:
+        raise ModelLoadError(f"the model's generation_config.json: {e} (start with --generation-config none to "
+                             "ignore it)") from None
+    if defaults.as_dict():
+        logger.info("a request's unset sampling knobs take the model's generation_config.json values: %s "
+                    "(--generation-config none: OpenAI's)",
+                    ", ".join(f"{name}={value:g}" for name, value in defaults.as_dict().items()))
+    return defaults
+
+
 def build_app(engine, config: ServerConfig) -> FastAPI:
     model_name = config.served_model_name or engine.config.model
     slo = Slo(config.slo_ttft_ms, config.slo_tpot_ms)
     metrics = ServerMetrics(engine, model_name, slo)
     ctx = ServingContext(engine, model_name, Admission(config.max_waiting), metrics, config.request_timeout_s,
                          config.max_unsent_outputs, config.stream_interval, config.pooling,
-                         config.allow_unknown_fields, slo)
+                         config.allow_unknown_fields, slo, sampling_defaults(engine, config))
     created = int(time.time())
     store = _open_store(Path(config.data_dir) if config.data_dir else default_data_dir())
     runner = None if isinstance(store, DataDirInUseError) else BatchRunner(

@@ -42,6 +42,10 @@ _SERVER_HELP = {
                        "raised to its hard maximum, less the files open at start and 64)",
     "keep_alive_s": "close a kept-alive connection idle this long; longer than clients' own idle expiry (httpx 5s, "
                     "aiohttp 15s), so a client never sends on a connection the server is closing",
+    "generation_config": "auto: a request's unset temperature, top_p, top_k, min_p and repetition_penalty take "
+                         "the values the model's generation_config.json recommends (a Hugging Face model "
+                         "directory's; vLLM's default); none: the API's own (OpenAI's temperature 1, top_p 1) "
+                         "(default: auto)",
     "pooling": "how /v1/embeddings pools a prompt's final hidden states: the last token's (default, as vLLM "
                "does for decoder models) or their mean; either is L2-normalized",
     "allow_unknown_fields": "ignore request fields this server does not know (a warning is logged) instead of "
@@ -70,7 +74,7 @@ def register(subparsers) -> None:
     )
     add_dataclass_arguments(parser, ServerConfig, "server options", _SERVER_HELP,
                             {"log_level": ("critical", "error", "warning", "info", "debug"),
-                             "pooling": ("last", "mean")})
+                             "pooling": ("last", "mean"), "generation_config": ("auto", "none")})
     parser.set_defaults(api_key=os.environ.get("GOODSERVE_API_KEY"))
     replicas = parser.add_argument_group("replicas")
     replicas.add_argument("--data-parallel-size", type=int, default=1, metavar="R",

@@ -13,6 +13,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from goodserve.errors import InvalidRequestError
+from goodserve.model.spec import SamplingDefaults
 from goodserve.sampling_params import MAX_LOGIT_BIAS_ENTRIES, SamplingParams
 from goodserve.server.contract import UnsupportedFieldError, text_parts_only
 from goodserve.server.limits import (
@@ -82,6 +83,9 @@ class StructuredOutputsRequest(_Schema):
     grammar: str | None = None
 
 
+_API_SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
+
+
 class _SamplingRequest(_Request):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -130,17 +134,14 @@ class _SamplingRequest(_Request):
     def include_usage_in_stream(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                         defaults: SamplingDefaults) -> SamplingParams:
         return SamplingParams(
             n=self.n,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k,
-            min_p=self.min_p,
+            **self._sampling_knobs(defaults),
             seed=self.seed,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty,
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
             stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
@@ -155,6 +156,13 @@ class _SamplingRequest(_Request):
             structured_outputs=self._structured_outputs(),
             logit_bias=_token_id_keys(self.logit_bias),
         )
+
+    def _sampling_knobs(self, defaults: SamplingDefaults) -> dict[str, float]:
+        """temperature, top_p, top_k, min_p and repetition_penalty: the request's where it sets them,
+        else the model's recommended ones (defaults), else the API's (OpenAI's, vLLM's)."""
+        model = defaults.as_dict()
+        return {name: getattr(self, name) if name in self.model_fields_set and getattr(self, name) is not None
+                else model.get(name, api_default) for name, api_default in _API_SAMPLING_DEFAULTS.items()}
 
     def _structured_outputs(self) -> StructuredOutputsParams | None:
         return request_grammar(self)
@@ -179,10 +187,11 @@ class CompletionRequest(_SamplingRequest):
     logprobs: int | None = None
     echo: bool = False
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, defaults: SamplingDefaults = SamplingDefaults()) -> SamplingParams:
+        """defaults: the model's recommended sampling, for the knobs the request leaves unset."""
         if self.max_tokens == 0 and not self.echo:
             raise InvalidRequestError("max_tokens=0 needs echo=true (it scores the prompt and generates nothing)")
-        params = self._sampling_params(self.max_tokens, self.logprobs)
+        params = self._sampling_params(self.max_tokens, self.logprobs, defaults)
         if self.echo and self.logprobs is not None:  # the echoed prompt's logprobs come first
             params.prompt_logprobs = self.logprobs
         return params
@@ -283,7 +292,8 @@ class ChatCompletionRequest(_SamplingRequest, ChatTemplateFields):
                                       "grammar: drop response_format / guided_* / structured_outputs")
         return forced or request_grammar(self)
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, defaults: SamplingDefaults = SamplingDefaults()) -> SamplingParams:
+        """defaults: the model's recommended sampling, for the knobs the request leaves unset."""
         _refuse_store(self.store)
         if 0 in (self.max_tokens, self.max_completion_tokens):
             raise InvalidRequestError("max_completion_tokens (max_tokens) must be at least 1")
@@ -291,7 +301,7 @@ class ChatCompletionRequest(_SamplingRequest, ChatTemplateFields):
             raise InvalidRequestError("top_logprobs requires logprobs to be true")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens, logprobs)
+        return self._sampling_params(max_tokens, logprobs, defaults)
 
 
 class EmbeddingRequest(_Request):

@@ -22,6 +22,7 @@ from goodserve.server.contract import check_fields
 from goodserve.server.errors import error_body
 from goodserve.server.generation import GenerationJob, cancel_on_disconnect
 from goodserve.server.metrics import ServerMetrics, Slo
+from goodserve.model.spec import SamplingDefaults
 from goodserve.server.protocol import ChatMessage, ChatTemplateFields
 from goodserve.server.tokenization import PromptEncoder
 from goodserve.server.tool_calls import conversation
@@ -41,6 +42,8 @@ class ServingContext:
     pooling: str = "last"  # how /v1/embeddings pools the final hidden states (--pooling)
     allow_unknown_fields: bool = False  # --allow-unknown-fields: ignore them with a warning, not a 400
     slo: Slo | None = None  # --slo-ttft-ms / --slo-tpot-ms: the targets of requests that set none
+    # --generation-config auto: the model's recommended sampling, for the knobs a request leaves unset
+    sampling_defaults: SamplingDefaults = SamplingDefaults()
 
     @property
     def tokenizer(self):

@@ -34,7 +34,7 @@ async def create_chat_completion(
     ctx: ServingContext, req: ChatCompletionRequest, request: Request | None
 ) -> Response | ChatCompletionResponse:
     ctx.check_request(req)
-    params = req.sampling_params()
+    params = req.sampling_params(ctx.sampling_defaults)
     mode = tool_mode(req)
     prompt = await ctx.chat_prompt_ids(req.messages, req, prompt_tools(req))
     job = await ctx.new_job("chatcmpl", [prompt], params, req.request_timeout_s, req.slo_best_effort)

@@ -20,7 +20,7 @@ from goodserve.server.serving import JobStreamingResponse, ServingContext, strea
 async def create_completion(ctx: ServingContext, req: CompletionRequest,
                             request: Request | None) -> Response | CompletionResponse:
     ctx.check_request(req)
-    params = req.sampling_params()
+    params = req.sampling_params(ctx.sampling_defaults)
     prompts = await ctx.completion_prompt_ids(req.prompt)
     job = await ctx.new_job("cmpl", prompts, params, req.request_timeout_s, req.slo_best_effort)
     echo = _Echo(ctx, req, prompts) if req.echo else None

@@ -29,7 +29,7 @@ async def create_response(ctx: ServingContext, req: ResponsesRequest, request: R
     ctx.check_request(req)
     chat = req.chat_request()
     prompt = await ctx.chat_prompt_ids(chat.messages)
-    job = await ctx.new_job("resp", [prompt], chat.sampling_params(), None)
+    job = await ctx.new_job("resp", [prompt], chat.sampling_params(ctx.sampling_defaults), None)
     shape = _Shape(ctx.model_name, req, job)
     if req.stream:
         return JobStreamingResponse(_events(job, shape), job, frame=lambda events: events)
