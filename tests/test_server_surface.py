@@ -156,6 +156,10 @@ def test_every_unimplemented_field_is_refused_by_name(served):
             assert resp.status_code == 400, (path, name, resp.text)
             error = resp.json()["error"]
             assert f"'{name}'" in error["message"] and error["param"] == name, (path, name, error)
+        # stream_options is strict: vLLM's continuous_usage_stats would otherwise look accepted and never come
+        resp = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1, "stream": True, "stream_options": {
+            "include_usage": True, "continuous_usage_stats": True}})
+        assert resp.status_code == 400 and "stream_options.continuous_usage_stats" in resp.json()["error"]["message"]
         # a null is no value; the other helper's structured-output fields stay accepted until they land
         assert http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1, "best_of": None}).status_code == 200
         assert http.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 1,

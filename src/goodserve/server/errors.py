@@ -72,6 +72,9 @@ def error_body(message: str, error_type: str, status: int, param: str | None = N
     return {"error": {"message": message, "type": error_type, "param": param, "code": status}}
 
 
+_REFUSED_ERROR_TYPES = LIMIT_ERROR_TYPES | {UNSUPPORTED_CONTENT_PART, "extra_forbidden"}
+
+
 def _is_union_member(loc_part: object) -> bool:
     """pydantic names which member of a union failed ('list[constrained-str]'); no field has such a name."""
     return isinstance(loc_part, str) and ("[" in loc_part or "-" in loc_part)
@@ -82,15 +85,18 @@ def describe_validation_error(exc: RequestValidationError) -> tuple[int, str]:
     errors = exc.errors()
     if any(e.get("type") == "json_invalid" for e in errors):
         return 400, "request body is not valid JSON"
-    # Past a bound, not text, or a content part the models cannot read: a bad value (400). Under a
-    # union the other members' type errors come too; this one is what the client must fix.
-    refused = [e for e in errors if e.get("type") in LIMIT_ERROR_TYPES or e.get("type") == UNSUPPORTED_CONTENT_PART]
+    # Past a bound, not text, a content part the models cannot read or a key a strict object does not
+    # know: a bad value (400). Under a union the other members' type errors come too; this one is what
+    # the client must fix.
+    refused = [e for e in errors if e.get("type") in _REFUSED_ERROR_TYPES]
     status, errors = (400, refused) if refused else (422, errors)
     parts = []
     for e in errors[:5]:
         # loc is ("body", field, ...); the client only knows the field path.
         loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body" and not _is_union_member(x))
-        parts.append(f"{loc}: {e.get('msg', 'invalid')}" if loc else e.get("msg", "invalid"))
+        message = "not supported by this server (see docs/serving.md)" if e.get("type") == "extra_forbidden" \
+            else e.get("msg", "invalid")
+        parts.append(f"{loc}: {message}" if loc else message)
     return status, "; ".join(parts) or "invalid request"
 
 

@@ -58,6 +58,10 @@ def _refuse_store(store: bool | None) -> None:
 
 
 class StreamOptions(_Schema):
+    # A key it does not know is a 400 naming it (errors.py), not ignored: vLLM's continuous_usage_stats
+    # (usage in every chunk), say, would otherwise look accepted and never come.
+    model_config = ConfigDict(extra="forbid")
+
     include_usage: bool = False
 
 
