@@ -9,6 +9,7 @@
 #   call 1:  bash scripts/gpu_gate.sh part1   (carry .gate/p0 .gate/whl) first part and wheels into /tmp
 #   call 2:  bash scripts/gpu_gate.sh run     (carry .gate/p1) the model whole again, then the suite
 #   anywhere with CUDA and the model installed: scripts/gpu_gate.sh suite  (what `make test-gpu` runs)
+#   a subset: `run` / `suite` take pytest's arguments: files of tests/gpu (then those alone), -k, ...
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -94,11 +95,15 @@ suite() {
     echo "no CUDA device here: the gate would skip every case (GOODSERVE_GATE_DEVICE=cpu runs its CPU subset)" >&2
     return 5
   fi
+  # The whole of tests/gpu unless the arguments name files in it (pytest would run both: a subset
+  # meant to fit the device time left would start from the suite's first case).
+  local where=tests/gpu arg
+  for arg in "$@"; do [[ "$arg" == tests/gpu/* ]] && where=""; done
   # Interrupted (SIGINT) before the device call's own limit, pytest still writes its summary.
   set +e
   PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" TRITON_INTERPRET=0 PYTHONUNBUFFERED=1 GOODSERVE_GATE_OUT="$out" \
     timeout -s INT -k 30 "${GATE_TIMEOUT_S:-540}" \
-    "$PYTHON" -m pytest tests/gpu -p no:cacheprovider -rfEs --durations=12 "$@" 2>&1 | tee ${log:-/dev/null}
+    "$PYTHON" -m pytest $where -p no:cacheprovider -rfEs --durations=12 "$@" 2>&1 | tee ${log:-/dev/null}
   local status=${PIPESTATUS[0]}
   set -e
   if [ -n "$out" ]; then echo "summary: $out"; fi
