@@ -227,9 +227,10 @@ def test_metrics_parse_and_counters_move(stack):
     assert moved("goodserve:generation_tokens_total{}") == resp.usage.completion_tokens
     assert moved(f"goodserve:request_success_total{{finished_reason={resp.choices[0].finish_reason}}}") == 1
     for hist in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
-                 "request_prefill_time_seconds", "request_decode_time_seconds",
-                 "request_time_per_output_token_seconds"):
+                 "request_prefill_time_seconds", "request_decode_time_seconds", "request_inference_time_seconds",
+                 "request_time_per_output_token_seconds", "request_prompt_tokens", "request_generation_tokens"):
         assert moved(f"goodserve:{hist}_count{{}}") == 1, hist
+    assert moved("goodserve:request_generation_tokens_sum{}") == resp.usage.completion_tokens
     assert moved("goodserve:inter_token_latency_seconds_count{}") == resp.usage.completion_tokens - 1
     assert moved("goodserve:request_slo_total{attained=true}") == 1  # a 600 s TTFT target is met
     assert moved("goodserve:engine_steps_total{}") >= resp.usage.completion_tokens

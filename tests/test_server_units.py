@@ -15,7 +15,7 @@ from goodserve.errors import InvalidRequestError, QueueFullError
 from goodserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from goodserve.server.admission import Admission
 from goodserve.server.logprobs import chat_logprobs, completion_logprobs
-from goodserve.server.metrics import ServerMetrics, Slo
+from goodserve.server.metrics import ServerMetrics, Slo, one_two_five_buckets
 from goodserve.server.protocol import ChatCompletionRequest, CompletionRequest
 
 
@@ -50,6 +50,11 @@ def test_a_command_keeps_its_own_flag_of_the_same_name():
     parser.add_argument("--seed", type=int, default=99, help="sampling seed")
     add_engine_arguments(parser)  # must not clash with the command's --seed
     assert parser.parse_args([]).seed == 99
+
+
+def test_length_buckets_go_one_two_five_up_to_the_context():
+    assert one_two_five_buckets(10) == (1, 2, 5, 10)
+    assert one_two_five_buckets(8192) == (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000)
 
 
 def test_slo_met_by_hand():
@@ -92,6 +97,12 @@ def test_request_metrics_from_timestamps_by_hand(idle_engine):
     assert samples[f"{p}request_queue_time_seconds_sum"] == pytest.approx(0.5 + 0.1)
     assert samples[f"{p}request_prefill_time_seconds_sum"] == pytest.approx(0.5 + 1.9)
     assert samples[f"{p}request_decode_time_seconds_sum"] == pytest.approx(0.6 + 0.1)
+    assert samples[f"{p}request_inference_time_seconds_sum"] == pytest.approx(1.1 + 2.0)
+    assert samples[f"{p}request_prompt_tokens_sum"] == 10 and samples[f"{p}request_generation_tokens_sum"] == 5
+    # 1, 2, 5, ... buckets: prompts of 7 and 3 tokens (one under 5, both under 10), answers of 3 and 2
+    assert samples[f"{p}request_prompt_tokens_bucket,le=5.0"] == 1
+    assert samples[f"{p}request_prompt_tokens_bucket,le=10.0"] == 2
+    assert samples[f"{p}request_generation_tokens_bucket,le=2.0"] == 1
     assert samples[f"{p}e2e_request_latency_seconds_sum"] == pytest.approx(1.6 + 2.1)
     assert samples[f"{p}request_time_per_output_token_seconds_sum"] == pytest.approx(0.3 + 0.1)
     assert samples[f"{p}inter_token_latency_seconds_count"] == 3

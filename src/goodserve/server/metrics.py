@@ -188,6 +188,17 @@ class GcPauseCollector:
         yield family
 
 
+def one_two_five_buckets(limit: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to limit (vLLM's buckets for request lengths)."""
+    buckets, scale = [], 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > limit:
+                return tuple(buckets)
+            buckets.append(mantissa * scale)
+        scale *= 10
+
+
 class ServerMetrics:
     def __init__(self, engine, model_name: str, slo: Slo):
         # A registry per server, not the process-global one, so several servers can share a process.
@@ -215,6 +226,13 @@ class ServerMetrics:
         self.prefill = histogram("request_prefill_time_seconds", "First scheduled to first token.",
                                  REQUEST_LATENCY_BUCKETS)
         self.decode = histogram("request_decode_time_seconds", "First token to finish.", REQUEST_LATENCY_BUCKETS)
+        self.inference = histogram("request_inference_time_seconds", "First scheduled to finish (prefill + decode).",
+                                   REQUEST_LATENCY_BUCKETS)
+        length_buckets = one_two_five_buckets(engine.max_model_len)
+        self.prompt_lengths = histogram("request_prompt_tokens", "Prompt tokens, per finished request.",
+                                        length_buckets)
+        self.generation_lengths = histogram("request_generation_tokens", "Generated tokens, per finished request "
+                                            "(all its choices).", length_buckets)
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens of finished requests.")
         self.request_success = counter("request_success", "Finished requests by finish reason.",
@@ -239,14 +257,18 @@ class ServerMetrics:
             (self.ttft, ttft),
             (self.prefill, _since(m.first_scheduled_time, m.first_token_time)),
             (self.decode, _since(m.first_token_time, finished)),
+            (self.inference, _since(m.first_scheduled_time, finished)),
             (self.tpot, tpot),
         ]:
             if value is not None:
                 hist.labels(name).observe(value)
         for earlier, later in zip(m.token_times, m.token_times[1:]):
             self.itl.labels(name).observe(max(0.0, later - earlier))
-        self.prompt_tokens.labels(name).inc(len(out.prompt_token_ids))
-        self.generation_tokens.labels(name).inc(sum(len(c.token_ids) for c in out.outputs))
+        prompt, generated = len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs)
+        self.prompt_tokens.labels(name).inc(prompt)
+        self.generation_tokens.labels(name).inc(generated)
+        self.prompt_lengths.labels(name).observe(prompt)
+        self.generation_lengths.labels(name).observe(generated)
         self.request_success.labels(name, out.outputs[0].finish_reason or "abort").inc()
         slo = self.slo if targets is None else Slo(
             self.slo.ttft_ms if targets.ttft_ms is None else targets.ttft_ms,
