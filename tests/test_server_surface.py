@@ -8,6 +8,7 @@ embeddings, the engine's prompt_logprobs for echo."""
 from __future__ import annotations
 
 import base64
+import json
 import logging
 from importlib.metadata import version
 
@@ -134,10 +135,55 @@ def test_responses_non_stream_and_stream_equal_the_chat_path(served):
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == expected
     assert next(e for e in events if e.type == "response.output_text.done").text == expected
     assert events[-1].response.output_text == expected
-    for field, value in (("tools", [{"type": "function", "name": "f", "parameters": {}}]),
-                         ("previous_response_id", "resp_1"), ("store", True)):
+    for field, value in (("previous_response_id", "resp_1"), ("store", True)):
         with pytest.raises(openai.BadRequestError, match=field):
             client.responses.create(model=MODEL, input="hi", **{field: value})
+    with pytest.raises(openai.BadRequestError, match="tool type 'web_search' is not supported"):
+        client.responses.create(model=MODEL, input="hi", tools=[{"type": "web_search"}])
+    with pytest.raises(openai.BadRequestError, match="input item type 'reasoning' is not supported"):
+        client.responses.create(model=MODEL, input=[{"type": "reasoning", "id": "rs_1", "summary": []}])
+
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+
+
+def test_responses_function_calls_equal_the_chat_paths_and_their_outputs_come_back(served):
+    _, _, client = served
+    question = [{"role": "user", "content": "What is the weather in Paris?"}]
+    tool = {"type": "function", "name": "get_weather", "description": "The weather in a city", "parameters": WEATHER}
+    chat_tool = {"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}}
+    chat = client.chat.completions.create(model=MODEL, messages=question, tools=[chat_tool], tool_choice="required",
+                                          max_tokens=40, temperature=0)
+    (expected,) = chat.choices[0].message.tool_calls
+    response = client.responses.create(model=MODEL, input=question, tools=[tool], tool_choice="required",
+                                       max_output_tokens=40, temperature=0)
+    (call,) = response.output  # the call alone: no message item
+    assert (call.type, call.name, call.arguments) == ("function_call", "get_weather", expected.function.arguments)
+    assert json.loads(call.arguments)["city"] and call.call_id.startswith("call_")
+    assert response.tool_choice == "required" and response.tools[0].name == "get_weather"
+
+    events = list(client.responses.create(model=MODEL, input=question, tools=[tool], tool_choice="required",
+                                          max_output_tokens=40, temperature=0, stream=True))
+    assert "response.output_text.delta" not in [e.type for e in events]
+    added = next(e for e in events if e.type == "response.output_item.added")
+    done = next(e for e in events if e.type == "response.function_call_arguments.done")
+    assert added.item.type == "function_call" and done.item_id == added.item.id
+    assert done.arguments == call.arguments == events[-1].response.output[0].arguments
+
+    # the next turn: the call and what the function returned, as the chat path sends them
+    result = '{"temperature_c": 21, "sky": "clear"}'
+    items = [*question, {"type": "function_call", "call_id": call.call_id, "name": call.name,
+                         "arguments": call.arguments},
+             {"type": "function_call_output", "call_id": call.call_id, "output": result}]
+    turn = client.responses.create(model=MODEL, tools=[tool], max_output_tokens=12, temperature=0, input=items)
+    streamed = list(client.responses.create(model=MODEL, tools=[tool], max_output_tokens=12, temperature=0,
+                                            input=items, stream=True))
+    assert "".join(e.delta for e in streamed if e.type == "response.output_text.delta") == turn.output_text
+    reply = client.chat.completions.create(model=MODEL, tools=[chat_tool], max_tokens=12, temperature=0, messages=[
+        *question, {"role": "assistant", "tool_calls": [{"id": call.call_id, "type": "function", "function": {
+            "name": call.name, "arguments": call.arguments}}]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": result}])
+    assert turn.output_text == reply.choices[0].message.content and turn.output_text  # a text answer
 
 
 BODIES = {"/v1/chat/completions": ({"messages": CHAT, "max_tokens": 1}, ChatCompletionRequest),

@@ -4,8 +4,9 @@ Request schemas keep the fields they do not declare (pydantic's extra="allow"); 
 refuses each by name: the OpenAI fields that exist but goodserve does not implement (listed per
 schema, so the message says so), and unknown fields, which `--allow-unknown-fields` turns into a
 warning for clients that send their own extensions. A field sent as null is treated as absent.
-A message content part of a kind the served models cannot read (an image, audio, a file) is refused
-the same way, naming its type (`text_parts_only`), not as a 422 about the union it failed to match.
+An object of a type goodserve does not run (a content part the served models cannot read, a
+Responses built-in tool or input item) is refused the same way, naming its type (`refuse_other_types`),
+not as a 422 about the union it failed to match.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from goodserve.errors import InvalidRequestError
 
 logger = logging.getLogger("goodserve.server")
 
-UNSUPPORTED_CONTENT_PART = "unsupported_content_part"  # a validation error type answered with 400
+UNSUPPORTED_TYPE = "unsupported_type"  # a validation error type answered with 400
 
 class UnsupportedFieldError(InvalidRequestError):
     def __init__(self, message: str, param: str) -> None:
@@ -43,10 +44,11 @@ def check_fields(request: BaseModel, unsupported: frozenset[str], allow_unknown:
         logger.warning("ignoring unknown field(s) %s (--allow-unknown-fields)", ", ".join(sorted(extra)))
 
 
-def text_parts_only(part: object, text_types: tuple[str, ...]) -> object:
-    """A content part (before validation) whose type is not one of text_types: refused by name."""
-    kind = part.get("type") if isinstance(part, dict) else None
-    if isinstance(kind, str) and kind not in text_types:
-        raise PydanticCustomError(UNSUPPORTED_CONTENT_PART, "content part type '{kind}' is not supported: the "
-                                  "models this server serves read text only", {"kind": kind})
-    return part
+def refuse_other_types(value: object, allowed: tuple[str, ...], what: str, why: str) -> object:
+    """value (before validation) if its `type` is one of allowed (or it has none); else the error that
+    names it."""
+    kind = value.get("type") if isinstance(value, dict) else None
+    if isinstance(kind, str) and kind not in allowed:
+        raise PydanticCustomError(UNSUPPORTED_TYPE, "{what} type '{kind}' is not supported: {why}",
+                                  {"what": what, "kind": kind, "why": why})
+    return value

@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from goodserve.errors import GoodserveError
-from goodserve.server.contract import UNSUPPORTED_CONTENT_PART
+from goodserve.server.contract import UNSUPPORTED_TYPE
 from goodserve.server.limits import LIMIT_ERROR_TYPES
 
 logger = logging.getLogger("goodserve.server")
@@ -72,7 +72,7 @@ def error_body(message: str, error_type: str, status: int, param: str | None = N
     return {"error": {"message": message, "type": error_type, "param": param, "code": status}}
 
 
-_REFUSED_ERROR_TYPES = LIMIT_ERROR_TYPES | {UNSUPPORTED_CONTENT_PART, "extra_forbidden"}
+_REFUSED_ERROR_TYPES = LIMIT_ERROR_TYPES | {UNSUPPORTED_TYPE, "extra_forbidden"}
 
 
 def _is_union_member(loc_part: object) -> bool:
@@ -85,8 +85,8 @@ def describe_validation_error(exc: RequestValidationError) -> tuple[int, str]:
     errors = exc.errors()
     if any(e.get("type") == "json_invalid" for e in errors):
         return 400, "request body is not valid JSON"
-    # Past a bound, not text, a content part the models cannot read or a key a strict object does not
-    # know: a bad value (400). Under a union the other members' type errors come too; this one is what
+    # Past a bound, not text, an object of a type goodserve does not run or a key a strict object does
+    # not know: a bad value (400). Under a union the other members' type errors come too; this one is what
     # the client must fix.
     refused = [e for e in errors if e.get("type") in _REFUSED_ERROR_TYPES]
     status, errors = (400, refused) if refused else (422, errors)

@@ -10,12 +10,12 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from goodserve.errors import InvalidRequestError
 from goodserve.model.spec import SamplingDefaults
 from goodserve.sampling_params import MAX_LOGIT_BIAS_ENTRIES, SamplingParams
-from goodserve.server.contract import UnsupportedFieldError, text_parts_only
+from goodserve.server.contract import UnsupportedFieldError, refuse_other_types
 from goodserve.server.limits import (
     MAX_CONTENT_PARTS,
     MAX_MESSAGES,
@@ -201,6 +201,9 @@ class CompletionRequest(_SamplingRequest):
         return params
 
 
+_TEXT_ONLY = "the models this server serves read text only"
+
+
 class TextContent(_Schema):
     type: Literal["text"]
     text: str
@@ -208,7 +211,7 @@ class TextContent(_Schema):
     @model_validator(mode="before")
     @classmethod
     def _text_only(cls, part: object) -> object:
-        return text_parts_only(part, ("text",))
+        return refuse_other_types(part, ("text",), "content part", _TEXT_ONLY)
 
 
 class FunctionCall(BaseModel):
@@ -324,7 +327,7 @@ class InputText(_Schema):
     @model_validator(mode="before")
     @classmethod
     def _text_only(cls, part: object) -> object:
-        return text_parts_only(part, ("input_text", "output_text"))
+        return refuse_other_types(part, ("input_text", "output_text"), "content part", _TEXT_ONLY)
 
 
 class ResponseInputMessage(_Schema):
@@ -338,18 +341,62 @@ class ResponseInputMessage(_Schema):
         return ChatMessage(role=self.role, content=parts)
 
 
+class ResponseFunctionCall(_Schema):
+    """An earlier turn's function call, sent back as input (the output item of that name)."""
+
+    type: Literal["function_call"]
+    call_id: Name
+    name: Name
+    arguments: str  # JSON text
+
+
+class ResponseFunctionCallOutput(_Schema):
+    """What the caller's function returned for call_id."""
+
+    type: Literal["function_call_output"]
+    call_id: Name
+    output: str
+
+
+class ResponseTool(_Schema):
+    """A function tool, as the Responses API spells it: flat, not nested under `function`."""
+
+    type: Literal["function"]
+    name: Name
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema
+    strict: bool | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _functions_only(cls, tool: object) -> object:
+        return refuse_other_types(tool, ("function",), "tool", "this server runs function tools only")
+
+    def chat_tool(self) -> ChatTool:
+        return ChatTool(function=FunctionDefinition(name=self.name, description=self.description,
+                                                    parameters=self.parameters, strict=self.strict))
+
+
+class ResponseToolChoice(_Schema):
+    type: Literal["function"]
+    name: Name
+
+
+ResponseInputItem = ResponseInputMessage | ResponseFunctionCall | ResponseFunctionCallOutput
+
+
 class ResponsesRequest(_Request):
-    """The text case of OpenAI's Responses API: one turn, no state kept between responses."""
+    """OpenAI's Responses API, its text and function-tool cases: one turn, no state kept between
+    responses (a function's output comes back in `input`, with the call it answers)."""
 
     unsupported: ClassVar[frozenset[str]] = frozenset({
         "access_programs", "background", "background_options", "context_management", "conversation", "image",
-        "include", "max_tool_calls", "metadata", "moderation", "parallel_tool_calls", "previous_response_id",
+        "include", "max_tool_calls", "metadata", "moderation", "previous_response_id",
         "prompt", "prompt_cache_key", "prompt_cache_options", "prompt_cache_retention", "reasoning",
-        "safety_identifier", "service_tier", "stream_options", "tool_choice", "tools", "top_logprobs",
-        "truncation"})
+        "safety_identifier", "service_tier", "stream_options", "top_logprobs", "truncation"})
 
     model: Name | None = None
-    input: str | Annotated[list[ResponseInputMessage], Field(max_length=MAX_MESSAGES)]
+    input: str | Annotated[list[ResponseInputItem], Field(max_length=MAX_MESSAGES)]
     instructions: str | None = None
     max_output_tokens: int | None = None
     temperature: float | None = None
@@ -358,17 +405,53 @@ class ResponsesRequest(_Request):
     store: bool | None = None  # OpenAI's default is true; nothing is stored here, so true is refused
     text: dict | None = None  # only {"format": {"type": "text"}}: structured formats are not supported here
     user: Name | None = None  # accepted; recorded nowhere
+    # Function tools (server/tool_calls.py, as chat completions run them); other tool types are a 422
+    tools: list[ResponseTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ResponseToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _known_items(cls, items: object) -> object:
+        for item in items if isinstance(items, list) else ():
+            refuse_other_types(item, ("message", "function_call", "function_call_output"), "input item",
+                               "this server takes messages, function calls and their outputs")
+        return items
 
     def chat_request(self) -> ChatCompletionRequest:
-        """The same turn as a chat completion: one path from messages to tokens and sampling."""
+        """The same turn as a chat completion: one path from messages to tokens, sampling and tools."""
         _refuse_store(self.store)
         if self.text not in (None, {}, {"format": {"type": "text"}}):
             raise UnsupportedFieldError("'text' supports only {\"format\": {\"type\": \"text\"}} here", "text")
         turns = [ChatMessage(role="user", content=self.input)] if isinstance(self.input, str) \
-            else [m.chat_message() for m in self.input]
+            else _chat_turns(self.input)
         system = [ChatMessage(role="system", content=self.instructions)] if self.instructions is not None else []
+        choice = self.tool_choice
+        if isinstance(choice, ResponseToolChoice):
+            choice = NamedToolChoice(function=ToolChoiceFunction(name=choice.name))
         return ChatCompletionRequest(model=self.model, messages=system + turns, temperature=self.temperature,
-                                     top_p=self.top_p, max_completion_tokens=self.max_output_tokens)
+                                     top_p=self.top_p, max_completion_tokens=self.max_output_tokens,
+                                     tools=[t.chat_tool() for t in self.tools] if self.tools else None,
+                                     tool_choice=choice, parallel_tool_calls=self.parallel_tool_calls)
+
+
+def _chat_turns(items: list[ResponseInputItem]) -> list[ChatMessage]:
+    """Input items as chat messages: consecutive function calls are one assistant turn's tool_calls
+    (after its text, where the assistant's message came just before), a call's output a tool message."""
+    turns: list[ChatMessage] = []
+    for item in items:
+        if isinstance(item, ResponseFunctionCall):
+            call = ToolCall(id=item.call_id, function=FunctionCall(name=item.name, arguments=item.arguments))
+            last = turns[-1] if turns else None
+            if last is not None and last.role == "assistant":
+                last.tool_calls = [*(last.tool_calls or []), call]
+            else:
+                turns.append(ChatMessage(role="assistant", tool_calls=[call]))
+        elif isinstance(item, ResponseFunctionCallOutput):
+            turns.append(ChatMessage(role="tool", content=item.output, tool_call_id=item.call_id))
+        else:
+            turns.append(item.chat_message())
+    return turns
 
 
 class CreateBatchRequest(_Request):

@@ -26,8 +26,8 @@ from goodserve.server.protocol import (
     ToolCall,
 )
 from goodserve.server.serving import JobStreamingResponse, ServingContext, stream_chunks
-from goodserve.server.tool_calls import forced_calls, prompt_tools, tool_mode
-from goodserve.server.tool_parsers import ToolCallStream, new_call_id, parse_tool_calls
+from goodserve.server.tool_calls import forced_calls, output_calls, prompt_tools, tool_mode
+from goodserve.server.tool_parsers import ToolCallStream, new_call_id
 
 
 async def create_chat_completion(
@@ -54,7 +54,7 @@ async def create_chat_completion(
         logprobs = None
         if params.logprobs is not None and c.logprobs is not None:
             logprobs = chat_logprobs(c.token_ids, c.logprobs, params.logprobs)
-        content, calls = _tool_calls(req, mode, c.text)
+        content, calls = output_calls(req, mode, c.text)
         message = AssistantMessage(content=content, tool_calls=[
             ToolCall(id=new_call_id(), function=FunctionCall(name=call.name, arguments=call.arguments))
             for call in calls] or None)
@@ -63,15 +63,6 @@ async def create_chat_completion(
             finish_reason=_finish_reason(c.finish_reason, bool(calls)), stop_reason=c.stop_reason,
         ))
     return ChatCompletionResponse(id=job.request_id, model=ctx.model_name, choices=choices, usage=job.usage())
-
-
-def _tool_calls(req: ChatCompletionRequest, mode: str, text: str):
-    if mode == "auto":
-        return parse_tool_calls(text)
-    if mode in ("required", "named"):
-        calls = forced_calls(req, text)
-        return (None, calls) if calls else (text, [])
-    return text, []
 
 
 def _finish_reason(reason: str | None, has_calls: bool) -> str | None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 
 from goodserve.errors import InvalidRequestError
-from goodserve.server.tool_parsers import ToolCallText, loads_or_none
+from goodserve.server.tool_parsers import ToolCallText, loads_or_none, parse_tool_calls
 from goodserve.structured_outputs import StructuredOutputsParams
 
 _HERMES_SYSTEM = (
@@ -69,6 +69,16 @@ def forced_calls(req, text: str) -> list[ToolCallText] | None:
     if not isinstance(calls, list):
         return None
     return [ToolCallText(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in calls]
+
+
+def output_calls(req, mode: str, text: str) -> tuple[str | None, list[ToolCallText]]:
+    """A finished output's (content, calls) under tool_mode(req) `mode`."""
+    if mode == "auto":
+        return parse_tool_calls(text)
+    if mode in ("required", "named"):
+        calls = forced_calls(req, text)
+        return (None, calls) if calls else (text, [])
+    return text, []
 
 
 def prompt_tools(req) -> list[dict]:
