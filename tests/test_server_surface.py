@@ -147,6 +147,18 @@ def test_responses_non_stream_and_stream_equal_the_chat_path(served):
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 
 
+def test_responses_text_format_follows_a_json_schema_as_the_chat_path_does(served):
+    _, _, client = served
+    question = [{"role": "user", "content": "Name a city in France."}]
+    chat = client.chat.completions.create(model=MODEL, messages=question, max_tokens=24, temperature=0,
+                                          response_format={"type": "json_schema", "json_schema": {
+                                              "name": "place", "schema": WEATHER}})
+    response = client.responses.create(model=MODEL, input=question, max_output_tokens=24, temperature=0,
+                                       text={"format": {"type": "json_schema", "name": "place", "schema": WEATHER}})
+    assert response.output_text == chat.choices[0].message.content
+    assert json.loads(response.output_text)["city"] and response.text.format.type == "json_schema"
+
+
 def test_responses_function_calls_equal_the_chat_paths_and_their_outputs_come_back(served):
     _, _, client = served
     question = [{"role": "user", "content": "What is the weather in Paris?"}]

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from goodserve.errors import InvalidRequestError
 from goodserve.model.spec import SamplingDefaults
 from goodserve.sampling_params import MAX_LOGIT_BIAS_ENTRIES, SamplingParams
-from goodserve.server.contract import UnsupportedFieldError, refuse_other_types
+from goodserve.server.contract import refuse_other_types
 from goodserve.server.limits import (
     MAX_CONTENT_PARTS,
     MAX_MESSAGES,
@@ -385,6 +385,26 @@ class ResponseToolChoice(_Schema):
 ResponseInputItem = ResponseInputMessage | ResponseFunctionCall | ResponseFunctionCallOutput
 
 
+class ResponseTextFormat(_Schema):
+    """The Responses API's output format: flat, where chat's response_format nests json_schema."""
+
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+    def chat_format(self) -> ResponseFormat | None:
+        if self.type != "json_schema":
+            return None if self.type == "text" else ResponseFormat(type=self.type)
+        return ResponseFormat(type="json_schema", json_schema=JsonSchemaFormat(
+            name=self.name or "response", description=self.description, schema=self.json_schema, strict=self.strict))
+
+
+class ResponseText(_Schema):
+    format: ResponseTextFormat = ResponseTextFormat()
+
+
 class ResponsesRequest(_Request):
     """OpenAI's Responses API, its text and function-tool cases: one turn, no state kept between
     responses (a function's output comes back in `input`, with the call it answers)."""
@@ -403,7 +423,7 @@ class ResponsesRequest(_Request):
     top_p: float | None = None
     stream: bool = False
     store: bool | None = None  # OpenAI's default is true; nothing is stored here, so true is refused
-    text: dict | None = None  # only {"format": {"type": "text"}}: structured formats are not supported here
+    text: ResponseText | None = None  # the output's format: text, or JSON (a schema, or any object)
     user: Name | None = None  # accepted; recorded nowhere
     # Function tools (server/tool_calls.py, as chat completions run them); other tool types are a 422
     tools: list[ResponseTool] | None = None
@@ -421,8 +441,6 @@ class ResponsesRequest(_Request):
     def chat_request(self) -> ChatCompletionRequest:
         """The same turn as a chat completion: one path from messages to tokens, sampling and tools."""
         _refuse_store(self.store)
-        if self.text not in (None, {}, {"format": {"type": "text"}}):
-            raise UnsupportedFieldError("'text' supports only {\"format\": {\"type\": \"text\"}} here", "text")
         turns = [ChatMessage(role="user", content=self.input)] if isinstance(self.input, str) \
             else _chat_turns(self.input)
         system = [ChatMessage(role="system", content=self.instructions)] if self.instructions is not None else []
@@ -432,7 +450,8 @@ class ResponsesRequest(_Request):
         return ChatCompletionRequest(model=self.model, messages=system + turns, temperature=self.temperature,
                                      top_p=self.top_p, max_completion_tokens=self.max_output_tokens,
                                      tools=[t.chat_tool() for t in self.tools] if self.tools else None,
-                                     tool_choice=choice, parallel_tool_calls=self.parallel_tool_calls)
+                                     tool_choice=choice, parallel_tool_calls=self.parallel_tool_calls,
+                                     response_format=self.text.format.chat_format() if self.text else None)
 
 
 def _chat_turns(items: list[ResponseInputItem]) -> list[ChatMessage]:

@@ -21,7 +21,7 @@ from starlette.responses import Response
 from goodserve.errors import GoodserveError
 from goodserve.outputs import RequestOutput
 from goodserve.server.generation import GenerationJob
-from goodserve.server.protocol import ResponsesRequest
+from goodserve.server.protocol import ResponsesRequest, ResponseTextFormat
 from goodserve.server.serving import JobStreamingResponse, ServingContext
 from goodserve.server.tool_calls import output_calls, prompt_tools, tool_mode
 from goodserve.server.tool_parsers import ToolCallStream, ToolCallText, new_call_id
@@ -98,7 +98,8 @@ class _Shape:
             "tool_choice": choice.model_dump() if choice is not None and not isinstance(choice, str)
             else choice or ("auto" if self.req.tools else "none"),
             "tools": [tool.model_dump(exclude_none=True) for tool in self.req.tools or []],
-            "text": {"format": {"type": "text"}}, "store": False, "usage": usage,
+            "text": {"format": (self.req.text.format if self.req.text else ResponseTextFormat()).model_dump(
+                by_alias=True, exclude_none=True)}, "store": False, "usage": usage,
         }
 
 
