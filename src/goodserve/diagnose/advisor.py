@@ -219,7 +219,8 @@ RULES: tuple[Rule, ...] = (
               "goodserve bench: output tok/s rises at many streams (1.7x at 256 on an H200)", "engine_process"),
           Fix(REPLICAS,
               "each replica's engine runs in its own process with its own host thread, so the host work "
-              "is split R ways", "goodserve bench --goodput-capacity rises about R x"),
+              "is split R ways", "goodserve bench --goodput-capacity rises about R x (2 replicas on 2 H200s "
+              "completed 2.02x one at saturation: benchmarks/BENCHMARKS.md)"),
           Fix("(the host) a CPU with faster cores, and nothing else on the server's cores",
               "the engine's step loop is one Python thread, so one core's speed bounds how fast host-bound "
               "steps follow each other", "goodserve diagnose --metrics-url: the host share of step time falls"))),
