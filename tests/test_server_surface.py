@@ -127,6 +127,9 @@ def test_responses_non_stream_and_stream_equal_the_chat_path(served):
     response = client.responses.create(model=MODEL, instructions=instructions, input=question,
                                        max_output_tokens=8, temperature=0)
     assert response.output_text == expected and response.usage.output_tokens > 0
+    cut = client.responses.create(model=MODEL, input=question, max_output_tokens=1, temperature=0)
+    assert (cut.status, cut.incomplete_details.reason, cut.output[0].status) == (
+        "incomplete", "max_output_tokens", "incomplete")
     events = list(client.responses.create(model=MODEL, input=[{"role": "system", "content": instructions},
                                                                {"role": "user", "content": question}],
                                           max_output_tokens=8, temperature=0, stream=True))

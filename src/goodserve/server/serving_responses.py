@@ -68,13 +68,14 @@ class _Shape:
         return [_Call("fc_" + uuid.uuid4().hex, new_call_id(), call) for call in calls]
 
     def item(self, text: str, status: str) -> dict:
-        done = status == "completed"
+        """The message item; status completed, incomplete (cut by max_output_tokens) or in_progress."""
+        done = status != "in_progress"
         content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if done else []
         return {"type": "message", "id": self.item_id, "status": status, "role": "assistant", "content": content}
 
-    def output(self, text: str, calls: list[_Call]) -> list[dict]:
+    def output(self, text: str, calls: list[_Call], status: str) -> list[dict]:
         """A message item unless the output is calls alone, then the calls."""
-        return ([self.item(text, "completed")] if text or not calls else []) + [call.item() for call in calls]
+        return ([self.item(text, status)] if text or not calls else []) + [call.item() for call in calls]
 
     def response(self, out: RequestOutput | None, text: str = "", calls: list[_Call] = ()) -> dict:
         done = out is not None
@@ -90,7 +91,7 @@ class _Shape:
         return {
             "id": self.id, "object": "response", "created_at": self.created_at, "model": self.model,
             "status": ("incomplete" if incomplete else "completed") if done else "in_progress",
-            "output": self.output(text, list(calls)) if done else [],
+            "output": self.output(text, list(calls), "incomplete" if incomplete else "completed") if done else [],
             "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
             "error": None, "instructions": self.req.instructions, "max_output_tokens": self.req.max_output_tokens,
             "temperature": self.req.temperature, "top_p": self.req.top_p,
@@ -143,7 +144,8 @@ async def _event_fields(job: GenerationJob, shape: _Shape, chat) -> AsyncIterato
     if shape.mode in ("required", "named") and content:
         text = content  # forced JSON that did not parse (cut short) is the message, sent whole
     if text or not calls:
-        for closing in _message_closing(shape, text, opened):
+        status = "incomplete" if out.outputs[0].finish_reason == "length" else "completed"
+        for closing in _message_closing(shape, text, opened, status):
             yield closing
     for index, call in enumerate(calls, start=1 if text or not calls else 0):
         ids = {"item_id": call.item_id, "output_index": index}
@@ -160,13 +162,13 @@ def _message_opening(shape: _Shape) -> list[tuple[str, dict]]:
             ("response.content_part.added", {**shape.text_at, "part": _text_part("")})]
 
 
-def _message_closing(shape: _Shape, text: str, opened: bool) -> list[tuple[str, dict]]:
+def _message_closing(shape: _Shape, text: str, opened: bool, status: str) -> list[tuple[str, dict]]:
     """The message item's last events; its opening and its text in one delta where none went yet."""
     unsent = [] if opened else [*_message_opening(shape), *(
         [("response.output_text.delta", {**shape.text_at, "delta": text, "logprobs": []})] if text else [])]
     return [*unsent, ("response.output_text.done", {**shape.text_at, "text": text, "logprobs": []}),
             ("response.content_part.done", {**shape.text_at, "part": _text_part(text)}),
-            ("response.output_item.done", {"output_index": 0, "item": shape.item(text, "completed")})]
+            ("response.output_item.done", {"output_index": 0, "item": shape.item(text, status)})]
 
 
 def _text_part(text: str) -> dict:
