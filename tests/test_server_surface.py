@@ -184,6 +184,10 @@ def test_responses_function_calls_equal_the_chat_paths_and_their_outputs_come_ba
     done = next(e for e in events if e.type == "response.function_call_arguments.done")
     assert added.item.type == "function_call" and done.item_id == added.item.id
     assert done.arguments == call.arguments == events[-1].response.output[0].arguments
+    with client.responses.stream(model=MODEL, input=question, tools=[tool], tool_choice="required",
+                                 max_output_tokens=40, temperature=0) as stream:
+        rebuilt = stream.get_final_response()  # the client's own accumulator, which checks the events' order
+    assert rebuilt.output[0].arguments == call.arguments
 
     # the next turn: the call and what the function returned, as the chat path sends them
     result = '{"temperature_c": 21, "sky": "clear"}'
