@@ -160,7 +160,6 @@ def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
-_compiled_templates: dict[str, jinja2.Template] = {}  # cache: template source -> compiled template
 # What apply_chat_template passes itself, and the environment's globals: not chat_template_kwargs'.
 _SERVER_SET_VARIABLES = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token", "tools",
                                    "raise_exception", "strftime_now"})
@@ -176,10 +175,9 @@ def _environment() -> ImmutableSandboxedEnvironment:
     return env
 
 
+@lru_cache(maxsize=16)
 def _compile(source: str) -> jinja2.Template:
-    if source not in _compiled_templates:
-        _compiled_templates[source] = _environment().from_string(source)
-    return _compiled_templates[source]
+    return _environment().from_string(source)
 
 
 @lru_cache(maxsize=16)
