@@ -38,6 +38,9 @@ Per probe, its steps by the path they ran (decode graph, mixed-step graph, eager
 `steps_by_path_beside`): count, mean shape, mean measured and predicted ms (StepLog).
 
 --engine-process runs each engine in a process of its own, as `goodserve serve` does (capacity phase only).
+Every probe also reports the engine's side through it (`engine`, EngineWatch: running and waiting
+sequences, KV cache use, preemptions, steps and host seconds per stage), and --step-log its every
+step, from the engine's --step-trace file (either way of running the engine).
 
 --arrivals poisson|gamma and --workload sharegpt|long-prompt (~2k-token prompts, ~200-token
 answers) give the other DistServe curves; the defaults are the issue's (gamma, ShareGPT-like).
@@ -135,17 +138,17 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "refusals cost or save against the same policy with them")
     p.add_argument("--engine-process", action="store_true",
                    help="the engine in a process of its own, as `goodserve serve` runs it (the client's token "
-                        "handling then shares no GIL with the engine's step); not with --step-log, which "
-                        "reads the engine's runner in this process")
+                        "handling then shares no GIL with the engine's step); capacity phase only")
     p.add_argument("--step-log", action="store_true",
-                   help="capacity phase: every step of every probe (StepLog rows) into "
+                   help="capacity phase: every step of every probe (the engine's --step-trace lines) into "
                         "$OUT/gpu_slo_steps_<policy>_<max_num_seqs>.json, and each probe's steps by size")
     args = p.parse_args(argv)
     args.phases = args.phases.split(",") if isinstance(args.phases, str) else args.phases
     if not args.phases or set(args.phases) - set(PHASES):
         p.error(f"--phases takes {', '.join(PHASES)}, comma-separated")
-    if args.engine_process and (args.step_log or "batch" in args.phases):
-        p.error("--step-log and --phases batch read the engine's steps in this process: not with --engine-process")
+    if args.engine_process and "batch" in args.phases:
+        p.error("--phases batch runs the server's batch runner on the engine in this process: not with "
+                "--engine-process")
     if args.max_total_len is None:
         args.max_total_len = 4096 if args.workload == "long-prompt" else 2048
     if args.max_num_seqs is None:
@@ -209,8 +212,9 @@ async def measure_policy(args) -> dict:
     from goodserve.bench.inprocess import InProcessTarget  # torch and the model: the child process only
     from goodserve.config import EngineConfig
 
+    trace = os.path.join(tempfile.mkdtemp(), "steps.jsonl") if args.step_log or "batch" in args.phases else None
     config = EngineConfig(model=args.model, device=args.device, scheduler_policy=args.policy,
-                          max_num_seqs=args.max_num_seqs, seed=args.seed)
+                          max_num_seqs=args.max_num_seqs, seed=args.seed, step_trace=trace)
     t0 = time.perf_counter()
     target = InProcessTarget(config, ignore_eos=True, slo_ms=SLOS_MS, refuses_late=not args.no_admission,
                              engine_process=args.engine_process)
@@ -220,20 +224,20 @@ async def measure_policy(args) -> dict:
         warmup = workload(0, args)[:args.warmup_requests]
         await BenchRun(target, warmup, ArrivalConfig()).run()
         result["load_and_warmup_s"] = time.perf_counter() - t0
+        log = StepLog(trace) if trace else None
         if "capacity" in args.phases:
-            await climb_ladder(target, args, result)
+            await climb_ladder(target, args, result, log if args.step_log else None)
         if "batch" in args.phases and args.policy == "slo":
-            result["batch"] = await batch_phase(target, args, result)
+            result["batch"] = await batch_phase(target, args, result, log)
         result["step_time_fit"] = step_time_report(target.engine)
     finally:
         await target.close()
     return result
 
 
-async def climb_ladder(target, args, result: dict) -> None:
+async def climb_ladder(target, args, result: dict, log: StepLog | None) -> None:
     """The capacity phase: probes up the ladder, into result (probes, capacity, crossing_rate)."""
     result["probes"] = []
-    log = StepLog(target.engine) if args.step_log else None
     if args.rates == "auto":
         result["saturation_rate"] = await saturated_throughput(target, args)
         args.rates = ",".join(f"{result['saturation_rate'] * f:.1f}" for f in AUTO_LADDER)
@@ -244,13 +248,12 @@ async def climb_ladder(target, args, result: dict) -> None:
         if time.perf_counter() + probe_s > deadline:
             result["stopped"] = f"budget spent before {rate:g} req/s"
             break
-        start = time.perf_counter()
-        first_step = len(log.rows) if log else 0
+        start, since = time.perf_counter(), time.time()
         probe = await online_probe(target, args, rate)
         if log:
-            probe["steps_by_size"] = log.by_size(first_step)
+            probe["steps_by_size"] = by_size(log.take(since, time.time()))
             print("  steps by decode rows: " + "; ".join(
-                f"{size} {b['steps']} x {b['mean_measured_ms']:.1f} ms (predicted {b['mean_predicted_ms']:.1f})"
+                f"{size} {b['steps']} x {b['mean_measured_ms']:.1f} ms (predicted {b['mean_predicted_ms'] or 0:.1f})"
                 for size, b in probe["steps_by_size"].items()), flush=True)
         probe_s = time.perf_counter() - start
         result["probes_s"] = result.get("probes_s", 0.0) + probe_s
@@ -267,13 +270,62 @@ async def climb_ladder(target, args, result: dict) -> None:
 
 
 async def online_probe(target, args, rate: float, label: str = "") -> dict:
-    records = await BenchRun(target, workload(rate, args), arrivals(rate, args), args.seed).run()
-    probe = probe_result(rate, records)
+    watch = EngineWatch(target.engine)
+    watch.start()
+    try:
+        records = await BenchRun(target, workload(rate, args), arrivals(rate, args), args.seed).run()
+    finally:
+        engine = watch.stop()
+    probe = {**probe_result(rate, records), "engine": engine}
     print(f"{args.policy:>10}@{args.max_num_seqs} {rate:6.1f} req/s{label}: attainment {probe['slo_attainment']:5.1f}% "
           f"p99 TTFT {probe['p99_ttft_ms']:7.1f} ms p99 TPOT {probe['p99_tpot_ms']:6.1f} ms "
           f"refused {probe['refused_429']}; by the engine's token times {_engine_summary(probe['engine_side'])}",
           flush=True)
+    e = probe["engine"]
+    print(f"  engine: {e['num_steps']} steps ({e['mean_step_ms'] or 0:.1f} ms each), {e['num_preemptions']} preempted, "
+          f"running mean {e['mean_running']:.0f} max {e['max_running']}, waiting max {e['max_waiting']}, KV cache "
+          f"max {100 * e['max_kv_cache_usage']:.0f}%, host s: schedule {e['schedule_seconds_total']:.1f} prepare "
+          f"{e['prepare_seconds_total']:.1f} output {e['output_seconds_total']:.1f}", flush=True)
     return probe
+
+
+class EngineWatch:
+    """The engine's state through a probe, from the stats it publishes after each step (read here as
+    `serve`'s /metrics reads them, in or out of its process): running and waiting sequences and the
+    KV cache's use, sampled every SAMPLE_S; and what the probe added to its counters (steps,
+    preemptions, host seconds per stage). Whether a probe that misses its targets ran out of KV
+    blocks, preempted, or spent its steps' time on the host is read here, not guessed."""
+
+    SAMPLE_S = 0.05
+    COUNTERS = ("num_steps", "num_pipelined_steps", "num_preemptions", "schedule_seconds_total",
+                "prepare_seconds_total", "forward_seconds_total", "sample_seconds_total",
+                "detokenize_seconds_total", "output_seconds_total")
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.samples: list[tuple[int, int, float]] = []
+        self.task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self.first, self.t0 = self.engine.stats(), time.perf_counter()
+        self.task = asyncio.get_running_loop().create_task(self._sample())
+
+    async def _sample(self) -> None:
+        while True:
+            stats = self.engine.stats()
+            self.samples.append((stats.num_running, stats.num_waiting, stats.kv_cache_usage))
+            await asyncio.sleep(self.SAMPLE_S)
+
+    def stop(self) -> dict:
+        self.task.cancel()
+        last, seconds = self.engine.stats(), time.perf_counter() - self.t0
+        added = {name: getattr(last, name) - getattr(self.first, name) for name in self.COUNTERS}
+        running, waiting, kv = (np.array(column, dtype=float) for column in zip(*self.samples))
+        return {**added, "wall_s": seconds,
+                "mean_step_ms": 1000 * seconds / added["num_steps"] if added["num_steps"] else None,
+                "mean_running": float(running.mean()), "p90_running": float(np.percentile(running, 90)),
+                "max_running": int(running.max()), "max_waiting": int(waiting.max()),
+                "mean_kv_cache_usage": float(kv.mean()), "max_kv_cache_usage": float(kv.max())}
 
 
 def _engine_summary(side: dict) -> str:
@@ -283,7 +335,7 @@ def _engine_summary(side: dict) -> str:
     return f"{side['slo_attainment']:.1f}%, p99 TTFT {side['p99_ttft_ms']:.1f} ms, p99 TPOT {tpot} ms"
 
 
-async def batch_phase(target, args, result: dict) -> dict:
+async def batch_phase(target, args, result: dict, log: StepLog) -> dict:
     """Online attainment at one rate without, then beside, a batch job in the same engine."""
     from goodserve.bench.batch_job import BatchJob, batch_input  # the server's modules: the child only
 
@@ -294,25 +346,25 @@ async def batch_phase(target, args, result: dict) -> dict:
     lines = workload(0, args, args.batch_lines, seed=BATCH_SEED)
     prompts = [target.prompt_for(line, BATCH_SEED + i) for i, line in enumerate(lines)]
     job = BatchJob(target.engine, args.model, batch_input(lines, prompts, args.model), args.batch_concurrency)
-    log = StepLog(target.engine)
+    since = time.time()
     alone = await online_probe(target, args, rate, " alone")
-    steps_alone = log.summary(0)
+    steps_alone = by_path(log.take(since, time.time()))
     job.start()
     try:
         await asyncio.sleep(BATCH_RAMP_S)
-        start, first_step = time.perf_counter(), len(log.rows)
+        start, since = time.perf_counter(), time.time()
         beside = await online_probe(target, args, rate, " beside the batch job")
         window = job.window(start, time.perf_counter())
         finished_early = job.done
         fit_beside = step_time_report(target.engine)  # as the probe beside the job left it
-        steps_beside = log.summary(first_step)
+        steps_beside = by_path(log.take(since, time.time()))
     finally:
         await job.stop()
     for label, steps in (("alone", steps_alone), ("beside", steps_beside)):
         print(f"steps {label}: " + "; ".join(f"{path} {s['steps']} x {s['mean_measured_ms']:.1f} ms "
                                              f"(predicted {s['mean_predicted_ms']}, {s['mean_decode_rows']:.0f} rows, "
-                                             f"{s['mean_prompt_tokens']:.0f} prompt tokens, online rows "
-                                             f"{s['mean_online_decode_rows']:.0f} of {s['mean_online_answering']:.0f})"
+                                             f"{s['mean_prompt_tokens']:.0f} prompt tokens, "
+                                             f"{s['mean_targeted_decode_rows']:.0f} online rows)"
                                              for path, s in steps.items()), flush=True)
     drop = alone["slo_attainment"] - beside["slo_attainment"]
     print(f"batch job: {window.lines} lines, {window.as_dict()['output_tokens_per_s']:.0f} output tokens/s during "
@@ -326,80 +378,66 @@ async def batch_phase(target, args, result: dict) -> dict:
 
 
 class StepLog:
-    """Each step the engine records, as the step-time model sees it: the path it ran (the CUDA graph
-    class it replayed, or eager), its shape (decode rows, prompt tokens, context tokens), the fit's
-    prediction before it and the measured time; and its online decode rows beside the online
-    sequences then running with their answer started (fewer rows: online decodes sat the step out). For the batch phase's question: beside a batch job
-    steps ran ~2x longer than the fit predicted, and which steps do is what a fix needs. Reads the
-    in-process engine's runner and model (this child process's own), so a diagnostic only."""
+    """The engine's steps as its --step-trace file records them (engine/step_trace.py, written in
+    whichever process runs the engine): per step its shape, whether it replayed a CUDA graph, the
+    fit's prediction before it and the measured time, the queue. Taken probe by probe, by wall time;
+    the rows taken are what --step-log writes (FIELDS, one tuple a step)."""
 
-    def __init__(self, async_engine) -> None:
-        from goodserve.engine.slo_policy import has_targets
-        from goodserve.engine.step_time_model import step_shape
+    FIELDS = ("t", "decode_rows", "prompt_tokens", "context_tokens", "predicted_s", "measured_s", "graph",
+              "ran_ahead", "running", "waiting", "prefill_cap", "targeted_decode_rows")
 
-        engine = async_engine.engine
-        runner, model = engine.executor.worker.runner, engine.scheduler.step_time
-        seqs, running = engine.scheduler.seqs, engine.scheduler.running
+    def __init__(self, path: str) -> None:
+        self.path = path
         self.rows: list[tuple] = []
-        self.marks: list[int] = []  # where each by_size window began
-        paths: dict[int, str] = {}
-        execute, observe = runner.execute_model, model.observe_step
+        self.marks: list[int] = []  # where each probe's steps begin in rows
 
-        def execute_and_note(out) -> None:
-            execute(out)
-            graph = runner._launched.inputs.graph
-            paths[id(out)] = "eager" if graph is None else type(graph).__name__.strip("_")
+    def take(self, since: float, until: float) -> list[dict]:
+        from goodserve.engine.step_trace import read_step_trace
 
-        def observe_and_log(out, seconds: float) -> None:
-            shape = step_shape(out)
-            predicted = model.fit.seconds(*shape) if model.fit is not None else None
-            decodes = [out.seq_ids[row] for row, n in enumerate(out.num_new_tokens) if n == 1]
-            online = sum(seq_id in seqs and has_targets(seqs[seq_id]) for seq_id in decodes)
-            # online sequences running with their answer started: the decode rows the step could have had
-            answering = sum(has_targets(seq) and seq.num_output_tokens > 0 for seq in running)
-            self.rows.append((paths.pop(id(out), "unknown"), *shape, predicted, seconds, online, answering))
-            observe(out, seconds)
+        steps = read_step_trace(self.path, since, until)
+        self.marks.append(len(self.rows))
+        self.rows += [tuple(step[name] for name in self.FIELDS) for step in steps]
+        return steps
 
-        runner.execute_model, model.observe_step = execute_and_note, observe_and_log
 
-    FIELDS = ("path", "decode_rows", "prompt_tokens", "context_tokens", "predicted_s", "measured_s",
-              "online_decode_rows", "online_answering")
-    SIZES = (64, 128, 256, 384, 512, 768, 1024)  # by_size's bins: decode rows up to each
+STEP_SIZES = (64, 128, 256, 384, 512, 768, 1024)  # by_size's bins: decode rows up to each
 
-    def by_size(self, start: int) -> dict:
-        """Over rows[start:], per bin of decode rows: steps, mean shape, mean measured and predicted ms,
-        and the mean of measured / predicted: where the fit's straight line leaves the card's steps."""
-        self.marks.append(start)
-        bins: dict[int, list] = {}
-        for row in self.rows[start:]:
-            bins.setdefault(next((s for s in self.SIZES if row[1] <= s), 1 << 30), []).append(row)
-        return {f"<={size}": {"steps": len(rows), "mean_decode_rows": _mean(r[1] for r in rows),
-                              "mean_prompt_tokens": _mean(r[2] for r in rows),
-                              "mean_context_tokens": _mean(r[3] for r in rows),
-                              "mean_measured_ms": _mean(r[5] * 1e3 for r in rows),
-                              "mean_predicted_ms": _mean(r[4] * 1e3 for r in rows if r[4]),
-                              "mean_measured_over_predicted": _mean(r[5] / r[4] for r in rows if r[4])}
-                for size, rows in sorted(bins.items())}
 
-    def summary(self, start: int, stop: int | None = None) -> dict:
-        """Per path, over rows[start:stop]: steps, mean shape, mean predicted and measured ms, and the
-        median of measured / predicted."""
-        by_path: dict[str, list] = {}
-        for row in self.rows[start:stop]:
-            by_path.setdefault(row[0], []).append(row)
-        report = {}
-        for path, rows in sorted(by_path.items()):
-            predicted = [r[4] for r in rows if r[4]]
-            ratios = sorted(r[5] / r[4] for r in rows if r[4])
-            report[path] = {"steps": len(rows), "mean_decode_rows": _mean(r[1] for r in rows),
-                            "mean_prompt_tokens": _mean(r[2] for r in rows),
-                            "mean_context_tokens": _mean(r[3] for r in rows),
-                            "mean_online_decode_rows": _mean(r[6] for r in rows),
-                            "mean_online_answering": _mean(r[7] for r in rows),
-                            "mean_measured_ms": _mean(r[5] * 1e3 for r in rows),
-                            "mean_predicted_ms": _mean(p * 1e3 for p in predicted) if predicted else None,
-                            "median_measured_over_predicted": ratios[len(ratios) // 2] if ratios else None}
-        return report
+def by_size(steps: list[dict]) -> dict:
+    """Per bin of decode rows: steps, mean shape, mean measured and predicted ms, and the mean of
+    measured / predicted: where the fit's straight line leaves the card's steps."""
+    bins: dict[int, list] = {}
+    for step in steps:
+        bins.setdefault(next((s for s in STEP_SIZES if step["decode_rows"] <= s), 1 << 30), []).append(step)
+    return {f"<={size}": {**_step_means(group),
+                          "mean_measured_over_predicted": _mean(s["measured_s"] / s["predicted_s"]
+                                                                for s in group if s["predicted_s"])}
+            for size, group in sorted(bins.items())}
+
+
+def by_path(steps: list[dict]) -> dict:
+    """Per path (a decode step's CUDA graph, a mixed step's, eager): steps, mean shape, mean predicted
+    and measured ms, and the median of measured / predicted."""
+    paths: dict[str, list] = {}
+    for step in steps:
+        path = "eager" if not step["graph"] else "mixed graph" if step["prompt_tokens"] else "decode graph"
+        paths.setdefault(path, []).append(step)
+    report = {}
+    for path, group in sorted(paths.items()):
+        ratios = sorted(s["measured_s"] / s["predicted_s"] for s in group if s["predicted_s"])
+        report[path] = {**_step_means(group),
+                        "mean_targeted_decode_rows": _mean(s["targeted_decode_rows"] for s in group),
+                        "median_measured_over_predicted": ratios[len(ratios) // 2] if ratios else None}
+    return report
+
+
+def _step_means(steps: list[dict]) -> dict:
+    predicted = [s["predicted_s"] for s in steps if s["predicted_s"]]
+    return {"steps": len(steps), "mean_decode_rows": _mean(s["decode_rows"] for s in steps),
+            "mean_prompt_tokens": _mean(s["prompt_tokens"] for s in steps),
+            "mean_context_tokens": _mean(s["context_tokens"] for s in steps),
+            "mean_measured_ms": _mean(s["measured_s"] * 1e3 for s in steps),
+            "mean_predicted_ms": _mean(p * 1e3 for p in predicted) if predicted else None}
 
 
 def _mean(values) -> float:

@@ -134,6 +134,9 @@ class EngineConfig:
     max_num_seqs: int | None = None
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
+    # A file the engine appends one line of JSON to per step: its shape, the step-time model's
+    # prediction and the measured time, the queue (engine/step_trace.py). None: no trace.
+    step_trace: str | None = None
     max_wait_ms: float = 10.0  # dynamic batching: how long a partial batch waits to fill
     max_n_per_request: int = 128  # a request's samples (n): each is a sequence in the queue
     # The makespan policy (engine/makespan.py): admit when the steps so far fell short of

@@ -6,6 +6,7 @@ result (or a live goodserve /metrics) recorded; flags apply where none is record
     goodserve diagnose --model llama-3.1-8b --hardware h100-sxm --dtype bf16    # limits only
     goodserve diagnose --measure --metrics-url http://127.0.0.1:8000/metrics
     goodserve diagnose --model llama-3.1-70b --hardware h100-sxm --tensor-parallel-size 4
+    goodserve diagnose --step-trace steps.jsonl --slo-tpot-ms 50    # a serve --step-trace file alone
 
 With a parallel layout the roofline is one replica's: TP multiplies its FLOP/s and bandwidth, TP x
 PP its memory, and a run measured through a router over DP replicas counts 1 / DP of the requests
@@ -25,7 +26,7 @@ from rich.console import Console
 from rich.table import Table
 
 from goodserve.commands.console import make_console
-from goodserve.diagnose.advisor import Advice, advise
+from goodserve.diagnose.advisor import HIGH_TPOT_S, Advice, advise
 from goodserve.diagnose.assumptions import DEFAULT_HARDWARE, DEFAULT_MODEL, Assumptions, resolve
 from goodserve.diagnose.calc import weight_bytes
 from goodserve.diagnose.model_shape import resolve_spec
@@ -35,6 +36,8 @@ from goodserve.diagnose.parallel import (ALLREDUCE_LATENCY_S, Layout, add_layout
                                          replica_hardware)
 from goodserve.diagnose.roofline import PhaseAnalysis, flops_per_token
 from goodserve.diagnose.speculation import SpeculationAdvice, recommend_speculation
+from goodserve.diagnose.steps import StepsReport, advise_steps, analyze_steps
+from goodserve.errors import InvalidRequestError
 from goodserve.hardware import HARDWARE, Hardware, get_hardware, measure_local
 from goodserve.model.spec import ModelSpec
 
@@ -59,6 +62,11 @@ def register(subparsers) -> None:
     source.add_argument("--metrics-url", help="a live goodserve server's /metrics URL")
     add_layout_arguments(p, "the measured run", "the run's engine config, else the engine's on --hardware: "
                                                 "on for cpu, off on a GPU")
+    p.add_argument("--step-trace", help="a step trace `serve --step-trace FILE` wrote: which steps outlast the TPOT "
+                                        "target, why, and the flag values that fit them within it")
+    p.add_argument("--slo-tpot-ms", type=float,
+                   help=f"the TPOT target --step-trace holds steps against (default: the run's, else "
+                        f"{1000 * HIGH_TPOT_S:g})")
     p.add_argument("--interval", type=float, default=10.0, help="seconds between /metrics scrapes")
     p.add_argument("--json", dest="json_path", help="also write the diagnosis as JSON")
     p.set_defaults(func=run_command)
@@ -157,6 +165,17 @@ def print_assumptions(console: Console, a: Assumptions, measured: bool) -> None:
 def run_command(args) -> int:
     console = make_console()
     obs = observations_of(args)
+    # a step trace alone has no model to put on a roofline
+    report = {} if args.step_trace and obs is None and not args.model else diagnose_run(console, args, obs)
+    if args.step_trace:
+        report["steps"] = diagnose_steps(console, args.step_trace, tpot_target_ms(args.slo_tpot_ms, obs))
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps(report, indent=2))
+    return 0
+
+
+def diagnose_run(console: Console, args, obs: Observations | None) -> dict:
+    """The model on the hardware's roofline and, with a measured run, the run against it and advice."""
     flags = {"model": args.model, "hardware": args.hardware, "dtype": args.dtype,
              "kv_cache_dtype": args.kv_cache_dtype, "pipeline_micro_batches": args.micro_batches}
     assumed = resolve(flags, obs.engine if obs else None, obs.source if obs else "")
@@ -182,6 +201,47 @@ def run_command(args) -> int:
         print_speculation(console, speculation)
         report.update(observations=asdict(obs), phases=[asdict(p) for p in phases],
                       advice=[asdict(a) for a in advice], speculation=asdict(speculation))
-    if args.json_path:
-        Path(args.json_path).write_text(json.dumps(report, indent=2))
-    return 0
+    return report
+
+
+def tpot_target_ms(flag: float | None, obs: Observations | None) -> float:
+    if flag is not None:
+        if flag <= 0:
+            raise InvalidRequestError(f"--slo-tpot-ms must be positive, got {flag:g}")
+        return flag
+    return ((obs.slos_ms if obs else None) or {}).get("tpot") or 1000 * HIGH_TPOT_S
+
+
+def diagnose_steps(console: Console, path: str, target_ms: float) -> dict:
+    report = analyze_steps(path, target_ms)
+    console.print(steps_table(report))
+    advice = advise_steps(report)
+    if advice:
+        print_advice(console, advice)
+    else:
+        console.print(f"[green]The steps fit the {target_ms:g} ms TPOT target.[/green]")
+    return {**asdict(report), "fit": asdict(report.fit) if report.fit else None,
+            "advice": [asdict(a) for a in advice]}
+
+
+def steps_table(r: StepsReport) -> Table:
+    table = Table(title=f"steps against a {r.target_ms:g} ms TPOT target", show_header=False)
+    table.add_column("what")
+    table.add_column("value", justify="right")
+    fit = r.fit
+    rows = [
+        ("steps", f"{r.steps} over {r.seconds:.1f} s"),
+        ("step time p50 / p90 / p99 / max", f"{r.p50_ms:.1f} / {r.p90_ms:.1f} / {r.p99_ms:.1f} / {r.max_ms:.1f} ms"),
+        ("steps over the target", f"{r.over_target} ({100 * r.tokens_over_target:.1f}% of the decode tokens): "
+                                  f"{r.over_by_batch} by their decode rows, {r.over_by_prompts} by prompt tokens"),
+        ("steps replaying a CUDA graph", f"{100 * r.graph_share:.0f}%"
+         + (f", {100 * r.ran_ahead_share:.0f}% of them launched ahead" if r.graph_share else "")),
+        ("the engine's predictions off by (median)",
+         "no fit yet" if r.prediction_error is None else f"{100 * r.prediction_error:.1f}%"),
+        ("the steps' fit", "too few shapes" if fit is None else
+         f"{1000 * fit.a:.2f} ms + {1e6 * fit.b:.1f} us a decode row + {1e6 * fit.c:.1f} us a prompt token + "
+         f"{1e9 * fit.d:.1f} ns a context token"),
+    ]
+    for row in rows:
+        table.add_row(*row)
+    return table

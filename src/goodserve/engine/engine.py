@@ -50,6 +50,7 @@ from goodserve.engine.spec_decode.draft_model import load_draft
 from goodserve.engine.spec_decode.policy import verify_cost
 from goodserve.engine.spec_decode.proposer import make_proposer
 from goodserve.engine.stats import EngineStats, StepLog, engine_stats
+from goodserve.engine.step_trace import StepTrace
 from goodserve.engine.step_time_model import StepTimeModel
 from goodserve.errors import EngineDeadError, InvalidRequestError
 from goodserve.hardware import HARDWARE, hardware_for_device
@@ -99,6 +100,7 @@ class Engine:
         self._stages: deque[_Step] | None = deque() if micro_batches else None
         self.steps = StepLog()
         self._last_recorded = 0.0  # perf_counter() when the last step's output was recorded
+        self.trace = StepTrace(c.step_trace) if c.step_trace else None
 
     def _step_time_model(self) -> StepTimeModel:
         """The scheduler's step-time model, with the roofline's priors for a decode row and a token of
@@ -380,7 +382,11 @@ class Engine:
         """Record a computed (and advanced) step's outputs; an error in one sequence's bookkeeping
         fails its request alone."""
         t0 = time.perf_counter()
-        self.scheduler.step_time.observe_step(step.out, t0 - max(step.launched, self._last_recorded))
+        seconds = t0 - max(step.launched, self._last_recorded)
+        if self.trace is not None:
+            self.trace.record(step.out, time.time(), seconds, step.pending.replayed_graph,
+                              step.launched < self._last_recorded, self.scheduler)
+        self.scheduler.step_time.observe_step(step.out, seconds)
         self._last_recorded = t0
         self._release_siblings(step.seqs)
         self.outputs.record_step(self.requests, step.out, step.seqs, output, stream_text, self._finish,

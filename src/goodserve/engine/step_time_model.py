@@ -143,10 +143,14 @@ class StepTimeModel:
         self.fit = StepTimeFit(*_nonnegative_least_squares(design, times))
 
 
+def decode_rows_of(out: SchedulerOutput) -> list[int]:
+    """A step's decode rows: one token each, or one and its drafts to verify."""
+    return [row for row, n in enumerate(out.num_new_tokens) if n == 1 or row in out.draft_token_ids]
+
+
 def step_shape(out: SchedulerOutput) -> tuple[int, int, int]:
-    """A step's (decode_rows, prefill_tokens, context_tokens): a decode row is one token, or one and
-    its drafts to verify, and reads its whole length's K/V."""
-    decode_rows = [row for row, n in enumerate(out.num_new_tokens) if n == 1 or row in out.draft_token_ids]
+    """A step's (decode_rows, prefill_tokens, context_tokens): a decode row reads its whole length's K/V."""
+    decode_rows = decode_rows_of(out)
     decode_tokens = sum(out.num_new_tokens[row] for row in decode_rows)
     context = sum(out.num_computed_tokens[row] for row in decode_rows) + decode_tokens
     return len(decode_rows), out.num_tokens - decode_tokens, context

@@ -26,7 +26,7 @@ import os
 import queue
 import threading
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -95,7 +95,9 @@ def start_prefill_process(config: EngineConfig, layout: DisaggLayout):
         half = max(1, (os.cpu_count() or 1) // 2)
         os.environ["OMP_NUM_THREADS"] = str(half)
         torch.set_num_threads(half)
-    process = ctx.Process(target=prefill_worker_main, args=(config, child_conn, init_method),
+    # its steps traced to a file of their own: two engines appending to one would interleave their steps
+    trace = f"{config.step_trace}.prefill" if config.step_trace else None
+    process = ctx.Process(target=prefill_worker_main, args=(replace(config, step_trace=trace), child_conn, init_method),
                           name="goodserve-prefill", daemon=True)
     try:
         process.start()
