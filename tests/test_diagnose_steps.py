@@ -59,7 +59,16 @@ def test_the_cause_with_more_steps_comes_first_with_its_flag(tmp_path, capsys):
     assert main(["diagnose", "--step-trace", path, "--slo-tpot-ms", str(TARGET_MS)]) == 0
     out = capsys.readouterr().out
     assert "prompt chunks mixed into decode steps" in out and "--max-num-batched-tokens 1250" in out
-    assert "--max-num-seqs" not in out
+    assert "--max-num-seqs" not in out and "--scheduler-policy slo" in out
+
+
+def test_a_trace_of_the_slo_policy_gets_no_advice_to_run_it(tmp_path, capsys):
+    steps = [json.loads(line) for line in open(trace(tmp_path))]
+    path = write_trace(tmp_path / "slo.jsonl", [{**s, "prefill_cap": 2048} for s in steps])
+    assert analyze_steps(path, TARGET_MS).slo_policy and not analyze_steps(trace(tmp_path), TARGET_MS).slo_policy
+    assert main(["diagnose", "--step-trace", path, "--slo-tpot-ms", str(TARGET_MS)]) == 0
+    out = capsys.readouterr().out
+    assert "--max-num-seqs 700" in out and "--scheduler-policy slo" not in out
 
 
 def test_steps_within_the_target_and_steps_that_wait_on_the_host(tmp_path, capsys):

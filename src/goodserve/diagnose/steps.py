@@ -54,6 +54,7 @@ class StepsReport:
     fit: StepTimeFit | None  # the trace's steps, fitted
     max_rows_within: int | None  # decode rows (at the trace's mean context a row) a step fits within the target
     max_prompt_tokens_within: int | None  # prompt tokens that fit beside the median over-target prompt step's rows
+    slo_policy: bool  # the engine ran the slo policy (its steps carry a prefill cap)
 
 
 def analyze_steps(path: str, target_ms: float) -> StepsReport:
@@ -84,7 +85,8 @@ def analyze_steps(path: str, target_ms: float) -> StepsReport:
         graph_share=float(graph.mean()), ran_ahead_share=float(ran_ahead[graph].mean()) if graph.any() else 0.0,
         prediction_error=float(np.median(error)) if len(error) else None, fit=fit,
         max_rows_within=_max_rows_within(fit, column, target_ms),
-        max_prompt_tokens_within=_max_prompt_tokens_within(fit, column, by_prompts, target_ms))
+        max_prompt_tokens_within=_max_prompt_tokens_within(fit, column, by_prompts, target_ms),
+        slo_policy=any(step["prefill_cap"] is not None for step in steps))
 
 
 def _fit(steps: list[dict]) -> StepTimeFit | None:
@@ -115,33 +117,34 @@ def _max_prompt_tokens_within(fit: StepTimeFit | None, column: dict, by_prompts:
 def advise_steps(report: StepsReport) -> list[Advice]:
     """The steps' symptoms, ranked, each with the flags (and the values the trace supports) that fix it."""
     advice = []
-    if report.tokens_over_target >= MIN_TOKENS_OVER and report.over_by_batch >= report.over_by_prompts:
+    over = report.tokens_over_target >= MIN_TOKENS_OVER
+    evidence = (f"{report.over_target} of {report.steps} steps over {report.target_ms:g} ms delivered "
+                f"{100 * report.tokens_over_target:.0f}% of the decode tokens")
+    slo = [] if report.slo_policy else [Fix(f"--scheduler-policy slo --slo-tpot-ms {report.target_ms:g}",
+                                            "sizes the running batch and caps each step's prompt tokens from the "
+                                            "fitted step time and the target, and refuses (429) what the queue "
+                                            "cannot serve in time", "goodserve bench --goodput: attainment")]
+    if over and report.over_by_batch >= report.over_by_prompts:
         advice.append(Advice(
             "decode steps outlast the TPOT target: the running batch is too large for it",
             report.tokens_over_target * 10,
-            f"{report.over_target} of {report.steps} steps over {report.target_ms:g} ms delivered "
-            f"{100 * report.tokens_over_target:.0f}% of the decode tokens; in {report.over_by_batch} of them the "
-            f"decode rows alone outlast it (p99 step {report.p99_ms:.1f} ms)",
+            f"{evidence}; in {report.over_by_batch} of them the decode rows alone outlast it "
+            f"(p99 step {report.p99_ms:.1f} ms)",
             [Fix(f"--max-num-seqs {report.max_rows_within}",
                  f"a decode step of {report.max_rows_within} rows at this run's mean context fits "
-                 f"{report.target_ms:g} ms by the trace's fit; the rest wait (or are refused) instead of slowing every stream",
-                 "p99 TPOT within the target; the trace's steps over it fall to ~0"),
-             Fix(f"--scheduler-policy slo --slo-tpot-ms {report.target_ms:g}",
-                 "sizes the running batch from the fitted step time and the target as contexts grow, and "
-                 "refuses (429) what the queue cannot serve in time", "goodserve bench --goodput: attainment")]))
-    if report.tokens_over_target >= MIN_TOKENS_OVER and report.over_by_prompts > report.over_by_batch:
+                 f"{report.target_ms:g} ms by the trace's fit; the rest wait (or are refused) instead of slowing "
+                 "every stream", "p99 TPOT within the target; the trace's steps over it fall to ~0"), *slo]))
+    if over and report.over_by_prompts > report.over_by_batch:
+        # the slo policy lets a step outlast the target by what its decodes' earlier steps saved
+        spent = "; the slo policy spends the slack its decodes saved on them" if report.slo_policy else ""
         advice.append(Advice(
             "prompt chunks mixed into decode steps push them past the TPOT target",
             report.tokens_over_target * 10,
-            f"{report.over_target} of {report.steps} steps over {report.target_ms:g} ms delivered "
-            f"{100 * report.tokens_over_target:.0f}% of the decode tokens; in {report.over_by_prompts} of them the "
-            "decode rows fit and the prompt tokens beside them did not",
+            f"{evidence}; in {report.over_by_prompts} of them the decode rows fit and the prompt tokens beside them "
+            f"did not{spent}",
             [Fix(f"--max-num-batched-tokens {report.max_prompt_tokens_within}",
                  "smaller prefill chunks: such a step's decode rows and that many prompt tokens fit the target by the "
-                 "trace's fit (TTFT of long prompts rises)", "p99 TPOT falls while median TTFT stays near"),
-             Fix(f"--scheduler-policy slo --slo-tpot-ms {report.target_ms:g}",
-                 "caps the prompt tokens of each step to what its running decodes' TPOT leaves",
-                 "goodserve bench --goodput: attainment")]))
+                 "trace's fit (TTFT of long prompts rises)", "p99 TPOT falls while median TTFT stays near"), *slo]))
     if report.graph_share > 0.5 and report.ran_ahead_share < MIN_RAN_AHEAD:
         advice.append(Advice(
             "steps wait on the host: few launch ahead of the previous step's tokens",
