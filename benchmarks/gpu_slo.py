@@ -110,6 +110,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--burstiness", type=float, default=0.25)
     p.add_argument("--probe-seconds", type=float, default=25.0, help="arrivals per probe span this long")
     p.add_argument("--min-prompts", type=int, default=100)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="every run's token budget a step (the engine's default 2048): what `goodserve diagnose "
+                        "--step-trace` advises where prompt chunks push steps past the TPOT target")
     p.add_argument("--max-num-seqs", type=int,
                    help="the sequence ceiling of the slo run (and of the batch phase); default 256 (64 with --smoke)")
     p.add_argument("--fcfs-ceilings",
@@ -214,7 +217,8 @@ async def measure_policy(args) -> dict:
 
     trace = os.path.join(tempfile.mkdtemp(), "steps.jsonl") if args.step_log or "batch" in args.phases else None
     config = EngineConfig(model=args.model, device=args.device, scheduler_policy=args.policy,
-                          max_num_seqs=args.max_num_seqs, seed=args.seed, step_trace=trace)
+                          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                          seed=args.seed, step_trace=trace)
     t0 = time.perf_counter()
     target = InProcessTarget(config, ignore_eos=True, slo_ms=SLOS_MS, refuses_late=not args.no_admission,
                              engine_process=args.engine_process)
@@ -503,6 +507,7 @@ def run_child(policy: str, max_num_seqs: int, args, budget_s: float) -> dict:
             "--model", args.model, "--device", args.device, "--rates", args.rates,
             "--burstiness", str(args.burstiness), "--probe-seconds", str(args.probe_seconds),
             "--min-prompts", str(args.min_prompts), "--max-num-seqs", str(max_num_seqs),
+            "--max-num-batched-tokens", str(args.max_num_batched_tokens),
             "--budget-s", str(budget_s), "--seed", str(args.seed), "--max-total-len", str(args.max_total_len),
             "--warmup-requests", str(args.warmup_requests), "--phases", ",".join(args.phases),
             "--arrivals", args.arrivals, "--workload", args.workload, "--batch-lines", str(args.batch_lines),
@@ -544,6 +549,7 @@ def main(argv=None) -> None:
                "burstiness": 1.0 if args.arrivals == "poisson" else args.burstiness, "workload": args.workload,
                "slos_ms": SLOS_MS, "target_attainment": TARGET_ATTAINMENT, "rates": args.rates,
                "probe_seconds": args.probe_seconds, "max_num_seqs": args.max_num_seqs,
+               "max_num_batched_tokens": args.max_num_batched_tokens,
                "fcfs_ceilings": args.fcfs_ceilings, "engine_process": args.engine_process, "policies": results}
     if "capacity" in args.phases:
         summarize_capacity(summary, results, f"slo@{args.max_num_seqs}")
