@@ -30,9 +30,13 @@ def write_trace(path, steps: list[dict]) -> str:
     return str(path)
 
 
-def trace(tmp_path, decode_rows=DECODE_ROWS, prompts=PROMPTS, ran_ahead: bool = True) -> str:
-    shapes = [(rows, 0) for rows in decode_rows] + [(MIXED_ROWS, p) for p in prompts]
-    return write_trace(tmp_path / "steps.jsonl", [step(0.01 * i, rows, prompt, ran_ahead=ran_ahead)
+def trace(tmp_path, decode_rows=DECODE_ROWS, prompts=PROMPTS, ran_ahead: bool = True, gap_s: float = 0.06) -> str:
+    """The mixed steps between the first decode steps (step 2k + 1 the k-th), one every gap_s seconds:
+    the prompts' 20,900 tokens over 36 x gap_s seconds."""
+    decodes, mixed = [(rows, 0) for rows in decode_rows], [(MIXED_ROWS, p) for p in prompts]
+    shapes = [shape for pair in zip(decodes, mixed) for shape in pair]
+    shapes += decodes[len(mixed):] + mixed[len(decodes):]
+    return write_trace(tmp_path / "steps.jsonl", [step(gap_s * i, rows, prompt, ran_ahead=ran_ahead)
                                                   for i, (rows, prompt) in enumerate(shapes)])
 
 
@@ -44,7 +48,8 @@ def test_steps_over_the_target_by_cause_and_the_values_that_fit_it(tmp_path):
     assert report.tokens_over_target == pytest.approx(over_rows / (sum(DECODE_ROWS) + MIXED_ROWS * len(PROMPTS)))
     assert (1000 * report.fit.a, 1000 * report.fit.b, 1000 * report.fit.c) == pytest.approx((A_MS, B_MS, C_MS))
     assert report.max_rows_within == 700  # (40 - 5) / 0.05
-    assert report.max_prompt_tokens_within == 1250  # (40 - 5 - 0.05 x 200) / 0.02
+    assert report.max_batched_tokens_within == 200 + 1250  # the rows, and (40 - 5 - 0.05 x 200) / 0.02 prompt tokens
+    assert report.prompt_tokens_per_s == pytest.approx(sum(PROMPTS) / (36 * 0.06))
     assert report.prediction_error == pytest.approx(0.0, abs=1e-6)
     assert report.max_ms == pytest.approx(A_MS + B_MS * MIXED_ROWS + C_MS * 2000)
 
@@ -58,8 +63,29 @@ def test_the_cause_with_more_steps_comes_first_with_its_flag(tmp_path, capsys):
     path = trace(tmp_path, decode_rows=DECODE_ROWS[:-5])  # 4 by the batch against 8 by prompts
     assert main(["diagnose", "--step-trace", path, "--slo-tpot-ms", str(TARGET_MS)]) == 0
     out = capsys.readouterr().out
-    assert "prompt chunks mixed into decode steps" in out and "--max-num-batched-tokens 1250" in out
+    assert "prompt chunks mixed into decode steps" in out and "--max-num-batched-tokens 1450" in out
     assert "--max-num-seqs" not in out and "--scheduler-policy slo" in out
+
+
+def test_no_step_budget_that_would_starve_the_prompts(tmp_path, capsys):
+    """Prompts 3x as often: a budget of 1450 leaves them too little at the largest batches (on an H200,
+    963 took FCFS from 85% to 20.5% attainment), so fewer sequences: the rows a step holds within 40 ms
+    beside its share of the prompts' rate (2e-5 s a token x 29,028 tokens/s)."""
+    path = trace(tmp_path, decode_rows=DECODE_ROWS[:-5], gap_s=0.02)
+    report = analyze_steps(path, TARGET_MS)
+    assert report.prompt_tokens_per_s == pytest.approx(sum(PROMPTS) / (36 * 0.02))
+    assert report.prompt_room_per_s < report.prompt_tokens_per_s
+    rows = int((TARGET_MS * (1 - C_MS / 1000 * report.prompt_tokens_per_s) - A_MS) / B_MS)
+    assert rows == 235 and report.max_rows_beside_prompts == rows
+    assert main(["diagnose", "--step-trace", path, "--slo-tpot-ms", str(TARGET_MS)]) == 0
+    out = capsys.readouterr().out
+    assert "prefill would fall behind" in out and "--max-num-seqs 235" in out and "--max-num-batched-tokens" not in out
+    # prompts so often that their share of a step alone outlasts the target: no batch size fits, the card is full
+    path = trace(tmp_path, decode_rows=DECODE_ROWS[:10], gap_s=0.005)
+    assert analyze_steps(path, TARGET_MS).max_rows_beside_prompts == 0
+    assert main(["diagnose", "--step-trace", path, "--slo-tpot-ms", str(TARGET_MS)]) == 0
+    out = capsys.readouterr().out
+    assert "at its capacity" in out and "--data-parallel-size" in out and "--max-num-seqs" not in out
 
 
 def test_a_trace_of_the_slo_policy_gets_no_advice_to_run_it(tmp_path, capsys):

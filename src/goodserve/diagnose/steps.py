@@ -9,9 +9,18 @@ tokens + d x context tokens), and each step over the target is put down to one o
   is larger than the target allows. The fix is fewer sequences at once, the most whose decode step
   fits the target at the trace's mean context a row (`--max-num-seqs`), or the slo policy, which
   sizes the batch from the target as it goes;
-- the decode rows fit and the prompt tokens mixed in push it over: smaller prefill chunks, the most
-  prompt tokens that fit beside the median such step's decode rows (`--max-num-batched-tokens`), or
-  the slo policy, which caps them per step.
+- the decode rows fit and the prompt tokens mixed in push it over: a smaller step budget
+  (`--max-num-batched-tokens`: the median such step's decode rows, which the budget counts too, and
+  the prompt tokens that fit beside them), or the slo policy, which caps them per step. Only where
+  that budget still leaves the prompts room: at the trace's largest batches (its steps of the 10%
+  most decode rows) it must carry, per second, the prompt tokens the trace's steps carried while
+  prompts came. Below that, prefill falls behind and the queue grows without bound: on an H200 at
+  69 req/s a budget of 963 beside ~600 decode rows took FCFS from 85% to 20.5% SLO attainment (p99
+  TTFT 25 s), every step within the target (benchmarks/BENCHMARKS.md). Then the fix is fewer
+  sequences at once, as many as a step holds within the target beside the prompt tokens a step must
+  carry for that rate (its time's share c x prompt tokens a second), where that is fewer than ran;
+  else the card is at its capacity for the target: the slo policy (refusing what it cannot serve in
+  time) or more replicas.
 
 Also: the share of steps launched ahead of the previous step's tokens (where CUDA graphs replay,
 a step that is not waits for the host between steps), and how far the engine's own predictions
@@ -24,7 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from goodserve.diagnose.advisor import Advice, Fix
+from goodserve.diagnose.advisor import REPLICAS, Advice, Fix
 from goodserve.engine.step_time_model import StepTimeFit, StepTimeModel
 from goodserve.engine.step_trace import read_step_trace
 from goodserve.errors import InvalidRequestError
@@ -53,7 +62,14 @@ class StepsReport:
     prediction_error: float | None  # the median |measured - predicted| / predicted of the engine's own predictions
     fit: StepTimeFit | None  # the trace's steps, fitted
     max_rows_within: int | None  # decode rows (at the trace's mean context a row) a step fits within the target
-    max_prompt_tokens_within: int | None  # prompt tokens that fit beside the median over-target prompt step's rows
+    # the step budget (decode rows and prompt tokens) that fits the median over-target prompt step within
+    # the target; and the prompt tokens a second it leaves at the largest batches, beside those the trace's
+    # steps carried a second while prompts came
+    max_batched_tokens_within: int | None
+    prompt_room_per_s: float | None
+    prompt_tokens_per_s: float
+    max_rows_beside_prompts: int | None  # decode rows a step holds within the target beside that prompt rate
+    max_decode_rows: int  # the most the trace's steps ran
     slo_policy: bool  # the engine ran the slo policy (its steps carry a prefill cap)
 
 
@@ -85,7 +101,7 @@ def analyze_steps(path: str, target_ms: float) -> StepsReport:
         graph_share=float(graph.mean()), ran_ahead_share=float(ran_ahead[graph].mean()) if graph.any() else 0.0,
         prediction_error=float(np.median(error)) if len(error) else None, fit=fit,
         max_rows_within=_max_rows_within(fit, column, target_ms),
-        max_prompt_tokens_within=_max_prompt_tokens_within(fit, column, by_prompts, target_ms),
+        **_step_budget_within(fit, column, by_prompts, target_ms), max_decode_rows=int(rows.max()),
         slo_policy=any(step["prefill_cap"] is not None for step in steps))
 
 
@@ -105,13 +121,25 @@ def _max_rows_within(fit: StepTimeFit | None, column: dict, target_ms: float) ->
     return fit.max_decode_rows(target_ms / 1000, float(column["context_tokens"].sum() / rows.sum()))
 
 
-def _max_prompt_tokens_within(fit: StepTimeFit | None, column: dict, by_prompts: np.ndarray,
-                              target_ms: float) -> int | None:
+def _step_budget_within(fit: StepTimeFit | None, column: dict, by_prompts: np.ndarray, target_ms: float) -> dict:
+    mixed = column["prompt_tokens"] > 0
+    span = column["t"][mixed].max() - column["t"][mixed].min() if mixed.sum() > 1 else 0.0
+    prompt_rate = float(column["prompt_tokens"].sum() / span) if span > 0 else 0.0
+    report = {"max_batched_tokens_within": None, "prompt_room_per_s": None, "prompt_tokens_per_s": prompt_rate,
+              "max_rows_beside_prompts": None}
     if fit is None or not by_prompts.any():
-        return None
-    rows = float(np.median(column["decode_rows"][by_prompts]))
+        return report
+    # a step's share of time on the prompt tokens that rate brings: c x the rate
+    decode_budget_s = target_ms / 1000 * max(1.0 - fit.c * prompt_rate, 0.0)
+    rows_total = column["decode_rows"].sum()
+    report["max_rows_beside_prompts"] = fit.max_decode_rows(
+        decode_budget_s, float(column["context_tokens"].sum() / rows_total) if rows_total else 0.0)
+    rows = round(float(np.median(column["decode_rows"][by_prompts])))
     context = float(np.median(column["context_tokens"][by_prompts]))
-    return fit.max_prefill_tokens(round(rows), target_ms / 1000, context)
+    budget = rows + fit.max_prefill_tokens(rows, target_ms / 1000, context)
+    largest = column["decode_rows"] >= np.percentile(column["decode_rows"], 90)
+    room = np.maximum(budget - column["decode_rows"][largest], 0).sum() / column["measured_s"][largest].sum()
+    return {**report, "max_batched_tokens_within": int(budget), "prompt_room_per_s": float(room)}
 
 
 def advise_steps(report: StepsReport) -> list[Advice]:
@@ -137,14 +165,22 @@ def advise_steps(report: StepsReport) -> list[Advice]:
     if over and report.over_by_prompts > report.over_by_batch:
         # the slo policy lets a step outlast the target by what its decodes' earlier steps saved
         spent = "; the slo policy spends the slack its decodes saved on them" if report.slo_policy else ""
+        budget, room = report.max_batched_tokens_within, report.prompt_room_per_s or 0.0
+        starves = room < report.prompt_tokens_per_s
+        fixes = _fewer_rows_or_replicas(report) if starves else [
+            Fix(f"--max-num-batched-tokens {budget}",
+                f"a step of the median such step's decode rows and the prompt tokens beside them fits the target by "
+                f"the trace's fit, and at its largest batches leaves prompts {room:.0f} tokens/s (they needed "
+                f"{report.prompt_tokens_per_s:.0f}): TTFT rises as prompts take more steps",
+                "p99 TPOT falls and p99 TTFT stays within its target; if the waiting queue grows instead, undo it")]
+        starved = (f"; a step budget within it ({budget} tokens) would leave prompts {room:.0f} tokens/s at the "
+                   f"largest batches, fewer than the {report.prompt_tokens_per_s:.0f} they needed, and prefill would "
+                   "fall behind") if starves else ""
         advice.append(Advice(
             "prompt chunks mixed into decode steps push them past the TPOT target",
             report.tokens_over_target * 10,
             f"{evidence}; in {report.over_by_prompts} of them the decode rows fit and the prompt tokens beside them "
-            f"did not{spent}",
-            [Fix(f"--max-num-batched-tokens {report.max_prompt_tokens_within}",
-                 "smaller prefill chunks: such a step's decode rows and that many prompt tokens fit the target by the "
-                 "trace's fit (TTFT of long prompts rises)", "p99 TPOT falls while median TTFT stays near"), *slo]))
+            f"did not{spent}{starved}", [*fixes, *slo]))
     if report.graph_share > 0.5 and report.ran_ahead_share < MIN_RAN_AHEAD:
         advice.append(Advice(
             "steps wait on the host: few launch ahead of the previous step's tokens",
@@ -157,3 +193,16 @@ def advise_steps(report: StepsReport) -> list[Advice]:
                  "their sampling needs the host each step, so a batch holding one runs synchronously",
                  "the trace's ran_ahead share rises")]))
     return sorted(advice, key=lambda a: -a.severity)
+
+
+def _fewer_rows_or_replicas(report: StepsReport) -> list[Fix]:
+    """Where no step budget fits the target and leaves the prompts their rate: fewer sequences at once,
+    if fewer than ran would fit beside that rate; else the card is at its capacity for the target."""
+    rows = report.max_rows_beside_prompts
+    if rows is not None and 0 < rows < report.max_decode_rows:
+        return [Fix(f"--max-num-seqs {rows}",
+                    f"a decode step of {rows} rows and its share of {report.prompt_tokens_per_s:.0f} prompt tokens/s "
+                    f"fits {report.target_ms:g} ms by the trace's fit (up to {report.max_decode_rows} ran); the rest "
+                    "wait (or are refused)", "p99 TPOT within the target; the trace's steps over it fall")]
+    return [Fix(REPLICAS, "this card is at its capacity for the target at this load: R engines share the arrivals",
+                "goodserve bench --goodput-capacity rises about R x")]
