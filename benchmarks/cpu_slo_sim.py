@@ -49,7 +49,7 @@ from goodserve.engine.sequence import Sequence
 from goodserve.engine.step_time_model import StepTimeFit, step_shape
 from goodserve.errors import QueueFullError
 from goodserve.sampling_params import SamplingParams
-from goodserve.server.admission import Admission
+from goodserve.server.admission import SHED_POWER, SHED_STRENGTH, SHED_WINDOW, Admission
 from goodserve.server.batch_lines import BATCH_PRIORITY
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -82,7 +82,7 @@ def simulate(policy: str, max_num_seqs: int, rate: float, args, fit: StepTimeFit
     sched = Scheduler(config, KVCacheManager(args.num_kv_blocks, 16))
     if sched.slo is not None:
         sched.slo.clock = clock
-    admission = Admission(max_waiting=1 << 62) if policy == "slo" else None
+    admission = Admission(max_waiting=1 << 62, shed_costly=args.shed_costly) if policy == "slo" else None
     requests = build_workload(workload_config(args, rate), PromptText(None, args.seed))
     offsets = send_offsets(ArrivalConfig(rate, args.burstiness), len(requests), args.seed)
     ttft_s, tpot_s = args.ttft_ms / 1000, args.tpot_ms / 1000
@@ -111,7 +111,7 @@ def simulate(policy: str, max_num_seqs: int, rate: float, args, fit: StepTimeFit
             next_arrival += 1
             if admission is not None:
                 try:
-                    admission.check_ttft(sched.forecast(), r.prompt_len, args.ttft_ms)
+                    admission.check_ttft(sched.forecast(), r.prompt_len, args.ttft_ms, r.output_len)
                 except QueueFullError:
                     refused += 1
                     continue
@@ -204,6 +204,8 @@ def main(argv=None) -> None:
     p.add_argument("--sync-step-cost", type=float, default=0.0,
                    help="seconds of host time added to each step that could not launch ahead (see above)")
     p.add_argument("--num-kv-blocks", type=int, default=30000)
+    p.add_argument("--shed-costly", action="store_true",
+                   help="slo: the admission check sheds the costliest requests first (server/admission.py)")
     p.add_argument("--launch-ahead-admits", action=argparse.BooleanOptionalAction, default=True,
                    help="a step that launches ahead admits what arrived by the start of the step before (see above)")
     args = p.parse_args(argv)
@@ -224,7 +226,9 @@ def main(argv=None) -> None:
     caps = {label: capacity(r) for label, r in runs.items()}
     ratios = {label: caps[slo] / cap if cap else 0.0 for label, cap in caps.items() if label != slo}
     print(f"capacity: {caps}; {slo} / " + ", ".join(f"{label} {r:.2f}x" for label, r in ratios.items()))
-    write_result("cpu_slo_sim.json", {"args": vars(args), "runs": runs, "capacity": caps, "slo_ratio_vs": ratios})
+    shed = {"strength": SHED_STRENGTH, "power": SHED_POWER, "window": SHED_WINDOW} if args.shed_costly else None
+    write_result("cpu_slo_sim.json", {"args": vars(args), "shed": shed, "runs": runs, "capacity": caps,
+                                      "slo_ratio_vs": ratios})
 
 
 if __name__ == "__main__":

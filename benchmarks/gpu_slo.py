@@ -13,7 +13,9 @@ With --rates auto (the default) the ladder is set from the engine's saturated th
 under the first FCFS run (--saturation-prompts sent at once; req/s completed while the batch is
 full), at AUTO_LADDER times it, and every run climbs the same ladder. A probe holds its rate for --probe-seconds (at least
 --min-prompts requests): long enough for the running batch to fill (--max-num-seqs sequences of
-~9 s of decoding each; a short probe ends before the queue builds, and every policy passes it). A
+~9 s of decoding each; a short probe ends before the queue builds, and every policy passes it; at
+ShareGPT-like lengths the batch grows for ~40 s, as long as the longest answers live: --settle-seconds
+S starts the arrivals S earlier and scores only the requests sent after, the steady state). A
 run's ladder stops at the first probe below STOP_BELOW attainment or before a probe that would
 overrun its share of --budget-s (its last probe's wall time). Per probe: SLO
 attainment, goodput, TTFT / TPOT percentiles, refusals, and attainment at SLO scales 0.5..2
@@ -36,6 +38,9 @@ tokens/s during the probe, and the step-time fit and its relative prediction err
 beside the job left them (`step_time_fit`); the job need not finish, and is stopped when the probe ends.
 Per probe, its steps by the path they ran (decode graph, mixed-step graph, eager: `steps_by_path_alone`,
 `steps_by_path_beside`): count, mean shape, mean measured and predicted ms (StepLog).
+
+--shed-costly runs the slo policy's admission check as `serve --slo-shed-costly` does (the costliest
+requests shed first as the queue builds, server/admission.py).
 
 --engine-process runs each engine in a process of its own, as `goodserve serve` does (capacity phase only).
 Every probe also reports the engine's side through it (`engine`, EngineWatch: running and waiting
@@ -110,6 +115,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--burstiness", type=float, default=0.25)
     p.add_argument("--probe-seconds", type=float, default=25.0, help="arrivals per probe span this long")
     p.add_argument("--min-prompts", type=int, default=100)
+    p.add_argument("--settle-seconds", type=float, default=0.0,
+                   help="each probe's arrivals start this much earlier, and the requests sent in it are not "
+                        "scored: the running batch grows for as long as the workload's longest answers live "
+                        "(~40 s at ShareGPT-like lengths), so a probe without it scores the ramp, not the steady "
+                        "state (benchmarks/BENCHMARKS.md)")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="every run's token budget a step (the engine's default 2048): what `goodserve diagnose "
                         "--step-trace` advises where prompt chunks push steps past the TPOT target")
@@ -136,6 +146,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--full-ladder", action="store_true",
                    help=f"probe every rung even below {STOP_BELOW:g}%% attainment (e.g. --rates 45,45,54,54: each "
                         "probe twice, its run-to-run spread; the crossing reads each rung at its mean)")
+    p.add_argument("--shed-costly", action="store_true",
+                   help="slo: the admission check sheds the costliest requests first as the queue builds "
+                        "(`serve --slo-shed-costly`, server/admission.py)")
     p.add_argument("--no-admission", action="store_true",
                    help="slo: admit every request (no 429 for a TTFT the queue makes impossible): what the "
                         "refusals cost or save against the same policy with them")
@@ -166,7 +179,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def workload(rate: float, args, n: int | None = None, seed: int | None = None) -> list:
-    n = n or max(args.min_prompts, round(rate * args.probe_seconds))
+    n = n or max(args.min_prompts, round(rate * (args.settle_seconds + args.probe_seconds)))
     # The same requests for both policies at a rate; every rate its own.
     seed = args.seed + int(rate * 1000) if seed is None else seed
     if args.workload == "long-prompt":
@@ -221,8 +234,9 @@ async def measure_policy(args) -> dict:
                           seed=args.seed, step_trace=trace)
     t0 = time.perf_counter()
     target = InProcessTarget(config, ignore_eos=True, slo_ms=SLOS_MS, refuses_late=not args.no_admission,
-                             engine_process=args.engine_process)
+                             engine_process=args.engine_process, shed_costly=args.shed_costly)
     result = {"policy": args.policy, "max_num_seqs": args.max_num_seqs, "admission_check": not args.no_admission,
+              "shed_costly": args.shed_costly and args.policy == "slo",
               "engine_process": args.engine_process}
     try:
         warmup = workload(0, args)[:args.warmup_requests]
@@ -280,7 +294,8 @@ async def online_probe(target, args, rate: float, label: str = "") -> dict:
         records = await BenchRun(target, workload(rate, args), arrivals(rate, args), args.seed).run()
     finally:
         engine = watch.stop()
-    probe = {**probe_result(rate, records), "engine": engine}
+    scored = [record for record in records if record.send_time >= args.settle_seconds]
+    probe = {**probe_result(rate, scored), "engine": engine, "settle_seconds": args.settle_seconds}
     print(f"{args.policy:>10}@{args.max_num_seqs} {rate:6.1f} req/s{label}: attainment {probe['slo_attainment']:5.1f}% "
           f"p99 TTFT {probe['p99_ttft_ms']:7.1f} ms p99 TPOT {probe['p99_tpot_ms']:6.1f} ms "
           f"refused {probe['refused_429']}; by the engine's token times {_engine_summary(probe['engine_side'])}",
@@ -506,7 +521,8 @@ def run_child(policy: str, max_num_seqs: int, args, budget_s: float) -> dict:
     argv = [sys.executable, os.path.abspath(__file__), "--policy", policy, "--json-out", path,
             "--model", args.model, "--device", args.device, "--rates", args.rates,
             "--burstiness", str(args.burstiness), "--probe-seconds", str(args.probe_seconds),
-            "--min-prompts", str(args.min_prompts), "--max-num-seqs", str(max_num_seqs),
+            "--min-prompts", str(args.min_prompts), "--settle-seconds", str(args.settle_seconds),
+            "--max-num-seqs", str(max_num_seqs),
             "--max-num-batched-tokens", str(args.max_num_batched_tokens),
             "--budget-s", str(budget_s), "--seed", str(args.seed), "--max-total-len", str(args.max_total_len),
             "--warmup-requests", str(args.warmup_requests), "--phases", ",".join(args.phases),
@@ -514,6 +530,7 @@ def run_child(policy: str, max_num_seqs: int, args, budget_s: float) -> dict:
             "--batch-concurrency", str(args.batch_concurrency)] + [f for f, on in (("--step-log", args.step_log),
                                                                      ("--full-ladder", args.full_ladder),
                                                                      ("--no-admission", args.no_admission),
+                                                                     ("--shed-costly", args.shed_costly),
                                                                      ("--engine-process", args.engine_process)) if on]
     if args.batch_rate is not None:
         argv += ["--batch-rate", str(args.batch_rate)]
@@ -548,7 +565,8 @@ def main(argv=None) -> None:
     summary = {"model": args.model, "device": args.device, "phases": args.phases, "arrivals": args.arrivals,
                "burstiness": 1.0 if args.arrivals == "poisson" else args.burstiness, "workload": args.workload,
                "slos_ms": SLOS_MS, "target_attainment": TARGET_ATTAINMENT, "rates": args.rates,
-               "probe_seconds": args.probe_seconds, "max_num_seqs": args.max_num_seqs,
+               "probe_seconds": args.probe_seconds, "settle_seconds": args.settle_seconds,
+               "max_num_seqs": args.max_num_seqs,
                "max_num_batched_tokens": args.max_num_batched_tokens,
                "fcfs_ceilings": args.fcfs_ceilings, "engine_process": args.engine_process, "policies": results}
     if "capacity" in args.phases:

@@ -1,6 +1,7 @@
 """Per-request latency targets through the server: under the slo policy a request whose TTFT the
 queue makes impossible is a 429 with Retry-After (OpenAI's error body), or, with slo_best_effort,
-served at a low priority; the check itself on a hand-made forecast."""
+served at a low priority; the check itself on a hand-made forecast, and --slo-shed-costly's ranks and
+refusals worked out by hand."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import pytest
 from goodserve.engine.slo_policy import SloForecast
 from goodserve.engine.step_time_model import StepTimeFit
 from goodserve.errors import QueueFullError
-from goodserve.server.admission import Admission, TtftUnattainable
+from goodserve.cli import main
+from goodserve.server.admission import SHED_MIN_RANKED, Admission, CostlyRequestShed, CostRanks, TtftUnattainable
 from goodserve.server.process import launch_server, scrape_metrics
 
 MODEL = "dummy:tiny"  # no tokenizer: prompts are token ids
@@ -19,7 +21,7 @@ MODEL = "dummy:tiny"  # no tokenizer: prompts are token ids
 @pytest.fixture(scope="module")
 def client():
     server = launch_server(["--model", MODEL, "--scheduler-policy", "slo", "--max-model-len", "512",
-                            "--slo-ttft-ms", "60000", "--slo-tpot-ms", "60000"])
+                            "--slo-ttft-ms", "60000", "--slo-tpot-ms", "60000", "--slo-shed-costly"])
     try:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
         # Steps of three shapes (prompts of 3 and 200 tokens, decodes) give the step-time model a fit.
@@ -79,3 +81,36 @@ def test_check_counts_the_prompt_tokens_waiting_ahead():
     admission.started(num_seqs=1, prompt_tokens=1000)
     admission.check_ttft(forecast, prompt_tokens=250, ttft_ms=50)
     admission.check_ttft(SloForecast(None, 10, 250), prompt_tokens=10**6, ttft_ms=1)  # no fit yet: no refusal
+
+
+def test_cost_ranks_among_the_last_window():
+    ranks = CostRanks(window=SHED_MIN_RANKED + 1)
+    assert all(ranks.rank(float(cost)) is None for cost in range(1, SHED_MIN_RANKED + 1))  # too few ranked yet
+    assert ranks.rank(32.5) == 32 / SHED_MIN_RANKED  # above 1..32 of 1..64
+    assert ranks.rank(100.0) == 1.0  # the costliest so far; the window drops its oldest, cost 1
+    assert ranks.sorted[0] == 2.0 and len(ranks.sorted) == SHED_MIN_RANKED + 1
+    assert ranks.rank(0.5) == 0.0
+
+
+def test_shedding_refuses_the_costliest_first():
+    """The forecast of the test above: 45 ms to a 250-token prompt's first token, queue empty. Ranked
+    among 64 requests asking 1..64 tokens, one asking 1,000 is the costliest (rank 1): it may wait
+    (1 - 0.9) x its target, 10 ms of 100, and is refused; one asking none (rank 0) waits the whole 100."""
+    forecast = SloForecast(StepTimeFit(0.010, 0.001, 0.0001), decode_rows=10, prefill_tokens_per_step=250)
+    shedding, plain = Admission(max_waiting=100, shed_costly=True), Admission(max_waiting=100)
+    for admission in (shedding, plain):
+        for output_tokens in range(1, SHED_MIN_RANKED + 1):
+            admission.check_ttft(forecast, prompt_tokens=250, ttft_ms=1000, output_tokens=output_tokens)
+    with pytest.raises(CostlyRequestShed) as refused:
+        shedding.check_ttft(forecast, prompt_tokens=250, ttft_ms=100, output_tokens=1000)
+    assert isinstance(refused.value, QueueFullError) and refused.value.retry_after_s == 1
+    assert "costliest" in str(refused.value) and "may wait 10 ms" in str(refused.value)
+    shedding.check_ttft(forecast, prompt_tokens=250, ttft_ms=100, output_tokens=0)
+    plain.check_ttft(forecast, prompt_tokens=250, ttft_ms=100, output_tokens=1000)  # not shedding: admitted
+    with pytest.raises(TtftUnattainable):  # past the target itself: the plain refusal, whatever the cost
+        shedding.check_ttft(forecast, prompt_tokens=250, ttft_ms=40, output_tokens=0)
+
+
+def test_shedding_needs_the_slo_policy(capsys):
+    assert main(["serve", "--model", MODEL, "--slo-shed-costly"]) == 2
+    assert "--scheduler-policy slo" in capsys.readouterr().err

@@ -30,7 +30,7 @@ from goodserve.server.admission import Admission
 class InProcessTarget:
     def __init__(self, config: EngineConfig, ignore_eos: bool = False, temperature: float = 0.0,
                  use_chat_template: bool = False, slo_ms: dict[str, float] | None = None,
-                 refuses_late: bool = True, engine_process: bool = False):
+                 refuses_late: bool = True, engine_process: bool = False, shed_costly: bool = False):
         from goodserve.engine.async_engine import AsyncEngine  # pulls in torch and the model
         from goodserve.engine.engine_process import EngineProcess
 
@@ -40,7 +40,7 @@ class InProcessTarget:
         self.use_chat_template = use_chat_template
         self.slo_ms = slo_ms or {}
         checks_ttft = refuses_late and config.scheduler_policy == "slo" and "ttft" in self.slo_ms
-        self.admission = Admission(max_waiting=1 << 62) if checks_ttft else None
+        self.admission = Admission(max_waiting=1 << 62, shed_costly=shed_costly) if checks_ttft else None
         self.description = f"{'engine process' if engine_process else 'in-process engine'} ({config.model})"
         self._ids = itertools.count()
         self._started = False
@@ -74,7 +74,8 @@ class InProcessTarget:
         queued = 0  # prompt tokens this request holds in the admission count until its first token
         try:
             if self.admission is not None:
-                self.admission.check_ttft(self.engine.forecast(), request.prompt_len, params.slo_ttft_ms)
+                self.admission.check_ttft(self.engine.forecast(), request.prompt_len, params.slo_ttft_ms,
+                                          request.output_len)
                 self.admission.admit(1, request.prompt_len)
                 queued = request.prompt_len
             async for out in self.engine.generate(f"bench-{next(self._ids)}", self.prompt_for(request, index),

@@ -61,6 +61,11 @@ class StepTimeFit:
     def seconds(self, decode_rows: int, prefill_tokens: int, context_tokens: float = 0) -> float:
         return self.a + self.b * decode_rows + self.c * prefill_tokens + self.d * context_tokens
 
+    def request_seconds(self, prompt_tokens: int, output_tokens: int) -> float:
+        """The device time a request adds to the steps it shares, over its life: its prompt's tokens,
+        then a decode row a token, reading its context as it grows (the steps' own cost, a, is shared)."""
+        return self.c * prompt_tokens + output_tokens * (self.b + self.d * (prompt_tokens + output_tokens / 2))
+
     def max_prefill_tokens(self, decode_rows: int, step_budget_s: float, context_tokens: float = 0) -> int:
         """The most prompt tokens a step with decode_rows decodes reading context_tokens may carry and
         still last at most step_budget_s (0 when the decodes alone take longer)."""

@@ -63,6 +63,8 @@ class ServerConfig:
     drain_timeout_s: float = 30.0
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
+    # Under the slo policy: refuse the costliest requests first as the queue builds (server/admission.py)
+    slo_shed_costly: bool = False
     log_level: str = "info"
     max_unsent_outputs: int = 512
     stream_interval: int = 1
@@ -122,7 +124,8 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
     model_name = config.served_model_name or engine.config.model
     slo = Slo(config.slo_ttft_ms, config.slo_tpot_ms)
     metrics = ServerMetrics(engine, model_name, slo)
-    ctx = ServingContext(engine, model_name, Admission(config.max_waiting), metrics, config.request_timeout_s,
+    ctx = ServingContext(engine, model_name, Admission(config.max_waiting, shed_costly=config.slo_shed_costly),
+                         metrics, config.request_timeout_s,
                          config.max_unsent_outputs, config.stream_interval, config.pooling,
                          config.allow_unknown_fields, slo, sampling_defaults(engine, config))
     created = int(time.time())

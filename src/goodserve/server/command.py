@@ -30,6 +30,10 @@ _SERVER_HELP = {
     "drain_timeout_s": "on SIGTERM, how long in-flight requests may take to finish",
     "slo_ttft_ms": "time-to-first-token target counted in goodserve:request_slo (default: none)",
     "slo_tpot_ms": "time-per-output-token target counted in goodserve:request_slo (default: none)",
+    "slo_shed_costly": "under --scheduler-policy slo, as the queue builds refuse (429) the costliest requests first "
+                       "(prompt tokens, and max_tokens: a request without it asks for the rest of the context): "
+                       "more requests a second within their targets past capacity, long ones refused sooner "
+                       "(docs/serving.md)",
     "log_level": "uvicorn and goodserve log level",
     "max_unsent_outputs": "a stream whose client stops reading is aborted (its KV blocks freed) once this many "
                           "engine outputs (about one per token) wait unsent",
@@ -105,6 +109,9 @@ def _check(config, args: argparse.Namespace) -> None:
         raise InvalidRequestError("--batch-max-concurrency and --batch-max-file-bytes must be positive")
     if config.max_connections is not None and config.max_connections < 1:
         raise InvalidRequestError("--max-connections must be at least 1")
+    if config.slo_shed_costly and args.scheduler_policy != "slo":
+        raise InvalidRequestError("--slo-shed-costly sheds in the slo policy's admission check: add "
+                                  "--scheduler-policy slo")
     if args.data_parallel_size < 1:
         raise InvalidRequestError("--data-parallel-size must be at least 1")
     if args.disaggregate is not None and args.data_parallel_size > 1:

@@ -120,12 +120,13 @@ class ServingContext:
             admission=self.admission, metrics=self.metrics, deadline=deadline,
             max_unsent_outputs=self.max_unsent_outputs, stream_interval=self.stream_interval,
         )
-        self._apply_slo(params, sum(map(len, prompts)), best_effort)
+        self._apply_slo(params, prompts, best_effort)
         job.admit()
         return job
 
-    def _apply_slo(self, params: SamplingParams, prompt_tokens: int, best_effort: bool) -> None:
-        """The server's targets where the request sets none; the TTFT admission check (slo policy)."""
+    def _apply_slo(self, params: SamplingParams, prompts: list[list[int]], best_effort: bool) -> None:
+        """The server's targets where the request sets none; the TTFT admission check (slo policy), which
+        counts the tokens each sample may generate (without max_tokens: the rest of the context)."""
         if self.slo is None:
             return
         if params.slo_ttft_ms is None:
@@ -135,7 +136,9 @@ class ServingContext:
         if params.slo_ttft_ms is None or self.engine.config.scheduler_policy != "slo":
             return
         try:
-            self.admission.check_ttft(self.engine.forecast(), prompt_tokens, params.slo_ttft_ms)
+            output_tokens = params.n * sum(params.max_tokens or self.engine.max_model_len - len(ids) for ids in prompts)
+            self.admission.check_ttft(self.engine.forecast(), sum(map(len, prompts)), params.slo_ttft_ms,
+                                      output_tokens)
         except QueueFullError:
             if not best_effort:
                 raise
