@@ -131,8 +131,11 @@ def run_engine_process(conn: Connection, config: EngineConfig, log_level: int) -
     from goodserve.engine.engine import Engine  # torch and the model: this process only
 
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s[engine]: %(message)s")
-    # A terminal's Ctrl-C reaches the whole process group: the serving process drains, then stops this one.
+    # A terminal's Ctrl-C reaches the whole process group, and a service manager's stop (systemd's, to
+    # the whole control group) SIGTERM every process at once: the serving process drains, then stops this
+    # one. Dying at once would fail the requests the drain is finishing. Its pipe closing stops it too.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         engine = Engine(config)
     except BaseException as exc:  # noqa: BLE001 - raised where the engine was asked for (a bad model path, ...)
