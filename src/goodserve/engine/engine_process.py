@@ -135,7 +135,9 @@ def run_engine_process(conn: Connection, config: EngineConfig, log_level: int) -
     # the whole control group) SIGTERM every process at once: the serving process drains, then stops this
     # one. Dying at once would fail the requests the drain is finishing. Its pipe closing stops it too.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # A handler, not SIG_IGN: an ignored signal stays ignored in the processes this one starts (its TP
+    # ranks, whose shutdown SIGTERMs them), a handler does not
+    signal.signal(signal.SIGTERM, _drain_first)
     try:
         engine = Engine(config)
     except BaseException as exc:  # noqa: BLE001 - raised where the engine was asked for (a bad model path, ...)
@@ -154,6 +156,10 @@ def run_engine_process(conn: Connection, config: EngineConfig, log_level: int) -
     finally:
         for request_id in list(engine.requests):
             engine.abort_request(request_id)
+
+
+def _drain_first(signum: int, frame) -> None:
+    """SIGTERM: the serving process decides when this one stops (after its drain)."""
 
 
 def _serve(conn: Connection, engine, pauses: PauseLog) -> None:
