@@ -51,7 +51,7 @@ from goodserve.engine.spec_decode.policy import verify_cost
 from goodserve.engine.spec_decode.proposer import make_proposer
 from goodserve.engine.stats import EngineStats, StepLog, engine_stats
 from goodserve.engine.step_trace import StepTrace
-from goodserve.engine.step_time_model import StepTimeModel
+from goodserve.engine.step_time_model import StepTimeModel, step_shape
 from goodserve.errors import EngineDeadError, InvalidRequestError
 from goodserve.hardware import HARDWARE, hardware_for_device
 from goodserve.outputs import RequestOutput
@@ -382,11 +382,13 @@ class Engine:
         """Record a computed (and advanced) step's outputs; an error in one sequence's bookkeeping
         fails its request alone."""
         t0 = time.perf_counter()
-        seconds = t0 - max(step.launched, self._last_recorded)
+        # from its launch, or, pipelined, from the step before it reaching the host: the interval at
+        # which its decodes got their tokens
+        seconds, shape = t0 - max(step.launched, self._last_recorded), step_shape(step.out)
         if self.trace is not None:
-            self.trace.record(step.out, time.time(), seconds, step.pending.replayed_graph,
+            self.trace.record(step.out, shape, time.time(), seconds, step.pending.replayed_graph,
                               step.launched < self._last_recorded, self.scheduler)
-        self.scheduler.step_time.observe_step(step.out, seconds)
+        self.scheduler.step_time.observe(*shape, seconds)
         self._last_recorded = t0
         self._release_siblings(step.seqs)
         self.outputs.record_step(self.requests, step.out, step.seqs, output, stream_text, self._finish,

@@ -118,11 +118,6 @@ class StepTimeModel:
         if self._since_fit >= self.refit_every or self.fit is None:
             self.refit()
 
-    def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
-        """A step's time (from its launch, or, pipelined, from the step before it reaching the host:
-        the interval at which its decodes got their tokens)."""
-        self.observe(*step_shape(out), seconds)
-
     def _track_error(self, predicted: float, measured: float) -> None:
         if predicted <= 0:
             return

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from goodserve.engine.scheduler_output import SchedulerOutput
 from goodserve.engine.slo_policy import has_targets
-from goodserve.engine.step_time_model import decode_rows_of, step_shape
+from goodserve.engine.step_time_model import decode_rows_of
 
 if TYPE_CHECKING:  # diagnose reads traces without the engine's torch
     from goodserve.engine.scheduler import Scheduler
@@ -31,11 +31,11 @@ class StepTrace:
     def __init__(self, path: str) -> None:
         self.file = open(path, "a", buffering=1)  # noqa: SIM115 - open for the engine's life
 
-    def record(self, out: SchedulerOutput, wall_time: float, measured_s: float, graph: bool, ran_ahead: bool,
-               scheduler: Scheduler) -> None:
-        """Called before the step-time model observes the step, so `predicted_s` is the prediction the
-        scheduler planned with."""
-        decode_rows, prompt_tokens, context_tokens = step_shape(out)
+    def record(self, out: SchedulerOutput, shape: tuple[int, int, int], wall_time: float, measured_s: float,
+               graph: bool, ran_ahead: bool, scheduler: Scheduler) -> None:
+        """shape: step_shape(out). Called before the step-time model observes the step, so `predicted_s`
+        is the prediction the scheduler planned with."""
+        decode_rows, prompt_tokens, context_tokens = shape
         fit = scheduler.step_time.fit
         decodes = [out.seq_ids[row] for row in decode_rows_of(out)]
         predicted = None if fit is None else round(fit.seconds(decode_rows, prompt_tokens, context_tokens), 6)
