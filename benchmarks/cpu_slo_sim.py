@@ -53,6 +53,7 @@ from goodserve.server.admission import SHED_POWER, SHED_STRENGTH, SHED_WINDOW, A
 from goodserve.server.batch_lines import BATCH_PRIORITY
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gpu_slo  # noqa: E402
 from result_file import write_result  # noqa: E402
 
 
@@ -64,15 +65,19 @@ class _Clock:
         return self.now
 
 
-def workload_config(args, rate: float) -> WorkloadConfig:
-    """--num-prompts of seed --seed; with --probe-seconds, gpu_slo.py's requests at that rate."""
-    num_prompts, seed = args.num_prompts, args.seed
+def probe_requests(args, rate: float) -> list:
+    """--num-prompts of seed --seed; with --probe-seconds, gpu_slo.py's very requests at that rate."""
     if args.probe_seconds:
-        num_prompts, seed = round(rate * args.probe_seconds), args.seed + int(rate * 1000)
+        probe = argparse.Namespace(min_prompts=1, settle_seconds=args.settle_seconds, probe_seconds=args.probe_seconds,
+                                   seed=args.seed, workload=args.workload,
+                                   max_total_len=4096 if args.workload == "long-prompt" else 2048)
+        return gpu_slo.workload(rate, probe)
     if args.workload == "long-prompt":  # DistServe's summarisation-like shape: ~2k in, ~200 out
-        return WorkloadConfig(dataset_name="random", num_prompts=num_prompts, seed=seed,
-                              random_input_len=2000, random_output_len=200)
-    return WorkloadConfig(dataset_name="sharegpt", num_prompts=num_prompts, seed=seed)
+        config = WorkloadConfig(dataset_name="random", num_prompts=args.num_prompts, seed=args.seed,
+                                random_input_len=2000, random_output_len=200)
+    else:
+        config = WorkloadConfig(dataset_name="sharegpt", num_prompts=args.num_prompts, seed=args.seed)
+    return build_workload(config, PromptText(None, args.seed))
 
 
 def simulate(policy: str, max_num_seqs: int, rate: float, args, fit: StepTimeFit) -> dict:
@@ -83,8 +88,9 @@ def simulate(policy: str, max_num_seqs: int, rate: float, args, fit: StepTimeFit
     if sched.slo is not None:
         sched.slo.clock = clock
     admission = Admission(max_waiting=1 << 62, shed_costly=args.shed_costly) if policy == "slo" else None
-    requests = build_workload(workload_config(args, rate), PromptText(None, args.seed))
+    requests = probe_requests(args, rate)
     offsets = send_offsets(ArrivalConfig(rate, args.burstiness), len(requests), args.seed)
+    scored = [offset >= args.settle_seconds for offset in offsets]  # gpu_slo.py scores these alone
     ttft_s, tpot_s = args.ttft_ms / 1000, args.tpot_ms / 1000
     next_arrival, met, refused, token = 0, 0, 0, 1
     missed = {"ttft": 0, "tpot": 0}  # of the requests served
@@ -113,7 +119,7 @@ def simulate(policy: str, max_num_seqs: int, rate: float, args, fit: StepTimeFit
                 try:
                     admission.check_ttft(sched.forecast(), r.prompt_len, args.ttft_ms, r.output_len)
                 except QueueFullError:
-                    refused += 1
+                    refused += scored[next_arrival - 1]
                     continue
                 admission.admit(1, r.prompt_len)
             sched.add(seq)
@@ -153,7 +159,9 @@ def simulate(policy: str, max_num_seqs: int, rate: float, args, fit: StepTimeFit
                 seq.metrics.first_token_time = clock.now
                 if admission is not None:
                     admission.started(1, seq.num_prompt_tokens)
-            if seq.num_tokens >= seq.max_len:
+            if seq.num_tokens >= seq.max_len and not scored[int(seq.seq_id)]:
+                sched.finish(seq, "length")
+            elif seq.num_tokens >= seq.max_len:
                 first = seq.metrics.first_token_time
                 tpot = (clock.now - first) / max(seq.num_output_tokens - 1, 1)
                 ttfts.append(first - seq.arrival_time)
@@ -164,7 +172,7 @@ def simulate(policy: str, max_num_seqs: int, rate: float, args, fit: StepTimeFit
                 missed["ttft"] += not ttft_met
                 missed["tpot"] += not tpot_met
                 sched.finish(seq, "length")
-    return {"policy": policy, "max_num_seqs": max_num_seqs, "request_rate": rate, "slo_attainment": 100.0 * met / len(requests),
+    return {"policy": policy, "max_num_seqs": max_num_seqs, "request_rate": rate, "slo_attainment": 100.0 * met / sum(scored),
             "refused_429": refused, "missed_ttft": missed["ttft"], "missed_tpot": missed["tpot"], "duration_s": clock.now, "num_preemptions": sched.num_preemptions,
             "median_tpot_ms": _percentile_ms(tpots, 50), "p90_tpot_ms": _percentile_ms(tpots, 90),
             "p99_tpot_ms": _percentile_ms(tpots, 99), "p99_ttft_ms": _percentile_ms(ttfts, 99),
@@ -190,6 +198,9 @@ def main(argv=None) -> None:
     p.add_argument("--probe-seconds", type=float,
                    help="each rate's requests and arrivals those of gpu_slo.py's probe of this length at that rate "
                         "(its workload seed and count), in place of --num-prompts, to set beside the card's probes")
+    p.add_argument("--settle-seconds", type=float, default=0.0,
+                   help="with --probe-seconds: gpu_slo.py's --settle-seconds, arrivals this much longer, and only the "
+                        "requests sent after it scored")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ttft-ms", type=float, default=200.0)
     p.add_argument("--tpot-ms", type=float, default=50.0)

@@ -204,7 +204,8 @@ def probe_result(rate: float, records: list) -> dict:
             "request_goodput", "slo_attainment", "median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms",
             "median_tpot_ms", "p90_tpot_ms", "p99_tpot_ms")
     refused = sum("TtftUnattainable" in r.error for r in records)
-    return {"request_rate": rate, **{k: metrics[k] for k in keep}, "refused_429": refused,
+    shed = sum("CostlyRequestShed" in r.error for r in records)  # --shed-costly's refusals
+    return {"request_rate": rate, **{k: metrics[k] for k in keep}, "refused_429": refused, "shed_429": shed,
             "slo_scale_sweep": attainment_by_slo_scale(records, SLOS_MS, SLO_SCALES),
             "engine_side": engine_side(records)}
 
@@ -298,7 +299,8 @@ async def online_probe(target, args, rate: float, label: str = "") -> dict:
     probe = {**probe_result(rate, scored), "engine": engine, "settle_seconds": args.settle_seconds}
     print(f"{args.policy:>10}@{args.max_num_seqs} {rate:6.1f} req/s{label}: attainment {probe['slo_attainment']:5.1f}% "
           f"p99 TTFT {probe['p99_ttft_ms']:7.1f} ms p99 TPOT {probe['p99_tpot_ms']:6.1f} ms "
-          f"refused {probe['refused_429']}; by the engine's token times {_engine_summary(probe['engine_side'])}",
+          f"refused {probe['refused_429']} shed {probe['shed_429']}; "
+          f"by the engine's token times {_engine_summary(probe['engine_side'])}",
           flush=True)
     e = probe["engine"]
     print(f"  engine: {e['num_steps']} steps ({e['mean_step_ms'] or 0:.1f} ms each), {e['num_preemptions']} preempted, "
