@@ -55,6 +55,10 @@ answers) give the other DistServe curves; the defaults are the issue's (gamma, S
     # 2-3 for each 1024 run; --rates skips the saturation measure)
     python benchmarks/gpu_slo.py --max-num-seqs 1024 --fcfs-ceilings 256,1024 --probe-seconds 20 \
         --rates 36,45,54,63 --budget-s 360
+    # H200, ~8 minutes: each policy probed around its own crossing, at the steady state (75 s of arrivals,
+    # the last 35 s scored), in one call (two engine loads, four probes of ~90 s)
+    python benchmarks/gpu_slo.py --engine-process --max-num-seqs 1024 --settle-seconds 40 --probe-seconds 35 \
+        --fcfs-rates 63,65 --rates 78,87 --full-ladder --shed-costly --budget-s 420
     # H100: ~2.5 minutes (one engine load, 2 probes)
     python benchmarks/gpu_slo.py --phases batch --max-num-seqs 1024 --batch-rate 36.2
     # dummy:tiny on the CPU, a quick check of every path (~3-4 minutes on 2 cores)
@@ -111,6 +115,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", default="dummy:llama-3.1-8b")
     p.add_argument("--device", default="cuda")
     p.add_argument("--rates", default="auto", help="the ladder, req/s, or auto (x the saturated throughput)")
+    p.add_argument("--fcfs-rates", help="the FCFS runs' own ladder (default: --rates): each policy probed "
+                                        "around its own crossing, both in one call")
     p.add_argument("--saturation-prompts", type=int, default=400)
     p.add_argument("--burstiness", type=float, default=0.25)
     p.add_argument("--probe-seconds", type=float, default=25.0, help="arrivals per probe span this long")
@@ -515,13 +521,13 @@ def crossing_rate(probes: list[dict]) -> float:
     return passing  # never fell through: at least the last rung
 
 
-def run_child(policy: str, max_num_seqs: int, args, budget_s: float) -> dict:
+def run_child(policy: str, max_num_seqs: int, rates: str, args, budget_s: float) -> dict:
     """One policy at one sequence ceiling in a fresh process: its engine's memory is the GPU's again
     when it exits."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         path = f.name
     argv = [sys.executable, os.path.abspath(__file__), "--policy", policy, "--json-out", path,
-            "--model", args.model, "--device", args.device, "--rates", args.rates,
+            "--model", args.model, "--device", args.device, "--rates", rates,
             "--burstiness", str(args.burstiness), "--probe-seconds", str(args.probe_seconds),
             "--min-prompts", str(args.min_prompts), "--settle-seconds", str(args.settle_seconds),
             "--max-num-seqs", str(max_num_seqs),
@@ -561,12 +567,15 @@ def main(argv=None) -> None:
     spent = 0.0  # probe seconds of the runs so far: what one leaves of its share goes to the next
     for i, (policy, ceiling) in enumerate(runs):
         share = max(args.budget_s - spent, 0.0) / (len(runs) - i)
-        result = results[f"{policy}@{ceiling}"] = run_child(policy, ceiling, args, share)
+        rates = args.fcfs_rates if policy == "continuous" and args.fcfs_rates else args.rates
+        result = results[f"{policy}@{ceiling}"] = run_child(policy, ceiling, rates, args, share)
         spent += result.get("probes_s", share)
-        args.rates = result.get("rates", args.rates)
+        if rates == args.rates:  # auto: the ladder the first run set
+            args.rates = result.get("rates", args.rates)
     summary = {"model": args.model, "device": args.device, "phases": args.phases, "arrivals": args.arrivals,
                "burstiness": 1.0 if args.arrivals == "poisson" else args.burstiness, "workload": args.workload,
                "slos_ms": SLOS_MS, "target_attainment": TARGET_ATTAINMENT, "rates": args.rates,
+               "fcfs_rates": args.fcfs_rates or args.rates,
                "probe_seconds": args.probe_seconds, "settle_seconds": args.settle_seconds,
                "max_num_seqs": args.max_num_seqs,
                "max_num_batched_tokens": args.max_num_batched_tokens,
