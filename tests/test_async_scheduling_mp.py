@@ -56,7 +56,7 @@ def workers_with_graphs(monkeypatch):
     made = []
 
     def make(model: str, poison: int | None = None, graphs: bool = True, **settings) -> LLM:
-        for target in ("_leader_main", "run_follower"):
+        for target in ("_leader_main", "_local_follower_main"):
             monkeypatch.setattr(executor, target, functools.partial(_with_stand_in_graphs, target, poison, graphs))
         made.append(LLM(model, **(SETTINGS | settings)))
         return made[-1]

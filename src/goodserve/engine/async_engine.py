@@ -272,6 +272,7 @@ class AsyncEngine(EngineClient):
         finally:
             for request_id in list(self.engine.requests):
                 self.engine.abort_request(request_id)
+            self.engine.executor.shutdown()  # its ranks ignore SIGTERM, multiprocessing's way at exit
 
     def _drain_commands(self, block: bool) -> None:
         try:

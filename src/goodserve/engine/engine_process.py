@@ -18,7 +18,6 @@ import atexit
 import logging
 import multiprocessing
 import queue
-import signal
 import threading
 from dataclasses import replace
 from multiprocessing.connection import Connection
@@ -26,6 +25,7 @@ from multiprocessing.connection import Connection
 from goodserve.config import EngineConfig
 from goodserve.engine.async_engine import _IDLE_WAIT_S, EngineClient, EngineInfo, Failed, _Abort, _Add, apply_command
 from goodserve.engine.gc_pauses import PauseLog, freeze_startup_heap, tune_for_serving, watch_pauses
+from goodserve.engine.stop_signals import leave_stopping_to_the_parent
 from goodserve.errors import EngineDeadError
 from goodserve.outputs import RequestMetrics, RequestOutput
 
@@ -131,13 +131,7 @@ def run_engine_process(conn: Connection, config: EngineConfig, log_level: int) -
     from goodserve.engine.engine import Engine  # torch and the model: this process only
 
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s[engine]: %(message)s")
-    # A terminal's Ctrl-C reaches the whole process group, and a service manager's stop (systemd's, to
-    # the whole control group) SIGTERM every process at once: the serving process drains, then stops this
-    # one. Dying at once would fail the requests the drain is finishing. Its pipe closing stops it too.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # A handler, not SIG_IGN: an ignored signal stays ignored in the processes this one starts (its TP
-    # ranks, whose shutdown SIGTERMs them), a handler does not
-    signal.signal(signal.SIGTERM, _drain_first)
+    leave_stopping_to_the_parent()  # the serving process drains first, then closes the pipe
     try:
         engine = Engine(config)
     except BaseException as exc:  # noqa: BLE001 - raised where the engine was asked for (a bad model path, ...)
@@ -156,10 +150,7 @@ def run_engine_process(conn: Connection, config: EngineConfig, log_level: int) -
     finally:
         for request_id in list(engine.requests):
             engine.abort_request(request_id)
-
-
-def _drain_first(signum: int, frame) -> None:
-    """SIGTERM: the serving process decides when this one stops (after its drain)."""
+        engine.executor.shutdown()  # its ranks ignore SIGTERM, multiprocessing's way at exit
 
 
 def _serve(conn: Connection, engine, pauses: PauseLog) -> None:

@@ -10,6 +10,7 @@ oldest step (which is the step's) once the stages are full.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import multiprocessing
@@ -25,6 +26,7 @@ from goodserve.engine.gc_pauses import freeze_startup_heap
 from goodserve.engine.runner_output import PendingOutput
 from goodserve.engine.sampling_inputs import GrammarBitmask
 from goodserve.engine.scheduler_output import SchedulerOutput
+from goodserve.engine.stop_signals import kill_at_exit, leave_stopping_to_the_parent
 from goodserve.engine.worker import ModelInfo, Worker
 from goodserve.errors import EngineDeadError, GoodserveError
 
@@ -71,9 +73,13 @@ class MultiprocExecutor:
         self._processes = []
         for rank in range(local):
             rank_env = env and env | {"RANK": str(rank), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(local)}
-            target, args = (_leader_main, (child, config, rank_env)) if rank == 0 else (run_follower, (rank_env,))
+            if rank == 0:
+                target, args = _leader_main, (child, config, rank_env)
+            else:
+                target, args = _local_follower_main, (rank_env,)
             process = context.Process(target=target, args=args, daemon=True, name=f"goodserve-worker-{rank}")
             process.start()
+            kill_at_exit(process)
             self._processes.append(process)
         child.close()
         self.info: ModelInfo = self._value(self._receive()[1])
@@ -101,7 +107,8 @@ class MultiprocExecutor:
         for process in self._processes:  # a rank stuck waiting for a lost peer
             process.join(1)
             if process.is_alive():
-                process.terminate()
+                process.kill()
+            atexit.unregister(process.kill)
         self._conn.close()
 
     def _held_output(self, held: _Held):
@@ -172,6 +179,7 @@ _LAST_WORD_S = 2.0
 def _leader_main(conn: Connection, config: EngineConfig, env: dict[str, str] | None) -> None:
     """Rank 0 (or the only worker): build the worker, then answer the engine's messages until told
     to stop (None), handing each step to the other ranks first."""
+    leave_stopping_to_the_parent()
     try:
         rank = None
         if env is not None:
@@ -257,6 +265,11 @@ def _settle(pending: PendingOutput) -> tuple[bool, object]:
         raise
     except Exception as exc:  # noqa: BLE001 - a request's error: the engine isolates it
         return False, exc
+
+
+def _local_follower_main(env: dict[str, str]) -> None:
+    leave_stopping_to_the_parent()
+    run_follower(env)
 
 
 def run_follower(env: dict[str, str] | None = None) -> None:

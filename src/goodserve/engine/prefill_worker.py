@@ -34,6 +34,7 @@ from goodserve.config import EngineConfig
 from goodserve.engine.engine import Engine
 from goodserve.engine.gc_pauses import freeze_startup_heap
 from goodserve.engine.kv_transfer import kv_layers, send_held
+from goodserve.engine.stop_signals import leave_stopping_to_the_parent
 from goodserve.errors import GoodserveError
 from goodserve.sampling_params import SamplingParams
 
@@ -66,6 +67,7 @@ def _read(conn, inbox: queue.SimpleQueue) -> None:
 
 
 def prefill_worker_main(config: EngineConfig, conn, init_method: str) -> None:
+    leave_stopping_to_the_parent()  # the decode side drains first, then says stop
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     join_group(config, init_method, PREFILL_RANK)
     try:

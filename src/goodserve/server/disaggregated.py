@@ -20,6 +20,7 @@ answers 503 (and /health 503) from then on; requests already decoding here finis
 
 from __future__ import annotations
 
+import atexit
 import logging
 import multiprocessing
 import os
@@ -39,6 +40,7 @@ from goodserve.engine.kv_transfer import kv_layers, receive_blocks, receive_head
 from goodserve.engine.request import Request
 from goodserve.engine.prefill_worker import DECODE_RANK, PREFILL_RANK, join_group, prefill_worker_main
 from goodserve.engine.stats import EngineStats
+from goodserve.engine.stop_signals import kill_at_exit
 from goodserve.errors import EngineDeadError, GoodserveError, InvalidRequestError
 from goodserve.server.process import free_port
 
@@ -101,6 +103,7 @@ def start_prefill_process(config: EngineConfig, layout: DisaggLayout):
                           name="goodserve-prefill", daemon=True)
     try:
         process.start()
+        kill_at_exit(process)
     finally:
         for name, value in saved.items():
             os.environ.pop(name, None)
@@ -144,6 +147,7 @@ class DisaggregatedEngine(AsyncEngine):
         if self.process.is_alive():
             logger.warning("the prefill worker did not stop in time: killed")
             self.process.kill()
+        atexit.unregister(self.process.kill)
         dist.destroy_process_group()
 
     # ---- the pipe (its own threads: the engine thread never waits on it) ----------------------
