@@ -9,7 +9,10 @@ nothing else; and through goodserve bench's in-process target (bench/inprocess.p
 runs: each token timed and recorded in the engine's process, under its GIL). Per way, the median and
 the longest of the engine thread's step() calls while all R decode, and the longest full (generation
 2) garbage collection meanwhile: one stops every stream for as long as it takes (engine/gc_pauses.py).
---versions compares checkouts' src/ (each imported in processes of its own), alternated within each run.
+--versions compares checkouts' src/ (each imported in processes of its own), alternated within each run;
+--policies continuous,slo the scheduling policies the same way (under slo every request carries targets
+loose enough never to bind, so what differs is the policy's own host work), each engine step then also
+followed by the SLO forecast the engine process sends with every step ("forecast" among the phases).
 --tokenizer DIR streams text as a server does (dummy:tiny has no tokenizer of its own, so without it
 nothing is detokenized; the bench client's way, which sends text, is left out then, since the
 tokenizer's ids do not fit dummy:tiny's vocabulary): benchmarks/export_tokenizer.py writes the embedded model's.
@@ -38,7 +41,7 @@ PHASES = ("schedule", "prepare", "forward", "sample", "detokenize", "output")
 KEYS = tuple(f"{way}_{what}" for way in WAYS for what in ("step_ms", "max_step_ms", "gen2_max_ms"))
 
 
-def measure(rows: int, max_tokens: int, tokenizer: str | None) -> dict:
+def measure(rows: int, max_tokens: int, tokenizer: str | None, policy: str = "continuous") -> dict:
     """In this process, on whatever goodserve PYTHONPATH gives: per way, the median and the longest
     decode step and the longest full (generation 2) collection while it ran, ms."""
     import asyncio
@@ -53,8 +56,10 @@ def measure(rows: int, max_tokens: int, tokenizer: str | None) -> dict:
     from goodserve.sampling_params import SamplingParams
 
     config = EngineConfig(model="dummy:tiny", device="cpu", max_num_seqs=rows, max_num_batched_tokens=8192,
-                          num_kv_blocks=rows * (2 + (PROMPT_LEN + max_tokens) // 16), max_model_len=1024, tokenizer=tokenizer)
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+                          num_kv_blocks=rows * (2 + (PROMPT_LEN + max_tokens) // 16), max_model_len=1024, tokenizer=tokenizer,
+                          scheduler_policy=policy)
+    targets = {"slo_ttft_ms": 60_000.0, "slo_tpot_ms": 1_000.0} if policy == "slo" else {}
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0, **targets)
     prompts = [[(i * 7 + j) % 500 + 1 for j in range(PROMPT_LEN)] for i in range(rows)]
 
     def timed(engine: Engine) -> list[float]:
@@ -92,13 +97,18 @@ def measure(rows: int, max_tokens: int, tokenizer: str | None) -> dict:
     gen2.clear()
     for i, prompt in enumerate(prompts):
         engine.add_request(f"r{i}", prompt, params)
+    forecast_s = 0.0
     while engine.has_unfinished():
         engine.step()
+        started = time.perf_counter()
+        engine.scheduler.forecast()
+        forecast_s += time.perf_counter() - started
     result = summary("engine", times)
     # where the engine's step time went, ms a step over the whole run ("detokenize": recording a
     # step's tokens, stop checks and text included)
     result["engine_phase_ms"] = {phase: 1000 * getattr(engine.steps, phase) / engine.steps.num_steps
                                  for phase in PHASES}
+    result["engine_phase_ms"]["forecast"] = 1000 * forecast_s / engine.steps.num_steps
 
     async def streamed() -> list[float]:
         async_engine = AsyncEngine(engine=Engine(config))
@@ -130,9 +140,9 @@ def measure(rows: int, max_tokens: int, tokenizer: str | None) -> dict:
     return {"rows": rows, "max_tokens": max_tokens, **result}
 
 
-def run_version(src: str, rows: int, max_tokens: int, tokenizer: str | None) -> dict:
+def run_version(src: str, rows: int, max_tokens: int, tokenizer: str | None, policy: str) -> dict:
     env = {**os.environ, "PYTHONPATH": os.path.abspath(src)}
-    done = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", str(rows),
+    done = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", str(rows), "--policies", policy,
                            "--max-tokens", str(max_tokens), *(["--tokenizer", tokenizer] if tokenizer else [])], env=env,
                           capture_output=True, text=True, check=True)
     return json.loads(done.stdout.splitlines()[-1])
@@ -145,22 +155,26 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=128, help="each request's greedy tokens")
     p.add_argument("--tokenizer", help="a tokenizer directory: the engine streams text (detokenizes) as a server does")
+    p.add_argument("--policies", default="continuous", help="scheduling policies, alternated within each run")
     p.add_argument("--child", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
-        print(json.dumps(measure(args.child, args.max_tokens, args.tokenizer)))
+        print(json.dumps(measure(args.child, args.max_tokens, args.tokenizer, args.policies)))
         return
-    versions = dict(item.split("=", 1) for item in args.versions.split(","))
+    policies = args.policies.split(",")
+    versions = {(f"{name}/{policy}" if len(policies) > 1 else name): (src, policy)
+                for name, src in (item.split("=", 1) for item in args.versions.split(",")) for policy in policies}
     results = {name: {} for name in versions}
     for rows in map(int, args.rows.split(",")):
         for run in range(args.runs):
-            for name, src in versions.items():
-                r = run_version(src, rows, args.max_tokens, args.tokenizer)
+            for name, (src, policy) in versions.items():
+                r = run_version(src, rows, args.max_tokens, args.tokenizer, policy)
                 results[name].setdefault(rows, []).append(r)
                 print(f"{name:>8} {rows:4d} rows, run {run + 1}: " + _ms(r), flush=True)
     summary = {name: {rows: {key: statistics.median(r[key] for r in runs)
                              for key in KEYS if key in runs[0]}
-                      | {f"{phase}_ms": statistics.median(r["engine_phase_ms"][phase] for r in runs) for phase in PHASES}
+                      | {f"{phase}_ms": statistics.median(r["engine_phase_ms"][phase] for r in runs)
+                         for phase in (*PHASES, "forecast")}
                       for rows, runs in by_rows.items()} for name, by_rows in results.items()}
     for name, by_rows in summary.items():
         for rows, medians in by_rows.items():
@@ -172,7 +186,7 @@ def _ms(r: dict) -> str:
     return "; ".join(f"{way} {r[f'{way}_step_ms']:.2f} (max {r[f'{way}_max_step_ms']:.1f}, full collection "
                      f"{r[f'{way}_gen2_max_ms']:.1f})" for way in WAYS if f"{way}_step_ms" in r) + " ms; engine phases " + \
         ", ".join(f"{phase} {ms:.2f}" for phase, ms in (r.get("engine_phase_ms") or
-                                                         {p: r[f"{p}_ms"] for p in PHASES}).items())
+                                                         {p: r[f"{p}_ms"] for p in (*PHASES, "forecast")}).items())
 
 
 if __name__ == "__main__":
