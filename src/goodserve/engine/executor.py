@@ -82,7 +82,11 @@ class MultiprocExecutor:
             kill_at_exit(process)
             self._processes.append(process)
         child.close()
-        self.info: ModelInfo = self._value(self._receive()[1])
+        try:
+            self.info: ModelInfo = self._value(self._receive()[1])
+        except BaseException:  # a rank that failed to start: the others may wait for it, and ignore SIGTERM
+            self.shutdown()
+            raise
         self._held: deque[_Held] = deque()  # the steps whose outputs rank 0 holds, oldest first
         self._held_graphed = config.pipeline_parallel_size == 1  # stages replay no graphs
 
