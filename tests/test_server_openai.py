@@ -9,13 +9,11 @@ the last test stops each.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import signal
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import httpx2
 import openai
@@ -23,6 +21,7 @@ import pytest
 
 from goodserve import LLM, SamplingParams
 from goodserve.server.process import ServerProcess, scrape_metrics, start_server
+from test_engine_process import children_of
 
 MODEL = "smollm2-135m"
 MAX_MODEL_LEN = 512
@@ -321,16 +320,6 @@ def test_schemathesis_finds_no_server_errors(stack):
         checked.append(operation.path)
     assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize"} <= set(checked)
     assert httpx2.get(f"{stack.url}/health").status_code == 200
-
-
-def children_of(pid: int) -> list[int]:
-    """The processes whose parent is pid (from /proc: field 4 of each stat is the parent's pid)."""
-    children = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError):
-            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                children.append(int(stat.parent.name))
-    return children
 
 
 def test_sigterm_drains_in_flight_request_then_exits(stack):

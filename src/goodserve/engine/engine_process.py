@@ -131,7 +131,7 @@ def run_engine_process(conn: Connection, config: EngineConfig, log_level: int) -
     from goodserve.engine.engine import Engine  # torch and the model: this process only
 
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s[engine]: %(message)s")
-    leave_stopping_to_the_parent()  # the serving process drains first, then closes the pipe
+    leave_stopping_to_the_parent()  # the serving process drains first, then says stop
     try:
         engine = Engine(config)
     except BaseException as exc:  # noqa: BLE001 - raised where the engine was asked for (a bad model path, ...)
