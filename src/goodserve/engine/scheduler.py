@@ -42,7 +42,7 @@ from goodserve.engine.makespan import MakespanAdmission, longest_first_key
 from goodserve.engine.runner_output import BranchOutput
 from goodserve.engine.scheduler_output import SchedulerOutput
 from goodserve.engine.sequence import Sequence, SequenceStatus
-from goodserve.engine.slo_policy import SloForecast, SloPolicy, has_targets, tokens_left
+from goodserve.engine.slo_policy import SloForecast, SloPolicy
 from goodserve.engine.step_time_model import StepTimeModel
 from goodserve.engine.spec_decode.policy import Speculator, VerifyCost
 from goodserve.engine.spec_decode.proposer import Drafts, Proposer
@@ -421,16 +421,7 @@ class Scheduler:
         when the running sequences finish), for the server's admission check."""
         if self.slo is None:
             return SloForecast(self.step_time.fit, len(self.running), self.config.max_num_batched_tokens)
-        # The slots a request of the default priority waits for: a lower-priority one gives its own up.
-        holding = [seq for seq in self.running if seq.params.priority <= 0]
-        prefilling = [seq for seq in self.running if seq.num_output_tokens == 0 and has_targets(seq)]
-        targeted = [seq for seq in self.running if has_targets(seq)]  # batch rows give way first
-        return SloForecast(self.step_time.fit, len(targeted), self.slo.cap, sum(seq.num_tokens for seq in targeted),
-                           self.slo.max_running(self.config.max_num_seqs) - len(holding),
-                           tuple(sorted(tokens_left(seq) + (seq.num_uncomputed_tokens > 1) for seq in holding)),
-                           seqs_not_ahead=len(prefilling) + len(self.slo.behind),
-                           prompt_tokens_not_ahead=sum(seq.num_computed_tokens for seq in prefilling)
-                           + self.slo.behind_tokens, step_seconds=self.step_time.last_seconds)
+        return self.slo.forecast(self.running, self.config.max_num_seqs, self.step_time.last_seconds)
 
     # ---- after the step ------------------------------------------------------------------
     def advance(self, out: SchedulerOutput, num_rejected: dict[int, int] | None = None,

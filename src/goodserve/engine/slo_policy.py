@@ -130,8 +130,9 @@ def ttft_deadline(seq: Sequence) -> float:
 
 
 def tokens_left(seq: Sequence) -> int:
-    """Tokens seq may still generate (max_tokens, or the context)."""
-    return min((seq.params.max_tokens or seq.max_len) - seq.num_output_tokens, seq.max_len - seq.num_tokens)
+    """Tokens seq may still generate (max_tokens, or the context). Read from its fields, not its
+    properties: the slo policy asks it of every running sequence every step."""
+    return min((seq.params.max_tokens or seq.max_len) + seq.num_prompt_tokens, seq.max_len) - len(seq.token_ids)
 
 
 def has_targets(seq: Sequence) -> bool:
@@ -198,11 +199,6 @@ class BackgroundAllowance:
         return True
 
 
-def _lengths(seqs: list[Sequence]) -> int:
-    """The K/V their decode rows read: their lengths, summed."""
-    return sum(seq.num_tokens for seq in seqs)
-
-
 def _has_answered(seq: Sequence) -> bool:
     return seq.num_output_tokens > 0
 
@@ -213,15 +209,24 @@ def _tpot_slack(seq: Sequence, now: float) -> float:
     return -math.inf if first is None else first + seq.params.slo_tpot_ms / 1000.0 * seq.num_output_tokens - now
 
 
-def _step_budget(seq: Sequence, now: float, decode_step_s: float, margin: float) -> float:
-    """How long the next step may last with the decode seq's mean time per token, over its tokens so
-    far, this one and its next TPOT_HORIZON at decode_step_s each, within margin x its target."""
-    per_token_s = margin * seq.params.slo_tpot_ms / 1000.0
-    first = now if seq.metrics.first_token_time is None else seq.metrics.first_token_time
-    ahead = min(TPOT_HORIZON, max(tokens_left(seq) - 1, 0))
-    # after this step: num_output_tokens intervals since the first token, then `ahead` more
-    budget = first + per_token_s * (seq.num_output_tokens + ahead) - now - decode_step_s * ahead
-    return max(per_token_s, budget)
+def _tightest_step_budget(decodes: list[Sequence], now: float, decode_step_s: float, margin: float) -> float:
+    """How long the next step may last with every decode's mean time per token (over its tokens so far,
+    this one and its next TPOT_HORIZON at decode_step_s each) within margin x its TPOT target; at
+    least margin x the target. One loop, reading fields rather than properties: it runs every step
+    over every running decode (the largest part of begin_step's time at 512 rows)."""
+    tightest = math.inf
+    for seq in decodes:
+        params = seq.params
+        if params.slo_tpot_ms is None:
+            continue
+        per_token_s = margin * params.slo_tpot_ms / 1000.0
+        first = seq.metrics.first_token_time
+        num_output = len(seq.token_ids) - seq.num_prompt_tokens
+        ahead = min(TPOT_HORIZON, max(tokens_left(seq) - 1, 0))
+        # after this step: num_output intervals since the first token, then `ahead` more
+        budget = (now if first is None else first) + per_token_s * (num_output + ahead) - now - decode_step_s * ahead
+        tightest = min(tightest, max(per_token_s, budget))
+    return tightest
 
 
 class SloPolicy:
@@ -288,14 +293,27 @@ class SloPolicy:
 
     # ---- running -----------------------------------------------------------------------------
     def begin_step(self, running: list[Sequence]) -> None:
+        """This step's plan, from the running sequences in one pass (it runs every step, over up to
+        max_num_seqs of them): the running tally, the prefill cap and the background share."""
         self.banked = 0.0
-        self.num_decodes = sum(seq.num_uncomputed_tokens <= 1 for seq in running)
-        self.cap = self.prefill_cap(running)
-        self.background = self.background_allowance(running)
-        self.tightest_tpot_s = math.inf
-        self.num_running = self.running_tokens = 0
-        for seq in running:
-            self.joined(seq)
+        self.num_running, self.running_tokens, self.num_decodes = len(running), 0, 0
+        tightest_ms, targeted_decodes, context, any_targeted = math.inf, [], 0, False
+        for seq in running:  # joined(seq) for each, and the decodes with targets
+            params, num_tokens = seq.params, len(seq.token_ids)
+            self.running_tokens += num_tokens
+            targeted = has_targets(seq)
+            if params.slo_tpot_ms is not None and params.slo_tpot_ms < tightest_ms:
+                tightest_ms = params.slo_tpot_ms
+            any_targeted |= targeted
+            if num_tokens - seq.num_computed_tokens <= 1:
+                self.num_decodes += 1
+                if targeted:
+                    targeted_decodes.append(seq)
+                    context += num_tokens
+        self.tightest_tpot_s = tightest_ms / 1000.0
+        self.cap = self._prefill_cap(targeted_decodes, context)
+        self.background = self._background_allowance(targeted_decodes, context) if any_targeted \
+            else BackgroundAllowance()
 
     def joined(self, seq: Sequence) -> None:
         """seq runs from this step on: its TPOT target bounds the sequences that may run beside it, and
@@ -339,16 +357,37 @@ class SloPolicy:
         mean_context = self.running_tokens / self.num_running if self.num_running else 0.0
         return max(1, min(ceiling, fit.max_decode_rows(self.margin * tightest_s + 1e-9, mean_context)))
 
+    def forecast(self, running: list[Sequence], ceiling: int, step_seconds: float) -> SloForecast:
+        """What a new request of the default priority will see (SloForecast), from the running sequences
+        in one pass: the engine publishes it after every step."""
+        steps_to_finish = []  # of the slots it waits for: a lower-priority sequence gives its own up
+        targeted = context = prefilling = prefilled = 0  # batch rows give way first: not counted
+        for seq in running:
+            params, num_tokens = seq.params, len(seq.token_ids)
+            if params.priority <= 0:  # and a step more while its prompt computes
+                steps_to_finish.append(tokens_left(seq) + (num_tokens - seq.num_computed_tokens > 1))
+            if has_targets(seq):
+                targeted += 1
+                context += num_tokens
+                if not _has_answered(seq):
+                    prefilling += 1
+                    prefilled += seq.num_computed_tokens
+        steps_to_finish.sort()
+        return SloForecast(self.model.fit, targeted, self.cap, context,
+                           self.max_running(ceiling) - len(steps_to_finish), tuple(steps_to_finish),
+                           seqs_not_ahead=prefilling + len(self.behind),
+                           prompt_tokens_not_ahead=prefilled + self.behind_tokens, step_seconds=step_seconds)
+
     def _tightest_with(self, tpot_ms: float | None) -> float:
         return self.tightest_tpot_s if tpot_ms is None else min(self.tightest_tpot_s, tpot_ms / 1000.0)
 
-    def background_allowance(self, running: list[Sequence]) -> BackgroundAllowance:
+    def _background_allowance(self, targeted_decodes: list[Sequence], context: int) -> BackgroundAllowance:
+        """What untargeted work may add to a step beside targeted sequences, targeted_decodes of them
+        decoding over context tokens."""
         fit = self.model.fit
-        targeted = [seq for seq in running if has_targets(seq)]
-        if fit is None or not targeted:
+        if fit is None:
             return BackgroundAllowance()
-        targeted_decodes = [seq for seq in targeted if seq.num_uncomputed_tokens <= 1]
-        half_share_s = BACKGROUND_SHARE * fit.seconds(len(targeted_decodes), 0, _lengths(targeted_decodes)) / 2
+        half_share_s = BACKGROUND_SHARE * fit.seconds(len(targeted_decodes), 0, context) / 2
         if fit.c <= 0:
             return BackgroundAllowance(fit, half_share_s)
         self.banked = self.prompt_bank.deposit(half_share_s / fit.c)
@@ -360,18 +399,19 @@ class SloPolicy:
         self.prompt_bank.withdraw(self.banked)
         self.banked = 0.0
 
-    def prefill_cap(self, running: list[Sequence]) -> int:
-        """The prompt tokens a step may carry beside the running decodes with targets and keep their TPOT.
-        Batch rows are not counted: they compute only within the background share, on top of this plan."""
+    def _prefill_cap(self, targeted_decodes: list[Sequence], context: int) -> int:
+        """The prompt tokens a step may carry beside the running decodes with targets (reading context
+        tokens) and keep their TPOT. Batch rows are not counted: they compute only within the
+        background share, on top of this plan."""
         fit = self.model.fit
-        decodes = [seq for seq in running if seq.num_uncomputed_tokens <= 1 and has_targets(seq)]
-        targeted = [seq for seq in decodes if seq.params.slo_tpot_ms is not None]
-        if fit is None or not targeted:
+        if fit is None:
             return self.max_tokens
-        context = _lengths(decodes)
-        now, decode_step_s, margin = self.clock(), fit.seconds(len(decodes), 0, context), self.margin
-        budget_s = min(_step_budget(seq, now, decode_step_s, margin) for seq in targeted)
-        return max(MIN_PREFILL_CHUNK, min(self.max_tokens, fit.max_prefill_tokens(len(decodes), budget_s, context)))
+        decode_step_s = fit.seconds(len(targeted_decodes), 0, context)
+        budget_s = _tightest_step_budget(targeted_decodes, self.clock(), decode_step_s, self.margin)
+        if math.isinf(budget_s):  # no TPOT target among them
+            return self.max_tokens
+        return max(MIN_PREFILL_CHUNK, min(self.max_tokens, fit.max_prefill_tokens(len(targeted_decodes), budget_s,
+                                                                                  context)))
 
     def running_key(self, seq: Sequence) -> tuple:
         """Decodes first (the kernels want them leading), then prefill chunks by slack."""
