@@ -105,6 +105,27 @@ def test_inprocess_target_drives_the_engine(engine_process):
         assert 0 < record.engine_tpot <= record.tpot * 1.5 + 1e-3
 
 
+def test_inprocess_runs_share_no_prompt_prefix():
+    """A model without a tokenizer gets prompts of made-up ids: the second of two runs on one target
+    (gpu_slo.py's next rung) must find none of the first's prompts in the prefix cache."""
+    from goodserve.bench.inprocess import InProcessTarget
+    from goodserve.config import EngineConfig
+
+    target = InProcessTarget(EngineConfig(model="dummy:tiny", device="cpu"), ignore_eos=True)
+    requests = build_workload(WorkloadConfig(num_prompts=3, random_input_len=48, random_output_len=2), PromptText(None))
+
+    async def go():
+        try:
+            return [await BenchRun(target, requests, ArrivalConfig(max_concurrency=1)).run() for _ in range(2)]
+        finally:
+            await target.close()
+
+    first, second = asyncio.run(go())
+    assert all(r.success for r in first + second)
+    assert [r.prompt_len for r in second] == [r.prompt_len for r in first] == [r.prompt_len for r in requests]
+    assert [r.cached_tokens for r in second] == [0, 0, 0]
+
+
 def test_engine_latencies_are_read_off_the_engines_token_times():
     from goodserve.bench.inprocess import _engine_latencies
     from goodserve.outputs import RequestMetrics

@@ -54,10 +54,14 @@ class InProcessTarget:
             await self.engine.start()
             self._started = True
 
-    def prompt_for(self, request: BenchRequest, index: int) -> str | list[int]:
-        if self.engine.tokenizer is None:  # distinct ids per request, so no prefix is shared
+    def prompt_for(self, request: BenchRequest, number: int) -> str | list[int]:
+        """number: the request's own, never reused on this target. Without a tokenizer its ids start
+        from it, so no two requests share a prefix, also across runs: from the request's index in its
+        run, a probe after another found the earlier one's prompts in the prefix cache (gpu_slo.py's
+        later rungs computed only the part of each prompt longer than its namesake's)."""
+        if self.engine.tokenizer is None:
             vocab = self.engine.spec.vocab_size
-            return [(index * 7919 + i * 31) % (vocab - 1) + 1 for i in range(request.prompt_len)]
+            return [(number * 7919 + i * 31) % (vocab - 1) + 1 for i in range(request.prompt_len)]
         if self.use_chat_template:
             return self.engine.tokenizer.apply_chat_template(request.chat_messages())
         return request.completion_prompt()
@@ -78,8 +82,8 @@ class InProcessTarget:
                                           request.output_len)
                 self.admission.admit(1, request.prompt_len)
                 queued = request.prompt_len
-            async for out in self.engine.generate(f"bench-{next(self._ids)}", self.prompt_for(request, index),
-                                                  params):
+            number = next(self._ids)
+            async for out in self.engine.generate(f"bench-{number}", self.prompt_for(request, number), params):
                 if queued:
                     self.admission.started(1, queued)
                     queued = 0
