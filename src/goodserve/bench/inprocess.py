@@ -3,7 +3,8 @@
 Run the same workload here and against `goodserve serve` and the difference is the server's cost
 (HTTP, JSON, SSE, detokenization on the response path). Token counts are exact: the engine
 reports its token ids. A model without a tokenizer (dummy:...) gets prompts of made-up token ids, no
-two alike at their start across every run on the target (prompt_for), so none hits the prefix cache.
+two alike at their start across every run on the target (prompt_for; for as many requests as the
+vocabulary has ids), so none hits the prefix cache.
 
 With SLOs (slo_ms: {"ttft": ms, "tpot": ms}, --goodput) each request carries them as its targets;
 under the "slo" scheduler policy the server's admission check runs here too (server/admission.py),
