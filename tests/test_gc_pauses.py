@@ -20,7 +20,7 @@ def test_a_started_engine_freezes_the_startup_heap_and_gives_it_back_at_shutdown
         built = len(gc.get_objects())
         await engine.start()
         frozen, walked = gc.get_freeze_count(), len(gc.get_objects())
-        outputs = [out async for out in engine.generate("r", [1, 2, 3], SamplingParams(max_tokens=2))]
+        outputs = [out async for out in engine.generate("r", [1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True))]
         await engine.shutdown()
         return built, frozen, walked, outputs
 

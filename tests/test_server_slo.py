@@ -46,9 +46,10 @@ def test_impossible_ttft_is_429_with_retry_after(client):
 def test_best_effort_and_default_targets_are_served(client):
     client, _ = client
     out = client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=2,
-                                    extra_body={"slo_ttft_ms": 1e-6, "slo_best_effort": True})
+                                    extra_body={"slo_ttft_ms": 1e-6, "slo_best_effort": True, "ignore_eos": True})
     assert out.choices[0].finish_reason == "length"
-    out = client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=2)  # the server's 60 s
+    out = client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=2,  # the server's 60 s
+                                    extra_body={"ignore_eos": True})
     assert out.choices[0].finish_reason == "length"
 
 
@@ -56,7 +57,8 @@ def test_attainment_is_scored_against_the_requests_own_targets(client):
     client, url = client
     missed = "goodserve:request_slo_total{attained=false}"
     before = scrape_metrics(url).get(missed, 0.0)
-    client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=3, extra_body={"slo_tpot_ms": 1e-6})
+    client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=3,  # an early EOS would leave no TPOT
+                              extra_body={"slo_tpot_ms": 1e-6, "ignore_eos": True})
     assert scrape_metrics(url).get(missed, 0.0) == before + 1  # the server's 60 s would have been met
 
 
