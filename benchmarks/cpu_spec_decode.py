@@ -3,8 +3,9 @@
   the prompt), speculation off against prompt lookup (ngram) with each k given;
 - chat: ordinary chat questions (CHAT_PROMPTS), speculation off against each quantized self-draft
   (--speculative-model self:int4 / self:gguf) with each k given;
-- lookahead: the same chat questions, speculation off against lookahead decoding
-  (--speculative-method lookahead) with each window W x N and k given;
+- lookahead: the same chat questions (or with --lookahead-prompts code, code questions), speculation
+  off and prompt lookup against lookahead decoding (--speculative-method lookahead) with each window
+  W x N and k given;
 output tok/s, acceptance rate, and whether the greedy outputs are identical (they must be);
 - verify: what a step verifying k drafts costs against a decode step (gpu_spec_decode.py's verify
   table, on this CPU), for the float32 model and for gguf, whose decode steps run the native stack
@@ -43,6 +44,18 @@ CHAT_PROMPTS = [
     "Why is the sky blue?",
     "Describe the water cycle to a ten-year-old.",
     "What should I pack for a weekend hiking trip?",
+]
+
+# Code questions: answers that repeat their own identifiers and syntax, nothing to copy from the prompt.
+CODE_PROMPTS = [
+    "Write a Python function that checks whether a number is prime.",
+    "Write a Python class for a bank account with deposit and withdraw methods.",
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "Write a Python function that reverses the words in a sentence.",
+    "Write a Python function that counts how often each word appears in a text.",
+    "Write a Python function that merges two sorted lists.",
+    "Write a Python function that converts Celsius to Fahrenheit and back.",
+    "Write a Python function that finds the largest element in a list.",
 ]
 
 
@@ -97,14 +110,19 @@ def chat_section(args, options: dict) -> dict:
 
 
 def lookahead_section(args, options: dict) -> dict:
+    """Beside speculation off, prompt lookup alone with each k: what lookahead's window adds to the
+    n-grams the answer repeats."""
     engines = {"off": LLM("smollm2-135m", **options)}
+    for k in args.lookahead_k:
+        engines[f"ngram_k{k}"] = LLM("smollm2-135m", speculative_method="ngram", num_speculative_tokens=k, **options)
     for window in args.lookahead:
         width, ngram = map(int, window.split("x"))
         for k in args.lookahead_k:
             engines[f"lookahead_w{width}n{ngram}_k{k}"] = LLM(
                 "smollm2-135m", speculative_method="lookahead", lookahead_window=width, lookahead_ngram=ngram,
                 num_speculative_tokens=k, **options)
-    requests = [BenchRequest(prompt, 0, args.chat_output_len) for prompt in CHAT_PROMPTS[: args.num_chat_prompts]]
+    prompts = {"chat": CHAT_PROMPTS, "code": CODE_PROMPTS}[args.lookahead_prompts]
+    requests = [BenchRequest(prompt, 0, args.chat_output_len) for prompt in prompts[: args.num_chat_prompts]]
     params = [SamplingParams(temperature=0, max_tokens=r.output_len) for r in requests]
     return run_interleaved(engines, requests, params)
 
@@ -136,6 +154,8 @@ def main() -> None:
     parser.add_argument("--draft-k", type=int, nargs="+", default=[4], help="self-drafts' num_speculative_tokens")
     parser.add_argument("--lookahead", nargs="+", default=["2x3"], help="lookahead windows, WxN: W columns, N-gram")
     parser.add_argument("--lookahead-k", type=int, nargs="+", default=[4], help="lookahead's num_speculative_tokens")
+    parser.add_argument("--lookahead-prompts", choices=["chat", "code"], default="chat",
+                        help="lookahead's questions: CHAT_PROMPTS or CODE_PROMPTS")
     parser.add_argument("--sections", nargs="+", default=["copy", "chat"],
                         choices=["copy", "chat", "lookahead", "verify"])
     parser.add_argument("--quantization", default="none", help="none: the float32 model; gguf: the CPU default")
