@@ -86,6 +86,9 @@ class VllmEngine:
     name = "vllm"
 
     def __init__(self):
+        # FlashInfer is not carried: its top-k/top-p sampler (unused by greedy requests) is turned off,
+        # since vLLM 0.26.0 imports FlashInfer unguarded when deciding whether to use it.
+        os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
         from vllm import LLM
 
         self.model_dir = tempfile.mkdtemp(prefix="vllm-dummy-")
