@@ -377,6 +377,10 @@ def test_a_frozen_replica_with_none_to_take_its_request_answers_504():
     run(scenario)
 
 
+async def drain(chunks) -> bytes:
+    return b"".join([chunk async for chunk in chunks])
+
+
 async def until(condition, timeout_s: float = 30) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
@@ -416,4 +420,21 @@ def test_clients_that_hang_up_before_a_non_streamed_answer_close_their_requests_
         finally:
             server.should_exit = True
             await serving
+    run(scenario)
+
+
+def test_a_stream_from_a_replica_that_froze_mid_answer_ends_with_an_error_event():
+    async def scenario(fakes):
+        fakes.held = asyncio.Event()  # the replica sends its first event, then nothing
+        _, app = router_client(fakes, health_timeout_s=1.0)
+        body = json.dumps({"prompt": "p", "stream": True}).encode()
+        response = await asyncio.wait_for(app.state.router.forward("POST", "/v1/completions", body, {}), 30)
+        chunks = response.body_iterator
+        assert b'"chunk": 0' in await asyncio.wait_for(anext(chunks), 30)
+        fakes.frozen.add(fakes.a)
+        await app.state.health.check(app.state.router.backends[0])
+        rest = await asyncio.wait_for(drain(chunks), 30)
+        assert b'"code": 502' in rest and rest.endswith(b"data: [DONE]\n\n")
+        assert app.state.router.backends[0].in_flight == 0
+        fakes.held.set()
     run(scenario)

@@ -18,6 +18,7 @@ class Backend:
     # Set when the replica stops answering (its health check timed out or found no connection: a
     # frozen or vanished process): requests waiting for its response's headers stop waiting.
     silent: asyncio.Event = field(default_factory=asyncio.Event)
+    relaying: set = field(default_factory=set)  # its responses being relayed (aiohttp.ClientResponse)
 
     @property
     def load(self) -> float:

@@ -99,10 +99,13 @@ class Router:
             await self._client.close()
 
     def set_health(self, backend: Backend, healthy: bool, why: str = "", silent: bool = False) -> None:
-        """silent: it answered nothing at all, so the requests waiting for its headers stop waiting; a
-        replica that answers 503 (draining) still finishes the requests it has."""
+        """silent: it answered nothing at all, so the requests waiting for its headers stop waiting and
+        the responses it had begun are cut; a replica that answers 503 (draining) still finishes the
+        requests it has."""
         if silent:
             backend.silent.set()
+            for response in list(backend.relaying):  # a stream that will never go on: ended (Relay)
+                response.close()
         if backend.healthy == healthy:
             return
         backend.healthy = healthy
@@ -199,11 +202,13 @@ class Router:
             response.release()  # the connection goes back to the pool
         else:
             response.close()  # unread bytes on it: it cannot carry another request
+        backend.relaying.discard(response)
         backend.finished(prompt_chars)
         self.metrics.requests.labels(backend.url, outcome).inc()
 
     def _relay(self, backend: Backend, response: aiohttp.ClientResponse, prompt_chars: int) -> "RelayResponse":
         relay = Relay(response, lambda outcome: self._done(backend, response, prompt_chars, outcome))
+        backend.relaying.add(response)
         return RelayResponse(relay, status_code=response.status, headers=_end_to_end(response.headers))
 
 
