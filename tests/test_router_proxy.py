@@ -268,6 +268,12 @@ def test_a_stream_whose_replica_dies_mid_event_ends_with_an_error_event_and_done
             async for _ in stream:
                 pass
         assert fakes.served[fakes.b] == ["p"]
+        # The Responses API ends a stream with its own error event (the replicas' framing).
+        fakes.held = None
+        response = await app.state.router.forward("POST", "/v1/responses", body, {})
+        last = (await drain(response.body_iterator)).split(b"\n\n")[-2]
+        event, data = last.split(b"\n")
+        assert event == b"event: error" and json.loads(data.removeprefix(b"data: "))["code"] == "replica_error"
     run(scenario)
 
 

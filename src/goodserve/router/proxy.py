@@ -143,7 +143,7 @@ class Router:
             if response.status == 503 and len(candidates) > 1:  # draining: it did not run the request
                 await self._done(backend, response, len(prompt), "http_error")
                 continue
-            return self._relay(backend, response, len(prompt))
+            return self._relay(backend, response, path, len(prompt))
         if went_silent:
             return silent_backend_response()
         self.metrics.requests.labels(NO_BACKEND, "connect_error").inc()
@@ -206,25 +206,29 @@ class Router:
         backend.finished(prompt_chars)
         self.metrics.requests.labels(backend.url, outcome).inc()
 
-    def _relay(self, backend: Backend, response: aiohttp.ClientResponse, prompt_chars: int) -> "RelayResponse":
-        relay = Relay(response, lambda outcome: self._done(backend, response, prompt_chars, outcome))
+    def _relay(self, backend: Backend, response: aiohttp.ClientResponse, path: str,
+               prompt_chars: int) -> "RelayResponse":
+        relay = Relay(response, path, lambda outcome: self._done(backend, response, prompt_chars, outcome))
         backend.relaying.add(response)
         return RelayResponse(relay, status_code=response.status, headers=_end_to_end(response.headers))
 
 
-def stream_break_events(exc: Exception) -> bytes:
-    """How a stream whose replica failed mid-answer ends: an error event the OpenAI clients raise, and
-    [DONE], as a replica ends a stream that failed in its own engine."""
-    error = error_body(f"the replica serving this stream failed mid-answer ({type(exc).__name__}): the "
-                       "answer is incomplete", "replica_error", 502)
-    return f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
+def stream_break_events(exc: Exception, path: str) -> bytes:
+    """How a stream whose replica failed mid-answer ends, as a replica ends one that failed in its own
+    engine: an error event the OpenAI clients raise, then [DONE]; the Responses API's own error event."""
+    message = f"the replica serving this stream failed mid-answer ({type(exc).__name__}): the answer is incomplete"
+    if path == "/v1/responses":
+        event = {"type": "error", "code": "replica_error", "message": message, "param": None}
+        return f"event: error\ndata: {json.dumps(event)}\n\n".encode()
+    return f"data: {json.dumps(error_body(message, 'replica_error', 502))}\n\ndata: [DONE]\n\n".encode()
 
 
 class Relay:
     """A replica's response body handed on chunk by chunk, closed once whichever way it ends."""
 
-    def __init__(self, response: aiohttp.ClientResponse, on_close):
+    def __init__(self, response: aiohttp.ClientResponse, path: str, on_close):
         self.response = response
+        self.path = path
         self.outcome = "ok" if response.status < 400 else "http_error"
         self.sse = response.status == 200 and response.content_type == "text/event-stream"
         self.on_close = on_close
@@ -238,7 +242,7 @@ class Relay:
             self.outcome = "stream_error"
             if not self.sse:
                 raise  # the client must see a broken body, not a short one that looks complete
-            yield stream_break_events(exc)
+            yield stream_break_events(exc, self.path)
         finally:
             await self.close()
 
