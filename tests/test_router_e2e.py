@@ -1,14 +1,18 @@
 """`goodserve router` in front of two real `goodserve serve --model dummy:tiny` processes, driven by
 the official openai client: relay (streaming too), prefix affinity, and one replica killed mid-run.
-One stack for the module; the tests run in order (the last one kills a replica). dummy:tiny has no
+A client hanging up and a replica frozen by SIGSTOP, too. One stack for the module; the tests run
+in order (the last one kills a replica). dummy:tiny has no
 tokenizer: prompts are token ids, and answers are read as logprobs' "token_id:N" entries."""
 
 from __future__ import annotations
 
+import json
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -21,6 +25,7 @@ MODEL = "dummy:tiny"
 GREEDY = dict(temperature=0.0, logprobs=1)
 SYSTEM = [(7 * i) % 500 + 1 for i in range(160)]  # a shared prefix: 10 KV blocks, ~800 characters of JSON
 PROMPT = [11, 12, 13, 14]
+LONG = dict(max_tokens=1000, extra_body={"ignore_eos": True})  # seconds of decoding: dummy:tiny holds 1024
 
 
 def start_router(backends: list[str], *flags: str) -> ServerProcess:
@@ -92,6 +97,65 @@ def test_requests_sharing_a_prefix_go_to_the_replica_that_served_it(stack):
     hits = [scrape_metrics(r.url)["goodserve:prefix_cache_hits_total{}"] - h for r, h in zip(replicas, hits_before)]
     assert hits[holder] > 0 and hits[1 - holder] == 0, hits
     assert scrape_metrics(router.url)["goodserve:router_decisions_total{decision=prefix_hit}"] >= 5
+
+
+def finished(url: str, reason: str) -> float:
+    return scrape_metrics(url).get(f"goodserve:request_success_total{{finished_reason={reason}}}", 0)
+
+
+def running(url: str) -> float:
+    return scrape_metrics(url)["goodserve:num_requests_running{}"]
+
+
+def wait_until(condition, what: str, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"not {what} after {timeout_s} s"
+        time.sleep(0.05)
+
+
+def test_a_client_that_hangs_up_before_a_non_streamed_answer_aborts_it_on_the_replica(stack):
+    router, replicas, _ = stack
+    before = [(finished(r.url, "abort"), finished(r.url, "length")) for r in replicas]
+    body = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": LONG["max_tokens"], "ignore_eos": True})
+    host, port = router.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as client:
+        client.sendall(f"POST /v1/completions HTTP/1.1\r\nhost: router\r\ncontent-type: application/json\r\n"
+                       f"content-length: {len(body)}\r\n\r\n{body}".encode())
+        wait_until(lambda: any(running(r.url) for r in replicas), "running on a replica")
+    wait_until(lambda: not any(running(r.url) for r in replicas), "ended on the replica")
+    after = [(finished(r.url, "abort"), finished(r.url, "length")) for r in replicas]
+    assert sorted(a - b for (a, _), (b, _) in zip(after, before)) == [0, 1]  # aborted, not run to its end
+    assert [a for _, a in after] == [b for _, b in before]
+    found = scrape_metrics(router.url)
+    assert all(found[f"goodserve:router_in_flight_requests{{backend={r.url}}}"] == 0 for r in replicas)
+
+
+def test_a_frozen_replica_s_waiting_request_is_answered_by_the_other(stack):
+    """SIGSTOP the replica answering a non-streamed request: a router that checks health every second
+    takes it out when /health goes unanswered and sends the request to the other replica."""
+    _, replicas, _ = stack
+    router = start_router([r.url for r in replicas], "--policy", "round-robin", "--health-interval-s", "1",
+                          "--health-timeout-s", "5")
+    try:
+        router.wait_ready(30)
+        client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        with ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(client.completions.create, model=MODEL, prompt=PROMPT, **LONG)  # to replica 0
+            wait_until(lambda: running(replicas[0].url), "running on replica 0")
+            replicas[0].process.send_signal(signal.SIGSTOP)
+            try:
+                assert answer.result(timeout=120).usage.completion_tokens == LONG["max_tokens"]
+                found = scrape_metrics(router.url)
+            finally:
+                replicas[0].process.send_signal(signal.SIGCONT)
+        frozen, other = replicas[0].url, replicas[1].url
+        assert found[f"goodserve:router_requests_total{{backend={frozen},outcome=timeout}}"] == 1
+        assert found[f"goodserve:router_requests_total{{backend={other},outcome=ok}}"] == 1
+        assert found[f"goodserve:router_backend_healthy{{backend={frozen}}}"] == 0
+        wait_until(lambda: not running(frozen), "aborted on the replica that woke")  # its request's socket closed
+    finally:
+        router.stop()
 
 
 def test_a_killed_replica_s_unstarted_requests_go_to_the_other_and_the_router_stays_up(stack):

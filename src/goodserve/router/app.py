@@ -11,6 +11,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.requests import ClientDisconnect
 
 import goodserve
 from goodserve.router.backend import Backend
@@ -19,11 +20,36 @@ from goodserve.router.health import HealthChecker
 from goodserve.router.metrics import RouterMetrics
 from goodserve.router.policies import make_policy
 from goodserve.router.prefix_tree import PrefixTree
-from goodserve.router.proxy import Router
+from goodserve.router.proxy import CLIENT_GONE_STATUS, Router, error_response
 
 logger = logging.getLogger("goodserve.router")
 
 ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/responses")
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request's body, refused as soon as it is known to pass `limit`: from its Content-Length before
+    a byte is read, else (chunked) while it streams in; never held whole past the limit."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise BodyTooLarge
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def hang_up(request: Request) -> None:
+    """Returns when the client hangs up; once its body is read, the only message left to receive."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def build_router(config: RouterConfig) -> Router:
@@ -56,7 +82,18 @@ def build_app(config: RouterConfig) -> FastAPI:
     app.state.health = health
 
     async def relay(request: Request) -> Response:
-        return await router.forward(request.method, request.url.path, await request.body(), request.headers)
+        try:
+            body = await read_body(request, config.max_body_bytes)
+        except BodyTooLarge:
+            return error_response(f"request body exceeds the {config.max_body_bytes}-byte limit", "request_too_large",
+                                  413)
+        except ClientDisconnect:
+            return Response(status_code=CLIENT_GONE_STATUS)
+        hung_up = asyncio.ensure_future(hang_up(request))
+        try:
+            return await router.forward(request.method, request.url.path, body, request.headers, hung_up)
+        finally:
+            hung_up.cancel()
 
     for path in ROUTED_PATHS:
         app.add_api_route(path, relay, methods=["POST"])

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import asyncio
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -14,6 +15,10 @@ class Backend:
     # The replica's own queue (goodserve:num_requests_running + _waiting) at the last scrape: it also
     # counts requests other routers or clients sent it. None: not scraped.
     scraped_requests: float | None = None
+    # Set when the replica stops answering (its health check timed out or found no connection: a
+    # frozen or vanished process): requests waiting for its response's headers stop waiting.
+    silent: asyncio.Event = field(default_factory=asyncio.Event)
+    relaying: set = field(default_factory=set)  # its responses being relayed (aiohttp.ClientResponse)
 
     @property
     def load(self) -> float:

@@ -34,6 +34,9 @@ def register(subparsers) -> None:
                              "router counts its own requests, which is exact and never stale when it is the only one")
     parser.add_argument("--connect-timeout-s", type=float, default=defaults.connect_timeout_s,
                         help="a replica not accepting the connection this fast is skipped (the request retried)")
+    parser.add_argument("--max-body-bytes", type=int, default=defaults.max_body_bytes,
+                        help="largest request body; larger get 413 before the router reads them "
+                             "(the replicas' own --max-body-bytes applies too)")
     parser.add_argument("--prefix-chunk-chars", type=int, default=defaults.prefix_chunk_chars,
                         help="prefix policy: granularity of the prefix tree, in characters")
     parser.add_argument("--prefix-tree-max-nodes", type=int, default=defaults.prefix_tree_max_nodes,
@@ -60,6 +63,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         raise InvalidRequestError("--backend names a replica twice")
     if min(config.health_interval_s, config.health_timeout_s, config.connect_timeout_s) <= 0:
         raise InvalidRequestError("--health-interval-s, --health-timeout-s and --connect-timeout-s must be positive")
+    if config.max_body_bytes < 1:
+        raise InvalidRequestError("--max-body-bytes must be positive")
     if config.prefix_chunk_chars < 1 or config.prefix_tree_max_nodes < 1:
         raise InvalidRequestError("--prefix-chunk-chars and --prefix-tree-max-nodes must be positive")
     return config

@@ -15,6 +15,7 @@ class RouterConfig:
     health_timeout_s: float = 2.0
     scrape_load: bool = False
     connect_timeout_s: float = 5.0
+    max_body_bytes: int = 4 << 20  # as a replica's default (`serve --max-body-bytes`)
     prefix_chunk_chars: int = 64
     prefix_tree_max_nodes: int = 100_000
     prefix_match_threshold: float = 0.3

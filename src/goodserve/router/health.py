@@ -38,7 +38,7 @@ class HealthChecker:
                 async with client.get(f"{backend.url}/metrics", timeout=timeout) as metrics:
                     backend.scraped_requests = queued_requests(await metrics.text())
         except (aiohttp.ClientError, TimeoutError) as exc:
-            self.router.set_health(backend, False, f"/health: {type(exc).__name__}: {exc}")
+            self.router.set_health(backend, False, f"/health: {type(exc).__name__}: {exc}", silent=True)
             return
         self.router.set_health(backend, True)
 

@@ -11,8 +11,9 @@ from goodserve.router.backend import Backend
 
 PREFIX = "goodserve:router_"
 # outcome: ok (2xx), http_error (the replica answered >= 400; passed through), connect_error (never
-# started: retried elsewhere), stream_error (broke after the response began: never retried).
-OUTCOMES = ("ok", "http_error", "connect_error", "stream_error")
+# started: retried elsewhere), timeout (the replica went silent before its response began: retried
+# elsewhere, else 504), stream_error (broke after the response began: never retried).
+OUTCOMES = ("ok", "http_error", "connect_error", "timeout", "stream_error")
 NO_BACKEND = "none"  # the backend label of requests no healthy replica could take (503)
 
 

@@ -9,7 +9,6 @@ import time
 import uuid
 
 from fastapi import APIRouter, Query, Request
-from fastapi.responses import FileResponse
 
 from goodserve.errors import GoodserveError, InvalidRequestError
 from goodserve.server.batch_lines import ENDPOINTS
@@ -18,6 +17,7 @@ from goodserve.server.batch_store import BatchStore
 from goodserve.server.contract import check_fields
 from goodserve.server.errors import RequestTooLargeError
 from goodserve.server.multipart import parse_form
+from goodserve.server.open_file_response import OpenFileResponse
 from goodserve.server.protocol import CreateBatchRequest
 
 COMPLETION_WINDOW_S = {"24h": 24 * 3600}  # OpenAI's only window
@@ -76,9 +76,11 @@ def batch_router(store: BatchStore, runner: BatchRunner, max_file_bytes: int, al
         return await file_or_404(file_id)
 
     @router.get("/files/{file_id}/content")
-    async def file_content(file_id: str) -> FileResponse:
-        await file_or_404(file_id)
-        return FileResponse(store.file_path(file_id), media_type="application/jsonl")
+    async def file_content(file_id: str) -> OpenFileResponse:
+        handle = await store.open_file(file_id)  # opened now: a delete from here on cannot cut the answer
+        if handle is None:
+            raise NotFoundError(f"no file with id '{file_id}'")
+        return OpenFileResponse(handle, media_type="application/jsonl")
 
     @router.delete("/files/{file_id}")
     async def delete_file(file_id: str) -> dict:

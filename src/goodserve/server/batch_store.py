@@ -19,6 +19,7 @@ import os
 import sqlite3
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import BinaryIO
 
 from goodserve.errors import GoodserveError
 
@@ -101,6 +102,9 @@ class BatchStore:
 
     @_in_db_thread
     def get_file(self, file_id: str) -> dict | None:
+        return self._file_row(file_id)
+
+    def _file_row(self, file_id: str) -> dict | None:
         row = self.db.execute(f"SELECT {_FILE_COLUMNS} FROM files WHERE id = ?", (file_id,)).fetchone()
         return None if row is None else dict(zip(_FILE_FIELDS, row))
 
@@ -117,6 +121,17 @@ class BatchStore:
     @_in_db_thread
     def read_file(self, file_id: str) -> bytes:
         return self.file_path(file_id).read_bytes()
+
+    @_in_db_thread
+    def open_file(self, file_id: str) -> BinaryIO | None:
+        """The file's bytes opened for reading, None if it is not (or no longer) here. On the database
+        thread, as delete_file is: a file is either whole and open or deleted, never half of each."""
+        if self._file_row(file_id) is None:
+            return None
+        try:
+            return open(self.file_path(file_id), "rb")
+        except FileNotFoundError:
+            return None
 
     # ---- batches -------------------------------------------------------------------------
     @_in_db_thread

@@ -164,7 +164,8 @@ def run_replicas(engine: EngineConfig, server: ServerConfig, replicas: int, poli
         replica_set.watch()
         logger.info("%d replicas ready; routing (%s) on http://%s:%d", replicas, policy, server.host, server.port)
         run_router(RouterConfig(backends=tuple(r.url for r in replica_set.replicas), policy=policy,
-                                host=server.host, port=server.port, log_level=server.log_level))
+                                host=server.host, port=server.port, max_body_bytes=server.max_body_bytes,
+                                log_level=server.log_level))
     finally:
         replica_set.stop()
         signal.signal(signal.SIGTERM, previous)
