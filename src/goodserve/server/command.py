@@ -18,6 +18,7 @@ from goodserve.engine.gc_pauses import serving_settings
 from goodserve.errors import InvalidRequestError
 from goodserve.router.config import RouterConfig
 from goodserve.router.policies import POLICIES
+from goodserve.server.config_file import apply_config_file
 
 _SERVER_HELP = {
     "host": "address to bind; the default keeps the server on this machine (default: 127.0.0.1)",
@@ -91,7 +92,11 @@ def register(subparsers) -> None:
                                "prefills on its GPU and sends each prompt's KV over torch.distributed (on the CPU "
                                "the ids only name the processes) (docs/serving.md)")
     add_engine_arguments(parser)
-    parser.set_defaults(func=run)
+    parser.add_argument("--config", metavar="FILE",
+                        help="a JSON object of these options, e.g. the serve-config.json goodserve tune writes: "
+                             '{"quantization": "gguf", "max_num_seqs": 64}; a flag given here with a value other '
+                             "than its default wins over the file")
+    parser.set_defaults(func=lambda args: run(args, parser))
 
 
 def _check(config, args: argparse.Namespace) -> None:
@@ -128,9 +133,11 @@ def _is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from goodserve.server.app import ServerConfig
 
+    if args.config:
+        apply_config_file(args, parser, args.config)
     config = dataclass_from_args(ServerConfig, args)
     _check(config, args)
     layout = parse_disaggregate(args.disaggregate) if args.disaggregate is not None else None
