@@ -134,6 +134,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--capacity-start-rate", type=float, default=1.0)
     g.add_argument("--capacity-bisections", type=int, default=4,
                    help="probes between the last passing and the first failing rate: each halves the gap")
+    g.add_argument("--capacity-max-doublings", type=int, default=8,
+                   help="most times the rate doubles (or, failing at the start, halves) before the bisection")
     g.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el")
     g.add_argument("--metric-percentiles", default="90,95,99")
     g.add_argument("--gpu-hourly-cost", type=float, help="$ per GPU-hour, for cost per 1M tokens")
@@ -323,7 +325,7 @@ class Bench:
             return result["slo_attainment"] / 100.0
 
         await search_capacity(attainment_at, a.slo_attainment_target, a.capacity_start_rate,
-                              bisections=a.capacity_bisections)
+                              a.capacity_max_doublings, a.capacity_bisections)
         self.capacity = {**capacity_of(self.runs, a.slo_attainment_target), "slos_ms": self.slos}
 
     async def execute(self) -> None:

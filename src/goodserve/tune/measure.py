@@ -34,6 +34,7 @@ from goodserve.model_names import DUMMY_PREFIX
 
 # A search starts at most this far above the best capacity so far, however much a step is predicted to give.
 MAX_START_FACTOR = 4.0
+MAX_DOUBLINGS = 4
 QUALITY_OFF = "quality gate off: a dummy: model's random weights cannot be judged"
 # --quality-budget NAME:VALUE -> the eval threshold it sets
 BUDGET_NAMES = {"perplexity": "max_perplexity_increase", "top1": "min_top1_agreement",
@@ -154,6 +155,9 @@ class TrialRunner:
             else:
                 args.capacity_start_rate = self.start_rate * min(max(predicted or 1.0, 1.0), MAX_START_FACTOR)
             args.capacity_bisections = self.bisections
+            # Each search starts near where the capacity is expected: a configuration still failing
+            # 16x below that is hopeless, and probes at ever lower rates would take minutes each.
+            args.capacity_max_doublings = MAX_DOUBLINGS
             await bench.search_capacity()
         finally:
             await bench.target.close()

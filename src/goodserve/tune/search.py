@@ -82,10 +82,10 @@ class Search:
             trial = recorded
         else:
             self.say(f"trial {len(self.trials) + 1}: {move} ({why}); {self.budget.left() / 60:.1f} min left")
-            started = time.monotonic()
+            started = self.budget.clock()
             trial = {**self.measure(options, move, why, predicted), "options": options, "move": move, "why": why,
                      "predicted": predicted}
-            trial["seconds"] = time.monotonic() - started
+            trial["seconds"] = self.budget.clock() - started
             self.log.append(options_key(options), trial)
         self.trials.append(trial)
         return trial
