@@ -141,7 +141,8 @@ def tune(args, start, settings: dict, forced: list[dict], budget: dict[str, floa
     quality_note = None if gate.enabled else f"{start.model}: quality gate off (random weights cannot be judged)"
     if quality_note:
         console.print(f"[yellow]{quality_note}[/yellow]")
-    runner = TrialRunner(gate, bench, console, args.capacity_bisections)
+    runner = TrialRunner(gate, bench, console, args.capacity_bisections, engine_process=num_gpus > 0
+                         and start.device != "cpu")
     search = Search(runner, lambda trial: diagnose_trial(trial, settings["slos_ms"], num_gpus), log,
                     Budget(args.budget_minutes * 60), args.max_trials, forced, console.print)
     outcome = search.run(options_of(start))

@@ -64,21 +64,35 @@ class QualityGate:
         self.workload = self.baseline = None
 
     def check(self, llm) -> dict:
+        """The candidate's quality on its engine (llm: the offline API over it)."""
         if not self.enabled:
             return {"checked": False, "summary": QUALITY_OFF}
         if self.baseline is None:
             self.workload, self.baseline = measure(self.baseline_config, self.settings, label="baseline")
         run = run_workload(llm, self.workload, self.settings.max_new_tokens)
         metrics = compare(self.baseline, run)
-        thresholds = self.thresholds(llm.engine.config)
-        rows = checks(metrics, thresholds)
-        passed = all(row["passed"] for row in rows)
+        rows = checks(metrics, self.thresholds(llm.engine.config))
         failed = [f"{r['metric']} {r['value']:.4f} {'>' if r['op'] == '<=' else '<'} {r['limit']:.4f}"
                   for r in rows if not r["passed"]]
         summary = (f"perplexity {100 * metrics['perplexity_increase']:+.2f}%, greedy agreement "
                    f"{metrics['greedy_agreement']:.2f}" + (f"; past the budget: {', '.join(failed)}" if failed else ""))
-        return {"checked": True, "passed": passed, "metrics": metrics, "checks": rows, "summary": summary,
+        return {"checked": True, "passed": not failed, "metrics": metrics, "checks": rows, "summary": summary,
                 "loss": metrics["perplexity_increase"]}
+
+    def check_apart(self, config: EngineConfig) -> dict:
+        """The candidate's quality on an engine loaded for it alone, freed before the next loads."""
+        if not self.enabled:
+            return self.check(None)
+        from goodserve.engine.engine import Engine
+        from goodserve.llm import LLM
+
+        engine = Engine(config)
+        try:
+            return self.check(LLM.over(engine))
+        finally:
+            engine.executor.shutdown()
+            del engine
+            _free_memory()
 
     def thresholds(self, resolved: EngineConfig) -> Thresholds:
         """eval's defaults for what the candidate changes, each overridden by --quality-budget."""
@@ -102,8 +116,14 @@ def bench_args(model: str, workload_argv: list[str], slos_ms: dict[str, float], 
 
 
 class TrialRunner:
-    def __init__(self, gate: QualityGate, args: argparse.Namespace, console: Console, bisections: int):
+    """engine_process (on CUDA): each configuration serves from a process of its own, as `goodserve serve`
+    runs it (the client shares no GIL with it), and hands all its GPU memory back when that ends; its
+    quality is gated on a load of its own first. Else (the CPU) one load serves both, in this process."""
+
+    def __init__(self, gate: QualityGate, args: argparse.Namespace, console: Console, bisections: int,
+                 engine_process: bool = False):
         self.gate, self.args, self.console, self.bisections = gate, args, console, bisections
+        self.engine_process = engine_process
         self.start_rate: float | None = None  # the best capacity so far: where the next search starts
 
     def __call__(self, options: dict, move: str, why: str, predicted: float | None) -> dict:
@@ -113,13 +133,16 @@ class TrialRunner:
         engine = None
         try:
             config = engine_config(options)
-            engine = Engine(config)
-            quality = self.gate.check(LLM.over(engine))
+            if self.engine_process:
+                quality = self.gate.check_apart(config)
+            else:
+                engine = Engine(config)
+                quality = self.gate.check(LLM.over(engine))
             if not quality.get("passed", True):
-                engine.executor.shutdown()  # never served: no engine loop ends it
+                if engine is not None:
+                    engine.executor.shutdown()  # never served: no engine loop ends it
                 return {"engine": None, "quality": quality, "capacity": None}
-            trial = self.capacity(engine, config, predicted)
-            return {**trial, "quality": quality}
+            return {**self.capacity(engine, config, predicted), "quality": quality}
         except (GoodserveError, RuntimeError, ValueError) as exc:  # the next configuration still runs
             return {"engine": None, "quality": {}, "capacity": None, "error": f"{type(exc).__name__}: {exc}"}
         finally:
@@ -130,7 +153,8 @@ class TrialRunner:
         from goodserve.bench.inprocess import InProcessTarget
 
         args = argparse.Namespace(**vars(self.args))
-        target = InProcessTarget(config, ignore_eos=True, slo_ms=_slos(args), engine=engine)
+        target = InProcessTarget(config, ignore_eos=True, slo_ms=_slos(args), engine_process=self.engine_process,
+                                 engine=engine)
         bench = Bench(args, self.console, target)
         run_event_loop(self._search(bench, args, predicted))
         capacity = bench.capacity
