@@ -203,3 +203,30 @@ def test_trials_round_trip_through_json(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "trials.jsonl").read_text().splitlines()]
     assert rows[0] == {"settings": {"model": "m"}} and [r["trial"]["move"] for r in rows[1:]] == [
         "start", "quantization=gguf"]
+
+
+def test_a_configuration_that_cannot_be_diagnosed_ends_the_search_with_the_reason(tmp_path):
+    def undiagnosable(t):
+        raise InvalidRequestError("trial start: no request completed, nothing to diagnose")
+
+    numbers = {options_key({}): trial(0.0)}
+    outcome = Search(Recorded(numbers), undiagnosable, TrialLog(tmp_path / "t.jsonl", {}), Budget(600)).run({})
+    assert outcome.stop_reason == "cannot diagnose start: trial start: no request completed, nothing to diagnose"
+
+
+def test_the_outputs_rank_the_trials_and_chart_the_trade_offs(tmp_path):
+    from goodserve.tune.report import write_outputs
+
+    numbers = {options_key({}): trial(1.0), options_key({"quantization": "int4"}): trial(None, passed=False, loss=0.3),
+               options_key({"quantization": "gguf"}): {**trial(5.0, loss=0.001), "cost_per_1m_tokens": 0.2}}
+    outcome, _ = run(tmp_path, numbers, forced=[{"quantization": "int4"}], max_trials=3)
+    settings = {"model": "smollm2-135m", "workload": "random", "slos_ms": SLOS}
+    paths = write_outputs(outcome, tmp_path, settings)
+    assert json.loads(paths["config"].read_text()) == {"quantization": "gguf"}
+    result = json.loads(paths["json"].read_text())
+    assert [(r["rank"], r["step"]) for r in result["ranked"]] == [(1, "quantization=gguf"), (2, "start"),
+                                                                  (None, "quantization=int4")]
+    assert result["serve_command"] == "goodserve serve --quantization gguf"
+    html = paths["html"].read_text()
+    assert html.count("data:image/png;base64,") == 2  # capacity against quality loss, and against cost
+    assert "rejected: quality" in html and "goodserve serve --quantization gguf" in html

@@ -143,6 +143,7 @@ def tune(args, start, settings: dict, forced: list[dict], budget: dict[str, floa
         console.print(f"[yellow]{quality_note}[/yellow]")
     runner = TrialRunner(gate, bench, console, args.capacity_bisections, engine_process=num_gpus > 0
                          and start.device != "cpu")
+    runner.start_rate = max((t.get("capacity") or 0.0 for t in log.trials.values()), default=0.0) or None  # resuming
     search = Search(runner, lambda trial: diagnose_trial(trial, settings["slos_ms"], num_gpus), log,
                     Budget(args.budget_minutes * 60), args.max_trials, forced, console.print)
     outcome = search.run(options_of(start))

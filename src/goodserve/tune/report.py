@@ -52,11 +52,14 @@ def print_outcome(outcome: Outcome, console: Console, quality_note: str | None) 
     if quality_note:
         console.print(f"[yellow]{quality_note}[/yellow]")
     start, best = outcome.trials[0], outcome.best
-    gain = best["capacity"] / start["capacity"] if start.get("capacity") else float("nan")
     console.print(f"stopped: {outcome.stop_reason}")
-    console.print(f"best: {best['move']} at {best['capacity']:.3g} req/s, {gain:.2f}x the starting configuration"
-                  + ("" if best is not start else " (no step raised the goodput capacity: the start is the best "
-                                                  "measured)"))
+    if start["capacity"] > 0:
+        versus = f", {best['capacity'] / start['capacity']:.2f}x the starting configuration"
+    else:
+        versus = " (the starting configuration met the targets at no rate tried)"
+    if best is start:
+        versus += "; no step raised the goodput capacity: the start is the best measured"
+    console.print(f"best: {best['move']} at {best['capacity']:.3g} req/s{versus}")
     console.print(f"serve it: [bold]{serve_command(best['options'])}[/bold]")
 
 

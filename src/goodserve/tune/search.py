@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from goodserve.errors import GoodserveError
 from goodserve.tune.bottleneck import Bottleneck
 from goodserve.tune.space import Step, options_key, plan
 from goodserve.tune.trial_log import TrialLog
@@ -100,7 +101,10 @@ class Search:
             stop = self._out_of_budget()
             if stop:
                 return Outcome(self.trials, best, self.skipped, self.rounds, stop)
-            step, options = self._next_step(best)
+            try:
+                step, options = self._next_step(best)
+            except GoodserveError as exc:  # nothing to diagnose: no request of its probes completed
+                return Outcome(self.trials, best, self.skipped, self.rounds, f"cannot diagnose {best['move']}: {exc}")
             if step is None:
                 return Outcome(self.trials, best, self.skipped, self.rounds,
                                "no step left that the roofline predicts helps")
@@ -135,6 +139,7 @@ class Search:
         self.say(f"bottleneck of {best['move']}: {bottleneck.summary()}")
         for step, why in skipped:
             self.skipped.append({"step": step.name, "why": why, "round": len(self.rounds)})
+            self.say(f"  skipped {step.name}: {why}")
         return to_try[0] if to_try else (None, {})
 
 
