@@ -6,6 +6,9 @@ the number to report; the target is >= 1.3x, or tune's own account of why the de
 
     python benchmarks/gpu_tune.py                       # ~9-10 minutes on an H100
     python benchmarks/gpu_tune.py --budget-minutes 8    # inside a 10-minute command limit
+    # real weights, where the quality gate means something (the embedded model's GGUF file, dequantized
+    # to bf16 on CUDA unless a step keeps its codes):
+    python benchmarks/gpu_tune.py --model smollm2-135m --budget-minutes 8 --output-dir tune-gpu-smollm2
 
 The trial log in --output-dir makes a second call resume where the first stopped (the same flags).
 Writes benchmarks/results/gpu_tune_<gpu>.json: the default's and the winner's capacity, the ratio,
@@ -30,7 +33,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--slo-tpot-ms", type=float, default=50.0)
     p.add_argument("--budget-minutes", type=float, default=10.0)
     p.add_argument("--num-prompts", type=int, default=200, help="requests per capacity probe")
-    p.add_argument("--capacity-bisections", type=int, default=2)
+    p.add_argument("--capacity-bisections", type=int, default=1)
     p.add_argument("--gpu-hourly-cost", type=float, default=2.5, help="$ per GPU-hour (cost per 1M tokens)")
     p.add_argument("--output-dir", default="tune-gpu")
     p.add_argument("--result", help="default: benchmarks/results/gpu_tune_<gpu>.json")

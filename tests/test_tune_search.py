@@ -230,3 +230,12 @@ def test_the_outputs_rank_the_trials_and_chart_the_trade_offs(tmp_path):
     html = paths["html"].read_text()
     assert html.count("data:image/png;base64,") == 2  # capacity against quality loss, and against cost
     assert "rejected: quality" in html and "goodserve serve --quantization gguf" in html
+
+
+def test_a_start_past_the_quality_budget_is_named_as_the_reason_to_stop(tmp_path):
+    numbers = {options_key({"quantization": "int4"}): {**trial(None, passed=False), "quality": {
+        "passed": False, "summary": "perplexity +27.48%"}}}
+    outcome = Search(Recorded(numbers), diagnose_from({}), TrialLog(tmp_path / "t.jsonl", {}), Budget(600)).run(
+        {"quantization": "int4"})
+    assert outcome.stop_reason.startswith("the starting configuration failed: past the quality budget")
+    assert "perplexity +27.48%" in outcome.stop_reason and len(outcome.trials) == 1

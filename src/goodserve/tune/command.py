@@ -132,9 +132,8 @@ def tune(args, start, settings: dict, forced: list[dict], budget: dict[str, floa
     out_dir = Path(args.output_dir)
     log = TrialLog(out_dir / "trials.jsonl", settings)
     num_gpus = _gpu_count()
-    world = start.world_size
     bench = bench_args(start.model, settings["workload_flags"], settings["slos_ms"], args.num_prompts, start.seed,
-                       args.gpu_hourly_cost, world, not args.no_progress)
+                       args.gpu_hourly_cost, not args.no_progress)
     prompts = [] if start.model.startswith(DUMMY_PREFIX) else _workload_prompts(bench, args.quality_prompts)
     gate = QualityGate(start, quality_settings(prompts, args.quality_text, args.quality_text_tokens,
                                                args.quality_new_tokens, args.quality_window), budget)

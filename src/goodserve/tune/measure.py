@@ -103,13 +103,13 @@ class QualityGate:
 
 
 def bench_args(model: str, workload_argv: list[str], slos_ms: dict[str, float], num_prompts: int, seed: int,
-               hourly_cost: float | None, num_gpus: int, progress: bool) -> argparse.Namespace:
+               hourly_cost: float | None, progress: bool) -> argparse.Namespace:
     """A bench command line's arguments, as `goodserve bench` parses them."""
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)
     argv = ["--backend", "inprocess", "--model", model, "--num-prompts", str(num_prompts), "--seed", str(seed),
             "--ignore-eos", "--goodput", *(f"{k}:{v:g}" for k, v in slos_ms.items()), "--goodput-capacity",
-            "--num-gpus", str(num_gpus), *workload_argv]
+            *workload_argv]
     if hourly_cost is not None:
         argv += ["--gpu-hourly-cost", str(hourly_cost)]
     return parser.parse_args(argv + ([] if progress else ["--no-progress"]))
@@ -153,6 +153,7 @@ class TrialRunner:
         from goodserve.bench.inprocess import InProcessTarget
 
         args = argparse.Namespace(**vars(self.args))
+        args.num_gpus = config.world_size  # a tensor-parallel candidate's cost counts each of its GPUs
         target = InProcessTarget(config, ignore_eos=True, slo_ms=_slos(args), engine_process=self.engine_process,
                                  engine=engine)
         bench = Bench(args, self.console, target)

@@ -95,8 +95,9 @@ class Search:
         best = self.trial(start, "start", "the configuration given")
         best["status"] = "start"
         if best.get("capacity") is None:
-            return Outcome(self.trials, best, self.skipped, self.rounds, "the starting configuration failed: "
-                                                                          + best.get("error", "no capacity"))
+            why = best.get("error") or (f"past the quality budget against the unoptimized model "
+                                        f"({best['quality'].get('summary')}): start from one within it")
+            return Outcome(self.trials, best, self.skipped, self.rounds, f"the starting configuration failed: {why}")
         while True:
             stop = self._out_of_budget()
             if stop:
@@ -119,12 +120,9 @@ class Search:
             return f"--max-trials {self.max_trials} reached"
         measured = [t["seconds"] for t in self.trials if t.get("seconds")]
         typical = sum(measured) / len(measured) if measured else 0.0
-        if self.budget.left() < typical and not self._next_is_logged():
+        if self.budget.left() < typical:
             return (f"budget: {max(self.budget.left(), 0) / 60:.1f} min left, a trial takes ~{typical / 60:.1f} min")
         return None
-
-    def _next_is_logged(self) -> bool:
-        return bool(self.forced) and self.log.get(options_key(self.forced[0])) is not None
 
     def _next_step(self, best: dict) -> tuple[Step | None, dict]:
         tried = {options_key(t["options"]) for t in self.trials}
