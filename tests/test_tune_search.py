@@ -176,6 +176,9 @@ def test_the_trial_log_refuses_other_settings_and_survives_a_cut_line(tmp_path):
     assert TrialLog(path, {"model": "a"}).get("k1") == {"capacity": 1.0}
     with pytest.raises(InvalidRequestError, match="other settings"):
         TrialLog(path, {"model": "b"})
+    empty = tmp_path / "empty.jsonl"
+    TrialLog(empty, {"model": "a"})  # a run that stopped before its first trial
+    assert TrialLog(empty, {"model": "b"}).trials == {}  # holds nothing to protect: the new settings take it
 
 
 def test_limiting_slo_is_the_target_furthest_over_at_the_failing_probe():

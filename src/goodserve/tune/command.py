@@ -129,14 +129,14 @@ def tune(args, start, settings: dict, forced: list[dict], budget: dict[str, floa
     from goodserve.tune.trial_log import TrialLog
 
     console = make_console()
-    out_dir = Path(args.output_dir)
-    log = TrialLog(out_dir / "trials.jsonl", settings)
-    num_gpus = _gpu_count()
     bench = bench_args(start.model, settings["workload_flags"], settings["slos_ms"], args.num_prompts, start.seed,
                        args.gpu_hourly_cost, not args.no_progress)
     prompts = [] if start.model.startswith(DUMMY_PREFIX) else _workload_prompts(bench, args.quality_prompts)
     gate = QualityGate(start, quality_settings(prompts, args.quality_text, args.quality_text_tokens,
                                                args.quality_new_tokens, args.quality_window), budget)
+    out_dir = Path(args.output_dir)
+    log = TrialLog(out_dir / "trials.jsonl", settings)
+    num_gpus = _gpu_count()
     quality_note = None if gate.enabled else f"{start.model}: quality gate off (random weights cannot be judged)"
     if quality_note:
         console.print(f"[yellow]{quality_note}[/yellow]")

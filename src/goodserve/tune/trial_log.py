@@ -24,6 +24,9 @@ class TrialLog:
     def _load(self, settings: dict) -> None:
         lines = [line for line in self.path.read_text(encoding="utf-8").splitlines() if line.strip()]
         rows = [self._parse(line, number, number == len(lines)) for number, line in enumerate(lines, start=1)]
+        if not any(rows[1:]):  # no trial yet (a run stopped before its first): nothing to protect
+            self.path.write_text(json.dumps({"settings": settings}) + "\n")
+            return
         if (rows[0] or {}).get("settings") != settings:
             raise InvalidRequestError(
                 f"{self.path} holds trials measured under other settings (model, workload, SLOs, quality budget, "
