@@ -242,3 +242,23 @@ def test_a_start_past_the_quality_budget_is_named_as_the_reason_to_stop(tmp_path
         {"quantization": "int4"})
     assert outcome.stop_reason.startswith("the starting configuration failed: past the quality budget")
     assert "perplexity +27.48%" in outcome.stop_reason and len(outcome.trials) == 1
+
+
+def test_plan_on_gpus_offers_what_cuda_has_and_skips_what_is_on():
+    gpu = {"model": "dummy:llama-3.1-8b", "dtype": "bfloat16", "device": "cuda", "device_name": "NVIDIA H100",
+           "kv_cache_dtype": "bfloat16", "cuda_graphs": "False", "async_scheduling": "False"}
+    b = bottleneck(engine=gpu, device="cuda", num_gpus=2, spec=resolve_spec("llama-3.1-8b"), weight_share=0.8,
+                   decode_verdict="capacity-bound")
+    names = {step.name: step for step, _ in plan({"enforce_eager": True}, b, tried=set())[0]}
+    assert {"quantization=int4", "quantization=int8", "kv_cache_dtype=int8", "kv_cache_dtype=fp8",
+            "enforce_eager=False", "tensor_parallel_size=2"} <= set(names)
+    assert "quantization=gguf" not in names  # not a GGUF model
+    assert "async_scheduling=True" not in names  # it needs CUDA graphs (diagnose's rule)
+    assert names["quantization=int4"].predicted > names["quantization=int8"].predicted > 1  # fewer bytes, more
+    graphs = bottleneck(engine={**gpu, "cuda_graphs": "True"}, device="cuda", num_gpus=1,
+                        spec=resolve_spec("llama-3.1-8b"))
+    names = {step.name for step, _ in plan({}, graphs, tried=set())[0]}
+    assert "async_scheduling=True" in names
+    assert not names & {"enforce_eager=False", "tensor_parallel_size=2"}  # graphs on; one GPU
+    graphs.engine["async_scheduling"] = "True"
+    assert "async_scheduling=True" not in {step.name for step, _ in plan({}, graphs, tried=set())[0]}
