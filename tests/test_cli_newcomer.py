@@ -14,7 +14,7 @@ from goodserve.bench.result import build_result, save_json
 from goodserve.cli import build_parser, main
 
 SUBCOMMANDS = [["generate"], ["serve"], ["bench"], ["bench", "serve"], ["diagnose"], ["calc", "kv"], ["calc", "fit"],
-               ["calc", "cost"], ["eval"], ["quantize"], ["router"]]
+               ["calc", "cost"], ["eval"], ["quantize"], ["router"], ["tune"]]
 
 
 def goodserve(*argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -33,7 +33,7 @@ def test_every_help_shows_defaults(argv, capsys):
     expected = {"generate": "--max-tokens MAX_TOKENS", "serve": "--port PORT", "bench": "--num-prompts NUM_PROMPTS",
                 "diagnose": "--interval INTERVAL", "kv": "--seq-len SEQ_LEN", "fit": "--tensor-parallel-size TP",
                 "cost": "--num-gpus NUM_GPUS", "eval": "--window WINDOW", "quantize": "--device DEVICE",
-                "router": "--port PORT"}
+                "router": "--port PORT", "tune": "--num-prompts NUM_PROMPTS"}
     option = expected[argv[-1] if argv[-1] != "serve" or len(argv) == 1 else "bench"]
     help_of_option = text.split("\n  " + option, 1)[1].split("\n  -", 1)[0]
     assert "(default:" in help_of_option, help_of_option

@@ -20,6 +20,7 @@ SUBCOMMAND_MODULES = [
     "goodserve.commands.quantize",
     "goodserve.commands.batch",
     "goodserve.commands.worker",
+    "goodserve.tune.command",
 ]
 
 

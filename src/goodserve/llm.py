@@ -29,6 +29,14 @@ class LLM:
         self.engine = Engine(EngineConfig(model=model), **{**_offline_defaults(engine_options), **engine_options})
         self._ids = itertools.count()
 
+    @classmethod
+    def over(cls, engine: Engine) -> "LLM":
+        """The offline API over an engine loaded already (goodserve tune gates a configuration's quality
+        on it, then measures its speed, with one load)."""
+        llm = cls.__new__(cls)
+        llm.engine, llm._ids = engine, itertools.count()
+        return llm
+
     @property
     def tokenizer(self):
         return self.engine.tokenizer

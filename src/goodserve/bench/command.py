@@ -132,6 +132,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "targets scaled by each factor (attainment vs SLO scale; the requests are not re-sent)")
     g.add_argument("--slo-attainment-target", type=float, default=0.9)
     g.add_argument("--capacity-start-rate", type=float, default=1.0)
+    g.add_argument("--capacity-bisections", type=int, default=4,
+                   help="probes between the last passing and the first failing rate: each halves the gap")
+    g.add_argument("--capacity-max-doublings", type=int, default=8,
+                   help="most times the rate doubles (or, failing at the start, halves) before the bisection")
     g.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el")
     g.add_argument("--metric-percentiles", default="90,95,99")
     g.add_argument("--gpu-hourly-cost", type=float, help="$ per GPU-hour, for cost per 1M tokens")
@@ -200,10 +204,11 @@ def prompt_seed(args, run_index: int) -> int:
 WARMUP_SEED_OFFSET = 1_000_000
 
 
-class _Bench:
-    """One invocation: shared target and workload, one or more runs, results saved even on failure."""
+class Bench:
+    """One invocation: shared target and workload, one or more runs, results saved even on failure.
+    target: one the caller built (goodserve tune hands in an engine it loaded); else from args."""
 
-    def __init__(self, args, console: Console):
+    def __init__(self, args, console: Console, target=None):
         self.args = args
         self.console = console
         self.slos = parse_goodput_slos(args.goodput)
@@ -220,7 +225,7 @@ class _Bench:
             raise InvalidRequestError("--sweep-slo-scale needs SLOs: add --goodput ttft:MS tpot:MS")
         self.tokenizer = self._tokenizer()
         self.requests = self._workload(0)  # the current run's: each run draws its own (prompt_seed)
-        self.target = make_target(args, self.tokenizer)
+        self.target = target or make_target(args, self.tokenizer)
         self.engine_config = engine_config_of(args, self.target)
         if self.engine_config:
             console.print(f"engine: {describe(self.engine_config)}")
@@ -316,10 +321,11 @@ class _Bench:
         a = self.args
 
         async def attainment_at(rate: float) -> float:
-            result = await self.run_one(ArrivalConfig(rate, 1.0, a.max_concurrency))
+            result = await self.run_one(ArrivalConfig(rate, a.burstiness, a.max_concurrency))
             return result["slo_attainment"] / 100.0
 
-        await search_capacity(attainment_at, a.slo_attainment_target, a.capacity_start_rate)
+        await search_capacity(attainment_at, a.slo_attainment_target, a.capacity_start_rate,
+                              a.capacity_max_doublings, a.capacity_bisections)
         self.capacity = {**capacity_of(self.runs, a.slo_attainment_target), "slos_ms": self.slos}
 
     async def execute(self) -> None:
@@ -371,7 +377,7 @@ def run_event_loop(main) -> None:
 
 def run_command(args) -> int:
     console = make_console()
-    bench = _Bench(args, console)
+    bench = Bench(args, console)
     interrupted = False
     try:
         run_event_loop(bench.execute())

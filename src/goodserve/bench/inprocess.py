@@ -32,11 +32,16 @@ from goodserve.server.admission import Admission
 class InProcessTarget:
     def __init__(self, config: EngineConfig, ignore_eos: bool = False, temperature: float = 0.0,
                  use_chat_template: bool = False, slo_ms: dict[str, float] | None = None,
-                 refuses_late: bool = True, engine_process: bool = False, shed_costly: bool = False):
+                 refuses_late: bool = True, engine_process: bool = False, shed_costly: bool = False,
+                 engine=None):
+        """engine: an Engine the caller loaded already (for config), run on a thread of this process."""
         from goodserve.engine.async_engine import AsyncEngine  # pulls in torch and the model
         from goodserve.engine.engine_process import EngineProcess
 
-        self.engine = EngineProcess(config) if engine_process else AsyncEngine(config)
+        if engine is not None:
+            self.engine = AsyncEngine(engine=engine)
+        else:
+            self.engine = EngineProcess(config) if engine_process else AsyncEngine(config)
         self.ignore_eos = ignore_eos
         self.temperature = temperature
         self.use_chat_template = use_chat_template

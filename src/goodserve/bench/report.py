@@ -85,17 +85,17 @@ def sweep_table(runs: list[dict]) -> Table:
     for label, _ in columns:
         table.add_column(label, justify="right")
     for run in runs:
-        table.add_row(*(_cell(run.get(key)) for _, key in columns))
+        table.add_row(*(cell(run.get(key)) for _, key in columns))
     return table
 
 
-def _cell(value) -> str:
+def cell(value) -> str:
     if value is None:
         return "-"
     if isinstance(value, float):
         return f"{value:.2f}"
     if isinstance(value, list):  # per-position acceptance rates
-        return " ".join(_cell(v) for v in value)
+        return " ".join(cell(v) for v in value)
     return str(value)
 
 
@@ -140,7 +140,7 @@ def write_csv(result: dict, path: Path) -> None:
                                  "num_chunks": len(r.chunk_times)})
 
 
-def _figure_png(fig) -> str:
+def figure_png(fig) -> str:
     import matplotlib.pyplot as plt
 
     buf = io.BytesIO()
@@ -164,7 +164,7 @@ def _cdf_plot(runs: list[dict], metric: str, label: str) -> str:
     ax.grid(alpha=0.3)
     if len(runs) > 1:
         ax.legend(fontsize=7)
-    return _figure_png(fig)
+    return figure_png(fig)
 
 
 def _run_label(run: dict) -> str:
@@ -188,7 +188,7 @@ def _sweep_plots(runs: list[dict]) -> list[tuple[str, str]]:
     ax.set_title("Latency vs throughput")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    plots.append(("Latency vs throughput", _figure_png(fig)))
+    plots.append(("Latency vs throughput", figure_png(fig)))
     if all("slo_attainment" in run for run in runs):
         rates = [run["request_throughput"] for run in runs]
         fig, ax = plt.subplots(figsize=(6, 4))
@@ -203,7 +203,7 @@ def _sweep_plots(runs: list[dict]) -> list[tuple[str, str]]:
         ax.set_title("Goodput vs rate")
         ax.legend(loc="upper left", fontsize=8)
         ax2.legend(loc="lower right", fontsize=8)
-        plots.append(("Goodput vs rate", _figure_png(fig)))
+        plots.append(("Goodput vs rate", figure_png(fig)))
     return plots
 
 
@@ -222,7 +222,7 @@ def _attainment_plots(runs: list[dict]) -> list[tuple[str, str]]:
         ax.set_ylim(0, 102)
         ax.set_title("SLO attainment vs request rate")
         ax.grid(alpha=0.3)
-        plots.append(("SLO attainment vs request rate", _figure_png(fig)))
+        plots.append(("SLO attainment vs request rate", figure_png(fig)))
     scaled = [run for run in runs if "slo_scale_sweep" in run]
     if scaled:
         fig, ax = plt.subplots(figsize=(6, 4))
@@ -236,7 +236,7 @@ def _attainment_plots(runs: list[dict]) -> list[tuple[str, str]]:
         ax.set_title("SLO attainment vs SLO scale")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-        plots.append(("SLO attainment vs SLO scale", _figure_png(fig)))
+        plots.append(("SLO attainment vs SLO scale", figure_png(fig)))
     return plots
 
 
@@ -274,4 +274,4 @@ def write_html(result: dict, path: Path) -> None:
     plots += _attainment_plots(runs)
     title = f"{result.get('model_id', '')} on {result.get('base_url') or result.get('backend', '')}"
     columns = [c for c in _HTML_COLUMNS if any(c in run for run in runs)]
-    path.write_text(_HTML.render(title=title, runs=runs, columns=columns, plots=plots, fmt=_cell))
+    path.write_text(_HTML.render(title=title, runs=runs, columns=columns, plots=plots, fmt=cell))

@@ -7,7 +7,8 @@
 - prefix_repetition: K system prompts of P tokens, each request one of them plus a unique suffix.
 - multiturn: chat conversations whose history grows; turn t+1 is sent after turn t's answer.
 - copy: "repeat this passage" prompts whose answer copies spans of the input (prompt lookup).
-- custom: a JSONL file, one {"prompt": ..., "output_tokens": ...} object per line.
+- custom: a JSONL file, one {"prompt": ..., "output_tokens": ...} object per line; a recording of
+  serve's (--record-requests) with hashed prompts gives {"prompt_sha256": ..., "prompt_tokens": N}.
 """
 
 from __future__ import annotations
@@ -220,6 +221,7 @@ def _custom(cfg: WorkloadConfig, text: PromptText, rng: np.random.Generator) -> 
         raise DatasetError("--dataset-name custom needs --dataset-path FILE.jsonl")
     path = Path(cfg.dataset_path)
     requests = []
+    hashed: dict[str, str] = {}  # a hashed prompt's stand-in text, the same for the same hash
     for line_no, line in enumerate(_read_lines(path), start=1):
         if not line.strip():
             continue
@@ -227,9 +229,10 @@ def _custom(cfg: WorkloadConfig, text: PromptText, rng: np.random.Generator) -> 
             row = json.loads(line)
         except json.JSONDecodeError as exc:
             raise DatasetError(f"{path}:{line_no}: not valid JSON ({exc.msg})") from None
-        prompt = row.get("prompt") if isinstance(row, dict) else None
+        prompt = _line_prompt(row, text, hashed) if isinstance(row, dict) else None
         if not isinstance(prompt, str) or not prompt:
-            raise DatasetError(f"{path}:{line_no}: each line needs a non-empty string 'prompt'")
+            raise DatasetError(f"{path}:{line_no}: each line needs a non-empty string 'prompt' (or, as a recording "
+                               f"with hashed prompts has, 'prompt_sha256' and a positive 'prompt_tokens')")
         output_len = row.get("output_tokens", row.get("max_tokens", cfg.custom_output_len))
         if not isinstance(output_len, int) or output_len < 1:
             raise DatasetError(f"{path}:{line_no}: 'output_tokens' must be a positive integer")
@@ -237,6 +240,20 @@ def _custom(cfg: WorkloadConfig, text: PromptText, rng: np.random.Generator) -> 
     if not requests:
         raise DatasetError(f"{path}: no requests (the file is empty)")
     return _cycle(requests, cfg.num_prompts)
+
+
+def _line_prompt(row: dict, text: PromptText, hashed: dict[str, str]) -> str | None:
+    """A line's prompt; a recording's hashed one (goodserve serve --record-prompts hash) becomes text of
+    its token count."""
+    if "prompt" in row or not isinstance(row.get("prompt_sha256"), str):
+        return row.get("prompt")
+    tokens = row.get("prompt_tokens")
+    if not isinstance(tokens, int) or tokens < 1:
+        return None
+    key = f"{row['prompt_sha256']}:{tokens}"
+    if key not in hashed:
+        hashed[key] = text.make(tokens)
+    return hashed[key]
 
 
 def _cycle(requests: list[BenchRequest], n: int) -> list[BenchRequest]:

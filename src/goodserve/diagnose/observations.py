@@ -66,8 +66,13 @@ def from_bench_result(path: str) -> Observations:
     result = load_json(path)
     runs = runs_of(result)
     run = max(runs, key=lambda r: r.get("output_throughput", 0.0))
+    return from_bench_run(run, f"bench result {path}", result.get("engine_config"))
+
+
+def from_bench_run(run: dict, source: str, engine: dict | None = None) -> Observations:
+    """One run of a bench result (engine: the result's engine config where the run has none)."""
     if not run.get("completed"):
-        raise InvalidRequestError(f"{path}: no request completed, nothing to diagnose")
+        raise InvalidRequestError(f"{source}: no request completed, nothing to diagnose")
     # Summary keys only (as vLLM's result files have them, or ours with records stripped);
     # per-request records, where present, add the prefix-cache hit rate.
     completed = run["completed"]
@@ -75,7 +80,7 @@ def from_bench_result(path: str) -> Observations:
     cached = [r.cached_tokens for r in records_of(run) if r.success and r.cached_tokens is not None]
     prompt_tokens = run["total_input_tokens"]
     return Observations(
-        source=f"bench result {path}",
+        source=source,
         mean_prompt_len=prompt_tokens / completed,
         mean_output_len=run["total_output_tokens"] / completed,
         # Little's law: requests in flight = arrival rate x time in system.
@@ -87,7 +92,7 @@ def from_bench_result(path: str) -> Observations:
         prefix_cache_hit_rate=sum(cached) / prompt_tokens if cached and prompt_tokens else None,
         repeated_prefixes=run.get("dataset_name") in ("prefix_repetition", "multiturn"),
         slos_ms=run.get("goodput_slos_ms"), slo_attainment=run.get("slo_attainment"),
-        engine=run.get("engine_config") or result.get("engine_config"),
+        engine=run.get("engine_config") or engine,
         prompt_lookup_overlap=run.get("prompt_lookup_overlap"),
         spec_acceptance_rate=_percent(run.get("spec_decode_acceptance_rate")),
     )

@@ -42,6 +42,7 @@ from goodserve.server.protocol import (
     TokenizeResponse,
     VersionResponse,
 )
+from goodserve.server.recording import RequestRecorder
 from goodserve.server.serving import ServingContext
 from goodserve.server.serving_chat import create_chat_completion
 from goodserve.server.serving_completions import create_completion
@@ -82,6 +83,9 @@ class ServerConfig:
     # auto: a request's unset temperature / top_p / top_k / min_p / repetition_penalty take the model's
     # generation_config.json values (vLLM's default); none: OpenAI's defaults
     generation_config: str = "auto"
+    # Each accepted prompt as a JSON line with its arrival time (server/recording.py), for goodserve tune
+    record_requests: str | None = None
+    record_prompts: str = "hash"  # hash: a SHA-256 of the prompt's token ids; keep: its text
 
     @property
     def url(self) -> str:
@@ -127,7 +131,9 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
     ctx = ServingContext(engine, model_name, Admission(config.max_waiting, shed_costly=config.slo_shed_costly),
                          metrics, config.request_timeout_s,
                          config.max_unsent_outputs, config.stream_interval, config.pooling,
-                         config.allow_unknown_fields, slo, sampling_defaults(engine, config))
+                         config.allow_unknown_fields, slo, sampling_defaults(engine, config),
+                         RequestRecorder(config.record_requests, config.record_prompts == "keep", engine.tokenizer)
+                         if config.record_requests else None)
     created = int(time.time())
     store = _open_store(Path(config.data_dir) if config.data_dir else default_data_dir())
     runner = None if isinstance(store, DataDirInUseError) else BatchRunner(

@@ -6,6 +6,7 @@ import argparse
 import ipaddress
 import logging
 import os
+from pathlib import Path
 
 from goodserve.engine_args import (
     add_dataclass_arguments,
@@ -18,6 +19,8 @@ from goodserve.engine.gc_pauses import serving_settings
 from goodserve.errors import InvalidRequestError
 from goodserve.router.config import RouterConfig
 from goodserve.router.policies import POLICIES
+from goodserve.server.config_file import apply_config_file
+from goodserve.server.recording import RECORD_PROMPTS
 
 _SERVER_HELP = {
     "host": "address to bind; the default keeps the server on this machine (default: 127.0.0.1)",
@@ -63,6 +66,11 @@ _SERVER_HELP = {
                       "HTTP event loop and the engine do not share one GIL: 1.7x the output tokens/s at 256 streams "
                       "on an H200; --no-engine-process steps it on a thread of the server's process (default: on, "
                       "except with --disaggregate, whose decode engine is in the server's process; docs/serving.md)",
+    "record_requests": "append one JSON line per accepted prompt to this file: its arrival time, token count, "
+                       "max_tokens and the prompt (hashed or kept, --record-prompts), a recording goodserve tune "
+                       "--workload FILE replays (docs/tune.md) (default: none)",
+    "record_prompts": "--record-requests: hash keeps a SHA-256 of each prompt's tokens (repeats stay visible, the "
+                      "text does not); keep writes the prompt text",
     "backlog": "listen backlog: connections the kernel queues before the server accepts them (capped by "
                "net.core.somaxconn)",
 }
@@ -78,7 +86,8 @@ def register(subparsers) -> None:
     )
     add_dataclass_arguments(parser, ServerConfig, "server options", _SERVER_HELP,
                             {"log_level": ("critical", "error", "warning", "info", "debug"),
-                             "pooling": ("last", "mean"), "generation_config": ("auto", "none")})
+                             "pooling": ("last", "mean"), "generation_config": ("auto", "none"),
+                             "record_prompts": RECORD_PROMPTS})
     parser.set_defaults(api_key=os.environ.get("GOODSERVE_API_KEY"))
     replicas = parser.add_argument_group("replicas")
     replicas.add_argument("--data-parallel-size", type=int, default=1, metavar="R",
@@ -91,7 +100,11 @@ def register(subparsers) -> None:
                                "prefills on its GPU and sends each prompt's KV over torch.distributed (on the CPU "
                                "the ids only name the processes) (docs/serving.md)")
     add_engine_arguments(parser)
-    parser.set_defaults(func=run)
+    parser.add_argument("--config", metavar="FILE",
+                        help="a JSON object of these options, e.g. the serve-config.json goodserve tune writes: "
+                             '{"quantization": "gguf", "max_num_seqs": 64}; a flag given here with a value other '
+                             "than its default wins over the file")
+    parser.set_defaults(func=lambda args: run(args, parser))
 
 
 def _check(config, args: argparse.Namespace) -> None:
@@ -112,6 +125,8 @@ def _check(config, args: argparse.Namespace) -> None:
     if config.slo_shed_costly and args.scheduler_policy != "slo":
         raise InvalidRequestError("--slo-shed-costly sheds in the slo policy's admission check: add "
                                   "--scheduler-policy slo")
+    if config.record_requests and not Path(config.record_requests).expanduser().parent.is_dir():
+        raise InvalidRequestError(f"--record-requests {config.record_requests}: its folder does not exist")
     if args.data_parallel_size < 1:
         raise InvalidRequestError("--data-parallel-size must be at least 1")
     if args.disaggregate is not None and args.data_parallel_size > 1:
@@ -128,9 +143,11 @@ def _is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from goodserve.server.app import ServerConfig
 
+    if args.config:
+        apply_config_file(args, parser, args.config)
     config = dataclass_from_args(ServerConfig, args)
     _check(config, args)
     layout = parse_disaggregate(args.disaggregate) if args.disaggregate is not None else None

@@ -24,6 +24,7 @@ from goodserve.server.errors import error_body
 from goodserve.server.generation import GenerationJob, cancel_on_disconnect
 from goodserve.server.metrics import ServerMetrics, Slo
 from goodserve.server.protocol import ChatMessage, ChatTemplateFields
+from goodserve.server.recording import RequestRecorder
 from goodserve.server.tokenization import PromptEncoder
 from goodserve.server.tool_calls import conversation
 
@@ -44,6 +45,8 @@ class ServingContext:
     slo: Slo | None = None  # --slo-ttft-ms / --slo-tpot-ms: the targets of requests that set none
     # --generation-config auto: the model's recommended sampling, for the knobs a request leaves unset
     sampling_defaults: SamplingDefaults = SamplingDefaults()
+    recorder: RequestRecorder | None = None  # --record-requests: each accepted prompt, with its arrival
+
 
     @property
     def tokenizer(self):
@@ -58,13 +61,15 @@ class ServingContext:
     def close(self) -> None:
         if "encoder" in self.__dict__:  # built on the first prompt that needed it
             self.encoder.close()
+        if self.recorder is not None:
+            self.recorder.close()
 
     def for_batch(self, admission: Admission) -> ServingContext:
         """The same serving path for batch lines (server/batch_lines.py): their own waiting-queue count,
         so online requests never get a 429 for places batch lines hold, and no server-wide deadline,
         since they wait in the capacity online traffic leaves, with no latency targets. One tokenizer
         pool serves both."""
-        view = replace(self, admission=admission, request_timeout_s=None, slo=None)
+        view = replace(self, admission=admission, request_timeout_s=None, slo=None, recorder=None)  # not traffic
         if self.engine.tokenizer is not None:
             view.encoder = self.encoder
         return view
@@ -113,6 +118,8 @@ class ServingContext:
             await self.encoder.in_pool(self._validate, prompts, params)
         else:
             self._validate(prompts, params)
+        if self.recorder is not None:
+            self.recorder.record(prompts, params)
         timeouts = [t for t in (self.request_timeout_s, request_timeout_s) if t is not None]
         deadline = time.monotonic() + min(timeouts) if timeouts else None
         job = GenerationJob(
