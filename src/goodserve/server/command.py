@@ -7,12 +7,7 @@ import ipaddress
 import logging
 import os
 
-from goodserve.engine_args import (
-    add_dataclass_arguments,
-    add_engine_arguments,
-    dataclass_from_args,
-    engine_config_from_args,
-)
+from goodserve.engine_args import add_dataclass_arguments, add_engine_arguments, dataclass_from_args
 from goodserve.engine.disagg_layout import parse_disaggregate
 from goodserve.engine.gc_pauses import serving_settings
 from goodserve.errors import InvalidRequestError
@@ -131,8 +126,11 @@ def _is_loopback(host: str) -> bool:
 def run(args: argparse.Namespace) -> int:
     from goodserve.server.app import ServerConfig
 
+    from goodserve.engine.preflight import checked_engine_config
+
     config = dataclass_from_args(ServerConfig, args)
     _check(config, args)
+    engine_config = checked_engine_config(args)
     layout = parse_disaggregate(args.disaggregate) if args.disaggregate is not None else None
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not _is_loopback(config.host) and not config.api_key:
@@ -141,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
     if args.data_parallel_size > 1:
         from goodserve.server.replicas import run_replicas
 
-        run_replicas(engine_config_from_args(args), config, args.data_parallel_size, args.router_policy)
+        run_replicas(engine_config, config, args.data_parallel_size, args.router_policy)
         return 0
     from goodserve.engine.async_engine import AsyncEngine  # torch loads only when serving
     from goodserve.server.app import run_server
@@ -150,13 +148,13 @@ def run(args: argparse.Namespace) -> int:
     if layout is not None:
         from goodserve.server.disaggregated import DisaggregatedEngine
 
-        engine = DisaggregatedEngine(engine_config_from_args(args), layout)
+        engine = DisaggregatedEngine(engine_config, layout)
     elif config.engine_process is not False:
         from goodserve.engine.engine_process import EngineProcess
 
-        engine = EngineProcess(engine_config_from_args(args))
+        engine = EngineProcess(engine_config)
     else:
-        engine = AsyncEngine(engine_config_from_args(args))
+        engine = AsyncEngine(engine_config)
     # What auto resolved to (dtype, KV dtype, kernels), as /metrics reports it in engine_config_info.
     logging.getLogger("goodserve.server").info(
         "engine: %s", " ".join(f"{k}={v}" for k, v in engine_info(engine).items()))
