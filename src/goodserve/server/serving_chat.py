@@ -46,7 +46,7 @@ async def create_chat_completion(
             stream = streams.setdefault(delta.index, _ChoiceStream(req, mode))
             return _chunk_choice(k, delta, stream)
 
-        chunks = stream_chunks(ctx, req.include_usage_in_stream, job, ChatCompletionChunk, make_choice)
+        chunks = stream_chunks(ctx, req, job, ChatCompletionChunk, make_choice)
         return JobStreamingResponse(chunks, job)
     (out,) = await ctx.run_to_end(job, request)
     choices = []
