@@ -25,6 +25,8 @@ _SERVER_HELP = {
     "drain_timeout_s": "on SIGTERM, how long in-flight requests may take to finish",
     "slo_ttft_ms": "time-to-first-token target counted in goodserve:request_slo (default: none)",
     "slo_tpot_ms": "time-per-output-token target counted in goodserve:request_slo (default: none)",
+    "gpu_hourly_cost": "$ per GPU-hour: /metrics reports goodserve:cost_per_hour_dollars (this times the GPUs the "
+                       "engine uses), from which the dashboard computes the cost per 1M tokens (default: none)",
     "slo_shed_costly": "under --scheduler-policy slo, as the queue builds refuse (429) the costliest requests first "
                        "(prompt tokens, and max_tokens: a request without it asks for the rest of the context): "
                        "more requests a second within their targets past capacity, long ones refused sooner "
@@ -102,6 +104,10 @@ def _check(config, args: argparse.Namespace) -> None:
                                   "--keep-alive-s must be positive")
     if config.batch_max_concurrency < 1 or config.batch_max_file_bytes < 1:
         raise InvalidRequestError("--batch-max-concurrency and --batch-max-file-bytes must be positive")
+    if config.gpu_hourly_cost is not None and config.gpu_hourly_cost < 0:
+        raise InvalidRequestError("--gpu-hourly-cost must not be negative")
+    if any(target is not None and target <= 0 for target in (config.slo_ttft_ms, config.slo_tpot_ms)):
+        raise InvalidRequestError("--slo-ttft-ms and --slo-tpot-ms must be positive")
     if config.max_connections is not None and config.max_connections < 1:
         raise InvalidRequestError("--max-connections must be at least 1")
     if config.slo_shed_costly and args.scheduler_policy != "slo":
