@@ -245,10 +245,30 @@ def applicable(fixes: tuple[Fix, ...], engine: dict[str, str] | None) -> list[Fi
     return [fix for fix in fixes if not (fix.turns_on and NOT_FOR[fix.turns_on](engine))]
 
 
+def oversubscribed(engine: dict[str, str] | None) -> Advice | None:
+    """More compute threads than usable cores on a CPU engine (its engine_config_info's cpu_* labels):
+    the OpenMP pools wait on each other's cores, and step times swing run to run."""
+    if not engine or not _on_cpu(engine) or "cpu_cores" not in engine:
+        return None
+    cores, ranks = int(engine["cpu_cores"]), int(engine.get("world_size", "1"))
+    engine_threads, server_threads = int(engine["cpu_threads"]), int(engine.get("server_cpu_threads", "0"))
+    threads = engine_threads * ranks + server_threads
+    if threads <= cores:
+        return None
+    fitting = max(1, (cores - 1) // ranks)
+    return Advice(
+        "CPU oversubscribed", threads / cores - 1.0,
+        f"{threads} compute threads ({engine_threads} per engine rank x {ranks}, {server_threads} in the server's "
+        f"process) on {cores} usable cores",
+        [Fix(f"OMP_NUM_THREADS={fitting} (or unset it: goodserve serve picks the threads from the usable cores)",
+             "each thread keeps a core; the server's event loop keeps one of its own",
+             "the serve log's 'CPU threads' line; TPOT steadier from run to run in goodserve bench")])
+
+
 def advise(obs: Observations, phases: list[PhaseAnalysis], engine: dict[str, str] | None = None) -> list[Advice]:
     """engine: the run's engine_config_info labels, so no fix repeats what is on or what the hardware lacks."""
     by_phase = {p.phase: p for p in phases}
-    advice = []
+    advice = [found for found in (oversubscribed(engine),) if found is not None]
     for rule in RULES:
         severity = rule.severity(obs, by_phase)
         if severity is not None:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from goodserve.engine.kv_cache_manager import KVCacheManager
-from goodserve.engine.scheduler import Scheduler
+if TYPE_CHECKING:  # the server's metrics read this module's plain data without torch
+    from goodserve.engine.kv_cache_manager import KVCacheManager
+    from goodserve.engine.scheduler import Scheduler
 
 
 @dataclass

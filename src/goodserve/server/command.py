@@ -147,9 +147,14 @@ def run(args: argparse.Namespace) -> int:
 
         run_replicas(engine_config, config, args.data_parallel_size, args.router_policy)
         return 0
+    from goodserve.cpu_threads import apply_thread_plan, plan_threads
     from goodserve.engine.async_engine import AsyncEngine  # torch loads only when serving
     from goodserve.server.app import run_server
     from goodserve.server.metrics import engine_info
+
+    threads = plan_threads(config.engine_process is not False and layout is None, engine_config.world_size)
+    apply_thread_plan(threads)
+    logging.getLogger("goodserve.server").info(threads.describe())
 
     if layout is not None:
         from goodserve.server.disaggregated import DisaggregatedEngine

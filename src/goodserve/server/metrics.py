@@ -66,6 +66,9 @@ def time_per_output_token(out: RequestOutput) -> float | None:
 
 def engine_info(engine) -> dict[str, str]:
     """What an AsyncEngine really runs (auto resolved: float32 and torch attention on a CPU), as strings."""
+    import torch
+
+    from goodserve.cpu_threads import available_cores
     from goodserve.engine.kv_cache import kv_storage_dtype
 
     config, device = engine.config, engine.device  # resolved: no "auto" is left in it
@@ -88,6 +91,12 @@ def engine_info(engine) -> dict[str, str]:
         "max_num_batched_tokens": str(config.max_num_batched_tokens),
         "speculative_method": config.speculative_method or "none",
         "speculative_model": config.speculative_model or "none",
+        # what diagnose weighs CPU oversubscription by: the cores the server may use, and the threads
+        # of the engine (each rank) and of the server's own pool where the engine has its own process
+        "cpu_cores": str(available_cores().count),
+        "cpu_threads": str(engine.info.cpu_threads),
+        "server_cpu_threads": str(torch.get_num_threads() if engine.runs_in_own_process else 0),
+        "world_size": str(config.world_size),
     }
 
 
