@@ -79,7 +79,8 @@ def test_lines_reach_the_engine_at_the_lowest_priority_within_the_concurrency_bo
     engine.add, engine.release = spy_add, spy_release
     source = tmp_path / "in.jsonl"
     write_lines(source, [completion(f"r{i}", max_tokens=8) for i in range(12)])
-    assert asyncio.run(run_file(engine, parse_lines(source.read_bytes(), ENDPOINTS), tmp_path / "out.jsonl", 3, "dummy:tiny")) == (12, 0)
+    lines = parse_lines(source.read_bytes(), ENDPOINTS)
+    assert asyncio.run(run_file(engine, lines, tmp_path / "out.jsonl", 3, "dummy:tiny")) == (12, 0)
     assert seen == [BATCH_PRIORITY] * 12 and most == 3
 
 

@@ -60,8 +60,9 @@ def steps_report(**overrides) -> StepsReport:
 def test_every_fix_with_values_builds_a_config_serve_accepts():
     options = [fix.option for rule in RULES for fix in rule.fixes]
     options += [fix.option for report in (steps_report(max_rows_within=12),
-                                          steps_report(over_by_batch=0, over_by_prompts=90, max_batched_tokens_within=512,
-                                                       prompt_room_per_s=1e6, prompt_tokens_per_s=10.0))
+                                          steps_report(over_by_batch=0, over_by_prompts=90,
+                                                       max_batched_tokens_within=512, prompt_room_per_s=1e6,
+                                                       prompt_tokens_per_s=10.0))
                 for advice in advise_steps(report) for fix in advice.fixes]
     checked = [tokens for tokens in map(serve_tokens, options) if tokens]
     assert len(checked) >= 15  # most fixes carry flags

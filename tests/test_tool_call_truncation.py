@@ -23,7 +23,8 @@ def request(tool_choice) -> ChatCompletionRequest:
 
 def test_a_cut_required_array_returns_its_complete_calls():
     content, calls = output_calls(request("required"), "required", CUT, truncated=True)
-    assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"})]
+    assert content is None
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"})]
     assert output_calls(request("required"), "required", "[", truncated=True) == (None, [])
     # Not cut, yet not JSON (cannot happen under the grammar): the text stays the content.
     assert output_calls(request("required"), "required", CUT) == (CUT, [])

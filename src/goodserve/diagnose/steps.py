@@ -198,7 +198,8 @@ def _fewer_rows(report: StepsReport) -> Fix:
     rows = report.max_rows_within
     if rows is None or rows < 1:
         return Fix("a faster decode step: --quantization int4 / gguf, a faster device, or a looser target",
-                   f"by the trace's fit even one decode row at this run's mean context outlasts {report.target_ms:g} ms, "
+                   f"by the trace's fit even one decode row at this run's mean context outlasts "
+                   f"{report.target_ms:g} ms, "
                    "so no --max-num-seqs brings steps within it", "the trace's p50 step falls under the target")
     return Fix(f"--max-num-seqs {rows}",
                f"a decode step of {rows} rows at this run's mean context fits {report.target_ms:g} ms by the trace's "

@@ -43,4 +43,5 @@ def check_input_file(path: Path, what: str) -> None:
 
 def check_output_file(path: Path, what: str) -> None:
     if path.is_dir() or not path.absolute().parent.is_dir():
-        raise InvalidRequestError(f"{what} {path}: {'is a directory' if path.is_dir() else 'its directory does not exist'}")
+        problem = "is a directory" if path.is_dir() else "its directory does not exist"
+        raise InvalidRequestError(f"{what} {path}: {problem}")
