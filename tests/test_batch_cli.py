@@ -13,7 +13,7 @@ from goodserve.commands.batch import run_file
 from goodserve.config import EngineConfig
 from goodserve.engine.async_engine import AsyncEngine
 from goodserve.server.admission import Admission
-from goodserve.server.batch_lines import BATCH_PRIORITY
+from goodserve.server.batch_lines import BATCH_PRIORITY, ENDPOINTS, parse_lines
 from goodserve.server.batch_runner import BatchRunner
 from goodserve.server.batch_store import BatchStore
 from goodserve.server.metrics import ServerMetrics, Slo
@@ -79,7 +79,8 @@ def test_lines_reach_the_engine_at_the_lowest_priority_within_the_concurrency_bo
     engine.add, engine.release = spy_add, spy_release
     source = tmp_path / "in.jsonl"
     write_lines(source, [completion(f"r{i}", max_tokens=8) for i in range(12)])
-    assert asyncio.run(run_file(engine, source, tmp_path / "out.jsonl", 3, "dummy:tiny")) == (12, 0)
+    lines = parse_lines(source.read_bytes(), ENDPOINTS)
+    assert asyncio.run(run_file(engine, lines, tmp_path / "out.jsonl", 3, "dummy:tiny")) == (12, 0)
     assert seen == [BATCH_PRIORITY] * 12 and most == 3
 
 

@@ -176,6 +176,7 @@ def test_bench_command_server_dies_mid_run_writes_partial_results(tmp_path, caps
         out = tmp_path / "result.json"
         args = bench_args("--base-url", server.url, "--num-prompts", "10", "--random-input-len", "8",
                           "--random-output-len", "3", "--max-concurrency", "1", "--result-filename", str(out),
+                          "--save-detailed",
                           "--save-csv", str(tmp_path / "r.csv"), "--save-html", str(tmp_path / "r.html"))
         assert command.run_command(args) == 1
     finally:
@@ -183,20 +184,22 @@ def test_bench_command_server_dies_mid_run_writes_partial_results(tmp_path, caps
     result = load_json(out)
     assert (result["completed"], result["failed"], len(result["records"])) == (4, 6, 10)
     assert result["total_output_tokens"] == 12 and result["total_input_tokens"] == 28
-    assert all(e for e in result["errors"])
+    assert sum(bool(e) for e in result["errors"]) == 6 and len(result["errors"]) == 10
     assert "requests failed" in capsys.readouterr().err
     assert len((tmp_path / "r.csv").read_text().splitlines()) == 11
     assert "TTFT CDF" in (tmp_path / "r.html").read_text()
 
 
-def test_bench_command_unreachable_endpoint(tmp_path, capsys):
+def test_bench_command_unreachable_endpoint_fails_before_the_run(tmp_path, capsys):
+    from goodserve.cli import main
+
     out = tmp_path / "result.json"
-    args = bench_args("--base-url", f"http://127.0.0.1:{free_port()}", "--num-prompts", "3",
-                      "--random-input-len", "8", "--random-output-len", "3", "--result-filename", str(out))
-    assert command.run_command(args) == 1
-    result = load_json(out)
-    assert result["completed"] == 0 and result["failed"] == 3
-    assert "3 x cannot connect to" in capsys.readouterr().err
+    port = free_port()
+    assert main(["bench", "--base-url", f"http://127.0.0.1:{port}", "--num-prompts", "3",
+                 "--random-input-len", "8", "--random-output-len", "3", "--result-filename", str(out)]) == 2
+    captured = capsys.readouterr()
+    assert f"nothing answers at http://127.0.0.1:{port}" in captured.err
+    assert not out.exists() and "Successful requests" not in captured.out  # no table of zeros
 
 
 def test_bench_command_malformed_dataset(tmp_path):

@@ -110,11 +110,11 @@ def advised_options(engine) -> set[str]:
     return options
 
 
-CHUNKED = "--enable-chunked-prefill --max-num-batched-tokens 2048..8192"
+CHUNKED = "--enable-chunked-prefill --max-num-batched-tokens 4096"
 PREFIX = "--enable-prefix-caching"
 CONTINUOUS = "--scheduler-policy continuous"
 GRAPHS = "--no-enforce-eager (CUDA graphs)"
-GRAPHS_TRITON = "--no-enforce-eager (CUDA graphs) and --attention-backend triton"
+GRAPHS_TRITON = "--no-enforce-eager --attention-backend triton (CUDA graphs and the Triton kernels)"
 GPU_QUANT = "--quantization int8 (or int4)"
 CPU_QUANT = "--quantization gguf (a GGUF model's own codes) or int4"
 MEMORY_QUANT = "--quantization int8"

@@ -2,9 +2,11 @@
 which bench records and diagnose reads."""
 
 import pytest
+import torch
 
 from goodserve.bench.engine_config import fetch_engine_config, parse_engine_config
 from goodserve.config import EngineConfig
+from goodserve.cpu_threads import available_cores
 from goodserve.server.metrics import ServerMetrics, Slo
 
 
@@ -27,7 +29,10 @@ def test_info_metric_names_the_resolved_cpu_engine(int8_kv_engine):
         "pipeline_micro_batches": "False",  # one stage
         "max_num_seqs": "8",
         "max_num_batched_tokens": "2048", "speculative_method": "none",
-        "speculative_model": "none"}
+        "speculative_model": "none",
+        # the cores this process may use and the engine's torch threads; no pool of the server's own
+        "cpu_cores": str(available_cores().count), "cpu_threads": str(torch.get_num_threads()),
+        "server_cpu_threads": "0", "world_size": "1"}
 
 
 def test_other_servers_have_no_engine_config():

@@ -221,10 +221,10 @@ def test_every_unimplemented_field_is_refused_by_name(served):
             assert resp.status_code == 400, (path, name, resp.text)
             error = resp.json()["error"]
             assert f"'{name}'" in error["message"] and error["param"] == name, (path, name, error)
-        # stream_options is strict: vLLM's continuous_usage_stats would otherwise look accepted and never come
+        # stream_options is strict: an option it does not know would otherwise look accepted and never apply
         resp = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1, "stream": True, "stream_options": {
-            "include_usage": True, "continuous_usage_stats": True}})
-        assert resp.status_code == 400 and "stream_options.continuous_usage_stats" in resp.json()["error"]["message"]
+            "include_usage": True, "usage_every_token": True}})
+        assert resp.status_code == 400 and "stream_options.usage_every_token" in resp.json()["error"]["message"]
         # a null is no value; the other helper's structured-output fields stay accepted until they land
         assert http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1, "best_of": None}).status_code == 200
         assert http.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 1,
@@ -281,7 +281,10 @@ def test_chat_template_kwargs_the_template_does_not_read_are_refused_by_name(ser
     _, _, client = served
     with pytest.raises(openai.BadRequestError, match="'enable_thinking' is not a variable of this model's chat"):
         client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1,
-                                       extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+                                       extra_body={"chat_template_kwargs": {"enable_thinking": True}})
+    # false is what the unread variable means already: accepted, as clients send it to every model
+    client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1,
+                                   extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     with pytest.raises(openai.BadRequestError, match="may not set 'messages'"):
         client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1,
                                        extra_body={"chat_template_kwargs": {"messages": []}})

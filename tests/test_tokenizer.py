@@ -128,7 +128,11 @@ def test_chat_template_kwargs_reach_the_template_and_only_its_own_variables_pass
         with pytest.raises(InvalidRequestError, match=f"may not set '{server_set}'"):
             thinking.check_template_kwargs({server_set: []})
     with pytest.raises(InvalidRequestError, match="'enable_thinking' is not a variable.*none"):
-        tok.check_template_kwargs({"enable_thinking": False})  # SmolLM2's template reads none
+        tok.check_template_kwargs({"enable_thinking": True})  # SmolLM2's template reads none
+    # Unread, a variable is undefined, which the template takes as false: a false value changes nothing
+    # the client did not ask for, so it passes (vLLM's clients send enable_thinking=false to every model).
+    tok.check_template_kwargs({"enable_thinking": False, "reasoning": None})
+    assert thinking.apply_chat_template(messages) == thinking.apply_chat_template(messages, enable_thinking=False)
 
 
 PLAIN_TEMPLATE = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"

@@ -52,8 +52,10 @@ def show_defaults(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from goodserve.bench.command import with_default_action
+
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(with_default_action(list(sys.argv[1:] if argv is None else argv)))
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

@@ -217,6 +217,7 @@ class EngineConfig:
             (self.attention_backend in ATTENTION_BACKENDS, f"attention_backend must be one of {ATTENTION_BACKENDS}"),
             (self.block_size in BLOCK_SIZES, f"block_size must be one of {BLOCK_SIZES}"),
             (0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be in (0, 1]"),
+            (self.max_model_len is None or self.max_model_len >= 1, "max_model_len must be at least 1"),
             (self.max_num_seqs is None or self.max_num_seqs >= 1, "max_num_seqs must be at least 1"),
             (self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be at least 1"),
             (self.max_n_per_request >= 1, "max_n_per_request must be at least 1"),

@@ -37,6 +37,24 @@ _CHOICES = {
 }
 
 _HELP = {
+    "seed": "seed of the random weights (dummy:<preset>) and of sampling for requests that give none",
+    "block_size": "tokens per KV cache block (the prefix cache shares whole blocks)",
+    "kv_cache_dtype": "KV cache storage: auto (the model's dtype), int8, or fp8 (CUDA): about half the memory a "
+                      "token (docs/quantization.md)",
+    "enable_prefix_caching": "reuse the KV blocks of prompt prefixes already computed",
+    "enable_chunked_prefill": "split long prompts into chunks that share steps with decodes (--max-num-batched-tokens "
+                              "a step)",
+    "makespan_slack": "--scheduler-policy makespan: admit more requests while the steps so far fall short of this "
+                      "many times the tokens left over the steps the longest request has left",
+    "makespan_min_admit": "--scheduler-policy makespan: admit in lumps of at least this many tokens",
+    "quantization_group_size": "--quantization int4: weights per scale (default: the largest of 128, 64, 32 that "
+                               "divides the layer)",
+    "quantization_awq": "with --quantization int8 / int4: activation-aware scales, searched on a built-in "
+                        "calibration text at load (docs/quantization.md)",
+    "quantized_checkpoint": "load int8 / int4 weights saved by `goodserve quantize` instead of quantizing at load",
+    "attention_backend": "auto: Triton kernels on CUDA, torch elsewhere",
+    "executor_backend": "uni: the model runs in the engine's process; mp: in a worker process of its own "
+                        "(tensor and pipeline parallelism always use one process per rank)",
     "model": "'smollm2-135m' (embedded), a .gguf file, a Hugging Face model directory, or dummy:<preset>",
     "dtype": "weights and activations; auto is bfloat16 on CUDA, float32 on CPU",
     "device": "auto picks cuda when available",

@@ -14,14 +14,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
+from urllib.parse import urlsplit
 
 import aiohttp
 
 from goodserve.bench.records import RequestRecord
 from goodserve.bench.workloads import BenchRequest
+from goodserve.errors import InvalidRequestError
 
 Clock = Callable[[], float]
 
@@ -36,6 +39,7 @@ class HttpTargetConfig:
     temperature: float = 0.0
     timeout_s: float = 600.0
     extra_body: dict | None = None
+    headers: dict[str, str] = field(default_factory=dict)  # sent with every request (vLLM's --header)
 
     @property
     def is_chat(self) -> bool:
@@ -44,6 +48,27 @@ class HttpTargetConfig:
     @property
     def url(self) -> str:
         return self.base_url.rstrip("/") + "/" + self.endpoint.lstrip("/")
+
+
+def check_reachable(base_url: str, wait_s: float = 0.0) -> None:
+    """Fail before a run, not with a table of zeros after it, when nothing listens at base_url;
+    wait_s: how long to keep trying (a server still starting)."""
+    parts = urlsplit(base_url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise InvalidRequestError(f"--base-url {base_url!r}: expected http://HOST:PORT or https://HOST:PORT")
+    address = (parts.hostname, parts.port or (443 if parts.scheme == "https" else 80))
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            with socket.create_connection(address, timeout=5.0):
+                return
+        except OSError as exc:
+            if time.monotonic() >= deadline:
+                raise InvalidRequestError(
+                    f"nothing answers at {base_url} ({exc.strerror or exc}): start the server first (e.g. "
+                    f"`goodserve serve`), or point --base-url / --host / --port at it; "
+                    f"--ready-check-timeout-sec N waits for one that is starting") from None
+            time.sleep(1.0)
 
 
 class TokenCounter:
@@ -70,6 +95,7 @@ class HttpTarget:
     def _session(self) -> aiohttp.ClientSession:
         if self.session is None:
             headers = {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
+            headers.update(self.config.headers)
             # timeout_s bounds each wait for bytes, not the whole stream (a long answer may stream for minutes)
             timeout = aiohttp.ClientTimeout(total=None, sock_connect=10.0, sock_read=self.config.timeout_s)
             self.session = aiohttp.ClientSession(headers=headers, timeout=timeout,

@@ -30,7 +30,7 @@ from goodserve.bench.metrics import (
 )
 from goodserve.bench.records import RequestRecord
 from goodserve.bench.report import print_report, write_csv, write_html
-from goodserve.bench.result import build_result, save_json
+from goodserve.bench.result import build_result, save_json, without_details
 from goodserve.bench.runner import BenchRun, search_capacity
 from goodserve.bench.spec_decode import (
     SpecDecodeCounts,
@@ -39,6 +39,15 @@ from goodserve.bench.spec_decode import (
     spec_decode_metrics,
 )
 from goodserve.bench.text import PromptText
+from goodserve.bench.vllm_flags import (
+    CHAT_BACKENDS,
+    COMPLETIONS_BACKENDS,
+    add_vllm_arguments,
+    apply_general_lengths,
+    backend_of,
+    key_values,
+    sampling_body,
+)
 from goodserve.bench.workloads import DATASETS, LENGTH_DISTS, BenchRequest, WorkloadConfig, build_workload
 from goodserve.commands.console import make_console
 from goodserve.config import DTYPES, SCHEDULER_POLICIES
@@ -46,6 +55,7 @@ from goodserve.errors import InvalidRequestError
 from goodserve.model_names import EMBEDDED_MODEL
 
 BACKENDS = ("openai", "openai-chat", "inprocess")
+ACTIONS = ("serve", "compare")
 
 
 def register(subparsers) -> None:
@@ -59,15 +69,24 @@ def register(subparsers) -> None:
     compare.add_argument("result_a")
     compare.add_argument("result_b")
     compare.set_defaults(func=lambda args: compare_files(args.result_a, args.result_b) or 0)
-    add_serve_arguments(parser)
+    add_serve_arguments(parser)  # `goodserve bench --help` lists them; with_default_action parses them as serve's
     parser.set_defaults(func=run_command)
+
+
+def with_default_action(argv: list[str]) -> list[str]:
+    """`goodserve bench --flags` is `goodserve bench serve --flags`: the flags then parse (or fail by
+    name) as serve's, never as a misread ACTION."""
+    if argv[:1] == ["bench"] and (len(argv) == 1 or argv[1] not in (*ACTIONS, "-h", "--help")):
+        return ["bench", "serve", *argv[1:]]
+    return argv
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("target")
-    g.add_argument("--backend", choices=BACKENDS, default="openai",
-                   help="openai: /v1/completions; openai-chat: /v1/chat/completions; "
-                        "inprocess: goodserve's engine in this process, no HTTP")
+    g.add_argument("--backend", default="openai", metavar="{" + ",".join(BACKENDS) + "}",
+                   help=f"openai: /v1/completions; openai-chat: /v1/chat/completions; "
+                        f"inprocess: goodserve's engine in this process, no HTTP. vLLM's names work too: "
+                        f"{', '.join(COMPLETIONS_BACKENDS)} (as openai), {', '.join(CHAT_BACKENDS)} (as openai-chat)")
     g.add_argument("--base-url", help="server URL, e.g. http://127.0.0.1:8000 (overrides --host/--port)")
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000)
@@ -106,6 +125,16 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefix-repetition-output-len", type=int, default=128)
     g.add_argument("--multiturn-num-turns", type=int, default=4)
     g.add_argument("--custom-output-len", type=int, default=256)
+    g.add_argument("--custom-skip-chat-template", "--skip-chat-template", dest="skip_chat_template",
+                   action="store_true", help="accepted: prompts are always sent as they are (the chat "
+                                             "endpoint applies the server's template)")
+    g.add_argument("--sonnet-input-len", type=int, default=550)
+    g.add_argument("--sonnet-output-len", type=int, default=150)
+    g.add_argument("--sonnet-prefix-len", type=int, default=200,
+                   help="tokens of poem lines every sonnet prompt starts with")
+    g.add_argument("--hf-output-len", type=int, help="hf: output tokens per request (default: 256)")
+    g.add_argument("--hf-split", help="hf: the split the local file holds (recorded in the result)")
+    g.add_argument("--hf-subset", help="hf: the subset the local file holds (recorded in the result)")
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--temperature", type=float, default=0.0)
 
@@ -143,11 +172,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 
     g = p.add_argument_group("output")
     g.add_argument("--save-result", action="store_true")
-    g.add_argument("--result-dir", default=".")
+    g.add_argument("--result-dir", help="where --save-result writes (default: the current directory)")
     g.add_argument("--result-filename")
     g.add_argument("--save-csv", help="per-request CSV path")
     g.add_argument("--save-html", help="HTML report path")
     g.add_argument("--disable-tqdm", "--no-progress", dest="no_progress", action="store_true")
+    add_vllm_arguments(p)
 
 
 def workload_config(args) -> WorkloadConfig:
@@ -167,11 +197,37 @@ def make_target(args, tokenizer):
     from goodserve.bench.client import HttpTarget, HttpTargetConfig, TokenCounter
 
     endpoint = args.endpoint or ("/v1/chat/completions" if args.backend == "openai-chat" else "/v1/completions")
-    config = HttpTargetConfig(base_url=args.base_url or f"http://{args.host}:{args.port}", endpoint=endpoint,
-                              model=args.model, api_key=args.api_key, ignore_eos=args.ignore_eos,
-                              temperature=args.temperature, timeout_s=args.request_timeout)
+    config = HttpTargetConfig(base_url=base_url_of(args), endpoint=endpoint,
+                              model=args.served_model_name or args.model, api_key=args.api_key,
+                              ignore_eos=args.ignore_eos, temperature=args.temperature,
+                              timeout_s=args.request_timeout, extra_body=sampling_body(args),
+                              headers=key_values(args.header, "--header"))
     counter = TokenCounter(tokenizer.encode if tokenizer else None)
     return HttpTarget(config, counter)
+
+
+def base_url_of(args) -> str:
+    return args.base_url or f"http://{args.host}:{args.port}"
+
+
+def check_args(args) -> None:
+    """vLLM's names and general flags resolved, and every flag checked, before any prompt is made or
+    request sent."""
+    args.backend_name = args.backend  # the name given, which the result keeps (as vLLM's does)
+    args.backend = backend_of(args.backend)
+    if args.backend not in BACKENDS:
+        raise InvalidRequestError(f"--backend {args.backend!r}: choose from {', '.join(BACKENDS)} (or vLLM's "
+                                  f"{', '.join(COMPLETIONS_BACKENDS + CHAT_BACKENDS)})")
+    if args.backend == "inprocess" and (sampling_body(args) or args.header or args.served_model_name):
+        raise InvalidRequestError("--backend inprocess sends no HTTP requests: --header, --extra-body, "
+                                  "--served-model-name and the sampling flags apply to openai / openai-chat")
+    if args.dataset_path and args.dataset_name in ("random", "prefix_repetition", "multiturn", "copy"):
+        raise InvalidRequestError(f"--dataset-name {args.dataset_name} makes its prompts: --dataset-path "
+                                  f"{args.dataset_path} needs sharegpt, sonnet, hf or custom")
+    apply_general_lengths(args)
+    args.metadata_pairs = key_values(args.metadata, "--metadata")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise InvalidRequestError("--max-concurrency must be at least 1")
 
 
 def engine_config_of(args, target) -> dict[str, str] | None:
@@ -185,13 +241,16 @@ def engine_config_of(args, target) -> dict[str, str] | None:
 
 def settings_of(args, arrivals: ArrivalConfig, target, tokenizer_id: str | None,
                 engine_config: dict[str, str] | None) -> dict:
+    hf = {name: getattr(args, name) for name in ("hf_split", "hf_subset") if getattr(args, name)}
     return {
-        "backend": args.backend, "base_url": getattr(target, "config", None) and target.config.base_url,
+        "endpoint_type": args.backend_name, "backend": args.backend_name, "label": args.label,
+        "base_url": getattr(target, "config", None) and target.config.base_url,
         "endpoint": getattr(target, "config", None) and target.config.endpoint,
         "model_id": args.model, "tokenizer_id": tokenizer_id, "dataset_name": args.dataset_name,
         "num_prompts": args.num_prompts, "request_rate": arrivals.request_rate,
         "burstiness": arrivals.burstiness, "max_concurrency": arrivals.max_concurrency,
         "arrivals": arrivals.label, "num_warmups": args.num_warmups, "engine_config": engine_config,
+        **hf, **args.metadata_pairs,
     }
 
 
@@ -209,6 +268,7 @@ class Bench:
     target: one the caller built (goodserve tune hands in an engine it loaded); else from args."""
 
     def __init__(self, args, console: Console, target=None):
+        check_args(args)
         self.args = args
         self.console = console
         self.slos = parse_goodput_slos(args.goodput)
@@ -225,6 +285,10 @@ class Bench:
             raise InvalidRequestError("--sweep-slo-scale needs SLOs: add --goodput ttft:MS tpot:MS")
         self.tokenizer = self._tokenizer()
         self.requests = self._workload(0)  # the current run's: each run draws its own (prompt_seed)
+        if target is None and args.backend != "inprocess":
+            from goodserve.bench.client import check_reachable
+
+            check_reachable(base_url_of(args), args.ready_check_timeout_sec)
         self.target = target or make_target(args, self.tokenizer)
         self.engine_config = engine_config_of(args, self.target)
         if self.engine_config:
@@ -341,7 +405,7 @@ class Bench:
     def result(self) -> dict:
         if len(self.runs) == 1 and self.capacity is None:
             return self.runs[0]
-        result = {"model_id": self.args.model, "backend": self.args.backend,
+        result = {"model_id": self.args.model, "backend": self.args.backend_name,
                   "engine_config": self.engine_config, "sweep": self.runs}
         if self.capacity is not None:
             result["capacity"] = self.capacity
@@ -349,18 +413,24 @@ class Bench:
 
     def save(self, result: dict) -> None:
         a = self.args
-        if a.save_result or a.result_filename:
-            name = a.result_filename or (f"{a.backend}-{a.request_rate}qps-"
-                                         f"{Path(a.model).name.replace(':', '_')}-{result.get('date', 'sweep')}.json")
-            path = Path(a.result_dir) / name
-            save_json(result, path)
-            self.console.print(f"result written to {path}")
+        if a.save_result or a.append_result or a.result_filename:
+            path = Path(a.result_dir or ".") / (a.result_filename or result_filename(a, result))
+            save_json(result if a.save_detailed else without_details(result), path, append=a.append_result)
+            self.console.print(f"result {'appended' if a.append_result else 'written'} to {path}")
         if a.save_csv:
             write_csv(result, Path(a.save_csv))
             self.console.print(f"per-request CSV written to {a.save_csv}")
         if a.save_html:
             write_html(result, Path(a.save_html))
             self.console.print(f"HTML report written to {a.save_html}")
+
+
+def result_filename(args, result: dict) -> str:
+    """vLLM's name: LABEL-RATEqps[-concurrencyN]-MODEL-DATE.json (the label defaults to the backend)."""
+    concurrency = f"-concurrency{args.max_concurrency}" if args.max_concurrency is not None else ""
+    model = Path(args.model).name.replace(":", "_")
+    return (f"{args.label or args.backend_name}-{args.request_rate}qps{concurrency}-{model}-"
+            f"{result.get('date', 'sweep')}.json")
 
 
 def run_event_loop(main) -> None:
@@ -396,7 +466,7 @@ def _exit_status(runs: list[dict], interrupted: bool) -> int:
     """0 when every request succeeded; 1 (with the errors summarized) when any failed."""
     if interrupted:
         return 130
-    errors = [e for run in runs for e in run["errors"]]
+    errors = [e for run in runs for e in run["errors"] if e]
     if not errors:
         return 0
     total = sum(run["num_requests"] for run in runs)

@@ -198,6 +198,7 @@ def _sweep_plots(runs: list[dict]) -> list[tuple[str, str]]:
         ax2.plot(rates, [run["slo_attainment"] for run in runs], marker="s", color="tab:red",
                  label="SLO attainment %")
         ax2.set_ylabel("SLO attainment (%)")
+        ax2.set_ylim(0, 102)  # a percentage: 0 sits at the bottom, not mid-axis
         ax.set_xlabel("achieved request rate (req/s)")
         ax.set_ylabel("goodput (req/s)")
         ax.set_title("Goodput vs rate")
@@ -246,21 +247,41 @@ def _finite(value) -> bool:
 
 _HTML = jinja2.Template("""<!doctype html>
 <html><head><meta charset="utf-8"><title>goodserve bench: {{ title }}</title>
-<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}
-td,th{border:1px solid #ccc;padding:4px 8px;text-align:right}img{margin:8px}</style></head>
+<style>body{font-family:sans-serif;margin:2em;max-width:1200px}table{border-collapse:collapse}
+.scroll{overflow-x:auto;max-width:100%}td,th{border:1px solid #ccc;padding:4px 8px;text-align:right}
+th{white-space:normal;max-width:7em;font-size:90%}dl{display:grid;grid-template-columns:max-content auto;gap:2px 1em}
+dt{font-weight:bold}img{margin:8px;max-width:100%}</style></head>
 <body><h1>goodserve bench</h1><p>{{ title }}</p>
-<table><tr><th>run</th>{% for c in columns %}<th>{{ c }}</th>{% endfor %}</tr>
-{% for run in runs %}<tr><td>{{ loop.index0 }}</td>{% for c in columns %}<td>{{ fmt(run.get(c)) }}</td>{% endfor %}</tr>
-{% endfor %}</table>
+<dl>{% for name, value in settings %}<dt>{{ name }}</dt><dd>{{ value }}</dd>{% endfor %}</dl>
+<div class="scroll"><table><tr><th>run</th>{% for key, label in columns %}<th title="{{ key }}">{{ label }}</th>{% endfor %}</tr>
+{% for run in runs %}<tr><td>{{ loop.index0 }}</td>{% for key, label in columns %}<td>{{ fmt(run.get(key)) }}</td>{% endfor %}</tr>
+{% endfor %}</table></div>
 {% for name, png in plots %}<h2>{{ name }}</h2><img alt="{{ name }}" src="data:image/png;base64,{{ png }}">
 {% endfor %}</body></html>
 """, autoescape=True)
 
-_HTML_COLUMNS = ["request_rate", "max_concurrency", "completed", "failed", "request_throughput",
-                 "output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms",
-                 "median_itl_ms", "p99_itl_ms", "request_goodput", "slo_attainment",
-                 "spec_decode_acceptance_rate", "spec_decode_acceptance_length",
-                 "spec_decode_per_position_acceptance_rates"]
+# Result keys the run table shows, and their headers (the key itself is each header's tooltip).
+_HTML_COLUMNS = {"request_rate": "rate (req/s)", "max_concurrency": "concurrency", "completed": "done",
+                 "failed": "failed", "request_throughput": "req/s", "output_throughput": "output tok/s",
+                 "median_ttft_ms": "TTFT p50 (ms)", "p99_ttft_ms": "TTFT p99 (ms)",
+                 "median_tpot_ms": "TPOT p50 (ms)", "p99_tpot_ms": "TPOT p99 (ms)",
+                 "median_itl_ms": "ITL p50 (ms)", "p99_itl_ms": "ITL p99 (ms)",
+                 "request_goodput": "goodput (req/s)", "slo_attainment": "SLO met (%)",
+                 "cost_per_1m_output_tokens": "$ / 1M output tok", "cost_per_1m_total_tokens": "$ / 1M tok",
+                 "spec_decode_acceptance_rate": "draft acceptance (%)",
+                 "spec_decode_acceptance_length": "acceptance length"}
+
+
+def _settings(result: dict, runs: list[dict]) -> list[tuple[str, str]]:
+    """What the runs were held to and ran on: the SLO targets, the cost basis, the engine."""
+    first = runs[0] if runs else {}
+    slos = first.get("goodput_slos_ms")
+    rows = [("SLO targets", ", ".join(f"{name} {ms:g} ms" for name, ms in slos.items()) if slos else "none given")]
+    if first.get("gpu_hourly_cost") is not None:
+        rows.append(("cost basis", f"${first['gpu_hourly_cost']:g} per GPU-hour x {first.get('num_gpus', 1)} GPUs"))
+    engine = result.get("engine_config") or first.get("engine_config")
+    rows.append(("engine", ", ".join(f"{k}={v}" for k, v in engine.items()) if engine else "not reported"))
+    return rows
 
 
 def write_html(result: dict, path: Path) -> None:
@@ -273,5 +294,6 @@ def write_html(result: dict, path: Path) -> None:
         plots += _sweep_plots(runs)
     plots += _attainment_plots(runs)
     title = f"{result.get('model_id', '')} on {result.get('base_url') or result.get('backend', '')}"
-    columns = [c for c in _HTML_COLUMNS if any(c in run for run in runs)]
-    path.write_text(_HTML.render(title=title, runs=runs, columns=columns, plots=plots, fmt=cell))
+    columns = [(key, label) for key, label in _HTML_COLUMNS.items() if any(run.get(key) is not None for run in runs)]
+    path.write_text(_HTML.render(title=title, runs=runs, columns=columns, plots=plots, fmt=cell,
+                                 settings=_settings(result, runs)))

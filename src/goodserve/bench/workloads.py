@@ -9,12 +9,16 @@
 - copy: "repeat this passage" prompts whose answer copies spans of the input (prompt lookup).
 - custom: a JSONL file, one {"prompt": ..., "output_tokens": ...} object per line; a recording of
   serve's (--record-requests) with hashed prompts gives {"prompt_sha256": ..., "prompt_tokens": N}.
+- sonnet: vLLM's: "pick as many lines as you can" over poem lines, a shared prefix of lines then
+  random ones (the bundled sonnets, or a --dataset-path text file).
+- hf: a Hugging Face dataset's rows from a local JSON / JSONL file (no hub here): ShareGPT-style
+  conversations, or a prompt / instruction / question / problem / text field per row.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +26,7 @@ import numpy as np
 from goodserve.bench.text import PromptText
 from goodserve.errors import InvalidRequestError
 
-DATASETS = ("random", "sharegpt", "prefix_repetition", "multiturn", "copy", "custom")
+DATASETS = ("random", "sharegpt", "prefix_repetition", "multiturn", "copy", "custom", "sonnet", "hf")
 LENGTH_DISTS = ("fixed", "uniform", "normal", "lognormal")
 
 
@@ -68,6 +72,10 @@ class WorkloadConfig:
     prefix_repetition_output_len: int = 128
     multiturn_num_turns: int = 4
     custom_output_len: int = 256
+    sonnet_input_len: int = 550
+    sonnet_output_len: int = 150
+    sonnet_prefix_len: int = 200
+    hf_output_len: int | None = None
 
 
 def sample_lengths(rng: np.random.Generator, mean: int, ratio: float, dist: str, n: int) -> list[int]:
@@ -93,7 +101,7 @@ def build_workload(cfg: WorkloadConfig, text: PromptText) -> list[BenchRequest]:
         raise InvalidRequestError(f"--num-prompts must be at least 1, got {cfg.num_prompts}")
     builders = {
         "random": _random, "sharegpt": _sharegpt, "prefix_repetition": _prefix_repetition,
-        "multiturn": _multiturn, "copy": _copy, "custom": _custom,
+        "multiturn": _multiturn, "copy": _copy, "custom": _custom, "sonnet": _sonnet, "hf": _hf,
     }
     if cfg.dataset_name not in builders:
         raise InvalidRequestError(f"unknown --dataset-name {cfg.dataset_name!r}; choose from {DATASETS}")
@@ -138,6 +146,11 @@ def _sharegpt_file(cfg: WorkloadConfig, text: PromptText, rng: np.random.Generat
     data = _read_json(path)
     if not isinstance(data, list):
         raise DatasetError(f"{path}: expected a JSON list of conversations, got {type(data).__name__}")
+    return _sharegpt_rows(data, path, cfg, text, rng)
+
+
+def _sharegpt_rows(data: list, path: Path, cfg: WorkloadConfig, text: PromptText,
+                   rng: np.random.Generator) -> list[BenchRequest]:
     requests = []
     for i in rng.permutation(len(data)):
         turns = data[i].get("conversations") if isinstance(data[i], dict) else None
@@ -254,6 +267,77 @@ def _line_prompt(row: dict, text: PromptText, hashed: dict[str, str]) -> str | N
     if key not in hashed:
         hashed[key] = text.make(tokens)
     return hashed[key]
+
+
+_SONNET_INSTRUCTION = "Pick as many lines as you can from these poem lines:\n"
+
+
+def _sonnet(cfg: WorkloadConfig, text: PromptText, rng: np.random.Generator) -> list[BenchRequest]:
+    """vLLM's sonnet prompts: the instruction, the text's first lines up to --sonnet-prefix-len tokens
+    (shared by every request: a prefix-cache workload), then lines drawn at random up to
+    --sonnet-input-len."""
+    from goodserve.bench.sonnets import SONNET_LINES
+
+    lines = [line if line.endswith("\n") else line + "\n" for line in
+             (_read_lines(Path(cfg.dataset_path)) if cfg.dataset_path else SONNET_LINES) if line.strip()]
+    if not lines:
+        raise DatasetError(f"{cfg.dataset_path}: no lines of text")
+    if cfg.sonnet_prefix_len > cfg.sonnet_input_len:
+        raise InvalidRequestError(f"--sonnet-prefix-len ({cfg.sonnet_prefix_len}) must not exceed "
+                                  f"--sonnet-input-len ({cfg.sonnet_input_len})")
+    base = text.count(_SONNET_INSTRUCTION)
+    line_len = sum(text.count(line) for line in lines) / len(lines)
+    num_input_lines = max(1, round((cfg.sonnet_input_len - base) / line_len))
+    num_prefix_lines = min(num_input_lines, max(0, round((cfg.sonnet_prefix_len - base) / line_len)))
+    prefix = [lines[i % len(lines)] for i in range(num_prefix_lines)]
+    requests = []
+    for _ in range(cfg.num_prompts):
+        extra = [lines[i] for i in rng.integers(0, len(lines), size=num_input_lines - num_prefix_lines)]
+        prompt = _SONNET_INSTRUCTION + "".join(prefix + extra)
+        requests.append(BenchRequest(prompt, text.count(prompt), cfg.sonnet_output_len))
+    return requests
+
+
+_HF_PROMPT_FIELDS = ("prompt", "instruction", "question", "problem", "input", "text")
+_HF_DEFAULT_OUTPUT_LEN = 256
+
+
+def _hf(cfg: WorkloadConfig, text: PromptText, rng: np.random.Generator) -> list[BenchRequest]:
+    """Rows of a dataset saved from the Hugging Face hub as JSON or JSONL: ShareGPT-style rows go
+    through the sharegpt loader, others give their first prompt-like field."""
+    if not cfg.dataset_path or not Path(cfg.dataset_path).is_file():
+        raise DatasetError(
+            f"--dataset-name hf reads a local JSON / JSONL file here (this machine does not reach the Hugging "
+            f"Face hub), not {cfg.dataset_path!r}: save the dataset's rows first, e.g. "
+            f"`datasets.load_dataset(ID, split='train').to_json('rows.jsonl')`, and give --dataset-path rows.jsonl")
+    path = Path(cfg.dataset_path)
+    raw = "\n".join(_read_lines(path))
+    try:
+        rows = json.loads(raw)
+    except json.JSONDecodeError:
+        rows = [_json_line(path, n, line) for n, line in enumerate(raw.splitlines(), 1) if line.strip()]
+    if isinstance(rows, dict):
+        rows = next((v for v in rows.values() if isinstance(v, list)), [rows])
+    if rows and isinstance(rows[0], dict) and "conversations" in rows[0]:
+        return _sharegpt_rows(rows, path, replace(cfg, sharegpt_output_len=cfg.hf_output_len), text, rng)
+    requests = []
+    for i in rng.permutation(len(rows)):
+        row = rows[i] if isinstance(rows[i], dict) else {}
+        prompt = next((row[k] for k in _HF_PROMPT_FIELDS if isinstance(row.get(k), str) and row[k]), None)
+        if prompt is None:
+            raise DatasetError(f"{path}: row {i} has none of the prompt fields {_HF_PROMPT_FIELDS} "
+                               "(or 'conversations')")
+        requests.append(BenchRequest(prompt, text.count(prompt), cfg.hf_output_len or _HF_DEFAULT_OUTPUT_LEN))
+    if not requests:
+        raise DatasetError(f"{path}: no rows")
+    return _cycle(requests, cfg.num_prompts)
+
+
+def _json_line(path: Path, number: int, line: str) -> object:
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise DatasetError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
 
 
 def _cycle(requests: list[BenchRequest], n: int) -> list[BenchRequest]:

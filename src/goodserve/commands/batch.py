@@ -16,7 +16,8 @@ import sys
 from pathlib import Path
 
 from goodserve.commands.console import stage_progress
-from goodserve.engine_args import add_engine_arguments, engine_config_from_args
+from goodserve.errors import InvalidRequestError
+from goodserve.engine_args import add_engine_arguments
 
 
 def register(subparsers) -> None:
@@ -39,26 +40,29 @@ def register(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from goodserve.engine.async_engine import AsyncEngine  # torch loads only when a command needs it
+    from goodserve.engine.preflight import check_input_file, check_output_file, checked_engine_config
+    from goodserve.server.batch_lines import ENDPOINTS, parse_lines
 
     if args.max_concurrency < 1:
-        print("goodserve: error: --max-concurrency must be at least 1", file=sys.stderr)
-        return 2
-    engine = AsyncEngine(engine_config_from_args(args))
-    succeeded, failed = asyncio.run(run_file(engine, args.input, args.output, args.max_concurrency,
+        raise InvalidRequestError("--max-concurrency must be at least 1")
+    check_input_file(args.input, "batch input file")
+    check_output_file(args.output, "output file")
+    lines = parse_lines(args.input.read_bytes(), ENDPOINTS)  # malformed lines are answered as errors
+    engine = AsyncEngine(checked_engine_config(args))
+    succeeded, failed = asyncio.run(run_file(engine, lines, args.output, args.max_concurrency,
                                              args.served_model_name or engine.config.model))
     print(f"{succeeded} lines succeeded, {failed} failed: {args.output}", file=sys.stderr)
     return 0
 
 
-async def run_file(engine, input_path: Path, output_path: Path, max_concurrency: int,
+async def run_file(engine, lines: list, output_path: Path, max_concurrency: int,
                    model_name: str) -> tuple[int, int]:
     """Answer the lines OUTPUT lacks; (succeeded, failed) among those answered now."""
     from goodserve.server.admission import Admission
-    from goodserve.server.batch_lines import ENDPOINTS, LineResult, parse_lines, run_lines
+    from goodserve.server.batch_lines import LineResult, run_lines
     from goodserve.server.metrics import ServerMetrics, Slo
     from goodserve.server.serving import ServingContext
 
-    lines = parse_lines(input_path.read_bytes(), ENDPOINTS)
     answered_ids, answered_lines = _answered(output_path)
     pending = [line for line in lines
                if line.custom_id not in answered_ids and line.number not in answered_lines]

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from goodserve.commands.console import stage_progress
-from goodserve.engine_args import add_engine_arguments, engine_config_from_args
+from goodserve.engine_args import add_engine_arguments
 
 
 def register(subparsers) -> None:
@@ -40,12 +40,14 @@ def register(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from goodserve.commands.quality_gate import EvalSettings, default_thresholds, evaluate
+    from goodserve.engine.preflight import checked_engine_config
 
-    config = engine_config_from_args(args)
     settings = EvalSettings(text_file=args.text_file, max_text_tokens=args.max_text_tokens, window=args.window,
                             max_new_tokens=args.max_new_tokens)
     if args.prompts_file:
         settings.prompts = _read_prompts(args.prompts_file)
+    settings.validate()
+    config = checked_engine_config(args)
     thresholds = default_thresholds(config)
     for name in ("max_perplexity_increase", "min_top1_agreement", "min_greedy_agreement"):
         if getattr(args, name) is not None:

@@ -6,7 +6,7 @@ import argparse
 import sys
 import time
 
-from goodserve.engine_args import add_engine_arguments, engine_config_from_args
+from goodserve.engine_args import add_engine_arguments
 from goodserve.sampling_params import SamplingParams
 
 
@@ -27,15 +27,16 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k, seed=args.seed)  # --seed: the engine's
     from goodserve.engine.engine import Engine  # torch loads only when a command needs it
+    from goodserve.engine.preflight import checked_engine_config
 
-    engine = Engine(engine_config_from_args(args))
+    engine = Engine(checked_engine_config(args))
     prompt = args.prompt
     if args.chat:
         prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
         prompt = engine.tokenizer.encode(prompt, add_special_tokens=False)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            top_p=args.top_p, top_k=args.top_k, seed=args.seed)  # --seed: the engine's
     start = time.perf_counter()
     engine.add_request("cli", prompt, params)
     printed, num_tokens, first_token_at = 0, 0, None

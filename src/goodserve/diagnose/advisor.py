@@ -21,7 +21,8 @@ LONG_CONTEXT_TOKENS = 4096
 # Past this share of the engine's step time on host work, the device waits on the host: in full
 # without async scheduling, and with it once the host's part outlasts the device's.
 HIGH_HOST_SHARE = 0.3
-REPLICAS = "--data-parallel-size R (replicas behind the router; goodserve router across hosts)"
+# Replicas on one CPU share its cores: they add no compute there (NOT_FOR["replicas"]).
+REPLICAS = "--data-parallel-size 2 (or more: replicas behind the router; goodserve router across hosts)"
 
 
 @dataclass(frozen=True)
@@ -133,6 +134,7 @@ NOT_FOR: dict[str, Callable[[dict[str, str]], bool]] = {
                                                        and e.get("attention_backend") == "triton"),
     "continuous_batching": lambda e: e.get("scheduler_policy") == "continuous",
     "tensor_parallel": _on_cpu,  # gloo's all-reduces cost more than a CPU's decode step saves
+    "replicas": _on_cpu,  # replicas on one CPU split its cores, not add to them
     "engine_process": lambda e: _is_on(e, "engine_process"),
     # async scheduling needs CUDA graphs (engine/config_resolution.py)
     "async_scheduling": lambda e: _on_cpu(e) or _is_on(e, "async_scheduling") or not _is_on(e, "cuda_graphs"),
@@ -153,19 +155,20 @@ RULES: tuple[Rule, ...] = (
           Fix("--max-num-seqs (lower)", "fewer concurrent sequences, no recompute thrash",
               "num_preemptions 0; p99 TPOT steadier"))),
     Rule("high TTFT", _high_ttft,
-         lambda o, p: f"TTFT {1000 * (o.ttft_p99_s or o.ttft_s):.0f} ms (p99 where known), "
-                      f"waiting {o.num_waiting if o.num_waiting is not None else '?'}",
-         (Fix("--enable-chunked-prefill --max-num-batched-tokens 2048..8192",
-              "long prompts no longer block the queue; prefills share steps with decodes",
+         lambda o, p: f"TTFT {1000 * (o.ttft_p99_s or o.ttft_s):.0f} ms (p99 where known)"
+                      + (f", {o.num_waiting:g} waiting" if o.num_waiting is not None else ""),
+         (Fix("--enable-chunked-prefill --max-num-batched-tokens 4096",
+              "long prompts no longer block the queue; prefills share steps with decodes (2048 to 8192 tokens a "
+              "step: more for throughput, fewer for inter-token latency)",
               "p99 TTFT and request_queue_time_seconds fall at the same request rate", "chunked_prefill"),
           Fix("--enable-prefix-caching", "repeated prefixes skip prefill entirely",
               "prefix_cache_hits / prefix_cache_queries rises; TTFT falls for repeated prompts", "prefix_caching"),
-          Fix("--max-waiting N (admission control)",
+          Fix("--max-waiting (about what the TTFT target lets queue: admission control)",
               "overload turns into fast 429s instead of minutes of queueing",
               "goodserve bench --goodput ttft:MS: SLO attainment of admitted requests"),
           Fix(REPLICAS,
               "R engines share the arrivals: about R x the request rate at the same TTFT",
-              "goodserve bench --goodput-capacity: the capacity rises about R x"))),
+              "goodserve bench --goodput-capacity: the capacity rises about R x", "replicas"))),
     Rule("high TPOT", _high_tpot,
          lambda o, p: f"TPOT {1000 * (o.tpot_p99_s or o.tpot_s):.1f} ms (p99 where known), "
                       f"decode {p['decode'].verdict}, MBU {100 * p['decode'].mbu:.0f}%",
@@ -189,10 +192,10 @@ RULES: tuple[Rule, ...] = (
               "tensor_parallel"))),
     Rule("low throughput at low MBU", _low_mbu,
          lambda o, p: f"decode MBU {100 * p['decode'].mbu:.0f}% with ~{o.concurrency:.1f} requests in flight",
-         (Fix("--max-num-seqs (higher) and more client concurrency",
+         (Fix("--max-num-seqs (higher, with more client concurrency)",
               "bigger decode batches share each weight read: throughput rises almost linearly",
               "output_throughput rises and MBU climbs toward 60-80% in goodserve diagnose"),
-          Fix("--no-enforce-eager (CUDA graphs) and --attention-backend triton",
+          Fix("--no-enforce-eager --attention-backend triton (CUDA graphs and the Triton kernels)",
               "less per-step overhead, so steps approach the bandwidth limit",
               "goodserve:step_time_seconds split: forward share of step time rises", "cuda_graphs_and_triton"),
           Fix("--scheduler-policy continuous", "new requests join the running batch every step",
@@ -208,7 +211,7 @@ RULES: tuple[Rule, ...] = (
               "prefix_caching"),
           Fix("--block-size 16 (smaller)", "only full blocks are cached; smaller blocks cache more of a prefix",
               "hit rate rises for prefixes that are not block-aligned"),
-          Fix("--num-kv-blocks / --gpu-memory-utilization (higher)",
+          Fix("--gpu-memory-utilization or --num-kv-blocks (higher)",
               "a bigger pool evicts cached prefixes later", "hit rate holds as the number of prefixes grows"))),
     Rule("host-bound steps", _host_bound,
          lambda o, p: _host_evidence(o, p["decode"].mbu),
@@ -220,7 +223,7 @@ RULES: tuple[Rule, ...] = (
           Fix(REPLICAS,
               "each replica's engine runs in its own process with its own host thread, so the host work "
               "is split R ways", "goodserve bench --goodput-capacity rises about R x (2 replicas on 2 H200s "
-              "completed 2.02x one at saturation: benchmarks/BENCHMARKS.md)"),
+              "completed 2.02x one at saturation: benchmarks/BENCHMARKS.md)", "replicas"),
           Fix("(the host) a CPU with faster cores, and nothing else on the server's cores",
               "the engine's step loop is one Python thread, so one core's speed bounds how fast host-bound "
               "steps follow each other", "goodserve diagnose --metrics-url: the host share of step time falls"))),
@@ -242,10 +245,30 @@ def applicable(fixes: tuple[Fix, ...], engine: dict[str, str] | None) -> list[Fi
     return [fix for fix in fixes if not (fix.turns_on and NOT_FOR[fix.turns_on](engine))]
 
 
+def oversubscribed(engine: dict[str, str] | None) -> Advice | None:
+    """More compute threads than usable cores on a CPU engine (its engine_config_info's cpu_* labels):
+    the OpenMP pools wait on each other's cores, and step times swing run to run."""
+    if not engine or not _on_cpu(engine) or "cpu_cores" not in engine:
+        return None
+    cores, ranks = int(engine["cpu_cores"]), int(engine.get("world_size", "1"))
+    engine_threads, server_threads = int(engine["cpu_threads"]), int(engine.get("server_cpu_threads", "0"))
+    threads = engine_threads * ranks + server_threads
+    if threads <= cores:
+        return None
+    fitting = max(1, (cores - 1) // ranks)
+    return Advice(
+        "CPU oversubscribed", threads / cores - 1.0,
+        f"{threads} compute threads ({engine_threads} per engine rank x {ranks}, {server_threads} in the server's "
+        f"process) on {cores} usable cores",
+        [Fix(f"OMP_NUM_THREADS={fitting} (or unset it: goodserve serve picks the threads from the usable cores)",
+             "each thread keeps a core; the server's event loop keeps one of its own",
+             "the serve log's 'CPU threads' line; TPOT steadier from run to run in goodserve bench")])
+
+
 def advise(obs: Observations, phases: list[PhaseAnalysis], engine: dict[str, str] | None = None) -> list[Advice]:
     """engine: the run's engine_config_info labels, so no fix repeats what is on or what the hardware lacks."""
     by_phase = {p.phase: p for p in phases}
-    advice = []
+    advice = [found for found in (oversubscribed(engine),) if found is not None]
     for rule in RULES:
         severity = rule.severity(obs, by_phase)
         if severity is not None:

@@ -18,6 +18,7 @@ per decode token is shown beside the decode ceiling.
 
 from __future__ import annotations
 
+import argparse
 import json
 from dataclasses import asdict
 from pathlib import Path
@@ -47,7 +48,7 @@ KV_DTYPES = ("bf16", "fp16", "fp32", "int8", "fp8")
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("diagnose", help="roofline, MFU/MBU per phase, and advice",
-                              description=__doc__)
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="preset name, dummy:<preset>, .gguf file or HF directory (shapes only) "
                                    f"(default: the run's engine, else {DEFAULT_MODEL})")
     p.add_argument("--hardware", help=f"one of {', '.join(HARDWARE)} "

@@ -309,7 +309,7 @@ def advise_layout(spec: ModelSpec, hw: Hardware, gpus: int, goal: str, seq_len: 
     if prompt_len and tpot_target_s:
         prefill_s = prefill_flops(spec, prompt_len) / (hw.flops_for(dtype_for_activations(dtype)) * base.tp)
         if prefill_s > tpot_target_s:
-            advice.append(LayoutAdvice("prefill / decode disaggregation (issue 16)", f"a {prompt_len}-token prefill takes >= {1000 * prefill_s:.0f} ms, "
+            advice.append(LayoutAdvice("prefill / decode disaggregation (serve --disaggregate)", f"a {prompt_len}-token prefill takes >= {1000 * prefill_s:.0f} ms, "
                                        f"over the {1000 * tpot_target_s:.0f} ms TPOT target: every colocated "
                                        f"decode stalls that long (chunked prefill only spreads the stall); "
                                        f"prefill GPUs apart from decode GPUs keep TPOT flat"))

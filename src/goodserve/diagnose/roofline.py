@@ -63,8 +63,21 @@ class PhaseAnalysis:
     mbu: float
     intensity: float  # FLOPs per byte moved
     ridge_point: float
-    verdict: str  # "compute-bound" | "bandwidth-bound" | "capacity-bound"
+    verdict: str  # "compute-bound" | "bandwidth-bound" | "capacity-bound" | "overhead-bound" (MFU far under)
     why: str
+
+
+# Under this MFU a phase above the ridge is not compute-bound in fact: its time goes elsewhere.
+MIN_COMPUTE_BOUND_MFU = 0.1
+
+
+def _measured_bound(verdict: str, why: str, measured_mfu: float, elsewhere: str) -> tuple[str, str]:
+    """The roofline's verdict, unless the measured MFU contradicts it: intensity above the ridge says
+    compute could bound the phase, a few percent of the peak says it did not."""
+    if verdict != "compute-bound" or measured_mfu >= MIN_COMPUTE_BOUND_MFU:
+        return verdict, why
+    return "overhead-bound", (f"{why}, but MFU is {100 * measured_mfu:.1f}%: the time goes to {elsewhere}, "
+                              "not to compute")
 
 
 def default_compute_dtype(dtype: str) -> str:
@@ -97,8 +110,9 @@ def analyze_decode(spec: ModelSpec, hw: Hardware, obs: Observations, dtype: str 
         steps = "each step reads" if weight_reads == 1 else f"{weight_reads} micro-batches (the weights each) read"
         why = (f"{steps} {step_bytes / 1e9:.2f} GB for {batch:.1f} tokens: intensity "
                f"{intensity:.1f} FLOP/B is below the ridge {ridge:.0f}")
-    return PhaseAnalysis("decode", step_flops * steps_per_s, step_bytes * steps_per_s,
-                         mfu(step_flops * steps_per_s, hw.flops_for(compute_dtype)),
+    measured_mfu = mfu(step_flops * steps_per_s, hw.flops_for(compute_dtype))
+    verdict, why = _measured_bound(verdict, why, measured_mfu, "host work and kernel launches between steps")
+    return PhaseAnalysis("decode", step_flops * steps_per_s, step_bytes * steps_per_s, measured_mfu,
                          mbu(step_bytes, steps_per_s, hw.memory_bandwidth), intensity, ridge, verdict, why)
 
 
@@ -116,6 +130,8 @@ def analyze_prefill(spec: ModelSpec, hw: Hardware, obs: Observations, dtype: str
     why = (f"a {prompt:.0f}-token prompt does {intensity:.0f} FLOP per byte moved "
            f"({'above' if intensity >= ridge else 'below'} the ridge {ridge:.0f}); "
            f"MFU from TTFT, queueing included, so a lower bound")
-    return PhaseAnalysis("prefill", flops * per_s, moved * per_s, mfu(flops * per_s, hw.flops_for(compute_dtype)),
+    measured_mfu = mfu(flops * per_s, hw.flops_for(compute_dtype))
+    verdict, why = _measured_bound(verdict, why, measured_mfu, "queueing (in TTFT) and host work")
+    return PhaseAnalysis("prefill", flops * per_s, moved * per_s, measured_mfu,
                          mbu(moved, per_s, hw.memory_bandwidth), intensity, ridge, verdict, why)
 

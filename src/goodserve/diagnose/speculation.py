@@ -1,4 +1,4 @@
-"""Which speculative decoding method suits the measured workload (issue 15, docs/diagnose.md).
+"""Which speculative decoding method suits the measured workload (docs/diagnose.md).
 
 Verifying k drafts costs about one decode step only while the batch is small (a step reads every
 weight once however few tokens it holds); in a large batch the step is compute-bound and rejected

@@ -158,16 +158,13 @@ def advise_steps(report: StepsReport) -> list[Advice]:
             report.tokens_over_target * 10,
             f"{evidence}; in {report.over_by_batch} of them the decode rows alone outlast it "
             f"(p99 step {report.p99_ms:.1f} ms)",
-            [Fix(f"--max-num-seqs {report.max_rows_within}",
-                 f"a decode step of {report.max_rows_within} rows at this run's mean context fits "
-                 f"{report.target_ms:g} ms by the trace's fit; the rest wait (or are refused) instead of slowing "
-                 "every stream", "p99 TPOT within the target; the trace's steps over it fall to ~0"), *slo]))
+            [_fewer_rows(report), *slo]))
     if over and report.over_by_prompts > report.over_by_batch:
         # the slo policy lets a step outlast the target by what its decodes' earlier steps saved
         spent = "; the slo policy spends the slack its decodes saved on them" if report.slo_policy else ""
         budget, room = report.max_batched_tokens_within, report.prompt_room_per_s or 0.0
         starves = room < report.prompt_tokens_per_s
-        fixes = _fewer_rows_or_replicas(report) if starves else [
+        fixes = _fewer_rows_or_replicas(report) if starves or not budget else [
             Fix(f"--max-num-batched-tokens {budget}",
                 f"a step of the median such step's decode rows and the prompt tokens beside them fits the target by "
                 f"the trace's fit, and at its largest batches leaves prompts {room:.0f} tokens/s (they needed "
@@ -195,6 +192,21 @@ def advise_steps(report: StepsReport) -> list[Advice]:
     return sorted(advice, key=lambda a: -a.severity)
 
 
+def _fewer_rows(report: StepsReport) -> Fix:
+    """--max-num-seqs at what the trace's fit says fits the target; where not even one row does, a
+    faster step (no batch limit can bring it within)."""
+    rows = report.max_rows_within
+    if rows is None or rows < 1:
+        return Fix("a faster decode step: --quantization int4 / gguf, a faster device, or a looser target",
+                   f"by the trace's fit even one decode row at this run's mean context outlasts "
+                   f"{report.target_ms:g} ms, "
+                   "so no --max-num-seqs brings steps within it", "the trace's p50 step falls under the target")
+    return Fix(f"--max-num-seqs {rows}",
+               f"a decode step of {rows} rows at this run's mean context fits {report.target_ms:g} ms by the trace's "
+               "fit; the rest wait (or are refused) instead of slowing every stream",
+               "p99 TPOT within the target; the trace's steps over it fall to ~0")
+
+
 def _fewer_rows_or_replicas(report: StepsReport) -> list[Fix]:
     """Where no step budget fits the target and leaves the prompts their rate: fewer sequences at once,
     if fewer than ran would fit beside that rate; else the card is at its capacity for the target."""
@@ -204,5 +216,5 @@ def _fewer_rows_or_replicas(report: StepsReport) -> list[Fix]:
                     f"a decode step of {rows} rows and its share of {report.prompt_tokens_per_s:.0f} prompt tokens/s "
                     f"fits {report.target_ms:g} ms by the trace's fit (up to {report.max_decode_rows} ran); the rest "
                     "wait (or are refused)", "p99 TPOT within the target; the trace's steps over it fall")]
-    return [Fix(REPLICAS, "this card is at its capacity for the target at this load: R engines share the arrivals",
-                "goodserve bench --goodput-capacity rises about R x")]
+    return [Fix(REPLICAS, "this device is at its capacity for the target at this load: R engines share the arrivals",
+                "goodserve bench --goodput-capacity rises about R x", "replicas")]

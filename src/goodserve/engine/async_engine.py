@@ -94,13 +94,14 @@ class EngineInfo:
     device_name: str  # read where the engine runs: asking CUDA in the server's process would start it there
     cuda_graphs: bool
     micro_batches: bool
+    cpu_threads: int  # the engine process's torch threads (each rank's, under tensor parallelism)
 
     @classmethod
     def of(cls, engine: Engine) -> "EngineInfo":
         device = engine.device
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
         return cls(engine.config, engine.spec, engine.tokenizer, engine.dtype, device, name,
-                   engine.executor.info.cuda_graphs, engine.micro_batches)
+                   engine.executor.info.cuda_graphs, engine.micro_batches, torch.get_num_threads())
 
 
 class EngineClient:

@@ -54,10 +54,21 @@ def resolve_for_device(config: EngineConfig) -> EngineConfig:
 def resolve_for_model(config: EngineConfig, spec: ModelSpec) -> EngineConfig:
     """The context window; without chunked prefill a whole prompt must fit one step's budget (and the
     activation memory reserved for it, which the KV pool is sized around)."""
-    context_len = min(config.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
+    check_context_length(config.max_model_len, spec)
+    context_len = config.max_model_len or spec.max_position_embeddings
     budget = config.max_num_batched_tokens if config.enable_chunked_prefill else \
         max(config.max_num_batched_tokens, context_len)
     return dataclasses.replace(config, max_model_len=context_len, max_num_batched_tokens=budget)
+
+
+def check_context_length(max_model_len: int | None, spec: ModelSpec) -> None:
+    """A context past the model's own window runs positions its rotary embedding was never trained on
+    (its rope scaling, where it has one, is already counted in that window): refused, not capped."""
+    if max_model_len is not None and max_model_len > spec.max_position_embeddings:
+        raise InvalidRequestError(
+            f"--max-model-len {max_model_len} is longer than the model's context window "
+            f"({spec.max_position_embeddings} tokens): give at most {spec.max_position_embeddings}, or leave it "
+            f"out to use the whole window")
 
 
 def resolve_for_pool(config: EngineConfig, num_blocks: int) -> EngineConfig:

@@ -225,8 +225,7 @@ class Engine:
         self.steps.schedule += time.perf_counter() - t0
         if not out:
             return None
-        self.steps.num_steps += 1
-        self.steps.last_batch_tokens, self.steps.last_batch_seqs = out.num_tokens, len(out)
+        self.steps.observe_step(out.num_tokens, len(out))
         return out
 
     def _run(self, out: SchedulerOutput, seqs: list[Sequence], stream_text: bool) -> set[str]:

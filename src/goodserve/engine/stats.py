@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import bisect
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from goodserve.engine.kv_cache_manager import KVCacheManager
-from goodserve.engine.scheduler import Scheduler
+if TYPE_CHECKING:  # the server's metrics read this module's plain data without torch
+    from goodserve.engine.kv_cache_manager import KVCacheManager
+    from goodserve.engine.scheduler import Scheduler
 
 
 @dataclass
@@ -40,13 +43,23 @@ class EngineStats:
     spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()
     num_verify_steps: int = 0  # steps that verified drafts
     num_graphed_verify_steps: int = 0  # of those, the ones that replayed a CUDA graph
+    # Tokens per step: the sum, and steps per ITERATION_TOKEN_BUCKETS bucket (the last: larger)
+    step_tokens_total: int = 0
+    step_tokens_counts: tuple[int, ...] = ()
+
+
+# Tokens per step, as vLLM's iteration_tokens_total histogram buckets them (upper bounds).
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 @dataclass
 class StepLog:
-    """The steps so far: how many, the last one's size, and host seconds per stage, summed."""
+    """The steps so far: how many, the last one's size, how many tokens each took (counts per
+    ITERATION_TOKEN_BUCKETS bucket, the last for larger), and host seconds per stage, summed."""
 
     num_steps: int = 0
+    step_tokens_total: int = 0
+    step_tokens_counts: list[int] = field(default_factory=lambda: [0] * (len(ITERATION_TOKEN_BUCKETS) + 1))
     num_pipelined_steps: int = 0
     num_verify_steps: int = 0
     num_graphed_verify_steps: int = 0
@@ -59,6 +72,12 @@ class StepLog:
     detokenize: float = 0.0
     output: float = 0.0
 
+    def observe_step(self, num_tokens: int, num_seqs: int) -> None:
+        self.num_steps += 1
+        self.last_batch_tokens, self.last_batch_seqs = num_tokens, num_seqs
+        self.step_tokens_total += num_tokens
+        self.step_tokens_counts[bisect.bisect_left(ITERATION_TOKEN_BUCKETS, num_tokens)] += 1
+
 
 def engine_stats(scheduler: Scheduler, kv: KVCacheManager, steps: StepLog) -> EngineStats:
     return EngineStats(
@@ -68,6 +87,7 @@ def engine_stats(scheduler: Scheduler, kv: KVCacheManager, steps: StepLog) -> En
         prefix_cache_queries=kv.counters.queries, prefix_cache_hits=kv.counters.hits,
         num_preemptions=scheduler.num_preemptions, num_steps=steps.num_steps,
         num_pipelined_steps=steps.num_pipelined_steps, last_batch_tokens=steps.last_batch_tokens,
+        step_tokens_total=steps.step_tokens_total, step_tokens_counts=tuple(steps.step_tokens_counts),
         last_batch_seqs=steps.last_batch_seqs, schedule_seconds_total=steps.schedule,
         prepare_seconds_total=steps.prepare, forward_seconds_total=steps.forward,
         sample_seconds_total=steps.sample, detokenize_seconds_total=steps.detokenize,

@@ -5,7 +5,7 @@ d x context_tokens. `a` is the weight read and launch cost every step pays, `b` 
 sampling and fixed attention cost, `c` each prompt token's compute, `d` each token of K/V a decode
 row's attention reads (context_tokens: the decode rows' lengths, summed). Without `d` the fit read
 the KV cache as a cost per row at the rows' mean length so far: a batch job's long lines, whose
-contexts grow, made steps slower than predicted and online TPOT missed (H100, issue 17). A prompt
+contexts grow, made steps slower than predicted and online TPOT missed (H100, benchmarks/BENCHMARKS.md). A prompt
 chunk's attention over its own prefix is compute, in `c`.
 
 The engine feeds every step it finishes; the fit is least squares over the last `window` steps with

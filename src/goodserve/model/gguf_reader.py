@@ -5,13 +5,37 @@ from __future__ import annotations
 from pathlib import Path
 
 import gguf
+import numpy as np
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from goodserve.errors import ModelLoadError
 
 
+class _TruncatedFile(ValueError):
+    pass
+
+
+class _SizeCheckedReader(gguf.GGUFReader):
+    """Checks, before mapping the tensors, that the file holds all their bytes: a cut-short download
+    otherwise fails deep in numpy ("cannot reshape array of size ...")."""
+
+    def _build_tensors(self, start_offs: int, fields) -> None:
+        expected = 0  # (a file of metadata alone may end before the aligned data offset)
+        for field in fields:
+            _name_len, _name, _n_dims, dims, raw_dtype, offset = field.parts
+            block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(raw_dtype[0])]
+            n_bytes = int(np.prod(dims)) * type_size // block_size
+            expected = max(expected, start_offs + int(offset[0]) + n_bytes)
+        if expected > self.data.size:
+            raise _TruncatedFile(f"the file is truncated: expected {expected} bytes, has {self.data.size}")
+        super()._build_tensors(start_offs, fields)
+
+
 def open_gguf(path: Path) -> gguf.GGUFReader:
     try:
-        return gguf.GGUFReader(path)
+        return _SizeCheckedReader(path)
+    except _TruncatedFile as e:
+        raise ModelLoadError(f"cannot read GGUF file {path}: {e} (download it again)") from e
     except Exception as e:  # the reader raises bare ValueError/struct errors on a corrupt file
         raise ModelLoadError(f"cannot read GGUF file {path}: {e}") from e
 

@@ -94,7 +94,11 @@ class Tokenizer:
 
     def check_template_kwargs(self, kwargs: dict[str, Any]) -> None:
         """chat_template_kwargs name variables of this model's template that the server does not set
-        itself; a name the template never reads would be silently ignored, so it is refused."""
+        itself. A name the template never reads renders as undefined, which Jinja takes as false: given
+        a false value (a client's `enable_thinking: false` sent to every model) the prompt is what the
+        client asked for, so it passes, as in vLLM; given any other value it would be silently ignored,
+        so it is refused."""
+        kwargs = {name: value for name, value in kwargs.items() if value or name in _SERVER_SET_VARIABLES}
         if not kwargs:
             return
         if self.chat_template is None:
@@ -105,7 +109,8 @@ class Tokenizer:
                 raise InvalidRequestError(f"chat_template_kwargs may not set '{name}': the server sets it")
             if name not in free:
                 raise InvalidRequestError(f"chat_template_kwargs '{name}' is not a variable of this model's chat "
-                                          f"template (those it reads: {', '.join(sorted(free)) or 'none'})")
+                                          f"template, so {kwargs[name]!r} would change nothing (those it reads: "
+                                          f"{', '.join(sorted(free)) or 'none'})")
 
 
 def _check_messages(messages: Any) -> None:

@@ -64,6 +64,7 @@ class ServerConfig:
     drain_timeout_s: float = 30.0
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
+    gpu_hourly_cost: float | None = None  # $ per GPU-hour: /metrics then reports the cost per hour
     # Under the slo policy: refuse the costliest requests first as the queue builds (server/admission.py)
     slo_shed_costly: bool = False
     log_level: str = "info"
@@ -127,7 +128,7 @@ def sampling_defaults(engine, config: ServerConfig) -> SamplingDefaults:
 def build_app(engine, config: ServerConfig) -> FastAPI:
     model_name = config.served_model_name or engine.config.model
     slo = Slo(config.slo_ttft_ms, config.slo_tpot_ms)
-    metrics = ServerMetrics(engine, model_name, slo)
+    metrics = ServerMetrics(engine, model_name, slo, config.gpu_hourly_cost)
     ctx = ServingContext(engine, model_name, Admission(config.max_waiting, shed_costly=config.slo_shed_costly),
                          metrics, config.request_timeout_s,
                          config.max_unsent_outputs, config.stream_interval, config.pooling,

@@ -8,12 +8,7 @@ import logging
 import os
 from pathlib import Path
 
-from goodserve.engine_args import (
-    add_dataclass_arguments,
-    add_engine_arguments,
-    dataclass_from_args,
-    engine_config_from_args,
-)
+from goodserve.engine_args import add_dataclass_arguments, add_engine_arguments, dataclass_from_args
 from goodserve.engine.disagg_layout import parse_disaggregate
 from goodserve.engine.gc_pauses import serving_settings
 from goodserve.errors import InvalidRequestError
@@ -33,6 +28,8 @@ _SERVER_HELP = {
     "drain_timeout_s": "on SIGTERM, how long in-flight requests may take to finish",
     "slo_ttft_ms": "time-to-first-token target counted in goodserve:request_slo (default: none)",
     "slo_tpot_ms": "time-per-output-token target counted in goodserve:request_slo (default: none)",
+    "gpu_hourly_cost": "$ per GPU-hour: /metrics reports goodserve:cost_per_hour_dollars (this times the GPUs the "
+                       "engine uses), from which the dashboard computes the cost per 1M tokens (default: none)",
     "slo_shed_costly": "under --scheduler-policy slo, as the queue builds refuse (429) the costliest requests first "
                        "(prompt tokens, and max_tokens: a request without it asks for the rest of the context): "
                        "more requests a second within their targets past capacity, long ones refused sooner "
@@ -120,6 +117,10 @@ def _check(config, args: argparse.Namespace) -> None:
                                   "--keep-alive-s must be positive")
     if config.batch_max_concurrency < 1 or config.batch_max_file_bytes < 1:
         raise InvalidRequestError("--batch-max-concurrency and --batch-max-file-bytes must be positive")
+    if config.gpu_hourly_cost is not None and config.gpu_hourly_cost < 0:
+        raise InvalidRequestError("--gpu-hourly-cost must not be negative")
+    if any(target is not None and target <= 0 for target in (config.slo_ttft_ms, config.slo_tpot_ms)):
+        raise InvalidRequestError("--slo-ttft-ms and --slo-tpot-ms must be positive")
     if config.max_connections is not None and config.max_connections < 1:
         raise InvalidRequestError("--max-connections must be at least 1")
     if config.slo_shed_costly and args.scheduler_policy != "slo":
@@ -144,12 +145,14 @@ def _is_loopback(host: str) -> bool:
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from goodserve.engine.preflight import checked_engine_config
     from goodserve.server.app import ServerConfig
 
     if args.config:
         apply_config_file(args, parser, args.config)
     config = dataclass_from_args(ServerConfig, args)
     _check(config, args)
+    engine_config = checked_engine_config(args)
     layout = parse_disaggregate(args.disaggregate) if args.disaggregate is not None else None
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not _is_loopback(config.host) and not config.api_key:
@@ -158,22 +161,27 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.data_parallel_size > 1:
         from goodserve.server.replicas import run_replicas
 
-        run_replicas(engine_config_from_args(args), config, args.data_parallel_size, args.router_policy)
+        run_replicas(engine_config, config, args.data_parallel_size, args.router_policy)
         return 0
+    from goodserve.cpu_threads import apply_thread_plan, plan_threads
     from goodserve.engine.async_engine import AsyncEngine  # torch loads only when serving
     from goodserve.server.app import run_server
     from goodserve.server.metrics import engine_info
 
+    threads = plan_threads(config.engine_process is not False and layout is None, engine_config.world_size)
+    apply_thread_plan(threads)
+    logging.getLogger("goodserve.server").info(threads.describe())
+
     if layout is not None:
         from goodserve.server.disaggregated import DisaggregatedEngine
 
-        engine = DisaggregatedEngine(engine_config_from_args(args), layout)
+        engine = DisaggregatedEngine(engine_config, layout)
     elif config.engine_process is not False:
         from goodserve.engine.engine_process import EngineProcess
 
-        engine = EngineProcess(engine_config_from_args(args))
+        engine = EngineProcess(engine_config)
     else:
-        engine = AsyncEngine(engine_config_from_args(args))
+        engine = AsyncEngine(engine_config)
     # What auto resolved to (dtype, KV dtype, kernels), as /metrics reports it in engine_config_info.
     logging.getLogger("goodserve.server").info(
         "engine: %s", " ".join(f"{k}={v}" for k, v in engine_info(engine).items()))

@@ -3,9 +3,14 @@
 Per-request histograms are observed when a request finishes, from the timestamps the engine
 recorded on it. Engine-wide numbers (queue depths, KV usage, cache hits, step times) are read
 from `engine.stats()` at scrape time by a collector, so they are never stale or double-counted.
-Beyond vLLM: batch fill ratio, step time split by phase, SLO attainment (live goodput), the
-process's garbage-collector pauses, and the engine's resolved configuration as an info metric
-(`goodserve:engine_config_info`), which `goodserve bench` records and `goodserve diagnose` reads.
+Beyond vLLM: batch fill ratio, step time split by phase, SLO attainment (live goodput, only where
+a target is set), the process's garbage-collector pauses, the cost per hour (--gpu-hourly-cost),
+and the engine's resolved configuration as an info metric (`goodserve:engine_config_info`), which
+`goodserve bench` records and `goodserve diagnose` reads.
+
+vLLM's example Grafana dashboard and alerts also query names goodserve's own differ from; those are
+exported too (VLLM_ALIASES below): the same observations under vLLM's name. deploy/monitoring/
+holds goodserve's dashboard and alert rules.
 """
 
 from __future__ import annotations
@@ -15,10 +20,11 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, Info, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from goodserve.engine.gc_pauses import PAUSE_BUCKETS, watch_pauses
+from goodserve.engine.stats import ITERATION_TOKEN_BUCKETS
 from goodserve.outputs import RequestOutput
 
 PREFIX = "goodserve:"
@@ -35,6 +41,10 @@ class Slo:
 
     ttft_ms: float | None = None
     tpot_ms: float | None = None
+
+    @property
+    def any(self) -> bool:
+        return self.ttft_ms is not None or self.tpot_ms is not None
 
     def met(self, ttft_s: float | None, tpot_s: float | None) -> bool:
         ttft_ok = self.ttft_ms is None or (ttft_s is not None and ttft_s * 1000 <= self.ttft_ms)
@@ -56,6 +66,9 @@ def time_per_output_token(out: RequestOutput) -> float | None:
 
 def engine_info(engine) -> dict[str, str]:
     """What an AsyncEngine really runs (auto resolved: float32 and torch attention on a CPU), as strings."""
+    import torch
+
+    from goodserve.cpu_threads import available_cores
     from goodserve.engine.kv_cache import kv_storage_dtype
 
     config, device = engine.config, engine.device  # resolved: no "auto" is left in it
@@ -78,7 +91,24 @@ def engine_info(engine) -> dict[str, str]:
         "max_num_batched_tokens": str(config.max_num_batched_tokens),
         "speculative_method": config.speculative_method or "none",
         "speculative_model": config.speculative_model or "none",
+        # what diagnose weighs CPU oversubscription by: the cores the server may use, and the threads
+        # of the engine (each rank) and of the server's own pool where the engine has its own process
+        "cpu_cores": str(available_cores().count),
+        "cpu_threads": str(engine.info.cpu_threads),
+        "server_cpu_threads": str(torch.get_num_threads() if engine.runs_in_own_process else 0),
+        "world_size": str(config.world_size),
     }
+
+
+def cache_info(engine) -> dict[str, str]:
+    """vLLM's cache_config_info labels, from the engine's resolved pool."""
+    from goodserve.engine.kv_cache import kv_storage_dtype
+
+    config = engine.config
+    return {"block_size": str(config.block_size), "num_gpu_blocks": str(config.num_kv_blocks),
+            "cache_dtype": _dtype_name(kv_storage_dtype(config, engine.dtype)),
+            "enable_prefix_caching": str(config.enable_prefix_caching),
+            "gpu_memory_utilization": str(config.gpu_memory_utilization)}
 
 
 def _dtype_name(dtype) -> str:
@@ -125,6 +155,7 @@ class EngineStatsCollector:
         yield self._gauge("num_requests_running", "Requests in the running batch.", s.num_running)
         yield self._gauge("num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting)
         yield self._gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1).", s.kv_cache_usage)
+        yield self._gauge("gpu_cache_usage_perc", "kv_cache_usage_perc, under vLLM's earlier name.", s.kv_cache_usage)
         yield self._gauge("num_kv_blocks", "KV cache blocks in the pool.", s.num_kv_blocks)
         yield self._gauge("num_used_kv_blocks", "KV cache blocks held by requests.", s.num_used_kv_blocks)
         yield self._counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
@@ -151,6 +182,16 @@ class EngineStatsCollector:
         for phase in ("schedule", "prepare", "forward", "sample", "detokenize", "output"):
             split.add_metric([self.model_name, phase], getattr(s, f"{phase}_seconds_total"))
         yield split
+        yield self._iteration_tokens(s)
+
+    def _iteration_tokens(self, s) -> Metric:
+        """vLLM's iteration_tokens_total: tokens per engine step, as a histogram."""
+        family = HistogramMetricFamily(PREFIX + "iteration_tokens_total", "Tokens per engine step.",
+                                       labels=["model_name"])
+        cumulative = list(itertools.accumulate(s.step_tokens_counts or [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)))
+        buckets = [(f"{le:g}", n) for le, n in zip(ITERATION_TOKEN_BUCKETS, cumulative)] + [("+Inf", cumulative[-1])]
+        family.add_metric([self.model_name], buckets, s.step_tokens_total)
+        return family
 
 
 class PrefillStatsCollector(EngineStatsCollector):
@@ -200,13 +241,14 @@ def one_two_five_buckets(limit: int) -> tuple[int, ...]:
 
 
 class ServerMetrics:
-    def __init__(self, engine, model_name: str, slo: Slo):
+    def __init__(self, engine, model_name: str, slo: Slo, gpu_hourly_cost: float | None = None):
         # A registry per server, not the process-global one, so several servers can share a process.
         self.registry = CollectorRegistry()
         self.slo = slo
         self.model_name = model_name
         self.registry.register(EngineStatsCollector(engine, model_name))
         self.registry.register(GcPauseCollector(engine, model_name))
+        ProcessCollector(registry=self.registry)  # process_cpu_seconds_total, process_resident_memory_bytes, ...
         if engine.prefill_stats() is not None:
             self.registry.register(PrefillStatsCollector(engine, model_name))
         labels = ["model_name"]
@@ -241,8 +283,21 @@ class ServerMetrics:
         self.request_rejected = counter("request_rejected", "Requests refused before reaching the engine.",
                                         ("status",))
         self.batch_lines = counter("batch_lines", "Batch API lines answered (succeeded: status 200).", ("status",))
+        # vLLM's names where goodserve's differ: time_per_output_token_seconds is its per-token gap
+        # histogram (inter_token_latency_seconds here); request_params_n, the samples a request asked for;
+        # request_max_num_generation_tokens, a request's longest choice.
+        self.tpot_vllm = histogram("time_per_output_token_seconds", "inter_token_latency_seconds, under vLLM's "
+                                   "earlier name.", TOKEN_LATENCY_BUCKETS)
+        self.params_n = histogram("request_params_n", "Choices (n) per finished request.", (1, 2, 5, 10, 20))
+        self.max_generation = histogram("request_max_num_generation_tokens", "The longest choice's generated "
+                                        "tokens, per finished request.", length_buckets)
         Info(PREFIX + "engine_config", "The engine's resolved configuration.", labels,
              registry=self.registry).labels(model_name).info(engine_info(engine))
+        Info(PREFIX + "cache_config", "The KV cache's configuration (vLLM's cache_config_info).", labels,
+             registry=self.registry).labels(model_name).info(cache_info(engine))
+        if gpu_hourly_cost is not None:
+            Gauge(PREFIX + "cost_per_hour_dollars", "--gpu-hourly-cost times the GPUs the engine runs on.", labels,
+                  registry=self.registry).labels(model_name).set(gpu_hourly_cost * engine.config.world_size)
 
     def observe_finished(self, out: RequestOutput, targets: Slo | None = None) -> None:
         """targets: the request's own SLO (slo_ttft_ms / slo_tpot_ms), where it set them; else the server's."""
@@ -264,16 +319,20 @@ class ServerMetrics:
                 hist.labels(name).observe(value)
         for earlier, later in zip(m.token_times, m.token_times[1:]):
             self.itl.labels(name).observe(max(0.0, later - earlier))
+            self.tpot_vllm.labels(name).observe(max(0.0, later - earlier))
         prompt, generated = len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs)
         self.prompt_tokens.labels(name).inc(prompt)
         self.generation_tokens.labels(name).inc(generated)
         self.prompt_lengths.labels(name).observe(prompt)
         self.generation_lengths.labels(name).observe(generated)
+        self.params_n.labels(name).observe(len(out.outputs))
+        self.max_generation.labels(name).observe(max(len(c.token_ids) for c in out.outputs))
         self.request_success.labels(name, out.outputs[0].finish_reason or "abort").inc()
         slo = self.slo if targets is None else Slo(
             self.slo.ttft_ms if targets.ttft_ms is None else targets.ttft_ms,
             self.slo.tpot_ms if targets.tpot_ms is None else targets.tpot_ms)
-        self.request_slo.labels(name, str(slo.met(ttft, tpot)).lower()).inc()
+        if slo.any:  # no target, no attainment: a request without one neither met nor missed it
+            self.request_slo.labels(name, str(slo.met(ttft, tpot)).lower()).inc()
 
     def observe_aborted(self) -> None:
         self.request_success.labels(self.model_name, "abort").inc()

@@ -58,11 +58,18 @@ def _refuse_store(store: bool | None) -> None:
 
 
 class StreamOptions(_Schema):
-    # A key it does not know is a 400 naming it (errors.py), not ignored: vLLM's continuous_usage_stats
-    # (usage in every chunk), say, would otherwise look accepted and never come.
+    # A key it does not know is a 400 naming it (errors.py), not ignored.
     model_config = ConfigDict(extra="forbid")
 
     include_usage: bool = False
+    # vLLM's: with include_usage, every chunk carries the usage so far, not only the last
+    continuous_usage_stats: bool = False
+
+
+# OpenAI's request metadata: up to 16 string pairs, keys up to 64 characters, values up to 512.
+# Accepted and checked; kept nowhere, as this server stores no completions (store is false).
+RequestMetadata = Annotated[dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
+                            Field(max_length=16)]
 
 
 class JsonSchemaFormat(_Schema):
@@ -106,6 +113,7 @@ class _SamplingRequest(_Request):
     frequency_penalty: float = 0.0
     logit_bias: Annotated[dict[str, float], Field(max_length=MAX_LOGIT_BIAS_ENTRIES)] | None = None
     user: Name | None = None  # accepted; recorded nowhere
+    metadata: RequestMetadata | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     # vLLM extensions
@@ -137,6 +145,10 @@ class _SamplingRequest(_Request):
     @property
     def include_usage_in_stream(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def usage_in_every_chunk(self) -> bool:
+        return self.include_usage_in_stream and self.stream_options.continuous_usage_stats
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
                          defaults: SamplingDefaults) -> SamplingParams:
@@ -277,7 +289,7 @@ class ChatTemplateFields(_Request):
 
 class ChatCompletionRequest(_SamplingRequest, ChatTemplateFields):
     unsupported: ClassVar[frozenset[str]] = _SamplingRequest.unsupported | frozenset({
-        "audio", "function_call", "functions", "metadata", "modalities", "moderation", "prediction",
+        "audio", "function_call", "functions", "modalities", "moderation", "prediction",
         "prompt_cache_key", "prompt_cache_options", "prompt_cache_retention", "reasoning_effort",
         "safety_identifier", "service_tier", "verbosity", "web_search_options"})
 

@@ -21,6 +21,7 @@ from pathlib import Path
 import httpx2
 
 from goodserve.config import EngineConfig
+from goodserve.cpu_threads import available_cores
 from goodserve.engine_args import dataclass_argv
 from goodserve.errors import InvalidRequestError
 from goodserve.router.app import run_router
@@ -71,7 +72,7 @@ def replica_env(gpu: str | None, replicas: int, api_key: str | None) -> dict[str
     if gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = gpu
     else:  # replicas on the CPU: each its share of the cores, not all of them each
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // replicas)))
+        env.setdefault("OMP_NUM_THREADS", str(max(1, available_cores().count // replicas)))
     # The key travels in the environment (serve's default for --api-key), not in argv where ps shows it.
     env.pop("GOODSERVE_API_KEY", None)
     if api_key:

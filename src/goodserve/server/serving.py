@@ -163,17 +163,20 @@ class ServingContext:
             job.release()
 
 
-async def stream_chunks(ctx: ServingContext, include_usage: bool, job: GenerationJob, chunk_type,
+async def stream_chunks(ctx: ServingContext, req, job: GenerationJob, chunk_type,
                         make_choice) -> AsyncIterator[BaseModel]:
-    """The SSE payloads of one streamed request: a chunk per choice delta, then usage if asked.
+    """The SSE payloads of one streamed request: a chunk per choice delta, then usage if asked
+    (stream_options.include_usage), in every chunk too with continuous_usage_stats (the tokens
+    generated so far, as vLLM counts them).
 
     chunk_type is the response model (completion or chat chunk); make_choice(delta) its choice."""
     created = int(time.time())
     async for delta in job.deltas():
         choice = make_choice(delta)
         if choice is not None:  # None: nothing certain to send yet (a tool call being parsed)
-            yield chunk_type(id=job.request_id, created=created, model=ctx.model_name, choices=[choice])
-    if include_usage:
+            yield chunk_type(id=job.request_id, created=created, model=ctx.model_name, choices=[choice],
+                             usage=job.usage() if req.usage_in_every_chunk else None)
+    if req.include_usage_in_stream:
         yield chunk_type(id=job.request_id, created=created, model=ctx.model_name, choices=[], usage=job.usage())
 
 

@@ -46,7 +46,7 @@ async def create_chat_completion(
             stream = streams.setdefault(delta.index, _ChoiceStream(req, mode))
             return _chunk_choice(k, delta, stream)
 
-        chunks = stream_chunks(ctx, req.include_usage_in_stream, job, ChatCompletionChunk, make_choice)
+        chunks = stream_chunks(ctx, req, job, ChatCompletionChunk, make_choice)
         return JobStreamingResponse(chunks, job)
     (out,) = await ctx.run_to_end(job, request)
     choices = []
@@ -54,7 +54,7 @@ async def create_chat_completion(
         logprobs = None
         if params.logprobs is not None and c.logprobs is not None:
             logprobs = chat_logprobs(c.token_ids, c.logprobs, params.logprobs)
-        content, calls = output_calls(req, mode, c.text)
+        content, calls = output_calls(req, mode, c.text, c.finish_reason == "length")
         message = AssistantMessage(content=content, tool_calls=[
             ToolCall(id=new_call_id(), function=FunctionCall(name=call.name, arguments=call.arguments))
             for call in calls] or None)
@@ -77,7 +77,7 @@ class _ChoiceStream:
         self.parser = ToolCallStream() if mode == "auto" else None
         self.text, self.call_id, self.has_calls = "", None, False
 
-    def feed(self, text: str, final: bool) -> tuple[str | None, list[dict]]:
+    def feed(self, text: str, final: bool, truncated: bool = False) -> tuple[str | None, list[dict]]:
         if self.parser is not None:
             content, calls = self.parser.feed(text, final)
             self.has_calls = self.parser.found_calls
@@ -96,9 +96,9 @@ class _ChoiceStream:
             self.text += text
             if not final:
                 return None, []
-            calls = forced_calls(self.req, self.text)
+            calls = forced_calls(self.req, self.text, truncated)
             if not calls:
-                return self.text, []
+                return (None if truncated else self.text), []
             self.has_calls = True
             return None, [{"index": i, "id": new_call_id(), "type": "function",
                            "function": {"name": c.name, "arguments": c.arguments}} for i, c in enumerate(calls)]
@@ -107,7 +107,7 @@ class _ChoiceStream:
 
 def _chunk_choice(k: int | None, delta: ChoiceDelta, stream: _ChoiceStream) -> ChatStreamChoice | None:
     final = delta.finish_reason is not None
-    content, calls = stream.feed(delta.text, final)
+    content, calls = stream.feed(delta.text, final, delta.finish_reason == "length")
     logprobs = None
     if k is not None and delta.logprobs is not None:
         logprobs = chat_logprobs(delta.token_ids, delta.logprobs, k)

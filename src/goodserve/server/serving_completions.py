@@ -26,7 +26,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest,
     echo = _Echo(ctx, req, prompts) if req.echo else None
     if req.stream:
         k = job.params.logprobs
-        chunks = stream_chunks(ctx, req.include_usage_in_stream, job, CompletionResponse,
+        chunks = stream_chunks(ctx, req, job, CompletionResponse,
                                lambda delta: _chunk_choice(job, k, delta, echo))
         return JobStreamingResponse(chunks, job)
     outputs = await ctx.run_to_end(job, request)

@@ -38,7 +38,7 @@ async def create_response(ctx: ServingContext, req: ResponsesRequest, request: R
     if req.stream:
         return JobStreamingResponse(_events(job, shape, chat), job, frame=lambda events: events)
     (out,) = await ctx.run_to_end(job, request)
-    content, calls = output_calls(chat, shape.mode, out.outputs[0].text)
+    content, calls = output_calls(chat, shape.mode, out.outputs[0].text, out.outputs[0].finish_reason == "length")
     return shape.response(out, content or "", shape.calls(calls))
 
 
@@ -138,7 +138,7 @@ async def _event_fields(job: GenerationJob, shape: _Shape, chat) -> AsyncIterato
             text += piece
             yield "response.output_text.delta", {**shape.text_at, "delta": piece, "logprobs": []}
     out = job.final[0]
-    content, found = output_calls(chat, shape.mode, out.outputs[0].text)
+    content, found = output_calls(chat, shape.mode, out.outputs[0].text, out.outputs[0].finish_reason == "length")
     calls = shape.calls(found)
     opened = bool(text)
     if shape.mode in ("required", "named") and content:

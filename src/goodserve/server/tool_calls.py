@@ -60,24 +60,47 @@ def tool_grammar(req) -> StructuredOutputsParams | None:
     return StructuredOutputsParams(json=schema)
 
 
-def forced_calls(req, text: str) -> list[ToolCallText] | None:
-    """The calls a required / named output holds; None if it is not complete JSON (cut by max_tokens)."""
+def forced_calls(req, text: str, truncated: bool = False) -> list[ToolCallText] | None:
+    """The calls a required / named output holds; None if it is not complete JSON. truncated (cut by
+    max_tokens, finish_reason "length"): what it holds so far, as OpenAI reports a cut call: the
+    calls of a required array that were complete, a named call with its arguments as far as they came."""
     mode = tool_mode(req)
     if mode == "named":
-        return [ToolCallText(req.tool_choice.function.name, text)] if loads_or_none(text) is not None else None
+        complete = loads_or_none(text) is not None
+        return [ToolCallText(req.tool_choice.function.name, text)] if complete or truncated else None
     calls = loads_or_none(text)
     if not isinstance(calls, list):
-        return None
+        if not truncated:
+            return None
+        calls = _complete_items(text)
     return [ToolCallText(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in calls]
 
 
-def output_calls(req, mode: str, text: str) -> tuple[str | None, list[ToolCallText]]:
-    """A finished output's (content, calls) under tool_mode(req) `mode`."""
+def _complete_items(text: str) -> list:
+    """The elements of a JSON array cut short that were complete before the cut."""
+    decoder, items = json.JSONDecoder(), []
+    at = text.find("[") + 1
+    while at > 0:
+        at = len(text) - len(text[at:].lstrip())
+        try:
+            item, at = decoder.raw_decode(text, at)
+        except ValueError:
+            break
+        items.append(item)
+        at = len(text) - len(text[at:].lstrip())
+        at = at + 1 if text[at:at + 1] == "," else 0
+    return items
+
+
+def output_calls(req, mode: str, text: str, truncated: bool = False) -> tuple[str | None, list[ToolCallText]]:
+    """A finished output's (content, calls) under tool_mode(req) `mode`; truncated: it hit max_tokens.
+    A forced output cut short is no content: its complete calls are returned, the finish reason
+    ("length") says the rest was cut."""
     if mode == "auto":
         return parse_tool_calls(text)
     if mode in ("required", "named"):
-        calls = forced_calls(req, text)
-        return (None, calls) if calls else (text, [])
+        calls = forced_calls(req, text, truncated)
+        return (None, calls) if calls or truncated else (text, [])
     return text, []
 
 
