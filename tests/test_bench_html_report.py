@@ -48,8 +48,8 @@ class Page(HTMLParser):
 
 def test_report_table_fits_and_names_targets_cost_and_engine(tmp_path, monkeypatch):
     axes = []
-    render = report._figure_png
-    monkeypatch.setattr(report, "_figure_png", lambda fig: axes.extend(fig.axes) or render(fig))
+    render = report.figure_png
+    monkeypatch.setattr(report, "figure_png", lambda fig: axes.extend(fig.axes) or render(fig))
     result = {"model_id": "m", "backend": "openai", "engine_config": {"model": "m", "dtype": "bfloat16"},
               "sweep": [run(1.0), run(2.0)]}
     report.write_html(result, tmp_path / "r.html")
