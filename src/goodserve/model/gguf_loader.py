@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from goodserve.errors import InvalidRequestError, ModelLoadError
+from goodserve.model.families import gguf_family
 from goodserve.model.gguf_reader import eos_token_ids, metadata, open_gguf
 from goodserve.model.gguf_tokenizer import gguf_tokenizer
 from goodserve.model.llama import LlamaForCausalLM, WeightFiller, build_empty_model
@@ -32,10 +33,6 @@ from goodserve.ops.rotary import inverse_frequencies
 from goodserve.quant import gguf_native
 from goodserve.quant.apply import TARGET_LINEARS
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
-# Architectures whose converter permuted q/k rows (llama.cpp's LlamaModel.permute).
-_PERMUTED_ARCHITECTURES = ("llama", "mistral")
-
 # GGUF tensor name suffix -> (our parameter name, shard of a fused parameter or None).
 _LAYER_TENSORS = {
     "attn_norm.weight": ("input_layernorm.weight", None),
@@ -47,6 +44,8 @@ _LAYER_TENSORS = {
     "attn_k.bias": ("self_attn.qkv_proj.bias", "k"),
     "attn_v.bias": ("self_attn.qkv_proj.bias", "v"),
     "attn_output.weight": ("self_attn.o_proj.weight", None),
+    "attn_q_norm.weight": ("self_attn.q_norm.weight", None),
+    "attn_k_norm.weight": ("self_attn.k_norm.weight", None),
     "ffn_gate.weight": ("mlp.gate_up_proj.weight", "gate"),
     "ffn_up.weight": ("mlp.gate_up_proj.weight", "up"),
     "ffn_down.weight": ("mlp.down_proj.weight", None),
@@ -61,11 +60,7 @@ _IGNORED_TENSORS = ("rope_freqs.weight",)  # folded into ModelSpec.rope_scaling
 
 def gguf_spec(reader: gguf.GGUFReader, name: str) -> ModelSpec:
     arch = metadata(reader, "general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ModelLoadError(
-            f"GGUF architecture {arch!r} is not supported; supported architectures: "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)} (the Llama family)"
-        )
+    family = gguf_family(arch)
     tensors = {t.name: t for t in reader.tensors}
     key = lambda k, default=None: metadata(reader, f"{arch}.{k}", default)  # noqa: E731
     hidden, heads = key("embedding_length"), key("attention.head_count")
@@ -84,9 +79,11 @@ def gguf_spec(reader: gguf.GGUFReader, name: str) -> ModelSpec:
         max_position_embeddings=key("context_length"),
         rope_theta=theta,
         rope_scaling=_rope_scaling(tensors.get("rope_freqs.weight"), head_dim, theta),
-        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", family.default_rms_norm_eps)),
         tie_word_embeddings="output.weight" not in tensors,
         attention_bias="blk.0.attn_q.bias" in tensors,
+        family=family.name,
+        **family.gguf_fields(key),
         bos_token_id=bos,
         eos_token_ids=tuple(eos_token_ids(reader)),
     )
@@ -185,11 +182,12 @@ def load_gguf_weights(model: LlamaForCausalLM, reader: gguf.GGUFReader, arch: st
     codes = {f"{path}.{name}": getattr(gguf_native.int4_storage(module), name)
              for path, module in native.items() for name in ("qweight", "scales", "zeros")}
     filler = WeightFiller(model, codes)
+    permuted = gguf_family(arch).gguf_permutes_qk
     for tensor in reader.tensors:
         float_weight = None
         for name, shard in _targets(tensor, spec, own_lm_head="lm_head" in native):
             path = name.removesuffix(".weight")
-            unpermute = arch in _PERMUTED_ARCHITECTURES and shard in ("q", "k")
+            unpermute = permuted and shard in ("q", "k")
             heads = spec.num_heads if shard == "q" else spec.num_kv_heads
             if path in native:
                 w = gguf_native.block_codes(tensor.data, tensor.tensor_type)

@@ -38,7 +38,10 @@ def _linears(layer: nn.Module) -> tuple[nn.Module, ...]:
 
 def _native(layer: nn.Module) -> bool:
     """Whether the native call can run this layer: four int4 linears on the native kernel, one
-    activation arithmetic and scale width for all four, float32 norms, no biases but q/k/v's."""
+    activation arithmetic and scale width for all four, float32 norms, no biases but q/k/v's, and
+    no part the native layer lacks (q/k norms, a mixture of experts)."""
+    if layer.self_attn.q_norm is not None or not hasattr(layer.mlp, "gate_up_proj"):
+        return False
     linears = _linears(layer)
     return (all(isinstance(lin, Int4Linear) and lin.native_layout() is not None for lin in linears)
             and all(lin.bias is None for lin in linears[1:]) and layer.self_attn.head_dim % 16 == 0

@@ -1,0 +1,159 @@
+"""Each model family beyond Llama, end to end against transformers: a tiny random-weight model made
+with transformers' own config class and save_pretrained (float32), loaded by goodserve's engine; its
+greedy tokens equal transformers' generate for 32 new tokens on four prompts of different lengths,
+run batched (with small prefill chunks, so prompts span steps beside other sequences' decodes) and
+one at a time. GGUF files of the families that have a llama.cpp architecture are written with the
+gguf package's writer, in llama.cpp's tensor names and layout, and give the same tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from goodserve.errors import InvalidRequestError, ModelLoadError
+from goodserve.llm import LLM
+from goodserve.model.loader import load_spec
+from goodserve.sampling_params import SamplingParams
+
+transformers = pytest.importorskip("transformers")
+
+TINY = dict(vocab_size=300, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+            bos_token_id=None, eos_token_id=None, pad_token_id=None, tie_word_embeddings=False)
+MOE = dict(num_experts_per_tok=2)
+FAMILIES = {
+    # head_dim 32 with hidden 64: q_size (128) differs from hidden, as in Qwen3's own shapes.
+    "qwen3": lambda: transformers.Qwen3Config(**TINY, head_dim=32),
+    "mixtral": lambda: transformers.MixtralConfig(**TINY, num_local_experts=4, **MOE),
+    "qwen3-moe": lambda: transformers.Qwen3MoeConfig(**TINY, num_experts=4, moe_intermediate_size=48,
+                                                     norm_topk_prob=False, **MOE),
+    "qwen3-moe-norm-topk": lambda: transformers.Qwen3MoeConfig(**TINY, num_experts=4, moe_intermediate_size=48,
+                                                               norm_topk_prob=True, **MOE),
+    "phi3": lambda: transformers.Phi3Config(**TINY, original_max_position_embeddings=512),
+}
+PROMPT_LENGTHS = (3, 17, 40, 75)
+NEW_TOKENS = 32
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+SETTINGS = {"dtype": "float32", "quantization": "none", "num_kv_blocks": 64, "max_num_batched_tokens": 32}
+
+
+def prompts(vocab_size: int = 300) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(7)
+    return [torch.randint(0, vocab_size, (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]
+
+
+def save_tiny_model(config, path: Path):
+    """Random weights, norms included (their init of ones would hide a norm read from the wrong tensor)."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(1.0, 0.3)
+    model.save_pretrained(path, safe_serialization=True)
+    return model
+
+
+def hf_greedy(model, prompt: list[int], new_tokens: int = NEW_TOKENS) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+def assert_greedy_matches(model_name: str, hf_model, prompt_ids: list[list[int]], **settings) -> None:
+    expected = [hf_greedy(hf_model, p) for p in prompt_ids]
+    llm = LLM(model_name, **(SETTINGS | settings))
+    batched = [out.outputs[0].token_ids for out in llm.generate([{"prompt_token_ids": p} for p in prompt_ids], GREEDY)]
+    alone = [llm.generate({"prompt_token_ids": p}, GREEDY)[0].outputs[0].token_ids for p in prompt_ids]
+    assert batched == expected
+    assert alone == expected
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_tokens_match_transformers(tmp_path: Path, family: str):
+    hf_model = save_tiny_model(FAMILIES[family](), tmp_path)
+    assert_greedy_matches(str(tmp_path), hf_model, prompts())
+
+
+def write_gguf(hf_model, arch: gguf.MODEL_ARCH, path: Path) -> None:
+    """The model as llama.cpp's converter writes it: its tensor names (gguf's own name map), float32,
+    q/k rows as they are (its Qwen converters do not permute them), a stand-in vocabulary."""
+    config, name = hf_model.config, gguf.MODEL_ARCH_NAMES[arch]
+    writer = gguf.GGUFWriter(str(path), name)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    tokens = [chr(0x100 + i) for i in range(config.vocab_size)]  # prompts are token ids: any distinct strings
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * len(tokens))
+    names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
+    for hf_name, tensor in hf_model.state_dict().items():
+        writer.add_tensor(names.get_name(hf_name, try_suffixes=(".weight",)), tensor.numpy().astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_qwen3_gguf_gives_transformers_tokens(tmp_path: Path):
+    hf_model = save_tiny_model(FAMILIES["qwen3"](), tmp_path)
+    path = tmp_path / "tiny-qwen3.gguf"
+    write_gguf(hf_model, gguf.MODEL_ARCH.QWEN3, path)
+    assert load_spec(str(path)).qk_norm
+    assert_greedy_matches(str(path), hf_model, prompts())
+
+
+def test_spec_reads_each_familys_parts(tmp_path: Path):
+    save_tiny_model(FAMILIES["qwen3-moe"](), tmp_path)
+    spec = load_spec(str(tmp_path))
+    assert (spec.family, spec.qk_norm, spec.num_experts, spec.num_experts_per_tok, spec.moe_intermediate_size,
+            spec.norm_topk_prob, spec.head_dim) == ("qwen3-moe", True, 4, 2, 48, False, 16)
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert spec.num_params() == sum(p.numel() for p in hf_model.parameters())
+
+
+def test_unsupported_architecture_is_refused_with_the_supported_list(tmp_path: Path):
+    transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, architectures=["GPT2LMHeadModel"]).save_pretrained(tmp_path)
+    with pytest.raises(ModelLoadError, match="'GPT2LMHeadModel' is not supported; supported architectures: "
+                                             "LlamaForCausalLM, .*Qwen3ForCausalLM, MixtralForCausalLM, "
+                                             "Qwen3MoeForCausalLM, Phi3ForCausalLM"):
+        load_spec(str(tmp_path))
+
+
+@pytest.mark.parametrize(("family", "setting", "message"), [
+    ("qwen3", {"use_sliding_window": True, "sliding_window": 64}, "sliding-window attention"),
+    ("qwen3", {"attention_bias": True}, "attention_bias=True"),
+    ("phi3", {"sliding_window": 64}, "sliding-window attention"),
+    ("qwen3-moe", {"mlp_only_layers": [1]}, "mlp_only_layers"),
+])
+def test_settings_a_family_lacks_are_refused(tmp_path: Path, family: str, setting: dict, message: str):
+    config = FAMILIES[family]()
+    for key, value in setting.items():
+        setattr(config, key, value)
+    config.architectures = [transformers.AutoModelForCausalLM._model_mapping[type(config)].__name__]
+    config.save_pretrained(tmp_path)
+    with pytest.raises(ModelLoadError, match=message):
+        load_spec(str(tmp_path))
+
+
+@pytest.mark.parametrize(("settings", "message"), [
+    ({"quantization": "int8"}, "weight quantization \\(int8\\) of its experts"),
+    ({"tensor_parallel_size": 2}, "--tensor-parallel-size > 1"),
+])
+def test_moe_refuses_what_it_cannot_combine_with(tmp_path: Path, settings: dict, message: str):
+    save_tiny_model(FAMILIES["mixtral"](), tmp_path)
+    with pytest.raises(InvalidRequestError, match=message):
+        LLM(str(tmp_path), **(SETTINGS | settings))
