@@ -16,8 +16,9 @@ import torch
 
 from goodserve.errors import InvalidRequestError, ModelLoadError
 from goodserve.llm import LLM
-from goodserve.model.loader import load_spec
+from goodserve.model.loader import load_model, load_spec
 from goodserve.sampling_params import SamplingParams
+from test_model_hf import PagedSequence, assert_logits_close
 
 transformers = pytest.importorskip("transformers")
 
@@ -78,6 +79,41 @@ def assert_greedy_matches(model_name: str, hf_model, prompt_ids: list[list[int]]
 def test_greedy_tokens_match_transformers(tmp_path: Path, family: str):
     hf_model = save_tiny_model(FAMILIES[family](), tmp_path)
     assert_greedy_matches(str(tmp_path), hf_model, prompts())
+
+
+def long_rope_phi3(path: Path):
+    """A 128k-style Phi-3 whose original context is 64 positions."""
+    factors = torch.Generator().manual_seed(3)
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 64,
+            "short_factor": (1 + torch.rand(8, generator=factors)).tolist(),
+            "long_factor": (1 + 8 * torch.rand(8, generator=factors)).tolist()}
+    return save_tiny_model(transformers.Phi3Config(**TINY, original_max_position_embeddings=64, rope_parameters=rope),
+                           path)
+
+
+def test_phi3_long_rope_within_the_original_context_matches_transformers(tmp_path: Path):
+    hf_model = long_rope_phi3(tmp_path)
+    spec = load_spec(str(tmp_path))
+    assert spec.rope_scaling.original_max_position_embeddings == 64 and spec.rope_scaling.attention_factor > 1
+    assert_greedy_matches(str(tmp_path), hf_model, [p[:n] for p, n in zip(prompts(), (3, 9, 17, 31))])
+
+
+def test_phi3_long_rope_past_the_original_context_matches_transformers_forward(tmp_path: Path):
+    """Past the original context each new token rotates by the long factors, as transformers' forward
+    with a cache does; the keys already cached keep theirs. (transformers' generate instead recomputes
+    the whole sequence once when it crosses, rotating every position by the long factors; a paged
+    cache keeps each position's rotation, so a prefix-cached block means one thing whatever follows.)"""
+    hf_model = long_rope_phi3(tmp_path)
+    loaded = load_model(str(tmp_path), torch.float32, "cpu")
+    prompt = prompts()[3][:60]
+    new_tokens = prompts()[2][:30]  # teacher-forced from position 60 to 89
+    ours = PagedSequence(loaded.model, num_blocks=8)
+    with torch.no_grad():
+        ref = hf_model(torch.tensor([prompt]), use_cache=True)
+        assert_logits_close(ours.step(prompt)[-1], ref.logits[0, -1])
+        for token in new_tokens:
+            ref = hf_model(torch.tensor([[token]]), past_key_values=ref.past_key_values, use_cache=True)
+            assert_logits_close(ours.step([token])[-1], ref.logits[0, -1])
 
 
 def write_gguf(hf_model, arch: gguf.MODEL_ARCH, path: Path) -> None:

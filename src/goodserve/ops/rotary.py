@@ -40,9 +40,11 @@ def cos_sin_cache(
 
 def _long_rope_cache(head_dim: int, max_positions: int, theta: float, scaling: LongRope) -> torch.Tensor:
     """Positions inside the original context rotate by the short factors, those past it by the long
-    ones. transformers picks by the longest position seen so far, which is the same for every token
-    decoded one at a time and for any prompt that fits the original context (a longer prompt's early
-    tokens differ: there transformers rotates them by the long factors)."""
+    ones: a position's rotation never depends on what else is in the sequence, so a cached block
+    (prefix caching, chunked prefill) means the same thing to every sequence that shares it. This is
+    transformers' forward over a cache, token by token; its generate differs for a sequence that
+    outgrows the original context (it then recomputes the whole sequence by the long factors, and
+    rotates a prompt longer than the original context wholly by them), as vLLM's does too."""
     base = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
     split = min(scaling.original_max_position_embeddings, max_positions)
     parts = []

@@ -1,0 +1,111 @@
+"""Fused mixture of experts on CUDA (the approach of vLLM's fused_moe): the (token, slot) pairs are
+sorted by expert and padded to whole blocks of BLOCK_M rows, each block one expert's; then each
+projection is ONE grouped-GEMM launch whose programs each multiply one block of rows by one tile of
+their expert's weights. A decode step reads each routed expert's weights once, with no per-expert
+launch and no host synchronisation (the sort is on the device and sized by the token count alone,
+so a CUDA graph captures it).
+
+Computes ops/moe.py's moe_torch (the reference), the router weights applied to the down projection's
+rows before the sum over slots.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from goodserve.ops.activation import silu_and_mul
+from goodserve.ops.kernel_choice import KernelChoice
+
+
+@triton.jit
+def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, weights_ptr, sorted_pairs_ptr, block_experts_ptr, num_padded_ptr,
+                         n, k, num_pairs, stride_a, stride_be, stride_bn, stride_c,
+                         A_ROW_DIVISOR: tl.constexpr, MUL_WEIGHTS: tl.constexpr, PRECISION: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """C[pair] = A[pair // A_ROW_DIVISOR] @ B[expert].T (times the pair's router weight) for one
+    block of sorted pairs and one tile of N. Pairs are token * top_k + slot; padding is num_pairs."""
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    pairs = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = pairs < num_pairs
+    expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + (pairs // A_ROW_DIVISOR).to(tl.int64)[:, None] * stride_a + offs_k[None, :]
+    b_ptrs = b_ptr + expert * stride_be + cols.to(tl.int64)[None, :] * stride_bn + offs_k[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, k, BLOCK_K):
+        in_k = offs_k + k0 < k
+        a = tl.load(a_ptrs, mask=valid[:, None] & in_k[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=in_k[:, None] & (cols[None, :] < n), other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    out = acc.to(c_ptr.dtype.element_ty)
+    if MUL_WEIGHTS:  # as the reference: the expert's output rounded, then times its weight
+        weight = tl.load(weights_ptr + pairs, mask=valid, other=0.0)
+        out = (out.to(tl.float32) * weight[:, None].to(tl.float32)).to(c_ptr.dtype.element_ty)
+    c_ptrs = c_ptr + pairs.to(tl.int64)[:, None] * stride_c + cols[None, :]
+    tl.store(c_ptrs, out, mask=valid[:, None] & (cols[None, :] < n))
+
+
+def block_m_for(num_pairs: int) -> int:
+    """Rows per block: small where most blocks hold one or two pairs (decode), larger for prefill."""
+    return 16 if num_pairs <= 256 else 64
+
+
+def sort_pairs_by_expert(ids: torch.Tensor, num_experts: int, block_m: int
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ids [T, k] -> (sorted_pairs [max_blocks * block_m]: pair indices grouped by expert, each
+    expert's run padded with num_pairs to whole blocks; block_experts [max_blocks]; num_padded [1]:
+    rows in use). max_blocks bounds the padding by the experts that can be hit (at most T * k)."""
+    flat = ids.flatten()
+    num_pairs = flat.numel()
+    max_blocks = triton.cdiv(num_pairs + min(num_experts, num_pairs) * (block_m - 1), block_m)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = padded.cumsum(0)
+    order = flat.argsort(stable=True)
+    sorted_experts = flat[order]
+    rank = torch.arange(num_pairs, device=ids.device) - (counts.cumsum(0) - counts)[sorted_experts]
+    sorted_pairs = torch.full((max_blocks * block_m,), num_pairs, dtype=torch.int64, device=ids.device)
+    sorted_pairs.scatter_(0, (padded_end - padded)[sorted_experts] + rank, order)
+    block_starts = torch.arange(max_blocks, device=ids.device) * block_m
+    block_experts = torch.searchsorted(padded_end, block_starts, right=True).clamp_(max=num_experts - 1)
+    return sorted_pairs, block_experts, padded_end[-1:]
+
+
+def _grouped_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, sorted_pairs: torch.Tensor,
+                  block_experts: torch.Tensor, num_padded: torch.Tensor, num_pairs: int, a_row_divisor: int,
+                  block_m: int, weights: torch.Tensor | None = None) -> None:
+    """out [num_pairs, N] = a's rows @ b [E, N, K] of each pair's expert."""
+    n, k = b.shape[1], b.shape[2]
+    block_n, block_k = 64, 64
+    grid = (block_experts.numel(), triton.cdiv(n, block_n))
+    _grouped_gemm_kernel[grid](
+        a, b, out, weights if weights is not None else out, sorted_pairs, block_experts, num_padded,
+        n, k, num_pairs, a.stride(0), b.stride(0), b.stride(1), out.stride(0),
+        A_ROW_DIVISOR=a_row_divisor, MUL_WEIGHTS=weights is not None,
+        PRECISION="ieee" if a.dtype == torch.float32 else "tf32",  # float32 stays exact (no TF32)
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+
+
+def triton_fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                     ids: torch.Tensor, kernels: KernelChoice) -> torch.Tensor:
+    """x [T, H], w13 [E * 2I, H], w2 [E * H, I], weights / ids [T, k] -> [T, H]."""
+    num_tokens, hidden = x.shape
+    num_experts, top_k = w2.shape[0] // hidden, ids.shape[1]
+    num_pairs = num_tokens * top_k
+    w13, w2 = w13.view(num_experts, -1, hidden), w2.view(num_experts, hidden, -1)
+    block_m = block_m_for(num_pairs)
+    sorting = sort_pairs_by_expert(ids, num_experts, block_m)
+    x = x.contiguous()
+    gate_up = x.new_empty(num_pairs, w13.shape[1])
+    _grouped_gemm(x, w13, gate_up, *sorting, num_pairs, top_k, block_m)
+    down = x.new_empty(num_pairs, hidden)
+    _grouped_gemm(silu_and_mul(gate_up, kernels), w2, down, *sorting, num_pairs, 1, block_m,
+                  weights.to(x.dtype).flatten())
+    return down.view(num_tokens, top_k, hidden).sum(dim=1)
