@@ -152,6 +152,13 @@ def test_qwen3_gguf_gives_transformers_tokens(tmp_path: Path):
     assert_greedy_matches(str(path), hf_model, prompts())
 
 
+def test_triton_path_gives_transformers_tokens(tmp_path: Path):
+    """The CUDA path's kernels (the fused MoE, q/k norms through the Triton RMSNorm) under the
+    interpreter, on two prompts (about a minute)."""
+    hf_model = save_tiny_model(FAMILIES["qwen3-moe-norm-topk"](), tmp_path)
+    assert_greedy_matches(str(tmp_path), hf_model, prompts()[1:3], attention_backend="triton")
+
+
 def test_spec_reads_each_familys_parts(tmp_path: Path):
     save_tiny_model(FAMILIES["qwen3-moe"](), tmp_path)
     spec = load_spec(str(tmp_path))

@@ -44,7 +44,7 @@ def _long_rope_cache(head_dim: int, max_positions: int, theta: float, scaling: L
     (prefix caching, chunked prefill) means the same thing to every sequence that shares it. This is
     transformers' forward over a cache, token by token; its generate differs for a sequence that
     outgrows the original context (it then recomputes the whole sequence by the long factors, and
-    rotates a prompt longer than the original context wholly by them), as vLLM's does too."""
+    rotates a prompt longer than the original context wholly by them)."""
     base = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
     split = min(scaling.original_max_position_embeddings, max_positions)
     parts = []

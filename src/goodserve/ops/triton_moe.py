@@ -23,7 +23,7 @@ from goodserve.ops.kernel_choice import KernelChoice
 def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, weights_ptr, sorted_pairs_ptr, block_experts_ptr, num_padded_ptr,
                          n, k, num_pairs, stride_a, stride_be, stride_bn, stride_c,
                          A_ROW_DIVISOR: tl.constexpr, MUL_WEIGHTS: tl.constexpr, PRECISION: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                         UPCAST_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """C[pair] = A[pair // A_ROW_DIVISOR] @ B[expert].T (times the pair's router weight) for one
     block of sorted pairs and one tile of N. Pairs are token * top_k + slot; padding is num_pairs."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
@@ -41,7 +41,9 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, weights_ptr, sorted_pairs_ptr, blo
         in_k = offs_k + k0 < k
         a = tl.load(a_ptrs, mask=valid[:, None] & in_k[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=in_k[:, None] & (cols[None, :] < n), other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        if UPCAST_DOT:  # the interpreter's bf16 dot is wrong: float32 operands on the CPU
+            a, b = a.to(tl.float32), b.to(tl.float32)
+        acc += tl.dot(a, b, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     out = acc.to(c_ptr.dtype.element_ty)
@@ -89,7 +91,8 @@ def _grouped_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, sorted_pa
         a, b, out, weights if weights is not None else out, sorted_pairs, block_experts, num_padded,
         n, k, num_pairs, a.stride(0), b.stride(0), b.stride(1), out.stride(0),
         A_ROW_DIVISOR=a_row_divisor, MUL_WEIGHTS=weights is not None,
-        PRECISION="ieee" if a.dtype == torch.float32 else "tf32",  # float32 stays exact (no TF32)
+        PRECISION="ieee" if a.dtype == torch.float32 or not a.is_cuda else None,  # float32 stays exact (no TF32)
+        UPCAST_DOT=not a.is_cuda,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
 
 
