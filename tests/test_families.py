@@ -14,9 +14,11 @@ import numpy as np
 import pytest
 import torch
 
+from goodserve.diagnose.calc import decode_weight_bytes, weight_bytes
 from goodserve.errors import InvalidRequestError, ModelLoadError
 from goodserve.llm import LLM
 from goodserve.model.loader import load_model, load_spec
+from goodserve.model.presets import get_preset
 from goodserve.sampling_params import SamplingParams
 from test_model_hf import PagedSequence, assert_logits_close
 
@@ -166,6 +168,35 @@ def test_spec_reads_each_familys_parts(tmp_path: Path):
             spec.norm_topk_prob, spec.head_dim) == ("qwen3-moe", True, 4, 2, 48, False, 16)
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
     assert spec.num_params() == sum(p.numel() for p in hf_model.parameters())
+
+
+def test_dummy_moe_preset_gives_the_same_tokens_batched_and_alone():
+    llm = LLM("dummy:tiny-moe", **SETTINGS)
+    ids = prompts(512)
+    batched = [out.outputs[0].token_ids for out in llm.generate([{"prompt_token_ids": p} for p in ids], GREEDY)]
+    assert batched == [llm.generate({"prompt_token_ids": p}, GREEDY)[0].outputs[0].token_ids for p in ids]
+
+
+@pytest.mark.parametrize(("preset", "total", "active"), [
+    ("qwen3-30b-a3b", 30.5e9, 3.3e9),  # the model card's figures
+    ("mixtral-8x7b", 46.7e9, 12.9e9),  # Mistral's announcement
+])
+def test_moe_presets_count_active_parameters(preset: str, total: float, active: float):
+    spec = get_preset(preset)
+    assert spec.num_params() == pytest.approx(total, rel=0.01)
+    assert spec.num_active_params() == pytest.approx(active, rel=0.02)
+    # A batch-1 decode step reads the active weights; a large batch routes to every expert.
+    assert decode_weight_bytes(spec, "bf16", batch=1) == pytest.approx(2 * spec.num_active_params())
+    assert decode_weight_bytes(spec, "bf16", batch=4096) == pytest.approx(weight_bytes(spec, "bf16"))
+
+
+def test_calc_and_diagnose_report_active_parameters(capsys):
+    from goodserve.cli import main
+
+    assert main(["calc", "kv", "--model", "qwen3-30b-a3b", "--seq-len", "4096"]) == 0
+    assert "8 of 128 experts per token, 3.35 B of 30.53 B parameters active" in capsys.readouterr().out
+    assert main(["diagnose", "--model", "qwen3-30b-a3b", "--hardware", "h100"]) == 0
+    assert "3.353 B active per token" in capsys.readouterr().out
 
 
 def test_unsupported_architecture_is_refused_with_the_supported_list(tmp_path: Path):
