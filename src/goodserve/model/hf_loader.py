@@ -142,6 +142,9 @@ def load_hf_weights(model: LlamaForCausalLM, files: list[Path]) -> None:
                     continue
                 if name == "lm_head.weight" and model.spec.tie_word_embeddings:
                     continue
+                if ".qkv_proj." in name or ".gate_up_proj." in name:  # Phi-3's fused ones: split per shard
+                    filler.fill_whole(name, f.get_tensor(name))
+                    continue
                 filler.fill(*_our_name(name), f.get_tensor(name))
     filler.finish()
 
