@@ -12,6 +12,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
+import safetensors.torch
 import torch
 
 from goodserve.diagnose.calc import decode_weight_bytes, weight_bytes
@@ -119,9 +120,32 @@ def test_phi3_long_rope_past_the_original_context_matches_transformers_forward(t
             assert_logits_close(ours.step([token])[-1], ref.logits[0, -1])
 
 
-def write_gguf(hf_model, arch: gguf.MODEL_ARCH, path: Path) -> None:
-    """The model as llama.cpp's converter writes it: its tensor names (gguf's own name map), float32,
-    q/k rows as they are (its Qwen converters do not permute them), a stand-in vocabulary."""
+def llama_cpp_permute(weights: torch.Tensor, heads: int) -> torch.Tensor:
+    """convert_hf_to_gguf.py's LlamaModel.permute: each head's rotary halves interleaved in pairs."""
+    return weights.reshape(heads, 2, weights.shape[0] // heads // 2, *weights.shape[1:]).swapaxes(1, 2).reshape(
+        weights.shape)
+
+
+def llama_cpp_tensors(checkpoint: Path, config, permute: bool) -> dict[str, torch.Tensor]:
+    """The saved checkpoint as llama.cpp's converter writes it (HF names still): each projection of
+    all experts stacked into one [E, rows, cols] tensor, q/k rows permuted for the Llama lineage only."""
+    tensors, experts = {}, {}
+    for name, tensor in safetensors.torch.load_file(checkpoint / "model.safetensors").items():
+        if ".experts." in name:  # model.layers.0.mlp.experts.3.up_proj.weight
+            stem, _, rest = name.partition(".experts.")
+            expert, projection, _ = rest.split(".")
+            experts.setdefault(f"{stem}.experts.{projection}.weight", {})[int(expert)] = tensor
+            continue
+        if permute and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
+            tensor = llama_cpp_permute(tensor, heads)
+        tensors[name] = tensor
+    return tensors | {name: torch.stack([by_index[e] for e in sorted(by_index)]) for name, by_index in experts.items()}
+
+
+def write_gguf(hf_model, checkpoint: Path, arch: gguf.MODEL_ARCH, path: Path) -> None:
+    """The saved checkpoint as llama.cpp's converter writes it: its tensor names (gguf's own name
+    map), float32, its metadata, a stand-in vocabulary."""
     config, name = hf_model.config, gguf.MODEL_ARCH_NAMES[arch]
     writer = gguf.GGUFWriter(str(path), name)
     writer.add_block_count(config.num_hidden_layers)
@@ -130,16 +154,22 @@ def write_gguf(hf_model, arch: gguf.MODEL_ARCH, path: Path) -> None:
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_key_length(config.head_dim)
-    writer.add_value_length(config.head_dim)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    if getattr(config, "num_experts_per_tok", None):
+        writer.add_expert_count(getattr(config, "num_experts", None) or config.num_local_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        if getattr(config, "moe_intermediate_size", None):
+            writer.add_expert_feed_forward_length(config.moe_intermediate_size)
     tokens = [chr(0x100 + i) for i in range(config.vocab_size)]  # prompts are token ids: any distinct strings
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list(tokens)
     writer.add_token_types([1] * len(tokens))
     names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
-    for hf_name, tensor in hf_model.state_dict().items():
+    for hf_name, tensor in llama_cpp_tensors(checkpoint, config, permute=arch == gguf.MODEL_ARCH.LLAMA).items():
         writer.add_tensor(names.get_name(hf_name, try_suffixes=(".weight",)), tensor.numpy().astype(np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -147,10 +177,21 @@ def write_gguf(hf_model, arch: gguf.MODEL_ARCH, path: Path) -> None:
     writer.close()
 
 
+@pytest.mark.parametrize(("family", "arch"), [("mixtral", gguf.MODEL_ARCH.LLAMA),  # llama.cpp's Mixtral
+                                              ("qwen3-moe-norm-topk", gguf.MODEL_ARCH.QWEN3MOE)])
+def test_moe_gguf_gives_transformers_tokens(tmp_path: Path, family: str, arch):
+    hf_model = save_tiny_model(FAMILIES[family](), tmp_path)
+    path = tmp_path / "tiny-moe.gguf"
+    write_gguf(hf_model, tmp_path, arch, path)
+    spec = load_spec(str(path))
+    assert (spec.num_experts, spec.num_experts_per_tok) == (4, 2)
+    assert_greedy_matches(str(path), hf_model, prompts())
+
+
 def test_qwen3_gguf_gives_transformers_tokens(tmp_path: Path):
     hf_model = save_tiny_model(FAMILIES["qwen3"](), tmp_path)
     path = tmp_path / "tiny-qwen3.gguf"
-    write_gguf(hf_model, gguf.MODEL_ARCH.QWEN3, path)
+    write_gguf(hf_model, tmp_path, gguf.MODEL_ARCH.QWEN3, path)
     assert load_spec(str(path)).qk_norm
     assert_greedy_matches(str(path), hf_model, prompts())
 

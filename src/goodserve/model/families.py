@@ -56,11 +56,14 @@ def _llama(config: dict[str, Any]) -> dict[str, Any]:
     return {}
 
 
-def _llama_gguf(key: GgufKey) -> dict[str, Any]:
-    if key("expert_count", 0):
-        raise ModelLoadError("GGUF mixture-of-experts models (Mixtral) are not supported; "
-                             "load the Hugging Face directory")
-    return {}
+def _gguf_experts(key: GgufKey) -> dict[str, Any]:
+    """A mixture of experts' fields from llama.cpp's metadata (none for a dense model). llama.cpp
+    renormalises the routed experts' weights for Mixtral and Qwen3-MoE alike."""
+    if not key("expert_count", 0):
+        return {}
+    return {"num_experts": key("expert_count"), "num_experts_per_tok": key("expert_used_count"),
+            "moe_intermediate_size": key("expert_feed_forward_length") or key("feed_forward_length"),
+            "norm_topk_prob": True}
 
 
 def _qwen2(config: dict[str, Any]) -> dict[str, Any]:
@@ -99,13 +102,15 @@ def _phi3(config: dict[str, Any]) -> dict[str, Any]:
 
 
 FAMILIES = (
-    Family("llama", ("LlamaForCausalLM", "MistralForCausalLM"), ("llama", "mistral"), _llama, _llama_gguf,
+    # llama.cpp writes Mixtral as a `llama` with experts.
+    Family("llama", ("LlamaForCausalLM", "MistralForCausalLM"), ("llama", "mistral"), _llama, _gguf_experts,
            gguf_permutes_qk=True),
     Family("qwen2", ("Qwen2ForCausalLM",), ("qwen2",), _qwen2, default_rms_norm_eps=1e-6),
     Family("qwen3", ("Qwen3ForCausalLM",), ("qwen3",), _qwen3, lambda key: {"qk_norm": True},
            default_rms_norm_eps=1e-6),
     Family("mixtral", ("MixtralForCausalLM",), (), _mixtral),
-    Family("qwen3-moe", ("Qwen3MoeForCausalLM",), (), _qwen3_moe, default_rms_norm_eps=1e-6),
+    Family("qwen3-moe", ("Qwen3MoeForCausalLM",), ("qwen3moe",), _qwen3_moe,
+           lambda key: {"qk_norm": True} | _gguf_experts(key), default_rms_norm_eps=1e-6),
     Family("phi3", ("Phi3ForCausalLM",), (), _phi3),
 )
 
@@ -126,7 +131,3 @@ def gguf_family(architecture: str) -> Family:
     supported = [a for f in FAMILIES for a in f.gguf_architectures]
     raise ModelLoadError(f"GGUF architecture {architecture!r} is not supported; supported architectures: "
                          f"{', '.join(supported)}")
-
-
-def family(name: str) -> Family:
-    return next(f for f in FAMILIES if f.name == name)

@@ -49,6 +49,11 @@ _LAYER_TENSORS = {
     "ffn_gate.weight": ("mlp.gate_up_proj.weight", "gate"),
     "ffn_up.weight": ("mlp.gate_up_proj.weight", "up"),
     "ffn_down.weight": ("mlp.down_proj.weight", None),
+    # A mixture of experts: the router, and each projection of all experts stacked [E, rows, cols].
+    "ffn_gate_inp.weight": ("mlp.gate.weight", None),
+    "ffn_gate_exps.weight": ("mlp.experts.w13", "gate"),
+    "ffn_up_exps.weight": ("mlp.experts.w13", "up"),
+    "ffn_down_exps.weight": ("mlp.experts.w2", "down"),
 }
 _GLOBAL_TENSORS = {
     "token_embd.weight": ("model.embed_tokens.weight", None),
@@ -71,7 +76,7 @@ def gguf_spec(reader: gguf.GGUFReader, name: str) -> ModelSpec:
         name=name,
         vocab_size=int(tensors["token_embd.weight"].shape[1]),  # GGML shapes are [cols, rows]
         hidden_size=hidden,
-        intermediate_size=key("feed_forward_length"),
+        intermediate_size=key("feed_forward_length", 0),
         num_layers=key("block_count"),
         num_heads=heads,
         num_kv_heads=key("attention.head_count_kv", heads),
@@ -196,6 +201,10 @@ def load_gguf_weights(model: LlamaForCausalLM, reader: gguf.GGUFReader, arch: st
                 continue
             if float_weight is None:
                 float_weight = torch.from_numpy(np.require(_dequantize(tensor), np.float32, ["C", "W"]))
+            if ".experts." in name:  # one shard per expert
+                for expert, rows in enumerate(float_weight):
+                    filler.fill(name, (shard, expert), rows)
+                continue
             filler.fill(name, shard, _unpermute_rows(float_weight, heads) if unpermute else float_weight)
     filler.finish()
 
