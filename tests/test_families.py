@@ -7,6 +7,7 @@ gguf package's writer, in llama.cpp's tensor names and layout, and give the same
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import gguf
@@ -164,6 +165,14 @@ def write_gguf(hf_model, checkpoint: Path, arch: gguf.MODEL_ARCH, path: Path) ->
         writer.add_expert_used_count(config.num_experts_per_tok)
         if getattr(config, "moe_intermediate_size", None):
             writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    rope = config.rope_parameters
+    if rope.get("rope_type") == "longrope":  # as llama.cpp's Phi-3 converter: factors as tensors
+        original = rope["original_max_position_embeddings"]
+        writer.add_rope_scaling_orig_ctx_len(original)
+        writer.add_rope_scaling_attn_factors(
+            math.sqrt(1 + math.log(config.max_position_embeddings / original) / math.log(original)))
+        for kind in ("long", "short"):
+            writer.add_tensor(f"rope_factors_{kind}.weight", np.array(rope[f"{kind}_factor"], dtype=np.float32))
     tokens = [chr(0x100 + i) for i in range(config.vocab_size)]  # prompts are token ids: any distinct strings
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list(tokens)
@@ -175,6 +184,18 @@ def write_gguf(hf_model, checkpoint: Path, arch: gguf.MODEL_ARCH, path: Path) ->
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def test_phi3_gguf_gives_transformers_tokens(tmp_path: Path):
+    """Fused attn_qkv and ffn_up (gate and up), LongRoPE's factors as tensors."""
+    hf_model = long_rope_phi3(tmp_path)
+    path = tmp_path / "tiny-phi3.gguf"
+    write_gguf(hf_model, tmp_path, gguf.MODEL_ARCH.PHI3, path)
+    ours, theirs = load_spec(str(path)).rope_scaling, load_spec(str(tmp_path)).rope_scaling
+    assert ours.original_max_position_embeddings == theirs.original_max_position_embeddings == 64
+    assert ours.attention_factor == pytest.approx(theirs.attention_factor)  # stored as float32
+    assert (ours.short_factor, ours.long_factor) == (pytest.approx(theirs.short_factor), pytest.approx(theirs.long_factor))
+    assert_greedy_matches(str(path), hf_model, [p[:n] for p, n in zip(prompts(), (3, 9, 17, 31))])
 
 
 @pytest.mark.parametrize(("family", "arch"), [("mixtral", gguf.MODEL_ARCH.LLAMA),  # llama.cpp's Mixtral
@@ -198,9 +219,9 @@ def test_qwen3_gguf_gives_transformers_tokens(tmp_path: Path):
 
 def test_triton_path_gives_transformers_tokens(tmp_path: Path):
     """The CUDA path's kernels (the fused MoE, q/k norms through the Triton RMSNorm) under the
-    interpreter, on two prompts (about a minute)."""
+    interpreter, on one prompt (a minute or more: every kernel runs in Python)."""
     hf_model = save_tiny_model(FAMILIES["qwen3-moe-norm-topk"](), tmp_path)
-    assert_greedy_matches(str(tmp_path), hf_model, prompts()[1:3], attention_backend="triton")
+    assert_greedy_matches(str(tmp_path), hf_model, prompts()[1:2], attention_backend="triton")
 
 
 def test_spec_reads_each_familys_parts(tmp_path: Path):

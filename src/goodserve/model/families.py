@@ -111,7 +111,7 @@ FAMILIES = (
     Family("mixtral", ("MixtralForCausalLM",), (), _mixtral),
     Family("qwen3-moe", ("Qwen3MoeForCausalLM",), ("qwen3moe",), _qwen3_moe,
            lambda key: {"qk_norm": True} | _gguf_experts(key), default_rms_norm_eps=1e-6),
-    Family("phi3", ("Phi3ForCausalLM",), (), _phi3),
+    Family("phi3", ("Phi3ForCausalLM",), ("phi3",), _phi3),
 )
 
 

@@ -28,7 +28,7 @@ from goodserve.model.pipeline_parallel import PipelineParallel
 from goodserve.model.spec import ModelSpec
 from goodserve.model.tensor_parallel import TensorParallel, is_row_parallel
 from goodserve.model.tokenizer import Tokenizer
-from goodserve.ops.rope_scaling import RopeScaling
+from goodserve.ops.rope_scaling import LongRope, RopeScaling
 from goodserve.ops.rotary import inverse_frequencies
 from goodserve.quant import gguf_native
 from goodserve.quant.apply import TARGET_LINEARS
@@ -43,6 +43,7 @@ _LAYER_TENSORS = {
     "attn_q.bias": ("self_attn.qkv_proj.bias", "q"),
     "attn_k.bias": ("self_attn.qkv_proj.bias", "k"),
     "attn_v.bias": ("self_attn.qkv_proj.bias", "v"),
+    "attn_qkv.weight": ("self_attn.qkv_proj.weight", None),  # Phi-3: q, k, v fused as here
     "attn_output.weight": ("self_attn.o_proj.weight", None),
     "attn_q_norm.weight": ("self_attn.q_norm.weight", None),
     "attn_k_norm.weight": ("self_attn.k_norm.weight", None),
@@ -60,7 +61,9 @@ _GLOBAL_TENSORS = {
     "output_norm.weight": ("model.norm.weight", None),
     "output.weight": ("lm_head.weight", None),
 }
-_IGNORED_TENSORS = ("rope_freqs.weight",)  # folded into ModelSpec.rope_scaling
+# Folded into ModelSpec.rope_scaling.
+_IGNORED_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
+_FUSED_PARAMS = (".qkv_proj.weight", ".gate_up_proj.weight")
 
 
 def gguf_spec(reader: gguf.GGUFReader, name: str) -> ModelSpec:
@@ -83,7 +86,7 @@ def gguf_spec(reader: gguf.GGUFReader, name: str) -> ModelSpec:
         head_dim=head_dim,
         max_position_embeddings=key("context_length"),
         rope_theta=theta,
-        rope_scaling=_rope_scaling(tensors.get("rope_freqs.weight"), head_dim, theta),
+        rope_scaling=_long_rope(tensors, key) or _rope_scaling(tensors.get("rope_freqs.weight"), head_dim, theta),
         rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", family.default_rms_norm_eps)),
         tie_word_embeddings="output.weight" not in tensors,
         attention_bias="blk.0.attn_q.bias" in tensors,
@@ -109,6 +112,18 @@ def _rope_scaling(rope_freqs, head_dim: int, theta: float) -> RopeScaling | None
     if not torch.allclose(divisors, expected, rtol=1e-3):
         raise ModelLoadError("this GGUF's rope_freqs do not follow Llama-3 rope scaling; not supported")
     return scaling
+
+
+def _long_rope(tensors: dict, key) -> LongRope | None:
+    """Phi-3's LongRoPE: llama.cpp stores its factors as tensors and its attention factor (the one
+    transformers derives) as metadata."""
+    if "rope_factors_long.weight" not in tensors:
+        return None
+    factors = {kind: tuple(_dequantize(tensors[f"rope_factors_{kind}.weight"]).reshape(-1).tolist())
+               for kind in ("short", "long")}
+    return LongRope(short_factor=factors["short"], long_factor=factors["long"],
+                    original_max_position_embeddings=key("rope.scaling.original_context_length"),
+                    attention_factor=float(key("rope.scaling.attn_factor", 1.0)))
 
 
 def _dequantize(tensor) -> np.ndarray:
@@ -142,6 +157,8 @@ def _targets(tensor, spec: ModelSpec, own_lm_head: bool) -> list[tuple[str, str 
     target = _our_name(tensor.name)
     if target is None:
         raise ModelLoadError(f"unexpected tensor {tensor.name!r} in GGUF file")
+    if target[1] == "up" and int(tensor.shape[1]) == 2 * spec.intermediate_size:  # Phi-3's gate and up, fused
+        target = (target[0], None)
     tied_head = tensor.name == "token_embd.weight" and spec.tie_word_embeddings and own_lm_head
     return [target, ("lm_head.weight", None)] if tied_head else [target]
 
@@ -204,6 +221,9 @@ def load_gguf_weights(model: LlamaForCausalLM, reader: gguf.GGUFReader, arch: st
             if ".experts." in name:  # one shard per expert
                 for expert, rows in enumerate(float_weight):
                     filler.fill(name, (shard, expert), rows)
+                continue
+            if shard is None and name.endswith(_FUSED_PARAMS):  # fused in the file too
+                filler.fill_whole(name, float_weight)
                 continue
             filler.fill(name, shard, _unpermute_rows(float_weight, heads) if unpermute else float_weight)
     filler.finish()
