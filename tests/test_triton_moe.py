@@ -62,3 +62,18 @@ def test_pairs_sorted_by_expert_in_whole_blocks():
     assert sorted_pairs[:12].tolist() == [1, 2, 4, 6, 3, 6, 6, 6, 0, 5, 6, 6]
     assert block_experts[:3].tolist() == [0, 2, 3]
     assert len(sorted_pairs) == len(block_experts) * 4 >= 12  # the bound holds every routing of 6 pairs
+
+
+def test_many_pairs_sort_as_a_stable_sort_by_expert():
+    """More pairs and blocks than one pass of the kernel's loops takes."""
+    ids = torch.randint(0, EXPERTS, (350, 2), generator=torch.Generator().manual_seed(5))
+    sorted_pairs, block_experts, num_padded = sort_pairs_by_expert(ids, EXPERTS, block_m=4)
+    flat, expected, blocks = ids.flatten(), [], []
+    for e in range(EXPERTS):
+        run = (flat == e).nonzero().flatten().tolist()
+        run += [flat.numel()] * (-len(run) % 4)
+        expected += run
+        blocks += [e] * (len(run) // 4)
+    assert num_padded.item() == len(expected)
+    assert sorted_pairs[: len(expected)].tolist() == expected
+    assert block_experts[: len(blocks)].tolist() == blocks

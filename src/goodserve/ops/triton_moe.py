@@ -1,7 +1,7 @@
 """Fused mixture of experts on CUDA (the approach of vLLM's fused_moe): the (token, slot) pairs are
-sorted by expert and padded to whole blocks of BLOCK_M rows, each block one expert's; then each
-projection is ONE grouped-GEMM launch whose programs each multiply one block of rows by one tile of
-their expert's weights. A decode step reads each routed expert's weights once, with no per-expert
+sorted by expert and padded to whole blocks of BLOCK_M rows, each block one expert's (one launch);
+then each projection is ONE grouped-GEMM launch whose programs each multiply one block of rows by one
+tile of their expert's weights. A decode step reads each routed expert's weights once, with no per-expert
 launch and no host synchronisation (the sort is on the device and sized by the token count alone,
 so a CUDA graph captures it).
 
@@ -59,25 +59,55 @@ def block_m_for(num_pairs: int) -> int:
     return 16 if num_pairs <= 256 else 64
 
 
+@triton.jit
+def _sort_pairs_kernel(ids_ptr, sorted_pairs_ptr, block_experts_ptr, num_padded_ptr, num_pairs, num_experts,
+                       max_blocks, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr):
+    """One program: count each expert's pairs, lay the experts' runs out padded to whole blocks, write
+    each pair at its expert's start plus its rank among that expert's pairs (stable), and each
+    block's expert. One launch where the torch ops would take a dozen (a decode step pays each)."""
+    experts = tl.arange(0, BLOCK_E)
+    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for start in range(0, num_pairs, BLOCK_P):
+        pairs = start + tl.arange(0, BLOCK_P)
+        ids = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1)
+        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    starts = ends - padded
+    tl.store(num_padded_ptr, tl.sum(padded, axis=0))
+    for b0 in range(0, max_blocks, BLOCK_P):
+        blocks = b0 + tl.arange(0, BLOCK_P)
+        owner = tl.sum(((ends[None, :] <= blocks[:, None] * BLOCK_M) & (experts[None, :] < num_experts)).to(tl.int32),
+                       axis=1)
+        tl.store(block_experts_ptr + blocks, tl.minimum(owner, num_experts - 1), mask=blocks < max_blocks)
+        for m in range(0, BLOCK_M):  # padding everywhere first; the pairs overwrite their slots below
+            tl.store(sorted_pairs_ptr + blocks * BLOCK_M + m, num_pairs, mask=blocks < max_blocks)
+    tl.debug_barrier()
+    seen = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for start in range(0, num_pairs, BLOCK_P):
+        pairs = start + tl.arange(0, BLOCK_P)
+        ids = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1)
+        onehot = (ids[:, None] == experts[None, :]).to(tl.int32)
+        before = tl.cumsum(onehot, axis=0) - onehot + seen[None, :]  # earlier pairs of the same expert
+        slot = tl.sum((starts[None, :] + before) * onehot, axis=1)
+        tl.store(sorted_pairs_ptr + slot, pairs, mask=pairs < num_pairs)
+        seen += tl.sum(onehot, axis=0)
+
+
 def sort_pairs_by_expert(ids: torch.Tensor, num_experts: int, block_m: int
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """ids [T, k] -> (sorted_pairs [max_blocks * block_m]: pair indices grouped by expert, each
     expert's run padded with num_pairs to whole blocks; block_experts [max_blocks]; num_padded [1]:
     rows in use). max_blocks bounds the padding by the experts that can be hit (at most T * k)."""
-    flat = ids.flatten()
-    num_pairs = flat.numel()
+    num_pairs = ids.numel()
     max_blocks = triton.cdiv(num_pairs + min(num_experts, num_pairs) * (block_m - 1), block_m)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + block_m - 1) // block_m * block_m
-    padded_end = padded.cumsum(0)
-    order = flat.argsort(stable=True)
-    sorted_experts = flat[order]
-    rank = torch.arange(num_pairs, device=ids.device) - (counts.cumsum(0) - counts)[sorted_experts]
-    sorted_pairs = torch.full((max_blocks * block_m,), num_pairs, dtype=torch.int64, device=ids.device)
-    sorted_pairs.scatter_(0, (padded_end - padded)[sorted_experts] + rank, order)
-    block_starts = torch.arange(max_blocks, device=ids.device) * block_m
-    block_experts = torch.searchsorted(padded_end, block_starts, right=True).clamp_(max=num_experts - 1)
-    return sorted_pairs, block_experts, padded_end[-1:]
+    sorted_pairs = torch.empty(max_blocks * block_m, dtype=torch.int32, device=ids.device)
+    block_experts = torch.empty(max_blocks, dtype=torch.int32, device=ids.device)
+    num_padded = torch.empty(1, dtype=torch.int32, device=ids.device)
+    _sort_pairs_kernel[(1,)](ids.flatten().to(torch.int32), sorted_pairs, block_experts, num_padded, num_pairs,
+                             num_experts, max_blocks, BLOCK_M=block_m, BLOCK_E=triton.next_power_of_2(num_experts),
+                             BLOCK_P=64, num_warps=4)
+    return sorted_pairs, block_experts, num_padded
 
 
 def _grouped_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, sorted_pairs: torch.Tensor,
