@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from goodserve.ops.kernel_choice import TORCH_KERNELS, KernelChoice
 from goodserve.ops.moe import moe_torch, route
-from goodserve.ops.triton_moe import sort_pairs_by_expert, triton_fused_moe
+from goodserve.ops.triton_moe import sort_pairs_by_expert, triton_fused_moe, triton_route
 
 HIDDEN, INTER, EXPERTS = 64, 48, 4
 
@@ -77,3 +77,12 @@ def test_many_pairs_sort_as_a_stable_sort_by_expert():
     assert num_padded.item() == len(expected)
     assert sorted_pairs[: len(expected)].tolist() == expected
     assert block_experts[: len(blocks)].tolist() == blocks
+
+
+@pytest.mark.parametrize(("experts", "top_k", "renormalize"), [(4, 2, True), (128, 8, True), (60, 4, False)])
+def test_routing_kernel_matches_route(experts: int, top_k: int, renormalize: bool):
+    logits = torch.randn(9, experts, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    weights, ids = triton_route(logits, top_k, renormalize)
+    ref_weights, ref_ids = route(logits, top_k, renormalize)
+    assert torch.equal(ids.long(), ref_ids)
+    torch.testing.assert_close(weights, ref_weights)

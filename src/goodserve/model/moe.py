@@ -40,9 +40,10 @@ class SparseMoE(nn.Module):
         self.kernels = TORCH_KERNELS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
         if self.kernels.triton:
-            from goodserve.ops.triton_moe import triton_fused_moe
+            from goodserve.ops.triton_moe import triton_fused_moe, triton_route
 
+            weights, ids = triton_route(self.gate(x), self.top_k, self.renormalize)
             return triton_fused_moe(x, self.experts.w13, self.experts.w2, weights, ids, self.kernels)
+        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
         return moe_torch(x, self.experts.w13, self.experts.w2, weights, ids, self.kernels)

@@ -47,11 +47,48 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, weights_ptr, sorted_pairs_ptr, blo
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     out = acc.to(c_ptr.dtype.element_ty)
-    if MUL_WEIGHTS:  # as the reference: the expert's output rounded, then times its weight
-        weight = tl.load(weights_ptr + pairs, mask=valid, other=0.0)
+    if MUL_WEIGHTS:  # as the reference: the expert's output and its weight rounded, then multiplied
+        weight = tl.load(weights_ptr + pairs, mask=valid, other=0.0).to(c_ptr.dtype.element_ty)
         out = (out.to(tl.float32) * weight[:, None].to(tl.float32)).to(c_ptr.dtype.element_ty)
     c_ptrs = c_ptr + pairs.to(tl.int64)[:, None] * stride_c + cols[None, :]
     tl.store(c_ptrs, out, mask=valid[:, None] & (cols[None, :] < n))
+
+
+@triton.jit
+def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_logits, TOP_K: tl.constexpr,
+                  RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One token: softmax over the experts in float32, its TOP_K largest (the first of equals),
+    renormalised to sum 1 where asked: ops/moe.py's route in one launch."""
+    row = tl.program_id(0).to(tl.int64)
+    experts = tl.arange(0, BLOCK_E)
+    logits = tl.load(logits_ptr + row * stride_logits + experts, mask=experts < num_experts,
+                     other=float("-inf")).to(tl.float32)
+    probs = tl.exp(logits - tl.max(logits, axis=0))
+    probs = probs / tl.sum(probs, axis=0)
+    slots = tl.arange(0, BLOCK_K)
+    weights = tl.zeros([BLOCK_K], dtype=tl.float32)
+    ids = tl.zeros([BLOCK_K], dtype=tl.int32)
+    for j in tl.static_range(TOP_K):
+        best = tl.argmax(probs, axis=0)
+        weights = tl.where(slots == j, tl.max(probs, axis=0), weights)
+        ids = tl.where(slots == j, best, ids)
+        probs = tl.where(experts == best, -1.0, probs)
+    if RENORMALIZE:
+        weights = weights / tl.sum(weights, axis=0)
+    tl.store(weights_ptr + row * TOP_K + slots, weights, mask=slots < TOP_K)
+    tl.store(ids_ptr + row * TOP_K + slots, ids, mask=slots < TOP_K)
+
+
+def triton_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """route's result ([T, k] float32 weights, [T, k] int32 expert ids) in one launch."""
+    num_tokens, num_experts = router_logits.shape
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=router_logits.device)
+    if num_tokens:
+        _route_kernel[(num_tokens,)](router_logits, weights, ids, num_experts, router_logits.stride(0), TOP_K=top_k,
+                                    RENORMALIZE=renormalize, BLOCK_E=triton.next_power_of_2(num_experts),
+                                    BLOCK_K=triton.next_power_of_2(top_k), num_warps=1)
+    return weights, ids
 
 
 def block_m_for(num_pairs: int) -> int:
@@ -139,6 +176,5 @@ def triton_fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weigh
     gate_up = x.new_empty(num_pairs, w13.shape[1])
     _grouped_gemm(x, w13, gate_up, *sorting, num_pairs, top_k, block_m)
     down = x.new_empty(num_pairs, hidden)
-    _grouped_gemm(silu_and_mul(gate_up, kernels), w2, down, *sorting, num_pairs, 1, block_m,
-                  weights.to(x.dtype).flatten())
+    _grouped_gemm(silu_and_mul(gate_up, kernels), w2, down, *sorting, num_pairs, 1, block_m, weights.flatten())
     return down.view(num_tokens, top_k, hidden).sum(dim=1)
