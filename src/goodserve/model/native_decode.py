@@ -38,10 +38,7 @@ def _linears(layer: nn.Module) -> tuple[nn.Module, ...]:
 
 def _native(layer: nn.Module) -> bool:
     """Whether the native call can run this layer: four int4 linears on the native kernel, one
-    activation arithmetic and scale width for all four, float32 norms, no biases but q/k/v's, and
-    no part the native layer lacks (q/k norms, a mixture of experts)."""
-    if layer.self_attn.q_norm is not None or not hasattr(layer.mlp, "gate_up_proj"):
-        return False
+    activation arithmetic and scale width for all four, float32 norms, no biases but q/k/v's."""
     linears = _linears(layer)
     return (all(isinstance(lin, Int4Linear) and lin.native_layout() is not None for lin in linears)
             and all(lin.bias is None for lin in linears[1:]) and layer.self_attn.head_dim % 16 == 0
@@ -51,9 +48,11 @@ def _native(layer: nn.Module) -> bool:
 
 
 def attach(model: nn.Module) -> bool:
-    """Give the model its native decode path if every decoder layer can take it; returns whether."""
+    """Give the model its native decode path if every decoder layer can take it; returns whether.
+    The native layer has no q/k norms and no mixture of experts."""
     layers = list(model.model.layers)
-    model.native_decode = NativeDecodeStack(layers) if all(_native(layer) for layer in layers) else None
+    plain = not (model.spec.qk_norm or model.spec.is_moe)
+    model.native_decode = NativeDecodeStack(layers) if plain and all(_native(layer) for layer in layers) else None
     return model.native_decode is not None
 
 
