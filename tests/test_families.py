@@ -259,6 +259,15 @@ def test_speculative_decoding_keeps_transformers_tokens(tmp_path: Path, family: 
     assert stats.spec_decode_num_draft_tokens > 0 and stats.spec_decode_num_accepted_tokens > 0
 
 
+def test_native_decode_stack_is_not_given_q_k_norms(tmp_path: Path):
+    """The CPU's one-call int4 decoder stack has no q/k norms: a Qwen3 model stays on the per-op path."""
+    config = FAMILIES["qwen3"]()
+    config.intermediate_size = 128  # int4 groups of 32
+    save_tiny_model(config, tmp_path)
+    llm = LLM(str(tmp_path), **(SETTINGS | {"quantization": "int4", "quantization_group_size": 32}))
+    assert llm.engine.executor.worker.runner.model.native_decode is None
+
+
 def test_dummy_moe_preset_gives_the_same_tokens_batched_and_alone():
     llm = LLM("dummy:tiny-moe", **SETTINGS)
     ids = prompts(512)
