@@ -40,6 +40,18 @@ def weight_bytes(spec: ModelSpec, dtype: str = "bf16") -> float:
     return embed * 2.0 + matmul * bytes_per + scales
 
 
+def decode_weight_bytes(spec: ModelSpec, dtype: str = "bf16", batch: float = 1) -> float:
+    """Bytes of weights one decode step of `batch` sequences reads: a dense model's all; a mixture of
+    experts' shared weights and only the experts its tokens are routed to, per layer the expected
+    count of distinct experts under uniform routing, E (1 - (1 - k / E)^batch): k at batch 1."""
+    if not spec.is_moe:
+        return weight_bytes(spec, dtype)
+    e, k = spec.num_experts, spec.num_experts_per_tok
+    unread = e * (1 - k / e) ** batch
+    bytes_per = dtype_bytes(dtype) + (2.0 / QUANT_GROUP_SIZE if dtype in ("int8", "int4") else 0.0)
+    return weight_bytes(spec, dtype) - spec.num_layers * unread * spec.expert_params() * bytes_per
+
+
 def max_concurrent_sequences(spec: ModelSpec, kv_budget_bytes: float, seq_len: int,
                              kv_dtype: str = "fp16") -> int:
     """How many sequences of seq_len tokens the KV budget holds at once."""

@@ -15,8 +15,8 @@ import argparse
 import math
 
 from goodserve.commands.console import make_console
-from goodserve.diagnose.calc import (DTYPE_BYTES, cost_per_million_tokens, kv_cache_bytes, kv_heads_per_gpu,
-                                     max_concurrent_sequences)
+from goodserve.diagnose.calc import (DTYPE_BYTES, cost_per_million_tokens, decode_weight_bytes, kv_cache_bytes,
+                                     kv_heads_per_gpu, max_concurrent_sequences, weight_bytes)
 from goodserve.diagnose.parallel import (ALLREDUCE_LATENCY_S, LAYER_LATENCY_S, Layout, add_layout_arguments,
                                          advise_layout, allreduce_payload_bytes, decode_limit, decode_tokens_per_s,
                                          dtype_for_activations, engine_default_micro_batches, handoff_bytes,
@@ -106,6 +106,11 @@ def _kv(args) -> int:
                   f"{per_token * args.seq_len / 1e9:.3f} GB")
     console.print(f"KV for batch {args.batch} x {args.seq_len} tokens: [bold]{total / 1e9:.1f} GB[/bold] "
                   f"({total / 2**30:.1f} GiB)")
+    if spec.is_moe:
+        console.print(f"mixture of experts: {spec.num_experts_per_tok} of {spec.num_experts} experts per token, "
+                      f"{spec.num_active_params() / 1e9:.2f} B of {spec.num_params() / 1e9:.2f} B parameters active; "
+                      f"a batch-1 decode step reads {decode_weight_bytes(spec, 'bf16') / 1e9:.2f} GB of "
+                      f"{weight_bytes(spec, 'bf16') / 1e9:.2f} GB of bf16 weights")
     if args.memory_gb:
         n = max_concurrent_sequences(spec, args.memory_gb * 1e9, args.seq_len, args.kv_dtype)
         console.print(f"{args.memory_gb:g} GB of KV holds {n} sequences of {args.seq_len} tokens")

@@ -85,7 +85,9 @@ def model_table(spec: ModelSpec, hw: Hardware, dtype: str, compute_dtype: str, l
     table.add_column("what")
     table.add_column("value", justify="right")
     rows = [
-        ("parameters", f"{spec.num_params() / 1e9:.3f} B"),
+        ("parameters", f"{spec.num_params() / 1e9:.3f} B"
+         + (f", {spec.num_active_params() / 1e9:.3f} B active per token ({spec.num_experts_per_tok} of "
+            f"{spec.num_experts} experts)" if spec.is_moe else "")),
         (f"weights ({dtype})", f"{weights / 1e9:.2f} GB"
          + (f", {weights / (layout.tp * layout.pp) / 1e9:.2f} GB per GPU" if layout.tp * layout.pp > 1 else "")),
         ("FLOPs per token (short context)", f"{flops_per_token(spec, 0) / 1e9:.2f} GFLOP"),

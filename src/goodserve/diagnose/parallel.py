@@ -31,7 +31,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from goodserve.diagnose.calc import FitReport, dtype_bytes, fit, kv_heads_per_gpu, weight_bytes
+from goodserve.diagnose.calc import FitReport, decode_weight_bytes, dtype_bytes, fit, kv_heads_per_gpu
 from goodserve.diagnose.observations import Observations
 from goodserve.diagnose.roofline import (PhaseAnalysis, analyze_decode, analyze_prefill, flops_per_token,
                                          prefill_flops)
@@ -164,7 +164,8 @@ def decode_limit(spec: ModelSpec, hw: Hardware, layout: Layout, context_len: int
     / 2 / 4 (measured 170.5 / 238.6 / 351.4) and llama-3.1-70b at TP 4 68 tok/s (measured 63.8),
     where the bandwidth alone says 208 / 416 / 833 and 95."""
     kv_per_token = 2 * spec.num_layers * kv_heads_per_gpu(spec, layout.tp) * spec.head_dim * dtype_bytes(kv_dtype)
-    read = (weight_bytes(spec, dtype) / layout.tp + batch * context_len * kv_per_token) / hw.memory_bandwidth
+    weights = decode_weight_bytes(spec, dtype, batch) / layout.tp
+    read = (weights + batch * context_len * kv_per_token) / hw.memory_bandwidth
     act = dtype_for_activations(dtype)
     compute = batch * flops_per_token(spec, context_len) / (layout.tp * hw.flops_for(act))
     allreduce = 0.0

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from goodserve.diagnose.calc import dtype_bytes, max_concurrent_sequences, weight_bytes
+from goodserve.diagnose.calc import decode_weight_bytes, dtype_bytes, max_concurrent_sequences, weight_bytes
 from goodserve.diagnose.observations import Observations
 from goodserve.hardware import Hardware
 from goodserve.model.spec import ModelSpec
@@ -40,9 +40,9 @@ def prefill_flops(spec: ModelSpec, prompt_len: float) -> float:
 
 def decode_step_bytes(spec: ModelSpec, batch: float, context_len: float, dtype: str = "bf16",
                       kv_dtype: str = "bf16", weight_reads: int = 1) -> float:
-    """Bytes a decode round reads: all weights once a step (weight_reads: its micro-batches), plus
-    every sequence's KV cache."""
-    return (weight_reads * weight_bytes(spec, dtype)
+    """Bytes a decode round reads: the weights once a step (weight_reads: its micro-batches; of a
+    mixture of experts the routed experts only), plus every sequence's KV cache."""
+    return (weight_reads * decode_weight_bytes(spec, dtype, batch)
             + batch * context_len * spec.kv_bytes_per_token(dtype_bytes(kv_dtype)))
 
 

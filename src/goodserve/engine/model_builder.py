@@ -49,6 +49,10 @@ def apply_quantization(loaded: LoadedModel, config: EngineConfig) -> None:
     (quantization 'gguf' happens in the loader: the file's own codes.)"""
     if config.quantization == "gguf":
         return
+    if loaded.spec.is_moe and (config.quantization or config.quantized_checkpoint):
+        # Only the attention and dense linears would be quantized: the experts, most of the bytes, not.
+        raise InvalidRequestError(f"{loaded.spec.name} is a mixture of experts: weight quantization "
+                                  f"({config.quantization or 'a quantized checkpoint'}) of its experts is not supported")
     if config.quantized_checkpoint:
         from goodserve.quant.checkpoint import load_quantized_into
 

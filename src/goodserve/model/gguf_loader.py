@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from goodserve.errors import InvalidRequestError, ModelLoadError
+from goodserve.model.families import gguf_family
 from goodserve.model.gguf_reader import eos_token_ids, metadata, open_gguf
 from goodserve.model.gguf_tokenizer import gguf_tokenizer
 from goodserve.model.llama import LlamaForCausalLM, WeightFiller, build_empty_model
@@ -27,14 +28,10 @@ from goodserve.model.pipeline_parallel import PipelineParallel
 from goodserve.model.spec import ModelSpec
 from goodserve.model.tensor_parallel import TensorParallel, is_row_parallel
 from goodserve.model.tokenizer import Tokenizer
-from goodserve.ops.rope_scaling import RopeScaling
+from goodserve.ops.rope_scaling import LongRope, RopeScaling
 from goodserve.ops.rotary import inverse_frequencies
 from goodserve.quant import gguf_native
 from goodserve.quant.apply import TARGET_LINEARS
-
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
-# Architectures whose converter permuted q/k rows (llama.cpp's LlamaModel.permute).
-_PERMUTED_ARCHITECTURES = ("llama", "mistral")
 
 # GGUF tensor name suffix -> (our parameter name, shard of a fused parameter or None).
 _LAYER_TENSORS = {
@@ -46,26 +43,32 @@ _LAYER_TENSORS = {
     "attn_q.bias": ("self_attn.qkv_proj.bias", "q"),
     "attn_k.bias": ("self_attn.qkv_proj.bias", "k"),
     "attn_v.bias": ("self_attn.qkv_proj.bias", "v"),
+    "attn_qkv.weight": ("self_attn.qkv_proj.weight", None),  # Phi-3: q, k, v fused as here
     "attn_output.weight": ("self_attn.o_proj.weight", None),
+    "attn_q_norm.weight": ("self_attn.q_norm.weight", None),
+    "attn_k_norm.weight": ("self_attn.k_norm.weight", None),
     "ffn_gate.weight": ("mlp.gate_up_proj.weight", "gate"),
     "ffn_up.weight": ("mlp.gate_up_proj.weight", "up"),
     "ffn_down.weight": ("mlp.down_proj.weight", None),
+    # A mixture of experts: the router, and each projection of all experts stacked [E, rows, cols].
+    "ffn_gate_inp.weight": ("mlp.gate.weight", None),
+    "ffn_gate_exps.weight": ("mlp.experts.w13", "gate"),
+    "ffn_up_exps.weight": ("mlp.experts.w13", "up"),
+    "ffn_down_exps.weight": ("mlp.experts.w2", "down"),
 }
 _GLOBAL_TENSORS = {
     "token_embd.weight": ("model.embed_tokens.weight", None),
     "output_norm.weight": ("model.norm.weight", None),
     "output.weight": ("lm_head.weight", None),
 }
-_IGNORED_TENSORS = ("rope_freqs.weight",)  # folded into ModelSpec.rope_scaling
+# Folded into ModelSpec.rope_scaling.
+_IGNORED_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
+_FUSED_PARAMS = (".qkv_proj.weight", ".gate_up_proj.weight")
 
 
 def gguf_spec(reader: gguf.GGUFReader, name: str) -> ModelSpec:
     arch = metadata(reader, "general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ModelLoadError(
-            f"GGUF architecture {arch!r} is not supported; supported architectures: "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)} (the Llama family)"
-        )
+    family = gguf_family(arch)
     tensors = {t.name: t for t in reader.tensors}
     key = lambda k, default=None: metadata(reader, f"{arch}.{k}", default)  # noqa: E731
     hidden, heads = key("embedding_length"), key("attention.head_count")
@@ -76,17 +79,19 @@ def gguf_spec(reader: gguf.GGUFReader, name: str) -> ModelSpec:
         name=name,
         vocab_size=int(tensors["token_embd.weight"].shape[1]),  # GGML shapes are [cols, rows]
         hidden_size=hidden,
-        intermediate_size=key("feed_forward_length"),
+        intermediate_size=key("feed_forward_length", 0),
         num_layers=key("block_count"),
         num_heads=heads,
         num_kv_heads=key("attention.head_count_kv", heads),
         head_dim=head_dim,
         max_position_embeddings=key("context_length"),
         rope_theta=theta,
-        rope_scaling=_rope_scaling(tensors.get("rope_freqs.weight"), head_dim, theta),
-        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_scaling=_long_rope(tensors, key) or _rope_scaling(tensors.get("rope_freqs.weight"), head_dim, theta),
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", family.default_rms_norm_eps)),
         tie_word_embeddings="output.weight" not in tensors,
         attention_bias="blk.0.attn_q.bias" in tensors,
+        family=family.name,
+        **family.gguf_fields(key),
         bos_token_id=bos,
         eos_token_ids=tuple(eos_token_ids(reader)),
     )
@@ -107,6 +112,18 @@ def _rope_scaling(rope_freqs, head_dim: int, theta: float) -> RopeScaling | None
     if not torch.allclose(divisors, expected, rtol=1e-3):
         raise ModelLoadError("this GGUF's rope_freqs do not follow Llama-3 rope scaling; not supported")
     return scaling
+
+
+def _long_rope(tensors: dict, key) -> LongRope | None:
+    """Phi-3's LongRoPE: llama.cpp stores its factors as tensors and its attention factor (the one
+    transformers derives) as metadata."""
+    if "rope_factors_long.weight" not in tensors:
+        return None
+    factors = {kind: tuple(_dequantize(tensors[f"rope_factors_{kind}.weight"]).reshape(-1).tolist())
+               for kind in ("short", "long")}
+    return LongRope(short_factor=factors["short"], long_factor=factors["long"],
+                    original_max_position_embeddings=key("rope.scaling.original_context_length"),
+                    attention_factor=float(key("rope.scaling.attn_factor", 1.0)))
 
 
 def _dequantize(tensor) -> np.ndarray:
@@ -140,6 +157,8 @@ def _targets(tensor, spec: ModelSpec, own_lm_head: bool) -> list[tuple[str, str 
     target = _our_name(tensor.name)
     if target is None:
         raise ModelLoadError(f"unexpected tensor {tensor.name!r} in GGUF file")
+    if target[1] == "up" and int(tensor.shape[1]) == 2 * spec.intermediate_size:  # Phi-3's gate and up, fused
+        target = (target[0], None)
     tied_head = tensor.name == "token_embd.weight" and spec.tie_word_embeddings and own_lm_head
     return [target, ("lm_head.weight", None)] if tied_head else [target]
 
@@ -185,11 +204,12 @@ def load_gguf_weights(model: LlamaForCausalLM, reader: gguf.GGUFReader, arch: st
     codes = {f"{path}.{name}": getattr(gguf_native.int4_storage(module), name)
              for path, module in native.items() for name in ("qweight", "scales", "zeros")}
     filler = WeightFiller(model, codes)
+    permuted = gguf_family(arch).gguf_permutes_qk
     for tensor in reader.tensors:
         float_weight = None
         for name, shard in _targets(tensor, spec, own_lm_head="lm_head" in native):
             path = name.removesuffix(".weight")
-            unpermute = arch in _PERMUTED_ARCHITECTURES and shard in ("q", "k")
+            unpermute = permuted and shard in ("q", "k")
             heads = spec.num_heads if shard == "q" else spec.num_kv_heads
             if path in native:
                 w = gguf_native.block_codes(tensor.data, tensor.tensor_type)
@@ -198,6 +218,13 @@ def load_gguf_weights(model: LlamaForCausalLM, reader: gguf.GGUFReader, arch: st
                 continue
             if float_weight is None:
                 float_weight = torch.from_numpy(np.require(_dequantize(tensor), np.float32, ["C", "W"]))
+            if ".experts." in name:  # one shard per expert
+                for expert, rows in enumerate(float_weight):
+                    filler.fill(name, (shard, expert), rows)
+                continue
+            if shard is None and name.endswith(_FUSED_PARAMS):  # fused in the file too
+                filler.fill_whole(name, float_weight)
+                continue
             filler.fill(name, shard, _unpermute_rows(float_weight, heads) if unpermute else float_weight)
     filler.finish()
 

@@ -6,6 +6,7 @@ they are refused rather than unpickled.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -13,17 +14,17 @@ import torch
 from safetensors import safe_open
 
 from goodserve.errors import ModelLoadError
+from goodserve.model.families import hf_family
 from goodserve.model.hf_tokenizer import hf_tokenizer, read_json
 from goodserve.model.llama import LlamaForCausalLM, WeightFiller, build_empty_model
 from goodserve.model.pipeline_parallel import PipelineParallel
 from goodserve.model.spec import ModelSpec, SamplingDefaults
 from goodserve.model.tensor_parallel import TensorParallel
 from goodserve.model.tokenizer import Tokenizer
-from goodserve.ops.rope_scaling import RopeScaling
+from goodserve.ops.rope_scaling import LongRope, RopeScaling
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-
-# Checkpoint projections that are row blocks of one fused parameter here.
+# Checkpoint projections that are row blocks of one fused parameter here (Phi-3's checkpoints
+# store qkv_proj and gate_up_proj fused already, in the same order).
 _FUSED = {
     "self_attn.q_proj": ("self_attn.qkv_proj", "q"),
     "self_attn.k_proj": ("self_attn.qkv_proj", "k"),
@@ -31,6 +32,10 @@ _FUSED = {
     "mlp.gate_proj": ("mlp.gate_up_proj", "gate"),
     "mlp.up_proj": ("mlp.gate_up_proj", "up"),
 }
+# A mixture of experts' projections (Mixtral's w1/w3/w2, Qwen3-MoE's gate/up/down) -> the stacked
+# parameter (model/moe.py) and the shard.
+_EXPERT_PARAMS = {"w1": ("w13", "gate"), "gate_proj": ("w13", "gate"), "w3": ("w13", "up"),
+                  "up_proj": ("w13", "up"), "w2": ("w2", "down"), "down_proj": ("w2", "down")}
 
 
 def is_hf_model_dir(path: Path) -> bool:
@@ -38,16 +43,8 @@ def is_hf_model_dir(path: Path) -> bool:
 
 
 def hf_spec(config: dict[str, Any], name: str, generation_config: dict[str, Any]) -> ModelSpec:
-    arch = (config.get("architectures") or ["<none>"])[0]
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ModelLoadError(
-            f"architecture {arch!r} is not supported; supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
-    is_qwen2 = arch == "Qwen2ForCausalLM"
-    if not is_qwen2 and config.get("attention_bias"):
-        raise ModelLoadError("attention_bias=True (a bias on o_proj too) is not supported")
-    if config.get("mlp_bias"):
-        raise ModelLoadError("mlp_bias=True is not supported")
+    family = hf_family((config.get("architectures") or ["<none>"])[0])
+    family_fields = family.hf_fields(config)
     hidden, heads = config["hidden_size"], config["num_attention_heads"]
     # transformers 5 nests rope settings in rope_parameters; older configs keep them top level.
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
@@ -63,28 +60,43 @@ def hf_spec(config: dict[str, Any], name: str, generation_config: dict[str, Any]
         head_dim=config.get("head_dim") or hidden // heads,
         max_position_embeddings=config.get("max_position_embeddings", 4096),
         rope_theta=float(theta),
-        rope_scaling=_rope_scaling(rope),
-        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6 if is_qwen2 else 1e-5)),
+        rope_scaling=_rope_scaling(rope, config),
+        rms_norm_eps=float(config.get("rms_norm_eps", family.default_rms_norm_eps)),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-        attention_bias=is_qwen2,  # Qwen2 always has q/k/v biases
+        family=family.name,
+        **family_fields,
         bos_token_id=config.get("bos_token_id"),
         eos_token_ids=tuple(_as_list(generation_config.get("eos_token_id")) or _as_list(config.get("eos_token_id"))),
         sampling_defaults=SamplingDefaults.from_generation_config(generation_config),
     )
 
 
-def _rope_scaling(rope: dict[str, Any]) -> RopeScaling | None:
+def _rope_scaling(rope: dict[str, Any], config: dict[str, Any]) -> RopeScaling | LongRope | None:
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind == "default":
         return None
+    if kind in ("longrope", "su"):
+        return _long_rope(rope, config)
     if kind != "llama3":
-        raise ModelLoadError(f"rope scaling {kind!r} is not supported; supported: default, llama3")
+        raise ModelLoadError(f"rope scaling {kind!r} is not supported; supported: default, llama3, longrope")
     return RopeScaling(
         factor=float(rope["factor"]),
         low_freq_factor=float(rope["low_freq_factor"]),
         high_freq_factor=float(rope["high_freq_factor"]),
         original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
     )
+
+
+def _long_rope(rope: dict[str, Any], config: dict[str, Any]) -> LongRope:
+    """Phi-3 keeps original_max_position_embeddings at the top level; its attention factor defaults
+    to LongRoPE's sqrt(1 + ln(s) / ln(original)), s the context's growth (as transformers computes)."""
+    original = int(rope.get("original_max_position_embeddings") or config["original_max_position_embeddings"])
+    factor = rope.get("factor") or config["max_position_embeddings"] / original
+    attention_factor = rope.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return LongRope(short_factor=tuple(map(float, rope["short_factor"])), long_factor=tuple(map(float, rope["long_factor"])),
+                    original_max_position_embeddings=original, attention_factor=float(attention_factor))
 
 
 def _as_list(x: int | list[int] | None) -> list[int]:
@@ -105,7 +117,16 @@ def safetensors_files(path: Path) -> list[Path]:
     raise ModelLoadError(f"{path} has a config.json but no *.safetensors weights")
 
 
-def _our_name(name: str) -> tuple[str, str | None]:
+def _our_name(name: str) -> tuple[str, str | tuple[str, int] | None]:
+    """The parameter a checkpoint tensor fills and its shard: a name of fused rows, or for an expert
+    (shard name, expert index)."""
+    if ".experts." in name:  # model.layers.3.mlp.experts.7.up_proj.weight, ...block_sparse_moe.experts.7.w3.weight
+        layer_path, _, rest = name.partition(".experts.")
+        expert, projection, _ = rest.split(".")
+        param, shard = _EXPERT_PARAMS[projection]
+        return f"{layer_path.replace('block_sparse_moe', 'mlp')}.experts.{param}", (shard, int(expert))
+    if ".block_sparse_moe.gate." in name:  # Mixtral's router
+        return name.replace("block_sparse_moe", "mlp"), None
     for theirs, (ours, shard) in _FUSED.items():
         if f".{theirs}." in name:
             return name.replace(theirs, ours), shard
@@ -120,6 +141,9 @@ def load_hf_weights(model: LlamaForCausalLM, files: list[Path]) -> None:
                 if name.endswith("rotary_emb.inv_freq"):  # recomputed, stored by old checkpoints
                     continue
                 if name == "lm_head.weight" and model.spec.tie_word_embeddings:
+                    continue
+                if ".qkv_proj." in name or ".gate_up_proj." in name:  # Phi-3's fused ones: split per shard
+                    filler.fill_whole(name, f.get_tensor(name))
                     continue
                 filler.fill(*_our_name(name), f.get_tensor(name))
     filler.finish()

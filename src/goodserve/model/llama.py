@@ -1,4 +1,6 @@
-"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) over a paged KV cache.
+"""The decoder every family runs (model/families.py: Llama 2/3, Mistral, Qwen2/3, Phi-3, Mixtral,
+Qwen3-MoE) over a paged KV cache, its parts picked by the ModelSpec: q/k norms (Qwen3), the gated
+MLP or a mixture of experts (model/moe.py).
 
 Tokens of all sequences in a batch are laid end to end ([T, hidden]); the attention metadata says
 which sequence each belongs to. q/k/v and gate/up are fused into one matmul each; those linears are
@@ -23,6 +25,7 @@ import torch
 from torch import nn
 
 from goodserve.errors import ModelLoadError
+from goodserve.model.moe import SparseMoE, check_moe_combination
 from goodserve.model.pipeline_parallel import PipelineParallel, check_pipeline_parallel_size
 from goodserve.model.spec import ModelSpec
 from goodserve.model.tensor_parallel import TensorParallel, check_tensor_parallel_size
@@ -79,6 +82,9 @@ class LlamaAttention(nn.Module):
         self.scale = spec.head_dim**-0.5
         self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.attention_bias)
         self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=False)
+        # Qwen3: each head's q and k RMS-normed over head_dim before rotary (weights replicated under TP).
+        self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+        self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.kernels = TORCH_KERNELS
 
     def forward(
@@ -89,6 +95,8 @@ class LlamaAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         out = attention(q, k, v, positions, rotary_cache, kv_cache, meta, self.scale, self.kernels)
         return self.o_proj(out.flatten(1))  # a partial sum under TP: the next norm all-reduces it
 
@@ -117,7 +125,7 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, tp)
         self.self_attn = LlamaAttention(spec, tp)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, tp)
-        self.mlp = LlamaMLP(spec, tp)
+        self.mlp = SparseMoE(spec) if spec.is_moe else LlamaMLP(spec, tp)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
@@ -211,6 +219,7 @@ def build_empty_model(spec: ModelSpec, dtype: torch.dtype, device: torch.device 
     """
     check_tensor_parallel_size(spec, tp.size)
     check_pipeline_parallel_size(spec, pp.size)
+    check_moe_combination(spec, tp.size)
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -227,7 +236,8 @@ def build_empty_model(spec: ModelSpec, dtype: torch.dtype, device: torch.device 
 class WeightFiller:
     """Copies checkpoint tensors into the model's parameters, fused ones shard by shard.
 
-    Checkpoints store q, k, v (and gate, up) separately; here they are row blocks of one matrix.
+    Checkpoints store q, k, v (and gate, up) separately; here they are row blocks of one matrix, as
+    each expert's gate, up and down are row blocks of its layer's stacked experts (model/moe.py).
     Tensors come whole (as at TP=1); under tensor parallelism each rank copies its slice of them, under
     pipeline parallelism a stage skips the tensors of other stages.
     `finish` fails if any parameter row was never written: the model would run on garbage.
@@ -263,7 +273,7 @@ class WeightFiller:
     def fill_whole(self, name: str, tensor: torch.Tensor) -> None:
         """A parameter as the TP=1 model holds it, fused ones included."""
         parts = [(shard, start, rows) for shard, (start, rows) in _fused_rows(self.spec).items()
-                 if f".{_FUSED_MODULES[shard]}." in name]
+                 if shard in _FUSED_MODULES and f".{_FUSED_MODULES[shard]}." in name]
         if not parts:
             return self.fill(name, None, tensor)
         for shard, start, rows in parts:
@@ -278,7 +288,11 @@ class WeightFiller:
 _FUSED_MODULES = {"q": "qkv_proj", "k": "qkv_proj", "v": "qkv_proj", "gate": "gate_up_proj", "up": "gate_up_proj"}
 
 
-def _fused_rows(s: ModelSpec) -> dict[str, tuple[int, int]]:
-    """Where each shard's rows start in its fused matrix, and how many there are."""
+def _fused_rows(s: ModelSpec) -> dict[str | tuple[str, int], tuple[int, int]]:
+    """Where each shard's rows start in its fused matrix, and how many there are; an expert's shards
+    are keyed (shard, expert)."""
+    i, h = s.moe_intermediate_size, s.hidden_size
+    experts = {key: rows for e in range(s.num_experts) for key, rows in (
+        (("gate", e), (2 * i * e, i)), (("up", e), (2 * i * e + i, i)), (("down", e), (h * e, h)))}
     return {"q": (0, s.q_size), "k": (s.q_size, s.kv_size), "v": (s.q_size + s.kv_size, s.kv_size),
-            "gate": (0, s.intermediate_size), "up": (s.intermediate_size, s.intermediate_size)}
+            "gate": (0, s.intermediate_size), "up": (s.intermediate_size, s.intermediate_size)} | experts

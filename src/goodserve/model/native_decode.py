@@ -48,9 +48,11 @@ def _native(layer: nn.Module) -> bool:
 
 
 def attach(model: nn.Module) -> bool:
-    """Give the model its native decode path if every decoder layer can take it; returns whether."""
+    """Give the model its native decode path if every decoder layer can take it; returns whether.
+    The native layer has no q/k norms and no mixture of experts."""
     layers = list(model.model.layers)
-    model.native_decode = NativeDecodeStack(layers) if all(_native(layer) for layer in layers) else None
+    plain = not (model.spec.qk_norm or model.spec.is_moe)
+    model.native_decode = NativeDecodeStack(layers) if plain and all(_native(layer) for layer in layers) else None
     return model.native_decode is not None
 
 

@@ -55,6 +55,25 @@ PRESETS: dict[str, ModelSpec] = {
             max_position_embeddings=8192, rope_theta=100000.0, tie_word_embeddings=True,
             bos_token_id=1, eos_token_ids=(2,),
         ),
+        ModelSpec(
+            name="qwen3-8b", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+            num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128, max_position_embeddings=40960,
+            rope_theta=1000000.0, rms_norm_eps=1e-6, family="qwen3", qk_norm=True,
+            eos_token_ids=(151645, 151643),
+        ),
+        ModelSpec(
+            name="qwen3-30b-a3b", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+            num_layers=48, num_heads=32, num_kv_heads=4, head_dim=128, max_position_embeddings=40960,
+            rope_theta=1000000.0, rms_norm_eps=1e-6, family="qwen3-moe", qk_norm=True,
+            num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+            eos_token_ids=(151645, 151643),
+        ),
+        ModelSpec(
+            name="mixtral-8x7b", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+            num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, max_position_embeddings=32768,
+            rope_theta=1000000.0, family="mixtral", num_experts=8, num_experts_per_tok=2,
+            moe_intermediate_size=14336, bos_token_id=1, eos_token_ids=(2,),
+        ),
         # Tiny random shapes for fast tests.
         ModelSpec(
             name="tiny", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
@@ -73,6 +92,11 @@ PRESETS: dict[str, ModelSpec] = {
             rope_scaling=RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                      original_max_position_embeddings=64),
             eos_token_ids=(1,),
+        ),
+        ModelSpec(
+            name="tiny-moe", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
+            num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=1024, family="qwen3-moe",
+            qk_norm=True, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, eos_token_ids=(1,),
         ),
     ]
 }

@@ -1,11 +1,12 @@
-"""The shape of a Llama-family model: everything that sizes weights, KV cache and FLOPs."""
+"""The shape of a decoder model of any family (model/families.py): everything that sizes weights, KV
+cache and FLOPs, and the options that pick the family's parts (q/k norms, a mixture of experts)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
 from goodserve.errors import ModelLoadError
-from goodserve.ops.rope_scaling import RopeScaling
+from goodserve.ops.rope_scaling import LongRope, RopeScaling
 
 
 @dataclass(frozen=True)
@@ -44,10 +45,19 @@ class ModelSpec:
     head_dim: int
     max_position_embeddings: int
     rope_theta: float = 10000.0
-    rope_scaling: RopeScaling | None = None
+    rope_scaling: RopeScaling | LongRope | None = None
     rms_norm_eps: float = 1e-5
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2 puts biases on q/k/v
+    family: str = "llama"  # model/families.py: which registry entry read it
+    qk_norm: bool = False  # Qwen3: per-head RMSNorm of q and k before rotary
+    # A mixture of experts in place of the MLP (Mixtral, Qwen3-MoE): num_experts > 0 experts of
+    # moe_intermediate_size columns each, num_experts_per_tok routed per token, their router
+    # weights renormalised over the chosen ones where norm_topk_prob.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     sampling_defaults: SamplingDefaults = SamplingDefaults()
@@ -60,19 +70,38 @@ class ModelSpec:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
     def num_params(self) -> int:
+        return self._params(experts=self.num_experts)
+
+    def num_active_params(self) -> int:
+        """Parameters one token's forward pass touches: of a mixture of experts only the routed ones."""
+        return self._params(experts=self.num_experts_per_tok)
+
+    def expert_params(self) -> int:
+        """One expert's parameters in one layer (gate, up, down)."""
+        return 3 * self.hidden_size * self.moe_intermediate_size
+
+    def _params(self, experts: int) -> int:
         h, i = self.hidden_size, self.intermediate_size
         attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
         if self.attention_bias:
             attn += self.q_size + 2 * self.kv_size
-        per_layer = attn + 3 * h * i + 2 * h
+        if self.qk_norm:
+            attn += 2 * self.head_dim
+        mlp = self.num_experts * h + experts * self.expert_params() if self.is_moe else 3 * h * i
+        per_layer = attn + mlp + 2 * h
         embed = self.vocab_size * h
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
         return self.num_layers * per_layer + embed + head + h
 
     def num_matmul_params(self) -> int:
-        """Parameters that a token multiplies through (embedding lookup excluded, LM head included)."""
-        return self.num_params() - (0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size)
+        """Parameters that a token multiplies through (embedding lookup excluded, LM head included; of a
+        mixture of experts the routed experts only)."""
+        return self.num_active_params() - (0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size)
 
     def kv_bytes_per_token(self, bytes_per_element: float) -> float:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_element

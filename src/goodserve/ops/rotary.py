@@ -1,4 +1,4 @@
-"""Rotary position embedding in the Hugging Face (rotate-half) layout, with Llama-3 scaling."""
+"""Rotary position embedding in the Hugging Face (rotate-half) layout, with Llama-3 scaling or LongRoPE."""
 
 from __future__ import annotations
 
@@ -6,13 +6,14 @@ import math
 
 import torch
 
-from goodserve.ops.rope_scaling import RopeScaling
+from goodserve.ops.rope_scaling import LongRope, RopeScaling
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     if scaling is None:
         return inv_freq.float()
+    assert isinstance(scaling, RopeScaling), "LongRoPE's frequencies depend on the position: cos_sin_cache"
     low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
     high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
     wavelen = 2 * math.pi / inv_freq
@@ -27,12 +28,32 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None
 
 
 def cos_sin_cache(
-    head_dim: int, max_positions: int, theta: float, scaling: RopeScaling | None
+    head_dim: int, max_positions: int, theta: float, scaling: RopeScaling | LongRope | None
 ) -> torch.Tensor:
     """[max_positions, head_dim] float32: cos in the first half, sin in the second."""
+    if isinstance(scaling, LongRope):
+        return _long_rope_cache(head_dim, max_positions, theta, scaling)
     inv_freq = inverse_frequencies(head_dim, theta, scaling)
     angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
     return torch.cat([angles.cos(), angles.sin()], dim=-1)
+
+
+def _long_rope_cache(head_dim: int, max_positions: int, theta: float, scaling: LongRope) -> torch.Tensor:
+    """Positions inside the original context rotate by the short factors, those past it by the long
+    ones: a position's rotation never depends on what else is in the sequence, so a cached block
+    (prefix caching, chunked prefill) means the same thing to every sequence that shares it. This is
+    transformers' forward over a cache, token by token; its generate differs for a sequence that
+    outgrows the original context (it then recomputes the whole sequence by the long factors, and
+    rotates a prompt longer than the original context wholly by them)."""
+    base = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    split = min(scaling.original_max_position_embeddings, max_positions)
+    parts = []
+    for factors, positions in ((scaling.short_factor, torch.arange(split)),
+                               (scaling.long_factor, torch.arange(split, max_positions))):
+        inv_freq = base / torch.tensor(factors, dtype=torch.float32)
+        angles = torch.outer(positions.float(), inv_freq)
+        parts.append(torch.cat([angles.cos(), angles.sin()], dim=-1) * scaling.attention_factor)
+    return torch.cat(parts)
 
 
 def apply_rotary_torch(

@@ -1,0 +1,116 @@
+"""Mixture of experts on the GPU: the fused MoE kernel (ops/triton_moe.py) and a Qwen3-30B-A3B-shaped
+dummy model's decode against its bandwidth limit, beside a dense 8B, in one call.
+
+Correctness is the GPU gate's (tests/gpu/test_gpu_families.py); speed is here.
+Parts (--parts, default kernel,decode,throughput; in this order, one process):
+  kernel      the fused MoE alone at Qwen3-30B-A3B's shapes (hidden 2048, 128 experts of 768 columns,
+              top 8), bf16, for 1, 8, 64 and 512 tokens (random routing): microseconds per call (CUDA
+              graph of back-to-back calls, median) and, for 1 token, the share of the copy bandwidth
+              that reading its 8 experts' weights (75.5 MB) takes; beside it the torch path (a loop
+              over the routed experts, host-synchronizing)
+  decode      batch-1 decode, 128-token prompt, 256 tokens (gpu_engine.part_decode, best of 3) of
+              dummy:qwen3-30b-a3b, then dummy:qwen3-8b and dummy:llama-3.1-8b; for the MoE the
+              bandwidth limit counts the bytes a token reads: attention, norms, router and lm_head,
+              its 8 routed experts a layer (not the other 120), one embedding row, the KV cache
+  throughput  500 requests with ShareGPT-like lengths (gpu_engine's workload), offline, output tok/s,
+              for dummy:qwen3-30b-a3b and dummy:qwen3-8b
+What to read: decode.qwen3-30b-a3b.mbu_active (the issue asks >= 0.60) and its tok/s beside the
+dense 8B's; kernel.tokens_1.share_of_copy_bandwidth says whether the kernel or the rest of the step
+holds decode back. Writes $OUT/gpu_moe.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+import gpu_engine
+from gpu_engine import copy_bandwidth_gbps, free_gpu, random_prompts, run_offline, sharegpt_like_lengths
+from goodserve import LLM
+from goodserve.model.presets import get_preset
+from goodserve.ops.kernel_choice import TORCH_KERNELS, KernelChoice
+from goodserve.ops.moe import moe_torch, route
+from goodserve.ops.triton_moe import triton_fused_moe
+from result_file import write_result
+
+results: dict = {}
+
+
+def _time_us(fn) -> float:
+    from triton.testing import do_bench_cudagraph
+
+    return do_bench_cudagraph(fn, rep=200, return_mode="median") * 1e3
+
+
+def part_kernel(bandwidth_gbps: float) -> None:
+    spec = get_preset("qwen3-30b-a3b")
+    e, h, i, k = spec.num_experts, spec.hidden_size, spec.moe_intermediate_size, spec.num_experts_per_tok
+    w13 = torch.randn(e * 2 * i, h, device="cuda", dtype=torch.bfloat16) * 0.02
+    w2 = torch.randn(e * h, i, device="cuda", dtype=torch.bfloat16) * 0.02
+    kernels = KernelChoice(triton=True)
+    for tokens in (1, 8, 64, 512):
+        x = torch.randn(tokens, h, device="cuda", dtype=torch.bfloat16)
+        weights, ids = route(torch.randn(tokens, e, device="cuda"), k, renormalize=True)
+        fused_us = _time_us(lambda: triton_fused_moe(x, w13, w2, weights, ids, kernels))
+        start = time.perf_counter()
+        for _ in range(20):
+            moe_torch(x, w13, w2, weights, ids, TORCH_KERNELS)
+        torch.cuda.synchronize()
+        row = {"fused_us": fused_us, "torch_loop_us": (time.perf_counter() - start) / 20 * 1e6}
+        if tokens == 1:
+            read = k * spec.expert_params() * 2
+            row |= {"expert_bytes_read": read, "floor_us": read / (bandwidth_gbps * 1e3),
+                    "share_of_copy_bandwidth": read / (bandwidth_gbps * 1e3) / fused_us}
+        results.setdefault("kernel", {})[f"tokens_{tokens}"] = row
+
+
+def part_decode(bandwidth_gbps: float, presets: list[str]) -> None:
+    for preset in presets:
+        gpu_engine.part_decode(bandwidth_gbps, f"dummy:{preset}", tag=f"_{preset}")
+        run = gpu_engine.results.pop(f"decode_{preset}")
+        spec = get_preset(preset)
+        if spec.is_moe:  # the experts no token of the step was routed to are not read
+            unread = spec.num_layers * (spec.num_experts - spec.num_experts_per_tok) * spec.expert_params() * 2
+            active = run["step_read_bytes"] - unread
+            step_s = 1 / max(r["decode_tok_s"] for r in run["runs"])
+            run |= {"step_read_bytes_active": active, "bandwidth_limit_active_tok_s": bandwidth_gbps * 1e9 / active,
+                    "mbu_active": active / step_s / (bandwidth_gbps * 1e9)}
+        results.setdefault("decode", {})[preset] = run
+
+
+def part_throughput(presets: list[str]) -> None:
+    inputs, outputs = sharegpt_like_lengths(500)
+    prompts = random_prompts(inputs)
+    for preset in presets:
+        llm = LLM(f"dummy:{preset}", device="cuda", max_num_seqs=512)
+        results.setdefault("throughput_sharegpt_like", {})[preset] = run_offline(llm, prompts, outputs)
+        del llm
+        free_gpu()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--parts", default="kernel,decode,throughput")
+    args = parser.parse_args()
+    results["card"] = torch.cuda.get_device_name()
+    bandwidth = results["copy_bandwidth_gbps"] = copy_bandwidth_gbps()
+    for part in args.parts.split(","):
+        start = time.perf_counter()
+        {"kernel": lambda: part_kernel(bandwidth),
+         "decode": lambda: part_decode(bandwidth, ["qwen3-30b-a3b", "qwen3-8b", "llama-3.1-8b"]),
+         "throughput": lambda: part_throughput(["qwen3-30b-a3b", "qwen3-8b"])}[part]()
+        results.setdefault("part_seconds", {})[part] = time.perf_counter() - start
+        print(part, "done", flush=True)
+    print(write_result("gpu_moe.json", results))
+    for preset, run in results.get("decode", {}).items():
+        best = max(r["decode_tok_s"] for r in run["runs"])
+        print(f"decode {preset}: {best:.1f} tok/s, mbu_read {run['mbu_read']:.2f}"
+              + (f", mbu_active {run['mbu_active']:.2f}" if "mbu_active" in run else ""))
+    for preset, run in results.get("throughput_sharegpt_like", {}).items():
+        print(f"sharegpt-like 500 requests {preset}: {run['output_tok_s']:.0f} output tok/s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""The model families goodserve runs, and the one registry that maps a checkpoint's architecture name
+(config.json's `architectures`, a GGUF file's `general.architecture`) to one of them.
+
+A family is not a model class: every family runs model/llama.py's decoder, assembled from shared
+parts by its ModelSpec (attention with or without q/k norms and q/k/v biases, the gated MLP or the
+mixture of experts of model/moe.py, RMSNorm, a rotary table with its scaling). A family says which
+of those parts its checkpoints need, reads the fields that choose them from a config, and refuses
+any setting it does not implement (a model that would run with it ignored would answer wrongly).
+The loaders (hf_loader.py, gguf_loader.py) read the fields every family shares.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from goodserve.errors import ModelLoadError
+
+# Reads a GGUF metadata key under the file's architecture prefix: key("expert_count", default).
+GgufKey = Callable[..., Any]
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    hf_architectures: tuple[str, ...]
+    gguf_architectures: tuple[str, ...]
+    # config.json -> the ModelSpec fields that pick this family's parts (refusing what it lacks).
+    hf_fields: Callable[[dict[str, Any]], dict[str, Any]]
+    # The same from a GGUF file's metadata.
+    gguf_fields: Callable[[GgufKey], dict[str, Any]] = lambda key: {}
+    default_rms_norm_eps: float = 1e-5
+    # llama.cpp's converter permutes attn_q / attn_k rows for its rotary layout (convert_hf_to_gguf's
+    # LlamaModel.permute) only for the Llama lineage; Qwen's and Phi's tensors are written as they are.
+    gguf_permutes_qk: bool = False
+
+
+def _no_window(config: dict[str, Any], family: str) -> None:
+    """Refuse a sliding window that any layer would use: attending the whole context instead
+    answers differently as soon as a sequence outgrows the window."""
+    window = config.get("sliding_window")
+    if window is None or config.get("use_sliding_window") is False:
+        return
+    if window < config.get("max_position_embeddings", window + 1):
+        raise ModelLoadError(f"{family}: sliding-window attention (sliding_window={window}) is not supported")
+
+
+def _no_bias(config: dict[str, Any], family: str) -> None:
+    for key in ("attention_bias", "mlp_bias"):
+        if config.get(key):
+            raise ModelLoadError(f"{family}: {key}=True is not supported")
+
+
+def _llama(config: dict[str, Any]) -> dict[str, Any]:
+    _no_bias(config, "llama")
+    return {}
+
+
+def _gguf_experts(key: GgufKey) -> dict[str, Any]:
+    """A mixture of experts' fields from llama.cpp's metadata (none for a dense model). llama.cpp
+    renormalises the routed experts' weights for Mixtral and Qwen3-MoE alike."""
+    if not key("expert_count", 0):
+        return {}
+    return {"num_experts": key("expert_count"), "num_experts_per_tok": key("expert_used_count"),
+            "moe_intermediate_size": key("expert_feed_forward_length") or key("feed_forward_length"),
+            "norm_topk_prob": True}
+
+
+def _qwen2(config: dict[str, Any]) -> dict[str, Any]:
+    return {"attention_bias": True}  # Qwen2 always has q/k/v biases
+
+
+def _qwen3(config: dict[str, Any]) -> dict[str, Any]:
+    _no_bias(config, "qwen3")  # its attention_bias would put one on o_proj too
+    _no_window(config, "qwen3")
+    return {"qk_norm": True}
+
+
+def _mixtral(config: dict[str, Any]) -> dict[str, Any]:
+    _no_window(config, "mixtral")
+    return {"num_experts": config["num_local_experts"], "num_experts_per_tok": config["num_experts_per_tok"],
+            "moe_intermediate_size": config["intermediate_size"], "norm_topk_prob": True}
+
+
+def _qwen3_moe(config: dict[str, Any]) -> dict[str, Any]:
+    fields = _qwen3(config)
+    if config.get("decoder_sparse_step", 1) != 1 or config.get("mlp_only_layers"):
+        raise ModelLoadError("qwen3-moe: dense layers between the sparse ones (decoder_sparse_step, "
+                             "mlp_only_layers) are not supported")
+    experts = config.get("num_experts") or config["num_local_experts"]  # transformers 5 renamed it
+    return fields | {"num_experts": experts, "num_experts_per_tok": config["num_experts_per_tok"],
+                     "moe_intermediate_size": config["moe_intermediate_size"],
+                     "norm_topk_prob": bool(config.get("norm_topk_prob", False))}
+
+
+def _phi3(config: dict[str, Any]) -> dict[str, Any]:
+    _no_window(config, "phi3")
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ModelLoadError("phi3: partial rotary embeddings (partial_rotary_factor < 1) are not supported")
+    return {}
+
+
+FAMILIES = (
+    # llama.cpp writes Mixtral as a `llama` with experts.
+    Family("llama", ("LlamaForCausalLM", "MistralForCausalLM"), ("llama", "mistral"), _llama, _gguf_experts,
+           gguf_permutes_qk=True),
+    Family("qwen2", ("Qwen2ForCausalLM",), ("qwen2",), _qwen2, default_rms_norm_eps=1e-6),
+    Family("qwen3", ("Qwen3ForCausalLM",), ("qwen3",), _qwen3, lambda key: {"qk_norm": True},
+           default_rms_norm_eps=1e-6),
+    Family("mixtral", ("MixtralForCausalLM",), (), _mixtral),
+    Family("qwen3-moe", ("Qwen3MoeForCausalLM",), ("qwen3moe",), _qwen3_moe,
+           lambda key: {"qk_norm": True} | _gguf_experts(key), default_rms_norm_eps=1e-6),
+    Family("phi3", ("Phi3ForCausalLM",), ("phi3",), _phi3),
+)
+
+
+def hf_family(architecture: str) -> Family:
+    for family in FAMILIES:
+        if architecture in family.hf_architectures:
+            return family
+    supported = [a for f in FAMILIES for a in f.hf_architectures]
+    raise ModelLoadError(f"architecture {architecture!r} is not supported; supported architectures: "
+                         f"{', '.join(supported)}")
+
+
+def gguf_family(architecture: str) -> Family:
+    for family in FAMILIES:
+        if architecture in family.gguf_architectures:
+            return family
+    supported = [a for f in FAMILIES for a in f.gguf_architectures]
+    raise ModelLoadError(f"GGUF architecture {architecture!r} is not supported; supported architectures: "
+                         f"{', '.join(supported)}")

@@ -1,0 +1,180 @@
+"""Fused mixture of experts on CUDA (the approach of vLLM's fused_moe): the (token, slot) pairs are
+sorted by expert and padded to whole blocks of BLOCK_M rows, each block one expert's (one launch);
+then each projection is ONE grouped-GEMM launch whose programs each multiply one block of rows by one
+tile of their expert's weights. A decode step reads each routed expert's weights once, with no per-expert
+launch and no host synchronisation (the sort is on the device and sized by the token count alone,
+so a CUDA graph captures it).
+
+Computes ops/moe.py's moe_torch (the reference), the router weights applied to the down projection's
+rows before the sum over slots.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from goodserve.ops.activation import silu_and_mul
+from goodserve.ops.kernel_choice import KernelChoice
+
+
+@triton.jit
+def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, weights_ptr, sorted_pairs_ptr, block_experts_ptr, num_padded_ptr,
+                         n, k, num_pairs, stride_a, stride_be, stride_bn, stride_c,
+                         A_ROW_DIVISOR: tl.constexpr, MUL_WEIGHTS: tl.constexpr, PRECISION: tl.constexpr,
+                         UPCAST_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """C[pair] = A[pair // A_ROW_DIVISOR] @ B[expert].T (times the pair's router weight) for one
+    block of sorted pairs and one tile of N. Pairs are token * top_k + slot; padding is num_pairs."""
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    pairs = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = pairs < num_pairs
+    expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + (pairs // A_ROW_DIVISOR).to(tl.int64)[:, None] * stride_a + offs_k[None, :]
+    b_ptrs = b_ptr + expert * stride_be + cols.to(tl.int64)[None, :] * stride_bn + offs_k[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, k, BLOCK_K):
+        in_k = offs_k + k0 < k
+        a = tl.load(a_ptrs, mask=valid[:, None] & in_k[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=in_k[:, None] & (cols[None, :] < n), other=0.0)
+        if UPCAST_DOT:  # the interpreter's bf16 dot is wrong: float32 operands on the CPU
+            a, b = a.to(tl.float32), b.to(tl.float32)
+        acc += tl.dot(a, b, input_precision=PRECISION)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    out = acc.to(c_ptr.dtype.element_ty)
+    if MUL_WEIGHTS:  # as the reference: the expert's output and its weight rounded, then multiplied
+        weight = tl.load(weights_ptr + pairs, mask=valid, other=0.0).to(c_ptr.dtype.element_ty)
+        out = (out.to(tl.float32) * weight[:, None].to(tl.float32)).to(c_ptr.dtype.element_ty)
+    c_ptrs = c_ptr + pairs.to(tl.int64)[:, None] * stride_c + cols[None, :]
+    tl.store(c_ptrs, out, mask=valid[:, None] & (cols[None, :] < n))
+
+
+@triton.jit
+def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_logits, TOP_K: tl.constexpr,
+                  RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One token: softmax over the experts in float32, its TOP_K largest (the first of equals),
+    renormalised to sum 1 where asked: ops/moe.py's route in one launch."""
+    row = tl.program_id(0).to(tl.int64)
+    experts = tl.arange(0, BLOCK_E)
+    logits = tl.load(logits_ptr + row * stride_logits + experts, mask=experts < num_experts,
+                     other=float("-inf")).to(tl.float32)
+    probs = tl.exp(logits - tl.max(logits, axis=0))
+    probs = probs / tl.sum(probs, axis=0)
+    slots = tl.arange(0, BLOCK_K)
+    weights = tl.zeros([BLOCK_K], dtype=tl.float32)
+    ids = tl.zeros([BLOCK_K], dtype=tl.int32)
+    for j in tl.static_range(TOP_K):
+        best = tl.argmax(probs, axis=0)
+        weights = tl.where(slots == j, tl.max(probs, axis=0), weights)
+        ids = tl.where(slots == j, best, ids)
+        probs = tl.where(experts == best, -1.0, probs)
+    if RENORMALIZE:
+        weights = weights / tl.sum(weights, axis=0)
+    tl.store(weights_ptr + row * TOP_K + slots, weights, mask=slots < TOP_K)
+    tl.store(ids_ptr + row * TOP_K + slots, ids, mask=slots < TOP_K)
+
+
+def triton_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """route's result ([T, k] float32 weights, [T, k] int32 expert ids) in one launch."""
+    num_tokens, num_experts = router_logits.shape
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=router_logits.device)
+    if num_tokens:
+        _route_kernel[(num_tokens,)](router_logits, weights, ids, num_experts, router_logits.stride(0), TOP_K=top_k,
+                                    RENORMALIZE=renormalize, BLOCK_E=triton.next_power_of_2(num_experts),
+                                    BLOCK_K=triton.next_power_of_2(top_k), num_warps=1)
+    return weights, ids
+
+
+def block_m_for(num_pairs: int) -> int:
+    """Rows per block: small where most blocks hold one or two pairs (decode), larger for prefill."""
+    return 16 if num_pairs <= 256 else 64
+
+
+@triton.jit
+def _sort_pairs_kernel(ids_ptr, sorted_pairs_ptr, block_experts_ptr, num_padded_ptr, num_pairs, num_experts,
+                       max_blocks, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr):
+    """One program: count each expert's pairs, lay the experts' runs out padded to whole blocks, write
+    each pair at its expert's start plus its rank among that expert's pairs (stable), and each
+    block's expert. One launch where the torch ops would take a dozen (a decode step pays each)."""
+    experts = tl.arange(0, BLOCK_E)
+    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for start in range(0, num_pairs, BLOCK_P):
+        pairs = start + tl.arange(0, BLOCK_P)
+        ids = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1)
+        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    starts = ends - padded
+    tl.store(num_padded_ptr, tl.sum(padded, axis=0))
+    for b0 in range(0, max_blocks, BLOCK_P):
+        blocks = b0 + tl.arange(0, BLOCK_P)
+        owner = tl.sum(((ends[None, :] <= blocks[:, None] * BLOCK_M) & (experts[None, :] < num_experts)).to(tl.int32),
+                       axis=1)
+        tl.store(block_experts_ptr + blocks, tl.minimum(owner, num_experts - 1), mask=blocks < max_blocks)
+        for m in range(0, BLOCK_M):  # padding everywhere first; the pairs overwrite their slots below
+            tl.store(sorted_pairs_ptr + blocks * BLOCK_M + m, num_pairs, mask=blocks < max_blocks)
+    tl.debug_barrier()
+    seen = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for start in range(0, num_pairs, BLOCK_P):
+        pairs = start + tl.arange(0, BLOCK_P)
+        ids = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1)
+        onehot = (ids[:, None] == experts[None, :]).to(tl.int32)
+        before = tl.cumsum(onehot, axis=0) - onehot + seen[None, :]  # earlier pairs of the same expert
+        slot = tl.sum((starts[None, :] + before) * onehot, axis=1)
+        tl.store(sorted_pairs_ptr + slot, pairs, mask=pairs < num_pairs)
+        seen += tl.sum(onehot, axis=0)
+
+
+def sort_pairs_by_expert(ids: torch.Tensor, num_experts: int, block_m: int
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ids [T, k] -> (sorted_pairs [max_blocks * block_m]: pair indices grouped by expert, each
+    expert's run padded with num_pairs to whole blocks; block_experts [max_blocks]; num_padded [1]:
+    rows in use). max_blocks bounds the padding by the experts that can be hit (at most T * k)."""
+    num_pairs = ids.numel()
+    max_blocks = triton.cdiv(num_pairs + min(num_experts, num_pairs) * (block_m - 1), block_m)
+    sorted_pairs = torch.empty(max_blocks * block_m, dtype=torch.int32, device=ids.device)
+    block_experts = torch.empty(max_blocks, dtype=torch.int32, device=ids.device)
+    num_padded = torch.empty(1, dtype=torch.int32, device=ids.device)
+    _sort_pairs_kernel[(1,)](ids.flatten().to(torch.int32), sorted_pairs, block_experts, num_padded, num_pairs,
+                             num_experts, max_blocks, BLOCK_M=block_m, BLOCK_E=triton.next_power_of_2(num_experts),
+                             BLOCK_P=64, num_warps=4)
+    return sorted_pairs, block_experts, num_padded
+
+
+def _grouped_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, sorted_pairs: torch.Tensor,
+                  block_experts: torch.Tensor, num_padded: torch.Tensor, num_pairs: int, a_row_divisor: int,
+                  block_m: int, weights: torch.Tensor | None = None) -> None:
+    """out [num_pairs, N] = a's rows @ b [E, N, K] of each pair's expert."""
+    n, k = b.shape[1], b.shape[2]
+    block_n, block_k = 64, 64
+    grid = (block_experts.numel(), triton.cdiv(n, block_n))
+    _grouped_gemm_kernel[grid](
+        a, b, out, weights if weights is not None else out, sorted_pairs, block_experts, num_padded,
+        n, k, num_pairs, a.stride(0), b.stride(0), b.stride(1), out.stride(0),
+        A_ROW_DIVISOR=a_row_divisor, MUL_WEIGHTS=weights is not None,
+        PRECISION="ieee" if a.dtype == torch.float32 or not a.is_cuda else None,  # float32 stays exact (no TF32)
+        UPCAST_DOT=not a.is_cuda,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+
+
+def triton_fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                     ids: torch.Tensor, kernels: KernelChoice) -> torch.Tensor:
+    """x [T, H], w13 [E * 2I, H], w2 [E * H, I], weights / ids [T, k] -> [T, H]."""
+    num_tokens, hidden = x.shape
+    num_experts, top_k = w2.shape[0] // hidden, ids.shape[1]
+    num_pairs = num_tokens * top_k
+    w13, w2 = w13.view(num_experts, -1, hidden), w2.view(num_experts, hidden, -1)
+    block_m = block_m_for(num_pairs)
+    sorting = sort_pairs_by_expert(ids, num_experts, block_m)
+    x = x.contiguous()
+    gate_up = x.new_empty(num_pairs, w13.shape[1])
+    _grouped_gemm(x, w13, gate_up, *sorting, num_pairs, top_k, block_m)
+    down = x.new_empty(num_pairs, hidden)
+    _grouped_gemm(silu_and_mul(gate_up, kernels), w2, down, *sorting, num_pairs, 1, block_m, weights.flatten())
+    return down.view(num_tokens, top_k, hidden).sum(dim=1)

@@ -1,0 +1,36 @@
+"""Each model family of tests/test_families.py on the device: float32 with CUDA graphs against
+transformers on the same checkpoint (the fused MoE, q/k norms, LongRoPE tables through the Triton
+kernels), and bfloat16 against goodserve's own torch path, eager, scored by the gate's tolerances."""
+
+from __future__ import annotations
+
+import pytest
+import transformers
+from gate_checks import MODES, TORCH_PATH, assert_within, build, compare, engine_scores, greedy, hf_scores, tolerance
+from test_families import FAMILIES, prompts, save_tiny_model
+
+
+def _compare(fast, reference_scores, record_property, dtype: str) -> None:
+    ids = prompts()
+    tokens = greedy(fast, ids)
+    sequences = [p + t for p, t in zip(ids, tokens)]
+    comparison = compare(sequences, [len(p) for p in ids], engine_scores(fast, sequences), reference_scores(sequences))
+    for prop in comparison.properties():
+        record_property(*prop)
+    assert_within(comparison, tolerance(dtype, "auto"))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_float32_matches_transformers(tmp_path, device, family, record_property):
+    save_tiny_model(FAMILIES[family](), tmp_path)
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).to(device).eval()
+    fast = build(str(tmp_path), device, dtype="float32", **MODES["graphs"])
+    _compare(fast, lambda sequences: hf_scores(hf_model, sequences), record_property, "float32")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bfloat16_matches_the_torch_path(tmp_path, device, family, record_property):
+    save_tiny_model(FAMILIES[family](), tmp_path)
+    reference = build(str(tmp_path), device, dtype="bfloat16", **TORCH_PATH)
+    fast = build(str(tmp_path), device, dtype="bfloat16", **MODES["graphs+async"])
+    _compare(fast, lambda sequences: engine_scores(reference, sequences), record_property, "bfloat16")

@@ -1,0 +1,88 @@
+"""The fused MoE (ops/triton_moe.py) under TRITON_INTERPRET=1 (tests/conftest.py sets it) against a
+plain per-token reference written here, and the CPU path (ops/moe.py) against the same reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from goodserve.ops.kernel_choice import TORCH_KERNELS, KernelChoice
+from goodserve.ops.moe import moe_torch, route
+from goodserve.ops.triton_moe import sort_pairs_by_expert, triton_fused_moe, triton_route
+
+HIDDEN, INTER, EXPERTS = 64, 48, 4
+
+
+def reference(x, w13, w2, weights, ids):
+    """Token by token, slot by slot: sum of weight * down(silu(gate x) * up x) of each routed expert."""
+    gate_up, down = w13.view(EXPERTS, 2 * INTER, HIDDEN).double(), w2.view(EXPERTS, HIDDEN, INTER).double()
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for weight, e in zip(weights[t].tolist(), ids[t].tolist()):
+            gate, up = (gate_up[e] @ x[t].double()).chunk(2)
+            out[t] += weight * (down[e] @ (F.silu(gate) * up))
+    return out
+
+
+def moe_inputs(num_tokens: int, top_k: int, dtype: torch.dtype, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_tokens, HIDDEN, generator=g).to(dtype)
+    w13 = (torch.randn(EXPERTS * 2 * INTER, HIDDEN, generator=g) / 8).to(dtype)
+    w2 = (torch.randn(EXPERTS * HIDDEN, INTER, generator=g) / 8).to(dtype)
+    # Skewed logits: some experts get many tokens, some none.
+    logits = torch.randn(num_tokens, EXPERTS, generator=g) + torch.tensor([2.0, 1.0, 0.0, -3.0])
+    weights, ids = route(logits, top_k, renormalize=True)
+    return x, w13, w2, weights, ids
+
+
+@pytest.mark.parametrize("num_tokens", [1, 7, 150])  # 150 x 2 pairs take the prefill's 64-row blocks
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_moe_matches_the_reference(num_tokens: int, dtype: torch.dtype):
+    x, w13, w2, weights, ids = moe_inputs(num_tokens, 2, dtype)
+    ours = triton_fused_moe(x, w13, w2, weights, ids, KernelChoice(triton=True))
+    ref = reference(x, w13, w2, weights.to(dtype), ids)
+    tolerance = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(ours.double(), ref, rtol=tolerance, atol=tolerance * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("num_tokens", [1, 7, 150])
+def test_cpu_moe_matches_the_reference(num_tokens: int):
+    x, w13, w2, weights, ids = moe_inputs(num_tokens, 2, torch.float32, seed=1)
+    ours = moe_torch(x, w13, w2, weights, ids, TORCH_KERNELS)
+    ref = reference(x, w13, w2, weights, ids)
+    torch.testing.assert_close(ours.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
+def test_pairs_sorted_by_expert_in_whole_blocks():
+    ids = torch.tensor([[3, 0], [0, 2], [0, 3]])
+    sorted_pairs, block_experts, num_padded = sort_pairs_by_expert(ids, num_experts=4, block_m=4)
+    # expert 0: pairs 1, 2, 4; expert 2: pair 3; expert 3: pairs 0, 5 -> three blocks of four rows
+    assert num_padded.tolist() == [12]
+    assert sorted_pairs[:12].tolist() == [1, 2, 4, 6, 3, 6, 6, 6, 0, 5, 6, 6]
+    assert block_experts[:3].tolist() == [0, 2, 3]
+    assert len(sorted_pairs) == len(block_experts) * 4 >= 12  # the bound holds every routing of 6 pairs
+
+
+def test_many_pairs_sort_as_a_stable_sort_by_expert():
+    """More pairs and blocks than one pass of the kernel's loops takes."""
+    ids = torch.randint(0, EXPERTS, (350, 2), generator=torch.Generator().manual_seed(5))
+    sorted_pairs, block_experts, num_padded = sort_pairs_by_expert(ids, EXPERTS, block_m=4)
+    flat, expected, blocks = ids.flatten(), [], []
+    for e in range(EXPERTS):
+        run = (flat == e).nonzero().flatten().tolist()
+        run += [flat.numel()] * (-len(run) % 4)
+        expected += run
+        blocks += [e] * (len(run) // 4)
+    assert num_padded.item() == len(expected)
+    assert sorted_pairs[: len(expected)].tolist() == expected
+    assert block_experts[: len(blocks)].tolist() == blocks
+
+
+@pytest.mark.parametrize(("experts", "top_k", "renormalize"), [(4, 2, True), (128, 8, True), (60, 4, False)])
+def test_routing_kernel_matches_route(experts: int, top_k: int, renormalize: bool):
+    logits = torch.randn(9, experts, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    weights, ids = triton_route(logits, top_k, renormalize)
+    ref_weights, ref_ids = route(logits, top_k, renormalize)
+    assert torch.equal(ids.long(), ref_ids)
+    torch.testing.assert_close(weights, ref_weights)
