@@ -37,17 +37,14 @@ def is_hf_model_dir(path: Path) -> bool:
     return path.is_dir() and (path / "config.json").is_file()
 
 
-def hf_spec(config: dict[str, Any], name: str, generation_config: dict[str, Any]) -> ModelSpec:
+def hf_spec(config: dict[str, Any], name: str, generation_config: dict[str, Any],
+            shape_only: bool = False) -> ModelSpec:
+    """The model's spec; a setting goodserve does not implement is refused, unless shape_only (the
+    calculators, which need the shapes of any architecture and never run it)."""
     arch = (config.get("architectures") or ["<none>"])[0]
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ModelLoadError(
-            f"architecture {arch!r} is not supported; supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
+    if not shape_only:
+        _check_supported(config, arch)
     is_qwen2 = arch == "Qwen2ForCausalLM"
-    if not is_qwen2 and config.get("attention_bias"):
-        raise ModelLoadError("attention_bias=True (a bias on o_proj too) is not supported")
-    if config.get("mlp_bias"):
-        raise ModelLoadError("mlp_bias=True is not supported")
     hidden, heads = config["hidden_size"], config["num_attention_heads"]
     # transformers 5 nests rope settings in rope_parameters; older configs keep them top level.
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
@@ -63,14 +60,38 @@ def hf_spec(config: dict[str, Any], name: str, generation_config: dict[str, Any]
         head_dim=config.get("head_dim") or hidden // heads,
         max_position_embeddings=config.get("max_position_embeddings", 4096),
         rope_theta=float(theta),
-        rope_scaling=_rope_scaling(rope),
+        rope_scaling=None if shape_only else _rope_scaling(rope),
         rms_norm_eps=float(config.get("rms_norm_eps", 1e-6 if is_qwen2 else 1e-5)),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         attention_bias=is_qwen2,  # Qwen2 always has q/k/v biases
         bos_token_id=config.get("bos_token_id"),
         eos_token_ids=tuple(_as_list(generation_config.get("eos_token_id")) or _as_list(config.get("eos_token_id"))),
         sampling_defaults=SamplingDefaults.from_generation_config(generation_config),
+        layer_windows=layer_windows(config),
     )
+
+
+def _check_supported(config: dict[str, Any], arch: str) -> None:
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(
+            f"architecture {arch!r} is not supported; supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    if arch != "Qwen2ForCausalLM" and config.get("attention_bias"):
+        raise ModelLoadError("attention_bias=True (a bias on o_proj too) is not supported")
+    if config.get("mlp_bias"):
+        raise ModelLoadError("mlp_bias=True is not supported")
+
+
+def layer_windows(config: dict[str, Any]) -> tuple[int | None, ...]:
+    """Each layer's sliding window. transformers names each layer's kind in layer_types
+    ("sliding_attention" / "full_attention"); a config without them (Mistral) puts its window, if any,
+    on every layer. Empty when no layer has one."""
+    window, layers = config.get("sliding_window"), config["num_hidden_layers"]
+    if window is None or config.get("use_sliding_window") is False:
+        return ()
+    kinds = config.get("layer_types") or ["sliding_attention"] * layers
+    windows = tuple(int(window) if kind == "sliding_attention" else None for kind in kinds)
+    return windows if any(w is not None for w in windows) else ()
 
 
 def _rope_scaling(rope: dict[str, Any]) -> RopeScaling | None:

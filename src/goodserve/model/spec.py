@@ -51,6 +51,9 @@ class ModelSpec:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     sampling_defaults: SamplingDefaults = SamplingDefaults()
+    # Sliding-window attention: layer i's queries see only keys fewer than layer_windows[i] positions
+    # back (None: every earlier key). Empty: no layer has a window.
+    layer_windows: tuple[int | None, ...] = ()
 
     @property
     def q_size(self) -> int:
@@ -59,6 +62,13 @@ class ModelSpec:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    def window_of(self, layer: int) -> int | None:
+        return self.layer_windows[layer] if self.layer_windows else None
+
+    @property
+    def smallest_window(self) -> int | None:
+        return min((w for w in self.layer_windows if w is not None), default=None)
 
     def num_params(self) -> int:
         h, i = self.hidden_size, self.intermediate_size
