@@ -10,6 +10,7 @@ import torch
 
 from goodserve.errors import GoodserveError
 from goodserve.llm import LLM
+from goodserve.sampling_params import SamplingParams
 from goodserve.model.loader import load_spec
 from test_calc import run_calc
 from test_loaders import TINY, save_tiny_hf_model
@@ -35,13 +36,9 @@ def test_window_is_read_from_config(windowed_dir: Path):
     assert load_spec(str(windowed_dir)).layer_windows == (WINDOW, WINDOW)
 
 
-def test_a_context_past_the_window_is_refused(windowed_dir: Path):
-    with pytest.raises(GoodserveError, match=f"sliding-window attention \\({WINDOW} tokens\\).*--max-model-len {WINDOW}"):
-        LLM(str(windowed_dir), device="cpu", dtype="float32")
-
-
-def test_a_context_within_the_window_is_served(windowed_dir: Path):
-    assert LLM(str(windowed_dir), device="cpu", dtype="float32", max_model_len=WINDOW).engine.config.max_model_len == WINDOW
+def test_lookahead_is_refused_with_a_window(windowed_dir: Path):
+    with pytest.raises(GoodserveError, match="'lookahead' is not supported with .*sliding-window"):
+        LLM(str(windowed_dir), device="cpu", dtype="float32", speculative_method="lookahead")
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -72,3 +69,41 @@ def test_calc_kv_reads_the_shape_of_an_architecture_it_cannot_load(tmp_path: Pat
     assert run_calc("kv", "--model", str(tmp_path), "--batch", "1", "--seq-len", "1000", "--kv-dtype", "fp32") == 0
     # 2 (K and V) x 2 layers x 2 KV heads x 16 dims x 4 bytes
     assert "KV per token: 0.5 KiB" in capsys.readouterr().out
+
+
+def transformers_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                         do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def prompts_around_the_window(vocab: int, window: int) -> list[list[int]]:
+    """Shorter than, equal to and over twice the window; one shares the long one's first tokens
+    (a prefix-cache hit once the long one has run)."""
+    gen = torch.Generator().manual_seed(3)
+    long = torch.randint(3, vocab, (2 * window + 22,), generator=gen).tolist()
+    return [long, torch.randint(3, vocab, (window,), generator=gen).tolist(),
+            long[:20] + torch.randint(3, vocab, (10,), generator=gen).tolist(), long[:5]]
+
+
+NEW_TOKENS = 32
+
+
+def assert_greedy_equals_transformers(path: Path, hf_model, vocab: int, window: int, **engine_options):
+    prompts = prompts_around_the_window(vocab, window)
+    expected = [transformers_greedy(hf_model, p, NEW_TOKENS) for p in prompts]
+    # Small steps: prompts are prefilled in chunks; the second batch hits the first's cached prefixes.
+    llm = LLM(str(path), device="cpu", dtype="float32", max_num_batched_tokens=32, enable_chunked_prefill=True,
+              enable_prefix_caching=True, **engine_options)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+    for _ in range(2):
+        assert [o.outputs[0].token_ids for o in llm.generate(inputs, params)] == expected
+    for prompt, tokens in zip(inputs, expected):
+        assert llm.generate(prompt, params)[0].outputs[0].token_ids == tokens
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_greedy_tokens_equal_transformers_past_the_window(tmp_path: Path, backend: str):
+    hf_model = save_tiny_hf_model(mistral_config(sliding_window=24), tmp_path)
+    assert_greedy_equals_transformers(tmp_path, hf_model, TINY["vocab_size"], 24, attention_backend=backend)

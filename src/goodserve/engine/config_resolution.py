@@ -55,13 +55,10 @@ def resolve_for_model(config: EngineConfig, spec: ModelSpec) -> EngineConfig:
     """The context window; without chunked prefill a whole prompt must fit one step's budget (and the
     activation memory reserved for it, which the KV pool is sized around)."""
     context_len = min(config.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
-    window = spec.smallest_window
-    if window is not None and window < context_len:
-        # Up to the window every earlier key is inside it, so a context no longer is served exactly.
+    if spec.layer_windows and config.speculative_method == "lookahead":
         raise InvalidRequestError(
-            f"{spec.name} uses sliding-window attention ({window} tokens), which goodserve does not implement "
-            f"yet: at a context of {context_len} tokens its output would be wrong; pass --max-model-len {window} "
-            "(or less) to serve it exactly")
+            f"speculative_method 'lookahead' is not supported with {spec.name}'s sliding-window attention: its "
+            "guesses attend the whole context; use 'ngram' or --speculative-model")
     budget = config.max_num_batched_tokens if config.enable_chunked_prefill else \
         max(config.max_num_batched_tokens, context_len)
     return dataclasses.replace(config, max_model_len=context_len, max_num_batched_tokens=budget)
