@@ -67,8 +67,11 @@ class ModelSpec:
         return self.layer_windows[layer] if self.layer_windows else None
 
     @property
-    def smallest_window(self) -> int | None:
-        return min((w for w in self.layer_windows if w is not None), default=None)
+    def window_of_every_layer(self) -> int | None:
+        """The widest window when every layer has one (what a sequence must keep), else None."""
+        if not self.layer_windows or None in self.layer_windows:
+            return None
+        return max(self.layer_windows)
 
     def num_params(self) -> int:
         h, i = self.hidden_size, self.intermediate_size
