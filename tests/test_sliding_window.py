@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -107,3 +108,24 @@ def assert_greedy_equals_transformers(path: Path, hf_model, vocab: int, window: 
 def test_greedy_tokens_equal_transformers_past_the_window(tmp_path: Path, backend: str):
     hf_model = save_tiny_hf_model(mistral_config(sliding_window=24), tmp_path)
     assert_greedy_equals_transformers(tmp_path, hf_model, TINY["vocab_size"], 24, attention_backend=backend)
+
+
+def test_kv_bytes_of_local_layers_are_capped_at_the_window():
+    """Gemma-3-like: 5 local layers (window 1024) to 1 global; at 32k a local layer keeps 1024 tokens."""
+    from goodserve.diagnose.calc import kv_cache_bytes
+    from goodserve.diagnose.roofline import decode_step_bytes, weight_bytes
+    from goodserve.model.presets import get_preset
+
+    spec = get_preset("tiny")
+    hybrid = dataclasses.replace(spec, num_layers=6, layer_windows=(1024,) * 5 + (None,))
+    per_token_layer = 2 * spec.num_kv_heads * spec.head_dim * 2  # K and V, fp16
+    assert kv_cache_bytes(hybrid, 32768, batch=3) == 3 * per_token_layer * (5 * 1024 + 32768)
+    assert kv_cache_bytes(hybrid, 512) == 6 * 512 * per_token_layer  # within the window: every token
+    assert decode_step_bytes(hybrid, 2, 32768, kv_dtype="fp16") == \
+        weight_bytes(hybrid) + 2 * per_token_layer * (5 * 1024 + 32768)
+
+
+def test_calc_kv_reports_the_window(windowed_dir: Path, capsys):
+    assert run_calc("kv", "--model", str(windowed_dir), "--batch", "1", "--seq-len", "640", "--kv-dtype", "fp32") == 0
+    out = capsys.readouterr().out
+    assert "2 of 2 layers keep their last 64 tokens (10% of all-global)" in out

@@ -67,6 +67,10 @@ class ModelSpec:
         return self.layer_windows[layer] if self.layer_windows else None
 
     @property
+    def smallest_window(self) -> int | None:
+        return min((w for w in self.layer_windows if w is not None), default=None)
+
+    @property
     def window_of_every_layer(self) -> int | None:
         """The widest window when every layer has one (what a sequence must keep), else None."""
         if not self.layer_windows or None in self.layer_windows:
@@ -88,4 +92,12 @@ class ModelSpec:
         return self.num_params() - (0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size)
 
     def kv_bytes_per_token(self, bytes_per_element: float) -> float:
+        """Every layer's K and V of one token (what a sequence within every window holds a token)."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_element
+
+    def kv_bytes_per_sequence(self, tokens: float, bytes_per_element: float) -> float:
+        """The K/V a sequence of `tokens` needs: a layer with a sliding window keeps only its last
+        window tokens (its decode step reads no more)."""
+        windows = self.layer_windows or (None,) * self.num_layers
+        kept = sum(tokens if w is None else min(tokens, w) for w in windows)
+        return 2 * kept * self.num_kv_heads * self.head_dim * bytes_per_element
