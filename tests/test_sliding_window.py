@@ -90,11 +90,13 @@ def prompts_around_the_window(vocab: int, window: int) -> list[list[int]]:
 NEW_TOKENS = 32
 
 
-def assert_greedy_equals_transformers(path: Path, hf_model, vocab: int, window: int, **engine_options):
+def assert_greedy_equals_transformers(path: Path, hf_model, vocab: int, window: int, device: str = "cpu",
+                                      **engine_options):
+    """hf_model (on the CPU) is the reference for ours on `device`, float32 both."""
     prompts = prompts_around_the_window(vocab, window)
     expected = [transformers_greedy(hf_model, p, NEW_TOKENS) for p in prompts]
     # Small steps: prompts are prefilled in chunks; the second batch hits the first's cached prefixes.
-    llm = LLM(str(path), device="cpu", dtype="float32", max_num_batched_tokens=32, enable_chunked_prefill=True,
+    llm = LLM(str(path), device=device, dtype="float32", max_num_batched_tokens=32, enable_chunked_prefill=True,
               enable_prefix_caching=True, **engine_options)
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     inputs = [{"prompt_token_ids": p} for p in prompts]
@@ -129,3 +131,13 @@ def test_calc_kv_reports_the_window(windowed_dir: Path, capsys):
     assert run_calc("kv", "--model", str(windowed_dir), "--batch", "1", "--seq-len", "640", "--kv-dtype", "fp32") == 0
     out = capsys.readouterr().out
     assert "2 of 2 layers keep their last 64 tokens (10% of all-global)" in out
+
+
+def test_hybrid_layers_greedy_tokens_equal_transformers(tmp_path: Path):
+    """Windows on some layers only (Qwen2's use_sliding_window: layers from max_window_layers on are
+    local): each layer its own window, the others the whole context; no block is released early."""
+    config = transformers.Qwen2Config(**{**TINY, "num_hidden_layers": 3, "max_position_embeddings": 512},
+                                      use_sliding_window=True, sliding_window=24, max_window_layers=1)
+    hf_model = save_tiny_hf_model(config, tmp_path)
+    assert load_spec(str(tmp_path)).layer_windows == (None, 24, 24)
+    assert_greedy_equals_transformers(tmp_path, hf_model, TINY["vocab_size"], 24, attention_backend="torch")
