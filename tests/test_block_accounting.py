@@ -32,12 +32,16 @@ def make_seq(rng: random.Random, i: int, prefixes: list[list[int]]) -> Sequence:
 
 
 def check_invariants(kv: KVCacheManager, live: list[Sequence], shadow: dict[int, list]) -> None:
+    """With a window, a sequence's positions its next query reads must still hold its own tokens."""
     pool = kv.pool
     refs = [0] * pool.num_blocks
     for seq in live:
-        for block_id in kv.block_table(seq.seq_id):
+        for block_id in kv.blocks_held(seq.seq_id):
             refs[block_id] += 1
-        for pos in range(seq.num_computed_tokens):
+        oldest_key = 0 if kv.window is None else max(seq.num_computed_tokens - kv.window + 1, 0)
+        held_from = len(kv.block_table(seq.seq_id)) - len(kv.blocks_held(seq.seq_id))
+        assert held_from <= oldest_key // BLOCK or not seq.num_computed_tokens, "released a block still read"
+        for pos in range(oldest_key, seq.num_computed_tokens):
             block_id = kv.block_table(seq.seq_id)[pos // BLOCK]
             assert shadow[block_id][pos % BLOCK] == seq.token_ids[pos], "served a block with other tokens"
     for block in pool.blocks:
@@ -47,19 +51,22 @@ def check_invariants(kv: KVCacheManager, live: list[Sequence], shadow: dict[int,
         assert pool.blocks[block_id].block_hash == block_hash
 
 
-@pytest.mark.parametrize("policy,chunked,speculative", [
-    ("continuous", True, False), ("continuous", False, False), ("static", True, False), ("makespan", True, False),
-    ("continuous", True, "ngram"), ("continuous", True, "draft")])
-def test_random_traffic_leaks_nothing(policy, chunked, speculative):
+@pytest.mark.parametrize("policy,chunked,speculative,window", [
+    ("continuous", True, False, None), ("continuous", False, False, None), ("static", True, False, None),
+    ("makespan", True, False, None), ("continuous", True, "ngram", None), ("continuous", True, "draft", None),
+    ("continuous", True, False, 6), ("continuous", False, "ngram", 5)])
+def test_random_traffic_leaks_nothing(policy, chunked, speculative, window):
     """speculative: n-gram drafts (tokens 0..2 repeat, so most decodes draft) or a draft model's
     (dummy:tiny, with its own block pool), of which a random number is kept: the rejected ones' K/V
-    slots are rolled back and rewritten; the draft's blocks are held by live sequences only."""
+    slots are rolled back and rewritten; the draft's blocks are held by live sequences only.
+    window: every layer's sliding window; blocks before it are released as sequences grow, and a
+    prefix-cache hit must still serve only blocks holding the sequence's own tokens."""
     rng = random.Random(1234)
     config = EngineConfig(scheduler_policy=policy, max_num_seqs=6, max_num_batched_tokens=24 if chunked else 64,
                           enable_chunked_prefill=chunked, block_size=BLOCK,
                           speculative_method="ngram" if speculative == "ngram" else None, num_speculative_tokens=3,
                           spec_max_batch=6, spec_policy="always")
-    kv = KVCacheManager(num_blocks=14, block_size=BLOCK)
+    kv = KVCacheManager(num_blocks=14, block_size=BLOCK, window=window)
     pool = kv.pool
     drafting = dataclasses.replace(config, speculative_model="dummy:tiny", num_kv_blocks=14, device="cpu",
                                    dtype="float32")
@@ -69,7 +76,7 @@ def test_random_traffic_leaks_nothing(policy, chunked, speculative):
     prefixes = [[rng.randrange(3) for _ in range(rng.randrange(0, 14))] for _ in range(3)]
     shadow = {b: [None] * BLOCK for b in range(pool.num_blocks)}
     live: list[Sequence] = []
-    events = 0
+    events = released_early = 0
     for i in range(4000):
         draining = i >= 600  # then no new traffic: everything admitted must finish (no deadlock)
         if not draining:
@@ -103,6 +110,7 @@ def test_random_traffic_leaks_nothing(policy, chunked, speculative):
                     scheduler.finish(seq, "length")
                     live.remove(seq)
         check_invariants(kv, live, shadow)
+        released_early += sum(len(kv.block_table(s.seq_id)) > len(kv.blocks_held(s.seq_id)) for s in live)
         if speculative == "draft":
             assert set(proposer.kv.tables) <= {seq.seq_id for seq in live}
         if draining and not scheduler.has_unfinished():
@@ -112,6 +120,7 @@ def test_random_traffic_leaks_nothing(policy, chunked, speculative):
     assert pool.num_free_blocks == pool.num_blocks
     assert all(block.ref_count == 0 for block in pool.blocks)
     assert pool.counters.hits > 0, "the workload shares prefixes; some must hit"
+    assert (released_early > 100) == (window is not None)
     if policy in ("continuous", "makespan"):
         assert scheduler.num_preemptions > 0, "the pool is small; preemption must be exercised"
     if speculative:

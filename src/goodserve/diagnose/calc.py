@@ -26,7 +26,7 @@ def dtype_bytes(dtype: str) -> float:
 
 
 def kv_cache_bytes(spec: ModelSpec, tokens: int, batch: int = 1, kv_dtype: str = "fp16") -> float:
-    return spec.kv_bytes_per_token(dtype_bytes(kv_dtype)) * tokens * batch
+    return spec.kv_bytes_per_sequence(tokens, dtype_bytes(kv_dtype)) * batch
 
 
 def weight_bytes(spec: ModelSpec, dtype: str = "bf16") -> float:

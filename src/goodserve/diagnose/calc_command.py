@@ -102,8 +102,13 @@ def _kv(args) -> int:
     console = make_console()
     console.print(f"{spec.name}: {spec.num_layers} layers x {spec.num_kv_heads} KV heads x "
                   f"{spec.head_dim} head dim, {args.kv_dtype}")
+    per_sequence = spec.kv_bytes_per_sequence(args.seq_len, DTYPE_BYTES[args.kv_dtype])
     console.print(f"KV per token: {per_token / 1024:.1f} KiB; per sequence of {args.seq_len}: "
-                  f"{per_token * args.seq_len / 1e9:.3f} GB")
+                  f"{per_sequence / 1e9:.3f} GB")
+    if spec.layer_windows:
+        local = sum(w is not None for w in spec.layer_windows)
+        console.print(f"sliding window: {local} of {spec.num_layers} layers keep their last "
+                      f"{spec.smallest_window} tokens ({per_sequence / (per_token * args.seq_len):.0%} of all-global)")
     console.print(f"KV for batch {args.batch} x {args.seq_len} tokens: [bold]{total / 1e9:.1f} GB[/bold] "
                   f"({total / 2**30:.1f} GiB)")
     if spec.is_moe:

@@ -30,6 +30,9 @@ def resolve_spec(name: str) -> ModelSpec:
             except (OSError, json.JSONDecodeError) as exc:
                 raise ModelLoadError(f"cannot read {path / file}: {exc}") from exc
 
-        return hf_spec(read("config.json"), path.name, read("generation_config.json"))
+        try:
+            return hf_spec(read("config.json"), path.name, read("generation_config.json"), shape_only=True)
+        except KeyError as exc:
+            raise ModelLoadError(f"{path / 'config.json'} lacks the field {exc}") from None
     raise ModelLoadError(f"unknown model {name!r}: give a preset ({', '.join(PRESETS)}), "
                          f"dummy:<preset>, a .gguf file or a Hugging Face model directory")

@@ -41,9 +41,10 @@ def prefill_flops(spec: ModelSpec, prompt_len: float) -> float:
 def decode_step_bytes(spec: ModelSpec, batch: float, context_len: float, dtype: str = "bf16",
                       kv_dtype: str = "bf16", weight_reads: int = 1) -> float:
     """Bytes a decode round reads: the weights once a step (weight_reads: its micro-batches; of a
-    mixture of experts the routed experts only), plus every sequence's KV cache."""
+    mixture of experts the routed experts only), plus every sequence's KV cache (a windowed layer's
+    last window tokens only)."""
     return (weight_reads * decode_weight_bytes(spec, dtype, batch)
-            + batch * context_len * spec.kv_bytes_per_token(dtype_bytes(kv_dtype)))
+            + batch * spec.kv_bytes_per_sequence(context_len, dtype_bytes(kv_dtype)))
 
 
 def mbu(bytes_per_step: float, steps_per_s: float, bandwidth: float) -> float:

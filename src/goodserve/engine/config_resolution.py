@@ -56,6 +56,10 @@ def resolve_for_model(config: EngineConfig, spec: ModelSpec) -> EngineConfig:
     activation memory reserved for it, which the KV pool is sized around)."""
     check_context_length(config.max_model_len, spec)
     context_len = config.max_model_len or spec.max_position_embeddings
+    if spec.layer_windows and config.speculative_method == "lookahead":
+        raise InvalidRequestError(
+            f"speculative_method 'lookahead' is not supported with {spec.name}'s sliding-window attention: its "
+            "guesses attend the whole context; use 'ngram' or --speculative-model")
     budget = config.max_num_batched_tokens if config.enable_chunked_prefill else \
         max(config.max_num_batched_tokens, context_len)
     return dataclasses.replace(config, max_model_len=context_len, max_num_batched_tokens=budget)

@@ -84,7 +84,8 @@ class Engine:
         # quantize_lm_head is not in it: lm_head computes logits from the hidden states, never K/V.
         c = self.config
         salt = f"{info.revision}|{c.kv_cache_dtype}|{c.quantization}|{c.quantized_checkpoint}|{c.quantization_awq}"
-        self.kv = KVCacheManager(c.num_kv_blocks, c.block_size, c.enable_prefix_caching, salt.encode())
+        self.kv = KVCacheManager(c.num_kv_blocks, c.block_size, c.enable_prefix_caching, salt.encode(),
+                                 window=self.spec.window_of_every_layer)
         self.scheduler = Scheduler(c, self.kv, make_proposer(c, self.spec, self.tokenizer, draft),
                                    self._step_time_model(), verify_cost(c, info.native_decode))
         self.inputs = InputProcessor(c, self.spec, self.tokenizer)

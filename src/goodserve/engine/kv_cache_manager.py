@@ -4,6 +4,13 @@ allocation for the tokens a step computes, registration of full blocks, freeing.
 The tables live here, not on the sequences, so one owner decides which blocks a request holds: the
 scheduler asks for room, the runner receives copies of the tables in the scheduler's output, and
 handing a request's blocks to another worker (disaggregation) is a question for this class alone.
+
+With a sliding window on every layer (`window`), a query at position p reads keys after p - window
+only, so as a sequence grows the blocks wholly before its next query's window are released: a long
+sequence holds about window / block_size blocks, not its whole length. They go back to the pool as any
+freed block does, registered ones (full, their K/V all written) staying in the prefix cache, where a
+later request with the same prefix may revive them. Their ids stay in the table (the tables' indices
+are positions); the kernels never read them, the torch paths read and mask them.
 """
 
 from __future__ import annotations
@@ -14,9 +21,12 @@ from goodserve.engine.sequence import Sequence
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 salt: bytes = b"") -> None:
+                 salt: bytes = b"", window: int | None = None) -> None:
+        """window: the model's sliding window when every layer has one (None: keep every block)."""
         self.pool = BlockPool(num_blocks)
         self.block_size = block_size
+        self.window = window
+        self._num_dropped: dict[str, int] = {}  # leading blocks released as out of the window
         self.enable_prefix_caching = enable_prefix_caching
         self.salt = salt
         self.tables: dict[str, list[int]] = {}
@@ -44,6 +54,10 @@ class KVCacheManager:
 
     def block_table(self, seq_id: str) -> list[int]:
         return self.tables.get(seq_id, [])
+
+    def blocks_held(self, seq_id: str) -> list[int]:
+        """The blocks the sequence holds (its table less those released as out of the window)."""
+        return self.tables.get(seq_id, [])[self._num_dropped.get(seq_id, 0):]
 
     # ---- prefix cache --------------------------------------------------------------------
     def match_prefix(self, seq: Sequence) -> int:
@@ -78,7 +92,8 @@ class KVCacheManager:
         # a block is registered once its tokens are there too.
         num_full = min(seq.num_computed_tokens, seq.num_tokens) // size
         hashes = self._block_hashes(seq, num_full)
-        for i in range(self._num_registered.get(seq.seq_id, 0), num_full):
+        first = max(self._num_registered.get(seq.seq_id, 0), self._num_dropped.get(seq.seq_id, 0))
+        for i in range(first, num_full):
             self.pool.register(table[i], hashes[i], tuple(seq.token_ids[i * size : (i + 1) * size]))
         self._num_registered[seq.seq_id] = num_full
 
@@ -96,7 +111,9 @@ class KVCacheManager:
         return max(0, needed - len(self.tables.get(seq.seq_id, ())))
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
-        """Give seq enough blocks for num_new_tokens more tokens; False (and no change) if short."""
+        """Give seq enough blocks for num_new_tokens more tokens; False (and no change) if short.
+        With a window, first release the blocks its next query no longer sees."""
+        self._drop_out_of_window(seq)
         needed = self.blocks_needed(seq, num_new_tokens)
         if needed > self.pool.num_free_blocks:
             return False
@@ -104,6 +121,20 @@ class KVCacheManager:
         for _ in range(needed):
             table.append(self.pool.take_free())
         return True
+
+    def _drop_out_of_window(self, seq: Sequence) -> None:
+        """The next query sits at num_computed_tokens and reads keys after it minus the window; every
+        later query sits further on, so a block before that stays unread for good. A sequence held for
+        a transfer keeps its blocks: the receiver gets (and may cache) all of its K/V."""
+        if self.window is None or seq.seq_id in self.held:
+            return
+        table = self.tables[seq.seq_id]
+        oldest_key = seq.num_computed_tokens - self.window + 1
+        unread = min(max(oldest_key, 0) // self.block_size, len(table))
+        dropped = self._num_dropped.get(seq.seq_id, 0)
+        for block_id in table[dropped:unread]:
+            self.pool.release(block_id)
+        self._num_dropped[seq.seq_id] = max(dropped, unread)
 
     def free_tail(self, seq: Sequence) -> None:
         """Release the blocks past seq's computed tokens: those only rejected drafts wrote."""
@@ -115,7 +146,9 @@ class KVCacheManager:
         """Release seq's blocks (preempted: it recomputes later; finished: its hashes go too, and a
         held sequence's blocks wait for release_held). Tail blocks are freed first so they are also
         evicted first: a shared prefix outlives them."""
-        table = self.tables.pop(seq.seq_id, [])
+        table = self.blocks_held(seq.seq_id)
+        self.tables.pop(seq.seq_id, None)
+        self._num_dropped.pop(seq.seq_id, None)
         self._num_registered.pop(seq.seq_id, None)
         if finished:
             self._hashes.pop(seq.seq_id, None)

@@ -335,7 +335,7 @@ class Scheduler:
                 victim = candidates[len(victims)]
                 victims.append(victim)
                 taken, tokens = taken - 1, tokens - victim.num_tokens
-                free_blocks += len(self.kv.block_table(victim.seq_id))
+                free_blocks += len(self.kv.blocks_held(victim.seq_id))
             taken, tokens = taken + 1, tokens + head.num_tokens
             free_blocks -= needed
             budget -= chunk

@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 
 from goodserve.errors import ModelLoadError
-from goodserve.model.families import hf_family
+from goodserve.model.families import Family, hf_family
 from goodserve.model.hf_tokenizer import hf_tokenizer, read_json
 from goodserve.model.llama import LlamaForCausalLM, WeightFiller, build_empty_model
 from goodserve.model.pipeline_parallel import PipelineParallel
@@ -42,9 +42,11 @@ def is_hf_model_dir(path: Path) -> bool:
     return path.is_dir() and (path / "config.json").is_file()
 
 
-def hf_spec(config: dict[str, Any], name: str, generation_config: dict[str, Any]) -> ModelSpec:
-    family = hf_family((config.get("architectures") or ["<none>"])[0])
-    family_fields = family.hf_fields(config)
+def hf_spec(config: dict[str, Any], name: str, generation_config: dict[str, Any],
+            shape_only: bool = False) -> ModelSpec:
+    """The model's spec; a setting goodserve does not implement is refused, unless shape_only (the
+    calculators, which need the shapes of any architecture and never run it)."""
+    family, family_fields = _family_of(config, shape_only)
     hidden, heads = config["hidden_size"], config["num_attention_heads"]
     # transformers 5 nests rope settings in rope_parameters; older configs keep them top level.
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
@@ -60,15 +62,40 @@ def hf_spec(config: dict[str, Any], name: str, generation_config: dict[str, Any]
         head_dim=config.get("head_dim") or hidden // heads,
         max_position_embeddings=config.get("max_position_embeddings", 4096),
         rope_theta=float(theta),
-        rope_scaling=_rope_scaling(rope, config),
-        rms_norm_eps=float(config.get("rms_norm_eps", family.default_rms_norm_eps)),
+        rope_scaling=None if shape_only else _rope_scaling(rope, config),
+        rms_norm_eps=float(config.get("rms_norm_eps", family.default_rms_norm_eps if family else 1e-5)),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-        family=family.name,
+        family=family.name if family else "llama",
         **family_fields,
         bos_token_id=config.get("bos_token_id"),
         eos_token_ids=tuple(_as_list(generation_config.get("eos_token_id")) or _as_list(config.get("eos_token_id"))),
         sampling_defaults=SamplingDefaults.from_generation_config(generation_config),
+        layer_windows=layer_windows(config),
     )
+
+
+def _family_of(config: dict[str, Any], shape_only: bool) -> tuple[Family | None, dict[str, Any]]:
+    """The checkpoint's family and the spec fields it sets; for shapes alone, an architecture goodserve
+    cannot run (or a setting its family refuses) reads as a plain decoder of the same sizes."""
+    try:
+        family = hf_family((config.get("architectures") or ["<none>"])[0])
+        return family, family.hf_fields(config)
+    except ModelLoadError:
+        if not shape_only:
+            raise
+        return None, {}
+
+
+def layer_windows(config: dict[str, Any]) -> tuple[int | None, ...]:
+    """Each layer's sliding window. transformers names each layer's kind in layer_types
+    ("sliding_attention" / "full_attention"); a config without them (Mistral) puts its window, if any,
+    on every layer. Empty when no layer has one."""
+    window, layers = config.get("sliding_window"), config["num_hidden_layers"]
+    if window is None or config.get("use_sliding_window") is False:
+        return ()
+    kinds = config.get("layer_types") or ["sliding_attention"] * layers
+    windows = tuple(int(window) if kind == "sliding_attention" else None for kind in kinds)
+    return windows if any(w is not None for w in windows) else ()
 
 
 def _rope_scaling(rope: dict[str, Any], config: dict[str, Any]) -> RopeScaling | LongRope | None:

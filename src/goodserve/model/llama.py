@@ -73,10 +73,10 @@ class VocabParallelEmbedding(nn.Embedding):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, spec: ModelSpec, tp: TensorParallel):
-        """spec: the rank's shapes (its heads)."""
+    def __init__(self, spec: ModelSpec, tp: TensorParallel, window: int | None = None):
+        """spec: the rank's shapes (its heads); window: the layer's sliding window, if it has one."""
         super().__init__()
-        self.tp = tp
+        self.tp, self.window = tp, window
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.q_size, self.kv_size = spec.q_size, spec.kv_size
         self.scale = spec.head_dim**-0.5
@@ -97,7 +97,7 @@ class LlamaAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        out = attention(q, k, v, positions, rotary_cache, kv_cache, meta, self.scale, self.kernels)
+        out = attention(q, k, v, positions, rotary_cache, kv_cache, meta, self.scale, self.kernels, self.window)
         return self.o_proj(out.flatten(1))  # a partial sum under TP: the next norm all-reduces it
 
 
@@ -120,10 +120,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, tp: TensorParallel):
+    def __init__(self, spec: ModelSpec, tp: TensorParallel, window: int | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, tp)
-        self.self_attn = LlamaAttention(spec, tp)
+        self.self_attn = LlamaAttention(spec, tp, window)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, tp)
         self.mlp = SparseMoE(spec) if spec.is_moe else LlamaMLP(spec, tp)
 
@@ -148,7 +148,7 @@ class LlamaModel(nn.Module):
         held = pp.layers(spec.num_layers)
         self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, tp) \
             if pp.holds_embedding(spec) else None
-        self.layers = nn.ModuleList(LlamaDecoderLayer(spec, tp) if i in held else nn.Identity()
+        self.layers = nn.ModuleList(LlamaDecoderLayer(spec, tp, spec.window_of(i)) if i in held else nn.Identity()
                                     for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, tp) if pp.is_last else None
 

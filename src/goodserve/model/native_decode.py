@@ -38,9 +38,10 @@ def _linears(layer: nn.Module) -> tuple[nn.Module, ...]:
 
 def _native(layer: nn.Module) -> bool:
     """Whether the native call can run this layer: four int4 linears on the native kernel, one
-    activation arithmetic and scale width for all four, float32 norms, no biases but q/k/v's."""
+    activation arithmetic and scale width for all four, float32 norms, no biases but q/k/v's, no
+    sliding window (the stack's attention sees the whole context)."""
     linears = _linears(layer)
-    return (all(isinstance(lin, Int4Linear) and lin.native_layout() is not None for lin in linears)
+    return (layer.self_attn.window is None and all(isinstance(lin, Int4Linear) and lin.native_layout() is not None for lin in linears)
             and all(lin.bias is None for lin in linears[1:]) and layer.self_attn.head_dim % 16 == 0
             and len({(lin.native_layout().int8_activations, lin.native_layout().half_scales) for lin in linears}) == 1
             and all(norm.weight.dtype == torch.float32 and norm.weight.is_contiguous()

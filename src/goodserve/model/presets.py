@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from goodserve.model.spec import ModelSpec
 from goodserve.ops.rope_scaling import RopeScaling
 
@@ -11,6 +13,10 @@ _LLAMA3_SCALING = RopeScaling(
 _LLAMA32_SCALING = RopeScaling(
     factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
 )
+
+def _with_and_without_window(spec: ModelSpec) -> tuple[ModelSpec, ModelSpec]:
+    return spec, replace(spec, name=f"{spec.name}-global", layer_windows=())
+
 
 PRESETS: dict[str, ModelSpec] = {
     spec.name: spec
@@ -74,6 +80,15 @@ PRESETS: dict[str, ModelSpec] = {
             rope_theta=1000000.0, family="mixtral", num_experts=8, num_experts_per_tok=2,
             moe_intermediate_size=14336, bos_token_id=1, eos_token_ids=(2,),
         ),
+        # Gemma-3-12B's shape: local layers (window 1024) and every sixth global. It runs on the Llama
+        # decoder, whose weights and KV have the same sizes, so a step moves the same bytes: for
+        # sizing and speed, not for Gemma's outputs. The -global variant has every layer global.
+        *_with_and_without_window(ModelSpec(
+            name="gemma-3-12b", vocab_size=262208, hidden_size=3840, intermediate_size=15360,
+            num_layers=48, num_heads=16, num_kv_heads=8, head_dim=256, max_position_embeddings=131072,
+            rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=2,
+            eos_token_ids=(1, 106), layer_windows=tuple(None if i % 6 == 5 else 1024 for i in range(48)),
+        )),
         # Tiny random shapes for fast tests.
         ModelSpec(
             name="tiny", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,

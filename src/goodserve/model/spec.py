@@ -61,6 +61,9 @@ class ModelSpec:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     sampling_defaults: SamplingDefaults = SamplingDefaults()
+    # Sliding-window attention: layer i's queries see only keys fewer than layer_windows[i] positions
+    # back (None: every earlier key). Empty: no layer has a window.
+    layer_windows: tuple[int | None, ...] = ()
 
     @property
     def q_size(self) -> int:
@@ -73,6 +76,20 @@ class ModelSpec:
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    def window_of(self, layer: int) -> int | None:
+        return self.layer_windows[layer] if self.layer_windows else None
+
+    @property
+    def smallest_window(self) -> int | None:
+        return min((w for w in self.layer_windows if w is not None), default=None)
+
+    @property
+    def window_of_every_layer(self) -> int | None:
+        """The widest window when every layer has one (what a sequence must keep), else None."""
+        if not self.layer_windows or None in self.layer_windows:
+            return None
+        return max(self.layer_windows)
 
     def num_params(self) -> int:
         return self._params(experts=self.num_experts)
@@ -104,4 +121,12 @@ class ModelSpec:
         return self.num_active_params() - (0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size)
 
     def kv_bytes_per_token(self, bytes_per_element: float) -> float:
+        """Every layer's K and V of one token (what a sequence within every window holds a token)."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_element
+
+    def kv_bytes_per_sequence(self, tokens: float, bytes_per_element: float) -> float:
+        """The K/V a sequence of `tokens` needs: a layer with a sliding window keeps only its last
+        window tokens (its decode step reads no more)."""
+        windows = self.layer_windows or (None,) * self.num_layers
+        kept = sum(tokens if w is None else min(tokens, w) for w in windows)
+        return 2 * kept * self.num_kv_heads * self.head_dim * bytes_per_element

@@ -47,7 +47,7 @@ SIGNATURES = {
     "gs_add_rms_norm": ([_P, _P, _P, _P, _P, _I, _I, _F], None),
     "gs_silu_and_mul": ([_P, _P, _I, _I], None),
     "gs_rope_write_kv": ([_P, _I, _P, _I, _P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I], None),
-    "gs_decode_attention": ([_P, _I, _P, _P, _P, _I, _I, _P, _P, _I, _I, _I, _I, _I, _F, ctypes.c_int], None),
+    "gs_decode_attention": ([_P, _I, _P, _P, _P, _I, _I, _P, _P, _I, _I, _I, _I, _I, _F, _I, ctypes.c_int], None),
     "gs_decoder_stack": ([_P, _I, _P, _P, _P, _P, _P, _I, _P, _P, _P, _I, _P, _I, _I, _P, ctypes.c_int], None),
 }
 

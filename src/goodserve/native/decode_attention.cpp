@@ -11,14 +11,15 @@ extern "C" {
 
 // q: [B, Hq, D] with token stride q_stride; k_cache, v_cache: [blocks, block_size, Hk, D];
 // block_tables[b * bt_row + i * bt_col] is sequence b's i-th block; out: [B, Hq, D] contiguous.
-// D must be a multiple of 16.
+// D must be a multiple of 16. window > 0: a query sees only its last `window` keys (sliding window).
 void gs_decode_attention(const float* q, int64_t q_stride, const float* k_cache, const float* v_cache,
                          const int32_t* block_tables, int64_t bt_row, int64_t bt_col, const int32_t* seq_lens,
                          float* out, int64_t batch, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
-                         int64_t block_size, float scale, int max_threads) {
+                         int64_t block_size, float scale, int64_t window, int max_threads) {
+  auto first_key = [&](int64_t len) { return window > 0 && len > window ? len - window : 0; };
   const int64_t group = q_heads / kv_heads, tasks = batch * kv_heads, vecs = head_dim / kRegLanes;
   int64_t work = 0;
-  for (int64_t b = 0; b < batch; b++) work += seq_lens[b];
+  for (int64_t b = 0; b < batch; b++) work += seq_lens[b] - first_key(seq_lens[b]);
   // ~0.02 ns per multiply-add (two per key and query head per element: scores, then values).
   const int threads = threads_for(work * q_heads * head_dim * 2 / 50, 1, max_threads);
 #pragma omp parallel num_threads(threads)
@@ -27,9 +28,11 @@ void gs_decode_attention(const float* q, int64_t q_stride, const float* k_cache,
     int64_t begin, end;
     thread_range(tasks, 1, &begin, &end);
     for (int64_t task = begin; task < end; task++) {
-      const int64_t b = task / kv_heads, h = task % kv_heads, len = seq_lens[b];
+      const int64_t b = task / kv_heads, h = task % kv_heads, first = first_key(seq_lens[b]);
+      const int64_t len = seq_lens[b] - first;
       const float* qb = q + b * q_stride + h * group * head_dim;
-      auto row = [&](const float* pool, int64_t j) {
+      auto row = [&](const float* pool, int64_t key) {  // key: counted from the first visible one
+        const int64_t j = first + key;
         const int64_t block = block_tables[b * bt_row + (j / block_size) * bt_col];
         return pool + ((block * block_size + j % block_size) * kv_heads + h) * head_dim;
       };

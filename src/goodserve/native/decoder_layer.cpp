@@ -22,7 +22,7 @@ void gs_rope_write_kv(float* q, int64_t q_stride, const float* k, int64_t k_stri
 void gs_decode_attention(const float* q, int64_t q_stride, const float* k_cache, const float* v_cache,
                          const int32_t* block_tables, int64_t bt_row, int64_t bt_col, const int32_t* seq_lens,
                          float* out, int64_t batch, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
-                         int64_t block_size, float scale, int max_threads);
+                         int64_t block_size, float scale, int64_t window, int max_threads);
 
 // What stays fixed for a layer; native/decoder_layer.py mirrors it as a ctypes Structure.
 struct LayerOperands {
@@ -75,7 +75,7 @@ void decoder_layer(const LayerOperands* w, const float* x, const float* residual
   gs_rope_write_kv(q, qkv_size, q + q_size, qkv_size, q + q_size + kv_size, qkv_size, positions, rotary, slots,
                    k_cache, v_cache, tokens, w->q_heads, w->kv_heads, w->head_dim);
   gs_decode_attention(q, qkv_size, k_cache, v_cache, block_tables, bt_row, bt_col, seq_lens, attn, tokens,
-                      w->q_heads, w->kv_heads, w->head_dim, block_size, w->scale, max_threads);
+                      w->q_heads, w->kv_heads, w->head_dim, block_size, w->scale, 0, max_threads);
   gs_int4_gemv(attn, q_size, w->o, o, hidden, tokens, hidden, q_size, w->o_group, max_threads, w->int8_activations,
                w->half_scales);
   gs_add_rms_norm(o, residual_out, w->post_norm, normed, residual_out, tokens, hidden, w->eps);  // in place

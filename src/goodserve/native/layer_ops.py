@@ -82,8 +82,9 @@ def block_tables_operand(block_tables: torch.Tensor, batch: int) -> torch.Tensor
 
 
 def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
-                     seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [B, Hq, D], one query per sequence at the end of its context -> [B, Hq, D]."""
+                     seq_lens: torch.Tensor, scale: float, window: int | None = None) -> torch.Tensor:
+    """q [B, Hq, D], one query per sequence at the end of its context -> [B, Hq, D]; with a window,
+    each sees only its last `window` keys."""
     batch, heads, head_dim = q.shape
     q_stride = _token_stride("q", q, batch, heads, head_dim)
     kv_pools(k_pool, v_pool, None, head_dim)
@@ -93,5 +94,5 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     library().gs_decode_attention(q.data_ptr(), q_stride, k_pool.data_ptr(), v_pool.data_ptr(),
                                   tables.data_ptr(), tables.stride(0), tables.stride(1), lens.data_ptr(),
                                   out.data_ptr(), batch, heads, k_pool.shape[2], head_dim, k_pool.shape[1],
-                                  scale, torch.get_num_threads())
+                                  scale, window or 0, torch.get_num_threads())
     return out

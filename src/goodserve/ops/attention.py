@@ -3,7 +3,8 @@
 One batch holds B sequences; sequence i contributes q_len_i new tokens (a prefill chunk, or 1 for
 decode), laid end to end in a flat [T, ...] batch. Its context after this step is seq_len_i tokens,
 so its new queries sit at positions seq_len_i - q_len_i ... seq_len_i - 1, and each attends every
-cached key at a position <= its own (causal). K/V live in blocks of `block_size` token slots;
+cached key at a position <= its own (causal); in a layer with a sliding window W, only the keys at
+positions j with i - j < W (the last W, its own included: transformers' rule). K/V live in blocks of `block_size` token slots;
 slot = block_id * block_size + offset.
 
 The Triton kernels (ops/triton_attention.py) compute the same function; this file is their reference,
@@ -94,11 +95,13 @@ def quantize_int8_per_head(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
               rotary_cache: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, scale: float,
-              kernels: KernelChoice) -> torch.Tensor:
+              kernels: KernelChoice, window: int | None = None) -> torch.Tensor:
     """One layer: RoPE on q [T, Hq, D] (in place) and k [T, Hk, D], the new K/V into the cache, then
-    q attending its context -> [T, Hq, D]. A decode-only step with KernelOptions.fuse_rotary_into_decode_attention
-    does all of it in the decode kernel, and q is left unrotated."""
+    q attending its context (its last `window` keys, when the layer has one) -> [T, Hq, D]. A
+    decode-only step with KernelOptions.fuse_rotary_into_decode_attention does all of it in the
+    decode kernel, and q is left unrotated."""
     if meta.branches is not None:
+        assert window is None, "side branches attend the whole context (the engine refuses them with a window)"
         return _with_side_branches(q, k, v, positions, rotary_cache, cache, meta.branches, scale, kernels)
     if kernels.triton:
         if meta.is_decode_only and kernels.options.fuse_rotary_into_decode_attention:
@@ -106,20 +109,20 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torc
 
             return triton_decode_attention(
                 q, cache, meta.block_tables, meta.seq_lens, scale, tuning=kernels.decode_attention_tuning(q.shape[0]),
-                pdl=kernels.pdl, waves=kernels.options.decode_attention_waves,
+                pdl=kernels.pdl, waves=kernels.options.decode_attention_waves, window=window,
                 new_tokens=NewTokens(k, v, positions, rotary_cache, meta.slot_mapping))
         rotary_write_kv(q, k, v, positions, rotary_cache, cache, meta.slot_mapping, kernels)
-        return paged_attention(q, cache, meta, scale, kernels)
+        return paged_attention(q, cache, meta, scale, kernels, window)
     if native_attention_usable(q, cache):
         layer_ops.rope_write_kv(q, k, v, positions, rotary_cache, cache.k, cache.v, meta.slot_mapping)
         if meta.is_decode_only:
-            return layer_ops.decode_attention(q, cache.k, cache.v, meta.block_tables, meta.seq_lens, scale)
-        return paged_attention_reference(q, cache, meta, scale)
+            return layer_ops.decode_attention(q, cache.k, cache.v, meta.block_tables, meta.seq_lens, scale, window)
+        return paged_attention_reference(q, cache, meta, scale, window)
     indices = step_indices(meta)
     cos, sin = indices.rope(positions, rotary_cache)
     q.copy_(rotate(q, cos, sin))
     write_kv_slots(rotate(k, cos, sin), v, cache, *indices.write())
-    return paged_attention_torch(q, cache, meta, scale)
+    return paged_attention_torch(q, cache, meta, scale, window)
 
 
 def _with_side_branches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
@@ -157,25 +160,26 @@ def rotary_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
 
 
 def paged_attention(q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, scale: float,
-                    kernels: KernelChoice) -> torch.Tensor:
+                    kernels: KernelChoice, window: int | None = None) -> torch.Tensor:
     """q: [T, Hq, D] -> [T, Hq, D], attending this step's context (K/V already written)."""
     if not kernels.triton:
-        return paged_attention_torch(q, cache, meta, scale)
+        return paged_attention_torch(q, cache, meta, scale, window)
     from goodserve.ops.triton_attention import triton_decode_attention, triton_prefill_attention
 
     pdl, waves = kernels.pdl, kernels.options.decode_attention_waves
     if meta.is_decode_only:
         return triton_decode_attention(q, cache, meta.block_tables, meta.seq_lens, scale, pdl=pdl, waves=waves,
-                                       tuning=kernels.decode_attention_tuning(q.shape[0]))
+                                       tuning=kernels.decode_attention_tuning(q.shape[0]), window=window)
     out, decodes, first_seq = torch.empty_like(q), meta.num_leading_decodes, meta.num_leading_decodes
     if meta.leading_decodes is not None:  # any of the rows may be a decode
         decodes, first_seq = min(q.shape[0], meta.seq_lens.shape[0]), meta.leading_decodes
     if decodes:
         triton_decode_attention(q[:decodes], cache, meta.block_tables[:decodes], meta.seq_lens[:decodes], scale,
                                 out=out[:decodes], num_decodes=meta.leading_decodes, pdl=pdl, waves=waves,
-                                tuning=kernels.decode_attention_tuning(decodes))
+                                tuning=kernels.decode_attention_tuning(decodes), window=window)
     return triton_prefill_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,
-                                    first_seq=first_seq, out=out, max_seqs=meta.max_prefill_seqs, pdl=pdl)
+                                    first_seq=first_seq, out=out, max_seqs=meta.max_prefill_seqs, pdl=pdl,
+                                    window=window)
 
 
 def rotary_write_kv_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
@@ -215,7 +219,7 @@ def gather_kv(cache: LayerKVCache, block_ids: torch.Tensor, length: int, dtype: 
 
 
 def paged_attention_reference(
-    q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, scale: float
+    q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, scale: float, window: int | None = None
 ) -> torch.Tensor:
     """q: [T, Hq, D] -> [T, Hq, D]. One sequence at a time; the definition the kernels must match."""
     out = torch.empty_like(q)
@@ -224,16 +228,20 @@ def paged_attention_reference(
     for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host)):
         num_blocks = -(-seq_len // block_size)
         k, v = gather_kv(cache, meta.block_tables[i, :num_blocks].long(), seq_len, q.dtype)
-        out[start : start + q_len] = _causal_attention(q[start : start + q_len], k, v, scale)
+        out[start : start + q_len] = _causal_attention(q[start : start + q_len], k, v, scale, window)
         start += q_len
     return out
 
 
-def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                      window: int | None) -> torch.Tensor:
     """q: [Lq, Hq, D] are the last Lq of the Lk positions in k, v: [Lk, Hk, D]."""
     q_len, k_len = q.shape[0], k.shape[0]
     query_pos = torch.arange(k_len - q_len, k_len, device=q.device).unsqueeze(1)
-    mask = torch.arange(k_len, device=q.device).unsqueeze(0) <= query_pos  # [Lq, Lk]
+    key_pos = torch.arange(k_len, device=q.device).unsqueeze(0)
+    mask = key_pos <= query_pos  # [Lq, Lk]
+    if window is not None:
+        mask &= key_pos > query_pos - window
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
         attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
@@ -242,7 +250,7 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
 
 
 def decode_attention_torch(
-    q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, scale: float
+    q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, scale: float, window: int | None = None
 ) -> torch.Tensor:
     """Decode-only batch (one query per sequence), vectorized over the batch: the CPU fast path.
 
@@ -255,7 +263,7 @@ def decode_attention_torch(
     """
     batch, num_heads, head_dim = q.shape
     num_kv_heads = cache.k.shape[2]
-    block_ids, mask = step_indices(meta).decode_gather(cache.block_size)  # [B * blocks], [B, 1, 1, L]
+    block_ids, mask = step_indices(meta).decode_gather(cache.block_size, window)  # [B * blocks], [B, 1, 1, L]
     k, v = (gather_blocks(pool, pool_scale, block_ids).view(batch, -1, num_kv_heads, head_dim)
             for pool, pool_scale in ((cache.k, cache.k_scale), (cache.v, cache.v_scale)))
     if batch > 1:
@@ -275,11 +283,11 @@ def gather_blocks(pool: torch.Tensor, scale: torch.Tensor | None, block_ids: tor
 
 
 def paged_attention_torch(
-    q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, scale: float
+    q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, scale: float, window: int | None = None
 ) -> torch.Tensor:
     if meta.is_decode_only:
-        return decode_attention_torch(q, cache, meta, scale)
-    return paged_attention_reference(q, cache, meta, scale)
+        return decode_attention_torch(q, cache, meta, scale, window)
+    return paged_attention_reference(q, cache, meta, scale, window)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -304,7 +312,7 @@ class StepIndices:
         self.meta = meta
         self._rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._write: tuple[torch.Tensor | None, torch.Tensor] | None = None
-        self._decode: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._decode: dict[int | None, tuple[torch.Tensor, torch.Tensor]] = {}  # by window
 
     def rope(self, positions: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """([T, 1, D] cos | cos, [T, 1, D] -sin | sin) at `positions` (every layer passes the same ones)."""
@@ -321,17 +329,20 @@ class StepIndices:
             self._write = (None, slots) if bool(keep.all()) else (keep.nonzero().squeeze(1), slots[keep])
         return self._write
 
-    def decode_gather(self, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def decode_gather(self, block_size: int, window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Decode steps: every sequence's context blocks, as many as the longest needs (the rest
         of a shorter table is read and masked), flattened [B * blocks]; and the additive mask
-        [B, 1, 1, blocks * block_size] hiding slots past each context. Lengths come from the
-        device tensor (a decode graph's host lengths are placeholders), so a graph's padded
-        batch computes exactly what the eager batch does."""
-        if self._decode is None:
+        [B, 1, 1, blocks * block_size] hiding slots past each context (and, with a window, before
+        its last `window` keys). Lengths come from the device tensor (a decode graph's host
+        lengths are placeholders), so a graph's padded batch computes exactly what the eager batch does."""
+        if window not in self._decode:
             meta = self.meta
             num_blocks = -(-int(meta.seq_lens.max()) // block_size)
             positions = torch.arange(num_blocks * block_size, device=meta.block_tables.device)
-            padding = positions >= meta.seq_lens.unsqueeze(1)
-            mask = torch.zeros_like(padding, dtype=torch.float32).masked_fill(padding, float("-inf"))
-            self._decode = (meta.block_tables[:, :num_blocks].flatten().long(), mask[:, None, None, :])
-        return self._decode
+            seq_lens = meta.seq_lens.unsqueeze(1)
+            hidden = positions >= seq_lens
+            if window is not None:
+                hidden |= positions < seq_lens - window
+            mask = torch.zeros_like(hidden, dtype=torch.float32).masked_fill(hidden, float("-inf"))
+            self._decode[window] = (meta.block_tables[:, :num_blocks].flatten().long(), mask[:, None, None, :])
+        return self._decode[window]

@@ -172,8 +172,11 @@ def _attend_tile(q, m_i, l_i, acc, k_cache, v_cache, k_scale, v_scale, slot, kv_
         qk = qk * _load_scales(k_scale, slot, kv_head, num_kv_heads, tok_mask)[None, :]
     qk = tl.where(key_mask, qk * qk_scale, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(qk - m_new[:, None])
+    # A row that has seen no key yet (a sliding window's first tiles can hide every key from some
+    # rows) keeps m = -inf; subtracting 0 instead keeps its exponentials 0, not NaN (-inf - -inf).
+    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_shift)
+    p = tl.exp2(qk - m_shift[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     v = _load_kv_tile(v_cache, slot, kv_head, num_kv_heads, HEAD_DIM, tok_mask, d, d_mask, COMPUTE_DTYPE)
     if KV_QUANT == KV_INT8:
@@ -281,10 +284,10 @@ def _store_new_kv(k1, k2, v1, v2, slot, k_cache, v_cache, k_scale, v_scale, kv_h
 
 # Arguments that change from step to step are not specialized on (Triton would otherwise compile a
 # variant for each new "== 1" / "divisible by 16" combination, hundreds of ms in the middle of a run).
-@triton.jit(do_not_specialize=["stride_bt", "stride_bb", "DIRECT_KEYS"])
+@triton.jit(do_not_specialize=["stride_bt", "stride_bb", "DIRECT_KEYS", "window"])
 def _decode_kernel(q_ptr, out_ptr, part_out_ptr, part_lse_ptr, arrivals_ptr, k_cache, v_cache, k_scale, v_scale,
                    block_tables, seq_lens, num_decodes_ptr, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh,
-                   stride_bt, stride_bb, num_kv_heads,
+                   stride_bt, stride_bb, num_kv_heads, window,
                    k_ptr, v_ptr, positions_ptr, rotary_ptr, slot_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
                    stride_rotary, HEAD_DIM: tl.constexpr,
                    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -302,17 +305,20 @@ def _decode_kernel(q_ptr, out_ptr, part_out_ptr, part_lse_ptr, arrivals_ptr, k_c
             k_ptr + seq * stride_kt, v_ptr + seq * stride_vt, stride_kh, stride_vh, slot_ptr + seq,
             rotary_ptr + tl.load(positions_ptr + seq).to(tl.int64) * stride_rotary, kv_head, HEAD_DIM // 2,
             BLOCK_HALF)
-    split_keys = tl.maximum(tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), SPLIT_KEYS), 1) * SPLIT_KEYS
+    # The keys it sees: [first_key, seq_len), the last `window` of them with a sliding window (0: none).
+    first_key = tl.where((window > 0) & (seq_len > window), seq_len - window, 0)
+    num_keys = seq_len - first_key
+    split_keys = tl.maximum(tl.cdiv(tl.cdiv(num_keys, NUM_SPLITS), SPLIT_KEYS), 1) * SPLIT_KEYS
     # Up to DIRECT_KEYS keys, one split takes them all and writes its output itself: no partials, no
     # arrival counter, no merge (those cost several dependent memory round trips). A plain argument,
     # not a constexpr: the values to compare share one compiled kernel.
-    split_keys = tl.where(seq_len <= DIRECT_KEYS, tl.maximum(seq_len, 1), split_keys)
-    num_used = tl.maximum(tl.cdiv(seq_len, split_keys), 1)  # a zero-length (padding) sequence writes zeros
+    split_keys = tl.where(num_keys <= DIRECT_KEYS, tl.maximum(num_keys, 1), split_keys)
+    num_used = tl.maximum(tl.cdiv(num_keys, split_keys), 1)  # a zero-length (padding) sequence writes zeros
     active = split < num_used
     if BOUNDED:  # the rows past the first num_decodes are someone else's: leave them alone
         active = active & (seq < tl.load(num_decodes_ptr))
     if active:
-        key_begin = split * split_keys
+        key_begin = first_key + split * split_keys
         key_end = tl.minimum(key_begin + split_keys, seq_len)
         g = tl.arange(0, BLOCK_G)
         d = tl.arange(0, BLOCK_D)
@@ -430,8 +436,10 @@ class NewTokens(NamedTuple):
 def triton_decode_attention(q: torch.Tensor, cache, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                             scale: float, num_splits: int | None = None, tuning: dict | None = None,
                             out: torch.Tensor | None = None, num_decodes: torch.Tensor | None = None,
-                            pdl: bool = False, waves: int = 2, new_tokens: NewTokens | None = None) -> torch.Tensor:
+                            pdl: bool = False, waves: int = 2, new_tokens: NewTokens | None = None,
+                            window: int | None = None) -> torch.Tensor:
     """q: [B, Hq, D], one query per sequence -> [B, Hq, D] (into `out` when given).
+    window: a sliding window, each query sees only its last `window` keys.
     num_splits: a power of two, or None (default_num_splits, filling the GPU `waves` times over).
     num_decodes: an int32 device scalar; only the first
     num_decodes sequences are computed, the other rows of `out` are left as they are (a mixed
@@ -446,7 +454,8 @@ def triton_decode_attention(q: torch.Tensor, cache, block_tables: torch.Tensor, 
     group = num_q_heads // num_kv_heads
     tune = _tuning(q, DECODE_TUNING, tuning)
     if num_splits is None:
-        num_splits = default_num_splits(batch, num_kv_heads, block_tables.shape[1] * block_size, q.device,
+        max_keys = block_tables.shape[1] * block_size
+        num_splits = default_num_splits(batch, num_kv_heads, min(max_keys, window or max_keys), q.device,
                                         tune["SPLIT_KEYS"], waves)
     assert num_splits & (num_splits - 1) == 0, "num_splits must be a power of two"
     out = torch.empty_like(q) if out is None else out
@@ -466,7 +475,7 @@ def triton_decode_attention(q: torch.Tensor, cache, block_tables: torch.Tensor, 
         *_scales(cache),
         block_tables, seq_lens, seq_lens if num_decodes is None else num_decodes, scale * LOG2E, q.stride(0),
         q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), block_tables.stride(1), num_kv_heads,
-        k, v, positions, rotary_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        window or 0, k, v, positions, rotary_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         rotary_cache.stride(0),
         head_dim, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
         BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=tune["BLOCK_N"], BLOCK_SIZE=block_size,
@@ -511,10 +520,10 @@ def _find_sequence(query_start_loc, first_seq, first_token, num_seqs, program, B
 
 # The same per-step arguments, plus the sequence counts. first_seq is an int, or with
 # FIRST_SEQ_IN_MEMORY a pointer to it.
-@triton.jit(do_not_specialize=["stride_bt", "stride_bb", "first_seq", "num_seqs"])
+@triton.jit(do_not_specialize=["stride_bt", "stride_bb", "first_seq", "num_seqs", "window"])
 def _prefill_kernel(q_ptr, out_ptr, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens,
                     query_start_loc, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_bb,
-                    first_seq, num_seqs, num_kv_heads, HEAD_DIM: tl.constexpr,
+                    first_seq, num_seqs, num_kv_heads, window, HEAD_DIM: tl.constexpr,
                     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, KV_QUANT: tl.constexpr,
                     UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, FIRST_SEQ_IN_MEMORY: tl.constexpr,
@@ -546,18 +555,21 @@ def _prefill_kernel(q_ptr, out_ptr, k_cache, v_cache, k_scale, v_scale, block_ta
         if UPCAST_DOT:
             q = q.to(tl.float32)
         query_pos = context + token
-        # Keys past the block's last query are never visible to it.
+        # Keys past the block's last query are never visible to it, nor (with a sliding window, 0:
+        # none) keys `window` or more before its first query.
         key_end = context + tl.minimum(first_token + BLOCK_Q, q_len)
+        key_begin = tl.where(window > 0, tl.maximum(context + first_token - window + 1, 0), 0)
+        oldest_key = tl.where(window > 0, query_pos - window + 1, 0)  # [BLOCK_M], per query row
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         block_table_row = block_tables + seq.to(tl.int64) * stride_bt
-        for tile in range(0, tl.cdiv(key_end, BLOCK_N)):
+        for tile in range(key_begin // BLOCK_N, tl.cdiv(key_end, BLOCK_N)):
             pos = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-            valid = pos < key_end
+            valid = (pos >= key_begin) & (pos < key_end)
             slot = _slots_of(block_table_row, stride_bb, pos, valid, BLOCK_SIZE)
-            key_mask = valid[None, :] & (pos[None, :] <= query_pos[:, None])
+            key_mask = valid[None, :] & (pos[None, :] <= query_pos[:, None]) & (pos[None, :] >= oldest_key[:, None])
             m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache, v_cache, k_scale, v_scale, slot, kv_head,
                                          num_kv_heads, HEAD_DIM, valid, key_mask, d, d_mask, qk_scale,
                                          q_ptr.dtype.element_ty, KV_QUANT, UPCAST_DOT, DOT_PRECISION)
@@ -569,8 +581,10 @@ def _prefill_kernel(q_ptr, out_ptr, k_cache, v_cache, k_scale, v_scale, block_ta
 def triton_prefill_attention(q: torch.Tensor, cache, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                              query_start_loc: torch.Tensor, scale: float, tuning: dict | None = None,
                              first_seq: int | torch.Tensor = 0, out: torch.Tensor | None = None,
-                             max_seqs: int | None = None, pdl: bool = False) -> torch.Tensor:
+                             max_seqs: int | None = None, pdl: bool = False,
+                             window: int | None = None) -> torch.Tensor:
     """q: [T, Hq, D], a varlen batch (any mix of prefill chunks and decodes) -> [T, Hq, D].
+    window: a sliding window, each query sees only its last `window` keys.
 
     first_seq: the sequences before it have one query each and are someone else's (the decode
     kernel's): only the rest are computed, into `out` (allocated when None). An int32 device scalar
@@ -595,7 +609,7 @@ def triton_prefill_attention(q: torch.Tensor, cache, block_tables: torch.Tensor,
         *_scales(cache),
         block_tables, seq_lens, query_start_loc, scale * LOG2E, q.stride(0), q.stride(1),
         out.stride(0), out.stride(1), block_tables.stride(0), block_tables.stride(1), first_seq, num_seqs,
-        num_kv_heads, head_dim,
+        num_kv_heads, window or 0, head_dim,
         GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_N=tune["BLOCK_N"], BLOCK_SIZE=block_size, KV_QUANT=quant, UPCAST_DOT=not q.is_cuda,
         DOT_PRECISION=_dot_precision(q.dtype), FIRST_SEQ_IN_MEMORY=in_memory, num_warps=tune["num_warps"],
