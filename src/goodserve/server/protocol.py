@@ -24,7 +24,7 @@ from goodserve.server.limits import (
     MAX_TEMPLATE_KWARGS,
     Name,
     StopString,
-    reject_lone_surrogates,
+    check_body,
 )
 from goodserve.server.structured import request_grammar
 from goodserve.server.tool_calls import tool_grammar
@@ -49,7 +49,7 @@ class _Request(_Schema):
     # OpenAI fields of this request that goodserve does not implement: refused by name
     unsupported: ClassVar[frozenset[str]] = frozenset()
 
-    _no_lone_surrogates = model_validator(mode="before")(reject_lone_surrogates)
+    _checked_body = model_validator(mode="before")(check_body)
 
 
 def _refuse_store(store: bool | None) -> None:
