@@ -18,20 +18,23 @@ MAX_SCHEMA_DEPTH = 64  # JSON levels of a schema: {"properties": {"a": ...}} is 
 MAX_GRAMMAR_BYTES = 128 << 10  # UTF-8 bytes of a schema, regex, grammar or choice list (~0.35 s to compile)
 
 
+_SCALARS = frozenset({str, int, float, bool, type(None)})
+
+
 def json_depth(value: object, limit: int) -> int:
-    """How deep value's lists and objects nest (a scalar: 0), counted up to limit + 1 at most;
-    iterative, so a value nested past Python's recursion limit is measured too."""
-    deepest, stack = 0, [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
-        if children is None:
-            continue
-        deepest = max(deepest, depth)
-        if deepest > limit:
-            return deepest
-        stack.extend((child, depth + 1) for child in children)
-    return deepest
+    """How deep value's lists and objects nest (a scalar: 0), counted up to limit + 1 at most. A level
+    at a time, not recursively, so a value nested past Python's recursion limit is measured too; a list
+    of scalars (a prompt's 100,000 token ids) is passed over in C."""
+    depth, level = 0, [value] if isinstance(value, (dict, list)) else []
+    while level and depth <= limit:
+        depth += 1
+        deeper = []
+        for item in level:
+            children = item.values() if isinstance(item, dict) else item
+            if not _SCALARS.issuperset(map(type, children)):
+                deeper.extend(child for child in children if isinstance(child, (dict, list)))
+        level = deeper
+    return depth
 
 
 @dataclass(frozen=True)

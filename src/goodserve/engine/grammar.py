@@ -16,7 +16,6 @@ import json
 import re
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
 
 import torch
 
@@ -31,12 +30,6 @@ COMPILE_CACHE_SIZE = 256  # compiled grammars kept (each holds its token-mask ca
 
 class GrammarError(RuntimeError):
     """A sampled token the sequence's grammar refuses (the mask should make it impossible)."""
-
-
-@dataclass
-class _Entry:
-    compiled: object  # xgrammar's CompiledGrammar
-    text: str | None = None  # serialized, once something asked for it
 
 
 class GrammarCompiler:
@@ -57,19 +50,21 @@ class GrammarCompiler:
                                       add_prefix_space=meta["add_prefix_space"])
         self.info = info
         self.compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-        self._cache: OrderedDict[tuple[str, str], _Entry] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, str], object] = OrderedDict()
         self._lock = threading.Lock()  # the server validates (compiles) on its own thread
 
     def compile(self, spec: StructuredOutputsParams):
-        return self._entry(spec).compiled
+        key = spec.key
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return self._cache[key]
+        return self._remember(key, self._compile(spec))
 
     def serialized(self, spec: StructuredOutputsParams) -> str:
         """The compiled grammar as text, to cross to the engine's process (a CompiledGrammar does not
-        pickle): made once per grammar, as the compile is."""
-        entry = self._entry(spec)
-        if entry.text is None:
-            entry.text = entry.compiled.serialize_json()
-        return entry.text
+        pickle). Made for each send, not kept: it is several times the size of its source."""
+        return self.compile(spec).serialize_json()
 
     def adopt(self, spec: StructuredOutputsParams, text: str) -> None:
         """Take a grammar compiled in another process (serialized()): loading it costs milliseconds
@@ -77,22 +72,14 @@ class GrammarCompiler:
         with self._lock:
             if spec.key in self._cache:
                 return
-        self._remember(spec.key, _Entry(self.xgr.CompiledGrammar.deserialize_json(text, self.info)))
+        self._remember(spec.key, self.xgr.CompiledGrammar.deserialize_json(text, self.info))
 
-    def _entry(self, spec: StructuredOutputsParams) -> _Entry:
-        key = spec.key
+    def _remember(self, key: tuple[str, str], compiled):
         with self._lock:
-            if key in self._cache:
-                self._cache.move_to_end(key)
-                return self._cache[key]
-        return self._remember(key, _Entry(self._compile(spec)))
-
-    def _remember(self, key: tuple[str, str], entry: _Entry) -> _Entry:
-        with self._lock:
-            self._cache[key] = entry
+            self._cache[key] = compiled
             if len(self._cache) > COMPILE_CACHE_SIZE:
                 self._cache.popitem(last=False)
-        return entry
+        return compiled
 
     def _compile(self, spec: StructuredOutputsParams):
         kind, source = spec.key
