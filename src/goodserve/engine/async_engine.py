@@ -44,6 +44,7 @@ class _Add:
     params: SamplingParams
     arrival_time: float
     stream: "_Stream | None"  # None where the command crosses to another process
+    grammar: str | None = None  # its grammar compiled by the caller (GrammarCompiler.serialized), if it crosses
 
 
 @dataclass
@@ -226,8 +227,11 @@ def apply_command(engine: Engine, command: _Add | _Abort) -> GoodserveError | No
     if isinstance(command, _Abort):
         engine.abort_request(command.request_id)
         return None
+    request_id, grammar = command.request_id, command.grammar
     try:
-        engine.add_request(command.request_id, command.prompt, command.params, command.arrival_time)
+        if grammar is not None:
+            engine.inputs.grammars.adopt(command.params.structured_outputs, grammar)
+        engine.add_request(request_id, command.prompt, command.params, command.arrival_time)
     except GoodserveError as exc:
         return exc
     return None

@@ -26,7 +26,7 @@ from goodserve.config import EngineConfig
 from goodserve.engine.async_engine import _IDLE_WAIT_S, EngineClient, EngineInfo, Failed, _Abort, _Add, apply_command
 from goodserve.engine.gc_pauses import PauseLog, freeze_startup_heap, tune_for_serving, watch_pauses
 from goodserve.engine.stop_signals import leave_stopping_to_the_parent
-from goodserve.errors import EngineDeadError
+from goodserve.errors import EngineDeadError, EngineStepError, GoodserveError
 from goodserve.outputs import RequestMetrics, RequestOutput
 
 logger = logging.getLogger("goodserve.engine")
@@ -91,7 +91,27 @@ class EngineProcess(EngineClient):
 
     # ---- the pipe (its own threads) ------------------------------------------------------
     def _write(self) -> None:
-        send_from(self._outbox, self._conn, _STOP)
+        try:
+            send_from(self._outbox, self._conn, _STOP, self._with_grammar, self._refuse)
+        except BaseException as exc:  # a bug here: say so on /health rather than hang every later request
+            logger.exception("the link to the engine process broke")
+            self._fail_all(EngineDeadError(f"the link to the engine process broke: {type(exc).__name__}"))
+
+    def _with_grammar(self, message):
+        """An add with its grammar compiled here (validating it did, on the server's grammar thread):
+        the engine's step loop loads it instead of compiling it again."""
+        spec = message.params.structured_outputs if isinstance(message, _Add) else None
+        return message if spec is None else replace(message, grammar=self.inputs.grammars.serialized(spec))
+
+    def _refuse(self, message, exc: Exception) -> None:
+        """A message that could not be sent fails its own request; the others go on."""
+        if isinstance(message, _Add):
+            if not isinstance(exc, GoodserveError):
+                logger.error("request %s could not be sent to the engine process: %r", message.request_id, exc)
+                exc = EngineStepError(f"this request could not be sent to the engine: {type(exc).__name__}")
+            self._deliver([Failed(message.request_id, exc)])
+        else:
+            logger.error("could not send %r to the engine process: %r", message, exc)
 
     def _read(self) -> None:
         try:
@@ -113,15 +133,21 @@ class EngineProcess(EngineClient):
             self._fail_all(exc)
 
 
-def send_from(outbox: queue.SimpleQueue, conn: Connection, last) -> None:
-    """Send what comes into the outbox until `last` has gone, or the other side has (whose reader
-    reports that)."""
+def send_from(outbox: queue.SimpleQueue, conn: Connection, last, prepare=None, refuse=None) -> None:
+    """Send what comes into the outbox (each as prepare(message) makes it) until `last` has gone, or the
+    other side has (whose reader reports that). With refuse, a message that cannot be prepared or
+    pickled (a value nested past the recursion limit, ...) goes to refuse(message, exc) and the rest go
+    on: pickling comes before any byte is written, so the pipe stays whole."""
     while True:
         message = outbox.get()
         try:
-            conn.send(message)
+            conn.send(message if prepare is None else prepare(message))
         except OSError:
             return
+        except Exception as exc:
+            if refuse is None:
+                raise
+            refuse(message, exc)
         if message == last:
             return
 

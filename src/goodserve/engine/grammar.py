@@ -48,6 +48,7 @@ class GrammarCompiler:
         info = xgrammar.TokenizerInfo(vocab, meta["vocab_type"], vocab_size=self.vocab_size,
                                       stop_token_ids=tokenizer.eos_token_ids,
                                       add_prefix_space=meta["add_prefix_space"])
+        self.info = info
         self.compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         self._cache: OrderedDict[tuple[str, str], object] = OrderedDict()
         self._lock = threading.Lock()  # the server validates (compiles) on its own thread
@@ -58,7 +59,22 @@ class GrammarCompiler:
             if key in self._cache:
                 self._cache.move_to_end(key)
                 return self._cache[key]
-        compiled = self._compile(spec)
+        return self._remember(key, self._compile(spec))
+
+    def serialized(self, spec: StructuredOutputsParams) -> str:
+        """The compiled grammar as text, to cross to the engine's process (a CompiledGrammar does not
+        pickle). Made for each send, not kept: it is several times the size of its source."""
+        return self.compile(spec).serialize_json()
+
+    def adopt(self, spec: StructuredOutputsParams, text: str) -> None:
+        """Take a grammar compiled in another process (serialized()): loading it costs milliseconds
+        where compiling it may cost seconds, and the engine's step loop waits for either."""
+        with self._lock:
+            if spec.key in self._cache:
+                return
+        self._remember(spec.key, self.xgr.CompiledGrammar.deserialize_json(text, self.info))
+
+    def _remember(self, key: tuple[str, str], compiled):
         with self._lock:
             self._cache[key] = compiled
             if len(self._cache) > COMPILE_CACHE_SIZE:

@@ -223,10 +223,15 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
     @app.post("/detokenize", responses=_ERRORS)
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         ctx.check_request(body)
+        # Bounded by the context: more ids than a sequence of this model can hold is no text it made or
+        # read, and its text (up to the longest token's bytes per id) would be the response's size.
+        if len(body.tokens) > engine.max_model_len:
+            raise InvalidRequestError(f"tokens: {len(body.tokens)} ids, more than this model's context "
+                                      f"({engine.max_model_len})")
         vocab_size = ctx.tokenizer.vocab_size
         if any(t >= vocab_size for t in body.tokens):
             raise InvalidRequestError(f"token ids must be in [0, {vocab_size})")
-        return DetokenizeResponse(prompt=ctx.tokenizer.decode(body.tokens))
+        return DetokenizeResponse(prompt=await ctx.encoder.in_pool(ctx.tokenizer.decode, body.tokens))
 
     @app.get("/health")
     async def health() -> Response:

@@ -92,6 +92,8 @@ def _parse_line(number: int, raw: bytes, endpoints: set[str]) -> BatchLine:
         item = json.loads(raw)
     except ValueError as exc:  # bad JSON or bad UTF-8
         return BatchLine(number, None, error=f"line {number} is not valid JSON: {exc}")
+    except RecursionError:
+        return BatchLine(number, None, error=f"line {number} nests its JSON deeper than this server reads")
     if not isinstance(item, dict):
         return BatchLine(number, None, error=f"line {number} is not a JSON object")
     custom_id, url, body = item.get("custom_id"), item.get("url"), item.get("body")

@@ -4,7 +4,6 @@ batch_runner.py."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 
@@ -16,7 +15,7 @@ from goodserve.server.batch_runner import BatchRunner
 from goodserve.server.batch_store import BatchStore
 from goodserve.server.contract import check_fields
 from goodserve.server.errors import RequestTooLargeError
-from goodserve.server.multipart import parse_form
+from goodserve.server.multipart import read_form
 from goodserve.server.open_file_response import OpenFileResponse
 from goodserve.server.protocol import CreateBatchRequest
 
@@ -51,20 +50,24 @@ def batch_router(store: BatchStore, runner: BatchRunner, max_file_bytes: int, al
     @router.post("/files", openapi_extra=_UPLOAD_SCHEMA)  # read by hand (multipart.py): described here
     async def upload_file(request: Request) -> dict:
         ensure_accepting()
-        body = await request.body()
-        form = await asyncio.to_thread(parse_form, body, request.headers.get("content-type", ""))
-        if "file" not in form or form["file"].filename is None:
-            raise InvalidRequestError("the form needs a 'file' field holding the file")
-        purpose = form["purpose"].data.decode() if "purpose" in form else None
-        if purpose != "batch":
-            raise InvalidRequestError(f"purpose must be 'batch' (the only purpose served here), got {purpose!r}")
-        content = form["file"].data
-        if len(content) > max_file_bytes:
-            raise RequestTooLargeError(f"the file has {len(content)} bytes, more than this server takes "
-                                       f"(--batch-max-file-bytes {max_file_bytes})")
-        file = {"id": f"file-{uuid.uuid4().hex}", "filename": form["file"].filename, "purpose": purpose,
-                "bytes": len(content), "created_at": int(time.time())}
-        await store.add_file(file, content)
+        file_id = f"file-{uuid.uuid4().hex}"
+        partial = store.file_path(file_id).with_suffix(".upload")
+        try:
+            form = await read_form(request.stream(), request.headers.get("content-type", ""), partial)
+            if "file" not in form or form["file"].filename is None:
+                raise InvalidRequestError("the form needs a 'file' field holding the file")
+            purpose = form["purpose"].data.decode() if "purpose" in form else None
+            if purpose != "batch":
+                raise InvalidRequestError(f"purpose must be 'batch' (the only purpose served here), got {purpose!r}")
+            size = form["file"].size
+            if size > max_file_bytes:
+                raise RequestTooLargeError(f"the file has {size} bytes, more than this server takes "
+                                           f"(--batch-max-file-bytes {max_file_bytes})")
+            file = {"id": file_id, "filename": form["file"].filename, "purpose": purpose, "bytes": size,
+                    "created_at": int(time.time())}
+            await store.add_file_from(file, partial)
+        finally:
+            partial.unlink(missing_ok=True)  # moved into place, or not kept
         return _file_object(file)
 
     @router.get("/files")

@@ -91,6 +91,12 @@ class BatchStore:
         self._write_file(file["id"], content)
         self._add_file_row("INSERT", file)
 
+    @_in_db_thread
+    def add_file_from(self, file: dict, path: Path) -> None:
+        """A file written elsewhere in this store's folder (an upload, as it streamed in), moved into place."""
+        os.replace(path, self.file_path(file["id"]))
+        self._add_file_row("INSERT", file)
+
     def _add_file_row(self, verb: str, file: dict) -> None:
         self.db.execute(f"{verb} INTO files ({_FILE_COLUMNS}) VALUES (?, ?, ?, ?, ?)",
                         tuple(file[name] for name in _FILE_FIELDS))

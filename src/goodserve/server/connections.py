@@ -5,7 +5,8 @@ a socket and sends half its headers holds it (and a file descriptor) forever. An
 connections past the process's open-file limit fails in accept(), which the client sees as a
 dropped or reset connection. Here each request must finish its headers within header_timeout_s
 of its connection opening (or, on a kept-alive connection, of its first bytes), and connections
-past max_connections get a JSON 503 with Retry-After, then are closed.
+past max_connections get a JSON 503 with Retry-After, then are closed. And a connection's send
+buffer is bounded, so a stream whose client stops reading is noticed (_bound_send_buffer).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import json
 import logging
 import os
 import resource
+import socket
 from collections.abc import Callable
 
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
@@ -22,6 +24,9 @@ from goodserve.server.errors import error_body
 
 logger = logging.getLogger("goodserve.server")
 
+# A connection's kernel send buffer (Linux keeps twice this): ~5 MB/s on a 100 ms round trip, far more
+# than a stream of tokens needs; a client that stops reading is noticed within it (_bound_send_buffer).
+SEND_BUFFER_BYTES = 256 << 10
 FD_RESERVE = 64  # descriptors kept free beyond those open at start (logs, the tokenizer pool, ...)
 
 
@@ -45,6 +50,16 @@ def connection_capacity() -> int:
     limit = raise_open_file_limit()
     open_now = len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else 256
     return max(16, limit - open_now - FD_RESERVE)
+
+
+def _bound_send_buffer(transport) -> None:
+    """Fix the socket's send buffer at SEND_BUFFER_BYTES. Left to the kernel it grows to 4 MB, and a
+    client that stops reading a stream has it absorb thousands of small events before the response
+    is ever told to wait: generation for nobody goes on. Bounded, the response waits within a few
+    hundred KB, its outputs pile up and --max-unsent-outputs aborts it."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
 
 
 class OverloadedApp:
@@ -83,6 +98,7 @@ def guarded_protocol(header_timeout_s: float, max_connections: int, retry_after_
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
+            _bound_send_buffer(transport)
             if len(self.connections) > max_connections:
                 self.app = overloaded
             self._arm_header_deadline()

@@ -29,19 +29,37 @@ class UnsupportedFieldError(InvalidRequestError):
 
 
 def check_fields(request: BaseModel, unsupported: frozenset[str], allow_unknown: bool) -> None:
-    """Raise UnsupportedFieldError for the first field sent that goodserve does not implement."""
+    """Raise UnsupportedFieldError for the first field sent that goodserve does not implement, at the
+    top or inside an object of the request (a message, a tool, a format)."""
     extra = {name: value for name, value in (request.model_extra or {}).items()
              if value is not None}
     for name in extra:
         if name in unsupported:
             raise UnsupportedFieldError(f"'{name}' is not supported by this server (see docs/serving.md)", name)
-    if extra and not allow_unknown:
-        name = next(iter(extra))
+    nested = list(_nested_extras(request, ""))
+    unknown = list(extra) + [path for path, _, _ in nested]
+    if unknown and not allow_unknown:
         raise UnsupportedFieldError(
-            f"unknown field '{name}': this server does not implement it (start it with "
-            "--allow-unknown-fields to ignore unknown fields)", name)
-    if extra:
-        logger.warning("ignoring unknown field(s) %s (--allow-unknown-fields)", ", ".join(sorted(extra)))
+            f"unknown field '{unknown[0]}': this server does not implement it (start it with "
+            "--allow-unknown-fields to ignore unknown fields)", unknown[0])
+    if unknown:
+        logger.warning("ignoring unknown field(s) %s (--allow-unknown-fields)", ", ".join(sorted(unknown)))
+    for _, model, name in nested:  # ignored: never passed on (to a chat template, a response)
+        model.model_extra.pop(name)
+
+
+def _nested_extras(value: object, path: str):
+    """(dotted path, object, name) of each field sent inside value's objects that they do not declare."""
+    if isinstance(value, BaseModel):
+        if path:
+            for name, item in (value.model_extra or {}).items():
+                if item not in (None, [], {}):  # asks for nothing, as a field sent as null
+                    yield f"{path}.{name}", value, name
+        for name in type(value).model_fields:
+            yield from _nested_extras(getattr(value, name), f"{path}.{name}" if path else name)
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            yield from _nested_extras(item, f"{path}[{i}]")
 
 
 def refuse_other_types(value: object, allowed: tuple[str, ...], what: str, why: str) -> object:

@@ -14,6 +14,8 @@ from typing import Annotated
 from pydantic import Field
 from pydantic_core import PydanticCustomError
 
+from goodserve.structured_outputs import MAX_SCHEMA_DEPTH, json_depth
+
 MAX_STOP_STRINGS = 64  # OpenAI allows 4; vLLM has no bound
 MAX_STOP_STRING_CHARS = 1024  # longer stop strings also hold back that much streamed text
 MAX_STOP_TOKEN_IDS = 1024
@@ -21,15 +23,32 @@ MAX_MESSAGES = 2048
 MAX_CONTENT_PARTS = 256  # text parts in one message
 MAX_TEMPLATE_KWARGS = 32  # chat_template_kwargs entries
 MAX_NAME_CHARS = 256  # model, user, a message's name
+# Nesting of a request body's JSON: a schema in it is nested less (structured_outputs.py), and the
+# framing around it (tools[].function.parameters) takes a few levels. Deeper bodies would hit Python's
+# recursion limit in the code that walks, copies or pickles them.
+MAX_BODY_DEPTH = MAX_SCHEMA_DEPTH + 16
 
 StopString = Annotated[str, Field(max_length=MAX_STOP_STRING_CHARS)]
 Name = Annotated[str, Field(max_length=MAX_NAME_CHARS)]
 
 # Errors from these bounds (and from bad text) are values out of range: 400, not a shape error (422).
-LIMIT_ERROR_TYPES = frozenset({"too_long", "string_too_long", "unicode_surrogate"})
+LIMIT_ERROR_TYPES = frozenset({"too_long", "string_too_long", "unicode_surrogate", "too_deep"})
 
 # json.loads turns a valid pair of \u escapes into one character, so any surrogate left is lone.
 _SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def check_body(data: object) -> object:
+    """A request body's own checks before its fields are validated: its depth, then its text."""
+    return reject_lone_surrogates(reject_deep(data))
+
+
+def reject_deep(data: object) -> object:
+    depth = json_depth(data, MAX_BODY_DEPTH)
+    if depth > MAX_BODY_DEPTH:
+        raise PydanticCustomError("too_deep", "the body is nested more than {limit} levels deep",
+                                  {"limit": MAX_BODY_DEPTH})
+    return data
 
 
 def reject_lone_surrogates(data: object) -> object:

@@ -24,7 +24,7 @@ from goodserve.server.limits import (
     MAX_TEMPLATE_KWARGS,
     Name,
     StopString,
-    reject_lone_surrogates,
+    check_body,
 )
 from goodserve.server.structured import request_grammar
 from goodserve.server.tool_calls import tool_grammar
@@ -33,12 +33,14 @@ from goodserve.structured_outputs import StructuredOutputsParams
 _INT64 = 2**63
 Seed = Annotated[int, Field(ge=-_INT64, lt=_INT64)]
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
+MetadataKey = Annotated[str, Field(max_length=64)]
+MetadataValue = Annotated[str, Field(max_length=512)]
 
 
 class _Schema(BaseModel):
-    # Nested objects ignore fields they do not know (request bodies refuse them: _Request); NaN/inf
-    # never reach the sampler.
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    # Objects keep the fields they do not declare, for contract.check_fields to refuse by name (or, with
+    # --allow-unknown-fields, drop); NaN/inf never reach the sampler.
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
 
 class _Request(_Schema):
@@ -49,7 +51,7 @@ class _Request(_Schema):
     # OpenAI fields of this request that goodserve does not implement: refused by name
     unsupported: ClassVar[frozenset[str]] = frozenset()
 
-    _no_lone_surrogates = model_validator(mode="before")(reject_lone_surrogates)
+    _checked_body = model_validator(mode="before")(check_body)
 
 
 def _refuse_store(store: bool | None) -> None:
@@ -264,6 +266,7 @@ class ChatMessage(_Schema):
     name: Name | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool message: the call it answers
+    refusal: str | None = None  # an earlier response's assistant message sent back as it came: unused
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -335,6 +338,9 @@ class EmbeddingRequest(_Request):
 class InputText(_Schema):
     type: Literal["input_text", "output_text"]
     text: str
+    # (an output_text part sent back as it came; unused)
+    annotations: list | None = None
+    logprobs: list | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -346,6 +352,8 @@ class ResponseInputMessage(_Schema):
     type: Literal["message"] = "message"
     role: Literal["system", "developer", "user", "assistant"]
     content: str | Annotated[list[InputText], Field(max_length=MAX_CONTENT_PARTS)]
+    id: str | None = None  # an earlier output item's, sent back as it came: unused
+    status: str | None = None
 
     def chat_message(self) -> ChatMessage:
         parts = self.content if isinstance(self.content, str) else [TextContent(type="text", text=p.text)
@@ -360,6 +368,8 @@ class ResponseFunctionCall(_Schema):
     call_id: Name
     name: Name
     arguments: str  # JSON text
+    id: str | None = None  # the output item's, sent back as it came: unused
+    status: str | None = None
 
 
 class ResponseFunctionCallOutput(_Schema):
@@ -493,7 +503,7 @@ class CreateBatchRequest(_Request):
     input_file_id: str
     endpoint: str
     completion_window: str
-    metadata: Annotated[dict[str, str], Field(max_length=16)] | None = None
+    metadata: Annotated[dict[MetadataKey, MetadataValue], Field(max_length=16)] | None = None  # OpenAI's bounds
 
 
 class TokenizeRequest(ChatTemplateFields):

@@ -22,6 +22,7 @@ from goodserve.server.admission import BEST_EFFORT_PRIORITY, Admission
 from goodserve.server.contract import check_fields
 from goodserve.server.errors import error_body
 from goodserve.server.generation import GenerationJob, cancel_on_disconnect
+from goodserve.server.grammar_compiles import GrammarCompiles
 from goodserve.server.metrics import ServerMetrics, Slo
 from goodserve.server.protocol import ChatMessage, ChatTemplateFields
 from goodserve.server.recording import RequestRecorder
@@ -58,9 +59,15 @@ class ServingContext:
     def encoder(self) -> PromptEncoder:
         return PromptEncoder(self.tokenizer, self.engine.max_model_len)
 
+    @cached_property
+    def grammars(self) -> GrammarCompiles:
+        # (the engine's compiler is built on the first grammar, on the compile thread: ~1 s)
+        return GrammarCompiles(lambda spec: self.engine.inputs.grammars.compile(spec))
+
     def close(self) -> None:
-        if "encoder" in self.__dict__:  # built on the first prompt that needed it
-            self.encoder.close()
+        for pool in ("encoder", "grammars"):  # each built on the first request that needed it
+            if pool in self.__dict__:
+                self.__dict__[pool].close()
         if self.recorder is not None:
             self.recorder.close()
 
@@ -72,6 +79,7 @@ class ServingContext:
         view = replace(self, admission=admission, request_timeout_s=None, slo=None, recorder=None)  # not traffic
         if self.engine.tokenizer is not None:
             view.encoder = self.encoder
+        view.grammars = self.grammars
         return view
 
     def check_request(self, req: BaseModel) -> None:
@@ -112,12 +120,9 @@ class ServingContext:
         max_n = self.engine.config.max_n_per_request
         if params.n > max_n:
             raise InvalidRequestError(f"n={params.n} is more than this server allows (--max-n {max_n})")
-        if params.structured_outputs is not None:
-            # Validating compiles the grammar (milliseconds, more for a large schema, ~1 s for the
-            # first grammar's tokenizer set-up): on the tokenizer's pool, never stalling the loop.
-            await self.encoder.in_pool(self._validate, prompts, params)
-        else:
-            self._validate(prompts, params)
+        if params.structured_outputs is not None:  # validating then finds it compiled
+            await self.grammars.compile(params.structured_outputs)
+        self._validate(prompts, params)
         if self.recorder is not None:
             self.recorder.record(prompts, params)
         timeouts = [t for t in (self.request_timeout_s, request_timeout_s) if t is not None]

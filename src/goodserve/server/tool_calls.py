@@ -16,6 +16,7 @@ import json
 
 from goodserve.errors import InvalidRequestError
 from goodserve.server.tool_parsers import ToolCallText, loads_or_none, parse_tool_calls
+from goodserve.server.structured import grammar_of
 from goodserve.structured_outputs import StructuredOutputsParams
 
 _HERMES_SYSTEM = (
@@ -49,7 +50,7 @@ def tool_grammar(req) -> StructuredOutputsParams | None:
     mode = tool_mode(req)
     if mode == "named":
         tool = next(t for t in req.tools if t.function.name == req.tool_choice.function.name)
-        return StructuredOutputsParams(json=_parameters(tool))
+        return grammar_of(f"tools[{req.tools.index(tool)}].function.parameters", json=_parameters(tool))
     if mode != "required":
         return None
     calls = [{"type": "object", "properties": {"name": {"const": t.function.name}, "arguments": _parameters(t)},
@@ -57,7 +58,7 @@ def tool_grammar(req) -> StructuredOutputsParams | None:
     schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
     if not req.parallel_tool_calls:
         schema["maxItems"] = 1
-    return StructuredOutputsParams(json=schema)
+    return grammar_of("tools", json=schema)
 
 
 def forced_calls(req, text: str, truncated: bool = False) -> list[ToolCallText] | None:
