@@ -42,7 +42,8 @@ MAX_TOKENS = 150
 CALLS_SCHEMA = {"type": "array", "minItems": 1, "items": {"anyOf": [
     {"type": "object", "properties": {"name": {"const": name}, "arguments": tool["function"]["parameters"]},
      "required": ["name", "arguments"]} for name, tool in TOOLS.items()]}}
-PARIS, LONDON = ({"name": "get_weather", "arguments": {"city": city, "unit": "celsius"}} for city in ("Paris", "London"))
+PARIS, LONDON = ({"name": "get_weather", "arguments": {"city": city, "unit": "celsius"}}
+                 for city in ("Paris", "London"))
 
 
 def request(tool_choice="required") -> ChatCompletionRequest:

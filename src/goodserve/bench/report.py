@@ -259,7 +259,8 @@ figure{margin:0;flex:1 1 560px;max-width:100%}img{max-width:100%}</style></head>
 <div class="scroll"><table><tr><th>run</th>{% for key, label in columns %}<th title="{{ key }}">{{ label }}</th>{% endfor %}</tr>
 {% for run in runs %}<tr><td>{{ loop.index0 }}</td>{% for key, label in columns %}<td>{{ fmt(run.get(key)) }}</td>{% endfor %}</tr>
 {% endfor %}</table></div>
-<div class="plots">{% for name, png in plots %}<figure><img alt="{{ name }}" src="data:image/png;base64,{{ png }}"></figure>
+<div class="plots">{% for name, png in plots %}
+<figure><img alt="{{ name }}" src="data:image/png;base64,{{ png }}"></figure>
 {% endfor %}</div></body></html>
 """, autoescape=True)
 

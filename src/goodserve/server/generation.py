@@ -144,7 +144,7 @@ class GenerationJob:
         self.final[index] = _joined(self.final.get(index), item)
         parts = []
         for whole, part in zip(self.final[index].outputs, item.outputs):
-            if part.index not in ended and whole.finish_reason in (None, "length") and \
+            if part.text and part.index not in ended and whole.finish_reason in (None, "length") and \
                     self.ends_early(whole.text, part.text):
                 ended.add(part.index)
                 whole.finish_reason, whole.stop_reason = "stop", None
