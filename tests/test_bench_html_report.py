@@ -1,7 +1,8 @@
 """The HTML report: the run table scrolls inside its box with short headers instead of overflowing
-the page, the attainment axis runs 0-100% whatever the values, and the SLO targets, the cost basis
-and the engine the runs measured are on the page. Read back with the standard library's HTML parser;
-the figures are inspected before they are rendered to PNG."""
+the page, the attainment axis runs 0-100% whatever the values, the CDFs rise from 0, goodput never
+goes below 0, and the SLO targets, the cost basis and the engine the runs measured are on the page.
+Read back with the standard library's HTML parser; the figures are inspected before they are
+rendered to PNG. tests/test_bench_html_report_browser.py lays the page out in a browser."""
 
 from __future__ import annotations
 
@@ -62,3 +63,9 @@ def test_report_table_fits_and_names_targets_cost_and_engine(tmp_path, monkeypat
     assert "$ / 1M tok" in page.headers
     attainment = [ax for ax in axes if "attainment" in ax.get_ylabel()]
     assert attainment and all(ax.get_ylim() == (0.0, 102.0) for ax in attainment)
+    # Every TTFT is 2 s and no goodput: the CDFs still rise from 0, the goodput axis starts at 0.
+    cdfs = [ax for ax in axes if ax.get_ylabel() == "fraction of requests"]
+    assert len(cdfs) == 2 and all(ax.get_ylim()[0] == 0.0 for ax in cdfs)
+    assert all(min(line.get_ydata()) == 0.0 for ax in cdfs for line in ax.get_lines())
+    (goodput,) = [ax for ax in axes if ax.get_ylabel() == "goodput (req/s)"]
+    assert goodput.get_ylim()[0] == 0.0

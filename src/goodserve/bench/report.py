@@ -155,11 +155,12 @@ def _cdf_plot(runs: list[dict], metric: str, label: str) -> str:
     fig, ax = plt.subplots(figsize=(6, 4))
     for run in runs:
         values = np.sort([getattr(r, metric) for r in records_of(run) if getattr(r, metric) is not None])
-        if values.size:
-            ax.step(values * 1000, np.arange(1, values.size + 1) / values.size, where="post",
+        if values.size:  # from 0 below the fastest request
+            ax.step(np.r_[values[0], values] * 1000, np.arange(values.size + 1) / values.size, where="post",
                     label=_run_label(run))
     ax.set_xlabel(f"{label} (ms)")
     ax.set_ylabel("fraction of requests")
+    ax.set_ylim(0, 1.02)  # a CDF from 0: one latency for all requests is a step from 0 to 1, not a line at 1
     ax.set_title(f"{label} CDF")
     ax.grid(alpha=0.3)
     if len(runs) > 1:
@@ -201,6 +202,7 @@ def _sweep_plots(runs: list[dict]) -> list[tuple[str, str]]:
         ax2.set_ylim(0, 102)  # a percentage: 0 sits at the bottom, not mid-axis
         ax.set_xlabel("achieved request rate (req/s)")
         ax.set_ylabel("goodput (req/s)")
+        ax.set_ylim(bottom=0)  # no negative goodput: a run that met no SLO sits on the axis
         ax.set_title("Goodput vs rate")
         ax.legend(loc="upper left", fontsize=8)
         ax2.legend(loc="lower right", fontsize=8)
@@ -250,14 +252,16 @@ _HTML = jinja2.Template("""<!doctype html>
 <style>body{font-family:sans-serif;margin:2em;max-width:1200px}table{border-collapse:collapse}
 .scroll{overflow-x:auto;max-width:100%}td,th{border:1px solid #ccc;padding:4px 8px;text-align:right}
 th{white-space:normal;max-width:7em;font-size:90%}dl{display:grid;grid-template-columns:max-content auto;gap:2px 1em}
-dt{font-weight:bold}img{margin:8px;max-width:100%}</style></head>
+dt{font-weight:bold}.plots{display:flex;flex-wrap:wrap;gap:1em;margin-top:1.5em}
+figure{margin:0;flex:1 1 560px;max-width:100%}img{max-width:100%}</style></head>
 <body><h1>goodserve bench</h1><p>{{ title }}</p>
 <dl>{% for name, value in settings %}<dt>{{ name }}</dt><dd>{{ value }}</dd>{% endfor %}</dl>
 <div class="scroll"><table><tr><th>run</th>{% for key, label in columns %}<th title="{{ key }}">{{ label }}</th>{% endfor %}</tr>
 {% for run in runs %}<tr><td>{{ loop.index0 }}</td>{% for key, label in columns %}<td>{{ fmt(run.get(key)) }}</td>{% endfor %}</tr>
 {% endfor %}</table></div>
-{% for name, png in plots %}<h2>{{ name }}</h2><img alt="{{ name }}" src="data:image/png;base64,{{ png }}">
-{% endfor %}</body></html>
+<div class="plots">{% for name, png in plots %}
+<figure><img alt="{{ name }}" src="data:image/png;base64,{{ png }}"></figure>
+{% endfor %}</div></body></html>
 """, autoescape=True)
 
 # Result keys the run table shows, and their headers (the key itself is each header's tooltip).

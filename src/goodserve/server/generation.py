@@ -3,6 +3,10 @@
 The engine hands each request's outputs over as deltas (SamplingParams.output_kind "delta": a step
 copies only what it added); the job joins them into each prompt's output so far (`final`).
 
+A job may end a choice early (ends_early: a required tool-call array that repeats a call): the choice
+finishes there as "stop", and once none of a prompt's choices runs on, its engine request is
+released (aborted) like a finished one.
+
 Cancellation is the abort path: when the client goes away, the task serving it is cancelled, the
 job releases its engine requests, and AsyncEngine aborts those not finished (their KV blocks are
 freed at the engine's next step). A deadline does the same thing on a timer.
@@ -13,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -64,9 +68,12 @@ class GenerationJob:
     deadline: float | None = None  # time.monotonic() by which the whole call must finish
     max_unsent_outputs: int = 512  # per prompt: outputs produced but not yet taken by the response
     stream_interval: int = 1  # deltas() yields a choice's first token alone, then every this many tokens
+    # (a choice's text so far, what it just gained) -> whether the choice ends there; None: never early
+    ends_early: Callable[[str, str], bool] | None = None
     final: dict[int, RequestOutput] = field(default_factory=dict)  # each prompt's output so far
     _sent: dict[int, _Sent] = field(default_factory=dict)
     _queued: set[int] = field(default_factory=set)  # prompts holding a place in the waiting queue
+    _ended_early: dict[int, set[int]] = field(default_factory=dict)  # per prompt: its choices ended early
 
     def _engine_request_id(self, prompt_index: int) -> str:
         return self.request_id if len(self.prompts) == 1 else f"{self.request_id}-{prompt_index}"
@@ -96,21 +103,26 @@ class GenerationJob:
         queue: asyncio.Queue = asyncio.Queue()
         params = replace(self.params, output_kind="delta")
         request_ids = [self._engine_request_id(i) for i in range(len(self.prompts))]
-        remaining = len(request_ids)
+        done: set[int] = set()  # finished prompts (outputs the engine sent before an early end's abort may follow)
         finished_cleanly = False
         try:
             for index, request_id in enumerate(request_ids):
                 self.engine.add(request_id, self.prompts[index], params, partial(self._arrived, queue, index))
-            while remaining:
+            while len(done) < len(request_ids):
                 index, item = await self._next(queue)
                 if index in self._queued:
                     self._queued.discard(index)
                     self.admission.started(self.params.n, len(self.prompts[index]))
+                if index in done:
+                    continue
                 if isinstance(item, BaseException):
                     raise item
-                self.final[index] = _joined(self.final.get(index), item)
+                if self.ends_early is None:
+                    self.final[index] = _joined(self.final.get(index), item)
+                else:
+                    item = self._join_ending_early(index, item)
                 if item.finished:
-                    remaining -= 1
+                    done.add(index)
                     self.engine.release(request_ids[index])
                     self.metrics.observe_finished(self.final[index], Slo(self.params.slo_ttft_ms, self.params.slo_tpot_ms))
                 yield index, item
@@ -122,6 +134,24 @@ class GenerationJob:
                 self.metrics.observe_aborted()
             for request_id in request_ids:
                 self.engine.release(request_id)  # aborts those still running
+
+    def _join_ending_early(self, index: int, item: RequestOutput) -> RequestOutput:
+        """Join item into the prompt's output as _joined does, except for its choices that end early:
+        those that did before gain nothing more, those that do now finish as "stop" (over a "length"
+        of the same token). The item comes back finished when none of the prompt's choices runs on."""
+        ended = self._ended_early.setdefault(index, set())
+        item = replace(item, outputs=[_ended(part) if part.index in ended else part for part in item.outputs])
+        self.final[index] = _joined(self.final.get(index), item)
+        parts = []
+        for whole, part in zip(self.final[index].outputs, item.outputs):
+            if part.text and part.index not in ended and whole.finish_reason in (None, "length") and \
+                    self.ends_early(whole.text, part.text):
+                ended.add(part.index)
+                whole.finish_reason, whole.stop_reason = "stop", None
+                part = replace(part, finish_reason="stop", stop_reason=None)
+            parts.append(part)
+        finished = item.finished or all(c.finish_reason is not None for c in self.final[index].outputs)
+        return replace(item, outputs=parts, finished=finished)
 
     async def _next(self, queue: asyncio.Queue) -> tuple[int, object]:
         if self.deadline is None:
@@ -216,6 +246,12 @@ def _merged(earlier: ChoiceDelta | None, later: ChoiceDelta) -> ChoiceDelta:
     logprobs = None if earlier.logprobs is None else earlier.logprobs + (later.logprobs or [])
     return replace(earlier, text=earlier.text + later.text, token_ids=earlier.token_ids + later.token_ids,
                    logprobs=logprobs, finish_reason=later.finish_reason, stop_reason=later.stop_reason)
+
+
+def _ended(part):
+    """A choice's delta after it ended early: nothing gained, still finished."""
+    return replace(part, text="", token_ids=[], logprobs=None if part.logprobs is None else [],
+                   finish_reason="stop", stop_reason=None)
 
 
 def _joined(total: RequestOutput | None, delta: RequestOutput) -> RequestOutput:

@@ -113,10 +113,11 @@ class ServingContext:
         return [await self.encoder.encode(p) if isinstance(p, str) else list(p) for p in prompt]
 
     async def new_job(self, kind: str, prompts: list[list[int]], params: SamplingParams,
-                      request_timeout_s: float | None, best_effort: bool = False) -> GenerationJob:
+                      request_timeout_s: float | None, best_effort: bool = False,
+                      ends_early=None) -> GenerationJob:
         """Validate every prompt (a request that can never fit is a 400 now), then take queue places:
         a 429 if the queue is full or, under the slo policy, makes its TTFT target impossible (unless
-        best_effort: then it waits at a low priority)."""
+        best_effort: then it waits at a low priority). ends_early: GenerationJob's."""
         max_n = self.engine.config.max_n_per_request
         if params.n > max_n:
             raise InvalidRequestError(f"n={params.n} is more than this server allows (--max-n {max_n})")
@@ -130,7 +131,7 @@ class ServingContext:
         job = GenerationJob(
             engine=self.engine, request_id=f"{kind}-{uuid.uuid4().hex}", prompts=prompts, params=params,
             admission=self.admission, metrics=self.metrics, deadline=deadline,
-            max_unsent_outputs=self.max_unsent_outputs, stream_interval=self.stream_interval,
+            max_unsent_outputs=self.max_unsent_outputs, stream_interval=self.stream_interval, ends_early=ends_early,
         )
         self._apply_slo(params, prompts, best_effort)
         job.admit()

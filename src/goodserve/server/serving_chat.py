@@ -26,7 +26,7 @@ from goodserve.server.protocol import (
     ToolCall,
 )
 from goodserve.server.serving import JobStreamingResponse, ServingContext, stream_chunks
-from goodserve.server.tool_calls import forced_calls, output_calls, prompt_tools, tool_mode
+from goodserve.server.tool_calls import forced_calls, output_calls, prompt_tools, repeated_call_check, tool_mode
 from goodserve.server.tool_parsers import ToolCallStream, new_call_id
 
 
@@ -37,7 +37,8 @@ async def create_chat_completion(
     params = req.sampling_params(ctx.sampling_defaults)
     mode = tool_mode(req)
     prompt = await ctx.chat_prompt_ids(req.messages, req, prompt_tools(req))
-    job = await ctx.new_job("chatcmpl", [prompt], params, req.request_timeout_s, req.slo_best_effort)
+    job = await ctx.new_job("chatcmpl", [prompt], params, req.request_timeout_s, req.slo_best_effort,
+                            ends_early=repeated_call_check(req))
     if req.stream:
         k = job.params.logprobs
         streams: dict[int, _ChoiceStream] = {}

@@ -23,7 +23,7 @@ from goodserve.outputs import RequestOutput
 from goodserve.server.generation import GenerationJob
 from goodserve.server.protocol import ResponsesRequest, ResponseTextFormat
 from goodserve.server.serving import JobStreamingResponse, ServingContext
-from goodserve.server.tool_calls import output_calls, prompt_tools, tool_mode
+from goodserve.server.tool_calls import output_calls, prompt_tools, repeated_call_check, tool_mode
 from goodserve.server.tool_parsers import ToolCallStream, ToolCallText, new_call_id
 
 logger = logging.getLogger("goodserve.server")
@@ -33,7 +33,8 @@ async def create_response(ctx: ServingContext, req: ResponsesRequest, request: R
     ctx.check_request(req)
     chat = req.chat_request()
     prompt = await ctx.chat_prompt_ids(chat.messages, tools=prompt_tools(chat))
-    job = await ctx.new_job("resp", [prompt], chat.sampling_params(ctx.sampling_defaults), None)
+    job = await ctx.new_job("resp", [prompt], chat.sampling_params(ctx.sampling_defaults), None,
+                            ends_early=repeated_call_check(chat))
     shape = _Shape(ctx.model_name, req, job, tool_mode(chat))
     if req.stream:
         return JobStreamingResponse(_events(job, shape, chat), job, frame=lambda events: events)

@@ -5,7 +5,11 @@
   write it, assistant `tool_calls` become `<tool_call>` blocks in the assistant's text and `tool`
   messages a `<tool_response>` block: the model sees the format the `auto` parser reads back.
 - tool_choice `required`: the output is a JSON array of calls, each one of the tools with arguments
-  of its parameters schema (one call when parallel_tool_calls is false); a named function: the
+  of its parameters schema (one call when parallel_tool_calls is false). After each complete call the
+  grammar allows `,` or `]`, and after `]` only the end of generation. A call identical to an earlier
+  one (same name and arguments) is never useful, yet a small model, once it repeats, repeats until
+  max_tokens: the array ends where it completes one (the repeat dropped, the request stopped there,
+  finish_reason "tool_calls"). A named function: the
   output is that function's arguments. `auto` (the default with tools) leaves the text free and
   server/tool_parsers.py finds the calls in it; `none` neither renders tools nor parses.
 """
@@ -71,10 +75,30 @@ def forced_calls(req, text: str, truncated: bool = False) -> list[ToolCallText] 
         return [ToolCallText(req.tool_choice.function.name, text)] if complete or truncated else None
     calls = loads_or_none(text)
     if not isinstance(calls, list):
-        if not truncated:
-            return None
         calls = _complete_items(text)
-    return [ToolCallText(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in calls]
+        if not truncated and not _repeats(calls):  # neither cut nor ended at a repeat: not an array of calls
+            return None
+    return [ToolCallText(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in _before_repeat(calls)]
+
+
+def _before_repeat(calls: list) -> list:
+    """The calls before the first one identical (name and arguments) to an earlier one."""
+    for i, call in enumerate(calls):
+        if call in calls[:i]:
+            return calls[:i]
+    return calls
+
+
+def _repeats(calls: list) -> bool:
+    return len(_before_repeat(calls)) < len(calls)
+
+
+def repeated_call_check(req):
+    """For GenerationJob.ends_early: under tool_choice required, whether a choice's text (which just
+    gained `added`) has completed a call identical to an earlier one; None in the other modes."""
+    if tool_mode(req) != "required":
+        return None
+    return lambda text, added: "}" in added and _repeats(_complete_items(text))  # a call completes with a }
 
 
 def _complete_items(text: str) -> list:
