@@ -6,7 +6,9 @@ launch and no host synchronisation (the sort is on the device and sized by the t
 so a CUDA graph captures it).
 
 Computes ops/moe.py's moe_torch (the reference), the router weights applied to the down projection's
-rows before the sum over slots.
+rows before the sum over slots. Int8 stacks (model/moe.Int8Experts): the kernel loads the codes (half
+bf16's bytes), converts them to the activation dtype for the dot (int8 is exact there) and multiplies
+the float32 accumulator by each output column's scale, which factors out of the sum over K.
 """
 
 from __future__ import annotations
@@ -20,12 +22,14 @@ from goodserve.ops.kernel_choice import KernelChoice
 
 
 @triton.jit
-def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, weights_ptr, sorted_pairs_ptr, block_experts_ptr, num_padded_ptr,
-                         n, k, num_pairs, stride_a, stride_be, stride_bn, stride_c,
-                         A_ROW_DIVISOR: tl.constexpr, MUL_WEIGHTS: tl.constexpr, PRECISION: tl.constexpr,
+def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, weights_ptr, b_scales_ptr, sorted_pairs_ptr, block_experts_ptr,
+                         num_padded_ptr, n, k, num_pairs, stride_a, stride_be, stride_bn, stride_c,
+                         A_ROW_DIVISOR: tl.constexpr, MUL_WEIGHTS: tl.constexpr, B_SCALED: tl.constexpr,
+                         PRECISION: tl.constexpr,
                          UPCAST_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """C[pair] = A[pair // A_ROW_DIVISOR] @ B[expert].T (times the pair's router weight) for one
-    block of sorted pairs and one tile of N. Pairs are token * top_k + slot; padding is num_pairs."""
+    block of sorted pairs and one tile of N. Pairs are token * top_k + slot; padding is num_pairs.
+    B_SCALED: B holds int8 codes, B[expert] = codes * b_scales[expert * n + column]."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
@@ -41,11 +45,15 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, weights_ptr, sorted_pairs_ptr, blo
         in_k = offs_k + k0 < k
         a = tl.load(a_ptrs, mask=valid[:, None] & in_k[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=in_k[:, None] & (cols[None, :] < n), other=0.0)
-        if UPCAST_DOT:  # the interpreter's bf16 dot is wrong: float32 operands on the CPU
+        if UPCAST_DOT:  # the interpreter's bf16 dot (and int8 -> bf16 cast) is wrong: float32 operands on the CPU
             a, b = a.to(tl.float32), b.to(tl.float32)
+        elif B_SCALED:
+            b = b.to(a.dtype)
         acc += tl.dot(a, b, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
+    if B_SCALED:
+        acc *= tl.load(b_scales_ptr + expert * n + cols, mask=cols < n, other=0.0)[None, :]
     out = acc.to(c_ptr.dtype.element_ty)
     if MUL_WEIGHTS:  # as the reference: the expert's output and its weight rounded, then multiplied
         weight = tl.load(weights_ptr + pairs, mask=valid, other=0.0).to(c_ptr.dtype.element_ty)
@@ -149,23 +157,25 @@ def sort_pairs_by_expert(ids: torch.Tensor, num_experts: int, block_m: int
 
 def _grouped_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, sorted_pairs: torch.Tensor,
                   block_experts: torch.Tensor, num_padded: torch.Tensor, num_pairs: int, a_row_divisor: int,
-                  block_m: int, weights: torch.Tensor | None = None) -> None:
-    """out [num_pairs, N] = a's rows @ b [E, N, K] of each pair's expert."""
+                  block_m: int, weights: torch.Tensor | None = None, b_scales: torch.Tensor | None = None) -> None:
+    """out [num_pairs, N] = a's rows @ b [E, N, K] of each pair's expert (int8 b: times b_scales [E * N])."""
     n, k = b.shape[1], b.shape[2]
     block_n, block_k = 64, 64
     grid = (block_experts.numel(), triton.cdiv(n, block_n))
     _grouped_gemm_kernel[grid](
-        a, b, out, weights if weights is not None else out, sorted_pairs, block_experts, num_padded,
-        n, k, num_pairs, a.stride(0), b.stride(0), b.stride(1), out.stride(0),
-        A_ROW_DIVISOR=a_row_divisor, MUL_WEIGHTS=weights is not None,
+        a, b, out, weights if weights is not None else out, b_scales if b_scales is not None else out,
+        sorted_pairs, block_experts, num_padded, n, k, num_pairs, a.stride(0), b.stride(0), b.stride(1), out.stride(0),
+        A_ROW_DIVISOR=a_row_divisor, MUL_WEIGHTS=weights is not None, B_SCALED=b_scales is not None,
         PRECISION="ieee" if a.dtype == torch.float32 or not a.is_cuda else None,  # float32 stays exact (no TF32)
         UPCAST_DOT=not a.is_cuda,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
 
 
 def triton_fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                     ids: torch.Tensor, kernels: KernelChoice) -> torch.Tensor:
-    """x [T, H], w13 [E * 2I, H], w2 [E * H, I], weights / ids [T, k] -> [T, H]."""
+                     ids: torch.Tensor, kernels: KernelChoice, w13_scales: torch.Tensor | None = None,
+                     w2_scales: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, H], w13 [E * 2I, H], w2 [E * H, I], weights / ids [T, k] -> [T, H]; int8 stacks come
+    with their per-row scales w13_scales [E * 2I], w2_scales [E * H]."""
     num_tokens, hidden = x.shape
     num_experts, top_k = w2.shape[0] // hidden, ids.shape[1]
     num_pairs = num_tokens * top_k
@@ -174,7 +184,8 @@ def triton_fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weigh
     sorting = sort_pairs_by_expert(ids, num_experts, block_m)
     x = x.contiguous()
     gate_up = x.new_empty(num_pairs, w13.shape[1])
-    _grouped_gemm(x, w13, gate_up, *sorting, num_pairs, top_k, block_m)
+    _grouped_gemm(x, w13, gate_up, *sorting, num_pairs, top_k, block_m, b_scales=w13_scales)
     down = x.new_empty(num_pairs, hidden)
-    _grouped_gemm(silu_and_mul(gate_up, kernels), w2, down, *sorting, num_pairs, 1, block_m, weights.flatten())
+    _grouped_gemm(silu_and_mul(gate_up, kernels), w2, down, *sorting, num_pairs, 1, block_m, weights.flatten(),
+                  w2_scales)
     return down.view(num_tokens, top_k, hidden).sum(dim=1)

@@ -1,0 +1,118 @@
+"""Int8 experts (model/moe.py Int8Experts, per-row scales): the fused MoE kernel under
+TRITON_INTERPRET=1 and the CPU path against test_triton_moe's per-token reference run on the
+dequantized weights; quantizing while filling in row blocks; and tiny Mixtral / Qwen3-MoE models
+with --quantization int8 against transformers running the same models with every quantized weight
+(attention projections, experts) replaced by its dequantized value."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from goodserve.llm import LLM
+from goodserve.model import moe
+from goodserve.model.loader import load_model
+from goodserve.ops.kernel_choice import TORCH_KERNELS, KernelChoice
+from goodserve.ops.moe import moe_torch
+from goodserve.ops.triton_moe import triton_fused_moe
+from goodserve.quant import schemes
+from test_families import FAMILIES, GREEDY, SETTINGS, hf_greedy, prompts, save_tiny_model
+from test_triton_moe import moe_inputs, reference
+
+transformers = pytest.importorskip("transformers")
+# Log-probability, float32 end to end: ours are ~4e-7 from the reference; float experts move them by
+# 2e-4 to 8e-4 on these models.
+TOLERANCE = 2e-5
+
+
+def quantized(stack: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(int8 codes, per-row scales, the float weight they stand for) of a stacked [rows, K] weight."""
+    q = schemes.quantize_int8(stack)
+    return q.qweight, q.scales, schemes.dequantize_int8(q)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 150])  # decode's 16-row blocks, prefill's 64-row ones
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_fused_moe_matches_the_dequantized_reference(num_tokens: int, dtype: torch.dtype):
+    x, w13, w2, weights, ids = moe_inputs(num_tokens, 2, dtype, seed=2)
+    (q13, s13, f13), (q2, s2, f2) = quantized(w13), quantized(w2)
+    ours = triton_fused_moe(x, q13, q2, weights, ids, KernelChoice(triton=True), s13, s2)
+    ref = reference(x, f13.to(dtype), f2.to(dtype), weights.to(dtype), ids)
+    tolerance = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(ours.double(), ref, rtol=tolerance, atol=tolerance * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("num_tokens", [1, 7])
+def test_int8_cpu_moe_matches_the_dequantized_reference(num_tokens: int):
+    x, w13, w2, weights, ids = moe_inputs(num_tokens, 2, torch.float32, seed=3)
+    (q13, s13, f13), (q2, s2, f2) = quantized(w13), quantized(w2)
+    ours = moe_torch(x, q13, q2, weights, ids, TORCH_KERNELS, s13, s2)
+    ref = reference(x, f13, f2, weights, ids)
+    torch.testing.assert_close(ours.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
+def test_rows_quantized_in_blocks_get_the_whole_matrix_codes(monkeypatch):
+    monkeypatch.setattr(moe, "QUANTIZE_CHUNK_BYTES", 3 * 4 * 64)  # three rows of 64 floats at a time
+    weight = torch.randn(20, 64)
+    codes, scales = torch.zeros(20, 64, dtype=torch.int8), torch.zeros(20)
+    rows = moe.Int8Rows(codes, scales)
+    rows[0:8].copy_(weight[0:8])  # as a loader fills one expert's gate, then its up
+    rows[8:20].copy_(weight[8:20])
+    want = schemes.quantize_int8(weight)
+    assert torch.equal(codes, want.qweight)
+    assert torch.equal(scales, want.scales)
+
+
+def with_dequantized_int8_weights(hf_model, experts: bool = True):
+    """transformers' model with the weights goodserve quantizes (attention projections, and the
+    experts: stacked [E, out, in] there) replaced by their int8 values; router, norms, embeddings and
+    lm_head kept. experts=False leaves the experts in float (what a model quantizing only its dense
+    linears would compute)."""
+    with torch.no_grad():
+        for name, param in hf_model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight")) \
+                    or (experts and ".experts." in name):
+                rows = param.reshape(-1, param.shape[-1])
+                param.copy_(schemes.dequantize_int8(schemes.quantize_int8(rows)).reshape(param.shape))
+    return hf_model
+
+
+def hf_logprobs(hf_model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """Each of `tokens`' log-probability given the prompt and the tokens before it, in one forward."""
+    ids = torch.tensor([prompt + tokens])
+    with torch.no_grad():
+        logits = hf_model(ids).logits[0, len(prompt) - 1 : -1].double()
+    return torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3-moe"])
+def test_int8_moe_gives_transformers_tokens_on_the_dequantized_weights(tmp_path: Path, family: str):
+    save_tiny_model(FAMILIES[family](), tmp_path)
+    load = lambda experts: with_dequantized_int8_weights(  # noqa: E731
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval(), experts)
+    reference, float_experts = load(experts=True), load(experts=False)
+    prompt_ids = prompts()
+    llm = LLM(str(tmp_path), **(SETTINGS | {"quantization": "int8"}))
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], dataclasses.replace(GREEDY, logprobs=0))
+    worst, float_worst = 0.0, 0.0
+    for prompt, out in zip(prompt_ids, outputs):
+        tokens = out.outputs[0].token_ids
+        assert tokens == hf_greedy(reference, prompt)
+        ours = torch.tensor([step[token].logprob for step, token in zip(out.outputs[0].logprobs, tokens)],
+                            dtype=torch.float64)
+        worst = max(worst, (ours - hf_logprobs(reference, prompt, tokens)).abs().max().item())
+        float_worst = max(float_worst, (ours - hf_logprobs(float_experts, prompt, tokens)).abs().max().item())
+    assert worst < TOLERANCE
+    assert float_worst > 5 * TOLERANCE  # float experts would be told apart: the check can fail
+
+
+def test_int8_experts_hold_codes_not_float_stacks(tmp_path: Path):
+    save_tiny_model(FAMILIES["mixtral"](), tmp_path)
+    model = load_model(str(tmp_path), torch.float32, "cpu", quantization="int8").model
+    experts = [m.experts for m in model.modules() if isinstance(m, moe.SparseMoE)]
+    assert len(experts) == 2 and all(isinstance(e, moe.Int8Experts) for e in experts)
+    assert experts[0].w13_qweight.dtype == torch.int8 and experts[0].w2_qweight.dtype == torch.int8
+    assert not any(".experts." in name for name, _ in model.named_parameters())
