@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import gguf
 import pytest
 import torch
 
@@ -19,7 +20,7 @@ from goodserve.ops.kernel_choice import TORCH_KERNELS, KernelChoice
 from goodserve.ops.moe import moe_torch
 from goodserve.ops.triton_moe import triton_fused_moe
 from goodserve.quant import schemes
-from test_families import FAMILIES, GREEDY, SETTINGS, hf_greedy, prompts, save_tiny_model
+from test_families import FAMILIES, GREEDY, SETTINGS, hf_greedy, prompts, save_tiny_model, write_gguf
 from test_triton_moe import moe_inputs, reference
 
 transformers = pytest.importorskip("transformers")
@@ -116,3 +117,20 @@ def test_int8_experts_hold_codes_not_float_stacks(tmp_path: Path):
     assert len(experts) == 2 and all(isinstance(e, moe.Int8Experts) for e in experts)
     assert experts[0].w13_qweight.dtype == torch.int8 and experts[0].w2_qweight.dtype == torch.int8
     assert not any(".experts." in name for name, _ in model.named_parameters())
+
+
+def test_int8_moe_from_gguf_gives_the_hf_directory_tokens(tmp_path: Path):
+    """The GGUF loader fills the experts one [E, N, K] tensor per projection, expert by expert: the
+    same codes as the Hugging Face loader's tensor per expert, hence the same tokens (the directory's
+    int8 engine is checked against transformers above)."""
+    hf_model = save_tiny_model(FAMILIES["mixtral"](), tmp_path)
+    path = tmp_path / "tiny-moe.gguf"
+    write_gguf(hf_model, tmp_path, gguf.MODEL_ARCH.LLAMA, path)
+    requests = [{"prompt_token_ids": p} for p in prompts()]
+    params = dataclasses.replace(GREEDY, logprobs=0)
+    from_dir, from_gguf = (LLM(name, **(SETTINGS | {"quantization": "int8"})).generate(requests, params)
+                           for name in (str(tmp_path), str(path)))
+    for a, b in zip(from_dir, from_gguf):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for step_a, step_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert [x.logprob for x in step_a.values()] == pytest.approx([x.logprob for x in step_b.values()], abs=1e-5)
