@@ -29,42 +29,57 @@ transformers = pytest.importorskip("transformers")
 TOLERANCE = 2e-5
 
 
-def quantized(stack: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(int8 codes, per-row scales, the float weight they stand for) of a stacked [rows, K] weight."""
-    q = schemes.quantize_int8(stack)
-    return q.qweight, q.scales, schemes.dequantize_int8(q)
+METHODS = {"int8": schemes.quantize_int8, "int4": lambda w: schemes.quantize_int4(w, 16)}
 
 
+@pytest.fixture(autouse=True)
+def int4_groups_of_16(monkeypatch):
+    """The kernels take any group size dividing K; test_triton_moe's down projection has K = 48,
+    which none of the engine's sizes (32 / 64 / 128) divide. 16 also puts four groups in a K tile."""
+    monkeypatch.setattr(schemes, "INT4_GROUP_SIZES", (16, *schemes.INT4_GROUP_SIZES))
+
+
+def quantized(stack: torch.Tensor, method: str):
+    """(the codes of a stacked [rows, K] weight, the float weight they stand for)."""
+    q = METHODS[method](stack)
+    return q, schemes.dequantize(q)
+
+
+@pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("num_tokens", [1, 150])  # decode's 16-row blocks, prefill's 64-row ones
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int8_fused_moe_matches_the_dequantized_reference(num_tokens: int, dtype: torch.dtype):
+def test_quantized_fused_moe_matches_the_dequantized_reference(num_tokens: int, dtype: torch.dtype, method: str):
     x, w13, w2, weights, ids = moe_inputs(num_tokens, 2, dtype, seed=2)
-    (q13, s13, f13), (q2, s2, f2) = quantized(w13), quantized(w2)
-    ours = triton_fused_moe(x, q13, q2, weights, ids, KernelChoice(triton=True), s13, s2)
+    (q13, f13), (q2, f2) = quantized(w13, method), quantized(w2, method)
+    ours = triton_fused_moe(x, q13, q2, weights, ids, KernelChoice(triton=True))
     ref = reference(x, f13.to(dtype), f2.to(dtype), weights.to(dtype), ids)
     tolerance = 1e-4 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(ours.double(), ref, rtol=tolerance, atol=tolerance * ref.abs().max().item())
 
 
+@pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("num_tokens", [1, 7])
-def test_int8_cpu_moe_matches_the_dequantized_reference(num_tokens: int):
+def test_quantized_cpu_moe_matches_the_dequantized_reference(num_tokens: int, method: str):
     x, w13, w2, weights, ids = moe_inputs(num_tokens, 2, torch.float32, seed=3)
-    (q13, s13, f13), (q2, s2, f2) = quantized(w13), quantized(w2)
-    ours = moe_torch(x, q13, q2, weights, ids, TORCH_KERNELS, s13, s2)
+    (q13, f13), (q2, f2) = quantized(w13, method), quantized(w2, method)
+    ours = moe_torch(x, q13, q2, weights, ids, TORCH_KERNELS)
     ref = reference(x, f13, f2, weights, ids)
     torch.testing.assert_close(ours.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
 
 
-def test_rows_quantized_in_blocks_get_the_whole_matrix_codes(monkeypatch):
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_rows_quantized_in_blocks_get_the_whole_matrix_codes(monkeypatch, method: str):
     monkeypatch.setattr(moe, "QUANTIZE_CHUNK_BYTES", 3 * 4 * 64)  # three rows of 64 floats at a time
     weight = torch.randn(20, 64)
-    codes, scales = torch.zeros(20, 64, dtype=torch.int8), torch.zeros(20)
-    rows = moe.Int8Rows(codes, scales)
+    codes = schemes.rows_of(schemes.Int4Weight(*schemes.empty_codes(method, 20, 64, 32).values(), 32)
+                            if method == "int4" else schemes.Int8Weight(*schemes.empty_codes(method, 20, 64).values()),
+                            slice(None))
+    rows = moe.QuantizedRows(codes, 64)
     rows[0:8].copy_(weight[0:8])  # as a loader fills one expert's gate, then its up
     rows[8:20].copy_(weight[8:20])
-    want = schemes.quantize_int8(weight)
-    assert torch.equal(codes, want.qweight)
-    assert torch.equal(scales, want.scales)
+    want = schemes.quantize_like(codes, weight)
+    for part in schemes.CODE_PARTS[method]:
+        assert torch.equal(getattr(codes, part), getattr(want, part))
 
 
 def with_dequantized_int8_weights(hf_model, experts: bool = True):
@@ -114,7 +129,7 @@ def test_int8_experts_hold_codes_not_float_stacks(tmp_path: Path):
     save_tiny_model(FAMILIES["mixtral"](), tmp_path)
     model = load_model(str(tmp_path), torch.float32, "cpu", quantization="int8").model
     experts = [m.experts for m in model.modules() if isinstance(m, moe.SparseMoE)]
-    assert len(experts) == 2 and all(isinstance(e, moe.Int8Experts) for e in experts)
+    assert len(experts) == 2 and all(isinstance(e, moe.QuantizedExperts) for e in experts)
     assert experts[0].w13_qweight.dtype == torch.int8 and experts[0].w2_qweight.dtype == torch.int8
     assert not any(".experts." in name for name, _ in model.named_parameters())
 

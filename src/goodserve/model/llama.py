@@ -211,23 +211,25 @@ class LlamaForCausalLM(nn.Module):
 
 def build_empty_model(spec: ModelSpec, dtype: torch.dtype, device: torch.device | str,
                       tp: TensorParallel = TensorParallel(),
-                      pp: PipelineParallel = PipelineParallel(), quantization: str | None = None) -> LlamaForCausalLM:
+                      pp: PipelineParallel = PipelineParallel(), quantization: str | None = None,
+                      group_size: int | None = None) -> LlamaForCausalLM:
     """The model (this rank's share of it) with uninitialized weights allocated straight on `device` in `dtype`.
 
     Built on the meta device first, so no CPU copy and no init pass happen (an 8B model would spend
     minutes in kaiming init); loaders then fill every parameter. quantization: the weight quantization
-    asked for; a mixture of experts' experts take it here, as codes the loaders fill (model/moe.py),
-    the other linears after the load (quant/apply.py).
+    asked for (group_size: int4's, None for the largest that divides); a mixture of experts'
+    experts take it here, as codes the loaders fill (model/moe.py), the other linears after the
+    load (quant/apply.py).
     """
     check_tensor_parallel_size(spec, tp.size)
     check_pipeline_parallel_size(spec, pp.size)
-    check_moe_combination(spec, tp.size, quantization)
+    check_moe_combination(spec, tp.size)
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"):
             model = LlamaForCausalLM(spec, tp, pp)
-            quantize_experts_on_build(model, quantization)
+            quantize_experts_on_build(model, quantization, group_size)
     finally:
         torch.set_default_dtype(default_dtype)
     model = model.to_empty(device=device)
@@ -245,7 +247,7 @@ class WeightFiller:
     pipeline parallelism a stage skips the tensors of other stages.
     `finish` fails if any parameter row was never written: the model would run on garbage.
     `extra` names more tensors to fill the same way (a quantized layer's codes and scales); int8
-    experts (model/moe.Int8Experts) stand under their float parameters' names, quantizing what they get.
+    experts (model/moe.QuantizedExperts) stand under their float parameters' names, quantizing what they get.
     """
 
     def __init__(self, model: LlamaForCausalLM, extra: dict[str, torch.Tensor] | None = None):
