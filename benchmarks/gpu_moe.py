@@ -20,6 +20,7 @@ Parts (--parts, default kernel,decode,throughput; in this order, one process):
               bandwidth limit counts its 2 routed experts of 8 a layer in int8 with their scales,
               attention, router, norms, lm_head, one embedding row and the KV cache
               (not in the default parts: --parts int8)
+  int4        the same in int4 (groups of 128, ~26 GB; the kernel dequantizes in its tile)
 What to read: decode.qwen3-30b-a3b.mbu_active (the issue asks >= 0.60) and its tok/s beside the
 dense 8B's; kernel.tokens_1.share_of_copy_bandwidth says whether the kernel or the rest of the step
 holds decode back; decode_int8.mixtral-8x7b.decode_tok_s and mbu_active for the int8 MoE.
@@ -43,6 +44,7 @@ from goodserve.ops.triton_moe import triton_fused_moe
 from result_file import write_result
 
 results: dict = {}
+INT4_GROUP = 128  # the engine's choice for Mixtral-8x7B's widths (the largest that divides them)
 
 
 def _time_us(fn) -> float:
@@ -74,10 +76,12 @@ def part_kernel(bandwidth_gbps: float) -> None:
 
 
 def expert_bytes(spec, quantization: str | None) -> int:
-    """One expert's bytes in one layer: bf16, or int8 codes with a float32 scale per output row
-    (model/moe.py Int8Experts)."""
+    """One expert's bytes in one layer: bf16; int8 codes with a float32 scale per output row; int4
+    codes with a float32 scale and zero per group of INT4_GROUP (model/moe.py QuantizedExperts)."""
     if quantization == "int8":
         return spec.expert_params() + (2 * spec.moe_intermediate_size + spec.hidden_size) * 4
+    if quantization == "int4":
+        return spec.expert_params() // 2 + spec.expert_params() // INT4_GROUP * 8
     return spec.expert_params() * 2
 
 
@@ -116,11 +120,12 @@ def main() -> None:
         {"kernel": lambda: part_kernel(bandwidth),
          "decode": lambda: part_decode(bandwidth, ["qwen3-30b-a3b", "qwen3-8b", "llama-3.1-8b"]),
          "throughput": lambda: part_throughput(["qwen3-30b-a3b", "qwen3-8b"]),
-         "int8": lambda: part_decode(bandwidth, ["mixtral-8x7b"], "int8")}[part]()
+         "int8": lambda: part_decode(bandwidth, ["mixtral-8x7b"], "int8"),
+         "int4": lambda: part_decode(bandwidth, ["mixtral-8x7b"], "int4")}[part]()
         results.setdefault("part_seconds", {})[part] = time.perf_counter() - start
         print(part, "done", flush=True)
     print(write_result("gpu_moe.json", results))
-    for key in ("decode", "decode_int8"):
+    for key in ("decode", "decode_int8", "decode_int4"):
         for preset, run in results.get(key, {}).items():
             best = max(r["decode_tok_s"] for r in run["runs"])
             print(f"{key} {preset}: {best:.1f} tok/s, mbu_read {run['mbu_read']:.2f}"

@@ -74,7 +74,8 @@ class QuantizedExperts(nn.Module):
         super().__init__()
         e, h, i = spec.num_experts, spec.hidden_size, spec.moe_intermediate_size
         if method == "int4":
-            group_size = group_size or max(g for g in schemes.INT4_GROUP_SIZES if h % g == 0 and i % g == 0)
+            fitting = [g for g in schemes.INT4_GROUP_SIZES if h % g == 0 and i % g == 0]
+            group_size = group_size or max(fitting, default=min(schemes.INT4_GROUP_SIZES))  # none: refused below
             schemes.check_group_size(h, group_size, "the experts' gate and up projections")
             schemes.check_group_size(i, group_size, "the experts' down projection")
         self.method, self.group_size, self.columns = method, group_size, {"w13": h, "w2": i}
