@@ -236,7 +236,8 @@ def architecture(reader: gguf.GGUFReader) -> str:
 def load_gguf(path: Path, dtype: torch.dtype, device: torch.device, keep_quantization: bool = False,
               tp: TensorParallel = TensorParallel(),
               pp: PipelineParallel = PipelineParallel(),
-              quantization: str | None = None, group_size: int | None = None) -> tuple[ModelSpec, LlamaForCausalLM, Tokenizer]:
+              quantization: str | None = None,
+              group_size: int | None = None) -> tuple[ModelSpec, LlamaForCausalLM, Tokenizer]:
     reader = open_gguf(path)
     spec = gguf_spec(reader, name=path.stem)
     tokenizer = gguf_tokenizer(reader)

@@ -186,7 +186,8 @@ def read_hf_spec(path: Path) -> ModelSpec:
 def load_hf(path: Path, dtype: torch.dtype, device: torch.device,
             tp: TensorParallel = TensorParallel(),
             pp: PipelineParallel = PipelineParallel(),
-            quantization: str | None = None, group_size: int | None = None) -> tuple[ModelSpec, LlamaForCausalLM, Tokenizer | None]:
+            quantization: str | None = None,
+            group_size: int | None = None) -> tuple[ModelSpec, LlamaForCausalLM, Tokenizer | None]:
     spec = read_hf_spec(path)
     files = safetensors_files(path)
     tokenizer = hf_tokenizer(path, spec)

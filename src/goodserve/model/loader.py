@@ -51,7 +51,8 @@ def load_model(name: str, dtype: torch.dtype, device: torch.device | str, seed: 
     if path is None:
         return _load_dummy(name.removeprefix(DUMMY_PREFIX), dtype, device, seed, tp, pp, quantization, group_size)
     if is_gguf:
-        spec, model, tokenizer = load_gguf(path, dtype, device, keep_gguf_quantization, tp, pp, quantization, group_size)
+        spec, model, tokenizer = load_gguf(path, dtype, device, keep_gguf_quantization, tp, pp, quantization,
+                                           group_size)
         if name == EMBEDDED_MODEL:
             spec = replace(spec, name=EMBEDDED_MODEL)
         return LoadedModel(spec, model, tokenizer, source=str(path), revision=_files_digest([path]))

@@ -177,7 +177,7 @@ def _grouped_gemm(a: torch.Tensor, b: Stack, num_experts: int, out: torch.Tensor
     """out [num_pairs, N] = a's rows @ the [N, K] weight of each pair's expert in stack b."""
     codes = getattr(b, "qweight", b)
     n, k = stack_rows(b) // num_experts, a.shape[1]
-    b_format = (INT4 if isinstance(b, schemes.Int4Weight) else INT8 if isinstance(b, schemes.Int8Weight) else FLOAT).value
+    b_format = {schemes.Int4Weight: INT4, schemes.Int8Weight: INT8}.get(type(b), FLOAT).value
     block_n, block_k = 64, 64
     grid = (block_experts.numel(), triton.cdiv(n, block_n))
     _grouped_gemm_kernel[grid](
