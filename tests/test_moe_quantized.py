@@ -1,8 +1,8 @@
-"""Int8 experts (model/moe.py Int8Experts, per-row scales): the fused MoE kernel under
-TRITON_INTERPRET=1 and the CPU path against test_triton_moe's per-token reference run on the
-dequantized weights; quantizing while filling in row blocks; and tiny Mixtral / Qwen3-MoE models
-with --quantization int8 against transformers running the same models with every quantized weight
-(attention projections, experts) replaced by its dequantized value."""
+"""Quantized experts (model/moe.py QuantizedExperts: int8 per row, int4 per group): the fused MoE
+kernel under TRITON_INTERPRET=1 and the CPU path against test_triton_moe's per-token reference run
+on the dequantized weights; quantizing while filling in row blocks; and tiny Mixtral / Qwen3-MoE
+models with --quantization int8 / int4 against transformers running the same models with every
+quantized weight (attention projections, experts) replaced by its dequantized value."""
 
 from __future__ import annotations
 

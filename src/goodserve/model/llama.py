@@ -246,7 +246,7 @@ class WeightFiller:
     Tensors come whole (as at TP=1); under tensor parallelism each rank copies its slice of them, under
     pipeline parallelism a stage skips the tensors of other stages.
     `finish` fails if any parameter row was never written: the model would run on garbage.
-    `extra` names more tensors to fill the same way (a quantized layer's codes and scales); int8
+    `extra` names more tensors to fill the same way (a quantized layer's codes and scales); quantized
     experts (model/moe.QuantizedExperts) stand under their float parameters' names, quantizing what they get.
     """
 

@@ -88,8 +88,9 @@ class QuantizedExperts(nn.Module):
 
     def _stack(self, name: str) -> schemes.Int8Weight | schemes.Int4Weight:
         parts = {part: self._buffers[f"{name}_{part}"] for part in schemes.CODE_PARTS[self.method]}
-        return schemes.Int8Weight(**parts) if self.method == "int8" else schemes.Int4Weight(**parts,
-                                                                                            group_size=self.group_size)
+        if self.method == "int8":
+            return schemes.Int8Weight(**parts)
+        return schemes.Int4Weight(**parts, group_size=self.group_size)
 
     def row_writers(self) -> dict[str, QuantizedRows]:
         """The float parameters' names (as Experts has them) -> where a loader writes their rows."""
