@@ -1,5 +1,6 @@
 """Mixture of experts on the GPU: the fused MoE kernel (ops/triton_moe.py) and a Qwen3-30B-A3B-shaped
-dummy model's decode against its bandwidth limit, beside a dense 8B, in one call.
+dummy model's decode against its bandwidth limit, beside a dense 8B, in one call; and a Mixtral-8x7B
+shaped one in int8 (93 GB in bf16: it fits an 80 GB card only so).
 
 Correctness is the GPU gate's (tests/gpu/test_gpu_families.py); speed is here.
 Parts (--parts, default kernel,decode,throughput; in this order, one process):
@@ -14,9 +15,16 @@ Parts (--parts, default kernel,decode,throughput; in this order, one process):
               its 8 routed experts a layer (not the other 120), one embedding row, the KV cache
   throughput  500 requests with ShareGPT-like lengths (gpu_engine's workload), offline, output tok/s,
               for dummy:qwen3-30b-a3b and dummy:qwen3-8b
+  int8        batch-1 decode as `decode` of dummy:mixtral-8x7b with --quantization int8 (experts
+              quantized per output row while loading, attention and lm_head int8 too, ~47 GB): the
+              bandwidth limit counts its 2 routed experts of 8 a layer in int8 with their scales,
+              attention, router, norms, lm_head, one embedding row and the KV cache
+              (not in the default parts: --parts int8)
+  int4        the same in int4 (groups of 128, ~26 GB; the kernel dequantizes in its tile)
 What to read: decode.qwen3-30b-a3b.mbu_active (the issue asks >= 0.60) and its tok/s beside the
 dense 8B's; kernel.tokens_1.share_of_copy_bandwidth says whether the kernel or the rest of the step
-holds decode back. Writes $OUT/gpu_moe.json.
+holds decode back; decode_int8.mixtral-8x7b.decode_tok_s and mbu_active for the int8 MoE.
+Writes $OUT/gpu_moe.json.
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ from goodserve.ops.triton_moe import triton_fused_moe
 from result_file import write_result
 
 results: dict = {}
+INT4_GROUP = 128  # the engine's choice for Mixtral-8x7B's widths (the largest that divides them)
 
 
 def _time_us(fn) -> float:
@@ -66,18 +75,28 @@ def part_kernel(bandwidth_gbps: float) -> None:
         results.setdefault("kernel", {})[f"tokens_{tokens}"] = row
 
 
-def part_decode(bandwidth_gbps: float, presets: list[str]) -> None:
+def expert_bytes(spec, quantization: str | None) -> int:
+    """One expert's bytes in one layer: bf16; int8 codes with a float32 scale per output row; int4
+    codes with a float32 scale and zero per group of INT4_GROUP (model/moe.py QuantizedExperts)."""
+    if quantization == "int8":
+        return spec.expert_params() + (2 * spec.moe_intermediate_size + spec.hidden_size) * 4
+    if quantization == "int4":
+        return spec.expert_params() // 2 + spec.expert_params() // INT4_GROUP * 8
+    return spec.expert_params() * 2
+
+
+def part_decode(bandwidth_gbps: float, presets: list[str], quantization: str | None = None) -> None:
     for preset in presets:
-        gpu_engine.part_decode(bandwidth_gbps, f"dummy:{preset}", tag=f"_{preset}")
-        run = gpu_engine.results.pop(f"decode_{preset}")
+        gpu_engine.part_decode(bandwidth_gbps, f"dummy:{preset}", quantization, tag=f"_{preset}")
+        run = gpu_engine.results.pop(f"decode{'_' + quantization if quantization else ''}_{preset}")
         spec = get_preset(preset)
         if spec.is_moe:  # the experts no token of the step was routed to are not read
-            unread = spec.num_layers * (spec.num_experts - spec.num_experts_per_tok) * spec.expert_params() * 2
+            unread = spec.num_layers * (spec.num_experts - spec.num_experts_per_tok) * expert_bytes(spec, quantization)
             active = run["step_read_bytes"] - unread
             step_s = 1 / max(r["decode_tok_s"] for r in run["runs"])
             run |= {"step_read_bytes_active": active, "bandwidth_limit_active_tok_s": bandwidth_gbps * 1e9 / active,
                     "mbu_active": active / step_s / (bandwidth_gbps * 1e9)}
-        results.setdefault("decode", {})[preset] = run
+        results.setdefault("decode" if quantization is None else f"decode_{quantization}", {})[preset] = run
 
 
 def part_throughput(presets: list[str]) -> None:
@@ -100,14 +119,18 @@ def main() -> None:
         start = time.perf_counter()
         {"kernel": lambda: part_kernel(bandwidth),
          "decode": lambda: part_decode(bandwidth, ["qwen3-30b-a3b", "qwen3-8b", "llama-3.1-8b"]),
-         "throughput": lambda: part_throughput(["qwen3-30b-a3b", "qwen3-8b"])}[part]()
+         "throughput": lambda: part_throughput(["qwen3-30b-a3b", "qwen3-8b"]),
+         "int8": lambda: part_decode(bandwidth, ["mixtral-8x7b"], "int8"),
+         "int4": lambda: part_decode(bandwidth, ["mixtral-8x7b"], "int4")}[part]()
         results.setdefault("part_seconds", {})[part] = time.perf_counter() - start
         print(part, "done", flush=True)
     print(write_result("gpu_moe.json", results))
-    for preset, run in results.get("decode", {}).items():
-        best = max(r["decode_tok_s"] for r in run["runs"])
-        print(f"decode {preset}: {best:.1f} tok/s, mbu_read {run['mbu_read']:.2f}"
-              + (f", mbu_active {run['mbu_active']:.2f}" if "mbu_active" in run else ""))
+    for key in ("decode", "decode_int8", "decode_int4"):
+        for preset, run in results.get(key, {}).items():
+            best = max(r["decode_tok_s"] for r in run["runs"])
+            print(f"{key} {preset}: {best:.1f} tok/s, mbu_read {run['mbu_read']:.2f}"
+                  + (f", mbu_active {run['mbu_active']:.2f}, limit {run['bandwidth_limit_active_tok_s']:.0f} tok/s"
+                     if "mbu_active" in run else ""))
     for preset, run in results.get("throughput_sharegpt_like", {}).items():
         print(f"sharegpt-like 500 requests {preset}: {run['output_tok_s']:.0f} output tok/s")
 

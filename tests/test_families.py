@@ -322,7 +322,9 @@ def test_settings_a_family_lacks_are_refused(tmp_path: Path, family: str, settin
 
 
 @pytest.mark.parametrize(("settings", "message"), [
-    ({"quantization": "int8"}, "weight quantization \\(int8\\) of its experts"),
+    ({"quantization": "int4", "quantization_group_size": 32}, "does not divide the experts' down projection's input dimension 112"),
+    ({"quantization": "int4"}, "does not divide the experts' down projection's input dimension 112"),  # no size divides 112 and 64
+    ({"quantization": "int8", "quantization_awq": True}, "quantization_awq is not supported"),
     ({"tensor_parallel_size": 2}, "--tensor-parallel-size > 1"),
 ])
 def test_moe_refuses_what_it_cannot_combine_with(tmp_path: Path, settings: dict, message: str):

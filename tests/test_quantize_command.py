@@ -29,3 +29,10 @@ def test_quantize_refuses_an_output_folder_that_does_not_exist(tmp_path, capsys)
     code = main(["quantize", "--model", "dummy:tiny", "--quantization", "int8",
                  "--output", str(tmp_path / "missing" / "x.safetensors")])
     assert code == 2 and "folder does not exist" in capsys.readouterr().err
+
+
+def test_quantize_refuses_a_mixture_of_experts(tmp_path, capsys):
+    code = main(["quantize", "--model", "dummy:tiny-moe", "--quantization", "int8",
+                 "--output", str(tmp_path / "x.safetensors")])
+    assert code == 2 and "mixture of experts" in capsys.readouterr().err
+    assert not (tmp_path / "x.safetensors").exists()

@@ -36,6 +36,11 @@ def run(args: argparse.Namespace) -> int:
 
     if not Path(args.output).expanduser().parent.is_dir():
         raise InvalidRequestError(f"cannot write {args.output}: its folder does not exist")
+    from goodserve.model.loader import load_spec
+
+    if load_spec(args.model).is_moe:  # the checkpoint format holds linears, not stacked experts
+        raise InvalidRequestError(f"{args.model} is a mixture of experts: a quantized checkpoint cannot hold its "
+                                  "experts; serve it with --quantization int8 or int4, which quantizes them while loading")
 
     from goodserve.config import EngineConfig
     from goodserve.engine.config_resolution import resolve_for_device, torch_dtype

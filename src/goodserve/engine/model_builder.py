@@ -31,7 +31,8 @@ def build_model(config: EngineConfig, tp: TensorParallel = TensorParallel(),
     torch.manual_seed(config.seed)
     kernels = choose_kernels(config.attention_backend, config.kernels, device)
     loaded = load_model(config.model, torch_dtype(config), device, seed=config.seed,
-                        keep_gguf_quantization=config.quantization == "gguf", tp=tp, pp=pp)
+                        keep_gguf_quantization=config.quantization == "gguf", tp=tp, pp=pp,
+                        quantization=config.quantization, group_size=config.quantization_group_size)
     apply_quantization(loaded, config)
     specialize_linears(loaded.model, device, config, kernels)
     use_kernels(loaded.model, kernels)
@@ -49,10 +50,11 @@ def apply_quantization(loaded: LoadedModel, config: EngineConfig) -> None:
     (quantization 'gguf' happens in the loader: the file's own codes.)"""
     if config.quantization == "gguf":
         return
-    if loaded.spec.is_moe and (config.quantization or config.quantized_checkpoint):
-        # Only the attention and dense linears would be quantized: the experts, most of the bytes, not.
-        raise InvalidRequestError(f"{loaded.spec.name} is a mixture of experts: weight quantization "
-                                  f"({config.quantization or 'a quantized checkpoint'}) of its experts is not supported")
+    # The experts took their codes while loading (model/moe.py); the attention linears (and lm_head) take them here.
+    if loaded.spec.is_moe and (config.quantized_checkpoint or config.quantization_awq):
+        raise InvalidRequestError(f"{loaded.spec.name} is a mixture of experts: "
+                                  f"{'a quantized checkpoint' if config.quantized_checkpoint else 'quantization_awq'} "
+                                  "is not supported for it; use --quantization int8 or int4")
     if config.quantized_checkpoint:
         from goodserve.quant.checkpoint import load_quantized_into
 

@@ -39,7 +39,8 @@ def init_random_weights(model: LlamaForCausalLM, seed: int) -> None:
 
 
 def load_dummy(spec: ModelSpec, dtype: torch.dtype, device: torch.device, seed: int,
-               tp: TensorParallel = TensorParallel(), pp: PipelineParallel = PipelineParallel()) -> LlamaForCausalLM:
-    model = build_empty_model(spec, dtype, device, tp, pp)
+               tp: TensorParallel = TensorParallel(), pp: PipelineParallel = PipelineParallel(),
+               quantization: str | None = None, group_size: int | None = None) -> LlamaForCausalLM:
+    model = build_empty_model(spec, dtype, device, tp, pp, quantization, group_size)
     init_random_weights(model, seed)
     return model

@@ -235,10 +235,12 @@ def architecture(reader: gguf.GGUFReader) -> str:
 
 def load_gguf(path: Path, dtype: torch.dtype, device: torch.device, keep_quantization: bool = False,
               tp: TensorParallel = TensorParallel(),
-              pp: PipelineParallel = PipelineParallel()) -> tuple[ModelSpec, LlamaForCausalLM, Tokenizer]:
+              pp: PipelineParallel = PipelineParallel(),
+              quantization: str | None = None,
+              group_size: int | None = None) -> tuple[ModelSpec, LlamaForCausalLM, Tokenizer]:
     reader = open_gguf(path)
     spec = gguf_spec(reader, name=path.stem)
     tokenizer = gguf_tokenizer(reader)
-    model = build_empty_model(spec, dtype, device, tp, pp)
+    model = build_empty_model(spec, dtype, device, tp, pp, quantization, group_size)
     load_gguf_weights(model, reader, architecture(reader), keep_quantization)
     return spec, model, tokenizer

@@ -185,10 +185,12 @@ def read_hf_spec(path: Path) -> ModelSpec:
 
 def load_hf(path: Path, dtype: torch.dtype, device: torch.device,
             tp: TensorParallel = TensorParallel(),
-            pp: PipelineParallel = PipelineParallel()) -> tuple[ModelSpec, LlamaForCausalLM, Tokenizer | None]:
+            pp: PipelineParallel = PipelineParallel(),
+            quantization: str | None = None,
+            group_size: int | None = None) -> tuple[ModelSpec, LlamaForCausalLM, Tokenizer | None]:
     spec = read_hf_spec(path)
     files = safetensors_files(path)
     tokenizer = hf_tokenizer(path, spec)
-    model = build_empty_model(spec, dtype, device, tp, pp)
+    model = build_empty_model(spec, dtype, device, tp, pp, quantization, group_size)
     load_hf_weights(model, files)
     return spec, model, tokenizer

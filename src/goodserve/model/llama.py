@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from goodserve.errors import ModelLoadError
-from goodserve.model.moe import SparseMoE, check_moe_combination
+from goodserve.model.moe import SparseMoE, check_moe_combination, quantize_experts_on_build
 from goodserve.model.pipeline_parallel import PipelineParallel, check_pipeline_parallel_size
 from goodserve.model.spec import ModelSpec
 from goodserve.model.tensor_parallel import TensorParallel, check_tensor_parallel_size
@@ -211,11 +211,15 @@ class LlamaForCausalLM(nn.Module):
 
 def build_empty_model(spec: ModelSpec, dtype: torch.dtype, device: torch.device | str,
                       tp: TensorParallel = TensorParallel(),
-                      pp: PipelineParallel = PipelineParallel()) -> LlamaForCausalLM:
+                      pp: PipelineParallel = PipelineParallel(), quantization: str | None = None,
+                      group_size: int | None = None) -> LlamaForCausalLM:
     """The model (this rank's share of it) with uninitialized weights allocated straight on `device` in `dtype`.
 
     Built on the meta device first, so no CPU copy and no init pass happen (an 8B model would spend
-    minutes in kaiming init); loaders then fill every parameter.
+    minutes in kaiming init); loaders then fill every parameter. quantization: the weight quantization
+    asked for (group_size: int4's, None for the largest that divides); a mixture of experts'
+    experts take it here, as codes the loaders fill (model/moe.py), the other linears after the
+    load (quant/apply.py).
     """
     check_tensor_parallel_size(spec, tp.size)
     check_pipeline_parallel_size(spec, pp.size)
@@ -225,6 +229,7 @@ def build_empty_model(spec: ModelSpec, dtype: torch.dtype, device: torch.device 
     try:
         with torch.device("meta"):
             model = LlamaForCausalLM(spec, tp, pp)
+            quantize_experts_on_build(model, quantization, group_size)
     finally:
         torch.set_default_dtype(default_dtype)
     model = model.to_empty(device=device)
@@ -241,13 +246,16 @@ class WeightFiller:
     Tensors come whole (as at TP=1); under tensor parallelism each rank copies its slice of them, under
     pipeline parallelism a stage skips the tensors of other stages.
     `finish` fails if any parameter row was never written: the model would run on garbage.
-    `extra` names more tensors to fill the same way (a quantized layer's codes and scales).
+    `extra` names more tensors to fill the same way (a quantized layer's codes and scales); quantized
+    experts (model/moe.QuantizedExperts) stand under their float parameters' names, quantizing what they get.
     """
 
     def __init__(self, model: LlamaForCausalLM, extra: dict[str, torch.Tensor] | None = None):
         self.spec, self.tp, self.pp = model.spec, model.tp, model.pp
         # A tied lm_head appears once, as the embedding.
-        self.params = dict(model.named_parameters()) | (extra or {})
+        writers = {f"{path}.{name}": rows for path, module in model.named_modules()
+                   if hasattr(module, "row_writers") for name, rows in module.row_writers().items()}
+        self.params = dict(model.named_parameters()) | writers | (extra or {})
         self.shard_rows = _fused_rows(model.tp.local_spec(model.spec))
         self.rows_filled = dict.fromkeys(self.params, 0)
 

@@ -35,10 +35,12 @@ class LoadedModel:
 
 def load_model(name: str, dtype: torch.dtype, device: torch.device | str, seed: int = 0,
                keep_gguf_quantization: bool = False, tp: TensorParallel = TensorParallel(),
-               pp: PipelineParallel = PipelineParallel()) -> LoadedModel:
+               pp: PipelineParallel = PipelineParallel(), quantization: str | None = None,
+               group_size: int | None = None) -> LoadedModel:
     """keep_gguf_quantization: a GGUF model's Q4_0 / Q4_1 / Q8_0 linears keep the file's codes
     (model/gguf_loader.py); any other model is refused. tp, pp: which rank's share to load (all of it
-    at TP=1, PP=1)."""
+    at TP=1, PP=1). quantization (group_size: int4's): the weight quantization to come, which a
+    mixture of experts' experts take while they load (model/moe.py)."""
     device = torch.device(device)
     path = model_path(name)
     is_gguf = gguf_model_path(name) is not None
@@ -47,14 +49,15 @@ def load_model(name: str, dtype: torch.dtype, device: torch.device | str, seed: 
             f"quantization 'gguf' keeps a GGUF file's own quantized weights, but {name!r} is not a GGUF "
             f"model: use '{EMBEDDED_MODEL}' or a .gguf file, or --quantization int8 / int4")
     if path is None:
-        return _load_dummy(name.removeprefix(DUMMY_PREFIX), dtype, device, seed, tp, pp)
+        return _load_dummy(name.removeprefix(DUMMY_PREFIX), dtype, device, seed, tp, pp, quantization, group_size)
     if is_gguf:
-        spec, model, tokenizer = load_gguf(path, dtype, device, keep_gguf_quantization, tp, pp)
+        spec, model, tokenizer = load_gguf(path, dtype, device, keep_gguf_quantization, tp, pp, quantization,
+                                           group_size)
         if name == EMBEDDED_MODEL:
             spec = replace(spec, name=EMBEDDED_MODEL)
         return LoadedModel(spec, model, tokenizer, source=str(path), revision=_files_digest([path]))
     if is_hf_model_dir(path):
-        spec, model, tokenizer = load_hf(path, dtype, device, tp, pp)
+        spec, model, tokenizer = load_hf(path, dtype, device, tp, pp, quantization, group_size)
         files = [path / "config.json", *safetensors_files(path)]
         return LoadedModel(spec, model, tokenizer, source=str(path), revision=_files_digest(files))
     raise ModelLoadError(f"cannot load model {name!r}: expected {ACCEPTED_FORMS}")
@@ -74,9 +77,10 @@ def load_spec(name: str) -> ModelSpec:
 
 
 def _load_dummy(preset: str, dtype: torch.dtype, device: torch.device, seed: int,
-                tp: TensorParallel, pp: PipelineParallel) -> LoadedModel:
+                tp: TensorParallel, pp: PipelineParallel, quantization: str | None,
+                group_size: int | None) -> LoadedModel:
     spec = get_preset(preset)
-    model = load_dummy(spec, dtype, device, seed, tp, pp)
+    model = load_dummy(spec, dtype, device, seed, tp, pp, quantization, group_size)
     tokenizer = dummy_tokenizer(spec)
     return LoadedModel(spec, model, tokenizer, source=f"{DUMMY_PREFIX}{preset}", revision=f"dummy-{preset}-seed{seed}")
 

@@ -1,7 +1,10 @@
 """The mixture-of-experts block that replaces the MLP in Mixtral and Qwen3-MoE layers.
 
 Parameter names follow the checkpoints' where they can (`gate` is the router); the experts are
-stacked into two parameters (ops/moe.py's layout) that the loaders fill expert by expert.
+stacked into two parameters (ops/moe.py's layout) that the loaders fill expert by expert. With
+--quantization int8 / int4 the stacks are codes with their scales (quant/schemes.py), built before
+the load and written row block by row block as the loaders fill them (QuantizedRows): the float
+experts never exist whole on the device (Mixtral-8x7B's are 90 GB in bf16, 45 GB in int8).
 """
 
 from __future__ import annotations
@@ -13,6 +16,10 @@ from goodserve.errors import InvalidRequestError
 from goodserve.model.spec import ModelSpec
 from goodserve.ops.kernel_choice import TORCH_KERNELS
 from goodserve.ops.moe import moe_torch, route
+from goodserve.quant import schemes
+
+EXPERT_QUANTIZATIONS = ("int8", "int4")
+QUANTIZE_CHUNK_BYTES = 64 << 20  # float32 rows quantized at once while filling (bounds the load's extra memory)
 
 
 def check_moe_combination(spec: ModelSpec, tensor_parallel_size: int) -> None:
@@ -30,20 +37,91 @@ class Experts(nn.Module):
         self.w13 = nn.Parameter(torch.empty(e * 2 * i, h))
         self.w2 = nn.Parameter(torch.empty(e * h, i))
 
+    def stacks(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w13, w2) as the MoE ops take them (ops/moe.py)."""
+        return self.w13, self.w2
+
+
+class QuantizedRows:
+    """Rows of a quantized matrix, written as float: each row block is quantized as it is copied in
+    (int8's scales run per row and int4's groups along it, so the codes do not depend on the blocks).
+    Stands for a float parameter in model/llama.WeightFiller, which slices rows, reads .shape and
+    calls copy_."""
+
+    def __init__(self, weight: schemes.Int8Weight | schemes.Int4Weight, columns: int):
+        self.weight, self.columns = weight, columns  # columns: of the float matrix (int4 packs two a byte)
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.weight.qweight.shape[0], self.columns))
+
+    def __getitem__(self, rows: slice) -> QuantizedRows:
+        return QuantizedRows(schemes.rows_of(self.weight, rows), self.columns)
+
+    def copy_(self, tensor: torch.Tensor) -> None:
+        chunk = max(1, QUANTIZE_CHUNK_BYTES // (4 * tensor.shape[1]))
+        for start in range(0, tensor.shape[0], chunk):
+            rows = slice(start, start + chunk)
+            codes = schemes.quantize_like(self.weight, tensor[rows].to(self.weight.qweight.device))
+            schemes.copy_rows(schemes.rows_of(self.weight, rows), codes)
+
+
+class QuantizedExperts(nn.Module):
+    """Experts' stacks as codes with their scales (and int4's zeros), quant/schemes.py's layouts with
+    the experts' rows one after another."""
+
+    def __init__(self, spec: ModelSpec, method: str, group_size: int | None):
+        super().__init__()
+        e, h, i = spec.num_experts, spec.hidden_size, spec.moe_intermediate_size
+        if method == "int4":
+            fitting = [g for g in schemes.INT4_GROUP_SIZES if h % g == 0 and i % g == 0]
+            group_size = group_size or max(fitting, default=min(schemes.INT4_GROUP_SIZES))  # none: refused below
+            schemes.check_group_size(h, group_size, "the experts' gate and up projections")
+            schemes.check_group_size(i, group_size, "the experts' down projection")
+        self.method, self.group_size, self.columns = method, group_size, {"w13": h, "w2": i}
+        for name, rows, cols in (("w13", e * 2 * i, h), ("w2", e * h, i)):
+            for part, tensor in schemes.empty_codes(method, rows, cols, group_size).items():
+                self.register_buffer(f"{name}_{part}", tensor)
+
+    def stacks(self) -> tuple[schemes.Int8Weight | schemes.Int4Weight, schemes.Int8Weight | schemes.Int4Weight]:
+        return self._stack("w13"), self._stack("w2")
+
+    def _stack(self, name: str) -> schemes.Int8Weight | schemes.Int4Weight:
+        parts = {part: self._buffers[f"{name}_{part}"] for part in schemes.CODE_PARTS[self.method]}
+        if self.method == "int8":
+            return schemes.Int8Weight(**parts)
+        return schemes.Int4Weight(**parts, group_size=self.group_size)
+
+    def row_writers(self) -> dict[str, QuantizedRows]:
+        """The float parameters' names (as Experts has them) -> where a loader writes their rows."""
+        return {name: QuantizedRows(self._stack(name), columns) for name, columns in self.columns.items()}
+
+
+def quantize_experts_on_build(model: nn.Module, quantization: str | None, group_size: int | None) -> None:
+    """Swap every SparseMoE's float Experts for QuantizedExperts (on the meta device, before
+    allocation), refusing a group size that does not fit before any memory is taken."""
+    if quantization not in EXPERT_QUANTIZATIONS:
+        return
+    for module in model.modules():
+        if isinstance(module, SparseMoE):
+            module.experts = QuantizedExperts(module.spec, quantization, group_size)
+
 
 class SparseMoE(nn.Module):
     def __init__(self, spec: ModelSpec):
         super().__init__()
+        self.spec = spec
         self.top_k, self.renormalize = spec.num_experts_per_tok, spec.norm_topk_prob
         self.gate = nn.Linear(spec.hidden_size, spec.num_experts, bias=False)
         self.experts = Experts(spec)
         self.kernels = TORCH_KERNELS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w13, w2 = self.experts.stacks()
         if self.kernels.triton:
             from goodserve.ops.triton_moe import triton_fused_moe, triton_route
 
             weights, ids = triton_route(self.gate(x), self.top_k, self.renormalize)
-            return triton_fused_moe(x, self.experts.w13, self.experts.w2, weights, ids, self.kernels)
+            return triton_fused_moe(x, w13, w2, weights, ids, self.kernels)
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
-        return moe_torch(x, self.experts.w13, self.experts.w2, weights, ids, self.kernels)
+        return moe_torch(x, w13, w2, weights, ids, self.kernels)

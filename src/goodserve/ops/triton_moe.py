@@ -6,7 +6,10 @@ launch and no host synchronisation (the sort is on the device and sized by the t
 so a CUDA graph captures it).
 
 Computes ops/moe.py's moe_torch (the reference), the router weights applied to the down projection's
-rows before the sum over slots.
+rows before the sum over slots. Quantized stacks (model/moe.QuantizedExperts): the kernel loads the
+codes (half / a quarter of bf16's bytes). Int8 codes go to the dot in the activation dtype (exact
+there) and each output column's scale, which factors out of the sum over K, multiplies the float32
+accumulator; int4 codes are dequantized in the tile (scale and zero per group along K).
 """
 
 from __future__ import annotations
@@ -17,15 +20,24 @@ import triton.language as tl
 
 from goodserve.ops.activation import silu_and_mul
 from goodserve.ops.kernel_choice import KernelChoice
+from goodserve.ops.moe import Stack, stack_rows
+from goodserve.quant import schemes
+
+FLOAT, INT8, INT4 = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)  # _grouped_gemm_kernel's B_FORMAT
 
 
 @triton.jit
-def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, weights_ptr, sorted_pairs_ptr, block_experts_ptr, num_padded_ptr,
-                         n, k, num_pairs, stride_a, stride_be, stride_bn, stride_c,
-                         A_ROW_DIVISOR: tl.constexpr, MUL_WEIGHTS: tl.constexpr, PRECISION: tl.constexpr,
-                         UPCAST_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, weights_ptr, scales_ptr, zeros_ptr, sorted_pairs_ptr, block_experts_ptr,
+                         num_padded_ptr, n, k, num_pairs, stride_a, stride_be, stride_bn, stride_c,
+                         A_ROW_DIVISOR: tl.constexpr, MUL_WEIGHTS: tl.constexpr, B_FORMAT: tl.constexpr,
+                         GROUP_SIZE: tl.constexpr, PACK: tl.constexpr, PRECISION: tl.constexpr,
+                         UPCAST_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr):
     """C[pair] = A[pair // A_ROW_DIVISOR] @ B[expert].T (times the pair's router weight) for one
-    block of sorted pairs and one tile of N. Pairs are token * top_k + slot; padding is num_pairs."""
+    block of sorted pairs and one tile of N. Pairs are token * top_k + slot; padding is num_pairs.
+    B_FORMAT: FLOAT; INT8 (B[expert] = codes * scales[expert * n + column]); INT4 (two codes a byte,
+    even column low, B = code * scale + zero per group of GROUP_SIZE columns, quant/schemes.py).
+    PACK: codes a byte of B (2 for INT4)."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
@@ -33,25 +45,37 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, weights_ptr, sorted_pairs_ptr, blo
     valid = pairs < num_pairs
     expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_n = cols < n
+    weight_rows = expert * n + cols.to(tl.int64)  # the columns' rows in the stack (scales' index)
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + (pairs // A_ROW_DIVISOR).to(tl.int64)[:, None] * stride_a + offs_k[None, :]
-    b_ptrs = b_ptr + expert * stride_be + cols.to(tl.int64)[None, :] * stride_bn + offs_k[:, None]
+    b_ptrs = b_ptr + expert * stride_be + cols.to(tl.int64)[None, :] * stride_bn + (offs_k // PACK)[:, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, k, BLOCK_K):
         in_k = offs_k + k0 < k
         a = tl.load(a_ptrs, mask=valid[:, None] & in_k[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=in_k[:, None] & (cols[None, :] < n), other=0.0)
-        if UPCAST_DOT:  # the interpreter's bf16 dot is wrong: float32 operands on the CPU
+        b = tl.load(b_ptrs, mask=in_k[:, None] & in_n[None, :], other=0)
+        if B_FORMAT == INT4:
+            codes = (b.to(tl.int32) >> ((offs_k % 2) * 4)[:, None]) & 0xF
+            groups = weight_rows[None, :] * (k // GROUP_SIZE) + ((offs_k + k0) // GROUP_SIZE)[:, None]
+            in_tile = in_k[:, None] & in_n[None, :]
+            b = codes.to(tl.float32) * tl.load(scales_ptr + groups, mask=in_tile, other=0.0) \
+                + tl.load(zeros_ptr + groups, mask=in_tile, other=0.0)
+        if UPCAST_DOT:  # the interpreter's bf16 dot (and casts to bf16) are wrong: float32 operands on the CPU
             a, b = a.to(tl.float32), b.to(tl.float32)
+        elif B_FORMAT != FLOAT:
+            b = b.to(a.dtype)
         acc += tl.dot(a, b, input_precision=PRECISION)
         a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K // PACK
+    if B_FORMAT == INT8:  # a row's scale factors out of its sum over K
+        acc *= tl.load(scales_ptr + weight_rows, mask=in_n, other=0.0)[None, :]
     out = acc.to(c_ptr.dtype.element_ty)
     if MUL_WEIGHTS:  # as the reference: the expert's output and its weight rounded, then multiplied
         weight = tl.load(weights_ptr + pairs, mask=valid, other=0.0).to(c_ptr.dtype.element_ty)
         out = (out.to(tl.float32) * weight[:, None].to(tl.float32)).to(c_ptr.dtype.element_ty)
     c_ptrs = c_ptr + pairs.to(tl.int64)[:, None] * stride_c + cols[None, :]
-    tl.store(c_ptrs, out, mask=valid[:, None] & (cols[None, :] < n))
+    tl.store(c_ptrs, out, mask=valid[:, None] & in_n[None, :])
 
 
 @triton.jit
@@ -147,34 +171,38 @@ def sort_pairs_by_expert(ids: torch.Tensor, num_experts: int, block_m: int
     return sorted_pairs, block_experts, num_padded
 
 
-def _grouped_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, sorted_pairs: torch.Tensor,
+def _grouped_gemm(a: torch.Tensor, b: Stack, num_experts: int, out: torch.Tensor, sorted_pairs: torch.Tensor,
                   block_experts: torch.Tensor, num_padded: torch.Tensor, num_pairs: int, a_row_divisor: int,
                   block_m: int, weights: torch.Tensor | None = None) -> None:
-    """out [num_pairs, N] = a's rows @ b [E, N, K] of each pair's expert."""
-    n, k = b.shape[1], b.shape[2]
+    """out [num_pairs, N] = a's rows @ the [N, K] weight of each pair's expert in stack b."""
+    codes = getattr(b, "qweight", b)
+    n, k = stack_rows(b) // num_experts, a.shape[1]
+    b_format = {schemes.Int4Weight: INT4, schemes.Int8Weight: INT8}.get(type(b), FLOAT).value
     block_n, block_k = 64, 64
     grid = (block_experts.numel(), triton.cdiv(n, block_n))
     _grouped_gemm_kernel[grid](
-        a, b, out, weights if weights is not None else out, sorted_pairs, block_experts, num_padded,
-        n, k, num_pairs, a.stride(0), b.stride(0), b.stride(1), out.stride(0),
-        A_ROW_DIVISOR=a_row_divisor, MUL_WEIGHTS=weights is not None,
+        a, codes, out, weights if weights is not None else out, getattr(b, "scales", out), getattr(b, "zeros", out),
+        sorted_pairs, block_experts, num_padded, n, k, num_pairs, a.stride(0), n * codes.stride(0), codes.stride(0),
+        out.stride(0), A_ROW_DIVISOR=a_row_divisor, MUL_WEIGHTS=weights is not None, B_FORMAT=b_format,
+        GROUP_SIZE=getattr(b, "group_size", 1), PACK=2 if b_format == INT4.value else 1,
         PRECISION="ieee" if a.dtype == torch.float32 or not a.is_cuda else None,  # float32 stays exact (no TF32)
         UPCAST_DOT=not a.is_cuda,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
 
 
-def triton_fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+def triton_fused_moe(x: torch.Tensor, w13: Stack, w2: Stack, weights: torch.Tensor,
                      ids: torch.Tensor, kernels: KernelChoice) -> torch.Tensor:
-    """x [T, H], w13 [E * 2I, H], w2 [E * H, I], weights / ids [T, k] -> [T, H]."""
+    """x [T, H], w13 [E * 2I, H], w2 [E * H, I] (float, or their codes: ops/moe.py's Stack),
+    weights / ids [T, k] -> [T, H]."""
     num_tokens, hidden = x.shape
-    num_experts, top_k = w2.shape[0] // hidden, ids.shape[1]
+    num_experts, top_k = stack_rows(w2) // hidden, ids.shape[1]
     num_pairs = num_tokens * top_k
-    w13, w2 = w13.view(num_experts, -1, hidden), w2.view(num_experts, hidden, -1)
     block_m = block_m_for(num_pairs)
     sorting = sort_pairs_by_expert(ids, num_experts, block_m)
     x = x.contiguous()
-    gate_up = x.new_empty(num_pairs, w13.shape[1])
-    _grouped_gemm(x, w13, gate_up, *sorting, num_pairs, top_k, block_m)
+    gate_up = x.new_empty(num_pairs, stack_rows(w13) // num_experts)
+    _grouped_gemm(x, w13, num_experts, gate_up, *sorting, num_pairs, top_k, block_m)
     down = x.new_empty(num_pairs, hidden)
-    _grouped_gemm(silu_and_mul(gate_up, kernels), w2, down, *sorting, num_pairs, 1, block_m, weights.flatten())
+    _grouped_gemm(silu_and_mul(gate_up, kernels), w2, num_experts, down, *sorting, num_pairs, 1, block_m,
+                  weights.flatten())
     return down.view(num_tokens, top_k, hidden).sum(dim=1)

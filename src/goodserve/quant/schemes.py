@@ -94,3 +94,40 @@ def dequantize_int4(q: Int4Weight, dtype: torch.dtype = torch.float32) -> torch.
     codes = unpack_int4(q.qweight).float().reshape(n, -1, q.group_size)
     w = codes * q.scales[..., None] + q.zeros[..., None]
     return w.reshape(n, -1).to(dtype)
+
+
+# The tensors each method's codes are made of (quantized experts' buffers, model/moe.py).
+CODE_PARTS = {"int8": ("qweight", "scales"), "int4": ("qweight", "scales", "zeros")}
+
+
+def empty_codes(method: str, rows: int, cols: int, group_size: int | None = None) -> dict[str, torch.Tensor]:
+    """Uninitialized codes of a [rows, cols] weight, by part (CODE_PARTS)."""
+    if method == "int8":
+        return {"qweight": torch.empty(rows, cols, dtype=torch.int8), "scales": torch.empty(rows, dtype=torch.float32)}
+    groups = cols // group_size
+    return {"qweight": torch.empty(rows, cols // 2, dtype=torch.uint8),
+            "scales": torch.empty(rows, groups, dtype=torch.float32),
+            "zeros": torch.empty(rows, groups, dtype=torch.float32)}
+
+
+def rows_of(q: Int8Weight | Int4Weight, rows: slice) -> Int8Weight | Int4Weight:
+    """Some rows of quantized codes (views: writing them writes q)."""
+    if isinstance(q, Int8Weight):
+        return Int8Weight(q.qweight[rows], q.scales[rows])
+    return Int4Weight(q.qweight[rows], q.scales[rows], q.zeros[rows], q.group_size)
+
+
+def quantize_like(q: Int8Weight | Int4Weight, weight: torch.Tensor) -> Int8Weight | Int4Weight:
+    """`weight`'s codes in q's method (and group size)."""
+    return quantize_int8(weight) if isinstance(q, Int8Weight) else quantize_int4(weight, q.group_size)
+
+
+def copy_rows(target: Int8Weight | Int4Weight, source: Int8Weight | Int4Weight) -> None:
+    target.qweight.copy_(source.qweight)
+    target.scales.copy_(source.scales)
+    if isinstance(target, Int4Weight):
+        target.zeros.copy_(source.zeros)
+
+
+def dequantize(q: Int8Weight | Int4Weight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return dequantize_int8(q, dtype) if isinstance(q, Int8Weight) else dequantize_int4(q, dtype)
