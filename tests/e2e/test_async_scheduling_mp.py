@@ -18,6 +18,7 @@ import pytest
 from goodserve import LLM, SamplingParams
 from goodserve.engine import cuda_graphs, executor, model_runner
 from goodserve.errors import EngineDeadError
+from helpers import shut_down, worker_processes
 from test_async_scheduling import EagerDecodeGraph, abort_mid_pipeline, drive, summary
 from test_tensor_parallel import SETTINGS
 from test_tensor_parallel import fast_timeout  # noqa: F401 (a fixture its tests use)
@@ -63,7 +64,7 @@ def workers_with_graphs(monkeypatch):
 
     yield make
     for llm in made:
-        llm.engine.executor.shutdown()
+        shut_down(llm)
 
 
 @contextlib.contextmanager
@@ -140,7 +141,7 @@ def test_a_rank_that_dies_mid_pipeline_ends_the_engine(workers_with_graphs, dead
             break
         engine.step()
     assert engine._inflight is not None  # rank 0 holds a step
-    processes = engine.executor._processes
+    processes = worker_processes(engine)
     processes[dead_rank].kill()
     processes[dead_rank].join()
     t0 = time.perf_counter()

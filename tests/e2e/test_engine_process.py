@@ -242,7 +242,7 @@ def test_a_program_that_exits_without_shutdown_does_not_hang():
 
 def test_bench_drives_an_engine_process(tmp_path):
     from goodserve.bench import command
-    from tests.test_bench_client import bench_args
+    from test_bench_client import bench_args
 
     out = tmp_path / "r.json"
     args = bench_args("--backend", "inprocess", "--engine-process", "--model", "dummy:tiny", "--device", "cpu",

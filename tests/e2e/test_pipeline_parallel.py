@@ -15,6 +15,7 @@ from goodserve.errors import InvalidRequestError
 from goodserve.model.llama import build_empty_model
 from goodserve.model.pipeline_parallel import PipelineParallel
 from goodserve.model.presets import get_preset
+from helpers import shut_down
 from test_async_scheduling import check_blocks, drive, summary
 from test_async_scheduling_mp import traffic
 from test_async_scheduling_mp import workers_with_graphs  # noqa: F401 (a fixture its tests use)
@@ -69,7 +70,7 @@ def test_tensor_and_pipeline_parallel_together_give_the_same_greedy_tokens():
         assert greedy_tokens(llm) == expected
         assert greedy_tokens(llm, LONG_PROMPT) == greedy_tokens(LLM("dummy:tiny", **SETTINGS), LONG_PROMPT)
     finally:
-        llm.engine.executor.shutdown()
+        shut_down(llm)
 
 
 def test_quantized_stages_give_the_same_greedy_tokens():
@@ -80,7 +81,7 @@ def test_quantized_stages_give_the_same_greedy_tokens():
     try:
         assert greedy_tokens(llm) == expected
     finally:
-        llm.engine.executor.shutdown()
+        shut_down(llm)
 
 
 @pytest.mark.parametrize("quantization", ["none", "gguf"])
@@ -110,7 +111,7 @@ def test_micro_batches_keep_the_stages_busy_with_one_process_tokens(model, stage
         pipelined, steps = engine.steps.num_pipelined_steps, engine.steps.num_steps
         assert pipelined >= steps // 2 if micro_batches else pipelined == 0
     finally:
-        llm.engine.executor.shutdown()
+        shut_down(llm)
 
 
 def test_aborts_of_sequences_in_flight_in_the_stages_free_their_blocks():
@@ -136,7 +137,7 @@ def test_aborts_of_sequences_in_flight_in_the_stages_free_their_blocks():
         # the stages dropped the aborted sequence too: the same requests again give the same tokens
         assert summary(drive(engine, {0: requests})) == reference
     finally:
-        llm.engine.executor.shutdown()
+        shut_down(llm)
 
 
 def test_a_request_whose_micro_batch_fails_fails_alone(workers_with_graphs):

@@ -24,6 +24,7 @@ from goodserve.model.presets import get_preset
 from goodserve.model.tensor_parallel import TensorParallel, check_tensor_parallel_size
 from goodserve.ports import free_port
 from goodserve.quant.apply import quantize_model
+from helpers import executor_of, shut_down, worker_processes
 
 PROMPTS = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 30, 2)]
 # Alone, its first chunks sample nothing: no logits rows to gather.
@@ -86,13 +87,13 @@ def assert_split_matches(whole: LLM, llm: LLM) -> None:
         assert greedy_tokens(llm) == expected  # the ranks dropped the aborted sequence too
         assert engine.kv.num_used_blocks == 0
     finally:
-        llm.engine.executor.shutdown()
+        shut_down(llm)
 
 
 @pytest.mark.parametrize("size", [2, 4])
 def test_tiny_model_split_gives_the_same_greedy_tokens_and_leaks_no_block_on_abort(size):
     llm = tensor_parallel("dummy:tiny", size)
-    assert llm.engine.executor.info.all_reduce == "gloo"  # the custom all-reduce needs CUDA: its fallback
+    assert executor_of(llm).info.all_reduce == "gloo"  # the custom all-reduce needs CUDA: its fallback
     assert_split_matches(LLM("dummy:tiny", **SETTINGS), llm)
 
 
@@ -105,7 +106,7 @@ def test_quantized_shards_hold_the_whole_models_codes(quantization):
     try:
         assert greedy_tokens(llm) == expected
     finally:
-        llm.engine.executor.shutdown()
+        shut_down(llm)
 
 
 def test_int4_groups_must_not_straddle_a_shard():
@@ -129,7 +130,7 @@ def assert_embedded_split_matches(llm: LLM, quantization: str) -> None:
     try:
         assert greedy_tokens(llm, prompts) == expected
     finally:
-        llm.engine.executor.shutdown()
+        shut_down(llm)
 
 
 def test_embedded_model_refuses_two_ranks():
@@ -140,17 +141,16 @@ def test_embedded_model_refuses_two_ranks():
 def assert_a_dead_rank_1_ends_the_engine(llm: LLM) -> None:
     """Rank 0 waits on rank 1 (a tensor-parallel peer, or the next pipeline stage): once it dies the
     next step ends the engine with an error naming it, fast, not a hang."""
-    executor = llm.engine.executor
     try:
         greedy_tokens(llm)
-        executor._processes[1].kill()
-        executor._processes[1].join()
+        worker_processes(llm)[1].kill()
+        worker_processes(llm)[1].join()
         t0 = time.perf_counter()
         with pytest.raises(EngineDeadError, match="rank 1 .* exited"):
             greedy_tokens(llm)
         assert time.perf_counter() - t0 < 10
     finally:
-        executor.shutdown()
+        shut_down(llm)
 
 
 def test_a_rank_that_dies_ends_the_engine_with_a_clear_error():
@@ -173,7 +173,7 @@ def test_ranks_started_apart_join_like_a_second_host(monkeypatch, layout):
     llm = None
     try:
         llm = LLM("dummy:tiny", **(SETTINGS | {layout: 2}))
-        assert len(llm.engine.executor._processes) == 1
+        assert len(worker_processes(llm)) == 1
         assert greedy_tokens(llm) == expected
         assert greedy_tokens(llm, LONG_PROMPT) == greedy_tokens(LLM("dummy:tiny", **SETTINGS), LONG_PROMPT)
         worker.kill()
@@ -183,4 +183,4 @@ def test_ranks_started_apart_join_like_a_second_host(monkeypatch, layout):
     finally:
         worker.kill()
         if llm is not None:
-            llm.engine.executor.shutdown()
+            shut_down(llm)

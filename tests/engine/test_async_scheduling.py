@@ -16,6 +16,7 @@ from goodserve import SamplingParams
 from goodserve.engine import cuda_graphs
 from goodserve.engine.runner_output import PendingOutput
 from goodserve.engine.spec_decode.policy import PROBE_EVERY
+from helpers import runner_of
 
 
 class EagerDecodeGraph(cuda_graphs._DecodeGraph):
@@ -30,7 +31,7 @@ class EagerDecodeGraph(cuda_graphs._DecodeGraph):
 @contextlib.contextmanager
 def engine_mode(llm, graphs: bool, async_scheduling: bool):
     engine = llm.engine
-    runner = engine.executor.worker.runner
+    runner = runner_of(engine)
     saved = runner.decode_graphs, engine.config
     if graphs:
         sizes = (1, 2, 4, 8)
@@ -263,7 +264,7 @@ def test_a_step_whose_tokens_never_arrive_fails_its_requests_not_the_engine(embe
     """A pipelined step that fails after its launch (its tokens never reach the host) fails the
     requests of the steps in flight; their blocks come back and the engine goes on."""
     engine, tok = embedded_llm.engine, embedded_llm.tokenizer
-    runner = engine.executor.worker.runner
+    runner = runner_of(engine)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     with engine_mode(embedded_llm, graphs=True, async_scheduling=True) as pipelined:
         real = runner.sample_tokens

@@ -5,7 +5,7 @@ from goodserve.bench import command
 from goodserve.bench.metrics import attainment_by_slo_scale
 from goodserve.bench.records import RequestRecord
 from goodserve.bench.result import load_json
-from tests.test_bench_client import bench_args
+from test_bench_client import bench_args
 
 
 def record(ttft_s: float, tpot_s: float) -> RequestRecord:

@@ -14,7 +14,7 @@ from goodserve.diagnose.observations import Observations
 from goodserve.diagnose.parallel import analyze_replica
 from goodserve.hardware import Hardware, hardware_for_device
 from goodserve.model.presets import get_preset
-from tests.test_diagnose import records, run_diagnose
+from test_diagnose import records, run_diagnose
 
 SPEC = get_preset("llama-2-7b")  # 32 layers x 32 KV heads x 128: 2 x 32 x 32 x 128 = 262144 KV values a token
 GPU = Hardware("test-gpu", {"bf16": 312e12}, 2e12, 80e9)

@@ -5,9 +5,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from conftest import hf_greedy
 from goodserve import LLM, SamplingParams
 from goodserve.errors import EngineStepError, InvalidRequestError, ModelLoadError, PromptTooLongError
+from helpers import hf_greedy, runner_of
 
 PROMPTS = [
     "The capital of France is",
@@ -148,20 +148,20 @@ def test_bad_input_is_typed_and_leaks_nothing(embedded_llm, tmp_path):
 def test_a_failed_step_fails_its_requests_not_the_engine(monkeypatch):
     llm = LLM("dummy:tiny", num_kv_blocks=32)
     engine = llm.engine
-    real_forward = engine.executor.worker.runner.forward
+    real_forward = runner_of(engine).forward
 
     def broken_once(inputs):
-        monkeypatch.setattr(engine.executor.worker.runner, "forward", real_forward)
+        monkeypatch.setattr(runner_of(engine), "forward", real_forward)
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
-    monkeypatch.setattr(engine.executor.worker.runner, "forward", broken_once)
+    monkeypatch.setattr(runner_of(engine), "forward", broken_once)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     engine.add_request("failed", [3, 4, 5], params)
     failed = engine.step()[0]
     assert failed.error and "illegal memory access" in failed.error
     assert failed.outputs[0].finish_reason == "abort"
     assert engine.kv.num_used_blocks == 0 and not engine.has_unfinished()
-    monkeypatch.setattr(engine.executor.worker.runner, "forward", broken_once)
+    monkeypatch.setattr(runner_of(engine), "forward", broken_once)
     with pytest.raises(EngineStepError, match="illegal memory access"):  # offline, as vLLM's LLM does
         llm.generate({"prompt_token_ids": [3, 4, 5]}, params)
     again = llm.generate({"prompt_token_ids": [3, 4, 5]}, params)[0]

@@ -15,6 +15,7 @@ from goodserve.engine.engine import Engine
 from goodserve.engine.executor import MultiprocExecutor
 from goodserve.engine.scheduler_output import NewRequestData, SchedulerOutput
 from goodserve.structured_outputs import StructuredOutputsParams
+from helpers import executor_of, shut_down
 
 PLAIN = (str, int, float, bool, type(None))
 PLAIN_RECORDS = (SchedulerOutput, NewRequestData, SamplingParams, StructuredOutputsParams)
@@ -38,7 +39,7 @@ def test_scheduler_output_is_plain_data_that_pickles():
     engine.add_request("a", list(range(3, 14)), SamplingParams(temperature=0, max_tokens=3, repetition_penalty=1.2))
     engine.add_request("b", [5, 6], SamplingParams(temperature=0.7, seed=1, max_tokens=3, n=2))
     seen = []
-    real = engine.executor.execute_model
+    real = executor_of(engine).execute_model
 
     def execute_model(out):
         seen.append(pickle.loads(pickle.dumps(out)))
@@ -46,7 +47,7 @@ def test_scheduler_output_is_plain_data_that_pickles():
         assert not_plain(out) == []
         return real(out)
 
-    engine.executor.execute_model = execute_model
+    executor_of(engine).execute_model = execute_model
     while engine.has_unfinished():
         engine.step()
     assert len(seen) >= 3 and seen[0].new_requests and seen[0].num_new_tokens == [8]  # a chunk of "a"
@@ -63,10 +64,10 @@ def test_a_worker_in_its_own_process_gives_the_same_tokens():
     expected = LLM("dummy:tiny", **settings).generate(prompts, params)
     llm = LLM("dummy:tiny", executor_backend="mp", **settings)
     try:
-        assert isinstance(llm.engine.executor, MultiprocExecutor)
+        assert isinstance(executor_of(llm), MultiprocExecutor)
         got = llm.generate(prompts, params)
     finally:
-        llm.engine.executor.shutdown()
+        shut_down(llm)
     for ours, ref in zip(got, expected):
         assert [c.token_ids for c in ours.outputs] == [c.token_ids for c in ref.outputs]
         assert ours.outputs[0].logprobs == ref.outputs[0].logprobs
@@ -78,11 +79,11 @@ def test_a_worker_process_reports_its_request_errors_and_load_errors():
     llm = LLM("dummy:tiny", executor_backend="mp", num_kv_blocks=16)
     try:
         llm.engine.add_request("bad", [3, 4], SamplingParams(max_tokens=2))
-        llm.engine.executor.execute_model = _raising  # the engine isolates the request, the worker lives on
+        executor_of(llm).execute_model = _raising  # the engine isolates the request, the worker lives on
         outputs = llm.engine.step()
         assert outputs[0].error and "refused" in outputs[0].error
     finally:
-        llm.engine.executor.shutdown()
+        shut_down(llm)
     with pytest.raises(Exception, match="no-such-preset"):
         LLM("dummy:no-such-preset", executor_backend="mp")
 

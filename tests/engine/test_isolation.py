@@ -8,6 +8,7 @@ import torch
 from goodserve import LLM, SamplingParams
 from goodserve.engine import model_runner, worker
 from goodserve.errors import InvalidRequestError
+from helpers import runner_of
 from test_async_scheduling import drive, engine_mode
 
 POISON = 7  # a prompt token that breaks the forward of any step computing it (test injection)
@@ -57,14 +58,14 @@ def test_engine_checks_stop_token_ids_and_n_against_its_config():
 
 
 def poison_forward(monkeypatch, engine) -> None:
-    real = engine.executor.worker.runner.forward
+    real = runner_of(engine).forward
 
     def forward(inputs):
         if bool((inputs.input_ids == POISON).any()):
             raise RuntimeError("poisoned forward")
         return real(inputs)
 
-    monkeypatch.setattr(engine.executor.worker.runner, "forward", forward)
+    monkeypatch.setattr(runner_of(engine), "forward", forward)
 
 
 def poison_sampling(monkeypatch, culprit: str, after_draws: bool) -> None:

@@ -11,6 +11,7 @@ import torch
 from goodserve import SamplingParams
 from goodserve.engine import cuda_graphs
 from goodserve.engine.model_inputs import FlatBatch
+from helpers import runner_of
 
 
 class EagerDecodeGraph(cuda_graphs._DecodeGraph):
@@ -35,7 +36,7 @@ def test_decode_graph_inputs_give_the_eager_tokens(embedded_llm):
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=2 if n == 6 else None)
               for n in (6, 24, 40)]
     expected = embedded_llm.generate(prompts, params)
-    runner = embedded_llm.engine.executor.worker.runner
+    runner = runner_of(embedded_llm)
     runner.decode_graphs = cuda_graphs.GraphSet({size: EagerDecodeGraph(runner, size, None) for size in (1, 2, 4)},
                                                  {1: 1.0, 2: 1.0, 4: 1.0})
     try:
@@ -61,7 +62,7 @@ def test_decode_graph_inputs_through_fused_rotary_decode_attention_give_the_refe
     settings = {"model": "dummy:tiny", "num_kv_blocks": 48, "max_num_seqs": 4}
     expected = LLM(**settings, attention_backend="torch").generate(prompts, params)
     llm = LLM(**settings, attention_backend="triton", kernels=KernelOptions(fuse_rotary_into_decode_attention=True))
-    runner = llm.engine.executor.worker.runner
+    runner = runner_of(llm)
     runner.decode_graphs = cuda_graphs.GraphSet({size: EagerDecodeGraph(runner, size, None) for size in (1, 2, 4)},
                                                  {1: 1.0, 2: 1.0, 4: 1.0})
     replays = EagerDecodeGraph.replays
@@ -94,7 +95,7 @@ def test_mixed_graph_inputs_give_the_reference_tokens():
     settings = {"model": "dummy:tiny", "num_kv_blocks": 48, "max_num_batched_tokens": 24, "max_num_seqs": 6}
     expected = LLM(**settings, attention_backend="torch").generate(prompts, params)
     llm = LLM(**settings, attention_backend="triton")
-    runner = llm.engine.executor.worker.runner
+    runner = runner_of(llm)
     counts = cuda_graphs.mixed_graph_token_counts(24, 2048)
     assert counts == [16, 32]  # a 17..24-token step replays the 32-token graph, padded
     runner.mixed_graphs = cuda_graphs.GraphSet({count: EagerMixedGraph(runner, count, None) for count in counts},
@@ -114,7 +115,7 @@ def test_a_mixed_graph_takes_a_bounded_number_of_prefill_sequences(monkeypatch):
     from goodserve import LLM
 
     monkeypatch.setattr(cuda_graphs, "MIXED_GRAPH_MAX_PREFILL_SEQS", 3)
-    runner = LLM("dummy:tiny", num_kv_blocks=16).engine.executor.worker.runner
+    runner = runner_of(LLM("dummy:tiny", num_kv_blocks=16))
     graph = EagerMixedGraph(runner, 32, None)
     runner.mixed_graphs = cuda_graphs.GraphSet({32: graph}, {32: 1.0})
 
@@ -139,7 +140,7 @@ def test_the_cuda_warm_up_step_is_a_well_formed_batch():
     from goodserve import LLM
 
     llm = LLM("dummy:tiny", num_kv_blocks=16)
-    output = llm.engine.executor.worker.runner._warm_up_eager_kernels()
+    output = runner_of(llm)._warm_up_eager_kernels()
     assert output.logits.shape == (2, llm.spec.vocab_size) and torch.isfinite(output.logits).all()
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     assert len(llm.generate({"prompt_token_ids": [5, 6, 7]}, params)[0].outputs[0].token_ids) == 4
@@ -155,9 +156,9 @@ def test_eager_inputs_count_the_leading_decodes():
         input_ids=[1] * 8, positions=[4, 9, 0, 1, 2, 3, 4, 2], slots=[4, 25, 32, 33, 34, 35, 36, 50],
         query_lens=[1, 1, 5, 1], seq_lens=[5, 10, 5, 3], block_tables=[[0], [1], [2], [3]],
         sample_rows=[0, 1, 2, 3], logits_indices=[0, 1, 6, 7], prompt_logit_spans={})
-    assert llm.engine.executor.worker.runner._eager_input(flat).meta.num_leading_decodes == 2
+    assert runner_of(llm)._eager_input(flat).meta.num_leading_decodes == 2
     flat.query_lens = [5, 1, 1, 1]
-    assert llm.engine.executor.worker.runner._eager_input(flat).meta.num_leading_decodes == 0
+    assert runner_of(llm)._eager_input(flat).meta.num_leading_decodes == 0
 
 
 def test_a_batch_replays_a_larger_graph_only_when_it_is_measurably_faster():
@@ -201,7 +202,7 @@ def test_the_layout_holds_a_logits_row_per_token():
 def test_steps_verifying_drafts_replay_a_mixed_graph_and_prompt_logits_run_eagerly():
     from goodserve import LLM
 
-    runner = LLM("dummy:tiny", num_kv_blocks=16).engine.executor.worker.runner
+    runner = runner_of(LLM("dummy:tiny", num_kv_blocks=16))
     graph = EagerMixedGraph(runner, 16, None)
     runner.mixed_graphs = cuda_graphs.GraphSet({16: graph}, {16: 1.0})
     flat = FlatBatch(input_ids=[1] * 5, positions=[5, 6, 7, 9, 10], slots=[5, 6, 7, 25, 26], query_lens=[3, 2],
@@ -233,7 +234,7 @@ def test_verify_steps_through_mixed_graph_buffers_give_the_speculation_off_token
     expected = LLM(**settings, attention_backend="torch").generate(prompts, params)
     llm = LLM(**settings, attention_backend="triton", speculative_method="ngram", num_speculative_tokens=3,
               spec_policy="always")
-    runner = llm.engine.executor.worker.runner
+    runner = runner_of(llm)
     counts = cuda_graphs.mixed_graph_token_counts(llm.engine.config.max_num_batched_tokens, 64)
     runner.mixed_graphs = cuda_graphs.GraphSet({c: VerifyCountingMixedGraph(runner, c, None) for c in counts},
                                                 dict.fromkeys(counts, 1.0))

@@ -12,6 +12,7 @@ from goodserve import LLM
 from goodserve.config import EngineConfig
 from goodserve.engine_args import add_engine_arguments, engine_config_from_args
 from goodserve.quant.linear import Int4Linear
+from helpers import loaded_model
 
 
 def resolved(device_type: str = "cpu", **options) -> str | None:
@@ -50,16 +51,16 @@ def test_none_is_a_cli_value():
 def test_the_embedded_model_loads_with_gguf_layers_by_default_and_float_ones_with_none():
     default = LLM("smollm2-135m", num_kv_blocks=8)
     assert default.engine.config.quantization == "gguf"
-    assert isinstance(default.engine.executor.worker.runner.model.model.layers[0].self_attn.qkv_proj, Int4Linear)
+    assert isinstance(loaded_model(default).model.layers[0].self_attn.qkv_proj, Int4Linear)
     floats = LLM("smollm2-135m", quantization="none", num_kv_blocks=8)
     assert floats.engine.config.quantization is None
-    assert not isinstance(floats.engine.executor.worker.runner.model.model.layers[0].self_attn.qkv_proj, Int4Linear)
+    assert not isinstance(loaded_model(floats).model.layers[0].self_attn.qkv_proj, Int4Linear)
 
 
 def test_cpu_int8_activations_is_an_engine_option_off_by_default():
     """llama.cpp's int8 activation rows reach the GGUF layers only when the config asks for them."""
     def flags(llm):
-        return {m.int8_activations for m in llm.engine.executor.worker.runner.model.modules() if isinstance(m, Int4Linear)}
+        return {m.int8_activations for m in loaded_model(llm).modules() if isinstance(m, Int4Linear)}
 
     assert flags(LLM("smollm2-135m", num_kv_blocks=8)) == {False}
     assert flags(LLM("smollm2-135m", num_kv_blocks=8, cpu_int8_activations=True)) == {True}

@@ -2,6 +2,7 @@
 
 from goodserve import LLM, SamplingParams
 from goodserve.cli import main
+from helpers import loaded_model
 
 
 def test_quantize_then_serve_the_checkpoint(tmp_path):
@@ -15,8 +16,8 @@ def test_quantize_then_serve_the_checkpoint(tmp_path):
     unquantized = LLM("dummy:tiny", num_kv_blocks=16)
     expected = at_load.generate(prompt, params)[0].outputs[0].token_ids
     assert from_file.generate(prompt, params)[0].outputs[0].token_ids == expected
-    assert type(from_file.engine.executor.worker.runner.model.model.layers[0].mlp.down_proj).__name__ == "Int4Linear"
-    assert type(unquantized.engine.executor.worker.runner.model.model.layers[0].mlp.down_proj).__name__ == "PackedCpuLinear"
+    assert type(loaded_model(from_file).model.layers[0].mlp.down_proj).__name__ == "Int4Linear"
+    assert type(loaded_model(unquantized).model.layers[0].mlp.down_proj).__name__ == "PackedCpuLinear"
 
 
 def test_quantize_rejects_a_group_size_that_does_not_divide(tmp_path, capsys):

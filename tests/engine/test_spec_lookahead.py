@@ -14,7 +14,7 @@ from goodserve import LLM, SamplingParams
 from goodserve.engine.spec_decode.lookahead import learn_ngram, learn_verified, propose_from_pool, window_branch
 from goodserve.ops.rotary import apply_rotary_torch, cos_sin_cache
 from goodserve.ops.tree_attention import BranchTree, as_cached, branch_attention, tree_depths, tree_mask
-from tests.test_spec_decode import COPY, OTHERS, abort_mid_speculation, check_chunked_and_prefix_hits
+from test_spec_decode import COPY, OTHERS, abort_mid_speculation, check_chunked_and_prefix_hits
 
 CHAT = ["What are three tips for staying healthy?", "Why is the sky blue?"]
 

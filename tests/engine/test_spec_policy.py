@@ -9,6 +9,7 @@ from goodserve.engine.spec_decode.policy import (EAGER_COST, GRAPHED_COST, NATIV
                                                 PROBE_EVERY, Speculator)
 from goodserve.engine.spec_decode.proposer import Drafts
 from goodserve.sampling_params import SamplingParams
+from helpers import loaded_model
 
 K = 4
 
@@ -122,7 +123,7 @@ def test_the_cost_table_follows_the_path_decode_steps_take():
     it for the per-op path (cpu_spec_decode_verify.json: 2.2-3x)."""
     options = dict(speculative_method="ngram", num_speculative_tokens=K, num_kv_blocks=64)
     native = LLM("dummy:tiny", quantization="int4", quantization_group_size=32, **options).engine
-    assert native.executor.worker.runner.model.native_decode is not None
+    assert loaded_model(native).native_decode is not None
     assert native.scheduler.speculator.cost is NATIVE_SPLIT_COST
     lookahead = {**options, "speculative_method": "lookahead"}
     native = LLM("dummy:tiny", quantization="int4", quantization_group_size=32, **lookahead).engine

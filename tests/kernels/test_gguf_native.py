@@ -20,6 +20,7 @@ from goodserve.native.build import library
 from goodserve.native.int4_gemv import int8_dot_available
 from goodserve.quant.gguf_native import Int8GroupLinear, block_codes, native_linear
 from goodserve.quant.linear import CPU_NATIVE_MAX_M, Int4Linear
+from helpers import loaded_model
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Write a short poem about the sea."]
 
@@ -82,7 +83,7 @@ def test_q8_0_layer_uses_the_float_table_it_is_given_for_many_rows():
 
 def test_native_layers_hold_exactly_the_float_loaders_weights(native_llm):
     float_model = load_model("smollm2-135m", torch.float32, "cpu").model
-    native_model = native_llm.engine.executor.worker.runner.model
+    native_model = loaded_model(native_llm)
     native = {name: m for name, m in native_model.named_modules() if isinstance(m, (Int4Linear, Int8GroupLinear))
               and not name.endswith(".pair")}
     assert len(native) == 4 * native_model.spec.num_layers + 1  # every projection, and lm_head (Q8_0)
@@ -94,7 +95,7 @@ def test_native_layers_hold_exactly_the_float_loaders_weights(native_llm):
 
 
 def set_int8_activations(llm: LLM, on: bool) -> None:
-    model = llm.engine.executor.worker.runner.model
+    model = loaded_model(llm)
     for module in model.modules():
         if isinstance(module, Int4Linear):
             module.int8_activations = on

@@ -12,6 +12,7 @@ from goodserve.errors import InvalidRequestError
 from goodserve.ops import triton_attention, triton_ops
 from goodserve.ops.kernel_choice import KernelChoice
 from goodserve.quant.linear import Int4Linear
+from helpers import loaded_model
 
 TINY = {"model": "dummy:tiny", "num_kv_blocks": 16, "max_num_seqs": 2}
 PROMPTS = [{"prompt_token_ids": [5, 17, 99, 3]}, {"prompt_token_ids": [42, 7]}]
@@ -41,7 +42,7 @@ def test_building_a_second_engine_leaves_the_first_ones_kernels(triton_launches)
     launched = len(triton_launches)
     greedy_tokens(on_torch, PROMPTS[0])
     assert len(triton_launches) == launched  # the torch engine launched no Triton kernel
-    assert on_triton.engine.executor.worker.runner.model.kernels.triton and not on_torch.engine.executor.worker.runner.model.kernels.triton
+    assert loaded_model(on_triton).kernels.triton and not loaded_model(on_torch).kernels.triton
 
 
 def test_engines_with_different_backends_used_in_turn_each_give_their_reference_tokens():
@@ -56,10 +57,10 @@ def test_kernel_options_reach_every_layer_of_their_engine_only():
     rows = LLM(**TINY, quantization="int4", kernels=KernelOptions(pdl=False, int4_one_row_kernel="rows"))
     default = LLM(**TINY, quantization="int4")
     for llm, kernel in ((rows, "rows"), (default, "tinygemm")):
-        layers = [m for m in llm.engine.executor.worker.runner.model.modules() if isinstance(m, Int4Linear)]
+        layers = [m for m in loaded_model(llm).modules() if isinstance(m, Int4Linear)]
         assert layers and {layer.one_row_kernel for layer in layers} == {kernel}
-        assert all(m.kernels is llm.engine.executor.worker.runner.model.kernels for m in llm.engine.executor.worker.runner.model.modules() if hasattr(m, "kernels"))
-    assert rows.engine.executor.worker.runner.model.kernels.options.int4_one_row_kernel == "rows"
+        assert all(m.kernels is loaded_model(llm).kernels for m in loaded_model(llm).modules() if hasattr(m, "kernels"))
+    assert loaded_model(rows).kernels.options.int4_one_row_kernel == "rows"
 
 
 def test_fused_silu_and_mul_reaches_the_gate_up_layer_it_routes_to_rows_repacked():
@@ -69,7 +70,7 @@ def test_fused_silu_and_mul_reaches_the_gate_up_layer_it_routes_to_rows_repacked
     gate_up = (256, 64)  # dummy:tiny's (2 x intermediate, hidden)
     options = KernelOptions(int4_fused_silu_and_mul=True, int4_one_row_kernel_by_shape={gate_up: "rows_repacked"})
     fused = LLM(**TINY, quantization="int4", kernels=options)
-    model = fused.engine.executor.worker.runner.model
+    model = loaded_model(fused)
     fusing = {name.rsplit(".", 1)[-1] for name, m in model.named_modules()
               if isinstance(m, Int4Linear) and m.fuses_silu}
     assert fusing == {"gate_up_proj"}

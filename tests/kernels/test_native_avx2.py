@@ -18,6 +18,7 @@ import torch
 from goodserve.native import build
 
 TESTS = Path(__file__).parent
+ROOT = TESTS.parents[1]
 pytestmark = pytest.mark.skipif(" avx2 " not in f" {build.cpu_flags().strip()} " or build.compiler() is None,
                                 reason="needs an x86 CPU with AVX2 and a compiler")
 
@@ -41,13 +42,13 @@ torch.save(outs, sys.argv[1])
 
 def avx2_env(cache: Path) -> dict[str, str]:
     return {**os.environ, "GOODSERVE_NATIVE_MARCH": "x86-64-v3", "GOODSERVE_CACHE_DIR": str(cache),
-            "PYTHONPATH": os.pathsep.join([str(TESTS.parent / "src"), os.environ.get("PYTHONPATH", "")])}
+            "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
 
 
 def test_the_avx2_build_passes_the_kernel_tests(tmp_path):
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
                              str(TESTS / "test_native_kernels.py"), str(TESTS / "test_native_decode.py")],
-                            env=avx2_env(tmp_path), capture_output=True, text=True, cwd=TESTS.parent)
+                            env=avx2_env(tmp_path), capture_output=True, text=True, cwd=ROOT)
     summary = result.stdout.strip().splitlines()[-1]
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     assert "skipped" not in summary, result.stdout[-3000:]

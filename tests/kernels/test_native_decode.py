@@ -12,13 +12,14 @@ from goodserve import LLM, SamplingParams
 from goodserve.model import native_decode
 from goodserve.native.int4_gemv import int8_dot_available
 from goodserve.quant.linear import Int4Linear
+from helpers import loaded_model
 
 PROMPTS = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 40, 17)]
 PARAMS = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3)
 
 
 def generate(llm: LLM, native: bool):
-    model = llm.engine.executor.worker.runner.model
+    model = loaded_model(llm)
     attached = model.native_decode
     if not native:
         model.native_decode = None
@@ -34,11 +35,11 @@ def test_native_decode_layer_matches_the_per_op_path(model, group_size, int8_act
     if int8_activations and not int8_dot_available():
         pytest.skip("no int8-activation path in this build")
     llm = LLM(model, quantization="int4", quantization_group_size=group_size, num_kv_blocks=64)
-    for module in llm.engine.executor.worker.runner.model.modules():  # the GGUF layers' arithmetic, on both paths
+    for module in loaded_model(llm).modules():  # the GGUF layers' arithmetic, on both paths
         if isinstance(module, Int4Linear):
             module.int8_activations = int8_activations
-    layers = llm.engine.executor.worker.runner.model.model.layers
-    stack = llm.engine.executor.worker.runner.model.native_decode
+    layers = loaded_model(llm).model.layers
+    stack = loaded_model(llm).native_decode
     assert stack is not None and len(stack.layers) == len(layers)
     for layer in layers:  # random models load zero biases: make them count
         if layer.self_attn.qkv_proj.bias is not None:
@@ -71,12 +72,12 @@ def test_native_decode_layer_matches_the_per_op_path(model, group_size, int8_act
 
 def test_only_int4_models_get_it():
     llm = LLM("dummy:tiny", num_kv_blocks=16)  # float32 linears: the per-op path
-    assert llm.engine.executor.worker.runner.model.native_decode is None
-    assert native_decode.attach(llm.engine.executor.worker.runner.model) is False
+    assert loaded_model(llm).native_decode is None
+    assert native_decode.attach(loaded_model(llm)) is False
 
 
 def test_one_layer_off_the_native_kernel_keeps_the_whole_model_on_the_per_op_path():
-    model = LLM("dummy:tiny", quantization="int4", quantization_group_size=32, num_kv_blocks=16).engine.executor.worker.runner.model
+    model = loaded_model(LLM("dummy:tiny", quantization="int4", quantization_group_size=32, num_kv_blocks=16))
     assert model.native_decode is not None
     o_proj = model.model.layers[1].self_attn.o_proj
     model.model.layers[1].self_attn.o_proj = torch.nn.Linear(o_proj.in_features, o_proj.out_features, bias=False)
@@ -87,7 +88,7 @@ def test_the_stack_follows_weights_written_or_replaced_after_attach():
     """Its operands point into layouts built from the codes: codes written in place or replaced,
     or a new norm weight, must reach the next step (compared with the per-op path on the same weights)."""
     llm = LLM("dummy:tiny", quantization="int4", quantization_group_size=32, num_kv_blocks=64)
-    model = llm.engine.executor.worker.runner.model
+    model = loaded_model(llm)
     generate(llm, native=True)  # the stack's operands built
     layer = model.model.layers[0]
     layer.mlp.down_proj.qweight.copy_(layer.mlp.down_proj.qweight.flip(0))  # written in place

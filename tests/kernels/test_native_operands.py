@@ -21,6 +21,7 @@ from goodserve.native.q8_gemv import Q8Layout
 from goodserve.quant import linear
 from goodserve.quant.gguf_native import Int8GroupLinear
 from goodserve.quant.linear import CPU_NATIVE_MAX_M, CUDA_KERNEL_MAX_M, Int4Linear, matmul_path
+from helpers import loaded_model
 
 pytestmark = pytest.mark.skipif(build.library() is None, reason="native library not built")
 T, HQ, HK, D, BLOCKS, BLOCK = 3, 4, 2, 16, 4, 8
@@ -137,7 +138,7 @@ def test_q8_gemv_refuses_tiles_and_rows_it_cannot_read():
 
 @pytest.fixture(scope="module")
 def int4_model():
-    return LLM("dummy:tiny", quantization="int4", quantization_group_size=32, num_kv_blocks=16).engine.executor.worker.runner.model
+    return loaded_model(LLM("dummy:tiny", quantization="int4", quantization_group_size=32, num_kv_blocks=16))
 
 
 def decoder_stack_args(model) -> dict:

@@ -18,6 +18,7 @@ from goodserve.quant.checkpoint import load_quantized_into, read_metadata, save_
 from goodserve.quant import schemes
 from goodserve.quant.linear import (TINYGEMM_CHECK_MAX_REL_ERROR, Int4Linear, Int8Linear, int4_scales_and_zeros,
                                     tinygemm_inner_k_tiles, tinygemm_nibbles)
+from helpers import loaded_model
 
 TINY = ModelSpec(name="tiny", vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                  num_kv_heads=2, head_dim=16, max_position_embeddings=64, tie_word_embeddings=True)
@@ -245,7 +246,7 @@ def test_lm_head_is_left_alone_by_default_and_checked_before_anything_changes():
 def test_int8_lm_head_on_real_weights_keeps_the_logits(embedded_llm):
     """smollm2's own (tied) output table: its rows peak at ~5x their RMS, so an int8 step is ~4% of
     the RMS and the weights (and logits) move by ~1.2%."""
-    table = embedded_llm.engine.executor.worker.runner.model.model.embed_tokens.weight.detach()
+    table = loaded_model(embedded_llm).model.embed_tokens.weight.detach()
     lm_head = nn.Linear(table.shape[1], table.shape[0], bias=False)
     lm_head.weight = nn.Parameter(table, requires_grad=False)
     quantized = Int8Linear.from_linear(lm_head)
@@ -308,7 +309,7 @@ def test_engine_serves_a_quantized_lm_head_at_load_or_from_a_checkpoint(tmp_path
     from_file = LLM("dummy:tiny-qwen", quantized_checkpoint=str(path), quantize_lm_head=True, num_kv_blocks=16)
     expected = at_load.generate(prompt, params)[0].outputs[0].token_ids
     assert from_file.generate(prompt, params)[0].outputs[0].token_ids == expected
-    assert isinstance(from_file.engine.executor.worker.runner.model.lm_head, Int8Linear)
+    assert isinstance(loaded_model(from_file).lm_head, Int8Linear)
     with pytest.raises(ModelLoadError, match="--quantize-lm-head"):
         LLM("dummy:tiny-qwen", quantized_checkpoint=str(path), num_kv_blocks=16)
 
@@ -324,6 +325,6 @@ def test_engine_serves_an_int4_lm_head_at_load_or_from_a_checkpoint(tmp_path):
     from_file = LLM("dummy:tiny-qwen", quantized_checkpoint=str(path), **options)
     assert from_file.generate(prompt, params)[0].outputs[0].token_ids == \
         at_load.generate(prompt, params)[0].outputs[0].token_ids
-    assert isinstance(at_load.engine.executor.worker.runner.model.lm_head, Int4Linear)
+    assert isinstance(loaded_model(at_load).lm_head, Int4Linear)
     with pytest.raises(InvalidRequestError, match="int4 lm_head"):
         LLM("dummy:tiny-qwen", quantization="int8", **options)

@@ -13,7 +13,7 @@ from goodserve.bench.text import PromptText
 from goodserve.bench.workloads import WorkloadConfig, build_workload
 from goodserve.diagnose.observations import scrape
 from goodserve.server.process import launch_server
-from tests.test_bench_client import bench_args
+from test_bench_client import bench_args
 
 MAX_MODEL_LEN = "128"
 

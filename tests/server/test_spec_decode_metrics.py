@@ -22,8 +22,8 @@ from goodserve.bench.command import WARMUP_SEED_OFFSET
 from goodserve.bench.result import load_json
 from goodserve.engine.spec_decode.ngram import propose_ngram
 from goodserve.server.process import launch_server
-from tests.test_bench_client import bench_args
-from tests.test_spec_decode import COPY
+from test_bench_client import bench_args
+from test_spec_decode import COPY
 
 K, NGRAM_MIN, NGRAM_MAX, MAX_TOKENS = 4, 1, 4, 40
 # --spec-policy always: neither acceptance nor cost ever pauses a sequence's proposals, so the

@@ -12,7 +12,7 @@ from goodserve.bench.spec_decode import prompt_lookup_hits, prompt_lookup_overla
 from goodserve.bench.tokenizer import load_bench_tokenizer
 from goodserve.diagnose.observations import from_bench_result, observations_from_scrapes
 from goodserve.diagnose.speculation import recommend_speculation
-from tests.test_diagnose import obs, run_diagnose
+from test_diagnose import obs, run_diagnose
 
 
 def test_prompt_lookup_hits_on_a_copied_sentence():
