@@ -12,7 +12,7 @@ from goodserve.bench.runner import BenchRun
 from goodserve.bench.text import PromptText
 from goodserve.bench.workloads import WorkloadConfig, build_workload
 from goodserve.diagnose.observations import scrape
-from goodserve.server.process import launch_server
+from helpers import InProcessServer
 from test_bench_client import bench_args
 
 MAX_MODEL_LEN = "128"
@@ -20,7 +20,7 @@ MAX_MODEL_LEN = "128"
 
 @pytest.fixture(scope="module")
 def server_url():
-    with launch_server(["--max-model-len", MAX_MODEL_LEN, "--log-level", "warning"]) as server:
+    with InProcessServer(["--max-model-len", MAX_MODEL_LEN, "--log-level", "warning"]) as server:
         yield server.url
 
 

@@ -11,7 +11,8 @@ import time
 import httpx2
 import pytest
 
-from goodserve.server.process import launch_server, scrape_metrics
+from goodserve.server.process import scrape_metrics
+from helpers import InProcessServer
 
 KEY = "test-key-123"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -24,7 +25,7 @@ LONG = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 900, "ignore_eos": Tr
 
 @pytest.fixture(scope="module")
 def url():
-    server = launch_server([
+    server = InProcessServer([
         "--model", MODEL, "--api-key", KEY, "--max-body-bytes", str(MAX_BODY), "--max-num-seqs", "1",
         "--max-waiting", "1", "--max-model-len", "1024",
     ])
@@ -83,7 +84,7 @@ def test_request_that_can_never_fit_is_400_at_once(url):
 def slow_url():
     """A model slow enough on the CPU (~10 ms a step) that a 900-token request is still running while
     the test fills the queue: dummy:tiny can finish it before the third request arrives."""
-    server = launch_server(["--model", "dummy:smollm2-135m", "--api-key", KEY, "--max-num-seqs", "1",
+    server = InProcessServer(["--model", "dummy:smollm2-135m", "--api-key", KEY, "--max-num-seqs", "1",
                             "--max-waiting", "1", "--max-model-len", "1024"])
     try:
         yield server.url

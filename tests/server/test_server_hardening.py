@@ -8,8 +8,10 @@ dummy:tiny (token-id prompts, fast steps) for queue, stream and connection guard
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
+import threading
 import time
 
 import httpx2
@@ -22,8 +24,9 @@ from tokenizers.models import BPE
 from goodserve.model.tokenizer import Tokenizer
 from goodserve.model.tokenizer_loader import embedded_tokenizer
 from goodserve.server.limits import MAX_MESSAGES, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
-from goodserve.server.process import launch_server, scrape_metrics
+from goodserve.server.process import scrape_metrics
 from goodserve.server.tokenization import max_prompt_bytes
+from helpers import InProcessServer
 
 MAX_WAITING = 50
 MAX_N = 16
@@ -34,17 +37,22 @@ TINY_MAX_MODEL_LEN = 1024
 
 
 @pytest.fixture(scope="module")
-def text_url():
-    server = launch_server(["--max-num-seqs", "4"])
+def text_server():
+    server = InProcessServer(["--max-num-seqs", "4"])
     try:
-        yield server.url
+        yield server
     finally:
         server.stop()
 
 
 @pytest.fixture(scope="module")
+def text_url(text_server):
+    return text_server.url
+
+
+@pytest.fixture(scope="module")
 def tiny():
-    server = launch_server([
+    server = InProcessServer([
         "--model", "dummy:tiny", "--max-model-len", str(TINY_MAX_MODEL_LEN), "--max-waiting", str(MAX_WAITING),
         "--max-n", str(MAX_N), "--max-unsent-outputs", str(MAX_UNSENT),
         "--header-timeout-s", str(HEADER_TIMEOUT_S), "--max-connections", str(MAX_CONNECTIONS),
@@ -105,51 +113,76 @@ def test_lone_surrogates_anywhere_are_400_naming_the_field_and_counted(text_url)
 
 # ---- item 6: tokenization off the event loop, refusal before tokenizing -------------------------
 
-def test_health_answers_while_big_prompts_tokenize(text_url):
+@contextlib.contextmanager
+def held(monkeypatch, owner, name: str):
+    """owner.name's calls wait until the test releases them: what the server answers meanwhile
+    shows whether that work stalls its event loop, whatever the machine's speed. Yields (entered,
+    release): entered is set once a call is under way; on the loop, a held call would stall /health
+    until its wait expires."""
+    entered, release = threading.Event(), threading.Event()
+    real = getattr(owner, name)
+
+    def held_call(*args, **kwargs):
+        entered.set()
+        assert release.wait(60), f"{name} was never released"
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, held_call)
+    try:
+        yield entered, release
+    finally:
+        release.set()
+
+
+async def health_while_held(url: str, calls: list[asyncio.Task], entered: threading.Event,
+                            release: threading.Event) -> tuple[int, int, list]:
+    """/health's status and how many calls were unfinished when it answered (all held), then their results."""
+    assert await asyncio.to_thread(entered.wait, 120), "the held work never started"
+    async with httpx2.AsyncClient(timeout=30) as client:
+        health = await client.get(f"{url}/health")
+    unfinished = sum(not call.done() for call in calls)
+    release.set()
+    return health.status_code, unfinished, await asyncio.gather(*calls)
+
+
+def test_health_answers_while_big_prompts_tokenize(text_server, monkeypatch):
     tokenizer = embedded_tokenizer()
     bound = max_prompt_bytes(tokenizer, 8192)
     big = "hello world, this is a test. " * (bound // 30 - 10)  # just under the bound: tokenized
     assert len(big.encode()) <= bound
 
-    async def scenario():
+    async def scenario(entered, release):
         async with httpx2.AsyncClient(timeout=300) as client:
-            calls = [asyncio.create_task(client.post(f"{text_url}/tokenize", json={"prompt": big}))
+            calls = [asyncio.create_task(client.post(f"{text_server.url}/tokenize", json={"prompt": big}))
                      for _ in range(3)]
-            await asyncio.sleep(0.2)  # the bodies are in; the server is tokenizing (a call takes over 0.3s)
-            health = await client.get(f"{text_url}/health")
-            still_tokenizing = sum(not call.done() for call in calls)
-            return health, still_tokenizing, await asyncio.gather(*calls)
+            return await health_while_held(text_server.url, calls, entered, release)
 
-    health, still_tokenizing, results = asyncio.run(scenario())
-    assert health.status_code == 200
-    assert still_tokenizing == 3  # /health waited for none of them
+    with held(monkeypatch, text_server.app.state.ctx.encoder, "_encode") as gate:
+        health, unfinished, results = asyncio.run(scenario(*gate))
+    assert health == 200
+    assert unfinished == 3  # /health waited for none of them
     expected = len(tokenizer.encode(big))
     assert [r.json()["count"] for r in results] == [expected] * 3
 
 
-def test_health_answers_while_a_grammar_compiles(text_url):
-    """Validating a json_schema request compiles its grammar (here ~2 s on a 2-core CPU: xgrammar's
-    tokenizer set-up on this server's first grammar, then 120 pattern fields): on the pool, not
-    the event loop."""
+def test_health_answers_while_a_grammar_compiles(text_server, monkeypatch):
+    """Validating a json_schema request compiles its grammar (~2 s on a 2-core CPU for this one:
+    xgrammar's tokenizer set-up on this server's first grammar, then 120 pattern fields): on the
+    pool, not the event loop."""
     fields = {f"field_{i}": {"type": "string", "pattern": f"[a-z]{{{i % 7 + 1},{i % 7 + 9}}}"} for i in range(120)}
     schema = {"type": "object", "properties": fields, "required": list(fields)}
     body = {"messages": [{"role": "user", "content": "Fill the form."}], "max_tokens": 1,
             "response_format": {"type": "json_schema", "json_schema": {"name": "form", "schema": schema}}}
 
-    async def scenario():
+    async def scenario(entered, release):
         async with httpx2.AsyncClient(timeout=300) as client:
-            call = asyncio.create_task(client.post(f"{text_url}/v1/chat/completions", json=body))
-            await asyncio.sleep(0.3)  # the body is in; the grammar is compiling
-            health = await client.get(f"{text_url}/health")
-            health_done = time.monotonic()
-            reply = await call
-            return health, reply, time.monotonic() - health_done
+            call = asyncio.create_task(client.post(f"{text_server.url}/v1/chat/completions", json=body))
+            return await health_while_held(text_server.url, [call], entered, release)
 
-    health, reply, reply_after_health_s = asyncio.run(scenario())
-    assert health.status_code == 200 and reply.status_code == 200
-    # /health answered while the compile still ran (on the loop, it would have waited for it and
-    # come back just before the one-token reply)
-    assert reply_after_health_s > 0.8
+    with held(monkeypatch, text_server.app.state.ctx, "_validate") as gate:
+        health, unfinished, [reply] = asyncio.run(scenario(*gate))
+    assert health == 200 and unfinished == 1  # /health answered while the validation (and compile) waited
+    assert reply.status_code == 200, reply.text
 
 
 def test_prompt_bytes_past_what_the_context_can_hold_are_400_before_tokenizing(text_url):

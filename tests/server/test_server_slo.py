@@ -13,14 +13,15 @@ from goodserve.engine.step_time_model import StepTimeFit
 from goodserve.errors import QueueFullError
 from goodserve.cli import main
 from goodserve.server.admission import SHED_MIN_RANKED, Admission, CostlyRequestShed, CostRanks, TtftUnattainable
-from goodserve.server.process import launch_server, scrape_metrics
+from goodserve.server.process import scrape_metrics
+from helpers import InProcessServer
 
 MODEL = "dummy:tiny"  # no tokenizer: prompts are token ids
 
 
 @pytest.fixture(scope="module")
 def client():
-    server = launch_server(["--model", MODEL, "--scheduler-policy", "slo", "--max-model-len", "512",
+    server = InProcessServer(["--model", MODEL, "--scheduler-policy", "slo", "--max-model-len", "512",
                             "--slo-ttft-ms", "60000", "--slo-tpot-ms", "60000", "--slo-shed-costly"])
     try:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)

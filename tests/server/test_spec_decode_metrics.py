@@ -21,7 +21,7 @@ from goodserve.bench import command
 from goodserve.bench.command import WARMUP_SEED_OFFSET
 from goodserve.bench.result import load_json
 from goodserve.engine.spec_decode.ngram import propose_ngram
-from goodserve.server.process import launch_server
+from helpers import InProcessServer
 from test_bench_client import bench_args
 from test_spec_decode import COPY
 
@@ -38,7 +38,7 @@ PER_POS = "goodserve:spec_decode_num_accepted_tokens_per_pos_total"
 
 @pytest.fixture(scope="module")
 def spec_server():
-    with launch_server(SERVER_ARGS) as server:
+    with InProcessServer(SERVER_ARGS) as server:
         yield server.url
 
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 import openai
 import pytest
 
-from goodserve.server.process import launch_server
+from helpers import InProcessServer
+
 
 MODEL = "dummy:tiny"
 INTERVAL = 4
@@ -18,7 +19,7 @@ REQUEST = dict(model=MODEL, prompt=[5, 6, 7, 8], max_tokens=17, logprobs=1, temp
 
 @pytest.fixture(scope="module")
 def client():
-    server = launch_server(["--model", MODEL, "--stream-interval", str(INTERVAL), "--max-model-len", "256"])
+    server = InProcessServer(["--model", MODEL, "--stream-interval", str(INTERVAL), "--max-model-len", "256"])
     try:
         yield openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
     finally:

@@ -14,7 +14,8 @@ import jsonschema
 import openai
 import pytest
 
-from goodserve.server.process import launch_server
+from helpers import InProcessServer
+
 
 MODEL = "smollm2-135m"
 WORDS = ["name", "size", "color", "price", "city", "count", "label", "score", "owner", "kind"]
@@ -31,7 +32,7 @@ ASK_WEATHER = [{"role": "user", "content": "What is the weather like in Paris to
 
 @pytest.fixture(scope="module")
 def server():
-    server = launch_server(["--max-model-len", "1024", "--max-num-seqs", "64", "--slo-ttft-ms", "600000"])
+    server = InProcessServer(["--max-model-len", "1024", "--max-num-seqs", "64", "--slo-ttft-ms", "600000"])
     try:
         yield server
     finally:
