@@ -74,8 +74,11 @@ class InProcessServer:
         from goodserve.server.app import ServerConfig, build_server
 
         self._data_dir = tempfile.TemporaryDirectory(prefix="goodserve-data-")
+        # A quarter of the CPU's default KV pool (5,000 tokens of the embedded model): the test's
+        # process holds this server's engine beside its own references.
         namespace = build_parser().parse_args(["serve", "--no-engine-process", "--data-dir", self._data_dir.name,
-                                               "--port", str(free_port()), *args])
+                                               "--cpu-kv-cache-bytes", str(256 << 20), "--port", str(free_port()),
+                                               *args])
         config = dataclass_from_args(ServerConfig, namespace)
         self.url = f"http://127.0.0.1:{config.port}"
         self._records: list[str] = []

@@ -38,7 +38,7 @@ TINY_MAX_MODEL_LEN = 1024
 
 @pytest.fixture(scope="module")
 def text_server():
-    server = InProcessServer(["--max-num-seqs", "4"])
+    server = InProcessServer(["--max-num-seqs", "4", "--cpu-kv-cache-bytes", str(512 << 20)])  # 8192 tokens fit
     try:
         yield server
     finally:

@@ -1,17 +1,14 @@
 """`goodserve serve` on loopback with the embedded model, driven by the official openai client.
 
 References: LLM.generate / LLM.chat in this process (same weights, no HTTP), the model's tokenizer,
-and prometheus_client's own parser. One server for the whole module, run twice: the engine on a
-thread of the server's process (--no-engine-process), and in a process of its own (the default);
-the last test stops each.
+and prometheus_client's own parser. One server for the whole module, in this process, run twice:
+the engine on a thread (--no-engine-process), and in a process of its own (the default).
+tests/e2e/test_serve_sigterm.py stops a server process of each kind with SIGTERM.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import threading
 import time
 from dataclasses import dataclass
 
@@ -20,8 +17,8 @@ import openai
 import pytest
 
 from goodserve import LLM, SamplingParams
-from goodserve.server.process import ServerProcess, scrape_metrics, start_server
-from test_engine_process import children_of
+from goodserve.server.process import scrape_metrics
+from helpers import InProcessServer
 
 MODEL = "smollm2-135m"
 MAX_MODEL_LEN = 512
@@ -31,7 +28,7 @@ CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
 @dataclass
 class Stack:
-    server: ServerProcess
+    server: InProcessServer
     llm: LLM
     client: openai.OpenAI
 
@@ -40,16 +37,13 @@ class Stack:
         return self.server.url
 
 
-@pytest.fixture(scope="module", params=[["--no-engine-process"], []], ids=["engine-thread", "engine-process"])
+@pytest.fixture(scope="module", params=[["--no-engine-process"], ["--engine-process"]],
+                ids=["engine-thread", "engine-process"])
 def stack(request):
-    server = start_server(["--max-model-len", str(MAX_MODEL_LEN), "--slo-ttft-ms", "600000", *request.param])
-    try:
-        llm = LLM(MODEL, max_model_len=MAX_MODEL_LEN)  # loads while the server loads
-        server.wait_ready()
+    llm = LLM(MODEL, max_model_len=MAX_MODEL_LEN, cpu_kv_cache_bytes=64 << 20)
+    with InProcessServer(["--max-model-len", str(MAX_MODEL_LEN), "--slo-ttft-ms", "600000", *request.param]) as server:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
         yield Stack(server, llm, client)
-    finally:
-        server.stop()
 
 
 def reference(llm: LLM, prompt: str, **params) -> str:
@@ -320,35 +314,3 @@ def test_schemathesis_finds_no_server_errors(stack):
         checked.append(operation.path)
     assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize"} <= set(checked)
     assert httpx2.get(f"{stack.url}/health").status_code == 200
-
-
-def test_sigterm_drains_in_flight_request_then_exits(stack):
-    """Last in the module: it stops the shared server. SIGTERM goes to the server and its child
-    processes at once (the engine process, multiprocessing's resource tracker), as a service manager's
-    stop sends it to a whole control group: the engine process keeps stepping while the server drains."""
-    result: dict = {}
-    body = {"model": MODEL, "prompt": "Count: 1, 2, 3,", "max_tokens": 24, "ignore_eos": True,
-            "stream": True, "temperature": 0}
-    first_chunk = threading.Event()
-
-    def consume() -> None:
-        lines = []
-        with httpx2.stream("POST", f"{stack.url}/v1/completions", json=body, timeout=120) as resp:
-            for line in resp.iter_lines():
-                if line.startswith("data: "):
-                    lines.append(line)
-                    first_chunk.set()
-        result["lines"] = lines
-
-    reader = threading.Thread(target=consume)
-    reader.start()
-    assert first_chunk.wait(60)
-    for pid in [stack.server.process.pid, *children_of(stack.server.process.pid)]:
-        os.kill(pid, signal.SIGTERM)
-    reader.join(120)
-    # uvicorn re-raises the signal once drained: the conventional "terminated by SIGTERM" status
-    assert stack.server.process.wait(60) == -signal.SIGTERM
-    lines = result["lines"]
-    assert lines[-1] == "data: [DONE]"
-    assert '"finish_reason":"length"' in lines[-2]
-    assert "draining" in stack.server.log()

@@ -20,8 +20,8 @@ import torch
 
 from goodserve import LLM, SamplingParams
 from goodserve.server.contract import check_fields
-from goodserve.server.process import start_server
 from goodserve.server.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, ResponsesRequest
+from helpers import InProcessServer
 
 MODEL = "smollm2-135m"
 PROMPT = "The capital of France is"
@@ -30,14 +30,10 @@ CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def served():
-    server = start_server(["--max-model-len", "512", "--quantization", "none"])
-    try:
-        llm = LLM(MODEL, max_model_len=512, quantization="none")  # loads while the server loads
-        server.wait_ready()
+    llm = LLM(MODEL, max_model_len=512, quantization="none", cpu_kv_cache_bytes=64 << 20)
+    with InProcessServer(["--max-model-len", "512", "--quantization", "none"]) as server:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
         yield server, llm, client
-    finally:
-        server.stop()
 
 
 def test_logit_bias_bans_the_greedy_token_and_forces_another(served):
