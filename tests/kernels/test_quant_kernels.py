@@ -1,5 +1,5 @@
 """int8_matmul / int4_matmul (under the interpreter) against x @ dequantized(W)^T in plain torch: the
-GEMV family below GEMV_MAX_M rows (tests/test_triton_gemv.py covers its paths), the GEMMs above."""
+GEMV family below GEMV_MAX_M rows (tests/kernels/test_triton_gemv.py covers its paths), the GEMMs above."""
 
 import os
 
