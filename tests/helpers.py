@@ -8,6 +8,7 @@ Engine.
 
 from __future__ import annotations
 
+import gc
 import logging
 import tempfile
 import threading
@@ -113,6 +114,10 @@ class InProcessServer:
         """Drain and stop, as on SIGTERM: in-flight requests finish, then the engine shuts down."""
         self.server.should_exit = True
         self._thread.join(120)
+        # FastAPI caches each route's endpoint, a closure over the engine, for the life of the process:
+        # let go of the stopped engine's model and KV cache, or every server of a test run stays loaded.
+        vars(self.app.state.ctx.engine).clear()
+        gc.collect()
         self._logger.removeHandler(self._capture)
         self._logger.setLevel(self._saved_level)
         self._data_dir.cleanup()
