@@ -1,13 +1,21 @@
 VENV := .venv
 
-.PHONY: serve test test-gpu
+.PHONY: serve test test-all test-gpu
 serve: $(VENV)/.installed
 	$(VENV)/bin/goodserve serve
 
-# One thread per process: the tests run a server and a client process side by side. One pytest
-# worker a core (pytest-xdist), at most 4: on CI's 2 cores 13.5 minutes instead of 19.
+# The tiers (docs/testing.md): `make test` runs the fast one, everything but tests/e2e (whose
+# subject is a process of its own); `make test-all` (CI) runs every tier. One thread per process: a
+# test may run a server beside its client. One pytest worker a core (pytest-xdist), at most 4; a
+# file's tests on one worker, so a module's server or engine starts once.
+PYTEST := OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest -n auto --maxprocesses 4 --dist loadfile
+FAST_TIER := tests/unit tests/kernels tests/engine tests/server
+
 test: $(VENV)/.installed
-	OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest -n auto --maxprocesses 4
+	$(PYTEST) $(FAST_TIER)
+
+test-all: $(VENV)/.installed
+	$(PYTEST) tests
 
 # The GPU regression gate (docs/testing.md): tests/gpu on CUDA, a JSON summary in $$GOODSERVE_GATE_OUT.
 # On the lent GPU machine it runs through scripts/gpu_gate.sh (prepare, part1, run) instead.

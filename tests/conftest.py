@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
+from pathlib import Path
 
 # The tests run on the CPU, so every Triton kernel runs in the interpreter. Set before anything
 # imports triton: its own library functions (tl.cdiv, ...) are decorated when it is first imported,
 # and kernels would otherwise fail or pass depending on which test imported triton first.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# The tiers' folders (docs/testing.md) share helpers by importing one another's modules by name
+# (`from test_async_scheduling import drive`), whichever folder a run starts from.
+sys.path[:0] = [str(Path(__file__).parent / tier) for tier in ("unit", "kernels", "engine", "server", "e2e")]
 
 # Servers started by tests keep their Batch API data (--data-dir's default) in a directory of their own,
 # never in the user's ~/.local/share/goodserve.
@@ -37,15 +43,3 @@ def hf_embedded():
     model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
                                                               dtype=torch.float32)
     return model.eval()
-
-
-@torch.no_grad()
-def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    """Plain greedy decoding with HF's own KV cache, never stopping at EOS."""
-    out = model(torch.tensor([prompt_ids]), use_cache=True)
-    tokens = []
-    for _ in range(max_new_tokens):
-        token = int(out.logits[0, -1].argmax())
-        tokens.append(token)
-        out = model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
-    return tokens

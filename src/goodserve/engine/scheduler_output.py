@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from goodserve.sampling_params import SamplingParams
 
-if TYPE_CHECKING:  # the bench and the router import this module and never torch (tests/test_layering.py)
+if TYPE_CHECKING:  # the bench and the router import this module and never torch (tests/unit/test_layering.py)
     import torch
 
     from goodserve.engine.spec_decode.proposer import Branch

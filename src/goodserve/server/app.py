@@ -283,6 +283,12 @@ class _DrainingServer(uvicorn.Server):
 
 def run_server(engine, config: ServerConfig) -> None:
     """Serve until SIGTERM/SIGINT, then let in-flight requests finish (up to drain_timeout_s)."""
+    build_server(engine, config).run()
+
+
+def build_server(engine, config: ServerConfig) -> uvicorn.Server:
+    """The HTTP server over build_app's app, its connection guards on, not yet started. Run from the
+    main thread it drains on SIGTERM/SIGINT; from another (tests) it stops once should_exit is set."""
     app = build_app(engine, config)
     max_connections = config.max_connections or connection_capacity()
     protocol = guarded_protocol(config.header_timeout_s, max_connections, retry_after_s=1,
@@ -293,4 +299,4 @@ def run_server(engine, config: ServerConfig) -> None:
         http=protocol, backlog=config.backlog, timeout_keep_alive=config.keep_alive_s,
     )
     logger.info("accepting up to %d connections (--max-connections)", max_connections)
-    _DrainingServer(uv_config, app).run()
+    return _DrainingServer(uv_config, app)
