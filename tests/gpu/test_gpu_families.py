@@ -1,4 +1,4 @@
-"""Each model family of tests/test_families.py on the device: float32 with CUDA graphs against
+"""Each model family of tests/engine/test_families.py on the device: float32 with CUDA graphs against
 transformers on the same checkpoint (the fused MoE, q/k norms, LongRoPE tables through the Triton
 kernels), and bfloat16 against goodserve's own torch path, eager, scored by the gate's tolerances.
 The mixtures of experts also in int8 and int4 (the fused MoE on their codes): float32 against transformers

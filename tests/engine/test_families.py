@@ -16,6 +16,8 @@ import pytest
 import safetensors.torch
 import torch
 
+from helpers import loaded_model
+
 from goodserve.diagnose.calc import decode_weight_bytes, weight_bytes
 from goodserve.errors import InvalidRequestError, ModelLoadError
 from goodserve.llm import LLM
@@ -265,7 +267,7 @@ def test_native_decode_stack_is_not_given_q_k_norms(tmp_path: Path):
     config.intermediate_size = 128  # int4 groups of 32
     save_tiny_model(config, tmp_path)
     llm = LLM(str(tmp_path), **(SETTINGS | {"quantization": "int4", "quantization_group_size": 32}))
-    assert llm.engine.executor.worker.runner.model.native_decode is None
+    assert loaded_model(llm).native_decode is None
 
 
 def test_dummy_moe_preset_gives_the_same_tokens_batched_and_alone():

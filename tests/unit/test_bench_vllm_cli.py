@@ -16,7 +16,7 @@ from goodserve.bench.text import PromptText
 from goodserve.bench.workloads import build_workload
 from goodserve.cli import build_parser, main
 from goodserve.errors import InvalidRequestError
-from tests.test_bench_client import SseServer
+from test_bench_client import SseServer
 
 # From docs.vllm.ai's benchmarking pages (vllm bench serve ...); {paths} are filled with local files.
 VLLM_LINES = [

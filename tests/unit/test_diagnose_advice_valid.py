@@ -19,7 +19,7 @@ from goodserve.diagnose.steps import StepsReport, advise_steps
 from goodserve.engine_args import dataclass_from_args, engine_config_from_args
 from goodserve.server import command as serve_command
 from goodserve.server.app import ServerConfig
-from tests.test_diagnose import GPU, SPEC, obs
+from test_diagnose import GPU, SPEC, obs
 
 SERVE = build_parser()._subparsers._group_actions[0].choices["serve"]
 

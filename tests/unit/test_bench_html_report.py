@@ -2,7 +2,7 @@
 the page, the attainment axis runs 0-100% whatever the values, the CDFs rise from 0, goodput never
 goes below 0, and the SLO targets, the cost basis and the engine the runs measured are on the page.
 Read back with the standard library's HTML parser; the figures are inspected before they are
-rendered to PNG. tests/test_bench_html_report_browser.py lays the page out in a browser."""
+rendered to PNG. tests/e2e/test_bench_html_report_browser.py lays the page out in a browser."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ from goodserve.cpu_threads import Cores, available_cores, cgroup_quota, plan_thr
 from goodserve.diagnose.advisor import advise
 from goodserve.diagnose.parallel import analyze_replica
 from goodserve.engine import engine_process
-from tests.test_diagnose import GPU, SPEC, obs
+from test_diagnose import GPU, SPEC, obs
 
 
 def test_a_cgroup_quota_is_read_in_cores(tmp_path):
