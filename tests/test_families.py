@@ -144,11 +144,14 @@ def llama_cpp_tensors(checkpoint: Path, config, permute: bool) -> dict[str, torc
     return tensors | {name: torch.stack([by_index[e] for e in sorted(by_index)]) for name, by_index in experts.items()}
 
 
-def write_gguf(hf_model, checkpoint: Path, arch: gguf.MODEL_ARCH, path: Path) -> None:
+def write_gguf(hf_model, checkpoint: Path, arch: gguf.MODEL_ARCH, path: Path, norm_offset: float = 0.0,
+               extra_metadata=lambda writer: None) -> None:
     """The saved checkpoint as llama.cpp's converter writes it: its tensor names (gguf's own name
-    map), float32, its metadata, a stand-in vocabulary."""
+    map), float32, its metadata, a stand-in vocabulary. norm_offset: added to every norm weight (as
+    llama.cpp's Gemma converters do); extra_metadata(writer) adds an architecture's own keys."""
     config, name = hf_model.config, gguf.MODEL_ARCH_NAMES[arch]
     writer = gguf.GGUFWriter(str(path), name)
+    extra_metadata(writer)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
@@ -158,14 +161,15 @@ def write_gguf(hf_model, checkpoint: Path, arch: gguf.MODEL_ARCH, path: Path) ->
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    rope = config.rope_parameters
+    rope = rope.get("full_attention", rope)  # per layer type (Gemma 3): the global layers' is the file's
+    writer.add_rope_freq_base(rope["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     if getattr(config, "num_experts_per_tok", None):
         writer.add_expert_count(getattr(config, "num_experts", None) or config.num_local_experts)
         writer.add_expert_used_count(config.num_experts_per_tok)
         if getattr(config, "moe_intermediate_size", None):
             writer.add_expert_feed_forward_length(config.moe_intermediate_size)
-    rope = config.rope_parameters
     if rope.get("rope_type") == "longrope":  # as llama.cpp's Phi-3 converter: factors as tensors
         original = rope["original_max_position_embeddings"]
         writer.add_rope_scaling_orig_ctx_len(original)
@@ -179,6 +183,8 @@ def write_gguf(hf_model, checkpoint: Path, arch: gguf.MODEL_ARCH, path: Path) ->
     writer.add_token_types([1] * len(tokens))
     names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
     for hf_name, tensor in llama_cpp_tensors(checkpoint, config, permute=arch == gguf.MODEL_ARCH.LLAMA).items():
+        if "norm" in hf_name:
+            tensor = tensor + norm_offset
         writer.add_tensor(names.get_name(hf_name, try_suffixes=(".weight",)), tensor.numpy().astype(np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

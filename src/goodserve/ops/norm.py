@@ -43,6 +43,13 @@ def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return weight * xf.to(x.dtype)
 
 
+def offset_rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
+    """Gemma's RMSNorm: scaled by (offset + weight), all in float32 and rounded once at the end
+    (transformers' Gemma RMSNorm; Llama's rounds before the scale)."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (offset + weight.float())).to(x.dtype)
+
+
 def add_rms_norm_torch(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
