@@ -7,6 +7,7 @@ gguf package's writer, in llama.cpp's tensor names and layout, and give the same
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -84,6 +85,31 @@ def assert_greedy_matches(model_name: str, hf_model, prompt_ids: list[list[int]]
 def test_greedy_tokens_match_transformers(tmp_path: Path, family: str):
     hf_model = save_tiny_model(FAMILIES[family](), tmp_path)
     assert_greedy_matches(str(tmp_path), hf_model, prompts())
+
+
+WINDOWED = {  # a window of 16 that the longer prompts outgrow; Qwen3's on its second layer only
+    "qwen3": lambda: transformers.Qwen3Config(**TINY, head_dim=32, use_sliding_window=True, sliding_window=16,
+                                              max_window_layers=1),
+    "mixtral": lambda: transformers.MixtralConfig(**TINY, num_local_experts=4, sliding_window=16, **MOE),
+    "phi3": lambda: transformers.Phi3Config(**TINY, original_max_position_embeddings=512, sliding_window=16),
+}
+
+
+@pytest.mark.parametrize("family", WINDOWED)
+def test_sliding_window_greedy_tokens_match_transformers(tmp_path: Path, family: str):
+    hf_model = save_tiny_model(WINDOWED[family](), tmp_path)
+    expected = (None, 16) if family == "qwen3" else (16, 16)
+    assert load_spec(str(tmp_path)).layer_windows == expected
+    assert_greedy_matches(str(tmp_path), hf_model, prompts())
+
+
+def test_qwen3_config_without_layer_types_slides_from_max_window_layers(tmp_path: Path):
+    """Configs saved before transformers 5 name no layer types: Qwen's window starts at max_window_layers."""
+    save_tiny_model(WINDOWED["qwen3"](), tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["layer_types"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert load_spec(str(tmp_path)).layer_windows == (None, 16)
 
 
 def long_rope_phi3(path: Path):
@@ -312,9 +338,7 @@ def test_unsupported_architecture_is_refused_with_the_supported_list(tmp_path: P
 
 
 @pytest.mark.parametrize(("family", "setting", "message"), [
-    ("qwen3", {"use_sliding_window": True, "sliding_window": 64}, "sliding-window attention"),
     ("qwen3", {"attention_bias": True}, "attention_bias=True"),
-    ("phi3", {"sliding_window": 64}, "sliding-window attention"),
     ("qwen3-moe", {"mlp_only_layers": [1]}, "mlp_only_layers"),
 ])
 def test_settings_a_family_lacks_are_refused(tmp_path: Path, family: str, setting: dict, message: str):

@@ -35,16 +35,6 @@ class Family:
     gguf_permutes_qk: bool = False
 
 
-def _no_window(config: dict[str, Any], family: str) -> None:
-    """Refuse a sliding window that any layer would use: attending the whole context instead
-    answers differently as soon as a sequence outgrows the window."""
-    window = config.get("sliding_window")
-    if window is None or config.get("use_sliding_window") is False:
-        return
-    if window < config.get("max_position_embeddings", window + 1):
-        raise ModelLoadError(f"{family}: sliding-window attention (sliding_window={window}) is not supported")
-
-
 def _no_bias(config: dict[str, Any], family: str) -> None:
     for key in ("attention_bias", "mlp_bias"):
         if config.get(key):
@@ -72,12 +62,10 @@ def _qwen2(config: dict[str, Any]) -> dict[str, Any]:
 
 def _qwen3(config: dict[str, Any]) -> dict[str, Any]:
     _no_bias(config, "qwen3")  # its attention_bias would put one on o_proj too
-    _no_window(config, "qwen3")
     return {"qk_norm": True}
 
 
 def _mixtral(config: dict[str, Any]) -> dict[str, Any]:
-    _no_window(config, "mixtral")
     return {"num_experts": config["num_local_experts"], "num_experts_per_tok": config["num_experts_per_tok"],
             "moe_intermediate_size": config["intermediate_size"], "norm_topk_prob": True}
 
@@ -148,7 +136,6 @@ def _gguf_gemma3(key: GgufKey) -> dict[str, Any]:
 
 
 def _phi3(config: dict[str, Any]) -> dict[str, Any]:
-    _no_window(config, "phi3")
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     if rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)) != 1.0:
         raise ModelLoadError("phi3: partial rotary embeddings (partial_rotary_factor < 1) are not supported")

@@ -90,12 +90,15 @@ def _family_of(config: dict[str, Any], shape_only: bool) -> tuple[Family | None,
 
 def layer_windows(config: dict[str, Any]) -> tuple[int | None, ...]:
     """Each layer's sliding window. transformers names each layer's kind in layer_types
-    ("sliding_attention" / "full_attention"); a config without them (Mistral) puts its window, if any,
-    on every layer. Empty when no layer has one."""
+    ("sliding_attention" / "full_attention"); a config without them puts its window, if any, on every
+    layer (Mistral, Mixtral, Phi-3) from max_window_layers on (Qwen2 / Qwen3 before transformers 5).
+    Empty when no layer has one."""
     window, layers = config.get("sliding_window"), config["num_hidden_layers"]
     if window is None or config.get("use_sliding_window") is False:
         return ()
-    kinds = config.get("layer_types") or ["sliding_attention"] * layers
+    first_sliding = config.get("max_window_layers") or 0
+    kinds = config.get("layer_types") or [
+        "sliding_attention" if i >= first_sliding else "full_attention" for i in range(layers)]
     windows = tuple(int(window) if kind == "sliding_attention" else None for kind in kinds)
     return windows if any(w is not None for w in windows) else ()
 
