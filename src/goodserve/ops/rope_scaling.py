@@ -1,5 +1,5 @@
-"""Rope scaling's parameters (Llama-3's, linear, Phi-3's LongRoPE), apart from the rotary op (rotary.py): a model's shape
-(model/spec.py) carries them, and shapes are read without torch (the calculators, the bench)."""
+"""Rope scaling's parameters (Llama-3's, linear, Phi-3's LongRoPE), apart from the rotary op (rotary.py): a
+model's shape (model/spec.py) carries them, and shapes are read without torch (the calculators, the bench)."""
 
 from __future__ import annotations
 
