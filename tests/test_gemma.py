@@ -134,6 +134,14 @@ def test_gguf_gives_transformers_tokens(tmp_path: Path, family: str, arch):
     assert_greedy_matches(str(path), hf_model, prompts())
 
 
+def test_lookahead_is_refused_with_soft_capped_scores(tmp_path: Path):
+    """Its guesses' attention (ops/tree_attention.py) has no soft cap: refused even where no window
+    refuses it first."""
+    save_tiny_model(gemma2_config(sliding_window=None, layer_types=None), tmp_path)
+    with pytest.raises(InvalidRequestError, match="'lookahead' is not supported with .* soft-capped"):
+        LLM(str(tmp_path), speculative_method="lookahead", **SETTINGS)
+
+
 def test_tensor_parallelism_is_refused(tmp_path: Path):
     save_tiny_model(gemma2_config(), tmp_path)
     with pytest.raises(InvalidRequestError, match="norms each sublayer's output: --tensor-parallel-size > 1"):
