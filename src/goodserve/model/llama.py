@@ -36,7 +36,7 @@ from goodserve.model.tensor_parallel import TensorParallel, check_tensor_paralle
 from goodserve.ops.activation import gelu_tanh_and_mul, silu_and_mul
 from goodserve.ops.attention import AttentionMetadata, LayerKVCache, attention
 from goodserve.ops.kernel_choice import TORCH_KERNELS
-from goodserve.ops.norm import offset_rms_norm_torch, rms_norm
+from goodserve.ops.norm import add_rms_norm, rms_norm
 from goodserve.ops.rotary import cos_sin_cache
 from goodserve.quant.linear import Int4Linear
 
@@ -44,9 +44,8 @@ from goodserve.quant.linear import Int4Linear
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float, tp: TensorParallel = TensorParallel(),
                  weight_offset: float = 0.0):
-        """weight_offset: Gemma's norms scale by (1 + weight), computed in float32 by plain torch ops
-        (the fused kernels round before the scale, as Llama's norm does); never under tensor
-        parallelism (tensor_parallel.check_tensor_parallel_size)."""
+        """weight_offset: Gemma's norms scale by (1 + weight); never under tensor parallelism
+        (tensor_parallel.check_tensor_parallel_size)."""
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
@@ -59,13 +58,10 @@ class RMSNorm(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """With a residual: x is a sublayer's output, under tensor parallelism this rank's partial sum;
         sum it over the ranks, add the residual and return (normed, new residual), fused."""
-        if self.weight_offset:
-            if residual is not None:
-                x = residual = x + residual
-            normed = offset_rms_norm_torch(x, self.weight, self.eps, self.weight_offset)
-            return normed if residual is None else (normed, residual)
         if residual is None:
-            return rms_norm(x, self.weight, self.eps, self.kernels)
+            return rms_norm(x, self.weight, self.eps, self.kernels, self.weight_offset)
+        if self.weight_offset:
+            return add_rms_norm(x, residual, self.weight, self.eps, self.kernels, self.weight_offset)
         return self.tp.all_reduce_add_rms_norm(x, residual, self.weight, self.eps, self.kernels)
 
 
