@@ -2,8 +2,10 @@
 (config.json's `architectures`, a GGUF file's `general.architecture`) to one of them.
 
 A family is not a model class: every family runs model/llama.py's decoder, assembled from shared
-parts by its ModelSpec (attention with or without q/k norms and q/k/v biases, the gated MLP or the
-mixture of experts of model/moe.py, RMSNorm, a rotary table with its scaling). A family says which
+parts by its ModelSpec (attention with or without q/k norms, q/k/v biases, a sliding window and
+soft-capped scores; the gated MLP, SwiGLU or GeGLU, or the mixture of experts of model/moe.py;
+RMSNorm, Gemma's scaled by 1 + weight and after each sublayer too; rotary tables with their
+scaling). A family says which
 of those parts its checkpoints need, reads the fields that choose them from a config, and refuses
 any setting it does not implement (a model that would run with it ignored would answer wrongly).
 The loaders (hf_loader.py, gguf_loader.py) read the fields every family shares.
