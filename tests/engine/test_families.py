@@ -7,6 +7,7 @@ gguf package's writer, in llama.cpp's tensor names and layout, and give the same
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -88,6 +89,31 @@ def test_greedy_tokens_match_transformers(tmp_path: Path, family: str):
     assert_greedy_matches(str(tmp_path), hf_model, prompts())
 
 
+WINDOWED = {  # a window of 16 that the longer prompts outgrow; Qwen3's on its second layer only
+    "qwen3": lambda: transformers.Qwen3Config(**TINY, head_dim=32, use_sliding_window=True, sliding_window=16,
+                                              max_window_layers=1),
+    "mixtral": lambda: transformers.MixtralConfig(**TINY, num_local_experts=4, sliding_window=16, **MOE),
+    "phi3": lambda: transformers.Phi3Config(**TINY, original_max_position_embeddings=512, sliding_window=16),
+}
+
+
+@pytest.mark.parametrize("family", WINDOWED)
+def test_sliding_window_greedy_tokens_match_transformers(tmp_path: Path, family: str):
+    hf_model = save_tiny_model(WINDOWED[family](), tmp_path)
+    expected = (None, 16) if family == "qwen3" else (16, 16)
+    assert load_spec(str(tmp_path)).layer_windows == expected
+    assert_greedy_matches(str(tmp_path), hf_model, prompts())
+
+
+def test_qwen3_config_without_layer_types_slides_from_max_window_layers(tmp_path: Path):
+    """Configs saved before transformers 5 name no layer types: Qwen's window starts at max_window_layers."""
+    save_tiny_model(WINDOWED["qwen3"](), tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["layer_types"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert load_spec(str(tmp_path)).layer_windows == (None, 16)
+
+
 def long_rope_phi3(path: Path):
     """A 128k-style Phi-3 whose original context is 64 positions."""
     factors = torch.Generator().manual_seed(3)
@@ -146,11 +172,14 @@ def llama_cpp_tensors(checkpoint: Path, config, permute: bool) -> dict[str, torc
     return tensors | {name: torch.stack([by_index[e] for e in sorted(by_index)]) for name, by_index in experts.items()}
 
 
-def write_gguf(hf_model, checkpoint: Path, arch: gguf.MODEL_ARCH, path: Path) -> None:
+def write_gguf(hf_model, checkpoint: Path, arch: gguf.MODEL_ARCH, path: Path, norm_offset: float = 0.0,
+               extra_metadata=lambda writer: None) -> None:
     """The saved checkpoint as llama.cpp's converter writes it: its tensor names (gguf's own name
-    map), float32, its metadata, a stand-in vocabulary."""
+    map), float32, its metadata, a stand-in vocabulary. norm_offset: added to every norm weight (as
+    llama.cpp's Gemma converters do); extra_metadata(writer) adds an architecture's own keys."""
     config, name = hf_model.config, gguf.MODEL_ARCH_NAMES[arch]
     writer = gguf.GGUFWriter(str(path), name)
+    extra_metadata(writer)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
@@ -160,14 +189,15 @@ def write_gguf(hf_model, checkpoint: Path, arch: gguf.MODEL_ARCH, path: Path) ->
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    rope = config.rope_parameters
+    rope = rope.get("full_attention", rope)  # per layer type (Gemma 3): the global layers' is the file's
+    writer.add_rope_freq_base(rope["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     if getattr(config, "num_experts_per_tok", None):
         writer.add_expert_count(getattr(config, "num_experts", None) or config.num_local_experts)
         writer.add_expert_used_count(config.num_experts_per_tok)
         if getattr(config, "moe_intermediate_size", None):
             writer.add_expert_feed_forward_length(config.moe_intermediate_size)
-    rope = config.rope_parameters
     if rope.get("rope_type") == "longrope":  # as llama.cpp's Phi-3 converter: factors as tensors
         original = rope["original_max_position_embeddings"]
         writer.add_rope_scaling_orig_ctx_len(original)
@@ -181,6 +211,8 @@ def write_gguf(hf_model, checkpoint: Path, arch: gguf.MODEL_ARCH, path: Path) ->
     writer.add_token_types([1] * len(tokens))
     names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
     for hf_name, tensor in llama_cpp_tensors(checkpoint, config, permute=arch == gguf.MODEL_ARCH.LLAMA).items():
+        if "norm" in hf_name:
+            tensor = tensor + norm_offset
         writer.add_tensor(names.get_name(hf_name, try_suffixes=(".weight",)), tensor.numpy().astype(np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -308,9 +340,7 @@ def test_unsupported_architecture_is_refused_with_the_supported_list(tmp_path: P
 
 
 @pytest.mark.parametrize(("family", "setting", "message"), [
-    ("qwen3", {"use_sliding_window": True, "sliding_window": 64}, "sliding-window attention"),
     ("qwen3", {"attention_bias": True}, "attention_bias=True"),
-    ("phi3", {"sliding_window": 64}, "sliding-window attention"),
     ("qwen3-moe", {"mlp_only_layers": [1]}, "mlp_only_layers"),
 ])
 def test_settings_a_family_lacks_are_refused(tmp_path: Path, family: str, setting: dict, message: str):

@@ -45,8 +45,8 @@ def test_lookahead_is_refused_with_a_window(windowed_dir: Path):
 @pytest.mark.parametrize("overrides, message", [
     ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
                           "rope_theta": 10000.0}}, "rope scaling 'yarn' is not supported"),
-    ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}},
-     "rope scaling 'linear' is not supported"),
+    ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}},
+     "rope scaling 'dynamic' is not supported"),
 ])
 def test_unimplemented_rope_scaling_is_refused(tmp_path: Path, overrides: dict, message: str):
     save_tiny_hf_model(transformers.LlamaConfig(**TINY, **overrides), tmp_path)

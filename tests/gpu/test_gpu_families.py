@@ -1,17 +1,21 @@
-"""Each model family of tests/engine/test_families.py on the device: float32 with CUDA graphs against
-transformers on the same checkpoint (the fused MoE, q/k norms, LongRoPE tables through the Triton
-kernels), and bfloat16 against goodserve's own torch path, eager, scored by the gate's tolerances.
-The mixtures of experts also in int8 and int4 (the fused MoE on their codes): float32 against transformers
-on the dequantized weights, bfloat16 against the torch path in int8."""
+"""Each model family of tests/engine/test_families.py and tests/engine/test_gemma.py on the device: float32
+with CUDA graphs against transformers on the same checkpoint (the fused MoE, q/k norms, LongRoPE tables,
+Gemma's soft-capped attention and two rotary tables through the Triton kernels), and bfloat16 against
+goodserve's own torch path, eager, scored by the gate's tolerances. The mixtures of experts also in int8
+and int4 (the fused MoE on their codes): float32 against transformers on the dequantized weights,
+bfloat16 against the torch path in int8."""
 
 from __future__ import annotations
 
 import pytest
 import transformers
 from gate_checks import MODES, TORCH_PATH, assert_within, build, compare, engine_scores, greedy, hf_scores, tolerance
-from test_families import FAMILIES, prompts, save_tiny_model
+from test_families import FAMILIES as OTHER_FAMILIES
+from test_families import prompts, save_tiny_model
+from test_gemma import CONFIGS as GEMMA_FAMILIES
 from test_moe_quantized import int4_ready, with_dequantized_weights
 
+FAMILIES = OTHER_FAMILIES | GEMMA_FAMILIES
 MOE_FAMILIES = ("mixtral", "qwen3-moe")
 
 
@@ -28,7 +32,9 @@ def _compare(fast, reference_scores, record_property, dtype: str) -> None:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_float32_matches_transformers(tmp_path, device, family, record_property):
     save_tiny_model(FAMILIES[family](), tmp_path)
-    hf_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).to(device).eval()
+    # Eager attention: the one of transformers' implementations that soft-caps Gemma 2's scores.
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager")
+    hf_model = hf_model.to(device).eval()
     fast = build(str(tmp_path), device, dtype="float32", **MODES["graphs"])
     _compare(fast, lambda sequences: hf_scores(hf_model, sequences), record_property, "float32")
 

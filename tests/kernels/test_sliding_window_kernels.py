@@ -1,6 +1,7 @@
 """Sliding-window attention in every attention path (torch reference, torch decode, native CPU decode,
 Triton decode and prefill under TRITON_INTERPRET=1) against a brute-force softmax over the keys each
-query may see: positions j with i - j < W."""
+query may see: positions j with i - j < W; and soft-capped scores (Gemma 2) in each of those paths
+that takes them (the native CPU kernels do not: attention() keeps a soft-capped layer off them)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from test_triton_attention import assert_close, kernels, make_batch  # noqa: F40
 SCALE = 0.3
 
 
-def brute_force(q, cache, meta, window: int | None) -> torch.Tensor:
+def brute_force(q, cache, meta, window: int | None, softcap: float | None = None) -> torch.Tensor:
     """Each query row against its visible keys, one row at a time (GQA by repeating KV heads)."""
     out, start = torch.empty_like(q, dtype=torch.float32), 0
     block_size = cache.block_size
@@ -29,6 +30,8 @@ def brute_force(q, cache, meta, window: int | None) -> torch.Tensor:
             lo = 0 if window is None else max(query_pos - window + 1, 0)
             keys, values = k[lo : query_pos + 1], v[lo : query_pos + 1]  # [n, H, D]
             scores = torch.einsum("hd,nhd->hn", q[start + row].float(), keys) * SCALE
+            if softcap is not None:
+                scores = torch.tanh(scores / softcap) * softcap
             out[start + row] = torch.einsum("hn,nhd->hd", scores.softmax(-1), values)
         start += q_len
     return out
@@ -99,3 +102,28 @@ def test_keys_outside_the_window_are_never_read(kernels):  # noqa: F811
     out = kernels.triton_decode_attention(q[decode], cache, meta.block_tables[decode], meta.seq_lens[decode],
                                           SCALE, 4, window=window)
     assert_close(out, ref[decode], torch.float32)
+
+
+SOFTCAP = 1.5
+
+
+@pytest.mark.parametrize("window", [None, 16])
+def test_soft_capped_scores_in_every_path(kernels, window):  # noqa: F811
+    mixed = make_batch(MIXED, 6, 2, 32, torch.float32, torch.float32)
+    decodes = make_batch(DECODES, 6, 2, 32, torch.float32, torch.float32)
+    one = make_batch([(1, 70)], 4, 1, 32, torch.float32, torch.float32)
+    expected = {name: brute_force(*batch, window, SOFTCAP) for name, batch in
+                (("mixed", mixed), ("decodes", decodes), ("one", one))}
+    assert not torch.allclose(expected["mixed"], brute_force(*mixed, window), atol=1e-2)  # the cap bites
+    assert_close(paged_attention_reference(*mixed, SCALE, window, SOFTCAP), expected["mixed"], torch.float32)
+    assert_close(decode_attention_torch(*decodes, SCALE, window, SOFTCAP), expected["decodes"], torch.float32)
+    assert_close(decode_attention_torch(*one, SCALE, window, SOFTCAP), expected["one"], torch.float32)
+    q, cache, meta = mixed
+    out = kernels.triton_prefill_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                                           SCALE, window=window, softcap=SOFTCAP)
+    assert_close(out, expected["mixed"], torch.float32)
+    q, cache, meta = decodes
+    for num_splits in (1, 4):
+        out = kernels.triton_decode_attention(q, cache, meta.block_tables, meta.seq_lens, SCALE, num_splits,
+                                              window=window, softcap=SOFTCAP)
+        assert_close(out, expected["decodes"], torch.float32)

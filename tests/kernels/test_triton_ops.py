@@ -17,8 +17,8 @@ import torch
 
 from goodserve.config import KernelOptions
 from goodserve.ops.activation import silu_and_mul, silu_and_mul_torch
-from goodserve.ops.norm import add_rms_norm, add_rms_norm_torch, rms_norm_torch
-from goodserve.ops.kernel_choice import KernelChoice, choose_kernels
+from goodserve.ops.norm import add_rms_norm, add_rms_norm_torch, offset_rms_norm_torch, rms_norm, rms_norm_torch
+from goodserve.ops.kernel_choice import TORCH_KERNELS, KernelChoice, choose_kernels
 from goodserve.ops.sampler import argmax
 
 KERNEL_MODULE = "goodserve.ops.triton_ops"
@@ -64,6 +64,25 @@ def test_add_rms_norm_returns_normed_and_new_residual(kernels, dtype):
     assert torch.equal(residual, before)  # out of place, like the reference
     assert_close(new_residual, ref_residual)
     assert_close(normed, ref_normed)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemma_rms_norm_scales_by_one_plus_weight(kernels, dtype):
+    """Gemma's norm (weight_offset 1): Triton's, and the CPU's native one in float32, against the
+    float32 reference; with and without the residual add."""
+    x, residual = torch.randn(2, 5, 96).to(dtype)
+    weight = (0.1 * torch.randn(96)).to(dtype)  # stored as Gemma's checkpoints store it: scale - 1
+    ref_residual = x + residual
+    ref = offset_rms_norm_torch(ref_residual, weight, 1e-6, 1.0)
+    assert not torch.allclose(ref.float(), rms_norm_torch(ref_residual, weight, 1e-6).float(), atol=0.1)
+    assert_close(kernels.triton_rms_norm(ref_residual, weight, 1e-6, weight_offset=1.0), ref)
+    normed, new_residual = kernels.triton_add_rms_norm(x, residual, weight, 1e-6, weight_offset=1.0)
+    assert_close(new_residual, ref_residual)
+    assert_close(normed, ref)
+    if dtype == torch.float32:
+        normed, new_residual = add_rms_norm(x, residual, weight, 1e-6, TORCH_KERNELS, 1.0)
+        assert_close(normed, ref)
+        assert_close(rms_norm(ref_residual, weight, 1e-6, TORCH_KERNELS, 1.0), ref)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -60,6 +60,10 @@ def resolve_for_model(config: EngineConfig, spec: ModelSpec) -> EngineConfig:
         raise InvalidRequestError(
             f"speculative_method 'lookahead' is not supported with {spec.name}'s sliding-window attention: its "
             "guesses attend the whole context; use 'ngram' or --speculative-model")
+    if spec.attn_logit_softcap is not None and config.speculative_method == "lookahead":
+        raise InvalidRequestError(
+            f"speculative_method 'lookahead' is not supported with {spec.name}'s soft-capped attention scores: its "
+            "guesses' attention has no soft cap; use 'ngram' or --speculative-model")
     budget = config.max_num_batched_tokens if config.enable_chunked_prefill else \
         max(config.max_num_batched_tokens, context_len)
     return dataclasses.replace(config, max_model_len=context_len, max_num_batched_tokens=budget)

@@ -29,7 +29,7 @@ def init_random_weights(model: LlamaForCausalLM, seed: int) -> None:
     for name, param in whole.named_parameters():
         full = torch.empty(param.shape, dtype=dtype, device=device)
         if name.endswith("norm.weight"):
-            full.fill_(1.0)
+            full.fill_(1.0 - model.spec.norm_weight_offset)  # a scale of 1 (Gemma scales by 1 + weight)
         elif name.endswith(".bias"):
             full.zero_()
         else:

@@ -7,7 +7,8 @@ Q4_0, Q4_1 or Q8_0 keeps their codes (quant/gguf_native.py), the rest is dequant
 the embedding lookup always reads a float table. llama.cpp's converter permutes the rows of
 attn_q / attn_k so its rotary code can rotate adjacent pairs; we rotate halves (the Hugging Face
 layout), so the permutation is undone (on codes, scales and zeros alike: whole rows move), exactly
-as transformers' GGUF loader does.
+as transformers' GGUF loader does. Its Gemma converters store every norm weight with Gemma's offset
+of 1 added (so llama.cpp scales by the weight); it is taken off again here.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from goodserve.model.pipeline_parallel import PipelineParallel
 from goodserve.model.spec import ModelSpec
 from goodserve.model.tensor_parallel import TensorParallel, is_row_parallel
 from goodserve.model.tokenizer import Tokenizer
-from goodserve.ops.rope_scaling import LongRope, RopeScaling
+from goodserve.ops.rope_scaling import LinearRope, LongRope, RopeScaling
 from goodserve.ops.rotary import inverse_frequencies
 from goodserve.quant import gguf_native
 from goodserve.quant.apply import TARGET_LINEARS
@@ -62,6 +63,12 @@ _GLOBAL_TENSORS = {
     "output.weight": ("lm_head.weight", None),
 }
 # Folded into ModelSpec.rope_scaling.
+# Gemma's norms (sandwich_norms): its MLP's input norm is ffn_norm, its sublayers' outputs have their own.
+_SANDWICH_NORMS = {
+    "ffn_norm.weight": ("pre_feedforward_layernorm.weight", None),
+    "post_attention_norm.weight": ("post_attention_layernorm.weight", None),
+    "post_ffw_norm.weight": ("post_feedforward_layernorm.weight", None),
+}
 _IGNORED_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 _FUSED_PARAMS = (".qkv_proj.weight", ".gate_up_proj.weight")
 
@@ -86,7 +93,8 @@ def gguf_spec(reader: gguf.GGUFReader, name: str) -> ModelSpec:
         head_dim=head_dim,
         max_position_embeddings=key("context_length"),
         rope_theta=theta,
-        rope_scaling=_long_rope(tensors, key) or _rope_scaling(tensors.get("rope_freqs.weight"), head_dim, theta),
+        rope_scaling=(_long_rope(tensors, key) or _linear_rope(key)
+                      or _rope_scaling(tensors.get("rope_freqs.weight"), head_dim, theta)),
         rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", family.default_rms_norm_eps)),
         tie_word_embeddings="output.weight" not in tensors,
         attention_bias="blk.0.attn_q.bias" in tensors,
@@ -126,6 +134,15 @@ def _long_rope(tensors: dict, key) -> LongRope | None:
                     attention_factor=float(key("rope.scaling.attn_factor", 1.0)))
 
 
+def _linear_rope(key) -> LinearRope | None:
+    kind = key("rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    if kind != "linear":
+        raise ModelLoadError(f"GGUF rope scaling {kind!r} is not supported; supported: linear")
+    return LinearRope(factor=float(key("rope.scaling.factor")))
+
+
 def _dequantize(tensor) -> np.ndarray:
     """A GGUF tensor as a float array in PyTorch's [rows, cols] order."""
     shape = tuple(int(d) for d in reversed(tensor.shape))
@@ -138,13 +155,14 @@ def _unpermute_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     return w.reshape(num_heads, rows_per_half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def _our_name(gguf_name: str) -> tuple[str, str | None] | None:
+def _our_name(gguf_name: str, sandwich_norms: bool) -> tuple[str, str | None] | None:
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
     prefix, _, rest = gguf_name.partition(".")  # "blk.3.attn_q.weight"
     layer, _, suffix = rest.partition(".")
-    if prefix == "blk" and suffix in _LAYER_TENSORS:
-        param, shard = _LAYER_TENSORS[suffix]
+    names = _LAYER_TENSORS | _SANDWICH_NORMS if sandwich_norms else _LAYER_TENSORS
+    if prefix == "blk" and suffix in names:
+        param, shard = names[suffix]
         return f"model.layers.{layer}.{param}", shard
     return None
 
@@ -154,7 +172,7 @@ def _targets(tensor, spec: ModelSpec, own_lm_head: bool) -> list[tuple[str, str 
     which needs its own copy only where lm_head keeps the file's codes (own_lm_head)."""
     if tensor.name in _IGNORED_TENSORS:
         return []
-    target = _our_name(tensor.name)
+    target = _our_name(tensor.name, spec.sandwich_norms)
     if target is None:
         raise ModelLoadError(f"unexpected tensor {tensor.name!r} in GGUF file")
     if target[1] == "up" and int(tensor.shape[1]) == 2 * spec.intermediate_size:  # Phi-3's gate and up, fused
@@ -218,6 +236,8 @@ def load_gguf_weights(model: LlamaForCausalLM, reader: gguf.GGUFReader, arch: st
                 continue
             if float_weight is None:
                 float_weight = torch.from_numpy(np.require(_dequantize(tensor), np.float32, ["C", "W"]))
+                if "norm" in name:
+                    float_weight -= spec.norm_weight_offset
             if ".experts." in name:  # one shard per expert
                 for expert, rows in enumerate(float_weight):
                     filler.fill(name, (shard, expert), rows)

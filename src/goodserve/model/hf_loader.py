@@ -21,7 +21,7 @@ from goodserve.model.pipeline_parallel import PipelineParallel
 from goodserve.model.spec import ModelSpec, SamplingDefaults
 from goodserve.model.tensor_parallel import TensorParallel
 from goodserve.model.tokenizer import Tokenizer
-from goodserve.ops.rope_scaling import LongRope, RopeScaling
+from goodserve.ops.rope_scaling import LinearRope, LongRope, RopeScaling
 
 # Checkpoint projections that are row blocks of one fused parameter here (Phi-3's checkpoints
 # store qkv_proj and gate_up_proj fused already, in the same order).
@@ -48,8 +48,10 @@ def hf_spec(config: dict[str, Any], name: str, generation_config: dict[str, Any]
     calculators, which need the shapes of any architecture and never run it)."""
     family, family_fields = _family_of(config, shape_only)
     hidden, heads = config["hidden_size"], config["num_attention_heads"]
-    # transformers 5 nests rope settings in rope_parameters; older configs keep them top level.
+    # transformers 5 nests rope settings in rope_parameters (per layer type where types differ: the
+    # global layers' are the model's, families.py reads the others); older configs keep them top level.
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    rope = rope.get("full_attention", rope)
     theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
     return ModelSpec(
         name=name,
@@ -88,24 +90,29 @@ def _family_of(config: dict[str, Any], shape_only: bool) -> tuple[Family | None,
 
 def layer_windows(config: dict[str, Any]) -> tuple[int | None, ...]:
     """Each layer's sliding window. transformers names each layer's kind in layer_types
-    ("sliding_attention" / "full_attention"); a config without them (Mistral) puts its window, if any,
-    on every layer. Empty when no layer has one."""
+    ("sliding_attention" / "full_attention"); a config without them puts its window, if any, on every
+    layer (Mistral, Mixtral, Phi-3) from max_window_layers on (Qwen2 / Qwen3 before transformers 5).
+    Empty when no layer has one."""
     window, layers = config.get("sliding_window"), config["num_hidden_layers"]
     if window is None or config.get("use_sliding_window") is False:
         return ()
-    kinds = config.get("layer_types") or ["sliding_attention"] * layers
+    first_sliding = config.get("max_window_layers") or 0
+    kinds = config.get("layer_types") or [
+        "sliding_attention" if i >= first_sliding else "full_attention" for i in range(layers)]
     windows = tuple(int(window) if kind == "sliding_attention" else None for kind in kinds)
     return windows if any(w is not None for w in windows) else ()
 
 
-def _rope_scaling(rope: dict[str, Any], config: dict[str, Any]) -> RopeScaling | LongRope | None:
+def _rope_scaling(rope: dict[str, Any], config: dict[str, Any]) -> RopeScaling | LinearRope | LongRope | None:
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind == "default":
         return None
     if kind in ("longrope", "su"):
         return _long_rope(rope, config)
+    if kind == "linear":
+        return LinearRope(factor=float(rope["factor"]))
     if kind != "llama3":
-        raise ModelLoadError(f"rope scaling {kind!r} is not supported; supported: default, llama3, longrope")
+        raise ModelLoadError(f"rope scaling {kind!r} is not supported; supported: default, linear, llama3, longrope")
     return RopeScaling(
         factor=float(rope["factor"]),
         low_freq_factor=float(rope["low_freq_factor"]),

@@ -1,6 +1,8 @@
 """The decoder every family runs (model/families.py: Llama 2/3, Mistral, Qwen2/3, Phi-3, Mixtral,
-Qwen3-MoE) over a paged KV cache, its parts picked by the ModelSpec: q/k norms (Qwen3), the gated
-MLP or a mixture of experts (model/moe.py).
+Qwen3-MoE, Gemma 2/3) over a paged KV cache, its parts picked by the ModelSpec: q/k norms (Qwen3,
+Gemma 3), the gated MLP (SwiGLU or GeGLU) or a mixture of experts (model/moe.py), Gemma's norms
+(scaled by 1 + weight, and after each sublayer too), soft-capped attention scores and logits, a
+second rotary table for the sliding layers (Gemma 3).
 
 Tokens of all sequences in a batch are laid end to end ([T, hidden]); the attention metadata says
 which sequence each belongs to. q/k/v and gate/up are fused into one matmul each; those linears are
@@ -21,6 +23,8 @@ stage and, except on the last, sends them on and returns None.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -29,20 +33,24 @@ from goodserve.model.moe import SparseMoE, check_moe_combination, quantize_exper
 from goodserve.model.pipeline_parallel import PipelineParallel, check_pipeline_parallel_size
 from goodserve.model.spec import ModelSpec
 from goodserve.model.tensor_parallel import TensorParallel, check_tensor_parallel_size
-from goodserve.ops.activation import silu_and_mul
+from goodserve.ops.activation import gelu_tanh_and_mul, silu_and_mul
 from goodserve.ops.attention import AttentionMetadata, LayerKVCache, attention
 from goodserve.ops.kernel_choice import TORCH_KERNELS
-from goodserve.ops.norm import rms_norm
+from goodserve.ops.norm import add_rms_norm, rms_norm
 from goodserve.ops.rotary import cos_sin_cache
 from goodserve.quant.linear import Int4Linear
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float, tp: TensorParallel = TensorParallel()):
+    def __init__(self, hidden_size: int, eps: float, tp: TensorParallel = TensorParallel(),
+                 weight_offset: float = 0.0):
+        """weight_offset: Gemma's norms scale by (1 + weight); never under tensor parallelism
+        (tensor_parallel.check_tensor_parallel_size)."""
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
         self.tp = tp
+        self.weight_offset = weight_offset
         self.kernels = TORCH_KERNELS
 
     def forward(
@@ -51,7 +59,9 @@ class RMSNorm(nn.Module):
         """With a residual: x is a sublayer's output, under tensor parallelism this rank's partial sum;
         sum it over the ranks, add the residual and return (normed, new residual), fused."""
         if residual is None:
-            return rms_norm(x, self.weight, self.eps, self.kernels)
+            return rms_norm(x, self.weight, self.eps, self.kernels, self.weight_offset)
+        if self.weight_offset:
+            return add_rms_norm(x, residual, self.weight, self.eps, self.kernels, self.weight_offset)
         return self.tp.all_reduce_add_rms_norm(x, residual, self.weight, self.eps, self.kernels)
 
 
@@ -79,12 +89,13 @@ class LlamaAttention(nn.Module):
         self.tp, self.window = tp, window
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.q_size, self.kv_size = spec.q_size, spec.kv_size
-        self.scale = spec.head_dim**-0.5
+        self.scale, self.softcap = spec.attention_scale, spec.attn_logit_softcap
         self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.attention_bias)
         self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=False)
-        # Qwen3: each head's q and k RMS-normed over head_dim before rotary (weights replicated under TP).
-        self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
-        self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+        # Qwen3, Gemma 3: each head's q and k RMS-normed over head_dim before rotary (weights replicated under TP).
+        offset = spec.norm_weight_offset
+        self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, weight_offset=offset) if spec.qk_norm else None
+        self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, weight_offset=offset) if spec.qk_norm else None
         self.kernels = TORCH_KERNELS
 
     def forward(
@@ -97,7 +108,8 @@ class LlamaAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        out = attention(q, k, v, positions, rotary_cache, kv_cache, meta, self.scale, self.kernels, self.window)
+        out = attention(q, k, v, positions, rotary_cache, kv_cache, meta, self.scale, self.kernels, self.window,
+                        self.softcap)
         return self.o_proj(out.flatten(1))  # a partial sum under TP: the next norm all-reduces it
 
 
@@ -108,11 +120,14 @@ class LlamaMLP(nn.Module):
         self.tp = tp
         self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False)
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+        self.geglu = spec.hidden_act == "gelu_tanh"
         self.kernels = TORCH_KERNELS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj
-        if isinstance(gate_up, Int4Linear):  # may finish SwiGLU inside its own kernel
+        if self.geglu:
+            hidden = gelu_tanh_and_mul(gate_up(x))
+        elif isinstance(gate_up, Int4Linear):  # may finish SwiGLU inside its own kernel
             hidden = gate_up.silu_and_mul(x)
         else:
             hidden = silu_and_mul(gate_up(x), self.kernels)
@@ -122,9 +137,16 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, spec: ModelSpec, tp: TensorParallel, window: int | None = None):
         super().__init__()
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, tp)
+        norm = lambda: RMSNorm(spec.hidden_size, spec.rms_norm_eps, tp, spec.norm_weight_offset)  # noqa: E731
+        self.input_layernorm = norm()
         self.self_attn = LlamaAttention(spec, tp, window)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, tp)
+        # Llama's post_attention_layernorm is the MLP's input norm; with sandwich norms (Gemma) it
+        # norms the attention's output, and the MLP has a norm before and after it of its own.
+        self.post_attention_layernorm = norm()
+        self.sandwich_norms = spec.sandwich_norms
+        if spec.sandwich_norms:
+            self.pre_feedforward_layernorm = norm()
+            self.post_feedforward_layernorm = norm()
         self.mlp = SparseMoE(spec) if spec.is_moe else LlamaMLP(spec, tp)
 
     def forward(
@@ -137,6 +159,9 @@ class LlamaDecoderLayer(nn.Module):
         else:
             x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(x, positions, rotary_cache, kv_cache, meta)
+        if self.sandwich_norms:
+            x, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(x), residual)
+            return self.post_feedforward_layernorm(self.mlp(x)), residual
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -150,7 +175,7 @@ class LlamaModel(nn.Module):
             if pp.holds_embedding(spec) else None
         self.layers = nn.ModuleList(LlamaDecoderLayer(spec, tp, spec.window_of(i)) if i in held else nn.Identity()
                                     for i in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, tp) if pp.is_last else None
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, tp, spec.norm_weight_offset) if pp.is_last else None
 
 
 class LlamaForCausalLM(nn.Module):
@@ -167,13 +192,22 @@ class LlamaForCausalLM(nn.Module):
         # through all layers in one native call. Not a module, so the state dict is the same either way.
         self.native_decode = None
         self.kernels = TORCH_KERNELS  # what the engine's sampler and graphs launch beside the model
-        # float32 whatever the model dtype: angles at large positions need the precision.
+        # float32 whatever the model dtype: angles at large positions need the precision. Gemma 3's
+        # sliding layers rotate by a table of their own (local_rotary_cache), the others by rotary_cache.
         self.register_buffer("rotary_cache", self._rotary_table(), persistent=False)
+        self.register_buffer("local_rotary_cache", self._rotary_table(local=True), persistent=False)
 
-    def _rotary_table(self, device: torch.device | None = None) -> torch.Tensor:
+    def _rotary_table(self, device: torch.device | None = None, local: bool = False) -> torch.Tensor | None:
         s = self.spec
-        table = cos_sin_cache(s.head_dim, s.max_position_embeddings, s.rope_theta, s.rope_scaling)
+        if local and s.rope_local_theta is None:
+            return None
+        theta, scaling = (s.rope_local_theta, None) if local else (s.rope_theta, s.rope_scaling)
+        table = cos_sin_cache(s.head_dim, s.max_position_embeddings, theta, scaling)
         return table.to(device) if device is not None else table
+
+    def _layer_rotary_caches(self, layers: range) -> list[torch.Tensor]:
+        local = self.local_rotary_cache
+        return [self.rotary_cache if local is None or self.spec.window_of(i) is None else local for i in layers]
 
     def tie_weights(self) -> None:
         if self.spec.tie_word_embeddings and self.lm_head is not None:
@@ -190,14 +224,16 @@ class LlamaForCausalLM(nn.Module):
         layers = self.model.layers[held.start : held.stop]
         if self.pp.is_first:
             x, residual = self.model.embed_tokens(input_ids), None
+            if self.spec.scale_embeddings:
+                x = x * _rounded(self.spec.hidden_size**0.5, x.dtype)
         else:
             x, residual = self.pp.receive_from_previous(len(input_ids), self.spec.hidden_size,
                                                         layers[0].input_layernorm.weight)
         if self.native_decode is not None and self.native_decode.takes(x, kv_caches[0], meta):
             x, residual = self.native_decode(x, positions, self.rotary_cache, kv_caches, meta)
         else:
-            for layer, kv_cache in zip(layers, kv_caches):
-                x, residual = layer(x, residual, positions, self.rotary_cache, kv_cache, meta)
+            for layer, kv_cache, rotary_cache in zip(layers, kv_caches, self._layer_rotary_caches(held)):
+                x, residual = layer(x, residual, positions, rotary_cache, kv_cache, meta)
         if not self.pp.is_last:
             self.pp.send_forward(x, residual)
             return None
@@ -205,8 +241,17 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] (only the rows to sample from) -> float32 logits [N, vocab]."""
-        return self.tp.gather_vocab(self.lm_head(hidden), self.spec.vocab_size).float()
+        """hidden [N, hidden] (only the rows to sample from) -> float32 logits [N, vocab], soft-capped
+        where the model caps them (Gemma 2)."""
+        logits = self.tp.gather_vocab(self.lm_head(hidden), self.spec.vocab_size).float()
+        cap = self.spec.final_logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
+@functools.cache
+def _rounded(value: float, dtype: torch.dtype) -> float:
+    """value as dtype holds it: Gemma scales its embeddings by sqrt(hidden) rounded to the model dtype."""
+    return torch.tensor(value, dtype=dtype).item()
 
 
 def build_empty_model(spec: ModelSpec, dtype: torch.dtype, device: torch.device | str,
@@ -235,6 +280,7 @@ def build_empty_model(spec: ModelSpec, dtype: torch.dtype, device: torch.device 
     model = model.to_empty(device=device)
     model.tie_weights()  # to_empty makes new Parameters, which unties them
     model.rotary_cache = model._rotary_table(torch.device(device))
+    model.local_rotary_cache = model._rotary_table(torch.device(device), local=True)
     return model.eval().requires_grad_(False)
 
 

@@ -50,9 +50,11 @@ def _native(layer: nn.Module) -> bool:
 
 def attach(model: nn.Module) -> bool:
     """Give the model its native decode path if every decoder layer can take it; returns whether.
-    The native layer has no q/k norms and no mixture of experts."""
-    layers = list(model.model.layers)
-    plain = not (model.spec.qk_norm or model.spec.is_moe)
+    The native layer has no q/k norms, no mixture of experts and none of Gemma's parts (norms after the
+    sublayers and scaled by 1 + weight, GeGLU, soft-capped scores)."""
+    layers, spec = list(model.model.layers), model.spec
+    plain = not (spec.qk_norm or spec.is_moe or spec.sandwich_norms or spec.norm_weight_offset
+                 or spec.hidden_act != "silu" or spec.attn_logit_softcap is not None)
     model.native_decode = NativeDecodeStack(layers) if plain and all(_native(layer) for layer in layers) else None
     return model.native_decode is not None
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from goodserve.model.spec import ModelSpec
-from goodserve.ops.rope_scaling import RopeScaling
+from goodserve.ops.rope_scaling import LinearRope, RopeScaling
 
 _LLAMA3_SCALING = RopeScaling(
     factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
@@ -80,14 +80,16 @@ PRESETS: dict[str, ModelSpec] = {
             rope_theta=1000000.0, family="mixtral", num_experts=8, num_experts_per_tok=2,
             moe_intermediate_size=14336, bos_token_id=1, eos_token_ids=(2,),
         ),
-        # Gemma-3-12B's shape: local layers (window 1024) and every sixth global. It runs on the Llama
-        # decoder, whose weights and KV have the same sizes, so a step moves the same bytes: for
-        # sizing and speed, not for Gemma's outputs. The -global variant has every layer global.
+        # Gemma-3-12B (text): local layers (window 1024) and every sixth global, with Gemma 3's parts
+        # (model/families.py). The -global variant has every layer global: the KV saving is the point.
         *_with_and_without_window(ModelSpec(
             name="gemma-3-12b", vocab_size=262208, hidden_size=3840, intermediate_size=15360,
             num_layers=48, num_heads=16, num_kv_heads=8, head_dim=256, max_position_embeddings=131072,
-            rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=2,
-            eos_token_ids=(1, 106), layer_windows=tuple(None if i % 6 == 5 else 1024 for i in range(48)),
+            rope_theta=1000000.0, rope_scaling=LinearRope(factor=8.0), rms_norm_eps=1e-6,
+            tie_word_embeddings=True, family="gemma3", qk_norm=True, bos_token_id=2, eos_token_ids=(1, 106),
+            layer_windows=tuple(None if i % 6 == 5 else 1024 for i in range(48)), hidden_act="gelu_tanh",
+            norm_weight_offset=1.0, sandwich_norms=True, scale_embeddings=True, query_pre_attn_scalar=256.0,
+            rope_local_theta=10000.0,
         )),
         # Tiny random shapes for fast tests.
         ModelSpec(

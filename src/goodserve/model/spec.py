@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 from goodserve.errors import ModelLoadError
-from goodserve.ops.rope_scaling import LongRope, RopeScaling
+from goodserve.ops.rope_scaling import LinearRope, LongRope, RopeScaling
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ class ModelSpec:
     head_dim: int
     max_position_embeddings: int
     rope_theta: float = 10000.0
-    rope_scaling: RopeScaling | LongRope | None = None
+    rope_scaling: RopeScaling | LinearRope | LongRope | None = None
     rms_norm_eps: float = 1e-5
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2 puts biases on q/k/v
@@ -64,6 +64,18 @@ class ModelSpec:
     # Sliding-window attention: layer i's queries see only keys fewer than layer_windows[i] positions
     # back (None: every earlier key). Empty: no layer has a window.
     layer_windows: tuple[int | None, ...] = ()
+    # Gemma 2/3's parts. Their RMSNorms scale by (norm_weight_offset + weight), in float32; with
+    # sandwich_norms each sublayer's output is normed too (post_attention_layernorm and
+    # post_feedforward_layernorm) and the MLP's input by its own pre_feedforward_layernorm;
+    # scale_embeddings multiplies the embeddings by sqrt(hidden_size).
+    hidden_act: str = "silu"  # the gated MLP's activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    norm_weight_offset: float = 0.0
+    sandwich_norms: bool = False
+    scale_embeddings: bool = False
+    query_pre_attn_scalar: float | None = None  # attention scale query_pre_attn_scalar**-0.5 (else head_dim's)
+    attn_logit_softcap: float | None = None  # attention scores s -> tanh(s / c) * c before the softmax
+    final_logit_softcap: float | None = None  # the same on the logits
+    rope_local_theta: float | None = None  # Gemma 3: the sliding layers' own rotary base (no scaling)
 
     @property
     def q_size(self) -> int:
@@ -72,6 +84,10 @@ class ModelSpec:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property
     def is_moe(self) -> bool:
@@ -110,7 +126,7 @@ class ModelSpec:
         if self.qk_norm:
             attn += 2 * self.head_dim
         mlp = self.num_experts * h + experts * self.expert_params() if self.is_moe else 3 * h * i
-        per_layer = attn + mlp + 2 * h
+        per_layer = attn + mlp + (4 if self.sandwich_norms else 2) * h
         embed = self.vocab_size * h
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
         return self.num_layers * per_layer + embed + head + h

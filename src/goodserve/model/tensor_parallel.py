@@ -38,6 +38,10 @@ def check_tensor_parallel_size(spec: ModelSpec, size: int) -> None:
     """The split points must fall on whole heads and whole MLP columns (as vLLM requires)."""
     if size == 1:
         return
+    if spec.sandwich_norms:
+        # Their norms of a sublayer's output would each need an all-reduce of their own first.
+        raise InvalidRequestError(f"{spec.name} ({spec.family}) norms each sublayer's output: "
+                                  "--tensor-parallel-size > 1 is not supported for it")
     valid = [n for n in range(1, spec.num_heads + 1) if _fits(spec, n)]
     if not _fits(spec, size):
         raise InvalidRequestError(

@@ -1,4 +1,5 @@
-"""SwiGLU's gate: silu(gate) * up over a fused [.., 2 * intermediate] projection."""
+"""The gated MLPs' activations over a fused [.., 2 * intermediate] projection: SwiGLU's silu(gate) * up,
+GeGLU's gelu(gate) * up (tanh-approximate, as Gemma's gelu_pytorch_tanh)."""
 
 import torch
 import torch.nn.functional as F
@@ -20,3 +21,9 @@ def silu_and_mul(gate_up: torch.Tensor, kernels: KernelChoice) -> torch.Tensor:
 def silu_and_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """GeGLU, plain torch on every device (two elementwise kernels on CUDA)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up

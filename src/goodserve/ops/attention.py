@@ -4,8 +4,9 @@ One batch holds B sequences; sequence i contributes q_len_i new tokens (a prefil
 decode), laid end to end in a flat [T, ...] batch. Its context after this step is seq_len_i tokens,
 so its new queries sit at positions seq_len_i - q_len_i ... seq_len_i - 1, and each attends every
 cached key at a position <= its own (causal); in a layer with a sliding window W, only the keys at
-positions j with i - j < W (the last W, its own included: transformers' rule). K/V live in blocks of `block_size` token slots;
-slot = block_id * block_size + offset.
+positions j with i - j < W (the last W, its own included: transformers' rule). With a soft cap c
+(Gemma 2) each scaled score s becomes tanh(s / c) * c before the softmax. K/V live in blocks of
+`block_size` token slots; slot = block_id * block_size + offset.
 
 The Triton kernels (ops/triton_attention.py) compute the same function; this file is their reference,
 the CPU path, and the dispatch between the two (by the model's KernelChoice, ops/kernel_choice.py).
@@ -95,13 +96,15 @@ def quantize_int8_per_head(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
               rotary_cache: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, scale: float,
-              kernels: KernelChoice, window: int | None = None) -> torch.Tensor:
+              kernels: KernelChoice, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """One layer: RoPE on q [T, Hq, D] (in place) and k [T, Hk, D], the new K/V into the cache, then
-    q attending its context (its last `window` keys, when the layer has one) -> [T, Hq, D]. A
+    q attending its context (its last `window` keys, when the layer has one; scores soft-capped at
+    `softcap`, when it has one) -> [T, Hq, D]. A
     decode-only step with KernelOptions.fuse_rotary_into_decode_attention does all of it in the
     decode kernel, and q is left unrotated."""
     if meta.branches is not None:
-        assert window is None, "side branches attend the whole context (the engine refuses them with a window)"
+        assert window is None and softcap is None, "side branches attend the whole context, uncapped (the engine " \
+            "refuses them with a window, which every soft-capped family has)"
         return _with_side_branches(q, k, v, positions, rotary_cache, cache, meta.branches, scale, kernels)
     if kernels.triton:
         if meta.is_decode_only and kernels.options.fuse_rotary_into_decode_attention:
@@ -109,11 +112,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torc
 
             return triton_decode_attention(
                 q, cache, meta.block_tables, meta.seq_lens, scale, tuning=kernels.decode_attention_tuning(q.shape[0]),
-                pdl=kernels.pdl, waves=kernels.options.decode_attention_waves, window=window,
+                pdl=kernels.pdl, waves=kernels.options.decode_attention_waves, window=window, softcap=softcap,
                 new_tokens=NewTokens(k, v, positions, rotary_cache, meta.slot_mapping))
         rotary_write_kv(q, k, v, positions, rotary_cache, cache, meta.slot_mapping, kernels)
-        return paged_attention(q, cache, meta, scale, kernels, window)
-    if native_attention_usable(q, cache):
+        return paged_attention(q, cache, meta, scale, kernels, window, softcap)
+    if softcap is None and native_attention_usable(q, cache):  # the native kernels have no soft cap
         layer_ops.rope_write_kv(q, k, v, positions, rotary_cache, cache.k, cache.v, meta.slot_mapping)
         if meta.is_decode_only:
             return layer_ops.decode_attention(q, cache.k, cache.v, meta.block_tables, meta.seq_lens, scale, window)
@@ -122,7 +125,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torc
     cos, sin = indices.rope(positions, rotary_cache)
     q.copy_(rotate(q, cos, sin))
     write_kv_slots(rotate(k, cos, sin), v, cache, *indices.write())
-    return paged_attention_torch(q, cache, meta, scale, window)
+    return paged_attention_torch(q, cache, meta, scale, window, softcap)
 
 
 def _with_side_branches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
@@ -160,26 +163,27 @@ def rotary_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
 
 
 def paged_attention(q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, scale: float,
-                    kernels: KernelChoice, window: int | None = None) -> torch.Tensor:
+                    kernels: KernelChoice, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """q: [T, Hq, D] -> [T, Hq, D], attending this step's context (K/V already written)."""
     if not kernels.triton:
-        return paged_attention_torch(q, cache, meta, scale, window)
+        return paged_attention_torch(q, cache, meta, scale, window, softcap)
     from goodserve.ops.triton_attention import triton_decode_attention, triton_prefill_attention
 
     pdl, waves = kernels.pdl, kernels.options.decode_attention_waves
     if meta.is_decode_only:
         return triton_decode_attention(q, cache, meta.block_tables, meta.seq_lens, scale, pdl=pdl, waves=waves,
-                                       tuning=kernels.decode_attention_tuning(q.shape[0]), window=window)
+                                       tuning=kernels.decode_attention_tuning(q.shape[0]), window=window,
+                                       softcap=softcap)
     out, decodes, first_seq = torch.empty_like(q), meta.num_leading_decodes, meta.num_leading_decodes
     if meta.leading_decodes is not None:  # any of the rows may be a decode
         decodes, first_seq = min(q.shape[0], meta.seq_lens.shape[0]), meta.leading_decodes
     if decodes:
         triton_decode_attention(q[:decodes], cache, meta.block_tables[:decodes], meta.seq_lens[:decodes], scale,
                                 out=out[:decodes], num_decodes=meta.leading_decodes, pdl=pdl, waves=waves,
-                                tuning=kernels.decode_attention_tuning(decodes), window=window)
+                                tuning=kernels.decode_attention_tuning(decodes), window=window, softcap=softcap)
     return triton_prefill_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,
                                     first_seq=first_seq, out=out, max_seqs=meta.max_prefill_seqs, pdl=pdl,
-                                    window=window)
+                                    window=window, softcap=softcap)
 
 
 def rotary_write_kv_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
@@ -219,7 +223,8 @@ def gather_kv(cache: LayerKVCache, block_ids: torch.Tensor, length: int, dtype: 
 
 
 def paged_attention_reference(
-    q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, scale: float, window: int | None = None
+    q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, scale: float, window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """q: [T, Hq, D] -> [T, Hq, D]. One sequence at a time; the definition the kernels must match."""
     out = torch.empty_like(q)
@@ -228,13 +233,13 @@ def paged_attention_reference(
     for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host)):
         num_blocks = -(-seq_len // block_size)
         k, v = gather_kv(cache, meta.block_tables[i, :num_blocks].long(), seq_len, q.dtype)
-        out[start : start + q_len] = _causal_attention(q[start : start + q_len], k, v, scale, window)
+        out[start : start + q_len] = _causal_attention(q[start : start + q_len], k, v, scale, window, softcap)
         start += q_len
     return out
 
 
 def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                      window: int | None) -> torch.Tensor:
+                      window: int | None, softcap: float | None = None) -> torch.Tensor:
     """q: [Lq, Hq, D] are the last Lq of the Lk positions in k, v: [Lk, Hk, D]."""
     q_len, k_len = q.shape[0], k.shape[0]
     query_pos = torch.arange(k_len - q_len, k_len, device=q.device).unsqueeze(1)
@@ -242,6 +247,10 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     mask = key_pos <= query_pos  # [Lq, Lk]
     if window is not None:
         mask &= key_pos > query_pos - window
+    if softcap is not None:
+        additive = torch.zeros(mask.shape, device=q.device).masked_fill(~mask, float("-inf"))
+        return softcapped_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), additive, scale,
+                                    softcap).transpose(0, 1)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
         attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
@@ -249,8 +258,20 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     return out.transpose(0, 1)
 
 
+def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                         softcap: float) -> torch.Tensor:
+    """q [..., Hq, Lq, D], k and v [..., Hk, Lk, D], the additive mask broadcast to the scores
+    [..., Hq, Lq, Lk]: attention with soft-capped scores, as transformers' eager Gemma 2 computes it
+    (SDPA has no soft cap)."""
+    group = q.shape[-3] // k.shape[-3]
+    k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
+    scores = torch.tanh(q @ k.transpose(-1, -2) * scale / softcap) * softcap + mask
+    return scores.float().softmax(dim=-1).to(q.dtype) @ v
+
+
 def decode_attention_torch(
-    q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, scale: float, window: int | None = None
+    q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, scale: float, window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Decode-only batch (one query per sequence), vectorized over the batch: the CPU fast path.
 
@@ -266,6 +287,9 @@ def decode_attention_torch(
     block_ids, mask = step_indices(meta).decode_gather(cache.block_size, window)  # [B * blocks], [B, 1, 1, L]
     k, v = (gather_blocks(pool, pool_scale, block_ids).view(batch, -1, num_kv_heads, head_dim)
             for pool, pool_scale in ((cache.k, cache.k_scale), (cache.v, cache.v_scale)))
+    if softcap is not None:
+        out = softcapped_attention(q.float().unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), mask, scale, softcap)
+        return out.squeeze(2).to(q.dtype)
     if batch > 1:
         out = F.scaled_dot_product_attention(q.float().unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2),
                                              attn_mask=mask, scale=scale, enable_gqa=num_heads != num_kv_heads)
@@ -283,11 +307,12 @@ def gather_blocks(pool: torch.Tensor, scale: torch.Tensor | None, block_ids: tor
 
 
 def paged_attention_torch(
-    q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, scale: float, window: int | None = None
+    q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, scale: float, window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     if meta.is_decode_only:
-        return decode_attention_torch(q, cache, meta, scale, window)
-    return paged_attention_reference(q, cache, meta, scale, window)
+        return decode_attention_torch(q, cache, meta, scale, window, softcap)
+    return paged_attention_reference(q, cache, meta, scale, window, softcap)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

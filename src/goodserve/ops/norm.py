@@ -13,26 +13,34 @@ from goodserve.native import layer_ops
 from goodserve.ops.kernel_choice import KernelChoice
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, kernels: KernelChoice) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, kernels: KernelChoice,
+             weight_offset: float = 0.0) -> torch.Tensor:
+    """weight_offset: Gemma's norms scale by (1 + weight) (offset_rms_norm_torch)."""
     if kernels.triton:
         from goodserve.ops.triton_ops import triton_rms_norm
 
-        return triton_rms_norm(x, weight, eps, kernels.pdl)
-    if layer_ops.usable(x, weight):
-        return layer_ops.add_rms_norm(x, None, weight, eps)[0]
+        return triton_rms_norm(x, weight, eps, kernels.pdl, weight_offset)
+    if layer_ops.usable(x, weight):  # float32: offset + weight first is the same arithmetic
+        return layer_ops.add_rms_norm(x, None, weight + weight_offset if weight_offset else weight, eps)[0]
+    if weight_offset:
+        return offset_rms_norm_torch(x, weight, eps, weight_offset)
     return rms_norm_torch(x, weight, eps)
 
 
 def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, kernels: KernelChoice
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, kernels: KernelChoice,
+    weight_offset: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """residual += x; return (rms_norm(residual), residual). The inputs are not modified."""
     if kernels.triton:
         from goodserve.ops.triton_ops import triton_add_rms_norm
 
-        return triton_add_rms_norm(x, residual, weight, eps, kernels.pdl)
+        return triton_add_rms_norm(x, residual, weight, eps, kernels.pdl, weight_offset)
     if layer_ops.usable(x, residual, weight):
-        return layer_ops.add_rms_norm(x, residual, weight, eps)
+        return layer_ops.add_rms_norm(x, residual, weight + weight_offset if weight_offset else weight, eps)
+    if weight_offset:
+        residual = x + residual
+        return offset_rms_norm_torch(residual, weight, eps, weight_offset), residual
     return add_rms_norm_torch(x, residual, weight, eps)
 
 
@@ -41,6 +49,13 @@ def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
+
+
+def offset_rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
+    """Gemma's RMSNorm: scaled by (offset + weight), all in float32 and rounded once at the end
+    (transformers' Gemma RMSNorm; Llama's rounds before the scale)."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (offset + weight.float())).to(x.dtype)
 
 
 def add_rms_norm_torch(

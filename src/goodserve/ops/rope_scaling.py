@@ -1,5 +1,5 @@
-"""Rope scaling's parameters (Llama-3's, Phi-3's LongRoPE), apart from the rotary op (rotary.py): a model's shape
-(model/spec.py) carries them, and shapes are read without torch (the calculators, the bench)."""
+"""Rope scaling's parameters (Llama-3's, linear, Phi-3's LongRoPE), apart from the rotary op (rotary.py): a
+model's shape (model/spec.py) carries them, and shapes are read without torch (the calculators, the bench)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,13 @@ class RopeScaling:
     low_freq_factor: float
     high_freq_factor: float
     original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class LinearRope:
+    """Linear position interpolation (rope_type "linear"): every frequency divided by `factor`."""
+
+    factor: float
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Rotary position embedding in the Hugging Face (rotate-half) layout, with Llama-3 scaling or LongRoPE."""
+"""Rotary position embedding in the Hugging Face (rotate-half) layout, with Llama-3 or linear scaling or LongRoPE."""
 
 from __future__ import annotations
 
@@ -6,13 +6,15 @@ import math
 
 import torch
 
-from goodserve.ops.rope_scaling import LongRope, RopeScaling
+from goodserve.ops.rope_scaling import LinearRope, LongRope, RopeScaling
 
 
-def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | LinearRope | None) -> torch.Tensor:
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     if scaling is None:
         return inv_freq.float()
+    if isinstance(scaling, LinearRope):
+        return inv_freq.float() / scaling.factor
     assert isinstance(scaling, RopeScaling), "LongRoPE's frequencies depend on the position: cos_sin_cache"
     low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
     high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
@@ -28,7 +30,7 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None
 
 
 def cos_sin_cache(
-    head_dim: int, max_positions: int, theta: float, scaling: RopeScaling | LongRope | None
+    head_dim: int, max_positions: int, theta: float, scaling: RopeScaling | LinearRope | LongRope | None
 ) -> torch.Tensor:
     """[max_positions, head_dim] float32: cos in the first half, sin in the second."""
     if isinstance(scaling, LongRope):

@@ -154,14 +154,22 @@ def _load_scales(scale_ptr, slot, kv_head, num_kv_heads, tok_mask):
 
 
 @triton.jit
+def _soft_cap(s, cap):
+    """tanh(s / cap) * cap, tanh as 1 - 2 / (exp(2x) + 1): exact at both ends (exp's overflow to inf
+    gives 1, its underflow to 0 gives -1), and the interpreter has no tanh of its own."""
+    return (1.0 - 2.0 / (tl.exp(2.0 * s / cap) + 1.0)) * cap
+
+
+@triton.jit
 def _attend_tile(q, m_i, l_i, acc, k_cache, v_cache, k_scale, v_scale, slot, kv_head, num_kv_heads,
-                 HEAD_DIM, tok_mask, key_mask, d, d_mask, qk_scale,
+                 HEAD_DIM, tok_mask, key_mask, d, d_mask, qk_scale, softcap,
                  COMPUTE_DTYPE: tl.constexpr, KV_QUANT: tl.constexpr, UPCAST_DOT: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr):
+                 DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr):
     """One online-softmax step over a key tile.
 
     tok_mask [BLOCK_N]: keys that exist; key_mask [BLOCK_M or 1, BLOCK_N]: keys each row may see.
-    Scores live in the log2 domain (scaled by log2 e) so the exponentials are exp2.
+    Scores live in the log2 domain (scaled by log2 e) so the exponentials are exp2. With SOFTCAP,
+    each score s becomes tanh(s / softcap) * softcap first (softcap scaled by log2 e too).
     """
     k = _load_kv_tile(k_cache, slot, kv_head, num_kv_heads, HEAD_DIM, tok_mask, d, d_mask, COMPUTE_DTYPE)
     if UPCAST_DOT:
@@ -170,7 +178,10 @@ def _attend_tile(q, m_i, l_i, acc, k_cache, v_cache, k_scale, v_scale, slot, kv_
     if KV_QUANT == KV_INT8:
         # Scales multiply the scores and probabilities rather than the tiles: int8 is exact in bf16.
         qk = qk * _load_scales(k_scale, slot, kv_head, num_kv_heads, tok_mask)[None, :]
-    qk = tl.where(key_mask, qk * qk_scale, float("-inf"))
+    qk = qk * qk_scale
+    if SOFTCAP:
+        qk = _soft_cap(qk, softcap)  # a cap in the log2 domain too: tanh(s / c) * c scales with both
+    qk = tl.where(key_mask, qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, axis=1))
     # A row that has seen no key yet (a sliding window's first tiles can hide every key from some
     # rows) keeps m = -inf; subtracting 0 instead keeps its exponentials 0, not NaN (-inf - -inf).
@@ -287,14 +298,14 @@ def _store_new_kv(k1, k2, v1, v2, slot, k_cache, v_cache, k_scale, v_scale, kv_h
 @triton.jit(do_not_specialize=["stride_bt", "stride_bb", "DIRECT_KEYS", "window"])
 def _decode_kernel(q_ptr, out_ptr, part_out_ptr, part_lse_ptr, arrivals_ptr, k_cache, v_cache, k_scale, v_scale,
                    block_tables, seq_lens, num_decodes_ptr, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh,
-                   stride_bt, stride_bb, num_kv_heads, window,
+                   stride_bt, stride_bb, num_kv_heads, window, softcap,
                    k_ptr, v_ptr, positions_ptr, rotary_ptr, slot_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
                    stride_rotary, HEAD_DIM: tl.constexpr,
                    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, SPLIT_KEYS: tl.constexpr, DIRECT_KEYS,
                    NUM_SPLITS: tl.constexpr, KV_QUANT: tl.constexpr, UPCAST_DOT: tl.constexpr,
                    DOT_PRECISION: tl.constexpr, BOUNDED: tl.constexpr, ROTARY: tl.constexpr,
-                   BLOCK_HALF: tl.constexpr, USE_PDL: tl.constexpr):
+                   BLOCK_HALF: tl.constexpr, SOFTCAP: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_sync(USE_PDL)
     kv_head = tl.program_id(0)
     seq = tl.program_id(1)
@@ -344,8 +355,8 @@ def _decode_kernel(q_ptr, out_ptr, part_out_ptr, part_lse_ptr, arrivals_ptr, k_c
             valid = pos < key_end
             slot = _slots_of(block_table_row, stride_bb, pos, valid, BLOCK_SIZE)
             m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache, v_cache, k_scale, v_scale, slot, kv_head,
-                                         num_kv_heads, HEAD_DIM, valid, valid[None, :], d, d_mask, qk_scale,
-                                         q_ptr.dtype.element_ty, KV_QUANT, UPCAST_DOT, DOT_PRECISION)
+                                         num_kv_heads, HEAD_DIM, valid, valid[None, :], d, d_mask, qk_scale, softcap,
+                                         q_ptr.dtype.element_ty, KV_QUANT, UPCAST_DOT, DOT_PRECISION, SOFTCAP)
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         if num_used == 1:
             dst = out_ptr + seq * stride_ot + head[:, None] * stride_oh + d[None, :]
@@ -437,9 +448,10 @@ def triton_decode_attention(q: torch.Tensor, cache, block_tables: torch.Tensor, 
                             scale: float, num_splits: int | None = None, tuning: dict | None = None,
                             out: torch.Tensor | None = None, num_decodes: torch.Tensor | None = None,
                             pdl: bool = False, waves: int = 2, new_tokens: NewTokens | None = None,
-                            window: int | None = None) -> torch.Tensor:
+                            window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """q: [B, Hq, D], one query per sequence -> [B, Hq, D] (into `out` when given).
-    window: a sliding window, each query sees only its last `window` keys.
+    window: a sliding window, each query sees only its last `window` keys; softcap: scores s become
+    tanh(s / softcap) * softcap.
     num_splits: a power of two, or None (default_num_splits, filling the GPU `waves` times over).
     num_decodes: an int32 device scalar; only the first
     num_decodes sequences are computed, the other rows of `out` are left as they are (a mixed
@@ -475,14 +487,16 @@ def triton_decode_attention(q: torch.Tensor, cache, block_tables: torch.Tensor, 
         *_scales(cache),
         block_tables, seq_lens, seq_lens if num_decodes is None else num_decodes, scale * LOG2E, q.stride(0),
         q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), block_tables.stride(1), num_kv_heads,
-        window or 0, k, v, positions, rotary_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        window or 0, (softcap or 0.0) * LOG2E, k, v, positions, rotary_cache, slot_mapping, k.stride(0), k.stride(1),
+        v.stride(0), v.stride(1),
         rotary_cache.stride(0),
         head_dim, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
         BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=tune["BLOCK_N"], BLOCK_SIZE=block_size,
         SPLIT_KEYS=tune["SPLIT_KEYS"], DIRECT_KEYS=tune["DIRECT_KEYS"], NUM_SPLITS=num_splits,
         KV_QUANT=_kv_quant(cache), UPCAST_DOT=not q.is_cuda, DOT_PRECISION=_dot_precision(q.dtype),
         BOUNDED=num_decodes is not None, ROTARY=new_tokens is not None,
-        BLOCK_HALF=triton.next_power_of_2(max(head_dim // 2, 1)), num_warps=tune["num_warps"],
+        BLOCK_HALF=triton.next_power_of_2(max(head_dim // 2, 1)), SOFTCAP=softcap is not None,
+        num_warps=tune["num_warps"],
         num_stages=tune["num_stages"], **pdl_launch(pdl),
     )
     return out
@@ -523,11 +537,11 @@ def _find_sequence(query_start_loc, first_seq, first_token, num_seqs, program, B
 @triton.jit(do_not_specialize=["stride_bt", "stride_bb", "first_seq", "num_seqs", "window"])
 def _prefill_kernel(q_ptr, out_ptr, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens,
                     query_start_loc, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_bb,
-                    first_seq, num_seqs, num_kv_heads, window, HEAD_DIM: tl.constexpr,
+                    first_seq, num_seqs, num_kv_heads, window, softcap, HEAD_DIM: tl.constexpr,
                     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, KV_QUANT: tl.constexpr,
                     UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, FIRST_SEQ_IN_MEMORY: tl.constexpr,
-                    USE_PDL: tl.constexpr):
+                    SOFTCAP: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_sync(USE_PDL)
     if FIRST_SEQ_IN_MEMORY:
         first_seq = tl.load(first_seq)
@@ -571,8 +585,8 @@ def _prefill_kernel(q_ptr, out_ptr, k_cache, v_cache, k_scale, v_scale, block_ta
             slot = _slots_of(block_table_row, stride_bb, pos, valid, BLOCK_SIZE)
             key_mask = valid[None, :] & (pos[None, :] <= query_pos[:, None]) & (pos[None, :] >= oldest_key[:, None])
             m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache, v_cache, k_scale, v_scale, slot, kv_head,
-                                         num_kv_heads, HEAD_DIM, valid, key_mask, d, d_mask, qk_scale,
-                                         q_ptr.dtype.element_ty, KV_QUANT, UPCAST_DOT, DOT_PRECISION)
+                                         num_kv_heads, HEAD_DIM, valid, key_mask, d, d_mask, qk_scale, softcap,
+                                         q_ptr.dtype.element_ty, KV_QUANT, UPCAST_DOT, DOT_PRECISION, SOFTCAP)
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + q_tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=io_mask)
@@ -582,9 +596,10 @@ def triton_prefill_attention(q: torch.Tensor, cache, block_tables: torch.Tensor,
                              query_start_loc: torch.Tensor, scale: float, tuning: dict | None = None,
                              first_seq: int | torch.Tensor = 0, out: torch.Tensor | None = None,
                              max_seqs: int | None = None, pdl: bool = False,
-                             window: int | None = None) -> torch.Tensor:
+                             window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """q: [T, Hq, D], a varlen batch (any mix of prefill chunks and decodes) -> [T, Hq, D].
-    window: a sliding window, each query sees only its last `window` keys.
+    window: a sliding window, each query sees only its last `window` keys; softcap: scores s become
+    tanh(s / softcap) * softcap.
 
     first_seq: the sequences before it have one query each and are someone else's (the decode
     kernel's): only the rest are computed, into `out` (allocated when None). An int32 device scalar
@@ -609,10 +624,11 @@ def triton_prefill_attention(q: torch.Tensor, cache, block_tables: torch.Tensor,
         *_scales(cache),
         block_tables, seq_lens, query_start_loc, scale * LOG2E, q.stride(0), q.stride(1),
         out.stride(0), out.stride(1), block_tables.stride(0), block_tables.stride(1), first_seq, num_seqs,
-        num_kv_heads, window or 0, head_dim,
+        num_kv_heads, window or 0, (softcap or 0.0) * LOG2E, head_dim,
         GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_N=tune["BLOCK_N"], BLOCK_SIZE=block_size, KV_QUANT=quant, UPCAST_DOT=not q.is_cuda,
-        DOT_PRECISION=_dot_precision(q.dtype), FIRST_SEQ_IN_MEMORY=in_memory, num_warps=tune["num_warps"],
+        DOT_PRECISION=_dot_precision(q.dtype), FIRST_SEQ_IN_MEMORY=in_memory, SOFTCAP=softcap is not None,
+        num_warps=tune["num_warps"],
         num_stages=tune["num_stages"], **pdl_launch(pdl),
     )
     return out

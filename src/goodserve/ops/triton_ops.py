@@ -26,20 +26,24 @@ def row_num_warps(block: int) -> int:
 @triton.jit
 def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, new_residual_ptr, stride_x, stride_r,
                      stride_o, stride_nr, hidden, eps,
-                     BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, USE_PDL: tl.constexpr):
+                     BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, WEIGHT_OFFSET: tl.constexpr,
+                     USE_PDL: tl.constexpr):
     pdl_sync(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     add_residual_and_norm(x, row, cols, mask, residual_ptr, weight_ptr, out_ptr, new_residual_ptr, stride_r,
-                          stride_o, stride_nr, hidden, eps, HAS_RESIDUAL)
+                          stride_o, stride_nr, hidden, eps, HAS_RESIDUAL, WEIGHT_OFFSET)
 
 
 @triton.jit
 def add_residual_and_norm(x, row, cols, mask, residual_ptr, weight_ptr, out_ptr, new_residual_ptr, stride_r,
-                          stride_o, stride_nr, hidden, eps, HAS_RESIDUAL: tl.constexpr):
-    """One row: x (+ residual, stored as the new residual), RMS-normed and scaled by weight, into out."""
+                          stride_o, stride_nr, hidden, eps, HAS_RESIDUAL: tl.constexpr,
+                          WEIGHT_OFFSET: tl.constexpr = 0.0):
+    """One row: x (+ residual, stored as the new residual), RMS-normed and scaled by weight, into out.
+    With a WEIGHT_OFFSET (Gemma's 1) the scale is offset + weight, applied before the one rounding
+    (ops/norm.offset_rms_norm_torch); without, the normed row is rounded first (rms_norm_torch)."""
     if HAS_RESIDUAL:
         # The sum is rounded to the activation dtype first, as `x + residual` is in torch.
         x = (x.to(tl.float32) + tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32))
@@ -47,13 +51,15 @@ def add_residual_and_norm(x, row, cols, mask, residual_ptr, weight_ptr, out_ptr,
         tl.store(new_residual_ptr + row * stride_nr + cols, x, mask=mask)
     xf = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / hidden + eps)
-    normed = (xf * rstd).to(x.dtype)
-    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
-    out = weight.to(tl.float32) * normed.to(tl.float32)
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if WEIGHT_OFFSET != 0.0:
+        out = xf * rstd * (WEIGHT_OFFSET + weight)
+    else:
+        out = weight * (xf * rstd).to(x.dtype).to(tl.float32)
     tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch_rms_norm(x, residual, weight, eps, pdl):
+def _launch_rms_norm(x, residual, weight, eps, pdl, weight_offset=0.0):
     hidden = x.shape[-1]
     x2 = x.reshape(-1, hidden)
     assert x2.stride(-1) == 1, "rms_norm needs the hidden dim contiguous"
@@ -69,21 +75,24 @@ def _launch_rms_norm(x, residual, weight, eps, pdl):
     if x2.shape[0] > 0:
         _rms_norm_kernel[(x2.shape[0],)](
             x2, res2, weight, out2, new_res2, x2.stride(0), res2.stride(0), out2.stride(0), new_res2.stride(0),
-            hidden, eps, BLOCK=block, HAS_RESIDUAL=residual is not None, num_warps=row_num_warps(block),
+            hidden, eps, BLOCK=block, HAS_RESIDUAL=residual is not None, WEIGHT_OFFSET=weight_offset,
+            num_warps=row_num_warps(block),
             **pdl_launch(pdl),
         )
     return out, new_residual
 
 
-def triton_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, pdl: bool = False) -> torch.Tensor:
-    return _launch_rms_norm(x, None, weight, eps, pdl)[0]
+def triton_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, pdl: bool = False,
+                    weight_offset: float = 0.0) -> torch.Tensor:
+    return _launch_rms_norm(x, None, weight, eps, pdl, weight_offset)[0]
 
 
 def triton_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, pdl: bool = False
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, pdl: bool = False,
+    weight_offset: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (rms_norm(x + residual), x + residual); the inputs are left untouched."""
-    return _launch_rms_norm(x, residual, weight, eps, pdl)
+    return _launch_rms_norm(x, residual, weight, eps, pdl, weight_offset)
 
 
 # ---------------------------------------------------------------------------------------------
