@@ -1,4 +1,4 @@
-"""Mixture of experts on the GPU: the fused MoE kernel (ops/triton_moe.py) and a Qwen3-30B-A3B-shaped
+"""Mixture of experts on the GPU: the fused MoE kernel (quant/triton_moe.py) and a Qwen3-30B-A3B-shaped
 dummy model's decode against its bandwidth limit, beside a dense 8B, in one call; and a Mixtral-8x7B
 shaped one in int8 (93 GB in bf16: it fits an 80 GB card only so).
 
@@ -39,8 +39,8 @@ from gpu_engine import copy_bandwidth_gbps, free_gpu, random_prompts, run_offlin
 from goodserve import LLM
 from goodserve.model.presets import get_preset
 from goodserve.ops.kernel_choice import TORCH_KERNELS, KernelChoice
-from goodserve.ops.moe import moe_torch, route
-from goodserve.ops.triton_moe import triton_fused_moe
+from goodserve.quant.moe import moe_torch, route
+from goodserve.quant.triton_moe import triton_fused_moe
 from result_file import write_result
 
 results: dict = {}

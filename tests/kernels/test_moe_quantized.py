@@ -17,8 +17,8 @@ from goodserve.llm import LLM
 from goodserve.model import moe
 from goodserve.model.loader import load_model
 from goodserve.ops.kernel_choice import TORCH_KERNELS, KernelChoice
-from goodserve.ops.moe import moe_torch
-from goodserve.ops.triton_moe import triton_fused_moe
+from goodserve.quant.moe import moe_torch
+from goodserve.quant.triton_moe import triton_fused_moe
 from goodserve.quant import schemes
 from test_families import FAMILIES, GREEDY, SETTINGS, hf_greedy, prompts, save_tiny_model, write_gguf
 from test_triton_moe import moe_inputs, reference

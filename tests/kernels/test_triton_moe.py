@@ -1,5 +1,5 @@
-"""The fused MoE (ops/triton_moe.py) under TRITON_INTERPRET=1 (tests/conftest.py sets it) against a
-plain per-token reference written here, and the CPU path (ops/moe.py) against the same reference."""
+"""The fused MoE (quant/triton_moe.py) under TRITON_INTERPRET=1 (tests/conftest.py sets it) against a
+plain per-token reference written here, and the CPU path (quant/moe.py) against the same reference."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from goodserve.ops.kernel_choice import TORCH_KERNELS, KernelChoice
-from goodserve.ops.moe import moe_torch, route
-from goodserve.ops.triton_moe import sort_pairs_by_expert, triton_fused_moe, triton_route
+from goodserve.quant.moe import moe_torch, route
+from goodserve.quant.triton_moe import sort_pairs_by_expert, triton_fused_moe, triton_route
 
 HIDDEN, INTER, EXPERTS = 64, 48, 4
 

@@ -18,7 +18,7 @@ from goodserve.config import EngineConfig
 from goodserve.engine.async_engine import AsyncEngine
 from goodserve.server.app import ServerConfig, build_app
 
-MONITORING = Path(__file__).resolve().parents[1] / "deploy" / "monitoring"
+MONITORING = Path(__file__).resolve().parents[2] / "deploy" / "monitoring"
 METRIC = re.compile(r"\b(goodserve:[a-zA-Z0-9_:]+|process_[a-z_]+)")
 SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "info": ("_info",),
             "gauge": ("",), "summary": ("_sum", "_count")}

@@ -1,7 +1,7 @@
 """The mixture-of-experts block that replaces the MLP in Mixtral and Qwen3-MoE layers.
 
 Parameter names follow the checkpoints' where they can (`gate` is the router); the experts are
-stacked into two parameters (ops/moe.py's layout) that the loaders fill expert by expert. With
+stacked into two parameters (quant/moe.py's layout) that the loaders fill expert by expert. With
 --quantization int8 / int4 the stacks are codes with their scales (quant/schemes.py), built before
 the load and written row block by row block as the loaders fill them (QuantizedRows): the float
 experts never exist whole on the device (Mixtral-8x7B's are 90 GB in bf16, 45 GB in int8).
@@ -15,7 +15,7 @@ from torch import nn
 from goodserve.errors import InvalidRequestError
 from goodserve.model.spec import ModelSpec
 from goodserve.ops.kernel_choice import TORCH_KERNELS
-from goodserve.ops.moe import moe_torch, route
+from goodserve.quant.moe import moe_torch, route
 from goodserve.quant import schemes
 
 EXPERT_QUANTIZATIONS = ("int8", "int4")
@@ -38,7 +38,7 @@ class Experts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(e * h, i))
 
     def stacks(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(w13, w2) as the MoE ops take them (ops/moe.py)."""
+        """(w13, w2) as the MoE ops take them (quant/moe.py)."""
         return self.w13, self.w2
 
 
@@ -119,7 +119,7 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w13, w2 = self.experts.stacks()
         if self.kernels.triton:
-            from goodserve.ops.triton_moe import triton_fused_moe, triton_route
+            from goodserve.quant.triton_moe import triton_fused_moe, triton_route
 
             weights, ids = triton_route(self.gate(x), self.top_k, self.renormalize)
             return triton_fused_moe(x, w13, w2, weights, ids, self.kernels)

@@ -66,7 +66,8 @@ class GenerationJob:
     admission: Admission
     metrics: ServerMetrics
     deadline: float | None = None  # time.monotonic() by which the whole call must finish
-    max_unsent_outputs: int = 512  # per prompt: outputs produced but not yet taken by the response
+    # per prompt: outputs produced but not yet taken by the response; None: never aborted for it
+    max_unsent_outputs: int | None = 512
     stream_interval: int = 1  # deltas() yields a choice's first token alone, then every this many tokens
     # (a choice's text so far, what it just gained) -> whether the choice ends there; None: never early
     ends_early: Callable[[str, str], bool] | None = None
@@ -80,7 +81,8 @@ class GenerationJob:
 
     def _arrived(self, queue: asyncio.Queue, index: int, item: RequestOutput | BaseException) -> None:
         """One engine request's output (or the exception that ended it), handed over on the event loop."""
-        if queue.qsize() >= self.max_unsent_outputs * len(self.prompts) and isinstance(item, RequestOutput):
+        if (self.max_unsent_outputs is not None and queue.qsize() >= self.max_unsent_outputs * len(self.prompts)
+                and isinstance(item, RequestOutput)):
             # The response is stuck sending (its client stopped reading): stop generating for it;
             # releasing the request aborts it and frees its KV blocks.
             logger.info("aborting %s: its client stopped reading (%d outputs unsent)", self.request_id, queue.qsize())

@@ -114,10 +114,12 @@ class ServingContext:
 
     async def new_job(self, kind: str, prompts: list[list[int]], params: SamplingParams,
                       request_timeout_s: float | None, best_effort: bool = False,
-                      ends_early=None) -> GenerationJob:
+                      ends_early=None, stream: bool = False) -> GenerationJob:
         """Validate every prompt (a request that can never fit is a 400 now), then take queue places:
         a 429 if the queue is full or, under the slo policy, makes its TTFT target impossible (unless
-        best_effort: then it waits at a low priority). ends_early: GenerationJob's."""
+        best_effort: then it waits at a low priority). ends_early: GenerationJob's. Only a stream can
+        fall behind its client (a whole answer is taken on the event loop as it comes), so only a
+        stream is aborted for outputs its client has not read."""
         max_n = self.engine.config.max_n_per_request
         if params.n > max_n:
             raise InvalidRequestError(f"n={params.n} is more than this server allows (--max-n {max_n})")
@@ -131,7 +133,7 @@ class ServingContext:
         job = GenerationJob(
             engine=self.engine, request_id=f"{kind}-{uuid.uuid4().hex}", prompts=prompts, params=params,
             admission=self.admission, metrics=self.metrics, deadline=deadline,
-            max_unsent_outputs=self.max_unsent_outputs, stream_interval=self.stream_interval, ends_early=ends_early,
+            max_unsent_outputs=self.max_unsent_outputs if stream else None, stream_interval=self.stream_interval, ends_early=ends_early,
         )
         self._apply_slo(params, prompts, best_effort)
         job.admit()

@@ -38,7 +38,7 @@ async def create_chat_completion(
     mode = tool_mode(req)
     prompt = await ctx.chat_prompt_ids(req.messages, req, prompt_tools(req))
     job = await ctx.new_job("chatcmpl", [prompt], params, req.request_timeout_s, req.slo_best_effort,
-                            ends_early=repeated_call_check(req))
+                            ends_early=repeated_call_check(req), stream=bool(req.stream))
     if req.stream:
         k = job.params.logprobs
         streams: dict[int, _ChoiceStream] = {}

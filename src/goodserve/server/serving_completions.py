@@ -22,7 +22,8 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest,
     ctx.check_request(req)
     params = req.sampling_params(ctx.sampling_defaults)
     prompts = await ctx.completion_prompt_ids(req.prompt)
-    job = await ctx.new_job("cmpl", prompts, params, req.request_timeout_s, req.slo_best_effort)
+    job = await ctx.new_job("cmpl", prompts, params, req.request_timeout_s, req.slo_best_effort,
+                            stream=bool(req.stream))
     echo = _Echo(ctx, req, prompts) if req.echo else None
     if req.stream:
         k = job.params.logprobs

@@ -34,7 +34,7 @@ async def create_response(ctx: ServingContext, req: ResponsesRequest, request: R
     chat = req.chat_request()
     prompt = await ctx.chat_prompt_ids(chat.messages, tools=prompt_tools(chat))
     job = await ctx.new_job("resp", [prompt], chat.sampling_params(ctx.sampling_defaults), None,
-                            ends_early=repeated_call_check(chat))
+                            ends_early=repeated_call_check(chat), stream=bool(req.stream))
     shape = _Shape(ctx.model_name, req, job, tool_mode(chat))
     if req.stream:
         return JobStreamingResponse(_events(job, shape, chat), job, frame=lambda events: events)

@@ -5,7 +5,7 @@ tile of their expert's weights. A decode step reads each routed expert's weights
 launch and no host synchronisation (the sort is on the device and sized by the token count alone,
 so a CUDA graph captures it).
 
-Computes ops/moe.py's moe_torch (the reference), the router weights applied to the down projection's
+Computes quant/moe.py's moe_torch (the reference), the router weights applied to the down projection's
 rows before the sum over slots. Quantized stacks (model/moe.QuantizedExperts): the kernel loads the
 codes (half / a quarter of bf16's bytes). Int8 codes go to the dot in the activation dtype (exact
 there) and each output column's scale, which factors out of the sum over K, multiplies the float32
@@ -20,7 +20,7 @@ import triton.language as tl
 
 from goodserve.ops.activation import silu_and_mul
 from goodserve.ops.kernel_choice import KernelChoice
-from goodserve.ops.moe import Stack, stack_rows
+from goodserve.quant.moe import Stack, stack_rows
 from goodserve.quant import schemes
 
 FLOAT, INT8, INT4 = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)  # _grouped_gemm_kernel's B_FORMAT
@@ -82,7 +82,7 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, weights_ptr, scales_ptr, zeros_ptr
 def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_logits, TOP_K: tl.constexpr,
                   RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
     """One token: softmax over the experts in float32, its TOP_K largest (the first of equals),
-    renormalised to sum 1 where asked: ops/moe.py's route in one launch."""
+    renormalised to sum 1 where asked: quant/moe.py's route in one launch."""
     row = tl.program_id(0).to(tl.int64)
     experts = tl.arange(0, BLOCK_E)
     logits = tl.load(logits_ptr + row * stride_logits + experts, mask=experts < num_experts,
@@ -192,7 +192,7 @@ def _grouped_gemm(a: torch.Tensor, b: Stack, num_experts: int, out: torch.Tensor
 
 def triton_fused_moe(x: torch.Tensor, w13: Stack, w2: Stack, weights: torch.Tensor,
                      ids: torch.Tensor, kernels: KernelChoice) -> torch.Tensor:
-    """x [T, H], w13 [E * 2I, H], w2 [E * H, I] (float, or their codes: ops/moe.py's Stack),
+    """x [T, H], w13 [E * 2I, H], w2 [E * H, I] (float, or their codes: quant/moe.py's Stack),
     weights / ids [T, k] -> [T, H]."""
     num_tokens, hidden = x.shape
     num_experts, top_k = stack_rows(w2) // hidden, ids.shape[1]
