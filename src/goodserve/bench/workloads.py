@@ -17,6 +17,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -235,13 +237,7 @@ def _custom(cfg: WorkloadConfig, text: PromptText, rng: np.random.Generator) -> 
     path = Path(cfg.dataset_path)
     requests = []
     hashed: dict[str, str] = {}  # a hashed prompt's stand-in text, the same for the same hash
-    for line_no, line in enumerate(_read_lines(path), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise DatasetError(f"{path}:{line_no}: not valid JSON ({exc.msg})") from None
+    for line_no, row in jsonl_rows(path):
         prompt = _line_prompt(row, text, hashed) if isinstance(row, dict) else None
         if not isinstance(prompt, str) or not prompt:
             raise DatasetError(f"{path}:{line_no}: each line needs a non-empty string 'prompt' (or, as a recording "
@@ -315,7 +311,7 @@ def _hf(cfg: WorkloadConfig, text: PromptText, rng: np.random.Generator) -> list
     try:
         rows = json.loads(raw)
     except json.JSONDecodeError:
-        rows = [_json_line(path, n, line) for n, line in enumerate(raw.splitlines(), 1) if line.strip()]
+        rows = [row for _, row in jsonl_rows(path)]
     if isinstance(rows, dict):
         rows = next((v for v in rows.values() if isinstance(v, list)), [rows])
     if rows and isinstance(rows[0], dict) and "conversations" in rows[0]:
@@ -331,6 +327,14 @@ def _hf(cfg: WorkloadConfig, text: PromptText, rng: np.random.Generator) -> list
     if not requests:
         raise DatasetError(f"{path}: no rows")
     return _cycle(requests, cfg.num_prompts)
+
+
+def jsonl_rows(path: Path) -> Iterator[tuple[int, object]]:
+    """(line number, its JSON) for each non-blank line of a JSONL file; a line that is not JSON is a
+    DatasetError naming the file and line."""
+    for number, line in enumerate(_read_lines(path), start=1):
+        if line.strip():
+            yield number, _json_line(path, number, line)
 
 
 def _json_line(path: Path, number: int, line: str) -> object:

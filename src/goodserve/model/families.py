@@ -162,18 +162,16 @@ FAMILIES = (
 
 
 def hf_family(architecture: str) -> Family:
-    for family in FAMILIES:
-        if architecture in family.hf_architectures:
-            return family
-    supported = [a for f in FAMILIES for a in f.hf_architectures]
-    raise ModelLoadError(f"architecture {architecture!r} is not supported; supported architectures: "
-                         f"{', '.join(supported)}")
+    return _family(architecture, lambda f: f.hf_architectures, "architecture")
 
 
 def gguf_family(architecture: str) -> Family:
+    return _family(architecture, lambda f: f.gguf_architectures, "GGUF architecture")
+
+
+def _family(architecture: str, names: Callable[[Family], tuple[str, ...]], what: str) -> Family:
     for family in FAMILIES:
-        if architecture in family.gguf_architectures:
+        if architecture in names(family):
             return family
-    supported = [a for f in FAMILIES for a in f.gguf_architectures]
-    raise ModelLoadError(f"GGUF architecture {architecture!r} is not supported; supported architectures: "
-                         f"{', '.join(supported)}")
+    supported = [a for f in FAMILIES for a in names(f)]
+    raise ModelLoadError(f"{what} {architecture!r} is not supported; supported architectures: {', '.join(supported)}")

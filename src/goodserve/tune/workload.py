@@ -9,11 +9,11 @@ every probe (a gamma fit: shape = 1 / CV^2 of the gaps), its prompts the mix eac
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 
+from goodserve.bench.workloads import jsonl_rows
 from goodserve.errors import InvalidRequestError
 
 PROFILES = {
@@ -59,13 +59,7 @@ def _file_argv(path: Path) -> list[str]:
 def recorded_arrivals(path: Path) -> list[float]:
     """The arrival_s of each line that has one (none: a dataset file, not a recording)."""
     arrivals = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise InvalidRequestError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
+    for _, row in jsonl_rows(path):
         if isinstance(row, dict) and isinstance(row.get("arrival_s"), (int, float)):
             arrivals.append(float(row["arrival_s"]))
     return arrivals
