@@ -5,8 +5,6 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-import torch
-
 from goodserve.config import EngineConfig
 from goodserve.engine.engine import Engine
 from goodserve.errors import EngineStepError, InvalidRequestError
@@ -16,17 +14,10 @@ from goodserve.sampling_params import SamplingParams
 
 Prompt = str | dict
 
-# An offline batch is judged by its throughput, not by how long one step keeps a stream waiting: on a
-# GPU with room for it, steps of up to 8192 tokens over up to 512 sequences (a server's defaults,
-# 2048 and 256, keep a step short for its TPOT). A Llama-3.1-8B-shaped batch of 500 ShareGPT-like
-# requests ran 42 req/s at the server's defaults and 73 at these on an H100 (benchmarks/BENCHMARKS.md).
-OFFLINE_GPU_DEFAULTS = {"max_num_seqs": 512, "max_num_batched_tokens": 8192}
-OFFLINE_GPU_MIN_MEMORY = 40 << 30  # below it, the larger step's activations crowd out the KV cache
-
 
 class LLM:
     def __init__(self, model: str = EMBEDDED_MODEL, **engine_options) -> None:
-        self.engine = Engine(EngineConfig(model=model), **{**_offline_defaults(engine_options), **engine_options})
+        self.engine = Engine(EngineConfig(model=model), **engine_options)
         self._ids = itertools.count()
 
     @classmethod
@@ -126,16 +117,3 @@ def _broadcast(params, count: int) -> list[SamplingParams]:
     if len(params) != count:
         raise InvalidRequestError(f"got {len(params)} sampling params for {count} prompts")
     return list(params)
-
-
-def _offline_defaults(options: dict) -> dict:
-    """The wider offline step budget where the engine will run on a large GPU, unless the slo policy
-    (which sizes its batch from the TPOT target) or the caller's own values decide it."""
-    device = str(options.get("device", "auto"))
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if not device.startswith("cuda") or options.get("scheduler_policy") == "slo":
-        return {}
-    if torch.cuda.get_device_properties(torch.device(device)).total_memory < OFFLINE_GPU_MIN_MEMORY:
-        return {}
-    return OFFLINE_GPU_DEFAULTS
