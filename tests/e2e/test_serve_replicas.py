@@ -138,12 +138,20 @@ def test_ctrl_c_stops_the_router_and_every_replica(stack):
 
 
 def test_a_replica_that_fails_to_start_fails_the_launch(tmp_path):
-    launcher = start_launcher("--data-parallel-size", "2", "--data-dir", str(tmp_path), model="dummy:no-such")
+    """A checkpoint whose weights file is not safetensors: the flags and config.json pass the launcher's
+    own checks (an unknown model would be refused before any replica starts), its replicas fail to load."""
+    from test_loaders import TINY_CONFIGS, save_tiny_hf_model
+
+    model = tmp_path / "model"
+    save_tiny_hf_model(TINY_CONFIGS["llama-gqa-untied"](), model)
+    for weights in model.glob("*.safetensors"):
+        weights.write_bytes(b"not a safetensors file")
+    launcher = start_launcher("--data-parallel-size", "2", "--data-dir", str(tmp_path / "data"), model=str(model))
     try:
         assert launcher.process.wait(120) == 2
     finally:
         launcher.stop(signal.SIGKILL)
     log = launcher.log()
-    assert "exited with 2 while starting" in log
+    assert re.search(r"replica \d exited with \d+ while starting", log), log[-2000:]
     for pid in (int(p) for _, p, _ in REPLICA_LINE.findall(log)):
         assert not alive(pid)
