@@ -5,14 +5,14 @@ serve: $(VENV)/.installed
 	$(VENV)/bin/goodserve serve
 
 # The tiers (docs/testing.md): `make test` runs the fast one, everything but tests/e2e (whose
-# subject is a process of its own); `make test-all` (CI) runs every tier. One thread per process: a
+# subject is a process of its own) and the few tests marked slow; `make test-all` (CI) runs all. One thread per process: a
 # test may run a server beside its client. One pytest worker a core (pytest-xdist), at most 4; a
 # file's tests on one worker, so a module's server or engine starts once.
 PYTEST := OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest -n auto --maxprocesses 4 --dist loadfile
 FAST_TIER := tests/unit tests/kernels tests/engine tests/server
 
 test: $(VENV)/.installed
-	$(PYTEST) $(FAST_TIER)
+	$(PYTEST) -m "not slow" $(FAST_TIER)
 
 test-all: $(VENV)/.installed
 	$(PYTEST) tests

@@ -72,6 +72,7 @@ def test_a_table_piped_to_a_file_keeps_its_full_text(tmp_path):
     assert "…" not in text
 
 
+@pytest.mark.slow
 def test_eval_reports_progress_when_piped(tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("Once upon a time\n")

@@ -64,6 +64,7 @@ def test_baseline_perplexity_matches_transformers(embedded_llm, hf_embedded):
     assert matches / targets.numel() > 0.98  # near-ties may flip between two float32 implementations
 
 
+@pytest.mark.slow
 def test_eval_command_fails_a_configuration_over_its_threshold(tmp_path, capsys):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("The capital of France is\nOnce upon a time\n")

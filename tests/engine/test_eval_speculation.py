@@ -3,6 +3,8 @@ must agree exactly (greedy 1.000, perplexity unchanged), on the embedded model."
 
 import json
 
+import pytest
+
 from goodserve.cli import main
 from goodserve.commands import quality_gate
 from goodserve.config import EngineConfig
@@ -12,6 +14,7 @@ PROMPTS = ["Repeat this exactly: the quick brown fox jumps over the lazy dog, th
            "the lazy dog, the quick brown fox", "def fibonacci(n):", "The capital of France is"]
 
 
+@pytest.mark.slow
 def test_eval_command_checks_ngram_against_the_same_engine_without_it(tmp_path, capsys):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("\n".join(PROMPTS) + "\n")

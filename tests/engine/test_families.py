@@ -251,6 +251,7 @@ def test_qwen3_gguf_gives_transformers_tokens(tmp_path: Path):
     assert_greedy_matches(str(path), hf_model, prompts())
 
 
+@pytest.mark.slow  # a whole model under Triton's interpreter; the kernels alone: tests/kernels
 def test_triton_path_gives_transformers_tokens(tmp_path: Path):
     """The CUDA path's kernels (the fused MoE, q/k norms through the Triton RMSNorm) under the
     interpreter, on one prompt (a minute or more: every kernel runs in Python)."""

@@ -69,6 +69,7 @@ def test_gemma2_logits_are_soft_capped_as_transformers_caps_them(tmp_path: Path)
             assert_logits_close(ours.step([token])[-1], ref.logits[0, -1])
 
 
+@pytest.mark.slow  # a whole model under Triton's interpreter; the kernels alone: tests/kernels
 @pytest.mark.parametrize("family", CONFIGS)
 def test_triton_path_gives_transformers_tokens(tmp_path: Path, family: str):
     """The CUDA path's kernels under the interpreter (soft-capped decode and prefill attention, both

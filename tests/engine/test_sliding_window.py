@@ -106,7 +106,7 @@ def assert_greedy_equals_transformers(path: Path, hf_model, vocab: int, window: 
         assert llm.generate(prompt, params)[0].outputs[0].token_ids == tokens
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.slow)])
 def test_greedy_tokens_equal_transformers_past_the_window(tmp_path: Path, backend: str):
     hf_model = save_tiny_hf_model(mistral_config(sliding_window=24), tmp_path)
     assert_greedy_equals_transformers(tmp_path, hf_model, TINY["vocab_size"], 24, attention_backend=backend)

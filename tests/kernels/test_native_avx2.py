@@ -45,6 +45,7 @@ def avx2_env(cache: Path) -> dict[str, str]:
             "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
 
 
+@pytest.mark.slow  # builds the native library a second time
 def test_the_avx2_build_passes_the_kernel_tests(tmp_path):
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
                              str(TESTS / "test_native_kernels.py"), str(TESTS / "test_native_decode.py")],
@@ -55,6 +56,7 @@ def test_the_avx2_build_passes_the_kernel_tests(tmp_path):
 
 
 @pytest.mark.skipif(" avx512bw " not in f" {build.cpu_flags().strip()} ", reason="compares with the AVX-512 build")
+@pytest.mark.slow
 def test_the_avx2_int8_path_gives_the_avx512_floats(tmp_path):
     script = INT8_PRODUCTS.format(tests=str(TESTS))
     for name, env in (("avx2", avx2_env(tmp_path / "avx2")), ("native", {**avx2_env(tmp_path / "native"),
