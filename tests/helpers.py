@@ -136,3 +136,16 @@ class _ListHandler(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         self.records.append(self.format(record))
+
+
+def wait_for_metrics(url: str, done, timeout_s: float = 120.0) -> dict[str, float]:
+    """The server's /metrics, scraped until done(metrics) holds (a generous deadline, never a sleep)."""
+    from goodserve.server.process import scrape_metrics
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        metrics = scrape_metrics(url)
+        if done(metrics):
+            return metrics
+        assert time.monotonic() < deadline, f"timed out: {metrics}"
+        time.sleep(0.1)

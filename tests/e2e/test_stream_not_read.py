@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import json
 import socket
-import time
 
 import pytest
+from helpers import wait_for_metrics
 
 from goodserve.server.process import launch_server, scrape_metrics
 
@@ -28,15 +28,6 @@ def server():
         server.stop()
 
 
-def wait_for(url: str, done, timeout_s: float = 120.0) -> dict[str, float]:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        m = scrape_metrics(url)
-        if done(m):
-            return m
-        assert time.monotonic() < deadline, f"timed out: {m}"
-        time.sleep(0.1)
-
 
 def test_a_stream_nobody_reads_is_aborted_within_the_send_buffer(server):
     max_tokens = MAX_MODEL_LEN - 8
@@ -49,8 +40,8 @@ def test_a_stream_nobody_reads_is_aborted_within_the_send_buffer(server):
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
         assert sock.recv(64).startswith(b"HTTP/1.1 200")
-        m = wait_for(server.url, lambda m: m["goodserve:engine_steps_total{}"] > before["goodserve:engine_steps_total{}"]
+        m = wait_for_metrics(server.url, lambda m: m["goodserve:engine_steps_total{}"] > before["goodserve:engine_steps_total{}"]
                      and m["goodserve:num_requests_running{}"] == 0)
         assert m["goodserve:engine_steps_total{}"] - before["goodserve:engine_steps_total{}"] < max_tokens // 2
     aborted = "goodserve:request_success_total{finished_reason=abort}"  # counted once its response ends
-    wait_for(server.url, lambda m: m.get(aborted, 0) == before.get(aborted, 0) + 1)
+    wait_for_metrics(server.url, lambda m: m.get(aborted, 0) == before.get(aborted, 0) + 1)

@@ -12,7 +12,6 @@ import contextlib
 import json
 import socket
 import threading
-import time
 
 import httpx2
 import openai
@@ -26,7 +25,7 @@ from goodserve.model.tokenizer_loader import embedded_tokenizer
 from goodserve.server.limits import MAX_MESSAGES, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from goodserve.server.process import scrape_metrics
 from goodserve.server.tokenization import max_prompt_bytes
-from helpers import InProcessServer
+from helpers import InProcessServer, wait_for_metrics
 
 MAX_WAITING = 50
 MAX_N = 16
@@ -275,15 +274,6 @@ def test_connections_that_never_finish_their_headers_are_closed(tiny):
     assert httpx2.post(f"{tiny.url}/v1/completions", json={"prompt": [5], "max_tokens": 2}).status_code == 200
 
 
-def _wait_for(url: str, done, timeout_s: float = 60.0) -> dict[str, float]:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        m = scrape_metrics(url)
-        if done(m):
-            return m
-        assert time.monotonic() < deadline, f"timed out: {m}"
-        time.sleep(0.1)
-
 
 def test_stream_whose_client_stops_reading_is_aborted_and_frees_its_blocks(tiny):
     max_tokens = TINY_MAX_MODEL_LEN - 8
@@ -301,12 +291,12 @@ def test_stream_whose_client_stops_reading_is_aborted_and_frees_its_blocks(tiny)
                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
         assert sock.recv(64).startswith(b"HTTP/1.1 200")
         # The engine lets go of it while its client is still connected, long before max_tokens.
-        m = _wait_for(tiny.url, lambda m: m["goodserve:num_requests_running{}"] == 0
+        m = wait_for_metrics(tiny.url, lambda m: m["goodserve:num_requests_running{}"] == 0
                       and m["goodserve:num_used_kv_blocks{}"] == 0)
         assert m["goodserve:engine_steps_total{}"] - before["goodserve:engine_steps_total{}"] < max_tokens
     finally:
         sock.close()
-    _wait_for(tiny.url, lambda m: m.get(aborted, 0) == before.get(aborted, 0) + 1)
+    wait_for_metrics(tiny.url, lambda m: m.get(aborted, 0) == before.get(aborted, 0) + 1)
 
 
 # ---- item 9: a burst gets answers, never connection errors -----------------------------------------
