@@ -4,8 +4,12 @@ budget. Its first trial is the default configuration's goodput capacity, measure
 (bench's in-process runner and capacity search), so the ratio of the winner's capacity to it is
 the number to report; the target is >= 1.3x, or tune's own account of why the default stays best.
 
-    python benchmarks/gpu_tune.py                       # ~9-10 minutes on an H100
+    python benchmarks/gpu_tune.py                       # ~10 minutes on an H100
     python benchmarks/gpu_tune.py --budget-minutes 8    # inside a 10-minute command limit
+
+Each capacity probe sends --num-prompts requests (1,000 by default): a ShareGPT-like request lives
+several seconds on the GPU, so a probe of 200 ends before its rate holds (every rate passes until
+the all-at-once run, and bench warns the capacity is only the completed rate).
     # real weights, where the quality gate means something (the embedded model's GGUF file, dequantized
     # to bf16 on CUDA unless a step keeps its codes):
     python benchmarks/gpu_tune.py --model smollm2-135m --budget-minutes 8 --output-dir tune-gpu-smollm2
@@ -32,7 +36,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--slo-ttft-ms", type=float, default=200.0)
     p.add_argument("--slo-tpot-ms", type=float, default=50.0)
     p.add_argument("--budget-minutes", type=float, default=10.0)
-    p.add_argument("--num-prompts", type=int, default=200, help="requests per capacity probe")
+    p.add_argument("--num-prompts", type=int, default=1000, help="requests per capacity probe")
     p.add_argument("--capacity-bisections", type=int, default=1)
     p.add_argument("--gpu-hourly-cost", type=float, default=2.5, help="$ per GPU-hour (cost per 1M tokens)")
     p.add_argument("--output-dir", default="tune-gpu")
@@ -51,7 +55,10 @@ def main() -> None:
                         "--capacity-bisections", str(args.capacity_bisections),
                         "--gpu-hourly-cost", str(args.gpu_hourly_cost), "--output-dir", args.output_dir,
                         "--no-progress"])
-    tune = json.loads((Path(args.output_dir) / "tune.json").read_text())
+    tune_json = Path(args.output_dir) / "tune.json"
+    if not tune_json.exists():  # the start failed: its error is the trial log's one trial
+        raise SystemExit(f"tune exited {status} without a result: see {Path(args.output_dir) / 'trials.jsonl'}")
+    tune = json.loads(tune_json.read_text())
     default = next(t for t in tune["trials"] if t["move"] == "start")
     winner = next(t for t in tune["trials"] if t["options"] == tune["winner"])
     ratio = winner["capacity"] / default["capacity"] if default.get("capacity") else None

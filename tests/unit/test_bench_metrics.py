@@ -134,6 +134,20 @@ def test_capacity_search_when_start_rate_fails():
     assert never == 0.0
 
 
+def test_capacity_search_stops_probing_when_out_of_time():
+    # The caller's time runs out after the third probe: no fourth starts, and the best passing rate answers.
+    probed = []
+
+    async def attainment(rate):
+        probed.append(rate)
+        return 1.0 if rate <= 6.5 else 0.0
+
+    rate, probes = asyncio.run(search_capacity(attainment, 0.9, 1.0, bisections=6,
+                                               out_of_time=lambda: len(probed) >= 3))
+    assert [r for r, _ in probes] == [1.0, 2.0, 4.0]
+    assert rate == 4.0
+
+
 def test_compare_ratios(tmp_path, capsys):
     from goodserve.bench.compare import compare_files
     from goodserve.bench.result import build_result, save_json

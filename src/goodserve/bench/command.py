@@ -12,6 +12,7 @@ import dataclasses
 import math
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from rich.console import Console
@@ -381,7 +382,8 @@ class Bench:
 
             yield hook
 
-    async def search_capacity(self) -> None:
+    async def search_capacity(self, out_of_time: Callable[[], bool] = lambda: False) -> None:
+        """The capacity search; no probe after the first starts once `out_of_time()` (tune's budget)."""
         a = self.args
 
         async def attainment_at(rate: float) -> float:
@@ -389,7 +391,7 @@ class Bench:
             return result["slo_attainment"] / 100.0
 
         await search_capacity(attainment_at, a.slo_attainment_target, a.capacity_start_rate,
-                              a.capacity_max_doublings, a.capacity_bisections)
+                              a.capacity_max_doublings, a.capacity_bisections, out_of_time)
         self.capacity = {**capacity_of(self.runs, a.slo_attainment_target), "slos_ms": self.slos}
 
     async def execute(self) -> None:

@@ -102,22 +102,38 @@ class BenchRun:
             self.on_record(record)
 
 
+class _OutOfTime(Exception):
+    """The caller's time for the search ran out: the probes so far answer."""
+
+
 async def search_capacity(attainment_at: Callable[[float], Awaitable[float]], target: float,
-                          start_rate: float, max_doublings: int = 8,
-                          bisections: int = 4) -> tuple[float, list[tuple[float, float]]]:
+                          start_rate: float, max_doublings: int = 8, bisections: int = 4,
+                          out_of_time: Callable[[], bool] = lambda: False) -> tuple[float, list[tuple[float, float]]]:
     """DistServe's per-GPU goodput: the highest request rate whose SLO attainment stays >= target.
 
     Doubles the rate until attainment drops below target (halves first if the start already
     fails), then bisects between the last passing and first failing rate. Returns the highest
-    passing rate (0.0 if none passed) and every (rate, attainment) probed.
+    passing rate (0.0 if none passed) and every (rate, attainment) probed. No probe after the first
+    starts once `out_of_time()` says so (a caller's time budget): the rate found so far answers.
     """
     probes: list[tuple[float, float]] = []
 
     async def passes(rate: float) -> bool:
+        if probes and out_of_time():
+            raise _OutOfTime
         attainment = await attainment_at(rate)
         probes.append((rate, attainment))
         return attainment >= target
 
+    try:
+        return await _search(passes, start_rate, max_doublings, bisections), probes
+    except _OutOfTime:
+        return max((rate for rate, attainment in probes if attainment >= target), default=0.0), probes
+
+
+async def _search(passes: Callable[[float], Awaitable[bool]], start_rate: float, max_doublings: int,
+                  bisections: int) -> float:
+    """Doubles (or halves) from the start rate to a pass/fail pair, then bisects between them."""
     good, bad = 0.0, None
     rate = start_rate
     if await passes(rate):
@@ -143,4 +159,4 @@ async def search_capacity(attainment_at: Callable[[float], Awaitable[float]], ta
                 good = mid
             else:
                 bad = mid
-    return good, probes
+    return good

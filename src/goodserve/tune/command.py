@@ -41,7 +41,8 @@ def register(subparsers) -> None:
                         "top1:0.95, greedy:0.8 (least agreement) (default: eval's limits for what each "
                         "candidate changes)")
     g.add_argument("--gpu-hourly-cost", type=float, help="$ per GPU-hour: each configuration's cost per 1M tokens")
-    g.add_argument("--budget-minutes", type=float, default=30.0, help="stop starting trials past this")
+    g.add_argument("--budget-minutes", type=float, default=30.0, help="stop starting trials past this; a trial running then ends its "
+                   "capacity search with the rates probed so far")
     g.add_argument("--max-trials", type=int, help="stop after this many trials (the start included)")
     g.add_argument("--try", dest="try_options", action="append", default=[], metavar="OPTION=VALUE",
                    help="a step to measure first, before the roofline's picks (repeatable), e.g. quantization=int4")
@@ -140,11 +141,12 @@ def tune(args, start, settings: dict, forced: list[dict], budget: dict[str, floa
     quality_note = None if gate.enabled else f"{start.model}: quality gate off (random weights cannot be judged)"
     if quality_note:
         console.print(f"[yellow]{quality_note}[/yellow]")
+    time_left = Budget(args.budget_minutes * 60)
     runner = TrialRunner(gate, bench, console, args.capacity_bisections, engine_process=num_gpus > 0
-                         and start.device != "cpu")
+                         and start.device != "cpu", out_of_time=lambda: time_left.left() <= 0)
     runner.start_rate = max((t.get("capacity") or 0.0 for t in log.trials.values()), default=0.0) or None  # resuming
     search = Search(runner, lambda trial: diagnose_trial(trial, settings["slos_ms"], num_gpus), log,
-                    Budget(args.budget_minutes * 60), args.max_trials, forced, console.print)
+                    time_left, args.max_trials, forced, console.print)
     outcome = search.run(options_of(start))
     if outcome.best.get("capacity") is None:
         console.print(f"[red]{outcome.stop_reason}[/red]")

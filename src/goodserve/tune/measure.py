@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import gc
 import math
+from collections.abc import Callable
 
 from rich.console import Console
 
@@ -121,9 +122,10 @@ class TrialRunner:
     quality is gated on a load of its own first. Else (the CPU) one load serves both, in this process."""
 
     def __init__(self, gate: QualityGate, args: argparse.Namespace, console: Console, bisections: int,
-                 engine_process: bool = False):
+                 engine_process: bool = False, out_of_time: Callable[[], bool] = lambda: False):
         self.gate, self.args, self.console, self.bisections = gate, args, console, bisections
         self.engine_process = engine_process
+        self.out_of_time = out_of_time  # the budget spent: a capacity search stops probing
         self.start_rate: float | None = None  # the best capacity so far: where the next search starts
 
     def __call__(self, options: dict, move: str, why: str, predicted: float | None) -> dict:
@@ -159,6 +161,9 @@ class TrialRunner:
         bench = Bench(args, self.console, target)
         run_event_loop(self._search(bench, args, predicted))
         capacity = bench.capacity
+        if self.out_of_time():
+            capacity["warnings"] = [*capacity["warnings"], "the budget ended this search: the capacity is the best "
+                                    "rate probed so far"]
         passing = [r for r in bench.runs if r["slo_attainment"] >= 100 * capacity["target_attainment"]]
         best = max(passing, key=achieved_rate, default=min(bench.runs, key=lambda r: r["request_rate"]))
         above = [r for r in bench.runs if r not in passing and r["request_rate"] > best["request_rate"]]
@@ -183,7 +188,7 @@ class TrialRunner:
             # Each search starts near where the capacity is expected: a configuration still failing
             # 16x below that is hopeless, and probes at ever lower rates would take minutes each.
             args.capacity_max_doublings = MAX_DOUBLINGS
-            await bench.search_capacity()
+            await bench.search_capacity(self.out_of_time)
         finally:
             await bench.target.close()
 
