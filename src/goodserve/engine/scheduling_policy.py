@@ -43,6 +43,9 @@ class SchedulingPolicy(Protocol):
     admits_any_step: bool
     # The running sequences' tokens, as the policy tallies them for has_room (0: it counts slots only).
     running_tokens: int
+    # The prompt tokens this step may carry beside the decodes, where the policy caps them (None: no
+    # cap but max_num_batched_tokens): the step trace records it.
+    prefill_cap: int | None
 
     # ---- order ---------------------------------------------------------------------------
     def waiting_key(self, seq: Sequence) -> tuple:
@@ -112,6 +115,7 @@ class FcfsPolicy:
 
     admits_any_step = True
     running_tokens = 0
+    prefill_cap = None
 
     def __init__(self, config: EngineConfig, step_time: StepTimeModel) -> None:
         self.config = config

@@ -292,6 +292,10 @@ class SloPolicy(FcfsPolicy):
         self.running_tokens -= seq.num_tokens
 
     # ---- budgets -------------------------------------------------------------------------------
+    @property
+    def prefill_cap(self) -> int:
+        return self.cap
+
     def running_budget(self) -> int:
         """The decodes (served first) and the prefill cap."""
         return min(self.max_tokens, self.num_decodes + self.cap)
