@@ -198,3 +198,27 @@ def test_version_is_read_without_the_package_api():
     for module in ("goodserve.server.app", "goodserve.router.app"):
         assert "goodserve" not in _imports(module), module
         assert "goodserve.version" in _imports(module), module
+
+
+def _protocol_members() -> set[str]:
+    from goodserve.engine.scheduling_policy import SchedulingPolicy
+
+    return {name for name in vars(SchedulingPolicy) if not name.startswith("_")} | set(SchedulingPolicy.__annotations__)
+
+
+def test_scheduler_asks_its_policy_only_what_the_protocol_says():
+    """The scheduler and the displacement walk reach the policy through SchedulingPolicy alone (a
+    policy-specific attribute would make the others fail at run time), and every policy answers all of it."""
+    from goodserve.config import EngineConfig
+    from goodserve.engine.scheduling_policy import make_policy
+    from goodserve.engine.step_time_model import StepTimeModel
+
+    members = _protocol_members()
+    for module in ("goodserve.engine.scheduler", "goodserve.engine.displacement", "goodserve.engine.step_trace"):
+        tree = ast.parse(MODULES[module].read_text())
+        asked = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)
+                 and ast.unparse(node.value) in ("self.policy", "policy", "scheduler.policy")}
+        assert asked and asked <= members, f"{module} asks its policy {sorted(asked - members)}"
+    for name in SCHEDULER_POLICIES:
+        policy = make_policy(EngineConfig(scheduler_policy=name), StepTimeModel())
+        assert all(hasattr(policy, member) for member in members), name
