@@ -68,7 +68,7 @@ class MakespanPolicy(FcfsPolicy):
 
     def admission_allowance(self, running: list[Sequence], num_scheduled: int) -> int:
         """Prompt tokens that new requests may take this step, besides the num_scheduled tokens of the
-        running sequences. Reads the queues; changes nothing until `advance`."""
+        running sequences. Reads the queues; changes nothing until `step_ran`."""
         steps_left = self._steps_left(running)
         tokens_left = sum(seq.max_len - seq.num_computed_tokens for seq in running) + self.waiting_tokens_left
         self.aim = self.slack * tokens_left / steps_left

@@ -187,6 +187,8 @@ def _tightest_step_budget(decodes: list[Sequence], now: float, decode_step_s: fl
 
 
 class SloPolicy(FcfsPolicy):
+    """FCFS's answers changed where the module's docstring says: every one but the batch gating."""
+
     def __init__(self, config: EngineConfig, step_time: StepTimeModel,
                  clock: Callable[[], float] = time.time) -> None:
         super().__init__(config, step_time)
