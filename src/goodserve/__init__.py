@@ -1,11 +1,10 @@
 """goodserve: an LLM inference server built to win on goodput, with its own instruments."""
 
-__version__ = "0.1.0"
-
 from goodserve.config import EngineConfig
 from goodserve.outputs import CompletionOutput, RequestOutput
 from goodserve.sampling_params import SamplingParams
 from goodserve.structured_outputs import StructuredOutputsParams
+from goodserve.version import __version__
 
 
 def __getattr__(name: str):

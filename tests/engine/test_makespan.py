@@ -97,7 +97,7 @@ def test_async_steps_admit_what_the_policy_admits():
     assert ahead.token_ids == [[]] and ahead.samples == [True]  # its input is the token in flight
     long.token_ids.append(7)  # the engine's order: the step before returns its token, then this one advances
     sched.advance(ahead)
-    sched.makespan.min_admit, sched.makespan.slack = 0, 100.0
+    sched.policy.min_admit, sched.policy.slack = 0, 100.0
     second = sched.schedule(in_flight=[long])
     assert second.seq_ids == [long.seq_id, "s1"] and second.num_new_tokens == [1, 4] and second.num_ahead == 1
     assert list(sched.waiting) == [short[1]]  # refused: the engine would have to sample it on the host

@@ -8,11 +8,11 @@ from __future__ import annotations
 import openai
 import pytest
 
-from goodserve.engine.slo_policy import SloForecast
+from goodserve.engine.admission import SHED_MIN_RANKED, Admission, CostlyRequestShed, CostRanks, TtftUnattainable
+from goodserve.engine.forecast import Forecast
 from goodserve.engine.step_time_model import StepTimeFit
 from goodserve.errors import QueueFullError
 from goodserve.cli import main
-from goodserve.server.admission import SHED_MIN_RANKED, Admission, CostlyRequestShed, CostRanks, TtftUnattainable
 from goodserve.server.process import scrape_metrics
 from helpers import InProcessServer
 
@@ -72,7 +72,7 @@ def test_invalid_target_is_422(client):
 def test_check_counts_the_prompt_tokens_waiting_ahead():
     """10 ms a step, 1 ms a decode, 0.1 ms a prompt token; 10 decodes, 250 prompt tokens a step:
     a step of 250 prompt tokens takes 45 ms."""
-    forecast = SloForecast(StepTimeFit(0.010, 0.001, 0.0001), decode_rows=10, prefill_tokens_per_step=250)
+    forecast = Forecast(StepTimeFit(0.010, 0.001, 0.0001), decode_rows=10, prefill_tokens_per_step=250)
     admission = Admission(max_waiting=100)
     admission.check_ttft(forecast, prompt_tokens=250, ttft_ms=50)  # alone: one 45 ms step
     admission.admit(num_seqs=1, prompt_tokens=1000)  # four steps ahead of it now
@@ -83,7 +83,7 @@ def test_check_counts_the_prompt_tokens_waiting_ahead():
     admission.check_ttft(forecast, prompt_tokens=250, ttft_ms=250)
     admission.started(num_seqs=1, prompt_tokens=1000)
     admission.check_ttft(forecast, prompt_tokens=250, ttft_ms=50)
-    admission.check_ttft(SloForecast(None, 10, 250), prompt_tokens=10**6, ttft_ms=1)  # no fit yet: no refusal
+    admission.check_ttft(Forecast(None, 10, 250), prompt_tokens=10**6, ttft_ms=1)  # no fit yet: no refusal
 
 
 def test_cost_ranks_among_the_last_window():
@@ -99,7 +99,7 @@ def test_shedding_refuses_the_costliest_first():
     """The forecast of the test above: 45 ms to a 250-token prompt's first token, queue empty. Ranked
     among 64 requests asking 1..64 tokens, one asking 1,000 is the costliest (rank 1): it may wait
     (1 - 0.9) x its target, 10 ms of 100, and is refused; one asking none (rank 0) waits the whole 100."""
-    forecast = SloForecast(StepTimeFit(0.010, 0.001, 0.0001), decode_rows=10, prefill_tokens_per_step=250)
+    forecast = Forecast(StepTimeFit(0.010, 0.001, 0.0001), decode_rows=10, prefill_tokens_per_step=250)
     shedding, plain = Admission(max_waiting=100, shed_costly=True), Admission(max_waiting=100)
     for admission in (shedding, plain):
         for output_tokens in range(1, SHED_MIN_RANKED + 1):

@@ -1,20 +1,22 @@
-"""The package layering (issue 14), read from the source with `ast`, and the promise of the load
-generator and the router never to import torch, checked in a fresh interpreter.
+"""The package layering, read from the source with `ast`, and the promises of the load generator, the
+router, the scheduler and its policies never to import torch, checked in a fresh interpreter.
 
 Layers, bottom up: native (C++ kernels behind ctypes) <- ops <- quant <- model <- engine <- llm /
 server / commands; the root modules (config, errors, model_names, ...) hold the shared vocabulary.
-bench, diagnose and router talk to servers over HTTP; a cycle between any two of these
-would make one unimportable without the other."""
+bench, diagnose and router talk to servers over HTTP, beside the commands, not on them; a cycle
+between any two of these would make one unimportable without the other."""
 
 from __future__ import annotations
 
 import ast
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import goodserve
+from goodserve.config import SCHEDULER_POLICIES
 
 SOURCE = Path(goodserve.__file__).parent
 
@@ -137,3 +139,86 @@ from goodserve.router.command import config_from_args
 args = build_parser().parse_args(["router", "--backend", "http://a:8000", "--backend", "http://b:8000"])
 assert build_app(config_from_args(args)).state.router.backends[1].url == "http://b:8000"
 """)
+
+
+def test_scheduler_names_no_policy():
+    """The scheduler carries out what a policy (engine/scheduling_policy.py) chooses: it neither names
+    one nor imports one, so a new policy is a new module, not a new branch in the scheduler."""
+    source = MODULES["goodserve.engine.scheduler"].read_text()
+    named = sorted({word for word in re.findall(r"[a-z]+", source.lower()) if word in SCHEDULER_POLICIES})
+    assert not named, f"engine/scheduler.py names the policies {named}"
+    policies = {"goodserve.engine.slo_policy", "goodserve.engine.makespan"}
+    assert not _imports("goodserve.engine.scheduler") & policies
+    reads = [node.lineno for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Attribute)
+             and node.attr == "scheduler_policy"]
+    assert not reads, f"engine/scheduler.py reads config.scheduler_policy on lines {reads}"
+
+
+def test_scheduler_and_policies_never_import_torch():
+    """The scheduler, its policies, the step-time model and the admission check are host logic: each
+    policy schedules a step and forecasts, and the admission check reads the forecast, without torch."""
+    _torch_free("""
+import sys
+from goodserve import SamplingParams
+from goodserve.config import SCHEDULER_POLICIES, EngineConfig
+from goodserve.engine.admission import Admission
+from goodserve.engine.kv_cache_manager import KVCacheManager
+from goodserve.engine.scheduler import Scheduler
+from goodserve.engine.sequence import Sequence
+
+for policy in SCHEDULER_POLICIES:
+    sched = Scheduler(EngineConfig(scheduler_policy=policy, max_num_seqs=4, max_num_batched_tokens=64, block_size=4),
+                      KVCacheManager(num_blocks=16, block_size=4))
+    sched.add(Sequence(seq_id="a", request_id="a", index=0, token_ids=[1, 2, 3], num_prompt_tokens=3,
+                       params=SamplingParams(max_tokens=2), max_len=5, arrival_time=0.0))
+    assert sched.schedule().seq_ids == ["a"], policy
+    Admission(max_waiting=8).check_ttft(sched.forecast(), prompt_tokens=3, ttft_ms=1000.0)
+""")
+
+
+def test_bench_reaches_the_server_only_through_its_batch_job():
+    """`goodserve bench` uses the engine's front end (engine/admission.py) as the server does, not the
+    server's modules: only the batch job beside a run, which sends its lines through the server's
+    batch runner in-process by design, and the in-process engine's configuration, read as the server's
+    info metric reports it, import goodserve.server."""
+    importers = {module for module in MODULES if _unit(module) == "bench"
+                 for imported in _imports(module) if _unit(imported) == "server"}
+    assert importers <= {"goodserve.bench.batch_job", "goodserve.bench.command"}, sorted(importers)
+
+
+def test_instruments_never_import_the_commands_layer():
+    """bench, diagnose and the router sit beside the commands (commands/), not on them: the console
+    they print through is a root module (console.py)."""
+    for package in ("bench", "diagnose", "router"):
+        assert not _imports_of(package, lambda unit: unit != "commands"), package
+
+
+def test_version_is_read_without_the_package_api():
+    """The server and the router read the release from goodserve/version.py, not the package's API."""
+    for module in ("goodserve.server.app", "goodserve.router.app"):
+        assert "goodserve" not in _imports(module), module
+        assert "goodserve.version" in _imports(module), module
+
+
+def _protocol_members() -> set[str]:
+    from goodserve.engine.scheduling_policy import SchedulingPolicy
+
+    return {name for name in vars(SchedulingPolicy) if not name.startswith("_")} | set(SchedulingPolicy.__annotations__)
+
+
+def test_scheduler_asks_its_policy_only_what_the_protocol_says():
+    """The scheduler and the displacement walk reach the policy through SchedulingPolicy alone (a
+    policy-specific attribute would make the others fail at run time), and every policy answers all of it."""
+    from goodserve.config import EngineConfig
+    from goodserve.engine.scheduling_policy import make_policy
+    from goodserve.engine.step_time_model import StepTimeModel
+
+    members = _protocol_members()
+    for module in ("goodserve.engine.scheduler", "goodserve.engine.displacement", "goodserve.engine.step_trace"):
+        tree = ast.parse(MODULES[module].read_text())
+        asked = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)
+                 and ast.unparse(node.value) in ("self.policy", "policy", "scheduler.policy")}
+        assert asked and asked <= members, f"{module} asks its policy {sorted(asked - members)}"
+    for name in SCHEDULER_POLICIES:
+        policy = make_policy(EngineConfig(scheduler_policy=name), StepTimeModel())
+        assert all(hasattr(policy, member) for member in members), name

@@ -10,10 +10,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from goodserve.config import EngineConfig
+from goodserve.engine.admission import Admission
 from goodserve.engine_args import add_engine_arguments, engine_config_from_args
 from goodserve.errors import InvalidRequestError, QueueFullError
 from goodserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from goodserve.server.admission import Admission
 from goodserve.server.logprobs import chat_logprobs, completion_logprobs
 from goodserve.server.metrics import ServerMetrics, Slo, one_two_five_buckets
 from goodserve.server.protocol import ChatCompletionRequest, CompletionRequest

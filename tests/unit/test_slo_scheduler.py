@@ -8,13 +8,13 @@ import pytest
 from goodserve import SamplingParams
 from goodserve.config import EngineConfig
 from goodserve.engine import slo_policy
+from goodserve.engine.admission import BEST_EFFORT_PRIORITY, Admission
+from goodserve.engine.forecast import Forecast
 from goodserve.engine.kv_cache_manager import KVCacheManager
 from goodserve.engine.scheduler import Scheduler
 from goodserve.engine.scheduler_output import SchedulerOutput
 from goodserve.engine.sequence import Sequence
-from goodserve.engine.slo_policy import SloForecast
 from goodserve.engine.step_time_model import StepTimeFit, step_shape
-from goodserve.server.admission import BEST_EFFORT_PRIORITY, Admission
 
 # 10 ms a step, 1 ms a decode row, 0.1 ms a prompt token
 FIT = StepTimeFit(a=0.010, b=0.001, c=0.0001)
@@ -33,6 +33,12 @@ def scheduler(policy: str, num_blocks: int = 1024, fit: StepTimeFit | None = FIT
     sched = Scheduler(EngineConfig(scheduler_policy=policy, **settings), KVCacheManager(num_blocks, block_size=4))
     sched.step_time.fit = fit
     return sched
+
+
+def set_clock(sched: Scheduler, clock: Clock) -> None:
+    """The slo policy reads the clock; the others (their schedules compared against it) need none."""
+    if isinstance(sched.policy, slo_policy.SloPolicy):
+        sched.policy.clock = clock
 
 
 def request(sched: Scheduler, name: str, arrival: float, prompt_len: int = 4, ttft_ms: float | None = None,
@@ -69,7 +75,7 @@ def test_waiting_order_is_by_slack_not_arrival_or_deadline():
     has the later deadline but must start first; 'none' (no target) comes last though it came first."""
     clock = Clock(0.0)
     sched = scheduler("slo", max_num_batched_tokens=2000)
-    sched.slo.clock = clock
+    sched.policy.clock = clock
     request(sched, "none", arrival=-1.0, prompt_len=2000)
     request(sched, "short", arrival=0.0, prompt_len=200, ttft_ms=300)  # latest start 0.3 - 0.03 = 0.27
     request(sched, "long", arrival=0.05, prompt_len=2000, ttft_ms=350)  # latest start 0.4 - 0.21 = 0.19
@@ -83,7 +89,7 @@ def test_waiting_order_is_by_slack_not_arrival_or_deadline():
 
 def test_priority_comes_before_slack():
     sched = scheduler("slo", max_num_batched_tokens=4)
-    sched.slo.clock = Clock(0.0)
+    sched.policy.clock = Clock(0.0)
     request(sched, "batch", arrival=0.0, ttft_ms=10, priority=1 << 30)
     request(sched, "online", arrival=0.0, ttft_ms=5000)
     assert admitted_in_order(sched) == ["online", "batch"]
@@ -92,7 +98,7 @@ def test_priority_comes_before_slack():
 def test_a_request_past_its_latest_start_waits_behind_those_that_can_still_make_it():
     clock = Clock(10.0)
     sched = scheduler("slo", max_num_batched_tokens=4)
-    sched.slo.clock = clock
+    sched.policy.clock = clock
     request(sched, "late", arrival=9.0, ttft_ms=200)  # its deadline was 9.2
     request(sched, "on_time", arrival=9.95, ttft_ms=200)
     request(sched, "later", arrival=9.98, ttft_ms=200)
@@ -101,8 +107,8 @@ def test_a_request_past_its_latest_start_waits_behind_those_that_can_still_make_
 
 def planned_cap(sched: Scheduler) -> int:
     """The prefill cap the next step is planned with."""
-    sched.slo.begin_step(sched.running)
-    return sched.slo.cap
+    sched.policy.begin_step(sched.running)
+    return sched.policy.cap
 
 
 def test_prefill_cap_keeps_the_running_decodes_tpot():
@@ -111,7 +117,7 @@ def test_prefill_cap_keeps_the_running_decodes_tpot():
     300 prompt tokens at 0.1 ms. FCFS gives the prompt all the step's budget."""
     for policy, chunk in [("slo", 300), ("continuous", 2048 - 10)]:
         sched = scheduler(policy, num_blocks=4096)
-        sched.slo and setattr(sched.slo, "clock", Clock(0.0))
+        set_clock(sched, Clock(0.0))
         for i in range(10):
             request(sched, f"d{i}", arrival=0.0, ttft_ms=1000, tpot_ms=50, max_tokens=2)
         decode_step(sched)
@@ -127,7 +133,7 @@ def test_prefill_cap_lets_a_long_answer_make_up_for_a_long_step():
     for tpot_ms, cap in [(50, 2048), (25, 850)]:
         clock = Clock(0.0)
         sched = scheduler("slo", num_blocks=4096)
-        sched.slo.clock = clock
+        sched.policy.clock = clock
         seqs = [request(sched, f"d{i}", arrival=0.0, tpot_ms=tpot_ms) for i in range(10)]
         decode_step(sched)
         for seq in seqs:
@@ -138,7 +144,7 @@ def test_prefill_cap_lets_a_long_answer_make_up_for_a_long_step():
 def test_no_cap_without_a_fit_or_a_tpot_target():
     for fit, tpot_ms in [(None, 50), (FIT, None)]:
         sched = scheduler("slo", fit=fit)
-        sched.slo.clock = Clock(0.0)
+        sched.policy.clock = Clock(0.0)
         for i in range(10):
             request(sched, f"d{i}", arrival=0.0, tpot_ms=tpot_ms)
         decode_step(sched)
@@ -153,7 +159,7 @@ def test_preemption_picks_the_request_with_the_most_slack():
     for policy, victim in [("slo", "s1"), ("continuous", "s2")]:
         clock = Clock(100.0)
         sched = scheduler(policy, num_blocks=4)
-        sched.slo and setattr(sched.slo, "clock", clock)
+        set_clock(sched, clock)
         seqs = [request(sched, "s0", 99.0, tpot_ms=50), request(sched, "s1", 99.1),
                 request(sched, "s2", 99.2, tpot_ms=50)]
         decode_step(sched)
@@ -165,7 +171,7 @@ def test_preemption_picks_the_request_with_the_most_slack():
 
 def test_forecast_predicts_ttft_from_the_queue_ahead():
     sched = scheduler("slo")
-    sched.slo.clock = Clock(0.0)
+    sched.policy.clock = Clock(0.0)
     for i in range(10):
         request(sched, f"d{i}", arrival=0.0, tpot_ms=50, max_tokens=2)
     decode_step(sched)
@@ -182,7 +188,7 @@ def test_forecast_waits_for_a_free_sequence_slot():
     """No free slot; the running sequences finish in 3, 5 and 40 steps of 13 ms (10 + 3 x 1 ms). A
     request behind one waiting sequence needs the second slot to free: 5 steps, 65 ms, then its own
     100-token prompt, 23 ms. Behind four it waits for the batch to turn over: 40 + 3 steps."""
-    forecast = SloForecast(FIT, decode_rows=3, prefill_tokens_per_step=2048, free_seqs=0, steps_to_finish=(3, 5, 40))
+    forecast = Forecast(FIT, decode_rows=3, prefill_tokens_per_step=2048, free_seqs=0, steps_to_finish=(3, 5, 40))
     assert forecast.ttft_seconds(0, 100, seqs_ahead=1) == pytest.approx(0.065 + 0.023)
     assert forecast.ttft_seconds(0, 100, seqs_ahead=3) == pytest.approx(43 * 0.013 + 0.023)
     # tokens ahead that take longer than the wait for a slot are what counts
@@ -195,7 +201,7 @@ def test_decodes_ahead_of_their_tpot_let_a_step_carry_more_prompt():
     holds. One that is behind its pace keeps the cap at its 50 ms: 300 tokens beside the 20 ms of decodes."""
     clock = Clock(100.0)
     sched = scheduler("slo", num_blocks=4096)
-    sched.slo.clock = clock
+    sched.policy.clock = clock
     seqs = [request(sched, f"d{i}", arrival=98.0, tpot_ms=50) for i in range(10)]
     decode_step(sched)
     for seq in seqs:  # 99 tokens more, all but the last computed
@@ -216,7 +222,7 @@ def test_an_online_request_takes_a_batch_lines_sequence_slot(policy):
     the place of the newest batch line (no targets: its slack is infinite), which waits to resume."""
     clock = Clock(0.0)
     sched = scheduler(policy, max_num_seqs=2)
-    sched.slo and setattr(sched.slo, "clock", clock)
+    set_clock(sched, clock)
     request(sched, "b0", 0.0, priority=BATCH)
     request(sched, "b1", 0.1, priority=BATCH)
     decode_step(sched)
@@ -233,7 +239,7 @@ def test_an_online_request_takes_a_batch_lines_kv_blocks(policy):
     each); the online request's 4-token prompt needs one: a batch line gives its blocks up (and takes
     back what the online request leaves, to recompute its prompt)."""
     sched = scheduler(policy, num_blocks=4)
-    sched.slo and setattr(sched.slo, "clock", Clock(0.0))
+    set_clock(sched, Clock(0.0))
     request(sched, "b0", 0.0, prompt_len=7, priority=BATCH)
     request(sched, "b1", 0.1, prompt_len=7, priority=BATCH)
     decode_step(sched)
@@ -247,7 +253,7 @@ def test_a_burst_of_online_requests_displaces_batch_lines_in_one_step(policy):
     """Four batch lines hold all four slots; three online requests arrive together: all three run in
     the next step (not one a step), in the places of the three newest batch lines."""
     sched = scheduler(policy, max_num_seqs=4)
-    sched.slo and setattr(sched.slo, "clock", Clock(0.0))
+    set_clock(sched, Clock(0.0))
     for i in range(4):
         request(sched, f"b{i}", 0.1 * i, priority=BATCH)
     decode_step(sched)
@@ -268,7 +274,7 @@ def test_batch_lines_get_a_bounded_share_of_a_step_while_online_requests_run(sha
     (1.1 ms / 1 ms a row: 1 row) and half in prompt tokens (1.1 ms / 0.1 ms: 11 tokens a step, banked:
     a prompt computes whole once the bank covers it)."""
     sched = scheduler("slo")
-    sched.slo.clock = Clock(0.0)
+    sched.policy.clock = Clock(0.0)
     request(sched, "online", 0.0, ttft_ms=200, tpot_ms=50)
     decode_step(sched)
     for i in range(4):
@@ -288,7 +294,7 @@ def online_decodes_beside_batch_lines(num_lines: int) -> Scheduler:
     """Ten online requests decoding (FIT: a 20 ms step; the background share lends batch prompts half of
     10% of it, 1 ms, 10 tokens a step) and num_lines batch lines of 200-token prompts waiting."""
     sched = scheduler("slo")
-    sched.slo.clock = Clock(0.0)
+    sched.policy.clock = Clock(0.0)
     for i in range(10):
         request(sched, f"online{i}", 0.0, ttft_ms=200, tpot_ms=50, first_token=10 * i + 1)
     decode_step(sched)
@@ -330,7 +336,7 @@ def test_a_batch_prompt_the_bank_covers_joins_a_step_scheduled_ahead():
 
 def test_a_request_of_the_same_priority_waits_for_a_slot():
     sched = scheduler("slo", max_num_seqs=2)
-    sched.slo.clock = Clock(0.0)
+    sched.policy.clock = Clock(0.0)
     request(sched, "a", 0.0, ttft_ms=200)
     request(sched, "b", 0.1, ttft_ms=200)
     decode_step(sched)
@@ -343,7 +349,7 @@ def test_forecast_counts_batch_lines_slots_as_free():
     """An online request would take a batch line's slot at once: no wait for the batch to finish. Nor do
     the batch lines' rows count in its steps: they give way first (and add the background share at most)."""
     sched = scheduler("slo", max_num_seqs=3)
-    sched.slo.clock = Clock(0.0)
+    sched.policy.clock = Clock(0.0)
     request(sched, "online", 0.0, ttft_ms=200, max_tokens=10)
     request(sched, "b0", 0.0, priority=BATCH)
     request(sched, "b1", 0.0, priority=BATCH)
@@ -358,7 +364,7 @@ def test_running_sequences_are_capped_by_the_tightest_tpot_target():
     run up to it."""
     def running_after_one_step(policy: str, tpots: list) -> int:
         sched = scheduler(policy)
-        sched.slo and setattr(sched.slo, "clock", Clock(0.0))
+        set_clock(sched, Clock(0.0))
         for i, tpot_ms in enumerate(tpots):
             request(sched, f"r{i}", arrival=0.001 * i, ttft_ms=1000, tpot_ms=tpot_ms, first_token=10 * i + 1)
         decode_step(sched)
@@ -384,7 +390,7 @@ def test_online_requests_displace_batch_lines_down_to_the_tpot_limit():
     """35 batch lines run (no targets: up to the 64 of max_num_seqs); 10 online requests with a 50 ms
     TPOT target may run 40 at once (FIT): 5 batch lines give their slots up, and all 10 run."""
     sched = scheduler("slo")
-    sched.slo.clock = Clock(0.0)
+    sched.policy.clock = Clock(0.0)
     for i in range(35):
         request(sched, f"b{i}", 0.01 * i, priority=BATCH, first_token=10 * i + 1)
     decode_step(sched)
@@ -401,7 +407,7 @@ def test_forecast_leaves_out_prompts_not_ahead_of_a_new_request():
     effort) wait behind a new request. Ahead of a new 10-token prompt: 'long''s last 100 tokens, one
     100-token step and one of 10, each beside 'long''s decode row: 21 + 12 ms."""
     sched = scheduler("slo", max_num_batched_tokens=100)
-    sched.slo.clock = Clock(0.0)
+    sched.policy.clock = Clock(0.0)
     admission = Admission(max_waiting=100)
     for name, arrival, prompt_len, priority in [("long", 0.0, 300, 0), ("late", -10.0, 50, 0),
                                                  ("best", 0.0, 40, BEST_EFFORT_PRIORITY)]:
@@ -418,7 +424,7 @@ def test_forecast_leaves_out_prompts_not_ahead_of_a_new_request():
 
 def test_forecast_adds_half_the_step_in_flight():
     """A request that arrives while a step runs joins the step after it: half a step later on average."""
-    forecast = SloForecast(FIT, decode_rows=0, prefill_tokens_per_step=2048, step_seconds=0.040)
+    forecast = Forecast(FIT, decode_rows=0, prefill_tokens_per_step=2048, step_seconds=0.040)
     assert forecast.ttft_seconds(0, 100) == pytest.approx(0.020 + 0.020)
 
 
@@ -431,7 +437,7 @@ def test_running_sequences_are_capped_lower_as_their_contexts_grow():
     1 ms without context; each row reading 100 tokens costs 2 ms (20 rows), 400 tokens 5 ms (8 rows)."""
     def running_after_one_step(fit: StepTimeFit, prompt_len: int) -> int:
         sched = scheduler("slo", num_blocks=8192, fit=fit, max_num_batched_tokens=16384)
-        sched.slo.clock = Clock(0.0)
+        sched.policy.clock = Clock(0.0)
         for i in range(50):
             request(sched, f"r{i}", arrival=0.001 * i, prompt_len=prompt_len, ttft_ms=1000, tpot_ms=50,
                     first_token=1000 * i + 1)
@@ -453,7 +459,7 @@ def test_long_batch_lines_are_held_back_first(fit, batch_running, batch_rows, sh
     49.2; the fourth at 50.3, then 46.2 with another line out), all four run at once, and no batch row
     (1 + 3 ms) fits the share: the online rows decode alone."""
     sched = scheduler("slo", fit=fit, max_num_batched_tokens=4096)
-    sched.slo.clock = Clock(0.0)
+    sched.policy.clock = Clock(0.0)
     for i in range(10):
         request(sched, f"b{i}", 0.01 * i, prompt_len=300, priority=BATCH, first_token=1000 * i + 1)
     decode_step(sched)
@@ -472,22 +478,22 @@ def test_the_plan_grows_more_conservative_as_the_fit_misses():
     """With the model's steps off by 50% on average the margin is 1 / 1.5: a 33.3 ms decode step holds
     23 rows (FIT), not 40, and the prefill cap beside ten decodes falls from 300 tokens to 133."""
     sched = scheduler("slo")
-    sched.slo.clock = Clock(0.0)
+    sched.policy.clock = Clock(0.0)
     for i in range(10):
         request(sched, f"d{i}", arrival=0.0, ttft_ms=1000, tpot_ms=50, max_tokens=2)
     decode_step(sched)
-    sched.slo.begin_step(sched.running)
-    assert (sched.slo.max_running(64), sched.slo.cap) == (40, 300)
+    sched.policy.begin_step(sched.running)
+    assert (sched.policy.max_running(64), sched.policy.cap) == (40, 300)
     sched.step_time.relative_error = 0.5
-    sched.slo.begin_step(sched.running)
-    assert sched.slo.margin == pytest.approx(1 / 1.5)
-    assert (sched.slo.max_running(64), sched.slo.cap) == (23, 133)
+    sched.policy.begin_step(sched.running)
+    assert sched.policy.margin == pytest.approx(1 / 1.5)
+    assert (sched.policy.max_running(64), sched.policy.cap) == (23, 133)
 
 
 def test_forecast_counts_the_context_its_steps_read():
     """Ten online decodes of 5 tokens each (after their first): a decode step of 10 + 10 + 0.5 ms."""
     sched = scheduler("slo", fit=FIT_CONTEXT)
-    sched.slo.clock = Clock(0.0)
+    sched.policy.clock = Clock(0.0)
     for i in range(10):
         request(sched, f"d{i}", arrival=0.0, tpot_ms=50, first_token=10 * i + 1)
     decode_step(sched)
@@ -507,14 +513,14 @@ def online_step_beside(num_batch_lines: int) -> tuple[SchedulerOutput, Scheduler
     num_batch_lines batch lines of 500 tokens decoding, as many again waiting: the next step."""
     clock = Clock(10.0)
     sched = scheduler("slo", num_blocks=65536, fit=FIT_H100, max_num_seqs=1024, max_num_batched_tokens=4096)
-    sched.slo.clock = clock
+    sched.policy.clock = clock
     lines = [request(sched, f"b{i}", 0.0, prompt_len=500, priority=BATCH, first_token=1_000_000 + 1000 * i)
              for i in range(num_batch_lines)]
     online = [request(sched, f"d{i}", 0.0, prompt_len=200, ttft_ms=200, tpot_ms=50, first_token=1000 * i + 1)
               for i in range(100)]
     for seq in lines + online:  # running, their prompts and first answers computed
         sched._start_running(seq)
-        sched.slo.joined(seq)
+        sched.policy.joined(seq)
         seq.token_ids += [7] * (5 if seq in online else 1)
         assert sched.kv.allocate(seq, seq.num_tokens - 1)
         seq.num_computed_tokens = seq.num_tokens - 1
@@ -548,12 +554,12 @@ def test_a_step_refused_ahead_banks_nothing():
     only sequence's token in flight is its last), it asks again once that step is done. The background
     share's prompt tokens are banked once for each step that runs, not for each time one is planned."""
     sched = scheduler("slo")
-    sched.slo.clock = Clock(0.0)
+    sched.policy.clock = Clock(0.0)
     seq = request(sched, "online", arrival=0.0, ttft_ms=1000, tpot_ms=50, max_tokens=2)
     decode_step(sched)  # its prompt computed, its first token out
-    banked = sched.slo.prompt_bank.tokens
+    banked = sched.policy.prompt_bank.tokens
     assert sched.schedule(in_flight=[seq]) is None
-    assert sched.slo.prompt_bank.tokens == banked
+    assert sched.policy.prompt_bank.tokens == banked
     sched.schedule()
     # 10% of its 11 ms decode step, half of it in prompt tokens at 0.1 ms: 5.5 tokens
-    assert sched.slo.prompt_bank.tokens == pytest.approx(banked + 5.5)
+    assert sched.policy.prompt_bank.tokens == pytest.approx(banked + 5.5)

@@ -8,7 +8,6 @@ import pytest
 from goodserve import SamplingParams
 from goodserve.config import EngineConfig
 from goodserve.engine import makespan
-from goodserve.engine import scheduler as scheduler_module
 from goodserve.engine.kv_cache_manager import KVCacheManager
 from goodserve.engine.scheduler import Scheduler
 from goodserve.engine.sequence import Sequence
@@ -49,7 +48,7 @@ class Counts:
 
     def __init__(self, monkeypatch) -> None:
         self.n = 0
-        for owner, name in ((Sequence, "priority_key"), (scheduler_module, "longest_first_key"),
+        for owner, name in ((Sequence, "priority_key"), (makespan, "longest_first_key"),
                             (makespan, "remaining_outputs"), (Sequence, "__eq__")):
             monkeypatch.setattr(owner, name, self.counted(getattr(owner, name)))
 

@@ -50,8 +50,8 @@ from goodserve.bench.vllm_flags import (
     sampling_body,
 )
 from goodserve.bench.workloads import DATASETS, LENGTH_DISTS, BenchRequest, WorkloadConfig, build_workload
-from goodserve.commands.console import make_console
 from goodserve.config import DTYPES, SCHEDULER_POLICIES
+from goodserve.console import make_console
 from goodserve.errors import InvalidRequestError
 from goodserve.model_names import EMBEDDED_MODEL
 

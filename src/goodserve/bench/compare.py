@@ -6,7 +6,7 @@ from rich.console import Console
 from rich.table import Table
 
 from goodserve.bench.result import load_json, runs_of
-from goodserve.commands.console import make_console
+from goodserve.console import make_console
 
 # Metrics worth comparing, and whether a higher value is better (colours the ratio).
 _HIGHER_IS_BETTER = {

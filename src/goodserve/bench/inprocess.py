@@ -7,7 +7,7 @@ two alike at their start across every run on the target (prompt_for; for as many
 vocabulary has ids), so none hits the prefix cache.
 
 With SLOs (slo_ms: {"ttft": ms, "tpot": ms}, --goodput) each request carries them as its targets;
-under the "slo" scheduler policy the server's admission check runs here too (server/admission.py),
+under the "slo" scheduler policy the admission check the server applies runs here too (engine/admission.py),
 and a request it refuses is recorded as the 429 a client would get (refuses_late=False: every
 request is admitted, as where each client sends slo_best_effort, to measure what the refusals cost).
 Each record also carries TTFT and TPOT by the engine's own token times (engine_ttft, engine_tpot):
@@ -24,9 +24,9 @@ from goodserve.bench.client import Clock
 from goodserve.bench.records import RequestRecord
 from goodserve.bench.workloads import BenchRequest
 from goodserve.config import EngineConfig
+from goodserve.engine.admission import Admission
 from goodserve.errors import GoodserveError
 from goodserve.sampling_params import SamplingParams
-from goodserve.server.admission import Admission
 
 
 class InProcessTarget:

@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from goodserve.bench.result import records_of, runs_of
-from goodserve.commands.console import make_console
+from goodserve.console import make_console
 
 # (label, key, format) rows of the terminal table, in vLLM's order.
 _SUMMARY_ROWS = [

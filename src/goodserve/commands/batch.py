@@ -15,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from goodserve.commands.console import stage_progress
+from goodserve.console import stage_progress
 from goodserve.errors import InvalidRequestError
 from goodserve.engine_args import add_engine_arguments
 
@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
 async def run_file(engine, lines: list, output_path: Path, max_concurrency: int,
                    model_name: str) -> tuple[int, int]:
     """Answer the lines OUTPUT lacks; (succeeded, failed) among those answered now."""
-    from goodserve.server.admission import Admission
+    from goodserve.engine.admission import Admission
     from goodserve.server.batch_lines import LineResult, run_lines
     from goodserve.server.metrics import ServerMetrics, Slo
     from goodserve.server.serving import ServingContext

@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from goodserve.commands.console import stage_progress
+from goodserve.console import stage_progress
 from goodserve.engine_args import add_engine_arguments
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from goodserve.commands.console import make_console
+from goodserve.console import make_console
 from goodserve.diagnose.calc import (DTYPE_BYTES, cost_per_million_tokens, decode_weight_bytes, kv_cache_bytes,
                                      kv_heads_per_gpu, max_concurrent_sequences, weight_bytes)
 from goodserve.diagnose.parallel import (ALLREDUCE_LATENCY_S, LAYER_LATENCY_S, Layout, add_layout_arguments,

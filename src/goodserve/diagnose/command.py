@@ -26,7 +26,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from goodserve.commands.console import make_console
+from goodserve.console import make_console
 from goodserve.diagnose.advisor import HIGH_TPOT_S, Advice, advise
 from goodserve.diagnose.assumptions import DEFAULT_HARDWARE, DEFAULT_MODEL, Assumptions, resolve
 from goodserve.diagnose.calc import weight_bytes

@@ -22,9 +22,9 @@ import torch
 
 from goodserve.config import EngineConfig
 from goodserve.engine.engine import Engine
+from goodserve.engine.forecast import Forecast
 from goodserve.engine.input_processor import InputProcessor
 from goodserve.engine.gc_pauses import PauseLog, freeze_startup_heap, tune_for_serving, unfreeze_heap
-from goodserve.engine.slo_policy import SloForecast
 from goodserve.engine.stats import EngineStats
 from goodserve.errors import EngineDeadError, EngineStepError, GoodserveError, InvalidRequestError
 from goodserve.model.spec import ModelSpec
@@ -111,7 +111,7 @@ class EngineClient:
 
     runs_in_own_process = False
 
-    def __init__(self, info: EngineInfo, stats: EngineStats, forecast: SloForecast,
+    def __init__(self, info: EngineInfo, stats: EngineStats, forecast: Forecast,
                  inputs: InputProcessor | None = None) -> None:
         self.info = info
         self.config, self.spec, self.tokenizer = info.config, info.spec, info.tokenizer
@@ -131,7 +131,7 @@ class EngineClient:
         """A separate prefill engine's stats (server/disaggregated.py); None: this engine prefills."""
         return None
 
-    def forecast(self) -> SloForecast:
+    def forecast(self) -> Forecast:
         """The step-time fit and queue shape as of the last step (published by the engine's side)."""
         return self._forecast
 

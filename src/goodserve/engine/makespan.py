@@ -21,7 +21,10 @@ and min_admit (512) are EngineConfig's makespan_slack and makespan_min_admit.
 
 from __future__ import annotations
 
+from goodserve.config import EngineConfig
+from goodserve.engine.scheduling_policy import FcfsPolicy
 from goodserve.engine.sequence import Sequence
+from goodserve.engine.step_time_model import StepTimeModel
 from goodserve.engine.waiting_queue import WaitingQueue
 
 # A waiting request is admitted, credit or not, once it has at most this many steps to spare.
@@ -37,30 +40,35 @@ def longest_first_key(seq: Sequence) -> tuple:
     return (seq.params.priority, -remaining_outputs(seq), seq.arrival_time, seq.seq_id)
 
 
-class MakespanAdmission:
-    """The scheduler's admission gate under the makespan policy: its credit, step by step. It keeps
-    its own index of the waiting sequences (the scheduler tells it who enters and leaves the queue),
-    so a step costs the running sequences and the few waiting ones near the deadline, not the queue."""
+class MakespanPolicy(FcfsPolicy):
+    """FCFS but for the waiting order (longest first) and the admission allowance: its credit, step by
+    step. It keeps its own index of the waiting sequences (the scheduler tells it who enters and leaves
+    the queue), so a step costs the running sequences and the few waiting ones near the deadline, not
+    the queue."""
 
-    def __init__(self, max_admit: int, slack: float, min_admit: int) -> None:
-        self.slack, self.min_admit = slack, min_admit
+    def __init__(self, config: EngineConfig, step_time: StepTimeModel) -> None:
+        super().__init__(config, step_time)
+        self.slack, self.min_admit = config.makespan_slack, config.makespan_min_admit
         self.credit = 0.0  # tokens the steps so far fell short of their aim (negative: ran ahead)
         self.aim = 0.0  # the last step's aim, tokens
-        self.max_admit = max_admit  # no step admits more prompt tokens (max_num_batched_tokens)
+        self.max_admit = config.max_num_batched_tokens  # no step admits more prompt tokens
         self.waiting = WaitingQueue(key=lambda seq: -remaining_outputs(seq))  # most tokens left to generate first
         self.waiting_tokens_left = 0  # waiting sequences hold no computed tokens: the sum of their max_len
 
-    def add_waiting(self, seq: Sequence) -> None:
+    def waiting_key(self, seq: Sequence) -> tuple:
+        return longest_first_key(seq)
+
+    def entered_waiting(self, seq: Sequence) -> None:
         self.waiting.add(seq)
         self.waiting_tokens_left += seq.max_len
 
-    def remove_waiting(self, seq: Sequence) -> None:
+    def left_waiting(self, seq: Sequence) -> None:
         if self.waiting.remove(seq):
             self.waiting_tokens_left -= seq.max_len
 
-    def allowance(self, running: list[Sequence], num_scheduled: int) -> int:
+    def admission_allowance(self, running: list[Sequence], num_scheduled: int) -> int:
         """Prompt tokens that new requests may take this step, besides the num_scheduled tokens of the
-        running sequences. Reads the queues; changes nothing until `advance`."""
+        running sequences. Reads the queues; changes nothing until `step_ran`."""
         steps_left = self._steps_left(running)
         tokens_left = sum(seq.max_len - seq.num_computed_tokens for seq in running) + self.waiting_tokens_left
         self.aim = self.slack * tokens_left / steps_left
@@ -70,7 +78,7 @@ class MakespanAdmission:
             return max(int(room), due, 1)
         return max(int(room) if room >= self.min_admit else 0, due)
 
-    def advance(self, num_tokens: int) -> None:
+    def step_ran(self, num_tokens: int) -> None:
         """A step ran num_tokens tokens against the last aim."""
         self.credit += self.aim - num_tokens
 

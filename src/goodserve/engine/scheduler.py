@@ -7,18 +7,12 @@ the step's token budget (max_num_batched_tokens) or the sequence cap (max_num_se
 chunked prefill a long prompt takes whatever budget is left and finishes in later steps, so decodes
 are never stalled behind it. When the KV pool runs out, the newest running sequence is preempted:
 its blocks are freed and it is recomputed later (its prefix may well still be cached). A waiting
-sequence of a higher priority (a lower SamplingParams.priority: an online request) that finds no
-sequence slot or KV block takes those of the lowest-priority running one (a batch line), which waits
-to resume: lower priorities only ever fill the room higher ones leave.
+sequence of a higher priority takes the room of running ones of a lower priority (engine/displacement.py).
 
-The batching policy only gates admission: "continuous" admits whenever there is room; "static"
-admits a new batch only once the previous one has entirely finished; "dynamic" also waits for the
-batch to fill up to max_num_seqs or for the oldest request to have waited max_wait_ms; "makespan"
-admits the longest requests first and spreads the rest over the longest one's steps, to finish an
-offline batch of known lengths soonest (engine/makespan.py); "slo" orders the queue and the prefill
-chunks by slack to each request's TTFT target, caps the prompt tokens of a step so running decodes
-keep their TPOT target, and preempts the request with the most slack (engine/slo_policy.py). Every
-policy feeds the step-time model (engine/step_time_model.py) the engine fits from its steps.
+The choices are the policy's (engine/scheduling_policy.py, picked by EngineConfig.scheduler_policy):
+the queues' order, the step's token budgets, whether a sequence has room to join, which one is
+preempted first, whether admission waits for whole batches, and the forecast the admission check
+reads. The scheduler carries them out and tells the policy what entered, left and ran.
 
 Its decision goes to the runner as plain data (engine/scheduler_output.py); the sequences it decides
 over stay here, with the engine. With async scheduling the engine passes the step still in flight:
@@ -35,18 +29,22 @@ tail blocks freed). A sequence that leaves (finished, aborted, preempted) leaves
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 from goodserve.config import EngineConfig
+from goodserve.engine.displacement import displaced_running
+from goodserve.engine.forecast import Forecast
 from goodserve.engine.kv_cache_manager import KVCacheManager
-from goodserve.engine.makespan import MakespanAdmission, longest_first_key
-from goodserve.engine.runner_output import BranchOutput
 from goodserve.engine.scheduler_output import SchedulerOutput
+from goodserve.engine.scheduling_policy import make_policy
 from goodserve.engine.sequence import Sequence, SequenceStatus
-from goodserve.engine.slo_policy import SloForecast, SloPolicy
 from goodserve.engine.step_time_model import StepTimeModel
 from goodserve.engine.spec_decode.policy import Speculator, VerifyCost
 from goodserve.engine.spec_decode.proposer import Drafts, Proposer
 from goodserve.engine.waiting_queue import WaitingQueue
+
+if TYPE_CHECKING:  # the runner's output module imports torch; the scheduler needs none
+    from goodserve.engine.runner_output import BranchOutput
 
 
 class _Decision:
@@ -71,10 +69,6 @@ class _Decision:
         self.drafts.append(drafts)
 
 
-def _decodes_first(seq: Sequence) -> tuple:
-    return (seq.num_uncomputed_tokens > 1, *seq.priority_key())
-
-
 class Scheduler:
     def __init__(self, config: EngineConfig, kv: KVCacheManager, proposer: Proposer | None = None,
                  step_time: StepTimeModel | None = None, verify_cost: VerifyCost | None = None) -> None:
@@ -83,31 +77,20 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.seqs: dict[str, Sequence] = {}  # every unfinished sequence it was given, by id
         self.num_preemptions = 0
-        makespan = config.scheduler_policy == "makespan"
-        self.makespan = MakespanAdmission(config.max_num_batched_tokens, config.makespan_slack,
-                                          config.makespan_min_admit) if makespan else None
         self.step_time = step_time or StepTimeModel()  # the engine feeds it every step
-        self.slo = SloPolicy(config.max_num_batched_tokens, self.step_time) \
-            if config.scheduler_policy == "slo" else None
-        key = longest_first_key if makespan else self.slo.key if self.slo else Sequence.priority_key
-        self.waiting = WaitingQueue(key)
+        self.policy = make_policy(config, self.step_time)
+        self.waiting = WaitingQueue(self.policy.waiting_key)
         self.speculator = Speculator(config, proposer, verify_cost) if proposer is not None else None
 
     # ---- queue management ----------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         self.seqs[seq.seq_id] = seq
         self.waiting.add(seq)
-        if self.slo is not None:
-            self.slo.entered_waiting(seq)
-        if self.makespan is not None:
-            self.makespan.add_waiting(seq)
+        self.policy.entered_waiting(seq)
 
     def _leave_waiting(self, seq: Sequence) -> None:
         self.waiting.remove(seq)
-        if self.makespan is not None:
-            self.makespan.remove_waiting(seq)
-        if self.slo is not None:
-            self.slo.left_waiting(seq)
+        self.policy.left_waiting(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -132,8 +115,7 @@ class Scheduler:
         flight first and asks again). busy (pipeline micro-batches): the sequences of the steps
         in flight in the stages, which this step leaves alone (neither computes nor preempts);
         it takes its share of the rest, so that the stages' steps hold about as many rows each."""
-        if self.slo is not None:
-            self.slo.begin_step(self.running)
+        self.policy.begin_step(self.running)
         if in_flight:
             decision = self._schedule_ahead(in_flight)
         elif busy is not None:
@@ -141,9 +123,8 @@ class Scheduler:
                                                     busy=frozenset(seq.seq_id for seq in busy)))
         else:
             decision = self._schedule_now()
-        if decision is None:
-            if self.slo is not None:  # asked again once the step in flight is done: plan it once
-                self.slo.step_refused()
+        if decision is None:  # asked again once the step in flight is done: planned once
+            self.policy.step_refused()
             return None
         if self.speculator is not None:
             self.speculator.counted_step()
@@ -163,14 +144,16 @@ class Scheduler:
 
     def _schedule_now(self, decision: _Decision | None = None) -> _Decision:
         decision = decision or _Decision()
-        if not self._admits_any_step and self._next_batch_ready():
+        admits_any_step = self.policy.admits_any_step
+        if not admits_any_step and self.policy.next_batch_ready(self.running, self.waiting):
             self._admit_whole_batch()
-        if self._admits_any_step:
+        if admits_any_step:
             for victim in self._displaced_running(decision.busy):
                 self._requeue(victim)
-        budget = self._schedule_running(decision, self._running_budget())
-        if self._admits_any_step and not decision.preempted and self.waiting:
-            self._schedule_waiting(decision, min(budget, self._admission_allowance(sum(decision.num_new))))
+        budget = self._schedule_running(decision, self.policy.running_budget())
+        if admits_any_step and not decision.preempted and self.waiting:
+            allowance = self.policy.admission_allowance(self.running, sum(decision.num_new))
+            self._schedule_waiting(decision, min(budget, allowance))
         return decision
 
     def _schedule_ahead(self, in_flight: list[Sequence]) -> _Decision | None:
@@ -179,7 +162,7 @@ class Scheduler:
         now that sample on the device alone. Blocks allocated before a refusal are the ones the next
         step would allocate anyway: they stay in the block tables."""
         going_on = [seq for seq in in_flight if not seq.is_finished and not seq.ends_with_next_token()]
-        if not going_on or (self._admits_any_step and self._displaced_running()):
+        if not going_on or (self.policy.admits_any_step and self._displaced_running()):
             return None
         for seq in going_on:
             if not self.kv.allocate(seq, 1):
@@ -187,43 +170,23 @@ class Scheduler:
         decision = _Decision(num_ahead=len(going_on))
         for seq in going_on:
             decision.add(seq, 1)
-        if self.waiting and self._admits_any_step:
-            budget = min(self.config.max_num_batched_tokens - len(going_on), self._admission_allowance(len(going_on)))
+        if self.waiting and self.policy.admits_any_step:
+            allowance = self.policy.admission_allowance(self.running, len(going_on))
+            budget = min(self.config.max_num_batched_tokens - len(going_on), allowance)
             self._schedule_waiting(decision, max(budget, 0), lambda seq: seq.samples_on_device)
         return decision
 
-    @property
-    def _admits_any_step(self) -> bool:
-        """Continuous batching, makespan and slo admit at any step; static and dynamic between batches."""
-        return self.config.scheduler_policy in ("continuous", "makespan", "slo")
-
-    def _running_budget(self) -> int:
-        """The running sequences' tokens this step: all the step holds, or under the slo policy the
-        decodes (scheduled first) plus the prefill cap."""
-        if self.slo is None:
-            return self.config.max_num_batched_tokens
-        return min(self.config.max_num_batched_tokens, self.slo.num_decodes + self.slo.cap)
-
-    def _admission_allowance(self, num_scheduled: int) -> int:
-        """Tokens new requests may take this step, besides num_scheduled for the running ones."""
-        if self.makespan is not None:
-            return self.makespan.allowance(self.running, num_scheduled)
-        if self.slo is not None:  # the prefill chunks of the running ones count against the cap
-            return max(self.slo.cap - max(num_scheduled - self.slo.num_decodes, 0), 0)
-        return self.config.max_num_batched_tokens
-
     def _schedule_running(self, decision: _Decision, budget: int) -> int:
         """Decodes first (the attention kernels take a batch's leading one-token rows apart), then
-        unfinished prompts in priority order."""
-        ordered = sorted((seq for seq in self.running if seq.seq_id not in decision.busy),
-                         key=self.slo.running_key if self.slo else _decodes_first)
+        unfinished prompts, in the policy's order."""
+        ordered = sorted((seq for seq in self.running if seq.seq_id not in decision.busy), key=self.policy.running_key)
         proposed = self._propose(ordered, budget)
         for seq in ordered:
             if budget == 0 or decision.full:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            num_own = self._granted(seq, min(seq.num_uncomputed_tokens, budget))
+            num_own = self.policy.granted(seq, min(seq.num_uncomputed_tokens, budget))
             if num_own == 0:
                 continue
             drafts = proposed.get(seq.seq_id)
@@ -240,11 +203,6 @@ class Scheduler:
                 decision.add(seq, num_new, drafts)
                 budget -= num_new
         return budget
-
-    def _granted(self, seq: Sequence, num_new: int) -> int:
-        """Of num_new tokens, those seq may compute this step: under the slo policy a request without
-        targets only within the background share (engine/slo_policy.py)."""
-        return num_new if self.slo is None else self.slo.background.grant(seq, num_new)
 
     def _propose(self, ordered: list[Sequence], budget: int) -> dict[str, Drafts]:
         """Drafts for the decoding sequences to verify this step, by id: each one's k with room left
@@ -265,39 +223,24 @@ class Scheduler:
     def _schedule_waiting(self, decision: _Decision, budget: int, admissible=None) -> None:
         """Admit waiting sequences in order while the budget lasts; `admissible`, when given, stops
         at the first sequence it refuses."""
-        if self.slo is not None:
-            self.slo.demote_late(self.waiting)
+        self.policy.before_admitting(self.waiting)
         while budget > 0 and self.waiting and not decision.full:
             seq = self.waiting.peek()
-            if not self._has_room(seq, len(self.running), self._running_tokens) \
+            if not self.policy.has_room(seq, len(self.running), self.policy.running_tokens) \
                     or (admissible is not None and not admissible(seq)):
                 break
             if seq.seq_id not in self.kv.tables:
                 seq.num_computed_tokens = self.kv.match_prefix(seq)
-            num_new = self._granted(seq, min(seq.num_uncomputed_tokens, budget))
+            num_new = self.policy.granted(seq, min(seq.num_uncomputed_tokens, budget))
             whole = num_new == seq.num_uncomputed_tokens
             if num_new == 0 or not (whole or self.config.enable_chunked_prefill) \
                     or not self.kv.allocate(seq, num_new):
                 self._release_blocks(seq)
                 break
             self._start_running(seq)
-            if self.slo is not None:
-                self.slo.joined(seq)
+            self.policy.joined(seq)
             decision.add(seq, num_new)
             budget -= num_new
-
-    def _has_room(self, seq: Sequence, num_running: int, running_tokens: int) -> bool:
-        """Whether seq may join num_running sequences of running_tokens tokens in all: under max_num_seqs,
-        and under the slo policy while their decode step, each row reading its context, keeps the
-        tightest TPOT target (engine/slo_policy.py)."""
-        if self.slo is None:
-            return num_running < self.config.max_num_seqs
-        return self.slo.has_room(seq, self.config.max_num_seqs, num_running, running_tokens)
-
-    @property
-    def _running_tokens(self) -> int:
-        """The running sequences' tokens, as the slo policy tallies them (other policies count slots only)."""
-        return 0 if self.slo is None else self.slo.running_tokens
 
     def _release_blocks(self, seq: Sequence, finished: bool = False) -> None:
         """A sequence that could not be admitted (or is preempted, or finished) gives back its blocks,
@@ -308,49 +251,13 @@ class Scheduler:
         seq.num_computed_tokens = 0
 
     def _displaced_running(self, busy: frozenset[str] = frozenset()) -> list[Sequence]:
-        """The running sequences the waiting ones this step can admit displace: each waiting one in
-        order, while the step's prompt-token budget lasts, that finds no sequence slot or no KV
-        blocks for its first chunk takes those of the lowest-priority running one, if that one's
-        priority is lower. All of a burst at once: one a step made the tenth online arrival behind a
-        full batch job wait ten steps."""
-        head = self.waiting.peek()
-        if head is None or all(seq.params.priority <= head.params.priority for seq in self.running):
-            return []  # (the common case, no walk down the queue)
-        budget = self.config.max_num_batched_tokens if self.slo is None else min(
-            self.config.max_num_batched_tokens, self.slo.cap)
-        taken = len(self.running)  # slots held once the victims so far leave and the heads so far join
-        tokens = self._running_tokens  # and their tokens, what their decode rows read
-        free_blocks = self.kv.num_free_blocks
-        candidates = sorted((seq for seq in self.running if seq.seq_id not in busy), key=self._victim_key,
-                            reverse=True)  # the first to go first
-        victims: list[Sequence] = []
-        for head in self.waiting.in_order():
-            if budget <= 0:
-                break
-            chunk = min(head.num_uncomputed_tokens, budget)
-            needed = self.kv.blocks_needed(head, chunk)
-            while not self._has_room(head, taken, tokens) or free_blocks < needed:
-                if len(victims) == len(candidates) or candidates[len(victims)].params.priority <= head.params.priority:
-                    return victims
-                victim = candidates[len(victims)]
-                victims.append(victim)
-                taken, tokens = taken - 1, tokens - victim.num_tokens
-                free_blocks += len(self.kv.blocks_held(victim.seq_id))
-            taken, tokens = taken + 1, tokens + head.num_tokens
-            free_blocks -= needed
-            budget -= chunk
-        return victims
+        return displaced_running(self.policy, self.running, self.waiting, self.kv, busy)
 
     def _lowest_priority_running(self, decision: _Decision) -> Sequence:
         """Of the running sequences neither in this step nor in a micro-batch in flight (the one that
         asks for blocks is neither, so there is always one)."""
         return max((s for s in self.running if s not in decision.seqs and s.seq_id not in decision.busy),
-                   key=self._victim_key)
-
-    @property
-    def _victim_key(self):
-        """Larger is preempted first."""
-        return self.slo.victim_key if self.slo else Sequence.priority_key
+                   key=self.policy.victim_key)
 
     def _preempt(self, seq: Sequence, decision: _Decision) -> None:
         self._requeue(seq)
@@ -359,23 +266,12 @@ class Scheduler:
     def _requeue(self, seq: Sequence) -> None:
         """Recompute preemption: free the blocks, requeue at the front; its tokens are kept."""
         self.running.remove(seq)
-        if self.slo is not None:
-            self.slo.left(seq)
+        self.policy.left(seq)
         self._release_blocks(seq)
         seq.status = SequenceStatus.WAITING
         seq.metrics.num_preemptions += 1
         self.num_preemptions += 1
         self.add(seq)  # its key (priority, arrival) puts it before the requests that came after it
-
-    def _next_batch_ready(self) -> bool:
-        """Static and dynamic batching: a new batch starts only once the last one has finished."""
-        if self.running or not self.waiting:
-            return False
-        if self.config.scheduler_policy == "static" or len(self.waiting) >= self.config.max_num_seqs:
-            return True
-        # fewer than max_num_seqs wait: a bounded scan
-        oldest_wait_ms = (time.time() - min(s.arrival_time for s in self.waiting)) * 1000
-        return oldest_wait_ms >= self.config.max_wait_ms
 
     def _admit_whole_batch(self) -> None:
         for _ in range(min(len(self.waiting), self.config.max_num_seqs)):
@@ -416,12 +312,9 @@ class Scheduler:
                 out.penalty_token_ids[row] = seq.output_token_ids
         return out
 
-    def forecast(self) -> SloForecast:
-        """The step-time fit and the queue's shape (the last step's prefill cap; under the slo policy
-        when the running sequences finish), for the server's admission check."""
-        if self.slo is None:
-            return SloForecast(self.step_time.fit, len(self.running), self.config.max_num_batched_tokens)
-        return self.slo.forecast(self.running, self.config.max_num_seqs, self.step_time.last_seconds)
+    def forecast(self) -> Forecast:
+        """What a new request can expect, by the policy: for the admission check (engine/admission.py)."""
+        return self.policy.forecast(self.running)
 
     # ---- after the step ------------------------------------------------------------------
     def advance(self, out: SchedulerOutput, num_rejected: dict[int, int] | None = None,
@@ -431,8 +324,7 @@ class Scheduler:
         this, are the kept drafts and one more; a row with a side branch hands its results,
         branches[row], to the proposer). Sequences that finished meanwhile (stopped or aborted while
         an async step ran) hold no blocks and are skipped."""
-        if self.makespan is not None:
-            self.makespan.advance(out.num_tokens)
+        self.policy.step_ran(out.num_tokens)
         for row, (seq_id, num_new) in enumerate(zip(out.seq_ids, out.num_new_tokens)):
             seq = self.seqs.get(seq_id)
             if seq is None:

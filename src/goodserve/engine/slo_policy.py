@@ -33,7 +33,7 @@ A request may carry targets (SamplingParams.slo_ttft_ms, slo_tpot_ms; the server
   target) or, past capacity, lets TPOT grow without bound. Batch lines (no
   targets) take room up to the same limit and give it up first: an online request that finds no room
   displaces batch lines, the newest first (the victim order below), until it fits, never the other
-  way round (Scheduler._displaced_running); displaced lines wait, and rejoin only where a step with
+  way round (engine/displacement.py); displaced lines wait, and rejoin only where a step with
   them still fits. Without a fit or a TPOT target: max_num_seqs.
 - Preemption victim: the running request with the most slack (its TPOT budget ahead of the tokens
   it has produced, or its TTFT slack while it prefills), after the priority (batch lines first).
@@ -51,7 +51,7 @@ A request may carry targets (SamplingParams.slo_ttft_ms, slo_tpot_ms; the server
   prefill cap spent the online decodes' TPOT slack on batch prompts; the card's measurements of
   each step of this are in benchmarks/BENCHMARKS.md (SLO-aware scheduling).
 
-The server's admission check (server/admission.py) reads the same model through `forecast` to
+The admission check (engine/admission.py) reads the same model through `forecast` to
 refuse, with 429, a request whose TTFT the queue ahead of it already makes impossible. What the new
 request will see: slots up to `max_running` (has_room's rule at the running ones' mean length), a
 batch line's counted free; steps of the targeted rows alone, with the context they read (batch rows
@@ -68,60 +68,17 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
+from goodserve.config import EngineConfig
+from goodserve.engine.scheduling_policy import FcfsPolicy
 from goodserve.engine.sequence import Sequence
+from goodserve.engine.forecast import Forecast
 from goodserve.engine.step_time_model import StepTimeFit, StepTimeModel
 from goodserve.engine.waiting_queue import WaitingQueue
 
 MIN_PREFILL_CHUNK = 64
 TPOT_HORIZON = 16  # tokens after a step over which a decode's mean time per token may recover
 BACKGROUND_SHARE = 0.1  # of the targeted decodes' step, what untargeted work may add to it
-
-
-@dataclass(frozen=True)
-class SloForecast:
-    """What the admission check needs from the engine, published by its thread after every step."""
-
-    fit: StepTimeFit | None
-    decode_rows: int  # in the steps a new request will share: targeted rows, and the background share's
-    prefill_tokens_per_step: int  # the step's prefill cap now
-    context_tokens: int = 0  # the K/V those decode rows read (their lengths, summed)
-    free_seqs: int = 1 << 30  # the sequences that may run (max_running) - those a new request cannot displace
-    # The running sequences' steps left (tokens they may still generate), ascending: when slots free
-    # up. Exact with ignore_eos; otherwise max_tokens is an upper bound, and the forecast pessimistic.
-    steps_to_finish: tuple[int, ...] = ()
-    # Of the requests with targets that have not answered yet (the admission check counts them as
-    # waiting ahead), those not ahead of a new one: running (a slot already theirs) or ranked behind it
-    # (late, or of a lower priority); and their prompt tokens that are computed or ranked behind.
-    seqs_not_ahead: int = 0
-    prompt_tokens_not_ahead: int = 0
-    # The latest step's time: a request arriving while one runs joins the step after it, half a step
-    # later on average.
-    step_seconds: float = 0.0
-
-    def ttft_seconds(self, prompt_tokens_ahead: int, prompt_tokens: int, seqs_ahead: int = 0) -> float | None:
-        """Predicted time to first token of a request queued behind seqs_ahead sequences holding
-        prompt_tokens_ahead prompt tokens (the admission check's count: every request that has not
-        answered yet, less what the engine knows is not ahead): its prompt starts once those ahead are
-        computed and a sequence slot is free, whichever comes last."""
-        if self.fit is None:
-            return None
-        prompt_tokens_ahead = max(prompt_tokens_ahead - self.prompt_tokens_not_ahead, 0)
-        seqs_ahead = max(seqs_ahead - self.seqs_not_ahead, 0)
-        both = self.fit.prefill_seconds(prompt_tokens_ahead + prompt_tokens, self.decode_rows,
-                                        self.prefill_tokens_per_step, self.context_tokens)
-        own = self.fit.prefill_seconds(prompt_tokens, self.decode_rows, self.prefill_tokens_per_step,
-                                       self.context_tokens)
-        return self.step_seconds / 2 + max(both, self._slot_wait_seconds(seqs_ahead) + own)
-
-    def _slot_wait_seconds(self, seqs_ahead: int) -> float:
-        short = seqs_ahead + 1 - self.free_seqs  # running sequences that must finish first
-        if short <= 0 or not self.steps_to_finish:
-            return 0.0
-        rounds, i = divmod(short - 1, len(self.steps_to_finish))  # past one batch: it turns over again
-        steps = rounds * self.steps_to_finish[-1] + self.steps_to_finish[i]
-        return steps * self.fit.seconds(self.decode_rows, 0, self.context_tokens)
 
 
 def ttft_deadline(seq: Sequence) -> float:
@@ -229,11 +186,13 @@ def _tightest_step_budget(decodes: list[Sequence], now: float, decode_step_s: fl
     return tightest
 
 
-class SloPolicy:
-    def __init__(self, max_num_batched_tokens: int, model: StepTimeModel,
+class SloPolicy(FcfsPolicy):
+    """FCFS's answers changed where the module's docstring says: every one but the batch gating."""
+
+    def __init__(self, config: EngineConfig, step_time: StepTimeModel,
                  clock: Callable[[], float] = time.time) -> None:
-        self.max_tokens = max_num_batched_tokens
-        self.model = model
+        super().__init__(config, step_time)
+        max_num_batched_tokens = self.max_tokens = config.max_num_batched_tokens
         self.clock = clock
         self.late: set[str] = set()  # waiting sequences whose TTFT can no longer be met
         # Waiting requests with targets, no answer yet and ranked behind a new request of the default
@@ -253,7 +212,7 @@ class SloPolicy:
         self.running_tokens = 0
 
     # ---- waiting order ---------------------------------------------------------------------
-    def key(self, seq: Sequence) -> tuple:
+    def waiting_key(self, seq: Sequence) -> tuple:
         """(priority, late, latest start, arrival, id): read when seq enters the waiting queue."""
         late = seq.seq_id in self.late
         return (seq.params.priority, late, -math.inf if _has_answered(seq) else self.latest_start(seq),
@@ -262,12 +221,12 @@ class SloPolicy:
     def latest_start(self, seq: Sequence) -> float:
         """The latest time seq's prefill may start and still meet its TTFT target."""
         deadline = ttft_deadline(seq)
-        fit = self.model.fit
+        fit = self.step_time.fit
         if fit is None or math.isinf(deadline):
             return deadline
         return deadline - fit.prefill_seconds(seq.num_uncomputed_tokens, 0, self.max_tokens)
 
-    def demote_late(self, waiting: WaitingQueue) -> None:
+    def before_admitting(self, waiting: WaitingQueue) -> None:
         """Move the waiting heads that cannot meet their TTFT any more behind those that can."""
         now = self.clock()
         while (seq := waiting.peek()) is not None and seq.seq_id not in self.late:
@@ -327,21 +286,41 @@ class SloPolicy:
     def margin(self) -> float:
         """What share of a TPOT target a step is planned to: less as the step-time model's predictions
         miss (its relative error), so a poorly fitted model plans conservatively."""
-        return 1.0 / (1.0 + self.model.relative_error)
+        return 1.0 / (1.0 + self.step_time.relative_error)
 
     def left(self, seq: Sequence) -> None:
         """seq stopped running this step (preempted, or displaced by a request of a higher priority)."""
         self.num_running -= 1
         self.running_tokens -= seq.num_tokens
 
-    def has_room(self, seq: Sequence, ceiling: int, num_running: int, running_tokens: int) -> bool:
-        """Whether seq may join num_running sequences of running_tokens tokens: under `ceiling`
-        (max_num_seqs), and a decode step of them all, every row reading its whole length, lasting, by
-        the fitted model, within `margin` x the tightest TPOT target (of theirs and its). Long
-        contexts leave room for fewer rows. Without a fit or a target: the ceiling alone."""
-        if num_running >= ceiling:
+    # ---- budgets -------------------------------------------------------------------------------
+    @property
+    def prefill_cap(self) -> int:
+        return self.cap
+
+    def running_budget(self) -> int:
+        """The decodes (served first) and the prefill cap."""
+        return min(self.max_tokens, self.num_decodes + self.cap)
+
+    def admission_allowance(self, running: list[Sequence], num_scheduled: int) -> int:
+        """What the cap leaves: the prefill chunks of the running ones count against it."""
+        return max(self.cap - max(num_scheduled - self.num_decodes, 0), 0)
+
+    def displacement_budget(self) -> int:
+        return min(self.max_tokens, self.cap)
+
+    def granted(self, seq: Sequence, num_new: int) -> int:
+        """A request without targets computes only within the background share."""
+        return self.background.grant(seq, num_new)
+
+    def has_room(self, seq: Sequence, num_running: int, running_tokens: int) -> bool:
+        """Whether seq may join num_running sequences of running_tokens tokens: under max_num_seqs,
+        and a decode step of them all, every row reading its whole length, lasting, by the fitted
+        model, within `margin` x the tightest TPOT target (of theirs and its). Long contexts leave
+        room for fewer rows. Without a fit or a target: max_num_seqs alone."""
+        if num_running >= self.config.max_num_seqs:
             return False
-        fit = self.model.fit
+        fit = self.step_time.fit
         tightest_s = self._tightest_with(seq.params.slo_tpot_ms)
         if fit is None or math.isinf(tightest_s) or num_running == 0:
             return True
@@ -350,15 +329,15 @@ class SloPolicy:
     def max_running(self, ceiling: int) -> int:
         """The sequences that may run at once, by has_room's rule, each the running ones' mean length
         (what the admission forecast counts slots by). Without a fit or a target: the ceiling."""
-        fit = self.model.fit
+        fit = self.step_time.fit
         tightest_s = self.tightest_tpot_s
         if fit is None or math.isinf(tightest_s):
             return ceiling
         mean_context = self.running_tokens / self.num_running if self.num_running else 0.0
         return max(1, min(ceiling, fit.max_decode_rows(self.margin * tightest_s + 1e-9, mean_context)))
 
-    def forecast(self, running: list[Sequence], ceiling: int, step_seconds: float) -> SloForecast:
-        """What a new request of the default priority will see (SloForecast), from the running sequences
+    def forecast(self, running: list[Sequence]) -> Forecast:
+        """What a new request of the default priority will see (Forecast), from the running sequences
         in one pass: the engine publishes it after every step."""
         steps_to_finish = []  # of the slots it waits for: a lower-priority sequence gives its own up
         targeted = context = prefilling = prefilled = 0  # batch rows give way first: not counted
@@ -373,10 +352,10 @@ class SloPolicy:
                     prefilling += 1
                     prefilled += seq.num_computed_tokens
         steps_to_finish.sort()
-        return SloForecast(self.model.fit, targeted, self.cap, context,
-                           self.max_running(ceiling) - len(steps_to_finish), tuple(steps_to_finish),
-                           seqs_not_ahead=prefilling + len(self.behind),
-                           prompt_tokens_not_ahead=prefilled + self.behind_tokens, step_seconds=step_seconds)
+        return Forecast(self.step_time.fit, targeted, self.cap, context,
+                           self.max_running(self.config.max_num_seqs) - len(steps_to_finish), tuple(steps_to_finish),
+                           seqs_not_ahead=prefilling + len(self.behind), prompt_tokens_not_ahead=prefilled
+                           + self.behind_tokens, step_seconds=self.step_time.last_seconds)
 
     def _tightest_with(self, tpot_ms: float | None) -> float:
         return self.tightest_tpot_s if tpot_ms is None else min(self.tightest_tpot_s, tpot_ms / 1000.0)
@@ -384,7 +363,7 @@ class SloPolicy:
     def _background_allowance(self, targeted_decodes: list[Sequence], context: int) -> BackgroundAllowance:
         """What untargeted work may add to a step beside targeted sequences, targeted_decodes of them
         decoding over context tokens."""
-        fit = self.model.fit
+        fit = self.step_time.fit
         if fit is None:
             return BackgroundAllowance()
         half_share_s = BACKGROUND_SHARE * fit.seconds(len(targeted_decodes), 0, context) / 2
@@ -403,7 +382,7 @@ class SloPolicy:
         """The prompt tokens a step may carry beside the running decodes with targets (reading context
         tokens) and keep their TPOT. Batch rows are not counted: they compute only within the
         background share, on top of this plan."""
-        fit = self.model.fit
+        fit = self.step_time.fit
         if fit is None:
             return self.max_tokens
         decode_step_s = fit.seconds(len(targeted_decodes), 0, context)

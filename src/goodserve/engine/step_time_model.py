@@ -27,7 +27,7 @@ It also tracks how wrong it is: an EWMA of |measured - predicted| / predicted ov
 a fit for (`relative_error`), which the "slo" policy plans against (a margin that grows with it).
 Used by the "slo" scheduler policy (engine/slo_policy.py) to cap the sequences that run and the
 prefill tokens mixed into a step, and by the server's admission check to predict a new request's
-time to first token (server/admission.py).
+time to first token (engine/admission.py).
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ class StepTrace:
                 "context_tokens": context_tokens, "predicted_s": predicted,
                 "measured_s": round(measured_s, 6), "graph": graph, "ran_ahead": ran_ahead,
                 "running": len(scheduler.running), "waiting": len(scheduler.waiting),
-                "prefill_cap": scheduler.slo.cap if scheduler.slo is not None else None,
+                "prefill_cap": scheduler.policy.prefill_cap,
                 "targeted_decode_rows": sum(seq_id in scheduler.seqs and has_targets(scheduler.seqs[seq_id])
                                             for seq_id in decodes)}
         self.file.write(json.dumps(line) + "\n")

@@ -13,7 +13,6 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import ClientDisconnect
 
-import goodserve
 from goodserve.router.backend import Backend
 from goodserve.router.config import RouterConfig
 from goodserve.router.health import HealthChecker
@@ -21,6 +20,7 @@ from goodserve.router.metrics import RouterMetrics
 from goodserve.router.policies import make_policy
 from goodserve.router.prefix_tree import PrefixTree
 from goodserve.router.proxy import CLIENT_GONE_STATUS, Router, error_response
+from goodserve.version import __version__
 
 logger = logging.getLogger("goodserve.router")
 
@@ -77,7 +77,7 @@ def build_app(config: RouterConfig) -> FastAPI:
             await checks
         await router.close()
 
-    app = FastAPI(title="goodserve router", version=goodserve.__version__, lifespan=lifespan)
+    app = FastAPI(title="goodserve router", version=__version__, lifespan=lifespan)
     app.state.router = router
     app.state.health = health
 

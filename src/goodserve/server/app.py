@@ -13,11 +13,10 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-import goodserve
+from goodserve.engine.admission import Admission
 from goodserve.errors import InvalidRequestError, ModelLoadError
 from goodserve.model.spec import SamplingDefaults
 from goodserve.sampling_params import SamplingParams
-from goodserve.server.admission import Admission
 from goodserve.server.auth import ApiKeyMiddleware, BodySizeLimitMiddleware
 from goodserve.server.batch_routes import batch_router
 from goodserve.server.batch_runner import BatchRunner
@@ -48,6 +47,7 @@ from goodserve.server.serving_chat import create_chat_completion
 from goodserve.server.serving_completions import create_completion
 from goodserve.server.serving_embeddings import create_embedding
 from goodserve.server.serving_responses import create_response
+from goodserve.version import __version__
 
 logger = logging.getLogger("goodserve.server")
 
@@ -65,7 +65,7 @@ class ServerConfig:
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
     gpu_hourly_cost: float | None = None  # $ per GPU-hour: /metrics then reports the cost per hour
-    # Under the slo policy: refuse the costliest requests first as the queue builds (server/admission.py)
+    # Under the slo policy: refuse the costliest requests first as the queue builds (engine/admission.py)
     slo_shed_costly: bool = False
     log_level: str = "info"
     max_unsent_outputs: int = 512
@@ -154,7 +154,7 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
         await engine.shutdown(config.drain_timeout_s)
         ctx.close()
 
-    app = FastAPI(title="goodserve", version=goodserve.__version__, lifespan=lifespan)
+    app = FastAPI(title="goodserve", version=__version__, lifespan=lifespan)
     app.state.draining = False
     app.state.ctx = ctx
     install_error_handlers(app, on_error=metrics.observe_rejected)
@@ -207,7 +207,7 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
 
     @app.get("/version")
     async def server_version() -> VersionResponse:
-        return VersionResponse(version=goodserve.__version__)
+        return VersionResponse(version=__version__)
 
     @app.post("/tokenize", responses=_ERRORS)
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:

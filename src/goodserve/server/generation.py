@@ -25,9 +25,9 @@ from typing import TypeVar
 
 from starlette.requests import Request
 
+from goodserve.engine.admission import Admission
 from goodserve.outputs import LogprobsEntry, RequestOutput
 from goodserve.sampling_params import SamplingParams
-from goodserve.server.admission import Admission
 from goodserve.server.errors import ClientDisconnectedError, ClientNotReadingError, DeadlineExceededError
 from goodserve.server.metrics import ServerMetrics, Slo
 from goodserve.server.protocol import PromptTokensDetails, Usage

@@ -15,10 +15,10 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from goodserve.engine.admission import BEST_EFFORT_PRIORITY, Admission
 from goodserve.errors import GoodserveError, InvalidRequestError, ModelLoadError, QueueFullError
 from goodserve.model.spec import SamplingDefaults
 from goodserve.sampling_params import SamplingParams
-from goodserve.server.admission import BEST_EFFORT_PRIORITY, Admission
 from goodserve.server.contract import check_fields
 from goodserve.server.errors import error_body
 from goodserve.server.generation import GenerationJob, cancel_on_disconnect

@@ -18,7 +18,7 @@ import argparse
 import dataclasses
 from pathlib import Path
 
-from goodserve.commands.console import make_console
+from goodserve.console import make_console
 from goodserve.engine_args import add_engine_arguments, engine_config_from_args
 from goodserve.errors import InvalidRequestError
 from goodserve.model_names import DUMMY_PREFIX

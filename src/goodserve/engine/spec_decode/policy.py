@@ -31,11 +31,14 @@ sequence's k; the proposer behind it (proposer.py) proposes for all of them in o
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from goodserve.config import EngineConfig
-from goodserve.engine.runner_output import BranchOutput
 from goodserve.engine.sequence import Sequence
 from goodserve.engine.spec_decode.proposer import Branch, Drafts, Proposer
+
+if TYPE_CHECKING:  # the runner's output module imports torch; the scheduler, which imports this, needs none
+    from goodserve.engine.runner_output import BranchOutput
 
 TRIAL_WEIGHT = 0.3  # of each judged draft in a sequence's acceptance average
 PROBE_EVERY = 32  # steps: at most one in this many probes the sequences left out

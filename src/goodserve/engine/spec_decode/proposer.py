@@ -17,13 +17,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-import torch
-
 from goodserve.config import EngineConfig
 from goodserve.engine.sequence import Sequence
 from goodserve.model.spec import ModelSpec
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the scheduler imports this module, and needs no torch
+    import torch
+
     from goodserve.model.loader import LoadedModel
 
 

@@ -1,13 +1,15 @@
 """Admission control: a bounded waiting queue, so overload is a fast 429 instead of a slow timeout.
 
-"Waiting" means admitted to the engine but not yet producing tokens. The server counts these
-itself (all on the event loop, so no locking and no lag behind the engine thread's stats), in
-sequences: a request with 50 prompts and n=128 takes 6,400 places, as it makes 6,400 sequences;
-and in prompt tokens, the prefill work queued ahead of a new request.
+The engine's front end: whoever hands requests to the engine checks them here first (the server,
+the in-process load generator, a batch run). "Waiting" means admitted to the engine but not yet
+producing tokens. The caller counts these itself (the server all on its event loop, so no locking
+and no lag behind the engine thread's stats), in sequences: a request with 50 prompts and n=128
+takes 6,400 places, as it makes 6,400 sequences; and in prompt tokens, the prefill work queued ahead
+of a new request.
 
 Under the "slo" scheduler policy a request with a TTFT target is also refused (429, Retry-After)
-when its TTFT cannot be met: the engine's step-time fit (engine/slo_policy.SloForecast, a snapshot
-its thread publishes after each step, read here without waiting on it) predicts the time to compute
+when its TTFT cannot be met: the scheduling policy's forecast (engine/forecast.py, a snapshot the
+engine publishes after each step, read here without waiting on it) predicts the time to compute
 the prompt tokens waiting ahead and its own. A client that sets slo_best_effort is queued instead,
 at BEST_EFFORT_PRIORITY: after every request that can still meet its target, before batch lines.
 
@@ -32,7 +34,7 @@ import bisect
 import math
 from collections import deque
 
-from goodserve.engine.slo_policy import SloForecast
+from goodserve.engine.forecast import Forecast
 from goodserve.engine.step_time_model import StepTimeFit
 from goodserve.errors import InvalidRequestError, QueueFullError
 
@@ -98,7 +100,7 @@ class Admission:
         self.waiting_prompt_tokens = 0  # of the waiting sequences
         self.costs = CostRanks() if shed_costly else None
 
-    def check_ttft(self, forecast: SloForecast, prompt_tokens: int, ttft_ms: float, output_tokens: int = 0) -> None:
+    def check_ttft(self, forecast: Forecast, prompt_tokens: int, ttft_ms: float, output_tokens: int = 0) -> None:
         """Raise TtftUnattainable if prompt_tokens queued behind the waiting ones would miss ttft_ms;
         shedding costly requests, CostlyRequestShed if they would wait longer than its cost's rank allows.
         Retry-After: the seconds the queue ahead needs to drain that far."""
