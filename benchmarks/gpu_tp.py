@@ -79,8 +79,9 @@ def copy_bandwidth_gbps(device: str) -> float:
 
 def bytes_per_gpu(preset: str, tp: int, pp: int, dtype: torch.dtype, new_tokens: int) -> dict:
     """What one rank of each stage reads per decode step, summed over the stages (they run one after
-    another): its weights (one embedding row, not its table, unless the table is its lm_head) and
-    its KV heads' cache of its layers at the decode's mean context; weight_bytes: the most a GPU holds."""
+    another): its weights (one embedding row, not its table, unless the table is its lm_head; of a
+    mixture of experts its share of the routed experts) and its KV heads' cache of its layers at the
+    decode's mean context; weight_bytes: the most a GPU holds."""
     spec = get_preset(preset)
     weights, read = [], 0
     for stage in range(pp):
@@ -93,6 +94,9 @@ def bytes_per_gpu(preset: str, tp: int, pp: int, dtype: torch.dtype, new_tokens:
         read += weights[-1] - table
         local = model.pp.local_spec(model.tp.local_spec(spec))
         read += local.kv_bytes_per_token(dtype.itemsize) * (PROMPT_LEN + new_tokens // 2)
+        if spec.is_moe:  # a token reads its routed experts' share only
+            unrouted = spec.num_experts - spec.num_experts_per_tok
+            read -= local.num_layers * unrouted * local.expert_params() * dtype.itemsize
     return {"weight_bytes": max(weights), "step_read_bytes": read}
 
 

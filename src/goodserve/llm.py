@@ -6,8 +6,9 @@ import itertools
 from collections.abc import Sequence
 
 from goodserve.config import EngineConfig
+from goodserve.engine.device_memory import release_dropped_memory
 from goodserve.engine.engine import Engine
-from goodserve.errors import EngineStepError, InvalidRequestError
+from goodserve.errors import EngineDeadError, EngineStepError, InvalidRequestError
 from goodserve.model_names import EMBEDDED_MODEL
 from goodserve.outputs import RequestOutput
 from goodserve.sampling_params import SamplingParams
@@ -16,8 +17,11 @@ Prompt = str | dict
 
 
 class LLM:
+    """`with LLM(...) as llm:` (or llm.shutdown()) gives the model's and the KV cache's memory back
+    when done, so that a next engine in the same process finds it free."""
+
     def __init__(self, model: str = EMBEDDED_MODEL, **engine_options) -> None:
-        self.engine = Engine(EngineConfig(model=model), **engine_options)
+        self._engine: Engine | None = Engine(EngineConfig(model=model), **engine_options)
         self._ids = itertools.count()
 
     @classmethod
@@ -25,8 +29,30 @@ class LLM:
         """The offline API over an engine loaded already (goodserve tune gates a configuration's quality
         on it, then measures its speed, with one load)."""
         llm = cls.__new__(cls)
-        llm.engine, llm._ids = engine, itertools.count()
+        llm._engine, llm._ids = engine, itertools.count()
         return llm
+
+    @property
+    def engine(self) -> Engine:
+        if self._engine is None:
+            raise EngineDeadError("this LLM was shut down")
+        return self._engine
+
+    def shutdown(self) -> None:
+        """Stop the engine's worker processes and free its model and KV cache (their device memory
+        included) while this object lives on; calling it again does nothing."""
+        engine, self._engine = self._engine, None
+        if engine is None:
+            return
+        engine.executor.shutdown()
+        del engine
+        release_dropped_memory()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()
 
     @property
     def tokenizer(self):

@@ -268,21 +268,6 @@ def test_spec_reads_each_familys_parts(tmp_path: Path):
     assert spec.num_params() == sum(p.numel() for p in hf_model.parameters())
 
 
-@pytest.mark.parametrize("family", ["qwen3", "phi3"])
-def test_tensor_parallel_gives_transformers_tokens(tmp_path: Path, family: str, monkeypatch):
-    """Two ranks (gloo): Qwen3's replicated q/k norms, Phi-3's fused checkpoint tensors split per rank."""
-    monkeypatch.setenv("GOODSERVE_DISTRIBUTED_TIMEOUT_S", "20")
-    hf_model = save_tiny_model(FAMILIES[family](), tmp_path)
-    llm_prompts = prompts()[1:3]
-    expected = [hf_greedy(hf_model, p) for p in llm_prompts]
-    llm = LLM(str(tmp_path), tensor_parallel_size=2, **SETTINGS)
-    try:
-        outputs = llm.generate([{"prompt_token_ids": p} for p in llm_prompts], GREEDY)
-        assert [out.outputs[0].token_ids for out in outputs] == expected
-    finally:
-        llm.engine.executor.shutdown()
-
-
 @pytest.mark.parametrize("method", ["ngram", "lookahead"])
 @pytest.mark.parametrize("family", ["qwen3", "mixtral", "phi3"])
 def test_speculative_decoding_keeps_transformers_tokens(tmp_path: Path, family: str, method: str):
@@ -335,9 +320,22 @@ def test_calc_and_diagnose_report_active_parameters(capsys):
 def test_unsupported_architecture_is_refused_with_the_supported_list(tmp_path: Path):
     transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, architectures=["GPT2LMHeadModel"]).save_pretrained(tmp_path)
     with pytest.raises(ModelLoadError, match="'GPT2LMHeadModel' is not supported; supported architectures: "
-                                             "LlamaForCausalLM, .*Qwen3ForCausalLM, MixtralForCausalLM, "
-                                             "Qwen3MoeForCausalLM, Phi3ForCausalLM"):
+                                             "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
+                                             "MixtralForCausalLM, Qwen3MoeForCausalLM, Phi3ForCausalLM, "
+                                             "Gemma2ForCausalLM, Gemma3ForCausalLM$"):
         load_spec(str(tmp_path))
+
+
+def test_unsupported_gguf_architecture_is_refused_with_the_supported_list(tmp_path: Path):
+    path = tmp_path / "gpt2.gguf"
+    writer = gguf.GGUFWriter(str(path), "gpt2")
+    writer.add_block_count(1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    with pytest.raises(ModelLoadError, match="GGUF architecture 'gpt2' is not supported; supported architectures: "
+                                             "llama, mistral, qwen2, qwen3, qwen3moe, phi3, gemma2, gemma3$"):
+        load_spec(str(path))
 
 
 @pytest.mark.parametrize(("family", "setting", "message"), [
@@ -358,7 +356,6 @@ def test_settings_a_family_lacks_are_refused(tmp_path: Path, family: str, settin
     ({"quantization": "int4", "quantization_group_size": 32}, "does not divide the experts' down projection's input dimension 112"),
     ({"quantization": "int4"}, "does not divide the experts' down projection's input dimension 112"),  # no size divides 112 and 64
     ({"quantization": "int8", "quantization_awq": True}, "quantization_awq is not supported"),
-    ({"tensor_parallel_size": 2}, "--tensor-parallel-size > 1"),
 ])
 def test_moe_refuses_what_it_cannot_combine_with(tmp_path: Path, settings: dict, message: str):
     save_tiny_model(FAMILIES["mixtral"](), tmp_path)

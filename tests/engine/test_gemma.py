@@ -143,12 +143,6 @@ def test_lookahead_is_refused_with_soft_capped_scores(tmp_path: Path):
         LLM(str(tmp_path), speculative_method="lookahead", **SETTINGS)
 
 
-def test_tensor_parallelism_is_refused(tmp_path: Path):
-    save_tiny_model(gemma2_config(), tmp_path)
-    with pytest.raises(InvalidRequestError, match="norms each sublayer's output: --tensor-parallel-size > 1"):
-        LLM(str(tmp_path), tensor_parallel_size=2, **SETTINGS)
-
-
 def test_native_decode_stack_is_not_given_gemma_layers(tmp_path: Path):
     """The CPU's one-call int4 decoder stack has none of Gemma's parts: the model stays on the per-op path
     (whose attention is the torch one: the native attention kernels have no soft cap)."""

@@ -8,7 +8,6 @@ subset that means something on a CPU (tiny models, the torch paths), for working
 from __future__ import annotations
 
 import functools
-import gc
 import json
 import os
 import sys
@@ -60,10 +59,10 @@ def cuda_only(device):
 @pytest.fixture(autouse=True)
 def release_gpu_memory():
     """Each case builds its own engines; free their KV caches and graph pools before the next."""
+    from goodserve.engine.device_memory import release_dropped_memory
+
     yield
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    release_dropped_memory()
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -55,3 +55,18 @@ def test_steps_that_sample_nothing_wait_for_their_inputs(device, cuda_only, reco
                for mode, options in (("graphs+async", {}), ("eager", {"enforce_eager": True}))}
     record_property("tokens", outputs)
     assert outputs["graphs+async"] == outputs["eager"]
+
+
+def test_a_dropped_engine_leaves_the_next_one_its_memory(device, cuda_only, record_property):
+    """Two engines built in turn in one process, the first merely dropped (its CUDA graphs captured,
+    its frames perhaps in a lazy import's reference cycle): the second sizes its KV cache as the first
+    did, so the first's weights, KV cache and graph pools went back to the device, the caching
+    allocator's blocks included (a second engine once found room for 3,344 tokens)."""
+    first = build("dummy:smollm2-135m", device, dtype="bfloat16", num_kv_blocks=None)
+    greedy(first, [[3, 4, 5]])
+    blocks = first.engine.config.num_kv_blocks
+    del first
+    second = build("dummy:smollm2-135m", device, dtype="bfloat16", num_kv_blocks=None)
+    record_property("kv_blocks", {"first": blocks, "second": second.engine.config.num_kv_blocks})
+    assert second.engine.config.num_kv_blocks >= 0.99 * blocks  # the CUDA context's own growth aside
+    second.shutdown()

@@ -16,14 +16,11 @@ The engines run one after the other, so a GPU only ever holds one model.
 from __future__ import annotations
 
 import dataclasses
-import gc
 import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
-
-import torch
 
 from goodserve.config import EngineConfig
 from goodserve.errors import InvalidRequestError
@@ -175,15 +172,11 @@ def measure(config: EngineConfig, settings: EvalSettings, workload: Workload | N
     from goodserve.llm import LLM
 
     on_progress(f"{label}: loading the engine", 0, 1)
-    llm = LLM(**{f.name: getattr(config, f.name) for f in dataclasses.fields(config)})  # nested options kept
-    on_progress(f"{label}: loading the engine", 1, 1)
-    workload = workload or build_workload(llm.tokenizer, settings)
-    result = run_workload(llm, workload, settings.max_new_tokens,
-                          lambda stage, done, total: on_progress(f"{label}: {stage}", done, total))
-    del llm
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    with LLM(**{f.name: getattr(config, f.name) for f in dataclasses.fields(config)}) as llm:  # nested options kept
+        on_progress(f"{label}: loading the engine", 1, 1)
+        workload = workload or build_workload(llm.tokenizer, settings)
+        result = run_workload(llm, workload, settings.max_new_tokens,
+                              lambda stage, done, total: on_progress(f"{label}: {stage}", done, total))
     return workload, result
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from goodserve.config import EngineConfig
+from goodserve.engine.device_memory import release_dropped_memory
 from goodserve.errors import InvalidRequestError
 from goodserve.model.spec import ModelSpec
 from goodserve.ops.attention import LayerKVCache
@@ -39,6 +40,7 @@ def num_blocks_for_memory(spec: ModelSpec, config: EngineConfig, device: torch.d
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
     if device.type == "cuda":
+        release_dropped_memory()  # an engine dropped before this one is not "already used"
         free, total = torch.cuda.mem_get_info(device)
         already_used = total - free
         budget = total * config.gpu_memory_utilization - already_used

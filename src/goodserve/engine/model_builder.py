@@ -10,6 +10,7 @@ import torch
 
 from goodserve.config import EngineConfig
 from goodserve.engine.config_resolution import torch_dtype
+from goodserve.engine.device_memory import release_dropped_memory
 from goodserve.errors import InvalidRequestError
 from goodserve.model.loader import LoadedModel, load_model
 from goodserve.model.pipeline_parallel import PipelineParallel
@@ -28,6 +29,7 @@ def build_model(config: EngineConfig, tp: TensorParallel = TensorParallel(),
     no process-wide setting."""
     device = torch.device(config.device)
     chat_template = read_chat_template(config.chat_template) if config.chat_template else None  # before the load
+    release_dropped_memory()  # an engine dropped before this one leaves this one room to load
     torch.manual_seed(config.seed)
     kernels = choose_kernels(config.attention_backend, config.kernels, device)
     loaded = load_model(config.model, torch_dtype(config), device, seed=config.seed,

@@ -10,8 +10,9 @@ plain nn.Linear so quantization can swap them by name. Modules that launch kerne
 KernelChoice (`kernels`: torch's until the engine gives them its own, ops/kernel_choice.use_kernels).
 
 Under tensor parallelism (model/tensor_parallel.py) each rank builds the modules of its own shapes
-(`tp.local_spec`) and joins them where they meet: o_proj's and down_proj's partial sums all-reduced
-inside the residual add + RMSNorm after them, a masked lookup plus all-reduce in the embedding, an
+(`tp.local_spec`) and joins them where they meet: o_proj's and down_proj's (and the experts')
+partial sums all-reduced inside the residual add + RMSNorm after them (Gemma's: before the norm of
+the sublayer's output), a masked lookup plus all-reduce in the embedding, an
 all-gather of the logits. A stage hands its last layer's partial sums on, rank to rank of the same
 tensor-parallel index, and the next stage's first norm sums them.
 
@@ -29,7 +30,7 @@ import torch
 from torch import nn
 
 from goodserve.errors import ModelLoadError
-from goodserve.model.moe import SparseMoE, check_moe_combination, quantize_experts_on_build
+from goodserve.model.moe import QuantizedRows, SparseMoE, quantize_experts_on_build
 from goodserve.model.pipeline_parallel import PipelineParallel, check_pipeline_parallel_size
 from goodserve.model.spec import ModelSpec
 from goodserve.model.tensor_parallel import TensorParallel, check_tensor_parallel_size
@@ -44,8 +45,8 @@ from goodserve.quant.linear import Int4Linear
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float, tp: TensorParallel = TensorParallel(),
                  weight_offset: float = 0.0):
-        """weight_offset: Gemma's norms scale by (1 + weight); never under tensor parallelism
-        (tensor_parallel.check_tensor_parallel_size)."""
+        """weight_offset: Gemma's norms scale by (1 + weight); their inputs come summed over the ranks
+        (LlamaDecoderLayer all-reduces each sublayer's output before its norm)."""
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
@@ -143,7 +144,7 @@ class LlamaDecoderLayer(nn.Module):
         # Llama's post_attention_layernorm is the MLP's input norm; with sandwich norms (Gemma) it
         # norms the attention's output, and the MLP has a norm before and after it of its own.
         self.post_attention_layernorm = norm()
-        self.sandwich_norms = spec.sandwich_norms
+        self.tp, self.sandwich_norms = tp, spec.sandwich_norms
         if spec.sandwich_norms:
             self.pre_feedforward_layernorm = norm()
             self.post_feedforward_layernorm = norm()
@@ -159,9 +160,10 @@ class LlamaDecoderLayer(nn.Module):
         else:
             x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(x, positions, rotary_cache, kv_cache, meta)
-        if self.sandwich_norms:
-            x, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(x), residual)
-            return self.post_feedforward_layernorm(self.mlp(x)), residual
+        if self.sandwich_norms:  # the sublayers' partial sums are summed before their own norms
+            x = self.post_attention_layernorm(self.tp.all_reduce(x))
+            x, residual = self.pre_feedforward_layernorm(x, residual)
+            return self.post_feedforward_layernorm(self.tp.all_reduce(self.mlp(x))), residual
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -268,7 +270,6 @@ def build_empty_model(spec: ModelSpec, dtype: torch.dtype, device: torch.device 
     """
     check_tensor_parallel_size(spec, tp.size)
     check_pipeline_parallel_size(spec, pp.size)
-    check_moe_combination(spec, tp.size)
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -315,19 +316,22 @@ class WeightFiller:
         if shard is not None:
             start, rows = self.shard_rows[shard]
             target = target[start : start + rows]
-        tensor = self.tp.shard(name, shard, tensor, self.spec)
+        whole, tensor = tensor, self.tp.shard(name, shard, tensor, self.spec)
         if target.shape != tensor.shape:
             raise ModelLoadError(
                 f"checkpoint tensor {name}{f' ({shard})' if shard else ''} has shape "
                 f"{tuple(tensor.shape)}, the model expects {tuple(target.shape)}"
             )
-        target.copy_(tensor)
+        if isinstance(target, QuantizedRows) and tensor.shape[1] != whole.shape[1]:  # some of each row's columns
+            target.copy_(tensor, row_absmax=whole.abs().amax(dim=1).float())
+        else:
+            target.copy_(tensor)
         self.rows_filled[name] += tensor.shape[0]
 
     def fill_whole(self, name: str, tensor: torch.Tensor) -> None:
         """A parameter as the TP=1 model holds it, fused ones included."""
         parts = [(shard, start, rows) for shard, (start, rows) in _fused_rows(self.spec).items()
-                 if shard in _FUSED_MODULES and f".{_FUSED_MODULES[shard]}." in name]
+                 if _fills(shard, name)]
         if not parts:
             return self.fill(name, None, tensor)
         for shard, start, rows in parts:
@@ -340,6 +344,14 @@ class WeightFiller:
 
 
 _FUSED_MODULES = {"q": "qkv_proj", "k": "qkv_proj", "v": "qkv_proj", "gate": "gate_up_proj", "up": "gate_up_proj"}
+_EXPERT_STACKS = {"gate": "experts.w13", "up": "experts.w13", "down": "experts.w2"}
+
+
+def _fills(shard: str | tuple[str, int], name: str) -> bool:
+    """Whether the fused shard (_fused_rows' key) is rows of parameter `name`."""
+    if isinstance(shard, tuple):
+        return name.endswith(f".{_EXPERT_STACKS[shard[0]]}")
+    return shard in _FUSED_MODULES and f".{_FUSED_MODULES[shard]}." in name
 
 
 def _fused_rows(s: ModelSpec) -> dict[str | tuple[str, int], tuple[int, int]]:

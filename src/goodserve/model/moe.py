@@ -5,6 +5,11 @@ stacked into two parameters (quant/moe.py's layout) that the loaders fill expert
 --quantization int8 / int4 the stacks are codes with their scales (quant/schemes.py), built before
 the load and written row block by row block as the loaders fill them (QuantizedRows): the float
 experts never exist whole on the device (Mixtral-8x7B's are 90 GB in bf16, 45 GB in int8).
+
+Under tensor parallelism (model/tensor_parallel.py) the stacks hold the rank's columns of every
+expert, and their codes are the whole model's slice, as quant/apply.py makes a split linear's: int4
+keeps the group size the whole experts get (a rank's share of the down projection must hold whole
+groups), int8 scales the down projection's rows by their largest magnitude over every rank's columns.
 """
 
 from __future__ import annotations
@@ -12,7 +17,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from goodserve.errors import InvalidRequestError
 from goodserve.model.spec import ModelSpec
 from goodserve.ops.kernel_choice import TORCH_KERNELS
 from goodserve.quant.moe import moe_torch, route
@@ -20,14 +24,6 @@ from goodserve.quant import schemes
 
 EXPERT_QUANTIZATIONS = ("int8", "int4")
 QUANTIZE_CHUNK_BYTES = 64 << 20  # float32 rows quantized at once while filling (bounds the load's extra memory)
-
-
-def check_moe_combination(spec: ModelSpec, tensor_parallel_size: int) -> None:
-    """Tensor parallelism would need each rank's share of every expert (or whole experts per rank,
-    with the all-to-all that needs): not built, so refused rather than run unsplit."""
-    if spec.is_moe and tensor_parallel_size > 1:
-        raise InvalidRequestError(f"{spec.name} is a mixture of experts: --tensor-parallel-size > 1 is not "
-                                  "supported for it")
 
 
 class Experts(nn.Module):
@@ -58,11 +54,15 @@ class QuantizedRows:
     def __getitem__(self, rows: slice) -> QuantizedRows:
         return QuantizedRows(schemes.rows_of(self.weight, rows), self.columns)
 
-    def copy_(self, tensor: torch.Tensor) -> None:
+    def copy_(self, tensor: torch.Tensor, row_absmax: torch.Tensor | None = None) -> None:
+        """row_absmax: each row's largest magnitude where `tensor` holds some of its columns only (a
+        tensor-parallel shard), so int8 gives the whole matrix's codes."""
         chunk = max(1, QUANTIZE_CHUNK_BYTES // (4 * tensor.shape[1]))
         for start in range(0, tensor.shape[0], chunk):
             rows = slice(start, start + chunk)
-            codes = schemes.quantize_like(self.weight, tensor[rows].to(self.weight.qweight.device))
+            device = self.weight.qweight.device
+            absmax = None if row_absmax is None else row_absmax[rows].to(device)
+            codes = schemes.quantize_like(self.weight, tensor[rows].to(device), absmax)
             schemes.copy_rows(schemes.rows_of(self.weight, rows), codes)
 
 
@@ -70,14 +70,16 @@ class QuantizedExperts(nn.Module):
     """Experts' stacks as codes with their scales (and int4's zeros), quant/schemes.py's layouts with
     the experts' rows one after another."""
 
-    def __init__(self, spec: ModelSpec, method: str, group_size: int | None):
+    def __init__(self, spec: ModelSpec, method: str, group_size: int | None, shards: int = 1):
+        """spec: the rank's shapes, its share of `shards` tensor-parallel ones."""
         super().__init__()
         e, h, i = spec.num_experts, spec.hidden_size, spec.moe_intermediate_size
         if method == "int4":
-            fitting = [g for g in schemes.INT4_GROUP_SIZES if h % g == 0 and i % g == 0]
+            fitting = [g for g in schemes.INT4_GROUP_SIZES if h % g == 0 and i * shards % g == 0]
             group_size = group_size or max(fitting, default=min(schemes.INT4_GROUP_SIZES))  # none: refused below
             schemes.check_group_size(h, group_size, "the experts' gate and up projections")
-            schemes.check_group_size(i, group_size, "the experts' down projection")
+            down = "the experts' down projection" + (f" (its 1/{shards} tensor-parallel shard)" if shards > 1 else "")
+            schemes.check_group_size(i, group_size, down)
         self.method, self.group_size, self.columns = method, group_size, {"w13": h, "w2": i}
         for name, rows, cols in (("w13", e * 2 * i, h), ("w2", e * h, i)):
             for part, tensor in schemes.empty_codes(method, rows, cols, group_size).items():
@@ -104,7 +106,7 @@ def quantize_experts_on_build(model: nn.Module, quantization: str | None, group_
         return
     for module in model.modules():
         if isinstance(module, SparseMoE):
-            module.experts = QuantizedExperts(module.spec, quantization, group_size)
+            module.experts = QuantizedExperts(module.spec, quantization, group_size, model.tp.size)
 
 
 class SparseMoE(nn.Module):

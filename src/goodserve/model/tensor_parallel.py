@@ -4,11 +4,16 @@ that join the slices.
 Per layer: the fused qkv and gate_up are column-parallel (a rank holds its query heads, their KV
 heads and its columns of gate and of up), o_proj and down_proj row-parallel (the matching input
 columns), each followed by one all-reduce, which the residual add and RMSNorm after it take in
-(`all_reduce_add_rms_norm`: the sublayers return their partial sums). The embedding and lm_head are vocab-parallel: a rank
-holds a contiguous range of ceil(vocab / N) rows (the last padded with zeros); the lookup masks the
-ids outside its range and all-reduces, the logits are all-gathered. Norms are replicated. The same
-slicing serves a GGUF layer's codes (packed nibbles, scales and zeros per block of 32 inputs: rows
-are rows, and a row-parallel shard's columns are the same share of each).
+(`all_reduce_add_rms_norm`: the sublayers return their partial sums). Gemma norms each sublayer's
+output before the residual add: there the sum is all-reduced before that norm. A mixture of experts
+splits every expert the same way: a rank holds its columns of each expert's gate and up and the
+matching input columns of its down (model/moe.py's stacks of the rank's shapes), the router is
+replicated, and the routed experts' weighted sum is one partial sum, all-reduced as the MLP's.
+The embedding and lm_head are vocab-parallel: a rank holds a contiguous range of ceil(vocab / N)
+rows (the last padded with zeros); the lookup masks the ids outside its range and all-reduces, the
+logits are all-gathered. Norms are replicated. The same slicing serves a GGUF layer's codes (packed
+nibbles, scales and zeros per block of 32 inputs: rows are rows, and a row-parallel shard's columns
+are the same share of each).
 
 The all-reduces go through NCCL (gloo on the CPU), except small ones on CUDA where the ranks share a
 host: those take the one-shot all-reduce on symmetric memory (custom_all_reduce.py), set up by the
@@ -38,23 +43,25 @@ def check_tensor_parallel_size(spec: ModelSpec, size: int) -> None:
     """The split points must fall on whole heads and whole MLP columns (as vLLM requires)."""
     if size == 1:
         return
-    if spec.sandwich_norms:
-        # Their norms of a sublayer's output would each need an all-reduce of their own first.
-        raise InvalidRequestError(f"{spec.name} ({spec.family}) norms each sublayer's output: "
-                                  "--tensor-parallel-size > 1 is not supported for it")
     valid = [n for n in range(1, spec.num_heads + 1) if _fits(spec, n)]
     if not _fits(spec, size):
+        mlp = "each expert's intermediate size" if spec.is_moe else "the intermediate size"
         raise InvalidRequestError(
             f"--tensor-parallel-size {size} does not split {spec.name} ({spec.num_heads} attention heads, "
-            f"{spec.num_kv_heads} KV heads, intermediate size {spec.intermediate_size}): the size must divide "
-            f"the attention heads and the intermediate size, and divide or be a multiple of the KV heads; "
+            f"{spec.num_kv_heads} KV heads, {mlp} {_mlp_columns(spec)}): the size must divide "
+            f"the attention heads and {mlp}, and divide or be a multiple of the KV heads; "
             f"valid sizes: {', '.join(map(str, valid))}")
+
+
+def _mlp_columns(spec: ModelSpec) -> int:
+    """The columns a rank takes its share of: each expert's under a mixture of experts (a MoE
+    checkpoint's dense intermediate_size, where it has one, sizes no weight)."""
+    return spec.moe_intermediate_size if spec.is_moe else spec.intermediate_size
 
 
 def _fits(spec: ModelSpec, n: int) -> bool:
     kv = spec.num_kv_heads
-    return (spec.num_heads % n == 0 and spec.intermediate_size % n == 0
-            and (kv % n == 0 or n % kv == 0))
+    return spec.num_heads % n == 0 and _mlp_columns(spec) % n == 0 and (kv % n == 0 or n % kv == 0)
 
 
 @dataclass(frozen=True)
@@ -75,7 +82,8 @@ class TensorParallel:
             return spec
         return dataclasses.replace(
             spec, num_heads=spec.num_heads // self.size, num_kv_heads=max(1, spec.num_kv_heads // self.size),
-            intermediate_size=spec.intermediate_size // self.size, vocab_size=self.vocab_rows(spec))
+            intermediate_size=spec.intermediate_size // self.size,
+            moe_intermediate_size=spec.moe_intermediate_size // self.size, vocab_size=self.vocab_rows(spec))
 
     def vocab_rows(self, spec: ModelSpec) -> int:
         return -(-spec.vocab_size // self.size)
@@ -85,12 +93,19 @@ class TensorParallel:
         return self.rank * kv // self.size if kv >= self.size else self.rank // (self.size // kv)
 
     # ---- slicing a full checkpoint tensor ------------------------------------------------
-    def shard(self, name: str, part: str | None, full: torch.Tensor, spec: ModelSpec) -> torch.Tensor:
+    def shard(self, name: str, part: str | tuple[str, int] | None, full: torch.Tensor,
+              spec: ModelSpec) -> torch.Tensor:
         """This rank's slice of a full (TP=1) tensor: `name` is the parameter, `part` the fused shard
-        (q, k, v, gate, up) the tensor fills, as model/llama.WeightFiller names them."""
+        (q, k, v, gate, up; an expert's (gate | up | down, expert)) the tensor fills, as
+        model/llama.WeightFiller names them."""
         if self.size == 1:
             return full
         local = self.local_spec(spec)
+        if isinstance(part, tuple):  # one expert's projection: its gate and up rows, its down's columns
+            columns = local.moe_intermediate_size
+            if part[0] == "down":
+                return full[:, self.rank * columns : (self.rank + 1) * columns]
+            return _rows(full, self.rank * columns, columns)
         if part == "q":
             return _rows(full, self.rank * local.q_size, local.q_size)
         if part in ("k", "v"):

@@ -117,9 +117,11 @@ def rows_of(q: Int8Weight | Int4Weight, rows: slice) -> Int8Weight | Int4Weight:
     return Int4Weight(q.qweight[rows], q.scales[rows], q.zeros[rows], q.group_size)
 
 
-def quantize_like(q: Int8Weight | Int4Weight, weight: torch.Tensor) -> Int8Weight | Int4Weight:
-    """`weight`'s codes in q's method (and group size)."""
-    return quantize_int8(weight) if isinstance(q, Int8Weight) else quantize_int4(weight, q.group_size)
+def quantize_like(q: Int8Weight | Int4Weight, weight: torch.Tensor,
+                  row_absmax: torch.Tensor | None = None) -> Int8Weight | Int4Weight:
+    """`weight`'s codes in q's method (and group size); row_absmax as quantize_int8's (int4's groups
+    need none: a shard holds whole groups)."""
+    return quantize_int8(weight, row_absmax) if isinstance(q, Int8Weight) else quantize_int4(weight, q.group_size)
 
 
 def copy_rows(target: Int8Weight | Int4Weight, source: Int8Weight | Int4Weight) -> None:

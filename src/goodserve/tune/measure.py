@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import math
 from collections.abc import Callable
 
@@ -30,6 +29,7 @@ from goodserve.commands.quality_gate import (
 )
 from goodserve.config import EngineConfig
 from goodserve.diagnose.calc import cost_per_million_tokens
+from goodserve.engine.device_memory import release_dropped_memory
 from goodserve.errors import GoodserveError
 from goodserve.model_names import DUMMY_PREFIX
 
@@ -93,7 +93,7 @@ class QualityGate:
         finally:
             engine.executor.shutdown()
             del engine
-            _free_memory()
+            release_dropped_memory()  # the next trial's engine gets the memory this one held
 
     def thresholds(self, resolved: EngineConfig) -> Thresholds:
         """eval's defaults for what the candidate changes, each overridden by --quality-budget."""
@@ -149,7 +149,7 @@ class TrialRunner:
             return {"engine": None, "quality": {}, "capacity": None, "error": f"{type(exc).__name__}: {exc}"}
         finally:
             del engine
-            _free_memory()
+            release_dropped_memory()  # the next trial's engine gets the memory this one held
 
     def capacity(self, engine, config: EngineConfig, predicted: float | None) -> dict:
         from goodserve.bench.inprocess import InProcessTarget
@@ -213,15 +213,6 @@ def _summary(run: dict) -> dict:
     prompt_tokens = sum(r.prompt_len for r in records)
     summary["cached_prompt_share"] = sum(r.cached_tokens for r in records) / prompt_tokens if prompt_tokens else 0.0
     return summary
-
-
-def _free_memory() -> None:
-    """The next trial's engine gets the memory this one's held."""
-    import torch
-
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def quality_settings(prompts: list[str], text_file: str | None, max_text_tokens: int, max_new_tokens: int,
