@@ -1,0 +1,82 @@
+"""Context parallelism on the CPU (gloo, one process per rank): a prompt's prefill split over the
+ranks (the zigzag split, K/V gathered every layer) gives one rank's greedy tokens, at prompt lengths
+that do and do not divide by the ranks, batched, and in chunks beside decodes; an abort mid-prompt
+leaves no block in use; a rank that dies ends the engine; settings it cannot serve are refused."""
+
+from __future__ import annotations
+
+import pytest
+
+from goodserve import LLM
+from goodserve.errors import InvalidRequestError
+from helpers import engine_of, shut_down
+from test_tensor_parallel import fast_timeout  # noqa: F401 (a fixture its tests use)
+from test_tensor_parallel import SETTINGS, assert_a_dead_rank_1_ends_the_engine, assert_split_matches, greedy_tokens
+
+# Lengths below 2N (run whole on rank 0), at it, and ones that leave remainders for 2 and 3 ranks.
+LENGTHS = (2, 5, 6, 31, 64, 97)
+PROMPTS = [{"prompt_token_ids": [3 + (7 * i + n) % 500 for i in range(n)]} for n in LENGTHS]
+WHOLE_STEPS = {"max_num_batched_tokens": 512}  # every prompt in one step
+
+
+def context_parallel(size: int, model: str = "dummy:tiny", **settings) -> LLM:
+    return LLM(model, context_parallel_size=size, **(SETTINGS | settings))
+
+
+def split_steps(llm: LLM) -> int:
+    return engine_of(llm).stats().num_context_parallel_steps
+
+
+@pytest.mark.parametrize(("size", "model"), [(2, "dummy:tiny"), (2, "dummy:tiny-qwen"), (3, "dummy:tiny")])
+def test_split_prefill_gives_one_ranks_greedy_tokens(size, model):
+    """Each prompt alone, then all in one batch, then again over the prefix cache's blocks."""
+    whole = LLM(model, **(SETTINGS | WHOLE_STEPS))
+    expected = greedy_tokens(whole, PROMPTS)
+    llm = context_parallel(size, model, **WHOLE_STEPS)
+    try:
+        assert [greedy_tokens(llm, [prompt])[0] for prompt in PROMPTS] == expected
+        alone = split_steps(llm)
+        assert alone == sum(n >= 2 * size for n in LENGTHS)  # the others ran whole on every rank
+        assert greedy_tokens(llm, PROMPTS) == expected
+        assert split_steps(llm) == alone + 1
+        assert greedy_tokens(llm, PROMPTS) == expected  # cached prefixes: blocks every rank holds
+    finally:
+        shut_down(llm)
+
+
+def test_chunked_prompts_beside_decodes_and_an_abort_match_one_rank():
+    """Chunks of 16 tokens over a cached prefix, sharing steps with other sequences' decodes."""
+    llm = context_parallel(2)
+    assert_split_matches(LLM("dummy:tiny", **SETTINGS), llm)  # shuts llm down
+    assert split_steps(llm) > 0
+
+
+def test_int8_kv_cache_rows_travel_with_their_scales():
+    settings = WHOLE_STEPS | {"kv_cache_dtype": "int8"}
+    expected = greedy_tokens(LLM("dummy:tiny", **(SETTINGS | settings)), PROMPTS)
+    llm = context_parallel(2, **settings)
+    try:
+        assert greedy_tokens(llm, PROMPTS) == expected
+        assert split_steps(llm) == 1
+    finally:
+        shut_down(llm)
+
+
+def test_a_rank_that_dies_ends_the_engine_with_a_clear_error():
+    assert_a_dead_rank_1_ends_the_engine(context_parallel(2))
+
+
+@pytest.mark.parametrize(("settings", "refused"), [
+    ({"tensor_parallel_size": 2}, "--tensor-parallel-size > 1"),
+    ({"pipeline_parallel_size": 2}, "--pipeline-parallel-size > 1"),
+    ({"speculative_method": "ngram"}, "speculative decoding"),
+    ({"speculative_model": "self:int8"}, "speculative decoding"),
+])
+def test_what_it_cannot_serve_yet_is_refused_before_any_rank_starts(settings, refused):
+    with pytest.raises(InvalidRequestError, match=f"--context-parallel-size 2 cannot be combined with {refused}"):
+        context_parallel(2, **settings)
+
+
+def test_sizes_below_one_are_refused():
+    with pytest.raises(InvalidRequestError, match="context_parallel_size must be at least 1"):
+        context_parallel(0)
