@@ -5,6 +5,12 @@ leaves no block in use; a rank that dies ends the engine; settings it cannot ser
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from goodserve import LLM
@@ -80,3 +86,16 @@ def test_what_it_cannot_serve_yet_is_refused_before_any_rank_starts(settings, re
 def test_sizes_below_one_are_refused():
     with pytest.raises(InvalidRequestError, match="context_parallel_size must be at least 1"):
         context_parallel(0)
+
+
+def test_the_gpu_benchmark_runs_its_cpu_smoke_path(tmp_path):
+    """benchmarks/gpu_context_parallel.py end to end on gloo: every size's tokens are one rank's."""
+    script = Path(__file__).parents[2] / "benchmarks" / "gpu_context_parallel.py"
+    env = os.environ | {"OUT": str(tmp_path), "PYTHONPATH": os.pathsep.join(
+        [str(script.parents[1] / "src"), str(script.parent), os.environ.get("PYTHONPATH", "")])}
+    subprocess.run([sys.executable, str(script), "--smoke", "--sizes", "1,2", "--lengths", "9,40", "--repeats", "1"],
+                   env=env, check=True, timeout=300, capture_output=True)
+    result = json.loads((tmp_path / "gpu_context_parallel_smoke.json").read_text())
+    one, two = result["sizes"]
+    assert (one["split_steps"], two["split_steps"]) == (0, 4)  # the two warm-ups and the two lengths
+    assert [row["tokens"] for row in two["lengths"]] == [row["tokens"] for row in one["lengths"]]
