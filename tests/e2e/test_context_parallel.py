@@ -33,7 +33,7 @@ def split_steps(llm: LLM) -> int:
     return engine_of(llm).stats().num_context_parallel_steps
 
 
-@pytest.mark.parametrize(("size", "model"), [(2, "dummy:tiny"), (2, "dummy:tiny-qwen"), (3, "dummy:tiny")])
+@pytest.mark.parametrize(("size", "model"), [(2, "dummy:tiny"), (2, "dummy:tiny-llama3"), (3, "dummy:tiny")])
 def test_split_prefill_gives_one_ranks_greedy_tokens(size, model):
     """Each prompt alone, then all in one batch, then again over the prefix cache's blocks."""
     whole = LLM(model, **(SETTINGS | WHOLE_STEPS))
