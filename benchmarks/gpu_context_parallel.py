@@ -1,8 +1,8 @@
 """Context parallelism: time to first token of one long prompt at --context-parallel-size 1, 2 and 4
-(up to the GPUs here), dummy llama-3.1-8b bf16, from short prompts to a 128k-token one.
+(those the GPUs here allow), dummy llama-3.1-8b bf16, from short prompts to a 128k-token one.
 
-Each size runs in this process's engine (CP=1: the worker in this process; CP>1: one worker process
-per GPU, NCCL), one size after another, each over every prompt length (--lengths), so the same
+Each size runs in this process's engine (CP>1: one worker process per GPU, NCCL; CP=1, last: the
+worker in this process), one size after another, each over every prompt length (--lengths), so the same
 call gives the speedups (targets at 128k: CP=2 >= 1.7x, CP=4 >= 3x) and the prompt length from which
 each size pays: the shortest measured length from which its TTFT stays below CP=1's.
 
@@ -14,7 +14,7 @@ the longest prompt fills on each rank, and the weights a rank holds. max_model_l
 longest prompt plus the tokens generated. Greedy tokens of every size are recorded beside CP=1's
 (bf16: an equal first token is expected, not guaranteed, where two logits are near-tied).
 
-  python benchmarks/gpu_context_parallel.py [--sizes 1,2,4] [--lengths 1024,...,131000]   (2- or 4-GPU host)
+  python benchmarks/gpu_context_parallel.py [--sizes 4,2,1] [--lengths 1024,...,131000]   (2- or 4-GPU host)
   torchrun --nproc-per-node 4 benchmarks/gpu_context_parallel.py   (CP=4 over torchrun's ranks, then CP=1)
   python benchmarks/gpu_context_parallel.py --smoke   (CPU, gloo, dummy:tiny float32, CP=1, 2, 3, short prompts)
 
@@ -50,8 +50,8 @@ NEW_TOKENS = 4
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", default=None, help="comma-separated context-parallel sizes, 1 first "
-                        "(default: 1, 2, 4 up to the GPUs here; under torchrun its world size, then 1)")
+    parser.add_argument("--sizes", default=None, help="comma-separated context-parallel sizes, 1 among them "
+                        "(default: 4, 2, 1, those the GPUs here allow; under torchrun its world size, then 1)")
     parser.add_argument("--lengths", default=None, help=f"comma-separated prompt lengths (default: {GPU_LENGTHS})")
     parser.add_argument("--model", default="dummy:llama-3.1-8b")
     parser.add_argument("--dtype", default="bfloat16")
@@ -69,8 +69,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.sizes, args.lengths = args.sizes or "1,2,3", args.lengths or SMOKE_LENGTHS
         args.max_num_batched_tokens = min(args.max_num_batched_tokens, 64)
     if args.sizes is None:
+        # CP=1 last: until then this process holds no CUDA context on the ranks' first GPU
         args.sizes = f"{args.torchrun_world},1" if args.torchrun_world > 1 else \
-            ",".join(str(s) for s in (1, 2, 4) if s <= torch.cuda.device_count())
+            ",".join(str(s) for s in (4, 2, 1) if s <= torch.cuda.device_count())
     args.sizes = [int(s) for s in args.sizes.split(",")]
     args.lengths = sorted(int(n) for n in (args.lengths or GPU_LENGTHS).split(","))
     if 1 not in args.sizes:
@@ -108,10 +109,10 @@ def gpu_memory_used_mib() -> list[int]:
 
 def measure(args: argparse.Namespace, size: int) -> dict:
     with engine(args, size) as llm:
-        # Warm-up: the eager path's kernels compile on a short prompt, then one of the longest
-        # (its Triton prefill kernels specialize on lengths, and the allocator grows once).
+        # Warm-up: the kernels compile on a short prompt, then on two whole chunks (a longer prompt's
+        # steps are chunks of the same shape over a longer context), and the allocator grows.
         ttft_s(llm, min(args.lengths), 1)
-        ttft_s(llm, max(args.lengths), 1)
+        ttft_s(llm, min(max(args.lengths), 2 * args.max_num_batched_tokens), 1)
         rows = []
         for length in args.lengths:
             seconds, tokens = ttft_s(llm, length, args.repeats if length < 32768 else 1)

@@ -88,14 +88,25 @@ def test_sizes_below_one_are_refused():
         context_parallel(0)
 
 
+BENCHMARK = Path(__file__).parents[2] / "benchmarks" / "gpu_context_parallel.py"
+
+
+def run_benchmark(out: Path, *args: str) -> subprocess.CompletedProcess:
+    env = os.environ | {"OUT": str(out), "PYTHONPATH": os.pathsep.join(
+        [str(BENCHMARK.parents[1] / "src"), str(BENCHMARK.parent), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, str(BENCHMARK), "--smoke", *args], env=env, timeout=300,
+                          capture_output=True, text=True)
+
+
 def test_the_gpu_benchmark_runs_its_cpu_smoke_path(tmp_path):
     """benchmarks/gpu_context_parallel.py end to end on gloo: every size's tokens are one rank's."""
-    script = Path(__file__).parents[2] / "benchmarks" / "gpu_context_parallel.py"
-    env = os.environ | {"OUT": str(tmp_path), "PYTHONPATH": os.pathsep.join(
-        [str(script.parents[1] / "src"), str(script.parent), os.environ.get("PYTHONPATH", "")])}
-    subprocess.run([sys.executable, str(script), "--smoke", "--sizes", "1,2", "--lengths", "9,40", "--repeats", "1"],
-                   env=env, check=True, timeout=300, capture_output=True)
+    run_benchmark(tmp_path, "--sizes", "1,2", "--lengths", "9,40", "--repeats", "1").check_returncode()
     result = json.loads((tmp_path / "gpu_context_parallel_smoke.json").read_text())
     one, two = result["sizes"]
     assert (one["split_steps"], two["split_steps"]) == (0, 4)  # the two warm-ups and the two lengths
     assert [row["tokens"] for row in two["lengths"]] == [row["tokens"] for row in one["lengths"]]
+
+
+def test_the_gpu_benchmark_needs_the_baseline_among_its_sizes(tmp_path):
+    refused = run_benchmark(tmp_path, "--sizes", "2,3")
+    assert refused.returncode == 2 and "--sizes must include 1" in refused.stderr
