@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from goodserve import LLM
+from goodserve import LLM, SamplingParams
+from goodserve.config import KernelOptions
 from goodserve.errors import InvalidRequestError
 from helpers import engine_of, shut_down
 from test_tensor_parallel import fast_timeout  # noqa: F401 (a fixture its tests use)
@@ -64,6 +65,31 @@ def test_int8_kv_cache_rows_travel_with_their_scales():
     try:
         assert greedy_tokens(llm, PROMPTS) == expected
         assert split_steps(llm) == 1
+    finally:
+        shut_down(llm)
+
+
+def test_triton_kernels_attend_the_pieces_as_the_torch_path_attends_whole_prompts():
+    """Under Triton's interpreter, with RoPE fused into decode attention: a 4-token prompt over 2
+    ranks is 1-token pieces only (a step that looks decode-only, yet must write and gather K/V first)."""
+    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (4, 21)]
+    expected = greedy_tokens(LLM("dummy:tiny", **(SETTINGS | WHOLE_STEPS)), prompts)
+    llm = context_parallel(2, attention_backend="triton", kernels=KernelOptions(fuse_rotary_into_decode_attention=True),
+                           **WHOLE_STEPS)
+    try:
+        assert [greedy_tokens(llm, [prompt])[0] for prompt in prompts] == expected
+        assert split_steps(llm) == 2
+    finally:
+        shut_down(llm)
+
+
+def test_seeded_sampling_draws_one_ranks_tokens():
+    """The logits of a split prefill are one rank's: seeded samples from them too."""
+    seeded = [SamplingParams(temperature=1.0, seed=7 + i, max_tokens=8, ignore_eos=True) for i in range(len(PROMPTS))]
+    expected = [out.outputs[0].token_ids for out in LLM("dummy:tiny", **(SETTINGS | WHOLE_STEPS)).generate(PROMPTS, seeded)]
+    llm = context_parallel(2, **WHOLE_STEPS)
+    try:
+        assert [out.outputs[0].token_ids for out in llm.generate(PROMPTS, seeded)] == expected
     finally:
         shut_down(llm)
 
