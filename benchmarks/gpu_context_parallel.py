@@ -188,11 +188,11 @@ def print_table(result: dict) -> None:
     sizes = result["sizes"]
     print(f"{'prompt':>8} " + " ".join(f"{'CP=' + str(s['context_parallel_size']) + ' s':>10} {'x':>5}" for s in sizes))
     for i, length in enumerate(r["prompt_len"] for r in sizes[0]["lengths"]):
-        print(f"{length:>8} " + " ".join(f"{s['lengths'][i]['ttft_s']:>10.3f} {s['lengths'][i]['speedup_over_cp1']:>5.2f}"
-                                         for s in sizes))
+        rows = [s["lengths"][i] for s in sizes]
+        print(f"{length:>8} " + " ".join(f"{r['ttft_s']:>10.3f} {r['speedup_over_cp1']:>5.2f}" for r in rows))
     for s in sizes:
-        print(f"CP={s['context_parallel_size']}: pays from {s['pays_from_prompt_len']} tokens; {s['split_steps']} split "
-              f"steps; GPU memory used (MiB) {s['gpu_memory_used_mib']}; the longest prompt's KV "
+        print(f"CP={s['context_parallel_size']}: pays from {s['pays_from_prompt_len']} tokens; "
+              f"{s['split_steps']} split steps; GPU memory used (MiB) {s['gpu_memory_used_mib']}; the longest prompt's KV "
               f"{s['longest_prompt_kv_bytes_per_rank'] / 2**30:.2f} GiB on each rank")
 
 

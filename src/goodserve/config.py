@@ -260,7 +260,8 @@ class EngineConfig:
         self.kernels.validate()
         if self.quantization == "gguf":
             self._validate_gguf_quantization()
-        if self.tensor_parallel_size * self.pipeline_parallel_size > 1 and (self.quantized_checkpoint or self.quantization_awq):
+        splits_the_model = self.tensor_parallel_size * self.pipeline_parallel_size > 1
+        if splits_the_model and (self.quantized_checkpoint or self.quantization_awq):
             # A checkpoint's codes are not sliced per rank yet (GGUF codes and int8 / int4 computed at
             # load are); AWQ's scale search reads whole layers' activations.
             raise InvalidRequestError(

@@ -86,7 +86,8 @@ def test_triton_kernels_attend_the_pieces_as_the_torch_path_attends_whole_prompt
 def test_seeded_sampling_draws_one_ranks_tokens():
     """The logits of a split prefill are one rank's: seeded samples from them too."""
     seeded = [SamplingParams(temperature=1.0, seed=7 + i, max_tokens=8, ignore_eos=True) for i in range(len(PROMPTS))]
-    expected = [out.outputs[0].token_ids for out in LLM("dummy:tiny", **(SETTINGS | WHOLE_STEPS)).generate(PROMPTS, seeded)]
+    one_rank = LLM("dummy:tiny", **(SETTINGS | WHOLE_STEPS))
+    expected = [out.outputs[0].token_ids for out in one_rank.generate(PROMPTS, seeded)]
     llm = context_parallel(2, **WHOLE_STEPS)
     try:
         assert [out.outputs[0].token_ids for out in llm.generate(PROMPTS, seeded)] == expected

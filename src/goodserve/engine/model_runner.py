@@ -112,7 +112,7 @@ class ModelRunner:
         self._update_requests(out)
         self._turn ^= 1
         flat = flatten(out, self.requests, self.block_size)
-        share = self.cp.split(flat, self.device) if self.cp.size > 1 else None
+        share = self.cp.split(flat, self.device)
         inputs = self._prepare(flat) if share is None else self._share_input(share)
         if out.num_ahead and (share is None or self.cp.rank == 0):  # rank 0 holds the decodes of a split step
             self._take_last_sampled(out, inputs)
