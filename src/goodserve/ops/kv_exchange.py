@@ -42,16 +42,16 @@ class KVExchange:
             self._share_pools(cache.k_scale, cache.v_scale)
 
     def _share_pools(self, k_pool: torch.Tensor, v_pool: torch.Tensor) -> None:
-        k_slots, v_slots = (pool.view(k_pool.shape[0] * k_pool.shape[1], -1) for pool in (k_pool, v_pool))
-        width = k_slots.shape[1]
-        # One byte types travel as bytes: the collectives take no float8.
-        wire = (lambda x: x.view(torch.uint8)) if k_pool.element_size() == 1 else (lambda x: x)
-        mine = torch.zeros((self.longest, 2 * width), dtype=k_pool.dtype, device=k_pool.device)
-        mine[: len(self.mine), :width] = k_slots.index_select(0, self.mine)
-        mine[: len(self.mine), width:] = v_slots.index_select(0, self.mine)
-        gathered = wire(mine).new_empty((self.size * self.longest, 2 * width))
-        dist.all_gather_into_tensor(gathered, wire(mine), group=self.group)
-        rows = gathered.index_select(0, self.gathered_rows).view(k_pool.dtype)
-        # index_put_, not index_copy_: it takes fp8
+        # One-byte types (int8, fp8) travel and are copied as bytes: the collectives and some
+        # indexing kernels take no float8.
+        as_wire = (lambda x: x.view(torch.uint8)) if k_pool.element_size() == 1 else (lambda x: x)
+        k_slots, v_slots = (as_wire(pool.view(k_pool.shape[0] * k_pool.shape[1], -1)) for pool in (k_pool, v_pool))
+        width, count = k_slots.shape[1], len(self.mine)
+        mine = k_slots.new_zeros((self.longest, 2 * width))
+        mine[:count, :width] = k_slots.index_select(0, self.mine)
+        mine[:count, width:] = v_slots.index_select(0, self.mine)
+        gathered = mine.new_empty((self.size * self.longest, 2 * width))
+        dist.all_gather_into_tensor(gathered, mine, group=self.group)
+        rows = gathered.index_select(0, self.gathered_rows)
         k_slots.index_put_((self.everyone,), rows[:, :width])
         v_slots.index_put_((self.everyone,), rows[:, width:])
