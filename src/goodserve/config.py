@@ -182,6 +182,9 @@ class EngineConfig:
     # Pipeline parallelism (model/pipeline_parallel.py): the layers split into this many contiguous
     # stages, each of tensor_parallel_size ranks (world: N x M ranks, stage-major).
     pipeline_parallel_size: int = 1
+    # Context parallelism (engine/context_parallel.py): a long prompt's prefill split over this many
+    # ranks, each with the whole model and a whole KV cache; decode runs whole on every rank.
+    context_parallel_size: int = 1
     # Pipeline micro-batches (engine/engine.py): a step in flight for each stage, each over its share
     # of the sequences. None: on the CPU, where a stage's time grows with its rows, off on CUDA, where
     # the stages run eagerly (no graphs) and their host time, the same at any batch, bounds a step:
@@ -237,6 +240,7 @@ class EngineConfig:
              f"--speculative-model self:<quantization> takes one of "
              f"{', '.join(SELF_DRAFT_PREFIX + q for q in SELF_DRAFT_QUANTIZATIONS)}"),
             (self.pipeline_parallel_size >= 1, "pipeline_parallel_size must be at least 1"),
+            (self.context_parallel_size >= 1, "context_parallel_size must be at least 1"),
             (self.lm_head_quantization in LM_HEAD_QUANTIZATIONS,
              f"lm_head_quantization must be one of {LM_HEAD_QUANTIZATIONS}"),
             (not (self.quantize_lm_head and self.lm_head_quantization == "int4" and self.quantization == "int8"),
@@ -252,10 +256,12 @@ class EngineConfig:
         for ok, message in checks:
             if not ok:
                 raise InvalidRequestError(message)
+        self._validate_context_parallel()
         self.kernels.validate()
         if self.quantization == "gguf":
             self._validate_gguf_quantization()
-        if self.world_size > 1 and (self.quantized_checkpoint or self.quantization_awq):
+        splits_the_model = self.tensor_parallel_size * self.pipeline_parallel_size > 1
+        if splits_the_model and (self.quantized_checkpoint or self.quantization_awq):
             # A checkpoint's codes are not sliced per rank yet (GGUF codes and int8 / int4 computed at
             # load are); AWQ's scale search reads whole layers' activations.
             raise InvalidRequestError(
@@ -265,7 +271,7 @@ class EngineConfig:
 
     @property
     def world_size(self) -> int:
-        return self.tensor_parallel_size * self.pipeline_parallel_size
+        return self.tensor_parallel_size * self.pipeline_parallel_size * self.context_parallel_size
 
     def resolved_max_num_seqs(self) -> int:
         if self.max_num_seqs is not None:
@@ -283,6 +289,20 @@ class EngineConfig:
                          or self.quantize_lm_head)):
             return "gguf"
         return self.quantization
+
+    def _validate_context_parallel(self) -> None:
+        """What a context-parallel engine cannot combine with yet: each rank holds the whole model
+        (no tensor or pipeline split), and a step's drafts are verified whole, not split."""
+        if self.context_parallel_size == 1:
+            return
+        conflicts = [flag for flag, value in (
+            ("--tensor-parallel-size > 1", self.tensor_parallel_size > 1),
+            ("--pipeline-parallel-size > 1", self.pipeline_parallel_size > 1),
+            ("speculative decoding (--speculative-method / --speculative-model)",
+             self.speculative_method or self.speculative_model)) if value]
+        if conflicts:
+            raise InvalidRequestError(f"--context-parallel-size {self.context_parallel_size} cannot be combined with "
+                                      f"{', '.join(conflicts)} yet")
 
     def _validate_gguf_quantization(self) -> None:
         """The file's codes are used as they are: no option that computes or loads other codes applies."""

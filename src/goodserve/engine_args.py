@@ -83,6 +83,9 @@ _HELP = {
                                  "(default: False)",
     "pipeline_parallel_size": "split the model's layers into this many contiguous stages (each of "
                               "--tensor-parallel-size ranks)",
+    "context_parallel_size": "split each long prompt's prefill over this many GPUs (or CPU processes), each "
+                             "holding the whole model and KV cache; decode runs on all of them as on one "
+                             "(docs/architecture/parallelism.md)",
     "pipeline_micro_batches": "pipeline parallelism: keep a step in flight for each stage, each over its share "
                               "of the sequences (default: on the CPU; off on CUDA, where the stages run eagerly "
                               "and a step's host time, not its rows, decides: docs/architecture.md)",

@@ -157,7 +157,7 @@ def test_a_rank_that_dies_ends_the_engine_with_a_clear_error():
     assert_a_dead_rank_1_ends_the_engine(tensor_parallel("dummy:tiny", 2))
 
 
-@pytest.mark.parametrize("layout", ["tensor_parallel_size", "pipeline_parallel_size"])
+@pytest.mark.parametrize("layout", ["tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size"])
 def test_ranks_started_apart_join_like_a_second_host(monkeypatch, layout):
     """The engine's "host" starts rank 0 only (LOCAL_WORLD_SIZE=1); rank 1 is `goodserve worker`
     with torchrun's variables, as on another host (the steps then go by gloo broadcasts: with

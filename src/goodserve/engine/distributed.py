@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from goodserve.config import EngineConfig
+from goodserve.engine.context_parallel import ContextParallel
 from goodserve.engine.shm_broadcast import Reader, Writer
 from goodserve.errors import InvalidRequestError
 from goodserve.model.pipeline_parallel import PipelineParallel
@@ -46,6 +47,7 @@ class Rank:
     local_rank: int
     messages: dist.ProcessGroup  # gloo: rank 0 -> all, plain data
     pp: PipelineParallel = PipelineParallel()
+    cp: ContextParallel = ContextParallel()
     steps: Writer | Reader | None = None  # rank 0's end or another's of the steps' ring; None: gloo
     # The last stage's answers on their way to rank 0, kept until sent (rank 0 takes each only once
     # it has launched the micro-batches after it)
@@ -80,12 +82,15 @@ def join() -> Rank:
 
 
 def arrange(rank: Rank, config: EngineConfig) -> Rank:
-    """This rank's place in the config's layout (every rank calls it: each makes every stage's group)."""
-    n, m = config.tensor_parallel_size, config.pipeline_parallel_size
+    """This rank's place in the config's layout (every rank calls it: each makes every stage's group).
+    Context parallelism (alone, for now) gives every rank the whole model."""
+    n, m, c = config.tensor_parallel_size, config.pipeline_parallel_size, config.context_parallel_size
     world, me = dist.get_world_size(), dist.get_rank()
-    if world != n * m:
+    if world != n * m * c:
         raise InvalidRequestError(f"{world} ranks joined, but tensor-parallel size {n} x pipeline-parallel "
-                                  f"size {m} needs {n * m}")
+                                  f"size {m} x context-parallel size {c} needs {n * m * c}")
+    if c > 1:
+        return dataclasses.replace(rank, tp=TensorParallel(), cp=ContextParallel(me, c))
     if m == 1:
         return rank
     groups = [dist.new_group(list(range(stage * n, (stage + 1) * n))) for stage in range(m)]

@@ -396,6 +396,7 @@ class Engine:
         self.steps.prepare += output.prepare_s
         self.steps.forward += output.forward_s
         self.steps.sample += output.sample_s
+        self.steps.num_context_parallel_steps += output.context_parallel
         if step.out.draft_token_ids:
             self.steps.num_verify_steps += 1
             self.steps.num_graphed_verify_steps += step.pending.replayed_graph

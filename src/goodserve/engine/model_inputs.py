@@ -63,6 +63,9 @@ class ModelInput:
     graph: object | None = None  # the captured graph (engine/cuda_graphs.py) whose input buffer holds the batch
     pooling_spans: dict[int, tuple[int, int]] = field(default_factory=dict)
     branch_logit_rows: list[int] = field(default_factory=list)
+    # A step split by context parallelism (engine/context_parallel.py): its logits rows, all rank 0's,
+    # which it broadcasts
+    shared_logit_rows: int | None = None
 
 
 @dataclass

@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from goodserve.config import EngineConfig
+from goodserve.engine.context_parallel import ContextParallel, LocalShare
 from goodserve.engine.cuda_graphs import GraphSet, capture_graphs, graph_for
 from goodserve.engine.isolation import rewind_generators
 from goodserve.engine.kv_cache import allocate_kv_cache
@@ -55,9 +56,10 @@ class _Launched:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model: LlamaForCausalLM, num_blocks: int, kv_dtype: torch.dtype,
-                 eos_token_ids: list[int]) -> None:
+                 eos_token_ids: list[int], cp: ContextParallel = ContextParallel()) -> None:
         self.config = config
         self.model = model
+        self.cp = cp  # context parallelism: prefills split over the ranks (engine/context_parallel.py)
         self.device = device = torch.device(config.device)
         self.block_size = config.block_size
         self.max_blocks_per_seq = -(-config.max_model_len // config.block_size)
@@ -109,8 +111,10 @@ class ModelRunner:
         t0 = time.perf_counter()
         self._update_requests(out)
         self._turn ^= 1
-        inputs = self._prepare(flatten(out, self.requests, self.block_size))
-        if out.num_ahead:
+        flat = flatten(out, self.requests, self.block_size)
+        share = self.cp.split(flat, self.device)
+        inputs = self._prepare(flat) if share is None else self._share_input(share)
+        if out.num_ahead and (share is None or self.cp.rank == 0):  # rank 0 holds the decodes of a split step
             self._take_last_sampled(out, inputs)
         t1 = time.perf_counter()
         self._launched = _Launched(out, inputs, self.forward(inputs), t1 - t0, time.perf_counter() - t1)
@@ -135,6 +139,7 @@ class ModelRunner:
             # gets, and the others take them too, so a token that feeds the next step from the device
             # (async scheduling) is the same on every rank whatever their random streams did.
             self.model.tp.broadcast_from_first(sampled.token_ids)
+            self.cp.broadcast_from_first(sampled.token_ids)
             # A copy of its own: the next replay of the same graph overwrites the graph's argmax buffer.
             sampled.token_ids = sampled.token_ids.clone()
             if not trial:
@@ -164,7 +169,8 @@ class ModelRunner:
                 {row: (first, *(t.tolist() for t in lists)) for row, (first, *lists) in prompt_logprobs.items()},
                 {row: total.cpu() for row, total in step.output.pooled.items()},
                 step.prepare_s, step.launch_s + time.perf_counter() - t1, sample_s,
-                _branch_outputs(out, step.output.branch_argmax, host, rows, drafts))
+                _branch_outputs(out, step.output.branch_argmax, host, rows, drafts),
+                context_parallel=step.inputs.shared_logit_rows is not None)
 
         return PendingOutput(fetch, replayed_graph=step.inputs.graph is not None)
 
@@ -238,6 +244,13 @@ class ModelRunner:
                           views.logits_indices[: len(flat.logits_indices)], flat.prompt_logit_spans,
                           pooling_spans=flat.pooling_spans, branch_logit_rows=flat.branch_logit_rows)
 
+    def _share_input(self, share: LocalShare) -> ModelInput:
+        """This rank's share of a split step (always eager: its layers exchange K/V)."""
+        inputs = self._eager_input(share.flat)
+        inputs.meta = replace(inputs.meta, kv_exchange=share.kv_exchange)
+        inputs.shared_logit_rows = share.num_logit_rows
+        return inputs
+
     def _staging_buffer(self, count: int) -> torch.Tensor:
         """A reusable int32 host buffer of >= count entries, pinned on CUDA (pinning fresh memory every
         step costs more than the copy). Reuse is safe: steps alternate between two buffers, and the
@@ -255,7 +268,10 @@ class ModelRunner:
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         if hidden is None:  # a stage before the last: its output went to the next stage
             return ModelOutput(None, {})
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        rows = hidden[inputs.logits_indices]
+        if inputs.shared_logit_rows is not None:
+            rows = self.cp.from_first(rows, inputs.shared_logit_rows)
+        logits = self.model.compute_logits(rows)
         prompt_logits = {
             row: self.model.compute_logits(hidden[start:end])
             for row, (start, end) in inputs.prompt_logit_spans.items()

@@ -33,6 +33,7 @@ class ModelRunnerOutput:
     forward_s: float = 0.0
     sample_s: float = 0.0
     branches: dict[int, BranchOutput] = field(default_factory=dict)  # row -> its branch's results
+    context_parallel: bool = False  # the step's tokens were split over the context-parallel ranks
 
 
 class PendingOutput:

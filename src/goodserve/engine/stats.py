@@ -43,6 +43,7 @@ class EngineStats:
     spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()
     num_verify_steps: int = 0  # steps that verified drafts
     num_graphed_verify_steps: int = 0  # of those, the ones that replayed a CUDA graph
+    num_context_parallel_steps: int = 0  # steps whose tokens were split over the context-parallel ranks
     # Tokens per step: the sum, and steps per ITERATION_TOKEN_BUCKETS bucket (the last: larger)
     step_tokens_total: int = 0
     step_tokens_counts: tuple[int, ...] = ()
@@ -63,6 +64,7 @@ class StepLog:
     num_pipelined_steps: int = 0
     num_verify_steps: int = 0
     num_graphed_verify_steps: int = 0
+    num_context_parallel_steps: int = 0
     last_batch_tokens: int = 0
     last_batch_seqs: int = 0
     schedule: float = 0.0
@@ -93,6 +95,7 @@ def engine_stats(scheduler: Scheduler, kv: KVCacheManager, steps: StepLog) -> En
         sample_seconds_total=steps.sample, detokenize_seconds_total=steps.detokenize,
         output_seconds_total=steps.output, num_verify_steps=steps.num_verify_steps,
         num_graphed_verify_steps=steps.num_graphed_verify_steps,
+        num_context_parallel_steps=steps.num_context_parallel_steps,
         step_time_relative_error=scheduler.step_time.relative_error,
         **_spec_decode_counts(scheduler.speculator),
     )

@@ -14,6 +14,7 @@ import torch
 
 from goodserve.config import EngineConfig
 from goodserve.engine import distributed
+from goodserve.engine.context_parallel import ContextParallel
 from goodserve.engine.config_resolution import resolve_for_model, resolve_for_pool, torch_dtype
 from goodserve.engine.kv_cache import kv_storage_dtype, num_blocks_for_memory
 from goodserve.engine.model_builder import build_model
@@ -51,7 +52,8 @@ class ModelInfo:
 
 class Worker:
     def __init__(self, config: EngineConfig, rank: distributed.Rank | None = None) -> None:
-        tp, pp = (rank.tp, rank.pp) if rank is not None else (TensorParallel(), PipelineParallel())
+        tp, pp, cp = (rank.tp, rank.pp, rank.cp) if rank is not None else \
+            (TensorParallel(), PipelineParallel(), ContextParallel())
         if pp.size > 1:
             config = replace(config, enforce_eager=True, async_scheduling=False)
         device = torch.device(config.device)
@@ -72,16 +74,17 @@ class Worker:
         config = resolve_for_pool(config, num_blocks)
         tokenizer = loaded.tokenizer
         eos = sorted(set(loaded.spec.eos_token_ids) | set(tokenizer.eos_token_ids if tokenizer else []))
-        self.runner = ModelRunner(config, loaded.model, config.num_kv_blocks, kv_dtype, eos)
+        self.runner = ModelRunner(config, loaded.model, config.num_kv_blocks, kv_dtype, eos, cp)
         self.info = ModelInfo(config, loaded.spec, tokenizer, eos, loaded.revision,
                               bool(self.runner.decode_graphs.graphs or self.runner.mixed_graphs.graphs),
                               _all_reduce_name(tp, device), loaded.model.native_decode is not None)
         logger.info(
-            "model %s (%s) dtype=%s device=%s kv_cache=%d blocks x %d tokens (%s) max_model_len=%d%s%s",
+            "model %s (%s) dtype=%s device=%s kv_cache=%d blocks x %d tokens (%s) max_model_len=%d%s%s%s",
             config.model, loaded.source, config.dtype, device, config.num_kv_blocks, config.block_size,
             str(kv_dtype).removeprefix("torch."), config.max_model_len,
             f" tensor-parallel rank {tp.rank}/{tp.size} ({self.info.all_reduce} all-reduce)" if tp.size > 1 else "",
             f" pipeline stage {pp.stage}/{pp.size} (layers {pp.layers(loaded.spec.num_layers)})" if pp.size > 1 else "",
+            f" context-parallel rank {cp.rank}/{cp.size}" if cp.size > 1 else "",
         )
 
     def execute_model(self, out: SchedulerOutput) -> None:

@@ -71,7 +71,8 @@ class NativeDecodeStack:
     @staticmethod
     def takes(x: torch.Tensor, kv_cache, meta) -> bool:
         """Whether the stack runs this step (kv_cache: the first layer's; all share its dtype)."""
-        return (meta.is_decode_only and meta.branches is None and x.shape[0] <= CPU_NATIVE_MAX_M
+        return (meta.is_decode_only and meta.branches is None and meta.kv_exchange is None
+                and x.shape[0] <= CPU_NATIVE_MAX_M
                 and x.dtype == torch.float32 and kv_cache.k.dtype == torch.float32 and not x.is_cuda)
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, rotary_cache: torch.Tensor,

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from goodserve.native import layer_ops
 from goodserve.ops.kernel_choice import KernelChoice
+from goodserve.ops.kv_exchange import KVExchange
 from goodserve.ops.rotary import apply_rotary_torch
 from goodserve.ops.tree_attention import SideBranches, as_cached, branch_attention
 
@@ -60,6 +61,9 @@ class AttentionMetadata:
     # Tokens of side branches (lookahead's guesses, ops/tree_attention.py) at the end of the batch;
     # the fields above then describe the rows before them only (its `main` metadata) plus these.
     branches: SideBranches | None = None
+    # Context parallelism (engine/context_parallel.py): these rows are this rank's share of the
+    # step's tokens; each layer gathers every rank's new K/V into the cache before attending.
+    kv_exchange: KVExchange | None = None
 
     def for_new_step(self) -> AttentionMetadata:
         """This metadata with empty per-step indices, for one forward pass."""
@@ -107,7 +111,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torc
             "refuses them with a window, which every soft-capped family has)"
         return _with_side_branches(q, k, v, positions, rotary_cache, cache, meta.branches, scale, kernels)
     if kernels.triton:
-        if meta.is_decode_only and kernels.options.fuse_rotary_into_decode_attention:
+        if meta.is_decode_only and kernels.options.fuse_rotary_into_decode_attention and meta.kv_exchange is None:
             from goodserve.ops.triton_attention import NewTokens, triton_decode_attention
 
             return triton_decode_attention(
@@ -115,9 +119,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torc
                 pdl=kernels.pdl, waves=kernels.options.decode_attention_waves, window=window, softcap=softcap,
                 new_tokens=NewTokens(k, v, positions, rotary_cache, meta.slot_mapping))
         rotary_write_kv(q, k, v, positions, rotary_cache, cache, meta.slot_mapping, kernels)
+        _share_new_kv(cache, meta)
         return paged_attention(q, cache, meta, scale, kernels, window, softcap)
     if softcap is None and native_attention_usable(q, cache):  # the native kernels have no soft cap
         layer_ops.rope_write_kv(q, k, v, positions, rotary_cache, cache.k, cache.v, meta.slot_mapping)
+        _share_new_kv(cache, meta)
         if meta.is_decode_only:
             return layer_ops.decode_attention(q, cache.k, cache.v, meta.block_tables, meta.seq_lens, scale, window)
         return paged_attention_reference(q, cache, meta, scale, window)
@@ -125,7 +131,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torc
     cos, sin = indices.rope(positions, rotary_cache)
     q.copy_(rotate(q, cos, sin))
     write_kv_slots(rotate(k, cos, sin), v, cache, *indices.write())
+    _share_new_kv(cache, meta)
     return paged_attention_torch(q, cache, meta, scale, window, softcap)
+
+
+def _share_new_kv(cache: LayerKVCache, meta: AttentionMetadata) -> None:
+    """Under context parallelism, the other ranks' new K/V beside this one's, before any query attends."""
+    if meta.kv_exchange is not None:
+        meta.kv_exchange.share(cache)
 
 
 def _with_side_branches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
