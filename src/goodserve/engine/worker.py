@@ -16,6 +16,7 @@ from goodserve.config import EngineConfig
 from goodserve.engine import distributed
 from goodserve.engine.config_resolution import resolve_for_model, resolve_for_pool, torch_dtype
 from goodserve.engine.kv_cache import kv_storage_dtype, num_blocks_for_memory
+from goodserve.engine.kv_groups import kv_groups
 from goodserve.engine.model_builder import build_model
 from goodserve.engine.model_runner import ModelRunner
 from goodserve.engine.runner_output import PendingOutput
@@ -66,10 +67,12 @@ class Worker:
         # pool is the smallest over the ranks: rank 0's).
         holds_draft = config.speculative_model and tp.rank == 0 and pp.stage == 0
         draft = draft_kv_bytes_per_block(config, loaded.spec) if holds_draft else 0
-        num_blocks = num_blocks_for_memory(local_spec, config, device, torch_dtype(config), kv_dtype, draft)
+        groups = kv_groups(loaded.spec, pp.size)
+        num_blocks = num_blocks_for_memory(local_spec, config, device, torch_dtype(config), kv_dtype, draft,
+                                           len(groups.slots(pp.layers(loaded.spec.num_layers))))
         if rank is not None:
             num_blocks = distributed.min_over_ranks(num_blocks, rank)
-        config = resolve_for_pool(config, num_blocks)
+        config = resolve_for_pool(config, num_blocks, groups)
         tokenizer = loaded.tokenizer
         eos = sorted(set(loaded.spec.eos_token_ids) | set(tokenizer.eos_token_ids if tokenizer else []))
         self.runner = ModelRunner(config, loaded.model, config.num_kv_blocks, kv_dtype, eos)
