@@ -98,12 +98,16 @@ def test_local_layers_release_their_blocks_as_a_sequence_grows(hybrid_dir: Path)
     assert expected < all_global / 3
 
 
-@pytest.mark.parametrize("prefix_caching", [True, False])
-def test_tokens_equal_transformers_in_a_tight_hybrid_pool(hybrid_dir: Path, prefix_caching: bool):
+def assert_tokens_equal_transformers_in_a_tight_pool(path: Path, **settings) -> None:
     """Prompts several windows long, batched and alone, in a pool small enough that released local
-    blocks are taken by other sequences at once (and, with prefix caching, revived from the cache)."""
-    hf_model = transformers.AutoModelForCausalLM.from_pretrained(hybrid_dir, attn_implementation="eager").eval()
+    blocks are soon taken by other sequences (and, with prefix caching, revived from the cache)."""
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
     prompts = [[3 + (i * 11 + j * 5) % 290 for j in range(n)] for i, n in enumerate((5 * WINDOW, 3, 2 * WINDOW + 5))]
     prompts.append(prompts[0][: 3 * WINDOW] + [7, 8, 9])  # shares three windows with the first
-    assert_greedy_matches(str(hybrid_dir), hf_model, prompts, block_size=BLOCK, cpu_kv_cache_bytes=BUDGET,
-                          num_kv_blocks=None, enable_prefix_caching=prefix_caching)
+    assert_greedy_matches(str(path), hf_model, prompts, block_size=BLOCK,
+                          num_kv_blocks=NUM_LAYERS * ALL_GLOBAL_BLOCKS, **settings)
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_tokens_equal_transformers_in_a_tight_hybrid_pool(hybrid_dir: Path, prefix_caching: bool):
+    assert_tokens_equal_transformers_in_a_tight_pool(hybrid_dir, enable_prefix_caching=prefix_caching)
