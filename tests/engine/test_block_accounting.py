@@ -215,3 +215,29 @@ def test_pipeline_micro_batches_share_no_sequence_and_preempt_none_in_flight():
     assert max_overlap == stages
     assert kv.pool.num_free_blocks == kv.pool.num_blocks
     assert scheduler.num_preemptions > 0, "the pool is small; preemption must be exercised"
+
+
+def test_a_hybrid_prefix_hit_needs_only_the_local_blocks_its_window_reads():
+    """Two layer groups, a local one (window 8) and a global one. A sequence grows to 40 tokens, its
+    local blocks before its window released as it goes, and finishes; another takes every block that
+    was free before that finish, evicting those early local blocks from the prefix cache. A sequence
+    with the same 40 tokens first still hits all of them: it takes the global blocks and the local
+    blocks its next query reads, the earlier local entries being placeholders it does not hold."""
+    kv = KVCacheManager(num_blocks=40, block_size=BLOCK, windows=(8, None))
+    first = Sequence("a", "a", 0, list(range(41)), 41, SamplingParams(), 64)
+    for start in range(0, 40, 8):
+        first.num_computed_tokens = start
+        assert kv.allocate(first, 8)
+        first.num_computed_tokens = start + 8
+        kv.register_full_blocks(first)
+    assert kv.allocate(first, 1)  # releases the local blocks before the window of the query at 40
+    table, free_before = list(kv.block_table("a")), kv.num_free_blocks
+    kv.free(first, finished=True)
+    filler = Sequence("f", "f", 0, [99] * 64, 64, SamplingParams(), 64)
+    assert kv.allocate(filler, free_before // 2 * BLOCK) and kv.num_free_blocks == kv.num_blocks - free_before
+    second = Sequence("b", "b", 0, list(range(40)) + [7], 41, SamplingParams(), 64)
+    assert kv.match_prefix(second) == 40
+    local_read = [table[i * 2] for i in range(8, 10)]  # the query at 40 reads keys 33..40: blocks 8 and 9
+    global_blocks = [table[i * 2 + 1] for i in range(10)]
+    assert sorted(kv.blocks_held("b")) == sorted(local_read + global_blocks)
+    assert kv.block_table("b")[16::2] == local_read and kv.block_table("b")[1::2] == global_blocks

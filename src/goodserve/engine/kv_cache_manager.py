@@ -13,7 +13,9 @@ the sequence grows its blocks wholly before its next query's window are released
 holds about W / block_size blocks of it, not its whole length. They go back to the pool as any freed
 block does, registered ones (full, their K/V all written) staying in the prefix cache, where a later
 request with the same prefix may revive them. Their ids stay in the table (the tables' indices are
-positions); the kernels never read them, the torch paths read and mask them.
+positions); the kernels never read them, the torch paths read and mask them. A prefix-cache hit needs
+of a windowed group only the blocks its next query reads: the entries before are placeholders (block
+0), as unread as released ones.
 """
 
 from __future__ import annotations
@@ -71,8 +73,10 @@ class KVCacheManager:
 
     # ---- prefix cache --------------------------------------------------------------------
     def match_prefix(self, seq: Sequence) -> int:
-        """Attach the cached blocks that hold a prefix of seq's tokens; the tokens they cover. A block
-        of tokens counts only if every group's block of it is cached.
+        """Attach the cached blocks that hold a prefix of seq's tokens; the tokens they cover. A group
+        with a window needs only the blocks its next query reads (those before were released by the
+        sequences that computed them, and may be gone); its table's earlier entries are placeholders,
+        counted as released. A sequence held for a transfer takes every group's every block.
 
         At least the last token is always left to compute: its logits are what we sample from.
         A sequence that wants prompt logprobs or mean pooling computes every token (cached blocks keep
@@ -84,18 +88,39 @@ class KVCacheManager:
             return 0
         self.pool.counters.queries += seq.num_tokens
         size = self.block_size
-        for i, block_hash in enumerate(self._block_hashes(seq, (seq.num_tokens - 1) // size)):
-            tokens = tuple(seq.token_ids[i * size : (i + 1) * size])
-            found = [self.pool.cached_block(_group_hash(block_hash, g), tokens) for g in range(self.num_groups)]
-            if None in found:
-                break
-            for block_id in found:
-                self.pool.take(block_id)
-            table.extend(found)
-        num_hit = self._num_token_blocks(seq.seq_id)
+        found = [[self.pool.cached_block(_group_hash(block_hash, g), tuple(seq.token_ids[i * size : (i + 1) * size]))
+                  for g in range(self.num_groups)]
+                 for i, block_hash in enumerate(self._block_hashes(seq, (seq.num_tokens - 1) // size))]
+        keeps_all = seq.seq_id in self.held
+        num_hit = self._longest_hit(found, keeps_all)
+        dropped = self._num_dropped[seq.seq_id] = [self._first_read(g, num_hit * size, keeps_all)
+                                                   for g in range(self.num_groups)]
+        for i, blocks in enumerate(found[:num_hit]):
+            for g, block_id in enumerate(blocks):
+                if i >= dropped[g]:
+                    self.pool.take(block_id)
+                table.append(block_id if i >= dropped[g] else 0)  # 0: a placeholder, never read unmasked
         self._num_registered[seq.seq_id] = num_hit
         self.pool.counters.hits += num_hit * size
         return num_hit * size
+
+    def _first_read(self, group: int, next_position: int, keeps_all: bool = False) -> int:
+        """The first block of tokens a group's query at next_position reads (0 without a window)."""
+        window = self.windows[group]
+        if window is None or keeps_all:
+            return 0
+        return max(next_position - window + 1, 0) // self.block_size
+
+    def _longest_hit(self, found: list[list[int | None]], keeps_all: bool) -> int:
+        """The most leading blocks of tokens, k, whose blocks a query at k * block_size reads are all
+        cached (found[i][g]: group g's block of the i-th, None where not cached)."""
+        last_miss = [[-1] * (len(found) + 1) for _ in range(self.num_groups)]  # [g][k]: last miss before k
+        for g, misses in enumerate(last_miss):
+            for i, blocks in enumerate(found):
+                misses[i + 1] = i if blocks[g] is None else misses[i]
+        return next(k for k in range(len(found), -1, -1)
+                    if all(misses[k] < self._first_read(g, k * self.block_size, keeps_all)
+                           for g, misses in enumerate(last_miss)))
 
     def register_full_blocks(self, seq: Sequence) -> None:
         """Hash the blocks that became full (their K/V all written) so later requests can reuse them."""
