@@ -79,7 +79,8 @@ def pool_room(llm: LLM, prompt: dict, context: int) -> dict:
     engine, config = llm.engine, llm.engine.config
     groups = kv_groups(engine.spec, config.pipeline_parallel_size)
     kv_dtype = kv_storage_dtype(config, torch_dtype(config))
-    block_bytes = bytes_per_block(engine.spec, config.block_size, kv_dtype, len(groups.slots(range(engine.spec.num_layers))))
+    layers_per_block = len(groups.slots(range(engine.spec.num_layers)))
+    block_bytes = bytes_per_block(engine.spec, config.block_size, kv_dtype, layers_per_block)
     engine.add_request("room", prompt["prompt_token_ids"], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
     held = 0
     while engine.has_unfinished():
