@@ -80,9 +80,11 @@ class Worker:
                               bool(self.runner.decode_graphs.graphs or self.runner.mixed_graphs.graphs),
                               _all_reduce_name(tp, device), loaded.model.native_decode is not None)
         logger.info(
-            "model %s (%s) dtype=%s device=%s kv_cache=%d blocks x %d tokens (%s) max_model_len=%d%s%s",
+            "model %s (%s) dtype=%s device=%s kv_cache=%d blocks x %d tokens (%s)%s max_model_len=%d%s%s",
             config.model, loaded.source, config.dtype, device, config.num_kv_blocks, config.block_size,
-            str(kv_dtype).removeprefix("torch."), config.max_model_len,
+            str(kv_dtype).removeprefix("torch."),
+            f" of {groups.num_groups} layer groups (windows {groups.windows})" if groups.is_hybrid else "",
+            config.max_model_len,
             f" tensor-parallel rank {tp.rank}/{tp.size} ({self.info.all_reduce} all-reduce)" if tp.size > 1 else "",
             f" pipeline stage {pp.stage}/{pp.size} (layers {pp.layers(loaded.spec.num_layers)})" if pp.size > 1 else "",
         )
