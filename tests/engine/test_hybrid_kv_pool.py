@@ -14,6 +14,7 @@ from goodserve.engine.input_processor import sequence_id
 from goodserve.llm import LLM
 from goodserve.sampling_params import SamplingParams
 from helpers import engine_of
+from test_async_scheduling import engine_mode
 from test_families import assert_greedy_matches, save_tiny_model
 from test_gemma import WINDOW, gemma3_config
 
@@ -111,3 +112,16 @@ def assert_tokens_equal_transformers_in_a_tight_pool(path: Path, **settings) -> 
 @pytest.mark.parametrize("prefix_caching", [True, False])
 def test_tokens_equal_transformers_in_a_tight_hybrid_pool(hybrid_dir: Path, prefix_caching: bool):
     assert_tokens_equal_transformers_in_a_tight_pool(hybrid_dir, enable_prefix_caching=prefix_caching)
+
+
+def test_decode_graphs_and_async_scheduling_read_each_groups_tables(hybrid_dir: Path):
+    """The decode graphs' buffers (a slot row per group, the groups' tables interleaved, column-major)
+    and steps launched ahead give the eager steps' tokens (stand-in graphs that run eagerly: the CPU
+    has no CUDA graphs)."""
+    llm = _llm(hybrid_dir)
+    prompts = [{"prompt_token_ids": [3 + (i * 13 + j * 3) % 290 for j in range(n)]} for i, n in enumerate((40, 9, 70))]
+    params = SamplingParams(temperature=0, max_tokens=3 * WINDOW, ignore_eos=True)
+    expected = [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
+    with engine_mode(llm, graphs=True, async_scheduling=True) as pipelined_steps:
+        assert [out.outputs[0].token_ids for out in llm.generate(prompts, params)] == expected
+        assert pipelined_steps() > 0
