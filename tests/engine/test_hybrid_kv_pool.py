@@ -125,3 +125,11 @@ def test_decode_graphs_and_async_scheduling_read_each_groups_tables(hybrid_dir: 
     with engine_mode(llm, graphs=True, async_scheduling=True) as pipelined_steps:
         assert [out.outputs[0].token_ids for out in llm.generate(prompts, params)] == expected
         assert pipelined_steps() > 0
+
+
+def test_the_servers_startup_line_counts_the_tokens_every_layer_could_keep(hybrid_dir: Path):
+    from goodserve.server.app import ServerConfig, startup_message
+
+    line = startup_message(engine_of(_llm(hybrid_dir)), ServerConfig(), "tiny-gemma3")
+    # six one-layer groups of 180 blocks: 30 blocks of 8 tokens for every layer
+    assert f"kv_pool=180 blocks x {BLOCK} in 6 layer groups = {ALL_GLOBAL_BLOCKS * BLOCK} tokens" in line
