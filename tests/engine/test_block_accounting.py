@@ -31,19 +31,26 @@ def make_seq(rng: random.Random, i: int, prefixes: list[list[int]]) -> Sequence:
                     max_len=len(prompt) + max_new, arrival_time=float(i))
 
 
+def group_block(table: list[int], pos: int, group: int, num_groups: int) -> int:
+    """Group `group`'s block of position pos in a table of interleaved groups."""
+    return table[pos // BLOCK * num_groups + group]
+
+
 def check_invariants(kv: KVCacheManager, live: list[Sequence], shadow: dict[int, list]) -> None:
-    """With a window, a sequence's positions its next query reads must still hold its own tokens."""
+    """With a window, a sequence's positions its next query reads (in every group) must still hold its
+    own tokens, in blocks it still holds."""
     pool = kv.pool
     refs = [0] * pool.num_blocks
     for seq in live:
-        for block_id in kv.blocks_held(seq.seq_id):
+        held = kv.blocks_held(seq.seq_id)
+        for block_id in held:
             refs[block_id] += 1
-        oldest_key = 0 if kv.window is None else max(seq.num_computed_tokens - kv.window + 1, 0)
-        held_from = len(kv.block_table(seq.seq_id)) - len(kv.blocks_held(seq.seq_id))
-        assert held_from <= oldest_key // BLOCK or not seq.num_computed_tokens, "released a block still read"
-        for pos in range(oldest_key, seq.num_computed_tokens):
-            block_id = kv.block_table(seq.seq_id)[pos // BLOCK]
-            assert shadow[block_id][pos % BLOCK] == seq.token_ids[pos], "served a block with other tokens"
+        for group, window in enumerate(kv.windows):
+            oldest_key = 0 if window is None else max(seq.num_computed_tokens - window + 1, 0)
+            for pos in range(oldest_key, seq.num_computed_tokens):
+                block_id = group_block(kv.block_table(seq.seq_id), pos, group, kv.num_groups)
+                assert block_id in held, "released a block still read"
+                assert shadow[block_id][pos % BLOCK] == seq.token_ids[pos], "served a block with other tokens"
     for block in pool.blocks:
         assert block.ref_count == refs[block.block_id] >= 0
         assert (block.ref_count == 0) == (block.block_id in pool.free)
@@ -51,22 +58,24 @@ def check_invariants(kv: KVCacheManager, live: list[Sequence], shadow: dict[int,
         assert pool.blocks[block_id].block_hash == block_hash
 
 
-@pytest.mark.parametrize("policy,chunked,speculative,window", [
-    ("continuous", True, False, None), ("continuous", False, False, None), ("static", True, False, None),
-    ("makespan", True, False, None), ("continuous", True, "ngram", None), ("continuous", True, "draft", None),
-    ("continuous", True, False, 6), ("continuous", False, "ngram", 5)])
-def test_random_traffic_leaks_nothing(policy, chunked, speculative, window):
+@pytest.mark.parametrize("policy,chunked,speculative,windows", [
+    ("continuous", True, False, (None,)), ("continuous", False, False, (None,)), ("static", True, False, (None,)),
+    ("makespan", True, False, (None,)), ("continuous", True, "ngram", (None,)), ("continuous", True, "draft", (None,)),
+    ("continuous", True, False, (6,)), ("continuous", False, "ngram", (5,)),
+    ("continuous", True, False, (6, 6, None)), ("continuous", True, "ngram", (None, 5))])
+def test_random_traffic_leaks_nothing(policy, chunked, speculative, windows):
     """speculative: n-gram drafts (tokens 0..2 repeat, so most decodes draft) or a draft model's
     (dummy:tiny, with its own block pool), of which a random number is kept: the rejected ones' K/V
     slots are rolled back and rewritten; the draft's blocks are held by live sequences only.
-    window: every layer's sliding window; blocks before it are released as sequences grow, and a
-    prefix-cache hit must still serve only blocks holding the sequence's own tokens."""
+    windows: each layer group's sliding window (several: a hybrid pool, engine/kv_groups.py); blocks
+    before it are released as sequences grow, and a prefix-cache hit must still serve only blocks
+    holding the sequence's own tokens."""
     rng = random.Random(1234)
     config = EngineConfig(scheduler_policy=policy, max_num_seqs=6, max_num_batched_tokens=24 if chunked else 64,
                           enable_chunked_prefill=chunked, block_size=BLOCK,
                           speculative_method="ngram" if speculative == "ngram" else None, num_speculative_tokens=3,
                           spec_max_batch=6, spec_policy="always")
-    kv = KVCacheManager(num_blocks=14, block_size=BLOCK, window=window)
+    kv = KVCacheManager(num_blocks=14 * len(windows), block_size=BLOCK, windows=windows)
     pool = kv.pool
     drafting = dataclasses.replace(config, speculative_model="dummy:tiny", num_kv_blocks=14, device="cpu",
                                    dtype="float32")
@@ -98,7 +107,8 @@ def test_random_traffic_leaks_nothing(policy, chunked, speculative, window):
             assert table == kv.block_table(seq.seq_id)
             assert out.token_ids[row] == seq.token_ids[start : start + n - len(drafts)] + drafts
             for pos in range(start, start + n):
-                shadow[table[pos // BLOCK]][pos % BLOCK] = out.token_ids[row][pos - start]
+                for group in range(len(windows)):
+                    shadow[group_block(table, pos, group, len(windows))][pos % BLOCK] = out.token_ids[row][pos - start]
         kept = {row: rng.randrange(len(drafts) + 1) for row, drafts in out.draft_token_ids.items()} if out else {}
         if out:
             scheduler.advance(out, {row: len(out.draft_token_ids[row]) - a for row, a in kept.items()})
@@ -120,7 +130,7 @@ def test_random_traffic_leaks_nothing(policy, chunked, speculative, window):
     assert pool.num_free_blocks == pool.num_blocks
     assert all(block.ref_count == 0 for block in pool.blocks)
     assert pool.counters.hits > 0, "the workload shares prefixes; some must hit"
-    assert (released_early > 100) == (window is not None)
+    assert (released_early > 100) == (windows != (None,))
     if policy in ("continuous", "makespan"):
         assert scheduler.num_preemptions > 0, "the pool is small; preemption must be exercised"
     if speculative:
@@ -205,3 +215,29 @@ def test_pipeline_micro_batches_share_no_sequence_and_preempt_none_in_flight():
     assert max_overlap == stages
     assert kv.pool.num_free_blocks == kv.pool.num_blocks
     assert scheduler.num_preemptions > 0, "the pool is small; preemption must be exercised"
+
+
+def test_a_hybrid_prefix_hit_needs_only_the_local_blocks_its_window_reads():
+    """Two layer groups, a local one (window 8) and a global one. A sequence grows to 40 tokens, its
+    local blocks before its window released as it goes, and finishes; another takes every block that
+    was free before that finish, evicting those early local blocks from the prefix cache. A sequence
+    with the same 40 tokens first still hits all of them: it takes the global blocks and the local
+    blocks its next query reads, the earlier local entries being placeholders it does not hold."""
+    kv = KVCacheManager(num_blocks=40, block_size=BLOCK, windows=(8, None))
+    first = Sequence("a", "a", 0, list(range(41)), 41, SamplingParams(), 64)
+    for start in range(0, 40, 8):
+        first.num_computed_tokens = start
+        assert kv.allocate(first, 8)
+        first.num_computed_tokens = start + 8
+        kv.register_full_blocks(first)
+    assert kv.allocate(first, 1)  # releases the local blocks before the window of the query at 40
+    table, free_before = list(kv.block_table("a")), kv.num_free_blocks
+    kv.free(first, finished=True)
+    filler = Sequence("f", "f", 0, [99] * 64, 64, SamplingParams(), 64)
+    assert kv.allocate(filler, free_before // 2 * BLOCK) and kv.num_free_blocks == kv.num_blocks - free_before
+    second = Sequence("b", "b", 0, list(range(40)) + [7], 41, SamplingParams(), 64)
+    assert kv.match_prefix(second) == 40
+    local_read = [table[i * 2] for i in range(8, 10)]  # the query at 40 reads keys 33..40: blocks 8 and 9
+    global_blocks = [table[i * 2 + 1] for i in range(10)]
+    assert sorted(kv.blocks_held("b")) == sorted(local_read + global_blocks)
+    assert kv.block_table("b")[16::2] == local_read and kv.block_table("b")[1::2] == global_blocks

@@ -189,14 +189,41 @@ def test_the_layout_holds_a_logits_row_per_token():
     assert host.tolist() == [
         11, 12, 13, 14, 15, 21, 22, 23, 24, 0, 0, 0,  # input ids
         5, 6, 7, 8, 9, 9, 10, 11, 12, 0, 0, 0,  # positions
-        117, 118, 119, 120, 121, 57, 58, 59, 60, -1, -1, -1,  # slots
         0, 1, 2, 3, 4, 5, 6, 7, 8, 99, 99, 99,  # logits indices: rows past the batch's never read nor written
+        117, 118, 119, 120, 121, 57, 58, 59, 60, -1, -1, -1,  # slots
         10, 13, 0, 0, 0, 0, 0, 0,  # seq lens
         0, 5, 9, 12, 12, 12, 12, 12,  # query start locations
         0, 99, 99, 99,  # leading decodes: the first entry
         7, 3, 0, 0, 0, 4, 0, 0]  # block tables, column-major: the two columns used
     views = layout.views(torch.from_numpy(np.concatenate([host, np.zeros(4, dtype=np.int32)])))
     assert views.logits_indices[:9].tolist() == list(range(9)) and views.block_tables[1, :2].tolist() == [3, 4]
+
+
+def test_a_hybrid_pool_steps_with_a_slot_row_and_a_table_per_layer_group():
+    """Two layer groups (engine/kv_groups.py): the tables interleave them (entry 2i + g: group g's block
+    of the i-th block of tokens), each group's slots of a token come from its own blocks, and each
+    group's metadata reads its own table and slots."""
+    from goodserve.engine.input_layout import InputLayout
+    from goodserve.engine.model_inputs import RequestState, flatten
+    from goodserve.engine.scheduler_output import SchedulerOutput
+    from goodserve.ops.attention import AttentionMetadata, with_kv_groups
+
+    block_size = 16
+    out = SchedulerOutput(seq_ids=["a", "b"], num_new_tokens=[1, 2], num_computed_tokens=[16, 0],
+                          token_ids=[[5], [6, 7]], block_tables=[[0, 1, 2, 3], [4, 5]], samples=[True, True])
+    requests = {seq_id: RequestState(seq_id, SamplingParams(), [1], False, None) for seq_id in ("a", "b")}
+    flat = flatten(out, requests, block_size, num_groups=2)
+    # group 0: a's position 16 in block 2, b's 0 and 1 in block 4; group 1: blocks 3 and 5
+    assert flat.slots == [2 * 16, 4 * 16, 4 * 16 + 1, 3 * 16, 5 * 16, 5 * 16 + 1]
+    layout = InputLayout(3, 2, 4, num_groups=2)
+    host = torch.zeros(layout.size, dtype=torch.int32)
+    layout.pack(flat, host.numpy())
+    views = layout.views(host)
+    shared = AttentionMetadata(views.slot_mapping[0], views.query_start_loc, views.seq_lens, views.block_tables, 2,
+                               17, flat.query_lens, flat.seq_lens)
+    meta = with_kv_groups(shared, views.slot_mapping[:, :3], views.block_tables[:2]).for_new_step()
+    assert [meta.for_group(g).slot_mapping.tolist() for g in (0, 1)] == [flat.slots[:3], flat.slots[3:]]
+    assert [meta.for_group(g).block_tables[:, :2].tolist() for g in (0, 1)] == [[[0, 2], [4, 0]], [[1, 3], [5, 0]]]
 
 
 def test_steps_verifying_drafts_replay_a_mixed_graph_and_prompt_logits_run_eagerly():

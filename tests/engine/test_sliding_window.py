@@ -130,7 +130,8 @@ def test_kv_bytes_of_local_layers_are_capped_at_the_window():
 def test_calc_kv_reports_the_window(windowed_dir: Path, capsys):
     assert run_calc("kv", "--model", str(windowed_dir), "--batch", "1", "--seq-len", "640", "--kv-dtype", "fp32") == 0
     out = capsys.readouterr().out
-    assert "2 of 2 layers keep their last 64 tokens (10% of all-global)" in out
+    # 2 layers x 64 tokens of 640, each layer's token 2 (K, V) x 2 heads x 16 dims x 4 bytes
+    assert "2 of 2 layers keep their last 64 tokens: a sequence of 640 holds 0.000 GB (10% of all-global's" in out
 
 
 def test_hybrid_layers_greedy_tokens_equal_transformers(tmp_path: Path):

@@ -1,10 +1,13 @@
 """Sliding-window attention on CUDA (Triton decode and prefill kernels, CUDA graphs, async scheduling):
 float32 greedy tokens of tiny random models equal transformers' (on the CPU), every layer local and
-hybrid, past the window, batched and alone, chunked prefill and prefix-cache hits."""
+hybrid (the pool's layer groups), past the window, batched and alone, chunked prefill and prefix-cache hits."""
 
 from __future__ import annotations
 
 import pytest
+from test_families import save_tiny_model
+from test_gemma import gemma3_config
+from test_hybrid_kv_pool import assert_tokens_equal_transformers_in_a_tight_pool
 from test_loaders import TINY, save_tiny_hf_model
 from test_sliding_window import assert_greedy_equals_transformers, mistral_config
 
@@ -20,3 +23,10 @@ def test_windowed_greedy_tokens_equal_transformers_on_cuda(tmp_path, cuda_only, 
         config = mistral_config(sliding_window=24)
     hf_model = save_tiny_hf_model(config, tmp_path)
     assert_greedy_equals_transformers(tmp_path, hf_model, TINY["vocab_size"], 24, device="cuda")
+
+
+def test_hybrid_pool_greedy_tokens_equal_transformers_on_cuda(tmp_path, cuda_only):
+    """Gemma 3's layer groups (engine/kv_groups.py) through the Triton kernels, CUDA graphs and async
+    scheduling, in a pool whose released local blocks are soon reused."""
+    save_tiny_model(gemma3_config(), tmp_path)
+    assert_tokens_equal_transformers_in_a_tight_pool(tmp_path, device="cuda")

@@ -266,6 +266,16 @@ def test_diagnose_command_with_pipeline_micro_batches(capsys):
     assert "on: from 2 requests in flight the 2 stages decode at once" in capsys.readouterr().out
 
 
+def test_diagnose_reports_what_sliding_windows_save(capsys):
+    """Gemma-3-12B: 40 local layers keep 1024 tokens, 8 global ones all 131072; a layer's token is
+    2 (K, V) x 8 heads x 256 dims x 2 bytes."""
+    assert run_diagnose("--model", "gemma-3-12b", "--hardware", "h100-sxm") == 0
+    layer_token = 2 * 8 * 256 * 2
+    held, all_global = layer_token * (8 * 131072 + 40 * 1024), layer_token * 48 * 131072
+    assert f"{held / 1e9:.3f} GB ({held / all_global:.0%} of all-global's {all_global / 1e9:.3f} GB)" \
+        in capsys.readouterr().out
+
+
 def test_diagnose_command_with_tensor_parallelism(capsys):
     assert run_diagnose("--model", "llama-3.1-70b", "--hardware", "h100-sxm", "--tensor-parallel-size", "4") == 0
     text = capsys.readouterr().out

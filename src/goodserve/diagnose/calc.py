@@ -29,6 +29,14 @@ def kv_cache_bytes(spec: ModelSpec, tokens: int, batch: int = 1, kv_dtype: str =
     return spec.kv_bytes_per_sequence(tokens, dtype_bytes(kv_dtype)) * batch
 
 
+def window_saving(spec: ModelSpec, tokens: int, kv_dtype: str = "fp16") -> str:
+    """The KV one sequence of `tokens` holds, where sliding-window layers keep their window only,
+    against what it would hold with every layer global."""
+    held = kv_cache_bytes(spec, tokens, 1, kv_dtype)
+    all_global = spec.kv_bytes_per_token(dtype_bytes(kv_dtype)) * tokens
+    return f"{held / 1e9:.3f} GB ({held / all_global:.0%} of all-global's {all_global / 1e9:.3f} GB)"
+
+
 def weight_bytes(spec: ModelSpec, dtype: str = "bf16") -> float:
     """Bytes of weights; quantized dtypes quantize the matmul weights and keep embeddings in bf16."""
     bytes_per = dtype_bytes(dtype)

@@ -16,7 +16,7 @@ import math
 
 from goodserve.console import make_console
 from goodserve.diagnose.calc import (DTYPE_BYTES, cost_per_million_tokens, decode_weight_bytes, kv_cache_bytes,
-                                     kv_heads_per_gpu, max_concurrent_sequences, weight_bytes)
+                                     kv_heads_per_gpu, max_concurrent_sequences, weight_bytes, window_saving)
 from goodserve.diagnose.parallel import (ALLREDUCE_LATENCY_S, LAYER_LATENCY_S, Layout, add_layout_arguments,
                                          advise_layout, allreduce_payload_bytes, decode_limit, decode_tokens_per_s,
                                          dtype_for_activations, engine_default_micro_batches, handoff_bytes,
@@ -107,8 +107,8 @@ def _kv(args) -> int:
                   f"{per_sequence / 1e9:.3f} GB")
     if spec.layer_windows:
         local = sum(w is not None for w in spec.layer_windows)
-        console.print(f"sliding window: {local} of {spec.num_layers} layers keep their last "
-                      f"{spec.smallest_window} tokens ({per_sequence / (per_token * args.seq_len):.0%} of all-global)")
+        console.print(f"sliding window: {local} of {spec.num_layers} layers keep their last {spec.smallest_window} "
+                      f"tokens: a sequence of {args.seq_len} holds {window_saving(spec, args.seq_len, args.kv_dtype)}")
     console.print(f"KV for batch {args.batch} x {args.seq_len} tokens: [bold]{total / 1e9:.1f} GB[/bold] "
                   f"({total / 2**30:.1f} GiB)")
     if spec.is_moe:

@@ -29,7 +29,7 @@ from rich.table import Table
 from goodserve.console import make_console
 from goodserve.diagnose.advisor import HIGH_TPOT_S, Advice, advise
 from goodserve.diagnose.assumptions import DEFAULT_HARDWARE, DEFAULT_MODEL, Assumptions, resolve
-from goodserve.diagnose.calc import weight_bytes
+from goodserve.diagnose.calc import weight_bytes, window_saving
 from goodserve.diagnose.model_shape import resolve_spec
 from goodserve.diagnose.observations import Observations, from_bench_result, from_metrics_url
 from goodserve.diagnose.parallel import (ALLREDUCE_LATENCY_S, Layout, add_layout_arguments, allreduce_payload_bytes,
@@ -100,6 +100,9 @@ def model_table(spec: ModelSpec, hw: Hardware, dtype: str, compute_dtype: str, l
         ("batch-1 decode ceiling", f"{limit.bandwidth_tokens_per_s:.0f} tok/s"),
         ("decode batch to reach the ridge", f"~{ridge * weights / (2 * spec.num_matmul_params()):.0f}"),
     ]
+    if spec.layer_windows and spec.max_position_embeddings:
+        rows.append((f"KV of a {spec.max_position_embeddings}-token sequence ({kv_dtype}, sliding windows)",
+                     window_saving(spec, spec.max_position_embeddings, kv_dtype)))
     if layout.tp > 1:
         payload = allreduce_payload_bytes(spec, layout.tp, 1, 1, dtype_for_activations(dtype))
         rows += [(f"all-reduces per decode token (TP {layout.tp})",

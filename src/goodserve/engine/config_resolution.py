@@ -13,6 +13,7 @@ import os
 import torch
 
 from goodserve.config import DTYPES, EngineConfig
+from goodserve.engine.kv_groups import KVGroups
 from goodserve.errors import InvalidRequestError
 from goodserve.model.spec import ModelSpec
 from goodserve.ops.kernel_choice import triton_available
@@ -79,9 +80,11 @@ def check_context_length(max_model_len: int | None, spec: ModelSpec) -> None:
             f"out to use the whole window")
 
 
-def resolve_for_pool(config: EngineConfig, num_blocks: int) -> EngineConfig:
-    return dataclasses.replace(config, num_kv_blocks=num_blocks,
-                               max_model_len=min(config.max_model_len, num_blocks * config.block_size))
+def resolve_for_pool(config: EngineConfig, num_blocks: int, groups: KVGroups) -> EngineConfig:
+    """The pool's size, and a context no longer than one sequence can hold in it."""
+    longest = groups.longest_sequence(num_blocks, config.max_num_batched_tokens, config.block_size,
+                                      config.max_model_len)
+    return dataclasses.replace(config, num_kv_blocks=num_blocks, max_model_len=longest)
 
 
 def torch_dtype(config: EngineConfig) -> torch.dtype:

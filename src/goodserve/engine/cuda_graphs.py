@@ -14,7 +14,7 @@ import torch
 
 from goodserve.engine.input_layout import InputLayout
 from goodserve.engine.model_inputs import FlatBatch, ModelInput, ModelOutput, leading_decodes, pooled_sums
-from goodserve.ops.attention import AttentionMetadata
+from goodserve.ops.attention import AttentionMetadata, with_kv_groups
 from goodserve.ops.sampler import argmax
 
 if TYPE_CHECKING:
@@ -155,18 +155,18 @@ class _DecodeGraph(_StepGraph):
     def __init__(self, runner: ModelRunner, size: int, pool) -> None:
         device, max_blocks = runner.device, runner.max_blocks_per_seq
         self.size = size
-        self.layout = InputLayout(size, size, max_blocks)
+        self.layout = InputLayout(size, size, max_blocks, runner.kv_groups.num_groups)
         self.inputs = torch.zeros(self.layout.size, dtype=torch.int32, device=device)
         views = self.layout.views(self.inputs)
         self.input_ids, self.positions, slot_mapping = views.input_ids[:size], views.positions[:size], \
-            views.slot_mapping[:size]
+            views.slot_mapping[:, :size]
         slot_mapping.fill_(-1)
-        max_len = max_blocks * runner.block_size
-        self.meta = AttentionMetadata(
-            slot_mapping=slot_mapping, query_start_loc=torch.arange(size + 1, dtype=torch.int32, device=device),
+        max_len = max_blocks // runner.kv_groups.num_groups * runner.block_size
+        self.meta = with_kv_groups(AttentionMetadata(
+            slot_mapping=slot_mapping[0], query_start_loc=torch.arange(size + 1, dtype=torch.int32, device=device),
             seq_lens=views.seq_lens[:size], block_tables=views.block_tables[:size], max_query_len=1,
             max_seq_len=max_len, query_lens_host=[1] * size, seq_lens_host=[max_len] * size,
-        )
+        ), slot_mapping, views.block_tables[:size])
         self.model, self.kv_caches = runner.model, runner.kv_caches
         self._capture(pool)
 
@@ -209,16 +209,17 @@ class _MixedGraph(_StepGraph):
         # a batch's sequences and one padding sequence
         self.max_seqs = min(num_tokens, runner.config.max_num_seqs) + 1
         self.max_prefill_seqs = min(MIXED_GRAPH_MAX_PREFILL_SEQS, self.max_seqs)
-        self.layout = InputLayout(num_tokens, self.max_seqs, max_blocks)
+        self.layout = InputLayout(num_tokens, self.max_seqs, max_blocks, runner.kv_groups.num_groups)
         self.inputs = torch.zeros(self.layout.size, dtype=torch.int32, device=device)
         views = self.layout.views(self.inputs)
         self.input_ids, self.positions, self.logits_indices = views.input_ids, views.positions, views.logits_indices
         views.slot_mapping.fill_(-1)
-        self.meta = AttentionMetadata(  # host lengths unused: graphs run the Triton kernels only
-            slot_mapping=views.slot_mapping, query_start_loc=views.query_start_loc, seq_lens=views.seq_lens,
-            max_query_len=num_tokens, max_seq_len=max_blocks * runner.block_size,
+        self.meta = with_kv_groups(AttentionMetadata(  # host lengths unused: graphs run the Triton kernels only
+            slot_mapping=views.slot_mapping[0], query_start_loc=views.query_start_loc, seq_lens=views.seq_lens,
+            max_query_len=num_tokens, max_seq_len=max_blocks // runner.kv_groups.num_groups * runner.block_size,
             block_tables=views.block_tables, query_lens_host=[], seq_lens_host=[],
-            leading_decodes=views.leading_decodes, max_prefill_seqs=self.max_prefill_seqs)
+            leading_decodes=views.leading_decodes, max_prefill_seqs=self.max_prefill_seqs),
+            views.slot_mapping, views.block_tables)
         self.model, self.kv_caches = runner.model, runner.kv_caches
         self._capture(pool)
 

@@ -40,6 +40,7 @@ from goodserve.engine.input_processor import InputProcessor, sequence_id
 from goodserve.engine.isolation import find_culprits
 from goodserve.engine.kv_cache import kv_read_ratio, kv_storage_dtype
 from goodserve.engine.kv_cache_manager import KVCacheManager
+from goodserve.engine.kv_groups import kv_groups
 from goodserve.engine.output_processor import Finish, OutputProcessor
 from goodserve.engine.request import Request
 from goodserve.engine.runner_output import ModelRunnerOutput, PendingOutput
@@ -85,7 +86,7 @@ class Engine:
         c = self.config
         salt = f"{info.revision}|{c.kv_cache_dtype}|{c.quantization}|{c.quantized_checkpoint}|{c.quantization_awq}"
         self.kv = KVCacheManager(c.num_kv_blocks, c.block_size, c.enable_prefix_caching, salt.encode(),
-                                 window=self.spec.window_of_every_layer)
+                                 windows=kv_groups(self.spec, c).windows)
         self.scheduler = Scheduler(c, self.kv, make_proposer(c, self.spec, self.tokenizer, draft),
                                    self._step_time_model(), verify_cost(c, info.native_decode))
         self.inputs = InputProcessor(c, self.spec, self.tokenizer)

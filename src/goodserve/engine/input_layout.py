@@ -1,10 +1,14 @@
 """One int32 layout for a step's inputs, shared by the eager path and both kinds of CUDA graph, so a
 step's inputs reach the device in one host-to-device copy whichever runs it:
 
-    [input_ids | positions | slot_mapping | logits_indices]   token rows, num_tokens entries each
+    [input_ids | positions | logits_indices | slot_mapping]   token rows, num_tokens entries each
     [seq_lens | query_start_loc]                              sequence rows, num_seqs + ALIGN_INT32 each
     [leading decodes]                                         ALIGN_INT32 entries, the first one used
     [block tables, column-major]                              max_blocks x num_seqs
+
+A pool of G layer groups (engine/kv_groups.py) has G slot_mapping rows, one per group, and tables
+of G entries a block of tokens, the groups' interleaved (engine/kv_cache_manager.py): max_blocks
+counts those entries.
 
 logits_indices has a row per token: a sequence verifying k drafts has logits at its last 1 + k
 tokens, so a step has up to num_tokens logits rows, whatever its sequence count.
@@ -28,7 +32,6 @@ from goodserve.engine.model_inputs import FlatBatch, leading_decodes
 # Every part starts 16-byte aligned: Triton specializes kernels on pointer alignment, so inputs at
 # arbitrary offsets would compile new kernel variants (each hundreds of ms) in the middle of a run.
 ALIGN_INT32 = 4
-_PADDING = (0, 0, -1)  # input id, position, slot
 
 
 @dataclass
@@ -37,7 +40,7 @@ class StepBuffers:
 
     input_ids: torch.Tensor
     positions: torch.Tensor
-    slot_mapping: torch.Tensor
+    slot_mapping: torch.Tensor  # [G, num_tokens]: each group's slots
     logits_indices: torch.Tensor
     seq_lens: torch.Tensor
     query_start_loc: torch.Tensor
@@ -50,10 +53,12 @@ def _aligned(n: int) -> int:
 
 
 class InputLayout:
-    def __init__(self, num_tokens: int, num_seqs: int, max_blocks: int) -> None:
+    def __init__(self, num_tokens: int, num_seqs: int, max_blocks: int, num_groups: int = 1) -> None:
         self.num_tokens, self.num_seqs, self.max_blocks = _aligned(num_tokens), _aligned(num_seqs), max_blocks
+        self.token_rows = 3 + num_groups
         self.seq_rows = self.num_seqs + ALIGN_INT32  # room for query_start_loc's extra entry, aligned
-        self.tables_at = 4 * self.num_tokens + 2 * self.seq_rows + ALIGN_INT32
+        self.seqs_at = self.token_rows * self.num_tokens
+        self.tables_at = self.seqs_at + 2 * self.seq_rows + ALIGN_INT32
         self.size = self.tables_at + max_blocks * self.num_seqs
 
     def used(self, flat: FlatBatch) -> int:
@@ -62,8 +67,9 @@ class InputLayout:
 
     def views(self, buffer: torch.Tensor) -> StepBuffers:
         t, s = self.num_tokens, self.seq_rows
-        input_ids, positions, slot_mapping, logits_indices = buffer[: 4 * t].view(4, t)
-        seq_lens, query_start_loc = buffer[4 * t : 4 * t + 2 * s].view(2, s)
+        tokens = buffer[: self.seqs_at].view(self.token_rows, t)
+        input_ids, positions, logits_indices, slot_mapping = tokens[0], tokens[1], tokens[2], tokens[3:]
+        seq_lens, query_start_loc = buffer[self.seqs_at : self.seqs_at + 2 * s].view(2, s)
         return StepBuffers(input_ids, positions, slot_mapping, logits_indices, seq_lens[: self.num_seqs],
                            query_start_loc[: self.num_seqs + 1], buffer[self.tables_at - ALIGN_INT32 :][:1],
                            buffer[self.tables_at : self.size].view(self.max_blocks, self.num_seqs).t())
@@ -71,13 +77,14 @@ class InputLayout:
     def pack(self, flat: FlatBatch, host: np.ndarray) -> None:
         """Write the batch into host (the layout's first `used(flat)` entries), padding included."""
         num_tokens, num_seqs = len(flat.input_ids), len(flat.seq_lens)
-        tokens = host[: 4 * self.num_tokens].reshape(4, self.num_tokens)
-        for row, values, pad in zip(tokens, (flat.input_ids, flat.positions, flat.slots), _PADDING):
+        tokens = host[: self.seqs_at].reshape(self.token_rows, self.num_tokens)
+        for row, values in zip(tokens, (flat.input_ids, flat.positions)):
             row[:num_tokens] = values
-            row[num_tokens:] = pad
-        tokens[3, : len(flat.logits_indices)] = flat.logits_indices  # read up to their count only
-        seq_lens, query_start_loc = \
-            host[4 * self.num_tokens : 4 * self.num_tokens + 2 * self.seq_rows].reshape(2, self.seq_rows)
+            row[num_tokens:] = 0
+        tokens[2, : len(flat.logits_indices)] = flat.logits_indices  # read up to their count only
+        tokens[3:, :num_tokens] = np.reshape(flat.slots, (-1, num_tokens))
+        tokens[3:, num_tokens:] = -1  # padding: no K/V write
+        seq_lens, query_start_loc = host[self.seqs_at : self.seqs_at + 2 * self.seq_rows].reshape(2, self.seq_rows)
         seq_lens[:num_seqs] = flat.seq_lens
         seq_lens[num_seqs:] = 0
         query_start_loc[0] = 0

@@ -55,10 +55,12 @@ def kv_layers(engine: Engine) -> list[LayerKVCache]:
 
 
 def _pools(layers: list[LayerKVCache]) -> list[torch.Tensor]:
-    """Every pool a block has a row in (each layer's K and V, and int8 scales), as bytes [blocks, -1]:
-    index_select and index_copy_ take uint8 where some take no float8."""
-    return [pool.view(pool.shape[0], -1).view(torch.uint8) for layer in layers
-            for pool in (layer.k, layer.v, layer.k_scale, layer.v_scale) if pool is not None]
+    """Every pool a block has a row in (each layer's K and V, and int8 scales; once each where layers
+    of several groups share one: engine/kv_groups.py), as bytes [blocks, -1]: index_select and
+    index_copy_ take uint8 where some take no float8."""
+    pools = {pool.data_ptr(): pool for layer in layers
+             for pool in (layer.k, layer.v, layer.k_scale, layer.v_scale) if pool is not None}
+    return [pool.view(pool.shape[0], -1).view(torch.uint8) for pool in pools.values()]
 
 
 def _bytes_per_block(pools: list[torch.Tensor]) -> int:
@@ -115,7 +117,8 @@ def send_held(layers: list[LayerKVCache], held: tuple[list[int], int], block_siz
     only reads those blocks, which nothing else writes while they are held)."""
     blocks, num_computed = held
     pools = _pools(layers)
-    needed = -(-(len(prompt_token_ids) - 1) // block_size)
+    num_groups = 1 + max(layer.group for layer in layers)  # a block of each a block of tokens
+    needed = -(-(len(prompt_token_ids) - 1) // block_size) * num_groups
     device = _wire_device(layers, group)
     if num_computed < len(prompt_token_ids) - 1:  # aborted or failed before its prompt was computed
         _send([ABORTED, 0, 0, 0, block_size], dst, group, device)

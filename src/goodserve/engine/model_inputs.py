@@ -31,10 +31,11 @@ class FlatBatch:
 
     input_ids: list[int]
     positions: list[int]
+    # Every token's K/V slot, group after group of a pool of several layer groups (engine/kv_groups.py)
     slots: list[int]
     query_lens: list[int]
     seq_lens: list[int]
-    block_tables: list[list[int]]
+    block_tables: list[list[int]]  # a row's groups' tables interleaved (engine/kv_cache_manager.py)
     sample_rows: list[int]  # index into batch.seqs of the sequences that sample a token this step
     logits_indices: list[int]  # their last token's row in the flat batch (their drafts' rows before it)
     prompt_logit_spans: dict[int, tuple[int, int]]  # batch row -> flat [start, end) wanting logits
@@ -78,15 +79,18 @@ class ModelOutput:
 
 
 
-def flatten(out: SchedulerOutput, requests: dict[str, RequestState], block_size: int) -> FlatBatch:
+def flatten(out: SchedulerOutput, requests: dict[str, RequestState], block_size: int,
+            num_groups: int = 1) -> FlatBatch:
     flat = FlatBatch([], [], [], [], [], [], [], [], {})
+    group_slots: list[list[int]] = [[] for _ in range(num_groups)]
     for row, (seq_id, start, num_new) in enumerate(zip(out.seq_ids, out.num_computed_tokens, out.num_new_tokens)):
         end, table, offset = start + num_new, out.block_tables[row], len(flat.input_ids)
         state = requests[seq_id]
         # An ahead row's input is the previous step's token, still on the device: the runner copies it in.
         flat.input_ids.extend(out.token_ids[row] if row >= out.num_ahead else [0])
         flat.positions.extend(range(start, end))
-        flat.slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
+        for slots, row_slots in zip(group_slots, token_slots(table, start, end, block_size, num_groups)):
+            slots.extend(row_slots)
         flat.query_lens.append(num_new)
         flat.seq_lens.append(end)
         flat.block_tables.append(table)
@@ -102,9 +106,17 @@ def flatten(out: SchedulerOutput, requests: dict[str, RequestState], block_size:
             flat.sample_rows.append(row)
             flat.logits_indices.extend(range(offset + num_new - 1 - len(out.draft_token_ids.get(row, ())),
                                              offset + num_new))
+    flat.slots = [slot for slots in group_slots for slot in slots]
     for row, branch in out.branches.items():
         _add_branch(flat, row, branch, out, block_size)
     return flat
+
+
+def token_slots(table: list[int], start: int, end: int, block_size: int, num_groups: int) -> list[list[int]]:
+    """Per layer group, the K/V slots of positions [start, end) of a row with this table (its groups'
+    tables interleaved: engine/kv_cache_manager.py)."""
+    return [[table[p // block_size * num_groups + group] * block_size + p % block_size for p in range(start, end)]
+            for group in range(num_groups)]
 
 
 # A row of up to this many tokens may go as one-token rows over its block table: a decode step for

@@ -28,16 +28,18 @@ from goodserve.engine.context_parallel import ContextParallel, LocalShare
 from goodserve.engine.cuda_graphs import GraphSet, capture_graphs, graph_for
 from goodserve.engine.isolation import rewind_generators
 from goodserve.engine.kv_cache import allocate_kv_cache
+from goodserve.engine.kv_groups import kv_groups
 from goodserve.engine.input_layout import InputLayout
 from goodserve.engine.model_inputs import (
-    FlatBatch, ModelInput, ModelOutput, RequestState, as_one_token_rows, flatten, leading_decodes, pooled_sums)
+    FlatBatch, ModelInput, ModelOutput, RequestState, as_one_token_rows, flatten, leading_decodes, pooled_sums,
+    token_slots)
 from goodserve.engine.runner_output import BranchOutput, ModelRunnerOutput, PendingOutput
 from goodserve.engine.sampling_inputs import GrammarBitmask, SamplingRow, build_sampling_batch
 from goodserve.engine.scheduler_output import SchedulerOutput
 from goodserve.engine.spec_decode.acceptance import kept_tokens
 from goodserve.engine.spec_decode.rejection import kept_by_rejection
 from goodserve.model.llama import LlamaForCausalLM
-from goodserve.ops.attention import AttentionMetadata, LayerKVCache
+from goodserve.ops.attention import AttentionMetadata, LayerKVCache, with_kv_groups
 from goodserve.ops.sampler import SamplerOutput, gather_logprobs, sample
 from goodserve.ops.tree_attention import BranchTree, SideBranches, tree_mask
 from goodserve.quant.linear import CPU_NATIVE_MAX_M
@@ -62,14 +64,17 @@ class ModelRunner:
         self.cp = cp  # context parallelism: prefills split over the ranks (engine/context_parallel.py)
         self.device = device = torch.device(config.device)
         self.block_size = config.block_size
-        self.max_blocks_per_seq = -(-config.max_model_len // config.block_size)
+        self.kv_groups = groups = kv_groups(model.spec, config)
+        # A table's entries: a block of each group per block of tokens (engine/kv_cache_manager.py).
+        self.max_blocks_per_seq = -(-config.max_model_len // config.block_size) * groups.num_groups
         self.vocab_size = model.spec.vocab_size
         self.eos_token_ids = eos_token_ids
         assert num_blocks * config.block_size < 2**31, "slot numbers must fit int32"
         # This rank's KV heads (all of them at TP=1) of its stage's layers (all at PP=1), in blocks the
         # scheduler numbers for every rank.
         self.kv_caches: list[LayerKVCache] = allocate_kv_cache(
-            model.pp.local_spec(model.tp.local_spec(model.spec)), num_blocks, config.block_size, device, kv_dtype)
+            model.pp.local_spec(model.tp.local_spec(model.spec)), num_blocks, config.block_size, device, kv_dtype,
+            groups, model.pp.layers(model.spec.num_layers))
         self.requests: dict[str, RequestState] = {}
         self._launched: _Launched | None = None
         # The last step's sampled tokens on the device, and the sequences they belong to, in order.
@@ -86,7 +91,7 @@ class ModelRunner:
         self._turn = 0
         self.decode_graphs, self.mixed_graphs = GraphSet(), GraphSet()
         # The torch attention path sizes tensors from the batch's lengths, so it cannot be captured.
-        if cuda and num_blocks >= 3:
+        if cuda and num_blocks >= 3 * groups.num_groups:
             self._warm_up_eager_kernels()
             torch.cuda.synchronize(device)
         if cuda and not config.enforce_eager and model.kernels.triton:
@@ -95,13 +100,15 @@ class ModelRunner:
     def _warm_up_eager_kernels(self) -> ModelOutput:
         """One eager step of a prefill chunk beside a decode, so the Triton kernels of the eager path
         (prefill attention above all) compile now, not in the first requests' time to first token
-        (about a second on an H100). It writes K/V into blocks 0-2, which hold nothing yet."""
-        bs, prefill_len = self.block_size, self.block_size + 3
+        (about a second on an H100). It writes K/V into blocks 0-2 of each group, which hold nothing yet."""
+        bs, prefill_len, groups = self.block_size, self.block_size + 3, self.kv_groups.num_groups
+        tables = [[*range(2 * groups)], [*range(2 * groups, 3 * groups)]]  # 2 blocks of tokens, then 1
+        slots = zip(token_slots(tables[0], 0, prefill_len, bs, groups), token_slots(tables[1], 4, 5, bs, groups))
         flat = FlatBatch(
             input_ids=[0] * (prefill_len + 1), positions=[*range(prefill_len), 4],
-            slots=[*range(prefill_len), 2 * bs + 4], query_lens=[prefill_len, 1], seq_lens=[prefill_len, 5],
-            block_tables=[[0, 1], [2]], sample_rows=[0, 1], logits_indices=[prefill_len - 1, prefill_len],
-            prompt_logit_spans={})
+            slots=[slot for prefill, decode in slots for slot in prefill + decode], query_lens=[prefill_len, 1],
+            seq_lens=[prefill_len, 5], block_tables=tables, sample_rows=[0, 1],
+            logits_indices=[prefill_len - 1, prefill_len], prompt_logit_spans={})
         return self.forward(self._eager_input(flat))
 
     # ---- one step ------------------------------------------------------------------------
@@ -111,7 +118,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         self._update_requests(out)
         self._turn ^= 1
-        flat = flatten(out, self.requests, self.block_size)
+        flat = flatten(out, self.requests, self.block_size, self.kv_groups.num_groups)
         share = self.cp.split(flat, self.device)
         inputs = self._prepare(flat) if share is None else self._share_input(share)
         if out.num_ahead and (share is None or self.cp.rank == 0):  # rank 0 holds the decodes of a split step
@@ -227,17 +234,18 @@ class ModelRunner:
     def _eager_input(self, flat: FlatBatch) -> ModelInput:
         """The batch in the step input layout (engine/input_layout.py), sized to it exactly."""
         num_tokens, num_seqs = len(flat.input_ids), len(flat.seq_lens)
-        layout = InputLayout(num_tokens, num_seqs, max(map(len, flat.block_tables)))
+        layout = InputLayout(num_tokens, num_seqs, max(map(len, flat.block_tables)), self.kv_groups.num_groups)
         host = self._staging_buffer(layout.size)[: layout.size]
         layout.pack(flat, host.numpy())
         views = layout.views(host.to(self.device, non_blocking=True) if self.device.type == "cuda" else host)
         meta = AttentionMetadata(
-            slot_mapping=views.slot_mapping[:num_tokens], query_start_loc=views.query_start_loc[: num_seqs + 1],
+            slot_mapping=views.slot_mapping[0, :num_tokens], query_start_loc=views.query_start_loc[: num_seqs + 1],
             seq_lens=views.seq_lens[:num_seqs], block_tables=views.block_tables[:num_seqs],
             max_query_len=max(flat.query_lens), max_seq_len=max(flat.seq_lens), query_lens_host=flat.query_lens,
             seq_lens_host=flat.seq_lens, num_leading_decodes=leading_decodes(flat.query_lens)
             if self.config.kernels.decode_kernel_for_mixed_decodes else 0,
         )
+        meta = with_kv_groups(meta, views.slot_mapping[:, :num_tokens], views.block_tables[:num_seqs])
         if flat.branches:
             meta = _with_branches(meta, flat)
         return ModelInput(views.input_ids[:num_tokens], views.positions[:num_tokens], meta, flat.sample_rows,

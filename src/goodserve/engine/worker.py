@@ -17,6 +17,7 @@ from goodserve.engine import distributed
 from goodserve.engine.context_parallel import ContextParallel
 from goodserve.engine.config_resolution import resolve_for_model, resolve_for_pool, torch_dtype
 from goodserve.engine.kv_cache import kv_storage_dtype, num_blocks_for_memory
+from goodserve.engine.kv_groups import kv_groups
 from goodserve.engine.model_builder import build_model
 from goodserve.engine.model_runner import ModelRunner
 from goodserve.engine.runner_output import PendingOutput
@@ -68,10 +69,12 @@ class Worker:
         # pool is the smallest over the ranks: rank 0's).
         holds_draft = config.speculative_model and tp.rank == 0 and pp.stage == 0
         draft = draft_kv_bytes_per_block(config, loaded.spec) if holds_draft else 0
-        num_blocks = num_blocks_for_memory(local_spec, config, device, torch_dtype(config), kv_dtype, draft)
+        groups = kv_groups(loaded.spec, config)
+        num_blocks = num_blocks_for_memory(local_spec, config, device, torch_dtype(config), kv_dtype, draft,
+                                           len(groups.slots(pp.layers(loaded.spec.num_layers))))
         if rank is not None:
             num_blocks = distributed.min_over_ranks(num_blocks, rank)
-        config = resolve_for_pool(config, num_blocks)
+        config = resolve_for_pool(config, num_blocks, groups)
         tokenizer = loaded.tokenizer
         eos = sorted(set(loaded.spec.eos_token_ids) | set(tokenizer.eos_token_ids if tokenizer else []))
         self.runner = ModelRunner(config, loaded.model, config.num_kv_blocks, kv_dtype, eos, cp)
@@ -79,9 +82,11 @@ class Worker:
                               bool(self.runner.decode_graphs.graphs or self.runner.mixed_graphs.graphs),
                               _all_reduce_name(tp, device), loaded.model.native_decode is not None)
         logger.info(
-            "model %s (%s) dtype=%s device=%s kv_cache=%d blocks x %d tokens (%s) max_model_len=%d%s%s%s",
+            "model %s (%s) dtype=%s device=%s kv_cache=%d blocks x %d tokens (%s)%s max_model_len=%d%s%s%s",
             config.model, loaded.source, config.dtype, device, config.num_kv_blocks, config.block_size,
-            str(kv_dtype).removeprefix("torch."), config.max_model_len,
+            str(kv_dtype).removeprefix("torch."),
+            f" of {groups.num_groups} layer groups (windows {groups.windows})" if groups.is_hybrid else "",
+            config.max_model_len,
             f" tensor-parallel rank {tp.rank}/{tp.size} ({self.info.all_reduce} all-reduce)" if tp.size > 1 else "",
             f" pipeline stage {pp.stage}/{pp.size} (layers {pp.layers(loaded.spec.num_layers)})" if pp.size > 1 else "",
             f" context-parallel rank {cp.rank}/{cp.size}" if cp.size > 1 else "",

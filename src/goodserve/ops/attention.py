@@ -64,10 +64,17 @@ class AttentionMetadata:
     # Context parallelism (engine/context_parallel.py): these rows are this rank's share of the
     # step's tokens; each layer gathers every rank's new K/V into the cache before attending.
     kv_exchange: KVExchange | None = None
+    # A pool of several layer groups (engine/kv_groups.py): per group, this metadata with the group's
+    # own slot_mapping and block_tables (the fields above are group 0's). Empty: one group.
+    groups: tuple[AttentionMetadata, ...] = ()
 
     def for_new_step(self) -> AttentionMetadata:
         """This metadata with empty per-step indices, for one forward pass."""
-        return replace(self, step_indices=StepIndices(self))
+        return replace(self, step_indices=StepIndices(self), groups=tuple(g.for_new_step() for g in self.groups))
+
+    def for_group(self, group: int) -> AttentionMetadata:
+        """What the layers of one group of the KV pool attend with."""
+        return self.groups[group] if self.groups else self
 
     @property
     def is_decode_only(self) -> bool:
@@ -85,6 +92,7 @@ class LayerKVCache:
     v: torch.Tensor
     k_scale: torch.Tensor | None = None  # [num_blocks, block_size, num_kv_heads], int8 only
     v_scale: torch.Tensor | None = None
+    group: int = 0  # the layer's group in the pool (engine/kv_groups.py): whose block ids it reads
 
     @property
     def block_size(self) -> int:
@@ -106,6 +114,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torc
     `softcap`, when it has one) -> [T, Hq, D]. A
     decode-only step with KernelOptions.fuse_rotary_into_decode_attention does all of it in the
     decode kernel, and q is left unrotated."""
+    meta = meta.for_group(cache.group)
     if meta.branches is not None:
         assert window is None and softcap is None, "side branches attend the whole context, uncapped (the engine " \
             "refuses them with a window, which every soft-capped family has)"
@@ -139,6 +148,18 @@ def _share_new_kv(cache: LayerKVCache, meta: AttentionMetadata) -> None:
     """Under context parallelism, the other ranks' new K/V beside this one's, before any query attends."""
     if meta.kv_exchange is not None:
         meta.kv_exchange.share(cache)
+
+
+def with_kv_groups(meta: AttentionMetadata, slot_mappings: torch.Tensor,
+                   block_tables: torch.Tensor) -> AttentionMetadata:
+    """meta over a pool of G layer groups: slot_mappings [G, T], every group's slots of each token;
+    block_tables [B, G * blocks], the groups' tables interleaved (engine/kv_cache_manager.py)."""
+    num_groups = slot_mappings.shape[0]
+    if num_groups == 1:
+        return replace(meta, slot_mapping=slot_mappings[0], block_tables=block_tables)
+    groups = tuple(replace(meta, slot_mapping=slot_mappings[g], block_tables=block_tables[:, g::num_groups])
+                   for g in range(num_groups))
+    return replace(groups[0], groups=groups)
 
 
 def _with_side_branches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,

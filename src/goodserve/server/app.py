@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from goodserve.engine.admission import Admission
+from goodserve.engine.kv_groups import kv_groups
 from goodserve.errors import InvalidRequestError, ModelLoadError
 from goodserve.model.spec import SamplingDefaults
 from goodserve.sampling_params import SamplingParams
@@ -100,10 +101,14 @@ _ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 408, 4
 def startup_message(engine, config: ServerConfig, model_name: str) -> str:
     stats = engine.stats()
     block_size = engine.config.block_size
+    # A hybrid model's block holds one of its layer groups (engine/kv_groups.py): its tokens are those
+    # every layer could keep (its local layers keep only their window, so the pool holds more).
+    groups = kv_groups(engine.spec, engine.config).num_groups
     return (
         f"serving {model_name} ({engine.config.model}) dtype={str(engine.dtype).removeprefix('torch.')} "
-        f"device={engine.device} kv_pool={stats.num_kv_blocks} blocks x {block_size} = "
-        f"{stats.num_kv_blocks * block_size} tokens max_model_len={engine.max_model_len} at {config.url}"
+        f"device={engine.device} kv_pool={stats.num_kv_blocks} blocks x {block_size}"
+        f"{f' in {groups} layer groups' if groups > 1 else ''} = {stats.num_kv_blocks * block_size // groups} tokens "
+        f"max_model_len={engine.max_model_len} at {config.url}"
     )
 
 
