@@ -17,6 +17,8 @@ from goodserve import LLM, SamplingParams
 from goodserve.config import KernelOptions
 from goodserve.errors import InvalidRequestError
 from helpers import engine_of, shut_down
+from test_families import save_tiny_model
+from test_gemma import gemma3_config
 from test_tensor_parallel import fast_timeout  # noqa: F401 (a fixture its tests use)
 from test_tensor_parallel import SETTINGS, assert_a_dead_rank_1_ends_the_engine, assert_split_matches, greedy_tokens
 
@@ -47,6 +49,20 @@ def test_split_prefill_gives_one_ranks_greedy_tokens(size, model):
         assert greedy_tokens(llm, PROMPTS) == expected
         assert split_steps(llm) == alone + 1
         assert greedy_tokens(llm, PROMPTS) == expected  # cached prefixes: blocks every rank holds
+    finally:
+        shut_down(llm)
+
+
+def test_a_model_of_local_and_global_layers_keeps_one_pool_group_and_one_ranks_tokens(tmp_path):
+    """Gemma 3 (five sliding-window layers to one global): one rank keeps a pool of layer groups,
+    context-parallel ranks one group (their exchange of new K/V rows addresses one slot mapping)."""
+    save_tiny_model(gemma3_config(), tmp_path)
+    prompts = [{"prompt_token_ids": [i % 290 + 3 for i in p["prompt_token_ids"]]} for p in PROMPTS]  # its vocabulary
+    expected = greedy_tokens(LLM(str(tmp_path), **(SETTINGS | WHOLE_STEPS)), prompts)
+    llm = LLM(str(tmp_path), context_parallel_size=2, **(SETTINGS | WHOLE_STEPS))
+    try:
+        assert greedy_tokens(llm, prompts) == expected
+        assert split_steps(llm) == 1
     finally:
         shut_down(llm)
 
