@@ -296,12 +296,14 @@ def _sampling_rows(out: SchedulerOutput, rows: list[int], drafts: list[list[int]
                    requests: dict[str, RequestState]) -> list[SamplingRow]:
     """One per position that samples: a row with k drafts samples at 1 + k positions, position j as if
     its first j drafts were already output (penalties count them, min_tokens is j tokens nearer)."""
+    seq_ids, num_output, penalized = out.seq_ids, out.num_output_tokens, out.penalty_token_ids
+    if not out.draft_token_ids:  # a position a row: one comprehension
+        return [SamplingRow(requests[seq_ids[row]], num_output[row], penalized.get(row)) for row in rows]
     found = []
     for row, row_drafts in zip(rows, drafts):
-        state, penalized = requests[out.seq_ids[row]], out.penalty_token_ids.get(row)
+        state, tokens = requests[seq_ids[row]], penalized.get(row)
         for j in range(1 + len(row_drafts)):
-            found.append(SamplingRow(state, out.num_output_tokens[row] + j,
-                                     None if penalized is None else penalized + row_drafts[:j]))
+            found.append(SamplingRow(state, num_output[row] + j, None if tokens is None else tokens + row_drafts[:j]))
     return found
 
 
