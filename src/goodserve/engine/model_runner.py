@@ -127,7 +127,7 @@ class ModelRunner:
         if rows and self.model.pp.is_last:  # stages before the last have no logits: rank 0 takes the last's output
             sampling = build_sampling_batch(_sampling_rows(out, rows, drafts, self.requests), self.vocab_size,
                                             self.device, self.eos_token_ids, _per_position(grammar, drafts))
-            if not trial and not sampling.all_greedy:
+            if not trial and not sampling.all_greedy and out.draft_token_ids:
                 seeded = _seeded_drafting_rows(rows, drafts, out, self.requests)
             with rewind_generators(sampling, always=trial):
                 sampled = sample(step.output.logits, sampling, self.model.kernels, step.output.logits_argmax)
