@@ -51,3 +51,14 @@ def test_a_decode_step_takes_each_rows_next_slot():
 def test_rows_without_drafts_keep_their_one_sample():
     assert kept_tokens([4, 7, 9], [[], [], []]) == [[4], [7], [9]]
     assert kept_tokens([4, 7, 9, 2, 6], [[], [7, 5], []]) == [[4], [7, 9], [6]]
+
+
+def test_a_long_prompt_chunk_takes_the_slots_of_its_blocks():
+    """38 tokens from position 10: the rest of block 4, all of blocks 7 and 2."""
+    out = SchedulerOutput(seq_ids=["a", "b"], num_new_tokens=[1, 38], num_computed_tokens=[3, 10],
+                          token_ids=[[1], list(range(38))], block_tables=[[9], [4, 7, 2]], samples=[True, True],
+                          num_output_tokens=[2, 0])
+    flat = flatten(out, {"a": state("a", 2), "b": state("b", 60)}, BLOCK)
+    assert flat.positions == [3, *range(10, 48)]
+    assert flat.slots == [9 * 16 + 3, *range(4 * 16 + 10, 5 * 16), *range(7 * 16, 8 * 16), *range(2 * 16, 3 * 16)]
+    assert flat.logits_indices == [0, 38]
