@@ -18,7 +18,8 @@ captured graphs, as the engine runs them (CUPTI still times each kernel inside a
         [--variants '{"default": {}, "no_rotary_fusion": {"kernels": {"fuse_rotary_into_decode_attention": false}}}']
     python benchmarks/gpu_profile.py --device cpu --model smollm2-135m   # a CPU smoke run
 
-A variant is LLM keyword arguments, its "kernels" entry KernelOptions fields. Writes
+A variant is LLM keyword arguments, its "kernels" entry KernelOptions fields, and "src" (optional)
+another checkout's src/ to import goodserve from (`git archive COMMIT src | tar -x -C DIR`). Writes
 $OUT/gpu_profile_b{batch}_ctx{context}[...].txt, and with --breakdown the same name in .json.
 """
 
@@ -46,8 +47,8 @@ PROFILED_STEPS = 8
 
 # Kernel name -> category, first match wins: cuBLAS (nvjet, sm90_xmma, cutlass) and the project's
 # GEMV/quantized kernels; the Triton attention kernels (RoPE + KV write included); the fused norms
-# and activations; the sampler's kernels; copies; everything else (torch's elementwise kernels,
-# the embedding lookup, the logits' gather and float conversion).
+# and activations; the sampler's kernels; copies (the inputs' upload, the logits' float conversion);
+# everything else (torch's other elementwise kernels, the embedding lookup, the logits' gather).
 CATEGORIES = (
     ("gemm", r"gemm|gemv|nvjet|xmma|cutlass|cublas|_int4_|_int8_|splitk|matmul"),
     ("attention", r"_decode_kernel|_prefill_kernel|_rotary_write_kv|attention|flash|fmha"),
@@ -75,7 +76,9 @@ def busy_us(intervals: list[tuple[float, float]]) -> float:
 
 def device_breakdown(prof, wall_s: float, steps: int) -> dict:
     """Per step, ms: each category's device time, the time the device ran anything, and its idle
-    time within the profiled window's wall time (host gaps)."""
+    time within the profiled window's wall time (host gaps). Under programmatic dependent launch a
+    Triton kernel starts before the one it follows ends and waits: the categories' sum exceeds the
+    busy time by that overlap (a variant with {"kernels": {"pdl": false}} times each kernel alone)."""
     with tempfile.NamedTemporaryFile(suffix=".json") as trace:
         prof.export_chrome_trace(trace.name)
         events = json.load(open(trace.name))["traceEvents"]
@@ -92,6 +95,7 @@ def device_breakdown(prof, wall_s: float, steps: int) -> dict:
     wall = 1e3 * wall_s / steps
     top = sorted(by_kernel.items(), key=lambda item: -item[1][1])[:25]
     return {"wall_ms": wall, "busy_ms": busy, "host_gap_ms": max(wall - busy, 0.0),
+            "overlap_ms": sum(by_category.values()) / 1e3 / steps - busy,
             "category_ms": {c: us / 1e3 / steps for c, us in sorted(by_category.items(), key=lambda i: -i[1])},
             "top_kernels": [{"name": name, "category": c, "ms_per_step": us / 1e3 / steps, "calls_per_step": n / steps}
                             for name, (c, us, n) in top]}
@@ -196,6 +200,7 @@ def kv_bytes_per_token(runner) -> int:
 # ---- one run ---------------------------------------------------------------------------------
 def build(args, variant: dict) -> LLM:
     variant = dict(variant)
+    variant.pop("src", None)  # the child's PYTHONPATH took it
     options = {"pdl": not args.nopdl} | variant.pop("kernels", {})
     extra = args.mixed_prompt > 0
     return LLM(args.model, device=args.device, enforce_eager=not args.graphs,
@@ -276,7 +281,8 @@ def summary_lines(name: str, result: dict) -> list[str]:
         r = result[window]
         shares = ", ".join(f"{c} {ms:.2f}" for c, ms in r["category_ms"].items())
         lines.append(f"{name} {window}: {r['wall_ms']:.2f} ms a step profiled, device busy {r['busy_ms']:.2f}, "
-                     f"host gaps {r['host_gap_ms']:.2f}; by category (ms): {shares}")
+                     f"host gaps {r['host_gap_ms']:.2f}, kernels overlapping {r['overlap_ms']:.2f}; "
+                     f"by category (ms): {shares}")
     if "roofline" in result:
         r, rates = result["roofline"], result["rates"]
         lines.append(f"{name} roofline at {r['rows']} rows x {r['context']} tokens: bytes {r['bytes_ms']:.2f} ms "
@@ -332,9 +338,12 @@ def main() -> None:
         return
     summary: dict = {"card": gpu_names() or args.device,
                      "args": vars(args), "variants": {}}
-    for name in variants:
+    for name, variant in variants.items():
+        env = dict(os.environ)
+        if "src" in variant:  # this variant imports goodserve from another checkout's src/
+            env["PYTHONPATH"] = os.pathsep.join([os.path.abspath(variant["src"]), env.get("PYTHONPATH", "")])
         done = subprocess.run([sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--child", name],
-                              capture_output=True, text=True)
+                              capture_output=True, text=True, env=env)
         if done.returncode != 0:
             summary["variants"][name] = {"error": done.stderr[-3000:]}
             print(f"{name} failed:\n{done.stderr[-3000:]}", flush=True)
