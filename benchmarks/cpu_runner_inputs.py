@@ -6,8 +6,9 @@ chunk in it) waits for it.
 A dummy:tiny engine runs R sequences (--prompt-len-token prompts, greedy or --temperature) and
 records the scheduler's outputs of its steps: decode steps, then mixed ones (--new prompts of
 --new-len tokens arrive while all R decode). Then the same runner replays them with its forward
-replaced by fixed logits and its sampler's arithmetic by their argmax, so only the host's work is timed: per kind of step, the median over
---repeats passes of ModelRunner.execute_model + sample_tokens + the output's fetch.
+replaced by fixed logits and its sampler's arithmetic by their argmax, so only the host's work is
+timed: per kind of step, the median over the steps of the fastest of --repeats replays of
+ModelRunner.execute_model + sample_tokens + the output's fetch.
 --versions compares checkouts' src/ (each imported in a process of its own), alternated.
 
     OMP_NUM_THREADS=1 python benchmarks/cpu_runner_inputs.py --rows 64,256,512 \\
@@ -120,7 +121,8 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=100)
     p.add_argument("--new", type=int, default=4, help="prompts arriving while the rows decode")
     p.add_argument("--new-len", type=int, default=512)
-    p.add_argument("--profile", action="store_true", help="with --child ROWS,TEMPERATURE: cProfile's table of the replays")
+    p.add_argument("--profile", action="store_true",
+                   help="with --child ROWS,TEMPERATURE: cProfile's table of the replays")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
@@ -142,8 +144,10 @@ def main() -> None:
                       for key, rs in by_key.items()} for name, by_key in runs.items()}
     for name, by_key in medians.items():
         for key, m in by_key.items():
-            print(f"{name:>8} {key}, median of {args.runs}: decode {m['decode_us']:.0f} us, mixed {m['mixed_us']:.0f} us")
-    print(f"wrote {write_result('cpu_runner_inputs.json', {'cpu': cpu_model_name(), 'versions': versions, 'args': vars(args), 'runs': runs, 'medians': medians})}")
+            print(f"{name:>8} {key}, median of {args.runs}: decode {m['decode_us']:.0f} us, "
+                  f"mixed {m['mixed_us']:.0f} us")
+    result = {"cpu": cpu_model_name(), "versions": versions, "args": vars(args), "runs": runs, "medians": medians}
+    print(f"wrote {write_result('cpu_runner_inputs.json', result)}")
 
 
 if __name__ == "__main__":

@@ -148,9 +148,10 @@ def measured_rates() -> dict:
     copy_ms = do_bench(lambda: dst.copy_(src), warmup=10, rep=50, return_mode="median")
     del src, dst
     n = 8192
-    a, b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16), torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     matmul_ms = do_bench(lambda: a @ b, warmup=10, rep=50, return_mode="median")
-    return {"copy_gbps": 2 * (1 << 28) * 4 / (copy_ms * 1e-3) / 1e9, "matmul_tflops": 2 * n**3 / (matmul_ms * 1e-3) / 1e12}
+    return {"copy_gbps": 2 * (1 << 28) * 4 / (copy_ms * 1e-3) / 1e9,
+            "matmul_tflops": 2 * n**3 / (matmul_ms * 1e-3) / 1e12}
 
 
 def decode_roofline(model, rows: int, context: int, rates: dict, kv_bytes_per_token: int) -> dict:
