@@ -103,10 +103,11 @@ class ModelRunner:
         (about a second on an H100). It writes K/V into blocks 0-2 of each group, which hold nothing yet."""
         bs, prefill_len, groups = self.block_size, self.block_size + 3, self.kv_groups.num_groups
         tables = [[*range(2 * groups)], [*range(2 * groups, 3 * groups)]]  # 2 blocks of tokens, then 1
-        slots = zip(token_slots(tables[0], 0, prefill_len, bs, groups), token_slots(tables[1], 4, 5, bs, groups))
+        slots = [slot for g in range(groups) for slot in token_slots(tables[0], 0, prefill_len, bs, groups, g)
+                 + token_slots(tables[1], 4, 5, bs, groups, g)]
         flat = FlatBatch(
             input_ids=[0] * (prefill_len + 1), positions=[*range(prefill_len), 4],
-            slots=[slot for prefill, decode in slots for slot in prefill + decode], query_lens=[prefill_len, 1],
+            slots=slots, query_lens=[prefill_len, 1],
             seq_lens=[prefill_len, 5], block_tables=tables, sample_rows=[0, 1],
             logits_indices=[prefill_len - 1, prefill_len], prompt_logit_spans={})
         return self.forward(self._eager_input(flat))
@@ -138,7 +139,7 @@ class ModelRunner:
         if rows and self.model.pp.is_last:  # stages before the last have no logits: rank 0 takes the last's output
             sampling = build_sampling_batch(_sampling_rows(out, rows, drafts, self.requests), self.vocab_size,
                                             self.device, self.eos_token_ids, _per_position(grammar, drafts))
-            if not trial and not sampling.all_greedy:
+            if not trial and not sampling.all_greedy and out.draft_token_ids:
                 seeded = _seeded_drafting_rows(rows, drafts, out, self.requests)
             with rewind_generators(sampling, always=trial):
                 sampled = sample(step.output.logits, sampling, self.model.kernels, step.output.logits_argmax)
@@ -320,12 +321,14 @@ def _sampling_rows(out: SchedulerOutput, rows: list[int], drafts: list[list[int]
                    requests: dict[str, RequestState]) -> list[SamplingRow]:
     """One per position that samples: a row with k drafts samples at 1 + k positions, position j as if
     its first j drafts were already output (penalties count them, min_tokens is j tokens nearer)."""
+    seq_ids, num_output, penalized = out.seq_ids, out.num_output_tokens, out.penalty_token_ids
+    if not out.draft_token_ids:  # a position a row: one comprehension
+        return [SamplingRow(requests[seq_ids[row]], num_output[row], penalized.get(row)) for row in rows]
     found = []
     for row, row_drafts in zip(rows, drafts):
-        state, penalized = requests[out.seq_ids[row]], out.penalty_token_ids.get(row)
+        state, tokens = requests[seq_ids[row]], penalized.get(row)
         for j in range(1 + len(row_drafts)):
-            found.append(SamplingRow(state, out.num_output_tokens[row] + j,
-                                     None if penalized is None else penalized + row_drafts[:j]))
+            found.append(SamplingRow(state, num_output[row] + j, None if tokens is None else tokens + row_drafts[:j]))
     return found
 
 

@@ -20,7 +20,7 @@ from goodserve.ops.sampler import SamplingBatch
 from goodserve.sampling_params import SamplingParams
 
 
-@dataclass
+@dataclass(slots=True)
 class SamplingRow:
     state: RequestState
     num_output_tokens: int
@@ -51,13 +51,15 @@ def build_sampling_batch(rows: list[SamplingRow], vocab_size: int, device: torch
 
 
 def _settings(seqs: list[SamplingRow], vocab_size: int, device: torch.device, eos_token_ids: list[int]) -> SamplingBatch:
-    params = [seq.params for seq in seqs]
+    params = [seq.state.params for seq in seqs]
     max_logprobs = max((p.logprobs for p in params if p.logprobs is not None), default=-1)
+    if all(seq.state.argmax_only for seq in seqs):  # the common fast path, its facts found once a request
+        return SamplingBatch(all_greedy=True, max_logprobs=max_logprobs)
     plain = all(p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
                 for p in params)
     needs_ban = any(_bans_stop_tokens(seq) for seq in seqs)
     logit_bias = _logit_bias(params, device) if any(p.logit_bias for p in params) else None
-    if plain and not needs_ban and all(p.greedy for p in params):  # the common fast path: argmax only
+    if plain and not needs_ban and all(p.greedy for p in params):  # argmax only (min_tokens already reached)
         return SamplingBatch(all_greedy=True, max_logprobs=max_logprobs, logit_bias=logit_bias)
     top_k = [min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params]
     temperature, top_p, min_p = on_device(

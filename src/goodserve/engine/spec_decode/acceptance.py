@@ -29,6 +29,8 @@ def num_accepted(sampled: list[int], drafts: list[int]) -> int:
 def kept_tokens(sampled: list[int], drafts_per_row: list[list[int]]) -> list[list[int]]:
     """Per row, the tokens it keeps from its samples (1 + len(drafts) consecutive entries of sampled):
     the confirmed drafts, then the target's own token at the first mismatch (or the bonus token)."""
+    if not any(drafts_per_row):  # a token a row
+        return [[token] for token in sampled]
     kept, at = [], 0
     for drafts in drafts_per_row:
         row = sampled[at : at + 1 + len(drafts)]
