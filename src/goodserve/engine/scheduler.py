@@ -267,6 +267,7 @@ class Scheduler:
         at the first sequence it refuses."""
         if self.slo is not None:
             self.slo.demote_late(self.waiting)
+        admitted = 0
         while budget > 0 and self.waiting and not decision.full:
             seq = self.waiting.peek()
             if not self._has_room(seq, len(self.running), self._running_tokens) \
@@ -276,15 +277,25 @@ class Scheduler:
                 seq.num_computed_tokens = self.kv.match_prefix(seq)
             num_new = self._granted(seq, min(seq.num_uncomputed_tokens, budget))
             whole = num_new == seq.num_uncomputed_tokens
+            cost = num_new + self._cached_reads(seq)
             if num_new == 0 or not (whole or self.config.enable_chunked_prefill) \
-                    or not self.kv.allocate(seq, num_new):
+                    or (admitted and cost > budget) or not self.kv.allocate(seq, num_new):
                 self._release_blocks(seq)
                 break
             self._start_running(seq)
             if self.slo is not None:
                 self.slo.joined(seq)
             decision.add(seq, num_new)
-            budget -= num_new
+            budget, admitted = max(budget - cost, 0), admitted + 1
+
+    def _cached_reads(self, seq: Sequence) -> int:
+        """The cached tokens an admitted sequence's prompt rows read besides its new ones, which its
+        step pays for on the torch attention path (the CPU's): there a step with prompt rows attends
+        one sequence at a time over its whole context, so n copies of a prompt served by the prefix
+        cache would cost a step n whole prompts' attention for a few new tokens each (8 x 128 copies:
+        one step of 45 s). Counted against the step's budget, they enter over several steps, each
+        bounded, beside the rest of the traffic; the first admission of a step always goes."""
+        return seq.num_computed_tokens if self.config.attention_backend == "torch" else 0
 
     def _has_room(self, seq: Sequence, num_running: int, running_tokens: int) -> bool:
         """Whether seq may join num_running sequences of running_tokens tokens in all: under max_num_seqs,
