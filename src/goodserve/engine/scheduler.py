@@ -5,7 +5,8 @@ sequence needs (its tokens) - (tokens whose K/V are cached) tokens computed: 1 w
 rest of its prompt when prefilling. Running sequences are served first, then waiting ones, until
 the step's token budget (max_num_batched_tokens) or the sequence cap (max_num_seqs) is reached. With
 chunked prefill a long prompt takes whatever budget is left and finishes in later steps, so decodes
-are never stalled behind it. When the KV pool runs out, the newest running sequence is preempted:
+are never stalled behind it. On the torch attention path a waiting sequence's cached prefix counts
+against the budget too (_cached_reads). When the KV pool runs out, the newest running sequence is preempted:
 its blocks are freed and it is recomputed later (its prefix may well still be cached). A waiting
 sequence of a higher priority (a lower SamplingParams.priority: an online request) that finds no
 sequence slot or KV block takes those of the lowest-priority running one (a batch line), which waits
