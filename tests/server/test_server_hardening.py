@@ -147,7 +147,8 @@ async def health_while_held(url: str, calls: list[asyncio.Task], entered: thread
 def test_health_answers_while_big_prompts_tokenize(text_server, monkeypatch):
     tokenizer = embedded_tokenizer()
     bound = max_prompt_bytes(tokenizer, 8192)
-    big = "hello world, this is a test. " * (bound // 30 - 10)  # just under the bound: tokenized
+    big = "hello world, this is a test. " * (bound // 30 - 10)  # just under the byte bound: tokenized,
+    # then refused for its tokens (more than the context), which the refusal counts
     assert len(big.encode()) <= bound
 
     async def scenario(entered, release):
@@ -161,7 +162,8 @@ def test_health_answers_while_big_prompts_tokenize(text_server, monkeypatch):
     assert health == 200
     assert unfinished == 3  # /health waited for none of them
     expected = len(tokenizer.encode(big))
-    assert [r.json()["count"] for r in results] == [expected] * 3
+    assert [(r.status_code, r.json()["error"]["message"]) for r in results] == \
+        [(400, f"prompt: {expected} token ids, more than this model's context (8192)")] * 3
 
 
 def test_health_answers_while_a_grammar_compiles(text_server, monkeypatch):
