@@ -74,6 +74,18 @@ def test_copies_served_by_the_prefix_cache_enter_over_bounded_steps_on_the_torch
     assert not sched.waiting
 
 
+def test_a_request_behind_the_waiting_copies_passes_them_on_the_torch_path():
+    """One that arrives once the copies wait is admitted in the next step, not after all of them;
+    they go on entering, first in line."""
+    sched = scheduler("torch")
+    fan_out_beside_innocent(sched)
+    late = sequence("late", "late", 0, [90] * 20, arrival=2.0)
+    sched.add(late)
+    out = step(sched)
+    assert "late" in out.seq_ids and late.num_output_tokens == 1 and sum(copies_read(out)) <= BUDGET
+    assert copies_read(step(sched))  # the copies still enter
+
+
 def test_triton_path_admits_every_copy_at_once():
     """The Triton prefill kernel reads the rows' contexts in parallel: there the copies pay only their
     own tokens, and all of them join the innocent's first-token step (what the torch path must not do)."""

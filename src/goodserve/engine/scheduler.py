@@ -268,19 +268,27 @@ class Scheduler:
         at the first sequence it refuses."""
         if self.slo is not None:
             self.slo.demote_late(self.waiting)
-        admitted = 0
+        admitted, passed_over = 0, []
         while budget > 0 and self.waiting and not decision.full:
             seq = self.waiting.peek()
             if not self._has_room(seq, len(self.running), self._running_tokens) \
                     or (admissible is not None and not admissible(seq)):
                 break
+            if passed_over and seq.request_id == passed_over[-1].request_id:  # a copy of the one passed over
+                self.waiting.remove(seq)
+                passed_over.append(seq)
+                continue
             if seq.seq_id not in self.kv.tables:
                 seq.num_computed_tokens = self.kv.match_prefix(seq)
             num_new = self._granted(seq, min(seq.num_uncomputed_tokens, budget))
             whole = num_new == seq.num_uncomputed_tokens
             cost = num_new + self._cached_reads(seq)
-            if num_new == 0 or not (whole or self.config.enable_chunked_prefill) \
-                    or (admitted and cost > budget) or not self.kv.allocate(seq, num_new):
+            if admitted and cost > budget:  # its cached prefix does not fit what is left: the next may
+                self._release_blocks(seq)
+                self.waiting.remove(seq)
+                passed_over.append(seq)
+                continue
+            if num_new == 0 or not (whole or self.config.enable_chunked_prefill) or not self.kv.allocate(seq, num_new):
                 self._release_blocks(seq)
                 break
             self._start_running(seq)
@@ -288,6 +296,8 @@ class Scheduler:
                 self.slo.joined(seq)
             decision.add(seq, num_new)
             budget, admitted = max(budget - cost, 0), admitted + 1
+        for seq in passed_over:  # back in their places, first in line next step
+            self.waiting.add(seq)
 
     def _cached_reads(self, seq: Sequence) -> int:
         """The cached tokens an admitted sequence's prompt rows read besides its new ones, which its
@@ -295,7 +305,9 @@ class Scheduler:
         one sequence at a time over its whole context, so n copies of a prompt served by the prefix
         cache would cost a step n whole prompts' attention for a few new tokens each (8 x 128 copies:
         one step of 45 s). Counted against the step's budget, they enter over several steps, each
-        bounded, beside the rest of the traffic; the first admission of a step always goes."""
+        bounded; the first admission of a step always goes, and one whose prefix does not fit what is
+        left (with its request's other copies) is passed over for this step: a request behind them
+        that fits is admitted, not held back until every copy has started."""
         return seq.num_computed_tokens if self.config.attention_backend == "torch" else 0
 
     def _has_room(self, seq: Sequence, num_running: int, running_tokens: int) -> bool:
