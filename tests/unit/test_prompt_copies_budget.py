@@ -86,6 +86,22 @@ def test_a_request_behind_the_waiting_copies_passes_them_on_the_torch_path():
     assert copies_read(step(sched))  # the copies still enter
 
 
+def test_a_sequence_passed_over_keeps_the_kv_it_was_sent():
+    """A decode request whose prompt's K/V came from a prefill engine waits holding those blocks: passed
+    over for a step, it keeps them (nothing to recompute) and joins the next step for its one token."""
+    sched = scheduler("torch")
+    sched.add(sequence("fresh", "fresh", 0, [3] * (BUDGET - 48), arrival=0.0))
+    moved = sequence("moved", "moved", 0, PROMPT, arrival=1.0)
+    assert sched.kv.allocate(moved, len(PROMPT) - 1)
+    moved.num_computed_tokens = len(PROMPT) - 1
+    blocks = list(sched.kv.block_table("moved"))
+    sched.add(moved)
+    assert step(sched).seq_ids == ["fresh"]  # the budget spent: moved passed over
+    assert sched.kv.block_table("moved") == blocks and moved.num_computed_tokens == len(PROMPT) - 1
+    out = step(sched)
+    assert "moved" in out.seq_ids and out.num_new_tokens[out.seq_ids.index("moved")] == 1
+
+
 def test_triton_path_admits_every_copy_at_once():
     """The Triton prefill kernel reads the rows' contexts in parallel: there the copies pay only their
     own tokens, and all of them join the innocent's first-token step (what the torch path must not do)."""

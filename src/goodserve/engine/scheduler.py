@@ -278,13 +278,15 @@ class Scheduler:
                 self.waiting.remove(seq)
                 passed_over.append(seq)
                 continue
-            if seq.seq_id not in self.kv.tables:
+            matched = seq.seq_id not in self.kv.tables  # else it holds K/V computed elsewhere (kv_transfer.py)
+            if matched:
                 seq.num_computed_tokens = self.kv.match_prefix(seq)
             num_new = self._granted(seq, min(seq.num_uncomputed_tokens, budget))
             whole = num_new == seq.num_uncomputed_tokens
             cost = num_new + self._cached_reads(seq)
             if admitted and cost > budget:  # its cached prefix does not fit what is left: the next may
-                self._release_blocks(seq)
+                if matched:
+                    self._release_blocks(seq)
                 self.waiting.remove(seq)
                 passed_over.append(seq)
                 continue
