@@ -20,6 +20,10 @@ from goodserve.engine.engine import Engine
 from goodserve.llm import LLM
 from goodserve.ports import free_port
 
+# A request to a server a test started: generous, since the machine may be busy with other work
+# (httpx's default, 5 s, is a speed assertion there).
+HTTP_TIMEOUT_S = 300
+
 
 def engine_of(target: LLM | Engine) -> Engine:
     return target.engine if isinstance(target, LLM) else target

@@ -148,7 +148,7 @@ def test_a_rank_that_dies_mid_pipeline_ends_the_engine(workers_with_graphs, dead
     with pytest.raises(EngineDeadError, match=f"rank {dead_rank} .* exited"):
         for _ in range(200):
             engine.step()
-    assert time.perf_counter() - t0 < 10
+    assert time.perf_counter() - t0 < 60  # the liveness poll's seconds, not a collective's timeout
 
 
 @pytest.mark.parametrize("layout", [{"executor_backend": "mp"}, {"tensor_parallel_size": 2}], ids=["mp", "tp2"])

@@ -13,6 +13,7 @@ import time
 import openai
 
 from goodserve.server.process import scrape_metrics, start_server
+from helpers import HTTP_TIMEOUT_S
 from test_batch_api import jsonl, line, records, wait_done
 
 
@@ -25,7 +26,7 @@ def test_killed_mid_job_resumes_answering_every_line_exactly_once(tmp_path):
     server = start_server(args)
     try:
         server.wait_ready()
-        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=HTTP_TIMEOUT_S)
         uploaded = client.files.create(
             file=("in.jsonl", jsonl([line(f"r{i}", "/v1/completions", body) for i in range(num_lines)])),
             purpose="batch")
@@ -41,7 +42,7 @@ def test_killed_mid_job_resumes_answering_every_line_exactly_once(tmp_path):
 
     with start_server(args) as restarted:
         restarted.wait_ready()
-        client = openai.OpenAI(base_url=f"{restarted.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        client = openai.OpenAI(base_url=f"{restarted.url}/v1", api_key="unused", max_retries=0, timeout=HTTP_TIMEOUT_S)
         batch = wait_done(client, batch_id)
         output = records(client, batch.output_file_id)
         assert f"resuming batch {batch_id}" in restarted.log()

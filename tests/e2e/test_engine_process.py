@@ -49,7 +49,7 @@ def process_engine():
     assert engine.process.exitcode == 0  # stopped when told, not killed
 
 
-def wait_for_free_blocks(engine, timeout_s: float = 10.0) -> None:
+def wait_for_free_blocks(engine, timeout_s: float = 120.0) -> None:
     deadline = time.monotonic() + timeout_s
     while engine.stats().num_used_kv_blocks:
         assert time.monotonic() < deadline, engine.stats()
@@ -179,7 +179,7 @@ def test_an_engine_loop_that_dies_says_why_to_every_caller():
     # a bug on the engine's side: apply_command fails on it
     error = asyncio.run(fail_mid_request(engine, lambda: engine._outbox.put("not a command")))
     assert "the engine stopped" in str(error) and "request_id" in str(error)
-    engine.process.join(10)
+    engine.process.join(120)
     assert engine.process.exitcode == 0  # it reported, aborted what it had and ended
 
 
@@ -221,7 +221,7 @@ def test_the_engine_process_by_default_exits_when_the_server_is_killed():
     finally:
         server.process.send_signal(signal.SIGKILL)
         server.process.wait()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while any(map(running, engine_side)):  # a SIGKILL runs no cleanup: the pipe's end is what it sees
         assert time.monotonic() < deadline, "the engine process outlived its server"
         time.sleep(0.1)
@@ -235,7 +235,7 @@ def test_a_program_that_exits_without_shutdown_does_not_hang():
               "from goodserve.sampling_params import SamplingParams; "
               "e = EngineProcess(EngineConfig(model='dummy:tiny', num_kv_blocks=64)); "
               "asyncio.run(e.start()); print(e.process.pid)")
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert not running(int(done.stdout.split()[-1]))
 

@@ -66,6 +66,6 @@ def test_the_next_prompt_is_prefilled_while_an_exchange_waits(tmp_path):
             pass  # the worker gave its held blocks back once each exchange ended
     finally:
         conn.send(("stop",))
-        worker.join(30)
+        worker.join(120)
         dist.destroy_process_group()
     assert worker.exitcode == 0

@@ -20,6 +20,7 @@ import openai
 import pytest
 
 from goodserve.server.process import ServerProcess, free_port, scrape_metrics, start_server
+from helpers import HTTP_TIMEOUT_S
 
 MODEL = "dummy:tiny"
 GREEDY = dict(temperature=0.0, logprobs=1)
@@ -49,8 +50,8 @@ def stack(tmp_path_factory):
             replica.wait_ready()
         # Health checks far apart: a killed replica is found by the request that hits it (the retry path).
         router = start_router([r.url for r in replicas], "--policy", "prefix", "--health-interval-s", "60")
-        router.wait_ready(30)
-        client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        router.wait_ready()
+        client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="unused", max_retries=0, timeout=HTTP_TIMEOUT_S)
         yield router, replicas, client
     finally:
         for process in [router, *replicas]:
@@ -119,7 +120,7 @@ def test_a_client_that_hangs_up_before_a_non_streamed_answer_aborts_it_on_the_re
     before = [(finished(r.url, "abort"), finished(r.url, "length")) for r in replicas]
     body = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": LONG["max_tokens"], "ignore_eos": True})
     host, port = router.url.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port)), timeout=30) as client:
+    with socket.create_connection((host, int(port)), timeout=300) as client:
         client.sendall(f"POST /v1/completions HTTP/1.1\r\nhost: router\r\ncontent-type: application/json\r\n"
                        f"content-length: {len(body)}\r\n\r\n{body}".encode())
         wait_until(lambda: any(running(r.url) for r in replicas), "running on a replica")
@@ -138,7 +139,7 @@ def test_a_frozen_replica_s_waiting_request_is_answered_by_the_other(stack):
     router = start_router([r.url for r in replicas], "--policy", "round-robin", "--health-interval-s", "1",
                           "--health-timeout-s", "5")
     try:
-        router.wait_ready(30)
+        router.wait_ready()
         client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="unused", max_retries=0, timeout=120)
         with ThreadPoolExecutor(1) as pool:
             answer = pool.submit(client.completions.create, model=MODEL, prompt=PROMPT, **LONG)  # to replica 0

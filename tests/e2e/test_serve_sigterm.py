@@ -42,12 +42,12 @@ def test_sigterm_drains_in_flight_request_then_exits(server):
 
     reader = threading.Thread(target=consume)
     reader.start()
-    assert first_chunk.wait(60)
+    assert first_chunk.wait(120)
     for pid in [server.process.pid, *children_of(server.process.pid)]:
         os.kill(pid, signal.SIGTERM)
     reader.join(120)
     # uvicorn re-raises the signal once drained: the conventional "terminated by SIGTERM" status
-    assert server.process.wait(60) == -signal.SIGTERM
+    assert server.process.wait(120) == -signal.SIGTERM
     lines = result["lines"]
     assert lines[-1] == "data: [DONE]"
     assert '"finish_reason":"length"' in lines[-2]

@@ -44,11 +44,11 @@ def test_every_reader_gets_every_message_in_order_at_its_own_pace(delays):
         for message in messages():
             writer.enqueue(message)
         writer.close()
-        got = dict(results.get(timeout=60) for _ in readers)
+        got = dict(results.get(timeout=300) for _ in readers)
     finally:
         writer.unlink()
         for process in readers:
-            process.join(10)
+            process.join(120)
     assert got == {i: messages() for i in range(len(delays))}
 
 

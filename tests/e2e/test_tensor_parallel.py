@@ -148,7 +148,7 @@ def assert_a_dead_rank_1_ends_the_engine(llm: LLM) -> None:
         t0 = time.perf_counter()
         with pytest.raises(EngineDeadError, match="rank 1 .* exited"):
             greedy_tokens(llm)
-        assert time.perf_counter() - t0 < 10
+        assert time.perf_counter() - t0 < 60  # the liveness poll's seconds, not a collective's timeout
     finally:
         shut_down(llm)
 

@@ -217,6 +217,48 @@ def test_corrupt_gguf(tmp_path: Path):
         load_model(str(path), torch.float32, "cpu")
 
 
+def _cut(path: Path, num_bytes: int) -> None:
+    path.write_bytes(path.read_bytes()[:-num_bytes])
+
+
+BROKEN_FILES = {  # what goes wrong -> (the file broken, how)
+    "weights not safetensors": ("model.safetensors", lambda p: p.write_bytes(b"\x00\x01garbage" * 10)),
+    "weights truncated": ("model.safetensors", lambda p: _cut(p, 100)),
+    "config not JSON": ("config.json", lambda p: p.write_text("{not json")),
+    "config a JSON list": ("config.json", lambda p: p.write_text("[1, 2]")),
+}
+
+
+@pytest.mark.parametrize("broken", BROKEN_FILES)
+def test_a_broken_file_is_a_load_error_naming_it_from_llm_and_the_cli(broken, tmp_path: Path, capsys):
+    from goodserve import LLM
+    from goodserve.cli import main
+
+    save_tiny_hf_model(TINY_CONFIGS["llama-gqa-untied"](), tmp_path)
+    name, damage = BROKEN_FILES[broken]
+    damage(tmp_path / name)
+    with pytest.raises(ModelLoadError, match=str(tmp_path / name)):
+        LLM(str(tmp_path))
+    assert main(["generate", "--model", str(tmp_path), "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert "goodserve: error: " in err and str(tmp_path / name) in err and "Traceback" not in err
+
+
+def test_a_truncated_gguf_is_a_load_error_naming_it(tmp_path: Path):
+    from goodserve import LLM
+
+    path = tmp_path / "tiny.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tensor("token_embd.weight", np.zeros((64, 64), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    _cut(path, 8000)
+    with pytest.raises(ModelLoadError, match=f"cannot read GGUF file {path}: the file is truncated"):
+        LLM(str(path))
+
+
 def test_missing_embedded_package_says_how_to_install(monkeypatch):
     import importlib.util
 

@@ -14,7 +14,7 @@ import pytest
 
 from goodserve.server.batch_store import BatchStore, DataDirInUseError
 from goodserve.server.process import scrape_metrics
-from helpers import InProcessServer
+from helpers import HTTP_TIMEOUT_S, InProcessServer
 
 MODEL = "smollm2-135m"
 MAX_FILE_BYTES = 64 << 10
@@ -25,7 +25,8 @@ CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 def served(tmp_path_factory):
     with InProcessServer(["--max-model-len", "512", "--data-dir", str(tmp_path_factory.mktemp("data")),
                           "--batch-max-file-bytes", str(MAX_FILE_BYTES), "--batch-max-concurrency", "2"]) as server:
-        yield server, openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        yield server, openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0,
+                                    timeout=HTTP_TIMEOUT_S)
 
 
 def jsonl(lines: list[dict | str]) -> bytes:
@@ -36,7 +37,7 @@ def line(custom_id: str, url: str, body: dict) -> dict:
     return {"custom_id": custom_id, "method": "POST", "url": url, "body": body}
 
 
-def wait_done(client: openai.OpenAI, batch_id: str, timeout_s: float = 60.0):
+def wait_done(client: openai.OpenAI, batch_id: str, timeout_s: float = 300.0):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         batch = client.batches.retrieve(batch_id)

@@ -18,7 +18,7 @@ from goodserve.model.spec import SamplingDefaults
 from goodserve.model.tokenizer_loader import embedded_tokenizer
 from goodserve.server.app import ServerConfig, sampling_defaults
 from goodserve.server.protocol import ChatCompletionRequest, CompletionRequest
-from helpers import InProcessServer
+from helpers import HTTP_TIMEOUT_S, InProcessServer
 from test_loaders import TINY_CONFIGS, save_tiny_hf_model
 
 RECOMMENDED = {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "do_sample": True, "eos_token_id": 2}
@@ -68,7 +68,7 @@ def test_a_server_samples_with_the_models_recommended_temperature(tmp_path: Path
     model = tiny_model_dir(tmp_path, {"temperature": 0.0, "eos_token_id": 2})  # recommended: greedy
     server = InProcessServer(["--model", str(model), "--max-model-len", "128"])
     try:
-        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=HTTP_TIMEOUT_S)
         prompt = [5, 17, 42, 99, 7]
         greedy = LLM(str(model), max_model_len=128).generate(
             {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]

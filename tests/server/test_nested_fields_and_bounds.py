@@ -1,7 +1,7 @@
 """Request bounds checked in the app in-process (httpx's ASGI transport) over the embedded model: a
 field a nested object (a message, a tool, a format) does not declare is refused by name like a
 top-level one (or dropped under --allow-unknown-fields); a batch's metadata within OpenAI's bounds;
-/detokenize bounded by the context and run off the event loop."""
+/tokenize and /detokenize bounded by the context and run off the event loop."""
 
 from __future__ import annotations
 
@@ -97,3 +97,18 @@ def test_detokenize_is_bounded_by_the_context_and_runs_off_the_event_loop(engine
     assert ok.status_code == 200 and ok.json()["prompt"] == "Hello there, general Kenobi."
     assert threads and all(t is not threading.main_thread() for t in threads)
     assert too_many.status_code == 400 and str(MAX_MODEL_LEN) in too_many.json()["error"]["message"]
+
+
+def test_tokenize_answers_at_most_the_context(engine, tmp_path):
+    """A short text of many tokens (under the bytes that surely exceed the context, so it is
+    tokenized) gets a 400 naming the context, not a list of ids longer than any sequence can be."""
+    many = " x" * (MAX_MODEL_LEN + 10)
+    assert len(engine.tokenizer.encode(many, add_special_tokens=False)) > MAX_MODEL_LEN
+    ok, prompt, messages = call(engine, tmp_path, [
+        ("POST", "/tokenize", {"prompt": " x" * 10}), ("POST", "/tokenize", {"prompt": many}),
+        ("POST", "/tokenize", {"messages": [{"role": "user", "content": many}]})])
+    assert ok.status_code == 200 and ok.json()["count"] == len(engine.tokenizer.encode(" x" * 10))
+    for reply, field in ((prompt, "prompt"), (messages, "messages")):
+        assert reply.status_code == 400, reply.text
+        assert reply.json()["error"]["message"].startswith(f"{field}: ")
+        assert f"more than this model's context ({MAX_MODEL_LEN})" in reply.json()["error"]["message"]

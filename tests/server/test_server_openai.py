@@ -18,7 +18,7 @@ import pytest
 
 from goodserve import LLM, SamplingParams
 from goodserve.server.process import scrape_metrics
-from helpers import InProcessServer
+from helpers import HTTP_TIMEOUT_S, InProcessServer
 
 MODEL = "smollm2-135m"
 MAX_MODEL_LEN = 512
@@ -176,7 +176,7 @@ def test_64_concurrent_streams_equal_sequential_runs(stack):
     assert asyncio.run(all_at_once()) == sequential
 
 
-def _wait_for_idle_engine(url: str, timeout_s: float = 30.0) -> dict[str, float]:
+def _wait_for_idle_engine(url: str, timeout_s: float = 120.0) -> dict[str, float]:
     deadline = time.monotonic() + timeout_s
     while True:
         m = scrape_metrics(url)
@@ -199,7 +199,7 @@ def test_disconnected_streams_are_aborted_and_free_their_blocks(stack):
                     return  # leaving the block closes the connection mid-stream
 
     async def twenty_clients() -> None:
-        async with httpx2.AsyncClient(timeout=60) as client:
+        async with httpx2.AsyncClient(timeout=HTTP_TIMEOUT_S) as client:
             await asyncio.gather(*(read_one_chunk_and_hang_up(client) for _ in range(20)))
 
     asyncio.run(twenty_clients())
@@ -239,12 +239,13 @@ def test_metrics_parse_and_counters_move(stack):
 
 def test_tokenize_and_detokenize(stack):
     text = "Hello, tokenizer!"
-    tokens = httpx2.post(f"{stack.url}/tokenize", json={"model": MODEL, "prompt": text}).json()
+    tokens = httpx2.post(f"{stack.url}/tokenize", json={"model": MODEL, "prompt": text}, timeout=HTTP_TIMEOUT_S).json()
     assert tokens["tokens"] == stack.llm.tokenizer.encode(text)
     assert tokens["count"] == len(tokens["tokens"]) and tokens["max_model_len"] == MAX_MODEL_LEN
-    back = httpx2.post(f"{stack.url}/detokenize", json={"model": MODEL, "tokens": tokens["tokens"]}).json()
+    back = httpx2.post(f"{stack.url}/detokenize", json={"model": MODEL, "tokens": tokens["tokens"]},
+                       timeout=HTTP_TIMEOUT_S).json()
     assert back["prompt"] == stack.llm.tokenizer.decode(tokens["tokens"])
-    chat = httpx2.post(f"{stack.url}/tokenize", json={"messages": CHAT}).json()
+    chat = httpx2.post(f"{stack.url}/tokenize", json={"messages": CHAT}, timeout=HTTP_TIMEOUT_S).json()
     usage = stack.client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1).usage
     assert chat["count"] == usage.prompt_tokens
 
@@ -271,12 +272,12 @@ BAD_REQUESTS = [
 def test_bad_input_gets_typed_error_and_server_stays_healthy(stack, name, path, body, status):
     kwargs = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) \
         else {"json": body}
-    resp = httpx2.post(f"{stack.url}{path}", timeout=30, **kwargs)
+    resp = httpx2.post(f"{stack.url}{path}", timeout=HTTP_TIMEOUT_S, **kwargs)
     assert resp.status_code == status, resp.text
     error = resp.json()["error"]
     assert error["message"] and error["type"] and error["code"] == status
     assert "Traceback" not in resp.text
-    assert httpx2.get(f"{stack.url}/health").status_code == 200
+    assert httpx2.get(f"{stack.url}/health", timeout=HTTP_TIMEOUT_S).status_code == 200
 
 
 def test_bad_input_through_the_openai_client_raises_its_typed_errors(stack):
@@ -307,10 +308,10 @@ def test_schemathesis_finds_no_server_errors(stack):
             def no_server_error(case) -> None:
                 if isinstance(case.body, dict):  # keep CPU generation short; other fields stay random
                     case.body.update(bounded)
-                response = case.call(base_url=stack.url, timeout=60)
+                response = case.call(base_url=stack.url, timeout=HTTP_TIMEOUT_S)
                 assert response.status_code < 500, (operation.path, case.body, response.text)
 
             no_server_error()
         checked.append(operation.path)
     assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize"} <= set(checked)
-    assert httpx2.get(f"{stack.url}/health").status_code == 200
+    assert httpx2.get(f"{stack.url}/health", timeout=HTTP_TIMEOUT_S).status_code == 200

@@ -14,7 +14,7 @@ from goodserve.engine.step_time_model import StepTimeFit
 from goodserve.errors import QueueFullError
 from goodserve.cli import main
 from goodserve.server.process import scrape_metrics
-from helpers import InProcessServer
+from helpers import HTTP_TIMEOUT_S, InProcessServer
 
 MODEL = "dummy:tiny"  # no tokenizer: prompts are token ids
 
@@ -24,7 +24,7 @@ def client():
     server = InProcessServer(["--model", MODEL, "--scheduler-policy", "slo", "--max-model-len", "512",
                             "--slo-ttft-ms", "60000", "--slo-tpot-ms", "60000", "--slo-shed-costly"])
     try:
-        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=HTTP_TIMEOUT_S)
         # Steps of three shapes (prompts of 3 and 200 tokens, decodes) give the step-time model a fit.
         for prompt_len in (3, 200, 3, 200):
             client.completions.create(model=MODEL, prompt=[5] * prompt_len, max_tokens=4)

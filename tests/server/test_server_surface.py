@@ -21,7 +21,7 @@ import torch
 from goodserve import LLM, SamplingParams
 from goodserve.server.contract import check_fields
 from goodserve.server.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, ResponsesRequest
-from helpers import InProcessServer
+from helpers import HTTP_TIMEOUT_S, InProcessServer
 
 MODEL = "smollm2-135m"
 PROMPT = "The capital of France is"
@@ -99,7 +99,8 @@ def test_embeddings_equal_transformers_last_token_hidden_state(served, hf_embedd
     np.testing.assert_allclose(np.array([d.embedding for d in floats.data]), expected, atol=2e-4)
     by_default = client.embeddings.create(model=MODEL, input=ids)  # the client asks for base64 and decodes it
     np.testing.assert_allclose(np.array([d.embedding for d in by_default.data]), expected, atol=2e-4)
-    raw = httpx2.post(f"{client.base_url}embeddings", json={"input": ids[0], "encoding_format": "base64"}).json()
+    raw = httpx2.post(f"{client.base_url}embeddings", json={"input": ids[0], "encoding_format": "base64"},
+                      timeout=HTTP_TIMEOUT_S).json()
     decoded = np.frombuffer(base64.b64decode(raw["data"][0]["embedding"]), dtype="<f4")
     np.testing.assert_allclose(decoded, expected[0], atol=2e-4)
     with pytest.raises(openai.BadRequestError, match="dimensions"):
@@ -112,7 +113,7 @@ def test_model_by_id_and_version(served):
     assert client.models.retrieve(MODEL).id == MODEL
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("gpt-17")
-    assert httpx2.get(f"{server.url}/version").json() == {"version": version("goodserve")}
+    assert httpx2.get(f"{server.url}/version", timeout=HTTP_TIMEOUT_S).json() == {"version": version("goodserve")}
 
 
 def test_responses_non_stream_and_stream_equal_the_chat_path(served):
@@ -211,7 +212,7 @@ REFUSED = [(path, body, name) for path, (body, schema) in BODIES.items()
 
 def test_every_unimplemented_field_is_refused_by_name(served):
     server, _, client = served
-    with httpx2.Client(base_url=server.url, timeout=30) as http:
+    with httpx2.Client(base_url=server.url, timeout=HTTP_TIMEOUT_S) as http:
         for path, body, name in REFUSED:
             resp = http.post(path, json={**body, name: "x"})
             assert resp.status_code == 400, (path, name, resp.text)
@@ -266,7 +267,8 @@ def test_continue_final_message_continues_the_assistants_text(served):
                        continue_final_message=True)
     assert offline[0].outputs[0].text == expected
     tokenized = httpx2.post(f"{server.url}/tokenize", json={"messages": messages, "continue_final_message": True,
-                                                            "add_generation_prompt": False}).json()
+                                                            "add_generation_prompt": False},
+                            timeout=HTTP_TIMEOUT_S).json()
     assert tokenized["tokens"] == ids
     with pytest.raises(openai.BadRequestError, match="add_generation_prompt to false"):
         client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1,

@@ -21,7 +21,7 @@ from goodserve.bench import command
 from goodserve.bench.command import WARMUP_SEED_OFFSET
 from goodserve.bench.result import load_json
 from goodserve.engine.spec_decode.ngram import propose_ngram
-from helpers import InProcessServer
+from helpers import HTTP_TIMEOUT_S, InProcessServer
 from test_bench_client import bench_args
 from test_spec_decode import COPY
 
@@ -45,7 +45,7 @@ def spec_server():
 def scrape(url: str) -> dict[str, float]:
     """Every goodserve sample; per-position counters keyed name[position]."""
     samples = {}
-    for family in text_string_to_metric_families(httpx2.get(f"{url}/metrics", timeout=30).text):
+    for family in text_string_to_metric_families(httpx2.get(f"{url}/metrics", timeout=HTTP_TIMEOUT_S).text):
         for s in family.samples:
             samples[f"{s.name}[{s.labels['position']}]" if s.name == PER_POS else s.name] = s.value
     return samples

@@ -14,7 +14,7 @@ import jsonschema
 import openai
 import pytest
 
-from helpers import InProcessServer
+from helpers import HTTP_TIMEOUT_S, InProcessServer
 
 
 MODEL = "smollm2-135m"
@@ -184,8 +184,8 @@ def test_tool_results_flow_back_through_the_template(server, client):
         {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
             "name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21, "sky": "sunny"}'}]
-    tokens = httpx2.post(f"{server.url}/tokenize", json={"messages": messages}).json()["tokens"]
-    prompt = httpx2.post(f"{server.url}/detokenize", json={"tokens": tokens}).json()["prompt"]
+    tokens = httpx2.post(f"{server.url}/tokenize", json={"messages": messages}, timeout=HTTP_TIMEOUT_S).json()["tokens"]
+    prompt = httpx2.post(f"{server.url}/detokenize", json={"tokens": tokens}, timeout=HTTP_TIMEOUT_S).json()["prompt"]
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}' in prompt
     assert '<tool_response>\n{"temperature": 21, "sky": "sunny"}\n</tool_response>' in prompt
     out = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], temperature=0,

@@ -31,7 +31,7 @@ class SseServer:
         self.ready = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
-        self.ready.wait(5)
+        assert self.ready.wait(60)
 
     def _run(self):
         asyncio.set_event_loop(self.loop)
@@ -47,7 +47,7 @@ class SseServer:
     def close(self):
         self.loop.call_soon_threadsafe(self.server.close)
         self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
+        self.thread.join(60)
 
     async def _handle(self, reader, writer):
         try:

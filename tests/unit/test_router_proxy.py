@@ -175,9 +175,9 @@ def test_each_chunk_is_relayed_as_it_arrives():
         fakes.held = asyncio.Event()
         _, app = router_client(fakes)
         body = json.dumps({"prompt": "p", "stream": True}).encode()
-        response = await asyncio.wait_for(app.state.router.forward("POST", "/v1/completions", body, {}), 5)
+        response = await asyncio.wait_for(app.state.router.forward("POST", "/v1/completions", body, {}), 30)
         chunks = response.body_iterator
-        assert b'"chunk": 0' in await asyncio.wait_for(anext(chunks), 5)
+        assert b'"chunk": 0' in await asyncio.wait_for(anext(chunks), 30)
         fakes.held.set()
         rest = b"".join([chunk async for chunk in chunks])
         assert rest.count(b"data: ") == 3 and rest.endswith(b"data: [DONE]\n\n")

@@ -5,7 +5,8 @@ sequence needs (its tokens) - (tokens whose K/V are cached) tokens computed: 1 w
 rest of its prompt when prefilling. Running sequences are served first, then waiting ones, until
 the step's token budget (max_num_batched_tokens) or the sequence cap (max_num_seqs) is reached. With
 chunked prefill a long prompt takes whatever budget is left and finishes in later steps, so decodes
-are never stalled behind it. When the KV pool runs out, the newest running sequence is preempted:
+are never stalled behind it. On the torch attention path a waiting sequence's cached prefix counts
+against the budget too (_cached_reads). When the KV pool runs out, the newest running sequence is preempted:
 its blocks are freed and it is recomputed later (its prefix may well still be cached). A waiting
 sequence of a higher priority takes the room of running ones of a lower priority (engine/displacement.py).
 
@@ -224,23 +225,48 @@ class Scheduler:
         """Admit waiting sequences in order while the budget lasts; `admissible`, when given, stops
         at the first sequence it refuses."""
         self.policy.before_admitting(self.waiting)
+        admitted, passed_over = 0, []
         while budget > 0 and self.waiting and not decision.full:
             seq = self.waiting.peek()
             if not self.policy.has_room(seq, len(self.running), self.policy.running_tokens) \
                     or (admissible is not None and not admissible(seq)):
                 break
-            if seq.seq_id not in self.kv.tables:
+            if passed_over and seq.request_id == passed_over[-1].request_id:  # a copy of the one passed over
+                self.waiting.remove(seq)
+                passed_over.append(seq)
+                continue
+            matched = seq.seq_id not in self.kv.tables  # else it holds K/V computed elsewhere (kv_transfer.py)
+            if matched:
                 seq.num_computed_tokens = self.kv.match_prefix(seq)
             num_new = self.policy.granted(seq, min(seq.num_uncomputed_tokens, budget))
             whole = num_new == seq.num_uncomputed_tokens
-            if num_new == 0 or not (whole or self.config.enable_chunked_prefill) \
-                    or not self.kv.allocate(seq, num_new):
+            cost = num_new + self._cached_reads(seq)
+            if admitted and cost > budget:  # its cached prefix does not fit what is left: the next may
+                if matched:
+                    self._release_blocks(seq)
+                self.waiting.remove(seq)
+                passed_over.append(seq)
+                continue
+            if num_new == 0 or not (whole or self.config.enable_chunked_prefill) or not self.kv.allocate(seq, num_new):
                 self._release_blocks(seq)
                 break
             self._start_running(seq)
             self.policy.joined(seq)
             decision.add(seq, num_new)
-            budget -= num_new
+            budget, admitted = max(budget - cost, 0), admitted + 1
+        for seq in passed_over:  # back in their places, first in line next step
+            self.waiting.add(seq)
+
+    def _cached_reads(self, seq: Sequence) -> int:
+        """The cached tokens an admitted sequence's prompt rows read besides its new ones, which its
+        step pays for on the torch attention path (the CPU's): there a step with prompt rows attends
+        one sequence at a time over its whole context, so n copies of a prompt served by the prefix
+        cache would cost a step n whole prompts' attention for a few new tokens each (8 x 128 copies:
+        one step of 45 s). Counted against the step's budget, they enter over several steps, each
+        bounded; the first admission of a step always goes, and one whose prefix does not fit what is
+        left (with its request's other copies) is passed over for this step: a request behind them
+        that fits is admitted, not held back until every copy has started."""
+        return seq.num_computed_tokens if self.config.attention_backend == "torch" else 0
 
     def _release_blocks(self, seq: Sequence, finished: bool = False) -> None:
         """A sequence that could not be admitted (or is preempted, or finished) gives back its blocks,

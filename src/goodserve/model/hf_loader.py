@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from goodserve.errors import ModelLoadError
 from goodserve.model.families import Family, hf_family
@@ -170,17 +170,24 @@ def _our_name(name: str) -> tuple[str, str | tuple[str, int] | None]:
 def load_hf_weights(model: LlamaForCausalLM, files: list[Path]) -> None:
     filler = WeightFiller(model)
     for file in files:
-        with safe_open(file, framework="pt") as f:
-            for name in f.keys():
-                if name.endswith("rotary_emb.inv_freq"):  # recomputed, stored by old checkpoints
-                    continue
-                if name == "lm_head.weight" and model.spec.tie_word_embeddings:
-                    continue
-                if ".qkv_proj." in name or ".gate_up_proj." in name:  # Phi-3's fused ones: split per shard
-                    filler.fill_whole(name, f.get_tensor(name))
-                    continue
-                filler.fill(*_our_name(name), f.get_tensor(name))
+        try:
+            _fill_from(filler, file, model.spec.tie_word_embeddings)
+        except SafetensorError as e:  # a corrupt or truncated file: its header, or a tensor past its end
+            raise ModelLoadError(f"{file} is not a readable safetensors file: {e} (download it again)") from e
     filler.finish()
+
+
+def _fill_from(filler: WeightFiller, file: Path, tied: bool) -> None:
+    with safe_open(file, framework="pt") as f:
+        for name in f.keys():
+            if name.endswith("rotary_emb.inv_freq"):  # recomputed, stored by old checkpoints
+                continue
+            if name == "lm_head.weight" and tied:
+                continue
+            if ".qkv_proj." in name or ".gate_up_proj." in name:  # Phi-3's fused ones: split per shard
+                filler.fill_whole(name, f.get_tensor(name))
+                continue
+            filler.fill(*_our_name(name), f.get_tensor(name))
 
 
 def read_hf_spec(path: Path) -> ModelSpec:

@@ -18,9 +18,12 @@ def read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         return {}
     try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ModelLoadError(f"cannot read {path}: {e}") from e
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"cannot read {path}: it holds a JSON {type(data).__name__}, not an object")
+    return data
 
 
 def hf_tokenizer(path: Path, spec: ModelSpec | None) -> Tokenizer | None:

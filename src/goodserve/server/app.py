@@ -24,6 +24,7 @@ from goodserve.server.batch_runner import BatchRunner
 from goodserve.server.batch_store import BatchStore, DataDirInUseError, default_data_dir
 from goodserve.server.connections import connection_capacity, guarded_protocol
 from goodserve.server.errors import DrainingError, install_error_handlers
+from goodserve.server.limits import check_within_context
 from goodserve.server.metrics import ServerMetrics, Slo
 from goodserve.server.protocol import (
     ChatCompletionRequest,
@@ -223,16 +224,13 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
             ids = await ctx.chat_prompt_ids(body.messages, body)
         else:
             ids = await ctx.encoder.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        check_within_context("prompt" if body.messages is None else "messages", len(ids), engine.max_model_len)
         return TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids)
 
     @app.post("/detokenize", responses=_ERRORS)
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         ctx.check_request(body)
-        # Bounded by the context: more ids than a sequence of this model can hold is no text it made or
-        # read, and its text (up to the longest token's bytes per id) would be the response's size.
-        if len(body.tokens) > engine.max_model_len:
-            raise InvalidRequestError(f"tokens: {len(body.tokens)} ids, more than this model's context "
-                                      f"({engine.max_model_len})")
+        check_within_context("tokens", len(body.tokens), engine.max_model_len)
         vocab_size = ctx.tokenizer.vocab_size
         if any(t >= vocab_size for t in body.tokens):
             raise InvalidRequestError(f"token ids must be in [0, {vocab_size})")

@@ -14,6 +14,7 @@ from typing import Annotated
 from pydantic import Field
 from pydantic_core import PydanticCustomError
 
+from goodserve.errors import InvalidRequestError
 from goodserve.structured_outputs import MAX_SCHEMA_DEPTH, json_depth
 
 MAX_STOP_STRINGS = 64  # OpenAI allows 4; vLLM has no bound
@@ -41,6 +42,14 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 def check_body(data: object) -> object:
     """A request body's own checks before its fields are validated: its depth, then its text."""
     return reject_lone_surrogates(reject_deep(data))
+
+
+def check_within_context(what: str, num_ids: int, max_model_len: int) -> None:
+    """Token ids in or out of /tokenize and /detokenize: more than a sequence of this model can hold
+    is no text it made or read, and the response (an id, or up to the longest token's bytes, for
+    each) would grow with them."""
+    if num_ids > max_model_len:
+        raise InvalidRequestError(f"{what}: {num_ids} token ids, more than this model's context ({max_model_len})")
 
 
 def reject_deep(data: object) -> object:
