@@ -137,3 +137,15 @@ from goodserve.router.command import config_from_args
 args = build_parser().parse_args(["router", "--backend", "http://a:8000", "--backend", "http://b:8000"])
 assert build_app(config_from_args(args)).state.router.backends[1].url == "http://b:8000"
 """)
+
+
+def test_draft_types_never_import_torch():
+    """Drafts, side branches and what the runner learns from them are plain data: the scheduler's
+    output and the runner's carry them across processes, and they load without torch."""
+    _torch_free("""
+import sys
+from goodserve.engine.spec_decode.drafts import Branch, BranchOutput, Drafts
+
+branch = Branch([5, 6], [-1, 0], [1])
+assert Drafts([7], branch=branch).branch.parents == [-1, 0] and BranchOutput([8], [7, 9]).samples == [7, 9]
+""")

@@ -43,14 +43,15 @@ import time
 from goodserve.config import EngineConfig
 from goodserve.engine.kv_cache_manager import KVCacheManager
 from goodserve.engine.makespan import MakespanAdmission, longest_first_key
-from goodserve.engine.runner_output import BranchOutput, ModelRunnerOutput
+from goodserve.engine.runner_output import ModelRunnerOutput
 from goodserve.engine.scheduler_output import SchedulerOutput
 from goodserve.engine.sequence import Sequence, SequenceStatus
 from goodserve.engine.slo_policy import SloForecast, SloPolicy
 from goodserve.engine.step_time_model import StepTimeModel
 from goodserve.engine.step_update import StepUpdate, append_tokens
 from goodserve.engine.spec_decode.policy import Speculator, VerifyCost
-from goodserve.engine.spec_decode.proposer import Drafts, Proposer
+from goodserve.engine.spec_decode.drafts import BranchOutput, Drafts
+from goodserve.engine.spec_decode.proposer import Proposer
 from goodserve.engine.waiting_queue import WaitingQueue
 
 

@@ -33,9 +33,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from goodserve.config import EngineConfig
-from goodserve.engine.runner_output import BranchOutput
 from goodserve.engine.sequence import Sequence
-from goodserve.engine.spec_decode.proposer import Branch, Drafts, Proposer
+from goodserve.engine.spec_decode.drafts import Branch, BranchOutput, Drafts
+from goodserve.engine.spec_decode.proposer import Proposer
 
 TRIAL_WEIGHT = 0.3  # of each judged draft in a sequence's acceptance average
 PROBE_EVERY = 32  # steps: at most one in this many probes the sequences left out
