@@ -42,7 +42,7 @@ from goodserve.engine.input_processor import InputProcessor, sequence_id
 from goodserve.engine.isolation import find_culprits
 from goodserve.engine.kv_cache import kv_read_ratio, kv_storage_dtype
 from goodserve.engine.kv_cache_manager import KVCacheManager
-from goodserve.engine.output_processor import OutputProcessor
+from goodserve.engine.output_processor import OutputProcessor, catch_up_text
 from goodserve.engine.request import Request
 from goodserve.engine.runner_output import ModelRunnerOutput, PendingOutput
 from goodserve.engine.scheduler import Scheduler
@@ -190,7 +190,7 @@ class Engine:
             return None
         for seq in request.seqs:
             if not seq.is_finished:
-                self.outputs.catch_up_text(request, seq)
+                catch_up_text(request.samples[seq.index], seq.token_ids)
                 self._finish(seq, Finish("abort"))
         return request.output()
 

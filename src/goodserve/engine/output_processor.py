@@ -18,13 +18,13 @@ from dataclasses import dataclass, field
 import torch
 
 from goodserve.engine.grammar import accept_token
-from goodserve.engine.request import Request
+from goodserve.engine.request import Request, SampleOutput
 from goodserve.engine.runner_output import ModelRunnerOutput
 from goodserve.engine.scheduler_output import SchedulerOutput
 from goodserve.engine.sequence import Sequence
 from goodserve.engine.step_update import Finish, StepUpdate
-from goodserve.model.detokenizer import IncrementalDetokenizer
 from goodserve.outputs import Logprob, LogprobsEntry, RequestOutput
+from goodserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("goodserve.engine")
 
@@ -66,8 +66,11 @@ class OutputProcessor:
         for row, entries in output.prompt_logprobs.items():
             guarded(seqs[row], self._store_prompt_logprobs, *entries)
         for row, total in output.pooled.items():  # a recomputed prompt (after a preemption) starts over
-            seq = seqs[row]
-            seq.pooled = total if out.num_computed_tokens[row] == 0 or seq.pooled is None else seq.pooled + total
+            request = requests.get(seqs[row].request_id)
+            if request is not None:
+                sample = request.samples[seqs[row].index]
+                sample.pooled = total if out.num_computed_tokens[row] == 0 or sample.pooled is None \
+                    else sample.pooled + total
         for seq in update.finished:
             if seq.params.prefill_only:
                 guarded(seq, self._finish_prefill_only)
@@ -93,7 +96,7 @@ class OutputProcessor:
                        stream_text: bool) -> Finish | None:
         """The count tokens the scheduler appended to seq (logprobs: the runner's values, ids and rank
         per token), one by one; how seq ends at one of them, if this module ends it there."""
-        now, first = time.time(), seq.num_tokens - count
+        now, first, sample = time.time(), seq.num_tokens - count, request.samples[seq.index]
         metrics = seq.metrics
         for j in range(count):
             metrics.token_times.append(now)
@@ -101,60 +104,48 @@ class OutputProcessor:
             metrics.last_token_time = now
             if logprobs is not None:
                 entry = self.logprobs_entry(*logprobs[j])
-                seq.logprobs.append(entry)
-                seq.cumulative_logprob += entry[seq.token_ids[first + j]].logprob
-            finish = self._end_at(request, seq, first + j, stream_text)
+                sample.logprobs.append(entry)
+                sample.cumulative_logprob += entry[seq.token_ids[first + j]].logprob
+            finish = self._end_at(sample, seq, first + j, stream_text)
             if finish is not None:
                 del seq.token_ids[first + j + 1 :]  # what a stop string or a grammar ends, ends here
                 return finish
         return None
 
-    def _end_at(self, request: Request, seq: Sequence, pos: int, stream_text: bool) -> Finish | None:
+    def _end_at(self, sample: SampleOutput, seq: Sequence, pos: int, stream_text: bool) -> Finish | None:
         """Whether seq ends at its token `pos`: at the scheduler's stop token or a grammar's end (the
         stop token itself is not part of the text), or at a stop string; its text at the scheduler's
         length limit, all of it."""
-        token, params, detokenizer = seq.token_ids[pos], seq.params, request.detokenizers[seq.index]
+        token, params = seq.token_ids[pos], seq.params
         last = pos == seq.num_tokens - 1
         # A grammar ends where it accepts its stop token (it allows one only once its text is complete).
         grammar_done = seq.grammar is not None and accept_token(seq, token)
         if grammar_done or (last and seq.finish_reason == "stop"):
-            self.finish_text(seq, detokenizer, text_tokens=pos)
+            finish_text(sample, seq.token_ids, pos)
             return Finish("stop", token if token in params.stop_token_ids else None)
-        if detokenizer is not None and (stream_text or params.stop):
-            delta = _detokenize_pending(seq, detokenizer, pos + 1)
+        if sample.detokenizer is not None and (stream_text or params.stop):
+            delta = _detokenize_pending(sample, seq.token_ids, pos + 1)
             if params.stop and pos + 1 - seq.num_prompt_tokens >= params.min_tokens:
-                stop = _truncate_at_stop_string(seq, len(delta))
+                stop = _truncate_at_stop_string(sample, params, len(delta))
                 if stop is not None:
                     return Finish("stop", stop)
         if last and seq.is_finished:  # at its length
-            self.finish_text(seq, detokenizer)
+            finish_text(sample, seq.token_ids)
         return None
 
     def _finish_prefill_only(self, request: Request, seq: Sequence) -> None:
         """The scheduler ended it with its prompt computed: its embedding, its text."""
+        sample = request.samples[seq.index]
         if seq.params.pooling is not None:  # the mean's direction is the sum's: normalizing drops the count
-            seq.embedding = torch.nn.functional.normalize(seq.pooled, dim=0).tolist()
-        self.finish_text(seq, request.detokenizers[seq.index])
-
-    def finish_text(self, seq: Sequence, detokenizer: IncrementalDetokenizer | None,
-                    text_tokens: int | None = None) -> None:
-        """The text of seq's tokens (up to token index text_tokens), all of it: the last characters a
-        detokenizer holds back included."""
-        if detokenizer is not None:
-            _detokenize_pending(seq, detokenizer, text_tokens)
-            seq.text += detokenizer.flush()
-
-    def catch_up_text(self, request: Request, seq: Sequence) -> None:
-        """An aborted sequence's text: every token it has, as far as the detokenizer can tell yet."""
-        detokenizer = request.detokenizers[seq.index]
-        if detokenizer is not None:
-            _detokenize_pending(seq, detokenizer)
+            sample.embedding = torch.nn.functional.normalize(sample.pooled, dim=0).tolist()
+        finish_text(sample, seq.token_ids)
 
     def _store_prompt_logprobs(self, request: Request, seq: Sequence, first: int, values: list, ids: list,
                                ranks: list) -> None:
         """Entries from token `first` on; a recomputed prompt (after a preemption) replaces its own."""
-        del seq.prompt_logprobs[first:]
-        seq.prompt_logprobs.extend(self.logprobs_entry(v, i, r) for v, i, r in zip(values, ids, ranks))
+        entries = request.samples[seq.index].prompt_logprobs
+        del entries[first:]
+        entries.extend(self.logprobs_entry(v, i, r) for v, i, r in zip(values, ids, ranks))
 
     def logprobs_entry(self, values: list[float], ids: list[int], rank: int) -> LogprobsEntry:
         """values/ids: the chosen token first, then the top alternatives (which may include it)."""
@@ -166,18 +157,34 @@ class OutputProcessor:
         return entry
 
 
-def _detokenize_pending(seq: Sequence, detokenizer: IncrementalDetokenizer, upto: int | None = None) -> str:
-    """Feed the detokenizer the tokens it has not seen (up to token index `upto`); returns the new text."""
-    delta = detokenizer.add_tokens(seq.token_ids[len(detokenizer.all_ids) : upto])
-    seq.text += delta
+def finish_text(sample: SampleOutput, token_ids: list[int], upto: int | None = None) -> None:
+    """The text of token_ids (up to index upto), all of it: the last characters a detokenizer holds
+    back included."""
+    if sample.detokenizer is not None:
+        _detokenize_pending(sample, token_ids, upto)
+        sample.text += sample.detokenizer.flush()
+
+
+def catch_up_text(sample: SampleOutput, token_ids: list[int]) -> None:
+    """An aborted sample's text: every token it has, as far as the detokenizer can tell yet."""
+    if sample.detokenizer is not None:
+        _detokenize_pending(sample, token_ids)
+
+
+def _detokenize_pending(sample: SampleOutput, token_ids: list[int], upto: int | None = None) -> str:
+    """Feed the detokenizer the tokens of token_ids it has not seen (up to index upto); returns the
+    new text."""
+    delta = sample.detokenizer.add_tokens(token_ids[len(sample.detokenizer.all_ids) : upto])
+    sample.text += delta
     return delta
 
 
-def _truncate_at_stop_string(seq: Sequence, new_chars: int) -> str | None:
-    """The stop string the new text completed, if any (seq's text then ends there)."""
-    for stop in seq.params.stop:  # only where the new text could complete a stop string
-        at = seq.text.find(stop, max(0, len(seq.text) - new_chars - len(stop) + 1))
+def _truncate_at_stop_string(sample: SampleOutput, params: SamplingParams, new_chars: int) -> str | None:
+    """The stop string the new text completed, if any (the sample's text then ends there)."""
+    text = sample.text
+    for stop in params.stop:  # only where the new text could complete a stop string
+        at = text.find(stop, max(0, len(text) - new_chars - len(stop) + 1))
         if at >= 0:
-            seq.text = seq.text[: at + (len(stop) if seq.params.include_stop_str_in_output else 0)]
+            sample.text = text[: at + (len(stop) if params.include_stop_str_in_output else 0)]
             return stop
     return None
