@@ -3,14 +3,18 @@ one on the same machine, each version in fresh processes importing its own goods
 
 GPU (default): each version runs its own benchmarks/gpu_engine.py (`--parts decode,int8,sharegpt`:
 batch-1 decode of dummy llama-3.1-8b in bf16 and int8, and the ShareGPT-like offline batch of 500
-requests), one after the other (--order; a second call in the other order shows whether a drifting
-card favoured the version that ran first). A run takes 3-4 minutes on an H100.
+requests), then its own benchmarks/gpu_spec_decode.py `--parts copy` (the embedded model in float32
+on bench's copy workload, ngram k = 4 at batch 1 and 4, and whether greedy outputs stay those of
+speculation off: it needs the embedded model's package on PYTHONPATH, as scripts/gpu_gate.sh
+assembles it under /tmp/site), one version after the other (--order; a second call in the other
+order shows whether a drifting card favoured the version that ran first). A run takes 4-5 minutes
+on an H100.
 CPU (--cpu): single-stream decode of the embedded model with its default gguf codes (128 tokens
 after a 128-token prompt, as benchmarks/cpu_engine.py), versions alternating over --rounds
 processes each, the median of each version's runs. Needs a quiet machine.
 
     git archive <previous commit> src benchmarks | tar -x -C .prev
-    python benchmarks/engine_core_compare.py --previous .prev [--order previous,current | --cpu]
+    PYTHONPATH=/tmp/site python benchmarks/engine_core_compare.py --previous .prev [--order previous,current | --cpu]
 
 Writes $OUT/engine_core_compare_<first>_first.json (GPU) or engine_core_compare_cpu.json.
 """
@@ -30,7 +34,8 @@ import numpy as np
 from result_file import cpu_model_name, write_result
 
 PARTS = "decode,int8,sharegpt"
-METRICS = ("decode_bf16_tok_s", "decode_int8_tok_s", "sharegpt_offline_output_tok_s")
+METRICS = ("decode_bf16_tok_s", "decode_int8_tok_s", "sharegpt_offline_output_tok_s", "copy_ngram_batch_1_tok_s",
+           "copy_ngram_batch_4_tok_s")
 
 
 def metrics_of(results: dict) -> dict:
@@ -55,8 +60,27 @@ def run_version(root: Path, out: Path) -> dict:
     subprocess.run([sys.executable, str(root / "benchmarks" / "gpu_engine.py"), "--parts", PARTS],
                    cwd=root, env=env, check=True)
     results = json.loads((out / "gpu_engine.json").read_text())
+    copy = run_copy(root, env)
     return {"seconds": time.perf_counter() - start, "card": results.get("card"), **metrics_of(results),
-            "errors": {k: v for k, v in results.items() if k.endswith("_error")}}
+            **copy_metrics_of(copy), "errors": {k: v for k, v in results.items() if k.endswith("_error")}
+            | copy.get("errors", {})}
+
+
+def run_copy(root: Path, env: dict) -> dict:
+    """One version's gpu_spec_decode.py copy part (it exits 1 when greedy outputs changed: recorded)."""
+    done = subprocess.run([sys.executable, str(root / "benchmarks" / "gpu_spec_decode.py"), "--parts", "copy"],
+                          cwd=root, env=env)
+    path = Path(env["OUT"]) / "gpu_spec_decode.json"
+    report = json.loads(path.read_text()) if path.exists() else {}
+    return {**report, "exit_code": done.returncode}
+
+
+def copy_metrics_of(report: dict) -> dict:
+    """The copy part's ngram output tok/s at batch 1 and 4, and whether its greedy outputs were identical."""
+    copy = report.get("copy", {}).get("float32", {})
+    ngram = {batch: copy.get(f"batch_{batch}", {}).get("ngram_k4", {}).get("output_tok_s") for batch in (1, 4)}
+    return {"copy_ngram_batch_1_tok_s": ngram[1], "copy_ngram_batch_4_tok_s": ngram[4],
+            "copy_greedy_identical": report.get("copy_greedy_identical"), "copy_exit_code": report.get("exit_code")}
 
 
 CPU_NEW_TOKENS = 128
@@ -117,9 +141,11 @@ def main() -> None:
     order = args.order.split(",")
     out_dir = Path(os.environ.get("OUT", "out"))
     runs = {version: run_version(roots[version], out_dir / version) for version in order}
-    result = {"card": runs["current"]["card"], "model": "dummy:llama-3.1-8b", "parts": PARTS, "order": order,
+    result = {"card": runs["current"]["card"], "model": "dummy:llama-3.1-8b", "copy_model": "smollm2-135m, float32",
+              "parts": PARTS, "order": order,
               "runs": runs, "current_over_previous": {
-                  name: runs["current"][name] / runs["previous"][name] if runs["previous"][name] else None
+                  name: runs["current"][name] / runs["previous"][name]
+                  if runs["previous"][name] and runs["current"][name] else None
                   for name in METRICS}}
     print(json.dumps(result["current_over_previous"], indent=1))
     write_result(f"engine_core_compare_{order[0]}_first.json", result)

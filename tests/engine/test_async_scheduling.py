@@ -313,7 +313,7 @@ class _WrongProposer:
         self.token = token
 
     def propose(self, wanted):
-        from goodserve.engine.spec_decode.proposer import Drafts
+        from goodserve.engine.spec_decode.drafts import Drafts
 
         return [Drafts([self.token] * k) for _, k in wanted]
 

@@ -222,3 +222,15 @@ def test_scheduler_asks_its_policy_only_what_the_protocol_says():
     for name in SCHEDULER_POLICIES:
         policy = make_policy(EngineConfig(scheduler_policy=name), StepTimeModel())
         assert all(hasattr(policy, member) for member in members), name
+
+
+def test_draft_types_never_import_torch():
+    """Drafts, side branches and what the runner learns from them are plain data: the scheduler's
+    output and the runner's carry them across processes, and they load without torch."""
+    _torch_free("""
+import sys
+from goodserve.engine.spec_decode.drafts import Branch, BranchOutput, Drafts
+
+branch = Branch([5, 6], [-1, 0], [1])
+assert Drafts([7], branch=branch).branch.parents == [-1, 0] and BranchOutput([8], [7, 9]).samples == [7, 9]
+""")

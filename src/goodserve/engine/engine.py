@@ -2,8 +2,10 @@
 runs the step and samples, the output processor turns tokens into outputs.
 
 One step: schedule (plain data) -> execute_model (inputs, forward) -> sample_tokens (with the grammar
-masks the engine fills meanwhile) -> advance the scheduler -> append tokens, check stops. Every stage
-is timed, so the cost of Python around the GPU is visible (EngineStats).
+masks the engine fills meanwhile) -> the scheduler's update from the output (computed tokens, the
+sampled ones appended, stop tokens and lengths) -> the output processor's (text, stop strings,
+logprobs); the engine applies the finishes each returns. Every stage is timed, so the cost of Python
+around the GPU is visible (EngineStats).
 
 Async scheduling: while steps replay CUDA graphs and every sequence in them samples on the device
 alone, step N+1 is launched before step N's tokens reach the host (its decode inputs are step N's
@@ -19,7 +21,7 @@ before), the stages take one step at a time.
 
 Speculative decoding (engine/spec_decode/): the scheduler gives decoding sequences drafts, the runner
 samples at each of their positions and keeps the confirmed ones, the scheduler rolls back the rest
-(advance). A step with drafts never runs ahead: the next step's inputs depend on how many were kept.
+(update_from_output). A step with drafts never runs ahead: the next step's inputs depend on how many were kept.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from goodserve.engine.isolation import find_culprits
 from goodserve.engine.kv_cache import kv_read_ratio, kv_storage_dtype
 from goodserve.engine.kv_cache_manager import KVCacheManager
 from goodserve.engine.kv_groups import kv_groups
-from goodserve.engine.output_processor import Finish, OutputProcessor
+from goodserve.engine.output_processor import OutputProcessor, catch_up_text
 from goodserve.engine.request import Request
 from goodserve.engine.runner_output import ModelRunnerOutput, PendingOutput
 from goodserve.engine.scheduler import Scheduler
@@ -53,6 +55,7 @@ from goodserve.engine.spec_decode.proposer import make_proposer
 from goodserve.engine.stats import EngineStats, StepLog, engine_stats
 from goodserve.engine.step_trace import StepTrace
 from goodserve.engine.step_time_model import StepTimeModel, step_shape
+from goodserve.engine.step_update import Finish
 from goodserve.errors import EngineDeadError, InvalidRequestError
 from goodserve.hardware import HARDWARE, hardware_for_device
 from goodserve.outputs import RequestOutput
@@ -70,6 +73,7 @@ class _Step:
     pending: PendingOutput
     launched: float  # time.perf_counter() at launch
     may_run_ahead: bool  # the next step is launched before this one's tokens are read, if it replays a graph
+    advanced: bool = False  # its computed tokens were counted before its output was read (it ran ahead)
 
 
 class Engine:
@@ -88,9 +92,9 @@ class Engine:
         self.kv = KVCacheManager(c.num_kv_blocks, c.block_size, c.enable_prefix_caching, salt.encode(),
                                  windows=kv_groups(self.spec, c).windows)
         self.scheduler = Scheduler(c, self.kv, make_proposer(c, self.spec, self.tokenizer, draft),
-                                   self._step_time_model(), verify_cost(c, info.native_decode))
+                                   self._step_time_model(), verify_cost(c, info.native_decode), info.eos_token_ids)
         self.inputs = InputProcessor(c, self.spec, self.tokenizer)
-        self.outputs = OutputProcessor(self.tokenizer, info.eos_token_ids)
+        self.outputs = OutputProcessor(self.tokenizer)
         self.requests: dict[str, Request] = {}
         self._reserved: dict[str, Request] = {}  # requests whose blocks another engine's K/V is filling
         # News for the runner, sent with the next step launched.
@@ -187,7 +191,7 @@ class Engine:
             return None
         for seq in request.seqs:
             if not seq.is_finished:
-                self.outputs.catch_up_text(request, seq)
+                catch_up_text(request.samples[seq.index], seq.token_ids)
                 self._finish(seq, Finish("abort"))
         return request.output()
 
@@ -239,9 +243,10 @@ class Engine:
             raise
         except Exception as exc:  # a failed step fails the requests that cause it, never the engine
             return self._isolate(out, seqs, exc, stream_text)
-        self.scheduler.advance(out, output and _num_rejected(out, output), output and output.branches)
         if output is not None:
             return self._record(step, output, stream_text)
+        self.scheduler.advance(out)  # its K/V are computed when the next step reads them
+        step.advanced = True
         self._inflight = step
         return self._step_pipelined(stream_text)
 
@@ -269,7 +274,6 @@ class Engine:
             raise
         except Exception as exc:
             return self._isolate(step.out, step.seqs, exc, stream_text)
-        self.scheduler.advance(step.out, _num_rejected(step.out, output), output.branches)
         return self._record(step, output, stream_text)
 
     def _launch(self, out: SchedulerOutput, seqs: list[Sequence], previous: _Step | None = None,
@@ -306,6 +310,7 @@ class Engine:
             changed = self._record(current, current.pending.result(), stream_text)
             if self._inflight is not None:  # its input tokens are on the host now: register full blocks
                 self.scheduler.advance(self._inflight.out)
+                self._inflight.advanced = True
             return changed
         except EngineDeadError:  # a lost worker process: no request caused it, none can run
             raise
@@ -360,7 +365,6 @@ class Engine:
             except Exception as exc:  # the failure needs the whole batch (none failed alone): fail it
                 logger.exception("step failed again without its culprits; aborting its %d sequences", len(rows))
                 return changed | self._fail_all(rest_seqs, exc)
-            self.scheduler.advance(rest, _num_rejected(rest, output), output.branches)
             changed |= self._record(step, output, stream_text)
         return changed
 
@@ -380,8 +384,9 @@ class Engine:
 
     # ---- after the step ------------------------------------------------------------------
     def _record(self, step: _Step, output: ModelRunnerOutput, stream_text: bool) -> set[str]:
-        """Record a computed (and advanced) step's outputs; an error in one sequence's bookkeeping
-        fails its request alone."""
+        """A computed step's output: the scheduler's update (tokens appended, stop tokens, lengths),
+        then the output processor's (text, stop strings, logprobs); the finishes and failures each
+        returns are applied here. An error in one sequence's bookkeeping fails its request alone."""
         t0 = time.perf_counter()
         # from its launch, or, pipelined, from the step before it reaching the host: the interval at
         # which its decodes got their tokens
@@ -391,9 +396,15 @@ class Engine:
                               step.launched < self._last_recorded, self.scheduler)
         self.scheduler.step_time.observe(*shape, seconds)
         self._last_recorded = t0
+        update = self.scheduler.update_from_output(step.out, output, step.advanced)
         self._release_siblings(step.seqs)
-        self.outputs.record_step(self.requests, step.out, step.seqs, output, stream_text, self._finish,
-                                 self._fail_request)
+        processed = self.outputs.process(self.requests, step.out, step.seqs, update, output, stream_text)
+        self._ended(update.finished)
+        for seq, finish in processed.finished:
+            self._finish(seq, finish)
+        for seq, exc in processed.failed:
+            self._finish(seq, Finish("abort"))
+            self._fail_request(seq.request_id, exc)
         self.steps.prepare += output.prepare_s
         self.steps.forward += output.forward_s
         self.steps.sample += output.sample_s
@@ -405,14 +416,28 @@ class Engine:
         return {seq.request_id for seq in step.seqs}
 
     def _finish(self, seq: Sequence, finish: Finish) -> None:
+        """End seq; one the scheduler ended this step takes this reason instead (a stop string before
+        its stop token or length, a failure of its bookkeeping)."""
+        if seq.is_finished:
+            seq.finish_reason, seq.stop_reason = finish.reason, finish.stop_reason
+            return
         self.scheduler.finish(seq, finish.reason, finish.stop_reason)
-        seq.metrics.finished_time = time.time()
-        self._finished.append(seq.seq_id)
+        self._ended([seq])
+
+    def _ended(self, seqs: list[Sequence]) -> None:
+        """Sequences the scheduler let go: their finish time; the runner drops their state next step."""
+        now = time.time()
+        for seq in seqs:
+            seq.metrics.finished_time = now
+            self._finished.append(seq.seq_id)
 
     def _release_siblings(self, seqs: list[Sequence]) -> None:
+        """n > 1: the other samples start once the first has its prompt cached (it may have finished in
+        the step that computed it, its first token its last)."""
         for seq in seqs:
             request = self.requests.get(seq.request_id)
-            if request is not None and request.pending and seq.num_computed_tokens >= seq.num_prompt_tokens:
+            if request is not None and request.pending and (
+                    seq.is_finished or seq.num_computed_tokens >= seq.num_prompt_tokens):
                 for sibling in request.pending:
                     self.scheduler.add(sibling)
                 request.pending = []
@@ -420,10 +445,4 @@ class Engine:
     # ---- introspection -------------------------------------------------------------------
     def stats(self) -> EngineStats:
         return engine_stats(self.scheduler, self.kv, self.steps)
-
-
-def _num_rejected(out: SchedulerOutput, output: ModelRunnerOutput) -> dict[int, int]:
-    """Per row that verified drafts, how many the runner rejected (it keeps the rest and adds one)."""
-    return {row: len(out.draft_token_ids[row]) + 1 - len(tokens)
-            for row, tokens in zip(output.sample_rows, output.token_ids) if row in out.draft_token_ids}
 

@@ -9,7 +9,7 @@ import time
 
 from goodserve.config import EngineConfig
 from goodserve.engine.grammar import GrammarCompiler
-from goodserve.engine.request import Request
+from goodserve.engine.request import Request, SampleOutput
 from goodserve.engine.sequence import Sequence
 from goodserve.errors import InvalidRequestError, PromptTooLongError
 from goodserve.model.detokenizer import IncrementalDetokenizer
@@ -79,9 +79,11 @@ class InputProcessor:
         arrival_time = arrival_time or time.time()
         seqs = [self._new_sequence(request_id, i, prompt_ids, params, max_len, arrival_time)
                 for i in range(params.n)]
-        detokenizers = [IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
-                        if self.tokenizer else None for _ in seqs]
-        return Request(request_id, prompt_text, prompt_ids, seqs, detokenizers,
+        samples = [SampleOutput(IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
+                                if self.tokenizer else None) for _ in seqs]
+        if seqs[0].wants_prompt_logprobs:
+            samples[0].prompt_logprobs.append(None)  # the first token has no context to be predicted from
+        return Request(request_id, prompt_text, prompt_ids, seqs, samples,
                        holdback=max((len(s) for s in params.stop), default=1) - 1)
 
     def _new_sequence(self, request_id: str, index: int, prompt_ids: list[int], params: SamplingParams,
@@ -91,8 +93,6 @@ class InputProcessor:
             token_ids=list(prompt_ids), num_prompt_tokens=len(prompt_ids), params=params,
             max_len=max_len, arrival_time=arrival_time,
         )
-        if seq.wants_prompt_logprobs:
-            seq.prompt_logprobs.append(None)  # the first token has no context to be predicted from
         if params.structured_outputs is not None:  # compiled by validate_request: a cache hit
             seq.grammar = self.grammars.new_state(self.grammars.compile(params.structured_outputs))
         return seq

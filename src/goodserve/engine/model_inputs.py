@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from goodserve.engine.scheduler_output import SchedulerOutput
-from goodserve.engine.spec_decode.proposer import Branch
+from goodserve.engine.spec_decode.drafts import Branch
 from goodserve.ops.attention import AttentionMetadata
 from goodserve.ops.tree_attention import tree_depths
 from goodserve.sampling_params import SamplingParams

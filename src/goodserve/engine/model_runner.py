@@ -33,10 +33,11 @@ from goodserve.engine.input_layout import InputLayout
 from goodserve.engine.model_inputs import (
     FlatBatch, ModelInput, ModelOutput, RequestState, as_one_token_rows, flatten, leading_decodes, pooled_sums,
     token_slots)
-from goodserve.engine.runner_output import BranchOutput, ModelRunnerOutput, PendingOutput
+from goodserve.engine.runner_output import ModelRunnerOutput, PendingOutput
 from goodserve.engine.sampling_inputs import GrammarBitmask, SamplingRow, build_sampling_batch
 from goodserve.engine.scheduler_output import SchedulerOutput
 from goodserve.engine.spec_decode.acceptance import kept_tokens
+from goodserve.engine.spec_decode.drafts import BranchOutput
 from goodserve.engine.spec_decode.rejection import kept_by_rejection
 from goodserve.model.llama import LlamaForCausalLM
 from goodserve.ops.attention import AttentionMetadata, LayerKVCache, with_kv_groups

@@ -8,13 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-
-@dataclass
-class BranchOutput:
-    """What a row with a side branch (engine/spec_decode/proposer.Branch) learned in its step."""
-
-    tokens: list[int]  # the target's greedy token after each of the branch's logit rows
-    samples: list[int]  # its samples at its last token and each draft (rejected ones' too)
+from goodserve.engine.spec_decode.drafts import BranchOutput
 
 
 @dataclass

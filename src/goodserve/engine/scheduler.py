@@ -23,8 +23,12 @@ them decodes those tokens.
 Speculative decoding (engine/spec_decode/): a decoding sequence may carry drafts, computed in the
 same step after its last token (1 + k tokens, one row). The policy picks each one's k, then the
 proposer proposes for all of them in one call (a draft model batches them), before the step is laid
-out; advance() rolls back the ones the runner rejected (their K/V slots are rewritten later, their
-tail blocks freed). A sequence that leaves (finished, aborted, preempted) leaves the proposer too.
+out; update_from_output() rolls back the ones the runner rejected (their K/V slots are rewritten later,
+their tail blocks freed). A sequence that leaves (finished, aborted, preempted) leaves the proposer too.
+
+After the step, update_from_output() is the one way back: it advances the computed tokens, appends
+the sampled ones, ends sequences at a stop token or their length, and returns what it did as data
+(engine/step_update.py); the output processor takes it from there (text, stop strings, logprobs).
 """
 
 from __future__ import annotations
@@ -40,12 +44,14 @@ from goodserve.engine.scheduler_output import SchedulerOutput
 from goodserve.engine.scheduling_policy import make_policy
 from goodserve.engine.sequence import Sequence, SequenceStatus
 from goodserve.engine.step_time_model import StepTimeModel
+from goodserve.engine.step_update import StepUpdate, append_tokens
 from goodserve.engine.spec_decode.policy import Speculator, VerifyCost
-from goodserve.engine.spec_decode.proposer import Drafts, Proposer
+from goodserve.engine.spec_decode.drafts import BranchOutput, Drafts
+from goodserve.engine.spec_decode.proposer import Proposer
 from goodserve.engine.waiting_queue import WaitingQueue
 
 if TYPE_CHECKING:  # the runner's output module imports torch; the scheduler needs none
-    from goodserve.engine.runner_output import BranchOutput
+    from goodserve.engine.runner_output import ModelRunnerOutput
 
 
 class _Decision:
@@ -72,8 +78,10 @@ class _Decision:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, kv: KVCacheManager, proposer: Proposer | None = None,
-                 step_time: StepTimeModel | None = None, verify_cost: VerifyCost | None = None) -> None:
+                 step_time: StepTimeModel | None = None, verify_cost: VerifyCost | None = None,
+                 eos_token_ids: list[int] | None = None) -> None:
         self.config = config
+        self.eos_token_ids = eos_token_ids or []
         self.kv = kv
         self.running: list[Sequence] = []
         self.seqs: dict[str, Sequence] = {}  # every unfinished sequence it was given, by id
@@ -343,11 +351,35 @@ class Scheduler:
         return self.policy.forecast(self.running)
 
     # ---- after the step ------------------------------------------------------------------
+    def update_from_output(self, out: SchedulerOutput, output: ModelRunnerOutput, advanced: bool = False) -> StepUpdate:
+        """A computed step's output: advance it (unless that was done at its launch, for a step run
+        ahead of its tokens), end the prefill-only sequences whose prompt is computed, append each
+        sampled row's kept tokens up to a stop token or its length. Sequences that finished meanwhile
+        (aborted, or stopped the step before while this one ran ahead) are skipped."""
+        if not advanced:
+            self.advance(out, _num_rejected(out, output), output.branches)
+        update = StepUpdate()
+        for seq_id in out.seq_ids:
+            seq = self.seqs.get(seq_id)
+            if seq is not None and seq.params.prefill_only and seq.num_computed_tokens >= seq.num_prompt_tokens:
+                self.finish(seq, "length")
+                update.finished.append(seq)
+        for i, (row, tokens) in enumerate(zip(output.sample_rows, output.token_ids)):
+            seq = self.seqs.get(out.seq_ids[row])
+            if seq is None:
+                continue
+            count, finish = append_tokens(seq, tokens, self.eos_token_ids)
+            update.appended.append((i, seq, count))
+            if finish is not None:
+                self.finish(seq, finish.reason, finish.stop_reason)
+                update.finished.append(seq)
+        return update
+
     def advance(self, out: SchedulerOutput, num_rejected: dict[int, int] | None = None,
                 branches: dict[int, BranchOutput] | None = None) -> None:
         """The runner computed the scheduled tokens: their K/V are now cached, except the
         num_rejected[row] last drafts of a speculating row, rolled back (its tokens, appended after
-        this, are the kept drafts and one more; a row with a side branch hands its results,
+        this by update_from_output, are the kept drafts and one more; a row with a side branch hands its results,
         branches[row], to the proposer). Sequences that finished meanwhile (stopped or aborted while
         an async step ran) hold no blocks and are skipped."""
         self.policy.step_ran(out.num_tokens)
@@ -364,3 +396,9 @@ class Scheduler:
             if branches and row in branches:
                 self.speculator.learn(seq, out.draft_token_ids.get(row, []), out.branches[row], branches[row])
             self.kv.register_full_blocks(seq)
+
+
+def _num_rejected(out: SchedulerOutput, output: ModelRunnerOutput) -> dict[int, int]:
+    """Per row that verified drafts, how many the runner rejected (it keeps the rest and adds one)."""
+    return {row: len(out.draft_token_ids[row]) + 1 - len(tokens)
+            for row, tokens in zip(output.sample_rows, output.token_ids) if row in out.draft_token_ids}

@@ -17,7 +17,7 @@ from goodserve.sampling_params import SamplingParams
 if TYPE_CHECKING:  # the bench and the router import this module and never torch (tests/unit/test_layering.py)
     import torch
 
-    from goodserve.engine.spec_decode.proposer import Branch
+    from goodserve.engine.spec_decode.drafts import Branch
 
 
 @dataclass

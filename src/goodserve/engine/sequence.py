@@ -1,6 +1,8 @@
 """One generated sequence's state on the engine side. A request with n > 1 owns n sequences that
-share its prompt. The scheduler writes its progress (status, computed tokens), the engine its
-outputs; the runner never sees it (it gets plain data: engine/scheduler_output.py)."""
+share its prompt. The scheduler writes its progress (status, computed tokens, the tokens it
+appends, how it finished); what callers read of it (text, logprobs) is the request's output state
+(engine/request.SampleOutput); the runner never sees it (it gets plain data:
+engine/scheduler_output.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from goodserve.outputs import LogprobsEntry, RequestMetrics
+from goodserve.outputs import RequestMetrics
 from goodserve.sampling_params import SamplingParams
 
 
@@ -34,16 +36,7 @@ class Sequence:
     grammar: object | None = None  # its own grammar matcher (engine/grammar.py), advanced per token
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    logprobs: list[LogprobsEntry] = field(default_factory=list)
-    prompt_logprobs: list[LogprobsEntry | None] = field(default_factory=list)
-    cumulative_logprob: float = 0.0
-    text: str = ""
-    pooled: object | None = None  # pooling: the sum (a tensor) of the hidden states pooled so far
-    embedding: list[float] | None = None  # pooling: the result, once the prompt is computed
     metrics: RequestMetrics | None = None
-    # what its outputs have handed over so far (SamplingParams.output_kind "delta")
-    num_reported_tokens: int = 0
-    num_reported_chars: int = 0
     # moving average of its judged drafts' outcomes (spec_decode/policy.py); unmeasured: even odds,
     # enough to try drafting in a small batch
     spec_acceptance: float = 0.5

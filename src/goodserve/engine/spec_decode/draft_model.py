@@ -31,7 +31,7 @@ from goodserve.engine.model_builder import build_model
 from goodserve.engine.model_inputs import MAX_SPLIT_TOKENS  # more tokens (a prompt) go as one prefill row
 from goodserve.engine.sequence import Sequence
 from goodserve.engine.spec_decode.draft_kv import DraftKV
-from goodserve.engine.spec_decode.proposer import Drafts
+from goodserve.engine.spec_decode.drafts import Drafts
 from goodserve.errors import InvalidRequestError
 from goodserve.model.loader import LoadedModel, load_spec
 from goodserve.model.spec import ModelSpec

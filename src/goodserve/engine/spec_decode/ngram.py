@@ -9,7 +9,7 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from goodserve.engine.sequence import Sequence
-from goodserve.engine.spec_decode.proposer import Drafts
+from goodserve.engine.spec_decode.drafts import Drafts
 
 
 def propose_ngram(token_ids: list[int], ngram_min: int, ngram_max: int, k: int) -> list[int]:

@@ -35,7 +35,8 @@ from typing import TYPE_CHECKING
 
 from goodserve.config import EngineConfig
 from goodserve.engine.sequence import Sequence
-from goodserve.engine.spec_decode.proposer import Branch, Drafts, Proposer
+from goodserve.engine.spec_decode.drafts import Branch, BranchOutput, Drafts
+from goodserve.engine.spec_decode.proposer import Proposer
 
 if TYPE_CHECKING:  # the runner's output module imports torch; the scheduler, which imports this, needs none
     from goodserve.engine.runner_output import BranchOutput

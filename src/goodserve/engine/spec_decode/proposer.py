@@ -5,7 +5,7 @@ lays out the step; the verifier (acceptance.py, rejection.py) never needs to kno
 
 - ngram.py: prompt lookup, pure host work; its drafts are deterministic (a point mass).
 - lookahead.py: lookahead (Jacobi) decoding: drafts from an n-gram pool that a window of parallel
-  guesses fills, computed in the same step as a side branch (Drafts.branch) whose outputs come back
+  guesses fills, computed in the same step as a side branch (drafts.Branch) whose outputs come back
   through `learn`.
 - draft_model.py: a draft model (another model with the target's vocabulary, or the target's own
   weights quantized: self:int4 / self:gguf) with a paged KV cache of its own; at temperature > 0 it
@@ -14,39 +14,17 @@ lays out the step; the verifier (acceptance.py, rejection.py) never needs to kno
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from goodserve.config import EngineConfig
 from goodserve.engine.sequence import Sequence
+from goodserve.engine.spec_decode.drafts import Drafts
 from goodserve.model.spec import ModelSpec
 
 if TYPE_CHECKING:  # the scheduler imports this module, and needs no torch
     import torch
 
     from goodserve.model.loader import LoadedModel
-
-
-@dataclass
-class Drafts:
-    token_ids: list[int]
-    # [len(token_ids), vocab] float32: the distribution each draft was drawn from, for the
-    # Leviathan / Chen rejection rule (rejection.py); None when the drafts are a point mass (ngram,
-    # or a draft model at temperature 0), which acceptance.py's rule verifies.
-    probs: torch.Tensor | None = None
-    # Tokens to compute beside the drafts without keeping them (lookahead's window); may come with
-    # no drafts at all.
-    branch: Branch | None = None
-
-
-@dataclass
-class Branch:
-    """Guessed tokens hung after a sequence's last token: computed in its step, never cached, seen by
-    no other token (ops/tree_attention.py). A tree: each token sees its ancestors and the context."""
-
-    token_ids: list[int]
-    parents: list[int]  # each token's parent, an earlier index (-1: the sequence's last token)
-    logit_rows: list[int]  # the tokens after which the runner returns the target's greedy token
 
 
 class Proposer(Protocol):
@@ -57,7 +35,7 @@ class Proposer(Protocol):
         """seq finished, was aborted or preempted: drop what the proposer keeps for it."""
 
     # A proposer whose Drafts carry a branch also has learn(seq, drafts, branch, output): the step's
-    # results for that sequence (engine/runner_output.BranchOutput), before its kept tokens are appended.
+    # results for that sequence (drafts.BranchOutput), before its kept tokens are appended.
 
 
 def make_proposer(config: EngineConfig, target: ModelSpec, tokenizer,
