@@ -16,7 +16,7 @@ import platform
 import time
 
 from goodserve import SamplingParams
-from goodserve.engine.engine import Engine
+from goodserve.engine.frontend.engine import Engine
 from result_file import write_result
 
 

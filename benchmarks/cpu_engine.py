@@ -41,7 +41,7 @@ import transformers
 from cpu_quant_linear import median_us  # the same timing rule as the kernel benchmark
 from result_file import cpu_model_name
 from goodserve import LLM, SamplingParams
-from goodserve.engine.stats import StepLog
+from goodserve.engine.core.stats import StepLog
 from goodserve.model_names import embedded_gguf_path
 from goodserve.ops.cpu_linear import PackedCpuLinear
 from goodserve.quant.linear import Int4Linear

@@ -21,7 +21,7 @@ import time
 import httpx2
 
 from goodserve.config import EngineConfig
-from goodserve.engine.engine_process import EngineProcess
+from goodserve.engine.frontend.engine_process import EngineProcess
 from goodserve.sampling_params import SamplingParams
 from goodserve.server.app import ServerConfig, build_app
 from result_file import cpu_model_name, write_result

@@ -8,7 +8,7 @@ engine: Engine.step() alone; through AsyncEngine.generate, each stream read by a
 nothing else; and through goodserve bench's in-process target (bench/inprocess.py, what gpu_slo.py
 runs: each token timed and recorded in the engine's process, under its GIL). Per way, the median and
 the longest of the engine thread's step() calls while all R decode, and the longest full (generation
-2) garbage collection meanwhile: one stops every stream for as long as it takes (engine/gc_pauses.py).
+2) garbage collection meanwhile: one stops every stream for as long as it takes (engine/processes/gc_pauses.py).
 --versions compares checkouts' src/ (each imported in processes of its own), alternated within each run;
 --policies continuous,slo the scheduling policies the same way (under slo every request carries targets
 loose enough never to bind, so what differs is the policy's own host work), each engine step then also
@@ -51,8 +51,8 @@ def measure(rows: int, max_tokens: int, tokenizer: str | None, policy: str = "co
     from goodserve.bench.inprocess import InProcessTarget
     from goodserve.bench.workloads import BenchRequest
     from goodserve.config import EngineConfig
-    from goodserve.engine.async_engine import AsyncEngine
-    from goodserve.engine.engine import Engine
+    from goodserve.engine.frontend.async_engine import AsyncEngine
+    from goodserve.engine.frontend.engine import Engine
     from goodserve.sampling_params import SamplingParams
 
     config = EngineConfig(model="dummy:tiny", device="cpu", max_num_seqs=rows, max_num_batched_tokens=8192,

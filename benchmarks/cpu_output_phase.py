@@ -24,8 +24,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from result_file import cpu_model_name, write_result  # noqa: E402
 
 from goodserve.config import EngineConfig  # noqa: E402
-from goodserve.engine.engine import Engine  # noqa: E402
-from goodserve.engine.gc_pauses import tune_for_serving  # noqa: E402
+from goodserve.engine.frontend.engine import Engine  # noqa: E402
+from goodserve.engine.processes.gc_pauses import tune_for_serving  # noqa: E402
 from goodserve.sampling_params import SamplingParams  # noqa: E402
 
 PROMPT_LEN, FIRST_STEP = 32, 100

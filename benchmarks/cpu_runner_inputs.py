@@ -40,9 +40,9 @@ def measure(rows: int, temperature: float, args) -> dict:
     import torch
 
     from goodserve.config import EngineConfig
-    from goodserve.engine.engine import Engine
-    from goodserve.engine import model_runner
-    from goodserve.engine.model_inputs import ModelOutput
+    from goodserve.engine.frontend.engine import Engine
+    from goodserve.engine.worker import model_runner
+    from goodserve.engine.worker.model_inputs import ModelOutput
     from goodserve.ops.sampler import SamplerOutput
     from goodserve.sampling_params import SamplingParams
 

@@ -5,7 +5,7 @@ the step rate is the host's) under many concurrent streaming completions from an
 another process. Four server configurations, each run twice in the order A B C D D C B A:
 uvicorn with uvloop and httptools (what goodserve installs) or with asyncio and h11 (what runs
 where they are missing; a module that refuses to import hides each), times Python's collector
-threshold and GIL switch interval or the serving process's own (engine/gc_pauses.tune_for_serving);
+threshold and GIL switch interval or the serving process's own (engine/processes/gc_pauses.tune_for_serving);
 or the configurations --configs names (each serving setting alone, and --stream-interval 4, too).
 --versions runs each configuration on several checkouts' src/ (the server imports the one named).
 Reported: output tokens/s over the whole run, the server's CPU time over it (its main thread, the

@@ -7,7 +7,7 @@ a step of r decode rows reading k tokens of context and p prompt tokens lasts a 
 seconds, times a seeded random factor uniform in 1 +- 2 x --step-error (its mean |error|: the card's
 steps miss their fit by ~15%) (defaults: the H100's FCFS fit on dummy llama-3.1-8b in
 results/gpu_slo_h100.json, 6.3 ms a step and 0.059 ms a decode row, with 30 us a prompt token; that fit had no context term: d = 0). Under "slo" every request carries the targets and a request the
-admission check refuses (engine/admission.py) is a miss. FCFS runs at each of --fcfs-ceilings
+admission check refuses (engine/frontend/admission.py) is a miss. FCFS runs at each of --fcfs-ceilings
 (max_num_seqs), slo at --max-num-seqs, as benchmarks/gpu_slo.py does on the card. Prints SLO
 attainment per run and rate (refusals, and the served requests that missed TTFT or TPOT), and the
 goodput capacity (highest rate with attainment >= 90%) with slo's ratio to each FCFS run.
@@ -43,11 +43,11 @@ from goodserve.bench.arrivals import ArrivalConfig, send_offsets
 from goodserve.bench.text import PromptText
 from goodserve.bench.workloads import WorkloadConfig, build_workload
 from goodserve.config import EngineConfig
-from goodserve.engine.admission import SHED_POWER, SHED_STRENGTH, SHED_WINDOW, Admission
-from goodserve.engine.kv_cache_manager import KVCacheManager
-from goodserve.engine.scheduler import Scheduler
-from goodserve.engine.sequence import Sequence
-from goodserve.engine.step_time_model import StepTimeFit, step_shape
+from goodserve.engine.frontend.admission import SHED_POWER, SHED_STRENGTH, SHED_WINDOW, Admission
+from goodserve.engine.core.kv_cache_manager import KVCacheManager
+from goodserve.engine.core.scheduler import Scheduler
+from goodserve.engine.core.sequence import Sequence
+from goodserve.engine.core.step_time_model import StepTimeFit, step_shape
 from goodserve.errors import QueueFullError
 from goodserve.sampling_params import SamplingParams
 from goodserve.server.batch_lines import BATCH_PRIORITY
@@ -216,7 +216,7 @@ def main(argv=None) -> None:
                    help="seconds of host time added to each step that could not launch ahead (see above)")
     p.add_argument("--num-kv-blocks", type=int, default=30000)
     p.add_argument("--shed-costly", action="store_true",
-                   help="slo: the admission check sheds the costliest requests first (engine/admission.py)")
+                   help="slo: the admission check sheds the costliest requests first (engine/frontend/admission.py)")
     p.add_argument("--launch-ahead-admits", action=argparse.BooleanOptionalAction, default=True,
                    help="a step that launches ahead admits what arrived by the start of the step before (see above)")
     args = p.parse_args(argv)

@@ -28,7 +28,7 @@ import os
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # before any NCCL communicator exists (the ranks inherit it)
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-os.environ.setdefault("TORCH_NCCL_AVOID_RECORD_STREAMS", "1")  # lets CUDA graphs capture NCCL (engine/distributed.py)
+os.environ.setdefault("TORCH_NCCL_AVOID_RECORD_STREAMS", "1")  # lets CUDA graphs capture NCCL (engine/worker/distributed.py)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402

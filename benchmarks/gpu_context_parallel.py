@@ -199,7 +199,7 @@ def print_table(result: dict) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.torchrun_world > 1 and int(os.environ["RANK"]) != 0:
-        from goodserve.engine.executor import run_follower
+        from goodserve.engine.worker.executor import run_follower
 
         run_follower()  # a worker of rank 0's CP engine, until it shuts down
         return

@@ -21,7 +21,7 @@ mixed batch's decodes left in the prefill attention kernel (not given to the dec
 split to fill the GPU once (not twice), `sharegpt:kvfp8` with an fp8 KV cache,
 `sharegpt:smallestgraph` with every decode batch in the smallest graph that holds it (not the
 fastest measured at start-up), `sharegpt:makespan` (or `throughput:makespan`) with the makespan
-scheduling policy (engine/makespan.py; `slack<x>` and `admit<n>` set makespan_slack and
+scheduling policy (engine/core/makespan.py; `slack<x>` and `admit<n>` set makespan_slack and
 makespan_min_admit), `:nomixedgraphs` with every step that has a prefill chunk run eagerly (no
 mixed-step CUDA graphs), `:fuserope` with RoPE + the KV-cache write fused into decode attention
 (KernelOptions.fuse_rotary_into_decode_attention), `:decodetable` with decode attention's launch

@@ -4,7 +4,7 @@ global, bf16, batch 1, a 32k-token prompt, then greedy decode.
 
 Per model: the KV bytes one sequence of that context needs (ModelSpec.kv_bytes_per_sequence: a local
 layer keeps its last 1024 tokens) and the bytes the engine's pool holds for it while it decodes (the
-hybrid pool, engine/kv_groups.py, keeps a local layer group's blocks within its window only); the
+hybrid pool, engine/setup/kv_groups.py, keeps a local layer group's blocks within its window only); the
 pool's room (its blocks, and how many sequences and tokens of that context it holds); the KV a decode
 step reads, the weight bytes, and batch-1 decode tok/s (best of --runs, from the request's token
 times) beside the bandwidth limit those bytes set. Each model runs in a process of its own, so the
@@ -36,10 +36,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from result_file import gpu_names, write_result  # noqa: E402
 
 from goodserve.diagnose.calc import weight_bytes  # noqa: E402
-from goodserve.engine.config_resolution import torch_dtype  # noqa: E402
-from goodserve.engine.input_processor import sequence_id  # noqa: E402
-from goodserve.engine.kv_cache import bytes_per_block, kv_storage_dtype  # noqa: E402
-from goodserve.engine.kv_groups import kv_groups  # noqa: E402
+from goodserve.engine.setup.config_resolution import torch_dtype  # noqa: E402
+from goodserve.engine.frontend.input_processor import sequence_id  # noqa: E402
+from goodserve.engine.setup.kv_cache import bytes_per_block, kv_storage_dtype  # noqa: E402
+from goodserve.engine.setup.kv_groups import kv_groups  # noqa: E402
 from goodserve.llm import LLM  # noqa: E402
 from goodserve.sampling_params import SamplingParams  # noqa: E402
 

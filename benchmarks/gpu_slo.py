@@ -8,7 +8,7 @@ and slo at --max-num-seqs: slo sizes its running batch from the TPOT target unde
 the fair peer is FCFS at the same ceiling, and FCFS at the default 256 is what a user gets without
 tuning. Each run gets an in-process engine of its own, in a process of its own (so the next gets all
 the GPU memory back), driven by bench/inprocess.py at each rate of a ladder: every request carries the targets, and under "slo" the server's TTFT admission check
-(engine/admission.py) refuses what the server would refuse with a 429, which counts as a miss.
+(engine/frontend/admission.py) refuses what the server would refuse with a 429, which counts as a miss.
 With --rates auto (the default) the ladder is set from the engine's saturated throughput, measured
 under the first FCFS run (--saturation-prompts sent at once; req/s completed while the batch is
 full), at AUTO_LADDER times it, and every run climbs the same ladder. A probe holds its rate for --probe-seconds (at least
@@ -40,7 +40,7 @@ Per probe, its steps by the path they ran (decode graph, mixed-step graph, eager
 `steps_by_path_beside`): count, mean shape, mean measured and predicted ms (StepLog).
 
 --shed-costly runs the slo policy's admission check as `serve --slo-shed-costly` does (the costliest
-requests shed first as the queue builds, engine/admission.py).
+requests shed first as the queue builds, engine/frontend/admission.py).
 
 --engine-process runs each engine in a process of its own, as `goodserve serve` does (capacity phase only).
 Every probe also reports the engine's side through it (`engine`, EngineWatch: running and waiting
@@ -154,7 +154,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "probe twice, its run-to-run spread; the crossing reads each rung at its mean)")
     p.add_argument("--shed-costly", action="store_true",
                    help="slo: the admission check sheds the costliest requests first as the queue builds "
-                        "(`serve --slo-shed-costly`, engine/admission.py)")
+                        "(`serve --slo-shed-costly`, engine/frontend/admission.py)")
     p.add_argument("--no-admission", action="store_true",
                    help="slo: admit every request (no 429 for a TTFT the queue makes impossible): what the "
                         "refusals cost or save against the same policy with them")
@@ -405,7 +405,7 @@ async def batch_phase(target, args, result: dict, log: StepLog) -> dict:
 
 
 class StepLog:
-    """The engine's steps as its --step-trace file records them (engine/step_trace.py, written in
+    """The engine's steps as its --step-trace file records them (engine/core/step_trace.py, written in
     whichever process runs the engine): per step its shape, whether it replayed a CUDA graph, the
     fit's prediction before it and the measured time, the queue. Taken probe by probe, by wall time;
     the rows taken are what --step-log writes (FIELDS, one tuple a step)."""
@@ -419,7 +419,7 @@ class StepLog:
         self.marks: list[int] = []  # where each probe's steps begin in rows
 
     def take(self, since: float, until: float) -> list[dict]:
-        from goodserve.engine.step_trace import read_step_trace
+        from goodserve.engine.core.step_trace import read_step_trace
 
         steps = read_step_trace(self.path, since, until)
         self.marks.append(len(self.rows))
@@ -473,7 +473,7 @@ def _mean(values) -> float:
 
 
 def step_time_report(engine) -> dict:
-    """The engine's step-time fit (engine/step_time_model.py) as of its last step, and how far off its
+    """The engine's step-time fit (engine/core/step_time_model.py) as of its last step, and how far off its
     predictions ran lately (the EWMA of |measured - predicted| / predicted the slo policy's margin reads)."""
     fit = engine.forecast().fit
     report = {} if fit is None else {"a_s": fit.a, "b_s_per_decode_row": fit.b, "c_s_per_prefill_token": fit.c,

@@ -4,7 +4,7 @@
             (--context tokens already cached per sequence), beside a plain decode step of the same batch,
             through the engine's own seam (executor.execute_model + sample_tokens, as Engine.step calls
             them, scheduler and proposer left out): the decode step replays its CUDA graph; a verify step
-            runs as graph_for (engine/cuda_graphs.py) sends it, which the JSON records per cell
+            runs as graph_for (engine/worker/cuda_graphs.py) sends it, which the JSON records per cell
             (`graphed`: a mixed-step graph since the layout holds a logits row per token; eager on
             commit ebe1590 and before). Beside them, the same 1 + k tokens a sequence as plain
             prefill-chunk rows that sample once (`same_tokens_one_sample`). Per cell the median wall time of a step between two synchronizes, and the CUDA
@@ -75,7 +75,7 @@ import torch
 from goodserve import LLM, SamplingParams
 from goodserve.bench.text import PromptText
 from goodserve.bench.workloads import WorkloadConfig, build_workload
-from goodserve.engine.scheduler_output import NewRequestData, SchedulerOutput
+from goodserve.engine.seam.scheduler_output import NewRequestData, SchedulerOutput
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from result_file import write_result  # noqa: E402

@@ -5,7 +5,7 @@ Both runs generate exactly the same number of tokens: free requests ignore EOS, 
 ask for arrays of at least MIN_ITEMS objects, which max_tokens always cuts first, so every request
 ends by length and only the time per token differs. A third run, all free with async scheduling
 off, shows how much of the cost is the pipelining a constrained sequence gives up (its mask needs
-the previous token on the host; engine/grammar.py), where the engine pipelines (CUDA graphs).
+the previous token on the host; engine/frontend/grammar.py), where the engine pipelines (CUDA graphs).
 
     CPU:  PYTHONPATH=src python benchmarks/structured_output.py                  # embedded model
     GPU:  PYTHONPATH=src python benchmarks/structured_output.py --model dummy:llama-3.1-8b \

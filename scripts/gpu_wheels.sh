@@ -19,7 +19,7 @@ WHEELS=(
   openai==3.57.0 httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5 jiter==0.19.0
   # the test runner
   pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1 packaging==26.4 pytest-timeout==2.4.0
-  # grammar-constrained decoding (engine/grammar.py); its torch, transformers and triton are there
+  # grammar-constrained decoding (engine/frontend/grammar.py); its torch, transformers and triton are there
   xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2
 )
 # For the serving benchmarks (.gate/whl_fast, ~7 MB): uvicorn's C event loop and HTTP parser (it runs

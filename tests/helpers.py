@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from goodserve.engine.engine import Engine
+from goodserve.engine.frontend.engine import Engine
 from goodserve.llm import LLM
 from goodserve.ports import free_port
 
@@ -93,9 +93,9 @@ class InProcessServer:
         self._logger.setLevel(config.log_level.upper())
         self._logger.addHandler(self._capture)
         if config.engine_process:
-            from goodserve.engine.engine_process import EngineProcess as engine_class
+            from goodserve.engine.frontend.engine_process import EngineProcess as engine_class
         else:
-            from goodserve.engine.async_engine import AsyncEngine as engine_class
+            from goodserve.engine.frontend.async_engine import AsyncEngine as engine_class
         self.server = build_server(engine_class(engine_config_from_args(namespace)), config)
         self._thread = threading.Thread(target=self.server.run, name="in-process-server", daemon=True)
         self._thread.start()

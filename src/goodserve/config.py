@@ -1,7 +1,7 @@
 """Engine configuration: one frozen dataclass, shared by the offline API, the server and the CLI, and
 the allowed values of its choice fields, which validate(), the flags (engine_args.py) and the engine read.
 
-What the caller gives may say "auto"; the engine resolves it once (engine/config_resolution.py) into
+What the caller gives may say "auto"; the engine resolves it once (engine/setup/config_resolution.py) into
 a new EngineConfig whose every value is concrete (device, dtype, backend, pool size, context
 length, async on/off). Neither is ever changed in place."""
 
@@ -80,7 +80,7 @@ class KernelOptions:
     # layer less; ops/triton_attention.NewTokens); off: the separate _rotary_write_kv_kernel first.
     # 0.1-2.7 us faster a layer than the two launches at every measured shape, bit-identical (same file).
     fuse_rotary_into_decode_attention: bool = True
-    # Engine level (engine/model_runner.py): steps with prefill chunks of up to this many tokens replay
+    # Engine level (engine/worker/model_runner.py): steps with prefill chunks of up to this many tokens replay
     # mixed-step CUDA graphs (0: run eagerly); a batch replays the smallest graph that holds it whose
     # replay time is within this share of the fastest that does (inf: always the smallest); a mixed
     # batch's leading decodes go to the decode attention kernel (False: the prefill kernel takes them).
@@ -128,18 +128,18 @@ class EngineConfig:
     # Scheduler
     scheduler_policy: str = "continuous"
     # None: DEFAULT_MAX_NUM_SEQS, or SLO_MAX_NUM_SEQS under "slo", which sizes its running batch
-    # from the TPOT target (engine/slo_policy.py), so its ceiling bounds only the graphs captured and
+    # from the TPOT target (engine/core/slo_policy.py), so its ceiling bounds only the graphs captured and
     # the memory reserved: at 256 the queue waited for a slot while steps ran well under the target
     # (benchmarks/BENCHMARKS.md).
     max_num_seqs: int | None = None
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
     # A file the engine appends one line of JSON to per step: its shape, the step-time model's
-    # prediction and the measured time, the queue (engine/step_trace.py). None: no trace.
+    # prediction and the measured time, the queue (engine/core/step_trace.py). None: no trace.
     step_trace: str | None = None
     max_wait_ms: float = 10.0  # dynamic batching: how long a partial batch waits to fill
     max_n_per_request: int = 128  # a request's samples (n): each is a sequence in the queue
-    # The makespan policy (engine/makespan.py): admit when the steps so far fell short of
+    # The makespan policy (engine/core/makespan.py): admit when the steps so far fell short of
     # makespan_slack x (tokens left) / (steps left on the longest), in lumps of >= makespan_min_admit tokens.
     makespan_slack: float = 1.5
     makespan_min_admit: int = 512
@@ -172,7 +172,7 @@ class EngineConfig:
     # a base model's, or a fix to a model's own.
     chat_template: str | None = None
     executor_backend: str = "uni"  # world_size > 1 runs its workers in processes whatever this says
-    # Tensor parallelism (model/tensor_parallel.py, engine/executor.py): the model split over this many
+    # Tensor parallelism (model/tensor_parallel.py, engine/worker/executor.py): the model split over this many
     # ranks (GPUs, or CPU processes over gloo), which rendezvous through torch.distributed env://
     # (MASTER_ADDR / MASTER_PORT as torchrun sets them; ranks on other hosts run `goodserve worker`).
     tensor_parallel_size: int = 1
@@ -182,10 +182,10 @@ class EngineConfig:
     # Pipeline parallelism (model/pipeline_parallel.py): the layers split into this many contiguous
     # stages, each of tensor_parallel_size ranks (world: N x M ranks, stage-major).
     pipeline_parallel_size: int = 1
-    # Context parallelism (engine/context_parallel.py): a long prompt's prefill split over this many
+    # Context parallelism (engine/worker/context_parallel.py): a long prompt's prefill split over this many
     # ranks, each with the whole model and a whole KV cache; decode runs whole on every rank.
     context_parallel_size: int = 1
-    # Pipeline micro-batches (engine/engine.py): a step in flight for each stage, each over its share
+    # Pipeline micro-batches (engine/frontend/engine.py): a step in flight for each stage, each over its share
     # of the sequences. None: on the CPU, where a stage's time grows with its rows, off on CUDA, where
     # the stages run eagerly (no graphs) and their host time, the same at any batch, bounds a step:
     # twice the steps there cost more than the overlap gives (benchmarks/BENCHMARKS.md).

@@ -66,7 +66,7 @@ _HELP = {
                     "its batch from the TPOT target below it)",
     "max_num_batched_tokens": "most tokens in one step (prefill chunks + decodes)",
     "step_trace": "append one line of JSON per step to this file: its shape, whether it replayed a CUDA graph, "
-                  "the step-time model's prediction and the measured time, the queue (engine/step_trace.py)",
+                  "the step-time model's prediction and the measured time, the queue (engine/core/step_trace.py)",
     "max_wait_ms": "dynamic batching: how long a partial batch waits to fill",
     "max_n_per_request": "most samples (n) in one request; more get 400 (each counts against --max-waiting)",
     "scheduler_policy": "continuous (FCFS); static / dynamic batching (to measure what continuous buys); makespan: "

@@ -6,8 +6,8 @@ import itertools
 from collections.abc import Sequence
 
 from goodserve.config import EngineConfig
-from goodserve.engine.device_memory import release_dropped_memory
-from goodserve.engine.engine import Engine
+from goodserve.engine.setup.device_memory import release_dropped_memory
+from goodserve.engine.frontend.engine import Engine
 from goodserve.errors import EngineDeadError, EngineStepError, InvalidRequestError
 from goodserve.model_names import EMBEDDED_MODEL
 from goodserve.outputs import RequestOutput

@@ -48,7 +48,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     priority: int = 0  # lower is served first, as in vLLM
-    # Latency targets (ms) the "slo" scheduler policy serves this request by (engine/slo_policy.py);
+    # Latency targets (ms) the "slo" scheduler policy serves this request by (engine/core/slo_policy.py);
     # None: no target. The server fills in its --slo-ttft-ms / --slo-tpot-ms where a body sets none.
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None

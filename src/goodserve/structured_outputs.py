@@ -1,5 +1,5 @@
 """A request's output grammar, named as in vLLM's StructuredOutputsParams: exactly one of a JSON
-schema, any JSON object, a regex, a list of choices or an EBNF grammar (engine/grammar.py compiles it).
+schema, any JSON object, a regex, a list of choices or an EBNF grammar (engine/frontend/grammar.py compiles it).
 
 Its size and a schema's nesting are bounded here, before anything compiles it: a compile's time grows
 with both (a 20,000-value enum: 1.1 s on one core; a schema nested 450 objects deep: 13 s), and a

@@ -16,7 +16,7 @@ import time
 import pytest
 
 from goodserve import LLM, SamplingParams
-from goodserve.engine import cuda_graphs, executor, model_runner
+from goodserve.engine.worker import cuda_graphs, executor, model_runner
 from goodserve.errors import EngineDeadError
 from helpers import shut_down, worker_processes
 from test_async_scheduling import EagerDecodeGraph, abort_mid_pipeline, drive, summary

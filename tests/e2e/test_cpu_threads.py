@@ -12,7 +12,7 @@ from goodserve.cli import main
 from goodserve.cpu_threads import Cores, available_cores, cgroup_quota, plan_threads
 from goodserve.diagnose.advisor import advise
 from goodserve.diagnose.parallel import analyze_replica
-from goodserve.engine import engine_process
+from goodserve.engine.frontend import engine_process
 from test_diagnose import GPU, SPEC, obs
 
 

@@ -14,8 +14,8 @@ import httpx2
 import pytest
 
 from goodserve.config import EngineConfig
-from goodserve.engine.engine_process import EngineProcess
-from goodserve.engine.grammar import GrammarCompiler
+from goodserve.engine.frontend.engine_process import EngineProcess
+from goodserve.engine.frontend.grammar import GrammarCompiler
 from goodserve.model.tokenizer_loader import embedded_tokenizer
 from goodserve.sampling_params import SamplingParams
 from goodserve.server.app import ServerConfig, build_app

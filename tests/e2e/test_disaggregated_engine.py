@@ -10,8 +10,8 @@ import threading
 
 from goodserve import LLM, SamplingParams
 from goodserve.config import EngineConfig
-from goodserve.engine import kv_transfer
-from goodserve.engine.disagg_layout import parse_disaggregate
+from goodserve.engine.disagg import kv_transfer
+from goodserve.engine.disagg.disagg_layout import parse_disaggregate
 from goodserve.server.disaggregated import DisaggregatedEngine
 
 CONFIG = EngineConfig(model="smollm2-135m", dtype="float32", device="cpu", max_model_len=512, num_kv_blocks=64)

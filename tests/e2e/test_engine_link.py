@@ -1,4 +1,4 @@
-"""The link to the engine's process (engine/engine_process.py): a request that cannot cross it (a value
+"""The link to the engine's process (engine/frontend/engine_process.py): a request that cannot cross it (a value
 pickle cannot take) fails alone and the engine keeps serving; a link that breaks says so on /health
 (503) and fails its requests at once instead of leaving them to hang. On dummy:tiny."""
 
@@ -10,7 +10,7 @@ import httpx2
 import pytest
 
 from goodserve.config import EngineConfig
-from goodserve.engine.engine_process import EngineProcess
+from goodserve.engine.frontend.engine_process import EngineProcess
 from goodserve.errors import EngineDeadError, EngineStepError
 from goodserve.sampling_params import SamplingParams
 from goodserve.server.app import ServerConfig, build_app

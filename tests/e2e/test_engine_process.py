@@ -1,4 +1,4 @@
-"""The engine in a process of its own (engine/engine_process.py), on dummy:tiny: the same tokens as
+"""The engine in a process of its own (engine/frontend/engine_process.py), on dummy:tiny: the same tokens as
 the engine on a thread of this process, a running output light and the finished one whole, a refused
 request failing alone, an abandoned request's blocks freed, a killed engine process failing its
 requests (and new ones) with EngineDeadError, start-up errors raised where it was asked for, and
@@ -21,8 +21,8 @@ import pytest
 
 from goodserve.cli import main
 from goodserve.config import EngineConfig
-from goodserve.engine.async_engine import AsyncEngine
-from goodserve.engine.engine_process import EngineProcess
+from goodserve.engine.frontend.async_engine import AsyncEngine
+from goodserve.engine.frontend.engine_process import EngineProcess
 from goodserve.errors import EngineDeadError, InvalidRequestError, ModelLoadError
 from goodserve.sampling_params import SamplingParams
 from goodserve.server.process import launch_server
@@ -231,7 +231,7 @@ def test_a_program_that_exits_without_shutdown_does_not_hang():
     """The engine process is not a daemon, so multiprocessing joins it at exit: the pipe closed first
     must stop it."""
     script = ("import asyncio; from goodserve.config import EngineConfig; "
-              "from goodserve.engine.engine_process import EngineProcess; "
+              "from goodserve.engine.frontend.engine_process import EngineProcess; "
               "from goodserve.sampling_params import SamplingParams; "
               "e = EngineProcess(EngineConfig(model='dummy:tiny', num_kv_blocks=64)); "
               "asyncio.run(e.start()); print(e.process.pid)")

@@ -13,8 +13,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from goodserve.config import EngineConfig
-from goodserve.engine.engine import Engine
-from goodserve.engine.kv_transfer import receive_prefilled, send_prefilled
+from goodserve.engine.frontend.engine import Engine
+from goodserve.engine.disagg.kv_transfer import receive_prefilled, send_prefilled
 from goodserve.sampling_params import SamplingParams
 
 PROMPT = ("The history of the printing press begins in the fifteenth century, when a goldsmith in Mainz "
@@ -130,7 +130,7 @@ def random_layers(num_blocks: int, dtype: torch.dtype, seed: int) -> list:
 def test_blocks_cross_in_groups_byte_for_byte_for_every_kv_dtype(monkeypatch):
     """More blocks than a message holds, at scattered ids on both sides, in every KV dtype the engine
     keeps (int8 with its scales, float8): each block lands whole at its new id, and nothing else moves."""
-    from goodserve.engine import kv_transfer
+    from goodserve.engine.disagg import kv_transfer
 
     monkeypatch.setattr(kv_transfer, "BLOCKS_PER_MESSAGE", 3)
     for dtype in (torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn):

@@ -44,7 +44,7 @@ def test_stages_hold_contiguous_layer_ranges_and_only_their_own_parts():
 def test_micro_batches_are_on_by_default_on_the_cpu_and_can_be_turned_off():
     """On CUDA the stages run eagerly: a step's host time, not its rows, bounds it there."""
     from goodserve.config import EngineConfig
-    from goodserve.engine.config_resolution import resolve_for_device
+    from goodserve.engine.setup.config_resolution import resolve_for_device
 
     assert resolve_for_device(EngineConfig(device="cpu")).pipeline_micro_batches is True
     assert resolve_for_device(EngineConfig(device="cpu", pipeline_micro_batches=False)).pipeline_micro_batches is False

@@ -1,4 +1,4 @@
-"""The prefill worker (engine/prefill_worker.py) in its own process, this test as the decode side:
+"""The prefill worker (engine/disagg/prefill_worker.py) in its own process, this test as the decode side:
 the worker's engine prefills the next prompt while an earlier prompt's KV waits for the decode side
 to take it, and both then decode to one engine's greedy tokens. The embedded model, float32, gloo."""
 
@@ -10,9 +10,9 @@ import multiprocessing
 import torch.distributed as dist
 
 from goodserve.config import EngineConfig
-from goodserve.engine.engine import Engine
-from goodserve.engine.kv_transfer import receive_prefilled
-from goodserve.engine.prefill_worker import DECODE_RANK, PREFILL_RANK, prefill_worker_main
+from goodserve.engine.frontend.engine import Engine
+from goodserve.engine.disagg.kv_transfer import receive_prefilled
+from goodserve.engine.disagg.prefill_worker import DECODE_RANK, PREFILL_RANK, prefill_worker_main
 from goodserve.sampling_params import SamplingParams
 
 CONFIG = EngineConfig(dtype="float32", device="cpu", num_kv_blocks=32, max_model_len=256)

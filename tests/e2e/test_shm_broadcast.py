@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from goodserve.engine.shm_broadcast import Reader, RingClosed, Writer
+from goodserve.engine.worker.shm_broadcast import Reader, RingClosed, Writer
 
 
 def read_all(handle, index: int, delay: float, results) -> None:
@@ -67,7 +67,7 @@ def test_a_reader_in_the_same_process_sees_a_long_message_and_the_close():
 
 
 def test_a_wait_for_a_peer_that_is_gone_ends(monkeypatch):
-    monkeypatch.setattr("goodserve.engine.shm_broadcast.ALIVE_CHECK_S", 0.05)
+    monkeypatch.setattr("goodserve.engine.worker.shm_broadcast.ALIVE_CHECK_S", 0.05)
     writer = Writer(num_readers=1, num_slots=1, slot_bytes=64, alive=lambda: False)
     reader = Reader(writer.handle(), 0, alive=lambda: False)
     writer.unlink()

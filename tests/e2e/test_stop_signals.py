@@ -1,4 +1,4 @@
-"""The processes goodserve starts for itself stop when their parent says so (engine/stop_signals.py):
+"""The processes goodserve starts for itself stop when their parent says so (engine/processes/stop_signals.py):
 a SIGTERM or SIGINT sent to every process of a service at once (a service manager's stop, a
 terminal's Ctrl-C) leaves a tensor-parallel server's ranks stepping while the server drains; an
 orphan still obeys SIGTERM; and a program that exits without shutting its workers down still exits."""
@@ -17,7 +17,7 @@ import httpx2
 from goodserve.server.process import launch_server
 from test_engine_process import running
 
-CHILD = ("import time; from goodserve.engine.stop_signals import leave_stopping_to_the_parent; "
+CHILD = ("import time; from goodserve.engine.processes.stop_signals import leave_stopping_to_the_parent; "
          "leave_stopping_to_the_parent(); print('ready', flush=True); time.sleep(120)")
 
 
@@ -63,7 +63,7 @@ def test_an_orphan_obeys_sigterm():
 def test_a_program_that_exits_without_shutting_its_worker_down_exits():
     """multiprocessing SIGTERMs a daemonic child at exit and waits for it: a worker that ignores the
     signal is killed first (kill_at_exit), or the program would wait for ever."""
-    script = ("from goodserve.config import EngineConfig; from goodserve.engine.engine import Engine; "
+    script = ("from goodserve.config import EngineConfig; from goodserve.engine.frontend.engine import Engine; "
               "e = Engine(EngineConfig(model='dummy:tiny', num_kv_blocks=64, executor_backend='mp')); "
               "print(e.executor._processes[0].pid)")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)

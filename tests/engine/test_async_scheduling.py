@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from goodserve import SamplingParams
-from goodserve.engine import cuda_graphs
-from goodserve.engine.runner_output import PendingOutput
+from goodserve.engine.worker import cuda_graphs
+from goodserve.engine.seam.runner_output import PendingOutput
 from goodserve.engine.spec_decode.policy import PROBE_EVERY
 from helpers import runner_of
 
@@ -313,7 +313,7 @@ class _WrongProposer:
         self.token = token
 
     def propose(self, wanted):
-        from goodserve.engine.spec_decode.drafts import Drafts
+        from goodserve.engine.seam.drafts import Drafts
 
         return [Drafts([self.token] * k) for _, k in wanted]
 

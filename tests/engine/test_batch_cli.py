@@ -11,8 +11,8 @@ import json
 from goodserve.cli import main
 from goodserve.commands.batch import run_file
 from goodserve.config import EngineConfig
-from goodserve.engine.admission import Admission
-from goodserve.engine.async_engine import AsyncEngine
+from goodserve.engine.frontend.admission import Admission
+from goodserve.engine.frontend.async_engine import AsyncEngine
 from goodserve.server.batch_lines import BATCH_PRIORITY, ENDPOINTS, parse_lines
 from goodserve.server.batch_runner import BatchRunner
 from goodserve.server.batch_store import BatchStore

@@ -10,7 +10,7 @@ import time
 from goodserve.bench.batch_job import BatchJob, batch_input
 from goodserve.bench.workloads import BenchRequest
 from goodserve.config import EngineConfig
-from goodserve.engine.async_engine import AsyncEngine
+from goodserve.engine.frontend.async_engine import AsyncEngine
 from goodserve.server.batch_lines import BATCH_PRIORITY
 
 

@@ -12,9 +12,9 @@ import pytest
 import dataclasses
 
 from goodserve.config import EngineConfig
-from goodserve.engine.kv_cache_manager import KVCacheManager
-from goodserve.engine.scheduler import Scheduler
-from goodserve.engine.sequence import Sequence, SequenceStatus
+from goodserve.engine.core.kv_cache_manager import KVCacheManager
+from goodserve.engine.core.scheduler import Scheduler
+from goodserve.engine.core.sequence import Sequence, SequenceStatus
 from goodserve.engine.spec_decode.draft_model import DraftModelProposer, load_draft
 from goodserve.engine.spec_decode.proposer import make_proposer
 from goodserve.model.presets import get_preset
@@ -67,7 +67,7 @@ def test_random_traffic_leaks_nothing(policy, chunked, speculative, windows):
     """speculative: n-gram drafts (tokens 0..2 repeat, so most decodes draft) or a draft model's
     (dummy:tiny, with its own block pool), of which a random number is kept: the rejected ones' K/V
     slots are rolled back and rewritten; the draft's blocks are held by live sequences only.
-    windows: each layer group's sliding window (several: a hybrid pool, engine/kv_groups.py); blocks
+    windows: each layer group's sliding window (several: a hybrid pool, engine/setup/kv_groups.py); blocks
     before it are released as sequences grow, and a prefix-cache hit must still serve only blocks
     holding the sequence's own tokens."""
     rng = random.Random(1234)

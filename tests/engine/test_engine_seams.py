@@ -11,9 +11,9 @@ import pytest
 
 from goodserve import LLM, SamplingParams
 from goodserve.config import EngineConfig
-from goodserve.engine.engine import Engine
-from goodserve.engine.executor import MultiprocExecutor
-from goodserve.engine.scheduler_output import NewRequestData, SchedulerOutput
+from goodserve.engine.frontend.engine import Engine
+from goodserve.engine.worker.executor import MultiprocExecutor
+from goodserve.engine.seam.scheduler_output import NewRequestData, SchedulerOutput
 from goodserve.structured_outputs import StructuredOutputsParams
 from helpers import executor_of, shut_down
 

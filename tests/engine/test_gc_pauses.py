@@ -1,5 +1,5 @@
 """A serving engine keeps the objects alive at its start out of the collector's full passes
-(engine/gc_pauses.py): on a 2-core CPU at 256-448 streams those passes took 122-166 ms, after 3-9
+(engine/processes/gc_pauses.py): on a 2-core CPU at 256-448 streams those passes took 122-166 ms, after 3-9
 (benchmarks/results/cpu_host_step_gc_freeze_intel.json)."""
 
 import asyncio
@@ -8,7 +8,7 @@ import gc
 import pytest
 
 from goodserve.config import EngineConfig
-from goodserve.engine.async_engine import AsyncEngine
+from goodserve.engine.frontend.async_engine import AsyncEngine
 from goodserve.sampling_params import SamplingParams
 
 
@@ -54,7 +54,7 @@ def test_the_servers_metrics_count_every_full_collection_and_its_time():
 def test_serving_tunes_the_collector_and_switch_interval_from_the_environment(monkeypatch):
     import sys
 
-    from goodserve.engine.gc_pauses import SERVING_GC_GEN0_THRESHOLD, tune_for_serving
+    from goodserve.engine.processes.gc_pauses import SERVING_GC_GEN0_THRESHOLD, tune_for_serving
 
     threshold, interval = gc.get_threshold(), sys.getswitchinterval()
     try:

@@ -1,4 +1,4 @@
-"""The hybrid KV pool (engine/kv_groups.py) on a tiny Gemma 3 (five local layers with a 16-token window
+"""The hybrid KV pool (engine/setup/kv_groups.py) on a tiny Gemma 3 (five local layers with a 16-token window
 to one global): a block holds one layer's K/V, so the same bytes make six times the blocks; a local
 layer's blocks before its window are released as a sequence grows, so at a long context the pool holds
 more sequences than an all-global one; and the tokens stay transformers'. Counts are computed here
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from goodserve.engine.input_processor import sequence_id
+from goodserve.engine.frontend.input_processor import sequence_id
 from goodserve.llm import LLM
 from goodserve.sampling_params import SamplingParams
 from helpers import engine_of

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from goodserve import LLM, SamplingParams
-from goodserve.engine import model_runner, worker
+from goodserve.engine.worker import model_runner, worker
 from goodserve.errors import InvalidRequestError
 from helpers import runner_of
 from test_async_scheduling import drive, engine_mode
@@ -177,7 +177,7 @@ def test_the_activation_reserve_is_sized_for_the_budget_the_engine_runs_with(mon
     """Without chunked prefill a whole prompt is one step: the budget grows to the context before the KV
     pool is sized around the activations of such a step. The caller's config is left as it was."""
     from goodserve.config import EngineConfig
-    from goodserve.engine.engine import Engine
+    from goodserve.engine.frontend.engine import Engine
 
     seen = []
     real = worker.num_blocks_for_memory

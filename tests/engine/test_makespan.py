@@ -4,9 +4,9 @@ import pytest
 
 from goodserve import LLM, SamplingParams
 from goodserve.config import EngineConfig
-from goodserve.engine.kv_cache_manager import KVCacheManager
-from goodserve.engine.scheduler import Scheduler
-from goodserve.engine.sequence import Sequence
+from goodserve.engine.core.kv_cache_manager import KVCacheManager
+from goodserve.engine.core.scheduler import Scheduler
+from goodserve.engine.core.sequence import Sequence
 from test_async_scheduling import drive, engine_mode
 
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from goodserve import SamplingParams
-from goodserve.engine import cuda_graphs
-from goodserve.engine.model_inputs import FlatBatch
+from goodserve.engine.worker import cuda_graphs
+from goodserve.engine.worker.model_inputs import FlatBatch
 from helpers import runner_of
 
 
@@ -176,7 +176,7 @@ def test_the_layout_holds_a_logits_row_per_token():
     rows are aligned to 12, sequence rows to 4 plus query_start_loc's extra entry: 8)."""
     import numpy as np
 
-    from goodserve.engine.input_layout import InputLayout
+    from goodserve.engine.worker.input_layout import InputLayout
 
     flat = FlatBatch(input_ids=[11, 12, 13, 14, 15, 21, 22, 23, 24], positions=[5, 6, 7, 8, 9, 9, 10, 11, 12],
                      slots=[117, 118, 119, 120, 121, 57, 58, 59, 60], query_lens=[5, 4], seq_lens=[10, 13],
@@ -200,12 +200,12 @@ def test_the_layout_holds_a_logits_row_per_token():
 
 
 def test_a_hybrid_pool_steps_with_a_slot_row_and_a_table_per_layer_group():
-    """Two layer groups (engine/kv_groups.py): the tables interleave them (entry 2i + g: group g's block
+    """Two layer groups (engine/setup/kv_groups.py): the tables interleave them (entry 2i + g: group g's block
     of the i-th block of tokens), each group's slots of a token come from its own blocks, and each
     group's metadata reads its own table and slots."""
-    from goodserve.engine.input_layout import InputLayout
-    from goodserve.engine.model_inputs import RequestState, flatten
-    from goodserve.engine.scheduler_output import SchedulerOutput
+    from goodserve.engine.worker.input_layout import InputLayout
+    from goodserve.engine.worker.model_inputs import RequestState, flatten
+    from goodserve.engine.seam.scheduler_output import SchedulerOutput
     from goodserve.ops.attention import AttentionMetadata, with_kv_groups
 
     block_size = 16

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from goodserve import LLM, SamplingParams
-from goodserve.engine.model_inputs import FlatBatch, as_one_token_rows
+from goodserve.engine.worker.model_inputs import FlatBatch, as_one_token_rows
 from goodserve.engine.spec_decode.acceptance import kept_tokens
 from goodserve.engine.spec_decode.ngram import propose_ngram
 from goodserve.ops.kernel_choice import KernelChoice

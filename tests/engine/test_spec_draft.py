@@ -14,8 +14,8 @@ import torch
 
 from goodserve import LLM, SamplingParams
 from goodserve.cli import main
-from goodserve.engine import engine as engine_module
-from goodserve.engine import worker
+from goodserve.engine.frontend import engine as engine_module
+from goodserve.engine.worker import worker
 from goodserve.engine.spec_decode.rejection import kept_by_rejection
 from goodserve.errors import InvalidRequestError
 from goodserve.ops.kernel_choice import KernelChoice

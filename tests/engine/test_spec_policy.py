@@ -4,10 +4,10 @@ probes the sequences it left out in a bounded share of steps."""
 
 from goodserve import LLM
 from goodserve.config import EngineConfig
-from goodserve.engine.sequence import Sequence
+from goodserve.engine.core.sequence import Sequence
 from goodserve.engine.spec_decode.policy import (EAGER_COST, GRAPHED_COST, NATIVE_DECODE_COST, NATIVE_SPLIT_COST,
                                                 PROBE_EVERY, Speculator)
-from goodserve.engine.spec_decode.drafts import Drafts
+from goodserve.engine.seam.drafts import Drafts
 from goodserve.sampling_params import SamplingParams
 from helpers import loaded_model
 

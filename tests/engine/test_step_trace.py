@@ -1,4 +1,4 @@
-"""--step-trace (engine/step_trace.py) on dummy:tiny: a line per step whose shapes add up to what the
+"""--step-trace (engine/core/step_trace.py) on dummy:tiny: a line per step whose shapes add up to what the
 requests asked for, counted by hand, and that diagnose reads; the same from an engine in its own process."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from dataclasses import replace
 from goodserve import LLM, SamplingParams
 from goodserve.config import EngineConfig
 from goodserve.diagnose.steps import analyze_steps
-from goodserve.engine.engine_process import EngineProcess
-from goodserve.engine.step_trace import read_step_trace
+from goodserve.engine.frontend.engine_process import EngineProcess
+from goodserve.engine.core.step_trace import read_step_trace
 
 PROMPTS = [[1, 2, 3, 4], [9, 8, 7], list(range(100, 120))]
 MAX_TOKENS = 5

@@ -9,7 +9,7 @@ import re
 import pytest
 
 from goodserve import LLM, SamplingParams, StructuredOutputsParams
-from goodserve.engine.grammar import grammar_bitmask
+from goodserve.engine.frontend.grammar import grammar_bitmask
 from goodserve.errors import InvalidRequestError
 from test_async_scheduling import engine_mode
 

@@ -85,7 +85,7 @@ def test_serve_records_traffic_that_tune_replays(tmp_path):
     """A real app in-process records each accepted prompt hashed; the recording replays through
     bench's custom dataset (same hash, same stand-in text) with its burstiness fitted."""
     from goodserve.config import EngineConfig
-    from goodserve.engine.async_engine import AsyncEngine
+    from goodserve.engine.frontend.async_engine import AsyncEngine
     from goodserve.server.app import ServerConfig, build_app
 
     recording = tmp_path / "traffic.jsonl"

@@ -59,7 +59,7 @@ def cuda_only(device):
 @pytest.fixture(autouse=True)
 def release_gpu_memory():
     """Each case builds its own engines; free their KV caches and graph pools before the next."""
-    from goodserve.engine.device_memory import release_dropped_memory
+    from goodserve.engine.setup.device_memory import release_dropped_memory
 
     yield
     release_dropped_memory()

@@ -12,8 +12,8 @@ import pytest
 import torch
 from gate_checks import MODES, build, engine_scores, run
 
-from goodserve.engine.model_inputs import RequestState
-from goodserve.engine.sampling_inputs import SamplingRow, build_sampling_batch
+from goodserve.engine.worker.model_inputs import RequestState
+from goodserve.engine.worker.sampling_inputs import SamplingRow, build_sampling_batch
 from goodserve.model.tokenizer_loader import embedded_tokenizer
 from goodserve.model_names import EMBEDDED_MODEL
 from goodserve.ops.kernel_choice import TORCH_KERNELS

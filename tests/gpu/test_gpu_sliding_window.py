@@ -26,7 +26,7 @@ def test_windowed_greedy_tokens_equal_transformers_on_cuda(tmp_path, cuda_only, 
 
 
 def test_hybrid_pool_greedy_tokens_equal_transformers_on_cuda(tmp_path, cuda_only):
-    """Gemma 3's layer groups (engine/kv_groups.py) through the Triton kernels, CUDA graphs and async
+    """Gemma 3's layer groups (engine/setup/kv_groups.py) through the Triton kernels, CUDA graphs and async
     scheduling, in a pool whose released local blocks are soon reused."""
     save_tiny_model(gemma3_config(), tmp_path)
     assert_tokens_equal_transformers_in_a_tight_pool(tmp_path, device="cuda")

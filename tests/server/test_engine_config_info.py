@@ -12,7 +12,7 @@ from goodserve.server.metrics import ServerMetrics, Slo
 
 @pytest.fixture(scope="module")
 def int8_kv_engine():
-    from goodserve.engine.async_engine import AsyncEngine
+    from goodserve.engine.frontend.async_engine import AsyncEngine
 
     return AsyncEngine(EngineConfig(model="dummy:tiny", num_kv_blocks=64, kv_cache_dtype="int8",
                                     enable_prefix_caching=False, max_num_seqs=8))

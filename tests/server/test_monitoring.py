@@ -15,7 +15,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from goodserve.config import EngineConfig
-from goodserve.engine.async_engine import AsyncEngine
+from goodserve.engine.frontend.async_engine import AsyncEngine
 from goodserve.server.app import ServerConfig, build_app
 
 MONITORING = Path(__file__).resolve().parents[2] / "deploy" / "monitoring"

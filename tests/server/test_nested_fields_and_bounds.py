@@ -13,7 +13,7 @@ import httpx2
 import pytest
 
 from goodserve.config import EngineConfig
-from goodserve.engine.async_engine import AsyncEngine
+from goodserve.engine.frontend.async_engine import AsyncEngine
 from goodserve.server.app import ServerConfig, build_app
 
 MAX_MODEL_LEN = 256

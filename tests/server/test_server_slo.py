@@ -8,9 +8,9 @@ from __future__ import annotations
 import openai
 import pytest
 
-from goodserve.engine.admission import SHED_MIN_RANKED, Admission, CostlyRequestShed, CostRanks, TtftUnattainable
-from goodserve.engine.forecast import Forecast
-from goodserve.engine.step_time_model import StepTimeFit
+from goodserve.engine.frontend.admission import SHED_MIN_RANKED, Admission, CostlyRequestShed, CostRanks, TtftUnattainable
+from goodserve.engine.core.forecast import Forecast
+from goodserve.engine.core.step_time_model import StepTimeFit
 from goodserve.errors import QueueFullError
 from goodserve.cli import main
 from goodserve.server.process import scrape_metrics

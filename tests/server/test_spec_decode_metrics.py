@@ -99,7 +99,7 @@ def test_server_counters_match_a_replay_of_the_requests(spec_server, embedded_ll
 
 
 def test_no_counters_without_speculation():
-    from goodserve.engine.async_engine import AsyncEngine
+    from goodserve.engine.frontend.async_engine import AsyncEngine
     from goodserve.config import EngineConfig
     from goodserve.server.metrics import ServerMetrics, Slo
 

@@ -19,8 +19,8 @@ import openai
 import xgrammar
 
 from goodserve.config import EngineConfig
-from goodserve.engine.async_engine import AsyncEngine
-from goodserve.engine.grammar import GrammarCompiler
+from goodserve.engine.frontend.async_engine import AsyncEngine
+from goodserve.engine.frontend.grammar import GrammarCompiler
 from goodserve.model.tokenizer_loader import embedded_tokenizer
 from goodserve.server.app import ServerConfig, build_app
 from goodserve.server.protocol import ChatCompletionRequest

@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from goodserve.config import EngineConfig
-from goodserve.engine.async_engine import AsyncEngine
+from goodserve.engine.frontend.async_engine import AsyncEngine
 from goodserve.server.app import ServerConfig, build_app
 from goodserve.server.protocol import ChatCompletionRequest
 

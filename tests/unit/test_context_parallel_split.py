@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from goodserve.engine.context_parallel import ContextParallel, zigzag
-from goodserve.engine.model_inputs import FlatBatch
+from goodserve.engine.worker.context_parallel import ContextParallel, zigzag
+from goodserve.engine.worker.model_inputs import FlatBatch
 
 BLOCK = 4
 

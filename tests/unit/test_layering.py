@@ -142,16 +142,16 @@ assert build_app(config_from_args(args)).state.router.backends[1].url == "http:/
 
 
 def test_scheduler_names_no_policy():
-    """The scheduler carries out what a policy (engine/scheduling_policy.py) chooses: it neither names
+    """The scheduler carries out what a policy (engine/core/scheduling_policy.py) chooses: it neither names
     one nor imports one, so a new policy is a new module, not a new branch in the scheduler."""
-    source = MODULES["goodserve.engine.scheduler"].read_text()
+    source = MODULES["goodserve.engine.core.scheduler"].read_text()
     named = sorted({word for word in re.findall(r"[a-z]+", source.lower()) if word in SCHEDULER_POLICIES})
-    assert not named, f"engine/scheduler.py names the policies {named}"
-    policies = {"goodserve.engine.slo_policy", "goodserve.engine.makespan"}
-    assert not _imports("goodserve.engine.scheduler") & policies
+    assert not named, f"engine/core/scheduler.py names the policies {named}"
+    policies = {"goodserve.engine.core.slo_policy", "goodserve.engine.core.makespan"}
+    assert not _imports("goodserve.engine.core.scheduler") & policies
     reads = [node.lineno for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Attribute)
              and node.attr == "scheduler_policy"]
-    assert not reads, f"engine/scheduler.py reads config.scheduler_policy on lines {reads}"
+    assert not reads, f"engine/core/scheduler.py reads config.scheduler_policy on lines {reads}"
 
 
 def test_scheduler_and_policies_never_import_torch():
@@ -161,10 +161,10 @@ def test_scheduler_and_policies_never_import_torch():
 import sys
 from goodserve import SamplingParams
 from goodserve.config import SCHEDULER_POLICIES, EngineConfig
-from goodserve.engine.admission import Admission
-from goodserve.engine.kv_cache_manager import KVCacheManager
-from goodserve.engine.scheduler import Scheduler
-from goodserve.engine.sequence import Sequence
+from goodserve.engine.frontend.admission import Admission
+from goodserve.engine.core.kv_cache_manager import KVCacheManager
+from goodserve.engine.core.scheduler import Scheduler
+from goodserve.engine.core.sequence import Sequence
 
 for policy in SCHEDULER_POLICIES:
     sched = Scheduler(EngineConfig(scheduler_policy=policy, max_num_seqs=4, max_num_batched_tokens=64, block_size=4),
@@ -177,7 +177,7 @@ for policy in SCHEDULER_POLICIES:
 
 
 def test_bench_reaches_the_server_only_through_its_batch_job():
-    """`goodserve bench` uses the engine's front end (engine/admission.py) as the server does, not the
+    """`goodserve bench` uses the engine's front end (engine/frontend/admission.py) as the server does, not the
     server's modules: only the batch job beside a run, which sends its lines through the server's
     batch runner in-process by design, and the in-process engine's configuration, read as the server's
     info metric reports it, import goodserve.server."""
@@ -201,7 +201,7 @@ def test_version_is_read_without_the_package_api():
 
 
 def _protocol_members() -> set[str]:
-    from goodserve.engine.scheduling_policy import SchedulingPolicy
+    from goodserve.engine.core.scheduling_policy import SchedulingPolicy
 
     return {name for name in vars(SchedulingPolicy) if not name.startswith("_")} | set(SchedulingPolicy.__annotations__)
 
@@ -210,11 +210,11 @@ def test_scheduler_asks_its_policy_only_what_the_protocol_says():
     """The scheduler and the displacement walk reach the policy through SchedulingPolicy alone (a
     policy-specific attribute would make the others fail at run time), and every policy answers all of it."""
     from goodserve.config import EngineConfig
-    from goodserve.engine.scheduling_policy import make_policy
-    from goodserve.engine.step_time_model import StepTimeModel
+    from goodserve.engine.core.scheduling_policy import make_policy
+    from goodserve.engine.core.step_time_model import StepTimeModel
 
     members = _protocol_members()
-    for module in ("goodserve.engine.scheduler", "goodserve.engine.displacement", "goodserve.engine.step_trace"):
+    for module in ("goodserve.engine.core.scheduler", "goodserve.engine.core.displacement", "goodserve.engine.core.step_trace"):
         tree = ast.parse(MODULES[module].read_text())
         asked = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)
                  and ast.unparse(node.value) in ("self.policy", "policy", "scheduler.policy")}
@@ -229,7 +229,7 @@ def test_draft_types_never_import_torch():
     output and the runner's carry them across processes, and they load without torch."""
     _torch_free("""
 import sys
-from goodserve.engine.spec_decode.drafts import Branch, BranchOutput, Drafts
+from goodserve.engine.seam.drafts import Branch, BranchOutput, Drafts
 
 branch = Branch([5, 6], [-1, 0], [1])
 assert Drafts([7], branch=branch).branch.parents == [-1, 0] and BranchOutput([8], [7, 9]).samples == [7, 9]

@@ -1,8 +1,8 @@
-"""A scheduled step flattened to token-level lists (engine/model_inputs.flatten), against lists
+"""A scheduled step flattened to token-level lists (engine/worker/model_inputs.flatten), against lists
 worked out by hand from the layout's definition."""
 
-from goodserve.engine.model_inputs import RequestState, flatten
-from goodserve.engine.scheduler_output import SchedulerOutput
+from goodserve.engine.worker.model_inputs import RequestState, flatten
+from goodserve.engine.seam.scheduler_output import SchedulerOutput
 from goodserve.engine.spec_decode.acceptance import kept_tokens
 from goodserve.sampling_params import SamplingParams
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from goodserve.cli import main
-from goodserve.engine import async_engine, engine
+from goodserve.engine.frontend import async_engine, engine
 
 TINY = ["--model", "dummy:tiny"]
 

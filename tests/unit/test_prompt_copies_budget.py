@@ -7,10 +7,10 @@ import pytest
 
 from goodserve import SamplingParams
 from goodserve.config import EngineConfig
-from goodserve.engine.kv_cache_manager import KVCacheManager
-from goodserve.engine.scheduler import Scheduler
-from goodserve.engine.scheduler_output import SchedulerOutput
-from goodserve.engine.sequence import Sequence
+from goodserve.engine.core.kv_cache_manager import KVCacheManager
+from goodserve.engine.core.scheduler import Scheduler
+from goodserve.engine.seam.scheduler_output import SchedulerOutput
+from goodserve.engine.core.sequence import Sequence
 
 BUDGET = 2048
 PROMPT = [1 + i % 50 for i in range(1001)]  # 250 full blocks of 4 cached for each copy, 1 token its own

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from goodserve.engine.model_inputs import RequestState
-from goodserve.engine.sampling_inputs import SamplingRow, build_sampling_batch
+from goodserve.engine.worker.model_inputs import RequestState
+from goodserve.engine.worker.sampling_inputs import SamplingRow, build_sampling_batch
 from goodserve.ops.kernel_choice import TORCH_KERNELS
 from goodserve.ops.sampler import apply_penalties, gather_logprobs, sample, top_k_top_p_min_p
 from goodserve.sampling_params import SamplingParams

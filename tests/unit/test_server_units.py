@@ -10,7 +10,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from goodserve.config import EngineConfig
-from goodserve.engine.admission import Admission
+from goodserve.engine.frontend.admission import Admission
 from goodserve.engine_args import add_engine_arguments, engine_config_from_args
 from goodserve.errors import InvalidRequestError, QueueFullError
 from goodserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -78,7 +78,7 @@ def _output(arrival: float, scheduled: float, token_times: list[float], prompt_l
 
 @pytest.fixture(scope="module")
 def idle_engine():
-    from goodserve.engine.async_engine import AsyncEngine
+    from goodserve.engine.frontend.async_engine import AsyncEngine
 
     return AsyncEngine(EngineConfig(model="dummy:tiny", num_kv_blocks=100))  # never started: stats stay zero
 

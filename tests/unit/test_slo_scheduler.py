@@ -7,14 +7,14 @@ import pytest
 
 from goodserve import SamplingParams
 from goodserve.config import EngineConfig
-from goodserve.engine import slo_policy
-from goodserve.engine.admission import BEST_EFFORT_PRIORITY, Admission
-from goodserve.engine.forecast import Forecast
-from goodserve.engine.kv_cache_manager import KVCacheManager
-from goodserve.engine.scheduler import Scheduler
-from goodserve.engine.scheduler_output import SchedulerOutput
-from goodserve.engine.sequence import Sequence
-from goodserve.engine.step_time_model import StepTimeFit, step_shape
+from goodserve.engine.core import slo_policy
+from goodserve.engine.frontend.admission import BEST_EFFORT_PRIORITY, Admission
+from goodserve.engine.core.forecast import Forecast
+from goodserve.engine.core.kv_cache_manager import KVCacheManager
+from goodserve.engine.core.scheduler import Scheduler
+from goodserve.engine.seam.scheduler_output import SchedulerOutput
+from goodserve.engine.core.sequence import Sequence
+from goodserve.engine.core.step_time_model import StepTimeFit, step_shape
 
 # 10 ms a step, 1 ms a decode row, 0.1 ms a prompt token
 FIT = StepTimeFit(a=0.010, b=0.001, c=0.0001)
@@ -380,7 +380,7 @@ def test_running_sequences_are_capped_by_the_tightest_tpot_target():
                                                      ("slo", 64, 64), ("continuous", 1024, 1024)])
 def test_the_sequence_ceiling_defaults_higher_under_slo(policy, asked, resolved):
     """slo sizes its batch from the TPOT target, so its ceiling only bounds graphs and memory."""
-    from goodserve.engine.config_resolution import resolve_for_device
+    from goodserve.engine.setup.config_resolution import resolve_for_device
 
     config = EngineConfig(device="cpu", scheduler_policy=policy, max_num_seqs=asked)
     assert resolve_for_device(config).max_num_seqs == resolved

@@ -4,7 +4,7 @@ from dataclasses import astuple
 
 import pytest
 
-from goodserve.engine.step_time_model import MIN_STEPS, StepTimeFit, StepTimeModel
+from goodserve.engine.core.step_time_model import MIN_STEPS, StepTimeFit, StepTimeModel
 
 
 def test_fit_recovers_the_line_the_steps_lie_on():
@@ -137,8 +137,8 @@ def test_no_negative_cost_the_rest_refitted():
 def test_context_a_step_reads_is_its_decode_rows_lengths():
     """Two decodes at positions 99 and 9 (100 and 10 tokens read), one verifying 2 drafts at position
     49 (52), and a 30-token prompt chunk (its own attention is prompt compute, c)."""
-    from goodserve.engine.scheduler_output import SchedulerOutput
-    from goodserve.engine.step_time_model import step_shape
+    from goodserve.engine.seam.scheduler_output import SchedulerOutput
+    from goodserve.engine.core.step_time_model import step_shape
 
     out = SchedulerOutput(seq_ids=["a", "b", "c", "p"], num_new_tokens=[1, 1, 3, 30],
                           num_computed_tokens=[99, 9, 49, 60], draft_token_ids={2: [5, 6]})

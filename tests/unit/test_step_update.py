@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 
 from goodserve.config import EngineConfig
-from goodserve.engine.kv_cache_manager import KVCacheManager
-from goodserve.engine.runner_output import ModelRunnerOutput
-from goodserve.engine.scheduler import Scheduler
-from goodserve.engine.sequence import Sequence
+from goodserve.engine.core.kv_cache_manager import KVCacheManager
+from goodserve.engine.seam.runner_output import ModelRunnerOutput
+from goodserve.engine.core.scheduler import Scheduler
+from goodserve.engine.core.sequence import Sequence
 from goodserve.sampling_params import SamplingParams
 
 EOS = 2

@@ -14,7 +14,7 @@ import httpx2
 import pytest
 
 from goodserve.config import EngineConfig
-from goodserve.engine.async_engine import AsyncEngine
+from goodserve.engine.frontend.async_engine import AsyncEngine
 from goodserve.errors import InvalidRequestError
 from goodserve.server.app import ServerConfig, build_app
 from goodserve.server.multipart import read_form

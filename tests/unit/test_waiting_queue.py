@@ -7,11 +7,11 @@ import pytest
 
 from goodserve import SamplingParams
 from goodserve.config import EngineConfig
-from goodserve.engine import makespan
-from goodserve.engine.kv_cache_manager import KVCacheManager
-from goodserve.engine.scheduler import Scheduler
-from goodserve.engine.sequence import Sequence
-from goodserve.engine.waiting_queue import WaitingQueue
+from goodserve.engine.core import makespan
+from goodserve.engine.core.kv_cache_manager import KVCacheManager
+from goodserve.engine.core.scheduler import Scheduler
+from goodserve.engine.core.sequence import Sequence
+from goodserve.engine.core.waiting_queue import WaitingQueue
 
 
 def make_seq(i: int, priority: int = 0, max_tokens: int = 8, prompt_len: int = 4) -> Sequence:

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 from goodserve.bench.workloads import BenchRequest
-from goodserve.engine.admission import Admission
+from goodserve.engine.frontend.admission import Admission
 from goodserve.server.batch_lines import ENDPOINTS, LineResult, parse_lines, run_lines
 from goodserve.server.metrics import ServerMetrics, Slo
 from goodserve.server.serving import ServingContext

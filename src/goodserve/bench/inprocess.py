@@ -7,7 +7,7 @@ two alike at their start across every run on the target (prompt_for; for as many
 vocabulary has ids), so none hits the prefix cache.
 
 With SLOs (slo_ms: {"ttft": ms, "tpot": ms}, --goodput) each request carries them as its targets;
-under the "slo" scheduler policy the admission check the server applies runs here too (engine/admission.py),
+under the "slo" scheduler policy the admission check the server applies runs here too (engine/frontend/admission.py),
 and a request it refuses is recorded as the 429 a client would get (refuses_late=False: every
 request is admitted, as where each client sends slo_best_effort, to measure what the refusals cost).
 Each record also carries TTFT and TPOT by the engine's own token times (engine_ttft, engine_tpot):
@@ -24,7 +24,7 @@ from goodserve.bench.client import Clock
 from goodserve.bench.records import RequestRecord
 from goodserve.bench.workloads import BenchRequest
 from goodserve.config import EngineConfig
-from goodserve.engine.admission import Admission
+from goodserve.engine.frontend.admission import Admission
 from goodserve.errors import GoodserveError
 from goodserve.sampling_params import SamplingParams
 
@@ -35,8 +35,8 @@ class InProcessTarget:
                  refuses_late: bool = True, engine_process: bool = False, shed_costly: bool = False,
                  engine=None):
         """engine: an Engine the caller loaded already (for config), run on a thread of this process."""
-        from goodserve.engine.async_engine import AsyncEngine  # pulls in torch and the model
-        from goodserve.engine.engine_process import EngineProcess
+        from goodserve.engine.frontend.async_engine import AsyncEngine  # pulls in torch and the model
+        from goodserve.engine.frontend.engine_process import EngineProcess
 
         if engine is not None:
             self.engine = AsyncEngine(engine=engine)

@@ -39,8 +39,8 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from goodserve.engine.async_engine import AsyncEngine  # torch loads only when a command needs it
-    from goodserve.engine.preflight import check_input_file, check_output_file, checked_engine_config
+    from goodserve.engine.frontend.async_engine import AsyncEngine  # torch loads only when a command needs it
+    from goodserve.engine.frontend.preflight import check_input_file, check_output_file, checked_engine_config
     from goodserve.server.batch_lines import ENDPOINTS, parse_lines
 
     if args.max_concurrency < 1:
@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
 async def run_file(engine, lines: list, output_path: Path, max_concurrency: int,
                    model_name: str) -> tuple[int, int]:
     """Answer the lines OUTPUT lacks; (succeeded, failed) among those answered now."""
-    from goodserve.engine.admission import Admission
+    from goodserve.engine.frontend.admission import Admission
     from goodserve.server.batch_lines import LineResult, run_lines
     from goodserve.server.metrics import ServerMetrics, Slo
     from goodserve.server.serving import ServingContext

@@ -40,7 +40,7 @@ def register(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from goodserve.commands.quality_gate import EvalSettings, default_thresholds, evaluate
-    from goodserve.engine.preflight import checked_engine_config
+    from goodserve.engine.frontend.preflight import checked_engine_config
 
     settings = EvalSettings(text_file=args.text_file, max_text_tokens=args.max_text_tokens, window=args.window,
                             max_new_tokens=args.max_new_tokens)

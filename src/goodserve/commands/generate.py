@@ -29,8 +29,8 @@ def register(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed)  # --seed: the engine's
-    from goodserve.engine.engine import Engine  # torch loads only when a command needs it
-    from goodserve.engine.preflight import checked_engine_config
+    from goodserve.engine.frontend.engine import Engine  # torch loads only when a command needs it
+    from goodserve.engine.frontend.preflight import checked_engine_config
 
     engine = Engine(checked_engine_config(args))
     prompt = args.prompt

@@ -265,7 +265,7 @@ def evaluate(candidate: EngineConfig, settings: EvalSettings, thresholds: Thresh
     settings.validate()
     # What the engine will run (an unset quantization is gguf for a GGUF model on the CPU), so the
     # report and the loss budgets name it.
-    from goodserve.engine.config_resolution import resolve_for_device
+    from goodserve.engine.setup.config_resolution import resolve_for_device
 
     # Unquantized is "none", the baseline's spelling, so a candidate can be the baseline's equal.
     candidate = dataclasses.replace(candidate, quantization=resolve_for_device(candidate).quantization or "none")

@@ -43,8 +43,8 @@ def run(args: argparse.Namespace) -> int:
                                   "experts; serve it with --quantization int8 or int4, which quantizes them while loading")
 
     from goodserve.config import EngineConfig
-    from goodserve.engine.config_resolution import resolve_for_device, torch_dtype
-    from goodserve.engine.model_builder import apply_quantization
+    from goodserve.engine.setup.config_resolution import resolve_for_device, torch_dtype
+    from goodserve.engine.setup.model_builder import apply_quantization
     from goodserve.model.loader import load_model
     from goodserve.quant.checkpoint import save_quantized
 

@@ -26,7 +26,7 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from goodserve.engine.executor import run_follower
+    from goodserve.engine.worker.executor import run_follower
     from goodserve.errors import InvalidRequestError
 
     if os.environ.get("RANK") == "0":

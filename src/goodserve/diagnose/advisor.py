@@ -136,7 +136,7 @@ NOT_FOR: dict[str, Callable[[dict[str, str]], bool]] = {
     "tensor_parallel": _on_cpu,  # gloo's all-reduces cost more than a CPU's decode step saves
     "replicas": _on_cpu,  # replicas on one CPU split its cores, not add to them
     "engine_process": lambda e: _is_on(e, "engine_process"),
-    # async scheduling needs CUDA graphs (engine/config_resolution.py)
+    # async scheduling needs CUDA graphs (engine/setup/config_resolution.py)
     "async_scheduling": lambda e: _on_cpu(e) or _is_on(e, "async_scheduling") or not _is_on(e, "cuda_graphs"),
 }
 

@@ -97,7 +97,7 @@ def add_layout_arguments(parser, what: str, micro_batches_default: str) -> None:
 
 
 def engine_default_micro_batches(hardware: str) -> bool:
-    """The engine's default (engine/config_resolution.py): on on the CPU, off on CUDA."""
+    """The engine's default (engine/setup/config_resolution.py): on on the CPU, off on CUDA."""
     return hardware == "cpu"
 
 

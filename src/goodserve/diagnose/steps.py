@@ -1,4 +1,4 @@
-"""What a step trace (`serve --step-trace FILE`, engine/step_trace.py) says about TPOT.
+"""What a step trace (`serve --step-trace FILE`, engine/core/step_trace.py) says about TPOT.
 
 A request's TPOT is the mean of the steps it sat through, so the steps that outlast the TPOT target
 are where TPOT misses come from, and their shape says which knob shortens them. The trace's own
@@ -34,8 +34,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from goodserve.diagnose.advisor import REPLICAS, Advice, Fix
-from goodserve.engine.step_time_model import StepTimeFit, StepTimeModel
-from goodserve.engine.step_trace import read_step_trace
+from goodserve.engine.core.step_time_model import StepTimeFit, StepTimeModel
+from goodserve.engine.core.step_trace import read_step_trace
 from goodserve.errors import InvalidRequestError
 
 # Below this share of the decode tokens in steps over the target, TPOT misses are not the steps'.

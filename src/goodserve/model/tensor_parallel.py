@@ -69,9 +69,9 @@ class TensorParallel:
     rank: int = 0
     size: int = 1
     # The ranks this one's collectives join: None, all of them (the default group); under pipeline
-    # parallelism its stage's ranks (engine/distributed.py).
+    # parallelism its stage's ranks (engine/worker/distributed.py).
     group: dist.ProcessGroup | None = None
-    # The group's all-reduce of small CUDA tensors, where it could be set up (engine/worker.py).
+    # The group's all-reduce of small CUDA tensors, where it could be set up (engine/worker/worker.py).
     custom_all_reduce: CustomAllReduce | None = None
 
     # ---- local shapes --------------------------------------------------------------------

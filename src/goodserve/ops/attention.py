@@ -61,10 +61,10 @@ class AttentionMetadata:
     # Tokens of side branches (lookahead's guesses, ops/tree_attention.py) at the end of the batch;
     # the fields above then describe the rows before them only (its `main` metadata) plus these.
     branches: SideBranches | None = None
-    # Context parallelism (engine/context_parallel.py): these rows are this rank's share of the
+    # Context parallelism (engine/worker/context_parallel.py): these rows are this rank's share of the
     # step's tokens; each layer gathers every rank's new K/V into the cache before attending.
     kv_exchange: KVExchange | None = None
-    # A pool of several layer groups (engine/kv_groups.py): per group, this metadata with the group's
+    # A pool of several layer groups (engine/setup/kv_groups.py): per group, this metadata with the group's
     # own slot_mapping and block_tables (the fields above are group 0's). Empty: one group.
     groups: tuple[AttentionMetadata, ...] = ()
 
@@ -92,7 +92,7 @@ class LayerKVCache:
     v: torch.Tensor
     k_scale: torch.Tensor | None = None  # [num_blocks, block_size, num_kv_heads], int8 only
     v_scale: torch.Tensor | None = None
-    group: int = 0  # the layer's group in the pool (engine/kv_groups.py): whose block ids it reads
+    group: int = 0  # the layer's group in the pool (engine/setup/kv_groups.py): whose block ids it reads
 
     @property
     def block_size(self) -> int:
@@ -153,7 +153,7 @@ def _share_new_kv(cache: LayerKVCache, meta: AttentionMetadata) -> None:
 def with_kv_groups(meta: AttentionMetadata, slot_mappings: torch.Tensor,
                    block_tables: torch.Tensor) -> AttentionMetadata:
     """meta over a pool of G layer groups: slot_mappings [G, T], every group's slots of each token;
-    block_tables [B, G * blocks], the groups' tables interleaved (engine/kv_cache_manager.py)."""
+    block_tables [B, G * blocks], the groups' tables interleaved (engine/core/kv_cache_manager.py)."""
     num_groups = slot_mappings.shape[0]
     if num_groups == 1:
         return replace(meta, slot_mapping=slot_mappings[0], block_tables=block_tables)

@@ -12,7 +12,7 @@ Every row is handled as in the reference semantics of vLLM / OpenAI:
 - greedy rows take the argmax of the penalized logits.
 Draws use the exponential-race trick (argmax p / E, E ~ Exp(1)), with noise from the row's own
 generator when the request has a seed, so a seeded request samples the same tokens in any batch.
-A row with a grammar (engine/grammar.py) has every token its grammar refuses at -inf first
+A row with a grammar (engine/frontend/grammar.py) has every token its grammar refuses at -inf first
 (ops/token_bitmask.py), so greedy, sampled and logprobs all see the constrained distribution.
 Logprobs are those of the model's distribution before bias, penalties and temperature (after the
 grammar mask: a refused token has logprob -inf, reported as -9999.0 as vLLM does, since JSON has no -inf).
@@ -50,7 +50,7 @@ class SamplingBatch:
     needs_top_k_p: bool = True
     all_greedy: bool = False
     max_logprobs: int = -1  # most top alternatives any row asked for; -1: none asked
-    # Grammars: None when no row in the batch has one (engine/grammar.py fills it).
+    # Grammars: None when no row in the batch has one (engine/frontend/grammar.py fills it).
     token_bitmask: torch.Tensor | None = None  # [R, ceil(V / 32)] int32, one row per constrained row
     bitmask_rows: torch.Tensor | None = None  # [R] their rows in the batch; None: every row
 

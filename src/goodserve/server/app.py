@@ -13,8 +13,8 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from goodserve.engine.admission import Admission
-from goodserve.engine.kv_groups import kv_groups
+from goodserve.engine.frontend.admission import Admission
+from goodserve.engine.setup.kv_groups import kv_groups
 from goodserve.errors import InvalidRequestError, ModelLoadError
 from goodserve.model.spec import SamplingDefaults
 from goodserve.sampling_params import SamplingParams
@@ -67,7 +67,7 @@ class ServerConfig:
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
     gpu_hourly_cost: float | None = None  # $ per GPU-hour: /metrics then reports the cost per hour
-    # Under the slo policy: refuse the costliest requests first as the queue builds (engine/admission.py)
+    # Under the slo policy: refuse the costliest requests first as the queue builds (engine/frontend/admission.py)
     slo_shed_costly: bool = False
     log_level: str = "info"
     max_unsent_outputs: int = 512
@@ -81,7 +81,7 @@ class ServerConfig:
     data_dir: str | None = None  # the Batch API's files and jobs (default: default_data_dir())
     batch_max_concurrency: int = 64
     batch_max_file_bytes: int = 100 << 20
-    # The engine in a process of its own (engine/engine_process.py); None: so, unless --disaggregate
+    # The engine in a process of its own (engine/frontend/engine_process.py); None: so, unless --disaggregate
     engine_process: bool | None = None
     # auto: a request's unset temperature / top_p / top_k / min_p / repetition_penalty take the model's
     # generation_config.json values (vLLM's default); none: OpenAI's defaults
@@ -102,7 +102,7 @@ _ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 408, 4
 def startup_message(engine, config: ServerConfig, model_name: str) -> str:
     stats = engine.stats()
     block_size = engine.config.block_size
-    # A hybrid model's block holds one of its layer groups (engine/kv_groups.py): its tokens are those
+    # A hybrid model's block holds one of its layer groups (engine/setup/kv_groups.py): its tokens are those
     # every layer could keep (its local layers keep only their window, so the pool holds more).
     groups = kv_groups(engine.spec, engine.config).num_groups
     return (

@@ -9,8 +9,8 @@ import os
 from pathlib import Path
 
 from goodserve.engine_args import add_dataclass_arguments, add_engine_arguments, dataclass_from_args
-from goodserve.engine.disagg_layout import parse_disaggregate
-from goodserve.engine.gc_pauses import serving_settings
+from goodserve.engine.disagg.disagg_layout import parse_disaggregate
+from goodserve.engine.processes.gc_pauses import serving_settings
 from goodserve.errors import InvalidRequestError
 from goodserve.router.config import RouterConfig
 from goodserve.router.policies import POLICIES
@@ -145,7 +145,7 @@ def _is_loopback(host: str) -> bool:
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from goodserve.engine.preflight import checked_engine_config
+    from goodserve.engine.frontend.preflight import checked_engine_config
     from goodserve.server.app import ServerConfig
 
     if args.config:
@@ -164,7 +164,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         run_replicas(engine_config, config, args.data_parallel_size, args.router_policy)
         return 0
     from goodserve.cpu_threads import apply_thread_plan, plan_threads
-    from goodserve.engine.async_engine import AsyncEngine  # torch loads only when serving
+    from goodserve.engine.frontend.async_engine import AsyncEngine  # torch loads only when serving
     from goodserve.server.app import run_server
     from goodserve.server.metrics import engine_info
 
@@ -177,7 +177,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
         engine = DisaggregatedEngine(engine_config, layout)
     elif config.engine_process is not False:
-        from goodserve.engine.engine_process import EngineProcess
+        from goodserve.engine.frontend.engine_process import EngineProcess
 
         engine = EngineProcess(engine_config)
     else:

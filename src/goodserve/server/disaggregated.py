@@ -1,6 +1,6 @@
 """`goodserve serve --disaggregate prefill:0,decode:1`: the server's engine decodes here, in the server
-process, and a child process (engine/prefill_worker.py) prefills. A request goes to the prefill side
-over a pipe; its KV comes back block by block over torch.distributed (engine/kv_transfer.py) and is
+process, and a child process (engine/disagg/prefill_worker.py) prefills. A request goes to the prefill side
+over a pipe; its KV comes back block by block over torch.distributed (engine/disagg/kv_transfer.py) and is
 decoded here. The exchange runs on a thread of its own: the engine thread only reserves the blocks
 (and later admits the request, or gives them back), so the decodes here never wait on a transfer.
 The first output token is sampled here, by the decode engine computing the prompt's last token on
@@ -33,14 +33,14 @@ import torch
 import torch.distributed as dist
 
 from goodserve.config import EngineConfig
-from goodserve.engine.async_engine import AsyncEngine, _Abort, _Add
-from goodserve.engine.engine_process import send_from
-from goodserve.engine.disagg_layout import DisaggLayout, cuda_visible
-from goodserve.engine.kv_transfer import kv_layers, receive_blocks, receive_header, refuse
-from goodserve.engine.request import Request
-from goodserve.engine.prefill_worker import DECODE_RANK, PREFILL_RANK, join_group, prefill_worker_main
-from goodserve.engine.stats import EngineStats
-from goodserve.engine.stop_signals import kill_at_exit
+from goodserve.engine.frontend.async_engine import AsyncEngine, _Abort, _Add
+from goodserve.engine.frontend.engine_process import send_from
+from goodserve.engine.disagg.disagg_layout import DisaggLayout, cuda_visible
+from goodserve.engine.disagg.kv_transfer import kv_layers, receive_blocks, receive_header, refuse
+from goodserve.engine.frontend.request import Request
+from goodserve.engine.disagg.prefill_worker import DECODE_RANK, PREFILL_RANK, join_group, prefill_worker_main
+from goodserve.engine.core.stats import EngineStats
+from goodserve.engine.processes.stop_signals import kill_at_exit
 from goodserve.errors import EngineDeadError, GoodserveError, InvalidRequestError
 from goodserve.server.process import free_port
 

@@ -25,7 +25,7 @@ from typing import TypeVar
 
 from starlette.requests import Request
 
-from goodserve.engine.admission import Admission
+from goodserve.engine.frontend.admission import Admission
 from goodserve.outputs import LogprobsEntry, RequestOutput
 from goodserve.sampling_params import SamplingParams
 from goodserve.server.errors import ClientDisconnectedError, ClientNotReadingError, DeadlineExceededError

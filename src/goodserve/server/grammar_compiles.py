@@ -5,7 +5,7 @@ on a thread of this process; it does take a core for its time. One thread: compi
 each other rather than take every core, and the tokenizer's threads stay free for prompts. Sizes are
 bounded before this (structured_outputs.py); a grammar small enough that still takes longer than
 COMPILE_TIMEOUT_S is a 400 (its compile finishes in the background, and its grammar is cached).
-The engine takes the grammar compiled (engine/grammar.py, GrammarCompiler.serialized): one compile.
+The engine takes the grammar compiled (engine/frontend/grammar.py, GrammarCompiler.serialized): one compile.
 """
 
 from __future__ import annotations

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
-from goodserve.engine.gc_pauses import PAUSE_BUCKETS, watch_pauses
-from goodserve.engine.stats import ITERATION_TOKEN_BUCKETS
+from goodserve.engine.processes.gc_pauses import PAUSE_BUCKETS, watch_pauses
+from goodserve.engine.core.stats import ITERATION_TOKEN_BUCKETS
 from goodserve.outputs import RequestOutput
 
 PREFIX = "goodserve:"
@@ -69,7 +69,7 @@ def engine_info(engine) -> dict[str, str]:
     import torch
 
     from goodserve.cpu_threads import available_cores
-    from goodserve.engine.kv_cache import kv_storage_dtype
+    from goodserve.engine.setup.kv_cache import kv_storage_dtype
 
     config, device = engine.config, engine.device  # resolved: no "auto" is left in it
     return {
@@ -102,7 +102,7 @@ def engine_info(engine) -> dict[str, str]:
 
 def cache_info(engine) -> dict[str, str]:
     """vLLM's cache_config_info labels, from the engine's resolved pool."""
-    from goodserve.engine.kv_cache import kv_storage_dtype
+    from goodserve.engine.setup.kv_cache import kv_storage_dtype
 
     config = engine.config
     return {"block_size": str(config.block_size), "num_gpu_blocks": str(config.num_kv_blocks),
@@ -207,7 +207,7 @@ class PrefillStatsCollector(EngineStatsCollector):
 
 
 class GcPauseCollector:
-    """The garbage-collector pauses (engine/gc_pauses.py) of the server's process and, where the engine
+    """The garbage-collector pauses (engine/processes/gc_pauses.py) of the server's process and, where the engine
     runs in one of its own, of that one: each pause there stops the engine's steps, and every stream's
     next token with them."""
 

@@ -15,7 +15,7 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from goodserve.engine.admission import BEST_EFFORT_PRIORITY, Admission
+from goodserve.engine.frontend.admission import BEST_EFFORT_PRIORITY, Admission
 from goodserve.errors import GoodserveError, InvalidRequestError, ModelLoadError, QueueFullError
 from goodserve.model.spec import SamplingDefaults
 from goodserve.sampling_params import SamplingParams

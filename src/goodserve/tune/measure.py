@@ -29,7 +29,7 @@ from goodserve.commands.quality_gate import (
 )
 from goodserve.config import EngineConfig
 from goodserve.diagnose.calc import cost_per_million_tokens
-from goodserve.engine.device_memory import release_dropped_memory
+from goodserve.engine.setup.device_memory import release_dropped_memory
 from goodserve.errors import GoodserveError
 from goodserve.model_names import DUMMY_PREFIX
 
@@ -84,7 +84,7 @@ class QualityGate:
         """The candidate's quality on an engine loaded for it alone, freed before the next loads."""
         if not self.enabled:
             return self.check(None)
-        from goodserve.engine.engine import Engine
+        from goodserve.engine.frontend.engine import Engine
         from goodserve.llm import LLM
 
         engine = Engine(config)
@@ -129,7 +129,7 @@ class TrialRunner:
         self.start_rate: float | None = None  # the best capacity so far: where the next search starts
 
     def __call__(self, options: dict, move: str, why: str, predicted: float | None) -> dict:
-        from goodserve.engine.engine import Engine
+        from goodserve.engine.frontend.engine import Engine
         from goodserve.llm import LLM
 
         engine = None

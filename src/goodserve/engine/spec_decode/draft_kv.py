@@ -10,7 +10,7 @@ each sequence's draft K/V are its own (a draft's prompt costs one extra prefill 
 
 from __future__ import annotations
 
-from goodserve.engine.block_pool import BlockPool
+from goodserve.engine.core.block_pool import BlockPool
 
 
 class DraftKV:

@@ -25,13 +25,13 @@ import itertools
 import torch
 
 from goodserve.config import SELF_DRAFT_PREFIX, EngineConfig
-from goodserve.engine.config_resolution import torch_dtype
-from goodserve.engine.kv_cache import allocate_kv_cache, bytes_per_block
-from goodserve.engine.model_builder import build_model
-from goodserve.engine.model_inputs import MAX_SPLIT_TOKENS  # more tokens (a prompt) go as one prefill row
-from goodserve.engine.sequence import Sequence
+from goodserve.engine.setup.config_resolution import torch_dtype
+from goodserve.engine.setup.kv_cache import allocate_kv_cache, bytes_per_block
+from goodserve.engine.setup.model_builder import build_model
+from goodserve.engine.worker.model_inputs import MAX_SPLIT_TOKENS  # more tokens (a prompt) go as one prefill row
+from goodserve.engine.core.sequence import Sequence
 from goodserve.engine.spec_decode.draft_kv import DraftKV
-from goodserve.engine.spec_decode.drafts import Drafts
+from goodserve.engine.seam.drafts import Drafts
 from goodserve.errors import InvalidRequestError
 from goodserve.model.loader import LoadedModel, load_spec
 from goodserve.model.spec import ModelSpec

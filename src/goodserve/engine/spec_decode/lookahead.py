@@ -6,7 +6,7 @@ iterations settle on feed a pool the drafts come from.
 The window is L <= N - 1 levels of W tokens. Column i's tokens stand at consecutive positions after
 the sequence's last token x_0: level 0 at depth i + 1, level m at depth i + 1 + m; each token sees the
 context, x_0, level 0 up to its column, and its own column below it (one chain of guesses: a tree,
-engine/spec_decode/drafts.Branch, computed and never cached, ops/tree_attention.py). The target's
+engine/seam/drafts.Branch, computed and never cached, ops/tree_attention.py). The target's
 greedy token after each token of the last level is the next iterate: it becomes the new last level,
 the oldest level drops, and each column with the one before it, (level0[i-1], level0[i], ...,
 level_{L-1}[i], output[i]), is an n-gram the pool learns (a prediction after each pair and each
@@ -24,9 +24,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from goodserve.config import EngineConfig
-from goodserve.engine.sequence import Sequence
+from goodserve.engine.core.sequence import Sequence
 from goodserve.engine.spec_decode.ngram import propose_ngram
-from goodserve.engine.spec_decode.drafts import Branch, BranchOutput, Drafts
+from goodserve.engine.seam.drafts import Branch, BranchOutput, Drafts
 
 KEY_LENGTHS = (2, 1)  # the pool's keys: the last two tokens, else the last one
 LOOKUP_MIN = 2  # prompt lookup's shortest match here: one token matches nearly anything

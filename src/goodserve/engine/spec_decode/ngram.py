@@ -8,8 +8,8 @@ from __future__ import annotations
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from goodserve.engine.sequence import Sequence
-from goodserve.engine.spec_decode.drafts import Drafts
+from goodserve.engine.core.sequence import Sequence
+from goodserve.engine.seam.drafts import Drafts
 
 
 def propose_ngram(token_ids: list[int], ngram_min: int, ngram_max: int, k: int) -> list[int]:

@@ -6,7 +6,7 @@ acceptance, against what a verify step costs beside a plain decode step (VerifyC
   find (an n-gram with no match), so it estimates the chance a planned draft is kept; k drafts then
   add a + a^2 + ... + a^k tokens in expectation (kept drafts are a prefix). Counting the misses keeps
   a sequence whose text is never copied from staying in the plan on its starting estimate, which
-  would keep every step synchronous (a step with a plan cannot run ahead: engine/scheduler.py).
+  would keep every step synchronous (a step with a plan cannot run ahead: engine/core/scheduler.py).
 - For each k, the sequences whose expected gain pays their own drafts' cost draft k; the step drafts
   with the k of the best throughput (tokens per step time over a plain step's), if that beats 1. A
   drafting sequence's cost counts lookahead's window too (tokens computed beside the drafts); a
@@ -34,12 +34,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from goodserve.config import EngineConfig
-from goodserve.engine.sequence import Sequence
-from goodserve.engine.spec_decode.drafts import Branch, BranchOutput, Drafts
+from goodserve.engine.core.sequence import Sequence
+from goodserve.engine.seam.drafts import Branch, BranchOutput, Drafts
 from goodserve.engine.spec_decode.proposer import Proposer
 
 if TYPE_CHECKING:  # the runner's output module imports torch; the scheduler, which imports this, needs none
-    from goodserve.engine.runner_output import BranchOutput
+    from goodserve.engine.seam.runner_output import BranchOutput
 
 TRIAL_WEIGHT = 0.3  # of each judged draft in a sequence's acceptance average
 PROBE_EVERY = 32  # steps: at most one in this many probes the sequences left out

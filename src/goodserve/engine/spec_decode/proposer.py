@@ -17,8 +17,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 from goodserve.config import EngineConfig
-from goodserve.engine.sequence import Sequence
-from goodserve.engine.spec_decode.drafts import Drafts
+from goodserve.engine.core.sequence import Sequence
+from goodserve.engine.seam.drafts import Drafts
 from goodserve.model.spec import ModelSpec
 
 if TYPE_CHECKING:  # the scheduler imports this module, and needs no torch

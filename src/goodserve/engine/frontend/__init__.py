@@ -1,0 +1,1 @@
+"""The front end: requests in, outputs out (Engine, AsyncEngine, the engine process, admission)."""
