@@ -4,7 +4,10 @@ router, the scheduler and its policies never to import torch, checked in a fresh
 Layers, bottom up: native (C++ kernels behind ctypes) <- ops <- quant <- model <- engine <- llm /
 server / commands; the root modules (config, errors, model_names, ...) hold the shared vocabulary.
 bench, diagnose and router talk to servers over HTTP, beside the commands, not on them; a cycle
-between any two of these would make one unimportable without the other."""
+between any two of these would make one unimportable without the other.
+
+Inside the engine, its sub-packages (engine/__init__.py names them) keep an order of their own:
+ENGINE_LAYERS says which of the others each may import; each one left out is a "never"."""
 
 from __future__ import annotations
 
@@ -29,12 +32,18 @@ def _module_name(path: Path) -> str:
 MODULES = {_module_name(path): path for path in SOURCE.rglob("*.py")}
 
 
-def _imports(module: str) -> set[str]:
-    """The goodserve modules a module imports, at the top or inside functions alike."""
+def _imports(module: str, at_run_time: bool = False) -> set[str]:
+    """The goodserve modules a module imports, at the top or inside functions alike; at_run_time
+    leaves out those under `if TYPE_CHECKING:` (named in annotations only)."""
     path = MODULES[module]
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    tree = ast.parse(path.read_text(), str(path))
+    typing_only = {id(inner) for node in ast.walk(tree) if at_run_time and isinstance(node, ast.If)
+                   and ast.unparse(node.test) == "TYPE_CHECKING" for stmt in node.body for inner in ast.walk(stmt)}
     found = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
         if isinstance(node, ast.Import):
             found |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom):
@@ -234,3 +243,72 @@ from goodserve.engine.seam.drafts import Branch, BranchOutput, Drafts
 branch = Branch([5, 6], [-1, 0], [1])
 assert Drafts([7], branch=branch).branch.parents == [-1, 0] and BranchOutput([8], [7, 9]).samples == [7, 9]
 """)
+
+
+# engine layer -> the other engine layers it may import (any other import of one is a defect). The
+# layers import one another one way only, but for spec_decode: it straddles the scheduler (which asks
+# for drafts) and the workers (which verify them, and run a draft model's forwards).
+ENGINE_LAYERS = {
+    "processes": set(),  # the startup heap and stop signals of any process goodserve starts
+    "setup": set(),  # resolving the configuration, building the model, sizing the KV pool
+    "seam": set(),  # plain data: the scheduler's output, the runner's, the drafts they carry
+    "core": {"seam", "spec_decode"},  # the scheduler asks the speculator's policy for drafts
+    "worker": {"seam", "setup", "processes", "spec_decode"},  # the verifiers, a draft model's forward
+    "spec_decode": {"core", "seam", "setup", "worker"},  # proposers read sequences; a draft model is built
+    "frontend": {"core", "seam", "setup", "processes", "spec_decode", "worker"},
+    "disagg": {"frontend", "processes"},  # a prefill engine is an Engine with a KV sender beside it
+}
+
+
+def _layer(module: str) -> str | None:
+    """The engine sub-package a module sits in (None outside the engine, or for engine/__init__.py)."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[1] == "engine" else None
+
+
+def test_every_engine_module_sits_in_a_layer():
+    """A new engine module goes into the layer its imports allow, not beside them."""
+    flat = sorted(module for module in MODULES if _unit(module) == "engine" and module != "goodserve.engine"
+                  and _layer(module) not in ENGINE_LAYERS)
+    assert not flat, f"engine modules outside the layers of ENGINE_LAYERS: {flat}"
+
+
+def test_engine_layers_import_only_what_they_may():
+    found = sorted(f"{module} imports {imported}" for module in MODULES if _layer(module) in ENGINE_LAYERS
+                   for imported in _imports(module, at_run_time=True)
+                   if _layer(imported) not in (None, _layer(module), *ENGINE_LAYERS[_layer(module)]))
+    assert not found, "\n".join(found)
+
+
+def test_seam_and_core_never_import_torch():
+    """What a step carries between the scheduler and the workers, and every scheduling module, load in
+    a fresh interpreter without torch: a scheduler or a router host imports them without it."""
+    modules = sorted(module for module in MODULES if _layer(module) in ("seam", "core"))
+    assert "goodserve.engine.seam.runner_output" in modules and "goodserve.engine.core.scheduler" in modules
+    _torch_free("import importlib, sys\n" + "".join(f"importlib.import_module({m!r})\n" for m in modules))
+
+
+def test_front_end_reaches_the_workers_through_the_executor():
+    """The front end drives the workers through the executor. Of the worker package it reads only the
+    culprit search that cuts a failed step's SchedulerOutput (isolation.py) and the grammar bitmask
+    type the runner applies (sampling_inputs.GrammarBitmask): never the model runner, its inputs,
+    CUDA graphs or the ranks' plumbing."""
+    reached = {imported for module in MODULES if _layer(module) == "frontend"
+               for imported in _imports(module) if _layer(imported) == "worker"}
+    assert reached <= {"goodserve.engine.worker.executor", "goodserve.engine.worker.isolation",
+                       "goodserve.engine.worker.sampling_inputs"}, sorted(reached)
+
+
+def test_outside_the_engine_only_the_worker_command_reaches_the_workers():
+    """The server, the offline LLM, bench and the commands use the front end; a worker process's
+    command alone starts the executor's worker loop."""
+    found = {f"{module} imports {imported}" for module in MODULES if _unit(module) != "engine"
+             for imported in _imports(module) if _layer(imported) == "worker"}
+    assert found <= {"goodserve.commands.worker imports goodserve.engine.worker.executor"}, sorted(found)
+
+
+def test_only_the_server_serves_disaggregated():
+    """Disaggregation is a way of serving: the rest of the engine never knows about it."""
+    importers = sorted({module for module in MODULES if _layer(module) != "disagg"
+                        for imported in _imports(module) if _layer(imported) == "disagg"})
+    assert importers and all(_unit(module) == "server" for module in importers), importers

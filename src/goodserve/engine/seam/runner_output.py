@@ -5,10 +5,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from goodserve.engine.seam.drafts import BranchOutput
+
+if TYPE_CHECKING:  # the scheduler reads this module's data without torch (tests/unit/test_layering.py)
+    import torch
 
 
 @dataclass
