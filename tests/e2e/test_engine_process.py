@@ -252,3 +252,18 @@ def test_bench_drives_an_engine_process(tmp_path):
     result = json.loads(out.read_text())
     assert result["completed"] == 4 and result["total_output_tokens"] == 12
     assert result["engine_config"]["engine_process"] == "True"
+
+
+def test_a_stopped_engine_process_is_not_kept_alive_by_its_exit_hook():
+    """The exit hook that closes the pipe at interpreter exit goes with a shutdown: a server that
+    starts and stops engines (a test run, tune's trials) does not keep every stopped one for good."""
+    import gc
+    import weakref
+
+    engine = EngineProcess(CONFIG)
+    asyncio.run(engine.start())
+    asyncio.run(engine.shutdown(5.0))
+    gone = weakref.ref(engine)
+    del engine
+    gc.collect()
+    assert gone() is None

@@ -81,6 +81,7 @@ class EngineProcess(EngineClient):
             logger.warning("the engine process did not stop in time: killed")
             self.process.kill()
         self._close()
+        atexit.unregister(self._close)  # else the exit hook keeps a stopped engine (and what it holds) alive
 
     def _close(self) -> None:
         self.stopping.set()
