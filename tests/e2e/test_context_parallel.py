@@ -58,8 +58,14 @@ def test_a_model_of_local_and_global_layers_keeps_one_pool_group_and_one_ranks_t
     context-parallel ranks one group (their exchange of new K/V rows addresses one slot mapping)."""
     save_tiny_model(gemma3_config(), tmp_path)
     prompts = [{"prompt_token_ids": [i % 290 + 3 for i in p["prompt_token_ids"]]} for p in PROMPTS]  # its vocabulary
-    expected = greedy_tokens(LLM(str(tmp_path), **(SETTINGS | WHOLE_STEPS)), prompts)
-    llm = LLM(str(tmp_path), context_parallel_size=2, **(SETTINGS | WHOLE_STEPS))
+    assert_one_split_step_gives_one_ranks_tokens(str(tmp_path), prompts)
+
+
+def assert_one_split_step_gives_one_ranks_tokens(model: str, prompts: list[dict], **settings) -> None:
+    """The prompts in one step, split over two ranks: one rank's greedy tokens."""
+    settings = WHOLE_STEPS | settings
+    expected = greedy_tokens(LLM(model, **(SETTINGS | settings)), prompts)
+    llm = context_parallel(2, model, **settings)
     try:
         assert greedy_tokens(llm, prompts) == expected
         assert split_steps(llm) == 1
@@ -75,14 +81,7 @@ def test_chunked_prompts_beside_decodes_and_an_abort_match_one_rank():
 
 
 def test_int8_kv_cache_rows_travel_with_their_scales():
-    settings = WHOLE_STEPS | {"kv_cache_dtype": "int8"}
-    expected = greedy_tokens(LLM("dummy:tiny", **(SETTINGS | settings)), PROMPTS)
-    llm = context_parallel(2, **settings)
-    try:
-        assert greedy_tokens(llm, PROMPTS) == expected
-        assert split_steps(llm) == 1
-    finally:
-        shut_down(llm)
+    assert_one_split_step_gives_one_ranks_tokens("dummy:tiny", PROMPTS, kv_cache_dtype="int8")
 
 
 def test_triton_kernels_attend_the_pieces_as_the_torch_path_attends_whole_prompts():

@@ -18,6 +18,7 @@ from goodserve.model.tokenizer_loader import embedded_tokenizer
 from goodserve.model.presets import get_preset
 from goodserve.ops.attention import AttentionMetadata, LayerKVCache
 from test_model_hf import PagedSequence, assert_logits_close
+from test_preflight_cli import write_one_tensor_gguf
 
 transformers = pytest.importorskip("transformers")
 
@@ -248,12 +249,7 @@ def test_a_truncated_gguf_is_a_load_error_naming_it(tmp_path: Path):
     from goodserve import LLM
 
     path = tmp_path / "tiny.gguf"
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_tensor("token_embd.weight", np.zeros((64, 64), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_one_tensor_gguf(path)
     _cut(path, 8000)
     with pytest.raises(ModelLoadError, match=f"cannot read GGUF file {path}: the file is truncated"):
         LLM(str(path))

@@ -69,14 +69,19 @@ def test_a_missing_model_path_is_named(tmp_path, capsys):
     assert f"{tmp_path / 'absent.gguf'}: no such file or directory" in err
 
 
-def test_a_truncated_gguf_says_how_many_bytes_it_lacks(tmp_path, capsys):
-    path = tmp_path / "tiny.gguf"
+def write_one_tensor_gguf(path):
+    """A GGUF file whose one tensor (16 KiB of zeros, a multiple of the alignment) ends it."""
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_tensor("token_embd.weight", np.zeros((64, 64), dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def test_a_truncated_gguf_says_how_many_bytes_it_lacks(tmp_path, capsys):
+    path = tmp_path / "tiny.gguf"
+    write_one_tensor_gguf(path)
     full = path.stat().st_size  # the one tensor ends the file, its 16 KiB a multiple of the alignment
     path.write_bytes(path.read_bytes()[:full - 8000])
     err = error_of(["generate", "--prompt", "hi", "--model", str(path)], capsys)

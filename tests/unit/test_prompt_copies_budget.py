@@ -11,6 +11,7 @@ from goodserve.engine.core.kv_cache_manager import KVCacheManager
 from goodserve.engine.core.scheduler import Scheduler
 from goodserve.engine.seam.scheduler_output import SchedulerOutput
 from goodserve.engine.core.sequence import Sequence
+from test_slo_scheduler import decode_step
 
 BUDGET = 2048
 PROMPT = [1 + i % 50 for i in range(1001)]  # 250 full blocks of 4 cached for each copy, 1 token its own
@@ -28,16 +29,6 @@ def sequence(seq_id: str, request_id: str, index: int, prompt: list[int], arriva
                     max_len=len(prompt) + 200, arrival_time=arrival)
 
 
-def step(sched: Scheduler) -> SchedulerOutput:
-    """One step as the engine runs it: the scheduled tokens computed, a token appended to each sampler."""
-    out = sched.schedule()
-    sched.advance(out)
-    for seq_id, samples in zip(out.seq_ids, out.samples):
-        if samples:
-            sched.seqs[seq_id].token_ids.append(7)
-    return out
-
-
 def copies_read(out: SchedulerOutput) -> list[int]:
     """The context each copy of the fanned-out prompt that joined this step reads (cached + new)."""
     return [computed + new for seq_id, computed, new in zip(out.seq_ids, out.num_computed_tokens, out.num_new_tokens)
@@ -51,12 +42,12 @@ def fan_out_beside_innocent(sched: Scheduler) -> list[SchedulerOutput]:
     sched.add(sequence("copy0", "fan", 0, PROMPT, arrival=0.0))
     innocent = sequence("innocent", "innocent", 0, [60 + i % 30 for i in range(1100)], arrival=1.0)
     sched.add(innocent)
-    steps = [step(sched)]
+    steps = [decode_step(sched)]
     assert steps[0].seq_ids == ["copy0", "innocent"] and innocent.num_output_tokens == 0
     for index in range(1, COPIES + 1):
         sched.add(sequence(f"copy{index}", "fan", index, PROMPT, arrival=0.0))
     while innocent.num_output_tokens == 0:
-        steps.append(step(sched))
+        steps.append(decode_step(sched))
     return steps
 
 
@@ -68,7 +59,7 @@ def test_copies_served_by_the_prefix_cache_enter_over_bounded_steps_on_the_torch
     assert admitted and admitted[0] == len(PROMPT) and sum(admitted) <= BUDGET
     seen = len(admitted)
     while seen < COPIES:  # the rest: some each step, more than one only within the budget
-        admitted = copies_read(step(sched))
+        admitted = copies_read(decode_step(sched))
         assert admitted and (len(admitted) == 1 or sum(admitted) <= BUDGET)
         seen += len(admitted)
     assert not sched.waiting
@@ -81,9 +72,9 @@ def test_a_request_behind_the_waiting_copies_passes_them_on_the_torch_path():
     fan_out_beside_innocent(sched)
     late = sequence("late", "late", 0, [90] * 20, arrival=2.0)
     sched.add(late)
-    out = step(sched)
+    out = decode_step(sched)
     assert "late" in out.seq_ids and late.num_output_tokens == 1 and sum(copies_read(out)) <= BUDGET
-    assert copies_read(step(sched))  # the copies still enter
+    assert copies_read(decode_step(sched))  # the copies still enter
 
 
 def test_a_sequence_passed_over_keeps_the_kv_it_was_sent():
@@ -96,9 +87,9 @@ def test_a_sequence_passed_over_keeps_the_kv_it_was_sent():
     moved.num_computed_tokens = len(PROMPT) - 1
     blocks = list(sched.kv.block_table("moved"))
     sched.add(moved)
-    assert step(sched).seq_ids == ["fresh"]  # the budget spent: moved passed over
+    assert decode_step(sched).seq_ids == ["fresh"]  # the budget spent: moved passed over
     assert sched.kv.block_table("moved") == blocks and moved.num_computed_tokens == len(PROMPT) - 1
-    out = step(sched)
+    out = decode_step(sched)
     assert "moved" in out.seq_ids and out.num_new_tokens[out.seq_ids.index("moved")] == 1
 
 
@@ -115,4 +106,4 @@ def test_fresh_prompts_fill_the_budget_alike(backend):
     sched = scheduler(backend)
     for i in range(5):
         sched.add(sequence(f"p{i}", f"p{i}", 0, [100 + i] * 500, arrival=float(i)))
-    assert step(sched).num_new_tokens == [500, 500, 500, 500, 48]
+    assert decode_step(sched).num_new_tokens == [500, 500, 500, 500, 48]
