@@ -14,7 +14,7 @@ from collections.abc import Callable
 from rich.console import Console
 
 from goodserve.bench.arrivals import ArrivalConfig
-from goodserve.bench.capacity import achieved_rate
+from goodserve.bench.capacity import probe_rate, sustained_rate
 from goodserve.bench.command import Bench, add_serve_arguments, run_event_loop
 from goodserve.bench.result import records_of
 from goodserve.commands.quality_gate import (
@@ -165,7 +165,7 @@ class TrialRunner:
             capacity["warnings"] = [*capacity["warnings"], "the budget ended this search: the capacity is the best "
                                     "rate probed so far"]
         passing = [r for r in bench.runs if r["slo_attainment"] >= 100 * capacity["target_attainment"]]
-        best = max(passing, key=achieved_rate, default=min(bench.runs, key=lambda r: r["request_rate"]))
+        best = max(passing, key=probe_rate, default=min(bench.runs, key=lambda r: r["request_rate"]))
         above = [r for r in bench.runs if r not in passing and r["request_rate"] > best["request_rate"]]
         at = _summary(best)
         if capacity["rate"] > 0:
@@ -177,11 +177,13 @@ class TrialRunner:
 
     async def _search(self, bench: Bench, args: argparse.Namespace, predicted: float | None) -> None:
         """From where the roofline predicts this configuration's capacity (the best so far times the
-        step's predicted factor); the first trial from half an all-at-once run's rate."""
+        step's predicted factor); the first trial from the rate an all-at-once run sustained. That
+        rate counts the run's ramp and drain, so a capacity at the targets is seldom far above it
+        and a capacity far below it is found by halving: the first doubling brackets it."""
         try:
             if self.start_rate is None:
                 first = await bench.run_one(ArrivalConfig(math.inf))
-                args.capacity_start_rate = max(first["request_throughput"] / 2, 0.01)
+                args.capacity_start_rate = max(sustained_rate(first), 0.01)
             else:
                 args.capacity_start_rate = self.start_rate * min(max(predicted or 1.0, 1.0), MAX_START_FACTOR)
             args.capacity_bisections = self.bisections
