@@ -9,7 +9,9 @@ the number to report; the target is >= 1.3x, or tune's own account of why the de
 
 Each capacity probe sends --num-prompts requests (1,000 by default): a ShareGPT-like request lives
 several seconds on the GPU, so a probe of 200 ends before its rate holds (every rate passes until
-the all-at-once run, and bench warns the capacity is only the completed rate).
+the all-at-once run, and bench warns the capacity is only the rate the probe sustained). A probe
+of 1,000 at ~50 req/s lasts ~20 s plus ~14 s of drain; the capacity is the offered rate of the best
+passing probe that held it, so the drain no longer lowers it.
     # real weights, where the quality gate means something (the embedded model's GGUF file, dequantized
     # to bf16 on CUDA unless a step keeps its codes):
     python benchmarks/gpu_tune.py --model smollm2-135m --budget-minutes 8 --output-dir tune-gpu-smollm2

@@ -132,6 +132,9 @@ def test_capacity_search_when_start_rate_fails():
     assert 0.25 <= rate <= 0.3
     never, _ = asyncio.run(search_capacity(lambda r: asyncio.sleep(0, 0.0), 0.9, 1.0, max_doublings=3))
     assert never == 0.0
+    # A floor: 1 and 0.5 fail, 0.25 would be below 0.3, so the search ends with nothing passing.
+    floored, probes = asyncio.run(search_capacity(attainment, 0.9, 1.0, bisections=4, min_rate=0.3))
+    assert floored == 0.0 and [r for r, _ in probes] == [1.0, 0.5]
 
 
 def test_capacity_search_bisects_no_finer_than_a_probe_resolves():

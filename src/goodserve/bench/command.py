@@ -383,8 +383,9 @@ class Bench:
 
             yield hook
 
-    async def search_capacity(self, out_of_time: Callable[[], bool] = lambda: False) -> None:
-        """The capacity search; no probe after the first starts once `out_of_time()` (tune's budget)."""
+    async def search_capacity(self, out_of_time: Callable[[], bool] = lambda: False, min_rate: float = 0.0) -> None:
+        """The capacity search; no probe after the first starts once `out_of_time()` (tune's budget),
+        nor any below `min_rate` (a capacity tune would not keep)."""
         a = self.args
 
         async def attainment_at(rate: float) -> float:
@@ -393,7 +394,7 @@ class Bench:
 
         await search_capacity(attainment_at, a.slo_attainment_target, a.capacity_start_rate,
                               a.capacity_max_doublings, a.capacity_bisections, out_of_time,
-                              rate_resolution(a.num_prompts))
+                              rate_resolution(a.num_prompts), min_rate)
         self.capacity = {**capacity_of(self.runs, a.slo_attainment_target), "slos_ms": self.slos}
 
     async def execute(self) -> None:

@@ -36,6 +36,9 @@ from goodserve.model_names import DUMMY_PREFIX
 # A search starts at most this far above the best capacity so far, however much a step is predicted to give.
 MAX_START_FACTOR = 4.0
 MAX_DOUBLINGS = 4
+# A later search probes no rate below this share of the best capacity so far: a configuration failing
+# there would not be kept, and each halving makes a probe of the same prompts twice as long.
+MIN_RATE_FACTOR = 0.5
 QUALITY_OFF = "quality gate off: a dummy: model's random weights cannot be judged"
 # --quality-budget NAME:VALUE -> the eval threshold it sets
 BUDGET_NAMES = {"perplexity": "max_perplexity_increase", "top1": "min_top1_agreement",
@@ -159,11 +162,16 @@ class TrialRunner:
         target = InProcessTarget(config, ignore_eos=True, slo_ms=_slos(args), engine_process=self.engine_process,
                                  engine=engine)
         bench = Bench(args, self.console, target)
-        run_event_loop(self._search(bench, args, predicted))
+        min_rate = (self.start_rate or 0.0) * MIN_RATE_FACTOR
+        run_event_loop(self._search(bench, args, predicted, min_rate))
         capacity = bench.capacity
         if self.out_of_time():
             capacity["warnings"] = [*capacity["warnings"], "the budget ended this search: the capacity is the best "
                                     "rate probed so far"]
+        elif capacity["rate"] == 0 and min_rate > 0:
+            capacity["warnings"] = [*capacity["warnings"], f"every probe failed, the lowest at "
+                                    f"{min(r['request_rate'] for r in bench.runs):.3g} req/s: below half the best "
+                                    f"capacity so far ({self.start_rate:.3g} req/s) it was not searched"]
         passing = [r for r in bench.runs if r["slo_attainment"] >= 100 * capacity["target_attainment"]]
         best = max(passing, key=probe_rate, default=min(bench.runs, key=lambda r: r["request_rate"]))
         above = [r for r in bench.runs if r not in passing and r["request_rate"] > best["request_rate"]]
@@ -175,11 +183,12 @@ class TrialRunner:
                 "above_capacity": _summary(min(above, key=lambda r: r["request_rate"])) if above else None,
                 "num_gpus": args.num_gpus, "cost_per_1m_tokens": self._cost(at, args)}
 
-    async def _search(self, bench: Bench, args: argparse.Namespace, predicted: float | None) -> None:
+    async def _search(self, bench: Bench, args: argparse.Namespace, predicted: float | None,
+                      min_rate: float) -> None:
         """From where the roofline predicts this configuration's capacity (the best so far times the
-        step's predicted factor); the first trial from the rate an all-at-once run sustained. That
-        rate counts the run's ramp and drain, so a capacity at the targets is seldom far above it
-        and a capacity far below it is found by halving: the first doubling brackets it."""
+        step's predicted factor), never below min_rate; the first trial from the rate an all-at-once
+        run sustained (what the server completes from a full queue: the capacity at the targets is
+        seldom more than twice or less than half of it, so one doubling or halving brackets it)."""
         try:
             if self.start_rate is None:
                 first = await bench.run_one(ArrivalConfig(math.inf))
@@ -190,7 +199,7 @@ class TrialRunner:
             # Each search starts near where the capacity is expected: a configuration still failing
             # 16x below that is hopeless, and probes at ever lower rates would take minutes each.
             args.capacity_max_doublings = MAX_DOUBLINGS
-            await bench.search_capacity(self.out_of_time)
+            await bench.search_capacity(self.out_of_time, min_rate)
         finally:
             await bench.target.close()
 
