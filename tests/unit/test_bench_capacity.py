@@ -85,6 +85,14 @@ def test_an_all_at_once_probe_sustains_its_completed_rate():
     assert capacity_of([at_once], target=0.9)["rate"] == pytest.approx(60 / 6.4)
 
 
+def test_a_probe_never_sustains_more_than_it_offered():
+    # Offered 2 req/s, but the client sent all 8 at once (its loop was blocked past their due times):
+    # 6 req/s completed, and the probe shows the server holds the 2 req/s it was asked for, no more.
+    late = probe(2.0, [0.0] * 8, ttft=0.1, e2e=4 / 3)
+    assert late["request_throughput"] == pytest.approx(6.0) and late["sustained_request_rate"] == 2.0
+    assert capacity_of([late], target=0.9)["rate"] == 2.0
+
+
 def test_a_result_without_sustained_rates_reads_completed_ones():
     old = probe(256.0, [0.0] * 8, ttft=0.1, e2e=4 / 3)
     del old["sustained_request_rate"]

@@ -43,7 +43,7 @@ def held(probe: dict) -> bool:
 
 def probe_rate(probe: dict) -> float:
     """The rate a probe showed its server serves: the offered rate when it held it, else what it sustained."""
-    return probe["request_rate"] if held(probe) else min(probe["request_rate"], sustained_rate(probe))
+    return probe["request_rate"] if held(probe) else sustained_rate(probe)
 
 
 def capacity_of(probes: list[dict], target: float) -> dict:

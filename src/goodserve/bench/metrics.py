@@ -100,11 +100,12 @@ def sustained_request_rate(records: list[RequestRecord], offered_rate: float) ->
     offered rate times finished / arrived there is the rate held (the offered rate when the server
     kept up, what it completed when it fell behind). A run too short or too bursty for a quarter
     of its requests to finish in that window (a handful sent at once: all in flight together)
-    never reached a steady state: it reads its plain throughput, never more than it completed.
+    never reached a steady state: it reads its plain throughput, never more than it completed nor
+    than it offered.
     """
     ok = [r for r in records if r.success and r.end_time is not None]
     duration = run_duration(records)
-    completed_rate = len(ok) / duration if duration > 0 else 0.0
+    completed_rate = min(offered_rate, len(ok) / duration if duration > 0 else 0.0)
     if not ok or math.isinf(offered_rate):
         return completed_rate
     window_end = max(r.send_time for r in records)
