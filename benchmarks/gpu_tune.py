@@ -18,7 +18,8 @@ passing probe that held it, so the drain no longer lowers it.
 
 The trial log in --output-dir makes a second call resume where the first stopped (the same flags).
 Writes benchmarks/results/gpu_tune_<gpu>.json: the default's and the winner's capacity, the ratio,
-the winning serve command, and every trial with why it was tried and what became of it.
+the winning serve command, and every trial with why it was tried, what became of it, how long it
+took, and its probes (offered, completed and sustained req/s, SLO attainment).
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def main() -> None:
         "ratio": ratio, "meets_1_3x": ratio is not None and ratio >= 1.3, "serve_command": tune["serve_command"],
         "stop_reason": tune["stop_reason"], "rounds": tune["rounds"],
         "trials": [{k: t.get(k) for k in ("move", "why", "predicted", "status", "capacity", "cost_per_1m_tokens",
-                                          "seconds", "error")} | {"p90_ttft_ms": (t.get("at_capacity") or {}).get(
+                                          "seconds", "error", "probes", "capacity_warnings")} | {"p90_ttft_ms": (t.get("at_capacity") or {}).get(
                                               "p90_ttft_ms"), "p90_tpot_ms": (t.get("at_capacity") or {}).get(
                                               "p90_tpot_ms")} for t in tune["trials"]],
     }
