@@ -93,6 +93,14 @@ def test_a_probe_never_sustains_more_than_it_offered():
     assert capacity_of([late], target=0.9)["rate"] == 2.0
 
 
+def test_a_probe_held_back_by_a_concurrency_limit_sustains_the_rate_it_sent_at():
+    # Offered 50 req/s, but --max-concurrency let one request out every 50 ms: the server kept up
+    # with 20 req/s, and that is all the probe shows.
+    throttled = probe(50.0, [i * 0.05 for i in range(60)], ttft=0.1, e2e=0.2)
+    assert throttled["sustained_request_rate"] == pytest.approx(20.0)
+    assert capacity_of([throttled], target=0.9)["rate"] == pytest.approx(20.0)
+
+
 def test_a_result_without_sustained_rates_reads_completed_ones():
     old = probe(256.0, [0.0] * 8, ttft=0.1, e2e=4 / 3)
     del old["sustained_request_rate"]

@@ -96,25 +96,26 @@ def sustained_request_rate(records: list[RequestRecord], offered_rate: float) ->
     The throughput over the whole run divides by its drain too (the longest answers finishing after
     the last arrival), so a server that held every request's SLO at 50 req/s reads 30. Here the
     window is from the first send plus the 90th-percentile latency (the in-flight set has filled)
-    to the last send: in a steady state as many requests finish in it as arrive in it, so the
-    offered rate times finished / arrived there is the rate held (the offered rate when the server
-    kept up, what it completed when it fell behind). A run too short or too bursty for a quarter
-    of its requests to finish in that window (a handful sent at once: all in flight together)
-    never reached a steady state: it reads its plain throughput, never more than it completed nor
-    than it offered.
+    to the last send: in a steady state as many requests finish in it as arrive in it, so the rate
+    the requests were sent at (the offered rate, or less where a concurrency limit held sends back)
+    times finished / arrived there is the rate held (the offered rate when the server kept up, what
+    it completed when it fell behind). A run too short or too bursty for a quarter of its requests
+    to finish in that window (a handful sent at once: all in flight together) never reached a
+    steady state: it reads its plain throughput, never more than it completed nor than it offered.
     """
     ok = [r for r in records if r.success and r.end_time is not None]
     duration = run_duration(records)
     completed_rate = min(offered_rate, len(ok) / duration if duration > 0 else 0.0)
     if not ok or math.isinf(offered_rate):
         return completed_rate
-    window_end = max(r.send_time for r in records)
-    window_start = min(r.send_time for r in records) + float(np.percentile([r.e2e for r in ok], 90))
+    first_send, window_end = min(r.send_time for r in records), max(r.send_time for r in records)
+    window_start = first_send + float(np.percentile([r.e2e for r in ok], 90))
     finished = sum(window_start <= r.end_time <= window_end for r in ok)
     arrived = sum(window_start <= r.send_time <= window_end for r in records)
-    if finished < len(records) / 4 or not arrived:
+    if finished < len(records) / 4 or not arrived or window_end <= first_send:
         return completed_rate
-    return offered_rate * min(1.0, finished / arrived)
+    sent_rate = (len(records) - 1) / (window_end - first_send)
+    return min(offered_rate, sent_rate) * min(1.0, finished / arrived)
 
 
 def summarize(values_s: list[float], name: str, percentiles: tuple[float, ...]) -> dict[str, float]:
