@@ -188,7 +188,7 @@ class TrialRunner:
         """From where the roofline predicts this configuration's capacity (the best so far times the
         step's predicted factor), never below min_rate; the first trial from the rate an all-at-once
         run sustained (what the server completes from a full queue: the capacity at the targets is
-        seldom more than twice or less than half of it, so one doubling or halving brackets it)."""
+        usually within a doubling or a halving of it)."""
         try:
             if self.start_rate is None:
                 first = await bench.run_one(ArrivalConfig(math.inf))
