@@ -19,7 +19,7 @@ passing probe that held it, so the drain no longer lowers it.
 The trial log in --output-dir makes a second call resume where the first stopped (the same flags).
 Writes benchmarks/results/gpu_tune_<gpu>.json: the default's and the winner's capacity, the ratio,
 the winning serve command, and every trial with why it was tried, what became of it, how long it
-took, and its probes (offered, completed and sustained req/s, SLO attainment).
+took, and its probes (offered, completed and sustained req/s, SLO attainment, seconds).
 """
 
 from __future__ import annotations

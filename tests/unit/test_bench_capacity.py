@@ -43,6 +43,7 @@ def test_capacity_of_a_burst_is_what_it_completed():
     assert "8 prompts per probe" in cap["warnings"][0] and "--num-prompts 50" in cap["warnings"][0]
     assert "offered 256 req/s but sustained 6 req/s" in cap["warnings"][1]
     assert [p["request_throughput"] for p in cap["probes"]] == pytest.approx([8 / 1.95, 8 / 1.575, 6.0])
+    assert [p["duration"] for p in cap["probes"]] == pytest.approx([1.95, 1.575, 4 / 3])  # what each probe took
 
 
 def test_capacity_of_a_probe_that_held_its_rate_is_not_noisy():

@@ -66,5 +66,5 @@ def capacity_of(probes: list[dict], target: float) -> dict:
     return {"rate": rate, "held": bool(best) and held(best), "target_attainment": target, "noisy": bool(warnings),
             "warnings": warnings,
             "probes": [{"request_rate": p["request_rate"], "request_throughput": p["request_throughput"],
-                        "sustained_request_rate": sustained_rate(p), "slo_attainment": p["slo_attainment"]}
-                       for p in probes]}
+                        "sustained_request_rate": sustained_rate(p), "slo_attainment": p["slo_attainment"],
+                        "duration": p.get("duration")} for p in probes]}
