@@ -9,14 +9,17 @@ the number to report; the target is >= 1.3x, or tune's own account of why the de
 
 Each capacity probe sends --num-prompts requests (1,000 by default): a ShareGPT-like request lives
 several seconds on the GPU, so a probe of 200 ends before its rate holds (every rate passes until
-the all-at-once run, and bench warns the capacity is only the completed rate).
+the all-at-once run, and bench warns the capacity is only the rate the probe sustained). A probe
+of 1,000 at ~50 req/s lasts ~20 s plus ~14 s of drain; the capacity is the offered rate of the best
+passing probe that held it, so the drain no longer lowers it.
     # real weights, where the quality gate means something (the embedded model's GGUF file, dequantized
     # to bf16 on CUDA unless a step keeps its codes):
     python benchmarks/gpu_tune.py --model smollm2-135m --budget-minutes 8 --output-dir tune-gpu-smollm2
 
 The trial log in --output-dir makes a second call resume where the first stopped (the same flags).
 Writes benchmarks/results/gpu_tune_<gpu>.json: the default's and the winner's capacity, the ratio,
-the winning serve command, and every trial with why it was tried and what became of it.
+the winning serve command, and every trial with why it was tried, what became of it, how long it
+took, and its probes (offered, completed and sustained req/s, SLO attainment, seconds).
 """
 
 from __future__ import annotations
@@ -71,7 +74,7 @@ def main() -> None:
         "ratio": ratio, "meets_1_3x": ratio is not None and ratio >= 1.3, "serve_command": tune["serve_command"],
         "stop_reason": tune["stop_reason"], "rounds": tune["rounds"],
         "trials": [{k: t.get(k) for k in ("move", "why", "predicted", "status", "capacity", "cost_per_1m_tokens",
-                                          "seconds", "error")} | {"p90_ttft_ms": (t.get("at_capacity") or {}).get(
+                                          "seconds", "error", "probes", "capacity_warnings")} | {"p90_ttft_ms": (t.get("at_capacity") or {}).get(
                                               "p90_ttft_ms"), "p90_tpot_ms": (t.get("at_capacity") or {}).get(
                                               "p90_tpot_ms")} for t in tune["trials"]],
     }

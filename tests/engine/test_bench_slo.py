@@ -2,6 +2,7 @@
 result, both attainment curves in the HTML report; the slo policy's targets ride on the requests."""
 
 from goodserve.bench import command
+from goodserve.bench.capacity import capacity_of
 from goodserve.bench.metrics import attainment_by_slo_scale
 from goodserve.bench.records import RequestRecord
 from goodserve.bench.result import load_json
@@ -75,3 +76,19 @@ def test_inprocess_target_can_admit_every_request_to_measure_what_refusals_cost(
     """refuses_late=False (gpu_slo.py --no-admission): the same requests, none refused."""
     target, records = run_with_impossible_ttft(refuses_late=False)
     assert target.admission is None and all(r.success for r in records)
+
+
+def test_goodput_capacity_search_writes_each_probes_sustained_rate(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    args = bench_args("--backend", "inprocess", "--model", "dummy:tiny", "--device", "cpu", "--dataset-name",
+                      "random", "--num-prompts", "12", "--random-input-len", "8", "--random-output-len", "4",
+                      "--ignore-eos", "--goodput", "ttft:60000", "tpot:60000", "--goodput-capacity",
+                      "--capacity-start-rate", "50", "--capacity-max-doublings", "1", "--result-filename", str(out))
+    assert command.run_command(args) == 0
+    result = load_json(out)
+    probes = result["capacity"]["probes"]
+    assert [p["request_rate"] for p in probes] == [50.0, 100.0]  # both pass: one doubling, then the limit
+    for run, p in zip(result["sweep"], probes):
+        assert p["sustained_request_rate"] == run["sustained_request_rate"] <= run["request_rate"]
+    assert result["capacity"]["rate"] == capacity_of(result["sweep"], 0.9)["rate"] > 0
+    assert "Goodput capacity (highest Poisson rate held, else sustained" in capsys.readouterr().out

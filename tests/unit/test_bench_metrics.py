@@ -132,6 +132,21 @@ def test_capacity_search_when_start_rate_fails():
     assert 0.25 <= rate <= 0.3
     never, _ = asyncio.run(search_capacity(lambda r: asyncio.sleep(0, 0.0), 0.9, 1.0, max_doublings=3))
     assert never == 0.0
+    # A floor: 1 and 0.5 fail, 0.25 would be below 0.3, so the search ends with nothing passing.
+    floored, probes = asyncio.run(search_capacity(attainment, 0.9, 1.0, bisections=4, min_rate=0.3))
+    assert floored == 0.0 and [r for r, _ in probes] == [1.0, 0.5]
+
+
+def test_capacity_search_bisects_no_finer_than_a_probe_resolves():
+    async def attainment(rate):
+        return 1.0 if rate <= 6.5 else 0.0
+
+    # 8 fails; then 6 passes ([6, 8]: 33% apart), 7 fails (17%), 6.5 passes: 6.5 and 7 are 7.7% apart,
+    # within the 10% a probe resolves, so the other three bisections are not run.
+    rate, probes = asyncio.run(search_capacity(attainment, 0.9, 1.0, bisections=6, resolution=0.1))
+    assert [r for r, _ in probes] == [1.0, 2.0, 4.0, 8.0, 6.0, 7.0, 6.5] and rate == 6.5
+    _, finer = asyncio.run(search_capacity(attainment, 0.9, 1.0, bisections=6))
+    assert len(finer) == 10
 
 
 def test_capacity_search_stops_probing_when_out_of_time():

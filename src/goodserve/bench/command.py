@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from goodserve.bench.arrivals import ArrivalConfig, parse_sweep
-from goodserve.bench.capacity import capacity_of
+from goodserve.bench.capacity import capacity_of, rate_resolution
 from goodserve.bench.compare import compare_files
 from goodserve.bench.engine_config import describe, fetch_engine_config
 from goodserve.bench.metrics import (
@@ -163,7 +163,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--slo-attainment-target", type=float, default=0.9)
     g.add_argument("--capacity-start-rate", type=float, default=1.0)
     g.add_argument("--capacity-bisections", type=int, default=4,
-                   help="probes between the last passing and the first failing rate: each halves the gap")
+                   help="probes between the last passing and the first failing rate: each halves the gap, "
+                        "none once the gap is within a probe's noise (2/sqrt(--num-prompts) of the rate)")
     g.add_argument("--capacity-max-doublings", type=int, default=8,
                    help="most times the rate doubles (or, failing at the start, halves) before the bisection")
     g.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el")
@@ -355,7 +356,7 @@ class Bench:
 
     def _result(self, settings: dict, records: list[RequestRecord]) -> dict:
         metrics = compute_metrics(records, slos=self.slos, percentile_metrics=self.percentile_metrics,
-                                  percentiles=self.percentiles, cost=self.cost)
+                                  percentiles=self.percentiles, cost=self.cost, offered_rate=settings["request_rate"])
         if self.slo_scales:
             metrics["slo_scale_sweep"] = attainment_by_slo_scale(records, self.slos, self.slo_scales)
         metrics["prompt_lookup_overlap"] = prompt_lookup_overlap([
@@ -382,8 +383,9 @@ class Bench:
 
             yield hook
 
-    async def search_capacity(self, out_of_time: Callable[[], bool] = lambda: False) -> None:
-        """The capacity search; no probe after the first starts once `out_of_time()` (tune's budget)."""
+    async def search_capacity(self, out_of_time: Callable[[], bool] = lambda: False, min_rate: float = 0.0) -> None:
+        """The capacity search; no probe after the first starts once `out_of_time()` (tune's budget),
+        nor any below `min_rate` (a capacity tune would not keep)."""
         a = self.args
 
         async def attainment_at(rate: float) -> float:
@@ -391,7 +393,8 @@ class Bench:
             return result["slo_attainment"] / 100.0
 
         await search_capacity(attainment_at, a.slo_attainment_target, a.capacity_start_rate,
-                              a.capacity_max_doublings, a.capacity_bisections, out_of_time)
+                              a.capacity_max_doublings, a.capacity_bisections, out_of_time,
+                              rate_resolution(a.num_prompts), min_rate)
         self.capacity = {**capacity_of(self.runs, a.slo_attainment_target), "slos_ms": self.slos}
 
     async def execute(self) -> None:

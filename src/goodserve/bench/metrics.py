@@ -5,12 +5,15 @@ Definitions (the same as `vllm bench serve`, so numbers compare):
 - TPOT per request = (E2E - TTFT) / (output tokens - 1); requests with one output token have none.
 - ITL = gaps between consecutive chunks, pooled over all requests.
 - Throughputs divide by the run's duration (first send to last completion).
+- The sustained rate (goodserve's own) is the offered rate scaled by how well departures kept pace
+  with arrivals while requests still arrived: see `sustained_request_rate`.
 - Percentiles are numpy's linear interpolation; std is the population std (ddof=0).
 Failed requests count toward the error rate and SLO attainment, never toward latency statistics.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -87,6 +90,34 @@ def run_duration(records: list[RequestRecord]) -> float:
     return end - start
 
 
+def sustained_request_rate(records: list[RequestRecord], offered_rate: float) -> float:
+    """Requests per second the server kept up with while the requests still arrived.
+
+    The throughput over the whole run divides by its drain too (the longest answers finishing after
+    the last arrival), so a server that held every request's SLO at 50 req/s reads 30. Here the
+    window is from the first send plus the 90th-percentile latency (the in-flight set has filled)
+    to the last send: in a steady state as many requests finish in it as arrive in it, so the rate
+    the requests were sent at (the offered rate, or less where a concurrency limit held sends back)
+    times finished / arrived there is the rate held (the offered rate when the server kept up, what
+    it completed when it fell behind). A run too short or too bursty for a quarter of its requests
+    to finish in that window (a handful sent at once: all in flight together) never reached a
+    steady state: it reads its plain throughput, never more than it completed nor than it offered.
+    """
+    ok = [r for r in records if r.success and r.end_time is not None]
+    duration = run_duration(records)
+    completed_rate = min(offered_rate, len(ok) / duration if duration > 0 else 0.0)
+    if not ok or math.isinf(offered_rate):
+        return completed_rate
+    first_send, window_end = min(r.send_time for r in records), max(r.send_time for r in records)
+    window_start = first_send + float(np.percentile([r.e2e for r in ok], 90))
+    finished = sum(window_start <= r.end_time <= window_end for r in ok)
+    arrived = sum(window_start <= r.send_time <= window_end for r in records)
+    if finished < len(records) / 4 or not arrived or window_end <= first_send:
+        return completed_rate
+    sent_rate = (len(records) - 1) / (window_end - first_send)
+    return min(offered_rate, sent_rate) * min(1.0, finished / arrived)
+
+
 def summarize(values_s: list[float], name: str, percentiles: tuple[float, ...]) -> dict[str, float]:
     """mean/median/std/pXX/max in milliseconds, keyed as vLLM does: `mean_ttft_ms`, `p99_ttft_ms`."""
     ms = np.asarray(values_s, dtype=np.float64) * 1000.0
@@ -143,8 +174,9 @@ def compute_metrics(
     percentiles: tuple[float, ...] = DEFAULT_PERCENTILES,
     cost: GpuCost | None = None,
     duration_s: float | None = None,
+    offered_rate: float | None = None,
 ) -> dict:
-    """The result-JSON metrics block for one run."""
+    """The result-JSON metrics block for one run; with the offered rate, also the rate it sustained."""
     ok = [r for r in records if r.success]
     duration = run_duration(records) if duration_s is None else duration_s
     input_tokens = sum(r.prompt_len for r in ok)
@@ -166,6 +198,8 @@ def compute_metrics(
         "output_throughput": rate(output_tokens),
         "total_token_throughput": rate(input_tokens + output_tokens),
     }
+    if offered_rate is not None:
+        result["sustained_request_rate"] = sustained_request_rate(records, offered_rate)
     if slos:
         good = sum(meets_slos(r, slos) for r in records)
         result.update(

@@ -115,7 +115,7 @@ def print_report(result: dict, console: Console | None = None) -> None:
             console.print(f"SLO attainment vs SLO scale ({_run_label(run)}): {cells}")
     if "capacity" in result:
         cap = result["capacity"]
-        console.print(f"Goodput capacity (highest Poisson rate, as completed, with SLO attainment >= "
+        console.print(f"Goodput capacity (highest Poisson rate held, else sustained, with SLO attainment >= "
                       f"{cap['target_attainment'] * 100:.0f}%): [bold]{cap['rate']:.3f} req/s[/bold]")
         for warning in cap.get("warnings", []):
             console.print(f"[yellow]noisy probe: {warning}[/yellow]")

@@ -108,13 +108,18 @@ class _OutOfTime(Exception):
 
 async def search_capacity(attainment_at: Callable[[float], Awaitable[float]], target: float,
                           start_rate: float, max_doublings: int = 8, bisections: int = 4,
-                          out_of_time: Callable[[], bool] = lambda: False) -> tuple[float, list[tuple[float, float]]]:
+                          out_of_time: Callable[[], bool] = lambda: False, resolution: float = 0.0,
+                          min_rate: float = 0.0) -> tuple[float, list[tuple[float, float]]]:
     """DistServe's per-GPU goodput: the highest request rate whose SLO attainment stays >= target.
 
     Doubles the rate until attainment drops below target (halves first if the start already
-    fails), then bisects between the last passing and first failing rate. Returns the highest
-    passing rate (0.0 if none passed) and every (rate, attainment) probed. No probe after the first
-    starts once `out_of_time()` says so (a caller's time budget): the rate found so far answers.
+    fails, never below `min_rate`: a caller that only needs to know whether the capacity beats a
+    rate spares itself ever longer probes of one far below), then bisects between the last passing
+    and first failing rate, at most `bisections` times and only while the failing rate is more than
+    `resolution` (a fraction) above the passing one: closer than a probe's noise, another probe
+    would be a coin toss. Returns the highest passing rate (0.0 if none passed) and every (rate,
+    attainment) probed. No probe after the first starts once `out_of_time()` says so (a caller's
+    time budget): the rate found so far answers.
     """
     probes: list[tuple[float, float]] = []
 
@@ -126,13 +131,13 @@ async def search_capacity(attainment_at: Callable[[float], Awaitable[float]], ta
         return attainment >= target
 
     try:
-        return await _search(passes, start_rate, max_doublings, bisections), probes
+        return await _search(passes, start_rate, max_doublings, bisections, resolution, min_rate), probes
     except _OutOfTime:
         return max((rate for rate, attainment in probes if attainment >= target), default=0.0), probes
 
 
 async def _search(passes: Callable[[float], Awaitable[bool]], start_rate: float, max_doublings: int,
-                  bisections: int) -> float:
+                  bisections: int, resolution: float, min_rate: float) -> float:
     """Doubles (or halves) from the start rate to a pass/fail pair, then bisects between them."""
     good, bad = 0.0, None
     rate = start_rate
@@ -148,12 +153,16 @@ async def _search(passes: Callable[[float], Awaitable[bool]], start_rate: float,
         bad = rate
         for _ in range(max_doublings):
             rate /= 2
+            if rate < min_rate:
+                break
             if await passes(rate):
                 good = rate
                 break
             bad = rate
     if bad is not None and good > 0:
         for _ in range(bisections):
+            if bad - good <= resolution * good:
+                break
             mid = (good + bad) / 2
             if await passes(mid):
                 good = mid

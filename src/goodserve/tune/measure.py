@@ -14,7 +14,7 @@ from collections.abc import Callable
 from rich.console import Console
 
 from goodserve.bench.arrivals import ArrivalConfig
-from goodserve.bench.capacity import achieved_rate
+from goodserve.bench.capacity import probe_rate, sustained_rate
 from goodserve.bench.command import Bench, add_serve_arguments, run_event_loop
 from goodserve.bench.result import records_of
 from goodserve.commands.quality_gate import (
@@ -36,6 +36,9 @@ from goodserve.model_names import DUMMY_PREFIX
 # A search starts at most this far above the best capacity so far, however much a step is predicted to give.
 MAX_START_FACTOR = 4.0
 MAX_DOUBLINGS = 4
+# A later search probes no rate below this share of the best capacity so far: a configuration failing
+# there would not be kept, and each halving makes a probe of the same prompts twice as long.
+MIN_RATE_FACTOR = 0.5
 QUALITY_OFF = "quality gate off: a dummy: model's random weights cannot be judged"
 # --quality-budget NAME:VALUE -> the eval threshold it sets
 BUDGET_NAMES = {"perplexity": "max_perplexity_increase", "top1": "min_top1_agreement",
@@ -159,13 +162,18 @@ class TrialRunner:
         target = InProcessTarget(config, ignore_eos=True, slo_ms=_slos(args), engine_process=self.engine_process,
                                  engine=engine)
         bench = Bench(args, self.console, target)
-        run_event_loop(self._search(bench, args, predicted))
+        min_rate = (self.start_rate or 0.0) * MIN_RATE_FACTOR
+        run_event_loop(self._search(bench, args, predicted, min_rate))
         capacity = bench.capacity
         if self.out_of_time():
             capacity["warnings"] = [*capacity["warnings"], "the budget ended this search: the capacity is the best "
                                     "rate probed so far"]
+        elif capacity["rate"] == 0 and min_rate > 0:
+            capacity["warnings"] = [*capacity["warnings"], f"every probe failed, the lowest at "
+                                    f"{min(r['request_rate'] for r in bench.runs):.3g} req/s: below half the best "
+                                    f"capacity so far ({self.start_rate:.3g} req/s) it was not searched"]
         passing = [r for r in bench.runs if r["slo_attainment"] >= 100 * capacity["target_attainment"]]
-        best = max(passing, key=achieved_rate, default=min(bench.runs, key=lambda r: r["request_rate"]))
+        best = max(passing, key=probe_rate, default=min(bench.runs, key=lambda r: r["request_rate"]))
         above = [r for r in bench.runs if r not in passing and r["request_rate"] > best["request_rate"]]
         at = _summary(best)
         if capacity["rate"] > 0:
@@ -175,20 +183,23 @@ class TrialRunner:
                 "above_capacity": _summary(min(above, key=lambda r: r["request_rate"])) if above else None,
                 "num_gpus": args.num_gpus, "cost_per_1m_tokens": self._cost(at, args)}
 
-    async def _search(self, bench: Bench, args: argparse.Namespace, predicted: float | None) -> None:
+    async def _search(self, bench: Bench, args: argparse.Namespace, predicted: float | None,
+                      min_rate: float) -> None:
         """From where the roofline predicts this configuration's capacity (the best so far times the
-        step's predicted factor); the first trial from half an all-at-once run's rate."""
+        step's predicted factor), never below min_rate; the first trial from the rate an all-at-once
+        run sustained (what the server completes from a full queue: the capacity at the targets is
+        usually within a doubling or a halving of it)."""
         try:
             if self.start_rate is None:
                 first = await bench.run_one(ArrivalConfig(math.inf))
-                args.capacity_start_rate = max(first["request_throughput"] / 2, 0.01)
+                args.capacity_start_rate = max(sustained_rate(first), 0.01)
             else:
                 args.capacity_start_rate = self.start_rate * min(max(predicted or 1.0, 1.0), MAX_START_FACTOR)
             args.capacity_bisections = self.bisections
             # Each search starts near where the capacity is expected: a configuration still failing
             # 16x below that is hopeless, and probes at ever lower rates would take minutes each.
             args.capacity_max_doublings = MAX_DOUBLINGS
-            await bench.search_capacity(self.out_of_time)
+            await bench.search_capacity(self.out_of_time, min_rate)
         finally:
             await bench.target.close()
 

@@ -1,0 +1,48 @@
+"""One tune trial's capacity search on a real in-process engine (dummy:tiny on the CPU): where it
+starts, what it reports, and where a later trial stops probing."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from goodserve.bench.capacity import capacity_of
+from goodserve.config import EngineConfig
+from goodserve.console import make_console
+from goodserve.tune.measure import MIN_RATE_FACTOR, QualityGate, TrialRunner, bench_args, quality_settings
+
+WORKLOAD = ["--dataset-name", "random", "--random-input-len", "8", "--random-output-len", "4"]
+OPTIONS = {"model": "dummy:tiny", "device": "cpu"}
+
+
+def runner(slos_ms: dict[str, float], bisections: int = 0) -> TrialRunner:
+    gate = QualityGate(EngineConfig(**OPTIONS), quality_settings(["a"], None, 64, 4, 32), {})  # off: random weights
+    args = bench_args("dummy:tiny", WORKLOAD, slos_ms, num_prompts=12, seed=0, hourly_cost=None, progress=False)
+    return TrialRunner(gate, args, make_console(), bisections)
+
+
+def test_the_first_search_starts_at_the_rate_an_all_at_once_run_sustained():
+    run = runner({"ttft": 60_000, "tpot": 60_000})  # every probe passes: the search doubles to its limit
+    trial = run(OPTIONS, "start", "the configuration given", None)
+    probes = trial["probes"]
+    first = probes[0]
+    assert math.isinf(first["request_rate"]) and first["sustained_request_rate"] == first["request_throughput"] > 0
+    assert [p["request_rate"] for p in probes[1:]] == pytest.approx([first["sustained_request_rate"] * 2 ** i
+                                                                     for i in range(5)])
+    # The capacity is capacity_of's over the same probes (the all-at-once one can never beat a rated one
+    # here), and the next trial starts from it.
+    assert trial["capacity"] == capacity_of([{**p, "num_requests": 12} for p in probes], 0.9)["rate"] > 0
+    assert run.start_rate == trial["capacity"]
+    for p in probes[1:]:
+        assert p["sustained_request_rate"] <= p["request_rate"]
+
+
+def test_a_later_search_stops_halving_below_half_the_best_capacity():
+    run = runner({"ttft": 1e-6})  # no request can meet it: every probe fails
+    run.start_rate = 40.0  # the best capacity of an earlier trial
+    trial = run(OPTIONS, "a step", "predicted to help", None)
+    assert [p["request_rate"] for p in trial["probes"]] == [40.0, 40.0 * MIN_RATE_FACTOR]  # 10 req/s is below 20
+    assert trial["capacity"] == 0.0
+    assert "below half the best capacity so far (40 req/s) it was not searched" in trial["capacity_warnings"][-1]
+    assert run.start_rate == 40.0
