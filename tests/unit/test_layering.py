@@ -252,7 +252,7 @@ ENGINE_LAYERS = {
     "processes": set(),  # the startup heap and stop signals of any process goodserve starts
     "setup": set(),  # resolving the configuration, building the model, sizing the KV pool
     "seam": set(),  # plain data: the scheduler's output, the runner's, the drafts they carry
-    "core": {"seam", "spec_decode"},  # the scheduler asks the speculator's policy for drafts
+    "core": {"seam"},  # the scheduler is handed its speculator (spec_decode) and never imports it
     "worker": {"seam", "setup", "processes", "spec_decode"},  # the verifiers, a draft model's forward
     "spec_decode": {"core", "seam", "setup", "worker"},  # proposers read sequences; a draft model is built
     "frontend": {"core", "seam", "setup", "processes", "spec_decode", "worker"},

@@ -34,6 +34,12 @@ class Drafts:
     # no drafts at all.
     branch: Branch | None = None
 
+    def first(self, k: int) -> Drafts:
+        """The first k drafts (and their distributions), the branch kept."""
+        if k >= len(self.token_ids):
+            return self
+        return Drafts(self.token_ids[:k], None if self.probs is None else self.probs[:k], self.branch)
+
 
 @dataclass
 class BranchOutput:
