@@ -315,9 +315,9 @@ class _WrongProposer:
     def propose(self, wanted):
         from goodserve.engine.seam.drafts import Drafts
 
-        return [Drafts([self.token] * k) for _, k in wanted]
+        return [Drafts([self.token] * r.k) for r in wanted]
 
-    def release(self, seq) -> None:
+    def release(self, seq_id) -> None:
         pass
 
 

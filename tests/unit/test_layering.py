@@ -280,6 +280,15 @@ def test_engine_layers_import_only_what_they_may():
     assert not found, "\n".join(found)
 
 
+def test_proposers_read_plain_data_not_the_schedulers_sequences():
+    """A proposer works from DraftRequest (engine/seam/drafts.py), so that it can run wherever a
+    sequence's tokens are known, the engine's process or a worker: of spec_decode/, only the policy,
+    which plans from the scheduler's sequences, imports them."""
+    readers = sorted(module for module in MODULES if _layer(module) == "spec_decode"
+                     for imported in _imports(module) if imported == "goodserve.engine.core.sequence")
+    assert readers == ["goodserve.engine.spec_decode.policy"], readers
+
+
 def test_seam_and_core_never_import_torch():
     """What a step carries between the scheduler and the workers, and every scheduling module, load in
     a fresh interpreter without torch: a scheduler or a router host imports them without it."""

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from goodserve.config import EngineConfig
 from goodserve.engine.core.sequence import Sequence
-from goodserve.engine.seam.drafts import Branch, BranchOutput, Drafts
+from goodserve.engine.seam.drafts import Branch, BranchOutput, DraftRequest, Drafts
 from goodserve.engine.spec_decode.proposer import Proposer
 
 TRIAL_WEIGHT = 0.3  # of each judged draft in a sequence's acceptance average
@@ -199,7 +199,9 @@ class Speculator:
         if self.probe_due:
             self.steps_since_probe = 0
         found = {}
-        for (seq, _), drafts in zip(wanted, self.proposer.propose(wanted)):
+        requests = [DraftRequest(seq.seq_id, seq.token_ids, k, seq.params.temperature,
+                                 None if seq.params.seed is None else seq.params.seed + seq.index) for seq, k in wanted]
+        for (seq, _), drafts in zip(wanted, self.proposer.propose(requests)):
             if drafts.token_ids or drafts.branch is not None:
                 found[seq.seq_id] = drafts
             else:  # nothing to verify: a draft planned and not kept, or the plan never empties
@@ -213,11 +215,11 @@ class Speculator:
         if drafts:
             self.observe(seq, len(drafts), len(drafts) - num_rejected)
         if output is not None:
-            self.proposer.learn(seq, drafts, branch, output)
+            self.proposer.learn(seq.seq_id, seq.token_ids, drafts, branch, output)
 
     def release(self, seq: Sequence) -> None:
         self.pending.pop(seq.seq_id, None)
-        self.proposer.release(seq)
+        self.proposer.release(seq.seq_id)
 
     def observe(self, seq: Sequence, num_proposed: int, num_accepted: int) -> None:
         self.num_drafts += 1
