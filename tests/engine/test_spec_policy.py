@@ -164,7 +164,8 @@ def test_a_step_takes_of_the_drafts_proposed_after_the_last_what_its_budget_leav
     """Drafts are proposed after a step for the next one, as many as the plan gives and the sequence
     may still write; the next step takes their first ones with those drafts' distributions (and a
     lookahead branch), none without room, none once the sequence has left."""
-    config = EngineConfig(model="dummy:tiny", speculative_method="ngram", num_speculative_tokens=K, spec_policy="always")
+    config = EngineConfig(model="dummy:tiny", speculative_method="ngram", num_speculative_tokens=K,
+                          spec_policy="always")
     speculator = Speculator(config, _SampledProposer(), cost=GRAPHED_COST)
     seq, short = _seqs(2)
     short.params = SamplingParams(max_tokens=2)  # one token written by the step, one draft at most

@@ -22,10 +22,8 @@ A decoding sequence may carry drafts (1 + k tokens, one row): those the speculat
 the last step (engine/spec_decode/policy.py), as many as the step's budget leaves room for, never
 at anyone's preemption. A sequence that leaves (finished, aborted, preempted) leaves the speculator too.
 
-After the step, update_from_output() is the one way back: it advances the computed tokens (rolling
-back rejected drafts: their tail blocks freed), appends the sampled ones, ends sequences at a stop
-token or their length, and returns what it did as data (engine/core/step_update.py); the output
-processor takes it from there (text, stop strings, logprobs).
+After the step, update_from_output() is the one way back; it returns what it did as data
+(engine/core/step_update.py), and the output processor takes it from there.
 """
 
 from __future__ import annotations
@@ -113,18 +111,13 @@ class Scheduler:
             self.speculator.counted_step()
         return decision.output(self.kv.tables)
 
-    def may_propose(self) -> bool:
-        """Whether the next step may carry drafts (the speculator plans some): then the engine does not
-        run ahead, since drafts continue last tokens that a step in flight has not sampled yet."""
-        return self.speculator is not None and bool(self.speculator.plan(self.running, len(self.running)))
-
     def _schedule_now(self, decision: StepDecision | None = None) -> StepDecision:
         decision = decision or StepDecision()
         admits_any_step = self.policy.admits_any_step
         if not admits_any_step and self.policy.next_batch_ready(self.running, self.waiting):
             self._admit_whole_batch()
         if admits_any_step:
-            for victim in self._displaced_running(decision.busy):
+            for victim in displaced_running(self.policy, self.running, self.waiting, self.kv, decision.busy):
                 self._requeue(victim)
         budget = self._schedule_running(decision, self.policy.running_budget())
         if admits_any_step and not decision.preempted and self.waiting:
@@ -138,7 +131,8 @@ class Scheduler:
         now that sample on the device alone. Blocks allocated before a refusal are the ones the next
         step would allocate anyway: they stay in the block tables."""
         going_on = [seq for seq in in_flight if not seq.is_finished and not seq.ends_with_next_token()]
-        if not going_on or (self.policy.admits_any_step and self._displaced_running()):
+        if not going_on or (self.policy.admits_any_step
+                            and displaced_running(self.policy, self.running, self.waiting, self.kv)):
             return None
         for seq in going_on:
             if not self.kv.allocate(seq, 1):
@@ -170,7 +164,7 @@ class Scheduler:
             if drafts and not self.kv.allocate(seq, num_new):  # speculation never preempts anyone
                 drafts, num_new = None, num_new - num_drafts
             while not self.kv.allocate(seq, num_new):
-                victim = self._lowest_priority_running(decision)
+                victim = decision.first_victim(self.running, self.policy.victim_key)
                 self._requeue(victim)
                 decision.preempted = True
                 if victim is seq:
@@ -230,15 +224,6 @@ class Scheduler:
         if self.speculator is not None:
             self.speculator.release(seq)
         seq.num_computed_tokens = 0
-
-    def _displaced_running(self, busy: frozenset[str] = frozenset()) -> list[Sequence]:
-        return displaced_running(self.policy, self.running, self.waiting, self.kv, busy)
-
-    def _lowest_priority_running(self, decision: StepDecision) -> Sequence:
-        """Of the running sequences neither in this step nor in a micro-batch in flight (the one that
-        asks for blocks is neither, so there is always one)."""
-        return max((s for s in self.running if s not in decision.seqs and s.seq_id not in decision.busy),
-                   key=self.policy.victim_key)
 
     def _requeue(self, seq: Sequence) -> None:
         """Recompute preemption: free the blocks, requeue at the front; its tokens are kept."""

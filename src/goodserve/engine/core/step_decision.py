@@ -37,6 +37,11 @@ class StepDecision:
         self.num_new.append(num_new)
         self.drafts.append(drafts)
 
+    def first_victim(self, running: list[Sequence], victim_key) -> Sequence:
+        """The running sequence to preempt first, by the policy's victim_key: of those neither in this
+        step nor in a micro-batch in flight (the one that asks for blocks is neither: there is one)."""
+        return max((s for s in running if s not in self.seqs and s.seq_id not in self.busy), key=victim_key)
+
     def output(self, tables: dict[str, list[int]]) -> SchedulerOutput:
         """The decision as plain data: each row's tokens to compute, its block table (of the KV
         manager's tables), whether it samples."""

@@ -311,7 +311,13 @@ class Engine:
         if self._stages is not None:
             return True
         return (self.config.async_scheduling and out.all_sample and not out.draft_token_ids
-                and not self.scheduler.may_propose() and all(seq.samples_on_device for seq in seqs))
+                and not self._drafts_planned() and all(seq.samples_on_device for seq in seqs))
+
+    def _drafts_planned(self) -> bool:
+        """Whether the next step may carry drafts (the speculator plans some): then no step runs
+        ahead, since drafts continue last tokens that a step in flight has not sampled yet."""
+        speculator = self.scheduler.speculator
+        return speculator is not None and speculator.plans_drafts(self.scheduler.running)
 
     def _step_pipelined(self, stream_text: bool) -> set[str]:
         """Launch the step after the one in flight (if the scheduler can decide it without that
@@ -339,7 +345,7 @@ class Engine:
         """If launching fails, the step is dropped: nothing advanced, its blocks are the ones the
         next step allocates anyway, and the next step, synchronous, runs its sequences again and
         isolates the request that broke it."""
-        ahead = current.out.all_sample and not self.scheduler.may_propose()
+        ahead = current.out.all_sample and not self._drafts_planned()
         out = self._schedule(in_flight=current.seqs) if ahead else None
         if out is None:
             return

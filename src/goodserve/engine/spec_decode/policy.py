@@ -6,7 +6,7 @@ acceptance, against what a verify step costs beside a plain decode step (VerifyC
   find (an n-gram with no match), so it estimates the chance a planned draft is kept; k drafts then
   add a + a^2 + ... + a^k tokens in expectation (kept drafts are a prefix). Counting the misses keeps
   a sequence whose text is never copied from staying in the plan on its starting estimate, which
-  would keep every step synchronous (a step with a plan cannot run ahead: engine/core/scheduler.py).
+  would keep every step synchronous (a step with a plan cannot run ahead: engine/frontend/engine.py).
 - For each k, the sequences whose expected gain pays their own drafts' cost draft k; the step drafts
   with the k of the best throughput (tokens per step time over a plain step's), if that beats 1. A
   drafting sequence's cost counts lookahead's window too (tokens computed beside the drafts); a
@@ -141,6 +141,10 @@ class Speculator:
         if self.probe_due:
             plan |= {seq.seq_id: c.num_speculative_tokens for seq in eligible if seq.seq_id not in plan}
         return plan
+
+    def plans_drafts(self, running: list[Sequence]) -> bool:
+        """Whether the plan for the running sequences gives any of them drafts."""
+        return bool(self.plan(running, len(running)))
 
     def _paying(self, seqs: list[Sequence], num_running: int) -> dict[str, int]:
         """The k of the best expected throughput, for the sequences whose gain pays their drafts."""
