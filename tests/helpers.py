@@ -39,6 +39,17 @@ def runner_of(target: LLM | Engine):
     return executor_of(target).worker.runner
 
 
+def proposer_of(target: LLM | Engine):
+    """The engine's proposer (engine/spec_decode/proposer.py): what a draft model or lookahead keeps
+    per sequence. Tests reach it here only, so that it can move (into the worker) without them."""
+    return engine_of(target).scheduler.speculator.proposer
+
+
+def set_proposer(target: LLM | Engine, proposer) -> None:
+    """Replace the engine's proposer (one that proposes scripted drafts)."""
+    engine_of(target).scheduler.speculator.proposer = proposer
+
+
 def loaded_model(target: LLM | Engine) -> torch.nn.Module:
     """The model as loaded and quantized (its layers, kernels and native decode stack)."""
     return runner_of(target).model

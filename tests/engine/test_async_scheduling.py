@@ -16,7 +16,7 @@ from goodserve import SamplingParams
 from goodserve.engine.worker import cuda_graphs
 from goodserve.engine.seam.runner_output import PendingOutput
 from goodserve.engine.spec_decode.policy import PROBE_EVERY
-from helpers import runner_of
+from helpers import runner_of, set_proposer
 
 
 class EagerDecodeGraph(cuda_graphs._DecodeGraph):
@@ -315,9 +315,9 @@ class _WrongProposer:
     def propose(self, wanted):
         from goodserve.engine.seam.drafts import Drafts
 
-        return [Drafts([self.token] * k) for _, k in wanted]
+        return [Drafts([self.token] * r.k) for r in wanted]
 
-    def release(self, seq) -> None:
+    def release(self, seq_id) -> None:
         pass
 
 
@@ -330,8 +330,7 @@ def test_rejected_speculation_stops_and_steps_run_ahead_again(embedded_llm):
 
     params = SamplingParams(temperature=0, max_tokens=3 * PROBE_EVERY, ignore_eos=True)
     spec_llm = _spec_llm()
-    speculator = spec_llm.engine.scheduler.speculator
-    speculator.proposer = _WrongProposer(spec_llm.tokenizer.encode("zebra")[0])
+    set_proposer(spec_llm, _WrongProposer(spec_llm.tokenizer.encode("zebra")[0]))
     with engine_mode(spec_llm, graphs=True, async_scheduling=True) as pipelined:
         tokens = _tokens(spec_llm.generate(["Once upon a time"], params))
         assert pipelined() > 2 * PROBE_EVERY

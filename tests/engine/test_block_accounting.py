@@ -16,6 +16,7 @@ from goodserve.engine.core.kv_cache_manager import KVCacheManager
 from goodserve.engine.core.scheduler import Scheduler
 from goodserve.engine.core.sequence import Sequence, SequenceStatus
 from goodserve.engine.spec_decode.draft_model import DraftModelProposer, load_draft
+from goodserve.engine.spec_decode.policy import Speculator
 from goodserve.engine.spec_decode.proposer import make_proposer
 from goodserve.model.presets import get_preset
 from goodserve.sampling_params import SamplingParams
@@ -81,7 +82,7 @@ def test_random_traffic_leaks_nothing(policy, chunked, speculative, windows):
                                    dtype="float32")
     proposer = DraftModelProposer(drafting, load_draft(drafting), get_preset("tiny"), None) if speculative == "draft" \
         else make_proposer(config, get_preset("tiny"), None)
-    scheduler = Scheduler(config, kv, proposer)
+    scheduler = Scheduler(config, kv, Speculator(config, proposer) if proposer is not None else None)
     prefixes = [[rng.randrange(3) for _ in range(rng.randrange(0, 14))] for _ in range(3)]
     shadow = {b: [None] * BLOCK for b in range(pool.num_blocks)}
     live: list[Sequence] = []
@@ -119,6 +120,8 @@ def test_random_traffic_leaks_nothing(policy, chunked, speculative, windows):
                 if seq.num_tokens >= seq.max_len:
                     scheduler.finish(seq, "length")
                     live.remove(seq)
+        if speculative:
+            scheduler.speculator.propose_next(scheduler.running)
         check_invariants(kv, live, shadow)
         released_early += sum(len(kv.block_table(s.seq_id)) > len(kv.blocks_held(s.seq_id)) for s in live)
         if speculative == "draft":

@@ -20,7 +20,7 @@ from goodserve.engine.spec_decode.rejection import kept_by_rejection
 from goodserve.errors import InvalidRequestError
 from goodserve.ops.kernel_choice import KernelChoice
 from goodserve.ops.sampler import SamplingBatch, sample
-from helpers import runner_of
+from helpers import proposer_of, runner_of
 
 PROMPTS = ["Once upon a time", "What are three tips for staying healthy?", "def fibonacci(n):\n",
            "The capital of France is"]
@@ -41,7 +41,7 @@ def _tokens(outputs) -> list[list[int]]:
 
 
 def _draft_blocks(llm: LLM) -> int:
-    return llm.engine.scheduler.speculator.proposer.kv.num_used_blocks
+    return proposer_of(llm).kv.num_used_blocks
 
 
 def _accepted(llm: LLM) -> int:
@@ -90,7 +90,7 @@ def test_the_kv_budget_holds_the_draft_pool_beside_the_targets():
     the memory both models' weights leave) must hold both pools, not the target's alone."""
     budget = 8 << 20
     llm = LLM("dummy:tiny", speculative_model="dummy:tiny-llama3", cpu_kv_cache_bytes=budget)
-    caches = runner_of(llm).kv_caches + llm.engine.scheduler.speculator.proposer.kv_caches
+    caches = runner_of(llm).kv_caches + proposer_of(llm).kv_caches
     held = sum(cache.k.nbytes + cache.v.nbytes for cache in caches)
     per_block = held // llm.engine.kv.num_blocks  # the target's block and the draft's
     assert budget - per_block < held <= budget

@@ -14,6 +14,7 @@ from goodserve import LLM, SamplingParams
 from goodserve.engine.spec_decode.lookahead import learn_ngram, learn_verified, propose_from_pool, window_branch
 from goodserve.ops.rotary import apply_rotary_torch, cos_sin_cache
 from goodserve.ops.tree_attention import BranchTree, as_cached, branch_attention, tree_depths, tree_mask
+from helpers import proposer_of
 from test_spec_decode import COPY, OTHERS, abort_mid_speculation, check_chunked_and_prefix_hits
 
 CHAT = ["What are three tips for staying healthy?", "Why is the sky blue?"]
@@ -141,7 +142,7 @@ def test_seeded_sampling_is_the_same_as_without_speculation(embedded_llm, lookah
 def test_abort_mid_speculation_leaks_no_blocks(lookahead_llm):
     engine = lookahead_llm.engine
     abort_mid_speculation(engine, [COPY, CHAT[0], OTHERS[1]], max_steps=30)
-    assert not engine.scheduler.speculator.proposer.windows  # the windows leave with their sequences
+    assert not proposer_of(engine).windows  # the windows leave with their sequences
 
 
 def test_pipeline_parallel_is_refused_with_the_reason():

@@ -2,12 +2,14 @@
 per step from the batch size and each sequence's measured acceptance against a fixed cost table, and
 probes the sequences it left out in a bounded share of steps."""
 
+import torch
+
 from goodserve import LLM
 from goodserve.config import EngineConfig
 from goodserve.engine.core.sequence import Sequence
 from goodserve.engine.spec_decode.policy import (EAGER_COST, GRAPHED_COST, NATIVE_DECODE_COST, NATIVE_SPLIT_COST,
                                                 PROBE_EVERY, Speculator)
-from goodserve.engine.seam.drafts import Drafts
+from goodserve.engine.seam.drafts import Branch, Drafts
 from goodserve.sampling_params import SamplingParams
 from helpers import loaded_model
 
@@ -18,7 +20,7 @@ class _Proposer:
     """Proposes all k it is asked for (what they are does not matter here: the history is scripted)."""
 
     def propose(self, wanted):
-        return [Drafts([0] * k) for _, k in wanted]
+        return [Drafts([0] * r.k) for r in wanted]
 
 
 def _speculator(cost=GRAPHED_COST, **options) -> Speculator:
@@ -145,3 +147,36 @@ def test_probes_come_less_often_where_a_probe_step_is_dear():
     assert probes and all(b - a >= 66 for a, b in zip(probes, probes[1:]))
     assert _speculator(NATIVE_DECODE_COST, speculative_method="lookahead", lookahead_window=2,
                        lookahead_ngram=3).probe_every == 112
+
+
+class _SampledProposer:
+    """Sampled drafts with their distributions (row j: j everywhere) and a side branch."""
+
+    def propose(self, wanted):
+        return [Drafts([5] * r.k, torch.arange(r.k, dtype=torch.float32)[:, None].expand(r.k, 8).clone(),
+                       Branch([7], [-1], [0])) for r in wanted]
+
+    def release(self, seq_id):
+        pass
+
+
+def test_a_step_takes_of_the_drafts_proposed_after_the_last_what_its_budget_leaves_room_for():
+    """Drafts are proposed after a step for the next one, as many as the plan gives and the sequence
+    may still write; the next step takes their first ones with those drafts' distributions (and a
+    lookahead branch), none without room, none once the sequence has left."""
+    config = EngineConfig(model="dummy:tiny", speculative_method="ngram", num_speculative_tokens=K,
+                          spec_policy="always")
+    speculator = Speculator(config, _SampledProposer(), cost=GRAPHED_COST)
+    seq, short = _seqs(2)
+    short.params = SamplingParams(max_tokens=2)  # one token written by the step, one draft at most
+    for s in (seq, short):
+        s.num_computed_tokens = 2  # decoding: its last token is uncomputed
+    speculator.propose_next([seq, short])
+    whole = speculator.drafts_for_step(seq, K + 3)
+    assert whole.token_ids == [5] * K and whole.probs[:, 0].tolist() == [0, 1, 2, 3]
+    part = speculator.drafts_for_step(seq, 2)
+    assert part.token_ids == [5, 5] and part.probs[:, 0].tolist() == [0, 1] and part.branch is whole.branch
+    assert speculator.drafts_for_step(seq, 0) is None
+    assert speculator.drafts_for_step(short, K).token_ids == [5]
+    speculator.release(seq)
+    assert speculator.drafts_for_step(seq, K) is None

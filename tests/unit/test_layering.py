@@ -252,7 +252,7 @@ ENGINE_LAYERS = {
     "processes": set(),  # the startup heap and stop signals of any process goodserve starts
     "setup": set(),  # resolving the configuration, building the model, sizing the KV pool
     "seam": set(),  # plain data: the scheduler's output, the runner's, the drafts they carry
-    "core": {"seam", "spec_decode"},  # the scheduler asks the speculator's policy for drafts
+    "core": {"seam"},  # the scheduler is handed its speculator (spec_decode) and never imports it
     "worker": {"seam", "setup", "processes", "spec_decode"},  # the verifiers, a draft model's forward
     "spec_decode": {"core", "seam", "setup", "worker"},  # proposers read sequences; a draft model is built
     "frontend": {"core", "seam", "setup", "processes", "spec_decode", "worker"},
@@ -278,6 +278,15 @@ def test_engine_layers_import_only_what_they_may():
                    for imported in _imports(module, at_run_time=True)
                    if _layer(imported) not in (None, _layer(module), *ENGINE_LAYERS[_layer(module)]))
     assert not found, "\n".join(found)
+
+
+def test_proposers_read_plain_data_not_the_schedulers_sequences():
+    """A proposer works from DraftRequest (engine/seam/drafts.py), so that it can run wherever a
+    sequence's tokens are known, the engine's process or a worker: of spec_decode/, only the policy,
+    which plans from the scheduler's sequences, imports them."""
+    readers = sorted(module for module in MODULES if _layer(module) == "spec_decode"
+                     for imported in _imports(module) if imported == "goodserve.engine.core.sequence")
+    assert readers == ["goodserve.engine.spec_decode.policy"], readers
 
 
 def test_seam_and_core_never_import_torch():

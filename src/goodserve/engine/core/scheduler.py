@@ -15,20 +15,15 @@ the queues' order, the step's token budgets, whether a sequence has room to join
 preempted first, whether admission waits for whole batches, and the forecast the admission check
 reads. The scheduler carries them out and tells the policy what entered, left and ran.
 
-Its decision goes to the runner as plain data (engine/seam/scheduler_output.py); the sequences it decides
-over stay here, with the engine. With async scheduling the engine passes the step still in flight:
-its sequences' next tokens exist only on the device (placeholders), and the step scheduled ahead of
-them decodes those tokens.
+Its decision goes to the runner as plain data (engine/core/step_decision.py); the sequences stay
+here, with the engine. With async scheduling the engine passes the step still in flight: its
+sequences' next tokens exist only on the device, and the step scheduled ahead of them decodes those.
+A decoding sequence may carry drafts (1 + k tokens, one row): those the speculator proposed after
+the last step (engine/spec_decode/policy.py), as many as the step's budget leaves room for, never
+at anyone's preemption. A sequence that leaves (finished, aborted, preempted) leaves the speculator too.
 
-Speculative decoding (engine/spec_decode/): a decoding sequence may carry drafts, computed in the
-same step after its last token (1 + k tokens, one row). The policy picks each one's k, then the
-proposer proposes for all of them in one call (a draft model batches them), before the step is laid
-out; update_from_output() rolls back the ones the runner rejected (their K/V slots are rewritten later,
-their tail blocks freed). A sequence that leaves (finished, aborted, preempted) leaves the proposer too.
-
-After the step, update_from_output() is the one way back: it advances the computed tokens, appends
-the sampled ones, ends sequences at a stop token or their length, and returns what it did as data
-(engine/core/step_update.py); the output processor takes it from there (text, stop strings, logprobs).
+After the step, update_from_output() is the one way back; it returns what it did as data
+(engine/core/step_update.py), and the output processor takes it from there.
 """
 
 from __future__ import annotations
@@ -43,43 +38,20 @@ from goodserve.engine.core.kv_cache_manager import KVCacheManager
 from goodserve.engine.seam.scheduler_output import SchedulerOutput
 from goodserve.engine.core.scheduling_policy import make_policy
 from goodserve.engine.core.sequence import Sequence, SequenceStatus
+from goodserve.engine.core.step_decision import StepDecision
 from goodserve.engine.core.step_time_model import StepTimeModel
-from goodserve.engine.core.step_update import StepUpdate, append_tokens
-from goodserve.engine.spec_decode.policy import Speculator, VerifyCost
-from goodserve.engine.seam.drafts import BranchOutput, Drafts
-from goodserve.engine.spec_decode.proposer import Proposer
+from goodserve.engine.core.step_update import StepUpdate, append_tokens, rejected_per_row
+from goodserve.engine.seam.drafts import BranchOutput
 from goodserve.engine.core.waiting_queue import WaitingQueue
 
-if TYPE_CHECKING:  # the runner's output module imports torch; the scheduler needs none
+if TYPE_CHECKING:  # the runner's output module imports torch; the scheduler needs none, nor the speculator
     from goodserve.engine.seam.runner_output import ModelRunnerOutput
-
-
-class _Decision:
-    """The sequences a step computes and how many tokens each, while it is being decided."""
-
-    def __init__(self, num_ahead: int = 0, max_rows: int | None = None, busy: frozenset[str] = frozenset()) -> None:
-        self.seqs: list[Sequence] = []
-        self.max_rows = max_rows  # pipeline micro-batches: each takes its share of the sequences
-        self.busy = busy  # ids of sequences another micro-batch in flight computes: not this step's
-        self.num_new: list[int] = []  # drafts included
-        self.drafts: list[Drafts | None] = []
-        self.num_ahead = num_ahead
-        self.preempted = False
-
-    @property
-    def full(self) -> bool:
-        return self.max_rows is not None and len(self.seqs) >= self.max_rows
-
-    def add(self, seq: Sequence, num_new: int, drafts: Drafts | None = None) -> None:
-        self.seqs.append(seq)
-        self.num_new.append(num_new)
-        self.drafts.append(drafts)
+    from goodserve.engine.spec_decode.policy import Speculator
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv: KVCacheManager, proposer: Proposer | None = None,
-                 step_time: StepTimeModel | None = None, verify_cost: VerifyCost | None = None,
-                 eos_token_ids: list[int] | None = None) -> None:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, speculator: Speculator | None = None,
+                 step_time: StepTimeModel | None = None, eos_token_ids: list[int] | None = None) -> None:
         self.config = config
         self.eos_token_ids = eos_token_ids or []
         self.kv = kv
@@ -89,7 +61,7 @@ class Scheduler:
         self.step_time = step_time or StepTimeModel()  # the engine feeds it every step
         self.policy = make_policy(config, self.step_time)
         self.waiting = WaitingQueue(self.policy.waiting_key)
-        self.speculator = Speculator(config, proposer, verify_cost) if proposer is not None else None
+        self.speculator = speculator  # plans and proposes drafts (engine/spec_decode/policy.py); None: no speculation
 
     # ---- queue management ----------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -128,8 +100,8 @@ class Scheduler:
         if in_flight:
             decision = self._schedule_ahead(in_flight)
         elif busy is not None:
-            decision = self._schedule_now(_Decision(max_rows=self._microbatch_rows(),
-                                                    busy=frozenset(seq.seq_id for seq in busy)))
+            decision = self._schedule_now(StepDecision.micro_batch(busy, len(self.running) + len(self.waiting),
+                                                                   self.config))
         else:
             decision = self._schedule_now()
         if decision is None:  # asked again once the step in flight is done: planned once
@@ -137,27 +109,15 @@ class Scheduler:
             return None
         if self.speculator is not None:
             self.speculator.counted_step()
-        return self._output(decision)
+        return decision.output(self.kv.tables)
 
-    def may_propose(self) -> bool:
-        """Whether the next step may carry drafts. A step scheduled ahead of the one in flight (async
-        scheduling) cannot: its sequences' last tokens, which drafts continue, are not known yet, so
-        the engine stops running ahead while this holds (the speculator's plan for the running
-        sequences is not empty)."""
-        return self.speculator is not None and bool(self.speculator.plan(self.running, len(self.running)))
-
-    def _microbatch_rows(self) -> int:
-        """A micro-batch's share of the sequences the stages could hold in flight together."""
-        stages = self.config.pipeline_parallel_size
-        return -(-min(len(self.running) + len(self.waiting), self.config.max_num_seqs) // stages) or 1
-
-    def _schedule_now(self, decision: _Decision | None = None) -> _Decision:
-        decision = decision or _Decision()
+    def _schedule_now(self, decision: StepDecision | None = None) -> StepDecision:
+        decision = decision or StepDecision()
         admits_any_step = self.policy.admits_any_step
         if not admits_any_step and self.policy.next_batch_ready(self.running, self.waiting):
             self._admit_whole_batch()
         if admits_any_step:
-            for victim in self._displaced_running(decision.busy):
+            for victim in displaced_running(self.policy, self.running, self.waiting, self.kv, decision.busy):
                 self._requeue(victim)
         budget = self._schedule_running(decision, self.policy.running_budget())
         if admits_any_step and not decision.preempted and self.waiting:
@@ -165,18 +125,19 @@ class Scheduler:
             self._schedule_waiting(decision, min(budget, allowance))
         return decision
 
-    def _schedule_ahead(self, in_flight: list[Sequence]) -> _Decision | None:
+    def _schedule_ahead(self, in_flight: list[Sequence]) -> StepDecision | None:
         """One more decode token for each sequence of the step in flight that goes on (not finished,
         its token in flight not certainly its last), then the waiting sequences the policy admits
         now that sample on the device alone. Blocks allocated before a refusal are the ones the next
         step would allocate anyway: they stay in the block tables."""
         going_on = [seq for seq in in_flight if not seq.is_finished and not seq.ends_with_next_token()]
-        if not going_on or (self.policy.admits_any_step and self._displaced_running()):
+        if not going_on or (self.policy.admits_any_step
+                            and displaced_running(self.policy, self.running, self.waiting, self.kv)):
             return None
         for seq in going_on:
             if not self.kv.allocate(seq, 1):
                 return None
-        decision = _Decision(num_ahead=len(going_on))
+        decision = StepDecision(num_ahead=len(going_on))
         for seq in going_on:
             decision.add(seq, 1)
         if self.waiting and self.policy.admits_any_step:
@@ -185,11 +146,10 @@ class Scheduler:
             self._schedule_waiting(decision, max(budget, 0), lambda seq: seq.samples_on_device)
         return decision
 
-    def _schedule_running(self, decision: _Decision, budget: int) -> int:
+    def _schedule_running(self, decision: StepDecision, budget: int) -> int:
         """Decodes first (the attention kernels take a batch's leading one-token rows apart), then
         unfinished prompts, in the policy's order."""
         ordered = sorted((seq for seq in self.running if seq.seq_id not in decision.busy), key=self.policy.running_key)
-        proposed = self._propose(ordered, budget)
         for seq in ordered:
             if budget == 0 or decision.full:
                 break
@@ -198,14 +158,15 @@ class Scheduler:
             num_own = self.policy.granted(seq, min(seq.num_uncomputed_tokens, budget))
             if num_own == 0:
                 continue
-            drafts = proposed.get(seq.seq_id)
+            drafts = self.speculator.drafts_for_step(seq, budget - num_own) if self.speculator else None
             num_drafts = len(drafts.token_ids) if drafts else 0
             num_new = num_own + num_drafts
             if drafts and not self.kv.allocate(seq, num_new):  # speculation never preempts anyone
                 drafts, num_new = None, num_new - num_drafts
             while not self.kv.allocate(seq, num_new):
-                victim = self._lowest_priority_running(decision)
-                self._preempt(victim, decision)
+                victim = decision.first_victim(self.running, self.policy.victim_key)
+                self._requeue(victim)
+                decision.preempted = True
                 if victim is seq:
                     break
             if seq.status is SequenceStatus.RUNNING:
@@ -213,23 +174,7 @@ class Scheduler:
                 budget -= num_new
         return budget
 
-    def _propose(self, ordered: list[Sequence], budget: int) -> dict[str, Drafts]:
-        """Drafts for the decoding sequences to verify this step, by id: each one's k with room left
-        for its own token and what the sequences before it take, then one call to the proposer."""
-        if self.speculator is None:
-            return {}
-        plan = self.speculator.plan([seq for seq in ordered if seq.num_uncomputed_tokens == 1], len(self.running))
-        wanted = []
-        for seq in ordered:
-            if budget <= 0:
-                break
-            k = self.speculator.drafts_for(seq, plan[seq.seq_id], budget - 1) if seq.seq_id in plan else 0
-            if k:
-                wanted.append((seq, k))
-            budget -= min(seq.num_uncomputed_tokens, budget) + k
-        return self.speculator.propose(wanted) if wanted else {}
-
-    def _schedule_waiting(self, decision: _Decision, budget: int, admissible=None) -> None:
+    def _schedule_waiting(self, decision: StepDecision, budget: int, admissible=None) -> None:
         """Admit waiting sequences in order while the budget lasts; `admissible`, when given, stops
         at the first sequence it refuses."""
         self.policy.before_admitting(self.waiting)
@@ -266,14 +211,10 @@ class Scheduler:
             self.waiting.add(seq)
 
     def _cached_reads(self, seq: Sequence) -> int:
-        """The cached tokens an admitted sequence's prompt rows read besides its new ones, which its
-        step pays for on the torch attention path (the CPU's): there a step with prompt rows attends
-        one sequence at a time over its whole context, so n copies of a prompt served by the prefix
-        cache would cost a step n whole prompts' attention for a few new tokens each (8 x 128 copies:
-        one step of 45 s). Counted against the step's budget, they enter over several steps, each
-        bounded; the first admission of a step always goes, and one whose prefix does not fit what is
-        left (with its request's other copies) is passed over for this step: a request behind them
-        that fits is admitted, not held back until every copy has started."""
+        """The cached tokens an admitted sequence's prompt rows read besides its new ones, which the
+        torch attention path (the CPU's) pays for: it attends one prompt row at a time over its whole
+        context, so n copies of a cached prompt would cost one step n whole prompts' attention (8 x
+        128 copies: 45 s). Counted against the budget, they enter over several bounded steps."""
         return seq.num_computed_tokens if self.config.attention_backend == "torch" else 0
 
     def _release_blocks(self, seq: Sequence, finished: bool = False) -> None:
@@ -283,19 +224,6 @@ class Scheduler:
         if self.speculator is not None:
             self.speculator.release(seq)
         seq.num_computed_tokens = 0
-
-    def _displaced_running(self, busy: frozenset[str] = frozenset()) -> list[Sequence]:
-        return displaced_running(self.policy, self.running, self.waiting, self.kv, busy)
-
-    def _lowest_priority_running(self, decision: _Decision) -> Sequence:
-        """Of the running sequences neither in this step nor in a micro-batch in flight (the one that
-        asks for blocks is neither, so there is always one)."""
-        return max((s for s in self.running if s not in decision.seqs and s.seq_id not in decision.busy),
-                   key=self.policy.victim_key)
-
-    def _preempt(self, seq: Sequence, decision: _Decision) -> None:
-        self._requeue(seq)
-        decision.preempted = True
 
     def _requeue(self, seq: Sequence) -> None:
         """Recompute preemption: free the blocks, requeue at the front; its tokens are kept."""
@@ -321,31 +249,6 @@ class Scheduler:
             seq.num_cached_tokens = seq.num_computed_tokens
         self.running.append(seq)
 
-    def _output(self, decision: _Decision) -> SchedulerOutput:
-        """The decision as plain data: each row's tokens to compute, its block table, whether it samples."""
-        out = SchedulerOutput(num_ahead=decision.num_ahead)
-        tables = self.kv.tables
-        for row, (seq, num_new, drafts) in enumerate(zip(decision.seqs, decision.num_new, decision.drafts)):
-            draft_ids = drafts.token_ids if drafts else []
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new - len(draft_ids)
-            ahead = row < decision.num_ahead
-            out.seq_ids.append(seq.seq_id)
-            out.num_new_tokens.append(num_new)
-            out.num_computed_tokens.append(start)
-            out.token_ids.append([] if ahead else seq.token_ids[start:end] + draft_ids)
-            out.block_tables.append(list(tables[seq.seq_id]))
-            out.samples.append(ahead or (end == seq.num_tokens and not seq.params.prefill_only))
-            if draft_ids:
-                out.draft_token_ids[row] = draft_ids
-                if drafts.probs is not None:
-                    out.draft_probs[row] = drafts.probs
-            if drafts and drafts.branch is not None:
-                out.branches[row] = drafts.branch
-            out.num_output_tokens.append(seq.num_output_tokens)
-            if seq.counts_output_tokens:
-                out.penalty_token_ids[row] = seq.output_token_ids
-        return out
-
     def forecast(self) -> Forecast:
         """What a new request can expect, by the policy: for the admission check (engine/frontend/admission.py)."""
         return self.policy.forecast(self.running)
@@ -357,7 +260,7 @@ class Scheduler:
         sampled row's kept tokens up to a stop token or its length. Sequences that finished meanwhile
         (aborted, or stopped the step before while this one ran ahead) are skipped."""
         if not advanced:
-            self.advance(out, _num_rejected(out, output), output.branches)
+            self.advance(out, rejected_per_row(out, output), output.branches)
         update = StepUpdate()
         for seq_id in out.seq_ids:
             seq = self.seqs.get(seq_id)
@@ -378,10 +281,9 @@ class Scheduler:
     def advance(self, out: SchedulerOutput, num_rejected: dict[int, int] | None = None,
                 branches: dict[int, BranchOutput] | None = None) -> None:
         """The runner computed the scheduled tokens: their K/V are now cached, except the
-        num_rejected[row] last drafts of a speculating row, rolled back (its tokens, appended after
-        this by update_from_output, are the kept drafts and one more; a row with a side branch hands its results,
-        branches[row], to the proposer). Sequences that finished meanwhile (stopped or aborted while
-        an async step ran) hold no blocks and are skipped."""
+        num_rejected[row] last drafts of a speculating row, rolled back; the speculator hears how its
+        drafts and side branches (branches[row]) went. Sequences that finished meanwhile (stopped or
+        aborted while an async step ran) hold no blocks and are skipped."""
         self.policy.step_ran(out.num_tokens)
         for row, (seq_id, num_new) in enumerate(zip(out.seq_ids, out.num_new_tokens)):
             seq = self.seqs.get(seq_id)
@@ -389,16 +291,10 @@ class Scheduler:
                 continue
             rejected = num_rejected.get(row, 0) if num_rejected else 0
             seq.num_computed_tokens += num_new - rejected
+            if row in out.draft_token_ids or row in out.branches:
+                self.speculator.verified(seq, out.draft_token_ids.get(row, []), rejected, out.branches.get(row),
+                                         branches.get(row) if branches else None)
             if row in out.draft_token_ids:
-                num_drafts = len(out.draft_token_ids[row])
-                self.speculator.observe(seq, num_drafts, num_drafts - rejected)
                 self.kv.free_tail(seq)
-            if branches and row in branches:
-                self.speculator.learn(seq, out.draft_token_ids.get(row, []), out.branches[row], branches[row])
             self.kv.register_full_blocks(seq)
 
-
-def _num_rejected(out: SchedulerOutput, output: ModelRunnerOutput) -> dict[int, int]:
-    """Per row that verified drafts, how many the runner rejected (it keeps the rest and adds one)."""
-    return {row: len(out.draft_token_ids[row]) + 1 - len(tokens)
-            for row, tokens in zip(output.sample_rows, output.token_ids) if row in out.draft_token_ids}

@@ -6,8 +6,13 @@ grammar's end (OutputProcessor.process). Neither calls the other: each returns w
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from goodserve.engine.core.sequence import Sequence
+from goodserve.engine.seam.scheduler_output import SchedulerOutput
+
+if TYPE_CHECKING:  # the runner's output module imports torch; the scheduler needs none
+    from goodserve.engine.seam.runner_output import ModelRunnerOutput
 
 
 @dataclass
@@ -38,3 +43,9 @@ def append_tokens(seq: Sequence, tokens: list[int], eos_token_ids: list[int]) ->
         if seq.num_output_tokens >= (params.max_tokens or seq.max_len) or seq.num_tokens >= seq.max_len:
             return count, Finish("length")
     return len(tokens), None
+
+
+def rejected_per_row(out: SchedulerOutput, output: ModelRunnerOutput) -> dict[int, int]:
+    """Per row that verified drafts, how many the runner rejected (it keeps the rest and adds one)."""
+    return {row: len(out.draft_token_ids[row]) + 1 - len(tokens)
+            for row, tokens in zip(output.sample_rows, output.token_ids) if row in out.draft_token_ids}

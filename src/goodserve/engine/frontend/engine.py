@@ -19,9 +19,11 @@ while the next stages compute the ones before it; it finishes the oldest once th
 (or nothing else can run). Otherwise, and with a speculator (a step's drafts wait on the step
 before), the stages take one step at a time.
 
-Speculative decoding (engine/spec_decode/): the scheduler gives decoding sequences drafts, the runner
-samples at each of their positions and keeps the confirmed ones, the scheduler rolls back the rest
-(update_from_output). A step with drafts never runs ahead: the next step's inputs depend on how many were kept.
+Speculative decoding (engine/spec_decode/): after a step, with none in flight, the speculator proposes
+drafts for the next step's decoding sequences; the scheduler gives each what the step's budget
+leaves room for, the runner samples at each of their positions and keeps the confirmed ones, the
+scheduler rolls back the rest (update_from_output). A step with drafts never runs ahead: the next
+step's inputs depend on how many were kept.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ from goodserve.engine.core.scheduler import Scheduler
 from goodserve.engine.seam.scheduler_output import NewRequestData, SchedulerOutput
 from goodserve.engine.core.sequence import Sequence
 from goodserve.engine.spec_decode.draft_model import load_draft
-from goodserve.engine.spec_decode.policy import verify_cost
+from goodserve.engine.spec_decode.policy import Speculator, verify_cost
 from goodserve.engine.spec_decode.proposer import make_proposer
 from goodserve.engine.core.stats import EngineStats, StepLog, engine_stats
 from goodserve.engine.core.step_trace import StepTrace
@@ -91,8 +93,9 @@ class Engine:
         salt = f"{info.revision}|{c.kv_cache_dtype}|{c.quantization}|{c.quantized_checkpoint}|{c.quantization_awq}"
         self.kv = KVCacheManager(c.num_kv_blocks, c.block_size, c.enable_prefix_caching, salt.encode(),
                                  windows=kv_groups(self.spec, c).windows)
-        self.scheduler = Scheduler(c, self.kv, make_proposer(c, self.spec, self.tokenizer, draft),
-                                   self._step_time_model(), verify_cost(c, info.native_decode), info.eos_token_ids)
+        proposer = make_proposer(c, self.spec, self.tokenizer, draft)
+        speculator = Speculator(c, proposer, verify_cost(c, info.native_decode)) if proposer is not None else None
+        self.scheduler = Scheduler(c, self.kv, speculator, self._step_time_model(), info.eos_token_ids)
         self.inputs = InputProcessor(c, self.spec, self.tokenizer)
         self.outputs = OutputProcessor(self.tokenizer)
         self.requests: dict[str, Request] = {}
@@ -219,6 +222,8 @@ class Engine:
             if out is None:
                 return []
             changed = self._run(out, [self.scheduler.seqs[seq_id] for seq_id in out.seq_ids], stream_text)
+        if self.scheduler.speculator is not None and self._inflight is None:
+            self._propose()
         t0 = time.perf_counter()
         outputs = self.outputs.collect(self.requests, changed, finished_only)
         self.steps.output += time.perf_counter() - t0
@@ -233,6 +238,13 @@ class Engine:
             return None
         self.steps.observe_step(out.num_tokens, len(out))
         return out
+
+    def _propose(self) -> None:
+        """Drafts for the next step, from the tokens this one appended (counted as scheduling time).
+        Never while a step is in flight: drafts continue tokens the host has seen."""
+        t0 = time.perf_counter()
+        self.scheduler.speculator.propose_next(self.scheduler.running)
+        self.steps.schedule += time.perf_counter() - t0
 
     def _run(self, out: SchedulerOutput, seqs: list[Sequence], stream_text: bool) -> set[str]:
         """Launch the step; finish it now, or leave it in flight and finish it with the next launch."""
@@ -299,7 +311,13 @@ class Engine:
         if self._stages is not None:
             return True
         return (self.config.async_scheduling and out.all_sample and not out.draft_token_ids
-                and not self.scheduler.may_propose() and all(seq.samples_on_device for seq in seqs))
+                and not self._drafts_planned() and all(seq.samples_on_device for seq in seqs))
+
+    def _drafts_planned(self) -> bool:
+        """Whether the next step may carry drafts (the speculator plans some): then no step runs
+        ahead, since drafts continue last tokens that a step in flight has not sampled yet."""
+        speculator = self.scheduler.speculator
+        return speculator is not None and speculator.plans_drafts(self.scheduler.running)
 
     def _step_pipelined(self, stream_text: bool) -> set[str]:
         """Launch the step after the one in flight (if the scheduler can decide it without that
@@ -327,7 +345,7 @@ class Engine:
         """If launching fails, the step is dropped: nothing advanced, its blocks are the ones the
         next step allocates anyway, and the next step, synchronous, runs its sequences again and
         isolates the request that broke it."""
-        ahead = current.out.all_sample and not self.scheduler.may_propose()
+        ahead = current.out.all_sample and not self._drafts_planned()
         out = self._schedule(in_flight=current.seqs) if ahead else None
         if out is None:
             return

@@ -24,6 +24,18 @@ class Branch:
 
 
 @dataclass
+class DraftRequest:
+    """What a proposer reads of a sequence: plain data, so that a proposer needs neither the
+    scheduler's Sequence nor its process, only the tokens (prompt and output so far)."""
+
+    seq_id: str
+    token_ids: list[int]  # the sequence's tokens, its last one not yet computed
+    k: int  # drafts wanted, at most
+    temperature: float = 0.0  # > 0: a draft model samples its drafts at it
+    seed: int | None = None  # a seeded sequence's own seed (its request's seed plus its index)
+
+
+@dataclass
 class Drafts:
     token_ids: list[int]
     # [len(token_ids), vocab] float32: the distribution each draft was drawn from, for the
@@ -33,6 +45,12 @@ class Drafts:
     # Tokens to compute beside the drafts without keeping them (lookahead's window); may come with
     # no drafts at all.
     branch: Branch | None = None
+
+    def first(self, k: int) -> Drafts:
+        """The first k drafts (and their distributions), the branch kept."""
+        if k >= len(self.token_ids):
+            return self
+        return Drafts(self.token_ids[:k], None if self.probs is None else self.probs[:k], self.branch)
 
 
 @dataclass

@@ -29,9 +29,8 @@ from goodserve.engine.setup.config_resolution import torch_dtype
 from goodserve.engine.setup.kv_cache import allocate_kv_cache, bytes_per_block
 from goodserve.engine.setup.model_builder import build_model
 from goodserve.engine.worker.model_inputs import MAX_SPLIT_TOKENS  # more tokens (a prompt) go as one prefill row
-from goodserve.engine.core.sequence import Sequence
 from goodserve.engine.spec_decode.draft_kv import DraftKV
-from goodserve.engine.seam.drafts import Drafts
+from goodserve.engine.seam.drafts import DraftRequest, Drafts
 from goodserve.errors import InvalidRequestError
 from goodserve.model.loader import LoadedModel, load_spec
 from goodserve.model.spec import ModelSpec
@@ -108,47 +107,47 @@ class DraftModelProposer:
                                            torch_dtype(draft_config(config)))
         self.generators: dict[str, torch.Generator] = {}  # seeded sequences' own draws
 
-    def release(self, seq: Sequence) -> None:
-        self.kv.release(seq.seq_id)
-        self.generators.pop(seq.seq_id, None)
+    def release(self, seq_id: str) -> None:
+        self.kv.release(seq_id)
+        self.generators.pop(seq_id, None)
 
     @torch.inference_mode()
-    def propose(self, wanted: list[tuple[Sequence, int]]) -> list[Drafts]:
-        drafts = {seq.seq_id: Drafts([]) for seq, _ in wanted}
-        # (sequence, k, tokens to feed next): the first feed is what its draft cache lacks.
+    def propose(self, requests: list[DraftRequest]) -> list[Drafts]:
+        drafts = {req.seq_id: Drafts([]) for req in requests}
+        # (request, k, tokens to feed next): the first feed is what its draft cache lacks.
         active = []
-        for seq, k in wanted:
-            k = min(k, self.max_positions - seq.num_tokens)
-            cached = self.kv.keep_common_prefix(seq.seq_id, seq.token_ids)
-            if k > 0 and self.kv.reserve(seq.seq_id, seq.num_tokens + k - 1):
-                active.append((seq, k, seq.token_ids[cached:]))
-        sampled = [seq for seq, _, _ in active if seq.params.temperature > 0]
-        probs: dict[str, list[torch.Tensor]] = {seq.seq_id: [] for seq in sampled}
+        for req in requests:
+            k = min(req.k, self.max_positions - len(req.token_ids))
+            cached = self.kv.keep_common_prefix(req.seq_id, req.token_ids)
+            if k > 0 and self.kv.reserve(req.seq_id, len(req.token_ids) + k - 1):
+                active.append((req, k, req.token_ids[cached:]))
+        sampled = [req for req, _, _ in active if req.temperature > 0]
+        probs: dict[str, list[torch.Tensor]] = {req.seq_id: [] for req in sampled}
         for j in range(max((k for _, k, _ in active), default=0)):
-            active = [(seq, k, feed) for seq, k, feed in active if k > j]
-            logits = self._forward([(seq, feed) for seq, _, feed in active])
-            tokens = self._draw(logits, [seq for seq, _, _ in active], probs)
-            for (seq, _, feed), token in zip(active, tokens):
-                self.kv.tokens[seq.seq_id].extend(feed)
-                drafts[seq.seq_id].token_ids.append(token)
-            active = [(seq, k, [token]) for (seq, k, _), token in zip(active, tokens)]
-        for seq in sampled:
-            drafts[seq.seq_id].probs = torch.stack(probs[seq.seq_id]).cpu() if probs[seq.seq_id] else None
-        return [drafts[seq.seq_id] for seq, _ in wanted]
+            active = [(req, k, feed) for req, k, feed in active if k > j]
+            logits = self._forward([(req.seq_id, feed) for req, _, feed in active])
+            tokens = self._draw(logits, [req for req, _, _ in active], probs)
+            for (req, _, feed), token in zip(active, tokens):
+                self.kv.tokens[req.seq_id].extend(feed)
+                drafts[req.seq_id].token_ids.append(token)
+            active = [(req, k, [token]) for (req, k, _), token in zip(active, tokens)]
+        for req in sampled:
+            drafts[req.seq_id].probs = torch.stack(probs[req.seq_id]).cpu() if probs[req.seq_id] else None
+        return [drafts[req.seq_id] for req in requests]
 
-    def _forward(self, rows: list[tuple[Sequence, list[int]]]) -> torch.Tensor:
+    def _forward(self, rows: list[tuple[str, list[int]]]) -> torch.Tensor:
         """Each row's new tokens (positions after what its draft cache holds) -> logits at its last."""
         split = all(len(feed) <= MAX_SPLIT_TOKENS for _, feed in rows)
         input_ids, positions, slots, query_lens, seq_lens, tables, last = [], [], [], [], [], [], []
-        for seq, feed in rows:
-            start = len(self.kv.tokens[seq.seq_id])
+        for seq_id, feed in rows:
+            start = len(self.kv.tokens[seq_id])
             input_ids += feed
             positions += range(start, start + len(feed))
-            slots += (self.kv.slot(seq.seq_id, p) for p in range(start, start + len(feed)))
+            slots += (self.kv.slot(seq_id, p) for p in range(start, start + len(feed)))
             pieces = [(1, start + i + 1) for i in range(len(feed))] if split else [(len(feed), start + len(feed))]
             query_lens += (n for n, _ in pieces)
             seq_lens += (end for _, end in pieces)
-            tables += [self.kv.tables[seq.seq_id]] * len(pieces)
+            tables += [self.kv.tables[seq_id]] * len(pieces)
             last.append(len(input_ids) - 1)
         hidden = self.model(self._tensor(input_ids), self._tensor(positions), self.kv_caches,
                             self._metadata(slots, query_lens, seq_lens, tables))
@@ -166,22 +165,21 @@ class DraftModelProposer:
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int32, device=self.device)
 
-    def _draw(self, logits: torch.Tensor, seqs: list[Sequence], probs: dict[str, list[torch.Tensor]]) -> list[int]:
-        """Greedy sequences: the argmax; sampled ones: a draw from softmax(logits / temperature),
+    def _draw(self, logits: torch.Tensor, reqs: list[DraftRequest], probs: dict[str, list[torch.Tensor]]) -> list[int]:
+        """Greedy requests: the argmax; sampled ones: a draw from softmax(logits / temperature),
         whose distribution joins probs."""
         tokens = logits.argmax(dim=-1).tolist()
-        for i, seq in enumerate(seqs):
-            if seq.seq_id in probs:
-                q = (logits[i] / seq.params.temperature).softmax(dim=-1)
-                tokens[i] = int(torch.multinomial(q, 1, generator=self._generator(seq)))
-                probs[seq.seq_id].append(q)
+        for i, req in enumerate(reqs):
+            if req.seq_id in probs:
+                q = (logits[i] / req.temperature).softmax(dim=-1)
+                tokens[i] = int(torch.multinomial(q, 1, generator=self._generator(req)))
+                probs[req.seq_id].append(q)
         return tokens
 
-    def _generator(self, seq: Sequence) -> torch.Generator | None:
+    def _generator(self, req: DraftRequest) -> torch.Generator | None:
         """A seeded request draws its drafts from a generator of its own: the same seed, the same run."""
-        if seq.params.seed is None:
+        if req.seed is None:
             return None
-        if seq.seq_id not in self.generators:
-            seed = (seq.params.seed + seq.index) % 2**64
-            self.generators[seq.seq_id] = torch.Generator(self.device).manual_seed(seed)
-        return self.generators[seq.seq_id]
+        if req.seq_id not in self.generators:
+            self.generators[req.seq_id] = torch.Generator(self.device).manual_seed(req.seed % 2**64)
+        return self.generators[req.seq_id]

@@ -24,9 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from goodserve.config import EngineConfig
-from goodserve.engine.core.sequence import Sequence
 from goodserve.engine.spec_decode.ngram import propose_ngram
-from goodserve.engine.seam.drafts import Branch, BranchOutput, Drafts
+from goodserve.engine.seam.drafts import Branch, BranchOutput, DraftRequest, Drafts
 
 KEY_LENGTHS = (2, 1)  # the pool's keys: the last two tokens, else the last one
 LOOKUP_MIN = 2  # prompt lookup's shortest match here: one token matches nearly anything
@@ -76,32 +75,33 @@ class LookaheadProposer:
         self.lookup_min = max(config.ngram_min, LOOKUP_MIN)
         self.windows: dict[str, _Window] = {}
 
-    def propose(self, wanted: list[tuple[Sequence, int]]) -> list[Drafts]:
-        return [self._propose(seq, k) for seq, k in wanted]
+    def propose(self, requests: list[DraftRequest]) -> list[Drafts]:
+        return [self._propose(r.seq_id, r.token_ids, r.k) for r in requests]
 
-    def _propose(self, seq: Sequence, k: int) -> Drafts:
-        window = self.windows.get(seq.seq_id)
+    def _propose(self, seq_id: str, token_ids: list[int], k: int) -> Drafts:
+        window = self.windows.get(seq_id)
         if window is None:  # Jacobi starts anywhere: the sequence's last tokens as the first guesses
-            window = self.windows[seq.seq_id] = _Window([_first_guesses(seq.token_ids, self.width)])
-        drafts = propose_ngram(seq.token_ids, self.lookup_min, max(self.ngram_max, self.lookup_min), k) \
-            or propose_from_pool(window.pool, seq.token_ids, k)
+            window = self.windows[seq_id] = _Window([_first_guesses(token_ids, self.width)])
+        drafts = propose_ngram(token_ids, self.lookup_min, max(self.ngram_max, self.lookup_min), k) \
+            or propose_from_pool(window.pool, token_ids, k)
         return Drafts(drafts, branch=window_branch(window.levels))
 
-    def learn(self, seq: Sequence, drafts: list[int], branch: Branch, output: BranchOutput) -> None:
+    def learn(self, seq_id: str, token_ids: list[int], drafts: list[int], branch: Branch,
+              output: BranchOutput) -> None:
         """The step's outputs: the pool learns each column's n-gram and the verify window's samples,
-        the window moves one Jacobi iteration on. seq's tokens end at the step's last own token."""
-        window = self.windows.get(seq.seq_id)
+        the window moves one Jacobi iteration on. token_ids end at the step's last own token."""
+        window = self.windows.get(seq_id)
         if window is None:
             return
-        levels, last = window.levels, seq.token_ids[-1]
+        levels, last = window.levels, token_ids[-1]
         for i, predicted in enumerate(output.tokens):
             before = levels[0][i - 1] if i else last
             learn_ngram(window.pool, [before, *(level[i] for level in levels), predicted])
-        learn_verified(window.pool, seq.token_ids[-2:], drafts, output.samples)
+        learn_verified(window.pool, token_ids[-2:], drafts, output.samples)
         window.levels = [*levels[len(levels) == self.num_levels:], list(output.tokens)]
 
-    def release(self, seq: Sequence) -> None:
-        self.windows.pop(seq.seq_id, None)
+    def release(self, seq_id: str) -> None:
+        self.windows.pop(seq_id, None)
 
 
 def learn_verified(pool: dict[tuple[int, ...], int], last: list[int], drafts: list[int], samples: list[int]) -> None:

@@ -8,8 +8,7 @@ from __future__ import annotations
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from goodserve.engine.core.sequence import Sequence
-from goodserve.engine.seam.drafts import Drafts
+from goodserve.engine.seam.drafts import DraftRequest, Drafts
 
 
 def propose_ngram(token_ids: list[int], ngram_min: int, ngram_max: int, k: int) -> list[int]:
@@ -32,8 +31,8 @@ class NgramProposer:
     def __init__(self, ngram_min: int, ngram_max: int) -> None:
         self.ngram_min, self.ngram_max = ngram_min, ngram_max
 
-    def propose(self, wanted: list[tuple[Sequence, int]]) -> list[Drafts]:
-        return [Drafts(propose_ngram(seq.token_ids, self.ngram_min, self.ngram_max, k)) for seq, k in wanted]
+    def propose(self, requests: list[DraftRequest]) -> list[Drafts]:
+        return [Drafts(propose_ngram(r.token_ids, self.ngram_min, self.ngram_max, r.k)) for r in requests]
 
-    def release(self, seq: Sequence) -> None:
+    def release(self, seq_id: str) -> None:
         pass

@@ -6,7 +6,7 @@ acceptance, against what a verify step costs beside a plain decode step (VerifyC
   find (an n-gram with no match), so it estimates the chance a planned draft is kept; k drafts then
   add a + a^2 + ... + a^k tokens in expectation (kept drafts are a prefix). Counting the misses keeps
   a sequence whose text is never copied from staying in the plan on its starting estimate, which
-  would keep every step synchronous (a step with a plan cannot run ahead: engine/core/scheduler.py).
+  would keep every step synchronous (a step with a plan cannot run ahead: engine/frontend/engine.py).
 - For each k, the sequences whose expected gain pays their own drafts' cost draft k; the step drafts
   with the k of the best throughput (tokens per step time over a plain step's), if that beats 1. A
   drafting sequence's cost counts lookahead's window too (tokens computed beside the drafts); a
@@ -31,15 +31,11 @@ sequence's k; the proposer behind it (proposer.py) proposes for all of them in o
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from goodserve.config import EngineConfig
 from goodserve.engine.core.sequence import Sequence
-from goodserve.engine.seam.drafts import Branch, BranchOutput, Drafts
+from goodserve.engine.seam.drafts import Branch, BranchOutput, DraftRequest, Drafts
 from goodserve.engine.spec_decode.proposer import Proposer
-
-if TYPE_CHECKING:  # the runner's output module imports torch; the scheduler, which imports this, needs none
-    from goodserve.engine.seam.runner_output import BranchOutput
 
 TRIAL_WEIGHT = 0.3  # of each judged draft in a sequence's acceptance average
 PROBE_EVERY = 32  # steps: at most one in this many probes the sequences left out
@@ -127,6 +123,7 @@ class Speculator:
         probe_extra = self.cost.ratio(1, k + self.branch_tokens) - 1 + self.draft_position_cost * k
         self.probe_every = max(PROBE_EVERY, round(PROBE_EVERY * probe_extra))
         self.steps_since_probe = 0
+        self.pending: dict[str, Drafts] = {}  # proposed after a step for the next, by sequence id
         # Counted as vLLM counts them (served under its metric names, server/metrics.py).
         self.num_drafts = 0  # verifications: one sequence's proposals checked in one step
         self.num_draft_tokens = 0  # proposed and verified
@@ -144,6 +141,10 @@ class Speculator:
         if self.probe_due:
             plan |= {seq.seq_id: c.num_speculative_tokens for seq in eligible if seq.seq_id not in plan}
         return plan
+
+    def plans_drafts(self, running: list[Sequence]) -> bool:
+        """Whether the plan for the running sequences gives any of them drafts."""
+        return bool(self.plan(running, len(running)))
 
     def _paying(self, seqs: list[Sequence], num_running: int) -> dict[str, int]:
         """The k of the best expected throughput, for the sequences whose gain pays their drafts."""
@@ -164,6 +165,22 @@ class Speculator:
             if gain > best_gain:
                 best, best_gain = chosen, gain
         return best
+
+    def propose_next(self, running: list[Sequence]) -> None:
+        """After a step, with none in flight: drafts for the next step's decoding sequences, each as
+        many as the plan gives it and it may still write, in one call to the proposer. The next step
+        takes what its budget leaves room for (drafts_for_step)."""
+        decoding = [seq for seq in running if seq.num_uncomputed_tokens == 1]
+        plan = self.plan(decoding, len(running))
+        wanted = [(seq, k) for seq in decoding if seq.seq_id in plan
+                  for k in [self.drafts_for(seq, plan[seq.seq_id], plan[seq.seq_id])] if k]
+        self.pending = self.propose(wanted) if wanted else {}
+
+    def drafts_for_step(self, seq: Sequence, room: int) -> Drafts | None:
+        """seq's proposed drafts, at most `room` of them (what the step's budget leaves after its own
+        token); None when there are none or no room."""
+        drafts = self.pending.get(seq.seq_id)
+        return drafts.first(room) if drafts is not None and room > 0 else None
 
     def drafts_for(self, seq: Sequence, k: int, room: int) -> int:
         """Of the plan's k, those seq's step may verify: at most `room`, and the step writes 1 + k
@@ -186,19 +203,27 @@ class Speculator:
         if self.probe_due:
             self.steps_since_probe = 0
         found = {}
-        for (seq, _), drafts in zip(wanted, self.proposer.propose(wanted)):
+        requests = [DraftRequest(seq.seq_id, seq.token_ids, k, seq.params.temperature,
+                                 None if seq.params.seed is None else seq.params.seed + seq.index) for seq, k in wanted]
+        for (seq, _), drafts in zip(wanted, self.proposer.propose(requests)):
             if drafts.token_ids or drafts.branch is not None:
                 found[seq.seq_id] = drafts
             else:  # nothing to verify: a draft planned and not kept, or the plan never empties
                 seq.spec_acceptance -= TRIAL_WEIGHT * seq.spec_acceptance
         return found
 
-    def learn(self, seq: Sequence, drafts: list[int], branch: Branch, output: BranchOutput) -> None:
-        """A step's results for a sequence that computed a side branch (lookahead), for its proposer."""
-        self.proposer.learn(seq, drafts, branch, output)
+    def verified(self, seq: Sequence, drafts: list[int], num_rejected: int, branch: Branch | None = None,
+                 output: BranchOutput | None = None) -> None:
+        """A step verified seq's drafts and rejected the last num_rejected; a sequence that computed
+        a side branch (lookahead) hands its results to the proposer, before its kept tokens are appended."""
+        if drafts:
+            self.observe(seq, len(drafts), len(drafts) - num_rejected)
+        if output is not None:
+            self.proposer.learn(seq.seq_id, seq.token_ids, drafts, branch, output)
 
     def release(self, seq: Sequence) -> None:
-        self.proposer.release(seq)
+        self.pending.pop(seq.seq_id, None)
+        self.proposer.release(seq.seq_id)
 
     def observe(self, seq: Sequence, num_proposed: int, num_accepted: int) -> None:
         self.num_drafts += 1

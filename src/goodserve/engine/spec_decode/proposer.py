@@ -1,7 +1,9 @@
-"""One interface for every proposer: given the decoding sequences that speculate this step and how
+"""One interface for every proposer: given the decoding sequences that speculate next step and how
 many tokens each may take (the policy's k), propose up to that many each, in one call for the whole
-batch (a draft model runs them all in one forward per draft position). The scheduler asks before it
-lays out the step; the verifier (acceptance.py, rejection.py) never needs to know who proposed.
+batch (a draft model runs them all in one forward per draft position). The speculator asks after a
+step, for the next one; the verifier (acceptance.py, rejection.py) never needs to know who proposed.
+A proposer reads plain data (drafts.DraftRequest), never the scheduler's sequences, so it can run
+wherever the tokens are known.
 
 - ngram.py: prompt lookup, pure host work; its drafts are deterministic (a point mass).
 - lookahead.py: lookahead (Jacobi) decoding: drafts from an n-gram pool that a window of parallel
@@ -17,8 +19,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 from goodserve.config import EngineConfig
-from goodserve.engine.core.sequence import Sequence
-from goodserve.engine.seam.drafts import Drafts
+from goodserve.engine.seam.drafts import DraftRequest, Drafts
 from goodserve.model.spec import ModelSpec
 
 if TYPE_CHECKING:  # the scheduler imports this module, and needs no torch
@@ -28,14 +29,14 @@ if TYPE_CHECKING:  # the scheduler imports this module, and needs no torch
 
 
 class Proposer(Protocol):
-    def propose(self, wanted: list[tuple[Sequence, int]]) -> list[Drafts]:
-        """Per (sequence, k): up to k tokens to follow its tokens (its last one not yet computed)."""
+    def propose(self, requests: list[DraftRequest]) -> list[Drafts]:
+        """Per request: up to k tokens to follow its tokens (its last one not yet computed)."""
 
-    def release(self, seq: Sequence) -> None:
-        """seq finished, was aborted or preempted: drop what the proposer keeps for it."""
+    def release(self, seq_id: str) -> None:
+        """The sequence finished, was aborted or preempted: drop what the proposer keeps for it."""
 
-    # A proposer whose Drafts carry a branch also has learn(seq, drafts, branch, output): the step's
-    # results for that sequence (drafts.BranchOutput), before its kept tokens are appended.
+    # A proposer whose Drafts carry a branch also has learn(seq_id, token_ids, drafts, branch, output):
+    # the step's results for that sequence (drafts.BranchOutput), before its kept tokens are appended.
 
 
 def make_proposer(config: EngineConfig, target: ModelSpec, tokenizer,
