@@ -262,3 +262,18 @@ def test_plan_on_gpus_offers_what_cuda_has_and_skips_what_is_on():
     assert not names & {"enforce_eager=False", "tensor_parallel_size=2"}  # graphs on; one GPU
     graphs.engine["async_scheduling"] = "True"
     assert "async_scheduling=True" not in {step.name for step, _ in plan({}, graphs, tried=set())[0]}
+
+
+def test_plan_on_a_busy_gpu_skips_weight_quantization_and_tries_the_slo_policy_first():
+    # Past CUDA_KERNEL_MAX_M rows a quantized matmul dequantizes its weights (quant/linear.matmul_path):
+    # at ~150 rows a step int4 and int8 move more bytes than bf16, whatever the roofline of their codes says.
+    gpu = {"model": "dummy:llama-3.1-8b", "dtype": "bfloat16", "device": "cuda", "device_name": "NVIDIA H100",
+           "kv_cache_dtype": "bfloat16", "cuda_graphs": "True", "async_scheduling": "True"}
+    busy = bottleneck(engine=gpu, device="cuda", num_gpus=1, spec=resolve_spec("llama-3.1-8b"), weight_share=0.6,
+                      concurrency=150.0, mean_prompt_len=220.0, mean_output_len=200.0)
+    to_try, skipped = plan({}, busy, tried=set())
+    reasons = dict((step.name, why) for step, why in skipped)
+    assert "dequantizes" in reasons["quantization=int4"] and "dequantizes" in reasons["quantization=int8"]
+    assert to_try[0][0].name == "scheduler_policy=slo"
+    quiet = bottleneck(engine=gpu, device="cuda", num_gpus=1, spec=resolve_spec("llama-3.1-8b"), concurrency=8.0)
+    assert plan({}, quiet, tried=set())[0][0][0].name == "quantization=int4"  # at 8 rows its kernels read codes

@@ -16,13 +16,15 @@ from dataclasses import dataclass
 from goodserve.config import EngineConfig
 from goodserve.diagnose.advisor import NOT_FOR
 from goodserve.model_names import gguf_model_path
+from goodserve.quant.linear import CUDA_KERNEL_MAX_M
 from goodserve.tune.bottleneck import Bottleneck
 
 # A step predicted to give less than this is not worth a trial: within a measurement's noise, or slower.
 MIN_PREDICTED = 1.02
 # Priors where the roofline has no byte count to go on, from measured gains (benchmarks/BENCHMARKS.md).
 QUEUE_GAIN = 1.3  # a batch cap or missing cache that makes requests queue
-SCHEDULING_GAIN = 1.1  # scheduler policy, prefill chunk size, async scheduling
+SCHEDULING_GAIN = 1.1  # prefill chunk size, async scheduling
+SLO_POLICY_GAIN = 1.3  # `slo` over FCFS at 8B bf16 and these targets: 1.30-1.41x on an H200 ("SLO scheduling")
 CUDA_GRAPHS_GAIN = 1.3
 TP2_GAIN = 1.4  # TP 2 on H100s at batch 1 (diagnose/parallel.py)
 SPECULATION_GAIN = 1.25
@@ -61,6 +63,11 @@ def weight_quantization(b: Bottleneck) -> list[Step]:
         if b.device == "cpu" and value == "int8":
             steps.append(Step({"quantization": value}, None, "the CPU has no native int8 kernel (measured slower "
                                                               "than float32); its 4-bit paths have one"))
+        elif b.device == "cuda" and value != "gguf" and b.concurrency > CUDA_KERNEL_MAX_M:
+            steps.append(Step({"quantization": value}, None,
+                              f"~{b.concurrency:.0f} rows a decode step: past {CUDA_KERNEL_MAX_M} rows a {value} "
+                              "matmul on CUDA dequantizes its weights first (reads the codes, writes and reads a "
+                              "16-bit copy), more bytes than 16-bit weights, not fewer"))
         elif b.limiting_slo == "ttft" and b.decode_verdict != "bandwidth-bound":
             steps.append(Step({"quantization": value}, None, f"TTFT breaks first and decode is {b.decode_verdict}: "
                                                               "weight-only quantization does not shorten prefill"))
@@ -125,7 +132,7 @@ def batch_limits(b: Bottleneck, options: dict) -> list[Step]:
 def scheduling(b: Bottleneck) -> list[Step]:
     steps = []
     if _label(b, "scheduler_policy") != "slo" and b.limiting_slo:
-        steps.append(Step({"scheduler_policy": "slo"}, SCHEDULING_GAIN,
+        steps.append(Step({"scheduler_policy": "slo"}, SLO_POLICY_GAIN,
                           "orders requests by slack to their TTFT / TPOT targets and caps prefill from the fitted "
                           "step time: goodput, where continuous batching serves throughput"))
     if _label(b, "enable_prefix_caching") == "False":
