@@ -63,7 +63,7 @@ def weight_quantization(b: Bottleneck) -> list[Step]:
         if b.device == "cpu" and value == "int8":
             steps.append(Step({"quantization": value}, None, "the CPU has no native int8 kernel (measured slower "
                                                               "than float32); its 4-bit paths have one"))
-        elif b.device == "cuda" and value != "gguf" and b.concurrency > CUDA_KERNEL_MAX_M:
+        elif b.device == "cuda" and b.concurrency > CUDA_KERNEL_MAX_M:  # GGUF codes are int4 layers too
             steps.append(Step({"quantization": value}, None,
                               f"~{b.concurrency:.0f} rows a decode step: past {CUDA_KERNEL_MAX_M} rows a {value} "
                               "matmul on CUDA dequantizes its weights first (reads the codes, writes and reads a "
