@@ -62,8 +62,10 @@ def _norm_scaled(normed, weight, dtype: tl.constexpr, WEIGHT_OFFSET: tl.constexp
     """The float32 normed values scaled by weight as ops/norm.py's torch references round them: with
     a WEIGHT_OFFSET (Gemma's 1) by (offset + weight) then one rounding, else rounded before the scale."""
     if WEIGHT_OFFSET != 0.0:
-        return (normed * (WEIGHT_OFFSET + weight)).to(dtype)
-    return (weight * normed.to(dtype).to(tl.float32)).to(dtype)
+        out = normed * (WEIGHT_OFFSET + weight)
+    else:
+        out = weight * normed.to(dtype).to(tl.float32)
+    return out.to(dtype)
 
 
 @triton.jit
