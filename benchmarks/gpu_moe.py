@@ -38,7 +38,7 @@ import gpu_engine
 from gpu_engine import copy_bandwidth_gbps, free_gpu, random_prompts, run_offline, sharegpt_like_lengths
 from goodserve import LLM
 from goodserve.model.presets import get_preset
-from goodserve.ops.kernel_choice import TORCH_KERNELS, KernelChoice
+from goodserve.ops.kernel_choice import TORCH_KERNELS
 from goodserve.quant.moe import moe_torch, route
 from goodserve.quant.triton_moe import triton_fused_moe
 from result_file import write_result
@@ -58,11 +58,10 @@ def part_kernel(bandwidth_gbps: float) -> None:
     e, h, i, k = spec.num_experts, spec.hidden_size, spec.moe_intermediate_size, spec.num_experts_per_tok
     w13 = torch.randn(e * 2 * i, h, device="cuda", dtype=torch.bfloat16) * 0.02
     w2 = torch.randn(e * h, i, device="cuda", dtype=torch.bfloat16) * 0.02
-    kernels = KernelChoice(triton=True)
     for tokens in (1, 8, 64, 512):
         x = torch.randn(tokens, h, device="cuda", dtype=torch.bfloat16)
         weights, ids = route(torch.randn(tokens, e, device="cuda"), k, renormalize=True)
-        fused_us = _time_us(lambda: triton_fused_moe(x, w13, w2, weights, ids, kernels))
+        fused_us = _time_us(lambda: triton_fused_moe(x, w13, w2, weights, ids))
         start = time.perf_counter()
         for _ in range(20):
             moe_torch(x, w13, w2, weights, ids, TORCH_KERNELS)

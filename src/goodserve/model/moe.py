@@ -124,6 +124,6 @@ class SparseMoE(nn.Module):
             from goodserve.quant.triton_moe import triton_fused_moe, triton_route
 
             weights, ids = triton_route(self.gate(x), self.top_k, self.renormalize)
-            return triton_fused_moe(x, w13, w2, weights, ids, self.kernels)
+            return triton_fused_moe(x, w13, w2, weights, ids)
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
         return moe_torch(x, w13, w2, weights, ids, self.kernels)
