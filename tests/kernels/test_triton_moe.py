@@ -47,6 +47,18 @@ def test_fused_moe_matches_the_reference(num_tokens: int, dtype: torch.dtype):
     torch.testing.assert_close(ours.double(), ref, rtol=tolerance, atol=tolerance * ref.abs().max().item())
 
 
+@pytest.mark.parametrize("num_tokens", [1, 7])
+def test_other_tiles_compute_the_same_function(num_tokens: int):
+    """Launch settings a sweep may pick (benchmarks/gpu_moe.py kernel-sweep): tiles narrower and wider than
+    the weights, K tiles past the row's end."""
+    x, w13, w2, weights, ids = moe_inputs(num_tokens, 2, torch.float32, seed=6)
+    tuning = {"gate_up": {"BLOCK_N": 32, "BLOCK_K": 128, "num_stages": 2},
+              "down": {"BLOCK_N": 128, "BLOCK_K": 32, "num_warps": 8}}
+    ours = triton_fused_moe(x, w13, w2, weights, ids, tuning=tuning)
+    ref = reference(x, w13, w2, weights, ids)
+    torch.testing.assert_close(ours.double(), ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_one_token_unsorted_equals_the_sorted_blocks(dtype: torch.dtype):
     """A lone token skips the sort (a block per pair); beside a copy of itself, it is sorted and its

@@ -185,17 +185,23 @@ def sort_pairs_by_expert(ids: torch.Tensor, num_experts: int, block_m: int, pdl:
     return sorted_pairs, block_experts, num_padded
 
 
+# The grouped GEMM's launch settings (BLOCK_M: block_m_for); a `tuning` dict overrides them
+# (`benchmarks/gpu_moe.py --parts kernel-sweep` times candidates at one token).
+GEMM_TUNING = {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4}
+
+
 def _grouped_gemm(a: torch.Tensor, b: Stack, num_experts: int, out: torch.Tensor, sorted_pairs: torch.Tensor | None,
                   block_experts: torch.Tensor, num_padded: torch.Tensor | None, num_pairs: int, a_row_divisor: int,
-                  block_m: int, weights: torch.Tensor | None = None, gated_a: bool = False, pdl: bool = False) -> None:
+                  block_m: int, weights: torch.Tensor | None = None, gated_a: bool = False, pdl: bool = False,
+                  tuning: dict | None = None) -> None:
     """out [num_pairs, N] = a's rows @ the [N, K] weight of each pair's expert in stack b; with gated_a,
     a's rows are gate | up and the rows multiplied silu(gate) * up. sorted_pairs None: block_experts
     holds each pair's expert, one pair a block (_grouped_gemm_kernel's ONE_PAIR_BLOCKS)."""
     codes = getattr(b, "qweight", b)
     n, k = stack_rows(b) // num_experts, a.shape[1] // (2 if gated_a else 1)
     b_format = {schemes.Int4Weight: INT4, schemes.Int8Weight: INT8}.get(type(b), FLOAT).value
-    block_n, block_k = 64, 64
-    grid = (block_experts.numel(), triton.cdiv(n, block_n))
+    tune = {**GEMM_TUNING, **(tuning or {})}
+    grid = (block_experts.numel(), triton.cdiv(n, tune["BLOCK_N"]))
     _grouped_gemm_kernel[grid](
         a, codes, out, weights if weights is not None else out, getattr(b, "scales", out), getattr(b, "zeros", out),
         block_experts if sorted_pairs is None else sorted_pairs, block_experts,
@@ -204,14 +210,16 @@ def _grouped_gemm(a: torch.Tensor, b: Stack, num_experts: int, out: torch.Tensor
         GROUP_SIZE=getattr(b, "group_size", 1), PACK=2 if b_format == INT4.value else 1,
         PRECISION="ieee" if a.dtype == torch.float32 or not a.is_cuda else None,  # float32 stays exact (no TF32)
         UPCAST_DOT=not a.is_cuda, GATED_A=gated_a, ONE_PAIR_BLOCKS=sorted_pairs is None,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, **pdl_launch(pdl))
+        BLOCK_M=block_m, **tune, **pdl_launch(pdl))
 
 
 def triton_fused_moe(x: torch.Tensor, w13: Stack, w2: Stack, weights: torch.Tensor, ids: torch.Tensor,
-                     pdl: bool = False) -> torch.Tensor:
+                     pdl: bool = False, tuning: dict[str, dict] | None = None) -> torch.Tensor:
     """x [T, H], w13 [E * 2I, H], w2 [E * H, I] (float, or their codes: quant/moe.py's Stack),
     weights / ids [T, k] -> [T, H]. Launches: the sort (none for one token), one per projection
-    (SwiGLU inside the second), the sum over the k slots; the Triton ones with PDL where `pdl`."""
+    (SwiGLU inside the second), the sum over the k slots; the Triton ones with PDL where `pdl`.
+    tuning: GEMM_TUNING overrides by projection, "gate_up" and "down"."""
+    tuning = tuning or {}
     num_tokens, hidden = x.shape
     num_experts, top_k = stack_rows(w2) // hidden, ids.shape[1]
     num_pairs = num_tokens * top_k
@@ -220,8 +228,9 @@ def triton_fused_moe(x: torch.Tensor, w13: Stack, w2: Stack, weights: torch.Tens
     sorting = (None, ids.flatten(), None) if num_tokens == 1 else sort_pairs_by_expert(ids, num_experts, block_m, pdl)
     x = x.contiguous()
     gate_up = x.new_empty(num_pairs, stack_rows(w13) // num_experts)
-    _grouped_gemm(x, w13, num_experts, gate_up, *sorting, num_pairs, top_k, block_m, pdl=pdl)
+    _grouped_gemm(x, w13, num_experts, gate_up, *sorting, num_pairs, top_k, block_m, pdl=pdl,
+                  tuning=tuning.get("gate_up"))
     down = x.new_empty(num_pairs, hidden)
     _grouped_gemm(gate_up, w2, num_experts, down, *sorting, num_pairs, 1, block_m, weights.flatten(), gated_a=True,
-                  pdl=pdl)
+                  pdl=pdl, tuning=tuning.get("down"))
     return down.view(num_tokens, top_k, hidden).sum(dim=1)
