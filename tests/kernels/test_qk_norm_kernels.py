@@ -12,7 +12,7 @@ from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
 from goodserve.config import KernelOptions
-from goodserve.ops import attention
+from goodserve.ops import attention, norm, triton_ops
 from goodserve.ops.attention import paged_attention_reference, write_kv_torch
 from goodserve.ops.kernel_choice import TORCH_KERNELS
 from goodserve.ops.norm import QKNorm
@@ -128,3 +128,18 @@ def test_attention_applies_the_qk_norm_on_every_path(kernels, lengths, kernel_ch
     assert_close(out, paged_attention_reference(reference_q, reference_cache, meta, 0.25), torch.float32)
     assert_close(cache.k, reference_cache.k, torch.float32)
     assert torch.equal(cache.v, reference_cache.v)
+
+
+@pytest.mark.parametrize("lengths", [[(1, 9), (1, 20)], [(4, 9), (1, 20)]], ids=["decode", "prefill"])
+@pytest.mark.parametrize("kernel_choice", [FUSED, SEPARATE], ids=["fused", "separate"])
+def test_triton_path_gives_the_qk_norm_no_launch_of_its_own(kernels, monkeypatch, lengths, kernel_choice):
+    def separate_norm(*args, **kwargs):
+        raise AssertionError("the q/k norm ran as a kernel of its own")
+
+    monkeypatch.setattr(norm, "rms_norm", separate_norm)
+    monkeypatch.setattr(triton_ops, "triton_rms_norm", separate_norm)
+    _, cache, meta = make_batch(lengths, 4, 2, HEAD_DIM, torch.float32, torch.float32, seed=3)
+    q, k, v = fused_qkv(meta.slot_mapping.shape[0], 4, 2, HEAD_DIM, torch.float32, seed=4)
+    positions = torch.cat([torch.arange(s - n, s) for n, s in lengths])
+    attention.attention(q, k, v, positions, ROTARY, cache, meta.for_new_step(), 0.25, kernel_choice,
+                        qk_norm=make_qk_norm(HEAD_DIM, torch.float32, 1.0))

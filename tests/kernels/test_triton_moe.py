@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from goodserve.ops.kernel_choice import TORCH_KERNELS
 from goodserve.quant.moe import moe_torch, route
+from goodserve.quant import triton_moe
 from goodserve.quant.triton_moe import sort_pairs_by_expert, triton_fused_moe, triton_route
 
 HIDDEN, INTER, EXPERTS = 64, 48, 4
@@ -57,6 +58,15 @@ def test_other_tiles_compute_the_same_function(num_tokens: int):
     ours = triton_fused_moe(x, w13, w2, weights, ids, tuning=tuning)
     ref = reference(x, w13, w2, weights, ids)
     torch.testing.assert_close(ours.double(), ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+
+
+def test_one_token_takes_no_sort_launch(monkeypatch):
+    def sort(*args, **kwargs):
+        raise AssertionError("a lone token's pairs were sorted")
+
+    monkeypatch.setattr(triton_moe, "sort_pairs_by_expert", sort)
+    x, w13, w2, weights, ids = moe_inputs(1, 2, torch.float32)
+    triton_fused_moe(x, w13, w2, weights, ids)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
