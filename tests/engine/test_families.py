@@ -279,6 +279,15 @@ def test_speculative_decoding_keeps_transformers_tokens(tmp_path: Path, family: 
     assert stats.spec_decode_num_draft_tokens > 0 and stats.spec_decode_num_accepted_tokens > 0
 
 
+@pytest.mark.slow  # under Triton's interpreter
+def test_lookahead_on_the_triton_path_keeps_transformers_tokens(tmp_path: Path):
+    """Side branches get their q/k norms before their own RoPE; the batch's rows inside the kernels."""
+    hf_model = save_tiny_model(FAMILIES["qwen3"](), tmp_path)
+    llm = assert_greedy_matches(str(tmp_path), hf_model, [prompts()[1] * 2], attention_backend="triton",
+                                speculative_method="lookahead", spec_policy="always")
+    assert llm.engine.stats().spec_decode_num_accepted_tokens > 0
+
+
 def test_native_decode_stack_is_not_given_q_k_norms(tmp_path: Path):
     """The CPU's one-call int4 decoder stack has no q/k norms: a Qwen3 model stays on the per-op path."""
     config = FAMILIES["qwen3"]()
