@@ -41,12 +41,13 @@ def runner_of(target: LLM | Engine):
 
 def proposer_of(target: LLM | Engine):
     """The engine's proposer (engine/spec_decode/proposer.py): what a draft model or lookahead keeps
-    per sequence. Tests reach it here only, so that it can move (into the worker) without them."""
-    return engine_of(target).scheduler.speculator.proposer
+    per sequence; a draft model's is the drafter's in the worker (one in this process)."""
+    proposer = engine_of(target).scheduler.speculator.proposer
+    return proposer if proposer is not None else runner_of(target).drafter.proposer
 
 
 def set_proposer(target: LLM | Engine, proposer) -> None:
-    """Replace the engine's proposer (one that proposes scripted drafts)."""
+    """Replace the engine's host proposer (one that proposes scripted drafts)."""
     engine_of(target).scheduler.speculator.proposer = proposer
 
 
