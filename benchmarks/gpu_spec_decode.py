@@ -339,13 +339,14 @@ def drafts_by_running(llm: LLM) -> Counter:
     """From now on: per running batch size, how often the policy let a sequence speculate (k > 0; the
     proposer may still find nothing to propose)."""
     scheduler, grants = llm.engine.scheduler, Counter()
-    propose = scheduler.speculator.propose
+    plan_next = scheduler.speculator.plan_next
 
-    def counted(wanted: list) -> dict:
-        grants[len(scheduler.running)] += len(wanted)
-        return propose(wanted)
+    def counted(seqs: list, out, num_running: int) -> dict[int, int]:
+        plan = plan_next(seqs, out, num_running)
+        grants[num_running] += len(plan)
+        return plan
 
-    scheduler.speculator.propose = counted
+    scheduler.speculator.plan_next = counted
     return grants
 
 

@@ -18,10 +18,9 @@ reads. The scheduler carries them out and tells the policy what entered, left an
 Its decision goes to the runner as plain data (engine/core/step_decision.py); the sequences stay
 here, with the engine. With async scheduling the engine passes the step still in flight: its
 sequences' next tokens exist only on the device, and the step scheduled ahead of them decodes those.
-A decoding sequence may carry drafts (1 + k tokens, one row): those proposed after the last step
-(engine/spec_decode/policy.py), as many as the step's budget leaves room for, never at anyone's
-preemption; each step carries the speculator's plan for the next (how many drafts to propose for
-which rows). A sequence that leaves (finished, aborted, preempted) leaves the speculator too.
+A decoding sequence may carry drafts (1 + k tokens, one row), as many as the step's budget leaves
+room for, never at anyone's preemption; each step carries the speculator's plan for the next
+(engine/spec_decode/policy.py). A sequence that leaves (finished, aborted, preempted) leaves it too.
 
 After the step, update_from_output() is the one way back; it returns what it did as data
 (engine/core/step_update.py), and the output processor takes it from there.
@@ -224,8 +223,8 @@ class Scheduler:
         return seq.num_computed_tokens if self.config.attention_backend == "torch" else 0
 
     def _release_blocks(self, seq: Sequence, finished: bool = False) -> None:
-        """A sequence that could not be admitted (or is preempted, or finished) gives back its blocks,
-        the draft model's too."""
+        """A sequence that could not be admitted (or is preempted, or finished) gives back its blocks;
+        the speculator lets it go (a draft model's blocks go with the next step's news)."""
         self.kv.free(seq, finished)
         if self.speculator is not None:
             self.speculator.release(seq)
