@@ -139,7 +139,9 @@ class ModelRunner:
         t0 = time.perf_counter()
         out, rows = step.out, step.inputs.sample_rows
         drafts = [out.draft_token_ids.get(r, []) for r in rows]
-        draft_probs = self.drafter.draft_probs(out, rows) if self.drafter is not None and out.draft_token_ids else {}
+        # A trial verifies sampled drafts as point masses: the rejection rule would draw on seeded generators.
+        drafting = self.drafter is not None and out.draft_token_ids and not trial
+        draft_probs = self.drafter.draft_probs(out, rows) if drafting else {}
         sampled, seeded = None, []
         if rows and self.model.pp.is_last:  # stages before the last have no logits: rank 0 takes the last's output
             sampling = build_sampling_batch(_sampling_rows(out, rows, drafts, self.requests), self.vocab_size,
