@@ -38,10 +38,11 @@ class DraftRequest:
 @dataclass
 class Drafts:
     token_ids: list[int]
-    # [len(token_ids), vocab] float32: the distribution each draft was drawn from, for the
-    # Leviathan / Chen rejection rule (rejection.py); None when the drafts are a point mass (ngram,
-    # or a draft model at temperature 0), which acceptance.py's rule verifies. Set by a draft model
-    # only, in the worker, where they stay (engine/worker/drafter.py): the scheduler's drafts have none.
+    # [len(token_ids), vocab] float32 on the draft's device: the distribution each draft was drawn
+    # from, for the Leviathan / Chen rejection rule (rejection.py); None when the drafts are a point
+    # mass (ngram, or a draft model at temperature 0), which acceptance.py's rule verifies. Set by a
+    # draft model only, in the worker, where they stay (engine/worker/drafter.py): the scheduler's
+    # drafts have none.
     probs: torch.Tensor | None = None
     # Tokens to compute beside the drafts without keeping them (lookahead's window); may come with
     # no drafts at all.

@@ -134,7 +134,7 @@ class DraftModelProposer:
                 drafts[req.seq_id].token_ids.append(token)
             active = [(req, k, [token]) for (req, k, _), token in zip(active, tokens)]
         for req in sampled:
-            drafts[req.seq_id].probs = torch.stack(probs[req.seq_id]).cpu() if probs[req.seq_id] else None
+            drafts[req.seq_id].probs = torch.stack(probs[req.seq_id]) if probs[req.seq_id] else None
         return [drafts[req.seq_id] for req in requests]
 
     def _forward(self, rows: list[tuple[str, list[int]]]) -> torch.Tensor:
