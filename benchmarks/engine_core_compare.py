@@ -8,13 +8,16 @@ on bench's copy workload, ngram k = 4 at batch 1 and 4, and whether greedy outpu
 speculation off: it needs the embedded model's package on PYTHONPATH, as scripts/gpu_gate.sh
 assembles it under /tmp/site), one version after the other (--order; a second call in the other
 order shows whether a drifting card favoured the version that ran first). A run takes 4-5 minutes
-on an H100.
+on an H100. --draft MODEL (e.g. self:int8) adds a draft model's engine to the copy part (k = 4);
+both versions then run the current checkout's benchmark scripts (the previous one's may not know
+the option), each importing its own goodserve.
 CPU (--cpu): single-stream decode of the embedded model with its default gguf codes (128 tokens
 after a 128-token prompt, as benchmarks/cpu_engine.py), versions alternating over --rounds
 processes each, the median of each version's runs. Needs a quiet machine.
 
     git archive <previous commit> src benchmarks | tar -x -C .prev
-    PYTHONPATH=/tmp/site python benchmarks/engine_core_compare.py --previous .prev [--order previous,current | --cpu]
+    PYTHONPATH=/tmp/site python benchmarks/engine_core_compare.py --previous .prev [--order previous,current]
+        [--draft self:int8] | --cpu
 
 Writes $OUT/engine_core_compare_<first>_first.json (GPU) or engine_core_compare_cpu.json.
 """
@@ -35,7 +38,7 @@ from result_file import cpu_model_name, write_result
 
 PARTS = "decode,int8,sharegpt"
 METRICS = ("decode_bf16_tok_s", "decode_int8_tok_s", "sharegpt_offline_output_tok_s", "copy_ngram_batch_1_tok_s",
-           "copy_ngram_batch_4_tok_s")
+           "copy_ngram_batch_4_tok_s", "copy_draft_batch_1_tok_s", "copy_draft_batch_4_tok_s")
 
 
 def metrics_of(results: dict) -> dict:
@@ -53,34 +56,37 @@ def _path(*first: Path) -> str:
     return ":".join([*map(str, first), *filter(None, [os.environ.get("PYTHONPATH")])])
 
 
-def run_version(root: Path, out: Path) -> dict:
-    """One version's gpu_engine.py in a process of its own, importing that version's goodserve."""
-    env = dict(os.environ, OUT=str(out), PYTHONPATH=_path(root / "src", root / "benchmarks"))
+def run_version(root: Path, out: Path, scripts: Path, draft: str | None) -> dict:
+    """One version's gpu_engine.py in a process of its own, importing that version's goodserve;
+    scripts: the benchmarks folder whose scripts run (the version's own, or the current one's)."""
+    env = dict(os.environ, OUT=str(out), PYTHONPATH=_path(root / "src", scripts))
     start = time.perf_counter()
-    subprocess.run([sys.executable, str(root / "benchmarks" / "gpu_engine.py"), "--parts", PARTS],
+    subprocess.run([sys.executable, str(scripts / "gpu_engine.py"), "--parts", PARTS],
                    cwd=root, env=env, check=True)
     results = json.loads((out / "gpu_engine.json").read_text())
-    copy = run_copy(root, env)
+    copy = run_copy(root, env, scripts, draft)
     return {"seconds": time.perf_counter() - start, "card": results.get("card"), **metrics_of(results),
             **copy_metrics_of(copy), "errors": {k: v for k, v in results.items() if k.endswith("_error")}
             | copy.get("errors", {})}
 
 
-def run_copy(root: Path, env: dict) -> dict:
+def run_copy(root: Path, env: dict, scripts: Path, draft: str | None) -> dict:
     """One version's gpu_spec_decode.py copy part (it exits 1 when greedy outputs changed: recorded)."""
-    done = subprocess.run([sys.executable, str(root / "benchmarks" / "gpu_spec_decode.py"), "--parts", "copy"],
-                          cwd=root, env=env)
+    done = subprocess.run([sys.executable, str(scripts / "gpu_spec_decode.py"), "--parts", "copy",
+                           *(["--copy-draft", draft] if draft else [])], cwd=root, env=env)
     path = Path(env["OUT"]) / "gpu_spec_decode.json"
     report = json.loads(path.read_text()) if path.exists() else {}
     return {**report, "exit_code": done.returncode}
 
 
 def copy_metrics_of(report: dict) -> dict:
-    """The copy part's ngram output tok/s at batch 1 and 4, and whether its greedy outputs were identical."""
+    """The copy part's ngram (and draft model's) output tok/s at batch 1 and 4, and whether its greedy
+    outputs were identical."""
     copy = report.get("copy", {}).get("float32", {})
-    ngram = {batch: copy.get(f"batch_{batch}", {}).get("ngram_k4", {}).get("output_tok_s") for batch in (1, 4)}
-    return {"copy_ngram_batch_1_tok_s": ngram[1], "copy_ngram_batch_4_tok_s": ngram[4],
-            "copy_greedy_identical": report.get("copy_greedy_identical"), "copy_exit_code": report.get("exit_code")}
+    rates = {f"copy_{method}_batch_{batch}_tok_s": copy.get(f"batch_{batch}", {}).get(f"{method}_k4", {}).get(
+        "output_tok_s") for method in ("ngram", "draft") for batch in (1, 4)}
+    return {**rates, "copy_greedy_identical": report.get("copy_greedy_identical"),
+            "copy_exit_code": report.get("exit_code")}
 
 
 CPU_NEW_TOKENS = 128
@@ -127,6 +133,7 @@ def main() -> None:
     parser.add_argument("--order", default="previous,current")
     parser.add_argument("--cpu", action="store_true")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--draft", help="a draft model's engine in the copy part too (e.g. self:int8)")
     parser.add_argument("--cpu-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.cpu_worker:
@@ -140,9 +147,10 @@ def main() -> None:
         return
     order = args.order.split(",")
     out_dir = Path(os.environ.get("OUT", "out"))
-    runs = {version: run_version(roots[version], out_dir / version) for version in order}
+    scripts = {version: (roots["current"] if args.draft else root) / "benchmarks" for version, root in roots.items()}
+    runs = {version: run_version(roots[version], out_dir / version, scripts[version], args.draft) for version in order}
     result = {"card": runs["current"]["card"], "model": "dummy:llama-3.1-8b", "copy_model": "smollm2-135m, float32",
-              "parts": PARTS, "order": order,
+              "copy_draft": args.draft, "parts": PARTS, "order": order,
               "runs": runs, "current_over_previous": {
                   name: runs["current"][name] / runs["previous"][name]
                   if runs["previous"][name] and runs["current"][name] else None

@@ -339,13 +339,14 @@ def drafts_by_running(llm: LLM) -> Counter:
     """From now on: per running batch size, how often the policy let a sequence speculate (k > 0; the
     proposer may still find nothing to propose)."""
     scheduler, grants = llm.engine.scheduler, Counter()
-    propose = scheduler.speculator.propose
+    plan_next = scheduler.speculator.plan_next
 
-    def counted(wanted: list) -> dict:
-        grants[len(scheduler.running)] += len(wanted)
-        return propose(wanted)
+    def counted(seqs: list, out, num_running: int) -> dict[int, int]:
+        plan = plan_next(seqs, out, num_running)
+        grants[num_running] += len(plan)
+        return plan
 
-    scheduler.speculator.propose = counted
+    scheduler.speculator.plan_next = counted
     return grants
 
 
@@ -439,8 +440,8 @@ def run_copy_interleaved(engines: dict[str, LLM], requests, batch: int, output_l
 
 
 def part_copy(dtype: str, num_prompts: int, input_len: int, output_len: int, batches: list[int],
-              result: dict) -> None:
-    """Fills result, a batch size at a time."""
+              result: dict, draft: str | None = None) -> None:
+    """Fills result, a batch size at a time; draft: a draft model's engine too (`draft_k4`)."""
     engines, startup = {}, {}
     options = {**COPY_OPTIONS, "dtype": dtype}
     result.update({"model": EMBEDDED, "options": options, "engines": startup, "num_prompts": num_prompts,
@@ -448,15 +449,19 @@ def part_copy(dtype: str, num_prompts: int, input_len: int, output_len: int, bat
     engines["off"], startup["off"] = build(EMBEDDED, **options)
     engines[f"ngram_k{NGRAM_K}"], startup[f"ngram_k{NGRAM_K}"] = build(
         EMBEDDED, speculative_method="ngram", num_speculative_tokens=NGRAM_K, **options)
+    if draft:
+        engines[f"draft_k{NGRAM_K}"], startup[f"draft_k{NGRAM_K}"] = build(
+            EMBEDDED, speculative_model=draft, num_speculative_tokens=NGRAM_K, **options)
+        result["draft_model"] = draft
     cfg = WorkloadConfig(dataset_name="copy", num_prompts=num_prompts, random_input_len=input_len,
                          random_output_len=output_len)
     requests = build_workload(cfg, PromptText(engines["off"].tokenizer))
     for batch in batches:
         result[f"batch_{batch}"] = run_copy_interleaved(engines, requests, batch, output_len)
-        ngram = result[f"batch_{batch}"][f"ngram_k{NGRAM_K}"]
-        print(f"copy {dtype} batch {batch}: off {result[f'batch_{batch}']['off']['output_tok_s']} tok/s, ngram "
-              f"{ngram['output_tok_s']} ({ngram['speedup']}x, acceptance {ngram['acceptance_rate']}, "
-              f"identical {ngram['identical_greedy_tokens']})", flush=True)
+        runs = result[f"batch_{batch}"]
+        print(f"copy {dtype} batch {batch}: off {runs['off']['output_tok_s']} tok/s, " + ", ".join(
+            f"{name} {run['output_tok_s']} ({run['speedup']}x, acceptance {run['acceptance_rate']}, "
+            f"identical {run['identical_greedy_tokens']})" for name, run in runs.items() if name != "off"), flush=True)
     result["memory"] = memory()
 
 
@@ -551,6 +556,7 @@ def main() -> None:
     parser.add_argument("--copy-input-len", type=int, default=48 if SMOKE else 256)
     parser.add_argument("--copy-output-len", type=int, default=24 if SMOKE else 256)
     parser.add_argument("--copy-batches", default="1,2" if SMOKE else "1,4")
+    parser.add_argument("--copy-draft", help="copy: a draft model's engine too (e.g. self:int8), k = 4")
     parser.add_argument("--copy-dtypes", default="float32",
                         help="comma-separated: the copy part's engines in each (greedy identity is asserted in float32)")
     args = parser.parse_args()
@@ -576,7 +582,7 @@ def main() -> None:
         if budget.allows(f"copy_{dtype}", COPY_PART_S):
             guarded(report, f"copy_{dtype}", lambda: part_copy(
                 dtype, args.copy_prompts, args.copy_input_len, args.copy_output_len, batches,
-                report.setdefault("copy", {}).setdefault(dtype, {})))
+                report.setdefault("copy", {}).setdefault(dtype, {}), args.copy_draft))
     report["seconds"] = round(time.monotonic() - began, 1)
     report["memory_end"] = memory()
     # float32 only: in bf16 a verification's rows and a decode's round differently, so a near tie may flip

@@ -39,14 +39,21 @@ def runner_of(target: LLM | Engine):
     return executor_of(target).worker.runner
 
 
+def drafter_of(target: LLM | Engine):
+    """The runner's drafter (engine/worker/drafter.py: a draft model's proposals, in the worker) of an
+    engine whose worker runs in this process."""
+    return runner_of(target).drafter
+
+
 def proposer_of(target: LLM | Engine):
     """The engine's proposer (engine/spec_decode/proposer.py): what a draft model or lookahead keeps
-    per sequence. Tests reach it here only, so that it can move (into the worker) without them."""
-    return engine_of(target).scheduler.speculator.proposer
+    per sequence; a draft model's is the drafter's in the worker (one in this process)."""
+    proposer = engine_of(target).scheduler.speculator.proposer
+    return proposer if proposer is not None else drafter_of(target).proposer
 
 
 def set_proposer(target: LLM | Engine, proposer) -> None:
-    """Replace the engine's proposer (one that proposes scripted drafts)."""
+    """Replace the engine's host proposer (one that proposes scripted drafts)."""
     engine_of(target).scheduler.speculator.proposer = proposer
 
 

@@ -15,9 +15,12 @@ from goodserve.config import EngineConfig
 from goodserve.engine.core.kv_cache_manager import KVCacheManager
 from goodserve.engine.core.scheduler import Scheduler
 from goodserve.engine.core.sequence import Sequence, SequenceStatus
+from goodserve.engine.seam.runner_output import ModelRunnerOutput
+from goodserve.engine.seam.scheduler_output import NewRequestData, SchedulerOutput
 from goodserve.engine.spec_decode.draft_model import DraftModelProposer, load_draft
 from goodserve.engine.spec_decode.policy import Speculator
 from goodserve.engine.spec_decode.proposer import make_proposer
+from goodserve.engine.worker.drafter import Drafter
 from goodserve.model.presets import get_preset
 from goodserve.sampling_params import SamplingParams
 
@@ -66,8 +69,9 @@ def check_invariants(kv: KVCacheManager, live: list[Sequence], shadow: dict[int,
     ("continuous", True, False, (6, 6, None)), ("continuous", True, "ngram", (None, 5))])
 def test_random_traffic_leaks_nothing(policy, chunked, speculative, windows):
     """speculative: n-gram drafts (tokens 0..2 repeat, so most decodes draft) or a draft model's
-    (dummy:tiny, with its own block pool), of which a random number is kept: the rejected ones' K/V
-    slots are rolled back and rewritten; the draft's blocks are held by live sequences only.
+    (dummy:tiny, with its own block pool, in a drafter fed as the runner feeds it), of which a random
+    number is kept: the rejected ones' K/V slots are rolled back and rewritten; the draft's blocks
+    are held by running sequences only.
     windows: each layer group's sliding window (several: a hybrid pool, engine/setup/kv_groups.py); blocks
     before it are released as sequences grow, and a prefix-cache hit must still serve only blocks
     holding the sequence's own tokens."""
@@ -80,9 +84,14 @@ def test_random_traffic_leaks_nothing(policy, chunked, speculative, windows):
     pool = kv.pool
     drafting = dataclasses.replace(config, speculative_model="dummy:tiny", num_kv_blocks=14, device="cpu",
                                    dtype="float32")
-    proposer = DraftModelProposer(drafting, load_draft(drafting), get_preset("tiny"), None) if speculative == "draft" \
-        else make_proposer(config, get_preset("tiny"), None)
-    scheduler = Scheduler(config, kv, Speculator(config, proposer) if proposer is not None else None)
+    drafter = Drafter(DraftModelProposer(drafting, load_draft(drafting, get_preset("tiny"), None))) \
+        if speculative == "draft" else None
+    scheduler = Scheduler(config, kv, Speculator(config, make_proposer(config)) if speculative else None)
+
+    def tell_drafter(**news) -> None:  # what the engine sends the runner with a step
+        if drafter is not None:
+            drafter.update(SchedulerOutput(**news))
+
     prefixes = [[rng.randrange(3) for _ in range(rng.randrange(0, 14))] for _ in range(3)]
     shadow = {b: [None] * BLOCK for b in range(pool.num_blocks)}
     live: list[Sequence] = []
@@ -94,10 +103,12 @@ def test_random_traffic_leaks_nothing(policy, chunked, speculative, windows):
                 seq = make_seq(rng, i * 10 + k, prefixes)
                 scheduler.add(seq)
                 live.append(seq)
+                tell_drafter(new_requests=[NewRequestData(seq.seq_id, seq.params, 0, list(seq.token_ids))])
             if live and rng.random() < 0.1:  # abort a random request, wherever it is
                 victim = rng.choice(live)
                 scheduler.finish(victim, "abort")
                 live.remove(victim)
+                tell_drafter(finished_seq_ids=[victim.seq_id])
         preemptions = scheduler.num_preemptions
         out = scheduler.schedule()
         by_id = {seq.seq_id: seq for seq in live}
@@ -114,18 +125,27 @@ def test_random_traffic_leaks_nothing(policy, chunked, speculative, windows):
         if out:
             scheduler.advance(out, {row: len(out.draft_token_ids[row]) - a for row, a in kept.items()})
         events += len(seqs) + scheduler.num_preemptions - preemptions
+        if out:
+            tell_drafter(preempted_seq_ids=out.preempted_seq_ids)
+        output = ModelRunnerOutput([], [])  # the rows that sampled, and the tokens each kept
         for row, seq in enumerate(seqs):
             if seq.status is SequenceStatus.RUNNING and seq.num_computed_tokens >= seq.num_tokens:
-                seq.token_ids.extend(out.draft_token_ids.get(row, [])[: kept.get(row, 0)] + [rng.randrange(3)])
-                if seq.num_tokens >= seq.max_len:
-                    scheduler.finish(seq, "length")
-                    live.remove(seq)
-        if speculative:
-            scheduler.speculator.propose_next(scheduler.running)
+                output.sample_rows.append(row)
+                output.token_ids.append(out.draft_token_ids.get(row, [])[: kept.get(row, 0)] + [rng.randrange(3)])
+                seq.token_ids.extend(output.token_ids[-1])
+        if drafter is not None:
+            output.spec_token_ids = drafter.propose(out, output.sample_rows, output.token_ids)
+        for seq in seqs:
+            if seq.status is SequenceStatus.RUNNING and seq.num_tokens >= seq.max_len:
+                scheduler.finish(seq, "length")
+                live.remove(seq)
+                tell_drafter(finished_seq_ids=[seq.seq_id])
+        if out and speculative:
+            scheduler.speculator.propose_next(out, output, scheduler.seqs)
         check_invariants(kv, live, shadow)
         released_early += sum(len(kv.block_table(s.seq_id)) > len(kv.blocks_held(s.seq_id)) for s in live)
-        if speculative == "draft":
-            assert set(proposer.kv.tables) <= {seq.seq_id for seq in live}
+        if drafter is not None:
+            assert set(drafter.proposer.kv.tables) <= {seq.seq_id for seq in scheduler.running}
         if draining and not scheduler.has_unfinished():
             break
     assert not live and not scheduler.has_unfinished(), "requests starved or deadlocked"
@@ -138,8 +158,8 @@ def test_random_traffic_leaks_nothing(policy, chunked, speculative, windows):
         assert scheduler.num_preemptions > 0, "the pool is small; preemption must be exercised"
     if speculative:
         assert scheduler.speculator.num_accepted_tokens > 500 and events > 1000
-    if speculative == "draft":
-        assert proposer.kv.num_used_blocks == 0
+    if drafter is not None:
+        assert drafter.proposer.kv.num_used_blocks == 0
 
 
 def test_prefix_hit_leaves_last_token_to_compute():

@@ -14,13 +14,12 @@ import torch
 
 from goodserve import LLM, SamplingParams
 from goodserve.cli import main
-from goodserve.engine.frontend import engine as engine_module
 from goodserve.engine.worker import worker
 from goodserve.engine.spec_decode.rejection import kept_by_rejection
 from goodserve.errors import InvalidRequestError
 from goodserve.ops.kernel_choice import KernelChoice
 from goodserve.ops.sampler import SamplingBatch, sample
-from helpers import proposer_of, runner_of
+from helpers import drafter_of, proposer_of, runner_of
 
 PROMPTS = ["Once upon a time", "What are three tips for staying healthy?", "def fibonacci(n):\n",
            "The capital of France is"]
@@ -44,6 +43,13 @@ def _draft_blocks(llm: LLM) -> int:
     return proposer_of(llm).kv.num_used_blocks
 
 
+def _draft_blocks_once_told(llm: LLM) -> int:
+    """The draft's blocks in use once the drafter has heard of the finishes so far: the news goes to
+    the runner with the next step (here one that drafts nothing: its only token is its last)."""
+    llm.generate(["Hi"], SamplingParams(max_tokens=1))
+    return _draft_blocks(llm)
+
+
 def _accepted(llm: LLM) -> int:
     return llm.engine.stats().spec_decode_num_accepted_tokens
 
@@ -53,7 +59,7 @@ def test_self_int4_greedy_alone_is_identical(embedded_llm, self_draft_llm):
     before = _accepted(self_draft_llm)
     assert _tokens(self_draft_llm.generate(PROMPTS[:1], GREEDY)) == _tokens(embedded_llm.generate(PROMPTS[:1], GREEDY))
     assert _accepted(self_draft_llm) > before
-    assert self_draft_llm.engine.kv.num_used_blocks == 0 and _draft_blocks(self_draft_llm) == 0
+    assert self_draft_llm.engine.kv.num_used_blocks == 0 and _draft_blocks_once_told(self_draft_llm) == 0
 
 
 def test_self_int4_greedy_mixed_batch_chunked_prefill_and_prefix_hits(embedded_llm, self_draft_llm):
@@ -66,7 +72,7 @@ def test_self_int4_greedy_mixed_batch_chunked_prefill_and_prefix_hits(embedded_l
     hits = self_draft_llm.engine.stats().prefix_cache_hits
     assert _tokens(self_draft_llm.generate(prompts, params)) == expected
     assert self_draft_llm.engine.stats().prefix_cache_hits > hits
-    assert self_draft_llm.engine.kv.num_used_blocks == 0 and _draft_blocks(self_draft_llm) == 0
+    assert self_draft_llm.engine.kv.num_used_blocks == 0 and _draft_blocks_once_told(self_draft_llm) == 0
 
 
 def test_another_draft_model_greedy_is_identical():
@@ -100,8 +106,8 @@ def test_the_draft_weights_are_loaded_before_the_pool_is_sized(monkeypatch):
     """On CUDA the pool is sized from the device's free memory: the draft's weights must hold theirs
     by then, or the draft would not fit beside the pool."""
     events = []
-    load_draft, sizing = engine_module.load_draft, worker.num_blocks_for_memory
-    monkeypatch.setattr(engine_module, "load_draft", lambda config: events.append("draft") or load_draft(config))
+    load_draft, sizing = worker.load_draft, worker.num_blocks_for_memory
+    monkeypatch.setattr(worker, "load_draft", lambda *args: events.append("draft") or load_draft(*args))
     monkeypatch.setattr(worker, "num_blocks_for_memory", lambda *args: events.append("pool") or sizing(*args))
     LLM("dummy:tiny", speculative_model="dummy:tiny", cpu_kv_cache_bytes=8 << 20)
     assert events == ["draft", "pool"]
@@ -119,7 +125,45 @@ def test_abort_mid_speculation_frees_target_and_draft_blocks(self_draft_llm):
     assert _accepted(self_draft_llm) > accepted and _draft_blocks(self_draft_llm) > 0
     for i in range(3):
         engine.abort_request(f"abort-{i}")
-    assert not engine.has_unfinished() and engine.kv.num_used_blocks == 0 and _draft_blocks(self_draft_llm) == 0
+    assert not engine.has_unfinished() and engine.kv.num_used_blocks == 0
+    assert _draft_blocks_once_told(self_draft_llm) == 0
+
+
+def test_the_drafter_keeps_each_running_sequences_tokens_as_the_scheduler_has_them(self_draft_llm):
+    """The drafter in the runner proposes from its own copy of each sequence's tokens (its prompt,
+    then what each step kept): mid-run, sampled and greedy, it is the scheduler's."""
+    engine = self_draft_llm.engine
+    for i, temperature in enumerate((0.0, 0.9)):
+        engine.add_request(f"copy-{i}", PROMPTS[i], SamplingParams(temperature=temperature, seed=i, max_tokens=40,
+                                                                   ignore_eos=True))
+    accepted, checked = _accepted(self_draft_llm), 0
+    while engine.has_unfinished():
+        engine.step()
+        for seq in engine.scheduler.running:
+            assert drafter_of(self_draft_llm).seqs[seq.seq_id].token_ids == seq.token_ids
+            checked += 1
+    assert checked > 20 and _accepted(self_draft_llm) > accepted
+
+
+def test_a_failing_request_fails_alone_beside_drafting_ones(monkeypatch):
+    """A step that fails is cut into trial steps, which keep nothing (the rejection rule's draws on a
+    seeded row's generator included), then run again without its culprit: the others, drafting
+    greedy and seeded-sampled rows, get the tokens they get without the culprit in the engine."""
+    from test_async_scheduling import drive
+    from test_isolation import POISON, innocent_requests, poison_forward
+
+    options = dict(num_kv_blocks=64, speculative_model="dummy:tiny", num_speculative_tokens=3, spec_policy="always")
+    innocents = innocent_requests()
+    reference = drive(LLM("dummy:tiny", **options).engine, {0: innocents[:3], 3: innocents[3:]})
+    llm = LLM("dummy:tiny", **options)
+    poison_forward(monkeypatch, llm.engine)
+    # the culprit arrives mid-decode: its prompt's step holds the others' drafts
+    final = drive(llm.engine, {0: innocents[:3], 3: innocents[3:], 4: [("culprit", [5, POISON], GREEDY)]})
+    assert "poison" in final["culprit"].error
+    assert llm.engine.stats().spec_decode_num_draft_tokens > 0
+    for request_id, output in reference.items():
+        assert final[request_id].error is None
+        assert final[request_id].outputs[0].token_ids == output.outputs[0].token_ids, request_id
 
 
 def test_sampled_drafts_run_reproducibly_with_logprobs(self_draft_llm):

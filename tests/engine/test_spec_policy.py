@@ -2,14 +2,14 @@
 per step from the batch size and each sequence's measured acceptance against a fixed cost table, and
 probes the sequences it left out in a bounded share of steps."""
 
-import torch
-
 from goodserve import LLM
 from goodserve.config import EngineConfig
 from goodserve.engine.core.sequence import Sequence
 from goodserve.engine.spec_decode.policy import (EAGER_COST, GRAPHED_COST, NATIVE_DECODE_COST, NATIVE_SPLIT_COST,
                                                 PROBE_EVERY, Speculator)
 from goodserve.engine.seam.drafts import Branch, Drafts
+from goodserve.engine.seam.runner_output import ModelRunnerOutput
+from goodserve.engine.seam.scheduler_output import SchedulerOutput
 from goodserve.sampling_params import SamplingParams
 from helpers import loaded_model
 
@@ -32,19 +32,25 @@ def _seqs(n: int) -> list[Sequence]:
     return [Sequence(f"s{i}", f"s{i}", 0, [1, 2, 3], 3, SamplingParams(), 4096) for i in range(n)]
 
 
+def _step(seqs: list[Sequence]) -> SchedulerOutput:
+    """A step of decodes, one row a sequence."""
+    return SchedulerOutput(seq_ids=[seq.seq_id for seq in seqs], samples=[True] * len(seqs))
+
+
 def _run(speculator: Speculator, seqs: list[Sequence], steps: int, accepts) -> list[dict[str, int]]:
-    """Each step as the scheduler takes it: the plan, the proposals, the step counted, the
-    verifications observed (accepts(step, k): drafts kept of k)."""
+    """Each step as the engine takes it: counted, its plan for the next one made with it, the drafts
+    proposed once it is computed, the next step's verifications observed (accepts(step, k): drafts
+    kept of k)."""
     plans = []
     for step in range(steps):
-        plan = speculator.plan(seqs, len(seqs))
-        proposed = speculator.propose([(seq, plan[seq.seq_id]) for seq in seqs if seq.seq_id in plan]) if plan else {}
         speculator.counted_step()
+        out = _step(seqs)
+        out.num_next_drafts = speculator.plan_next(seqs, out, len(seqs))
+        speculator.propose_next(out, ModelRunnerOutput([], []), {seq.seq_id: seq for seq in seqs})
         for seq in seqs:
-            if seq.seq_id in proposed:
-                k = len(proposed[seq.seq_id].token_ids)
-                speculator.observe(seq, k, accepts(step, k))
-        plans.append(plan)
+            if drafts := speculator.drafts_for_step(seq, K):
+                speculator.observe(seq, len(drafts.token_ids), accepts(step, len(drafts.token_ids)))
+        plans.append({seqs[row].seq_id: k for row, k in out.num_next_drafts.items()})
     return plans
 
 
@@ -149,34 +155,39 @@ def test_probes_come_less_often_where_a_probe_step_is_dear():
                        lookahead_ngram=3).probe_every == 112
 
 
-class _SampledProposer:
-    """Sampled drafts with their distributions (row j: j everywhere) and a side branch."""
+class _BranchingProposer:
+    """Drafts of 5s, and a side branch."""
 
     def propose(self, wanted):
-        return [Drafts([5] * r.k, torch.arange(r.k, dtype=torch.float32)[:, None].expand(r.k, 8).clone(),
-                       Branch([7], [-1], [0])) for r in wanted]
+        return [Drafts([5] * r.k, branch=Branch([7], [-1], [0])) for r in wanted]
 
     def release(self, seq_id):
         pass
 
 
 def test_a_step_takes_of_the_drafts_proposed_after_the_last_what_its_budget_leaves_room_for():
-    """Drafts are proposed after a step for the next one, as many as the plan gives and the sequence
-    may still write; the next step takes their first ones with those drafts' distributions (and a
-    lookahead branch), none without room, none once the sequence has left."""
+    """A step plans the next (a k per sampling row, no more than its sequence may write after the
+    step's token); once it is computed the drafts are proposed, by the host proposer or the
+    runner's drafter (its output's spec_token_ids); the next step takes their first ones (and a
+    lookahead branch), as many as its budget and the sequence's length leave room for, none without
+    room, none once the sequence has left."""
     config = EngineConfig(model="dummy:tiny", speculative_method="ngram", num_speculative_tokens=K,
                           spec_policy="always")
-    speculator = Speculator(config, _SampledProposer(), cost=GRAPHED_COST)
-    seq, short = _seqs(2)
-    short.params = SamplingParams(max_tokens=2)  # one token written by the step, one draft at most
-    for s in (seq, short):
-        s.num_computed_tokens = 2  # decoding: its last token is uncomputed
-    speculator.propose_next([seq, short])
-    whole = speculator.drafts_for_step(seq, K + 3)
-    assert whole.token_ids == [5] * K and whole.probs[:, 0].tolist() == [0, 1, 2, 3]
-    part = speculator.drafts_for_step(seq, 2)
-    assert part.token_ids == [5, 5] and part.probs[:, 0].tolist() == [0, 1] and part.branch is whole.branch
-    assert speculator.drafts_for_step(seq, 0) is None
-    assert speculator.drafts_for_step(short, K).token_ids == [5]
-    speculator.release(seq)
-    assert speculator.drafts_for_step(seq, K) is None
+    drafter = ModelRunnerOutput([0, 1], [[9], [9]], spec_token_ids={0: [5] * K, 1: [5, 5]})
+    for proposer, output in ((_BranchingProposer(), ModelRunnerOutput([0, 1], [[9], [9]])), (None, drafter)):
+        speculator, (seq, short) = Speculator(config, proposer, cost=GRAPHED_COST), _seqs(2)
+        short.params = SamplingParams(max_tokens=3)  # this step's token, then the next step's and a draft
+        out = _step([seq, short])
+        out.num_next_drafts = speculator.plan_next([seq, short], out, 2)
+        assert out.num_next_drafts == {0: K, 1: 1}
+        for s in (seq, short):
+            s.token_ids.append(9)  # the step's token
+        speculator.propose_next(out, output, {s.seq_id: s for s in (seq, short)})
+        whole = speculator.drafts_for_step(seq, K + 3)
+        assert whole.token_ids == [5] * K and (whole.branch is not None) == (proposer is not None)
+        part = speculator.drafts_for_step(seq, 2)
+        assert part.token_ids == [5, 5] and part.branch is whole.branch
+        assert speculator.drafts_for_step(seq, 0) is None
+        assert speculator.drafts_for_step(short, K).token_ids == [5]
+        speculator.release(seq)
+        assert speculator.drafts_for_step(seq, K) is None

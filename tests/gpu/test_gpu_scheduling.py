@@ -95,3 +95,23 @@ def test_graphed_prompt_lookup_gives_the_speculation_off_tokens(text_ids, device
     record_property("graphed_verify_steps", stats.num_graphed_verify_steps)
     assert stats.spec_decode_num_accepted_tokens > 0
     assert 0 < stats.num_graphed_verify_steps == stats.num_verify_steps
+
+
+@pytest.mark.parametrize("executor_backend", ["uni", "mp"])
+def test_a_draft_model_in_the_worker_gives_the_speculation_off_tokens(text_ids, device, cuda_only, record_property,
+                                                                      executor_backend):
+    """A draft model (the embedded model's self:int8 weights) run by the runner's drafter after each
+    step, in the engine's process or a worker process, with CUDA graphs on: the greedy tokens of
+    speculation off, drafts kept, and a seeded sampled run (the rejection rule, with the
+    distributions the drafter kept) repeats itself."""
+    prompt = text_ids[:100]
+    off = greedy(build(EMBEDDED_MODEL, device, dtype="float32"), [prompt], max_tokens=48)[0]
+    llm = build(EMBEDDED_MODEL, device, dtype="float32", speculative_model="self:int8", num_speculative_tokens=4,
+                spec_policy="always", executor_backend=executor_backend)
+    assert greedy(llm, [prompt], max_tokens=48)[0] == off
+    stats = llm.engine.stats()
+    record_property("drafts_kept", [stats.spec_decode_num_accepted_tokens, stats.spec_decode_num_draft_tokens])
+    assert stats.spec_decode_num_accepted_tokens > 0
+    sampled = SamplingParams(temperature=0.8, seed=3, max_tokens=32, ignore_eos=True)
+    first, second = ([out.outputs[0].token_ids for out in run(llm, [prompt], sampled)] for _ in range(2))
+    assert first == second

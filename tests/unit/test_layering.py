@@ -246,15 +246,16 @@ assert Drafts([7], branch=branch).branch.parents == [-1, 0] and BranchOutput([8]
 
 
 # engine layer -> the other engine layers it may import (any other import of one is a defect). The
-# layers import one another one way only, but for spec_decode: it straddles the scheduler (which asks
-# for drafts) and the workers (which verify them, and run a draft model's forwards).
+# layers import one another one way only, but for spec_decode: it straddles the scheduler (whose
+# speculator plans drafts and asks the host's proposers) and the workers (which verify them, and
+# whose drafter runs a draft model).
 ENGINE_LAYERS = {
     "processes": set(),  # the startup heap and stop signals of any process goodserve starts
     "setup": set(),  # resolving the configuration, building the model, sizing the KV pool
     "seam": set(),  # plain data: the scheduler's output, the runner's, the drafts they carry
     "core": {"seam"},  # the scheduler is handed its speculator (spec_decode) and never imports it
-    "worker": {"seam", "setup", "processes", "spec_decode"},  # the verifiers, a draft model's forward
-    "spec_decode": {"core", "seam", "setup", "worker"},  # proposers read sequences; a draft model is built
+    "worker": {"seam", "setup", "processes", "spec_decode"},  # the verifiers, the draft model
+    "spec_decode": {"core", "seam", "setup", "worker"},  # the policy reads sequences; a draft model is built
     "frontend": {"core", "seam", "setup", "processes", "spec_decode", "worker"},
     "disagg": {"frontend", "processes"},  # a prefill engine is an Engine with a KV sender beside it
 }
@@ -287,6 +288,17 @@ def test_proposers_read_plain_data_not_the_schedulers_sequences():
     readers = sorted(module for module in MODULES if _layer(module) == "spec_decode"
                      for imported in _imports(module) if imported == "goodserve.engine.core.sequence")
     assert readers == ["goodserve.engine.spec_decode.policy"], readers
+
+
+DRAFT_MODEL_PARTS = {"goodserve.engine.spec_decode.draft_model", "goodserve.engine.spec_decode.draft_kv"}
+
+
+def test_a_draft_model_runs_in_the_worker_only():
+    """The draft model and its KV cache are the runner's drafter's (engine/worker/drafter.py): the
+    engine's process (front end, scheduler, speculator) never imports them, so never loads a draft."""
+    importers = sorted(module for module in MODULES for imported in _imports(module)
+                       if imported in DRAFT_MODEL_PARTS and module not in DRAFT_MODEL_PARTS)
+    assert importers and all(_layer(module) == "worker" for module in importers), importers
 
 
 def test_seam_and_core_never_import_torch():

@@ -18,9 +18,9 @@ reads. The scheduler carries them out and tells the policy what entered, left an
 Its decision goes to the runner as plain data (engine/core/step_decision.py); the sequences stay
 here, with the engine. With async scheduling the engine passes the step still in flight: its
 sequences' next tokens exist only on the device, and the step scheduled ahead of them decodes those.
-A decoding sequence may carry drafts (1 + k tokens, one row): those the speculator proposed after
-the last step (engine/spec_decode/policy.py), as many as the step's budget leaves room for, never
-at anyone's preemption. A sequence that leaves (finished, aborted, preempted) leaves the speculator too.
+A decoding sequence may carry drafts (1 + k tokens, one row), as many as the step's budget leaves
+room for, never at anyone's preemption; each step carries the speculator's plan for the next
+(engine/spec_decode/policy.py). A sequence that leaves (finished, aborted, preempted) leaves it too.
 
 After the step, update_from_output() is the one way back; it returns what it did as data
 (engine/core/step_update.py), and the output processor takes it from there.
@@ -62,6 +62,7 @@ class Scheduler:
         self.policy = make_policy(config, self.step_time)
         self.waiting = WaitingQueue(self.policy.waiting_key)
         self.speculator = speculator  # plans and proposes drafts (engine/spec_decode/policy.py); None: no speculation
+        self.preempted: list[str] = []  # since the last step handed out: the runner's drafter drops them
 
     # ---- queue management ----------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -107,9 +108,13 @@ class Scheduler:
         if decision is None:  # asked again once the step in flight is done: planned once
             self.policy.step_refused()
             return None
+        out = decision.output(self.kv.tables)
+        if out:
+            out.preempted_seq_ids, self.preempted = self.preempted, []
         if self.speculator is not None:
             self.speculator.counted_step()
-        return decision.output(self.kv.tables)
+            out.num_next_drafts = self.speculator.plan_next(decision.seqs, out, len(self.running))
+        return out
 
     def _schedule_now(self, decision: StepDecision | None = None) -> StepDecision:
         decision = decision or StepDecision()
@@ -218,8 +223,8 @@ class Scheduler:
         return seq.num_computed_tokens if self.config.attention_backend == "torch" else 0
 
     def _release_blocks(self, seq: Sequence, finished: bool = False) -> None:
-        """A sequence that could not be admitted (or is preempted, or finished) gives back its blocks,
-        the draft model's too."""
+        """A sequence that could not be admitted (or is preempted, or finished) gives back its blocks;
+        the speculator lets it go (a draft model's blocks go with the next step's news)."""
         self.kv.free(seq, finished)
         if self.speculator is not None:
             self.speculator.release(seq)
@@ -233,6 +238,7 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.metrics.num_preemptions += 1
         self.num_preemptions += 1
+        self.preempted.append(seq.seq_id)
         self.add(seq)  # its key (priority, arrival) puts it before the requests that came after it
 
     def _admit_whole_batch(self) -> None:

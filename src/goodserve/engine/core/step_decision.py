@@ -58,8 +58,6 @@ class StepDecision:
             out.samples.append(ahead or (end == seq.num_tokens and not seq.params.prefill_only))
             if draft_ids:
                 out.draft_token_ids[row] = draft_ids
-                if drafts.probs is not None:
-                    out.draft_probs[row] = drafts.probs
             if drafts and drafts.branch is not None:
                 out.branches[row] = drafts.branch
             out.num_output_tokens.append(seq.num_output_tokens)

@@ -19,11 +19,14 @@ while the next stages compute the ones before it; it finishes the oldest once th
 (or nothing else can run). Otherwise, and with a speculator (a step's drafts wait on the step
 before), the stages take one step at a time.
 
-Speculative decoding (engine/spec_decode/): after a step, with none in flight, the speculator proposes
-drafts for the next step's decoding sequences; the scheduler gives each what the step's budget
-leaves room for, the runner samples at each of their positions and keeps the confirmed ones, the
-scheduler rolls back the rest (update_from_output). A step with drafts never runs ahead: the next
-step's inputs depend on how many were kept.
+Speculative decoding (engine/spec_decode/): each step carries the speculator's plan for the next
+(which rows draft, how many); once it is computed, the drafts are proposed: by the runner's
+drafter (a draft model, in the worker: they come back in the step's output) or by the host
+proposer (n-gram, lookahead) as the step is recorded. The next step gives each sequence what its
+budget leaves room for, the runner samples at each of their positions and keeps the confirmed
+ones, the scheduler rolls back the rest (update_from_output). Neither a step with drafts nor one
+with a plan is run ahead of: the next step's inputs depend on how many were kept, and its drafts
+continue tokens the host must have seen.
 """
 
 from __future__ import annotations
@@ -51,7 +54,6 @@ from goodserve.engine.seam.runner_output import ModelRunnerOutput, PendingOutput
 from goodserve.engine.core.scheduler import Scheduler
 from goodserve.engine.seam.scheduler_output import NewRequestData, SchedulerOutput
 from goodserve.engine.core.sequence import Sequence
-from goodserve.engine.spec_decode.draft_model import load_draft
 from goodserve.engine.spec_decode.policy import Speculator, verify_cost
 from goodserve.engine.spec_decode.proposer import make_proposer
 from goodserve.engine.core.stats import EngineStats, StepLog, engine_stats
@@ -81,8 +83,6 @@ class _Step:
 class Engine:
     def __init__(self, config: EngineConfig | None = None, **overrides) -> None:
         config = resolve_for_device(with_overrides(config, overrides))
-        # A draft model's weights go on the device first: the target's KV pool is sized from what is left.
-        draft = load_draft(config) if config.speculative_model else None
         self.executor = make_executor(config)
         info = self.executor.info
         self.config, self.spec, self.tokenizer = info.config, info.spec, info.tokenizer
@@ -93,8 +93,8 @@ class Engine:
         salt = f"{info.revision}|{c.kv_cache_dtype}|{c.quantization}|{c.quantized_checkpoint}|{c.quantization_awq}"
         self.kv = KVCacheManager(c.num_kv_blocks, c.block_size, c.enable_prefix_caching, salt.encode(),
                                  windows=kv_groups(self.spec, c).windows)
-        proposer = make_proposer(c, self.spec, self.tokenizer, draft)
-        speculator = Speculator(c, proposer, verify_cost(c, info.native_decode)) if proposer is not None else None
+        speculator = Speculator(c, make_proposer(c), verify_cost(c, info.native_decode)) \
+            if c.speculative_method else None
         self.scheduler = Scheduler(c, self.kv, speculator, self._step_time_model(), info.eos_token_ids)
         self.inputs = InputProcessor(c, self.spec, self.tokenizer)
         self.outputs = OutputProcessor(self.tokenizer)
@@ -222,8 +222,6 @@ class Engine:
             if out is None:
                 return []
             changed = self._run(out, [self.scheduler.seqs[seq_id] for seq_id in out.seq_ids], stream_text)
-        if self.scheduler.speculator is not None and self._inflight is None:
-            self._propose()
         t0 = time.perf_counter()
         outputs = self.outputs.collect(self.requests, changed, finished_only)
         self.steps.output += time.perf_counter() - t0
@@ -239,12 +237,13 @@ class Engine:
         self.steps.observe_step(out.num_tokens, len(out))
         return out
 
-    def _propose(self) -> None:
-        """Drafts for the next step, from the tokens this one appended (counted as scheduling time).
-        Never while a step is in flight: drafts continue tokens the host has seen."""
+    def _propose(self, step: _Step, output: ModelRunnerOutput) -> None:
+        """Drafts for the rows the step planned, from the tokens it appended, for the sequences still
+        running: the runner's drafter's, or the host proposer's now (both counted as scheduling
+        time). No step is in flight: none is launched ahead of a step with a plan."""
         t0 = time.perf_counter()
-        self.scheduler.speculator.propose_next(self.scheduler.running)
-        self.steps.schedule += time.perf_counter() - t0
+        self.scheduler.speculator.propose_next(step.out, output, self.scheduler.seqs)
+        self.steps.schedule += time.perf_counter() - t0 + output.propose_s
 
     def _run(self, out: SchedulerOutput, seqs: list[Sequence], stream_text: bool) -> set[str]:
         """Launch the step; finish it now, or leave it in flight and finish it with the next launch."""
@@ -311,13 +310,7 @@ class Engine:
         if self._stages is not None:
             return True
         return (self.config.async_scheduling and out.all_sample and not out.draft_token_ids
-                and not self._drafts_planned() and all(seq.samples_on_device for seq in seqs))
-
-    def _drafts_planned(self) -> bool:
-        """Whether the next step may carry drafts (the speculator plans some): then no step runs
-        ahead, since drafts continue last tokens that a step in flight has not sampled yet."""
-        speculator = self.scheduler.speculator
-        return speculator is not None and speculator.plans_drafts(self.scheduler.running)
+                and not out.num_next_drafts and all(seq.samples_on_device for seq in seqs))
 
     def _step_pipelined(self, stream_text: bool) -> set[str]:
         """Launch the step after the one in flight (if the scheduler can decide it without that
@@ -345,7 +338,7 @@ class Engine:
         """If launching fails, the step is dropped: nothing advanced, its blocks are the ones the
         next step allocates anyway, and the next step, synchronous, runs its sequences again and
         isolates the request that broke it."""
-        ahead = current.out.all_sample and not self._drafts_planned()
+        ahead = current.out.all_sample and not current.out.num_next_drafts
         out = self._schedule(in_flight=current.seqs) if ahead else None
         if out is None:
             return
@@ -407,8 +400,9 @@ class Engine:
         returns are applied here. An error in one sequence's bookkeeping fails its request alone."""
         t0 = time.perf_counter()
         # from its launch, or, pipelined, from the step before it reaching the host: the interval at
-        # which its decodes got their tokens
-        seconds, shape = t0 - max(step.launched, self._last_recorded), step_shape(step.out)
+        # which its decodes got their tokens (the drafter's proposals after them are the next step's)
+        seconds = t0 - max(step.launched, self._last_recorded) - output.propose_s
+        shape = step_shape(step.out)
         if self.trace is not None:
             self.trace.record(step.out, shape, time.time(), seconds, step.pending.replayed_graph,
                               step.launched < self._last_recorded, self.scheduler)
@@ -431,6 +425,8 @@ class Engine:
             self.steps.num_verify_steps += 1
             self.steps.num_graphed_verify_steps += step.pending.replayed_graph
         self.steps.detokenize += time.perf_counter() - t0
+        if self.scheduler.speculator is not None:
+            self._propose(step, output)
         return {seq.request_id for seq in step.seqs}
 
     def _finish(self, seq: Sequence, finish: Finish) -> None:

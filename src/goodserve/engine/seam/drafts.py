@@ -1,8 +1,8 @@
 """What speculation hands around, as plain data: a sequence's drafts, the side branch a step
 computes beside them (lookahead's window) and what the runner learned from that branch. Lists and
-ints only (a draft model's distributions are a host tensor, typed here, never imported): the
-scheduler, the scheduler output and the runner output share these without importing torch
-(tests/unit/test_layering.py)."""
+ints only (a draft model's distributions, a tensor, stay in the worker that drew them: typed here,
+never imported): the scheduler, the scheduler output and the runner output share these without
+importing torch (tests/unit/test_layering.py)."""
 
 from __future__ import annotations
 
@@ -38,19 +38,21 @@ class DraftRequest:
 @dataclass
 class Drafts:
     token_ids: list[int]
-    # [len(token_ids), vocab] float32: the distribution each draft was drawn from, for the
-    # Leviathan / Chen rejection rule (rejection.py); None when the drafts are a point mass (ngram,
-    # or a draft model at temperature 0), which acceptance.py's rule verifies.
+    # [len(token_ids), vocab] float32 on the draft's device: the distribution each draft was drawn
+    # from, for the Leviathan / Chen rejection rule (rejection.py); None when the drafts are a point
+    # mass (ngram, or a draft model at temperature 0), which acceptance.py's rule verifies. Set by a
+    # draft model only, in the worker, where they stay (engine/worker/drafter.py): the scheduler's
+    # drafts have none.
     probs: torch.Tensor | None = None
     # Tokens to compute beside the drafts without keeping them (lookahead's window); may come with
     # no drafts at all.
     branch: Branch | None = None
 
     def first(self, k: int) -> Drafts:
-        """The first k drafts (and their distributions), the branch kept."""
+        """The first k drafts, the branch kept."""
         if k >= len(self.token_ids):
             return self
-        return Drafts(self.token_ids[:k], None if self.probs is None else self.probs[:k], self.branch)
+        return Drafts(self.token_ids[:k], branch=self.branch)
 
 
 @dataclass

@@ -24,11 +24,17 @@ class ModelRunnerOutput:
     # row -> (index of the first prompt token predicted, values, ids, ranks): one entry per position
     prompt_logprobs: dict[int, tuple[int, list, list, list]] = field(default_factory=dict)
     pooled: dict[int, torch.Tensor] = field(default_factory=dict)  # row -> float32 hidden-state sum, on the host
-    # seconds: building inputs, the forward (launch, and waiting for the device), sampling
+    # seconds: building inputs, the forward (launch, and waiting for the device), sampling, the
+    # drafter's proposals for the next step
     prepare_s: float = 0.0
     forward_s: float = 0.0
     sample_s: float = 0.0
+    propose_s: float = 0.0
     branches: dict[int, BranchOutput] = field(default_factory=dict)  # row -> its branch's results
+    # row -> the drafts the runner's drafter (a draft model) proposed after this step for the row's
+    # next one, as many as SchedulerOutput.num_next_drafts asked or fewer; the scheduler reads them
+    # next step (their distributions stay with the drafter, which the verifier asks)
+    spec_token_ids: dict[int, list[int]] = field(default_factory=dict)
     context_parallel: bool = False  # the step's tokens were split over the context-parallel ranks
 
 

@@ -1,6 +1,5 @@
-"""What the scheduler hands the model runner each step: plain data only (ids, ints, lists; a draft
-model's distributions are host tensors), so it can cross a process boundary (pickled to a worker)
-and be cut into sub-batches to isolate a culprit.
+"""What the scheduler hands the model runner each step: plain data only (ids, ints, lists), so it can
+cross a process boundary (pickled to a worker) and be cut into sub-batches to isolate a culprit.
 
 Rows are sequences, decodes first (the attention kernels take a batch's leading one-token rows
 apart; a decode verifying k drafts is a row of 1 + k tokens). With async scheduling the first `num_ahead` rows decode a token the step in flight is still
@@ -15,8 +14,6 @@ from typing import TYPE_CHECKING
 from goodserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # the bench and the router import this module and never torch (tests/unit/test_layering.py)
-    import torch
-
     from goodserve.engine.seam.drafts import Branch
 
 
@@ -41,11 +38,13 @@ class SchedulerOutput:
     num_output_tokens: list[int] = field(default_factory=list)  # generated so far (min_tokens bans)
     # row -> its generated tokens, for the rows whose penalties count them
     penalty_token_ids: dict[int, list[int]] = field(default_factory=dict)
-    # row -> the drafts it verifies (the last of its token_ids; engine/spec_decode/acceptance.py)
+    # row -> the drafts it verifies (the last of its token_ids; engine/spec_decode/acceptance.py).
+    # Those a draft model sampled are verified by the rejection rule (engine/spec_decode/rejection.py)
+    # with the distributions the runner's drafter kept (engine/worker/drafter.py).
     draft_token_ids: dict[int, list[int]] = field(default_factory=dict)
-    # row -> [k, vocab] float32: the distributions a draft model sampled those drafts from (rows
-    # without: point-mass drafts; engine/spec_decode/rejection.py)
-    draft_probs: dict[int, torch.Tensor] = field(default_factory=dict)
+    # row -> how many drafts to propose after this step for its next one (the speculator's plan,
+    # engine/spec_decode/policy.py): a drafter in the runner proposes them (ModelRunnerOutput.spec_token_ids)
+    num_next_drafts: dict[int, int] = field(default_factory=dict)
     # row -> tokens computed after its last own token and never cached (lookahead's guesses)
     branches: dict[int, Branch] = field(default_factory=dict)
     num_ahead: int = 0
@@ -53,6 +52,8 @@ class SchedulerOutput:
     # or sub-batched step may carry them again).
     new_requests: list[NewRequestData] = field(default_factory=list)
     finished_seq_ids: list[str] = field(default_factory=list)
+    # Sequences preempted while this step was decided: the runner's drafter drops their draft K/V.
+    preempted_seq_ids: list[str] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -76,6 +77,7 @@ class SchedulerOutput:
             samples=[self.samples[r] for r in rows], num_output_tokens=[self.num_output_tokens[r] for r in rows],
             penalty_token_ids={kept[r]: ids for r, ids in self.penalty_token_ids.items() if r in kept},
             draft_token_ids={kept[r]: ids for r, ids in self.draft_token_ids.items() if r in kept},
-            draft_probs={kept[r]: probs for r, probs in self.draft_probs.items() if r in kept},
+            num_next_drafts={kept[r]: k for r, k in self.num_next_drafts.items() if r in kept},
             branches={kept[r]: branch for r, branch in self.branches.items() if r in kept},
-            new_requests=self.new_requests, finished_seq_ids=self.finished_seq_ids)
+            new_requests=self.new_requests, finished_seq_ids=self.finished_seq_ids,
+            preempted_seq_ids=self.preempted_seq_ids)

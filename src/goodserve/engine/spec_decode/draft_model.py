@@ -3,10 +3,11 @@ smollm2-135m | PATH | dummy:<preset>`), or the target's own weights quantized (`
 `self:gguf`: on the CPU the native int4 / GGUF kernels run them at a fraction of float32's cost, and
 they agree with the target on most tokens).
 
-It runs in the engine's process, beside the scheduler, with a paged KV cache of its own
-(draft_kv.py) of as many blocks as the target's pool. Its weights are loaded first (load_draft), so
-the target's pool is sized from the memory they leave, with room for the draft's blocks beside
-its own (draft_kv_bytes_per_block). Each proposal, for every speculating sequence at once:
+It runs in a worker, the runner's drafter (engine/worker/drafter.py: after each step, for the next),
+with a paged KV cache of its own (draft_kv.py) of as many blocks as the target's pool. Its weights
+are loaded before the pool is sized (load_draft), so the target's pool is sized from the memory
+they leave, with room for the draft's blocks beside its own (draft_kv_bytes_per_block). Each
+proposal, for every speculating sequence at once:
 one forward over what its draft cache lacks (the whole prompt the first time; after a
 verification the one or two tokens past the accepted drafts), then one forward per further draft.
 All of them are decode steps for the attention (a sequence's few new tokens are laid out as
@@ -79,10 +80,12 @@ def int4_tied_lm_head(model, group_size: int) -> None:
     use_kernels(model.lm_head, model.kernels)
 
 
-def load_draft(config: EngineConfig) -> LoadedModel:
-    """The draft model the (device-resolved) config names, on its device."""
+def load_draft(config: EngineConfig, target: ModelSpec, target_tokenizer) -> LoadedModel:
+    """The draft model the (device-resolved) config names, on its device; refused unless it shares
+    the target's vocabulary."""
     built = draft_config(config)
     loaded = build_model(built)
+    check_vocabulary(config.speculative_model, loaded.spec, loaded.tokenizer, target, target_tokenizer)
     if built.quantization == "int4" and config.speculative_model.startswith(SELF_DRAFT_PREFIX):
         int4_tied_lm_head(loaded.model, SELF_INT4_GROUP_SIZE)
     return loaded
@@ -96,9 +99,8 @@ def draft_kv_bytes_per_block(config: EngineConfig, target: ModelSpec) -> int:
 
 
 class DraftModelProposer:
-    def __init__(self, config: EngineConfig, draft: LoadedModel, target: ModelSpec, target_tokenizer) -> None:
-        """draft: load_draft(config); config: resolved for the pool (num_kv_blocks)."""
-        check_vocabulary(config.speculative_model, draft.spec, draft.tokenizer, target, target_tokenizer)
+    def __init__(self, config: EngineConfig, draft: LoadedModel) -> None:
+        """draft: load_draft(config, ...); config: resolved for the pool (num_kv_blocks)."""
         self.model = draft.model
         self.device = torch.device(config.device)
         self.max_positions = draft.spec.max_position_embeddings
@@ -132,7 +134,7 @@ class DraftModelProposer:
                 drafts[req.seq_id].token_ids.append(token)
             active = [(req, k, [token]) for (req, k, _), token in zip(active, tokens)]
         for req in sampled:
-            drafts[req.seq_id].probs = torch.stack(probs[req.seq_id]).cpu() if probs[req.seq_id] else None
+            drafts[req.seq_id].probs = torch.stack(probs[req.seq_id]) if probs[req.seq_id] else None
         return [drafts[req.seq_id] for req in requests]
 
     def _forward(self, rows: list[tuple[str, list[int]]]) -> torch.Tensor:

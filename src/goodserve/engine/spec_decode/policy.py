@@ -6,7 +6,8 @@ acceptance, against what a verify step costs beside a plain decode step (VerifyC
   find (an n-gram with no match), so it estimates the chance a planned draft is kept; k drafts then
   add a + a^2 + ... + a^k tokens in expectation (kept drafts are a prefix). Counting the misses keeps
   a sequence whose text is never copied from staying in the plan on its starting estimate, which
-  would keep every step synchronous (a step with a plan cannot run ahead: engine/frontend/engine.py).
+  would keep every step synchronous (the step after one with a plan cannot run ahead of it:
+  engine/frontend/engine.py).
 - For each k, the sequences whose expected gain pays their own drafts' cost draft k; the step drafts
   with the k of the best throughput (tokens per step time over a plain step's), if that beats 1. A
   drafting sequence's cost counts lookahead's window too (tokens computed beside the drafts); a
@@ -22,11 +23,15 @@ acceptance, against what a verify step costs beside a plain decode step (VerifyC
   batch 32); spec_policy "always" drafts num_speculative_tokens for every eligible sequence under
   that bound (tests, and benchmarks of the verify path).
 
-Drafts never exceed what the sequence may still write (max_tokens, the context window) or the
-step's token budget. Not speculated: sequences with a grammar (its mask for position j would need
-the matcher advanced through the drafts before j) and prefill-only ones. Everything else is exact
-under speculation (engine/spec_decode/acceptance.py, rejection.py). The policy decides each
-sequence's k; the proposer behind it (proposer.py) proposes for all of them in one call."""
+The plan is made with the step it follows (plan_next: a k per row of the step that samples, in
+SchedulerOutput.num_next_drafts) and proposed for once that step is computed (propose_next): by the
+host proposer behind it (proposer.py: n-gram, lookahead), for all of them in one call, or by the
+drafter in the runner (a draft model, engine/worker/drafter.py), whose drafts come back in the
+step's output (ModelRunnerOutput.spec_token_ids). Drafts never exceed what the sequence may still
+write (max_tokens, the context window) or the step's token budget. Not speculated: sequences with a
+grammar (its mask for position j would need the matcher advanced through the drafts before j) and
+prefill-only ones. Everything else is exact under speculation (engine/spec_decode/acceptance.py,
+rejection.py)."""
 
 from __future__ import annotations
 
@@ -35,6 +40,8 @@ from dataclasses import dataclass
 from goodserve.config import EngineConfig
 from goodserve.engine.core.sequence import Sequence
 from goodserve.engine.seam.drafts import Branch, BranchOutput, DraftRequest, Drafts
+from goodserve.engine.seam.runner_output import ModelRunnerOutput
+from goodserve.engine.seam.scheduler_output import SchedulerOutput
 from goodserve.engine.spec_decode.proposer import Proposer
 
 TRIAL_WEIGHT = 0.3  # of each judged draft in a sequence's acceptance average
@@ -89,7 +96,7 @@ NATIVE_SPLIT_COST = VerifyCost(per_seq=0.24, fixed=-0.25, per_draft_token=0.31)
 
 # A draft model's step (draft_model.py), eager: ~1/4 of a float32 target step for the embedded
 # model's self:int4 draft on the CPU (benchmarks/BENCHMARKS.md, CPU speculative decoding). Not
-# measured on a GPU, where the draft runs eagerly beside graphed target steps: likely dearer there.
+# measured on a GPU, where the draft runs eagerly after graphed target steps: likely dearer there.
 DRAFT_POSITION_COST = 0.25
 
 
@@ -109,7 +116,8 @@ def expected_accepted(acceptance: float, k: int) -> float:
 
 
 class Speculator:
-    def __init__(self, config: EngineConfig, proposer: Proposer, cost: VerifyCost | None = None) -> None:
+    def __init__(self, config: EngineConfig, proposer: Proposer | None, cost: VerifyCost | None = None) -> None:
+        """proposer: the host's (n-gram, lookahead); None where the runner's drafter proposes (a draft model)."""
         self.config = config
         self.proposer = proposer
         self.cost = cost or verify_cost(config)
@@ -142,10 +150,6 @@ class Speculator:
             plan |= {seq.seq_id: c.num_speculative_tokens for seq in eligible if seq.seq_id not in plan}
         return plan
 
-    def plans_drafts(self, running: list[Sequence]) -> bool:
-        """Whether the plan for the running sequences gives any of them drafts."""
-        return bool(self.plan(running, len(running)))
-
     def _paying(self, seqs: list[Sequence], num_running: int) -> dict[str, int]:
         """The k of the best expected throughput, for the sequences whose gain pays their drafts."""
         best, best_gain = {}, 1.0
@@ -166,27 +170,53 @@ class Speculator:
                 best, best_gain = chosen, gain
         return best
 
-    def propose_next(self, running: list[Sequence]) -> None:
-        """After a step, with none in flight: drafts for the next step's decoding sequences, each as
-        many as the plan gives it and it may still write, in one call to the proposer. The next step
-        takes what its budget leaves room for (drafts_for_step)."""
-        decoding = [seq for seq in running if seq.num_uncomputed_tokens == 1]
-        plan = self.plan(decoding, len(running))
-        wanted = [(seq, k) for seq in decoding if seq.seq_id in plan
-                  for k in [self.drafts_for(seq, plan[seq.seq_id], plan[seq.seq_id])] if k]
-        self.pending = self.propose(wanted) if wanted else {}
+    def plan_next(self, seqs: list[Sequence], out: SchedulerOutput, num_running: int) -> dict[int, int]:
+        """With a step (seqs: its rows' sequences), the plan for the next one: row -> how many drafts
+        to propose once this step is computed, for the rows that sample (they decode next), as many
+        as the plan gives and the sequence may still write after this step's token. A plan made
+        while a probe is due probes (it holds every eligible sequence), whatever is proposed then
+        (an n-gram may find no match), so the probes' steps stay bounded: the step after each is
+        synchronous."""
+        sampling = [(row, seq) for row, seq in enumerate(seqs) if out.samples[row]]
+        plan = self.plan([seq for _, seq in sampling], num_running)
+        found = {row: k for row, seq in sampling if (k := self.drafts_for(seq, plan.get(seq.seq_id, 0), written=1))}
+        if found and self.probe_due:
+            self.steps_since_probe = 0
+        return found
+
+    def propose_next(self, out: SchedulerOutput, output: ModelRunnerOutput, seqs: dict[str, Sequence]) -> None:
+        """Once step `out` is computed and its tokens appended: the drafts of its planned rows for
+        their next step, from the runner's drafter (output.spec_token_ids) or, with a host proposer,
+        proposed now, as many as each sequence may still write, in one call. The next step takes
+        what its budget leaves room for (drafts_for_step). seqs: the unfinished sequences by id."""
+        planned = [(row, seq, k) for row, k in out.num_next_drafts.items()
+                   if (seq := seqs.get(out.seq_ids[row])) is not None]
+        if self.proposer is None:
+            proposals = [(seq, Drafts(output.spec_token_ids.get(row, []))) for row, seq, _ in planned]
+        else:
+            wanted = [(seq, left) for _, seq, k in planned if (left := self.drafts_for(seq, k))]
+            proposals = zip((seq for seq, _ in wanted), self.propose(wanted))
+        self.pending = {}
+        for seq, drafts in proposals:
+            if drafts.token_ids or drafts.branch is not None:
+                self.pending[seq.seq_id] = drafts
+            else:  # nothing to verify: a draft planned and not kept, or the plan never empties
+                seq.spec_acceptance -= TRIAL_WEIGHT * seq.spec_acceptance
 
     def drafts_for_step(self, seq: Sequence, room: int) -> Drafts | None:
         """seq's proposed drafts, at most `room` of them (what the step's budget leaves after its own
-        token); None when there are none or no room."""
+        token) and what it may still write; None when there are none or no room."""
         drafts = self.pending.get(seq.seq_id)
-        return drafts.first(room) if drafts is not None and room > 0 else None
+        if drafts is None or room <= 0:
+            return None
+        drafts = drafts.first(min(room, self.drafts_for(seq, len(drafts.token_ids))))
+        return drafts if drafts.token_ids or drafts.branch is not None else None
 
-    def drafts_for(self, seq: Sequence, k: int, room: int) -> int:
-        """Of the plan's k, those seq's step may verify: at most `room`, and the step writes 1 + k
-        tokens, all of which must be allowed."""
+    def drafts_for(self, seq: Sequence, k: int, written: int = 0) -> int:
+        """Of k drafts, those seq's step may verify once it has written `written` more tokens: the
+        step writes 1 + k tokens, all of which must be allowed."""
         left = min((seq.params.max_tokens or seq.max_len) - seq.num_output_tokens, seq.max_len - seq.num_tokens)
-        return max(min(k, room, left - 1), 0)
+        return max(min(k, left - written - 1), 0)
 
     @property
     def probe_due(self) -> bool:
@@ -196,21 +226,9 @@ class Speculator:
         """A step was scheduled (ahead of the one in flight too)."""
         self.steps_since_probe += 1
 
-    def propose(self, wanted: list[tuple[Sequence, int]]) -> dict[str, Drafts]:
-        """Drafts per sequence id, for every (sequence, k) at once. Asked while a probe is due, it
-        probes (the plan held every eligible sequence) even if nothing is proposed (an n-gram finds no
-        match), so the probes' steps stay bounded: each of them stops the engine running ahead."""
-        if self.probe_due:
-            self.steps_since_probe = 0
-        found = {}
-        requests = [DraftRequest(seq.seq_id, seq.token_ids, k, seq.params.temperature,
-                                 None if seq.params.seed is None else seq.params.seed + seq.index) for seq, k in wanted]
-        for (seq, _), drafts in zip(wanted, self.proposer.propose(requests)):
-            if drafts.token_ids or drafts.branch is not None:
-                found[seq.seq_id] = drafts
-            else:  # nothing to verify: a draft planned and not kept, or the plan never empties
-                seq.spec_acceptance -= TRIAL_WEIGHT * seq.spec_acceptance
-        return found
+    def propose(self, wanted: list[tuple[Sequence, int]]) -> list[Drafts]:
+        """The host proposer's drafts for every (sequence, k) at once."""
+        return self.proposer.propose([DraftRequest(seq.seq_id, seq.token_ids, k) for seq, k in wanted])
 
     def verified(self, seq: Sequence, drafts: list[int], num_rejected: int, branch: Branch | None = None,
                  output: BranchOutput | None = None) -> None:
@@ -222,8 +240,11 @@ class Speculator:
             self.proposer.learn(seq.seq_id, seq.token_ids, drafts, branch, output)
 
     def release(self, seq: Sequence) -> None:
+        """seq left (finished, aborted, preempted); the runner's drafter hears of it with the next
+        step (SchedulerOutput.finished_seq_ids, preempted_seq_ids)."""
         self.pending.pop(seq.seq_id, None)
-        self.proposer.release(seq.seq_id)
+        if self.proposer is not None:
+            self.proposer.release(seq.seq_id)
 
     def observe(self, seq: Sequence, num_proposed: int, num_accepted: int) -> None:
         self.num_drafts += 1

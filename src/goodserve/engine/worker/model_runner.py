@@ -3,9 +3,10 @@ the model, samples.
 
 The runner owns the model, its KV cache, the persistent input buffers (pinned staging on the host,
 a captured graph's own buffer on the device), the CUDA graphs (engine/worker/cuda_graphs.py), the sampler,
-and per sequence what sampling needs for its whole life (model_inputs.RequestState). It reads plain
-data (engine/seam/scheduler_output.py) and gives back plain data (engine/seam/runner_output.py), so it can
-live in a worker process (engine/worker/worker.py).
+per sequence what sampling needs for its whole life (model_inputs.RequestState), and, with a draft
+model, the drafter (engine/worker/drafter.py) that proposes after each step for the next. It reads
+plain data (engine/seam/scheduler_output.py) and gives back plain data (engine/seam/runner_output.py),
+so it can live in a worker process (engine/worker/worker.py).
 
 A step is two calls: execute_model launches the forward; sample_tokens, given the grammar bitmask
 the engine filled meanwhile, samples and starts copying the tokens to the host. The tokens also
@@ -26,6 +27,7 @@ import torch
 from goodserve.config import EngineConfig
 from goodserve.engine.worker.context_parallel import ContextParallel, LocalShare
 from goodserve.engine.worker.cuda_graphs import GraphSet, capture_graphs, graph_for
+from goodserve.engine.worker.drafter import Drafter
 from goodserve.engine.worker.isolation import rewind_generators
 from goodserve.engine.setup.kv_cache import allocate_kv_cache
 from goodserve.engine.setup.kv_groups import kv_groups
@@ -59,9 +61,10 @@ class _Launched:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model: LlamaForCausalLM, num_blocks: int, kv_dtype: torch.dtype,
-                 eos_token_ids: list[int], cp: ContextParallel = ContextParallel()) -> None:
+                 eos_token_ids: list[int], cp: ContextParallel = ContextParallel(), drafter: Drafter | None = None) -> None:
         self.config = config
         self.model = model
+        self.drafter = drafter  # a draft model's proposals, on the rank whose output the engine reads
         self.cp = cp  # context parallelism: prefills split over the ranks (engine/worker/context_parallel.py)
         self.device = device = torch.device(config.device)
         self.block_size = config.block_size
@@ -136,12 +139,15 @@ class ModelRunner:
         t0 = time.perf_counter()
         out, rows = step.out, step.inputs.sample_rows
         drafts = [out.draft_token_ids.get(r, []) for r in rows]
+        # A trial verifies sampled drafts as point masses: the rejection rule would draw on seeded generators.
+        drafting = self.drafter is not None and out.draft_token_ids and not trial
+        draft_probs = self.drafter.draft_probs(out, rows) if drafting else {}
         sampled, seeded = None, []
         if rows and self.model.pp.is_last:  # stages before the last have no logits: rank 0 takes the last's output
             sampling = build_sampling_batch(_sampling_rows(out, rows, drafts, self.requests), self.vocab_size,
                                             self.device, self.eos_token_ids, _per_position(grammar, drafts))
             if not trial and not sampling.all_greedy and out.draft_token_ids:
-                seeded = _seeded_drafting_rows(rows, drafts, out, self.requests)
+                seeded = _seeded_drafting_rows(rows, drafts, out, draft_probs, self.requests)
             with rewind_generators(sampling, always=trial):
                 sampled = sample(step.output.logits, sampling, self.model.kernels, step.output.logits_argmax)
             # Every rank samples from the same gathered logits; rank 0's tokens are the ones the engine
@@ -171,20 +177,28 @@ class ModelRunner:
             host = host_tokens.tolist()
             kept = kept_tokens(host, drafts)
             _draw_as_if_not_drafted(seeded, kept, self.vocab_size)
-            if out.draft_probs:
-                _verify_sampled_drafts(kept, sampled.probs, host, rows, drafts, out, self.requests)
-            return ModelRunnerOutput(
-                rows, kept, _sampled_logprobs(sampled, step.output.logits, rows, drafts, kept, out, self.requests),
+            if draft_probs:
+                _verify_sampled_drafts(kept, sampled.probs, host, rows, drafts, out, draft_probs, self.requests)
+            output = ModelRunnerOutput(
+                rows, kept, _sampled_logprobs(sampled, step.output.logits, rows, drafts, kept, out, draft_probs,
+                                              self.requests),
                 {row: (first, *(t.tolist() for t in lists)) for row, (first, *lists) in prompt_logprobs.items()},
                 {row: total.cpu() for row, total in step.output.pooled.items()},
                 step.prepare_s, step.launch_s + time.perf_counter() - t1, sample_s,
-                _branch_outputs(out, step.output.branch_argmax, host, rows, drafts),
+                branches=_branch_outputs(out, step.output.branch_argmax, host, rows, drafts),
                 context_parallel=step.inputs.shared_logit_rows is not None)
+            if self.drafter is not None and not trial:  # the next step's drafts, from the tokens just kept
+                t2 = time.perf_counter()
+                output.spec_token_ids = self.drafter.propose(out, rows, kept)
+                output.propose_s = time.perf_counter() - t2
+            return output
 
         return PendingOutput(fetch, replayed_graph=step.inputs.graph is not None)
 
     def _update_requests(self, out: SchedulerOutput) -> None:
         """Idempotent: a retried step carries the same news again."""
+        if self.drafter is not None:
+            self.drafter.update(out)
         for seq_id in out.finished_seq_ids:
             self.requests.pop(seq_id, None)
         for new in out.new_requests:
@@ -342,13 +356,14 @@ def _per_position(grammar: GrammarBitmask | None, drafts: list[list[int]]) -> Gr
 
 
 def _seeded_drafting_rows(rows: list[int], drafts: list[list[int]], out: SchedulerOutput,
+                          draft_probs: dict[int, torch.Tensor],
                           requests: dict[str, RequestState]) -> list[tuple[int, torch.Generator, torch.Tensor]]:
     """(index, generator, state before sampling) of the drafting rows with a seed and point-mass
     drafts (the rejection rule of sampled drafts draws on from where sampling left the generator)."""
     found = []
     for i, (row, row_drafts) in enumerate(zip(rows, drafts)):
         generator = requests[out.seq_ids[row]].generator
-        if row_drafts and generator is not None and row not in out.draft_probs:
+        if row_drafts and generator is not None and row not in draft_probs:
             found.append((i, generator, generator.get_state()))
     return found
 
@@ -364,20 +379,21 @@ def _draw_as_if_not_drafted(seeded: list, kept: list[list[int]], vocab_size: int
 
 
 def _verify_sampled_drafts(kept: list[list[int]], probs: torch.Tensor, sampled: list[int], rows: list[int],
-                           drafts: list[list[int]], out: SchedulerOutput, requests: dict[str, RequestState]) -> None:
-    """The rows whose drafts a draft model sampled keep what the rejection rule keeps (in place); the
-    target's own sample at the position after their drafts is the bonus token."""
+                           drafts: list[list[int]], out: SchedulerOutput, draft_probs: dict[int, torch.Tensor],
+                           requests: dict[str, RequestState]) -> None:
+    """The rows whose drafts a draft model sampled (from draft_probs[row]) keep what the rejection
+    rule keeps (in place); the target's own sample at the position after their drafts is the bonus token."""
     at = 0
     for i, (row, row_drafts) in enumerate(zip(rows, drafts)):
         end = at + len(row_drafts)
-        if row in out.draft_probs:
-            kept[i] = kept_by_rejection(probs[at : end + 1], out.draft_probs[row], row_drafts, sampled[end],
+        if row in draft_probs:
+            kept[i] = kept_by_rejection(probs[at : end + 1], draft_probs[row], row_drafts, sampled[end],
                                         requests[out.seq_ids[row]].generator)
         at = end + 1
 
 
 def _sampled_logprobs(sampled: SamplerOutput | None, logits: torch.Tensor, rows: list[int], drafts: list[list[int]],
-                      kept: list[list[int]], out: SchedulerOutput,
+                      kept: list[list[int]], out: SchedulerOutput, draft_probs: dict[int, torch.Tensor],
                       requests: dict[str, RequestState]) -> dict[int, list[tuple[list[float], list[int], int]]]:
     """Per sampled row that asked for logprobs: per kept token, its logprob and its top alternatives'.
     A row verifying sampled drafts may keep tokens other than the sampler's: those are looked up."""
@@ -387,7 +403,7 @@ def _sampled_logprobs(sampled: SamplerOutput | None, logits: torch.Tensor, rows:
     found, at = {}, 0
     for i, (row, row_drafts, tokens) in enumerate(zip(rows, drafts, kept)):
         num_top = requests[out.seq_ids[row]].params.logprobs
-        if num_top is not None and row in out.draft_probs:
+        if num_top is not None and row in draft_probs:
             own = gather_logprobs(logits[at : at + len(tokens)], torch.tensor(tokens, device=logits.device), num_top)
             found[i] = list(zip(*(t.tolist() for t in own)))
         elif num_top is not None:

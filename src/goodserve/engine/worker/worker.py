@@ -3,7 +3,8 @@ steps the executor hands it through its model runner. Under tensor parallelism t
 rank (`rank`): each holds its share of the weights and of the KV heads, and all agree on one number
 of KV blocks, since the scheduler's block tables serve them all. Under pipeline parallelism a stage's
 workers hold its layers only, and their KV cache those layers' (no CUDA graphs yet: the stages'
-hand-off is not captured)."""
+hand-off is not captured). A draft model (speculative_model) is the drafter's of one worker: the
+one whose output the engine reads (engine/worker/drafter.py)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ from goodserve.engine.worker.model_runner import ModelRunner
 from goodserve.engine.seam.runner_output import PendingOutput
 from goodserve.engine.worker.sampling_inputs import GrammarBitmask
 from goodserve.engine.seam.scheduler_output import SchedulerOutput
-from goodserve.engine.spec_decode.draft_model import draft_kv_bytes_per_block
+from goodserve.engine.spec_decode.draft_model import DraftModelProposer, draft_kv_bytes_per_block, load_draft
+from goodserve.engine.worker.drafter import Drafter
 from goodserve.model.custom_all_reduce import set_up_custom_all_reduce
 from goodserve.model.pipeline_parallel import PipelineParallel
 from goodserve.model.spec import ModelSpec
@@ -65,19 +67,22 @@ class Worker:
         config = resolve_for_model(config, loaded.spec)
         kv_dtype = kv_storage_dtype(config, torch_dtype(config))
         local_spec = pp.local_spec(tp.local_spec(loaded.spec))
-        # A draft model's pool has as many blocks, in the engine's process on rank 0's device (the
-        # pool is the smallest over the ranks: rank 0's).
-        holds_draft = config.speculative_model and tp.rank == 0 and pp.stage == 0
-        draft = draft_kv_bytes_per_block(config, loaded.spec) if holds_draft else 0
+        # The drafting rank (tensor rank 0 of the last stage, whose output the engine reads) loads the
+        # draft's weights before the pool is sized, which then holds as many draft blocks beside its
+        # own (the pool is the smallest over the ranks: that rank's).
+        drafts = config.speculative_model and tp.rank == 0 and pp.is_last
+        draft = load_draft(config, loaded.spec, loaded.tokenizer) if drafts else None
+        draft_block = draft_kv_bytes_per_block(config, loaded.spec) if draft is not None else 0
         groups = kv_groups(loaded.spec, config)
-        num_blocks = num_blocks_for_memory(local_spec, config, device, torch_dtype(config), kv_dtype, draft,
+        num_blocks = num_blocks_for_memory(local_spec, config, device, torch_dtype(config), kv_dtype, draft_block,
                                            len(groups.slots(pp.layers(loaded.spec.num_layers))))
         if rank is not None:
             num_blocks = distributed.min_over_ranks(num_blocks, rank)
         config = resolve_for_pool(config, num_blocks, groups)
         tokenizer = loaded.tokenizer
         eos = sorted(set(loaded.spec.eos_token_ids) | set(tokenizer.eos_token_ids if tokenizer else []))
-        self.runner = ModelRunner(config, loaded.model, config.num_kv_blocks, kv_dtype, eos, cp)
+        drafter = Drafter(DraftModelProposer(config, draft)) if draft is not None else None
+        self.runner = ModelRunner(config, loaded.model, config.num_kv_blocks, kv_dtype, eos, cp, drafter)
         self.info = ModelInfo(config, loaded.spec, tokenizer, eos, loaded.revision,
                               bool(self.runner.decode_graphs.graphs or self.runner.mixed_graphs.graphs),
                               _all_reduce_name(tp, device), loaded.model.native_decode is not None)
