@@ -8,7 +8,8 @@ cache is warm):
 
   decode    batch 1, a 128-token prompt, 256 new tokens (greedy, ignore_eos): decode tok/s from the
             time of 256 tokens less the time of 1 (so the prefill and the request's overhead drop out,
-            the same arithmetic for both engines), and TTFT as the time of the 1-token request. ~5 s
+            the same arithmetic for both engines), and TTFT as the time of the 1-token request (the
+            best of 3 runs of one prompt: after the first, its KV is cached, so a hit's TTFT). ~5 s
   sharegpt  500 requests at once, ShareGPT-like lengths (gpu_engine.py's lognormal draws: inputs
             ~200, outputs ~180 tokens, clipped to 4..1024), ignore_eos: requests/s and output tok/s. ~15 s
   prefix    a 4,096-token system prompt shared by short questions (20 tokens), batch 1, one after
@@ -21,13 +22,15 @@ cache is warm):
             for both (peer_serving.py): Poisson arrivals of bench's ShareGPT-like workload, 200
             prompts a probe, goodput capacity at TTFT <= 200 ms and TPOT <= 50 ms (the rate where
             SLO attainment crosses 90%), or with --online-rates a fixed ladder. Its own order,
-            --online-order (default "gv": one server each). ~3-4 min an engine: a probe lasts until
-            its longest answer (up to ~2,000 tokens) drains, 30-50 s, and a search takes ~5 probes.
+            --online-order (default "gv": one server each). ~2.5-3.5 min an engine: a search takes
+            ~5 probes, each ~6 s of arrivals then the drain of its longest answer (up to ~2,000
+            tokens, 15-25 s), plus the server's start (goodserve ~20 s, vLLM ~70 s).
 
 The in-process parts at --order gvvg take ~5 min (goodserve ~45 s a run, vLLM ~100 s); online at
-"gv" ~7 min. Together they pass one device call's 10 minutes, so on the GPU they go in two calls:
---parts decode,sharegpt,prefix,long, then --parts online. --deadline-s (default 570) starts no run
-past it and stops the run in progress there: the JSON, rewritten after every run, keeps what finished.
+"gv" ~6 min. Together they pass one device call's 10 minutes, so on the GPU they go in two calls
+back to back: --parts decode,sharegpt,prefix,long, then --parts online. --deadline-s (default 570)
+starts no run past it and stops the one in progress there: the JSON, rewritten after every run,
+keeps what finished.
 
 Both engines at their defaults, as their users get them; the settings each resolved are recorded
 (vLLM: max_num_seqs, max_num_batched_tokens, CUDA graphs / compilation, attention backend, and the
@@ -36,7 +39,7 @@ reads the shape from a config.json written here; offline prompts are token ids, 
 in the synthetic tokenizer peer_model.py writes for both.
 
   PYTHONPATH=src python3 benchmarks/gpu_peer_vllm.py --order gvvg     (writes $OUT/gpu_peer_vllm.json)
-  one engine alone: --engine goodserve|vllm --json FILE   (vLLM: PYTHONPATH=/tmp/vsite:src)
+  one engine alone: --engine goodserve|vllm --json FILE
 
 vLLM's packages (/tmp/vsite, --vllm-site, from ../shared/peers/vllm-gpu.sh) go on the path of
 vLLM's processes only: goodserve's run with the packages goodserve installs with.

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -93,12 +94,13 @@ def start_vllm(env: dict[str, str]):
     return ServerProcess(process, f"http://127.0.0.1:{port}", Path(log_path), name="vllm serve")
 
 
-def stop(server) -> None:
+def stop(server, engine: str) -> None:
     server.stop()
-    try:
-        os.killpg(server.process.pid, signal.SIGKILL)  # what its own shutdown left (a session of its own)
-    except (ProcessLookupError, PermissionError):
-        pass
+    if engine == "vllm":
+        try:
+            os.killpg(server.process.pid, signal.SIGKILL)  # what its own shutdown left (a session of its own)
+        except ProcessLookupError:
+            pass
 
 
 def bench(url: str, served_name: str, tokenizer: str, plan: OnlinePlan, out_dir: str, filename: str,
@@ -109,7 +111,6 @@ def bench(url: str, served_name: str, tokenizer: str, plan: OnlinePlan, out_dir:
                "--tokenizer", tokenizer, *plan.workload, "--num-prompts", str(plan.num_prompts), "--ignore-eos",
                *SLO_ARGS, "--num-warmups", str(plan.num_warmups), *plan.rate_args(), "--save-result",
                "--result-dir", out_dir, "--result-filename", filename, "--disable-tqdm"]
-    os.makedirs(out_dir, exist_ok=True)
     path, log_path = os.path.join(out_dir, filename), os.path.join(out_dir, filename + ".log")
     with open(log_path, "w") as log:
         code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s, env=env).returncode
@@ -128,8 +129,9 @@ def probe_summary(run: dict) -> dict:
 def serve_and_bench(engine: str, plan: OnlinePlan, out_dir: str, filename: str, timeout_s: float,
                     model: str = GOODSERVE_MODEL, device: str = "auto", vllm_site: str = "/tmp/vsite") -> dict:
     """One engine's server started, loaded by bench, stopped; its result summarized (bench's whole
-    result stays in out_dir/filename)."""
+    result stays in out_dir/filename, its output in filename.log, the server's in filename.server.log)."""
     deadline = time.monotonic() + timeout_s
+    os.makedirs(out_dir, exist_ok=True)
     served_name = model if engine == "goodserve" else GOODSERVE_MODEL  # each server's default name
     tokenizer = tokenizer_for(served_name, tempfile.mkdtemp(prefix="tok-"))
     start = time.perf_counter()
@@ -152,7 +154,8 @@ def serve_and_bench(engine: str, plan: OnlinePlan, out_dir: str, filename: str, 
     except (RuntimeError, OSError, subprocess.TimeoutExpired) as exc:
         result["error"] = f"{type(exc).__name__}: {str(exc)[-2000:]}"
     finally:
-        stop(server)
+        stop(server, engine)
+        shutil.copyfile(server.log_path, os.path.join(out_dir, filename + ".server.log"))
         if engine == "vllm":
             result["settings_log"] = settings_log(server.log())
         result["server_log_tail"] = server.log()[-1500:] if result.get("error") else None
