@@ -70,8 +70,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_engine import random_prompts, sharegpt_like_lengths  # noqa: E402
-from peer_model import GOODSERVE_MODEL, LLAMA_31_8B_CONFIG, preset_of  # noqa: E402
-from peer_serving import OnlinePlan, engine_env, serve_and_bench, settings_log  # noqa: E402
+from peer_model import GOODSERVE_MODEL, LLAMA_31_8B_CONFIG, VLLM_ENGINE_ARGS, preset_of, vllm_model_dir  # noqa: E402
+from peer_serving import OnlinePlan, engine_env, serve_and_bench  # noqa: E402
+from peer_vllm_settings import settings_log, vllm_settings  # noqa: E402
 
 OUT = os.environ.get("OUT", "/tmp/out")
 IN_PROCESS_PARTS = ("decode", "sharegpt", "prefix", "long")
@@ -142,25 +143,10 @@ class VllmEngine:
     def __init__(self, model: str, device: str):  # its environment: peer_serving.engine_env
         from vllm import LLM
 
-        from peer_model import vllm_model_dir
-
-        self.llm = LLM(model=vllm_model_dir(), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16")
+        self.llm = LLM(model=vllm_model_dir(), skip_tokenizer_init=True, **VLLM_ENGINE_ARGS)
 
     def settings(self) -> dict:
-        import vllm
-
-        config = self.llm.llm_engine.vllm_config
-        scheduler, compilation = config.scheduler_config, config.compilation_config
-        return {"version": vllm.__version__, "max_num_seqs": scheduler.max_num_seqs,
-                "max_num_batched_tokens": scheduler.max_num_batched_tokens,
-                "max_model_len": config.model_config.max_model_len,
-                "enforce_eager": config.model_config.enforce_eager,
-                "compilation": str(getattr(compilation, "mode", getattr(compilation, "level", None))),
-                "cudagraph_mode": str(getattr(compilation, "cudagraph_mode", None)),
-                "attention_backend": os.environ.get("VLLM_ATTENTION_BACKEND") or _vllm_attention_backend(config),
-                "enable_prefix_caching": config.cache_config.enable_prefix_caching,
-                "block_size": config.cache_config.block_size,
-                "gpu_memory_utilization": config.cache_config.gpu_memory_utilization}
+        return vllm_settings(self.llm.llm_engine.vllm_config)
 
     def generate(self, prompts: list[list[int]], max_tokens: list[int]) -> list[int]:
         from vllm import SamplingParams, TokensPrompt
@@ -168,19 +154,6 @@ class VllmEngine:
         params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False) for n in max_tokens]
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         return [len(o.outputs[0].token_ids) for o in outputs]
-
-
-def _vllm_attention_backend(config) -> str | None:
-    """The backend vLLM picked, read from its log-free state where this version keeps it (else the
-    driver's `settings_log`, from the run's log, says)."""
-    try:
-        from vllm.attention.selector import get_attn_backend
-
-        model = config.model_config
-        return get_attn_backend(model.get_head_size(), model.dtype, config.cache_config.cache_dtype,
-                                config.cache_config.block_size).get_name()
-    except Exception as exc:  # noqa: BLE001 - the selector's module and signature move between releases
-        return f"unknown ({type(exc).__name__})"
 
 
 def _sync() -> None:

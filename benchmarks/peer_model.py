@@ -30,6 +30,8 @@ LLAMA_31_8B_CONFIG = {
     "hidden_act": "silu", "torch_dtype": "bfloat16", "attention_bias": False, "mlp_bias": False,
 }
 GOODSERVE_MODEL = "dummy:llama-3.1-8b"
+# What vLLM is given beside the model directory (offline and served): the rest at its defaults.
+VLLM_ENGINE_ARGS = {"load_format": "dummy", "dtype": "bfloat16"}
 
 
 def write_synthetic_tokenizer(path: str, vocab_size: int, bos_id: int | None, eos_id: int | None) -> str:

@@ -6,14 +6,14 @@ attainment stays >= 90%) or a fixed ladder of rates.
 goodserve: `goodserve serve --model dummy:llama-3.1-8b --tokenizer DIR`; its resolved configuration
 comes back in bench's result (`engine_config`, from its /metrics). vLLM: `vllm serve DIR
 --load-format dummy --dtype bfloat16` over a directory holding the config.json and the tokenizer;
-what it resolved is read from its startup log (`settings_log`).
+what it resolved is its config rebuilt as the server builds it (`settings`) and the lines of its
+startup log that name settings (`settings_log`).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -24,15 +24,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from goodserve.bench.capacity import capacity_of
-from peer_model import GOODSERVE_MODEL, tokenizer_for, vllm_model_dir
+from peer_model import GOODSERVE_MODEL, VLLM_ENGINE_ARGS, tokenizer_for, vllm_model_dir
+from peer_vllm_settings import server_settings, settings_log
 
 SLO_ATTAINMENT_TARGET = 0.9
 SLO_ARGS = ["--goodput", "ttft:200", "tpot:50", "--slo-attainment-target", str(SLO_ATTAINMENT_TARGET)]
-# vLLM's startup lines that say what it resolved: scheduler limits, compilation and graphs, attention
-# backend, KV cache size (each release words them a little differently).
-_VLLM_SETTING_LINE = re.compile(
-    r"non-default args|Initializing a V1 LLM engine|max_num_batched_tokens|max_num_seqs|backend|"
-    r"cudagraph|CUDA graph|KV cache|Maximum concurrency|[Cc]hunked prefill|torch.compile|prefix caching")
 
 
 @dataclass
@@ -51,11 +47,6 @@ class OnlinePlan:
             return ["--goodput-capacity", "--capacity-start-rate", f"{self.start_rate:g}",
                     "--capacity-bisections", str(self.bisections), "--capacity-max-doublings", "4"]
         return ["--sweep-request-rates", ",".join(f"{r:g}" for r in self.rates)]
-
-
-def settings_log(text: str, limit: int = 40) -> list[str]:
-    """The lines of a vLLM log that name a resolved setting, each cut to 600 characters."""
-    return [line[:600] for line in text.splitlines() if _VLLM_SETTING_LINE.search(line)][:limit]
 
 
 def engine_env(engine: str, vllm_site: str) -> dict[str, str]:
@@ -78,7 +69,7 @@ def start_goodserve(model: str, device: str, tokenizer: str, env: dict[str, str]
     return start_server(args, env)
 
 
-def start_vllm(env: dict[str, str]):
+def start_vllm(model_dir: str, env: dict[str, str]):
     """`vllm serve` in a session of its own (its engine core is a child process: the whole group is
     signalled at the end, so no GPU memory outlives the run)."""
     from goodserve.ports import free_port
@@ -86,9 +77,9 @@ def start_vllm(env: dict[str, str]):
 
     port = free_port()
     log_path = tempfile.mkstemp(prefix="vllm-serve-", suffix=".log")[1]
-    command = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", vllm_model_dir(),
-               "--load-format", "dummy", "--dtype", "bfloat16", "--served-model-name", GOODSERVE_MODEL,
-               "--host", "127.0.0.1", "--port", str(port)]
+    flags = [item for key, value in VLLM_ENGINE_ARGS.items() for item in (f"--{key.replace('_', '-')}", value)]
+    command = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model_dir, *flags,
+               "--served-model-name", GOODSERVE_MODEL, "--host", "127.0.0.1", "--port", str(port)]
     with open(log_path, "wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     return ServerProcess(process, f"http://127.0.0.1:{port}", Path(log_path), name="vllm serve")
@@ -135,9 +126,9 @@ def serve_and_bench(engine: str, plan: OnlinePlan, out_dir: str, filename: str, 
     served_name = model if engine == "goodserve" else GOODSERVE_MODEL  # each server's default name
     tokenizer = tokenizer_for(served_name, tempfile.mkdtemp(prefix="tok-"))
     start = time.perf_counter()
-    client_env = engine_env("goodserve", vllm_site)  # bench is goodserve's
-    server = (start_goodserve(model, device, tokenizer, client_env) if engine == "goodserve"
-              else start_vllm(engine_env("vllm", vllm_site)))
+    client_env, vllm_env = engine_env("goodserve", vllm_site), engine_env("vllm", vllm_site)  # bench is goodserve's
+    model_dir = vllm_model_dir() if engine == "vllm" else None
+    server = (start_vllm(model_dir, vllm_env) if model_dir else start_goodserve(model, device, tokenizer, client_env))
     result: dict = {"engine": engine, "workload": plan.workload, "num_prompts": plan.num_prompts,
                     "mode": "capacity" if plan.rates is None else "ladder"}
     try:
@@ -156,8 +147,10 @@ def serve_and_bench(engine: str, plan: OnlinePlan, out_dir: str, filename: str, 
     finally:
         stop(server, engine)
         shutil.copyfile(server.log_path, os.path.join(out_dir, filename + ".server.log"))
-        if engine == "vllm":
+        if model_dir:
             result["settings_log"] = settings_log(server.log())
+            result["settings"] = server_settings({"model": model_dir, **VLLM_ENGINE_ARGS}, vllm_env,
+                                                 min(120.0, max(deadline - time.monotonic(), 1.0)))
         result["server_log_tail"] = server.log()[-1500:] if result.get("error") else None
     result["capacity_rate"] = (result.get("capacity") or {}).get("rate")
     return {key: value for key, value in result.items() if value is not None}
