@@ -32,6 +32,7 @@ class ServerProcess:
     process: subprocess.Popen
     url: str
     log_path: Path
+    name: str = "goodserve serve"  # what its errors call it
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -51,7 +52,7 @@ class ServerProcess:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"goodserve serve exited with {self.process.returncode}:\n{self.log()[-4000:]}")
+                raise RuntimeError(f"{self.name} exited with {self.process.returncode}:\n{self.log()[-4000:]}")
             try:
                 if httpx2.get(f"{self.url}/health", timeout=1.0).status_code == 200:
                     return
@@ -59,7 +60,7 @@ class ServerProcess:
                 pass
             time.sleep(0.2)
         self.stop(signal.SIGKILL)
-        raise RuntimeError(f"goodserve serve did not become healthy in {timeout_s}s:\n{self.log()[-4000:]}")
+        raise RuntimeError(f"{self.name} did not become healthy in {timeout_s}s:\n{self.log()[-4000:]}")
 
     def __enter__(self) -> "ServerProcess":
         return self
