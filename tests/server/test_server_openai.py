@@ -40,17 +40,12 @@ class Stack:
 ENGINE_THREAD, ENGINE_PROCESS = ["--no-engine-process"], ["--engine-process"]
 
 
-@pytest.fixture(scope="module")
-def reference_llm():
-    """The reference, one for both servers: the tests only generate with it."""
-    return LLM(MODEL, max_model_len=MAX_MODEL_LEN, cpu_kv_cache_bytes=64 << 20)
-
-
 @pytest.fixture(scope="module", params=[ENGINE_THREAD, ENGINE_PROCESS], ids=["engine-thread", "engine-process"])
-def stack(request, reference_llm):
+def stack(request, embedded_gguf_llm):
+    """The server (the embedded model as the CPU serves it by default) and the same model in this process."""
     with InProcessServer(["--max-model-len", str(MAX_MODEL_LEN), "--slo-ttft-ms", "600000", *request.param]) as server:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
-        yield Stack(server, reference_llm, client)
+        yield Stack(server, embedded_gguf_llm, client)
 
 
 # The heaviest tests exercise the HTTP layer, the same for both engines: the fast tier runs them on the
