@@ -66,6 +66,7 @@ def test_cpu_int8_activations_is_an_engine_option_off_by_default(embedded_gguf_l
     assert flags(LLM("smollm2-135m", num_kv_blocks=8, cpu_int8_activations=True)) == {True}
 
 
+@pytest.mark.slow  # two loads of the embedded model for a log line of CPUs without AVX2
 def test_cpu_int8_activations_without_the_kernel_says_it_keeps_float_rows(monkeypatch, caplog):
     """Where the build has no int8 kernel (it needs AVX2 or AVX-512BW) the option cannot act: the log says so."""
     from goodserve.native import int4_gemv
