@@ -37,23 +37,16 @@ class Stack:
         return self.server.url
 
 
-ENGINE_THREAD, ENGINE_PROCESS = ["--no-engine-process"], ["--engine-process"]
-
-
-@pytest.fixture(scope="module", params=[ENGINE_THREAD, ENGINE_PROCESS], ids=["engine-thread", "engine-process"])
+# The engine on a thread is what the other server tests (tests/helpers.py InProcessServer) run on, so
+# the fast tier runs this module on the engine in its own process (the server's default) and the full
+# tier on both.
+@pytest.fixture(scope="module", params=[pytest.param(["--no-engine-process"], marks=pytest.mark.slow),
+                                        ["--engine-process"]], ids=["engine-thread", "engine-process"])
 def stack(request, embedded_gguf_llm):
     """The server (the embedded model as the CPU serves it by default) and the same model in this process."""
     with InProcessServer(["--max-model-len", str(MAX_MODEL_LEN), "--slo-ttft-ms", "600000", *request.param]) as server:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
         yield Stack(server, embedded_gguf_llm, client)
-
-
-# The heaviest tests exercise the HTTP layer, the same for both engines: the fast tier runs them on the
-# engine in its own process (the server's default), the full tier on both.
-BOTH_ENGINES_IN_THE_FULL_TIER = pytest.mark.parametrize("stack", [
-    pytest.param(ENGINE_THREAD, id="engine-thread", marks=pytest.mark.slow),
-    pytest.param(ENGINE_PROCESS, id="engine-process"),
-], indirect=True)
 
 
 def reference(llm: LLM, prompt: str, **params) -> str:
@@ -167,7 +160,6 @@ def test_chat_logprobs_in_openai_format(stack):
         assert bytes(t.bytes).decode() == t.token
 
 
-@BOTH_ENGINES_IN_THE_FULL_TIER
 def test_64_concurrent_streams_equal_sequential_runs(stack):
     prompts = [f"Item {i}: the number {i} plus one is" for i in range(64)]
     sequential = [
@@ -298,7 +290,6 @@ def test_bad_input_through_the_openai_client_raises_its_typed_errors(stack):
         stack.client.completions.create(model=MODEL, prompt="hi", max_tokens=MAX_MODEL_LEN)
 
 
-@BOTH_ENGINES_IN_THE_FULL_TIER
 def test_schemathesis_finds_no_server_errors(stack):
     import schemathesis
     from hypothesis import HealthCheck, given, settings
