@@ -117,6 +117,7 @@ def test_greedy_mixed_batch_with_plain_requests_is_identical(embedded_llm, looka
     assert _tokens(lookahead_llm.generate(prompts, params)) == _tokens(embedded_llm.generate(prompts, params))
 
 
+@pytest.mark.slow  # the fast tier runs the same check with the n-gram proposer (test_spec_decode.py)
 def test_greedy_with_chunked_prefill_and_prefix_hits_is_identical(embedded_llm):
     check_chunked_and_prefix_hits(_lookahead_llm(max_num_batched_tokens=24), embedded_llm,
                                   [COPY, OTHERS[0], COPY, CHAT[1]], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
