@@ -1,4 +1,4 @@
-"""Shared fixtures. The embedded model and its Hugging Face twin load once per test session."""
+"""Shared fixtures. The embedded model (float32 and GGUF) and its Hugging Face twin load once per test session."""
 
 from __future__ import annotations
 
@@ -30,6 +30,15 @@ def embedded_llm():
 
     # The float32 path (not the CPU's default gguf codes): tests compare it with HF transformers.
     return LLM("smollm2-135m", quantization="none", cpu_kv_cache_bytes=256 << 20)
+
+
+@pytest.fixture(scope="session")
+def embedded_gguf_llm():
+    """The embedded model as the CPU serves it by default (its GGUF codes, native decode): a reference
+    that tests only generate with and read (a test that changes its layers builds its own)."""
+    from goodserve import LLM
+
+    return LLM("smollm2-135m", cpu_kv_cache_bytes=64 << 20)
 
 
 @pytest.fixture(scope="session")

@@ -287,23 +287,32 @@ def test_a_step_whose_tokens_never_arrive_fails_its_requests_not_the_engine(embe
     assert again.error is None and len(again.outputs[0].token_ids) == 3
 
 
-def test_speculation_still_drafts_under_async_scheduling(embedded_llm):
+# Greedy decoding of a story long enough for probes (one step in PROBE_EVERY): speculation's tests.
+STORY = "Once upon a time"
+STORY_PARAMS = SamplingParams(temperature=0, max_tokens=3 * PROBE_EVERY, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def story_tokens(embedded_llm) -> list[int]:
+    """The plain synchronous engine's greedy tokens for STORY: the reference of both tests below."""
+    return embedded_llm.generate([STORY], STORY_PARAMS)[0].outputs[0].token_ids
+
+
+def test_speculation_still_drafts_under_async_scheduling(story_tokens):
     """A step scheduled ahead of the one in flight cannot carry drafts (they continue tokens not yet
     on the host), so while the speculator may draft the engine does not run ahead: drafts are made
     and verified, and the tokens are plain greedy decoding's."""
-    from test_spec_decode import GREEDY, _spec_llm, _tokens
+    from test_spec_decode import _spec_llm, _tokens
 
     # No earlier occurrence of its last token: the first decode steps have no drafts (the sequence
     # leaves the plan after a few misses, and steps run ahead); the story repeats itself later,
     # where a probe (one step in PROBE_EVERY) finds prompt lookup's matches again.
-    prompt = "Once upon a time"
-    params = dataclasses.replace(GREEDY, max_tokens=3 * PROBE_EVERY)
     spec_llm = _spec_llm()
     with engine_mode(spec_llm, graphs=True, async_scheduling=True):
-        tokens = _tokens(spec_llm.generate([prompt], params))
+        tokens = _tokens(spec_llm.generate([STORY], STORY_PARAMS))
     stats = spec_llm.engine.stats()
     assert stats.spec_decode_num_draft_tokens > 0 and stats.num_pipelined_steps > 0
-    assert tokens == _tokens(embedded_llm.generate([prompt], params))
+    assert tokens == [story_tokens]
 
 
 class _WrongProposer:
@@ -321,20 +330,17 @@ class _WrongProposer:
         pass
 
 
-def test_rejected_speculation_stops_and_steps_run_ahead_again(embedded_llm):
+def test_rejected_speculation_stops_and_steps_run_ahead_again(story_tokens):
     """Once a sequence's drafts keep being rejected the policy plans none for it, so the engine runs
     ahead of the step in flight again, but for the probes' bounded share of steps."""
     from test_spec_decode import _spec_llm, _tokens
 
-    from goodserve.engine.spec_decode.policy import PROBE_EVERY
-
-    params = SamplingParams(temperature=0, max_tokens=3 * PROBE_EVERY, ignore_eos=True)
     spec_llm = _spec_llm()
     set_proposer(spec_llm, _WrongProposer(spec_llm.tokenizer.encode("zebra")[0]))
     with engine_mode(spec_llm, graphs=True, async_scheduling=True) as pipelined:
-        tokens = _tokens(spec_llm.generate(["Once upon a time"], params))
+        tokens = _tokens(spec_llm.generate([STORY], STORY_PARAMS))
         assert pipelined() > 2 * PROBE_EVERY
     stats = spec_llm.engine.stats()
     # a few tries while its acceptance estimate falls from the unmeasured 0.5, then a probe per PROBE_EVERY steps
     assert 0 < stats.spec_decode_num_drafts <= 8 + 3 and stats.spec_decode_num_accepted_tokens == 0
-    assert tokens == _tokens(embedded_llm.generate(["Once upon a time"], params))
+    assert tokens == [story_tokens]

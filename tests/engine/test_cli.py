@@ -1,9 +1,12 @@
 """The command line: `goodserve generate` streams what LLM.generate returns; user errors are messages."""
 
+import pytest
+
 from goodserve import SamplingParams
 from goodserve.cli import main
 
 
+@pytest.mark.slow  # the fast tier checks the same output in test_cli_newcomer.py, beside the summary line
 def test_generate_prints_the_greedy_completion(embedded_llm, capsys):
     expected = embedded_llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=12))
     assert main(["generate", "--prompt", "The capital of France is", "--max-tokens", "12",

@@ -75,6 +75,7 @@ def test_a_worker_in_its_own_process_gives_the_same_tokens():
     assert llm.engine.kv.num_used_blocks == 0
 
 
+@pytest.mark.slow  # two worker processes; the fast tier meets the worker process in the test above
 def test_a_worker_process_reports_its_request_errors_and_load_errors():
     llm = LLM("dummy:tiny", executor_backend="mp", num_kv_blocks=16)
     try:

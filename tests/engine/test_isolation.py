@@ -194,6 +194,9 @@ def test_the_activation_reserve_is_sized_for_the_budget_the_engine_runs_with(mon
     assert config.max_num_batched_tokens == 16 and config.max_num_seqs is None
 
 
+# The fast tier has its parts: prompt logprobs surviving preemption (above, dummy:tiny), preemption on the
+# embedded model and its prompt logprobs against transformers (test_engine.py).
+@pytest.mark.slow
 def test_prompt_logprobs_under_preemption_match_transformers(hf_embedded):
     """The issue's case on the embedded model: prompt logprobs of preempted (recomputed) requests
     against log_softmax of Hugging Face's forward over the same prompt."""

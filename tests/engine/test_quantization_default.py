@@ -48,24 +48,25 @@ def test_none_is_a_cli_value():
     assert engine_config_from_args(parser.parse_args(["--quantization", "none"])).quantization == "none"
 
 
-def test_the_embedded_model_loads_with_gguf_layers_by_default_and_float_ones_with_none():
-    default = LLM("smollm2-135m", num_kv_blocks=8)
-    assert default.engine.config.quantization == "gguf"
-    assert isinstance(loaded_model(default).model.layers[0].self_attn.qkv_proj, Int4Linear)
-    floats = LLM("smollm2-135m", quantization="none", num_kv_blocks=8)
-    assert floats.engine.config.quantization is None
-    assert not isinstance(loaded_model(floats).model.layers[0].self_attn.qkv_proj, Int4Linear)
+def test_the_embedded_model_loads_with_gguf_layers_by_default_and_float_ones_with_none(embedded_gguf_llm,
+                                                                                      embedded_llm):
+    """embedded_gguf_llm is LLM("smollm2-135m") with no quantization asked, embedded_llm asks for none."""
+    assert embedded_gguf_llm.engine.config.quantization == "gguf"
+    assert isinstance(loaded_model(embedded_gguf_llm).model.layers[0].self_attn.qkv_proj, Int4Linear)
+    assert embedded_llm.engine.config.quantization is None
+    assert not isinstance(loaded_model(embedded_llm).model.layers[0].self_attn.qkv_proj, Int4Linear)
 
 
-def test_cpu_int8_activations_is_an_engine_option_off_by_default():
+def test_cpu_int8_activations_is_an_engine_option_off_by_default(embedded_gguf_llm):
     """llama.cpp's int8 activation rows reach the GGUF layers only when the config asks for them."""
     def flags(llm):
         return {m.int8_activations for m in loaded_model(llm).modules() if isinstance(m, Int4Linear)}
 
-    assert flags(LLM("smollm2-135m", num_kv_blocks=8)) == {False}
+    assert flags(embedded_gguf_llm) == {False}
     assert flags(LLM("smollm2-135m", num_kv_blocks=8, cpu_int8_activations=True)) == {True}
 
 
+@pytest.mark.slow  # two loads of the embedded model for a log line of CPUs without AVX2
 def test_cpu_int8_activations_without_the_kernel_says_it_keeps_float_rows(monkeypatch, caplog):
     """Where the build has no int8 kernel (it needs AVX2 or AVX-512BW) the option cannot act: the log says so."""
     from goodserve.native import int4_gemv

@@ -180,12 +180,12 @@ def test_short_rows_become_one_token_rows_over_their_block_tables():
     assert as_one_token_rows(long_row) is long_row  # a prompt: one prefill row
 
 
-def test_verify_steps_run_the_native_decode_stack_with_the_plain_decode_tokens(monkeypatch):
+def test_verify_steps_run_the_native_decode_stack_with_the_plain_decode_tokens(monkeypatch, embedded_gguf_llm):
     """On the CPU default (gguf codes), a verify step's rows go through the one native call as
     decode rows, so each position's logits are a plain decode step's: greedy tokens identical."""
     from goodserve.model.native_decode import NativeDecodeStack
 
-    plain = LLM("smollm2-135m", cpu_kv_cache_bytes=64 << 20)
+    plain = embedded_gguf_llm
     spec = LLM("smollm2-135m", cpu_kv_cache_bytes=64 << 20, speculative_method="ngram", num_speculative_tokens=4,
                spec_policy="always")
     rows_per_call, call = [], NativeDecodeStack.__call__

@@ -227,6 +227,7 @@ def test_bad_draft_options_are_refused_clearly(options, message):
         LLM("dummy:tiny", cpu_kv_cache_bytes=8 << 20, **options)
 
 
+@pytest.mark.slow  # loads the embedded model to refuse it; the fast tier has the same refusal through LLM
 def test_cli_refuses_a_draft_with_another_vocabulary(capsys):
     assert main(["generate", "--model", "dummy:tiny", "--prompt", "hi", "--max-tokens", "2",
                  "--cpu-kv-cache-bytes", str(8 << 20), "--speculative-model", "smollm2-135m"]) == 2

@@ -99,14 +99,14 @@ def test_as_cached_rounds_as_the_int8_cache_does():
 
 
 # ---- the engine ----------------------------------------------------------------------------------
-def test_greedy_alone_is_identical_and_the_window_drafts(embedded_llm, lookahead_llm):
+@pytest.mark.parametrize("prompt", [CHAT[0], pytest.param(CHAT[1], marks=pytest.mark.slow)])  # one is enough fast
+def test_greedy_alone_is_identical_and_the_window_drafts(embedded_llm, lookahead_llm, prompt):
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
-    for prompt in CHAT:
-        before = lookahead_llm.engine.stats()
-        messages = [{"role": "user", "content": prompt}]
-        assert _tokens(lookahead_llm.chat(messages, params)) == _tokens(embedded_llm.chat(messages, params))
-        stats = lookahead_llm.engine.stats()
-        assert stats.spec_decode_num_accepted_tokens > before.spec_decode_num_accepted_tokens
+    before = lookahead_llm.engine.stats()
+    messages = [{"role": "user", "content": prompt}]
+    assert _tokens(lookahead_llm.chat(messages, params)) == _tokens(embedded_llm.chat(messages, params))
+    stats = lookahead_llm.engine.stats()
+    assert stats.spec_decode_num_accepted_tokens > before.spec_decode_num_accepted_tokens
     assert lookahead_llm.engine.kv.num_used_blocks == 0
 
 
@@ -117,6 +117,7 @@ def test_greedy_mixed_batch_with_plain_requests_is_identical(embedded_llm, looka
     assert _tokens(lookahead_llm.generate(prompts, params)) == _tokens(embedded_llm.generate(prompts, params))
 
 
+@pytest.mark.slow  # the fast tier runs the same check with the n-gram proposer (test_spec_decode.py)
 def test_greedy_with_chunked_prefill_and_prefix_hits_is_identical(embedded_llm):
     check_chunked_and_prefix_hits(_lookahead_llm(max_num_batched_tokens=24), embedded_llm,
                                   [COPY, OTHERS[0], COPY, CHAT[1]], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))

@@ -7,6 +7,8 @@ import asyncio
 import json
 from dataclasses import replace
 
+import pytest
+
 from goodserve import LLM, SamplingParams
 from goodserve.config import EngineConfig
 from goodserve.diagnose.steps import analyze_steps
@@ -51,6 +53,7 @@ def test_a_line_per_step_adding_up_to_the_requests(tmp_path):
     assert analyze_steps(str(path), 50.0).steps == len(steps)  # what `goodserve diagnose --step-trace` reads
 
 
+@pytest.mark.slow  # an engine process; the fast tier checks the trace of an engine in this process
 def test_an_engine_in_its_own_process_writes_its_trace(tmp_path):
     path = tmp_path / "steps.jsonl"
     engine = EngineProcess(EngineConfig(model="dummy:tiny", num_kv_blocks=64, step_trace=str(path)))

@@ -11,10 +11,9 @@ import torch
 
 from goodserve.model.llama import LlamaForCausalLM
 from goodserve.model.loader import LoadedModel, load_model
-from goodserve.model_names import embedded_gguf_path
 from goodserve.ops.attention import AttentionMetadata, LayerKVCache
 
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
 
 
 class PagedSequence:
@@ -67,12 +66,8 @@ def ours() -> LoadedModel:
 
 
 @pytest.fixture(scope="module")
-def hf_model():
-    path = embedded_gguf_path()
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32
-    )
-    return model.eval()
+def hf_model(hf_embedded):
+    return hf_embedded
 
 
 PROMPTS = [

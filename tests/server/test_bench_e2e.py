@@ -75,7 +75,10 @@ def test_chat_endpoint_against_live_server(server_url, tmp_path):
     assert min(r["prompt_len"] for r in second_turns) > max(r["prompt_len"] for r in first_turns)
 
 
-@pytest.mark.parametrize("engine_process", [False, True], ids=["engine-thread", "engine-process"])
+# The engine process starts an interpreter and loads the model again: the full tier's (the fast tier
+# meets the engine process in test_server_openai.py).
+@pytest.mark.parametrize("engine_process", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["engine-thread", "engine-process"])
 def test_inprocess_target_drives_the_engine(engine_process):
     from goodserve.bench.inprocess import InProcessTarget
     from goodserve.config import EngineConfig

@@ -37,13 +37,16 @@ class Stack:
         return self.server.url
 
 
-@pytest.fixture(scope="module", params=[["--no-engine-process"], ["--engine-process"]],
-                ids=["engine-thread", "engine-process"])
-def stack(request):
-    llm = LLM(MODEL, max_model_len=MAX_MODEL_LEN, cpu_kv_cache_bytes=64 << 20)
+# The engine on a thread is what the other server tests (tests/helpers.py InProcessServer) run on, so
+# the fast tier runs this module on the engine in its own process (the server's default) and the full
+# tier on both.
+@pytest.fixture(scope="module", params=[pytest.param(["--no-engine-process"], marks=pytest.mark.slow),
+                                        ["--engine-process"]], ids=["engine-thread", "engine-process"])
+def stack(request, embedded_gguf_llm):
+    """The server (the embedded model as the CPU serves it by default) and the same model in this process."""
     with InProcessServer(["--max-model-len", str(MAX_MODEL_LEN), "--slo-ttft-ms", "600000", *request.param]) as server:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
-        yield Stack(server, llm, client)
+        yield Stack(server, embedded_gguf_llm, client)
 
 
 def reference(llm: LLM, prompt: str, **params) -> str:

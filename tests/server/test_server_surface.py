@@ -18,7 +18,7 @@ import openai
 import pytest
 import torch
 
-from goodserve import LLM, SamplingParams
+from goodserve import SamplingParams
 from goodserve.server.contract import check_fields
 from goodserve.server.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, ResponsesRequest
 from helpers import HTTP_TIMEOUT_S, InProcessServer
@@ -29,11 +29,11 @@ CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
-def served():
-    llm = LLM(MODEL, max_model_len=512, quantization="none", cpu_kv_cache_bytes=64 << 20)
+def served(embedded_llm):
+    """The server on the embedded model in float32, and the same model in this process (the reference)."""
     with InProcessServer(["--max-model-len", "512", "--quantization", "none"]) as server:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
-        yield server, llm, client
+        yield server, embedded_llm, client
 
 
 def test_logit_bias_bans_the_greedy_token_and_forces_another(served):
