@@ -46,3 +46,30 @@ def test_a_later_search_stops_halving_below_half_the_best_capacity():
     assert trial["capacity"] == 0.0
     assert "below half the best capacity so far (40 req/s) it was not searched" in trial["capacity_warnings"][-1]
     assert run.start_rate == 40.0
+
+
+@pytest.mark.parametrize("engine_process", [pytest.param(False, marks=pytest.mark.slow), True], ids=["one-load", "apart"])
+def test_the_quality_baseline_is_measured_before_a_candidates_engine_loads(monkeypatch, engine_process):
+    # On a GPU every engine takes its gpu_memory_utilization share of the card: a baseline loaded
+    # beside the candidate's engine found "no room for the KV cache" (tests/gpu/test_gpu_tune.py).
+    from goodserve.engine.frontend.engine import Engine
+
+    gate = QualityGate(EngineConfig(model="smollm2-135m", device="cpu"), quality_settings(["Hi"], None, 64, 2, 32),
+                       {})
+    loads = []  # per engine built: whether the baseline was measured by then
+    built = Engine.__init__
+
+    def recording_init(self, config, *args, **options):  # LLM passes its options on; an Engine gets them in config
+        caching = options.get("enable_prefix_caching", config.enable_prefix_caching)
+        loads.append((not caching, gate.baseline is not None))  # the baseline's prefix cache is off
+        built(self, config, *args, **options)
+
+    monkeypatch.setattr(Engine, "__init__", recording_init)
+    args = bench_args("smollm2-135m", WORKLOAD, {"ttft": 60_000}, num_prompts=2, seed=0, hourly_cost=None,
+                      progress=False)
+    trial = TrialRunner(gate, args, make_console(), bisections=0, engine_process=engine_process,
+                        out_of_time=lambda: True)({"model": "smollm2-135m", "device": "cpu"}, "start", "given", None)
+    assert trial["quality"]["checked"] and trial["quality"]["passed"]
+    baseline, candidate = loads[0], loads[1]
+    assert baseline == (True, False)  # the unoptimized engine, first
+    assert candidate == (False, True)  # the candidate's, once the baseline is measured (and its engine freed)

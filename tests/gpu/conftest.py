@@ -7,7 +7,6 @@ subset that means something on a CPU (tiny models, the torch paths), for working
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import sys
@@ -63,18 +62,6 @@ def release_gpu_memory():
 
     yield
     release_dropped_memory()
-
-
-@pytest.fixture(scope="session", autouse=True)
-def gguf_header_parsed_once():
-    """Two dozen engines here load the embedded file: parse its header (a 49k-token vocabulary, seconds
-    of Python) once. Each engine still reads and converts the weights itself."""
-    from goodserve.model import gguf_loader
-
-    patch = pytest.MonkeyPatch()
-    patch.setattr(gguf_loader, "open_gguf", functools.lru_cache(maxsize=None)(gguf_loader.open_gguf))
-    yield
-    patch.undo()
 
 
 @pytest.fixture(scope="session")

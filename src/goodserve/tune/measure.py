@@ -67,12 +67,17 @@ class QualityGate:
         self.settings, self.budget = settings, budget
         self.workload = self.baseline = None
 
+    def measure_baseline(self) -> None:
+        """The unoptimized baseline, measured once, before any candidate's engine loads: on a GPU an engine
+        takes its gpu_memory_utilization share of the card, so a baseline loaded beside one finds no room."""
+        if self.enabled and self.baseline is None:
+            self.workload, self.baseline = measure(self.baseline_config, self.settings, label="baseline")
+
     def check(self, llm) -> dict:
         """The candidate's quality on its engine (llm: the offline API over it)."""
         if not self.enabled:
             return {"checked": False, "summary": QUALITY_OFF}
-        if self.baseline is None:
-            self.workload, self.baseline = measure(self.baseline_config, self.settings, label="baseline")
+        self.measure_baseline()
         run = run_workload(llm, self.workload, self.settings.max_new_tokens)
         metrics = compare(self.baseline, run)
         rows = checks(metrics, self.thresholds(llm.engine.config))
@@ -90,6 +95,7 @@ class QualityGate:
         from goodserve.engine.frontend.engine import Engine
         from goodserve.llm import LLM
 
+        self.measure_baseline()
         engine = Engine(config)
         try:
             return self.check(LLM.over(engine))
@@ -138,6 +144,7 @@ class TrialRunner:
         engine = None
         try:
             config = engine_config(options)
+            self.gate.measure_baseline()
             if self.engine_process:
                 quality = self.gate.check_apart(config)
             else:
