@@ -41,7 +41,7 @@ from goodserve.ops.activation import silu_and_mul_torch  # noqa: E402
 from goodserve.ops.attention import (  # noqa: E402
     AttentionMetadata, LayerKVCache, decode_attention_torch, paged_attention_reference, rotary_write_kv_torch,
 )
-from goodserve.ops.norm import QKNorm, add_rms_norm_torch  # noqa: E402
+from goodserve.ops.norm import add_rms_norm_torch  # noqa: E402
 from goodserve.ops import triton_attention, triton_ops  # noqa: E402
 from goodserve.ops.pdl import device_supports_pdl  # noqa: E402
 from goodserve.ops.rotary import cos_sin_cache  # noqa: E402
@@ -386,37 +386,6 @@ def bench_fused_rotary(batch: int, contexts: list[int], tunings: list[dict]) -> 
                   + f", identical {identical}", flush=True)
 
 
-def bench_qk_norm_prologue(contexts: list[int]) -> None:
-    """Batch-1 decode of a q/k-normed layer (Qwen3-8B's heads are this Llama layer's): the norms as
-    two RMSNorm launches before the fused RoPE + write + decode launch (how it ran before) against
-    the norms inside that launch, beside the same launch without norms (a Llama layer's)."""
-    for ctx in contexts:
-        q, cache, meta, new = decode_step_inputs(1, ctx)
-        qk_norm = QKNorm(*(torch.rand(D, device=DEVICE).to(BF16) + 0.5 for _ in range(2)), 1e-6)
-        args = (cache, meta.block_tables, meta.seq_lens, D**-0.5)
-        normed = new._replace(qk_norm=qk_norm)
-        fused_out = triton_decode_attention(q, LayerKVCache(cache.k.clone(), cache.v.clone()), *args[1:],
-                                            new_tokens=normed)
-        reference_q, reference_cache = q.clone(), LayerKVCache(cache.k.clone(), cache.v.clone())
-        rotary_write_kv_torch(reference_q, new.k, new.v, new.positions, new.rotary_cache, reference_cache,
-                              new.slot_mapping, qk_norm)
-        err = rel_err(fused_out, paged_attention_reference(reference_q, reference_cache, meta, D**-0.5))
-
-        def separate_norms():
-            normed_q = triton_ops.triton_rms_norm(q, qk_norm.q_weight, qk_norm.eps, PDL)
-            normed_k = triton_ops.triton_rms_norm(new.k, qk_norm.k_weight, qk_norm.eps, PDL)
-            triton_decode_attention(normed_q, *args, new_tokens=new._replace(k=normed_k))
-
-        plain = lambda: triton_decode_attention(q, *args, new_tokens=new)  # noqa: E731
-        fused = lambda: triton_decode_attention(q, *args, new_tokens=normed)  # noqa: E731
-        us = {name: graph_us(fn, rep=40) for name, fn in
-              (("separate_norms", separate_norms), ("fused_norms", fused), ("no_norms", plain))}
-        rows.append({"kernel": "decode-qk-norm", "shape": f"B=1 ctx={ctx}", "rel_err": err,
-                     **{f"{name}_graph_us": t for name, t in us.items()}})
-        print(f"  q/k norms + RoPE + write + decode B=1 ctx={ctx}: rel err {err:.2e}"
-              + ("" if SMOKE else "".join(f", {name} {t:.2f} us" for name, t in us.items())), flush=True)
-
-
 def check_decode_cuda_graph() -> None:
     """Capture decode once at a graph-sized table, then replay with new lengths (short, empty,
     split-boundary, long): every result must match the reference, and repeated replays must agree
@@ -650,7 +619,6 @@ def main() -> None:
     if not only:
         bench_decode_graph_layout(bw, sweep=not (args.quick or SMOKE))
         bench_decode_cache_dtypes(bw)
-        bench_qk_norm_prologue([16, 40] if SMOKE else [512, 4096])
         if not SMOKE:
             check_decode_cuda_graph()
         bench_prefill(bw)

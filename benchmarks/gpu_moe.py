@@ -21,10 +21,6 @@ Parts (--parts, default kernel,decode,throughput; in this order, one process):
               attention, router, norms, lm_head, one embedding row and the KV cache
               (not in the default parts: --parts int8)
   int4        the same in int4 (groups of 128, ~26 GB; the kernel dequantizes in its tile)
-  kernel-sweep  the grouped GEMM's launch settings at one token (batch-1 decode), bf16, Qwen3-30B-A3B's
-              shapes: each projection over SWEEP with the other at quant/triton_moe.GEMM_TUNING, the
-              fused MoE's microseconds, the best per projection and both bests together
-              (not in the default parts: --parts kernel-sweep)
 What to read: decode.qwen3-30b-a3b.mbu_active (the issue asks >= 0.60) and its tok/s beside the
 dense 8B's; kernel.tokens_1.share_of_copy_bandwidth says whether the kernel or the rest of the step
 holds decode back; decode_int8.mixtral-8x7b.decode_tok_s and mbu_active for the int8 MoE.
@@ -42,9 +38,9 @@ import gpu_engine
 from gpu_engine import copy_bandwidth_gbps, free_gpu, random_prompts, run_offline, sharegpt_like_lengths
 from goodserve import LLM
 from goodserve.model.presets import get_preset
-from goodserve.ops.kernel_choice import TORCH_KERNELS
+from goodserve.ops.kernel_choice import TORCH_KERNELS, KernelChoice
 from goodserve.quant.moe import moe_torch, route
-from goodserve.quant.triton_moe import GEMM_TUNING, triton_fused_moe
+from goodserve.quant.triton_moe import triton_fused_moe
 from result_file import write_result
 
 results: dict = {}
@@ -62,10 +58,11 @@ def part_kernel(bandwidth_gbps: float) -> None:
     e, h, i, k = spec.num_experts, spec.hidden_size, spec.moe_intermediate_size, spec.num_experts_per_tok
     w13 = torch.randn(e * 2 * i, h, device="cuda", dtype=torch.bfloat16) * 0.02
     w2 = torch.randn(e * h, i, device="cuda", dtype=torch.bfloat16) * 0.02
+    kernels = KernelChoice(triton=True)
     for tokens in (1, 8, 64, 512):
         x = torch.randn(tokens, h, device="cuda", dtype=torch.bfloat16)
         weights, ids = route(torch.randn(tokens, e, device="cuda"), k, renormalize=True)
-        fused_us = _time_us(lambda: triton_fused_moe(x, w13, w2, weights, ids))
+        fused_us = _time_us(lambda: triton_fused_moe(x, w13, w2, weights, ids, kernels))
         start = time.perf_counter()
         for _ in range(20):
             moe_torch(x, w13, w2, weights, ids, TORCH_KERNELS)
@@ -76,42 +73,6 @@ def part_kernel(bandwidth_gbps: float) -> None:
             row |= {"expert_bytes_read": read, "floor_us": read / (bandwidth_gbps * 1e3),
                     "share_of_copy_bandwidth": read / (bandwidth_gbps * 1e3) / fused_us}
         results.setdefault("kernel", {})[f"tokens_{tokens}"] = row
-
-
-# Candidates for one token's grouped GEMMs: a block of 16 rows holds the one pair, so the tiles decide
-# how many programs share the experts' bytes and how many bytes each has in flight.
-SWEEP = [{"BLOCK_N": n, "BLOCK_K": k, "num_warps": w, "num_stages": s} for n, k, w, s in (
-    (16, 128, 4, 3), (16, 256, 4, 3), (32, 64, 4, 3), (32, 128, 4, 3), (32, 128, 4, 4), (32, 256, 4, 3),
-    (64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 3), (64, 128, 8, 3), (64, 256, 8, 2),
-    (128, 64, 4, 3), (128, 128, 8, 3))]
-
-
-def part_kernel_sweep(bandwidth_gbps: float) -> None:
-    spec = get_preset("qwen3-30b-a3b")
-    e, h, i, k = spec.num_experts, spec.hidden_size, spec.moe_intermediate_size, spec.num_experts_per_tok
-    w13 = torch.randn(e * 2 * i, h, device="cuda", dtype=torch.bfloat16) * 0.02
-    w2 = torch.randn(e * h, i, device="cuda", dtype=torch.bfloat16) * 0.02
-    x = torch.randn(1, h, device="cuda", dtype=torch.bfloat16)
-    weights, ids = route(torch.randn(1, e, device="cuda"), k, renormalize=True)
-    floor_us = k * spec.expert_params() * 2 / (bandwidth_gbps * 1e3)
-
-    def fused_us(tuning: dict) -> float | None:
-        try:
-            return _time_us(lambda: triton_fused_moe(x, w13, w2, weights, ids, tuning=tuning))
-        except Exception as error:  # e.g. out of shared memory: report it, keep sweeping
-            print(f"  {tuning}: {type(error).__name__}")
-            return None
-
-    sweep = {"default": GEMM_TUNING, "default_us": fused_us({}), "floor_us": floor_us, "by_projection": {}}
-    for projection in ("gate_up", "down"):
-        rows = [{"tuning": candidate, "fused_us": fused_us({projection: candidate})} for candidate in SWEEP]
-        sweep["by_projection"][projection] = rows
-        best = min((r for r in rows if r["fused_us"]), key=lambda r: r["fused_us"])
-        sweep.setdefault("best", {})[projection] = best["tuning"]
-        print(f"  {projection}: best {best['tuning']} {best['fused_us']:.1f} us (default {sweep['default_us']:.1f})")
-    sweep["best_us"] = fused_us(sweep["best"])
-    print(f"  both bests: {sweep['best_us']:.1f} us, floor {floor_us:.1f} us")
-    results["kernel_sweep"] = sweep
 
 
 def expert_bytes(spec, quantization: str | None) -> int:
@@ -160,8 +121,7 @@ def main() -> None:
          "decode": lambda: part_decode(bandwidth, ["qwen3-30b-a3b", "qwen3-8b", "llama-3.1-8b"]),
          "throughput": lambda: part_throughput(["qwen3-30b-a3b", "qwen3-8b"]),
          "int8": lambda: part_decode(bandwidth, ["mixtral-8x7b"], "int8"),
-         "int4": lambda: part_decode(bandwidth, ["mixtral-8x7b"], "int4"),
-         "kernel-sweep": lambda: part_kernel_sweep(bandwidth)}[part]()
+         "int4": lambda: part_decode(bandwidth, ["mixtral-8x7b"], "int4")}[part]()
         results.setdefault("part_seconds", {})[part] = time.perf_counter() - start
         print(part, "done", flush=True)
     print(write_result("gpu_moe.json", results))

@@ -78,8 +78,7 @@ class KernelOptions:
     decode_attention_tuning_by_batch: dict[int, dict] = field(default_factory=lambda: {16: {"DIRECT_KEYS": 256}})
     # Decode-only steps: RoPE and the KV-cache write inside the decode attention kernel (one launch a
     # layer less; ops/triton_attention.NewTokens); off: the separate _rotary_write_kv_kernel first.
-    # 0.1-2.7 us faster a layer than the two launches at every measured shape, bit-identical (same file;
-    # with q/k norms the two kernels may sum a head's squares in another order: a last bit apart).
+    # 0.1-2.7 us faster a layer than the two launches at every measured shape, bit-identical (same file).
     fuse_rotary_into_decode_attention: bool = True
     # Engine level (engine/worker/model_runner.py): steps with prefill chunks of up to this many tokens replay
     # mixed-step CUDA graphs (0: run eagerly); a batch replays the smallest graph that holds it whose

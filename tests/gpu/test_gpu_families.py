@@ -1,7 +1,7 @@
 """Each model family of tests/engine/test_families.py and tests/engine/test_gemma.py on the device: float32
-with CUDA graphs against transformers on the same checkpoint (the fused MoE, q/k norms inside the RoPE and
-decode attention kernels, LongRoPE tables, Gemma's soft-capped attention and two rotary tables through the
-Triton kernels), and bfloat16 against goodserve's own torch path, eager, scored by the gate's tolerances. The mixtures of experts also in int8
+with CUDA graphs against transformers on the same checkpoint (the fused MoE, q/k norms, LongRoPE tables,
+Gemma's soft-capped attention and two rotary tables through the Triton kernels), and bfloat16 against
+goodserve's own torch path, eager, scored by the gate's tolerances. The mixtures of experts also in int8
 and int4 (the fused MoE on their codes): float32 against transformers on the dequantized weights,
 bfloat16 against the torch path in int8."""
 

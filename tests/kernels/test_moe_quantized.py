@@ -16,7 +16,7 @@ import torch
 from goodserve.llm import LLM
 from goodserve.model import moe
 from goodserve.model.loader import load_model
-from goodserve.ops.kernel_choice import TORCH_KERNELS
+from goodserve.ops.kernel_choice import TORCH_KERNELS, KernelChoice
 from goodserve.quant.moe import moe_torch
 from goodserve.quant.triton_moe import triton_fused_moe
 from goodserve.quant import schemes
@@ -46,12 +46,12 @@ def quantized(stack: torch.Tensor, method: str):
 
 
 @pytest.mark.parametrize("method", METHODS)
-@pytest.mark.parametrize("num_tokens", [1, 7, 150])  # a block per pair, sorted 16-row blocks, prefill's 64-row ones
+@pytest.mark.parametrize("num_tokens", [1, 150])  # decode's 16-row blocks, prefill's 64-row ones
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_quantized_fused_moe_matches_the_dequantized_reference(num_tokens: int, dtype: torch.dtype, method: str):
     x, w13, w2, weights, ids = moe_inputs(num_tokens, 2, dtype, seed=2)
     (q13, f13), (q2, f2) = quantized(w13, method), quantized(w2, method)
-    ours = triton_fused_moe(x, q13, q2, weights, ids)
+    ours = triton_fused_moe(x, q13, q2, weights, ids, KernelChoice(triton=True))
     ref = reference(x, f13.to(dtype), f2.to(dtype), weights.to(dtype), ids)
     tolerance = 1e-4 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(ours.double(), ref, rtol=tolerance, atol=tolerance * ref.abs().max().item())

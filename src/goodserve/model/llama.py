@@ -37,7 +37,7 @@ from goodserve.model.tensor_parallel import TensorParallel, check_tensor_paralle
 from goodserve.ops.activation import gelu_tanh_and_mul, silu_and_mul
 from goodserve.ops.attention import AttentionMetadata, LayerKVCache, attention
 from goodserve.ops.kernel_choice import TORCH_KERNELS
-from goodserve.ops.norm import QKNorm, add_rms_norm, rms_norm
+from goodserve.ops.norm import add_rms_norm, rms_norm
 from goodserve.ops.rotary import cos_sin_cache
 from goodserve.quant.linear import Int4Linear
 
@@ -107,15 +107,11 @@ class LlamaAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         out = attention(q, k, v, positions, rotary_cache, kv_cache, meta, self.scale, self.kernels, self.window,
-                        self.softcap, self._qk_norm())
+                        self.softcap)
         return self.o_proj(out.flatten(1))  # a partial sum under TP: the next norm all-reduces it
-
-    def _qk_norm(self) -> QKNorm | None:
-        """The q/k norms, for attention to apply (on CUDA inside its RoPE kernel: no launch of their own)."""
-        if self.q_norm is None:
-            return None
-        return QKNorm(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.q_norm.weight_offset)
 
 
 class LlamaMLP(nn.Module):

@@ -123,7 +123,7 @@ class SparseMoE(nn.Module):
         if self.kernels.triton:
             from goodserve.quant.triton_moe import triton_fused_moe, triton_route
 
-            weights, ids = triton_route(self.gate(x), self.top_k, self.renormalize, self.kernels.pdl)
-            return triton_fused_moe(x, w13, w2, weights, ids, self.kernels.pdl)
+            weights, ids = triton_route(self.gate(x), self.top_k, self.renormalize)
+            return triton_fused_moe(x, w13, w2, weights, ids, self.kernels)
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
         return moe_torch(x, w13, w2, weights, ids, self.kernels)

@@ -26,9 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from goodserve.native import layer_ops
-from goodserve.ops.kernel_choice import TORCH_KERNELS, KernelChoice
+from goodserve.ops.kernel_choice import KernelChoice
 from goodserve.ops.kv_exchange import KVExchange
-from goodserve.ops.norm import QKNorm
 from goodserve.ops.rotary import apply_rotary_torch
 from goodserve.ops.tree_attention import SideBranches, as_cached, branch_attention
 
@@ -109,20 +108,16 @@ def quantize_int8_per_head(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
               rotary_cache: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, scale: float,
-              kernels: KernelChoice, window: int | None = None, softcap: float | None = None,
-              qk_norm: QKNorm | None = None) -> torch.Tensor:
-    """One layer: `qk_norm` (when the model has one) and RoPE on q [T, Hq, D] (in place on the Triton
-    path) and k [T, Hk, D], the new K/V into the cache, then q attending its context (its last
-    `window` keys, when the layer has one; scores soft-capped at `softcap`, when it has one) ->
-    [T, Hq, D]. On the Triton path the norm and RoPE are one kernel's prologue. A decode-only step
-    with KernelOptions.fuse_rotary_into_decode_attention does all of it in the decode kernel, and q
-    is left as it came."""
+              kernels: KernelChoice, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    """One layer: RoPE on q [T, Hq, D] (in place) and k [T, Hk, D], the new K/V into the cache, then
+    q attending its context (its last `window` keys, when the layer has one; scores soft-capped at
+    `softcap`, when it has one) -> [T, Hq, D]. A
+    decode-only step with KernelOptions.fuse_rotary_into_decode_attention does all of it in the
+    decode kernel, and q is left unrotated."""
     meta = meta.for_group(cache.group)
     if meta.branches is not None:
         assert window is None and softcap is None, "side branches attend the whole context, uncapped (the engine " \
             "refuses them with a window, which every soft-capped family has)"
-        if qk_norm is not None:
-            q, k = qk_norm.apply(q, k, kernels)
         return _with_side_branches(q, k, v, positions, rotary_cache, cache, meta.branches, scale, kernels)
     if kernels.triton:
         if meta.is_decode_only and kernels.options.fuse_rotary_into_decode_attention and meta.kv_exchange is None:
@@ -131,12 +126,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torc
             return triton_decode_attention(
                 q, cache, meta.block_tables, meta.seq_lens, scale, tuning=kernels.decode_attention_tuning(q.shape[0]),
                 pdl=kernels.pdl, waves=kernels.options.decode_attention_waves, window=window, softcap=softcap,
-                new_tokens=NewTokens(k, v, positions, rotary_cache, meta.slot_mapping, qk_norm))
-        rotary_write_kv(q, k, v, positions, rotary_cache, cache, meta.slot_mapping, kernels, qk_norm)
+                new_tokens=NewTokens(k, v, positions, rotary_cache, meta.slot_mapping))
+        rotary_write_kv(q, k, v, positions, rotary_cache, cache, meta.slot_mapping, kernels)
         _share_new_kv(cache, meta)
         return paged_attention(q, cache, meta, scale, kernels, window, softcap)
-    if qk_norm is not None:
-        q, k = qk_norm.apply(q, k, kernels)
     if softcap is None and native_attention_usable(q, cache):  # the native kernels have no soft cap
         layer_ops.rope_write_kv(q, k, v, positions, rotary_cache, cache.k, cache.v, meta.slot_mapping)
         _share_new_kv(cache, meta)
@@ -192,16 +185,15 @@ def native_attention_usable(q: torch.Tensor, cache: LayerKVCache) -> bool:
 
 def rotary_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                     rotary_cache: torch.Tensor, cache: LayerKVCache, slot_mapping: torch.Tensor,
-                    kernels: KernelChoice, qk_norm: QKNorm | None = None) -> None:
-    """`qk_norm` (if any) and RoPE on q ([T, Hq, D], in place) and k; then the new tokens' K/V
-    ([T, Hk, D]) into their slots, quantized for an int8/fp8 cache. One fused kernel on the Triton path."""
+                    kernels: KernelChoice) -> None:
+    """RoPE on q ([T, Hq, D], in place) and k; then the new tokens' K/V ([T, Hk, D]) into their
+    slots, quantized for an int8/fp8 cache. One fused kernel on the Triton path."""
     if kernels.triton:
         from goodserve.ops.triton_attention import triton_rotary_write_kv
 
-        triton_rotary_write_kv(q, k, v, positions, rotary_cache, cache, slot_mapping, pdl=kernels.pdl,
-                               qk_norm=qk_norm)
+        triton_rotary_write_kv(q, k, v, positions, rotary_cache, cache, slot_mapping, pdl=kernels.pdl)
     else:
-        rotary_write_kv_torch(q, k, v, positions, rotary_cache, cache, slot_mapping, qk_norm)
+        rotary_write_kv_torch(q, k, v, positions, rotary_cache, cache, slot_mapping)
 
 
 def paged_attention(q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, scale: float,
@@ -229,11 +221,9 @@ def paged_attention(q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadat
 
 
 def rotary_write_kv_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                          rotary_cache: torch.Tensor, cache: LayerKVCache, slot_mapping: torch.Tensor,
-                          qk_norm: QKNorm | None = None) -> None:
-    """The reference: norm (with a qk_norm) and rotate q and k, store the rotated k and v."""
-    normed_q, normed_k = (q, k) if qk_norm is None else qk_norm.apply(q, k, TORCH_KERNELS)
-    rotated_q, rotated_k = apply_rotary_torch(normed_q, normed_k, positions, rotary_cache)
+                          rotary_cache: torch.Tensor, cache: LayerKVCache, slot_mapping: torch.Tensor) -> None:
+    """The reference: rotate q and k, store the rotated k and v."""
+    rotated_q, rotated_k = apply_rotary_torch(q, k, positions, rotary_cache)
     q.copy_(rotated_q)
     write_kv_torch(rotated_k, v, cache, slot_mapping)
 

@@ -7,8 +7,6 @@ kernel (native/layer_ops.cpp: one call instead of about eight torch ops).
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
 from goodserve.native import layer_ops
@@ -44,23 +42,6 @@ def add_rms_norm(
         residual = x + residual
         return offset_rms_norm_torch(residual, weight, eps, weight_offset), residual
     return add_rms_norm_torch(x, residual, weight, eps)
-
-
-class QKNorm(NamedTuple):
-    """Qwen3's and Gemma 3's RMSNorm of each q and k head over head_dim, before RoPE: the two weights
-    [head_dim] (replicated under tensor parallelism), eps and the weight offset (Gemma's 1). The
-    Triton RoPE + cache-write and decode attention kernels apply it themselves (ops/triton_attention.py);
-    `apply` is the same function for the other paths, and their reference."""
-
-    q_weight: torch.Tensor
-    k_weight: torch.Tensor
-    eps: float
-    weight_offset: float = 0.0
-
-    def apply(self, q: torch.Tensor, k: torch.Tensor, kernels: KernelChoice) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [T, Hq, D], k [T, Hk, D] -> their normed copies."""
-        return (rms_norm(q, self.q_weight, self.eps, kernels, self.weight_offset),
-                rms_norm(k, self.k_weight, self.eps, kernels, self.weight_offset))
 
 
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -21,7 +21,6 @@ import torch
 import triton
 import triton.language as tl
 
-from goodserve.ops.norm import QKNorm
 from goodserve.ops.pdl import pdl_launch, pdl_sync
 
 LOG2E = 1.4426950408889634
@@ -39,8 +38,6 @@ KV_FP8 = tl.constexpr(2)
 # RoPE + cache write in one launch: a program per token rotates its q heads in place, rotates its
 # k heads on their way into the cache and stores v. Head vectors are handled as their two
 # rotate-half halves, so each thread reads and writes the same q elements (in place is safe).
-# With QK_NORM (Qwen3, Gemma 3: ops/norm.QKNorm) each q and k head is RMS-normed first, in the
-# same program: the norm costs no launch and no pass over q and k of its own.
 
 
 @triton.jit
@@ -55,29 +52,6 @@ def _rotate(x1, x2, cos, sin, dtype: tl.constexpr):
     x1 = x1.to(tl.float32)
     x2 = x2.to(tl.float32)
     return (x1 * cos - x2 * sin).to(dtype), (x2 * cos + x1 * sin).to(dtype)
-
-
-@triton.jit
-def _norm_scaled(normed, weight, dtype: tl.constexpr, WEIGHT_OFFSET: tl.constexpr):
-    """The float32 normed values scaled by weight as ops/norm.py's torch references round them: with
-    a WEIGHT_OFFSET (Gemma's 1) by (offset + weight) then one rounding, else rounded before the scale."""
-    if WEIGHT_OFFSET != 0.0:
-        out = normed * (WEIGHT_OFFSET + weight)
-    else:
-        out = weight * normed.to(dtype).to(tl.float32)
-    return out.to(dtype)
-
-
-@triton.jit
-def _norm_halves(x1, x2, weight_ptr, d, half, eps, WEIGHT_OFFSET: tl.constexpr):
-    """Head vectors as halves [H, HALF] (masked lanes 0), each RMS-normed over its 2 * half elements."""
-    x1f = x1.to(tl.float32)
-    x2f = x2.to(tl.float32)
-    rstd = tl.rsqrt((tl.sum(x1f * x1f, axis=1) + tl.sum(x2f * x2f, axis=1)) / (2 * half) + eps)[:, None]
-    w1 = tl.load(weight_ptr + d, mask=d < half, other=0.0).to(tl.float32)
-    w2 = tl.load(weight_ptr + half + d, mask=d < half, other=0.0).to(tl.float32)
-    return (_norm_scaled(x1f * rstd, w1, x1.dtype, WEIGHT_OFFSET),
-            _norm_scaled(x2f * rstd, w2, x2.dtype, WEIGHT_OFFSET))
 
 
 @triton.jit
@@ -107,11 +81,10 @@ def _store_kv(lo, hi, cache_ptr, scale_ptr, slot, h, d, half, num_heads, mask, K
 
 @triton.jit
 def _rotary_write_kv_kernel(q_ptr, k_ptr, v_ptr, positions_ptr, rotary_ptr, slot_ptr, k_cache, v_cache,
-                            k_scale, v_scale, q_norm_ptr, k_norm_ptr, norm_eps, stride_qt, stride_qh, stride_kt,
-                            stride_kh, stride_vt, stride_vh, stride_rotary, num_q_heads, num_kv_heads,
-                            HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
-                            BLOCK_HALF: tl.constexpr, KV_QUANT: tl.constexpr, QK_NORM: tl.constexpr,
-                            NORM_WEIGHT_OFFSET: tl.constexpr, USE_PDL: tl.constexpr):
+                            k_scale, v_scale, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                            stride_rotary, num_q_heads, num_kv_heads, HALF: tl.constexpr,
+                            BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                            KV_QUANT: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_sync(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + token).to(tl.int64)
@@ -123,8 +96,6 @@ def _rotary_write_kv_kernel(q_ptr, k_ptr, v_ptr, positions_ptr, rotary_ptr, slot
     q_mask = (hq[:, None] < num_q_heads) & (d < HALF)
     q_rows = q_ptr + token * stride_qt + hq[:, None] * stride_qh
     q1, q2 = _load_halves(q_rows, d, HALF, q_mask)
-    if QK_NORM:
-        q1, q2 = _norm_halves(q1, q2, q_norm_ptr, d, HALF, norm_eps, NORM_WEIGHT_OFFSET)
     q1, q2 = _rotate(q1, q2, cos, sin, q_ptr.dtype.element_ty)
     tl.store(q_rows + d, q1, mask=q_mask)
     tl.store(q_rows + HALF + d, q2, mask=q_mask)
@@ -134,8 +105,6 @@ def _rotary_write_kv_kernel(q_ptr, k_ptr, v_ptr, positions_ptr, rotary_ptr, slot
         hk = tl.arange(0, BLOCK_HK)
         kv_mask = (hk[:, None] < num_kv_heads) & (d < HALF)
         k1, k2 = _load_halves(k_ptr + token * stride_kt + hk[:, None] * stride_kh, d, HALF, kv_mask)
-        if QK_NORM:
-            k1, k2 = _norm_halves(k1, k2, k_norm_ptr, d, HALF, norm_eps, NORM_WEIGHT_OFFSET)
         k1, k2 = _rotate(k1, k2, cos, sin, k_ptr.dtype.element_ty)
         _store_kv(k1, k2, k_cache, k_scale, slot, hk, d, HALF, num_kv_heads, kv_mask, KV_QUANT)
         v1, v2 = _load_halves(v_ptr + token * stride_vt + hk[:, None] * stride_vh, d, HALF, kv_mask)
@@ -143,10 +112,8 @@ def _rotary_write_kv_kernel(q_ptr, k_ptr, v_ptr, positions_ptr, rotary_ptr, slot
 
 
 def triton_rotary_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                           rotary_cache: torch.Tensor, cache, slot_mapping: torch.Tensor, pdl: bool = False,
-                           qk_norm: QKNorm | None = None) -> None:
+                           rotary_cache: torch.Tensor, cache, slot_mapping: torch.Tensor, pdl: bool = False) -> None:
     """q: [T, Hq, D] rotated in place; k (rotated) and v: [T, Hk, D] into the cache slots (-1 skipped).
-    With a qk_norm, q and k are normed before RoPE (q in place too).
 
     Views into a fused qkv projection are fine: only the head dim must be contiguous.
     rotary_cache: [P, D] float32, cos in the first half of each row, sin in the second.
@@ -160,22 +127,13 @@ def triton_rotary_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
         return
     half = head_dim // 2
     _rotary_write_kv_kernel[(num_tokens,)](
-        q, k, v, positions, rotary_cache, slot_mapping, cache.k, cache.v, *_scales(cache), *_norm_args(qk_norm, q),
+        q, k, v, positions, rotary_cache, slot_mapping, cache.k, cache.v, *_scales(cache),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), rotary_cache.stride(0),
         num_q_heads, num_kv_heads, half,
         BLOCK_HQ=triton.next_power_of_2(num_q_heads), BLOCK_HK=triton.next_power_of_2(num_kv_heads),
-        BLOCK_HALF=triton.next_power_of_2(half), KV_QUANT=_kv_quant(cache), QK_NORM=qk_norm is not None,
-        NORM_WEIGHT_OFFSET=0.0 if qk_norm is None else qk_norm.weight_offset, num_warps=4,
+        BLOCK_HALF=triton.next_power_of_2(half), KV_QUANT=_kv_quant(cache), num_warps=4,
         **pdl_launch(pdl),
     )
-
-
-def _norm_args(qk_norm: QKNorm | None, stand_in: torch.Tensor) -> tuple:
-    """(q weight, k weight, eps) for a kernel's QK_NORM prologue; stand-ins without one."""
-    if qk_norm is None:
-        return stand_in, stand_in, 0.0
-    assert all(w.is_contiguous() for w in (qk_norm.q_weight, qk_norm.k_weight)), "q/k norm weights must be contiguous"
-    return qk_norm.q_weight, qk_norm.k_weight, qk_norm.eps
 
 
 # ---------------------------------------------------------------------------------------------
@@ -263,7 +221,6 @@ def _slots_of(block_table_row, stride_bb, pos, valid, BLOCK_SIZE: tl.constexpr):
 # With ROTARY (a decode-only step), the kernel also does _rotary_write_kv_kernel's work for its
 # decode tokens: every program rotates its group's queries itself, and the program whose split
 # holds the new position writes that token's K/V before reading it back: one launch a layer less.
-# With QK_NORM the q and k heads are normed first, so a Qwen3 layer's attention is one launch too.
 
 
 @triton.jit
@@ -286,27 +243,15 @@ def _merge_splits(out_ptr, part_out_ptr, part_lse_ptr, seq, kv_head, num_used, n
 
 
 @triton.jit
-def _rotated_queries(rows_ptr, rotary_row, d, row_mask, norm_ptr, norm_eps, HALF: tl.constexpr,
-                     HEAD_DIM: tl.constexpr, QK_NORM: tl.constexpr, NORM_WEIGHT_OFFSET: tl.constexpr):
+def _rotated_queries(rows_ptr, rotary_row, d, row_mask, HALF: tl.constexpr, HEAD_DIM: tl.constexpr):
     """[BLOCK_G, BLOCK_D] query rows (rows_ptr [BLOCK_G, 1]) rotated exactly as _rotary_write_kv_kernel
     rotates them: each element meets its rotate-half partner (loaded a second time, from L1) and its
-    frequency's cos / sin in float32, then rounds to the query dtype. With QK_NORM, RMS-normed first
-    as that kernel norms them (the sum of squares may be added in another order: the last bit may differ)."""
+    frequency's cos / sin in float32, then rounds to the query dtype."""
     first = d < HALF
     partner = tl.where(first, d + HALF, d - HALF)
     freq = tl.where(first, d, d - HALF)
-    x = tl.load(rows_ptr + d[None, :], mask=row_mask, other=0.0)
-    y = tl.load(rows_ptr + partner[None, :], mask=row_mask, other=0.0)
-    if QK_NORM:
-        xf = x.to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(xf * xf, axis=1) / HEAD_DIM + norm_eps)[:, None]
-        x = _norm_scaled(xf * rstd, tl.load(norm_ptr + d, mask=d < HEAD_DIM, other=0.0).to(tl.float32)[None, :],
-                         x.dtype, NORM_WEIGHT_OFFSET)
-        y = _norm_scaled(y.to(tl.float32) * rstd,
-                         tl.load(norm_ptr + partner, mask=d < HEAD_DIM, other=0.0).to(tl.float32)[None, :],
-                         y.dtype, NORM_WEIGHT_OFFSET)
-    x = x.to(tl.float32)
-    y = y.to(tl.float32)
+    x = tl.load(rows_ptr + d[None, :], mask=row_mask, other=0.0).to(tl.float32)
+    y = tl.load(rows_ptr + partner[None, :], mask=row_mask, other=0.0).to(tl.float32)
     cos = tl.load(rotary_row + freq, mask=d < HEAD_DIM, other=0.0)[None, :]
     sin = tl.load(rotary_row + HALF + freq, mask=d < HEAD_DIM, other=0.0)[None, :]
     # x cos - y sin in the first half, x cos + y sin in the second (x the element, y its partner) as
@@ -316,11 +261,11 @@ def _rotated_queries(rows_ptr, rotary_row, d, row_mask, norm_ptr, norm_eps, HALF
 
 
 @triton.jit
-def _new_kv(k_row, v_row, stride_kh, stride_vh, slot_ptr, rotary_row, kv_head, norm_ptr, norm_eps, HALF: tl.constexpr,
-            BLOCK_HALF: tl.constexpr, QK_NORM: tl.constexpr, NORM_WEIGHT_OFFSET: tl.constexpr):
-    """One decode token's K (normed with QK_NORM and rotated, as _rotary_write_kv_kernel does it) and
-    V of one KV head, as [1, BLOCK_HALF] halves, its slot, and rotary_row. Independent loads are issued
-    first: a load whose address waits on another (cos / sin on the position) stalls every load after it."""
+def _new_kv(k_row, v_row, stride_kh, stride_vh, slot_ptr, rotary_row, kv_head, HALF: tl.constexpr,
+            BLOCK_HALF: tl.constexpr):
+    """One decode token's K (rotated, as _rotary_write_kv_kernel rotates it) and V of one KV head, as
+    [1, BLOCK_HALF] halves, its slot, and rotary_row. Independent loads are issued first: a load whose
+    address waits on another (cos / sin on the position) stalls every load after it."""
     hk = kv_head + tl.arange(0, 1)
     d = tl.arange(0, BLOCK_HALF)[None, :]
     mask = d < HALF
@@ -329,8 +274,6 @@ def _new_kv(k_row, v_row, stride_kh, stride_vh, slot_ptr, rotary_row, kv_head, n
     v1, v2 = _load_halves(v_row + hk[:, None] * stride_vh, d, HALF, mask)
     cos = tl.load(rotary_row + d, mask=mask, other=0.0)
     sin = tl.load(rotary_row + HALF + d, mask=mask, other=0.0)
-    if QK_NORM:
-        k1, k2 = _norm_halves(k1, k2, norm_ptr, d, HALF, norm_eps, NORM_WEIGHT_OFFSET)
     k1, k2 = _rotate(k1, k2, cos, sin, k_row.dtype.element_ty)
     return k1, k2, v1, v2, slot, rotary_row
 
@@ -357,13 +300,12 @@ def _decode_kernel(q_ptr, out_ptr, part_out_ptr, part_lse_ptr, arrivals_ptr, k_c
                    block_tables, seq_lens, num_decodes_ptr, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh,
                    stride_bt, stride_bb, num_kv_heads, window, softcap,
                    k_ptr, v_ptr, positions_ptr, rotary_ptr, slot_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
-                   stride_rotary, q_norm_ptr, k_norm_ptr, norm_eps, HEAD_DIM: tl.constexpr,
+                   stride_rotary, HEAD_DIM: tl.constexpr,
                    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, SPLIT_KEYS: tl.constexpr, DIRECT_KEYS,
                    NUM_SPLITS: tl.constexpr, KV_QUANT: tl.constexpr, UPCAST_DOT: tl.constexpr,
                    DOT_PRECISION: tl.constexpr, BOUNDED: tl.constexpr, ROTARY: tl.constexpr,
-                   BLOCK_HALF: tl.constexpr, SOFTCAP: tl.constexpr, QK_NORM: tl.constexpr,
-                   NORM_WEIGHT_OFFSET: tl.constexpr, USE_PDL: tl.constexpr):
+                   BLOCK_HALF: tl.constexpr, SOFTCAP: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_sync(USE_PDL)
     kv_head = tl.program_id(0)
     seq = tl.program_id(1)
@@ -372,8 +314,8 @@ def _decode_kernel(q_ptr, out_ptr, part_out_ptr, part_lse_ptr, arrivals_ptr, k_c
     if ROTARY:  # every program, before the lengths arrive: these loads overlap seq_len's
         new_k1, new_k2, new_v1, new_v2, new_slot, rotary_row = _new_kv(
             k_ptr + seq * stride_kt, v_ptr + seq * stride_vt, stride_kh, stride_vh, slot_ptr + seq,
-            rotary_ptr + tl.load(positions_ptr + seq).to(tl.int64) * stride_rotary, kv_head, k_norm_ptr, norm_eps,
-            HEAD_DIM // 2, BLOCK_HALF, QK_NORM, NORM_WEIGHT_OFFSET)
+            rotary_ptr + tl.load(positions_ptr + seq).to(tl.int64) * stride_rotary, kv_head, HEAD_DIM // 2,
+            BLOCK_HALF)
     # The keys it sees: [first_key, seq_len), the last `window` of them with a sliding window (0: none).
     first_key = tl.where((window > 0) & (seq_len > window), seq_len - window, 0)
     num_keys = seq_len - first_key
@@ -396,7 +338,7 @@ def _decode_kernel(q_ptr, out_ptr, part_out_ptr, part_lse_ptr, arrivals_ptr, k_c
         row_mask = (g < GROUP)[:, None] & d_mask[None, :]
         if ROTARY:
             q = _rotated_queries(q_ptr + seq * stride_qt + head[:, None] * stride_qh, rotary_row, d, row_mask,
-                                 q_norm_ptr, norm_eps, HEAD_DIM // 2, HEAD_DIM, QK_NORM, NORM_WEIGHT_OFFSET)
+                                 HEAD_DIM // 2, HEAD_DIM)
             if split == num_used - 1:  # the split holding the new token's key writes it, then reads it back
                 _store_new_kv(new_k1, new_k2, new_v1, new_v2, new_slot, k_cache, v_cache, k_scale, v_scale, kv_head,
                               num_kv_heads, HEAD_DIM // 2, BLOCK_HALF, KV_QUANT)
@@ -493,14 +435,13 @@ def _tuning(q: torch.Tensor, defaults: dict, tuning: dict | None) -> dict:
 class NewTokens(NamedTuple):
     """A decode step's new tokens, for decode attention to rotate and write itself (`new_tokens`):
     k, v [B, Hk, D] as the projection left them, positions [B], rotary_cache [P, D] (cos | sin),
-    slot_mapping [B] (-1: padding), and the q/k norm before RoPE where the model has one."""
+    slot_mapping [B] (-1: padding)."""
 
     k: torch.Tensor
     v: torch.Tensor
     positions: torch.Tensor
     rotary_cache: torch.Tensor
     slot_mapping: torch.Tensor
-    qk_norm: QKNorm | None = None
 
 
 def triton_decode_attention(q: torch.Tensor, cache, block_tables: torch.Tensor, seq_lens: torch.Tensor,
@@ -515,9 +456,8 @@ def triton_decode_attention(q: torch.Tensor, cache, block_tables: torch.Tensor, 
     num_decodes: an int32 device scalar; only the first
     num_decodes sequences are computed, the other rows of `out` are left as they are (a mixed
     graph's decodes, whose count the host does not know when the launch is recorded).
-    new_tokens: RoPE (after the q/k norm, where it has one) and the cache write fused in (what
-    triton_rotary_write_kv would do first): q is then taken as the projection left it and left so,
-    and the new K/V land in the cache as that kernel stores them.
+    new_tokens: RoPE and the cache write fused in (what triton_rotary_write_kv would do first): q is
+    then taken unrotated and left so, and the new K/V land in the cache as that kernel stores them.
     tuning: DECODE_TUNING overrides; DIRECT_KEYS (default 0): contexts up to it take one split."""
     batch, num_q_heads, head_dim = q.shape
     _check_cache(cache)
@@ -536,11 +476,10 @@ def triton_decode_attention(q: torch.Tensor, cache, block_tables: torch.Tensor, 
         part_out = torch.empty(batch, num_q_heads, num_splits, head_dim, device=q.device, dtype=torch.float32)
         part_lse = torch.empty(batch, num_q_heads, num_splits, device=q.device, dtype=torch.float32)
         arrivals = _arrival_counters(q.device, batch * num_kv_heads)
-    qk_norm = None
     if new_tokens is None:  # stand-ins: the kernel takes pointers either way
         k, v, positions, rotary_cache, slot_mapping = q, q, seq_lens, q[0], seq_lens
     else:
-        k, v, positions, rotary_cache, slot_mapping, qk_norm = new_tokens
+        k, v, positions, rotary_cache, slot_mapping = new_tokens
         assert num_decodes is None and head_dim % 2 == 0, "fused RoPE: a decode-only batch, an even head dim"
         assert all(x.stride(-1) == 1 for x in (q, k, v, rotary_cache)), "the head dim must be contiguous"
     _decode_kernel[(num_kv_heads, batch, num_splits)](
@@ -550,14 +489,13 @@ def triton_decode_attention(q: torch.Tensor, cache, block_tables: torch.Tensor, 
         q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), block_tables.stride(1), num_kv_heads,
         window or 0, (softcap or 0.0) * LOG2E, k, v, positions, rotary_cache, slot_mapping, k.stride(0), k.stride(1),
         v.stride(0), v.stride(1),
-        rotary_cache.stride(0), *_norm_args(qk_norm, q),
+        rotary_cache.stride(0),
         head_dim, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
         BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=tune["BLOCK_N"], BLOCK_SIZE=block_size,
         SPLIT_KEYS=tune["SPLIT_KEYS"], DIRECT_KEYS=tune["DIRECT_KEYS"], NUM_SPLITS=num_splits,
         KV_QUANT=_kv_quant(cache), UPCAST_DOT=not q.is_cuda, DOT_PRECISION=_dot_precision(q.dtype),
         BOUNDED=num_decodes is not None, ROTARY=new_tokens is not None,
         BLOCK_HALF=triton.next_power_of_2(max(head_dim // 2, 1)), SOFTCAP=softcap is not None,
-        QK_NORM=qk_norm is not None, NORM_WEIGHT_OFFSET=0.0 if qk_norm is None else qk_norm.weight_offset,
         num_warps=tune["num_warps"],
         num_stages=tune["num_stages"], **pdl_launch(pdl),
     )

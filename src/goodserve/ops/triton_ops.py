@@ -106,17 +106,12 @@ def _silu_and_mul_kernel(gate_up_ptr, out_ptr, stride_in, stride_out, width, BLO
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < width
-    gate = tl.load(gate_up_ptr + row * stride_in + cols, mask=mask, other=0.0)
+    gate = tl.load(gate_up_ptr + row * stride_in + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(gate_up_ptr + row * stride_in + width + cols, mask=mask, other=0.0)
-    tl.store(out_ptr + row * stride_out + cols, silu_mul(gate, up, out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def silu_mul(gate, up, dtype: tl.constexpr):
-    """silu(gate) * up in dtype as torch computes it: silu(gate) rounded to dtype before the product."""
-    gate = gate.to(tl.float32)
-    act = (gate * tl.sigmoid(gate)).to(dtype)
-    return (act.to(tl.float32) * up.to(tl.float32)).to(dtype)
+    # torch rounds silu(gate) to the activation dtype before the product; so do we.
+    act = (gate * tl.sigmoid(gate)).to(out_ptr.dtype.element_ty)
+    out = act.to(tl.float32) * up.to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def triton_silu_and_mul(gate_up: torch.Tensor, pdl: bool = False) -> torch.Tensor:

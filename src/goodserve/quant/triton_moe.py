@@ -3,8 +3,7 @@ sorted by expert and padded to whole blocks of BLOCK_M rows, each block one expe
 then each projection is ONE grouped-GEMM launch whose programs each multiply one block of rows by one
 tile of their expert's weights. A decode step reads each routed expert's weights once, with no per-expert
 launch and no host synchronisation (the sort is on the device and sized by the token count alone,
-so a CUDA graph captures it). A lone token (batch-1 decode) skips the sort: its k experts all differ,
-so each pair is a block of its own. SwiGLU is applied as the down projection loads its rows.
+so a CUDA graph captures it).
 
 Computes quant/moe.py's moe_torch (the reference), the router weights applied to the down projection's
 rows before the sum over slots. Quantized stacks (model/moe.QuantizedExperts): the kernel loads the
@@ -19,8 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from goodserve.ops.pdl import pdl_launch, pdl_sync
-from goodserve.ops.triton_ops import silu_mul
+from goodserve.ops.activation import silu_and_mul
+from goodserve.ops.kernel_choice import KernelChoice
 from goodserve.quant.moe import Stack, stack_rows
 from goodserve.quant import schemes
 
@@ -32,24 +31,17 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, weights_ptr, scales_ptr, zeros_ptr
                          num_padded_ptr, n, k, num_pairs, stride_a, stride_be, stride_bn, stride_c,
                          A_ROW_DIVISOR: tl.constexpr, MUL_WEIGHTS: tl.constexpr, B_FORMAT: tl.constexpr,
                          GROUP_SIZE: tl.constexpr, PACK: tl.constexpr, PRECISION: tl.constexpr,
-                         UPCAST_DOT: tl.constexpr, GATED_A: tl.constexpr, ONE_PAIR_BLOCKS: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         USE_PDL: tl.constexpr):
+                         UPCAST_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr):
     """C[pair] = A[pair // A_ROW_DIVISOR] @ B[expert].T (times the pair's router weight) for one
     block of sorted pairs and one tile of N. Pairs are token * top_k + slot; padding is num_pairs.
     B_FORMAT: FLOAT; INT8 (B[expert] = codes * scales[expert * n + column]); INT4 (two codes a byte,
     even column low, B = code * scale + zero per group of GROUP_SIZE columns, quant/schemes.py).
-    PACK: codes a byte of B (2 for INT4). GATED_A: A's rows are gate | up (2k wide), and the row
-    multiplied is silu(gate) * up (SwiGLU inside the down projection's load, no launch of its own).
-    ONE_PAIR_BLOCKS: block b is pair b alone, of expert block_experts[b] (the ids as routed): no sort."""
-    pdl_sync(USE_PDL)
+    PACK: codes a byte of B (2 for INT4)."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    if ONE_PAIR_BLOCKS:
-        pairs = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, num_pairs)
-    else:
-        if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
-            return
-        pairs = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    pairs = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     valid = pairs < num_pairs
     expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -62,8 +54,6 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, weights_ptr, scales_ptr, zeros_ptr
     for k0 in range(0, k, BLOCK_K):
         in_k = offs_k + k0 < k
         a = tl.load(a_ptrs, mask=valid[:, None] & in_k[None, :], other=0.0)
-        if GATED_A:
-            a = silu_mul(a, tl.load(a_ptrs + k, mask=valid[:, None] & in_k[None, :], other=0.0), a.dtype)
         b = tl.load(b_ptrs, mask=in_k[:, None] & in_n[None, :], other=0)
         if B_FORMAT == INT4:
             codes = (b.to(tl.int32) >> ((offs_k % 2) * 4)[:, None]) & 0xF
@@ -90,10 +80,9 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, weights_ptr, scales_ptr, zeros_ptr
 
 @triton.jit
 def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_logits, TOP_K: tl.constexpr,
-                  RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+                  RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
     """One token: softmax over the experts in float32, its TOP_K largest (the first of equals),
     renormalised to sum 1 where asked: quant/moe.py's route in one launch."""
-    pdl_sync(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     experts = tl.arange(0, BLOCK_E)
     logits = tl.load(logits_ptr + row * stride_logits + experts, mask=experts < num_experts,
@@ -114,8 +103,7 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_logits, 
     tl.store(ids_ptr + row * TOP_K + slots, ids, mask=slots < TOP_K)
 
 
-def triton_route(router_logits: torch.Tensor, top_k: int, renormalize: bool,
-                 pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def triton_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """route's result ([T, k] float32 weights, [T, k] int32 expert ids) in one launch."""
     num_tokens, num_experts = router_logits.shape
     weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=router_logits.device)
@@ -123,7 +111,7 @@ def triton_route(router_logits: torch.Tensor, top_k: int, renormalize: bool,
     if num_tokens:
         _route_kernel[(num_tokens,)](router_logits, weights, ids, num_experts, router_logits.stride(0), TOP_K=top_k,
                                     RENORMALIZE=renormalize, BLOCK_E=triton.next_power_of_2(num_experts),
-                                    BLOCK_K=triton.next_power_of_2(top_k), num_warps=1, **pdl_launch(pdl))
+                                    BLOCK_K=triton.next_power_of_2(top_k), num_warps=1)
     return weights, ids
 
 
@@ -134,12 +122,10 @@ def block_m_for(num_pairs: int) -> int:
 
 @triton.jit
 def _sort_pairs_kernel(ids_ptr, sorted_pairs_ptr, block_experts_ptr, num_padded_ptr, num_pairs, num_experts,
-                       max_blocks, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr,
-                       USE_PDL: tl.constexpr):
+                       max_blocks, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr):
     """One program: count each expert's pairs, lay the experts' runs out padded to whole blocks, write
     each pair at its expert's start plus its rank among that expert's pairs (stable), and each
     block's expert. One launch where the torch ops would take a dozen (a decode step pays each)."""
-    pdl_sync(USE_PDL)
     experts = tl.arange(0, BLOCK_E)
     counts = tl.zeros([BLOCK_E], dtype=tl.int32)
     for start in range(0, num_pairs, BLOCK_P):
@@ -169,7 +155,7 @@ def _sort_pairs_kernel(ids_ptr, sorted_pairs_ptr, block_experts_ptr, num_padded_
         seen += tl.sum(onehot, axis=0)
 
 
-def sort_pairs_by_expert(ids: torch.Tensor, num_experts: int, block_m: int, pdl: bool = False
+def sort_pairs_by_expert(ids: torch.Tensor, num_experts: int, block_m: int
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """ids [T, k] -> (sorted_pairs [max_blocks * block_m]: pair indices grouped by expert, each
     expert's run padded with num_pairs to whole blocks; block_experts [max_blocks]; num_padded [1]:
@@ -181,56 +167,42 @@ def sort_pairs_by_expert(ids: torch.Tensor, num_experts: int, block_m: int, pdl:
     num_padded = torch.empty(1, dtype=torch.int32, device=ids.device)
     _sort_pairs_kernel[(1,)](ids.flatten().to(torch.int32), sorted_pairs, block_experts, num_padded, num_pairs,
                              num_experts, max_blocks, BLOCK_M=block_m, BLOCK_E=triton.next_power_of_2(num_experts),
-                             BLOCK_P=64, num_warps=4, **pdl_launch(pdl))
+                             BLOCK_P=64, num_warps=4)
     return sorted_pairs, block_experts, num_padded
 
 
-# The grouped GEMM's launch settings (BLOCK_M: block_m_for); a `tuning` dict overrides them
-# (`benchmarks/gpu_moe.py --parts kernel-sweep` times candidates at one token).
-GEMM_TUNING = {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4}
-
-
-def _grouped_gemm(a: torch.Tensor, b: Stack, num_experts: int, out: torch.Tensor, sorted_pairs: torch.Tensor | None,
-                  block_experts: torch.Tensor, num_padded: torch.Tensor | None, num_pairs: int, a_row_divisor: int,
-                  block_m: int, weights: torch.Tensor | None = None, gated_a: bool = False, pdl: bool = False,
-                  tuning: dict | None = None) -> None:
-    """out [num_pairs, N] = a's rows @ the [N, K] weight of each pair's expert in stack b; with gated_a,
-    a's rows are gate | up and the rows multiplied silu(gate) * up. sorted_pairs None: block_experts
-    holds each pair's expert, one pair a block (_grouped_gemm_kernel's ONE_PAIR_BLOCKS)."""
+def _grouped_gemm(a: torch.Tensor, b: Stack, num_experts: int, out: torch.Tensor, sorted_pairs: torch.Tensor,
+                  block_experts: torch.Tensor, num_padded: torch.Tensor, num_pairs: int, a_row_divisor: int,
+                  block_m: int, weights: torch.Tensor | None = None) -> None:
+    """out [num_pairs, N] = a's rows @ the [N, K] weight of each pair's expert in stack b."""
     codes = getattr(b, "qweight", b)
-    n, k = stack_rows(b) // num_experts, a.shape[1] // (2 if gated_a else 1)
+    n, k = stack_rows(b) // num_experts, a.shape[1]
     b_format = {schemes.Int4Weight: INT4, schemes.Int8Weight: INT8}.get(type(b), FLOAT).value
-    tune = {**GEMM_TUNING, **(tuning or {})}
-    grid = (block_experts.numel(), triton.cdiv(n, tune["BLOCK_N"]))
+    block_n, block_k = 64, 64
+    grid = (block_experts.numel(), triton.cdiv(n, block_n))
     _grouped_gemm_kernel[grid](
         a, codes, out, weights if weights is not None else out, getattr(b, "scales", out), getattr(b, "zeros", out),
-        block_experts if sorted_pairs is None else sorted_pairs, block_experts,
-        block_experts if num_padded is None else num_padded, n, k, num_pairs, a.stride(0), n * codes.stride(0),
-        codes.stride(0), out.stride(0), A_ROW_DIVISOR=a_row_divisor, MUL_WEIGHTS=weights is not None, B_FORMAT=b_format,
+        sorted_pairs, block_experts, num_padded, n, k, num_pairs, a.stride(0), n * codes.stride(0), codes.stride(0),
+        out.stride(0), A_ROW_DIVISOR=a_row_divisor, MUL_WEIGHTS=weights is not None, B_FORMAT=b_format,
         GROUP_SIZE=getattr(b, "group_size", 1), PACK=2 if b_format == INT4.value else 1,
         PRECISION="ieee" if a.dtype == torch.float32 or not a.is_cuda else None,  # float32 stays exact (no TF32)
-        UPCAST_DOT=not a.is_cuda, GATED_A=gated_a, ONE_PAIR_BLOCKS=sorted_pairs is None,
-        BLOCK_M=block_m, **tune, **pdl_launch(pdl))
+        UPCAST_DOT=not a.is_cuda,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
 
 
-def triton_fused_moe(x: torch.Tensor, w13: Stack, w2: Stack, weights: torch.Tensor, ids: torch.Tensor,
-                     pdl: bool = False, tuning: dict[str, dict] | None = None) -> torch.Tensor:
+def triton_fused_moe(x: torch.Tensor, w13: Stack, w2: Stack, weights: torch.Tensor,
+                     ids: torch.Tensor, kernels: KernelChoice) -> torch.Tensor:
     """x [T, H], w13 [E * 2I, H], w2 [E * H, I] (float, or their codes: quant/moe.py's Stack),
-    weights / ids [T, k] -> [T, H]. Launches: the sort (none for one token), one per projection
-    (SwiGLU inside the second), the sum over the k slots; the Triton ones with PDL where `pdl`.
-    tuning: GEMM_TUNING overrides by projection, "gate_up" and "down"."""
-    tuning = tuning or {}
+    weights / ids [T, k] -> [T, H]."""
     num_tokens, hidden = x.shape
     num_experts, top_k = stack_rows(w2) // hidden, ids.shape[1]
     num_pairs = num_tokens * top_k
     block_m = block_m_for(num_pairs)
-    # One token's k experts all differ, so sorting would group nothing: each pair is its own block.
-    sorting = (None, ids.flatten(), None) if num_tokens == 1 else sort_pairs_by_expert(ids, num_experts, block_m, pdl)
+    sorting = sort_pairs_by_expert(ids, num_experts, block_m)
     x = x.contiguous()
     gate_up = x.new_empty(num_pairs, stack_rows(w13) // num_experts)
-    _grouped_gemm(x, w13, num_experts, gate_up, *sorting, num_pairs, top_k, block_m, pdl=pdl,
-                  tuning=tuning.get("gate_up"))
+    _grouped_gemm(x, w13, num_experts, gate_up, *sorting, num_pairs, top_k, block_m)
     down = x.new_empty(num_pairs, hidden)
-    _grouped_gemm(gate_up, w2, num_experts, down, *sorting, num_pairs, 1, block_m, weights.flatten(), gated_a=True,
-                  pdl=pdl, tuning=tuning.get("down"))
+    _grouped_gemm(silu_and_mul(gate_up, kernels), w2, num_experts, down, *sorting, num_pairs, 1, block_m,
+                  weights.flatten())
     return down.view(num_tokens, top_k, hidden).sum(dim=1)
