@@ -147,7 +147,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-warmups", type=int, default=0,
                    help="requests sent first and left out (prompts of their own, none of the measured ones)")
     g.add_argument("--reuse-prompts", action="store_true",
-                   help="every run of a sweep or capacity search sends the first run's prompts (default: run i "
+                   help="every run of a sweep or capacity search sends the first run's prompts (a longer "
+                        "capacity probe draws more with the same seed) (default: run i "
                         "draws its own with seed --seed + i, so no run finds its prompts in a prefix cache the "
                         "runs before it filled; a --dataset-path file's prompts are sampled anew the same way)")
     g.add_argument("--sweep-request-rates", help="comma list: one run per rate")
