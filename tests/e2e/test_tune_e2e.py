@@ -24,8 +24,8 @@ pytestmark = pytest.mark.skipif(not embedded_model_installed(), reason="needs th
 ARGV = ["tune", "--quantization", "none", "--max-num-seqs", "1", "--workload", "random", "--input-len", "16",
         "--output-len", "8", "--num-prompts", "8", "--slo-ttft-ms", "3000", "--slo-tpot-ms", "100", "--try", "quantization=int4",
         "--quality-budget", "perplexity:0.05", "--max-trials", "3", "--budget-minutes", "10",
-        "--capacity-bisections", "0", "--quality-prompts", "3", "--quality-text-tokens", "256",
-        "--quality-window", "128", "--quality-new-tokens", "8", "--no-progress"]
+        "--capacity-bisections", "0", "--capacity-max-prompts", "16", "--quality-prompts", "3",
+        "--quality-text-tokens", "256", "--quality-window", "128", "--quality-new-tokens", "8", "--no-progress"]
 
 
 def serve_args_from(config_path) -> argparse.Namespace:

@@ -83,12 +83,16 @@ def test_goodput_capacity_search_writes_each_probes_sustained_rate(tmp_path, cap
     args = bench_args("--backend", "inprocess", "--model", "dummy:tiny", "--device", "cpu", "--dataset-name",
                       "random", "--num-prompts", "12", "--random-input-len", "8", "--random-output-len", "4",
                       "--ignore-eos", "--goodput", "ttft:60000", "tpot:60000", "--goodput-capacity",
-                      "--capacity-start-rate", "50", "--capacity-max-doublings", "1", "--result-filename", str(out))
+                      "--capacity-start-rate", "50", "--capacity-max-doublings", "1", "--capacity-max-prompts", "30",
+                      "--result-filename", str(out))
     assert command.run_command(args) == 0
     result = load_json(out)
     probes = result["capacity"]["probes"]
     assert [p["request_rate"] for p in probes] == [50.0, 100.0]  # both pass: one doubling, then the limit
     for run, p in zip(result["sweep"], probes):
         assert p["sustained_request_rate"] == run["sustained_request_rate"] <= run["request_rate"]
+        assert p["num_requests"] == run["num_requests"] == run["num_prompts"] == run["completed"]
+    # The first probe sends --num-prompts; the second, after it passed, enough for 4 of its p90 latencies.
+    assert probes[0]["num_requests"] == 12 <= probes[1]["num_requests"] <= 30
     assert result["capacity"]["rate"] == capacity_of(result["sweep"], 0.9)["rate"] > 0
     assert "Goodput capacity (highest Poisson rate held, else sustained" in capsys.readouterr().out

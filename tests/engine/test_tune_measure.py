@@ -14,11 +14,13 @@ from goodserve.tune.measure import MIN_RATE_FACTOR, QualityGate, TrialRunner, be
 
 WORKLOAD = ["--dataset-name", "random", "--random-input-len", "8", "--random-output-len", "4"]
 OPTIONS = {"model": "dummy:tiny", "device": "cpu"}
+MAX_PROMPTS = 24  # a later probe's length: 4 p90 latencies of the passing probes before it, at most this
 
 
 def runner(slos_ms: dict[str, float], bisections: int = 0) -> TrialRunner:
     gate = QualityGate(EngineConfig(**OPTIONS), quality_settings(["a"], None, 64, 4, 32), {})  # off: random weights
     args = bench_args("dummy:tiny", WORKLOAD, slos_ms, num_prompts=12, seed=0, hourly_cost=None, progress=False)
+    args.capacity_max_prompts = MAX_PROMPTS
     return TrialRunner(gate, args, make_console(), bisections)
 
 
@@ -32,8 +34,13 @@ def test_the_first_search_starts_at_the_rate_an_all_at_once_run_sustained():
                                                                      for i in range(5)])
     # The capacity is capacity_of's over the same probes (the all-at-once one can never beat a rated one
     # here), and the next trial starts from it.
-    assert trial["capacity"] == capacity_of([{**p, "num_requests": 12} for p in probes], 0.9)["rate"] > 0
+    assert trial["capacity"] == capacity_of(probes, 0.9)["rate"] > 0
     assert run.start_rate == trial["capacity"]
+    # The all-at-once run and the first rated probe send --num-prompts; each later one, after passing
+    # probes, enough for a steady state at its doubled rate (16x the start's 12 prompts arrive within a
+    # small part of one passing probe's p90 latency), capped, never fewer than before.
+    counts = [p["num_requests"] for p in probes]
+    assert counts[:2] == [12, 12] and counts == sorted(counts) and counts[-1] > 12 and max(counts) <= MAX_PROMPTS
     for p in probes[1:]:
         assert p["sustained_request_rate"] <= p["request_rate"]
 

@@ -2,9 +2,11 @@
 probe sustained (never more than it completed), and says when probes are noisy: synthetic probe
 records, capacity computed by hand."""
 
+import math
+
 import pytest
 
-from goodserve.bench.capacity import capacity_of, min_prompts_for, rate_resolution
+from goodserve.bench.capacity import capacity_of, min_prompts_for, probe_prompts, rate_resolution
 from goodserve.bench.metrics import compute_metrics
 from goodserve.bench.records import RequestRecord
 from goodserve.bench.report import print_report
@@ -121,3 +123,44 @@ def test_report_prints_the_noisy_warning(capsys):
     print_report({"sweep": [probe(256.0, [0.0] * 8, ttft=0.1, e2e=4 / 3)], "capacity": cap})
     out = capsys.readouterr().out
     assert "6.000 req/s" in out and "noisy probe: 8 prompts per probe" in out
+
+
+def test_a_later_probe_sends_enough_prompts_for_four_of_the_latencies_seen_capped():
+    # A passing probe whose p90 end-to-end latency is 2 s (nine of ten requests 1 s, one 11 s: the
+    # 90th percentile interpolates 1 + 0.1 * 10 over ten sorted latencies).
+    seen = probe(10.0, [i * 0.1 for i in range(10)], ttft=0.1, e2e=[1.0] * 9 + [11.0])
+    failing = probe(20.0, [i * 0.05 for i in range(10)], ttft=0.9, e2e=30.0)  # misses the TTFT SLO
+    assert probe_prompts(40.0, [], 0.9, 100, 4000) == 100  # a search's first probe: --num-prompts
+    assert probe_prompts(40.0, [failing], 0.9, 100, 4000) == 100  # only passing probes' latencies count
+    assert probe_prompts(40.0, [seen, failing], 0.9, 100, 4000) == 40 * 4 * 2 == 320
+    assert probe_prompts(80.0, [seen], 0.9, 100, 4000) == 640  # grows with the rate
+    slower = probe(10.0, [i * 0.1 for i in range(10)], ttft=0.1, e2e=5.0)  # a p90 of 5 s
+    assert probe_prompts(40.0, [seen, slower], 0.9, 100, 4000) == 800  # and with the longest latency seen
+    assert probe_prompts(80.0, [slower], 0.9, 100, 1000) == 1000  # capped
+    assert probe_prompts(10.0, [seen], 0.9, 100, 4000) == 100  # never fewer than --num-prompts
+    assert probe_prompts(80.0, [slower], 0.9, 2000, 1000) == 2000
+    assert probe_prompts(math.inf, [seen], 0.9, 100, 4000) == 100  # an all-at-once run
+    burst = probe(math.inf, [0.0] * 10, ttft=0.1, e2e=3.0)  # all at once: its latency is its queue's
+    assert probe_prompts(40.0, [burst], 0.9, 100, 4000) == 100
+    assert probe_prompts(40.0, [burst, seen], 0.9, 100, 4000) == 320
+
+
+def test_a_probe_long_enough_holds_the_rate_the_short_one_could_not_show():
+    # A server that keeps up with 85 req/s, ShareGPT-like: four of five answers take 1.5 s, one 10 s
+    # (a p90 of 10 s). 1,000 prompts arrive in 11.8 s: the window after the first 10 s holds too
+    # few departures for a steady state, and the probe reads 1,000 / 21.7 s completed (46 req/s: its
+    # last long answer, sent at 995 / 85 s, ends it).
+    rate = 85.0
+
+    def server(count: int) -> dict:
+        return probe(rate, [i / rate for i in range(count)], ttft=0.1,
+                     e2e=[10.0 if i % 5 == 0 else 1.5 for i in range(count)])
+
+    short = server(1000)
+    assert short["sustained_request_rate"] == short["request_throughput"] == pytest.approx(1000 / (995 / rate + 10))
+    assert not capacity_of([short], 0.9)["held"]
+    # Probed again after it, at the same rate: 4 x 10 s of arrivals, and departures keep pace in the window.
+    count = probe_prompts(rate, [short], 0.9, 1000, 4000)
+    assert count == 3400
+    steady = capacity_of([server(count)], 0.9)
+    assert steady["held"] and steady["rate"] == rate and steady["probes"][0]["num_requests"] == 3400

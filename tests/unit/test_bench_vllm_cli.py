@@ -158,3 +158,8 @@ def test_without_save_detailed_the_per_request_arrays_are_left_out(tmp_path):
     (path,) = tmp_path.glob("vllm-infqps-*.json")  # vLLM's file name: label (the backend), rate, model, date
     result = json.loads(path.read_text())
     assert result["completed"] == 3 and not {"ttfts", "itls", "errors", "input_lens"} & set(result)
+
+
+def test_a_probe_capped_below_one_prompt_is_refused():
+    with pytest.raises(InvalidRequestError, match="--capacity-max-prompts must be at least 1"):
+        parsed("--backend openai --goodput ttft:200 --goodput-capacity --capacity-max-prompts 0")

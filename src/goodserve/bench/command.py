@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from goodserve.bench.arrivals import ArrivalConfig, parse_sweep
-from goodserve.bench.capacity import capacity_of, rate_resolution
+from goodserve.bench.capacity import DEFAULT_MAX_PROBE_PROMPTS, capacity_of, probe_prompts, rate_resolution
 from goodserve.bench.compare import compare_files
 from goodserve.bench.engine_config import describe, fetch_engine_config
 from goodserve.bench.metrics import (
@@ -147,7 +147,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-warmups", type=int, default=0,
                    help="requests sent first and left out (prompts of their own, none of the measured ones)")
     g.add_argument("--reuse-prompts", action="store_true",
-                   help="every run of a sweep or capacity search sends the first run's prompts (default: run i "
+                   help="every run of a sweep or capacity search sends the first run's prompts (a longer "
+                        "capacity probe draws more with the same seed) (default: run i "
                         "draws its own with seed --seed + i, so no run finds its prompts in a prefix cache the "
                         "runs before it filled; a --dataset-path file's prompts are sampled anew the same way)")
     g.add_argument("--sweep-request-rates", help="comma list: one run per rate")
@@ -167,6 +168,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "none once the gap is within a probe's noise (2/sqrt(--num-prompts) of the rate)")
     g.add_argument("--capacity-max-doublings", type=int, default=8,
                    help="most times the rate doubles (or, failing at the start, halves) before the bisection")
+    g.add_argument("--capacity-max-prompts", type=int, default=DEFAULT_MAX_PROBE_PROMPTS,
+                   help="most requests one probe sends: each after the first sends enough to run 4 times the "
+                        "p90 latency the passing probes before it saw (at least --num-prompts), so it reaches a "
+                        "steady state")
     g.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el")
     g.add_argument("--metric-percentiles", default="90,95,99")
     g.add_argument("--gpu-hourly-cost", type=float, help="$ per GPU-hour, for cost per 1M tokens")
@@ -230,6 +235,8 @@ def check_args(args) -> None:
     args.metadata_pairs = key_values(args.metadata, "--metadata")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise InvalidRequestError("--max-concurrency must be at least 1")
+    if args.capacity_max_prompts < 1:
+        raise InvalidRequestError("--capacity-max-prompts must be at least 1")
 
 
 def engine_config_of(args, target) -> dict[str, str] | None:
@@ -320,20 +327,23 @@ class Bench:
             arrivals.validate()
         return plan or [base]
 
-    def _workload(self, run_index: int, warmup: bool = False) -> list[BenchRequest]:
+    def _workload(self, run_index: int, warmup: bool = False, count: int | None = None) -> list[BenchRequest]:
+        """count: prompts drawn (default --num-prompts); a larger count samples (or cycles) a dataset further."""
         seed = prompt_seed(self.args, run_index) + (WARMUP_SEED_OFFSET if warmup else 0)
-        config = workload_config(self.args)
-        if warmup:
-            config = dataclasses.replace(config, num_prompts=self.args.num_warmups)
-        return build_workload(dataclasses.replace(config, seed=seed), PromptText(self.tokenizer, seed))
+        count = self.args.num_warmups if warmup else count or self.args.num_prompts
+        config = dataclasses.replace(workload_config(self.args), num_prompts=count, seed=seed)
+        return build_workload(config, PromptText(self.tokenizer, seed))
 
-    async def run_one(self, arrivals: ArrivalConfig) -> dict:
-        if self.runs and not self.args.reuse_prompts:
-            self.requests = self._workload(len(self.runs))
+    async def run_one(self, arrivals: ArrivalConfig, count: int | None = None) -> dict:
+        """count: requests sent (default --num-prompts)."""
+        count = count or self.args.num_prompts
+        if (self.runs and not self.args.reuse_prompts) or len(self.requests) != count:
+            self.requests = self._workload(len(self.runs), count=count)
         warmups = self._workload(len(self.runs), warmup=True) if self.args.num_warmups > 0 else []
         run = BenchRun(self.target, list(self.requests), arrivals, self.args.seed, warmups)
         settings = {**settings_of(self.args, arrivals, self.target, self.args.tokenizer or self.args.model,
-                                  self.engine_config), "prompt_seed": prompt_seed(self.args, len(self.runs))}
+                                  self.engine_config), "prompt_seed": prompt_seed(self.args, len(self.runs)),
+                    "num_prompts": count}
         self.spec_before = None
         run.on_start = self._note_spec_decode_counts
         with self._progress(arrivals) as hook:
@@ -389,7 +399,8 @@ class Bench:
         a = self.args
 
         async def attainment_at(rate: float) -> float:
-            result = await self.run_one(ArrivalConfig(rate, a.burstiness, a.max_concurrency))
+            count = probe_prompts(rate, self.runs, a.slo_attainment_target, a.num_prompts, a.capacity_max_prompts)
+            result = await self.run_one(ArrivalConfig(rate, a.burstiness, a.max_concurrency), count)
             return result["slo_attainment"] / 100.0
 
         await search_capacity(attainment_at, a.slo_attainment_target, a.capacity_start_rate,

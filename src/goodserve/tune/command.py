@@ -18,6 +18,7 @@ import argparse
 import dataclasses
 from pathlib import Path
 
+from goodserve.bench.capacity import DEFAULT_MAX_PROBE_PROMPTS
 from goodserve.console import make_console
 from goodserve.engine_args import add_engine_arguments, engine_config_from_args
 from goodserve.errors import InvalidRequestError
@@ -52,6 +53,9 @@ def register(subparsers) -> None:
     g.add_argument("--output-len", type=int, help="output tokens per request (default: the workload's)")
     g.add_argument("--capacity-bisections", type=int, default=3,
                    help="probes between the last passing and first failing rate of each capacity search")
+    g.add_argument("--capacity-max-prompts", type=int, default=DEFAULT_MAX_PROBE_PROMPTS,
+                   help="most requests a probe sends: each after a search's first runs 4 times the p90 latency "
+                        "its passing probes saw (at least --num-prompts), so it reaches a steady state")
     g.add_argument("--quality-prompts", type=int, default=8,
                    help="greedy-agreement prompts, the workload's own first ones")
     g.add_argument("--quality-text", help="perplexity text file (default: Python's pydoc_data.topics)")
@@ -102,8 +106,9 @@ def _check(args) -> None:
         raise InvalidRequestError("--slo-ttft-ms and --slo-tpot-ms must be positive")
     if args.budget_minutes <= 0 or (args.max_trials is not None and args.max_trials < 1):
         raise InvalidRequestError("--budget-minutes must be positive and --max-trials at least 1")
-    if args.num_prompts < 1 or args.capacity_bisections < 0 or args.quality_prompts < 1:
-        raise InvalidRequestError("--num-prompts and --quality-prompts must be at least 1, --capacity-bisections >= 0")
+    if min(args.num_prompts, args.capacity_max_prompts, args.quality_prompts) < 1 or args.capacity_bisections < 0:
+        raise InvalidRequestError("--num-prompts, --capacity-max-prompts and --quality-prompts must be at least 1, "
+                                  "--capacity-bisections >= 0")
 
 
 def run(args) -> int:
@@ -116,7 +121,8 @@ def run(args) -> int:
     workload_argv = bench_workload_argv(args.workload, args.input_len, args.output_len)
     settings = {"model": start.model, "workload": args.workload, "workload_flags": workload_argv,
                 "slos_ms": {"ttft": args.slo_ttft_ms, "tpot": args.slo_tpot_ms}, "quality_budget": budget,
-                "num_prompts": args.num_prompts, "seed": start.seed, "gpu_hourly_cost": args.gpu_hourly_cost,
+                "num_prompts": args.num_prompts, "capacity_max_prompts": args.capacity_max_prompts,
+                "seed": start.seed, "gpu_hourly_cost": args.gpu_hourly_cost,
                 "start": options_of(start), "quality": [args.quality_prompts, args.quality_text,
                                                         args.quality_text_tokens, args.quality_new_tokens]}
     return tune(args, start, settings, forced, budget)
@@ -132,6 +138,7 @@ def tune(args, start, settings: dict, forced: list[dict], budget: dict[str, floa
     console = make_console()
     bench = bench_args(start.model, settings["workload_flags"], settings["slos_ms"], args.num_prompts, start.seed,
                        args.gpu_hourly_cost, not args.no_progress)
+    bench.capacity_max_prompts = args.capacity_max_prompts
     prompts = [] if start.model.startswith(DUMMY_PREFIX) else _workload_prompts(bench, args.quality_prompts)
     gate = QualityGate(start, quality_settings(prompts, args.quality_text, args.quality_text_tokens,
                                                args.quality_new_tokens, args.quality_window), budget)
