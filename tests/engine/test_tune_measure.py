@@ -56,7 +56,8 @@ def test_a_later_search_stops_halving_below_half_the_best_capacity():
 
 
 # "apart" serves from an engine process (the GPU path; the gate runs it on CUDA): the full tier.
-@pytest.mark.parametrize("engine_process", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["one-load", "apart"])
+@pytest.mark.parametrize("engine_process", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["one-load", "apart"])
 def test_the_quality_baseline_is_measured_before_a_candidates_engine_loads(monkeypatch, engine_process):
     # On a GPU every engine takes its gpu_memory_utilization share of the card: a baseline loaded
     # beside the candidate's engine found "no room for the KV cache" (tests/gpu/test_gpu_tune.py).
