@@ -85,10 +85,16 @@ def copy_metrics_of(report: dict) -> dict:
     copy = report.get("copy", {}).get("float32", {})
     rates = {f"copy_{method}_batch_{batch}_tok_s": copy.get(f"batch_{batch}", {}).get(f"{method}_k4", {}).get(
         "output_tok_s") for method in ("ngram", "draft") for batch in (1, 4)}
+    # per batch and engine (speculation off too): the rate and the steps it took, which tell a slower
+    # step from a worse speculation policy
+    detail = {batch: {engine: {key: run.get(key) for key in COPY_DETAIL} for engine, run in runs.items()}
+              for batch, runs in copy.items() if batch.startswith("batch_")}
     return {**rates, "copy_greedy_identical": report.get("copy_greedy_identical"),
-            "copy_exit_code": report.get("exit_code")}
+            "copy_exit_code": report.get("exit_code"), "copy_detail": detail}
 
 
+COPY_DETAIL = ("output_tok_s", "steps", "verifications", "accepted_tokens", "graphed_verify_steps", "pipelined_steps",
+               "schedule_s", "prepare_s", "forward_s", "sample_s", "detokenize_s")
 CPU_NEW_TOKENS = 128
 CPU_RUNS = 5
 

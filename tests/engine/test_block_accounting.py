@@ -141,7 +141,7 @@ def test_random_traffic_leaks_nothing(policy, chunked, speculative, windows):
                 live.remove(seq)
                 tell_drafter(finished_seq_ids=[seq.seq_id])
         if out and speculative:
-            scheduler.speculator.propose_next(out, output, scheduler.seqs)
+            scheduler.speculator.propose_next(out, output, scheduler.seqs, len(scheduler.running))
         check_invariants(kv, live, shadow)
         released_early += sum(len(kv.block_table(s.seq_id)) > len(kv.blocks_held(s.seq_id)) for s in live)
         if drafter is not None:

@@ -37,35 +37,45 @@ def _step(seqs: list[Sequence]) -> SchedulerOutput:
     return SchedulerOutput(seq_ids=[seq.seq_id for seq in seqs], samples=[True] * len(seqs))
 
 
-def _run(speculator: Speculator, seqs: list[Sequence], steps: int, accepts) -> list[dict[str, int]]:
-    """Each step as the engine takes it: counted, its plan for the next one made with it, the drafts
-    proposed once it is computed, the next step's verifications observed (accepts(step, k): drafts
-    kept of k)."""
-    plans = []
+def _steps(speculator: Speculator, seqs: list[Sequence], steps: int, accepts) -> list[tuple[dict, dict]]:
+    """Each step as the engine takes it: counted, carrying the drafts proposed after the step before,
+    its plan for the next one made with it; once computed, its verifications observed (accepts(step,
+    k): drafts kept of k), then the next step's drafts proposed. Returns, per step, its plan (the
+    sequences it planned drafts for: the next step waits for its tokens) and the drafts proposed for
+    the next step, each by sequence id."""
+    found = []
     for step in range(steps):
         speculator.counted_step()
         out = _step(seqs)
+        out.draft_token_ids = {row: drafts.token_ids for row, seq in enumerate(seqs)
+                               if (drafts := speculator.drafts_for_step(seq, K))}
         out.num_next_drafts = speculator.plan_next(seqs, out, len(seqs))
-        speculator.propose_next(out, ModelRunnerOutput([], []), {seq.seq_id: seq for seq in seqs})
-        for seq in seqs:
-            if drafts := speculator.drafts_for_step(seq, K):
-                speculator.observe(seq, len(drafts.token_ids), accepts(step, len(drafts.token_ids)))
-        plans.append({seqs[row].seq_id: k for row, k in out.num_next_drafts.items()})
-    return plans
+        for row, drafts in out.draft_token_ids.items():
+            speculator.observe(seqs[row], len(drafts), accepts(step, len(drafts)))
+        speculator.propose_next(out, ModelRunnerOutput([], []), {seq.seq_id: seq for seq in seqs}, len(seqs))
+        found.append(({seqs[row].seq_id: k for row, k in out.num_next_drafts.items()},
+                      {seq_id: len(drafts.token_ids) for seq_id, drafts in speculator.pending.items()}))
+    return found
+
+
+def _run(speculator: Speculator, seqs: list[Sequence], steps: int, accepts) -> list[dict[str, int]]:
+    """Per step, the drafts proposed for the next one, by sequence id (_steps)."""
+    return [drafted for _, drafted in _steps(speculator, seqs, steps, accepts)]
 
 
 def test_low_acceptance_stops_drafting_but_for_bounded_probes_which_notice_a_later_copy():
     speculator, seqs = _speculator(), _seqs(4)
-    plans = _run(speculator, seqs, 10 * PROBE_EVERY, lambda step, k: 0)
+    plans = _run(speculator, seqs, 10 * PROBE_EVERY + PROBE_EVERY // 2, lambda step, k: 0)
     drafting = [step for step, plan in enumerate(plans) if plan]
     first = [step for step in drafting if step < PROBE_EVERY]
     assert 0 < len(first) <= 5  # the unmeasured sequences try, then stop
     probes = drafting[len(first):]
     assert len(probes) <= 10 and all(b - a >= PROBE_EVERY for a, b in zip(probes, probes[1:]))
-    # The text turns copyable: the next probe measures it, and every step after it drafts k = K.
+    # The text turns copyable: the next probe measures it, and every step from the one after it drafts
+    # k = K (the drafts after the probe's step follow the plan made again once its drafts were judged).
     plans = _run(speculator, seqs, 2 * PROBE_EVERY, lambda step, k: k)
     start = next(step for step, plan in enumerate(plans) if plan)
-    assert start <= PROBE_EVERY and all(plan == {seq.seq_id: K for seq in seqs} for plan in plans[start + 2:])
+    assert start <= PROBE_EVERY and all(plan == {seq.seq_id: K for seq in seqs} for plan in plans[start:])
 
 
 class _NoMatch:
@@ -80,8 +90,8 @@ def test_sequences_whose_drafts_are_never_found_leave_the_plan_but_for_probes():
     and no step may run ahead (ShareGPT-like text on the H100 ran 0.91x of speculation off)."""
     config = EngineConfig(model="dummy:tiny", speculative_method="ngram", num_speculative_tokens=K)
     speculator, seqs = Speculator(config, _NoMatch(), cost=GRAPHED_COST), _seqs(2)
-    plans = _run(speculator, seqs, 4 * PROBE_EVERY, lambda step, k: 0)
-    planned = [step for step, plan in enumerate(plans) if plan]
+    plans = _steps(speculator, seqs, 4 * PROBE_EVERY, lambda step, k: 0)
+    planned = [step for step, (plan, _) in enumerate(plans) if plan]
     assert len(planned) <= 4 + 4 and planned[-1] >= PROBE_EVERY  # a few tries, then the probes alone
 
 
@@ -182,7 +192,7 @@ def test_a_step_takes_of_the_drafts_proposed_after_the_last_what_its_budget_leav
         assert out.num_next_drafts == {0: K, 1: 1}
         for s in (seq, short):
             s.token_ids.append(9)  # the step's token
-        speculator.propose_next(out, output, {s.seq_id: s for s in (seq, short)})
+        speculator.propose_next(out, output, {s.seq_id: s for s in (seq, short)}, 2)
         whole = speculator.drafts_for_step(seq, K + 3)
         assert whole.token_ids == [5] * K and (whole.branch is not None) == (proposer is not None)
         part = speculator.drafts_for_step(seq, 2)

@@ -242,7 +242,7 @@ class Engine:
         running: the runner's drafter's, or the host proposer's now (both counted as scheduling
         time). No step is in flight: none is launched ahead of a step with a plan."""
         t0 = time.perf_counter()
-        self.scheduler.speculator.propose_next(step.out, output, self.scheduler.seqs)
+        self.scheduler.speculator.propose_next(step.out, output, self.scheduler.seqs, len(self.scheduler.running))
         self.steps.schedule += time.perf_counter() - t0 + output.propose_s
 
     def _run(self, out: SchedulerOutput, seqs: list[Sequence], stream_text: bool) -> set[str]:

@@ -25,13 +25,15 @@ acceptance, against what a verify step costs beside a plain decode step (VerifyC
 
 The plan is made with the step it follows (plan_next: a k per row of the step that samples, in
 SchedulerOutput.num_next_drafts) and proposed for once that step is computed (propose_next): by the
-host proposer behind it (proposer.py: n-gram, lookahead), for all of them in one call, or by the
 drafter in the runner (a draft model, engine/worker/drafter.py), whose drafts come back in the
-step's output (ModelRunnerOutput.spec_token_ids). Drafts never exceed what the sequence may still
-write (max_tokens, the context window) or the step's token budget. Not speculated: sequences with a
-grammar (its mask for position j would need the matcher advanced through the drafts before j) and
-prefill-only ones. Everything else is exact under speculation (engine/spec_decode/acceptance.py,
-rejection.py)."""
+step's output (ModelRunnerOutput.spec_token_ids), or by the host proposer behind it (proposer.py:
+n-gram, lookahead), for all of them in one call. The host's drafts follow the plan made again then,
+from acceptance that counts the step's own judged drafts: the plan made with a step only makes the
+next one wait for its tokens, and holds every row that verifies drafts, whose outcome decides.
+Drafts never exceed what the sequence may still write (max_tokens, the context window) or the step's
+token budget. Not speculated: sequences with a grammar (its mask for position j would need the
+matcher advanced through the drafts before j) and prefill-only ones. Everything else is exact under
+speculation (engine/spec_decode/acceptance.py, rejection.py)."""
 
 from __future__ import annotations
 
@@ -132,6 +134,7 @@ class Speculator:
         self.probe_every = max(PROBE_EVERY, round(PROBE_EVERY * probe_extra))
         self.steps_since_probe = 0
         self.pending: dict[str, Drafts] = {}  # proposed after a step for the next, by sequence id
+        self.probed: set[str] = set()  # sequences a probe planned, until their drafts are proposed
         # Counted as vLLM counts them (served under its metric names, server/metrics.py).
         self.num_drafts = 0  # verifications: one sequence's proposals checked in one step
         self.num_draft_tokens = 0  # proposed and verified
@@ -179,23 +182,36 @@ class Speculator:
         synchronous."""
         sampling = [(row, seq) for row, seq in enumerate(seqs) if out.samples[row]]
         plan = self.plan([seq for _, seq in sampling], num_running)
+        if self.proposer is not None:  # a host proposer plans again after the step (propose_next)
+            plan |= {seqs[row].seq_id: self.config.num_speculative_tokens for row in out.draft_token_ids}
         found = {row: k for row, seq in sampling if (k := self.drafts_for(seq, plan.get(seq.seq_id, 0), written=1))}
         if found and self.probe_due:
             self.steps_since_probe = 0
+            self.probed |= {seqs[row].seq_id for row in found}
         return found
 
-    def propose_next(self, out: SchedulerOutput, output: ModelRunnerOutput, seqs: dict[str, Sequence]) -> None:
-        """Once step `out` is computed and its tokens appended: the drafts of its planned rows for
-        their next step, from the runner's drafter (output.spec_token_ids) or, with a host proposer,
-        proposed now, as many as each sequence may still write, in one call. The next step takes
-        what its budget leaves room for (drafts_for_step). seqs: the unfinished sequences by id."""
-        planned = [(row, seq, k) for row, k in out.num_next_drafts.items()
-                   if (seq := seqs.get(out.seq_ids[row])) is not None]
+    def propose_next(self, out: SchedulerOutput, output: ModelRunnerOutput, seqs: dict[str, Sequence],
+                     num_running: int) -> None:
+        """Once step `out` is computed and its tokens appended: the drafts for the next step, from the
+        runner's drafter (output.spec_token_ids, for the rows the step planned) or, with a host
+        proposer, proposed now, in one call, as many as each sequence may still write. The step's
+        plan made it synchronous; a host proposer's drafts follow the plan made again now, from
+        acceptance that counts this step's judged drafts (a sequence whose drafts were just rejected
+        stops drafting at once), and for the step's rows a probe holds. The next step takes what its
+        budget leaves room for (drafts_for_step). seqs: the unfinished sequences by id."""
+        # a step without a plan may have the next one in flight already: nothing to propose after it
+        rows = [(row, seq) for row, seq_id in enumerate(out.seq_ids)
+                if out.num_next_drafts and out.samples[row] and (seq := seqs.get(seq_id)) is not None]
         if self.proposer is None:
-            proposals = [(seq, Drafts(output.spec_token_ids.get(row, []))) for row, seq, _ in planned]
+            proposals = [(seq, Drafts(output.spec_token_ids.get(row, []))) for row, seq in rows
+                         if row in out.num_next_drafts]
         else:
-            wanted = [(seq, left) for _, seq, k in planned if (left := self.drafts_for(seq, k))]
+            plan = self.plan([seq for _, seq in rows], num_running)
+            probed = {seq.seq_id: out.num_next_drafts[row] for row, seq in rows if seq.seq_id in self.probed}
+            wanted = [(seq, left) for _, seq in rows
+                      if (left := self.drafts_for(seq, probed.get(seq.seq_id) or plan.get(seq.seq_id, 0)))]
             proposals = zip((seq for seq, _ in wanted), self.propose(wanted))
+        self.probed.clear()
         self.pending = {}
         for seq, drafts in proposals:
             if drafts.token_ids or drafts.branch is not None:

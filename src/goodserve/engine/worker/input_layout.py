@@ -33,6 +33,7 @@ from goodserve.engine.worker.model_inputs import FlatBatch, leading_decodes
 # Every part starts 16-byte aligned: Triton specializes kernels on pointer alignment, so inputs at
 # arbitrary offsets would compile new kernel variants (each hundreds of ms) in the middle of a run.
 ALIGN_INT32 = 4
+FEW_SEQUENCES = 32  # up to this many, block tables are written one at a time (_fill_tables)
 
 
 @dataclass
@@ -83,7 +84,7 @@ class InputLayout:
             row[:num_tokens] = values
             row[num_tokens:] = 0
         tokens[2, : len(flat.logits_indices)] = flat.logits_indices  # read up to their count only
-        tokens[3:, :num_tokens] = np.reshape(flat.slots, (-1, num_tokens))
+        tokens[3:, :num_tokens].flat = flat.slots  # group after group
         tokens[3:, num_tokens:] = -1  # padding: no K/V write
         seq_lens, query_start_loc = host[self.seqs_at : self.seqs_at + 2 * self.seq_rows].reshape(2, self.seq_rows)
         seq_lens[:num_seqs] = flat.seq_lens
@@ -94,9 +95,17 @@ class InputLayout:
         host[self.tables_at - ALIGN_INT32] = leading_decodes(flat.query_lens)
         tables = host[self.tables_at :].reshape(-1, self.num_seqs)
         tables[:] = 0
-        # every table at once, its entries into the sequence's leading columns (a sequence at a time
-        # costs the host ~1 us a sequence)
-        lengths = np.array(list(map(len, flat.block_tables)))
-        entries = np.array(list(itertools.chain.from_iterable(flat.block_tables)), dtype=np.int32)
-        by_sequence = tables[:, :num_seqs].T
-        by_sequence[np.arange(tables.shape[0]) < lengths[:, None]] = entries
+        _fill_tables(tables[:, :num_seqs], flat.block_tables)
+
+
+def _fill_tables(columns: np.ndarray, block_tables: list[list[int]]) -> None:
+    """Each sequence's table into the leading entries of its column. A table at a time costs ~0.6 us a
+    sequence; gathering them into one array and one masked assignment costs ~3 us, then less a
+    sequence: it pays from a few dozen sequences (benchmarks/cpu_runner_inputs.py)."""
+    if len(block_tables) <= FEW_SEQUENCES:
+        for seq, table in enumerate(block_tables):
+            columns[: len(table), seq] = table
+        return
+    lengths = np.fromiter(map(len, block_tables), dtype=np.int64, count=len(block_tables))
+    entries = np.fromiter(itertools.chain.from_iterable(block_tables), dtype=np.int32, count=int(lengths.sum()))
+    columns.T[np.arange(columns.shape[0]) < lengths[:, None]] = entries
