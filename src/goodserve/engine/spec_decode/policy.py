@@ -211,7 +211,7 @@ class Speculator:
             wanted = [(seq, left) for _, seq in rows
                       if (left := self.drafts_for(seq, probed.get(seq.seq_id) or plan.get(seq.seq_id, 0)))]
             proposals = zip((seq for seq, _ in wanted), self.propose(wanted))
-        self.probed.clear()
+        self.probed.difference_update(seq.seq_id for _, seq in rows)  # a step ahead may have probed others
         self.pending = {}
         for seq, drafts in proposals:
             if drafts.token_ids or drafts.branch is not None:
@@ -259,6 +259,7 @@ class Speculator:
         """seq left (finished, aborted, preempted); the runner's drafter hears of it with the next
         step (SchedulerOutput.finished_seq_ids, preempted_seq_ids)."""
         self.pending.pop(seq.seq_id, None)
+        self.probed.discard(seq.seq_id)
         if self.proposer is not None:
             self.proposer.release(seq.seq_id)
 
