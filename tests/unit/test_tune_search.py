@@ -10,7 +10,6 @@ import pytest
 from goodserve.diagnose.model_shape import resolve_spec
 from goodserve.errors import InvalidRequestError
 from goodserve.tune.bottleneck import Bottleneck, diagnose_trial, limiting_slo
-from goodserve.tune.report import headroom_note
 from goodserve.tune.search import MIN_GAIN, Budget, Search, ranked
 from goodserve.tune.space import MIN_PREDICTED, options_key, plan
 from goodserve.tune.trial_log import TrialLog
@@ -278,14 +277,3 @@ def test_plan_on_a_busy_gpu_skips_weight_quantization_and_tries_the_slo_policy_f
     assert to_try[0][0].name == "scheduler_policy=slo"
     quiet = bottleneck(engine=gpu, device="cuda", num_gpus=1, spec=resolve_spec("llama-3.1-8b"), concurrency=8.0)
     assert plan({}, quiet, tried=set())[0][0][0].name == "quantization=int4"  # at 8 rows its kernels read codes
-
-
-def test_the_headroom_note_says_whether_scheduling_steps_have_room():
-    """The starting configuration's capacity at the targets against what it completes from a full
-    queue: near it, only a faster step helps; far below it, the targets limit it."""
-    near = headroom_note({"capacity": 43.9, "full_queue_rate": 47.0})
-    assert "completes 47 req/s" in near and "93% of that" in near and "needs a faster step" in near
-    far = headroom_note({"capacity": 20.0, "full_queue_rate": 47.0})
-    assert "43% of that" in far and "scheduling steps have room" in far
-    assert headroom_note({"capacity": 0.0, "full_queue_rate": 47.0}) is None  # no rate met the targets
-    assert headroom_note({"capacity": 43.9, "full_queue_rate": None}) is None  # a log from before it was kept

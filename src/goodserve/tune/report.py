@@ -17,8 +17,6 @@ from goodserve.engine_args import dataclass_argv
 from goodserve.tune.measure import engine_config
 from goodserve.tune.search import Outcome, accepted, ranked
 
-NEAR_FULL_QUEUE = 0.8  # of the full queue's rate served at the targets: little left for scheduling steps
-
 
 def serve_command(options: dict) -> str:
     return shlex.join(["goodserve", "serve", *dataclass_argv(engine_config(options))])
@@ -62,26 +60,7 @@ def print_outcome(outcome: Outcome, console: Console, quality_note: str | None) 
     if best is start:
         versus += "; no step raised the goodput capacity: the start is the best measured"
     console.print(f"best: {best['move']} at {best['capacity']:.3g} req/s{versus}")
-    if headroom := headroom_note(start):
-        console.print(headroom)
     console.print(f"serve it: [bold]{serve_command(best['options'])}[/bold]")
-
-
-def headroom_note(start: dict) -> str | None:
-    """How much of what its engine completes from a full queue the starting configuration serves at
-    the targets: near all of it, no step that only reorders, admits or batches requests can raise
-    the capacity much; only a faster step can (fewer bytes or FLOPs a token, more GPUs). The full
-    queue's rate counts its drain, so the share is an upper bound."""
-    full, capacity = start.get("full_queue_rate"), start.get("capacity")
-    if not full or not capacity:
-        return None
-    share = capacity / full
-    note = (f"headroom: from a full queue (every request sent at once) the starting configuration completes "
-            f"{full:.3g} req/s; at the targets it serves {capacity:.3g} req/s, {100 * share:.0f}% of that")
-    if share >= NEAR_FULL_QUEUE:
-        return note + (": steps that reorder, admit or batch requests have little room left; more capacity needs "
-                       "a faster step (fewer bytes or FLOPs a token, more GPUs)")
-    return note + ": the targets, not the engine's throughput, limit it; scheduling steps have room"
 
 
 def write_outputs(outcome: Outcome, out_dir: Path, settings: dict) -> dict[str, Path]:
