@@ -4,12 +4,14 @@ rejects, how it resumes and stops. No engine runs here (test_tune_e2e.py runs on
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
 from goodserve.diagnose.model_shape import resolve_spec
 from goodserve.errors import InvalidRequestError
 from goodserve.tune.bottleneck import Bottleneck, diagnose_trial, limiting_slo
+from goodserve.tune.report import headroom_note
 from goodserve.tune.search import MIN_GAIN, Budget, Search, ranked
 from goodserve.tune.space import MIN_PREDICTED, options_key, plan
 from goodserve.tune.trial_log import TrialLog
@@ -277,3 +279,20 @@ def test_plan_on_a_busy_gpu_skips_weight_quantization_and_tries_the_slo_policy_f
     assert to_try[0][0].name == "scheduler_policy=slo"
     quiet = bottleneck(engine=gpu, device="cuda", num_gpus=1, spec=resolve_spec("llama-3.1-8b"), concurrency=8.0)
     assert plan({}, quiet, tried=set())[0][0][0].name == "quantization=int4"  # at 8 rows its kernels read codes
+
+
+def _probe(offered: float, sustained: float) -> dict:
+    return {"request_rate": offered, "request_throughput": sustained, "sustained_request_rate": sustained}
+
+
+def test_the_headroom_note_weighs_the_capacity_against_what_an_overloaded_probe_sustained():
+    """The H100's default 8B trial: all at once 34.3 req/s (drain-bound: left out), 34.3 offered and
+    held, 68.6 offered and 49.2 sustained (overloaded), 51.4 offered and 45.7 sustained at the
+    targets: 93% of the ceiling, so only a faster step can add much."""
+    probes = [_probe(math.inf, 34.3), _probe(34.3, 34.3), _probe(68.6, 49.2), _probe(51.4, 45.7)]
+    near = headroom_note({"capacity": 45.7, "probes": probes})
+    assert "kept up with 49.2 req/s at most" in near and "93% of that" in near and "needs a faster step" in near
+    far = headroom_note({"capacity": 20.0, "probes": probes})
+    assert "41% of that" in far and "scheduling steps have room" in far
+    assert headroom_note({"capacity": 45.7, "probes": probes[:2]}) is None  # no rated probe overloaded it
+    assert headroom_note({"capacity": 0.0, "probes": probes}) is None  # no rate met the targets

@@ -5,6 +5,7 @@ charts (goodput capacity against quality loss, and against cost), drawn as bench
 from __future__ import annotations
 
 import json
+import math
 import shlex
 from pathlib import Path
 
@@ -12,10 +13,13 @@ import jinja2
 from rich.console import Console
 from rich.table import Table
 
+from goodserve.bench.capacity import held
 from goodserve.bench.report import cell, figure_png
 from goodserve.engine_args import dataclass_argv
 from goodserve.tune.measure import engine_config
 from goodserve.tune.search import Outcome, accepted, ranked
+
+NEAR_CEILING = 0.8  # of the most an overloaded probe sustained, served at the targets: little room left
 
 
 def serve_command(options: dict) -> str:
@@ -60,7 +64,30 @@ def print_outcome(outcome: Outcome, console: Console, quality_note: str | None) 
     if best is start:
         versus += "; no step raised the goodput capacity: the start is the best measured"
     console.print(f"best: {best['move']} at {best['capacity']:.3g} req/s{versus}")
+    if headroom := headroom_note(start):
+        console.print(headroom)
     console.print(f"serve it: [bold]{serve_command(best['options'])}[/bold]")
+
+
+def headroom_note(start: dict) -> str | None:
+    """The starting configuration's capacity at the targets beside the most its engine kept up with
+    when a probe offered more than it could serve (the highest rate an overloaded probe sustained;
+    the all-at-once probe is left out: its drain, the longest answers at a thinning batch, dominates
+    it). Near that ceiling, no step that only reorders, admits or batches requests can raise the
+    capacity much; only a faster step can. None when no rated probe overloaded the engine."""
+    overloaded = [p["sustained_request_rate"] for p in start.get("probes", [])
+                  if math.isfinite(p["request_rate"]) and not held(p)]
+    capacity = start.get("capacity")
+    if not overloaded or not capacity:
+        return None
+    ceiling = max(overloaded)
+    share = capacity / ceiling
+    note = (f"headroom: overloaded, the starting configuration kept up with {ceiling:.3g} req/s at most; "
+            f"at the targets it serves {capacity:.3g} req/s, {100 * share:.0f}% of that")
+    if share >= NEAR_CEILING:
+        return note + (": steps that reorder, admit or batch requests have little room left; more capacity needs "
+                       "a faster step (fewer bytes or FLOPs a token, more GPUs)")
+    return note + ": the targets, not the engine's throughput, limit it; scheduling steps have room"
 
 
 def write_outputs(outcome: Outcome, out_dir: Path, settings: dict) -> dict[str, Path]:
