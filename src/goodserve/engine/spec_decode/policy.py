@@ -206,7 +206,7 @@ class Speculator:
         budget leaves room for (drafts_for_step). seqs: the unfinished sequences by id."""
         # a step without a plan may have the next one in flight already: nothing to propose after it
         rows = [(row, seq) for row, seq_id in enumerate(out.seq_ids)
-                if out.num_next_drafts and out.samples[row] and (seq := seqs.get(seq_id)) is not None]
+                if out.samples[row] and (seq := seqs.get(seq_id)) is not None] if out.num_next_drafts else []
         if self.proposer is None:
             proposals = [(seq, Drafts(output.spec_token_ids.get(row, []))) for row, seq in rows
                          if row in out.num_next_drafts]
