@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from goodserve import LLM, SamplingParams
+from goodserve.cli import main
 from goodserve.model.loader import load_model
 from goodserve.quant.apply import quantize_model
 from goodserve.quant.fp8_linear import Fp8Linear
@@ -89,3 +90,14 @@ def test_self_fp8_draft_keeps_the_targets_greedy_tokens(hf_dir, float_tokens):
               spec_policy="always", num_kv_blocks=64)
     assert greedy_tokens(llm) == float_tokens
     assert llm.engine.stats().spec_decode_num_accepted_tokens > 0  # the draft ran, and mostly agreed
+
+
+def test_goodserve_quantize_fp8_checkpoint_serves_the_tokens_quantizing_at_load_gives(tmp_path):
+    path = tmp_path / "tiny-fp8.safetensors"
+    assert main(["quantize", "--model", "dummy:tiny-qwen", "--quantization", "fp8", "--output", str(path)]) == 0
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompt = {"prompt_token_ids": [5, 9, 13, 2]}
+    at_load = LLM("dummy:tiny-qwen", quantization="fp8", num_kv_blocks=16).generate(prompt, params)
+    from_file = LLM("dummy:tiny-qwen", quantized_checkpoint=str(path), num_kv_blocks=16)
+    assert isinstance(loaded_model(from_file).model.layers[0].mlp.gate_up_proj, Fp8Linear)
+    assert from_file.generate(prompt, params)[0].outputs[0].token_ids == at_load[0].outputs[0].token_ids
