@@ -148,7 +148,8 @@ class EngineConfig:
     makespan_min_admit: int = 512
     # Model execution
     # weight-only: int8 (per channel) | int4 (per group) | gguf (keep a GGUF file's Q4_0/Q4_1/Q8_0 codes);
-    # fp8 (weights per channel, activations per token, FP8 GEMMs; docs/quantization.md) | none. Unset: gguf for a GGUF model on the CPU, else none (resolved_quantization).
+    # fp8 (weights per channel, activations per token, FP8 GEMMs; docs/quantization.md) | none.
+    # Unset: gguf for a GGUF model on the CPU, else none (resolved_quantization).
     quantization: str | None = None
     quantization_group_size: int | None = None  # int4; None: the largest of 128/64/32 that divides
     quantization_awq: bool = False  # activation-aware scales from a built-in calibration text
@@ -246,7 +247,8 @@ class EngineConfig:
             (self.context_parallel_size >= 1, "context_parallel_size must be at least 1"),
             (self.lm_head_quantization in LM_HEAD_QUANTIZATIONS,
              f"lm_head_quantization must be one of {LM_HEAD_QUANTIZATIONS}"),
-            (not (self.quantize_lm_head and self.lm_head_quantization == "int4" and self.quantization == "int8"),
+            (not (self.quantize_lm_head and self.lm_head_quantization == "int4"
+                  and self.quantization in ("int8", "fp8")),
              "an int4 lm_head (--lm-head-quantization int4) takes the layers' group size: it needs "
              "--quantization int4"),
             (1 <= self.ngram_min <= self.ngram_max, "ngram_min and ngram_max must satisfy 1 <= min <= max"),

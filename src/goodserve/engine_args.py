@@ -92,8 +92,8 @@ _HELP = {
     "async_scheduling": "launch step N+1 before step N's tokens reach the host (CUDA graphs only)",
     "quantization": "weight-only int8 / int4 computed at load; fp8: weights per channel and activations per token "
                     "in float8, FP8 tensor-core matmuls (GPUs of compute capability 8.9+); or gguf: run a GGUF file's "
-                    "own Q4_0 / Q4_1 / Q8_0 weights as they are (docs/quantization.md); none: unquantized (default: gguf for a GGUF model on the CPU, "
-                    "else none)",
+                    "own Q4_0 / Q4_1 / Q8_0 weights as they are (docs/quantization.md); none: unquantized "
+                    "(default: gguf for a GGUF model on the CPU, else none)",
     "quantize_lm_head": "with --quantization (or a checkpoint made with it): lm_head quantized too, as "
                         "--lm-head-quantization says (default: False)",
     "lm_head_quantization": "--quantize-lm-head's method: int8 per channel, or int4 with the layers' group size "

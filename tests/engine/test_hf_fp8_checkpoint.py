@@ -54,7 +54,8 @@ def save_fp8_checkpoint(hf_model, path: Path, block: bool) -> dict[str, torch.Te
             weights[name] = codes
             if block:
                 scales[name.replace(".weight", ".weight_scale_inv")] = scale
-                expanded = scale.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)[: tensor.shape[0], : tensor.shape[1]]
+                expanded = scale.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)
+                expanded = expanded[: tensor.shape[0], : tensor.shape[1]]
             else:
                 scales[name.replace(".weight", ".weight_scale")] = scale
                 scales[name.replace(".weight", ".input_scale")] = torch.tensor(0.01)  # static: dropped

@@ -129,6 +129,9 @@ def test_option_combinations_refused():
     for options in ({"quantization_awq": True}, {"quantization_group_size": 64}):
         with pytest.raises(InvalidRequestError, match="fp8.*neither"):
             EngineConfig(model="dummy:tiny", quantization="fp8", **options).validate()
+    with pytest.raises(InvalidRequestError, match="int4 lm_head"):  # before the load, not after it
+        EngineConfig(model="dummy:tiny", quantization="fp8", quantize_lm_head=True,
+                     lm_head_quantization="int4").validate()
     with pytest.raises(InvalidRequestError, match="mixture of experts.*fp8"):
         build_empty_model(get_preset("tiny-moe"), torch.float32, "cpu", quantization="fp8")
 

@@ -278,15 +278,17 @@ def test_plan_on_a_busy_gpu_skips_weight_only_quantization_and_tries_fp8_then_th
     assert "dequantizes" in reasons["quantization=int4"] and "dequantizes" in reasons["quantization=int8"]
     assert [step.name for step, _ in to_try[:2]] == ["quantization=fp8", "scheduler_policy=slo"]
     fp8 = to_try[0][0]
-    assert fp8.predicted == pytest.approx(busy.decode_speedup(busy.weight_bytes_of("fp8") / busy.weight_bytes_of("bf16")))
+    halved = busy.weight_bytes_of("fp8") / busy.weight_bytes_of("none")
+    assert fp8.predicted == pytest.approx(busy.decode_speedup(weight_ratio=halved))
     assert 1.3 < fp8.predicted < 1.5 and "FP8 GEMMs at every batch size" in fp8.why
     quiet = bottleneck(engine=gpu, device="cuda", num_gpus=1, spec=resolve_spec("llama-3.1-8b"), concurrency=8.0)
     assert plan({}, quiet, tried=set())[0][0][0].name == "quantization=int4"  # at 8 rows its kernels read codes
 
 
 def test_fp8_is_offered_on_gpus_with_fp8_tensor_cores_only():
-    h100 = {"model": "dummy:llama-3.1-8b", "dtype": "bfloat16", "device": "cuda", "device_name": "NVIDIA H100 80GB HBM3",
-            "kv_cache_dtype": "bfloat16", "cuda_graphs": "True", "async_scheduling": "True"}
+    h100 = {"model": "dummy:llama-3.1-8b", "dtype": "bfloat16", "device": "cuda",
+            "device_name": "NVIDIA H100 80GB HBM3", "kv_cache_dtype": "bfloat16", "cuda_graphs": "True",
+            "async_scheduling": "True"}
     spec = resolve_spec("llama-3.1-8b")
 
     def fp8_steps(engine: dict, **fields) -> list:
