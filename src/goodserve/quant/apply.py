@@ -57,7 +57,7 @@ def check_quantizable(targets: list[tuple[nn.Module, str, nn.Linear]], method: s
         dtype = linear.weight.dtype
         if dtype not in SUPPORTED_DTYPES:
             raise InvalidRequestError(
-                f"weight-only {method} needs float32, bfloat16 or float16 activations; "
+                f"{method} quantization needs float32, bfloat16 or float16 activations; "
                 f"{name} is {str(dtype).removeprefix('torch.')} on {linear.weight.device}")
         split = shards > 1 and name in ROW_PARALLEL_LINEARS
         layer = f"{name} (its 1/{shards} tensor-parallel shard)" if split else name
