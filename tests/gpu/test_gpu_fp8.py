@@ -17,9 +17,11 @@ from goodserve.model_names import EMBEDDED_MODEL
 from goodserve.quant.fp8_linear import FP8_MIN_CAPABILITY, Fp8Linear, quantize_rows_torch
 
 SHAPES_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # qkv, o, gate_up, down (N, K)
-# The embedded model in float32 on a CPU: greedy agreement 0.47 and top-1 0.89 against float32
-# (benchmarks/results/quant_quality_smollm2-135m_fp8.json); bf16 adds its own rounding on both sides.
-MIN_LEADING_AGREEMENT = 0.3
+# The embedded model in float32 on a CPU: top-1 agreement 0.89 against float32, greedy agreement 0.47
+# (benchmarks/results/quant_quality_smollm2-135m_fp8.json). Over 36 generated tokens ~11% flips are
+# expected (more than 25%: about 1% by chance); the leading agreement of 3 prompts varies too much for
+# more than a floor that a broken layer (agreement ~0) misses.
+MIN_LEADING_AGREEMENT = 0.1
 MAX_FLIP_SHARE = 0.25  # generated tokens that are not the bf16 engine's top choice
 
 
