@@ -4,7 +4,8 @@ Parts (run any subset, in one process, with --parts):
   check       embedded model on CUDA: Triton kernels vs the torch path, CUDA graphs vs eager (greedy
               tokens must agree in float32; bf16 logits close to float32)
   decode      dummy llama-3.1-8b bf16, batch 1, 128-token prompt, 256 new tokens: tok/s and MBU
-  int8, int4, decode_fp8  the same with int8 / int4 / fp8 layers (lm_head int8; int4: its layers')
+  int8, int4, decode_fp8  the same with int8 / int4 / fp8 layers (lm_head int8); decode_fp8_head16 with
+              fp8 layers and the lm_head in bf16, as vLLM's fp8 keeps it
   throughput  500 requests, ShareGPT-like lengths (input mean ~200, output mean ~180, ignore_eos),
               all at once: requests/s, output tok/s; also every output fixed at 180 (the peer's shape)
   sharegpt    only the ShareGPT-like run of `throughput`
@@ -471,6 +472,8 @@ def main() -> None:
                  args.model, args.max_num_seqs, {**options, "max_num_batched_tokens": args.max_num_batched_tokens}),
              "int8": lambda: part_decode(bandwidth, args.model, "int8", kernels=kernels),
              "decode_fp8": lambda: part_decode(bandwidth, args.model, "fp8", kernels=kernels),
+             "decode_fp8_head16": lambda: part_decode(bandwidth, args.model, "fp8", quantize_lm_head=False,
+                                                      tag="_head16", kernels=kernels),
              "int4": lambda: part_decode(bandwidth, args.model, "int4", kernels=kernels),
              "int4_triton": lambda: part_decode(bandwidth, args.model, "int4", "triton", kernels=kernels),
              "int4_tinygemm": lambda: part_decode(bandwidth, args.model, "int4", "tinygemm", kernels=kernels),
