@@ -27,7 +27,8 @@ def _quantize_rows_kernel(x_ptr, q_ptr, scales_ptr, k, stride_x, stride_q, FP8_M
         in_k = k0 + offs < k
         v = tl.load(x_ptr + row * stride_x + k0 + offs, mask=in_k, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(v))
-    scale = tl.maximum(tl.max(amax, axis=0) / FP8_MAX, MIN_SCALE)
+    # div_rn: IEEE division, as torch's (Triton's `/` on float32 may be off by an ulp)
+    scale = tl.maximum(tl.div_rn(tl.max(amax, axis=0), FP8_MAX), MIN_SCALE)
     tl.store(scales_ptr + row, scale)
     for k0 in range(0, k, BLOCK_K):
         in_k = k0 + offs < k
