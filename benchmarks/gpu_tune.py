@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 from goodserve.cli import main as goodserve
+from goodserve.tune.report import headroom_note
 
 
 def parse_args() -> argparse.Namespace:
@@ -71,8 +72,8 @@ def main() -> None:
         "slos_ms": {"ttft": args.slo_ttft_ms, "tpot": args.slo_tpot_ms}, "budget_minutes": args.budget_minutes,
         "wall_minutes": (time.monotonic() - started) / 60, "exit_status": status,
         "default_capacity_req_s": default.get("capacity"), "winner_capacity_req_s": winner["capacity"],
-        "default_full_queue_req_s": default.get("full_queue_rate"),
         "ratio": ratio, "meets_1_3x": ratio is not None and ratio >= 1.3, "serve_command": tune["serve_command"],
+        "default_headroom": headroom_note(default),
         "stop_reason": tune["stop_reason"], "rounds": tune["rounds"],
         "trials": [{k: t.get(k) for k in ("move", "why", "predicted", "status", "capacity", "cost_per_1m_tokens",
                                           "seconds", "error", "probes", "capacity_warnings")} | {"p90_ttft_ms": (t.get("at_capacity") or {}).get(

@@ -43,9 +43,6 @@ def test_tune_finds_gguf_codes_and_rejects_int4_past_the_quality_budget(tmp_path
     assert main([*ARGV, "--output-dir", str(out)]) == 0
     result = json.loads((out / "tune.json").read_text())
     by_move = {t["move"]: t for t in result["trials"]}
-    full_queue = by_move["start"]["full_queue_rate"]  # its all-at-once run, the search's first probe
-    assert full_queue == result["trials"][0]["probes"][0]["sustained_request_rate"] > 0
-    assert f"completes {full_queue:.3g} req/s" in capsys.readouterr().out
     assert set(by_move) == {"start", "quantization=int4", "quantization=gguf"}
     int4 = by_move["quantization=int4"]
     assert int4["status"] == "rejected: quality" and int4["capacity"] is None  # never timed

@@ -6,13 +6,16 @@ acceptance rule keeps the target distribution (chi-square over seeded draws); no
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
 from goodserve import LLM, SamplingParams
 from goodserve.engine.worker.model_inputs import FlatBatch, as_one_token_rows
+from goodserve.engine.seam.drafts import DraftRequest
 from goodserve.engine.spec_decode.acceptance import kept_tokens
-from goodserve.engine.spec_decode.ngram import propose_ngram
+from goodserve.engine.spec_decode.ngram import NgramProposer, propose_ngram
 from goodserve.ops.kernel_choice import KernelChoice
 from goodserve.ops.sampler import SamplingBatch, sample
 
@@ -44,6 +47,32 @@ def test_ngram_proposes_what_followed_the_longest_latest_match():
     assert propose_ngram([1, 2, 3, 1, 2], 2, 2, 4) == [3, 1, 2]
     assert propose_ngram([5, 6, 7], 1, 2, 3) == []  # no earlier occurrence
     assert propose_ngram([1, 2, 1], 2, 3, 3) == []  # shorter than ngram_min matches only
+
+
+def _ngram_by_brute_force(ids: list[int], ngram_min: int, ngram_max: int, k: int) -> list[int]:
+    for n in range(min(ngram_max, len(ids) - 1), ngram_min - 1, -1):
+        for start in range(len(ids) - 1 - n, -1, -1):  # latest first, ending before the last token
+            if ids[start : start + n] == ids[-n:]:
+                return ids[start + n : start + n + k]
+    return []
+
+
+def test_ngram_lookup_and_its_proposer_agree_with_a_brute_force_scan():
+    """Random short sequences over tiny vocabularies (many overlapping matches); the proposer fed
+    a sequence growing a token at a time, then another under the same id after a release."""
+    rng = random.Random(0)
+    for _ in range(3000):
+        ids = [rng.randrange(rng.randint(1, 6)) for _ in range(rng.randint(1, 40))]
+        ngram_min = rng.randint(1, 4)
+        ngram_max, k = rng.randint(ngram_min, 5), rng.randint(1, 5)
+        assert propose_ngram(ids, ngram_min, ngram_max, k) == _ngram_by_brute_force(ids, ngram_min, ngram_max, k)
+    proposer, ids = NgramProposer(1, 4), []
+    for token in [rng.randrange(4) for _ in range(600)]:  # past the array's first capacity
+        ids.append(token)
+        assert proposer.propose([DraftRequest("s", ids, 3)])[0].token_ids == _ngram_by_brute_force(ids, 1, 4, 3)
+    proposer.release("s")
+    other = [3, 1, 2, 3, 1]
+    assert proposer.propose([DraftRequest("s", other, 3)])[0].token_ids == [2, 3, 1]
 
 
 def test_kept_tokens_are_the_confirmed_drafts_then_the_targets_token():

@@ -4,6 +4,7 @@ rejects, how it resumes and stops. No engine runs here (test_tune_e2e.py runs on
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -309,12 +310,18 @@ def test_fp8_is_offered_on_gpus_with_fp8_tensor_cores_only():
     assert "quantization=fp8" not in steps and steps["quantization=int8"].predicted == pytest.approx(1.0)
 
 
-def test_the_headroom_note_says_whether_scheduling_steps_have_room():
-    """The starting configuration's capacity at the targets against what it completes from a full
-    queue: near it, only a faster step helps; far below it, the targets limit it."""
-    near = headroom_note({"capacity": 43.9, "full_queue_rate": 47.0})
-    assert "completes 47 req/s" in near and "93% of that" in near and "needs a faster step" in near
-    far = headroom_note({"capacity": 20.0, "full_queue_rate": 47.0})
-    assert "43% of that" in far and "scheduling steps have room" in far
-    assert headroom_note({"capacity": 0.0, "full_queue_rate": 47.0}) is None  # no rate met the targets
-    assert headroom_note({"capacity": 43.9, "full_queue_rate": None}) is None  # a log from before it was kept
+def _probe(offered: float, sustained: float) -> dict:
+    return {"request_rate": offered, "request_throughput": sustained, "sustained_request_rate": sustained}
+
+
+def test_the_headroom_note_weighs_the_capacity_against_what_an_overloaded_probe_sustained():
+    """The H100's default 8B trial: all at once 34.3 req/s (drain-bound: left out), 34.3 offered and
+    held, 68.6 offered and 49.2 sustained (overloaded), 51.4 offered and 45.7 sustained at the
+    targets: 93% of the ceiling, so only a faster step can add much."""
+    probes = [_probe(math.inf, 34.3), _probe(34.3, 34.3), _probe(68.6, 49.2), _probe(51.4, 45.7)]
+    near = headroom_note({"capacity": 45.7, "probes": probes})
+    assert "kept up with 49.2 req/s at most" in near and "93% of that" in near and "needs a faster step" in near
+    far = headroom_note({"capacity": 20.0, "probes": probes})
+    assert "41% of that" in far and "scheduling steps have room" in far
+    assert headroom_note({"capacity": 45.7, "probes": probes[:2]}) is None  # no rated probe overloaded it
+    assert headroom_note({"capacity": 0.0, "probes": probes}) is None  # no rate met the targets

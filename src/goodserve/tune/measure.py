@@ -185,10 +185,7 @@ class TrialRunner:
         at = _summary(best)
         if capacity["rate"] > 0:
             self.start_rate = max(self.start_rate or 0.0, capacity["rate"])
-        # the first trial's all-at-once run: what the engine completes from a full queue, SLOs aside
-        full_queue = next((sustained_rate(r) for r in bench.runs if math.isinf(r["request_rate"])), None)
         return {"engine": bench.engine_config, "capacity": capacity["rate"], "capacity_noisy": capacity["noisy"],
-                "full_queue_rate": full_queue,
                 "capacity_warnings": capacity["warnings"], "probes": capacity["probes"], "at_capacity": at,
                 "above_capacity": _summary(min(above, key=lambda r: r["request_rate"])) if above else None,
                 "num_gpus": args.num_gpus, "cost_per_1m_tokens": self._cost(at, args)}

@@ -5,6 +5,7 @@ charts (goodput capacity against quality loss, and against cost), drawn as bench
 from __future__ import annotations
 
 import json
+import math
 import shlex
 from pathlib import Path
 
@@ -12,12 +13,13 @@ import jinja2
 from rich.console import Console
 from rich.table import Table
 
+from goodserve.bench.capacity import held
 from goodserve.bench.report import cell, figure_png
 from goodserve.engine_args import dataclass_argv
 from goodserve.tune.measure import engine_config
 from goodserve.tune.search import Outcome, accepted, ranked
 
-NEAR_FULL_QUEUE = 0.8  # of the full queue's rate served at the targets: little left for scheduling steps
+NEAR_CEILING = 0.8  # of the most an overloaded probe sustained, served at the targets: little room left
 
 
 def serve_command(options: dict) -> str:
@@ -68,17 +70,21 @@ def print_outcome(outcome: Outcome, console: Console, quality_note: str | None) 
 
 
 def headroom_note(start: dict) -> str | None:
-    """How much of what its engine completes from a full queue the starting configuration serves at
-    the targets: near all of it, no step that only reorders, admits or batches requests can raise
-    the capacity much; only a faster step can (fewer bytes or FLOPs a token, more GPUs). The full
-    queue's rate counts its drain, so the share is an upper bound."""
-    full, capacity = start.get("full_queue_rate"), start.get("capacity")
-    if not full or not capacity:
+    """The starting configuration's capacity at the targets beside the most its engine kept up with
+    when a probe offered more than it could serve (the highest rate an overloaded probe sustained;
+    the all-at-once probe is left out: its drain, the longest answers at a thinning batch, dominates
+    it). Near that ceiling, no step that only reorders, admits or batches requests can raise the
+    capacity much; only a faster step can. None when no rated probe overloaded the engine."""
+    overloaded = [p["sustained_request_rate"] for p in start.get("probes", [])
+                  if math.isfinite(p["request_rate"]) and not held(p)]
+    capacity = start.get("capacity")
+    if not overloaded or not capacity:
         return None
-    share = capacity / full
-    note = (f"headroom: from a full queue (every request sent at once) the starting configuration completes "
-            f"{full:.3g} req/s; at the targets it serves {capacity:.3g} req/s, {100 * share:.0f}% of that")
-    if share >= NEAR_FULL_QUEUE:
+    ceiling = max(overloaded)
+    share = capacity / ceiling
+    note = (f"headroom: overloaded, the starting configuration kept up with {ceiling:.3g} req/s at most; "
+            f"at the targets it serves {capacity:.3g} req/s, {100 * share:.0f}% of that")
+    if share >= NEAR_CEILING:
         return note + (": steps that reorder, admit or batch requests have little room left; more capacity needs "
                        "a faster step (fewer bytes or FLOPs a token, more GPUs)")
     return note + ": the targets, not the engine's throughput, limit it; scheduling steps have room"

@@ -112,11 +112,6 @@ def verify_cost(config: EngineConfig, native_decode: bool = False) -> VerifyCost
     return GRAPHED_COST if graphed else EAGER_COST
 
 
-def expected_accepted(acceptance: float, k: int) -> float:
-    """Drafts kept of k, each kept with chance `acceptance` once those before it were."""
-    return sum(acceptance ** j for j in range(1, k + 1))
-
-
 class Speculator:
     def __init__(self, config: EngineConfig, proposer: Proposer | None, cost: VerifyCost | None = None) -> None:
         """proposer: the host's (n-gram, lookahead); None where the runner's drafter proposes (a draft model)."""
@@ -157,20 +152,23 @@ class Speculator:
         """The k of the best expected throughput, for the sequences whose gain pays their drafts."""
         best, best_gain = {}, 1.0
         decode = 1 + self.cost.per_seq * (num_running - 1)
+        acceptance = [seq.spec_acceptance for seq in seqs]
+        powers, gains = [1.0] * len(seqs), [0.0] * len(seqs)  # per sequence, a^k and a + ... + a^k
         for k in range(1, self.config.num_speculative_tokens + 1):
+            powers = [p * a for p, a in zip(powers, acceptance)]
+            gains = [g + p for g, p in zip(gains, powers)]
             # a sequence's k drafts (and window) cost per_draft_token each, of a step that gives
             # num_running tokens
             own_cost = num_running * self.cost.per_draft_token * (k + self.branch_tokens) / decode
-            gains = {seq.seq_id: expected_accepted(seq.spec_acceptance, k) for seq in seqs}
-            chosen = {seq_id: k for seq_id, gain in gains.items() if gain > own_cost}
+            chosen = [i for i, gain in enumerate(gains) if gain > own_cost]
             if not chosen:
                 continue
-            tokens = num_running + sum(gains[seq_id] for seq_id in chosen)
+            tokens = num_running + sum(gains[i] for i in chosen)
             cost = self.cost.ratio(num_running, (k + self.branch_tokens) * len(chosen)) \
                 + self.draft_position_cost * k / decode
             gain = tokens / num_running / cost
             if gain > best_gain:
-                best, best_gain = chosen, gain
+                best, best_gain = {seqs[i].seq_id: k for i in chosen}, gain
         return best
 
     def plan_next(self, seqs: list[Sequence], out: SchedulerOutput, num_running: int) -> dict[int, int]:
@@ -181,9 +179,16 @@ class Speculator:
         (an n-gram may find no match), so the probes' steps stay bounded: the step after each is
         synchronous."""
         sampling = [(row, seq) for row, seq in enumerate(seqs) if out.samples[row]]
-        plan = self.plan([seq for _, seq in sampling], num_running)
-        if self.proposer is not None:  # a host proposer plans again after the step (propose_next)
-            plan |= {seqs[row].seq_id: self.config.num_speculative_tokens for row in out.draft_token_ids}
+        verifying = {seq.seq_id: self.config.num_speculative_tokens for row, seq in sampling
+                     if row in out.draft_token_ids}
+        if self.proposer is not None and verifying and not self.probe_due:
+            # a host proposer plans again once the step's drafts are judged (propose_next): this plan
+            # only makes the next step wait for them
+            plan = verifying
+        else:
+            plan = self.plan([seq for _, seq in sampling], num_running)
+            if self.proposer is not None:
+                plan |= verifying
         found = {row: k for row, seq in sampling if (k := self.drafts_for(seq, plan.get(seq.seq_id, 0), written=1))}
         if found and self.probe_due:
             self.steps_since_probe = 0
