@@ -4,9 +4,12 @@ Parts (run any subset, in one process, with --parts):
   check       embedded model on CUDA: Triton kernels vs the torch path, CUDA graphs vs eager (greedy
               tokens must agree in float32; bf16 logits close to float32)
   decode      dummy llama-3.1-8b bf16, batch 1, 128-token prompt, 256 new tokens: tok/s and MBU
+  int8, int4, decode_fp8  the same with int8 / int4 / fp8 layers (lm_head int8); decode_fp8_head16 with
+              fp8 layers and the lm_head in bf16, as vLLM's fp8 keeps it
   throughput  500 requests, ShareGPT-like lengths (input mean ~200, output mean ~180, ignore_eos),
               all at once: requests/s, output tok/s; also every output fixed at 180 (the peer's shape)
   sharegpt    only the ShareGPT-like run of `throughput`
+  sharegpt_fp8  `sharegpt:fp8`: the same with --quantization fp8 (FP8 GEMMs at every batch size)
   profile_sharegpt  the ShareGPT-like run under torch.profiler: device time per kernel over the
               whole run (with :nopdl, so a kernel's time excludes waiting for its predecessor)
   nano        256 requests, input and output lengths uniform in 100..1024 (nano-vllm's workload)
@@ -18,7 +21,8 @@ A part may carry variants after colons, measured in the same process; each is an
 with qkv_proj on cuBLAS (not the Triton GEMV, ops/gemv_linear.py), `sharegpt:prefillonly` with a
 mixed batch's decodes left in the prefill attention kernel (not given to the decode kernel),
 `sharegpt:t16384` with max_num_batched_tokens 16384, `sharegpt:halvedsplits` with decode attention
-split to fill the GPU once (not twice), `sharegpt:kvfp8` with an fp8 KV cache,
+split to fill the GPU once (not twice), `sharegpt:kvfp8` with an fp8 KV cache, `sharegpt:fp8` with
+fp8 weights and activations (quant/fp8_linear.py),
 `sharegpt:smallestgraph` with every decode batch in the smallest graph that holds it (not the
 fastest measured at start-up), `sharegpt:makespan` (or `throughput:makespan`) with the makespan
 scheduling policy (engine/core/makespan.py; `slack<x>` and `admit<n>` set makespan_slack and
@@ -78,6 +82,7 @@ def variant_options(variants: list[str], max_num_batched_tokens: int) -> dict:
     return {
         "kernels": kernels,
         "kv_cache_dtype": "fp8" if "kvfp8" in variants else "auto",
+        "quantization": "fp8" if "fp8" in variants else None,
         "max_num_batched_tokens": next((int(v[1:]) for v in variants if v[0] == "t" and v[1:].isdigit()),
                                        max_num_batched_tokens),
         "scheduler_policy": "makespan" if "makespan" in variants else "continuous",
@@ -87,6 +92,7 @@ def variant_options(variants: list[str], max_num_batched_tokens: int) -> dict:
     }
 
 
+PART_ALIASES = {"sharegpt_fp8": "sharegpt:fp8"}  # its keys get the variant's suffix: beside bf16's in one run
 OUT = os.environ.get("OUT", "out")
 results: dict = {}
 
@@ -314,7 +320,7 @@ def part_throughput(model: str, max_num_seqs: int, options: dict, only_sharegpt:
     makespan = options["scheduler_policy"] == "makespan"
     results["throughput_config"] = {
         "max_num_seqs": max_num_seqs, **{key: options[key] for key in (
-            "max_num_batched_tokens", "kv_cache_dtype", "scheduler_policy",
+            "max_num_batched_tokens", "kv_cache_dtype", "quantization", "scheduler_policy",
             *(("makespan_slack", "makespan_min_admit") if makespan else ()))},
         **graph_choice(llm.engine.executor.worker.runner)}
     inputs, outputs = sharegpt_like_lengths(500)
@@ -448,7 +454,7 @@ def main() -> None:
     bandwidth = copy_bandwidth_gbps()
     results["copy_bandwidth_gbps"] = bandwidth
     for spec in args.parts.split(","):
-        part, *variants = spec.split(":")
+        part, *variants = PART_ALIASES.get(spec, spec).split(":")
         start = time.perf_counter()
         earlier = dict(results)
         if variants:  # measured apart, then stored under suffixed keys
@@ -465,6 +471,9 @@ def main() -> None:
              "profile_mixed": lambda: part_profile_mixed(
                  args.model, args.max_num_seqs, {**options, "max_num_batched_tokens": args.max_num_batched_tokens}),
              "int8": lambda: part_decode(bandwidth, args.model, "int8", kernels=kernels),
+             "decode_fp8": lambda: part_decode(bandwidth, args.model, "fp8", kernels=kernels),
+             "decode_fp8_head16": lambda: part_decode(bandwidth, args.model, "fp8", quantize_lm_head=False,
+                                                      tag="_head16", kernels=kernels),
              "int4": lambda: part_decode(bandwidth, args.model, "int4", kernels=kernels),
              "int4_triton": lambda: part_decode(bandwidth, args.model, "int4", "triton", kernels=kernels),
              "int4_tinygemm": lambda: part_decode(bandwidth, args.model, "int4", "tinygemm", kernels=kernels),

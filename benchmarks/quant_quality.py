@@ -24,6 +24,7 @@ INT4_G32 = {"quantization": "int4", "quantization_group_size": 32}
 AWQ = {"quantization_awq": True}
 CANDIDATES = {  # name: engine options; smollm2's hidden size 576 rules out group 128
     "int8 weights": {"quantization": "int8"},
+    "fp8 weights and activations": {"quantization": "fp8"},
     "int4 weights, group 64": INT4_G64,
     "int4 weights, group 64, AWQ": {**INT4_G64, **AWQ},
     "int4 weights, group 32": INT4_G32,

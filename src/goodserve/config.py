@@ -20,7 +20,10 @@ SLO_MAX_NUM_SEQS = 1024
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
-WEIGHT_QUANTIZATIONS = ("int8", "int4")  # codes computed from float weights (at load or by `goodserve quantize`)
+# Codes computed from float weights (at load or by `goodserve quantize`). int8 / int4: weight-only;
+# fp8: weights and (per token, dynamically) activations in float8_e4m3fn, an FP8 tensor-core GEMM
+# (GPUs of compute capability 8.9+: Ada, Hopper; the CPU runs it for testing).
+WEIGHT_QUANTIZATIONS = ("int8", "int4", "fp8")
 LM_HEAD_QUANTIZATIONS = ("int8", "int4")
 QUANTIZATIONS = (None, "none", *WEIGHT_QUANTIZATIONS, "gguf")  # None: not asked (resolved_quantization)
 # uni: the worker runs in the engine's process; mp: in a process of its own (as each of N
@@ -144,8 +147,9 @@ class EngineConfig:
     makespan_slack: float = 1.5
     makespan_min_admit: int = 512
     # Model execution
-    # weight-only: int8 (per channel) | int4 (per group) | gguf (keep a GGUF file's Q4_0/Q4_1/Q8_0 codes)
-    # | none. Unset: gguf for a GGUF model on the CPU, else none (resolved_quantization).
+    # weight-only: int8 (per channel) | int4 (per group) | gguf (keep a GGUF file's Q4_0/Q4_1/Q8_0 codes);
+    # fp8 (weights per channel, activations per token, FP8 GEMMs; docs/quantization.md) | none.
+    # Unset: gguf for a GGUF model on the CPU, else none (resolved_quantization).
     quantization: str | None = None
     quantization_group_size: int | None = None  # int4; None: the largest of 128/64/32 that divides
     quantization_awq: bool = False  # activation-aware scales from a built-in calibration text
@@ -197,7 +201,7 @@ class EngineConfig:
     # the same step, fill an n-gram pool the drafts come from; engine/spec_decode/lookahead.py).
     speculative_method: str | None = None
     # The draft model: a model name / path / dummy:<preset> sharing the target's vocabulary, or
-    # self:int4 / self:int8 / self:gguf (the target's own weights, quantized so).
+    # self:int4 / self:int8 / self:fp8 / self:gguf (the target's own weights, quantized so).
     speculative_model: str | None = None
     num_speculative_tokens: int = 4
     ngram_min: int = 1
@@ -243,7 +247,8 @@ class EngineConfig:
             (self.context_parallel_size >= 1, "context_parallel_size must be at least 1"),
             (self.lm_head_quantization in LM_HEAD_QUANTIZATIONS,
              f"lm_head_quantization must be one of {LM_HEAD_QUANTIZATIONS}"),
-            (not (self.quantize_lm_head and self.lm_head_quantization == "int4" and self.quantization == "int8"),
+            (not (self.quantize_lm_head and self.lm_head_quantization == "int4"
+                  and self.quantization in ("int8", "fp8")),
              "an int4 lm_head (--lm-head-quantization int4) takes the layers' group size: it needs "
              "--quantization int4"),
             (1 <= self.ngram_min <= self.ngram_max, "ngram_min and ngram_max must satisfy 1 <= min <= max"),
@@ -260,6 +265,10 @@ class EngineConfig:
         self.kernels.validate()
         if self.quantization == "gguf":
             self._validate_gguf_quantization()
+        if self.quantization == "fp8" and (self.quantization_awq or self.quantization_group_size):
+            raise InvalidRequestError("quantization 'fp8' scales each output channel of the weights and each token of "
+                                      "the activations: it takes neither --quantization-awq nor "
+                                      "--quantization-group-size (int4's)")
         splits_the_model = self.tensor_parallel_size * self.pipeline_parallel_size > 1
         if splits_the_model and (self.quantized_checkpoint or self.quantization_awq):
             # A checkpoint's codes are not sliced per rank yet (GGUF codes and int8 / int4 computed at
@@ -267,7 +276,7 @@ class EngineConfig:
             raise InvalidRequestError(
                 "tensor and pipeline parallelism cannot split a --quantized-checkpoint or run --quantization-awq "
                 "yet: use "
-                "--quantization int8 | int4 (computed at load) or a GGUF model's own codes")
+                "--quantization int8 | int4 | fp8 (computed at load) or a GGUF model's own codes")
 
     @property
     def world_size(self) -> int:

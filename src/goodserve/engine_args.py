@@ -51,7 +51,7 @@ _HELP = {
                                "divides the layer)",
     "quantization_awq": "with --quantization int8 / int4: activation-aware scales, searched on a built-in "
                         "calibration text at load (docs/quantization.md)",
-    "quantized_checkpoint": "load int8 / int4 weights saved by `goodserve quantize` instead of quantizing at load",
+    "quantized_checkpoint": "load int8 / int4 / fp8 weights saved by `goodserve quantize` instead of quantizing at load",
     "attention_backend": "auto: Triton kernels on CUDA, torch elsewhere",
     "executor_backend": "uni: the model runs in the engine's process; mp: in a worker process of its own "
                         "(tensor and pipeline parallelism always use one process per rank)",
@@ -90,9 +90,10 @@ _HELP = {
                               "of the sequences (default: on the CPU; off on CUDA, where the stages run eagerly "
                               "and a step's host time, not its rows, decides: docs/architecture.md)",
     "async_scheduling": "launch step N+1 before step N's tokens reach the host (CUDA graphs only)",
-    "quantization": "weight-only int8 / int4 computed at load, or gguf: run a GGUF file's own Q4_0 / Q4_1 / Q8_0 "
-                    "weights as they are (docs/quantization.md); none: unquantized (default: gguf for a GGUF model on the CPU, "
-                    "else none)",
+    "quantization": "weight-only int8 / int4 computed at load; fp8: weights per channel and activations per token "
+                    "in float8, FP8 tensor-core matmuls (GPUs of compute capability 8.9+); or gguf: run a GGUF file's "
+                    "own Q4_0 / Q4_1 / Q8_0 weights as they are (docs/quantization.md); none: unquantized "
+                    "(default: gguf for a GGUF model on the CPU, else none)",
     "quantize_lm_head": "with --quantization (or a checkpoint made with it): lm_head quantized too, as "
                         "--lm-head-quantization says (default: False)",
     "lm_head_quantization": "--quantize-lm-head's method: int8 per channel, or int4 with the layers' group size "

@@ -1,14 +1,15 @@
 """Every model source x dtype x quantization x KV dtype x execution mode, greedy against the torch path;
 float32 of every source against Hugging Face transformers on the same weights.
 
-The full product is 3 x 2 x 6 x 3 x 3 = 324 engines pairs (less gguf's exclusions): MATRIX is a
-pairwise covering array instead, 18 cases in which every value of each axis meets every value of
+The full product is 3 x 2 x 7 x 3 x 3 = 378 engines pairs (less gguf's exclusions): MATRIX is a
+pairwise covering array instead, 21 cases in which every value of each axis meets every value of
 every other axis at least once (test_matrix_covers_every_pair checks it). Axes:
   source: dummy (dummy:tiny random weights), hf (a tiny Llama saved as safetensors), gguf (the
           embedded SmolLM2-135M Q4_1 file: real weights);
   dtype: float32, bfloat16;
-  quantization: none, int8, int4, each with and without quantize_lm_head, and gguf (the file's
-          own codes: a GGUF source only, never with quantize_lm_head);
+  quantization: none, int8, int4, each with and without quantize_lm_head, fp8 (weights and
+          activations; GPUs of compute capability 8.9+), and gguf (the file's own codes: a GGUF source
+          only, never with quantize_lm_head);
   KV cache: auto, int8, fp8;
   mode: CUDA graphs with async scheduling, graphs without it, eager.
 The reference is the same model, quantization and KV dtype on the plain-torch attention path,
@@ -30,10 +31,11 @@ from gate_checks import (
 from goodserve.model.loader import load_model
 from goodserve.model.tokenizer_loader import embedded_tokenizer
 from goodserve.model_names import EMBEDDED_MODEL
+from goodserve.quant.fp8_linear import FP8_MIN_CAPABILITY
 
 SOURCES = ("dummy", "hf", "gguf")
 DTYPES = ("float32", "bfloat16")
-QUANTIZATIONS = ("none", "int8", "int8+head", "int4", "int4+head", "gguf")
+QUANTIZATIONS = ("none", "int8", "int8+head", "int4", "int4+head", "fp8", "gguf")
 KV_DTYPES = ("auto", "int8", "fp8")
 AXES = (SOURCES, DTYPES, QUANTIZATIONS, KV_DTYPES, tuple(MODES))
 
@@ -53,6 +55,9 @@ MATRIX = [
     ("hf", "bfloat16", "int4+head", "auto", "eager"),
     ("dummy", "float32", "int4+head", "int8", "graphs+async"),
     ("gguf", "bfloat16", "int4+head", "fp8", "graphs"),
+    ("dummy", "bfloat16", "fp8", "auto", "graphs+async"),
+    ("hf", "float32", "fp8", "int8", "graphs"),
+    ("gguf", "bfloat16", "fp8", "fp8", "eager"),
     ("gguf", "float32", "gguf", "auto", "graphs+async"),
     ("gguf", "bfloat16", "gguf", "int8", "graphs"),
     ("gguf", "bfloat16", "gguf", "fp8", "eager"),
@@ -118,6 +123,8 @@ def test_engine_matches_torch_path(case, device, request, record_property):
     source, dtype, quantization, kv_cache_dtype, mode = case
     if source == "gguf" and device != "cuda":
         pytest.skip("the embedded model's cases run on CUDA only")
+    if quantization == "fp8" and device == "cuda" and torch.cuda.get_device_capability() < FP8_MIN_CAPABILITY:
+        pytest.skip(f"no FP8 tensor cores on {torch.cuda.get_device_name()}")
     options = dict(dtype=dtype, kv_cache_dtype=kv_cache_dtype, **quantization_options(quantization))
     model = model_name(source, request)
 

@@ -13,7 +13,7 @@ from goodserve.errors import InvalidRequestError
 from goodserve.tune.bottleneck import Bottleneck, diagnose_trial, limiting_slo
 from goodserve.tune.report import headroom_note
 from goodserve.tune.search import MIN_GAIN, Budget, Search, ranked
-from goodserve.tune.space import MIN_PREDICTED, options_key, plan
+from goodserve.tune.space import FP8_COMPUTE_GAIN, MIN_PREDICTED, candidate_steps, options_key, plan
 from goodserve.tune.trial_log import TrialLog
 
 SLOS = {"ttft": 500.0, "tpot": 50.0}
@@ -266,9 +266,10 @@ def test_plan_on_gpus_offers_what_cuda_has_and_skips_what_is_on():
     assert "async_scheduling=True" not in {step.name for step, _ in plan({}, graphs, tried=set())[0]}
 
 
-def test_plan_on_a_busy_gpu_skips_weight_quantization_and_tries_the_slo_policy_first():
-    # Past CUDA_KERNEL_MAX_M rows a quantized matmul dequantizes its weights (quant/linear.matmul_path):
+def test_plan_on_a_busy_gpu_skips_weight_only_quantization_and_tries_fp8_then_the_slo_policy():
+    # Past CUDA_KERNEL_MAX_M rows a weight-only matmul dequantizes its weights (quant/linear.matmul_path):
     # at ~150 rows a step int4 and int8 move more bytes than bf16, whatever the roofline of their codes says.
+    # fp8 stays an FP8 GEMM at any row count: half bf16's weight bytes.
     gpu = {"model": "dummy:llama-3.1-8b", "dtype": "bfloat16", "device": "cuda", "device_name": "NVIDIA H100",
            "kv_cache_dtype": "bfloat16", "cuda_graphs": "True", "async_scheduling": "True"}
     busy = bottleneck(engine=gpu, device="cuda", num_gpus=1, spec=resolve_spec("llama-3.1-8b"), weight_share=0.6,
@@ -276,9 +277,37 @@ def test_plan_on_a_busy_gpu_skips_weight_quantization_and_tries_the_slo_policy_f
     to_try, skipped = plan({}, busy, tried=set())
     reasons = dict((step.name, why) for step, why in skipped)
     assert "dequantizes" in reasons["quantization=int4"] and "dequantizes" in reasons["quantization=int8"]
-    assert to_try[0][0].name == "scheduler_policy=slo"
+    assert [step.name for step, _ in to_try[:2]] == ["quantization=fp8", "scheduler_policy=slo"]
+    fp8 = to_try[0][0]
+    halved = busy.weight_bytes_of("fp8") / busy.weight_bytes_of("none")
+    assert fp8.predicted == pytest.approx(busy.decode_speedup(weight_ratio=halved))
+    assert 1.3 < fp8.predicted < 1.5 and "FP8 GEMMs at every batch size" in fp8.why
     quiet = bottleneck(engine=gpu, device="cuda", num_gpus=1, spec=resolve_spec("llama-3.1-8b"), concurrency=8.0)
     assert plan({}, quiet, tried=set())[0][0][0].name == "quantization=int4"  # at 8 rows its kernels read codes
+
+
+def test_fp8_is_offered_on_gpus_with_fp8_tensor_cores_only():
+    h100 = {"model": "dummy:llama-3.1-8b", "dtype": "bfloat16", "device": "cuda",
+            "device_name": "NVIDIA H100 80GB HBM3", "kv_cache_dtype": "bfloat16", "cuda_graphs": "True",
+            "async_scheduling": "True"}
+    spec = resolve_spec("llama-3.1-8b")
+
+    def fp8_steps(engine: dict, **fields) -> list:
+        b = bottleneck(engine=engine, spec=spec, weight_share=0.8, **{"device": engine["device"], **fields})
+        return [step for step in candidate_steps({}, b) if step.name == "quantization=fp8"]
+
+    assert len(fp8_steps(h100)) == 1
+    assert fp8_steps({**h100, "device_name": "NVIDIA A100-SXM4-80GB"}) == []  # no FP8 tensor cores
+    assert fp8_steps({**h100, "device_name": "Some Future GPU"}) == []  # not in the hardware table: unknown
+    assert fp8_steps(CPU_FLOAT32) == []
+    # TTFT breaks first on a compute-bound step: weight-only quantization is skipped, fp8's FLOP/s offered.
+    ttft = dict(limiting_slo="ttft", decode_verdict="compute-bound", concurrency=250.0, mean_prompt_len=1500.0)
+    (step,) = fp8_steps(h100, **ttft)
+    assert step.predicted == FP8_COMPUTE_GAIN and "twice bf16's FLOP/s" in step.why
+    # From fp8, the other quantizations are weighed against fp8's bytes (int8: the same bytes, no gain).
+    b = bottleneck(engine={**h100, "quantization": "fp8"}, device="cuda", spec=spec, weight_share=0.8)
+    steps = {step.name: step for step in candidate_steps({"quantization": "fp8"}, b)}
+    assert "quantization=fp8" not in steps and steps["quantization=int8"].predicted == pytest.approx(1.0)
 
 
 def _probe(offered: float, sustained: float) -> dict:

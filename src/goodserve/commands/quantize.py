@@ -12,7 +12,7 @@ from goodserve.model_names import EMBEDDED_MODEL
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
         "quantize",
-        help="quantize a model's weights (int8 / int4) and save a checkpoint",
+        help="quantize a model's weights (int8 / int4 / fp8) and save a checkpoint",
         description="Load a model, quantize its linear layers and save them as safetensors; serve it "
                     "with `goodserve serve --model M --quantized-checkpoint FILE`.",
     )

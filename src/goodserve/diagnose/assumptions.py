@@ -20,7 +20,7 @@ DEFAULT_HARDWARE = "h100-sxm"
 _TORCH_TO_SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "int8": "int8",
                    "float8_e4m3fn": "fp8"}
 # gguf keeps the file's Q4_0 / Q4_1 / Q8_0 codes: about 4 bits a weight for the usual Q4 files.
-_QUANT_WEIGHT_DTYPE = {"int8": "int8", "int4": "int4", "gguf": "int4"}
+_QUANT_WEIGHT_DTYPE = {"int8": "int8", "int4": "int4", "gguf": "int4", "fp8": "fp8"}
 
 @dataclass
 class Assumptions:
@@ -42,7 +42,8 @@ def _from_engine(engine: dict[str, str]) -> dict[str, str | bool | None]:
         "model": engine.get("model"),
         "hardware": hardware_for_device(engine.get("device", ""), engine.get("device_name", "")),
         "weight_dtype": _QUANT_WEIGHT_DTYPE.get(engine.get("quantization", "none"), compute),
-        "compute_dtype": compute,
+        # fp8 multiplies fp8 weights by fp8 activations (quant/fp8_linear.py); its KV stays in the model dtype
+        "compute_dtype": "fp8" if engine.get("quantization") == "fp8" else compute,
         "kv_dtype": _TORCH_TO_SHORT.get(engine.get("kv_cache_dtype", ""), compute),
         "micro_batches": None if micro_batches is None else micro_batches == "True",
     }

@@ -15,7 +15,9 @@ from goodserve.model.spec import ModelSpec
 
 DTYPE_BYTES = {"fp32": 4.0, "float32": 4.0, "fp16": 2.0, "float16": 2.0, "bf16": 2.0, "bfloat16": 2.0,
                "auto": 2.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5}
-# Weight-only int4/int8 keep one bf16 scale per group of 128 weights.
+# Quantized weights: the matmuls' (embeddings stay bf16), with one bf16 scale per group of 128 weights
+# (int4; int8 and fp8 keep one a row, fewer: the count errs high).
+QUANTIZED_WEIGHT_DTYPES = ("int8", "int4", "fp8")
 QUANT_GROUP_SIZE = 128
 
 
@@ -40,7 +42,7 @@ def window_saving(spec: ModelSpec, tokens: int, kv_dtype: str = "fp16") -> str:
 def weight_bytes(spec: ModelSpec, dtype: str = "bf16") -> float:
     """Bytes of weights; quantized dtypes quantize the matmul weights and keep embeddings in bf16."""
     bytes_per = dtype_bytes(dtype)
-    if dtype not in ("int8", "int4"):
+    if dtype not in QUANTIZED_WEIGHT_DTYPES:
         return spec.num_params() * bytes_per
     embed = spec.vocab_size * spec.hidden_size
     matmul = spec.num_params() - embed
@@ -56,7 +58,7 @@ def decode_weight_bytes(spec: ModelSpec, dtype: str = "bf16", batch: float = 1) 
         return weight_bytes(spec, dtype)
     e, k = spec.num_experts, spec.num_experts_per_tok
     unread = e * (1 - k / e) ** batch
-    bytes_per = dtype_bytes(dtype) + (2.0 / QUANT_GROUP_SIZE if dtype in ("int8", "int4") else 0.0)
+    bytes_per = dtype_bytes(dtype) + (2.0 / QUANT_GROUP_SIZE if dtype in QUANTIZED_WEIGHT_DTYPES else 0.0)
     return weight_bytes(spec, dtype) - spec.num_layers * unread * spec.expert_params() * bytes_per
 
 

@@ -1,7 +1,8 @@
 """Load a Hugging Face model directory: config.json, *.safetensors, tokenizer.json (hf_tokenizer.py).
 
 Only safetensors are read: pickle checkpoints (*.bin, *.pt) can run arbitrary code when loaded, so
-they are refused rather than unpickled.
+they are refused rather than unpickled. FP8 checkpoints load dequantized (hf_fp8.py); other quantized
+ones are refused.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from safetensors import SafetensorError, safe_open
 
 from goodserve.errors import ModelLoadError
 from goodserve.model.families import Family, hf_family
+from goodserve.model.hf_fp8 import Fp8Checkpoint, fp8_checkpoint
 from goodserve.model.hf_tokenizer import hf_tokenizer, read_json
 from goodserve.model.llama import LlamaForCausalLM, WeightFiller, build_empty_model
 from goodserve.model.pipeline_parallel import PipelineParallel
@@ -167,27 +169,31 @@ def _our_name(name: str) -> tuple[str, str | tuple[str, int] | None]:
     return name, None
 
 
-def load_hf_weights(model: LlamaForCausalLM, files: list[Path]) -> None:
+def load_hf_weights(model: LlamaForCausalLM, files: list[Path], fp8: Fp8Checkpoint | None = None) -> None:
+    """fp8: an FP8 checkpoint's scales, its weights dequantized as they load."""
     filler = WeightFiller(model)
     for file in files:
         try:
-            _fill_from(filler, file, model.spec.tie_word_embeddings)
+            _fill_from(filler, file, model.spec.tie_word_embeddings, fp8)
         except SafetensorError as e:  # a corrupt or truncated file: its header, or a tensor past its end
             raise ModelLoadError(f"{file} is not a readable safetensors file: {e} (download it again)") from e
     filler.finish()
 
 
-def _fill_from(filler: WeightFiller, file: Path, tied: bool) -> None:
+def _fill_from(filler: WeightFiller, file: Path, tied: bool, fp8: Fp8Checkpoint | None) -> None:
     with safe_open(file, framework="pt") as f:
         for name in f.keys():
             if name.endswith("rotary_emb.inv_freq"):  # recomputed, stored by old checkpoints
                 continue
             if name == "lm_head.weight" and tied:
                 continue
-            if ".qkv_proj." in name or ".gate_up_proj." in name:  # Phi-3's fused ones: split per shard
-                filler.fill_whole(name, f.get_tensor(name))
+            if fp8 is not None and fp8.is_scale(name):  # read with its weight
                 continue
-            filler.fill(*_our_name(name), f.get_tensor(name))
+            tensor = f.get_tensor(name) if fp8 is None else fp8.dequantize(name, f.get_tensor(name))
+            if ".qkv_proj." in name or ".gate_up_proj." in name:  # Phi-3's fused ones: split per shard
+                filler.fill_whole(name, tensor)
+                continue
+            filler.fill(*_our_name(name), tensor)
 
 
 def read_hf_spec(path: Path) -> ModelSpec:
@@ -204,7 +210,8 @@ def load_hf(path: Path, dtype: torch.dtype, device: torch.device,
             group_size: int | None = None) -> tuple[ModelSpec, LlamaForCausalLM, Tokenizer | None]:
     spec = read_hf_spec(path)
     files = safetensors_files(path)
+    fp8 = fp8_checkpoint(read_json(path / "config.json"), files)  # before any memory is taken
     tokenizer = hf_tokenizer(path, spec)
     model = build_empty_model(spec, dtype, device, tp, pp, quantization, group_size)
-    load_hf_weights(model, files)
+    load_hf_weights(model, files, fp8)
     return spec, model, tokenizer

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from goodserve.errors import InvalidRequestError
 from goodserve.model.spec import ModelSpec
 from goodserve.ops.kernel_choice import TORCH_KERNELS
 from goodserve.quant.moe import moe_torch, route
@@ -101,12 +102,16 @@ class QuantizedExperts(nn.Module):
 
 def quantize_experts_on_build(model: nn.Module, quantization: str | None, group_size: int | None) -> None:
     """Swap every SparseMoE's float Experts for QuantizedExperts (on the meta device, before
-    allocation), refusing a group size that does not fit before any memory is taken."""
+    allocation), refusing a group size that does not fit, or fp8 (no FP8 grouped GEMM for the experts
+    yet), before any memory is taken."""
+    moe_layers = [module for module in model.modules() if isinstance(module, SparseMoE)]
+    if moe_layers and quantization == "fp8":
+        raise InvalidRequestError(f"{model.spec.name} is a mixture of experts: quantization 'fp8' does not cover "
+                                  "its experts yet; use --quantization int8 or int4")
     if quantization not in EXPERT_QUANTIZATIONS:
         return
-    for module in model.modules():
-        if isinstance(module, SparseMoE):
-            module.experts = QuantizedExperts(module.spec, quantization, group_size, model.tp.size)
+    for module in moe_layers:
+        module.experts = QuantizedExperts(module.spec, quantization, group_size, model.tp.size)
 
 
 class SparseMoE(nn.Module):

@@ -13,8 +13,11 @@ stay as they are (a lookup reads one row per token).
 
 Under tensor parallelism each rank quantizes its shard to the codes of the whole matrix's slice:
 int4 groups run along the input, so a row-parallel shard (o_proj, down_proj: a slice of the input)
-keeps the group size the whole model would get, and must hold whole groups; int8 scales run per
-output row, so a row-parallel shard takes each row's largest magnitude over all ranks.
+keeps the group size the whole model would get, and must hold whole groups; int8 and fp8 scales run
+per output row, so a row-parallel shard takes each row's largest magnitude over all ranks.
+
+fp8 (quant/fp8_linear.py) quantizes the activations too, per token, and multiplies on FP8 tensor
+cores; its lm_head choice is the same (int8 by default when asked).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from torch import nn
 from goodserve.config import LM_HEAD_QUANTIZATIONS
 from goodserve.errors import InvalidRequestError
 from goodserve.quant import schemes
+from goodserve.quant.fp8_linear import Fp8Linear, check_fp8_shape
 from goodserve.quant.linear import Int4Linear, Int8Linear
 
 TARGET_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -53,12 +57,14 @@ def check_quantizable(targets: list[tuple[nn.Module, str, nn.Linear]], method: s
         dtype = linear.weight.dtype
         if dtype not in SUPPORTED_DTYPES:
             raise InvalidRequestError(
-                f"weight-only {method} needs float32, bfloat16 or float16 activations; "
+                f"{method} quantization needs float32, bfloat16 or float16 activations; "
                 f"{name} is {str(dtype).removeprefix('torch.')} on {linear.weight.device}")
+        split = shards > 1 and name in ROW_PARALLEL_LINEARS
+        layer = f"{name} (its 1/{shards} tensor-parallel shard)" if split else name
         if method == "int4":
-            split = shards > 1 and name in ROW_PARALLEL_LINEARS
-            schemes.check_group_size(linear.in_features, group_size,
-                                     f"{name} (its 1/{shards} tensor-parallel shard)" if split else name)
+            schemes.check_group_size(linear.in_features, group_size, layer)
+        elif method == "fp8":
+            check_fp8_shape(layer, linear.in_features, linear.out_features)
 
 
 def auto_group_size(targets: list[tuple[nn.Module, str, nn.Linear]], shards: int = 1) -> int:
@@ -93,7 +99,7 @@ def lm_head_target(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
 def quantize_model(model: nn.Module, method: str, group_size: int | None = 128,
                    awq_calibration_ids: list[int] | None = None, lm_head: bool = False,
                    lm_head_method: str = "int8") -> nn.Module:
-    """Replace qkv_proj / o_proj / gate_up_proj / down_proj with Int8Linear or Int4Linear, and with
+    """Replace qkv_proj / o_proj / gate_up_proj / down_proj with Int8Linear, Int4Linear or Fp8Linear, and with
     lm_head=True lm_head with an Int8Linear (lm_head_method "int8") or an Int4Linear of the layers'
     group size ("int4"; see the module doc).
 
@@ -116,14 +122,19 @@ def quantize_model(model: nn.Module, method: str, group_size: int | None = 128,
 
         apply_awq(model, awq_calibration_ids, method, group_size)
     for parent, name, linear in targets:
-        quantized = Int8Linear.from_linear(linear, _row_absmax(name, linear, tp)) if method == "int8" \
-            else Int4Linear.from_linear(linear, group_size)
-        setattr(parent, name, quantized)
+        setattr(parent, name, _quantized_linear(method, name, linear, group_size, tp))
     for parent, name, linear in head:
         quantized = Int8Linear.from_linear(linear) if lm_head_method == "int8" \
             else Int4Linear.from_linear(linear, group_size)
         setattr(parent, name, quantized)
     return model
+
+
+def _quantized_linear(method: str, name: str, linear: nn.Linear, group_size: int, tp) -> nn.Module:
+    if method == "int4":
+        return Int4Linear.from_linear(linear, group_size)
+    cls = Int8Linear if method == "int8" else Fp8Linear
+    return cls.from_linear(linear, _row_absmax(name, linear, tp))
 
 
 def check_lm_head_method(lm_head_method: str, method: str) -> None:
@@ -147,7 +158,9 @@ def empty_quantized_like(model: nn.Module, method: str, group_size: int, lm_head
         w = linear.weight
         args = (linear.in_features, linear.out_features, linear.bias is not None)
         layer_method = lm_head if name == "lm_head" else method
-        quantized = Int8Linear(*args, dtype=w.dtype, device=w.device) if layer_method == "int8" \
-            else Int4Linear(*args, group_size=group_size, dtype=w.dtype, device=w.device)
+        if layer_method == "int4":
+            quantized = Int4Linear(*args, group_size=group_size, dtype=w.dtype, device=w.device)
+        else:
+            quantized = (Int8Linear if layer_method == "int8" else Fp8Linear)(*args, dtype=w.dtype, device=w.device)
         setattr(parent, name, quantized)
     return model

@@ -20,6 +20,7 @@ from torch import nn
 
 from goodserve.errors import ModelLoadError
 from goodserve.quant.apply import TARGET_LINEARS, empty_quantized_like
+from goodserve.quant.fp8_linear import Fp8Linear
 from goodserve.quant.linear import Int4Linear, Int8Linear
 
 FORMAT = "goodserve-quantized/1"
@@ -36,14 +37,15 @@ def lm_head_format(model: nn.Module) -> str:
 
 
 def quantization_of(model: nn.Module) -> tuple[str, int]:
-    """(method, group_size) of the projections quantize_model swapped; group_size is 0 for int8."""
+    """(method, group_size) of the projections quantize_model swapped; group_size is 0 for int8 and fp8."""
     layers = [m for name, m in model.named_modules()
-              if name.rsplit(".", 1)[-1] in TARGET_LINEARS and isinstance(m, (Int8Linear, Int4Linear))]
+              if name.rsplit(".", 1)[-1] in TARGET_LINEARS and isinstance(m, (Int8Linear, Int4Linear, Fp8Linear))]
     if not layers:
         raise ModelLoadError("this model is not quantized: run quantize_model(model, method) first")
-    if all(isinstance(m, Int8Linear) for m in layers):
-        return "int8", 0
-    group_sizes = {getattr(m, "group_size", None) for m in layers}  # None marks an Int8Linear
+    for method, cls in (("int8", Int8Linear), ("fp8", Fp8Linear)):
+        if all(isinstance(m, cls) for m in layers):
+            return method, 0
+    group_sizes = {getattr(m, "group_size", None) for m in layers}  # None marks an Int8Linear / Fp8Linear
     if len(group_sizes) != 1:
         raise ModelLoadError("mixed quantization schemes in one model cannot be saved as one checkpoint")
     return "int4", group_sizes.pop()

@@ -179,7 +179,7 @@ def tinygemm_layout(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
 
 
 @functools.lru_cache(maxsize=None)
-def _warn_once(message: str) -> None:
+def warn_once(message: str) -> None:
     logger.warning(message)
 
 
@@ -353,7 +353,7 @@ class Int4Linear(_QuantizedLinear):
     def _disable_tinygemm(self, exc: Exception) -> None:
         self.tinygemm_disabled = True
         self._tinygemm = None
-        _warn_once(f"int4 tinygemm kernel unavailable ({type(exc).__name__}: {exc}); "
+        warn_once(f"int4 tinygemm kernel unavailable ({type(exc).__name__}: {exc}); "
                    "using the Triton int4 kernels instead")
 
     @property

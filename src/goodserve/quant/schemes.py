@@ -5,6 +5,10 @@
   q in [0, 15]; the zero point is stored as a float (the value code 0 stands for, i.e. the group
   minimum, as gpt-fast / tinygemm do) so each group's [min, max] maps exactly onto the 16 codes and
   the error is <= scale / 2. Two codes share a byte: column 2j in the low nibble, 2j + 1 in the high.
+- fp8: per output channel, float8_e4m3fn. W ~= q * scale[n] with scale = row amax / 448 (e4m3's
+  largest finite value), so each row's largest weight maps onto 448; q keeps 3 mantissa bits, a
+  relative error <= 2^-4 down to e4m3's normal range. The activations are quantized the same way per
+  token at run time (quant/fp8_linear.py), not here.
 
 Quantization math runs in float32 whatever the weight's dtype; scales and zeros stay float32.
 """
@@ -21,6 +25,8 @@ from goodserve.errors import InvalidRequestError
 INT8_MAX = 127
 INT4_MAX_CODE = 15
 INT4_GROUP_SIZES = (32, 64, 128)
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 # Keeps all-zero rows / constant groups from dividing by zero; they then dequantize exactly.
 MIN_SCALE = 1e-10
 
@@ -28,6 +34,12 @@ MIN_SCALE = 1e-10
 @dataclass
 class Int8Weight:
     qweight: torch.Tensor  # [N, K] int8
+    scales: torch.Tensor  # [N] float32
+
+
+@dataclass
+class Fp8Weight:
+    qweight: torch.Tensor  # [N, K] float8_e4m3fn
     scales: torch.Tensor  # [N] float32
 
 
@@ -64,6 +76,18 @@ def quantize_int8(weight: torch.Tensor, row_absmax: torch.Tensor | None = None) 
 
 
 def dequantize_int8(q: Int8Weight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return (q.qweight.float() * q.scales[:, None]).to(dtype)
+
+
+def quantize_fp8(weight: torch.Tensor, row_absmax: torch.Tensor | None = None) -> Fp8Weight:
+    """row_absmax: as quantize_int8's (a tensor-parallel shard gets the whole matrix's scales)."""
+    w = weight.detach().float()
+    scales = ((w.abs().amax(dim=1) if row_absmax is None else row_absmax) / FP8_MAX).clamp(min=MIN_SCALE)
+    qweight = (w / scales[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return Fp8Weight(qweight, scales)
+
+
+def dequantize_fp8(q: Fp8Weight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return (q.qweight.float() * q.scales[:, None]).to(dtype)
 
 

@@ -13,12 +13,12 @@ from dataclasses import dataclass, field
 
 from goodserve.diagnose.advisor import advise
 from goodserve.diagnose.assumptions import resolve
-from goodserve.diagnose.calc import weight_bytes
+from goodserve.diagnose.calc import QUANTIZED_WEIGHT_DTYPES, weight_bytes
 from goodserve.diagnose.model_shape import resolve_spec
 from goodserve.diagnose.observations import from_bench_run
 from goodserve.diagnose.roofline import analyze_decode, analyze_prefill, decode_step_bytes
 from goodserve.diagnose.speculation import recommend_speculation
-from goodserve.hardware import get_hardware
+from goodserve.hardware import HARDWARE, get_hardware, hardware_for_device
 from goodserve.model.spec import ModelSpec
 from goodserve.model_names import gguf_model_path
 
@@ -54,7 +54,13 @@ class Bottleneck:
         if quantization == "gguf" and path is not None:
             return float(os.path.getsize(path))
         short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[self.engine.get("dtype", "float32")]
-        return weight_bytes(self.spec, quantization if quantization in ("int8", "int4") else short)
+        return weight_bytes(self.spec, quantization if quantization in QUANTIZED_WEIGHT_DTYPES else short)
+
+    @property
+    def fp8_tensor_cores(self) -> bool:
+        """Whether the GPU the trial ran on has FP8 tensor cores (its hardware table entry lists fp8)."""
+        key = hardware_for_device(self.device, self.engine.get("device_name", ""))
+        return self.device == "cuda" and key is not None and "fp8" in HARDWARE[key].peak_flops
 
     def decode_speedup(self, weight_ratio: float = 1.0, kv_ratio: float = 1.0) -> float:
         """How much faster a bandwidth-bound decode step gets with the weights' and KV's bytes scaled."""

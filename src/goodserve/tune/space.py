@@ -28,6 +28,9 @@ SLO_POLICY_GAIN = 1.3  # `slo` over FCFS at 8B bf16 and these targets: 1.30-1.41
 CUDA_GRAPHS_GAIN = 1.3
 TP2_GAIN = 1.4  # TP 2 on H100s at batch 1 (diagnose/parallel.py)
 SPECULATION_GAIN = 1.25
+# fp8 where TTFT or compute bounds: GEMMs at twice bf16's tensor FLOP/s, less what they do not cover
+# (attention, the activations' quantization). A prior, not yet measured.
+FP8_COMPUTE_GAIN = 1.3
 
 
 @dataclass(frozen=True)
@@ -52,7 +55,7 @@ def _label(b: Bottleneck, key: str, default: str = "") -> str:
 
 def weight_quantization(b: Bottleneck) -> list[Step]:
     current = _label(b, "quantization", "none")
-    values = (["gguf"] if _gguf_model(b) else []) + ["int4", "int8"]
+    values = (["gguf"] if _gguf_model(b) else []) + ["int4", "int8"] + (["fp8"] if b.fp8_tensor_cores else [])
     steps = []
     for value in values:
         if value == current:
@@ -60,7 +63,9 @@ def weight_quantization(b: Bottleneck) -> list[Step]:
         ratio = b.weight_bytes_of(value) / b.weight_bytes_of(current)
         gain = b.decode_speedup(weight_ratio=ratio)
         what = f"weights {ratio:.2f}x the bytes of {current}: a bandwidth-bound decode step {gain:.2f}x as fast"
-        if b.device == "cpu" and value == "int8":
+        if value == "fp8":
+            steps.append(_fp8_step(b, gain, what))
+        elif b.device == "cpu" and value == "int8":
             steps.append(Step({"quantization": value}, None, "the CPU has no native int8 kernel (measured slower "
                                                               "than float32); its 4-bit paths have one"))
         elif b.device == "cuda" and b.concurrency > CUDA_KERNEL_MAX_M:  # GGUF codes are int4 layers too
@@ -74,6 +79,16 @@ def weight_quantization(b: Bottleneck) -> list[Step]:
         else:
             steps.append(Step({"quantization": value}, gain, what))
     return steps
+
+
+def _fp8_step(b: Bottleneck, gain: float, what: str) -> Step:
+    """FP8 GEMMs at any batch size (no dequantization past a row count): half bf16's weight bytes, and
+    twice its tensor FLOP/s where compute or TTFT bounds."""
+    if b.limiting_slo == "ttft" or b.decode_verdict == "compute-bound":
+        return Step({"quantization": "fp8"}, FP8_COMPUTE_GAIN,
+                    f"{'TTFT breaks first' if b.limiting_slo == 'ttft' else 'decode is compute-bound'}: fp8 weights "
+                    "and activations run the GEMMs on FP8 tensor cores at twice bf16's FLOP/s")
+    return Step({"quantization": "fp8"}, gain, f"{what} (FP8 GEMMs at every batch size)")
 
 
 def _gguf_model(b: Bottleneck) -> bool:

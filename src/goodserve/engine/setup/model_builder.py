@@ -29,6 +29,10 @@ def build_model(config: EngineConfig, tp: TensorParallel = TensorParallel(),
     no process-wide setting."""
     device = torch.device(config.device)
     chat_template = read_chat_template(config.chat_template) if config.chat_template else None  # before the load
+    if config.quantization == "fp8":  # a GPU without FP8 tensor cores is refused before the load
+        from goodserve.quant.fp8_linear import check_fp8_device
+
+        check_fp8_device(device)
     release_dropped_memory()  # an engine dropped before this one leaves this one room to load
     torch.manual_seed(config.seed)
     kernels = choose_kernels(config.attention_backend, config.kernels, device)
