@@ -29,9 +29,9 @@ from goodserve.quant.linear import warn_once
 
 FP8_MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (8.9) and Hopper (9.0) on
 FP8_DIM_MULTIPLE = 16  # torch._scaled_mm (cuBLASLt): K and N multiples of 16
-# cuBLASLt's row-wise-scaled FP8 GEMM writes bfloat16 or float16 (float32 only on some builds):
-# a float32 model's rows come back through bfloat16.
-GEMM_OUT_DTYPES = (torch.bfloat16, torch.float16)
+# The row-wise-scaled FP8 GEMM writes bfloat16 on every CUDA build (float16 and float32 only on some):
+# a float16 or float32 model's rows come back through bfloat16.
+GEMM_OUT_DTYPE = torch.bfloat16
 
 
 def check_fp8_capability(capability: tuple[int, int], device_name: str = "this GPU") -> None:
@@ -107,8 +107,10 @@ class Fp8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
+        if not rows.shape[0]:  # the row-wise GEMM takes no empty operand
+            return x.new_zeros(*x.shape[:-1], self.out_features)
         q, row_scales = quantize_rows(rows)
-        out_dtype = rows.dtype if rows.dtype in GEMM_OUT_DTYPES or not rows.is_cuda else torch.bfloat16
+        out_dtype = GEMM_OUT_DTYPE if rows.is_cuda else rows.dtype
         # qweight [N, K] row-major: its transpose is the column-major [K, N] operand cuBLASLt takes.
         y = torch._scaled_mm(q, self.qweight.t(), scale_a=row_scales, scale_b=self.scales.view(1, -1),
                              out_dtype=out_dtype).to(rows.dtype)
