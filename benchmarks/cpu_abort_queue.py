@@ -1,8 +1,8 @@
-"""Aborting queued requests (issue 13 item 5): one request of 50 prompts x n=128 is 6,400 waiting
+"""Aborting queued requests: one request of 50 prompts x n=128 is 6,400 waiting
 sequences; time aborting them all, newest first (as disconnects arrive), on the CPU.
 
 The engine never steps, so every sequence stays in the waiting queue and only the queue's removal
-cost is measured. Run it against any source tree to compare versions in one session:
+cost is measured. Run it against any source tree to compare versions on one machine:
 
     PYTHONPATH=src python benchmarks/cpu_abort_queue.py            # writes $OUT/cpu_abort_queue.json
     PYTHONPATH=OLD/src python benchmarks/cpu_abort_queue.py --tag old

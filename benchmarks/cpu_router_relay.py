@@ -1,4 +1,4 @@
-"""What relaying a stream costs `goodserve router` (issue 16): SSE events a second through it, and its
+"""What relaying a stream costs `goodserve router`: SSE events a second through it, and its
 CPU time an event, on the CPU, without GPUs or models.
 
 Two stand-in replicas (raw asyncio HTTP servers, so they cost next to nothing: each answers a

@@ -44,8 +44,8 @@ CONFIGS = {  # name: (uvloop and httptools, environment, serve flags)
     "uvloop+httptools, switch 0.5 ms alone": (True, {"GOODSERVE_GC_THRESHOLD": "700"}, []),
     "uvloop+httptools, --stream-interval 4": (True, {}, ["--stream-interval", "4"]),
     "uvloop+httptools, worker process": (True, {}, ["--executor-backend", "mp"]),
-    # the engine's placement: its own process is serve's default since the twenty-fourth session, whose
-    # comparison ran "serving settings" (then a thread) against --engine-process
+    # the engine's placement: its own process is now serve's default; the comparison that made it so ran
+    # "serving settings" (then a thread) against --engine-process
     "uvloop+httptools, engine on a thread": (True, {}, ["--no-engine-process"]),
 }
 DEFAULT_CONFIGS = list(CONFIGS)[:4]

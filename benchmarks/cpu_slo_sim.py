@@ -24,7 +24,7 @@ _schedule_ahead), which the sim does not restrict. Each run reports the share of
 A step the engine launches ahead is decided when the step before it begins, not when it ends, so a
 request that arrives while a step runs joins the step after next, a step later than synchronously
 (on an H200 at 69 req/s 97% of the steps launched ahead: benchmarks/BENCHMARKS.md). The sim admits
-arrivals so (--no-launch-ahead-admits: as of the step's end, the sim before the twenty-sixth session);
+arrivals so (--no-launch-ahead-admits: as of the step's end, as the sim once did);
 the slo policy's clock still reads the end of the step before.
 
     python benchmarks/cpu_slo_sim.py [--rates 24,28,32] [--max-num-seqs 1024 --fcfs-ceilings 256,1024]

@@ -1,4 +1,4 @@
-"""Speculative decoding on the CPU (issue 15): the embedded model at batch 1, in one run,
+"""Speculative decoding on the CPU: the embedded model at batch 1, in one run,
 - copy: `goodserve bench`'s `copy` workload ("repeat this passage" chat prompts whose answer copies
   the prompt), speculation off against prompt lookup (ngram) with each k given;
 - chat: ordinary chat questions (CHAT_PROMPTS), speculation off against each quantized self-draft

@@ -1,4 +1,4 @@
-"""No speed lost to the engine core's reshaping (issue 14): the previous commit's engine and this
+"""No speed lost to the engine core's reshaping: the previous commit's engine and this
 one on the same machine, each version in fresh processes importing its own goodserve.
 
 GPU (default): each version runs its own benchmarks/gpu_engine.py (`--parts decode,int8,sharegpt`:

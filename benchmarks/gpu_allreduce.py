@@ -1,4 +1,4 @@
-"""All-reduce latency at decode's sizes (issue 16): NCCL against the custom one-shot all-reduce on
+"""All-reduce latency at decode's sizes: NCCL against the custom one-shot all-reduce on
 symmetric memory (model/custom_all_reduce.py, what tensor parallelism uses for small tensors), each
 eager and inside a CUDA graph (GRAPH_CALLS all-reduces back to back, one replay divided by them, as
 the engine's decode graphs run them), bfloat16, one process a GPU. It also checks that the custom

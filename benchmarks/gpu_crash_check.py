@@ -1,5 +1,6 @@
-"""Issue 13 item 1 on whichever goodserve is first on PYTHONPATH: an int4 layer on CUDA given 48 rows
-(before the fix such a batch reached the native CPU kernel with CUDA pointers: a segfault).
+"""An int4 layer on CUDA given 48 rows, on whichever goodserve is first on PYTHONPATH (a crash this
+script reproduces: before the fix such a batch reached the native CPU kernel with CUDA pointers, a
+segfault).
 
     PYTHONPATH=src python3 benchmarks/gpu_crash_check.py
 """

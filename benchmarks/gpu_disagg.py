@@ -1,4 +1,4 @@
-"""Prefill / decode disaggregation against colocated replicas (issue 16), on 2 GPUs: one prefill GPU and
+"""Prefill / decode disaggregation against colocated replicas, on 2 GPUs: one prefill GPU and
 one decode GPU (`goodserve serve --disaggregate prefill:0,decode:1`) against two colocated replicas
 behind the router (`goodserve serve --data-parallel-size 2`), on a long-prompt workload (random
 prompts of ~2k tokens, ~200 out, gamma arrivals) at TTFT <= 200 ms / TPOT <= 50 ms.

@@ -1,4 +1,4 @@
-"""The engine on the GPU: correctness against the torch path, then the issue's headline numbers.
+"""The engine on the GPU: correctness against the torch path, then its headline numbers.
 
 Parts (run any subset, in one process, with --parts):
   check       embedded model on CUDA: Triton kernels vs the torch path, CUDA graphs vs eager (greedy
@@ -31,7 +31,7 @@ mixed-step CUDA graphs), `:fuserope` with RoPE + the KV-cache write fused into d
 (KernelOptions.fuse_rotary_into_decode_attention), `:decodetable` with decode attention's launch
 chosen by batch size (KernelOptions.decode_attention_tuning_by_batch: the table in --decode-tuning,
 the JSON `gpu_kernels.py --decode-latency-sweep` writes, else DECODE_TABLE_GUESS); results get the
-variant appended to their keys. Issue 13's batch-1 decode, the switches off and on in one process:
+variant appended to their keys. Batch-1 decode, the switches off and on in one process:
   --parts int4,int4:fuserope,int4:decodetable,int4:fuserope:decodetable,decode,decode:fuserope:decodetable (The gate_up variants
 that asked cuBLAS another way, measured in gpu_engine_gate_up_paths_h100.json, lost and are gone:
 gpu_gemm.py keeps those paths.)
@@ -188,7 +188,7 @@ def part_decode(bandwidth_gbps: float, model: str, quantization: str | None = No
         "lm_head_quantization": lm_head_quantization if quantize_lm_head else None,
         "int4_kernel": int4_kernel or None, "runs": runs, "weight_bytes": weight_bytes,
         "step_read_bytes": read_bytes + kv_bytes,
-        # the issue's convention: every weight byte (the embedding table included) per token
+        # the usual convention: every weight byte (the embedding table included) per token
         "bandwidth_limit_tok_s": bandwidth_gbps * 1e9 / (weight_bytes + kv_bytes),
         "mbu": (weight_bytes + kv_bytes) / step_s / (bandwidth_gbps * 1e9),
         # what a step really reads: one embedding row, not the table

@@ -1,4 +1,4 @@
-"""INT4 batch-1 decode on the GPU (issue 13: dummy llama-3.1-8b at >= 400 tok/s): the one-row int4
+"""INT4 batch-1 decode on the GPU (the target: dummy llama-3.1-8b at >= 400 tok/s): the one-row int4
 kernels at Llama-3.1-8B shapes, then the engine's decode with each routing, in one call.
 
 Parts (--parts, default kernels,e2e,peer; in this order, one process):
@@ -25,10 +25,10 @@ Parts (--parts, default kernels,e2e,peer; in this order, one process):
                                           (results/gpu_int4_levers_alone_h100.json)
              int4_lm_head_int4_attention_fused_silu   the same with SwiGLU in gate_up's kernel
                                           (KernelOptions.int4_fused_silu_and_mul, off by default)
-             int4_best_lm_head_int8       the sixth session's best (337.5 tok/s): gate_up on rows_repacked
+             int4_best_lm_head_int8       the earlier best (337.5 tok/s): gate_up on rows_repacked
                                           (or the kernels part's winners, if it ran), int8 lm_head
              bf16                         the reference (left out when the budget runs out)
-           Kernel configs: INT4_ROWS_TUNED (the sixth session's H100 winners), or the kernels part's.
+           Kernel configs: INT4_ROWS_TUNED (the H100 winners), or the kernels part's.
   peer     Hugging Face transformers generate() (eager), bf16, batch 1, 256 tokens (gpu_engine.part_peer).
 --budget-s: e2e / peer runs that would start after it are skipped (and listed as skipped).
 
@@ -51,12 +51,12 @@ codes): 14% fewer than the family, 20% fewer than the mantissa decode, so gate_u
 if issue is half the limit, and ~0.25 ms a token over 32 layers: int4 decode 334 -> ~360 tok/s with
 the int8 lm_head, not 400. Past that, packed bf16x2 decoding and FMAs through inline PTX (~1.2
 instructions a code; the interpreter cannot run it) or a tensor-core path like tinygemm's.
-Prediction for the e2e runs (written on the CPU from the sixth session's H100 numbers, 337.5 tok/s =
+Prediction for the e2e runs (written on the CPU from the earlier H100 numbers, 337.5 tok/s =
 2963 us a token): an int4 lm_head takes 112 us where int8 took 185 (-73 us: ~346 tok/s); the fused
 SwiGLU drops the activation kernel (1.5 us a layer in the bf16 profile, plus its launch) and gate_up
 writes half the outputs, the same 4 us of work a layer more in its epilogue: -50 to -65 us (~343).
 400 needs ~460 us less a token than 337.5. (A third lever, x prescaled once per block in the rows
-kernel, was measured slower and removed: benchmarks/BENCHMARKS.md, tenth session.)
+kernel, was measured slower and removed: benchmarks/BENCHMARKS.md.)
 --smoke: CPU, TRITON_INTERPRET=1, tiny shapes, the smollm2-135m preset for 4 tokens: catches Python errors.
 
     PYTHONPATH=src python3 benchmarks/gpu_int4.py          # writes $OUT/gpu_int4.json (OUT: ./out)
@@ -264,7 +264,7 @@ def part_kernels(bandwidth: float, device: str, budget_s: float) -> dict:
 
 def e2e_runs(by_shape: dict, tuned: dict, decode_table: dict) -> list[tuple[str, str | None, KernelOptions | None]]:
     """(name, lm_head method, kernel options) of each engine run: the best so far first, then the
-    fused SwiGLU (off by default) added to it, the sixth session's best, bf16 (the reference) last.
+    fused SwiGLU (off by default) added to it, the earlier best, bf16 (the reference) last.
     Layers take the kernels part's winners where it ran, else gate_up on rows_repacked (the best
     measured routing, results/gpu_int4_h100.json), with INT4_ROWS_TUNED's configs; an int4 lm_head
     takes rows_repacked (112 us there against tinygemm's 135), and the fused SwiGLU needs gate_up on it."""
@@ -283,9 +283,9 @@ def e2e_runs(by_shape: dict, tuned: dict, decode_table: dict) -> list[tuple[str,
     head4 = {**layers, head: "rows_repacked"}
     every = {**rows, head: "rows_repacked"}
     return [  # the comparison that matters first: a run the budget leaves out is the least needed
-        ("int4_lm_head_int4_and_attention", "int4", options(head4, attention=True)),  # 370.5 tok/s, tenth session
+        ("int4_lm_head_int4_and_attention", "int4", options(head4, attention=True)),  # 370.5 tok/s on an H100
         ("int4_lm_head_int4_attention_fused_silu", "int4", options(every, fused=True, attention=True)),
-        ("int4_best_lm_head_int8", "int8", options(layers)),  # 337.5 tok/s on the sixth session's H100
+        ("int4_best_lm_head_int8", "int8", options(layers)),  # 337.5 tok/s on an H100
         ("bf16", None, None),
     ]
 

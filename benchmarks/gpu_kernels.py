@@ -314,7 +314,7 @@ def decode_step_inputs(batch: int, ctx: int):
 
 
 def sweep_decode_latency(bw: float, batches: list[int], contexts: list[int]) -> dict[int, dict]:
-    """Decode attention where it is latency, not bytes (issue 13: batch 1, short contexts): each of
+    """Decode attention where it is latency, not bytes (batch 1, short contexts): each of
     LATENCY_VARIANTS at every batch x context, CUDA-graph timed, then per batch RoPE + cache write as
     its own kernel (as now) against fused into decode attention (KernelOptions.fuse_rotary_into_decode_attention).
     Returns the table for KernelOptions.decode_attention_tuning_by_batch: per batch (the largest it

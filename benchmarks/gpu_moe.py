@@ -21,7 +21,7 @@ Parts (--parts, default kernel,decode,throughput; in this order, one process):
               attention, router, norms, lm_head, one embedding row and the KV cache
               (not in the default parts: --parts int8)
   int4        the same in int4 (groups of 128, ~26 GB; the kernel dequantizes in its tile)
-What to read: decode.qwen3-30b-a3b.mbu_active (the issue asks >= 0.60) and its tok/s beside the
+What to read: decode.qwen3-30b-a3b.mbu_active (the target: >= 0.60) and its tok/s beside the
 dense 8B's; kernel.tokens_1.share_of_copy_bandwidth says whether the kernel or the rest of the step
 holds decode back; decode_int8.mixtral-8x7b.decode_tok_s and mbu_active for the int8 MoE.
 Writes $OUT/gpu_moe.json.

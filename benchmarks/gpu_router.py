@@ -1,4 +1,4 @@
-"""Replicas behind `goodserve router` on the GPUs (issue 16): R replicas' goodput capacity against
+"""Replicas behind `goodserve router` on the GPUs: R replicas' goodput capacity against
 one replica's, and the prefix-aware policy against round-robin on the prefix_repetition workload.
 
 Each replica serves dummy llama-3.1-8b (bf16) on its own GPU (CUDA_VISIBLE_DEVICES=i) with the

@@ -1,4 +1,4 @@
-"""SLO-aware scheduling on the GPU (issue 17): goodput capacity under bursty arrivals, FCFS
+"""SLO-aware scheduling on the GPU: goodput capacity under bursty arrivals, FCFS
 ("continuous") against the "slo" policy.
 
 dummy llama-3.1-8b (bf16), ShareGPT-like lengths (bench/workloads.py's synthetic profile; the model
@@ -23,11 +23,11 @@ attainment, goodput, TTFT / TPOT percentiles, refusals, and attainment at SLO sc
 own token times (`engine_side`: the client shares the engine's process and GIL). Goodput capacity: the offered
 rate where the ladder's attainment crosses 90% (interpolated between rungs: DistServe's measure,
 `crossing_rate`); also bench/capacity.py's (`capacity`: the best passing probe's offered rate
-where it held it, else the rate it sustained, its drain tail left out). The issue's
+where it held it, else the rate it sustained, its drain tail left out). The
 target: slo's crossing rate >= 1.3x FCFS's at the same ceiling (`crossing_ratio`, `meets_1_3x`);
 `crossing_ratio_vs` gives it against every FCFS ceiling.
 
-The batch phase (--phases batch; the issue's second target) measures, under the slo policy at one
+The batch phase (--phases batch; the second target) measures, under the slo policy at one
 online rate (--batch-rate, else the highest rung the slo ladder passed in this run, else
 BATCH_RATE_FRACTION x the saturated throughput), the online attainment of a probe alone and of the
 same probe (the same requests and arrivals) beside a batch job of --batch-lines ShareGPT-like lines
@@ -48,7 +48,7 @@ sequences, KV cache use, preemptions, steps and host seconds per stage), and --s
 step, from the engine's --step-trace file (either way of running the engine).
 
 --arrivals poisson|gamma and --workload sharegpt|long-prompt (~2k-token prompts, ~200-token
-answers) give the other DistServe curves; the defaults are the issue's (gamma, ShareGPT-like).
+answers) give the other DistServe curves; the defaults are gamma and ShareGPT-like.
 
     # H100: ~7.5-8.5 minutes (three engine loads of ~30-45 s; probes of 20 s of arrivals and their
     # drain, ~35 s at 256 sequences and longer at 1024, where decode steps are slower; 2 for FCFS@256,

@@ -1,4 +1,4 @@
-"""Speculative decoding on the GPU (issue 15's GPU bullet), three parts in one process:
+"""Speculative decoding on the GPU, three parts in one process:
 
   verify    dummy:llama-3.1-8b bf16: one step verifying k = 1..8 drafts per sequence at batch 1, 8, 32
             (--context tokens already cached per sequence), beside a plain decode step of the same batch,
@@ -19,7 +19,7 @@
             0.93-0.94x with no drafts at all, the order's bias): bench's
             ShareGPT-like workload (the synthetic profile's lengths, random token ids: the dummy model has
             no tokenizer), --sharegpt-prompts at once, greedy, ignore_eos; output tok/s each and their
-            ratio (the issue: ngram not slower), the running batch sizes at which the policy gave drafts
+            ratio (the target: ngram not slower), the running batch sizes at which the policy gave drafts
             (it must give none above spec_max_batch), acceptance. Random weights: acceptance says
             little; the speed does.
   copy      the embedded model (SmolLM2-135M; in each of --copy-dtypes, float32 by default so that greedy

@@ -1,4 +1,4 @@
-"""Tensor and pipeline parallelism (issue 16): batch-1 decode of dummy llama-3.1-8b bf16 at TP=1, 2, 4
+"""Tensor and pipeline parallelism: batch-1 decode of dummy llama-3.1-8b bf16 at TP=1, 2, 4
 (and any TP x PP layout asked for), each beside the bandwidth limit of its GPUs.
 
 The limit of a TP=N step is what one GPU reads (its weight shard, its KV heads' cache) over that
@@ -27,7 +27,7 @@ custom ones cannot be set up the engine takes NCCL: each row records the one its
   python benchmarks/gpu_tp.py --host-overhead [--smoke]   (what the worker processes cost a step)
 
 --offline N: after each layout's decode runs, the same engine runs N ShareGPT-like requests offline
-(gpu_engine.py's lengths and prompts: the issue's "offline batch measured" for the 70B at TP=4); give
+(gpu_engine.py's lengths and prompts: the offline batch measured for the 70B at TP=4); give
 it --max-num-seqs (default 16, what batch-1 decode needs) to let the batch grow.
 
 --host-overhead runs batch-1 decode at TP=1 with the worker in the engine's process, TP=1 with it in

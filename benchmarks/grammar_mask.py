@@ -1,5 +1,5 @@
 """Per-token mask time and correctness of xgrammar and llguidance on the embedded model's vocabulary
-(SmolLM2's 49,152 tokens), for a few json_schema grammars, on the CPU (issue 18).
+(SmolLM2's 49,152 tokens), for a few json_schema grammars, on the CPU.
 
 For each schema and engine: compile time, then a walk along a valid document's own tokens (each must
 be allowed by the mask; EOS must be refused until the document is complete and allowed at its end),

@@ -1,4 +1,4 @@
-"""What structured output costs in throughput (issue 18): the same offline batch through `LLM`, all
+"""What structured output costs in throughput: the same offline batch through `LLM`, all
 requests free, then half of them (every other one) constrained by a json_schema.
 
 Both runs generate exactly the same number of tokens: free requests ignore EOS, and the schemas

@@ -18,7 +18,7 @@ def completion(custom_id: str, prompt: object = (1, 2, 3)) -> str:
     return json.dumps(line).replace('"PROMPT"', prompt if isinstance(prompt, str) else json.dumps(list(prompt)))
 
 
-DEEP = "[" * 5000 + "1" + "]" * 5000  # the 5,000 levels: past json.loads's recursion limit
+DEEP = "[" * 5000 + "1" + "]" * 5000  # 5,000 levels: past json.loads's recursion limit
 PAST_BODY_BOUND = "[" * (MAX_BODY_DEPTH + 1) + "1" + "]" * (MAX_BODY_DEPTH + 1)
 
 

@@ -198,7 +198,7 @@ def test_the_activation_reserve_is_sized_for_the_budget_the_engine_runs_with(mon
 # embedded model and its prompt logprobs against transformers (test_engine.py).
 @pytest.mark.slow
 def test_prompt_logprobs_under_preemption_match_transformers(hf_embedded):
-    """The issue's case on the embedded model: prompt logprobs of preempted (recomputed) requests
+    """On the embedded model: prompt logprobs of preempted (recomputed) requests
     against log_softmax of Hugging Face's forward over the same prompt."""
     small = LLM("smollm2-135m", quantization="none", num_kv_blocks=6, block_size=16, enable_prefix_caching=False)
     prompts = [small.tokenizer.encode(p) for p in ("The capital of France is", "def fibonacci(n):",

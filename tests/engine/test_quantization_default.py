@@ -1,4 +1,4 @@
-"""The quantization default (issue 13): a GGUF model on the CPU keeps its file's codes unless told
+"""The quantization default: a GGUF model on the CPU keeps its file's codes unless told
 otherwise ('none' opts out); on CUDA, for other models and with other quantization options it stays
 as asked. Resolution happens once the device is known (EngineConfig.resolved_quantization)."""
 

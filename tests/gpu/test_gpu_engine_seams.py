@@ -1,4 +1,4 @@
-"""The engine core's seams on CUDA (issue 14): a worker in its own process runs the same CUDA graphs
+"""The engine core's seams on CUDA: a worker in its own process runs the same CUDA graphs
 and gives the same tokens, and two engines with different kernel choices in one process each keep
 their own (the Triton one replays graphs, the torch one runs eagerly), both within the float32
 tolerance of transformers on the embedded model."""

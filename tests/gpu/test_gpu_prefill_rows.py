@@ -1,5 +1,5 @@
 """int4 and GGUF layers at the row counts that choose their paths: 1 (decode kernels), 33-64 (past
-CUDA_KERNEL_MAX_M, within the CPU kernels' bound: the crash of issue 13 sent such CUDA batches to a
+CUDA_KERNEL_MAX_M, within the CPU kernels' bound: the crash this guards against sent such CUDA batches to a
 native CPU kernel), 128 and 300 (dequantize, then a dense matmul).
 
 Layers alone against a dense matmul on their own dequantized weight, then the embedded model's

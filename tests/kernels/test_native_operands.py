@@ -1,6 +1,6 @@
 """Every native (ctypes) entry point refuses a tensor it cannot read with a Python exception before
 the foreign call, and the quantized linears never send a CUDA (or other non-CPU) tensor to a CPU
-kernel (issue 13, item 1: an int4 prefill on CUDA passed device pointers to the native int4 kernel
+kernel (the crash this guards against: an int4 prefill on CUDA passed device pointers to the native int4 kernel
 and the process died with a segmentation fault).
 
 'meta' tensors stand in for CUDA ones: same failure (data_ptr() is not host memory), and they exist

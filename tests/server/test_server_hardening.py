@@ -1,4 +1,4 @@
-"""Issue 13, server side: bad text, amplification, big prompts, cheap-field abuse, slow and half-open
+"""Server hardening: bad text, amplification, big prompts, cheap-field abuse, slow and half-open
 clients, bursts. Each through a real server on loopback.
 
 Two servers: the embedded model (a real tokenizer, its full 8192-token context) for text, and

@@ -502,7 +502,7 @@ def test_forecast_counts_the_context_its_steps_read():
     assert forecast.fit.seconds(forecast.decode_rows, 0, forecast.context_tokens) == pytest.approx(0.0205)
 
 
-# The H100's online fit beside a batch job (issue 17): 7.24 ms a step, 1.44 us a decode row, 20.7 us a
+# The H100's online fit beside a batch job: 7.24 ms a step, 1.44 us a decode row, 20.7 us a
 # prompt token, 0.072 us a token of context read.
 FIT_H100 = StepTimeFit(a=0.00724, b=1.44e-6, c=20.7e-6, d=0.072e-6)
 
