@@ -10,14 +10,15 @@ assembles it under /tmp/site), one version after the other (--order; a second ca
 order shows whether a drifting card favoured the version that ran first). A run takes 4-5 minutes
 on an H100. --draft MODEL (e.g. self:int8) adds a draft model's engine to the copy part (k = 4);
 both versions then run the current checkout's benchmark scripts (the previous one's may not know
-the option), each importing its own goodserve.
+the option), each importing its own goodserve. --parts '' runs the copy part alone (about a minute
+a version), for changes that touch speculation only.
 CPU (--cpu): single-stream decode of the embedded model with its default gguf codes (128 tokens
 after a 128-token prompt, as benchmarks/cpu_engine.py), versions alternating over --rounds
 processes each, the median of each version's runs. Needs a quiet machine.
 
     git archive <previous commit> src benchmarks | tar -x -C .prev
     PYTHONPATH=/tmp/site python benchmarks/engine_core_compare.py --previous .prev [--order previous,current]
-        [--draft self:int8] | --cpu
+        [--draft self:int8] [--parts ''] | --cpu
 
 Writes $OUT/engine_core_compare_<first>_first.json (GPU) or engine_core_compare_cpu.json.
 """
@@ -56,16 +57,20 @@ def _path(*first: Path) -> str:
     return ":".join([*map(str, first), *filter(None, [os.environ.get("PYTHONPATH")])])
 
 
-def run_version(root: Path, out: Path, scripts: Path, draft: str | None) -> dict:
-    """One version's gpu_engine.py in a process of its own, importing that version's goodserve;
-    scripts: the benchmarks folder whose scripts run (the version's own, or the current one's)."""
+def run_version(root: Path, out: Path, scripts: Path, draft: str | None, parts: str) -> dict:
+    """One version's gpu_engine.py (its --parts, none when empty) in a process of its own, importing that
+    version's goodserve, then its copy part; scripts: the benchmarks folder whose scripts run (the
+    version's own, or the current one's)."""
     env = dict(os.environ, OUT=str(out), PYTHONPATH=_path(root / "src", scripts))
     start = time.perf_counter()
-    subprocess.run([sys.executable, str(scripts / "gpu_engine.py"), "--parts", PARTS],
-                   cwd=root, env=env, check=True)
-    results = json.loads((out / "gpu_engine.json").read_text())
+    results = {}
+    if parts:
+        subprocess.run([sys.executable, str(scripts / "gpu_engine.py"), "--parts", parts],
+                       cwd=root, env=env, check=True)
+        results = json.loads((out / "gpu_engine.json").read_text())
     copy = run_copy(root, env, scripts, draft)
-    return {"seconds": time.perf_counter() - start, "card": results.get("card"), **metrics_of(results),
+    return {"seconds": time.perf_counter() - start, "card": results.get("card") or copy.get("card"),
+            **metrics_of(results),
             **copy_metrics_of(copy), "errors": {k: v for k, v in results.items() if k.endswith("_error")}
             | copy.get("errors", {})}
 
@@ -140,6 +145,8 @@ def main() -> None:
     parser.add_argument("--cpu", action="store_true")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--draft", help="a draft model's engine in the copy part too (e.g. self:int8)")
+    parser.add_argument("--parts", default=PARTS,
+                        help="gpu_engine.py's parts each version runs before the copy part ('' for the copy part only)")
     parser.add_argument("--cpu-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.cpu_worker:
@@ -154,9 +161,10 @@ def main() -> None:
     order = args.order.split(",")
     out_dir = Path(os.environ.get("OUT", "out"))
     scripts = {version: (roots["current"] if args.draft else root) / "benchmarks" for version, root in roots.items()}
-    runs = {version: run_version(roots[version], out_dir / version, scripts[version], args.draft) for version in order}
+    runs = {version: run_version(roots[version], out_dir / version, scripts[version], args.draft, args.parts)
+            for version in order}
     result = {"card": runs["current"]["card"], "model": "dummy:llama-3.1-8b", "copy_model": "smollm2-135m, float32",
-              "copy_draft": args.draft, "parts": PARTS, "order": order,
+              "copy_draft": args.draft, "parts": args.parts, "order": order,
               "runs": runs, "current_over_previous": {
                   name: runs["current"][name] / runs["previous"][name]
                   if runs["previous"][name] and runs["current"][name] else None
