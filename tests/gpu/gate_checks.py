@@ -34,12 +34,16 @@ class Tolerance:
     logprob_diff: float  # the largest relative logprob difference, over 20 tokens at every position
 
 
-def tolerance(dtype: str, kv_cache_dtype: str) -> Tolerance:
+def tolerance(dtype: str, kv_cache_dtype: str, quantization: str = "none") -> Tolerance:
     """Set from the embedded model on a CPU, one engine against another: bfloat16 against float32
     differed by 0.14 of the spread at most (greedy gaps 0.006), an fp8 KV cache by 0.23; an int4
     bfloat16 engine's decode kernel against its prefill path flipped a token 0.033 below the best;
     int4 weights against float32 ones (an error a broken kernel would exceed) differed by 1.3, with
-    gaps of 1.1."""
+    gaps of 1.1. fp8 activations round every linear layer's input to 3 mantissa bits, so the last-bit
+    differences of two attention paths cross rounding steps of 6%: on an H100 the embedded model in
+    bfloat16 with fp8 KV gave a gap of 0.16 and logprob differences of 0.31 (eager against torch)."""
+    if quantization == "fp8":
+        return Tolerance(0.3, 0.6)
     if dtype == "float32" and kv_cache_dtype == "auto":
         return Tolerance(1e-3, 1e-3)
     return Tolerance(0.15, 0.5) if kv_cache_dtype == "fp8" else Tolerance(0.1, 0.3)

@@ -140,7 +140,7 @@ def test_engine_matches_torch_path(case, device, request, record_property):
     comparison = compare(sequences, [len(p) for p in prompts], ours, engine_scores(reference, sequences))
     for prop in [*comparison.properties(), ("token_agreement", leading_agreement(tokens, greedy(reference, prompts)))]:
         record_property(*prop)
-    assert_within(comparison, tolerance(dtype, kv_cache_dtype))
+    assert_within(comparison, tolerance(dtype, kv_cache_dtype, quantization))
 
 
 def hf_reference(source: str, request, device: str):

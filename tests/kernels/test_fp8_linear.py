@@ -33,9 +33,11 @@ def fp8_round(values: torch.Tensor) -> torch.Tensor:
 
 
 def reference(x: torch.Tensor, module: Fp8Linear, bias: torch.Tensor | None) -> torch.Tensor:
-    """Each row scaled so its largest magnitude is 448, rounded to e4m3, times the stored weight's values."""
+    """Each row scaled so its largest magnitude is 448, rounded to e4m3, times the stored weight's values.
+    The scale is float32 amax times float32 1/448, as the layer computes it: bfloat16 rows hit exact
+    ties between e4m3 values often, and which way a tie goes follows the scale's last bit."""
     rows = x.reshape(-1, x.shape[-1]).double()
-    scales = rows.abs().amax(dim=1, keepdim=True) / E4M3_MAX
+    scales = (rows.abs().amax(dim=1, keepdim=True).float() * torch.tensor(1 / E4M3_MAX)).double()
     quantized = fp8_round((rows / scales).float()).double() * scales
     weight = module.qweight.double() * module.scales.double()[:, None]
     out = quantized @ weight.T + (0 if bias is None else bias.double())

@@ -75,7 +75,9 @@ def quantize_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def quantize_rows_torch(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """quantize_rows in torch ops (the CPU's path, and the reference the Triton kernel is tested against)."""
     amax = torch.linalg.vector_norm(rows, ord=float("inf"), dim=-1, keepdim=True, dtype=torch.float32)
-    scales = (amax / schemes.FP8_MAX).clamp(min=schemes.MIN_SCALE)
+    # times the reciprocal, not divided: what torch's CUDA kernel does for a division by a number, so the
+    # CPU, CUDA and the Triton kernel (which must match this bit for bit) agree
+    scales = (amax * (1.0 / schemes.FP8_MAX)).clamp(min=schemes.MIN_SCALE)
     return (rows.float() / scales).clamp(-schemes.FP8_MAX, schemes.FP8_MAX).to(schemes.FP8_DTYPE), scales
 
 
