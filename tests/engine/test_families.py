@@ -253,7 +253,7 @@ def test_qwen3_gguf_gives_transformers_tokens(tmp_path: Path):
 
 @pytest.mark.slow  # a whole model under Triton's interpreter; the kernels alone: tests/kernels
 def test_triton_path_gives_transformers_tokens(tmp_path: Path):
-    """The CUDA path's kernels (the fused MoE, q/k norms through the Triton RMSNorm) under the
+    """The CUDA path's kernels (the fused MoE, the q/k norms' in-place kernel) under the
     interpreter, on one prompt (a minute or more: every kernel runs in Python)."""
     hf_model = save_tiny_model(FAMILIES["qwen3-moe-norm-topk"](), tmp_path)
     assert_greedy_matches(str(tmp_path), hf_model, prompts()[1:2], attention_backend="triton")

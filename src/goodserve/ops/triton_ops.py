@@ -49,14 +49,19 @@ def add_residual_and_norm(x, row, cols, mask, residual_ptr, weight_ptr, out_ptr,
         x = (x.to(tl.float32) + tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32))
         x = x.to(new_residual_ptr.dtype.element_ty)
         tl.store(new_residual_ptr + row * stride_nr + cols, x, mask=mask)
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, scaled_rms_norm(x, weight, hidden, eps, WEIGHT_OFFSET).to(
+        out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def scaled_rms_norm(x, weight, hidden, eps, WEIGHT_OFFSET: tl.constexpr):
+    """x (a row in the activation dtype) RMS-normed and scaled by weight (float32), in float32."""
     xf = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / hidden + eps)
-    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if WEIGHT_OFFSET != 0.0:
-        out = xf * rstd * (WEIGHT_OFFSET + weight)
-    else:
-        out = weight * (xf * rstd).to(x.dtype).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+        return xf * rstd * (WEIGHT_OFFSET + weight)
+    return weight * (xf * rstd).to(x.dtype).to(tl.float32)
 
 
 def _launch_rms_norm(x, residual, weight, eps, pdl, weight_offset=0.0):
@@ -85,6 +90,37 @@ def _launch_rms_norm(x, residual, weight, eps, pdl, weight_offset=0.0):
 def triton_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, pdl: bool = False,
                     weight_offset: float = 0.0) -> torch.Tensor:
     return _launch_rms_norm(x, None, weight, eps, pdl, weight_offset)[0]
+
+
+@triton.jit
+def _qk_rms_norm_kernel(qkv_ptr, q_weight_ptr, k_weight_ptr, stride_t, num_q_heads, head_dim, eps,
+                        BLOCK: tl.constexpr, WEIGHT_OFFSET: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_sync(USE_PDL)
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)  # q's heads, then k's: adjacent in a row of the qkv projection
+    cols = tl.arange(0, BLOCK)
+    mask = cols < head_dim
+    ptrs = qkv_ptr + token * stride_t + head * head_dim + cols
+    x = tl.load(ptrs, mask=mask, other=0.0)
+    q_weight = tl.load(q_weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)  # D values each, cached
+    k_weight = tl.load(k_weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    weight = tl.where(head < num_q_heads, q_weight, k_weight)
+    tl.store(ptrs, scaled_rms_norm(x, weight, head_dim, eps, WEIGHT_OFFSET).to(qkv_ptr.dtype.element_ty),
+             mask=mask)
+
+
+def triton_qk_rms_norm_(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, num_q_heads: int,
+                        num_kv_heads: int, head_dim: int, eps: float, pdl: bool = False,
+                        weight_offset: float = 0.0) -> None:
+    """In place on the qkv projection's rows [T, (Hq + 2 Hkv) * D]: each q and k head RMS-normed over
+    its D values (Qwen3, Gemma 3), in one launch; the q and k views of a split need two norm launches
+    and two copies (a head's rows are strided there)."""
+    assert qkv.stride(-1) == 1
+    block = triton.next_power_of_2(head_dim)
+    if qkv.shape[0] > 0:
+        _qk_rms_norm_kernel[(qkv.shape[0], num_q_heads + num_kv_heads)](
+            qkv, q_weight, k_weight, qkv.stride(0), num_q_heads, head_dim, eps, BLOCK=block,
+            WEIGHT_OFFSET=weight_offset, num_warps=row_num_warps(block), **pdl_launch(pdl))
 
 
 def triton_add_rms_norm(
