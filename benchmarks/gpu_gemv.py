@@ -1,4 +1,5 @@
-"""Decode-sized matmuls at Llama-3.1-8B shapes: cuBLAS bf16 against the Triton GEMV family
+"""Decode-sized matmuls at a dense model's shapes (Llama-3.1-8B's, or --model PRESET's, e.g. qwen3-8b):
+cuBLAS bf16 against the Triton GEMV family
 (ops/triton_gemv.py: dense, int8, int4) and torch's int4 tinygemm, plus a config sweep for the
 GEMV's table of tuned configs.
 
@@ -13,7 +14,7 @@ times the H100's L2), so every call streams its weight from HBM, with no launch 
 engine's captured decode step). Reported per path: us per call; of_floor = (weight + scale bytes)
 / 3.0e12 B/s / time; of_copy, the same against the device-to-device copy bandwidth measured here;
 rel_error against x @ W^T in float32 with W the weight the path stands for (dequantized codes).
-Then the linears-only batch-1 decode bound of the 32-layer model for each scheme.
+Then the linears-only batch-1 decode bound of the whole model (its layer count) for each scheme.
 
 --sweep: for each shape at M = 1 and M = 16 and each Triton format, a coordinate descent over
 (block_m, block_n, block_k, num_warps, num_stages, split_k) from the config in use; prints the
@@ -46,6 +47,7 @@ if SMOKE:
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from goodserve.model.presets import get_preset  # noqa: E402
 from goodserve.ops import triton_gemv  # noqa: E402
 from goodserve.ops.pdl import device_supports_pdl  # noqa: E402
 from goodserve.ops.triton_gemv import GemvConfig, dense_gemv  # noqa: E402
@@ -53,12 +55,21 @@ from goodserve.quant import schemes  # noqa: E402
 from goodserve.quant.linear import tinygemm_layout  # noqa: E402
 from goodserve.quant.triton_kernels import int4_matmul, int8_matmul  # noqa: E402
 
-SHAPES = {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up_proj": (28672, 4096),
-          "down_proj": (4096, 14336), "lm_head": (128256, 4096)}
+
+
+def model_shapes(preset: str) -> tuple[dict[str, tuple[int, int]], int]:
+    """A dense preset's (N, K) per linear layer, and its number of layers."""
+    spec = get_preset(preset)
+    q, kv, hidden, inner = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, spec.hidden_size, \
+        spec.intermediate_size
+    return {"qkv_proj": (q + 2 * kv, hidden), "o_proj": (hidden, q), "gate_up_proj": (2 * inner, hidden),
+            "down_proj": (hidden, inner), "lm_head": (spec.vocab_size, hidden)}, spec.num_layers
+
+
+SHAPES, NUM_LAYERS = model_shapes("llama-3.1-8b")
 SMOKE_SHAPES = {"qkv_proj": (96, 256), "o_proj": (64, 256), "gate_up_proj": (160, 256), "down_proj": (64, 512),
                 "lm_head": (200, 256)}
 ROW_PARALLEL = ("o_proj", "down_proj")  # a rank holds a slice of their input columns
-NUM_LAYERS = 32
 GROUP = 128
 SMOKE_GROUP = 64
 PATHS = ("cublas_bf16", "triton_dense", "triton_int8", "triton_int4", "tinygemm_int4")
@@ -230,9 +241,9 @@ def measure_layer(name: str, layer: Layer, rows: list[int], bandwidth: float, de
     return results
 
 
-def decode_bound(layers: dict) -> dict:
-    """Linears-only batch-1 step time per scheme: 32 x the four projections + lm_head (int8 for
-    the int4 schemes, as quantize_lm_head does)."""
+def decode_bound(layers: dict, num_layers: int) -> dict:
+    """Linears-only batch-1 step time per scheme: num_layers x the four projections + lm_head (int8
+    for the int4 schemes, as quantize_lm_head does)."""
     schemes_ = {"bf16_cublas": ("cublas_bf16", "cublas_bf16"), "bf16_triton": ("triton_dense", "triton_dense"),
                 "int8_triton": ("triton_int8", "triton_int8"), "int4_triton": ("triton_int4", "triton_int8"),
                 "int4_tinygemm": ("tinygemm_int4", "triton_int8")}
@@ -247,7 +258,7 @@ def decode_bound(layers: dict) -> dict:
         if None in per_layer or head is None:
             bound[scheme] = "incomplete"
             continue
-        step = NUM_LAYERS * sum(per_layer) + head
+        step = num_layers * sum(per_layer) + head
         bound[scheme] = {"linear_us_per_token": round(step, 1), "tok_per_s_bound": round(1e6 / step, 1)}
     return bound
 
@@ -383,6 +394,7 @@ def rank_shape(name: str, shape: tuple[int, int], tp: int) -> tuple[int, int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default="1,4,16", help="M values, comma separated")
+    parser.add_argument("--model", default="llama-3.1-8b", help="a dense preset whose shapes are measured")
     parser.add_argument("--shapes", default=",".join(SHAPES), help="subset of " + ",".join(SHAPES))
     parser.add_argument("--sweep", action="store_true", help="also sweep GEMV configs (M = 1 and 16)")
     parser.add_argument("--sweep-formats", default=",".join(SWEEP_FORMATS), help="subset of the formats to sweep")
@@ -394,7 +406,8 @@ def main() -> None:
     parser.add_argument("--output", default=str(Path(os.environ.get("OUT", "./out")) / "gpu_gemv.json"))
     args = parser.parse_args()
     device = "cpu" if SMOKE else "cuda"
-    shapes = SMOKE_SHAPES if SMOKE else {name: SHAPES[name] for name in args.shapes.split(",")}
+    model_layers, num_layers = model_shapes(args.model)
+    shapes = SMOKE_SHAPES if SMOKE else {name: model_layers[name] for name in args.shapes.split(",")}
     shapes = {name: rank_shape(name, shape, args.tensor_parallel) for name, shape in shapes.items()}
     group = SMOKE_GROUP if SMOKE else GROUP
     rows = [int(r) for r in args.rows.split(",")]
@@ -420,8 +433,9 @@ def main() -> None:
                 print(f"sweep {fmt} M={m} {name}: {json.dumps(sweep[fmt, m, name]['best'])}", flush=True)
             release(layer)
     report = {"device": "cpu (smoke)" if SMOKE else torch.cuda.get_device_name(), "torch": torch.__version__,
+              "model": args.model,
               "tensor_parallel": args.tensor_parallel, "group_size": group, "peak_bytes_per_s": PEAK_BYTES_PER_S, "copy_bytes_per_s": bandwidth,
-              "layers": layers, "decode_batch1": decode_bound(layers) if layers else {},
+              "layers": layers, "decode_batch1": decode_bound(layers, num_layers) if layers else {},
               "int4_faster": int4_faster(layers),
               "sweep": {f"{fmt}/M={m}/{name}": r for (fmt, m, name), r in sweep.items()},
               "seconds": round(time.monotonic() - began, 1)}
