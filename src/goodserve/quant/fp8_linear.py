@@ -25,7 +25,7 @@ from torch import nn
 
 from goodserve.errors import InvalidRequestError
 from goodserve.quant import schemes
-from goodserve.quant.linear import warn_once
+from goodserve.quant.linear import PerChannelCodes, warn_once
 
 FP8_MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (8.9) and Hopper (9.0) on
 FP8_DIM_MULTIPLE = 16  # torch._scaled_mm (cuBLASLt): K and N multiples of 16
@@ -81,7 +81,9 @@ def quantize_rows_torch(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return (rows.float() / scales).clamp(-schemes.FP8_MAX, schemes.FP8_MAX).to(schemes.FP8_DTYPE), scales
 
 
-class Fp8Linear(nn.Module):
+class Fp8Linear(PerChannelCodes, nn.Module):
+    quantize_weight = staticmethod(schemes.quantize_fp8)
+
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
                  dtype: torch.dtype = torch.bfloat16, device: torch.device | str | None = None):
         super().__init__()
@@ -92,17 +94,6 @@ class Fp8Linear(nn.Module):
         self.register_buffer("scales", torch.ones(out_features, dtype=torch.float32, device=device))
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False) \
             if bias else None
-
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, row_absmax: torch.Tensor | None = None) -> Fp8Linear:
-        w = linear.weight
-        module = cls(linear.in_features, linear.out_features, linear.bias is not None, w.dtype, w.device)
-        q = schemes.quantize_fp8(w, row_absmax)
-        module.qweight.copy_(q.qweight)
-        module.scales.copy_(q.scales)
-        if linear.bias is not None:
-            module.bias.copy_(linear.bias.detach())
-        return module
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return schemes.dequantize_fp8(schemes.Fp8Weight(self.qweight, self.scales), dtype)

@@ -118,23 +118,32 @@ class _QuantizedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-class Int8Linear(_QuantizedLinear):
-    def __init__(self, in_features: int, out_features: int, bias: bool = False,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None):
-        super().__init__(in_features, out_features, bias, dtype, device)
-        self.register_buffer("qweight", torch.zeros(out_features, in_features, dtype=torch.int8, device=device))
-        self.register_buffer("scales", torch.ones(out_features, dtype=torch.float32, device=device))
+class PerChannelCodes:
+    """from_linear for layers holding `qweight` codes and one float32 scale per output channel
+    (int8, fp8): quantize_weight is the scheme's function, (weight, row_absmax) -> codes and scales."""
+
+    quantize_weight = None
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, row_absmax: torch.Tensor | None = None) -> Int8Linear:
+    def from_linear(cls, linear: nn.Linear, row_absmax: torch.Tensor | None = None):
         w = linear.weight
         module = cls(linear.in_features, linear.out_features, linear.bias is not None, w.dtype, w.device)
-        q = schemes.quantize_int8(w, row_absmax)
+        q = cls.quantize_weight(w, row_absmax)
         module.qweight.copy_(q.qweight)
         module.scales.copy_(q.scales)
         if linear.bias is not None:
             module.bias.copy_(linear.bias.detach())
         return module
+
+
+class Int8Linear(PerChannelCodes, _QuantizedLinear):
+    quantize_weight = staticmethod(schemes.quantize_int8)
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None):
+        super().__init__(in_features, out_features, bias, dtype, device)
+        self.register_buffer("qweight", torch.zeros(out_features, in_features, dtype=torch.int8, device=device))
+        self.register_buffer("scales", torch.ones(out_features, dtype=torch.float32, device=device))
 
     def dequantize(self, dtype: torch.dtype = torch.float32, rows: slice = slice(None)) -> torch.Tensor:
         return schemes.dequantize_int8(schemes.Int8Weight(self.qweight[rows], self.scales[rows]), dtype)
