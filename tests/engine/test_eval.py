@@ -1,6 +1,7 @@
 """The quality gate: metric math against hand-computed values, perplexity against Hugging Face
 transformers on the same windows, and the `goodserve eval` command end to end."""
 
+import dataclasses
 import json
 import math
 
@@ -41,11 +42,22 @@ def test_text_windows_and_bad_settings(tmp_path):
 
 
 def test_default_thresholds_add_budgets_per_lossy_change():
-    exact = quality_gate.default_thresholds(EngineConfig())
-    int4 = quality_gate.default_thresholds(EngineConfig(quantization="int4"))
-    both = quality_gate.default_thresholds(EngineConfig(quantization="int4", kv_cache_dtype="int8"))
+    exact = quality_gate.default_thresholds(EngineConfig(dtype="float32"))
+    int4 = quality_gate.default_thresholds(EngineConfig(dtype="float32", quantization="int4"))
+    both = quality_gate.default_thresholds(EngineConfig(dtype="float32", quantization="int4", kv_cache_dtype="int8"))
     assert exact.max_perplexity_increase < int4.max_perplexity_increase < both.max_perplexity_increase
     assert exact.min_top1_agreement > int4.min_top1_agreement > both.min_top1_agreement
+
+
+def test_a_16_bit_dtype_starts_from_a_wider_rounding_floor():
+    """bf16 through another attention kernel flips near-ties that float32 keeps: its exact changes
+    get a looser floor, and lossy changes still subtract their budgets from it."""
+    f32, bf16 = (quality_gate.default_thresholds(EngineConfig(dtype=d)) for d in ("float32", "bfloat16"))
+    assert bf16.min_top1_agreement < f32.min_top1_agreement and bf16.min_greedy_agreement < f32.min_greedy_agreement
+    int8 = quality_gate.default_thresholds(EngineConfig(dtype="bfloat16", quantization="int8"))
+    assert int8.min_top1_agreement == pytest.approx(bf16.min_top1_agreement - 0.04)
+    with pytest.raises(KeyError):  # the budget is for what the engine runs: "auto" must be resolved first
+        quality_gate.default_thresholds(EngineConfig())
 
 
 def test_baseline_perplexity_matches_transformers(embedded_llm, hf_embedded):
@@ -82,6 +94,21 @@ def test_eval_command_fails_a_configuration_over_its_threshold(tmp_path, capsys)
     assert report["checks"][0] == {"metric": "perplexity_increase", "value": m["perplexity_increase"],
                                    "op": "<=", "limit": 0.0, "passed": False}
     assert "FAIL  perplexity_increase" in capsys.readouterr().out
+
+
+def test_eval_command_budgets_for_what_the_engine_runs(tmp_path):
+    """Unset, a GGUF model on the CPU runs its file's codes: eval holds it to the gguf budget on the
+    resolved float32 floor, not to the budget of an exact change."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("The capital of France is\n")
+    report_path = tmp_path / "report.json"
+    main(["eval", "--device", "cpu", "--max-text-tokens", "128", "--window", "64",
+          "--prompts-file", str(prompts), "--max-new-tokens", "4", "--output", str(report_path)])
+    report = json.loads(report_path.read_text())
+    assert report["candidate"]["quantization"] == "gguf"
+    expected = quality_gate.default_thresholds(EngineConfig(dtype="float32", quantization="gguf"))
+    assert report["thresholds"] == dataclasses.asdict(expected)
+    assert expected.min_greedy_agreement < quality_gate.EXACT_THRESHOLDS["float32"][2]
 
 
 def test_eval_command_reports_a_missing_text_file(tmp_path, capsys):

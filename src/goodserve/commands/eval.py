@@ -41,6 +41,7 @@ def register(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     from goodserve.commands.quality_gate import EvalSettings, default_thresholds, evaluate
     from goodserve.engine.frontend.preflight import checked_engine_config
+    from goodserve.engine.setup.config_resolution import resolve_for_device
 
     settings = EvalSettings(text_file=args.text_file, max_text_tokens=args.max_text_tokens, window=args.window,
                             max_new_tokens=args.max_new_tokens)
@@ -48,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
         settings.prompts = _read_prompts(args.prompts_file)
     settings.validate()
     config = checked_engine_config(args)
-    thresholds = default_thresholds(config)
+    thresholds = default_thresholds(resolve_for_device(config))  # the dtype and quantization it will run
     for name in ("max_perplexity_increase", "min_top1_agreement", "min_greedy_agreement"):
         if getattr(args, name) is not None:
             setattr(thresholds, name, getattr(args, name))
