@@ -74,11 +74,12 @@ def main() -> None:
         "default_capacity_req_s": default.get("capacity"), "winner_capacity_req_s": winner["capacity"],
         "ratio": ratio, "meets_1_3x": ratio is not None and ratio >= 1.3, "serve_command": tune["serve_command"],
         "default_headroom": headroom_note(default),
+        "winner_headroom": None if winner is default else headroom_note(winner, default.get("capacity")),
         "stop_reason": tune["stop_reason"], "rounds": tune["rounds"],
         "trials": [{k: t.get(k) for k in ("move", "why", "predicted", "status", "capacity", "cost_per_1m_tokens",
-                                          "seconds", "error", "probes", "capacity_warnings")} | {"p90_ttft_ms": (t.get("at_capacity") or {}).get(
-                                              "p90_ttft_ms"), "p90_tpot_ms": (t.get("at_capacity") or {}).get(
-                                              "p90_tpot_ms")} for t in tune["trials"]],
+                                          "seconds", "error", "probes", "capacity_warnings")}
+                   | {f"p90_{slo}_ms": (t.get("at_capacity") or {}).get(f"p90_{slo}_ms") for slo in ("ttft", "tpot")}
+                   for t in tune["trials"]],
     }
     slug = gpu.lower().replace("nvidia ", "").replace(" ", "_")
     path = Path(args.result or f"benchmarks/results/gpu_tune_{slug}.json")

@@ -325,3 +325,12 @@ def test_the_headroom_note_weighs_the_capacity_against_what_an_overloaded_probe_
     assert "41% of that" in far and "scheduling steps have room" in far
     assert headroom_note({"capacity": 45.7, "probes": probes[:2]}) is None  # no rated probe overloaded it
     assert headroom_note({"capacity": 0.0, "probes": probes}) is None  # no rate met the targets
+
+
+def test_the_headroom_of_a_step_weighs_its_ceiling_against_the_starting_capacity():
+    """The H100's fp8 trial after a 46.1 req/s start: 60 offered and held at 50.9, then 120 and 90
+    overloaded at 50.7 and 57.7 sustained: scheduling on top of fp8 could reach 1.25x the start."""
+    probes = [_probe(60.0, 50.9), _probe(120.0, 50.7), _probe(90.0, 57.7)]
+    note = headroom_note({"move": "quantization=fp8", "capacity": 50.9, "probes": probes}, start_capacity=46.1)
+    assert note.startswith("headroom: overloaded, quantization=fp8 kept up with 57.7 req/s at most (1.25x the "
+                           "starting configuration's capacity)") and "88% of that" in note

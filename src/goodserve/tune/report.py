@@ -66,23 +66,29 @@ def print_outcome(outcome: Outcome, console: Console, quality_note: str | None) 
     console.print(f"best: {best['move']} at {best['capacity']:.3g} req/s{versus}")
     if headroom := headroom_note(start):
         console.print(headroom)
+    if best is not start and (headroom := headroom_note(best, start["capacity"])):
+        console.print(headroom)
     console.print(f"serve it: [bold]{serve_command(best['options'])}[/bold]")
 
 
-def headroom_note(start: dict) -> str | None:
-    """The starting configuration's capacity at the targets beside the most its engine kept up with
-    when a probe offered more than it could serve (the highest rate an overloaded probe sustained;
-    the all-at-once probe is left out: its drain, the longest answers at a thinning batch, dominates
-    it). Near that ceiling, no step that only reorders, admits or batches requests can raise the
-    capacity much; only a faster step can. None when no rated probe overloaded the engine."""
-    overloaded = [p["sustained_request_rate"] for p in start.get("probes", [])
+def headroom_note(trial: dict, start_capacity: float | None = None) -> str | None:
+    """A trial's capacity at the targets beside the most its engine kept up with when a probe offered
+    more than it could serve (the highest rate an overloaded probe sustained; the all-at-once probe is
+    left out: its drain, the longest answers at a thinning batch, dominates it). Near that ceiling, no
+    step that only reorders, admits or batches requests can raise the capacity much; only a faster
+    step can. For a trial after the start (start_capacity given), the ceiling is also weighed against
+    the start's capacity: the most scheduling steps on top of it could reach. None when no rated probe
+    overloaded the engine."""
+    overloaded = [p["sustained_request_rate"] for p in trial.get("probes", [])
                   if math.isfinite(p["request_rate"]) and not held(p)]
-    capacity = start.get("capacity")
+    capacity = trial.get("capacity")
     if not overloaded or not capacity:
         return None
     ceiling = max(overloaded)
     share = capacity / ceiling
-    note = (f"headroom: overloaded, the starting configuration kept up with {ceiling:.3g} req/s at most; "
+    who = "the starting configuration" if start_capacity is None else trial["move"]
+    versus_start = f" ({ceiling / start_capacity:.2f}x the starting configuration's capacity)" if start_capacity else ""
+    note = (f"headroom: overloaded, {who} kept up with {ceiling:.3g} req/s at most{versus_start}; "
             f"at the targets it serves {capacity:.3g} req/s, {100 * share:.0f}% of that")
     if share >= NEAR_CEILING:
         return note + (": steps that reorder, admit or batch requests have little room left; more capacity needs "
