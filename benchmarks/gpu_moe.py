@@ -48,8 +48,8 @@ from goodserve.quant.triton_moe import moe_kernel_for, triton_fused_moe
 from result_file import write_result
 
 results: dict = {}
-# The kernel part's token counts: decode at batch 1, 2 (top 8: 16 pairs, GEMV_MAX_PAIRS) and 4 (the
-# first past it, where the two paths' crossing shows), then larger batches and a prefill.
+# The kernel part's token counts: decode at batch 1, 2, 4 and 8 (top 8: 64 pairs, GEMV_MAX_PAIRS), where
+# the per-pair GEMV runs, then 64 tokens (the first measured past it, where the two paths cross) and a prefill.
 KERNEL_TOKENS = (1, 2, 4, 8, 64, 512)
 INT4_GROUP = 128  # the engine's choice for Mixtral-8x7B's widths (the largest that divides them)
 

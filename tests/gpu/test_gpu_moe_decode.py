@@ -18,7 +18,7 @@ HIDDEN, INTER, EXPERTS, TOP_K = 2048, 768, 16, 8  # Qwen3-30B-A3B's widths and t
 
 @pytest.mark.parametrize("quantization", ["none", "int8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("num_tokens", [1, 2])
+@pytest.mark.parametrize("num_tokens", [1, 2, 8])  # 8 tokens at top 8: GEMV_MAX_PAIRS
 def test_decode_gemv_matches_grouped_gemm_and_torch_path(num_tokens, dtype, quantization, device, cuda_only):
     g = torch.Generator().manual_seed(num_tokens)
     w13 = (torch.randn(EXPERTS * 2 * INTER, HIDDEN, generator=g) * 0.02).to(device, dtype)
