@@ -5,10 +5,13 @@ shaped one in int8 (93 GB in bf16: it fits an 80 GB card only so).
 Correctness is the GPU gate's (tests/gpu/test_gpu_families.py); speed is here.
 Parts (--parts, default kernel,decode,throughput; in this order, one process):
   kernel      the fused MoE alone at Qwen3-30B-A3B's shapes (hidden 2048, 128 experts of 768 columns,
-              top 8), bf16, for 1, 8, 64 and 512 tokens (random routing): microseconds per call (CUDA
-              graph of back-to-back calls, median) and, for 1 token, the share of the copy bandwidth
-              that reading its 8 experts' weights (75.5 MB) takes; beside it the torch path (a loop
-              over the routed experts, host-synchronizing)
+              top 8), bf16, for 1, 2, 4, 8, 64 and 512 tokens (random routing): microseconds per call
+              (CUDA graph of back-to-back calls, median) of both paths, forced (grouped_us: sort and
+              grouped GEMMs; gemv_us: one GEMV per (token, slot) pair), and fused_us, the one the
+              engine picks (engine_path, quant/triton_moe.moe_kernel_for); for each, the share of the
+              copy bandwidth that reading the routed experts' weights once takes (1 token: 8 experts,
+              75.5 MB; share_of_copy_bandwidth is fused_us's, grouped_share / gemv_share the
+              paths'); beside them the torch path (a loop over the routed experts, host-synchronizing)
   decode      batch-1 decode, 128-token prompt, 256 tokens (gpu_engine.part_decode, best of 3) of
               dummy:qwen3-30b-a3b, then dummy:qwen3-8b and dummy:llama-3.1-8b; for the MoE the
               bandwidth limit counts the bytes a token reads: attention, norms, router and lm_head,
@@ -23,7 +26,8 @@ Parts (--parts, default kernel,decode,throughput; in this order, one process):
   int4        the same in int4 (groups of 128, ~26 GB; the kernel dequantizes in its tile)
 What to read: decode.qwen3-30b-a3b.mbu_active (the target: >= 0.60) and its tok/s beside the
 dense 8B's; kernel.tokens_1.share_of_copy_bandwidth says whether the kernel or the rest of the step
-holds decode back; decode_int8.mixtral-8x7b.decode_tok_s and mbu_active for the int8 MoE.
+holds decode back, and grouped_us beside gemv_us by token count where quant/triton_moe.py's
+GEMV_MAX_PAIRS belongs; decode_int8.mixtral-8x7b.decode_tok_s and mbu_active for the int8 MoE.
 Writes $OUT/gpu_moe.json.
 """
 
@@ -40,10 +44,13 @@ from goodserve import LLM
 from goodserve.model.presets import get_preset
 from goodserve.ops.kernel_choice import TORCH_KERNELS, KernelChoice
 from goodserve.quant.moe import moe_torch, route
-from goodserve.quant.triton_moe import triton_fused_moe
+from goodserve.quant.triton_moe import moe_kernel_for, triton_fused_moe
 from result_file import write_result
 
 results: dict = {}
+# The kernel part's token counts: decode at batch 1, 2, 4 and 8 (top 8: 64 pairs, GEMV_MAX_PAIRS), where
+# the per-pair GEMV runs, then 64 tokens (the first measured past it, where the two paths cross) and a prefill.
+KERNEL_TOKENS = (1, 2, 4, 8, 64, 512)
 INT4_GROUP = 128  # the engine's choice for Mixtral-8x7B's widths (the largest that divides them)
 
 
@@ -59,19 +66,22 @@ def part_kernel(bandwidth_gbps: float) -> None:
     w13 = torch.randn(e * 2 * i, h, device="cuda", dtype=torch.bfloat16) * 0.02
     w2 = torch.randn(e * h, i, device="cuda", dtype=torch.bfloat16) * 0.02
     kernels = KernelChoice(triton=True)
-    for tokens in (1, 8, 64, 512):
+    for tokens in KERNEL_TOKENS:
         x = torch.randn(tokens, h, device="cuda", dtype=torch.bfloat16)
         weights, ids = route(torch.randn(tokens, e, device="cuda"), k, renormalize=True)
-        fused_us = _time_us(lambda: triton_fused_moe(x, w13, w2, weights, ids, kernels))
+        row = {"engine_path": moe_kernel_for(ids.numel(), w13, w2)}
+        for path in ("grouped", "gemv"):
+            row[f"{path}_us"] = _time_us(lambda: triton_fused_moe(x, w13, w2, weights, ids, kernels, path=path))
+        row["fused_us"] = row[f"{row['engine_path']}_us"]
         start = time.perf_counter()
         for _ in range(20):
             moe_torch(x, w13, w2, weights, ids, TORCH_KERNELS)
         torch.cuda.synchronize()
-        row = {"fused_us": fused_us, "torch_loop_us": (time.perf_counter() - start) / 20 * 1e6}
-        if tokens == 1:
-            read = k * spec.expert_params() * 2
-            row |= {"expert_bytes_read": read, "floor_us": read / (bandwidth_gbps * 1e3),
-                    "share_of_copy_bandwidth": read / (bandwidth_gbps * 1e3) / fused_us}
+        row["torch_loop_us"] = (time.perf_counter() - start) / 20 * 1e6
+        read = ids.unique().numel() * spec.expert_params() * 2  # each routed expert's weights once
+        floor_us = read / (bandwidth_gbps * 1e3)
+        row |= {"expert_bytes_read": read, "floor_us": floor_us, "share_of_copy_bandwidth": floor_us / row["fused_us"],
+                "grouped_share": floor_us / row["grouped_us"], "gemv_share": floor_us / row["gemv_us"]}
         results.setdefault("kernel", {})[f"tokens_{tokens}"] = row
 
 

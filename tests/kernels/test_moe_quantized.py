@@ -21,7 +21,7 @@ from goodserve.quant.moe import moe_torch
 from goodserve.quant.triton_moe import triton_fused_moe
 from goodserve.quant import schemes
 from test_families import FAMILIES, GREEDY, SETTINGS, hf_greedy, prompts, save_tiny_model, write_gguf
-from test_triton_moe import moe_inputs, reference
+from test_triton_moe import DECODE_ROUTINGS, moe_inputs, reference, routed_inputs
 
 transformers = pytest.importorskip("transformers")
 # Log-probability, float32 end to end: ours are ~4e-7 from the reference; float experts move them by
@@ -55,6 +55,20 @@ def test_quantized_fused_moe_matches_the_dequantized_reference(num_tokens: int, 
     ref = reference(x, f13.to(dtype), f2.to(dtype), weights.to(dtype), ids)
     tolerance = 1e-4 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(ours.double(), ref, rtol=tolerance, atol=tolerance * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("routing", ["1 token top 8", "2 tokens sharing"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_decode_gemv_matches_the_dequantized_reference_and_the_grouped_gemm(routing: str, dtype: torch.dtype):
+    x, w13, w2, weights, ids = routed_inputs(DECODE_ROUTINGS[routing], dtype)
+    (q13, f13), (q2, f2) = quantized(w13, "int8"), quantized(w2, "int8")
+    gemv = triton_fused_moe(x, q13, q2, weights, ids, KernelChoice(triton=True), path="gemv")
+    grouped = triton_fused_moe(x, q13, q2, weights, ids, KernelChoice(triton=True), path="grouped")
+    ref = reference(x, f13.to(dtype), f2.to(dtype), weights.to(dtype), ids)
+    tolerance = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(gemv.double(), ref, rtol=tolerance, atol=tolerance * ref.abs().max().item())
+    close = 1e-5 if dtype == torch.float32 else 2**-8  # see test_triton_moe's decode test
+    torch.testing.assert_close(gemv, grouped, rtol=close, atol=close * grouped.abs().max().item())
 
 
 @pytest.mark.parametrize("method", METHODS)

@@ -9,14 +9,17 @@ import torch.nn.functional as F
 
 from goodserve.ops.kernel_choice import TORCH_KERNELS, KernelChoice
 from goodserve.quant.moe import moe_torch, route
-from goodserve.quant.triton_moe import sort_pairs_by_expert, triton_fused_moe, triton_route
+from goodserve.quant import schemes
+from goodserve.quant.triton_moe import (GEMV_MAX_PAIRS, moe_kernel_for, sort_pairs_by_expert, triton_fused_moe,
+                                        triton_route)
 
 HIDDEN, INTER, EXPERTS = 64, 48, 4
 
 
 def reference(x, w13, w2, weights, ids):
     """Token by token, slot by slot: sum of weight * down(silu(gate x) * up x) of each routed expert."""
-    gate_up, down = w13.view(EXPERTS, 2 * INTER, HIDDEN).double(), w2.view(EXPERTS, HIDDEN, INTER).double()
+    experts = w2.shape[0] // HIDDEN
+    gate_up, down = w13.view(experts, 2 * INTER, HIDDEN).double(), w2.view(experts, HIDDEN, INTER).double()
     out = torch.zeros(x.shape, dtype=torch.float64)
     for t in range(x.shape[0]):
         for weight, e in zip(weights[t].tolist(), ids[t].tolist()):
@@ -44,6 +47,49 @@ def test_fused_moe_matches_the_reference(num_tokens: int, dtype: torch.dtype):
     ref = reference(x, w13, w2, weights.to(dtype), ids)
     tolerance = 1e-4 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(ours.double(), ref, rtol=tolerance, atol=tolerance * ref.abs().max().item())
+
+
+def routed_inputs(ids: list[list[int]], dtype: torch.dtype, experts: int = 8, seed: int = 4):
+    """Inputs for a routing given as expert ids [T, k], with random router weights summing to 1."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.tensor(ids)
+    x = torch.randn(ids.shape[0], HIDDEN, generator=g).to(dtype)
+    w13 = (torch.randn(experts * 2 * INTER, HIDDEN, generator=g) / 8).to(dtype)
+    w2 = (torch.randn(experts * HIDDEN, INTER, generator=g) / 8).to(dtype)
+    weights = torch.softmax(torch.randn(ids.shape, generator=g), dim=-1)
+    return x, w13, w2, weights, ids
+
+
+# Decode's routings (the per-pair GEMV's): one token at top 2..8, and two tokens sharing experts 3 and 6.
+DECODE_ROUTINGS = {"1 token top 2": [[5, 2]], "1 token top 5": [[7, 0, 3, 1, 6]],
+                   "1 token top 8": [[7, 0, 3, 1, 6, 2, 5, 4]], "2 tokens sharing": [[3, 6, 1, 4], [6, 0, 3, 7]]}
+
+
+@pytest.mark.parametrize("routing", DECODE_ROUTINGS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_gemv_matches_the_cpu_path_and_the_grouped_gemm(routing: str, dtype: torch.dtype):
+    x, w13, w2, weights, ids = routed_inputs(DECODE_ROUTINGS[routing], dtype)
+    assert moe_kernel_for(ids.numel(), w13, w2) == "gemv"
+    gemv = triton_fused_moe(x, w13, w2, weights, ids, KernelChoice(triton=True), path="gemv")
+    grouped = triton_fused_moe(x, w13, w2, weights, ids, KernelChoice(triton=True), path="grouped")
+    cpu = moe_torch(x, w13, w2, weights, ids, TORCH_KERNELS)
+    scale = cpu.abs().max().item()
+    # float32: sums in another order only. bf16: the two Triton paths round the same float32 sums at
+    # the same places, so within a step of bf16 (2**-8); the CPU path rounds elsewhere (as above).
+    close_to_cpu, close_to_grouped = (1e-5, 1e-5) if dtype == torch.float32 else (3e-2, 2**-8)
+    torch.testing.assert_close(gemv, cpu, rtol=close_to_cpu, atol=close_to_cpu * scale)
+    torch.testing.assert_close(gemv, grouped, rtol=close_to_grouped, atol=close_to_grouped * scale)
+
+
+def test_gemv_takes_decode_pair_counts_and_float_or_int8_stacks_only():
+    x, w13, w2, _, _ = routed_inputs([[0]], torch.bfloat16)
+    assert moe_kernel_for(GEMV_MAX_PAIRS, w13, w2) == "gemv"
+    assert moe_kernel_for(GEMV_MAX_PAIRS + 1, w13, w2) == "grouped"
+    q13, q2 = schemes.quantize_int8(w13.float()), schemes.quantize_int8(w2.float())
+    assert moe_kernel_for(1, q13, q2) == "gemv"
+    assert moe_kernel_for(1, schemes.quantize_int4(w13.float(), 32), q2) == "grouped"
+    odd = schemes.quantize_int8(torch.randn(8 * HIDDEN, 6))  # rows of 6 bytes: not whole int32 words
+    assert moe_kernel_for(1, q13, odd) == "grouped"
 
 
 @pytest.mark.parametrize("num_tokens", [1, 7, 150])

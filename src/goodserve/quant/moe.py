@@ -11,8 +11,8 @@ quant/schemes.py, the experts' rows one after another.
 `moe_torch` is the CPU path and the reference: tokens sorted by expert, one pair of matmuls per
 expert that any token chose (a loop over experts, never over tokens); a quantized expert is dequantized
 when its turn comes, so no float copy of the whole stack is made. On CUDA the Triton path
-(quant/triton_moe.py) does the same in one grouped GEMM launch per projection. Both live in quant/,
-above ops/, since an expert stack may be codes of quant/schemes.py.
+(quant/triton_moe.py) does the same in one launch per projection (a grouped GEMM; at decode a GEMV
+per pair). Both live in quant/, above ops/, since an expert stack may be codes of quant/schemes.py.
 """
 
 from __future__ import annotations

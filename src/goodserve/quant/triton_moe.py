@@ -5,6 +5,14 @@ tile of their expert's weights. A decode step reads each routed expert's weights
 launch and no host synchronisation (the sort is on the device and sized by the token count alone,
 so a CUDA graph captures it).
 
+Decode (at most GEMV_MAX_PAIRS pairs) skips the sort: one GEMV per pair, each program reading its
+pair's expert id and streaming BLOCK_N rows of that expert K-contiguous on the CUDA cores, as the
+dense layers' GEMV does (ops/triton_gemv.py's _row_times_weights). With a pair or two per expert, the
+grouped GEMM's 16-row tiles are mostly padding and its [BLOCK_K, BLOCK_N] weight tiles load far
+below the bandwidth a decode step is bound by; the GEMV's loads are 16-byte vectors. Float and int8
+stacks take it (int4 keeps the grouped GEMM); moe_kernel_for chooses, from shapes and the stacks' layout
+alone (a CUDA graph captures either path).
+
 Computes quant/moe.py's moe_torch (the reference), the router weights applied to the down projection's
 rows before the sum over slots. Quantized stacks (model/moe.QuantizedExperts): the kernel loads the
 codes (half / a quarter of bf16's bytes). Int8 codes go to the dot in the activation dtype (exact
@@ -20,10 +28,20 @@ import triton.language as tl
 
 from goodserve.ops.activation import silu_and_mul
 from goodserve.ops.kernel_choice import KernelChoice
+from goodserve.ops.triton_gemv import DEFAULT_TILES, _row_times_weights
 from goodserve.quant.moe import Stack, stack_rows
 from goodserve.quant import schemes
 
-FLOAT, INT8, INT4 = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)  # _grouped_gemm_kernel's B_FORMAT
+# The kernels' B_FORMAT; FLOAT and INT8 are ops/triton_gemv's DENSE and INT8 (its _row_times_weights reads them).
+FLOAT, INT8, INT4 = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+# Decode's path: at most this many (token, slot) pairs run as one GEMV per pair (_pair_gemv_kernel),
+# no sort. Each pair streams its expert's weights on its own, so an expert two pairs share is read
+# twice, while the grouped GEMM's 16-row tiles hold a row or two per expert at decode and read their
+# weights in [BLOCK_K, BLOCK_N] tiles, far off the bytes floor. At Qwen3-30B-A3B's widths (128
+# experts, top 8) on an H100 the GEMV took 35 / 60 / 100 / 170 us at 1 / 2 / 4 / 8 tokens against the
+# grouped GEMM's 47 / 72 / 115 / 198, and 648 us against 448 at 64 tokens (512 pairs), where experts
+# are shared often and the grouped GEMM reads each once for all its rows (gpu_moe_gemv_h100.json).
+GEMV_MAX_PAIRS = 64
 
 
 @triton.jit
@@ -115,6 +133,30 @@ def triton_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> 
     return weights, ids
 
 
+@triton.jit
+def _pair_gemv_kernel(a_ptr, b_ptr, c_ptr, weights_ptr, scales_ptr, ids_ptr, n, k, stride_a, stride_bn, stride_c,
+                      A_ROW_DIVISOR: tl.constexpr, MUL_WEIGHTS: tl.constexpr, B_FORMAT: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """C[pair, tile] = A[pair // A_ROW_DIVISOR] @ B[ids[pair]][tile].T (times the pair's router
+    weight) for one pair and one tile of BLOCK_N rows of its expert: ops/triton_gemv's one-row
+    stream (_row_times_weights: K-contiguous steps on the CUDA cores, in float32, no TF32).
+    B_FORMAT: FLOAT or INT8 (codes times scales[expert * n + row])."""
+    pair, pid_n = tl.program_id(0), tl.program_id(1)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < n
+    a_row = a_ptr + (pair // A_ROW_DIVISOR).to(tl.int64) * stride_a
+    acc = _row_times_weights(a_row, b_ptr + expert * n * stride_bn, scales_ptr, scales_ptr, offs_n, n_mask, 0, k,
+                             stride_bn, 0, B_FORMAT, 1, BLOCK_K, EVEN_K)
+    if B_FORMAT == INT8:  # a row's scale factors out of its sum over K
+        acc *= tl.load(scales_ptr + expert * n + offs_n, mask=n_mask, other=0.0)
+    out = acc.to(c_ptr.dtype.element_ty)
+    if MUL_WEIGHTS:  # rounded as _grouped_gemm_kernel rounds it
+        weight = tl.load(weights_ptr + pair).to(c_ptr.dtype.element_ty).to(tl.float32)
+        out = (out.to(tl.float32) * weight).to(c_ptr.dtype.element_ty)
+    tl.store(c_ptr + pair.to(tl.int64) * stride_c + offs_n, out, mask=n_mask)
+
+
 def block_m_for(num_pairs: int) -> int:
     """Rows per block: small where most blocks hold one or two pairs (decode), larger for prefill."""
     return 16 if num_pairs <= 256 else 64
@@ -177,7 +219,7 @@ def _grouped_gemm(a: torch.Tensor, b: Stack, num_experts: int, out: torch.Tensor
     """out [num_pairs, N] = a's rows @ the [N, K] weight of each pair's expert in stack b."""
     codes = getattr(b, "qweight", b)
     n, k = stack_rows(b) // num_experts, a.shape[1]
-    b_format = {schemes.Int4Weight: INT4, schemes.Int8Weight: INT8}.get(type(b), FLOAT).value
+    b_format = _format_of(b)
     block_n, block_k = 64, 64
     grid = (block_experts.numel(), triton.cdiv(n, block_n))
     _grouped_gemm_kernel[grid](
@@ -190,19 +232,60 @@ def _grouped_gemm(a: torch.Tensor, b: Stack, num_experts: int, out: torch.Tensor
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
 
 
+def _format_of(stack: Stack) -> int:
+    return {schemes.Int4Weight: INT4, schemes.Int8Weight: INT8}.get(type(stack), FLOAT).value
+
+
+def _streams_as_words(stack: Stack) -> bool:
+    """Whether _pair_gemv_kernel can take the stack: float rows, or int8 rows it reads as int32 words
+    (rows of whole words, 4-byte aligned)."""
+    codes = getattr(stack, "qweight", stack)
+    return _format_of(stack) == FLOAT.value or (
+        _format_of(stack) == INT8.value and codes.stride(0) % 4 == 0 and codes.data_ptr() % 4 == 0)
+
+
+def moe_kernel_for(num_pairs: int, w13: Stack, w2: Stack) -> str:
+    """"gemv" (one GEMV per pair, no sort) for decode's few pairs where both stacks allow it, else
+    "grouped" (sort, then grouped GEMMs). Shapes and the stacks' layout alone decide: a CUDA graph
+    captures either."""
+    return "gemv" if num_pairs <= GEMV_MAX_PAIRS and _streams_as_words(w13) and _streams_as_words(w2) else "grouped"
+
+
+def _pair_gemv(a: torch.Tensor, b: Stack, num_experts: int, out: torch.Tensor, ids: torch.Tensor,
+               a_row_divisor: int, weights: torch.Tensor | None = None) -> None:
+    """out [num_pairs, N] = a's rows @ the [N, K] weight of each pair's expert in stack b, one
+    program per (pair, BLOCK_N rows); the GEMV family's one-row tiles for the format."""
+    assert _streams_as_words(b), "the per-pair GEMV takes float stacks and word-aligned int8 ones"
+    codes = getattr(b, "qweight", b)
+    n, k = stack_rows(b) // num_experts, a.shape[1]
+    b_format = _format_of(b)
+    block_n, block_k, num_warps = DEFAULT_TILES["int8" if b_format == INT8.value else "dense", 1][:3]
+    block_k = min(block_k, max(k & -k, 16))  # the largest power of two dividing K: whole, unmasked steps
+    _pair_gemv_kernel[(ids.numel(), triton.cdiv(n, block_n))](
+        a, codes, out, weights if weights is not None else out, getattr(b, "scales", out), ids, n, k, a.stride(0),
+        codes.stride(0), out.stride(0), A_ROW_DIVISOR=a_row_divisor, MUL_WEIGHTS=weights is not None,
+        B_FORMAT=b_format, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, num_warps=num_warps)
+
+
 def triton_fused_moe(x: torch.Tensor, w13: Stack, w2: Stack, weights: torch.Tensor,
-                     ids: torch.Tensor, kernels: KernelChoice) -> torch.Tensor:
+                     ids: torch.Tensor, kernels: KernelChoice, path: str | None = None) -> torch.Tensor:
     """x [T, H], w13 [E * 2I, H], w2 [E * H, I] (float, or their codes: quant/moe.py's Stack),
-    weights / ids [T, k] -> [T, H]."""
+    weights / ids [T, k] -> [T, H]. path: "gemv" or "grouped" (benchmarks force one), else
+    moe_kernel_for's choice."""
     num_tokens, hidden = x.shape
     num_experts, top_k = stack_rows(w2) // hidden, ids.shape[1]
     num_pairs = num_tokens * top_k
-    block_m = block_m_for(num_pairs)
-    sorting = sort_pairs_by_expert(ids, num_experts, block_m)
     x = x.contiguous()
     gate_up = x.new_empty(num_pairs, stack_rows(w13) // num_experts)
-    _grouped_gemm(x, w13, num_experts, gate_up, *sorting, num_pairs, top_k, block_m)
     down = x.new_empty(num_pairs, hidden)
+    if (path or moe_kernel_for(num_pairs, w13, w2)) == "gemv":
+        flat_ids = ids.reshape(-1)
+        _pair_gemv(x, w13, num_experts, gate_up, flat_ids, top_k)
+        _pair_gemv(silu_and_mul(gate_up, kernels), w2, num_experts, down, flat_ids, 1, weights.reshape(-1))
+        return down.view(num_tokens, top_k, hidden).sum(dim=1)
+    block_m = block_m_for(num_pairs)
+    sorting = sort_pairs_by_expert(ids, num_experts, block_m)
+    _grouped_gemm(x, w13, num_experts, gate_up, *sorting, num_pairs, top_k, block_m)
     _grouped_gemm(silu_and_mul(gate_up, kernels), w2, num_experts, down, *sorting, num_pairs, 1, block_m,
                   weights.flatten())
     return down.view(num_tokens, top_k, hidden).sum(dim=1)
