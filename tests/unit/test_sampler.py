@@ -44,7 +44,7 @@ def test_top_k_top_p_min_p_keep_the_reference_set(top_k, top_p, min_p):
     logits = torch.randn(3, VOCAB) * 2
     params = SamplingParams(temperature=0.8, top_k=top_k, top_p=top_p, min_p=min_p)
     batch = build_sampling_batch([seq_with(params) for _ in range(3)], VOCAB, torch.device("cpu"), [0])
-    masked = top_k_top_p_min_p(logits / 0.8, batch)
+    masked = top_k_top_p_min_p(logits / 0.8, batch, TORCH_KERNELS)
     for row in range(3):
         got = set(torch.nonzero(torch.isfinite(masked[row])).flatten().tolist())
         assert got == reference_allowed(logits[row].tolist(), 0.8, top_k, top_p, min_p)

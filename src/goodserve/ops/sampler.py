@@ -8,7 +8,7 @@ Every row is handled as in the reference semantics of vLLM / OpenAI:
   + frequency * count;
 - min_tokens: stop tokens masked until that many tokens are out;
 - temperature, then top-k, then top-p (smallest set whose mass reaches p), then min-p (drop tokens
-  under min_p * the top probability);
+  under min_p * the top probability); a tie at a set's edge keeps every token of that logit;
 - greedy rows take the argmax of the penalized logits.
 Draws use the exponential-race trick (argmax p / E, E ~ Exp(1)), with noise from the row's own
 generator when the request has a seed, so a seeded request samples the same tokens in any batch.
@@ -90,21 +90,27 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return logits
 
 
-def top_k_top_p_min_p(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Mask to -inf every token outside each row's top-k / top-p / min-p set."""
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
+def top_k_top_p_min_p(logits: torch.Tensor, batch: SamplingBatch, kernels: KernelChoice) -> torch.Tensor:
+    """Mask to -inf every token outside each row's top-k / top-p / min-p set. Each filter keeps a
+    prefix of the row sorted by logit, so the set is every token at or above one threshold logit
+    (ties at it all kept): found without a sort by the Triton kernel, from a sort here."""
+    if kernels.triton:
+        from goodserve.ops.triton_top_k_top_p import triton_top_k_top_p_min_p
+
+        return triton_top_k_top_p_min_p(logits, batch.top_k, batch.top_p, batch.min_p)
+    sorted_logits, _ = logits.sort(dim=-1, descending=True)
     vocab = logits.shape[-1]
     ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
     drop = ranks >= batch.top_k.unsqueeze(1)
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    probs = sorted_logits.softmax(dim=-1)
+    probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
     # Keep a token if the mass strictly before it is under top_p: the top token always survives.
+    # top_p 1 is off, whatever the sum's rounding.
     mass_before = probs.cumsum(dim=-1) - probs
-    drop |= mass_before >= batch.top_p.unsqueeze(1)
-    drop |= probs < (batch.min_p.unsqueeze(1) * probs[:, :1])
+    drop |= (mass_before >= batch.top_p.unsqueeze(1)) & (batch.top_p.unsqueeze(1) < 1)
+    drop |= (sorted_logits - sorted_logits[:, :1]).exp() < batch.min_p.unsqueeze(1)  # p < min_p * p_top
     drop[:, 0] = False
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
+    threshold = sorted_logits.gather(1, (~drop).sum(dim=-1, keepdim=True) - 1)  # the last kept logit
+    return logits.masked_fill(logits < threshold, float("-inf"))
 
 
 def exponential_noise(shape: torch.Size, generators: list[torch.Generator | None], device) -> torch.Tensor:
@@ -143,7 +149,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, kernels: KernelChoice,
     else:
         scaled = logits / batch.temperature.clamp(min=1e-5).unsqueeze(1)
         if batch.needs_top_k_p:
-            scaled = top_k_top_p_min_p(scaled, batch)
+            scaled = top_k_top_p_min_p(scaled, batch, kernels)
         probs = scaled.softmax(dim=-1)
         noise = exponential_noise(probs.shape, batch.generators, probs.device)
         sampled = argmax(probs / noise, kernels)

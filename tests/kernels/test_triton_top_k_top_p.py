@@ -1,0 +1,75 @@
+"""The sort-free top-k / top-p / min-p kernel (ops/triton_top_k_top_p.py) under TRITON_INTERPRET=1
+against ops/sampler.py's sorted path and a row-by-row reference from the definitions."""
+
+import math
+
+import pytest
+import torch
+
+from goodserve.ops.kernel_choice import TORCH_KERNELS, KernelChoice
+from goodserve.ops.sampler import SamplingBatch, sample, top_k_top_p_min_p
+from goodserve.ops.triton_top_k_top_p import BLOCK, triton_top_k_top_p_min_p
+
+VOCAB = BLOCK + 477  # a partial last block
+# (top_k, top_p, min_p) per row: each filter alone, together, and off; top_k >= VOCAB is off.
+SETTINGS = [(VOCAB, 0.9, 0.0), (VOCAB, 0.5, 0.0), (VOCAB, 0.05, 0.0), (50, 1.0, 0.0), (1, 1.0, 0.0),
+            (40, 0.8, 0.0), (VOCAB, 1.0, 0.02), (200, 0.95, 0.01), (VOCAB, 1.0, 0.0), (VOCAB + 5, 0.99, 0.0)]
+
+
+def batch_of(settings) -> SamplingBatch:
+    top_k, top_p, min_p = zip(*settings)
+    return SamplingBatch(top_k=torch.tensor(top_k), top_p=torch.tensor(top_p, dtype=torch.float32),
+                         min_p=torch.tensor(min_p, dtype=torch.float32))
+
+
+def kept_by_definition(row: list[float], top_k: int, top_p: float, min_p: float) -> set[int]:
+    order = sorted(range(len(row)), key=lambda i: -row[i])[:top_k]
+    z = sum(math.exp(row[i] - row[order[0]]) for i in order)
+    kept, mass = [], 0.0
+    for i in order:
+        if kept and (top_p < 1 and mass >= top_p):
+            break
+        kept.append(i)
+        mass += math.exp(row[i] - row[order[0]]) / z
+    return {i for i in kept if math.exp(row[i] - row[order[0]]) >= min_p}
+
+
+def kept(masked: torch.Tensor) -> list[set[int]]:
+    return [set(torch.isfinite(row).nonzero().flatten().tolist()) for row in masked]
+
+
+@pytest.mark.parametrize("scale", [1.0, 4.0, 12.0])  # flat to sharp distributions
+def test_the_kernel_keeps_the_sorted_paths_set(scale):
+    g = torch.Generator().manual_seed(int(scale))
+    logits = torch.randn(len(SETTINGS), VOCAB, generator=g) * scale
+    logits[0, ::7] = float("-inf")  # a grammar's refused tokens
+    batch = batch_of(SETTINGS)
+    triton_kept = kept(triton_top_k_top_p_min_p(logits, batch.top_k, batch.top_p, batch.min_p))
+    assert triton_kept == kept(top_k_top_p_min_p(logits, batch, TORCH_KERNELS))
+    for row, (top_k, top_p, min_p) in enumerate(SETTINGS):
+        finite = [x if math.isfinite(x) else -1e30 for x in logits[row].tolist()]
+        assert triton_kept[row] == kept_by_definition(finite, top_k, top_p, min_p) - set(range(0, VOCAB, 7) if row == 0 else [])
+
+
+def test_ties_at_an_edge_are_all_kept_by_both_paths():
+    logits = torch.full((3, VOCAB), -5.0)
+    logits[:, :4] = torch.tensor([3.0, 2.0, 2.0, 2.0])  # the 2nd..4th tie
+    batch = batch_of([(2, 1.0, 0.0), (VOCAB, 0.6, 0.0), (VOCAB, 1.0, 0.3)])
+    # top-2 and top-p 0.6 (token 0 holds 0.38, with token 1 0.52) end inside the tie; min-p 0.3 keeps
+    # all four (e^-1 >= 0.3)
+    expected = [{0, 1, 2, 3}] * 3
+    assert kept(triton_top_k_top_p_min_p(logits, batch.top_k, batch.top_p, batch.min_p)) == expected
+    assert kept(top_k_top_p_min_p(logits, batch, TORCH_KERNELS)) == expected
+
+
+def test_a_sampled_step_draws_the_same_tokens_on_either_path():
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(len(SETTINGS), VOCAB, generator=g) * 3
+    batch = batch_of(SETTINGS)
+    batch.temperature = torch.full((len(SETTINGS),), 0.7)
+    batch.generators = [torch.Generator().manual_seed(row) for row in range(len(SETTINGS))]
+    on_torch = sample(logits, batch, TORCH_KERNELS)
+    batch.generators = [torch.Generator().manual_seed(row) for row in range(len(SETTINGS))]
+    on_triton = sample(logits, batch, KernelChoice(triton=True))
+    assert torch.equal(on_triton.token_ids, on_torch.token_ids)
+    torch.testing.assert_close(on_triton.probs, on_torch.probs)
