@@ -37,10 +37,10 @@ def _radix_threshold(row_ptr, vocab, limit, row_max, floor_key, target, BY_MASS:
     target: a token weighs 1, or exp(x - row_max) when BY_MASS. limit is vocab, or 0 to skip the
     row (with target inf the answer is then 0: every token is kept)."""
     digits = tl.arange(0, 16)
-    prefix = floor_key * 0  # the threshold's bits chosen so far, high first
+    prefix = tl.full([], 0, tl.uint32)  # the threshold's bits chosen so far, high first
     above = 0.0  # the weight of the tokens above the chosen bits' bin
     for level in tl.static_range(8):
-        shift: tl.constexpr = 28 - 4 * level
+        shift = 28 - 4 * level
         hist = tl.zeros((16,), tl.float32)
         for start in range(0, limit, BLOCK):
             offs = start + tl.arange(0, BLOCK)
@@ -75,7 +75,7 @@ def _top_k_top_p_min_p_kernel(logits_ptr, out_ptr, top_k_ptr, top_p_ptr, min_p_p
         offs = start + tl.arange(0, BLOCK)
         largest = tl.maximum(largest, tl.load(row_ptr + offs, mask=offs < vocab, other=float("-inf")))
     row_max = tl.max(largest)
-    no_floor = _ordered_key(row_max) * 0
+    no_floor = tl.full([], 0, tl.uint32)
     uses_top_k = top_k < vocab
     k_key = _radix_threshold(row_ptr, vocab, tl.where(uses_top_k, vocab, 0), row_max, no_floor,
                              tl.where(uses_top_k, top_k.to(tl.float32), float("inf")), False, BLOCK)
