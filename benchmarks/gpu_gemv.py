@@ -1,7 +1,7 @@
-"""Decode-sized matmuls at a dense model's shapes (Llama-3.1-8B's, or --model PRESET's, e.g. qwen3-8b):
-cuBLAS bf16 against the Triton GEMV family
-(ops/triton_gemv.py: dense, int8, int4) and torch's int4 tinygemm, plus a config sweep for the
-GEMV's table of tuned configs.
+"""Decode-sized matmuls at a model's shapes (Llama-3.1-8B's, or --model PRESET's: qwen3-8b; for a
+mixture of experts such as qwen3-30b-a3b, its attention, router and lm_head): cuBLAS bf16 against
+the Triton GEMV family (ops/triton_gemv.py: dense, int8, int4) and torch's int4 tinygemm, plus a
+config sweep for the GEMV's table of tuned configs.
 
 Paths, for each shape (qkv, o_proj, gate_up, down, lm_head) and M in --rows (default 1, 4, 16):
   cublas_bf16     F.linear on the bf16 weight
@@ -58,12 +58,16 @@ from goodserve.quant.triton_kernels import int4_matmul, int8_matmul  # noqa: E40
 
 
 def model_shapes(preset: str) -> tuple[dict[str, tuple[int, int]], int]:
-    """A dense preset's (N, K) per linear layer, and its number of layers."""
+    """A preset's (N, K) per linear layer a decode token reads whole, and its number of layers. A mixture
+    of experts has its router in place of the MLP (the experts run in the fused MoE kernel: gpu_moe.py)."""
     spec = get_preset(preset)
-    q, kv, hidden, inner = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, spec.hidden_size, \
-        spec.intermediate_size
-    return {"qkv_proj": (q + 2 * kv, hidden), "o_proj": (hidden, q), "gate_up_proj": (2 * inner, hidden),
-            "down_proj": (hidden, inner), "lm_head": (spec.vocab_size, hidden)}, spec.num_layers
+    q, kv, hidden = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, spec.hidden_size
+    shapes = {"qkv_proj": (q + 2 * kv, hidden), "o_proj": (hidden, q)}
+    if spec.is_moe:
+        shapes["router"] = (spec.num_experts, hidden)
+    else:
+        shapes |= {"gate_up_proj": (2 * spec.intermediate_size, hidden), "down_proj": (hidden, spec.intermediate_size)}
+    return shapes | {"lm_head": (spec.vocab_size, hidden)}, spec.num_layers
 
 
 SHAPES, NUM_LAYERS = model_shapes("llama-3.1-8b")
@@ -242,7 +246,7 @@ def measure_layer(name: str, layer: Layer, rows: list[int], bandwidth: float, de
 
 
 def decode_bound(layers: dict, num_layers: int) -> dict:
-    """Linears-only batch-1 step time per scheme: num_layers x the four projections + lm_head (int8
+    """Linears-only batch-1 step time per scheme: num_layers x the per-layer linears + lm_head (int8
     for the int4 schemes, as quantize_lm_head does)."""
     schemes_ = {"bf16_cublas": ("cublas_bf16", "cublas_bf16"), "bf16_triton": ("triton_dense", "triton_dense"),
                 "int8_triton": ("triton_int8", "triton_int8"), "int4_triton": ("triton_int4", "triton_int8"),
@@ -394,8 +398,10 @@ def rank_shape(name: str, shape: tuple[int, int], tp: int) -> tuple[int, int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default="1,4,16", help="M values, comma separated")
-    parser.add_argument("--model", default="llama-3.1-8b", help="a dense preset whose shapes are measured")
-    parser.add_argument("--shapes", default=",".join(SHAPES), help="subset of " + ",".join(SHAPES))
+    parser.add_argument("--model", default="llama-3.1-8b",
+                        help="the preset whose shapes are measured (a mixture of experts: attention, router, lm_head)")
+    parser.add_argument("--shapes", help="a subset of the model's layers (default: all; llama-3.1-8b's are "
+                        + ",".join(SHAPES) + ")")
     parser.add_argument("--sweep", action="store_true", help="also sweep GEMV configs (M = 1 and 16)")
     parser.add_argument("--sweep-formats", default=",".join(SWEEP_FORMATS), help="subset of the formats to sweep")
     parser.add_argument("--sweep-rows", default=",".join(map(str, SWEEP_ROWS)), help="M values to sweep (1, 16)")
@@ -407,7 +413,8 @@ def main() -> None:
     args = parser.parse_args()
     device = "cpu" if SMOKE else "cuda"
     model_layers, num_layers = model_shapes(args.model)
-    shapes = SMOKE_SHAPES if SMOKE else {name: model_layers[name] for name in args.shapes.split(",")}
+    names = args.shapes.split(",") if args.shapes else list(model_layers)
+    shapes = SMOKE_SHAPES if SMOKE else {name: model_layers[name] for name in names}
     shapes = {name: rank_shape(name, shape, args.tensor_parallel) for name, shape in shapes.items()}
     group = SMOKE_GROUP if SMOKE else GROUP
     rows = [int(r) for r in args.rows.split(",")]
@@ -434,7 +441,8 @@ def main() -> None:
             release(layer)
     report = {"device": "cpu (smoke)" if SMOKE else torch.cuda.get_device_name(), "torch": torch.__version__,
               "model": args.model,
-              "tensor_parallel": args.tensor_parallel, "group_size": group, "peak_bytes_per_s": PEAK_BYTES_PER_S, "copy_bytes_per_s": bandwidth,
+              "tensor_parallel": args.tensor_parallel, "group_size": group, "peak_bytes_per_s": PEAK_BYTES_PER_S,
+              "copy_bytes_per_s": bandwidth,
               "layers": layers, "decode_batch1": decode_bound(layers, num_layers) if layers else {},
               "int4_faster": int4_faster(layers),
               "sweep": {f"{fmt}/M={m}/{name}": r for (fmt, m, name), r in sweep.items()},
