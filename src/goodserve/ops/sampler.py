@@ -90,11 +90,16 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return logits
 
 
+# The sort-free kernel gives each row one program, which streams the row from one SM; the sort spreads
+# a few rows over the whole card. benchmarks/gpu_sampling_filter.py times both at 1, 32 and 256 rows.
+TRITON_FILTER_MIN_ROWS = 32
+
+
 def top_k_top_p_min_p(logits: torch.Tensor, batch: SamplingBatch, kernels: KernelChoice) -> torch.Tensor:
     """Mask to -inf every token outside each row's top-k / top-p / min-p set. Each filter keeps a
     prefix of the row sorted by logit, so the set is every token at or above one threshold logit
-    (ties at it all kept): found without a sort by the Triton kernel, from a sort here."""
-    if kernels.triton:
+    (ties at it all kept): found without a sort by the Triton kernel at many rows, from a sort here."""
+    if kernels.triton and logits.shape[0] >= TRITON_FILTER_MIN_ROWS:
         from goodserve.ops.triton_top_k_top_p import triton_top_k_top_p_min_p
 
         return triton_top_k_top_p_min_p(logits, batch.top_k, batch.top_p, batch.min_p)
