@@ -21,18 +21,23 @@ SETTINGS = [(1 << 20, 0.9, 0.0), (1 << 20, 0.95, 0.0), (50, 0.9, 0.0), (1, 1.0, 
 @pytest.mark.parametrize("rows,vocab", [(1, 128256), (7, 151936), (256, 128256)])
 def test_the_compiled_kernel_keeps_the_sorted_paths_set(rows, vocab, device, cuda_only, record_property):
     g = torch.Generator(device=device).manual_seed(rows)
-    # Llama 3's generation_config samples at temperature 0.6: logits of a few units, scaled up.
-    logits = torch.randn(rows, vocab, generator=g, device=device) * 3 / 0.6
+    # Llama 3's generation_config samples at temperature 0.6: logits of a few units, scaled up, from a
+    # bf16 model (so ties are common); a grammar's refused tokens at -inf in every third row.
+    logits = (torch.randn(rows, vocab, generator=g, device=device) * 3).bfloat16().float() / 0.6
+    logits[::3, ::5] = float("-inf")
     top_k, top_p, min_p = zip(*(SETTINGS[row % len(SETTINGS)] for row in range(rows)))
     batch = SamplingBatch(top_k=torch.tensor(top_k, device=device),
                           top_p=torch.tensor(top_p, dtype=torch.float32, device=device),
                           min_p=torch.tensor(min_p, dtype=torch.float32, device=device))
     fast = torch.isfinite(triton_top_k_top_p_min_p(logits, batch.top_k, batch.top_p, batch.min_p))
     sorted_path = torch.isfinite(top_k_top_p_min_p(logits, batch, TORCH_KERNELS))
-    differing = (fast != sorted_path).sum(dim=-1)
+    differs = fast != sorted_path
+    moved_mass = (logits.softmax(dim=-1) * differs).sum(dim=-1)
     record_property("kept_per_row", fast.sum(dim=-1).tolist()[:len(SETTINGS)])
-    record_property("rows_differing", int((differing > 0).sum()))
+    record_property("rows_differing", int(differs.any(dim=-1).sum()))
     # The kernel sums top-p's mass in another order than the sort's running sum (and exp rounds in
-    # its own way), so a token whose mass before it lies within float32 rounding of p may fall on
-    # either side: at most that one token a row. A wrong threshold moves many.
-    assert int(differing.max()) <= 1, differing.tolist()
+    # its own way), so the token (or tie) at a top-p edge within float32 rounding of p may fall on
+    # either side, and tokens whose mass rounds away entirely may too: one edge a row, or a share of
+    # the probability under 1e-5. A wrong threshold moves many tokens and real mass.
+    edge_only = differs.sum(dim=-1) <= 1
+    assert bool((edge_only | (moved_mass < 1e-5)).all()), (differs.sum(dim=-1).tolist(), moved_mass.tolist())

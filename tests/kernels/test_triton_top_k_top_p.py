@@ -26,15 +26,21 @@ def batch_of(settings) -> SamplingBatch:
 
 
 def kept_by_definition(row: list[float], top_k: int, top_p: float, min_p: float) -> set[int]:
-    order = sorted(range(len(row)), key=lambda i: -row[i])[:top_k]
-    z = sum(math.exp(row[i] - row[order[0]]) for i in order)
-    kept, mass = [], 0.0
-    for i in order:
-        if kept and (top_p < 1 and mass >= top_p):
+    """Top-k: the tokens at or above the k-th logit; top-p: the shortest run down the sorted top-k set
+    whose mass reaches p (of that set's mass), widened to every token tied with its last; min-p:
+    exp(x - max) >= min_p. The top token always stays."""
+    order = sorted(range(len(row)), key=lambda i: -row[i])
+    top = row[order[0]]
+    in_top_k = [i for i in order if row[i] >= row[order[min(top_k, len(row)) - 1]]]
+    z = sum(math.exp(row[i] - top) for i in in_top_k)
+    run, mass = [], 0.0
+    for i in in_top_k:
+        if run and top_p < 1 and mass >= top_p:
             break
-        kept.append(i)
-        mass += math.exp(row[i] - row[order[0]]) / z
-    return {i for i in kept if math.exp(row[i] - row[order[0]]) >= min_p}
+        run.append(i)
+        mass += math.exp(row[i] - top) / z
+    edge = row[run[-1]]
+    return {i for i in in_top_k if row[i] >= edge and math.exp(row[i] - top) >= min_p} | {order[0]}
 
 
 def kept(masked: torch.Tensor) -> list[set[int]]:
@@ -42,9 +48,10 @@ def kept(masked: torch.Tensor) -> list[set[int]]:
 
 
 @pytest.mark.parametrize("scale", [1.0, 4.0, 12.0])  # flat to sharp distributions
-def test_the_kernel_keeps_the_sorted_paths_set(scale):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bf16 logits tie often
+def test_the_kernel_keeps_the_sorted_paths_set(scale, dtype):
     g = torch.Generator().manual_seed(int(scale))
-    logits = torch.randn(len(SETTINGS), VOCAB, generator=g) * scale
+    logits = (torch.randn(len(SETTINGS), VOCAB, generator=g) * scale).to(dtype).float()
     logits[0, ::7] = float("-inf")  # a grammar's refused tokens
     batch = batch_of(SETTINGS)
     triton_kept = kept(triton_top_k_top_p_min_p(logits, batch.top_k, batch.top_p, batch.min_p))
@@ -57,14 +64,23 @@ def test_the_kernel_keeps_the_sorted_paths_set(scale):
 
 
 def test_ties_at_an_edge_are_all_kept_by_both_paths():
-    logits = torch.full((3, VOCAB), -5.0)
+    logits = torch.full((5, VOCAB), -5.0)
     logits[:, :4] = torch.tensor([3.0, 2.0, 2.0, 2.0])  # the 2nd..4th tie
-    batch = batch_of([(2, 1.0, 0.0), (VOCAB, 0.6, 0.0), (VOCAB, 1.0, 0.3)])
-    # top-2 and top-p 0.6 (token 0 holds 0.38, with token 1 0.52) end inside the tie; min-p 0.3 keeps
-    # all four (e^-1 >= 0.3)
-    expected = [{0, 1, 2, 3}] * 3
+    logits[4, :4] = torch.tensor([3.0, 0.0, -0.0, -5.0])  # signed zeros: equal logits
+    batch = batch_of([(2, 1.0, 0.0), (VOCAB, 0.6, 0.0), (VOCAB, 1.0, 0.3), (2, 0.6, 0.0), (2, 1.0, 0.0)])
+    # top-2 ends inside the tie; so does top-p 0.6 (token 0 holds 0.38, with token 1 0.52), alone and
+    # over top-2's four tokens (0.48, then 0.65); min-p 0.3 keeps all four (e^-1 >= 0.3)
+    expected = [{0, 1, 2, 3}] * 4 + [{0, 1, 2}]
     assert kept(triton_top_k_top_p_min_p(logits, batch.top_k, batch.top_p, batch.min_p)) == expected
     assert kept(top_k_top_p_min_p(logits, batch, TORCH_KERNELS)) == expected
+
+
+def test_the_kernel_reads_rows_apart_in_a_wider_tensor():
+    g = torch.Generator().manual_seed(5)
+    wide = torch.randn(len(SETTINGS), VOCAB + 37, generator=g) * 4
+    batch = batch_of(SETTINGS)
+    assert kept(triton_top_k_top_p_min_p(wide[:, :VOCAB], batch.top_k, batch.top_p, batch.min_p)) == kept(
+        top_k_top_p_min_p(wide[:, :VOCAB].contiguous(), batch, TORCH_KERNELS))
 
 
 def test_a_sampled_step_draws_the_same_tokens_on_either_path():

@@ -104,9 +104,10 @@ def top_k_top_p_min_p(logits: torch.Tensor, batch: SamplingBatch, kernels: Kerne
 
         return triton_top_k_top_p_min_p(logits, batch.top_k, batch.top_p, batch.min_p)
     sorted_logits, _ = logits.sort(dim=-1, descending=True)
-    vocab = logits.shape[-1]
-    ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
-    drop = ranks >= batch.top_k.unsqueeze(1)
+    # Top-k keeps every token tied with the k-th logit (as Hugging Face's and vLLM's do); top-p's share
+    # is of that set's mass.
+    kth = sorted_logits.gather(1, batch.top_k.clamp(1, logits.shape[-1]).unsqueeze(1) - 1)
+    drop = sorted_logits < kth
     probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
     # Keep a token if the mass strictly before it is under top_p: the top token always survives.
     # top_p 1 is off, whatever the sum's rounding.
@@ -114,7 +115,7 @@ def top_k_top_p_min_p(logits: torch.Tensor, batch: SamplingBatch, kernels: Kerne
     drop |= (mass_before >= batch.top_p.unsqueeze(1)) & (batch.top_p.unsqueeze(1) < 1)
     drop |= (sorted_logits - sorted_logits[:, :1]).exp() < batch.min_p.unsqueeze(1)  # p < min_p * p_top
     drop[:, 0] = False
-    threshold = sorted_logits.gather(1, (~drop).sum(dim=-1, keepdim=True) - 1)  # the last kept logit
+    threshold = sorted_logits.masked_fill(drop, float("inf")).amin(dim=-1, keepdim=True)  # the least kept
     return logits.masked_fill(logits < threshold, float("-inf"))
 
 

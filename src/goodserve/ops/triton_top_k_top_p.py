@@ -2,8 +2,8 @@
 
 Each filter keeps the tokens whose logit is at least a threshold, so a row needs three numbers, not
 an order: top-k's is the k-th largest logit; top-p's is the logit at which the mass of the logits
-at or above it first reaches p (of the top-k set's mass); min-p's is max + log(min_p). The first
-two are found by radix select over the logits' order-preserving 32-bit keys, four bits a pass:
+at or above it first reaches p (of the top-k set's mass); min-p's is where exp(x - max) reaches
+min_p. The first two are found by radix select over the logits' order-preserving 32-bit keys, four bits a pass:
 each pass sums, over the tokens that share the bits chosen so far, the count (top-k) or the
 probability mass exp(x - max) (top-p) in each of the 16 values of the next four bits, and keeps the
 highest value whose total with everything above still reaches the target. A row costs one read for
@@ -25,8 +25,9 @@ BLOCK = 1024  # logits a loop step
 
 @triton.jit
 def _ordered_key(x):
-    """float32 -> uint32 with the same order (negative floats' bits flipped, positive ones' sign set)."""
-    bits = x.to(tl.uint32, bitcast=True)
+    """float32 -> uint32 with the same order (negative floats' bits flipped, positive ones' sign set;
+    -0.0 as +0.0, which it equals)."""
+    bits = tl.where(x == 0.0, 0.0, x).to(tl.uint32, bitcast=True)
     return tl.where((bits >> 31) == 1, ~bits, bits | 0x80000000)
 
 
@@ -55,8 +56,8 @@ def _radix_threshold(row_ptr, vocab, limit, row_max, floor_key, target, BY_MASS:
                 weight = tl.where(counted, 1.0, 0.0)
             digit = (key >> shift) & 15
             hist += tl.sum(tl.where(digit[:, None] == digits[None, :], weight[:, None], 0.0), axis=0)
-        at_or_above = above + tl.sum(hist) - (tl.cumsum(hist, 0) - hist)  # per digit value d: digits >= d
-        chosen = tl.maximum(tl.sum((at_or_above >= target).to(tl.int32)) - 1, 0)
+        at_or_above = above + tl.cumsum(hist, 0, reverse=True)  # per digit value d: digits >= d
+        chosen = tl.max(tl.where(at_or_above >= target, digits, 0))
         above += tl.sum(tl.where(digits > chosen, hist, 0.0))
         prefix = prefix | (chosen.to(tl.uint32) << shift)
     return prefix
@@ -65,7 +66,7 @@ def _radix_threshold(row_ptr, vocab, limit, row_max, floor_key, target, BY_MASS:
 @triton.jit
 def _top_k_top_p_min_p_kernel(logits_ptr, out_ptr, top_k_ptr, top_p_ptr, min_p_ptr, vocab, stride_l, stride_o,
                               BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_l
     top_k = tl.load(top_k_ptr + row)
     top_p = tl.load(top_p_ptr + row)
