@@ -108,7 +108,6 @@ class LlamaAttention(nn.Module):
                         self.softcap)
         return self.o_proj(out.flatten(1))  # a partial sum under TP: the next norm all-reduces it
 
-
     def split_heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [T, Hq, D], k and v [T, Hkv, D]: views of the projection's rows, q and k RMS-normed where
         the model has q/k norms."""

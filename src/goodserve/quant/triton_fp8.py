@@ -47,6 +47,6 @@ def quantize_rows_fp8(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scales = torch.empty(m, 1, dtype=torch.float32, device=rows.device)
     if m:
         _quantize_rows_kernel[(m,)](rows, q, scales, k, rows.stride(0), q.stride(0), FP8_MAX=schemes.FP8_MAX,
-                                    INV_FP8_MAX=INV_FP8_MAX, MIN_SCALE=schemes.MIN_SCALE, BLOCK_K=min(BLOCK_K, triton.next_power_of_2(k)),
-                                    num_warps=NUM_WARPS)
+                                    INV_FP8_MAX=INV_FP8_MAX, MIN_SCALE=schemes.MIN_SCALE,
+                                    BLOCK_K=min(BLOCK_K, triton.next_power_of_2(k)), num_warps=NUM_WARPS)
     return q, scales
