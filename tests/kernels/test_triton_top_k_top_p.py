@@ -109,6 +109,7 @@ assert compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8
 """
 
 
+@pytest.mark.slow  # a process of its own (Triton's compiler, not its interpreter)
 def test_the_kernel_compiles_for_hopper():
     """The interpreter runs what the compiler refuses (a constexpr reassigned in an unrolled loop did);
     Triton's own ptxas builds the sm_90 binary here, without a GPU."""
