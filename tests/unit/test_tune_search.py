@@ -324,6 +324,9 @@ def test_the_headroom_note_weighs_the_capacity_against_what_an_overloaded_probe_
     far = headroom_note({"capacity": 20.0, "probes": probes})
     assert "41% of that" in far and "scheduling steps have room" in far
     assert headroom_note({"capacity": 45.7, "probes": probes[:2]}) is None  # no rated probe overloaded it
+    past = headroom_note({"capacity": 61.0, "probes": probes})  # held within 10%, overloaded probes drew other requests
+    assert "kept up with 49.2 req/s at most" in past and "as much or more" in past and "% of that" not in past
+    assert "at its ceiling" in past and "needs a faster step" in past
     assert headroom_note({"capacity": 0.0, "probes": probes}) is None  # no rate met the targets
 
 

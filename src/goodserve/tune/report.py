@@ -13,7 +13,7 @@ import jinja2
 from rich.console import Console
 from rich.table import Table
 
-from goodserve.bench.capacity import held
+from goodserve.bench.capacity import MIN_HELD_FRACTION, held
 from goodserve.bench.report import cell, figure_png
 from goodserve.engine_args import dataclass_argv
 from goodserve.tune.measure import engine_config
@@ -88,8 +88,13 @@ def headroom_note(trial: dict, start_capacity: float | None = None) -> str | Non
     share = capacity / ceiling
     who = "the starting configuration" if start_capacity is None else trial["move"]
     versus_start = f" ({ceiling / start_capacity:.2f}x the starting configuration's capacity)" if start_capacity else ""
-    note = (f"headroom: overloaded, {who} kept up with {ceiling:.3g} req/s at most{versus_start}; "
-            f"at the targets it serves {capacity:.3g} req/s, {100 * share:.0f}% of that")
+    note = f"headroom: overloaded, {who} kept up with {ceiling:.3g} req/s at most{versus_start}; "
+    if share > 1:
+        # A probe holds its rate from MIN_HELD_FRACTION of it, and each probe draws its own requests.
+        note += (f"at the targets it serves {capacity:.3g} req/s, as much or more (a probe holds a rate it sustains "
+                 f"{100 * MIN_HELD_FRACTION:.0f}% of, on requests of its own draw): it meets the targets at its ceiling")
+    else:
+        note += f"at the targets it serves {capacity:.3g} req/s, {100 * share:.0f}% of that"
     if share >= NEAR_CEILING:
         return note + (": steps that reorder, admit or batch requests have little room left; more capacity needs "
                        "a faster step (fewer bytes or FLOPs a token, more GPUs)")
