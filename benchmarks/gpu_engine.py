@@ -51,6 +51,8 @@ import numpy as np
 import torch
 
 from goodserve import LLM, SamplingParams
+# The offline batch's lengths, in the package so `goodserve calc batch` draws the same batch.
+from goodserve.bench.workloads import offline_sharegpt_lengths as sharegpt_like_lengths
 from goodserve.config import EngineConfig, KernelOptions
 from goodserve.quant import linear
 
@@ -235,21 +237,6 @@ def _breakdown(llm: LLM) -> dict:
 
 
 # ---- throughput ----------------------------------------------------------------------------
-def sharegpt_like_lengths(n: int, seed: int = 0) -> tuple[list[int], list[int]]:
-    """Lognormal input / output lengths clipped to 4..1024, means ~200 / ~180 after clipping."""
-    rng = np.random.default_rng(seed)
-
-    def lognormal(mean: float, sigma: float) -> np.ndarray:
-        draws = rng.lognormal(0.0, sigma, n)
-        clipped = lambda scale: np.clip(draws * scale, 4, 1024)  # noqa: E731
-        scale = mean / draws.mean()
-        for _ in range(20):  # clipping the long tail lowers the mean: rescale until it is `mean`
-            scale *= mean / clipped(scale).mean()
-        return clipped(scale).astype(int)
-
-    return lognormal(200, 0.9).tolist(), lognormal(180, 0.9).tolist()
-
-
 def random_prompts(lengths: list[int], seed: int = 1, vocab_size: int = 20000) -> list[dict]:
     """Token ids from 100 to 20000 (above the special and byte tokens), or within a smaller vocabulary."""
     rng = np.random.default_rng(seed)

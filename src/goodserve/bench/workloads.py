@@ -85,6 +85,8 @@ def sample_lengths(rng: np.random.Generator, mean: int, ratio: float, dist: str,
     normal: std = ratio*mean, lognormal: sigma = ratio around a median of `mean`)."""
     if dist not in LENGTH_DISTS:
         raise InvalidRequestError(f"unknown length distribution {dist!r}; choose from {LENGTH_DISTS}")
+    if ratio < 0:
+        raise InvalidRequestError(f"--random-range-ratio must not be negative, got {ratio}")
     if dist == "fixed" or ratio == 0:
         values = np.full(n, mean, dtype=np.float64)
     elif dist == "uniform":
@@ -110,13 +112,35 @@ def build_workload(cfg: WorkloadConfig, text: PromptText) -> list[BenchRequest]:
     return builders[cfg.dataset_name](cfg, text, np.random.default_rng(cfg.seed))
 
 
-def _random(cfg: WorkloadConfig, text: PromptText, rng: np.random.Generator) -> list[BenchRequest]:
+SYNTHETIC_DATASETS = ("random", "sharegpt")
+
+
+def synthetic_lengths(cfg: WorkloadConfig) -> list[tuple[int, int]]:
+    """(prompt tokens, output tokens) of each request of a dataset whose lengths are drawn, not read
+    from a file: the same draws, from the same seed, as build_workload's."""
+    if cfg.dataset_name not in SYNTHETIC_DATASETS or cfg.dataset_path:
+        raise InvalidRequestError(f"only {SYNTHETIC_DATASETS} without a dataset file draw their lengths")
+    if cfg.num_prompts < 1:
+        raise InvalidRequestError(f"--num-prompts must be at least 1, got {cfg.num_prompts}")
+    rng = np.random.default_rng(cfg.seed)
+    if cfg.dataset_name == "sharegpt":
+        return _sharegpt_lengths(cfg, rng)
+    return [(cfg.random_prefix_len + i, o) for i, o in _random_lengths(cfg, rng)]
+
+
+def _random_lengths(cfg: WorkloadConfig, rng: np.random.Generator) -> list[tuple[int, int]]:
+    """(input tokens after the shared prefix, output tokens) of each request."""
     n = cfg.num_prompts
     input_lens = sample_lengths(rng, cfg.random_input_len, cfg.random_range_ratio, cfg.random_length_dist, n)
     output_lens = sample_lengths(rng, cfg.random_output_len, cfg.random_range_ratio, cfg.random_length_dist, n)
+    return list(zip(input_lens, output_lens))
+
+
+def _random(cfg: WorkloadConfig, text: PromptText, rng: np.random.Generator) -> list[BenchRequest]:
+    lengths = _random_lengths(cfg, rng)
     prefix = text.make(cfg.random_prefix_len)
     requests = []
-    for input_len, output_len in zip(input_lens, output_lens):
+    for input_len, output_len in lengths:
         prompt = (prefix + " " + text.make(input_len)) if prefix else text.make(input_len)
         requests.append(BenchRequest(prompt, cfg.random_prefix_len + input_len, output_len))
     return requests
@@ -132,15 +156,35 @@ _SHAREGPT_MIN, _SHAREGPT_MAX_PROMPT, _SHAREGPT_MAX_TOTAL = 4, 1024, 2048
 def _sharegpt(cfg: WorkloadConfig, text: PromptText, rng: np.random.Generator) -> list[BenchRequest]:
     if cfg.dataset_path:
         return _sharegpt_file(cfg, text, rng)
+    return [BenchRequest(text.make(i), i, o) for i, o in _sharegpt_lengths(cfg, rng)]
+
+
+def _sharegpt_lengths(cfg: WorkloadConfig, rng: np.random.Generator) -> list[tuple[int, int]]:
     n = cfg.num_prompts
     inputs = sample_lengths(rng, _SHAREGPT_INPUT[0], _SHAREGPT_INPUT[1], "lognormal", n)
     outputs = sample_lengths(rng, _SHAREGPT_OUTPUT[0], _SHAREGPT_OUTPUT[1], "lognormal", n)
-    requests = []
+    lengths = []
     for i, o in zip(inputs, outputs):
         i = int(np.clip(i, _SHAREGPT_MIN, _SHAREGPT_MAX_PROMPT))
         o = int(np.clip(o, _SHAREGPT_MIN, _SHAREGPT_MAX_TOTAL - i))
-        requests.append(BenchRequest(text.make(i), i, cfg.sharegpt_output_len or o))
-    return requests
+        lengths.append((i, cfg.sharegpt_output_len or o))
+    return lengths
+
+
+def offline_sharegpt_lengths(n: int, seed: int = 0) -> tuple[list[int], list[int]]:
+    """The engine benchmarks' offline batch (benchmarks/gpu_engine.py): input and output lengths drawn
+    lognormal (sigma 0.9) and rescaled until, clipped to 4..1024, their means are 200 and 180."""
+    rng = np.random.default_rng(seed)
+
+    def lognormal(mean: float, sigma: float) -> np.ndarray:
+        draws = rng.lognormal(0.0, sigma, n)
+        clipped = lambda scale: np.clip(draws * scale, 4, 1024)  # noqa: E731
+        scale = mean / draws.mean()
+        for _ in range(20):  # clipping the long tail lowers the mean: rescale until it is `mean`
+            scale *= mean / clipped(scale).mean()
+        return clipped(scale).astype(int)
+
+    return lognormal(200, 0.9).tolist(), lognormal(180, 0.9).tolist()
 
 
 def _sharegpt_file(cfg: WorkloadConfig, text: PromptText, rng: np.random.Generator) -> list[BenchRequest]:

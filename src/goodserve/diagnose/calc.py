@@ -39,15 +39,19 @@ def window_saving(spec: ModelSpec, tokens: int, kv_dtype: str = "fp16") -> str:
     return f"{held / 1e9:.3f} GB ({held / all_global:.0%} of all-global's {all_global / 1e9:.3f} GB)"
 
 
+def embedding_bytes(spec: ModelSpec, dtype: str = "bf16") -> float:
+    """Bytes of the embedding table: quantized dtypes keep it in bf16."""
+    return spec.vocab_size * spec.hidden_size * (2.0 if dtype in QUANTIZED_WEIGHT_DTYPES else dtype_bytes(dtype))
+
+
 def weight_bytes(spec: ModelSpec, dtype: str = "bf16") -> float:
     """Bytes of weights; quantized dtypes quantize the matmul weights and keep embeddings in bf16."""
     bytes_per = dtype_bytes(dtype)
     if dtype not in QUANTIZED_WEIGHT_DTYPES:
         return spec.num_params() * bytes_per
-    embed = spec.vocab_size * spec.hidden_size
-    matmul = spec.num_params() - embed
+    matmul = spec.num_params() - spec.vocab_size * spec.hidden_size
     scales = matmul / QUANT_GROUP_SIZE * 2.0
-    return embed * 2.0 + matmul * bytes_per + scales
+    return embedding_bytes(spec, dtype) + matmul * bytes_per + scales
 
 
 def decode_weight_bytes(spec: ModelSpec, dtype: str = "bf16", batch: float = 1) -> float:

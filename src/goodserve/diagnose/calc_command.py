@@ -1,4 +1,5 @@
-"""`goodserve calc`: KV cache size, concurrency, memory fit and cost, from a model's shape.
+"""`goodserve calc`: KV cache size, concurrency, memory fit, cost, and the fastest an offline batch can
+finish, from a model's shape.
 
     goodserve calc kv --model llama-2-13b --batch 32 --seq-len 2048 --kv-dtype fp16
     goodserve calc kv --num-layers 40 --hidden-size 5120 --num-heads 40 --batch 32 --seq-len 2048
@@ -7,6 +8,8 @@
     goodserve calc fit --model llama-3.1-70b --tp 2 --pp 2 --batch 32 --pipeline-micro-batches
     goodserve calc cost --gpu-hourly-cost 2.5 --tokens-per-s 2400
     goodserve calc cost --gpu-hourly-cost 2.5 --tokens-per-s 2400 --batch-tokens-per-s 9000
+    goodserve calc batch --model llama-3.1-8b --dataset-name sharegpt-offline --num-prompts 500
+    goodserve calc batch --model llama-3.1-8b --prompt-len 1000 --output-len 200 --num-prompts 256 --json
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import math
 from goodserve.console import make_console
 from goodserve.diagnose.calc import (DTYPE_BYTES, cost_per_million_tokens, decode_weight_bytes, kv_cache_bytes,
                                      kv_heads_per_gpu, max_concurrent_sequences, weight_bytes, window_saving)
+from goodserve.diagnose.calc_batch import register_batch
 from goodserve.diagnose.parallel import (ALLREDUCE_LATENCY_S, LAYER_LATENCY_S, Layout, add_layout_arguments,
                                          advise_layout, allreduce_payload_bytes, decode_limit, decode_tokens_per_s,
                                          dtype_for_activations, engine_default_micro_batches, handoff_bytes,
@@ -28,7 +32,8 @@ from goodserve.model.spec import ModelSpec
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("calc", help="KV cache size, concurrency, memory fit, cost per 1M tokens",
+    p = subparsers.add_parser("calc", help="KV cache size, concurrency, memory fit, cost per 1M tokens, an offline "
+                                           "batch's floor time",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     actions = p.add_subparsers(dest="calc_action", metavar="WHAT", required=True)
 
@@ -72,6 +77,7 @@ def register(subparsers) -> None:
                            "prices batch tokens beside online ones")
     cost.add_argument("--num-gpus", type=int, default=1)
     cost.set_defaults(func=_cost)
+    register_batch(actions)
 
 
 def _add_model_arguments(p: argparse.ArgumentParser) -> None:
