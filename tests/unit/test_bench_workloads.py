@@ -30,6 +30,8 @@ def test_length_distributions():
     assert min(sample_lengths(rng, 2, 5.0, "normal", 1000)) >= 1
     with pytest.raises(InvalidRequestError):
         sample_lengths(rng, 100, 0.1, "zipf", 3)
+    with pytest.raises(InvalidRequestError, match="must not be negative"):  # numpy's own error, unchecked
+        sample_lengths(rng, 100, -0.5, "normal", 3)
 
 
 def test_random_workload_lengths_and_shared_prefix():

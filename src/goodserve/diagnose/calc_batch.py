@@ -59,13 +59,13 @@ def register_batch(actions) -> None:
 
 
 def _batch(args) -> int:
-    spec = resolve_spec(args.model)
-    lengths = _batch_lengths(args, spec)
     gpu = get_hardware(args.gpu)
     compute_dtype = default_compute_dtype(args.dtype)
     for flag, value in (("--bandwidth-gbps", args.bandwidth_gbps), ("--tflops", args.tflops)):
         if value is not None and value <= 0:
             raise InvalidRequestError(f"{flag} must be positive, got {value:g}")
+    spec = resolve_spec(args.model)
+    lengths = _batch_lengths(args, spec)
     bandwidth = args.bandwidth_gbps * 1e9 if args.bandwidth_gbps is not None else gpu.memory_bandwidth
     flops_rate = args.tflops * 1e12 if args.tflops is not None else gpu.flops_for(compute_dtype)
     bound = batch_bound(spec, lengths, bandwidth, flops_rate, args.dtype, args.kv_dtype)
