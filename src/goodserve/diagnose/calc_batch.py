@@ -17,7 +17,7 @@ from goodserve.diagnose.calc import DTYPE_BYTES, FitReport, fit
 from goodserve.diagnose.model_shape import resolve_spec
 from goodserve.diagnose.roofline import default_compute_dtype
 from goodserve.errors import InvalidRequestError
-from goodserve.hardware import get_hardware
+from goodserve.hardware import HARDWARE, get_hardware
 from goodserve.model.spec import ModelSpec
 
 BATCH_DATASETS = (*SYNTHETIC_DATASETS, "sharegpt-offline")
@@ -35,8 +35,8 @@ def register_batch(actions) -> None:
                     "the other requests into the longest one's steps: a ceiling no engine reaches.")
     batch.add_argument("--model", required=True, help="preset, dummy:<preset>, .gguf or HF dir")
     batch.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16", help="weight dtype")
-    batch.add_argument("--kv-dtype", choices=sorted(DTYPE_BYTES), default="fp16")
-    batch.add_argument("--gpu", default="h100-sxm")
+    batch.add_argument("--kv-dtype", choices=sorted(DTYPE_BYTES), default="fp16", help="KV cache dtype")
+    batch.add_argument("--gpu", default="h100-sxm", help=f"the card's datasheet: {', '.join(HARDWARE)}")
     batch.add_argument("--bandwidth-gbps", type=float,
                        help="memory bandwidth, GB/s, e.g. a measured copy rate (default: --gpu's datasheet peak)")
     batch.add_argument("--tflops", type=float, help="matmul rate, TFLOP/s, e.g. a measured one (default: --gpu's "
@@ -47,8 +47,8 @@ def register_batch(actions) -> None:
                    help="random: --random-* lengths (fixed unless --random-range-ratio); sharegpt: bench's "
                         "synthetic ShareGPT lengths; sharegpt-offline: the engine benchmarks' offline batch, "
                         "lognormal lengths with means 200 in / 180 out, each clipped to 4..1024")
-    g.add_argument("--num-prompts", type=int, default=1000)
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--num-prompts", type=int, default=1000, help="requests in the batch")
+    g.add_argument("--seed", type=int, default=0, help="the lengths' draws")
     g.add_argument("--random-input-len", "--prompt-len", type=int, help="random: prompt tokens (default: 1024)")
     g.add_argument("--random-output-len", "--output-len", type=int, help="random: output tokens (default: 128)")
     g.add_argument("--random-range-ratio", type=float, help="random: the lengths' spread (default: 0, fixed)")
