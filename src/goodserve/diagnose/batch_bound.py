@@ -6,9 +6,8 @@ each step reads the weights once: all of them but the embedding table, of which 
 row (left out); the lm_head in full; of a mixture of experts the experts the step's tokens are
 routed to (the expected count under uniform routing, with every request started in the first step:
 that count grows ever slower with the tokens, so crowding them into the fewest steps reads the
-fewest). Each decoded token reads its
-sequence's K/V so far (its prompt and the tokens generated so far, its own included; a
-sliding-window layer its window only), and every token fed writes its own K/V once.
+fewest). Each decoded token reads its sequence's K/V so far (its prompt and the tokens generated so
+far, its own included; a sliding-window layer its window only), and every token fed writes its own.
 
 FLOPs: 2 per matmul weight a token passes through (the lm_head's only where a token is sampled: a
 prompt's last position and each decoded token; the last sampled token is never fed), and 4 x
@@ -36,7 +35,7 @@ class BatchBound:
     output_tokens: int
     steps: int  # the longest request's output tokens: forward passes nothing can shorten
     weight_bytes: float  # over all the steps
-    kv_token_reads: float  # K/V tokens the decodes read, every layer's (a windowed layer's count 1 / layers)
+    kv_token_reads: float  # tokens of K/V the decodes read, all layers' (a windowed layer's count 1 / layers)
     kv_read_bytes: float
     kv_write_bytes: float
     kv_held_bytes: float  # every request's K/V at its end, all held at once (what the packing above needs)

@@ -132,9 +132,9 @@ def _print_batch(spec: ModelSpec, b: BatchBound, room: FitReport, args, gpu_name
         (f"FLOPs{bound_mark[1]}", "", b.flops, b.flops_rate),
     ]
     for name, count, total, rate in rows:
-        table.add_row(name, count, _si(total, "B" if rate == b.bandwidth else "FLOP"), f"{total / rate:.2f} s")
+        table.add_row(name, count, _si(total, "B" if rate == b.bandwidth else "FLOP"), _duration(total / rate))
     console.print(table)
-    console.print(f"floor: [bold]{b.seconds:.2f} s[/bold], {b.binds}-bound: at most [bold]{b.requests_per_s:.1f} "
+    console.print(f"floor: [bold]{_duration(b.seconds)}[/bold], {b.binds}-bound: at most [bold]{b.requests_per_s:.1f} "
                   f"req/s[/bold], {b.output_tokens_per_s:,.0f} output tok/s")
     _print_memory(console, b, room)
     console.print("It assumes compute and memory traffic overlap perfectly and every other request packs into the "
@@ -153,6 +153,10 @@ def _print_memory(console, b: BatchBound, room: FitReport) -> None:
         return
     console.print(f"memory: the whole batch's KV at its longest, {_si(b.kv_held_bytes, 'B')}, passes the {where}: "
                   f"an engine must hold requests back, so the batch takes longer than this floor")
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.2f} s" if seconds >= 1 else f"{1000 * seconds:.3g} ms"
 
 
 def _si(value: float, unit: str) -> str:
