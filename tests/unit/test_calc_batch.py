@@ -169,3 +169,16 @@ def test_an_unknown_dataset_is_refused_by_the_parser(capsys):
         main(["calc", "batch", "--model", "tiny", "--workload", "custom"])
     assert exit_info.value.code == 2
     assert "invalid choice" in capsys.readouterr().err
+
+
+def test_a_hugging_face_directory_gives_the_bound_of_its_shape(tmp_path, capsys):
+    """A config.json of the `tiny` preset's shape gives the preset's numbers."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=False).save_pretrained(tmp_path)
+    flags = ("--prompt-len", "100", "--output-len", "20", "--num-prompts", "3")
+    from_directory = run_json(capsys, "--model", str(tmp_path), *flags)
+    from_preset = run_json(capsys, "--model", "tiny", *flags)
+    assert from_directory["bytes"] == from_preset["bytes"] > 0
+    assert from_directory["flops"] == from_preset["flops"] > 0
