@@ -1,11 +1,12 @@
 """Calculators against worked examples computed by hand."""
 
 import argparse
+import dataclasses
 
 import pytest
 
 from goodserve.diagnose import calc_command
-from goodserve.diagnose.calc import (cost_per_million_tokens, fit, kv_cache_bytes,
+from goodserve.diagnose.calc import (cost_per_million_tokens, decode_weight_bytes, fit, kv_cache_bytes,
                                      max_concurrent_sequences, weight_bytes)
 from goodserve.diagnose.parallel import (Layout, advise_layout, allreduce_payload_bytes, decode_limit,
                                          decode_tokens_per_s, handoff_bytes, layout_fit, micro_batch_advice,
@@ -43,6 +44,26 @@ def test_llama31_8b_gqa_kv():
 def test_mbu_of_7b_fp16_at_100_tok_s_on_2_tb_s_is_70_percent():
     bytes_per_token = 7e9 * 2  # batch 1: every token reads all 14 GB of weights
     assert mbu(bytes_per_token, 100.0, 2e12) == pytest.approx(0.70)
+
+
+def test_a_decode_step_reads_a_row_of_an_untied_embedding_table_and_a_tied_one_whole():
+    """2 layers of hidden 64: q and o 64 x 64, k and v 64 x 32, the MLP 3 x 64 x 128, 2 norms of 64; a
+    final norm of 64; a 1000 x 64 table. Untied, the lm_head is a second 1000 x 64 matrix: a step reads it
+    whole and of the table one row a token (left out). Tied, the lm_head is the table, read once."""
+    untied = ModelSpec(name="untied", vocab_size=1000, hidden_size=64, intermediate_size=128, num_layers=2,
+                       num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=128)
+    tied = dataclasses.replace(untied, name="tied", tie_word_embeddings=True)
+    body = 2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128 + 2 * 64) + 64
+    assert weight_bytes(untied) == (body + 2 * 1000 * 64) * 2  # what memory holds: the table and the lm_head
+    assert decode_weight_bytes(untied) == (body + 1000 * 64) * 2  # the lm_head, not the table
+    assert weight_bytes(tied) == decode_weight_bytes(tied) == (body + 1000 * 64) * 2  # the table, once
+    assert decode_weight_bytes(untied, batch=64) == decode_weight_bytes(untied)  # the same bytes at any batch
+    # int4 quantizes the matmuls (the lm_head too: 0.5 B and a bf16 scale per 128) and keeps the table in
+    # bf16: it is the table's 2 bytes a weight that a step leaves unread
+    matmuls = body + 1000 * 64
+    assert decode_weight_bytes(untied, "int4") == matmuls * 0.5 + matmuls / 128 * 2
+    # the embedded SmolLM2-135M ties its embeddings: a step reads all its 134.5 M bf16 parameters
+    assert decode_weight_bytes(get_preset("smollm2-135m")) == 134_515_008 * 2
 
 
 def test_fit_at_tensor_parallel_degrees():
@@ -155,17 +176,19 @@ def test_allreduce_bytes_per_step():
 
 def test_decode_limit_with_tensor_parallelism():
     spec, h100 = get_preset("llama-3.1-8b"), get_hardware("h100-sxm")
+    # a step reads 8.03 B parameters less the 128256 x 4096 embedding table (a token reads one row), in bf16
+    read = (8_030_261_248 - 128_256 * 4096) * 2  # 15.01 GB
     one = decode_limit(spec, h100, Layout())
-    assert one.read_s == pytest.approx(16_060_522_496 / 3.35e12)  # 4.79 ms: 209 tok/s by bandwidth
+    assert one.read_s == pytest.approx(read / 3.35e12)  # 4.48 ms: 223 tok/s by bandwidth
     assert one.layers_s == pytest.approx(32 * 26e-6)  # each layer's kernel latencies, at any TP
-    assert one.token_s == pytest.approx(16_060_522_496 / 3.35e12 + 32 * 26e-6)  # 5.63 ms: 177.5 tok/s
+    assert one.token_s == pytest.approx(read / 3.35e12 + 32 * 26e-6)  # 5.31 ms: 188 tok/s
     two = decode_limit(spec, h100, Layout(tp=2))
-    assert two.read_s == pytest.approx(8_030_261_248 / 3.35e12)  # half the weights per GPU
+    assert two.read_s == pytest.approx(read / 2 / 3.35e12)  # half the weights per GPU
     assert two.layers_s == one.layers_s
     # 64 all-reduces of 8.5 us (what each cost a step, measured), and 0.5 MB over a 450 GB/s link
     assert two.allreduce_s == pytest.approx(64 * 8.5e-6 + 524_288 / 450e9)
-    # (2.40 + 0.83 + 0.54 ms against 5.63): 1.49x, where the bytes alone would give 2x
-    assert two.tokens_per_s / one.tokens_per_s == pytest.approx(1.49, abs=0.01)
+    # (2.24 + 0.83 + 0.54 ms against 5.31): 1.47x, where the bytes alone would give 2x
+    assert two.tokens_per_s / one.tokens_per_s == pytest.approx(1.47, abs=0.01)
     assert two.bandwidth_tokens_per_s / one.bandwidth_tokens_per_s == pytest.approx(2.0)
     free = decode_limit(spec, h100, Layout(tp=2), allreduce_latency_s=0, layer_latency_s=0)
     assert free.tokens_per_s / one.bandwidth_tokens_per_s == pytest.approx(2.0, abs=0.01)
@@ -190,9 +213,10 @@ def test_layout_advice():
     assert len(advise_layout(small, h100, 2, "throughput", 8192, 1, prompt_len=1000, tpot_target_s=0.05)) == 1
 
 
-# llama-3.1-8b at PP=2 on an H100: 16_060_522_496 B of bf16 weights, 32 layers x 26 us, one 8.5 us handoff;
+# llama-3.1-8b at PP=2 on an H100: a step reads 15_009_849_344 B of bf16 weights (8.03 B parameters less the
+# 128256 x 4096 embedding table, of which a token reads one row), 32 layers x 26 us, one 8.5 us handoff;
 # fp16 KV of 2 x 32 layers x 8 heads x 128 x 2 B = 131072 B a token of context.
-WEIGHTS_8B = 16_060_522_496
+WEIGHTS_8B = (8_030_261_248 - 128_256 * 4096) * 2
 FIXED_8B_PP2_S = 32 * 26e-6 + 8.5e-6
 
 
@@ -200,11 +224,11 @@ def test_micro_batches_split_what_grows_with_the_rows_not_the_weight_read():
     spec, h100 = get_preset("llama-3.1-8b"), get_hardware("h100-sxm")
     off, on = Layout(pp=2), Layout(pp=2, micro_batches=True)
     # No context: a step is the weight read, which each micro-batch repeats: no gain
-    alone = 32 / (WEIGHTS_8B / 3.35e12 + FIXED_8B_PP2_S)  # 5679 tok/s
+    alone = 32 / (WEIGHTS_8B / 3.35e12 + FIXED_8B_PP2_S)  # 6014 tok/s
     assert decode_tokens_per_s(spec, h100, off, 0, 32, kv_dtype="fp16")[0] == pytest.approx(alone)
     assert decode_tokens_per_s(spec, h100, on, 0, 32, kv_dtype="fp16")[0] == pytest.approx(alone)
-    # 4096 tokens of context: one step at a time reads 32 sequences' KV in a pass (10.76 ms), micro-batches
-    # 16 (8.20 ms): 2973 against 3903 tok/s, and each sequence's token comes that much sooner
+    # 4096 tokens of context: one step at a time reads 32 sequences' KV in a pass (10.45 ms), micro-batches
+    # 16 (7.89 ms): 3062 against 4058 tok/s, and each sequence's token comes that much sooner
     whole = WEIGHTS_8B / 3.35e12 + 32 * 4096 * 131072 / 3.35e12 + FIXED_8B_PP2_S
     half = WEIGHTS_8B / 3.35e12 + 16 * 4096 * 131072 / 3.35e12 + FIXED_8B_PP2_S
     assert decode_tokens_per_s(spec, h100, off, 4096, 32, kv_dtype="fp16") == pytest.approx((32 / whole, whole))
@@ -234,12 +258,13 @@ def test_calc_prints_a_pipeline_with_and_without_micro_batches(capsys):
     assert run_calc(*argv) == 0
     default = capsys.readouterr().out  # on an H100 the engine runs one step at a time
     assert "stage handoffs per decode step of 32 tokens: 1, each 0.52 MB" in default  # 2 x 32 x 4096 x 2 B
-    assert "one step at a time: ~2973 tok/s, each sequence a token every 10.76 ms  <- this layout" in default
-    assert "micro-batches (2 in the stages at once, ~16 sequences each): ~3903 tok/s, each sequence a token " \
-           "every 8.20 ms\n" in default
+    # the passes of test_micro_batches_split_what_grows_with_the_rows_not_the_weight_read
+    assert "one step at a time: ~3062 tok/s, each sequence a token every 10.45 ms  <- this layout" in default
+    assert "micro-batches (2 in the stages at once, ~16 sequences each): ~4058 tok/s, each sequence a token " \
+           "every 7.89 ms\n" in default
     assert run_calc(*argv, "--pipeline-micro-batches") == 0
     on = capsys.readouterr().out
-    assert "~2973 tok/s, each sequence a token every 10.76 ms\n" in on and "every 8.20 ms  <- this layout" in on
+    assert "~3062 tok/s, each sequence a token every 10.45 ms\n" in on and "every 7.89 ms  <- this layout" in on
     assert run_calc(*argv, "--gpu", "cpu") == 0  # the engine's CPU default: micro-batches
     assert "ms  <- this layout" in capsys.readouterr().out.split("micro-batches (2 in")[1]
     assert run_calc(*argv, "--gpu", "cpu", "--no-pipeline-micro-batches") == 0

@@ -37,8 +37,9 @@ def test_flops_per_token_and_prefill():
 
 
 def test_decode_mbu_batch_1():
-    # 100 tok/s, batch 1, context 100 + 100/2 = 150: weights + 150 tokens of KV per step.
-    step_bytes = SPEC.num_params() * 2 + 150 * 524288
+    # 100 tok/s, batch 1, context 100 + 100/2 = 150: per step the weights a token reads (6.74 B parameters
+    # less the 32000 x 4096 embedding table, of which it reads one row) + 150 tokens of KV.
+    step_bytes = (6_738_415_616 - 32_000 * 4096) * 2 + 150 * 524288
     assert decode_step_bytes(SPEC, 1, 150) == step_bytes
     d = analyze_decode(SPEC, GPU, obs())
     assert d.mbu == pytest.approx(step_bytes * 100 / 2e12)
@@ -220,9 +221,10 @@ def test_a_parallel_layout_is_one_replica_of_tp_gpus():
     four = replica_hardware(h100, Layout(tp=4))
     assert (four.memory_bandwidth, four.memory_bytes, four.flops_for("bf16")) == (4 * 3.35e12, 320e9, 4 * 989.4e12)
     assert replica_hardware(h100, Layout(tp=2, pp=2)).memory_bandwidth == 2 * 3.35e12  # stages take turns
-    # 50 tok/s at batch 1, context 150: 141.1 GB of weights + 150 x 327680 B of KV per step, over 4 GPUs
+    # 50 tok/s at batch 1, context 150: 139.0 GB of weights (141.1 less the 128256 x 8192 embedding table,
+    # of which a token reads one row) + 150 x 327680 B of KV per step, over 4 GPUs
     decode = analyze_decode(spec, four, obs(tpot_s=0.02))
-    assert decode.mbu == pytest.approx((70_553_706_496 * 2 + 150 * 327_680) * 50 / (4 * 3.35e12))
+    assert decode.mbu == pytest.approx(((70_553_706_496 - 128_256 * 8192) * 2 + 150 * 327_680) * 50 / (4 * 3.35e12))
     assert per_replica(obs(concurrency=8.0), Layout(dp=2)).concurrency == 4.0
 
 
@@ -247,7 +249,7 @@ def test_a_decode_round_over_micro_batches_reads_the_weights_once_each():
 
     spec, h100 = get_preset("llama-3.1-70b"), get_hardware("h100-sxm")
     o = obs(concurrency=8.0, tpot_s=0.05)  # 20 rounds/s at a context of 100 + 100 / 2 = 150
-    weights, kv = 70_553_706_496 * 2, 8 * 150 * 327_680
+    weights, kv = (70_553_706_496 - 128_256 * 8192) * 2, 8 * 150 * 327_680  # a step reads no embedding table
     prefill, decode = analyze_replica(spec, h100, o, Layout(tp=4, pp=2, micro_batches=True))
     # 8 sequences fill both stages: 2 micro-batches each read the weights, over 2 stages x 4 GPUs' bandwidth
     assert decode.mbu == pytest.approx((2 * weights + kv) * 20 / (8 * 3.35e12))
@@ -280,8 +282,9 @@ def test_diagnose_command_with_tensor_parallelism(capsys):
     assert run_diagnose("--model", "llama-3.1-70b", "--hardware", "h100-sxm", "--tensor-parallel-size", "4") == 0
     text = capsys.readouterr().out
     assert "4 x h100-sxm (TP 4, PP 1)" in text and "35.28 GB per GPU" in text
-    # 4 x 3.35 TB/s / 141.1 GB = 95 tok/s (10.53 ms); 160 all-reduces of 16 KiB: 160 x 8.5 us + a ring's
-    # 1.5 x 2.6 MB over 450 GB/s = 1.37 ms, and 80 layers x 26 us = 2.08 ms more per token: 71.5 tok/s
-    assert "95 tok/s" in text and "160 x 16 KiB, 1.37 ms at 8.5 us each" in text and "72 tok/s" in text
+    # 4 x 3.35 TB/s / 139.0 GB read a step (the 141.1 GB of weights less the 2.1 GB embedding table) = 96 tok/s
+    # (10.37 ms); 160 all-reduces of 16 KiB: 160 x 8.5 us + a ring's 1.5 x 2.6 MB over 450 GB/s = 1.37 ms, and
+    # 80 layers x 26 us = 2.08 ms more per token: 72.3 tok/s
+    assert "96 tok/s" in text and "160 x 16 KiB, 1.37 ms at 8.5 us each" in text and "72 tok/s" in text
     with pytest.raises(InvalidRequestError, match="must divide 64 heads"):
         run_diagnose("--model", "llama-3.1-70b", "--tp", "3")

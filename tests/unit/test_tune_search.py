@@ -3,9 +3,12 @@ rejects, how it resumes and stops. No engine runs here (test_tune_e2e.py runs on
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
+import gguf
+import numpy as np
 import pytest
 
 from goodserve.diagnose.model_shape import resolve_spec
@@ -279,11 +282,35 @@ def test_plan_on_a_busy_gpu_skips_weight_only_quantization_and_tries_fp8_then_th
     assert "dequantizes" in reasons["quantization=int4"] and "dequantizes" in reasons["quantization=int8"]
     assert [step.name for step, _ in to_try[:2]] == ["quantization=fp8", "scheduler_policy=slo"]
     fp8 = to_try[0][0]
-    halved = busy.weight_bytes_of("fp8") / busy.weight_bytes_of("none")
+    halved = busy.read_bytes_of("fp8") / busy.read_bytes_of("none")
     assert fp8.predicted == pytest.approx(busy.decode_speedup(weight_ratio=halved))
     assert 1.3 < fp8.predicted < 1.5 and "FP8 GEMMs at every batch size" in fp8.why
     quiet = bottleneck(engine=gpu, device="cuda", num_gpus=1, spec=resolve_spec("llama-3.1-8b"), concurrency=8.0)
     assert plan({}, quiet, tried=set())[0][0][0].name == "quantization=int4"  # at 8 rows its kernels read codes
+
+
+def test_quantization_moves_weigh_the_bytes_a_decode_step_reads(tmp_path):
+    # llama-3.1-8b in bf16: 8.03 B parameters less the 128256 x 4096 embedding table a step reads a row of;
+    # int4 keeps the table in bf16 and quantizes the 7.50 B others to 0.5 B and a bf16 scale per 128
+    gpu = {"model": "dummy:llama-3.1-8b", "dtype": "bfloat16", "device": "cuda", "device_name": "NVIDIA H100"}
+    b = bottleneck(engine=gpu, device="cuda", spec=resolve_spec("llama-3.1-8b"))
+    matmuls = 8_030_261_248 - 128_256 * 4096
+    assert b.read_bytes_of("none") == matmuls * 2
+    assert b.read_bytes_of("int4") == pytest.approx(matmuls * 0.5 + matmuls / 128 * 2)
+    # a GGUF file by its size, less its token embedding table (64 x 64 float32: 16 KiB) unless the lm_head is it
+    path = tmp_path / "untied.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for name in ("token_embd.weight", "output.weight"):
+        writer.add_tensor(name, np.zeros((64, 64), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    untied = bottleneck(engine={"model": str(path)}, spec=dataclasses.replace(resolve_spec("smollm2-135m"),
+                                                                             tie_word_embeddings=False))
+    assert untied.read_bytes_of("gguf") == path.stat().st_size - 64 * 64 * 4
+    tied = bottleneck(engine={"model": str(path)})  # smollm2-135m ties its embeddings
+    assert tied.read_bytes_of("gguf") == path.stat().st_size
 
 
 def test_fp8_is_offered_on_gpus_with_fp8_tensor_cores_only():

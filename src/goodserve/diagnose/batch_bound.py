@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import asdict, dataclass
 
-from goodserve.diagnose.calc import decode_weight_bytes, dtype_bytes, embedding_bytes
+from goodserve.diagnose.calc import decode_weight_bytes, dtype_bytes
 from goodserve.errors import InvalidRequestError
 from goodserve.model.spec import ModelSpec
 
@@ -100,8 +100,7 @@ def batch_bound(spec: ModelSpec, lengths: list[tuple[int, int]], bandwidth: floa
     fed = sum(p + o - 1 for p, o in lengths)
     sampled = sum(o for _, o in lengths)
     head = spec.vocab_size * spec.hidden_size
-    table = 0.0 if spec.tie_word_embeddings else embedding_bytes(spec, dtype)
-    weights = sum(decode_weight_bytes(spec, dtype, tokens) - table for tokens in _tokens_per_step(lengths, steps))
+    weights = sum(decode_weight_bytes(spec, dtype, tokens) for tokens in _tokens_per_step(lengths, steps))
     # Every token fed attends over positions 1..p+o-1 of its sequence; the decodes (after the prompt) read them.
     attended = sum(_layer_positions(spec, 1, p + o - 1) for p, o in lengths)
     read = sum(_layer_positions(spec, p + 1, p + o - 1) for p, o in lengths)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from dataclasses import asdict
 from pathlib import Path
 
@@ -29,7 +30,7 @@ from rich.table import Table
 from goodserve.console import make_console
 from goodserve.diagnose.advisor import HIGH_TPOT_S, Advice, advise
 from goodserve.diagnose.assumptions import DEFAULT_HARDWARE, DEFAULT_MODEL, Assumptions, resolve
-from goodserve.diagnose.calc import weight_bytes, window_saving
+from goodserve.diagnose.calc import decode_weight_bytes, weight_bytes, window_saving
 from goodserve.diagnose.model_shape import resolve_spec
 from goodserve.diagnose.observations import Observations, from_bench_result, from_metrics_url
 from goodserve.diagnose.parallel import (ALLREDUCE_LATENCY_S, Layout, add_layout_arguments, allreduce_payload_bytes,
@@ -77,6 +78,8 @@ def model_table(spec: ModelSpec, hw: Hardware, dtype: str, compute_dtype: str, l
                 kv_dtype: str = "bf16") -> Table:
     """hw: one GPU; a TP x PP replica's rows are per GPU (weights) or the replica's (ceilings)."""
     weights = weight_bytes(spec, dtype)
+    # At the ridge's batches a step reads every expert of a mixture: the bytes of batch -> infinity.
+    read_at_ridge = decode_weight_bytes(spec, dtype, math.inf)
     group = replica_hardware(hw, layout)
     ridge = group.ridge_point(compute_dtype)
     limit = decode_limit(spec, hw, layout, 0, 1, dtype, kv_dtype)
@@ -96,9 +99,11 @@ def model_table(spec: ModelSpec, hw: Hardware, dtype: str, compute_dtype: str, l
         ("peak bandwidth", f"{group.memory_bandwidth / 1e9:.3g} GB/s"),
         ("memory", f"{group.memory_bytes / 1e9:.0f} GB"),
         ("ridge point", f"{ridge:.0f} FLOP/byte"),
-        # One sequence: every step reads all weights, so bandwidth caps tokens/s at bw / weights.
+        ("weights a batch-1 decode step reads", f"{decode_weight_bytes(spec, dtype) / 1e9:.2f} GB"
+         + ("" if spec.tie_word_embeddings else " (not the embedding table: one row of it)")),
+        # One sequence: every step reads those weights, so bandwidth caps tokens/s at bw / their bytes.
         ("batch-1 decode ceiling", f"{limit.bandwidth_tokens_per_s:.0f} tok/s"),
-        ("decode batch to reach the ridge", f"~{ridge * weights / (2 * spec.num_matmul_params()):.0f}"),
+        ("decode batch to reach the ridge", f"~{ridge * read_at_ridge / (2 * spec.num_matmul_params()):.0f}"),
     ]
     if spec.layer_windows and spec.max_position_embeddings:
         rows.append((f"KV of a {spec.max_position_embeddings}-token sequence ({kv_dtype}, sliding windows)",

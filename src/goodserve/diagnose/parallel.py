@@ -6,7 +6,8 @@ GPUs send each other per step, how fast one sequence can decode, and which layou
 - Tensor parallelism all-reduces the hidden state twice per layer (after attention's o and the
   MLP's down projection): 2 x layers x hidden x tokens x activation bytes per step. A ring
   all-reduce moves 2 (N - 1) / N of that payload over each GPU's link.
-- Decode of one sequence reads every weight once per token. TP splits that read over N GPUs'
+- Decode of one sequence reads every weight once per token (of an untied embedding table one row).
+  TP splits that read over N GPUs'
   bandwidth but adds 2 x layers all-reduces, whose latency (not their bytes: 16 KB each for an 8B
   model) decides small-batch speed. PP stages run one after another for a token: no faster, and
   one step at a time no more throughput either. Each stage hands the next its hidden states and
@@ -160,9 +161,10 @@ def decode_limit(spec: ModelSpec, hw: Hardware, layout: Layout, context_len: int
     """One decode step of `batch` sequences on one replica: each GPU reads its weights (1 / TP of
     them in turn, stage after stage) and its KV heads, or computes its share of the FLOPs where they
     take longer, and pays each layer's kernel latencies, then the all-reduces and stage handoffs. On
-    H100s at a 256-token context this predicts llama-3.1-8b batch 1 at 177 / 248 / 353 tok/s for TP 1
-    / 2 / 4 (measured 170.5 / 238.6 / 351.4) and llama-3.1-70b at TP 4 68 tok/s (measured 63.8),
-    where the bandwidth alone says 208 / 416 / 833 and 95."""
+    H100s at a 256-token context this predicts llama-3.1-8b batch 1 at 188 / 276 / 400 tok/s for TP 1
+    / 2 / 4 (measured 170.5 / 263.4 / 390.6) and llama-3.1-70b at TP 4 72 tok/s (measured 65.2),
+    where the bandwidth alone says 223 / 445 / 891 and 96: the datasheet's 3.35 TB/s, where a copy
+    measured 3.0 (at which TP 1's read and latencies make 5.86 ms, 171 tok/s)."""
     kv_per_token = 2 * spec.num_layers * kv_heads_per_gpu(spec, layout.tp) * spec.head_dim * dtype_bytes(kv_dtype)
     weights = decode_weight_bytes(spec, dtype, batch) / layout.tp
     read = (weights + batch * context_len * kv_per_token) / hw.memory_bandwidth

@@ -1,12 +1,14 @@
 """Roofline arithmetic: FLOPs and bytes per phase, MFU/MBU, and what bounds each phase.
 
 - FLOPs per token = 2 x matmul params + attention (4 x layers x context x q_size: QK^T and AV).
-- A decode step reads every weight once plus each sequence's KV cache; a batch of B shares the
-  weight read, so its arithmetic intensity is about B FLOPs per weight byte (x2 / bytes-per-weight).
+- A decode step reads every weight once (of an untied embedding table only a row a token: calc.py's
+  decode_weight_bytes) plus each sequence's KV cache; a batch of B shares the weight read, so its
+  arithmetic intensity is about B FLOPs per weight byte (x2 / bytes-per-weight).
   Pipeline micro-batches split a decode round (a token for every sequence) into steps that each read
   the weights (diagnose/parallel.py).
 - Prefill of P tokens reuses each weight P times: intensity ~ P, far above the ridge point.
-- MBU = bytes moved per step / step time / peak bandwidth; MFU = FLOP/s achieved / peak FLOP/s.
+- MBU = bytes moved per step (the weights it reads, not all of them) / step time / peak bandwidth;
+  MFU = FLOP/s achieved / peak FLOP/s.
 - `dtype` sets bytes per weight; `compute_dtype` the peak FLOP/s and ridge (weight-only int8/int4
   multiply in the activations' dtype: float32 on a CPU engine, bf16 on a GPU). Default: from dtype.
 """
@@ -122,7 +124,8 @@ def analyze_prefill(spec: ModelSpec, hw: Hardware, obs: Observations, dtype: str
     """Per request from TTFT; TTFT includes queueing, so MFU and MBU here are lower bounds."""
     prompt = max(1.0, obs.mean_prompt_len)
     flops = prefill_flops(spec, prompt)
-    moved = weight_bytes(spec, dtype) + prompt * spec.kv_bytes_per_token(dtype_bytes(kv_dtype))
+    # The weights a forward pass over the prompt's tokens reads, as a decode step of that many tokens.
+    moved = decode_weight_bytes(spec, dtype, prompt) + prompt * spec.kv_bytes_per_token(dtype_bytes(kv_dtype))
     per_s = 1.0 / obs.ttft_s if obs.ttft_s > 0 else 0.0
     compute_dtype = compute_dtype or default_compute_dtype(dtype)
     ridge = hw.ridge_point(compute_dtype)

@@ -13,12 +13,13 @@ from dataclasses import dataclass, field
 
 from goodserve.diagnose.advisor import advise
 from goodserve.diagnose.assumptions import resolve
-from goodserve.diagnose.calc import QUANTIZED_WEIGHT_DTYPES, weight_bytes
+from goodserve.diagnose.calc import QUANTIZED_WEIGHT_DTYPES, decode_weight_bytes
 from goodserve.diagnose.model_shape import resolve_spec
 from goodserve.diagnose.observations import from_bench_run
 from goodserve.diagnose.roofline import analyze_decode, analyze_prefill, decode_step_bytes
 from goodserve.diagnose.speculation import recommend_speculation
 from goodserve.hardware import HARDWARE, get_hardware, hardware_for_device
+from goodserve.model.gguf_reader import open_gguf
 from goodserve.model.spec import ModelSpec
 from goodserve.model_names import gguf_model_path
 
@@ -48,13 +49,15 @@ class Bottleneck:
                 f"{100 * self.weight_share:.0f}% of a decode step's bytes"
                 + (f"; diagnose: {', '.join(self.symptoms)}" if self.symptoms else ""))
 
-    def weight_bytes_of(self, quantization: str) -> float:
-        """Bytes of the weights under a quantization: a GGUF file's codes by its size."""
+    def read_bytes_of(self, quantization: str) -> float:
+        """Bytes of the weights a decode step at capacity reads under a quantization (diagnose's count:
+        an untied embedding table is left out, a token reads one row of it); a GGUF file's by its size."""
         path = gguf_model_path(self.engine.get("model", ""))
         if quantization == "gguf" and path is not None:
-            return float(os.path.getsize(path))
+            return float(os.path.getsize(path)) - (0.0 if self.spec.tie_word_embeddings else _table_bytes(path))
         short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[self.engine.get("dtype", "float32")]
-        return weight_bytes(self.spec, quantization if quantization in QUANTIZED_WEIGHT_DTYPES else short)
+        return decode_weight_bytes(self.spec, quantization if quantization in QUANTIZED_WEIGHT_DTYPES else short,
+                                   max(1.0, self.concurrency))
 
     @property
     def fp8_tensor_cores(self) -> bool:
@@ -86,16 +89,21 @@ def diagnose_trial(trial: dict, slos_ms: dict[str, float], num_gpus: int) -> Bot
     hardware = get_hardware(assumed.hardware)
     decode = analyze_decode(spec, hardware, obs, assumed.weight_dtype, assumed.kv_dtype, assumed.compute_dtype)
     prefill = analyze_prefill(spec, hardware, obs, assumed.weight_dtype, assumed.kv_dtype, assumed.compute_dtype)
-    step = decode_step_bytes(spec, max(1.0, obs.concurrency), obs.mean_context_len, assumed.weight_dtype,
-                             assumed.kv_dtype)
+    batch = max(1.0, obs.concurrency)
+    step = decode_step_bytes(spec, batch, obs.mean_context_len, assumed.weight_dtype, assumed.kv_dtype)
     speculation = recommend_speculation(obs)
     return Bottleneck(
         device=engine.get("device", "cpu"), num_gpus=num_gpus,
         limiting_slo=limiting_slo(trial.get("above_capacity"), slos_ms), decode_verdict=decode.verdict,
         concurrency=obs.concurrency, mean_prompt_len=obs.mean_prompt_len, mean_output_len=obs.mean_output_len,
-        weight_share=weight_bytes(spec, assumed.weight_dtype) / step, speculation=speculation.method,
+        weight_share=decode_weight_bytes(spec, assumed.weight_dtype, batch) / step, speculation=speculation.method,
         speculation_why=speculation.why, repeated_prefixes=obs.repeated_prefixes or _repeats(run),
         engine=engine, spec=spec, symptoms=[a.symptom for a in advise(obs, [decode, prefill], engine)])
+
+
+def _table_bytes(path) -> float:
+    """The GGUF file's token embedding table, in its own encoding."""
+    return float(next(t.n_bytes for t in open_gguf(path).tensors if t.name == "token_embd.weight"))
 
 
 def _repeats(run: dict) -> bool:

@@ -60,9 +60,10 @@ def weight_quantization(b: Bottleneck) -> list[Step]:
     for value in values:
         if value == current:
             continue
-        ratio = b.weight_bytes_of(value) / b.weight_bytes_of(current)
+        ratio = b.read_bytes_of(value) / b.read_bytes_of(current)
         gain = b.decode_speedup(weight_ratio=ratio)
-        what = f"weights {ratio:.2f}x the bytes of {current}: a bandwidth-bound decode step {gain:.2f}x as fast"
+        what = (f"the weights a decode step reads {ratio:.2f}x the bytes of {current}'s: a bandwidth-bound decode "
+                f"step {gain:.2f}x as fast")
         if value == "fp8":
             steps.append(_fp8_step(b, gain, what))
         elif b.device == "cpu" and value == "int8":
