@@ -41,8 +41,9 @@ def test_mbu_of_a_float32_cpu_engine_uses_4_bytes_a_weight(tmp_path, capsys):
     decode = json.loads(out.read_text())["phases"][1]
     # records(): prompts 100 and 300 (mean 200), outputs 4 and 2 (mean 3), TPOTs 0.3/3 and 0.4/1 s
     # (median 0.25 s: 4 steps/s), Little's law batch 1. Context 200 + 3/2 = 201.5 tokens of
-    # float32 KV (262144 values x 4 B); float32 weights; the "cpu" table entry moves 0.1 TB/s.
-    step_bytes = SPEC.num_params() * 4 + 201.5 * 262144 * 4
+    # float32 KV (262144 values x 4 B); float32 weights, those a step reads: 6.74 B parameters less the
+    # 32000 x 4096 embedding table, of which a token reads one row; the "cpu" table entry moves 0.1 TB/s.
+    step_bytes = (6_738_415_616 - 32_000 * 4096) * 4 + 201.5 * 262144 * 4
     assert decode["mbu"] == pytest.approx(step_bytes * 4 / 0.1e12)
     assert "weights fp32, compute fp32, KV cache fp32, hardware cpu" in capsys.readouterr().out
 

@@ -7,11 +7,10 @@ GPUs send each other per step, how fast one sequence can decode, and which layou
   MLP's down projection): 2 x layers x hidden x tokens x activation bytes per step. A ring
   all-reduce moves 2 (N - 1) / N of that payload over each GPU's link.
 - Decode of one sequence reads every weight once per token (of an untied embedding table one row).
-  TP splits that read over N GPUs'
-  bandwidth but adds 2 x layers all-reduces, whose latency (not their bytes: 16 KB each for an 8B
-  model) decides small-batch speed. PP stages run one after another for a token: no faster, and
-  one step at a time no more throughput either. Each stage hands the next its hidden states and
-  residual ([2, tokens, hidden]) once a step.
+  TP splits that read over N GPUs' bandwidth but adds 2 x layers all-reduces, whose latency (not
+  their bytes: 16 KB each for an 8B model) decides small-batch speed. PP stages run one after
+  another for a token: no faster, and one step at a time no more throughput either. Each stage
+  hands the next its hidden states and residual ([2, tokens, hidden]) once a step.
 - Pipeline micro-batches (the engine's --pipeline-micro-batches): at a batch of B, min(M, B) steps
   of ~B / min(M, B) sequences each are in the M stages at once, so that many stages' bandwidth and
   FLOP/s work together; but each micro-batch reads its stages' weights again, so a decode round
