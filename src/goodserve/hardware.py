@@ -2,8 +2,10 @@
 
 Numbers are the vendors' datasheet peaks for dense math (no 2:4 sparsity); real kernels reach
 roughly 60-80% of FLOP/s and 80-90% of bandwidth, which is why MFU/MBU near 100% never happen.
-`measure_local()` probes the machine it runs on instead (a copy and a matmul, with torch). A root
-module: `diagnose/` reads it, and so does the engine (its step-time model's roofline priors).
+Beside each peak bandwidth, the share of it a copy reaches (`copy_bandwidth`): what a prediction
+of a step's time reads at, where MBU and the roofline's ridge keep the peak. `measure_local()`
+probes the machine it runs on instead (a copy and a matmul, with torch). A root module:
+`diagnose/` reads it, and so does the engine (its step-time model's roofline priors).
 """
 
 from __future__ import annotations
@@ -15,6 +17,12 @@ from goodserve.errors import InvalidRequestError
 
 TERA = 1e12
 GB = 1e9
+# The share of an HBM datasheet's bandwidth a copy reaches (dst.copy_(src), bytes read + written a
+# second): 3.00 of 3.35 TB/s on an H100 SXM (copy_bandwidth_gbps_per_gpu 2994-2999 in
+# benchmarks/results/gpu_tp_fused_h100x4.json and gpu_tp_70b_fused_h100x4.json, 3002 in
+# gpu_peer_vllm_h100.json). Assumed for the table's GPUs with no copy measured (H100 PCIe, the A100s,
+# and the GDDR6 L4 and A10G): the H200, the one other measured, reaches 0.88 (its entry's own).
+COPY_EFFICIENCY = 3.0 / 3.35
 
 
 @dataclass(frozen=True)
@@ -28,6 +36,12 @@ class Hardware:
     link_bandwidth: float = 0.0
     note: str = ""
     measured: bool = field(default=False)
+    copy_efficiency: float = COPY_EFFICIENCY  # of memory_bandwidth, what a copy reaches
+
+    @property
+    def copy_bandwidth(self) -> float:
+        """Bytes/s a copy reaches: the rate a decode step's weight and KV reads get in practice."""
+        return self.memory_bandwidth * self.copy_efficiency
 
     def flops_for(self, dtype: str) -> float:
         """Peak for a compute dtype; weight-only int8/int4 still multiply in bf16."""
@@ -61,7 +75,9 @@ HARDWARE: dict[str, Hardware] = {
     for hw in [
         Hardware("h100-sxm", _tensor_core(989.4, 66.9, 1978.9, 1978.9), 3.35e12, 80 * GB, 450 * GB),
         Hardware("h100-pcie", _tensor_core(756.0, 51.2, 1513.0, 1513.0), 2.0e12, 80 * GB, 64 * GB),
-        Hardware("h200", _tensor_core(989.4, 66.9, 1978.9, 1978.9), 4.8e12, 141 * GB, 450 * GB),
+        # A copy: 4.24 of 4.8 TB/s (copy_bandwidth_gbps_per_gpu in benchmarks/results/gpu_tp_h200x4.json).
+        Hardware("h200", _tensor_core(989.4, 66.9, 1978.9, 1978.9), 4.8e12, 141 * GB, 450 * GB,
+                 copy_efficiency=4.24 / 4.8),
         Hardware("a100-40gb", _tensor_core(312.0, 19.5, 624.0), 1.555e12, 40 * GB, 300 * GB),
         Hardware("a100-80gb", _tensor_core(312.0, 19.5, 624.0), 2.039e12, 80 * GB, 300 * GB),
         Hardware("l4", _tensor_core(121.0, 30.3, 242.5, 242.5), 0.3e12, 24 * GB, 32 * GB),
@@ -69,7 +85,8 @@ HARDWARE: dict[str, Hardware] = {
                  note="AWS A10G; tensor peaks are lower than the A10's"),
         Hardware("cpu", {"fp32": 1.0 * TERA, "bf16": 1.0 * TERA, "fp16": 1.0 * TERA, "int8": 2.0 * TERA},
                  0.1e12, 64 * GB, 10 * GB, note="a generic server CPU (link: gloo through shared memory, "
-                                                "a guess); use --measure for this machine"),
+                                                "a guess); use --measure for this machine",
+                 copy_efficiency=1.0),  # its bandwidth is a guess at what a copy reaches, not a datasheet's
     ]
 }
 
@@ -139,7 +156,8 @@ def measure_local(device: str = "auto", copy_bytes: int | None = None, matmul_n:
     flops["fp16"] = flops["bf16"]
     memory = (torch.cuda.get_device_properties(dev).total_memory if on_gpu else _host_memory_bytes())
     name = torch.cuda.get_device_name(dev) if on_gpu else "local cpu"
-    return Hardware(f"measured: {name}", flops, bandwidth, memory, note="measured here", measured=True)
+    return Hardware(f"measured: {name}", flops, bandwidth, memory, note="measured here", measured=True,
+                    copy_efficiency=1.0)  # the bandwidth is a copy's
 
 
 def _host_memory_bytes() -> float:

@@ -282,9 +282,10 @@ def test_diagnose_command_with_tensor_parallelism(capsys):
     assert run_diagnose("--model", "llama-3.1-70b", "--hardware", "h100-sxm", "--tensor-parallel-size", "4") == 0
     text = capsys.readouterr().out
     assert "4 x h100-sxm (TP 4, PP 1)" in text and "35.28 GB per GPU" in text
-    # 4 x 3.35 TB/s / 139.0 GB read a step (the 141.1 GB of weights less the 2.1 GB embedding table) = 96 tok/s
-    # (10.37 ms); 160 all-reduces of 16 KiB: 160 x 8.5 us + a ring's 1.5 x 2.6 MB over 450 GB/s = 1.37 ms, and
-    # 80 layers x 26 us = 2.08 ms more per token: 72.3 tok/s
-    assert "96 tok/s" in text and "160 x 16 KiB, 1.37 ms at 8.5 us each" in text and "72 tok/s" in text
+    # 4 x 3.0 TB/s (a copy's, of the datasheet's 3.35) / 139.0 GB read a step (the 141.1 GB of weights less the
+    # 2.1 GB embedding table) = 86 tok/s (11.58 ms); 160 all-reduces of 16 KiB: 160 x 8.5 us + a ring's 1.5 x
+    # 2.6 MB over 450 GB/s = 1.37 ms, and 80 layers x 24.6 us = 1.97 ms more per token: 67.0 tok/s
+    assert "1.34e+04 GB/s" in text and "1.2e+04 GB/s (89.6% of peak)" in text  # 4 x 3.35 and 4 x 3.0 TB/s
+    assert "86 tok/s" in text and "160 x 16 KiB, 1.37 ms at 8.5 us each" in text and "67 tok/s" in text
     with pytest.raises(InvalidRequestError, match="must divide 64 heads"):
         run_diagnose("--model", "llama-3.1-70b", "--tp", "3")

@@ -38,7 +38,8 @@ def register_batch(actions) -> None:
     batch.add_argument("--kv-dtype", choices=sorted(DTYPE_BYTES), default="fp16", help="KV cache dtype")
     batch.add_argument("--gpu", default="h100-sxm", help=f"the card's datasheet: {', '.join(HARDWARE)}")
     batch.add_argument("--bandwidth-gbps", type=float,
-                       help="memory bandwidth, GB/s, e.g. a measured copy rate (default: --gpu's datasheet peak)")
+                       help="memory bandwidth, GB/s, e.g. a measured copy rate (default: --gpu's datasheet peak, "
+                            "which no kernel passes; a copy reaches ~90%% of it)")
     batch.add_argument("--tflops", type=float, help="matmul rate, TFLOP/s, e.g. a measured one (default: --gpu's "
                                                     "dense peak in the weights' compute dtype)")
     batch.add_argument("--json", action="store_true", help="print the bound as JSON")

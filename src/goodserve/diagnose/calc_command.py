@@ -58,8 +58,8 @@ def register(subparsers) -> None:
                        help="what one small all-reduce costs a decode step (the one-shot all-reduce in a CUDA "
                             "graph on NVLink, measured on H100s)")
     fit_p.add_argument("--layer-latency-us", type=float, default=LAYER_LATENCY_S * 1e6,
-                       help="what a decoder layer's kernels cost a decode step beyond their bytes (H100, CUDA "
-                            "graphs, measured)")
+                       help="what a decoder layer's kernels cost a decode step beyond their bytes (fitted to "
+                            "batch-1 decode on H100s, CUDA graphs)")
     fit_p.add_argument("--gpus", type=int, help="GPUs to spend, for the advice (default: the layout's)")
     fit_p.add_argument("--goal", choices=("throughput", "latency"), default="throughput",
                        help="what the advice optimizes: tokens/s over all GPUs, or one sequence's TPOT")
@@ -159,8 +159,10 @@ def _fit(args) -> int:
                           f"GPU of a stage to its peer in the next")
     limit = decode_limit(spec, gpu, layout, args.seq_len, 1, args.dtype, args.kv_dtype, args.allreduce_latency_us / 1e6,
                          args.layer_latency_us / 1e6)
-    console.print(f"  one sequence at {args.seq_len} tokens of context decodes at most "
-                  f"{limit.bandwidth_tokens_per_s:.0f} tok/s by bandwidth; expect ~{limit.tokens_per_s:.0f} tok/s "
+    console.print(f"  one sequence at {args.seq_len} tokens of context decodes at ~"
+                  f"{limit.bandwidth_tokens_per_s:.0f} tok/s by bandwidth alone (its reads at the "
+                  f"{gpu.copy_bandwidth / 1e9:.0f} GB/s a copy reaches of the datasheet's "
+                  f"{gpu.memory_bandwidth / 1e9:.0f}); expect ~{limit.tokens_per_s:.0f} tok/s "
                   f"with the layers' kernel latencies ({1000 * limit.layers_s:.2f} ms) and the collectives "
                   f"({1000 * limit.allreduce_s:.2f} ms all-reduce, {1000 * limit.handoff_s:.2f} ms stage handoffs) "
                   f"per token")

@@ -97,12 +97,15 @@ def model_table(spec: ModelSpec, hw: Hardware, dtype: str, compute_dtype: str, l
         # 3 significant digits: a CPU's 0.0123 TFLOP/s and 9.8 GB/s must not print as 0.0
         (f"peak compute ({compute_dtype})", f"{group.flops_for(compute_dtype) / 1e12:.3g} TFLOP/s"),
         ("peak bandwidth", f"{group.memory_bandwidth / 1e9:.3g} GB/s"),
+        ("bandwidth a copy reaches", f"{group.copy_bandwidth / 1e9:.3g} GB/s"
+         + ("" if hw.copy_efficiency == 1 else f" ({100 * hw.copy_efficiency:.1f}% of peak)")),
         ("memory", f"{group.memory_bytes / 1e9:.0f} GB"),
         ("ridge point", f"{ridge:.0f} FLOP/byte"),
         ("weights a batch-1 decode step reads", f"{decode_weight_bytes(spec, dtype) / 1e9:.2f} GB"
          + ("" if spec.tie_word_embeddings else " (not the embedding table: one row of it)")),
-        # One sequence: every step reads those weights, so bandwidth caps tokens/s at bw / their bytes.
-        ("batch-1 decode ceiling", f"{limit.bandwidth_tokens_per_s:.0f} tok/s"),
+        # One sequence: every step reads those weights, so bandwidth caps tokens/s at bw / their bytes
+        # (at the copy's: the rate a step's reads get; MBU above weighs them against the peak).
+        ("batch-1 decode ceiling (reads at the copy's bandwidth)", f"{limit.bandwidth_tokens_per_s:.0f} tok/s"),
         ("decode batch to reach the ridge", f"~{ridge * read_at_ridge / (2 * spec.num_matmul_params()):.0f}"),
     ]
     if spec.layer_windows and spec.max_position_embeddings:

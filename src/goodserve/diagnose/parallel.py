@@ -49,10 +49,13 @@ from goodserve.model.spec import ModelSpec
 # --allreduce-latency-us: another interconnect's.
 ALLREDUCE_LATENCY_S = 8.5e-6
 # What a decoder layer's ~8 kernels cost a decode step beyond the bytes they read (launch and
-# dependency latencies, inside a CUDA graph): 26 us on an H100 at TP=1 (llama-3.1-8b batch 1: 5.87 ms a
-# token against 5.03 at the measured copy bandwidth, over 32 layers; gpu_tp_h100x4.json). Every rank
-# pays it at any TP. --layer-latency-us: another GPU's or kernel set's.
-LAYER_LATENCY_S = 26e-6
+# dependency latencies, inside a CUDA graph), the bytes at the bandwidth a copy reaches: least squares
+# on the relative error of decode_limit's batch-1 predictions at a 256-token context against the
+# engine on H100s, llama-3.1-8b at TP 1 / 2 / 4 (170.5 / 263.4 / 390.6 tok/s;
+# benchmarks/results/gpu_tp_fused_h100x4.json) and llama-3.1-70b at TP 4 (65.2;
+# gpu_tp_70b_fused_h100x4.json), the all-reduces at ALLREDUCE_LATENCY_S: 24.6 us, within 3% of each.
+# Every rank pays it at any TP. --layer-latency-us: another GPU's or kernel set's.
+LAYER_LATENCY_S = 24.6e-6
 NODE_GPUS = 8  # past one node's GPUs, TP's all-reduces would cross the network: PP there instead
 # Micro-batches measured against one step at a time at PP=2 (benchmarks/BENCHMARKS.md): on CUDA the
 # stages run eagerly (the hand-off is not in a CUDA graph), so a step's host time bounds it whatever
@@ -132,7 +135,7 @@ def ring_bytes_sent(payload_bytes: float, tp: int) -> float:
 
 @dataclass
 class DecodeLimit:
-    read_s: float  # reading weights + KV at full bandwidth, per token
+    read_s: float  # reading weights + KV at the bandwidth a copy reaches, per token
     allreduce_s: float  # the all-reduces' latency and bytes on the link
     handoff_s: float  # PP: one send between consecutive stages each
     layers_s: float = 0.0  # each layer's kernel latencies beyond its bytes
@@ -144,13 +147,13 @@ class DecodeLimit:
 
     @property
     def bandwidth_tokens_per_s(self) -> float:
-        """The limit if collectives were free."""
+        """The limit if the layers' latencies and the collectives were free."""
         return 1.0 / self.read_s
 
     @property
     def tokens_per_s(self) -> float:
-        """What to expect: the bytes at full bandwidth (or the FLOPs at peak), each layer's latencies and
-        the collectives."""
+        """What to expect: the bytes at a copy's bandwidth (or the FLOPs at peak), each layer's latencies
+        and the collectives."""
         return 1.0 / self.token_s
 
 
@@ -158,15 +161,15 @@ def decode_limit(spec: ModelSpec, hw: Hardware, layout: Layout, context_len: int
                  dtype: str = "bf16", kv_dtype: str = "bf16", allreduce_latency_s: float = ALLREDUCE_LATENCY_S,
                  layer_latency_s: float = LAYER_LATENCY_S) -> DecodeLimit:
     """One decode step of `batch` sequences on one replica: each GPU reads its weights (1 / TP of
-    them in turn, stage after stage) and its KV heads, or computes its share of the FLOPs where they
-    take longer, and pays each layer's kernel latencies, then the all-reduces and stage handoffs. On
-    H100s at a 256-token context this predicts llama-3.1-8b batch 1 at 188 / 276 / 400 tok/s for TP 1
-    / 2 / 4 (measured 170.5 / 263.4 / 390.6) and llama-3.1-70b at TP 4 72 tok/s (measured 65.2),
-    where the bandwidth alone says 223 / 445 / 891 and 96: the datasheet's 3.35 TB/s, where a copy
-    measured 3.0 (at which TP 1's read and latencies make 5.86 ms, 171 tok/s)."""
+    them in turn, stage after stage) and its KV heads at the bandwidth a copy reaches (3.0 of the
+    datasheet's 3.35 TB/s on an H100: hardware.py's copy_bandwidth), or computes its share of the
+    FLOPs at peak where they take longer, and pays each layer's kernel latencies, then the
+    all-reduces and stage handoffs. On H100s at a 256-token context this predicts llama-3.1-8b batch 1
+    at 172 / 260 / 387 tok/s for TP 1 / 2 / 4 (measured 170.5 / 263.4 / 390.6) and llama-3.1-70b at
+    TP 4 67 tok/s (measured 65.2), where the bandwidth alone says 199 / 399 / 798 and 86."""
     kv_per_token = 2 * spec.num_layers * kv_heads_per_gpu(spec, layout.tp) * spec.head_dim * dtype_bytes(kv_dtype)
     weights = decode_weight_bytes(spec, dtype, batch) / layout.tp
-    read = (weights + batch * context_len * kv_per_token) / hw.memory_bandwidth
+    read = (weights + batch * context_len * kv_per_token) / hw.copy_bandwidth
     act = dtype_for_activations(dtype)
     compute = batch * flops_per_token(spec, context_len) / (layout.tp * hw.flops_for(act))
     allreduce = 0.0

@@ -7,8 +7,9 @@
   Pipeline micro-batches split a decode round (a token for every sequence) into steps that each read
   the weights (diagnose/parallel.py).
 - Prefill of P tokens reuses each weight P times: intensity ~ P, far above the ridge point.
-- MBU = bytes moved per step (the weights it reads, not all of them) / step time / peak bandwidth;
-  MFU = FLOP/s achieved / peak FLOP/s.
+- MBU = bytes moved per step (the weights it reads, not all of them) / step time / peak bandwidth
+  (the datasheet's, as MBU is usually defined: a step that reads at a copy's rate shows ~90% on an
+  H100, never 100%); MFU = FLOP/s achieved / peak FLOP/s. The ridge point is the peaks' too.
 - `dtype` sets bytes per weight; `compute_dtype` the peak FLOP/s and ridge (weight-only int8/int4
   multiply in the activations' dtype: float32 on a CPU engine, bf16 on a GPU). Default: from dtype.
 """
