@@ -56,11 +56,11 @@ def _label(b: Bottleneck, key: str, default: str = "") -> str:
 def weight_quantization(b: Bottleneck) -> list[Step]:
     current = _label(b, "quantization", "none")
     values = (["gguf"] if _gguf_model(b) else []) + ["int4", "int8"] + (["fp8"] if b.fp8_tensor_cores else [])
-    steps = []
+    steps, current_bytes = [], b.read_bytes_of(current)
     for value in values:
         if value == current:
             continue
-        ratio = b.read_bytes_of(value) / b.read_bytes_of(current)
+        ratio = b.read_bytes_of(value) / current_bytes
         gain = b.decode_speedup(weight_ratio=ratio)
         what = (f"the weights a decode step reads {ratio:.2f}x the bytes of {current}'s: a bandwidth-bound decode "
                 f"step {gain:.2f}x as fast")
