@@ -14,6 +14,7 @@ table sized for max_model_len 8192, column-major.
     python benchmarks/gpu_kernels.py --quick    # fewer shapes, no tuning sweeps
     python benchmarks/gpu_kernels.py --decode-sweep 8x1000,256x300  # only: decode splits and tiles
     python benchmarks/gpu_kernels.py --decode-latency-sweep  # only: batch 1-16 decode launches, fused RoPE (~1.5 min)
+    python benchmarks/gpu_kernels.py --decode-latency-sweep --kv-heads 4  # the same for Qwen3-30B-A3B's 4 KV heads
     python benchmarks/gpu_kernels.py --smoke    # CPU, TRITON_INTERPRET=1, tiny shapes: catches Python errors
 """
 
@@ -295,6 +296,8 @@ LATENCY_VARIANTS = [{}] + [
     for keys in (256, 512, 1024)
 ] + [
     {"SPLIT_KEYS": 128},
+    {"SPLIT_KEYS": 32, "BLOCK_N": 32},
+    {"DIRECT_KEYS": 128, "SPLIT_KEYS": 32, "BLOCK_N": 32},
     {"DIRECT_KEYS": 256, "SPLIT_KEYS": 128, "BLOCK_N": 128, "num_warps": 4},
 ]
 
@@ -596,9 +599,13 @@ def main() -> None:
     parser.add_argument("--decode-latency-sweep", action="store_true",
                         help="only: decode launch variants at batch 1/4/16, contexts 128-4096, and fused RoPE; "
                              "writes $OUT/decode_tuning_by_batch.json")
+    parser.add_argument("--kv-heads", type=int, metavar="N",
+                        help="KV heads of the layer (default 8, Llama-3.1-8B's; 4: Qwen3-30B-A3B's, 32 q heads both)")
     parser.add_argument("--prefill-sweep", action="store_true",
                         help="only: prefill tiles for verify steps and prompts, float32 and bf16 (~1 min)")
     args = parser.parse_args()
+    if args.kv_heads:
+        globals()["HK"] = args.kv_heads
     torch.manual_seed(0)
     started = time.time()
     bw = copy_bandwidth()
@@ -635,7 +642,7 @@ def main() -> None:
         print(f"KernelOptions(decode_attention_tuning_by_batch={table!r})  (also in decode_tuning_by_batch.json)")
     result = {
         "device": device_name, "torch": torch.__version__, "triton": triton.__version__,
-        "copy_bandwidth_bytes_per_s": bw, "seconds": time.time() - started, "rows": rows,
+        "copy_bandwidth_bytes_per_s": bw, "seconds": time.time() - started, "kv_heads": HK, "rows": rows,
         **({"prefill_sweep_fastest": table} if args.prefill_sweep else {}),
     }
     path = os.path.join(out_dir, "gpu_kernels_smoke.json" if SMOKE else "gpu_kernels.json")

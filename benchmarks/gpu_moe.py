@@ -11,11 +11,15 @@ Parts (--parts, default kernel,decode,throughput; in this order, one process):
               engine picks (engine_path, quant/triton_moe.moe_kernel_for); for each, the share of the
               copy bandwidth that reading the routed experts' weights once takes (1 token: 8 experts,
               75.5 MB; share_of_copy_bandwidth is fused_us's, grouped_share / gemv_share the
-              paths'); beside them the torch path (a loop over the routed experts, host-synchronizing)
+              paths'); beside them the torch path (a loop over the routed experts, host-synchronizing).
+              Where the engine takes the GEMV path, also gemv_down_slots_<s>_us (the down launch with
+              s of a token's slots a program, gemv_us being the default's) and the router launch
+              (router_one_launch_us) beside the router's linear then the routing kernel
   decode      batch-1 decode, 128-token prompt, 256 tokens (gpu_engine.part_decode, best of 3) of
               dummy:qwen3-30b-a3b, then dummy:qwen3-8b and dummy:llama-3.1-8b; for the MoE the
               bandwidth limit counts the bytes a token reads: attention, norms, router and lm_head,
-              its 8 routed experts a layer (not the other 120), one embedding row, the KV cache
+              its 8 routed experts a layer (not the other 120), one embedding row, the KV cache;
+              --decode-variants: further runs of the MoE with other KernelOptions (decode_variants)
   throughput  500 requests with ShareGPT-like lengths (gpu_engine's workload), offline, output tok/s,
               for dummy:qwen3-30b-a3b and dummy:qwen3-8b
   int8        batch-1 decode as `decode` of dummy:mixtral-8x7b with --quantization int8 (experts
@@ -34,6 +38,7 @@ Writes $OUT/gpu_moe.json.
 from __future__ import annotations
 
 import argparse
+import json
 import time
 
 import torch
@@ -41,16 +46,19 @@ import torch
 import gpu_engine
 from gpu_engine import copy_bandwidth_gbps, free_gpu, random_prompts, run_offline, sharegpt_like_lengths
 from goodserve import LLM
+from goodserve.config import KernelOptions
 from goodserve.model.presets import get_preset
 from goodserve.ops.kernel_choice import TORCH_KERNELS, KernelChoice
 from goodserve.quant.moe import moe_torch, route
-from goodserve.quant.triton_moe import moe_kernel_for, triton_fused_moe
+from goodserve.quant.triton_moe import moe_kernel_for, triton_fused_moe, triton_route, triton_router
 from result_file import write_result
 
 results: dict = {}
 # The kernel part's token counts: decode at batch 1, 2, 4 and 8 (top 8: 64 pairs, GEMV_MAX_PAIRS), where
 # the per-pair GEMV runs, then 64 tokens (the first measured past it, where the two paths cross) and a prefill.
 KERNEL_TOKENS = (1, 2, 4, 8, 64, 512)
+# The decode path's down launch, slots of a token a program takes (gemv_us is the default's).
+DOWN_SLOTS = (2, 4, 8)
 INT4_GROUP = 128  # the engine's choice for Mixtral-8x7B's widths (the largest that divides them)
 
 
@@ -65,6 +73,7 @@ def part_kernel(bandwidth_gbps: float) -> None:
     e, h, i, k = spec.num_experts, spec.hidden_size, spec.moe_intermediate_size, spec.num_experts_per_tok
     w13 = torch.randn(e * 2 * i, h, device="cuda", dtype=torch.bfloat16) * 0.02
     w2 = torch.randn(e * h, i, device="cuda", dtype=torch.bfloat16) * 0.02
+    router = torch.randn(e, h, device="cuda", dtype=torch.bfloat16) * 0.02
     kernels = KernelChoice(triton=True)
     for tokens in KERNEL_TOKENS:
         x = torch.randn(tokens, h, device="cuda", dtype=torch.bfloat16)
@@ -73,6 +82,12 @@ def part_kernel(bandwidth_gbps: float) -> None:
         for path in ("grouped", "gemv"):
             row[f"{path}_us"] = _time_us(lambda: triton_fused_moe(x, w13, w2, weights, ids, kernels, path=path))
         row["fused_us"] = row[f"{row['engine_path']}_us"]
+        if row["engine_path"] == "gemv":
+            for slots in DOWN_SLOTS:  # gemv_us: quant/triton_moe.DOWN_SLOTS_PER_PROGRAM's
+                row[f"gemv_down_slots_{slots}_us"] = _time_us(
+                    lambda: triton_fused_moe(x, w13, w2, weights, ids, kernels, path="gemv", down_slots=slots))
+            row["router_one_launch_us"] = _time_us(lambda: triton_router(x, router, k, True))
+            row["router_linear_then_route_us"] = _time_us(lambda: triton_route(x @ router.T, k, True))
         start = time.perf_counter()
         for _ in range(20):
             moe_torch(x, w13, w2, weights, ids, TORCH_KERNELS)
@@ -95,9 +110,14 @@ def expert_bytes(spec, quantization: str | None) -> int:
     return spec.expert_params() * 2
 
 
-def part_decode(bandwidth_gbps: float, presets: list[str], quantization: str | None = None) -> None:
-    for preset in presets:
-        gpu_engine.part_decode(bandwidth_gbps, f"dummy:{preset}", quantization, tag=f"_{preset}")
+def part_decode(bandwidth_gbps: float, presets: list[str], quantization: str | None = None,
+                variants: dict[str, dict] | None = None) -> None:
+    """variants: name -> KernelOptions fields, each a further run of the first preset, in
+    results["decode_variants"][name]."""
+    variant_runs = [(presets[0], name, kernel_options(fields)) for name, fields in (variants or {}).items()]
+    runs = [(presets[0], "", KernelOptions()), *variant_runs, *((preset, "", KernelOptions()) for preset in presets[1:])]
+    for preset, variant, options in runs:
+        gpu_engine.part_decode(bandwidth_gbps, f"dummy:{preset}", quantization, tag=f"_{preset}", kernels=options)
         run = gpu_engine.results.pop(f"decode{'_' + quantization if quantization else ''}_{preset}")
         spec = get_preset(preset)
         if spec.is_moe:  # the experts no token of the step was routed to are not read
@@ -106,7 +126,18 @@ def part_decode(bandwidth_gbps: float, presets: list[str], quantization: str | N
             step_s = 1 / max(r["decode_tok_s"] for r in run["runs"])
             run |= {"step_read_bytes_active": active, "bandwidth_limit_active_tok_s": bandwidth_gbps * 1e9 / active,
                     "mbu_active": active / step_s / (bandwidth_gbps * 1e9)}
-        results.setdefault("decode" if quantization is None else f"decode_{quantization}", {})[preset] = run
+        if variant:
+            results.setdefault("decode_variants", {})[variant] = run | {"kernel_options": variants[variant]}
+        else:
+            results.setdefault("decode" if quantization is None else f"decode_{quantization}", {})[preset] = run
+
+
+def kernel_options(fields: dict) -> KernelOptions:
+    """KernelOptions from JSON fields (decode_attention_tuning_by_batch's batch keys come as strings)."""
+    table = fields.get("decode_attention_tuning_by_batch")
+    if table is not None:
+        fields = fields | {"decode_attention_tuning_by_batch": {int(batch): tuning for batch, tuning in table.items()}}
+    return KernelOptions(**fields)
 
 
 def part_throughput(presets: list[str]) -> None:
@@ -122,19 +153,26 @@ def part_throughput(presets: list[str]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--parts", default="kernel,decode,throughput")
+    parser.add_argument("--decode-variants", type=json.loads, default={}, metavar="JSON",
+                        help='decode part: further runs of the MoE, name -> KernelOptions fields, e.g. '
+                             '\'{"direct512": {"decode_attention_tuning_by_batch": {"16": {"DIRECT_KEYS": 512}}}}\'')
     args = parser.parse_args()
     results["card"] = torch.cuda.get_device_name()
     bandwidth = results["copy_bandwidth_gbps"] = copy_bandwidth_gbps()
     for part in args.parts.split(","):
         start = time.perf_counter()
         {"kernel": lambda: part_kernel(bandwidth),
-         "decode": lambda: part_decode(bandwidth, ["qwen3-30b-a3b", "qwen3-8b", "llama-3.1-8b"]),
+         "decode": lambda: part_decode(bandwidth, ["qwen3-30b-a3b", "qwen3-8b", "llama-3.1-8b"],
+                                       variants=args.decode_variants),
          "throughput": lambda: part_throughput(["qwen3-30b-a3b", "qwen3-8b"]),
          "int8": lambda: part_decode(bandwidth, ["mixtral-8x7b"], "int8"),
          "int4": lambda: part_decode(bandwidth, ["mixtral-8x7b"], "int4")}[part]()
         results.setdefault("part_seconds", {})[part] = time.perf_counter() - start
         print(part, "done", flush=True)
     print(write_result("gpu_moe.json", results))
+    for name, run in results.get("decode_variants", {}).items():
+        print(f"decode variant {name}: {max(r['decode_tok_s'] for r in run['runs']):.1f} tok/s, "
+              f"mbu_active {run['mbu_active']:.3f}")
     for key in ("decode", "decode_int8", "decode_int4"):
         for preset, run in results.get(key, {}).items():
             best = max(r["decode_tok_s"] for r in run["runs"])

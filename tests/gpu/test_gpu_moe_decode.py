@@ -1,5 +1,6 @@
-"""The fused MoE's decode path (quant/triton_moe.py: one GEMV per (token, slot) pair) compiled on CUDA
-at Qwen3-30B-A3B's expert widths, where the CPU suite's interpreter cannot check what compiling
+"""The fused MoE's decode path (quant/triton_moe.py: the router's linear with the routing in one launch,
+one GEMV per (token, slot) pair for gate | up, one launch for SwiGLU, the down projection and the sum
+over slots) compiled on CUDA at Qwen3-30B-A3B's expert widths, where the CPU suite's interpreter cannot check what compiling
 changes (int8 codes read as int32 words, 16-byte vector loads of whole K steps): against the grouped
 GEMM path and the torch path on the same device and weights."""
 
@@ -11,7 +12,7 @@ import torch
 from goodserve.ops.kernel_choice import TORCH_KERNELS, KernelChoice
 from goodserve.quant import schemes
 from goodserve.quant.moe import moe_torch, route
-from goodserve.quant.triton_moe import moe_kernel_for, triton_fused_moe
+from goodserve.quant.triton_moe import moe_kernel_for, triton_fused_moe, triton_router
 
 HIDDEN, INTER, EXPERTS, TOP_K = 2048, 768, 16, 8  # Qwen3-30B-A3B's widths and top k, fewer experts
 
@@ -36,3 +37,25 @@ def test_decode_gemv_matches_grouped_gemm_and_torch_path(num_tokens, dtype, quan
     scale = reference.abs().max().item()
     torch.testing.assert_close(gemv, reference, rtol=tolerance, atol=tolerance * scale)
     torch.testing.assert_close(gemv, grouped, rtol=tolerance, atol=tolerance * scale)
+    # All of a token's slots in one down program: the same float32 sum as the partials' in slot order.
+    assert torch.equal(triton_fused_moe(x, w13, w2, weights, ids, kernels, path="gemv", down_slots=TOP_K).float(),
+                       gemv)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 8])
+def test_router_kernel_picks_a_top_k_of_the_routers_bf16_logits(num_tokens, device, cuda_only):
+    """Qwen3-30B-A3B's router (128 experts, top 8) in bf16: the launch's experts are a top k of the
+    cuBLAS logits up to a step of bf16 (the two sum in other orders, so a near tie may round either
+    way), and its weights the renormalised softmax of those logits at the experts it picked."""
+    g = torch.Generator().manual_seed(num_tokens)
+    x = torch.randn(num_tokens, HIDDEN, generator=g).to(device, torch.bfloat16)
+    router = (torch.randn(128, HIDDEN, generator=g) * 0.02).to(device, torch.bfloat16)
+    weights, ids = triton_router(x, router, TOP_K, renormalize=True)
+    logits = (x @ router.T).float()
+    kth_largest = logits.topk(TOP_K, dim=-1).values[:, -1:]
+    step = kth_largest.abs() * 2**-7
+    picked = logits.gather(1, ids.long())
+    assert (picked >= kth_largest - step).all()
+    assert (ids.sort(dim=-1).values.diff(dim=-1) != 0).all()  # k distinct experts
+    expected = torch.softmax(logits, dim=-1).gather(1, ids.long())
+    torch.testing.assert_close(weights, expected / expected.sum(dim=-1, keepdim=True), rtol=2e-2, atol=1e-3)

@@ -89,7 +89,7 @@ def test_split_k_is_deterministic_and_leaves_its_counters_clear():
     x = torch.randn(2, 512)
     first = gemv(x, args[0], "int8", *args[1:], split_k=4, block_k=64)
     assert torch.equal(first, gemv(x, args[0], "int8", *args[1:], split_k=4, block_k=64))
-    assert not triton_gemv._split_counters(x.device).any()
+    assert not triton_gemv.split_counters(x.device).any()
 
 
 def test_split_plan_covers_k_exactly_once():
@@ -183,7 +183,7 @@ def test_int4_rows_matches_dequantized_matmul(poisoned_empty, layout, n, k, grou
     assert out.shape == (1, n) and out.dtype == torch.float32
     assert relative_error(out, x.double() @ w.T) < 2e-5
     if split_k:
-        assert not triton_gemv._split_counters(x.device).any()
+        assert not triton_gemv.split_counters(x.device).any()
 
 
 @pytest.mark.parametrize("layout", ["checkpoint", "repacked"])
@@ -234,7 +234,7 @@ def test_int4_rows_gated_output_is_silu_and_mul_of_the_projection(poisoned_empty
     reference = silu_and_mul_torch((x.double() @ w.T).to(dtype))
     assert relative_error(out, reference.double()) < (2e-5 if dtype == torch.float32 else 2e-2)
     if split_k > 1:
-        assert not triton_gemv._split_counters(x.device).any()
+        assert not triton_gemv.split_counters(x.device).any()
 
 
 def test_int4_rows_gated_output_needs_a_paired_layout():

@@ -126,9 +126,8 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w13, w2 = self.experts.stacks()
         if self.kernels.triton:
-            from goodserve.quant.triton_moe import triton_fused_moe, triton_route
+            from goodserve.quant.triton_moe import triton_moe
 
-            weights, ids = triton_route(self.gate(x), self.top_k, self.renormalize)
-            return triton_fused_moe(x, w13, w2, weights, ids, self.kernels)
+            return triton_moe(x, self.gate.weight, w13, w2, self.top_k, self.renormalize, self.kernels)
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
         return moe_torch(x, w13, w2, weights, ids, self.kernels)

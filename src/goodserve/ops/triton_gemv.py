@@ -177,9 +177,26 @@ def _before(offs, stop, EVEN_K: tl.constexpr):
 
 
 @triton.jit
+def _load_x(x_ptr, offs, mask, up_offset, GLU: tl.constexpr):
+    """x at offs as float32. GLU: x is SwiGLU's silu(gate) * up of a [gate | up] row (up at up_offset),
+    rounded where ops/triton_ops' silu_and_mul kernel rounds it, so a GEMV can take the gate_up
+    projection's output as it is and the activation kernel drops out."""
+    if GLU:
+        gate = tl.load(x_ptr + offs, mask=mask, other=0.0)
+        up = tl.load(x_ptr + up_offset + offs, mask=mask, other=0.0)
+        gate = gate.to(tl.float32)
+        act = (gate * tl.sigmoid(gate)).to(x_ptr.dtype.element_ty).to(tl.float32) * up.to(tl.float32)
+        return act.to(x_ptr.dtype.element_ty).to(tl.float32)
+    else:
+        return tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _row_times_weights(x_ptr, w_ptr, s_ptr, z_ptr, offs_n, n_mask, k_start, k_stop, stride_wn, stride_sn,
-                       FORMAT: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """One row on the CUDA cores: [BLOCK_N] float32 sums of x[k] W[n, k] over [k_start, k_stop).
+                       FORMAT: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                       up_offset=0, GLU: tl.constexpr = False):
+    """One row on the CUDA cores: [BLOCK_N] float32 sums of x[k] W[n, k] over [k_start, k_stop)
+    (GLU: x is _load_x's SwiGLU of a [gate | up] row whose up half starts up_offset on).
 
     Dense and int8 products accumulate elementwise across steps and are reduced across threads
     once, at the end; int4's reduce per group to apply its scale. Codes are read as int32 words
@@ -193,8 +210,7 @@ def _row_times_weights(x_ptr, w_ptr, s_ptr, z_ptr, offs_n, n_mask, k_start, k_st
         w_ptrs = w_ptr.to(tl.pointer_type(tl.int32)) + offs_n[:, None, None] * (stride_wn // 4) + word_cols[None]
         acc = tl.zeros((offs_n.shape[0], BLOCK_K // GROUP), dtype=tl.float32)
         for k_step in range(k_start, k_stop, BLOCK_K):
-            x = tl.load(x_ptr + k_step + cols[None], mask=_before(k_step + cols, k_stop, EVEN_K)[None], other=0.0)
-            x = x.to(tl.float32)
+            x = _load_x(x_ptr, k_step + cols[None], _before(k_step + cols, k_stop, EVEN_K)[None], up_offset, GLU)
             w_mask = n_mask[:, None, None] & _before(k_step // 8 + word_cols, k_stop // 8, EVEN_K)[None]
             words = tl.load(w_ptrs + k_step // 8, mask=w_mask, other=0)
             codes = tl.reshape(_word_codes(words, 4, 0), (offs_n.shape[0], BLOCK_K // GROUP, GROUP))
@@ -211,7 +227,7 @@ def _row_times_weights(x_ptr, w_ptr, s_ptr, z_ptr, offs_n, n_mask, k_start, k_st
         x_acc = tl.zeros((1, BLOCK_K), dtype=tl.float32)
         for k_step in range(k_start, k_stop, BLOCK_K):
             k_mask = _before(k_step + cols, k_stop, EVEN_K)
-            x = tl.load(x_ptr + k_step + cols, mask=k_mask, other=0.0).to(tl.float32)
+            x = _load_x(x_ptr, k_step + cols, k_mask, up_offset, GLU)
             if FORMAT == INT8:  # codes q + 128 = 0..255 as 1 + (q + 128) / 256
                 word_cols = k_step // 4 + tl.arange(0, BLOCK_K // 4)[None, :]
                 words = tl.load(w_ptr.to(tl.pointer_type(tl.int32)) + offs_n[:, None] * (stride_wn // 4) + word_cols,
@@ -407,7 +423,7 @@ def split_plan(k: int, block_k: int, split_k: int) -> tuple[int, int]:
 
 
 @functools.lru_cache(maxsize=None)
-def _split_counters(device: torch.device) -> torch.Tensor:
+def split_counters(device: torch.device) -> torch.Tensor:
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         raise RuntimeError("the split-K GEMV allocates its counters on first use: call it once before "
                            "capturing a CUDA graph")
@@ -449,7 +465,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, fmt: str, scales: torch.Tensor |
     if splits > 1:
         assert n_blocks <= MAX_SPLIT_BLOCKS, f"{n_blocks} row blocks: raise MAX_SPLIT_BLOCKS or block_n"
         partials = torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
-        counters = _split_counters(x.device)
+        counters = split_counters(x.device)
     scales = weight if scales is None else scales  # unused for dense
     zeros = scales if zeros is None else zeros  # unused unless int4
     dot_dtype, dot_precision = _dot_types(x)
@@ -729,7 +745,7 @@ def int4_rows_gemv(x: torch.Tensor, weight: torch.Tensor | Int4RowsWeight, scale
     if splits > 1:
         assert n_blocks <= MAX_SPLIT_BLOCKS, f"{n_blocks} row blocks: raise MAX_SPLIT_BLOCKS or block_n"
         partials = torch.empty((splits, 1, n), dtype=torch.float32, device=x.device)
-        counters = _split_counters(x.device)
+        counters = split_counters(x.device)
     _int4_rows_kernel[(n_blocks, splits)](
         x, w, s, z, y, partials, counters, n, k, stride_ww, stride_sn, per_split,
         GROUP=group, BLOCK_N=config.block_n, REPACKED=repacked, DENORMAL=config.denormal, SPLIT=splits > 1,

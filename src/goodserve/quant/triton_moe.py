@@ -28,7 +28,8 @@ import triton.language as tl
 
 from goodserve.ops.activation import silu_and_mul
 from goodserve.ops.kernel_choice import KernelChoice
-from goodserve.ops.triton_gemv import DEFAULT_TILES, _row_times_weights
+from goodserve.ops.triton_gemv import (DEFAULT_TILES, MAX_SPLIT_BLOCKS, _finish_split, _row_times_weights,
+                                      default_config, num_sms, split_counters, split_plan)
 from goodserve.quant.moe import Stack, stack_rows
 from goodserve.quant import schemes
 
@@ -42,6 +43,9 @@ FLOAT, INT8, INT4 = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 # grouped GEMM's 47 / 72 / 115 / 198, and 648 us against 448 at 64 tokens (512 pairs), where experts
 # are shared often and the grouped GEMM reads each once for all its rows (gpu_moe_gemv_h100.json).
 GEMV_MAX_PAIRS = 64
+# The GEMV path's down projection: slots of a token one program takes (a divisor of top k; fewer than
+# top k: the slots' partial sums meet in the last program of the tile to arrive).
+DOWN_SLOTS_PER_PROGRAM = 1
 
 
 @triton.jit
@@ -97,14 +101,11 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, weights_ptr, scales_ptr, zeros_ptr
 
 
 @triton.jit
-def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_logits, TOP_K: tl.constexpr,
-                  RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One token: softmax over the experts in float32, its TOP_K largest (the first of equals),
-    renormalised to sum 1 where asked: quant/moe.py's route in one launch."""
-    row = tl.program_id(0).to(tl.int64)
-    experts = tl.arange(0, BLOCK_E)
-    logits = tl.load(logits_ptr + row * stride_logits + experts, mask=experts < num_experts,
-                     other=float("-inf")).to(tl.float32)
+def _top_k_softmax(logits, experts, num_experts, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
+                   BLOCK_K: tl.constexpr):
+    """One token's float32 logits [BLOCK_E] -> (weights, ids) [BLOCK_K]: softmax over the experts, its
+    TOP_K largest (the first of equals), renormalised to sum 1 where asked: quant/moe.py's route."""
+    logits = tl.where(experts < num_experts, logits, float("-inf"))
     probs = tl.exp(logits - tl.max(logits, axis=0))
     probs = probs / tl.sum(probs, axis=0)
     slots = tl.arange(0, BLOCK_K)
@@ -117,8 +118,25 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_logits, 
         probs = tl.where(experts == best, -1.0, probs)
     if RENORMALIZE:
         weights = weights / tl.sum(weights, axis=0)
+    return weights, ids
+
+
+@triton.jit
+def _store_route(weights_ptr, ids_ptr, row, weights, ids, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    slots = tl.arange(0, BLOCK_K)
     tl.store(weights_ptr + row * TOP_K + slots, weights, mask=slots < TOP_K)
     tl.store(ids_ptr + row * TOP_K + slots, ids, mask=slots < TOP_K)
+
+
+@triton.jit
+def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_logits, TOP_K: tl.constexpr,
+                  RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One token's routing (_top_k_softmax) from its logits."""
+    row = tl.program_id(0).to(tl.int64)
+    experts = tl.arange(0, BLOCK_E)
+    logits = tl.load(logits_ptr + row * stride_logits + experts, mask=experts < num_experts).to(tl.float32)
+    weights, ids = _top_k_softmax(logits, experts, num_experts, TOP_K, RENORMALIZE, BLOCK_K)
+    _store_route(weights_ptr, ids_ptr, row, weights, ids, TOP_K, BLOCK_K)
 
 
 def triton_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,13 +152,13 @@ def triton_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> 
 
 
 @triton.jit
-def _pair_gemv_kernel(a_ptr, b_ptr, c_ptr, weights_ptr, scales_ptr, ids_ptr, n, k, stride_a, stride_bn, stride_c,
-                      A_ROW_DIVISOR: tl.constexpr, MUL_WEIGHTS: tl.constexpr, B_FORMAT: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """C[pair, tile] = A[pair // A_ROW_DIVISOR] @ B[ids[pair]][tile].T (times the pair's router
-    weight) for one pair and one tile of BLOCK_N rows of its expert: ops/triton_gemv's one-row
-    stream (_row_times_weights: K-contiguous steps on the CUDA cores, in float32, no TF32).
-    B_FORMAT: FLOAT or INT8 (codes times scales[expert * n + row])."""
+def _pair_gemv_kernel(a_ptr, b_ptr, c_ptr, scales_ptr, ids_ptr, n, k, stride_a, stride_bn, stride_c,
+                      A_ROW_DIVISOR: tl.constexpr, B_FORMAT: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """C[pair, tile] = A[pair // A_ROW_DIVISOR] @ B[ids[pair]][tile].T for one pair and one tile of
+    BLOCK_N rows of its expert: ops/triton_gemv's one-row stream (_row_times_weights: K-contiguous
+    steps on the CUDA cores, in float32, no TF32). B_FORMAT: FLOAT or INT8 (codes times
+    scales[expert * n + row])."""
     pair, pid_n = tl.program_id(0), tl.program_id(1)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -150,11 +168,72 @@ def _pair_gemv_kernel(a_ptr, b_ptr, c_ptr, weights_ptr, scales_ptr, ids_ptr, n, 
                              stride_bn, 0, B_FORMAT, 1, BLOCK_K, EVEN_K)
     if B_FORMAT == INT8:  # a row's scale factors out of its sum over K
         acc *= tl.load(scales_ptr + expert * n + offs_n, mask=n_mask, other=0.0)
-    out = acc.to(c_ptr.dtype.element_ty)
-    if MUL_WEIGHTS:  # rounded as _grouped_gemm_kernel rounds it
-        weight = tl.load(weights_ptr + pair).to(c_ptr.dtype.element_ty).to(tl.float32)
-        out = (out.to(tl.float32) * weight).to(c_ptr.dtype.element_ty)
-    tl.store(c_ptr + pair.to(tl.int64) * stride_c + offs_n, out, mask=n_mask)
+    tl.store(c_ptr + pair.to(tl.int64) * stride_c + offs_n, acc.to(c_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
+def _down_sum_kernel(gate_up_ptr, b_ptr, out_ptr, weights_ptr, scales_ptr, ids_ptr, part_ptr, count_ptr, n, k,
+                     stride_gu, stride_bn, stride_out, TOP_K: tl.constexpr, SLOTS: tl.constexpr,
+                     B_FORMAT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                     SPLIT: tl.constexpr):
+    """out[token, tile] = the sum over the token's TOP_K slots of weight * SwiGLU(gate_up[pair]) @
+    B[ids[pair]][tile].T, for one tile of BLOCK_N rows: program (tile, SLOTS slots, token). The
+    activation is taken in the load (ops/triton_gemv's _load_x), the router weight (rounded to the
+    activation dtype, as the reference rounds it) and the sum over slots in float32 before one
+    rounding: the silu_and_mul and the sum kernels drop out of a decode step. With SPLIT, each
+    program's slots are a partial that the token's last program of the tile to arrive sums in slot
+    order (ops/triton_gemv's deterministic split finish)."""
+    pid_n, part, token = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < n
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for i in tl.static_range(SLOTS):
+        pair = token * TOP_K + part * SLOTS + i
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
+        rows = _row_times_weights(gate_up_ptr + pair.to(tl.int64) * stride_gu, b_ptr + expert * n * stride_bn,
+                                  scales_ptr, scales_ptr, offs_n, n_mask, 0, k, stride_bn, 0, B_FORMAT, 1, BLOCK_K,
+                                  EVEN_K, k, True)
+        if B_FORMAT == INT8:
+            rows *= tl.load(scales_ptr + expert * n + offs_n, mask=n_mask, other=0.0)
+        acc += rows * tl.load(weights_ptr + pair).to(out_ptr.dtype.element_ty).to(tl.float32)
+    offs_m = token + tl.arange(0, 1)
+    out_ptrs = out_ptr + offs_m[None, :] * stride_out + offs_n[:, None]
+    if SPLIT:
+        _finish_split(acc[:, None], part_ptr, count_ptr, out_ptrs, offs_n, offs_m, n_mask[:, None],
+                      tl.num_programs(2), n, token * tl.num_programs(0) + pid_n, part)
+    else:
+        tl.store(out_ptrs, acc[:, None].to(out_ptr.dtype.element_ty), mask=n_mask[:, None])
+
+
+@triton.jit
+def _router_kernel(x_ptr, w_ptr, part_ptr, count_ptr, weights_ptr, ids_ptr, num_experts, k, stride_x, stride_w,
+                   steps_per_split, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
+                   BLOCK_TOP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """The router's linear and the routing in one launch: program (tile of BLOCK_N experts, K slice,
+    token) stores its slice's float32 partial logits [slices, T, E] (ops/triton_gemv's one-row
+    stream); the token's last program to arrive sums them in slice order, rounds the logits to the
+    activation dtype as the router's linear leaves them, and routes (_top_k_softmax)."""
+    pid_n, split, token = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    num_tokens = tl.num_programs(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < num_experts
+    k_start = split * steps_per_split * BLOCK_K
+    k_stop = tl.minimum(k_start + steps_per_split * BLOCK_K, k)
+    partial = _row_times_weights(x_ptr + token * stride_x, w_ptr, w_ptr, w_ptr, offs_n, n_mask, k_start, k_stop,
+                                 stride_w, 0, FLOAT, 1, BLOCK_K, EVEN_K)
+    tl.store(part_ptr + (split * num_tokens + token) * num_experts + offs_n, partial, mask=n_mask)
+    tl.debug_barrier()  # every thread's partial is written before the counter says so
+    arrived = tl.atomic_add(count_ptr + token, 1, sem="acq_rel", scope="gpu")
+    if arrived == tl.num_programs(0) * tl.num_programs(1) - 1:
+        experts = tl.arange(0, BLOCK_E)
+        logits = tl.zeros([BLOCK_E], dtype=tl.float32)
+        for s in range(0, tl.num_programs(1)):  # .cg: the other SMs' partials from L2, not a stale L1
+            logits += tl.load(part_ptr + (s * num_tokens + token) * num_experts + experts,
+                              mask=experts < num_experts, other=0.0, cache_modifier=".cg")
+        logits = logits.to(x_ptr.dtype.element_ty).to(tl.float32)
+        weights, ids = _top_k_softmax(logits, experts, num_experts, TOP_K, RENORMALIZE, BLOCK_TOP)
+        _store_route(weights_ptr, ids_ptr, token, weights, ids, TOP_K, BLOCK_TOP)
+        tl.atomic_xchg(count_ptr + token, 0)
 
 
 def block_m_for(num_pairs: int) -> int:
@@ -251,38 +330,101 @@ def moe_kernel_for(num_pairs: int, w13: Stack, w2: Stack) -> str:
     return "gemv" if num_pairs <= GEMV_MAX_PAIRS and _streams_as_words(w13) and _streams_as_words(w2) else "grouped"
 
 
+def _one_row_tiles(stack: Stack, k: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps): the GEMV family's one-row tile for the stack's format, BLOCK_K cut
+    to the largest power of two dividing K (whole, unmasked steps)."""
+    block_n, block_k, num_warps = DEFAULT_TILES["int8" if _format_of(stack) == INT8.value else "dense", 1][:3]
+    return block_n, min(block_k, max(k & -k, 16)), num_warps
+
+
 def _pair_gemv(a: torch.Tensor, b: Stack, num_experts: int, out: torch.Tensor, ids: torch.Tensor,
-               a_row_divisor: int, weights: torch.Tensor | None = None) -> None:
+               a_row_divisor: int) -> None:
     """out [num_pairs, N] = a's rows @ the [N, K] weight of each pair's expert in stack b, one
-    program per (pair, BLOCK_N rows); the GEMV family's one-row tiles for the format."""
+    program per (pair, BLOCK_N rows)."""
     assert _streams_as_words(b), "the per-pair GEMV takes float stacks and word-aligned int8 ones"
     codes = getattr(b, "qweight", b)
     n, k = stack_rows(b) // num_experts, a.shape[1]
-    b_format = _format_of(b)
-    block_n, block_k, num_warps = DEFAULT_TILES["int8" if b_format == INT8.value else "dense", 1][:3]
-    block_k = min(block_k, max(k & -k, 16))  # the largest power of two dividing K: whole, unmasked steps
+    block_n, block_k, num_warps = _one_row_tiles(b, k)
     _pair_gemv_kernel[(ids.numel(), triton.cdiv(n, block_n))](
-        a, codes, out, weights if weights is not None else out, getattr(b, "scales", out), ids, n, k, a.stride(0),
-        codes.stride(0), out.stride(0), A_ROW_DIVISOR=a_row_divisor, MUL_WEIGHTS=weights is not None,
-        B_FORMAT=b_format, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, num_warps=num_warps)
+        a, codes, out, getattr(b, "scales", out), ids, n, k, a.stride(0), codes.stride(0), out.stride(0),
+        A_ROW_DIVISOR=a_row_divisor, B_FORMAT=_format_of(b), BLOCK_N=block_n, BLOCK_K=block_k,
+        EVEN_K=k % block_k == 0, num_warps=num_warps)
 
 
-def triton_fused_moe(x: torch.Tensor, w13: Stack, w2: Stack, weights: torch.Tensor,
-                     ids: torch.Tensor, kernels: KernelChoice, path: str | None = None) -> torch.Tensor:
+def _down_sum(gate_up: torch.Tensor, w2: Stack, hidden: int, weights: torch.Tensor, ids: torch.Tensor,
+              slots_per_program: int | None = None) -> torch.Tensor:
+    """[T, hidden]: each token's sum over its slots of weight * SwiGLU(gate_up[pair]) @ w2[expert].T in
+    one launch (_down_sum_kernel). slots_per_program: a divisor of top k, None: DOWN_SLOTS_PER_PROGRAM."""
+    assert _streams_as_words(w2), "the down projection's GEMV takes float stacks and word-aligned int8 ones"
+    num_tokens, top_k = ids.shape
+    slots = min(slots_per_program or DOWN_SLOTS_PER_PROGRAM, top_k)
+    assert top_k % slots == 0, f"slots_per_program must divide top k ({top_k}), got {slots}"
+    codes = getattr(w2, "qweight", w2)
+    k = gate_up.shape[1] // 2
+    block_n, block_k, num_warps = _one_row_tiles(w2, k)
+    out = gate_up.new_empty(num_tokens, hidden)
+    tiles, parts = triton.cdiv(hidden, block_n), top_k // slots
+    partials = counters = out  # unused without a split
+    if parts > 1:
+        assert num_tokens * tiles <= MAX_SPLIT_BLOCKS, f"{num_tokens * tiles} row blocks: raise MAX_SPLIT_BLOCKS"
+        partials = torch.empty(parts, num_tokens, hidden, dtype=torch.float32, device=out.device)
+        counters = split_counters(out.device)
+    _down_sum_kernel[(tiles, parts, num_tokens)](
+        gate_up, codes, out, weights, getattr(w2, "scales", out), ids, partials, counters, hidden, k,
+        gate_up.stride(0), codes.stride(0), out.stride(0), TOP_K=top_k, SLOTS=slots, B_FORMAT=_format_of(w2),
+        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, SPLIT=parts > 1, num_warps=num_warps)
+    return out
+
+
+def triton_router(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, renormalize: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """triton_route(x @ router_weight.T, ...) in one launch (_router_kernel), for decode's few tokens:
+    the router's [E, H] weight is small, so its GEMV is latency, and the routing launch after it
+    would be as long again."""
+    num_tokens, hidden = x.shape
+    num_experts = router_weight.shape[0]
+    assert router_weight.stride(-1) == 1 and x.stride(-1) == 1, "the router's GEMV needs K-contiguous rows"
+    config = default_config("dense", 1, num_experts, hidden, 1, num_sms(x.device))
+    splits, steps_per_split = split_plan(hidden, config.block_k, config.split_k)
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=x.device)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=x.device)
+    if num_tokens:
+        assert num_tokens <= MAX_SPLIT_BLOCKS
+        partials = torch.empty(splits, num_tokens, num_experts, dtype=torch.float32, device=x.device)
+        _router_kernel[(triton.cdiv(num_experts, config.block_n), splits, num_tokens)](
+            x, router_weight, partials, split_counters(x.device), weights, ids, num_experts, hidden, x.stride(0),
+            router_weight.stride(0), steps_per_split, TOP_K=top_k, RENORMALIZE=renormalize,
+            BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_TOP=triton.next_power_of_2(top_k),
+            BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=hidden % config.block_k == 0,
+            num_warps=config.num_warps)
+    return weights, ids
+
+
+def triton_moe(x: torch.Tensor, router_weight: torch.Tensor, w13: Stack, w2: Stack, top_k: int, renormalize: bool,
+               kernels: KernelChoice) -> torch.Tensor:
+    """The MoE block on CUDA: routing, then the experts (triton_fused_moe). Decode's few tokens take the
+    router's linear and the routing in one launch (triton_router); more take cuBLAS and triton_route."""
+    if moe_kernel_for(x.shape[0] * top_k, w13, w2) == "gemv":
+        weights, ids = triton_router(x, router_weight, top_k, renormalize)
+    else:
+        weights, ids = triton_route(x @ router_weight.T, top_k, renormalize)
+    return triton_fused_moe(x, w13, w2, weights, ids, kernels)
+
+
+def triton_fused_moe(x: torch.Tensor, w13: Stack, w2: Stack, weights: torch.Tensor, ids: torch.Tensor,
+                     kernels: KernelChoice, path: str | None = None, down_slots: int | None = None) -> torch.Tensor:
     """x [T, H], w13 [E * 2I, H], w2 [E * H, I] (float, or their codes: quant/moe.py's Stack),
     weights / ids [T, k] -> [T, H]. path: "gemv" or "grouped" (benchmarks force one), else
-    moe_kernel_for's choice."""
+    moe_kernel_for's choice; down_slots: the GEMV path's slots per down program (_down_sum)."""
     num_tokens, hidden = x.shape
     num_experts, top_k = stack_rows(w2) // hidden, ids.shape[1]
     num_pairs = num_tokens * top_k
     x = x.contiguous()
     gate_up = x.new_empty(num_pairs, stack_rows(w13) // num_experts)
-    down = x.new_empty(num_pairs, hidden)
     if (path or moe_kernel_for(num_pairs, w13, w2)) == "gemv":
-        flat_ids = ids.reshape(-1)
-        _pair_gemv(x, w13, num_experts, gate_up, flat_ids, top_k)
-        _pair_gemv(silu_and_mul(gate_up, kernels), w2, num_experts, down, flat_ids, 1, weights.reshape(-1))
-        return down.view(num_tokens, top_k, hidden).sum(dim=1)
+        _pair_gemv(x, w13, num_experts, gate_up, ids.reshape(-1), top_k)
+        return _down_sum(gate_up, w2, hidden, weights.contiguous(), ids.contiguous(), down_slots)
+    down = x.new_empty(num_pairs, hidden)
     block_m = block_m_for(num_pairs)
     sorting = sort_pairs_by_expert(ids, num_experts, block_m)
     _grouped_gemm(x, w13, num_experts, gate_up, *sorting, num_pairs, top_k, block_m)
