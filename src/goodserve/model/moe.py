@@ -114,12 +114,18 @@ def quantize_experts_on_build(model: nn.Module, quantization: str | None, group_
         module.experts = QuantizedExperts(module.spec, quantization, group_size, model.tp.size)
 
 
+class Router(nn.Linear):
+    """The router's linear (the checkpoints' `gate`), a class of its own so that the swaps of plain
+    nn.Linears (ops/cpu_linear's packing, ops/gemv_linear's GEMV routing) pass it by: decode's fused
+    router launch (quant/triton_moe.triton_router) reads its weight as it is."""
+
+
 class SparseMoE(nn.Module):
     def __init__(self, spec: ModelSpec):
         super().__init__()
         self.spec = spec
         self.top_k, self.renormalize = spec.num_experts_per_tok, spec.norm_topk_prob
-        self.gate = nn.Linear(spec.hidden_size, spec.num_experts, bias=False)
+        self.gate = Router(spec.hidden_size, spec.num_experts, bias=False)
         self.experts = Experts(spec)
         self.kernels = TORCH_KERNELS
 
