@@ -19,7 +19,8 @@ Parts (--parts, default kernel,decode,throughput; in this order, one process):
               dummy:qwen3-30b-a3b, then dummy:qwen3-8b and dummy:llama-3.1-8b; for the MoE the
               bandwidth limit counts the bytes a token reads: attention, norms, router and lm_head,
               its 8 routed experts a layer (not the other 120), one embedding row, the KV cache;
-              --decode-variants: further runs of the MoE with other KernelOptions (decode_variants)
+              --decode-variants: further runs with other KernelOptions (decode_variants), of the
+              MoE or of --variant-presets
   throughput  500 requests with ShareGPT-like lengths (gpu_engine's workload), offline, output tok/s,
               for dummy:qwen3-30b-a3b and dummy:qwen3-8b
   int8        batch-1 decode as `decode` of dummy:mixtral-8x7b with --quantization int8 (experts
@@ -111,11 +112,14 @@ def expert_bytes(spec, quantization: str | None) -> int:
 
 
 def part_decode(bandwidth_gbps: float, presets: list[str], quantization: str | None = None,
-                variants: dict[str, dict] | None = None) -> None:
-    """variants: name -> KernelOptions fields, each a further run of the first preset, in
-    results["decode_variants"][name]."""
-    variant_runs = [(presets[0], name, kernel_options(fields)) for name, fields in (variants or {}).items()]
-    runs = [(presets[0], "", KernelOptions()), *variant_runs, *((preset, "", KernelOptions()) for preset in presets[1:])]
+                variants: dict[str, dict] | None = None, variant_presets: list[str] | None = None) -> None:
+    """variants: name -> KernelOptions fields, each a further run of every preset in variant_presets
+    (default: the first), in results["decode_variants"][name][preset], right after its default run."""
+    runs = []
+    for preset in presets:
+        runs.append((preset, "", KernelOptions()))
+        if preset in (variant_presets or presets[:1]):
+            runs += [(preset, name, kernel_options(fields)) for name, fields in (variants or {}).items()]
     for preset, variant, options in runs:
         gpu_engine.part_decode(bandwidth_gbps, f"dummy:{preset}", quantization, tag=f"_{preset}", kernels=options)
         run = gpu_engine.results.pop(f"decode{'_' + quantization if quantization else ''}_{preset}")
@@ -127,7 +131,8 @@ def part_decode(bandwidth_gbps: float, presets: list[str], quantization: str | N
             run |= {"step_read_bytes_active": active, "bandwidth_limit_active_tok_s": bandwidth_gbps * 1e9 / active,
                     "mbu_active": active / step_s / (bandwidth_gbps * 1e9)}
         if variant:
-            results.setdefault("decode_variants", {})[variant] = run | {"kernel_options": variants[variant]}
+            results.setdefault("decode_variants", {}).setdefault(variant, {})[preset] = \
+                run | {"kernel_options": variants[variant]}
         else:
             results.setdefault("decode" if quantization is None else f"decode_{quantization}", {})[preset] = run
 
@@ -156,6 +161,8 @@ def main() -> None:
     parser.add_argument("--decode-variants", type=json.loads, default={}, metavar="JSON",
                         help='decode part: further runs of the MoE, name -> KernelOptions fields, e.g. '
                              '\'{"direct512": {"decode_attention_tuning_by_batch": {"16": {"DIRECT_KEYS": 512}}}}\'')
+    parser.add_argument("--variant-presets", metavar="PRESET,...",
+                        help="the presets the decode variants run on (default: the MoE alone)")
     args = parser.parse_args()
     results["card"] = torch.cuda.get_device_name()
     bandwidth = results["copy_bandwidth_gbps"] = copy_bandwidth_gbps()
@@ -163,16 +170,17 @@ def main() -> None:
         start = time.perf_counter()
         {"kernel": lambda: part_kernel(bandwidth),
          "decode": lambda: part_decode(bandwidth, ["qwen3-30b-a3b", "qwen3-8b", "llama-3.1-8b"],
-                                       variants=args.decode_variants),
+                                       variants=args.decode_variants,
+                                       variant_presets=args.variant_presets and args.variant_presets.split(",")),
          "throughput": lambda: part_throughput(["qwen3-30b-a3b", "qwen3-8b"]),
          "int8": lambda: part_decode(bandwidth, ["mixtral-8x7b"], "int8"),
          "int4": lambda: part_decode(bandwidth, ["mixtral-8x7b"], "int4")}[part]()
         results.setdefault("part_seconds", {})[part] = time.perf_counter() - start
         print(part, "done", flush=True)
     print(write_result("gpu_moe.json", results))
-    for name, run in results.get("decode_variants", {}).items():
-        print(f"decode variant {name}: {max(r['decode_tok_s'] for r in run['runs']):.1f} tok/s, "
-              f"mbu_active {run['mbu_active']:.3f}")
+    for name, by_preset in results.get("decode_variants", {}).items():
+        for preset, run in by_preset.items():
+            print(f"decode variant {name} {preset}: {max(r['decode_tok_s'] for r in run['runs']):.1f} tok/s")
     for key in ("decode", "decode_int8", "decode_int4"):
         for preset, run in results.get(key, {}).items():
             best = max(r["decode_tok_s"] for r in run["runs"])

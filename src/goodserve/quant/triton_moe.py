@@ -44,8 +44,11 @@ FLOAT, INT8, INT4 = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 # are shared often and the grouped GEMM reads each once for all its rows (gpu_moe_gemv_h100.json).
 GEMV_MAX_PAIRS = 64
 # The GEMV path's down projection: slots of a token one program takes (a divisor of top k; fewer than
-# top k: the slots' partial sums meet in the last program of the tile to arrive).
-DOWN_SLOTS_PER_PROGRAM = 1
+# top k: the slots' partial sums meet in the last program of the tile to arrive). At Qwen3-30B-A3B's
+# widths on an H100 the whole MoE took 32.0 / 55.2 / 102.1 / 177.7 us at 1 / 2 / 4 / 8 tokens with 2,
+# against 33.5 / 55.7 / 100.9 / 178.8 with 1, 34.5 / 54.0 / 100.2 / 180.5 with 4 and 40.1 / 57.9 /
+# 109.1 / 184.9 with all 8 (benchmarks/results/gpu_moe_e861849_h100.json).
+DOWN_SLOTS_PER_PROGRAM = 2
 
 
 @triton.jit
