@@ -71,10 +71,11 @@ def test_decode_gemv_matches_the_cpu_path_and_the_grouped_gemm(routing: str, dty
     x, w13, w2, weights, ids = routed_inputs(DECODE_ROUTINGS[routing], dtype)
     assert moe_kernel_for(ids.numel(), w13, w2) == "gemv"
     gemv = triton_fused_moe(x, w13, w2, weights, ids, KernelChoice(triton=True), path="gemv")
-    # All of a token's slots in one down program, not a partial sum each that the last program adds up.
-    whole = triton_fused_moe(x, w13, w2, weights, ids, KernelChoice(triton=True), path="gemv",
-                             down_slots=ids.shape[1])
-    assert torch.equal(whole, gemv)  # the same float32 sums in the same (slot) order
+    # All of a token's slots in one down program, or one slot a program whose partials the last to
+    # arrive adds up: the same float32 sum in the same (slot) order.
+    whole, one_each = (triton_fused_moe(x, w13, w2, weights, ids, KernelChoice(triton=True), path="gemv",
+                                        down_slots=slots) for slots in (ids.shape[1], 1))
+    assert torch.equal(whole, one_each)
     grouped = triton_fused_moe(x, w13, w2, weights, ids, KernelChoice(triton=True), path="grouped")
     cpu = moe_torch(x, w13, w2, weights, ids, TORCH_KERNELS)
     scale = cpu.abs().max().item()

@@ -22,6 +22,8 @@ accumulator; int4 codes are dequantized in the tile (scale and zero per group al
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -357,10 +359,11 @@ def _pair_gemv(a: torch.Tensor, b: Stack, num_experts: int, out: torch.Tensor, i
 def _down_sum(gate_up: torch.Tensor, w2: Stack, hidden: int, weights: torch.Tensor, ids: torch.Tensor,
               slots_per_program: int | None = None) -> torch.Tensor:
     """[T, hidden]: each token's sum over its slots of weight * SwiGLU(gate_up[pair]) @ w2[expert].T in
-    one launch (_down_sum_kernel). slots_per_program: a divisor of top k, None: DOWN_SLOTS_PER_PROGRAM."""
+    one launch (_down_sum_kernel). slots_per_program: a divisor of top k (None: its greatest common
+    divisor with DOWN_SLOTS_PER_PROGRAM)."""
     assert _streams_as_words(w2), "the down projection's GEMV takes float stacks and word-aligned int8 ones"
     num_tokens, top_k = ids.shape
-    slots = min(slots_per_program or DOWN_SLOTS_PER_PROGRAM, top_k)
+    slots = slots_per_program or math.gcd(DOWN_SLOTS_PER_PROGRAM, top_k)
     assert top_k % slots == 0, f"slots_per_program must divide top k ({top_k}), got {slots}"
     codes = getattr(w2, "qweight", w2)
     k = gate_up.shape[1] // 2
