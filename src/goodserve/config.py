@@ -74,11 +74,15 @@ class KernelOptions:
     # Decode attention's launch by batch size: max_batch -> ops/triton_attention.DECODE_TUNING overrides
     # (e.g. {1: {"DIRECT_KEYS": 512, "BLOCK_N": 128}}); a launch of B sequences takes the entry with the
     # smallest max_batch >= B, none: DECODE_TUNING. `benchmarks/gpu_kernels.py --decode-latency-sweep`
-    # prints the table its winners make. Default: up to 16 sequences, contexts up to 256 keys in one split
-    # (H100, benchmarks/results/gpu_kernels_decode_latency_h100.json: 4.8 against 7.6 us at batch 1 and
-    # 128 keys, and no slower than the split launch at any measured batch 1-16 x 128-4096 keys; the
-    # sweep's own picks, BLOCK_N 128, were faster still up to 256 keys but slower at 1024-4096).
-    decode_attention_tuning_by_batch: dict[int, dict] = field(default_factory=lambda: {16: {"DIRECT_KEYS": 256}})
+    # prints the table its winners make. Default: up to 16 sequences, contexts up to 512 keys in one split,
+    # 128-key tiles: the sweep's pick at batch 1, 4 and 16 with 4 KV heads (Qwen3-30B-A3B's) on an H100
+    # (benchmarks/results/decode_tuning_kv4_e861849_h100.json, gpu_kernels_decode_latency_kv4_e861849_h100.json):
+    # 3.9 / 5.3 us at batch 1 and 128 / 256 keys against 4.5 / 6.8 with the earlier one-split-to-256 default,
+    # equal at 1024 keys, 1-4% slower at 4096; in the engine, that MoE's batch-1 decode 259.6 tok/s against
+    # 252.8 (gpu_moe_e861849_h100.json). With 8 KV heads 128-key tiles were likewise faster up to 256 keys
+    # and slower at 1024-4096 (gpu_kernels_decode_latency_h100.json).
+    decode_attention_tuning_by_batch: dict[int, dict] = field(default_factory=lambda: {
+        16: {"DIRECT_KEYS": 512, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3}})
     # Decode-only steps: RoPE and the KV-cache write inside the decode attention kernel (one launch a
     # layer less; ops/triton_attention.NewTokens); off: the separate _rotary_write_kv_kernel first.
     # 0.1-2.7 us faster a layer than the two launches at every measured shape, bit-identical (same file).

@@ -107,6 +107,12 @@ TUNED_CONFIGS: dict[tuple[str, int, int, int], GemvConfig] = {
     ("dense", 1, 14336, 4096): GemvConfig(1, 8, 512, 1, 1, 1),  # TP=2 gate_up_proj 30.11 us (30.6)
     ("dense", 1, 4096, 7168): GemvConfig(1, 8, 256, 8, 1, 2),  # TP=2 down_proj 17.37 us (18.9)
     ("dense", 1, 64128, 4096): GemvConfig(1, 32, 256, 4, 1, 1),  # TP=2 lm_head 120.46 us (130.3)
+    # Qwen3-30B-A3B's attention and lm_head (gpu_gemv.py --model qwen3-30b-a3b --sweep, H100,
+    # gpu_gemv_sweep_qwen3_30b_a3b_5dc54a3_h100.json; cuBLAS in brackets, its kernels' times in that model's
+    # decode step, gpu_profile_b1_qwen3_30b_a3b_5dc54a3_h100.txt: o_proj's with its split-K reduce)
+    ("dense", 1, 5120, 2048): GemvConfig(1, 8, 256, 4, 1, 1),  # qkv_proj 9.22 us (9.47)
+    ("dense", 1, 2048, 4096): GemvConfig(1, 8, 256, 4, 1, 4),  # o_proj 8.91 us (8.30 + 1.70)
+    ("dense", 1, 151936, 2048): GemvConfig(1, 16, 512, 4, 1, 1),  # lm_head 195.54 us (202.61)
 }
 
 # default_config's tiles: (format, block_m) -> (block_n, block_k, num_warps, num_stages, programs
