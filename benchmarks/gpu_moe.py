@@ -138,10 +138,13 @@ def part_decode(bandwidth_gbps: float, presets: list[str], quantization: str | N
 
 
 def kernel_options(fields: dict) -> KernelOptions:
-    """KernelOptions from JSON fields (decode_attention_tuning_by_batch's batch keys come as strings)."""
-    table = fields.get("decode_attention_tuning_by_batch")
-    if table is not None:
+    """KernelOptions from JSON fields (decode_attention_tuning_by_batch's batch keys come as strings,
+    cublas_linears' shapes as lists)."""
+    if "decode_attention_tuning_by_batch" in fields:
+        table = fields["decode_attention_tuning_by_batch"]
         fields = fields | {"decode_attention_tuning_by_batch": {int(batch): tuning for batch, tuning in table.items()}}
+    if "cublas_linears" in fields:
+        fields = fields | {"cublas_linears": tuple(map(tuple, fields["cublas_linears"]))}
     return KernelOptions(**fields)
 
 
