@@ -5,13 +5,15 @@ tile of their expert's weights. A decode step reads each routed expert's weights
 launch and no host synchronisation (the sort is on the device and sized by the token count alone,
 so a CUDA graph captures it).
 
-Decode (at most GEMV_MAX_PAIRS pairs) skips the sort: one GEMV per pair, each program reading its
-pair's expert id and streaming BLOCK_N rows of that expert K-contiguous on the CUDA cores, as the
-dense layers' GEMV does (ops/triton_gemv.py's _row_times_weights). With a pair or two per expert, the
-grouped GEMM's 16-row tiles are mostly padding and its [BLOCK_K, BLOCK_N] weight tiles load far
-below the bandwidth a decode step is bound by; the GEMV's loads are 16-byte vectors. Float and int8
-stacks take it (int4 keeps the grouped GEMM); moe_kernel_for chooses, from shapes and the stacks' layout
-alone (a CUDA graph captures either path).
+Decode (at most GEMV_MAX_PAIRS pairs) skips the sort: the gate | up projection is one GEMV per pair,
+each program reading its pair's expert id and streaming BLOCK_N rows of that expert K-contiguous on
+the CUDA cores, as the dense layers' GEMV does (ops/triton_gemv.py's _row_times_weights); the down
+projection is one launch that takes SwiGLU in its load and sums a token's slots, weighted, itself
+(_down_sum_kernel); the router's linear and the routing are one launch before them (_router_kernel).
+With a pair or two per expert, the grouped GEMM's 16-row tiles are mostly padding and its
+[BLOCK_K, BLOCK_N] weight tiles load far below the bandwidth a decode step is bound by; the GEMV's
+loads are 16-byte vectors. Float and int8 stacks take it (int4 keeps the grouped GEMM);
+moe_kernel_for chooses, from shapes and the stacks' layout alone (a CUDA graph captures either path).
 
 Computes quant/moe.py's moe_torch (the reference), the router weights applied to the down projection's
 rows before the sum over slots. Quantized stacks (model/moe.QuantizedExperts): the kernel loads the
