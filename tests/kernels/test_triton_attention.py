@@ -27,10 +27,8 @@ from goodserve.ops.attention import (
     AttentionMetadata, LayerKVCache, paged_attention_reference, rotary_write_kv_torch, write_kv_torch,
 )
 from goodserve.ops.kernel_choice import KernelChoice, choose_kernels
-from goodserve.ops.norm import QKNorm
 from goodserve.ops.rope_scaling import RopeScaling
 from goodserve.ops.rotary import cos_sin_cache
-from goodserve.ops.triton_ops import triton_qk_rms_norm_
 
 KERNEL_MODULE = "goodserve.ops.triton_attention"
 TRITON = KernelChoice(triton=True)
@@ -309,50 +307,19 @@ def test_decode_with_fused_rotary_equals_the_two_kernels(kernels, dtype, kv_dtyp
         assert_close(out[:-1], paged_attention_reference(reference_q[:-1], reference_cache, meta, 0.3), dtype)
 
 
-@pytest.mark.parametrize("weight_offset", [0.0, 1.0])
-@pytest.mark.parametrize("dtype,kv_dtype", [
-    (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.int8),
-])
-@pytest.mark.parametrize("num_splits", [1, 4])
-def test_decode_with_fused_qk_norm_equals_the_three_kernels(kernels, dtype, kv_dtype, weight_offset, num_splits):
-    """q/k norms (Qwen3; Gemma 3 with its offset) inside decode attention as well: the output and cache
-    of the norm kernel, then RoPE + cache write, then decode attention; q and k are left as they came.
-    The sums of squares may group differently, so the two agree to a rounding step."""
-    q, k, v, cache, meta, tables, seq_lens, positions, rotary, slots = decode_step(dtype, kv_dtype)
-    gen = torch.Generator().manual_seed(7)
-    norm = QKNorm(*((1 + 0.3 * torch.randn(24, generator=gen)).to(dtype) for _ in range(2)), 1e-6, weight_offset)
-    fused_cache, separate_cache, q_before, k_before = copied(cache), copied(cache), q.clone(), k.clone()
-    out = kernels.triton_decode_attention(q, fused_cache, tables, seq_lens, 0.3, num_splits,
-                                          new_tokens=kernels.NewTokens(k, v, positions, rotary, slots, norm))
-    assert torch.equal(q, q_before) and torch.equal(k, k_before)
-    normed_q, normed_k = q.clone(), k.clone()
-    triton_qk_rms_norm_(normed_q, normed_k, norm)
-    assert not torch.equal(normed_k, k)  # the norm does something here
-    kernels.triton_rotary_write_kv(normed_q, normed_k, v, positions, rotary, separate_cache, slots)
-    expected = kernels.triton_decode_attention(normed_q, separate_cache, tables, seq_lens, 0.3, num_splits)
-    assert_close(out, expected, dtype)
-    assert torch.equal(out[-1], torch.zeros_like(out[-1]))  # the padding row
-    if kv_dtype != torch.int8:  # (an int8 code may round the other way)
-        assert_close(fused_cache.k, separate_cache.k, dtype)
-        assert torch.equal(fused_cache.v, separate_cache.v)
-
-
 def test_attention_fuses_rotary_into_decode_only_steps_when_asked(kernels):
     q, k, v, cache, meta, *_ = decode_step(torch.float32, torch.float32)
     q, k, v = q[:-1], k[:-1], v[:-1]  # no padding row: meta describes the four sequences
     positions, rotary = (meta.seq_lens - 1).long(), cos_sin_cache(24, 256, 10000.0, None)
     fused = replace(TRITON, options=KernelOptions(fuse_rotary_into_decode_attention=True,
                                                   decode_attention_tuning_by_batch={8: {"DIRECT_KEYS": 64}}))
-    for norm in (None, QKNorm(torch.rand(24) + 0.5, torch.rand(24) + 0.5, 1e-6)):
-        fused_cache, q_before, k_before = copied(cache), q.clone(), k.clone()
-        out = attention.attention(q, k, v, positions, rotary, fused_cache, meta, 0.3, fused, qk_norm=norm)
-        assert torch.equal(q, q_before) and torch.equal(k, k_before)  # the separate kernels work in place
-        two_kernel_cache = copied(cache)
-        expected = attention.attention(q.clone(), k.clone(), v, positions, rotary, two_kernel_cache, meta, 0.3, TRITON,
-                                       qk_norm=norm)
-        assert_close(out, expected, torch.float32)
-        assert_close(fused_cache.k, two_kernel_cache.k, torch.float32)
-        assert torch.equal(fused_cache.v, two_kernel_cache.v)
+    fused_cache, q_before = copied(cache), q.clone()
+    out = attention.attention(q, k, v, positions, rotary, fused_cache, meta, 0.3, fused)
+    assert torch.equal(q, q_before)  # the fused path took it: the separate kernel rotates q in place
+    two_kernel_cache = copied(cache)
+    expected = attention.attention(q, k, v, positions, rotary, two_kernel_cache, meta, 0.3, TRITON)
+    assert_close(out, expected, torch.float32)
+    assert torch.equal(fused_cache.k, two_kernel_cache.k) and torch.equal(fused_cache.v, two_kernel_cache.v)
 
 
 def test_public_dispatch_takes_triton_when_chosen(kernels):

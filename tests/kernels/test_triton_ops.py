@@ -18,7 +18,7 @@ import torch
 from goodserve.config import KernelOptions
 from goodserve.ops.activation import silu_and_mul, silu_and_mul_torch
 from goodserve.ops.norm import (
-    QKNorm, add_rms_norm, add_rms_norm_torch, offset_rms_norm_torch, qk_rms_norm, rms_norm, rms_norm_torch,
+    add_rms_norm, add_rms_norm_torch, offset_rms_norm_torch, qk_rms_norm, rms_norm, rms_norm_torch,
 )
 from goodserve.ops.kernel_choice import TORCH_KERNELS, KernelChoice, choose_kernels
 from goodserve.ops.sampler import argmax
@@ -90,32 +90,32 @@ def test_gemma_rms_norm_scales_by_one_plus_weight(kernels, dtype):
 @pytest.mark.parametrize("weight_offset", [0.0, 1.0])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_qk_rms_norm_in_place_norms_each_q_and_k_head(kernels, dtype, weight_offset):
-    """Qwen3's (and Gemma 3's, offset 1) q/k norms in one in-place launch over q and k, views of the qkv
-    rows, against the reference applied to each head of q and of k; v's columns stay as they were."""
+    """Qwen3's (and Gemma 3's, offset 1) q/k norms in one in-place launch over the qkv rows, against
+    the reference applied to each head of q and of k; v's columns stay as they were."""
     heads, kv_heads, head_dim, eps = 4, 2, 48, 1e-6  # head_dim not a power of two
     qkv = (3 * torch.randn(5, (heads + 2 * kv_heads) * head_dim)).to(dtype)
-    norm = QKNorm(*((1 + 0.3 * torch.randn(head_dim)).to(dtype) for _ in range(2)), eps, weight_offset)
+    q_weight, k_weight = ((1 + 0.3 * torch.randn(head_dim)).to(dtype) for _ in range(2))
     q_ref, k_ref, v_ref = qkv.clone().split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
-    reference = rms_norm_torch if not weight_offset else lambda x, w, e: offset_rms_norm_torch(x, w, e, weight_offset)
-    q_ref = reference(q_ref.reshape(5, heads, head_dim), norm.q_weight, eps)
-    k_ref = reference(k_ref.reshape(5, kv_heads, head_dim), norm.k_weight, eps)
+    norm = rms_norm_torch if not weight_offset else lambda x, w, e: offset_rms_norm_torch(x, w, e, weight_offset)
+    q_ref = norm(q_ref.reshape(5, heads, head_dim), q_weight, eps)
+    k_ref = norm(k_ref.reshape(5, kv_heads, head_dim), k_weight, eps)
+    kernels.triton_qk_rms_norm_(qkv, q_weight, k_weight, heads, kv_heads, head_dim, eps, weight_offset=weight_offset)
     q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
-    kernels.triton_qk_rms_norm_(q.view(5, heads, head_dim), k.view(5, kv_heads, head_dim), norm)
     assert_close(q.reshape(5, heads, head_dim), q_ref)
     assert_close(k.reshape(5, kv_heads, head_dim), k_ref)
     assert torch.equal(v, v_ref)
 
 
-def test_qk_rms_norm_gives_the_same_heads_on_either_path(kernels):
-    """ops.norm.qk_rms_norm: the same q and k whether Triton normed them in place or the torch path
-    returned new tensors."""
-    q, k = torch.randn(3, 4, 32), torch.randn(3, 2, 32)
-    norm = QKNorm(torch.rand(32), torch.rand(32), 1e-6)
-    torch_q, torch_k = qk_rms_norm(q.clone(), k.clone(), norm, TORCH_KERNELS)
-    triton_q, triton_k = qk_rms_norm(q, k, norm, KernelChoice(triton=True))
-    assert triton_q is q and triton_k is k
-    assert_close(triton_q, torch_q)
-    assert_close(triton_k, torch_k)
+def test_qk_rms_norm_gives_the_same_views_on_either_path(kernels):
+    """ops.norm.qk_rms_norm: q [T, Hq, D], k and v [T, Hkv, D] whether Triton normed the rows in place
+    or the torch path normed the split views."""
+    qkv = torch.randn(3, (4 + 2 * 2) * 32)
+    q_weight, k_weight = torch.rand(32), torch.rand(32)
+    torch_q, torch_k, torch_v = qk_rms_norm(qkv.clone(), q_weight, k_weight, 4, 2, 32, 1e-6, TORCH_KERNELS)
+    q, k, v = qk_rms_norm(qkv, q_weight, k_weight, 4, 2, 32, 1e-6, KernelChoice(triton=True))
+    assert q.shape == torch_q.shape == (3, 4, 32) and k.shape == v.shape == (3, 2, 32)
+    for got, want in ((q, torch_q), (k, torch_k), (v, torch_v)):
+        assert_close(got, want)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -37,7 +37,7 @@ from goodserve.model.tensor_parallel import TensorParallel, check_tensor_paralle
 from goodserve.ops.activation import gelu_tanh_and_mul, silu_and_mul
 from goodserve.ops.attention import AttentionMetadata, LayerKVCache, attention
 from goodserve.ops.kernel_choice import TORCH_KERNELS
-from goodserve.ops.norm import QKNorm, add_rms_norm, rms_norm
+from goodserve.ops.norm import add_rms_norm, qk_rms_norm, rms_norm
 from goodserve.ops.rotary import cos_sin_cache
 from goodserve.quant.linear import Int4Linear
 
@@ -105,21 +105,18 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         q, k, v = self.split_heads(self.qkv_proj(x))
         out = attention(q, k, v, positions, rotary_cache, kv_cache, meta, self.scale, self.kernels, self.window,
-                        self.softcap, self.qk_norm())
+                        self.softcap)
         return self.o_proj(out.flatten(1))  # a partial sum under TP: the next norm all-reduces it
 
     def split_heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q [T, Hq, D], k and v [T, Hkv, D]: views of the projection's rows."""
+        """q [T, Hq, D], k and v [T, Hkv, D]: views of the projection's rows, q and k RMS-normed where
+        the model has q/k norms."""
+        if self.q_norm is not None:
+            return qk_rms_norm(qkv, self.q_norm.weight, self.k_norm.weight, self.num_heads, self.num_kv_heads,
+                               self.head_dim, self.q_norm.eps, self.kernels, self.q_norm.weight_offset)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         return (q.view(-1, self.num_heads, self.head_dim), k.view(-1, self.num_kv_heads, self.head_dim),
                 v.view(-1, self.num_kv_heads, self.head_dim))
-
-    def qk_norm(self) -> QKNorm | None:
-        """The q/k norms' weights as attention takes them (it norms the heads, in its decode kernel
-        where that fuses them), or None where the model has none."""
-        if self.q_norm is None:
-            return None
-        return QKNorm(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.q_norm.weight_offset)
 
 
 class LlamaMLP(nn.Module):

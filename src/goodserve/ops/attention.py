@@ -28,7 +28,6 @@ import torch.nn.functional as F
 from goodserve.native import layer_ops
 from goodserve.ops.kernel_choice import KernelChoice
 from goodserve.ops.kv_exchange import KVExchange
-from goodserve.ops.norm import QKNorm, qk_rms_norm
 from goodserve.ops.rotary import apply_rotary_torch
 from goodserve.ops.tree_attention import SideBranches, as_cached, branch_attention
 
@@ -109,29 +108,25 @@ def quantize_int8_per_head(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
               rotary_cache: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, scale: float,
-              kernels: KernelChoice, window: int | None = None, softcap: float | None = None,
-              qk_norm: QKNorm | None = None) -> torch.Tensor:
-    """One layer: q [T, Hq, D] and k [T, Hk, D] RMS-normed per head where the model has `qk_norm`, RoPE on
-    q (in place) and k, the new K/V into the cache, then q attending its context (its last `window`
-    keys, when the layer has one; scores soft-capped at `softcap`, when it has one) -> [T, Hq, D]. A
+              kernels: KernelChoice, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    """One layer: RoPE on q [T, Hq, D] (in place) and k [T, Hk, D], the new K/V into the cache, then
+    q attending its context (its last `window` keys, when the layer has one; scores soft-capped at
+    `softcap`, when it has one) -> [T, Hq, D]. A
     decode-only step with KernelOptions.fuse_rotary_into_decode_attention does all of it in the
-    decode kernel, and q is left as it came."""
+    decode kernel, and q is left unrotated."""
     meta = meta.for_group(cache.group)
-    if (kernels.triton and meta.branches is None and meta.is_decode_only
-            and kernels.options.fuse_rotary_into_decode_attention and meta.kv_exchange is None):
-        from goodserve.ops.triton_attention import NewTokens, triton_decode_attention
-
-        return triton_decode_attention(
-            q, cache, meta.block_tables, meta.seq_lens, scale, tuning=kernels.decode_attention_tuning(q.shape[0]),
-            pdl=kernels.pdl, waves=kernels.options.decode_attention_waves, window=window, softcap=softcap,
-            new_tokens=NewTokens(k, v, positions, rotary_cache, meta.slot_mapping, qk_norm))
-    if qk_norm is not None:
-        q, k = qk_rms_norm(q, k, qk_norm, kernels)
     if meta.branches is not None:
         assert window is None and softcap is None, "side branches attend the whole context, uncapped (the engine " \
             "refuses them with a window, which every soft-capped family has)"
         return _with_side_branches(q, k, v, positions, rotary_cache, cache, meta.branches, scale, kernels)
     if kernels.triton:
+        if meta.is_decode_only and kernels.options.fuse_rotary_into_decode_attention and meta.kv_exchange is None:
+            from goodserve.ops.triton_attention import NewTokens, triton_decode_attention
+
+            return triton_decode_attention(
+                q, cache, meta.block_tables, meta.seq_lens, scale, tuning=kernels.decode_attention_tuning(q.shape[0]),
+                pdl=kernels.pdl, waves=kernels.options.decode_attention_waves, window=window, softcap=softcap,
+                new_tokens=NewTokens(k, v, positions, rotary_cache, meta.slot_mapping))
         rotary_write_kv(q, k, v, positions, rotary_cache, cache, meta.slot_mapping, kernels)
         _share_new_kv(cache, meta)
         return paged_attention(q, cache, meta, scale, kernels, window, softcap)

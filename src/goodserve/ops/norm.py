@@ -7,8 +7,6 @@ kernel (native/layer_ops.cpp: one call instead of about eight torch ops).
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
 from goodserve.native import layer_ops
@@ -29,27 +27,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, kernels: KernelC
     return rms_norm_torch(x, weight, eps)
 
 
-class QKNorm(NamedTuple):
-    """Each head of q and k RMS-normed over head_dim before rotary (Qwen3, Gemma 3): the two weights
-    [D], eps, and Gemma's weight offset (its norms scale by offset + weight)."""
-
-    q_weight: torch.Tensor
-    k_weight: torch.Tensor
-    eps: float
-    weight_offset: float = 0.0
-
-
-def qk_rms_norm(q: torch.Tensor, k: torch.Tensor, norm: QKNorm, kernels: KernelChoice
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [T, Hq, D] and k [T, Hkv, D] with each head RMS-normed over D; on the Triton path in place,
-    one launch for both."""
+def qk_rms_norm(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, num_q_heads: int,
+                num_kv_heads: int, head_dim: int, eps: float, kernels: KernelChoice, weight_offset: float = 0.0
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The qkv projection's rows [T, (Hq + 2 Hkv) * D] split into q [T, Hq, D], k and v [T, Hkv, D], each
+    head of q and k RMS-normed over D (Qwen3, Gemma 3). On the Triton path in place, one launch."""
     if kernels.triton:
         from goodserve.ops.triton_ops import triton_qk_rms_norm_
 
-        triton_qk_rms_norm_(q, k, norm, kernels.pdl)
-        return q, k
-    return (rms_norm(q, norm.q_weight, norm.eps, kernels, norm.weight_offset),
-            rms_norm(k, norm.k_weight, norm.eps, kernels, norm.weight_offset))
+        triton_qk_rms_norm_(qkv, q_weight, k_weight, num_q_heads, num_kv_heads, head_dim, eps, kernels.pdl,
+                            weight_offset)
+    q, k, v = qkv.split([num_q_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    q, k, v = (t.view(-1, heads, head_dim) for t, heads in ((q, num_q_heads), (k, num_kv_heads), (v, num_kv_heads)))
+    if not kernels.triton:
+        q, k = rms_norm(q, q_weight, eps, kernels, weight_offset), rms_norm(k, k_weight, eps, kernels, weight_offset)
+    return q, k, v
 
 
 def add_rms_norm(

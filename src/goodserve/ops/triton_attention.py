@@ -21,9 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from goodserve.ops.norm import QKNorm
 from goodserve.ops.pdl import pdl_launch, pdl_sync
-from goodserve.ops.triton_ops import scale_by_rstd
 
 LOG2E = 1.4426950408889634
 # Adding then subtracting 1.5 * 2**23 rounds a float32 |x| < 2**22 to the nearest even integer,
@@ -223,7 +221,6 @@ def _slots_of(block_table_row, stride_bb, pos, valid, BLOCK_SIZE: tl.constexpr):
 # With ROTARY (a decode-only step), the kernel also does _rotary_write_kv_kernel's work for its
 # decode tokens: every program rotates its group's queries itself, and the program whose split
 # holds the new position writes that token's K/V before reading it back: one launch a layer less.
-# With QK_NORM too (Qwen3, Gemma 3), each program norms those heads first: a second launch less.
 
 
 @triton.jit
@@ -246,44 +243,15 @@ def _merge_splits(out_ptr, part_out_ptr, part_lse_ptr, seq, kv_head, num_used, n
 
 
 @triton.jit
-def _squares(x):
-    """[H] the sum of squares of each head vector in x [H, *] (masked lanes zero), float32."""
-    x = x.to(tl.float32)
-    return tl.sum(x * x, axis=1)
-
-
-@triton.jit
-def _head_rstd(squares, eps, HEAD_DIM: tl.constexpr):
-    """[H, 1] 1 / RMS of head vectors from their sums of squares."""
-    return tl.rsqrt(squares / HEAD_DIM + eps)[:, None]
-
-
-@triton.jit
-def _head_normed(x, rstd, weight_ptr, cols, mask, WEIGHT_OFFSET: tl.constexpr):
-    """x's heads normed as _qk_rms_norm_kernel norms them (rstd from _head_rstd, the weights at cols),
-    rounded to x's dtype as that kernel stores them."""
-    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    return scale_by_rstd(x, rstd, weight, WEIGHT_OFFSET).to(x.dtype)
-
-
-@triton.jit
-def _rotated_queries(rows_ptr, rotary_row, d, row_mask, q_norm_ptr, eps, HALF: tl.constexpr,
-                     HEAD_DIM: tl.constexpr, QK_NORM: tl.constexpr, WEIGHT_OFFSET: tl.constexpr):
+def _rotated_queries(rows_ptr, rotary_row, d, row_mask, HALF: tl.constexpr, HEAD_DIM: tl.constexpr):
     """[BLOCK_G, BLOCK_D] query rows (rows_ptr [BLOCK_G, 1]) rotated exactly as _rotary_write_kv_kernel
     rotates them: each element meets its rotate-half partner (loaded a second time, from L1) and its
-    frequency's cos / sin in float32, then rounds to the query dtype. With QK_NORM, each head is first
-    RMS-normed (weights at q_norm_ptr) as _qk_rms_norm_kernel would norm it."""
+    frequency's cos / sin in float32, then rounds to the query dtype."""
     first = d < HALF
     partner = tl.where(first, d + HALF, d - HALF)
     freq = tl.where(first, d, d - HALF)
-    x = tl.load(rows_ptr + d[None, :], mask=row_mask, other=0.0)
-    y = tl.load(rows_ptr + partner[None, :], mask=row_mask, other=0.0)
-    if QK_NORM:
-        rstd = _head_rstd(_squares(x), eps, HEAD_DIM)
-        x = _head_normed(x, rstd, q_norm_ptr, d[None, :], row_mask, WEIGHT_OFFSET)
-        y = _head_normed(y, rstd, q_norm_ptr, partner[None, :], row_mask, WEIGHT_OFFSET)
-    x = x.to(tl.float32)
-    y = y.to(tl.float32)
+    x = tl.load(rows_ptr + d[None, :], mask=row_mask, other=0.0).to(tl.float32)
+    y = tl.load(rows_ptr + partner[None, :], mask=row_mask, other=0.0).to(tl.float32)
     cos = tl.load(rotary_row + freq, mask=d < HEAD_DIM, other=0.0)[None, :]
     sin = tl.load(rotary_row + HALF + freq, mask=d < HEAD_DIM, other=0.0)[None, :]
     # x cos - y sin in the first half, x cos + y sin in the second (x the element, y its partner) as
@@ -293,12 +261,11 @@ def _rotated_queries(rows_ptr, rotary_row, d, row_mask, q_norm_ptr, eps, HALF: t
 
 
 @triton.jit
-def _new_kv(k_row, v_row, stride_kh, stride_vh, slot_ptr, rotary_row, kv_head, k_norm_ptr, eps,
-            HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, QK_NORM: tl.constexpr, WEIGHT_OFFSET: tl.constexpr):
-    """One decode token's K (normed with QK_NORM, then rotated, as _qk_rms_norm_kernel and
-    _rotary_write_kv_kernel would) and V of one KV head, as [1, BLOCK_HALF] halves, its slot, and
-    rotary_row. Independent loads are issued first: a load whose address waits on another (cos / sin
-    on the position) stalls every load after it."""
+def _new_kv(k_row, v_row, stride_kh, stride_vh, slot_ptr, rotary_row, kv_head, HALF: tl.constexpr,
+            BLOCK_HALF: tl.constexpr):
+    """One decode token's K (rotated, as _rotary_write_kv_kernel rotates it) and V of one KV head, as
+    [1, BLOCK_HALF] halves, its slot, and rotary_row. Independent loads are issued first: a load whose
+    address waits on another (cos / sin on the position) stalls every load after it."""
     hk = kv_head + tl.arange(0, 1)
     d = tl.arange(0, BLOCK_HALF)[None, :]
     mask = d < HALF
@@ -307,10 +274,6 @@ def _new_kv(k_row, v_row, stride_kh, stride_vh, slot_ptr, rotary_row, kv_head, k
     v1, v2 = _load_halves(v_row + hk[:, None] * stride_vh, d, HALF, mask)
     cos = tl.load(rotary_row + d, mask=mask, other=0.0)
     sin = tl.load(rotary_row + HALF + d, mask=mask, other=0.0)
-    if QK_NORM:
-        rstd = _head_rstd(_squares(k1) + _squares(k2), eps, 2 * HALF)
-        k1 = _head_normed(k1, rstd, k_norm_ptr, d, mask, WEIGHT_OFFSET)
-        k2 = _head_normed(k2, rstd, k_norm_ptr, HALF + d, mask, WEIGHT_OFFSET)
     k1, k2 = _rotate(k1, k2, cos, sin, k_row.dtype.element_ty)
     return k1, k2, v1, v2, slot, rotary_row
 
@@ -337,13 +300,12 @@ def _decode_kernel(q_ptr, out_ptr, part_out_ptr, part_lse_ptr, arrivals_ptr, k_c
                    block_tables, seq_lens, num_decodes_ptr, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh,
                    stride_bt, stride_bb, num_kv_heads, window, softcap,
                    k_ptr, v_ptr, positions_ptr, rotary_ptr, slot_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
-                   stride_rotary, q_norm_ptr, k_norm_ptr, norm_eps, HEAD_DIM: tl.constexpr,
+                   stride_rotary, HEAD_DIM: tl.constexpr,
                    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, SPLIT_KEYS: tl.constexpr, DIRECT_KEYS,
                    NUM_SPLITS: tl.constexpr, KV_QUANT: tl.constexpr, UPCAST_DOT: tl.constexpr,
                    DOT_PRECISION: tl.constexpr, BOUNDED: tl.constexpr, ROTARY: tl.constexpr,
-                   BLOCK_HALF: tl.constexpr, SOFTCAP: tl.constexpr, QK_NORM: tl.constexpr,
-                   NORM_WEIGHT_OFFSET: tl.constexpr, USE_PDL: tl.constexpr):
+                   BLOCK_HALF: tl.constexpr, SOFTCAP: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_sync(USE_PDL)
     kv_head = tl.program_id(0)
     seq = tl.program_id(1)
@@ -352,8 +314,8 @@ def _decode_kernel(q_ptr, out_ptr, part_out_ptr, part_lse_ptr, arrivals_ptr, k_c
     if ROTARY:  # every program, before the lengths arrive: these loads overlap seq_len's
         new_k1, new_k2, new_v1, new_v2, new_slot, rotary_row = _new_kv(
             k_ptr + seq * stride_kt, v_ptr + seq * stride_vt, stride_kh, stride_vh, slot_ptr + seq,
-            rotary_ptr + tl.load(positions_ptr + seq).to(tl.int64) * stride_rotary, kv_head, k_norm_ptr, norm_eps,
-            HEAD_DIM // 2, BLOCK_HALF, QK_NORM, NORM_WEIGHT_OFFSET)
+            rotary_ptr + tl.load(positions_ptr + seq).to(tl.int64) * stride_rotary, kv_head, HEAD_DIM // 2,
+            BLOCK_HALF)
     # The keys it sees: [first_key, seq_len), the last `window` of them with a sliding window (0: none).
     first_key = tl.where((window > 0) & (seq_len > window), seq_len - window, 0)
     num_keys = seq_len - first_key
@@ -376,7 +338,7 @@ def _decode_kernel(q_ptr, out_ptr, part_out_ptr, part_lse_ptr, arrivals_ptr, k_c
         row_mask = (g < GROUP)[:, None] & d_mask[None, :]
         if ROTARY:
             q = _rotated_queries(q_ptr + seq * stride_qt + head[:, None] * stride_qh, rotary_row, d, row_mask,
-                                 q_norm_ptr, norm_eps, HEAD_DIM // 2, HEAD_DIM, QK_NORM, NORM_WEIGHT_OFFSET)
+                                 HEAD_DIM // 2, HEAD_DIM)
             if split == num_used - 1:  # the split holding the new token's key writes it, then reads it back
                 _store_new_kv(new_k1, new_k2, new_v1, new_v2, new_slot, k_cache, v_cache, k_scale, v_scale, kv_head,
                               num_kv_heads, HEAD_DIM // 2, BLOCK_HALF, KV_QUANT)
@@ -473,15 +435,13 @@ def _tuning(q: torch.Tensor, defaults: dict, tuning: dict | None) -> dict:
 class NewTokens(NamedTuple):
     """A decode step's new tokens, for decode attention to rotate and write itself (`new_tokens`):
     k, v [B, Hk, D] as the projection left them, positions [B], rotary_cache [P, D] (cos | sin),
-    slot_mapping [B] (-1: padding), and the model's q/k norms if it has them (q and k then come
-    unnormed, and the kernel norms them before rotary)."""
+    slot_mapping [B] (-1: padding)."""
 
     k: torch.Tensor
     v: torch.Tensor
     positions: torch.Tensor
     rotary_cache: torch.Tensor
     slot_mapping: torch.Tensor
-    qk_norm: QKNorm | None = None
 
 
 def triton_decode_attention(q: torch.Tensor, cache, block_tables: torch.Tensor, seq_lens: torch.Tensor,
@@ -496,9 +456,8 @@ def triton_decode_attention(q: torch.Tensor, cache, block_tables: torch.Tensor, 
     num_decodes: an int32 device scalar; only the first
     num_decodes sequences are computed, the other rows of `out` are left as they are (a mixed
     graph's decodes, whose count the host does not know when the launch is recorded).
-    new_tokens: RoPE and the cache write fused in (what triton_rotary_write_kv would do first; with its
-    qk_norm, triton_qk_rms_norm_ before that): q is then taken unrotated (and unnormed) and left so,
-    and the new K/V land in the cache as those kernels store them.
+    new_tokens: RoPE and the cache write fused in (what triton_rotary_write_kv would do first): q is
+    then taken unrotated and left so, and the new K/V land in the cache as that kernel stores them.
     tuning: DECODE_TUNING overrides; DIRECT_KEYS (default 0): contexts up to it take one split."""
     batch, num_q_heads, head_dim = q.shape
     _check_cache(cache)
@@ -518,12 +477,11 @@ def triton_decode_attention(q: torch.Tensor, cache, block_tables: torch.Tensor, 
         part_lse = torch.empty(batch, num_q_heads, num_splits, device=q.device, dtype=torch.float32)
         arrivals = _arrival_counters(q.device, batch * num_kv_heads)
     if new_tokens is None:  # stand-ins: the kernel takes pointers either way
-        k, v, positions, rotary_cache, slot_mapping, qk_norm = q, q, seq_lens, q[0], seq_lens, None
+        k, v, positions, rotary_cache, slot_mapping = q, q, seq_lens, q[0], seq_lens
     else:
-        k, v, positions, rotary_cache, slot_mapping, qk_norm = new_tokens
+        k, v, positions, rotary_cache, slot_mapping = new_tokens
         assert num_decodes is None and head_dim % 2 == 0, "fused RoPE: a decode-only batch, an even head dim"
         assert all(x.stride(-1) == 1 for x in (q, k, v, rotary_cache)), "the head dim must be contiguous"
-    norm = qk_norm or QKNorm(q, q, 0.0)  # stand-ins again
     _decode_kernel[(num_kv_heads, batch, num_splits)](
         q, out, part_out, part_lse, arrivals, cache.k, cache.v,
         *_scales(cache),
@@ -531,14 +489,14 @@ def triton_decode_attention(q: torch.Tensor, cache, block_tables: torch.Tensor, 
         q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), block_tables.stride(1), num_kv_heads,
         window or 0, (softcap or 0.0) * LOG2E, k, v, positions, rotary_cache, slot_mapping, k.stride(0), k.stride(1),
         v.stride(0), v.stride(1),
-        rotary_cache.stride(0), norm.q_weight, norm.k_weight, norm.eps,
+        rotary_cache.stride(0),
         head_dim, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
         BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=tune["BLOCK_N"], BLOCK_SIZE=block_size,
         SPLIT_KEYS=tune["SPLIT_KEYS"], DIRECT_KEYS=tune["DIRECT_KEYS"], NUM_SPLITS=num_splits,
         KV_QUANT=_kv_quant(cache), UPCAST_DOT=not q.is_cuda, DOT_PRECISION=_dot_precision(q.dtype),
         BOUNDED=num_decodes is not None, ROTARY=new_tokens is not None,
         BLOCK_HALF=triton.next_power_of_2(max(head_dim // 2, 1)), SOFTCAP=softcap is not None,
-        QK_NORM=qk_norm is not None, NORM_WEIGHT_OFFSET=norm.weight_offset, num_warps=tune["num_warps"],
+        num_warps=tune["num_warps"],
         num_stages=tune["num_stages"], **pdl_launch(pdl),
     )
     return out

@@ -41,8 +41,9 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, new_residual_ptr,
 def add_residual_and_norm(x, row, cols, mask, residual_ptr, weight_ptr, out_ptr, new_residual_ptr, stride_r,
                           stride_o, stride_nr, hidden, eps, HAS_RESIDUAL: tl.constexpr,
                           WEIGHT_OFFSET: tl.constexpr = 0.0):
-    """One row: x (+ residual, stored as the new residual), RMS-normed and scaled by weight (rounded
-    as scale_by_rstd says), into out."""
+    """One row: x (+ residual, stored as the new residual), RMS-normed and scaled by weight, into out.
+    With a WEIGHT_OFFSET (Gemma's 1) the scale is offset + weight, applied before the one rounding
+    (ops/norm.offset_rms_norm_torch); without, the normed row is rounded first (rms_norm_torch)."""
     if HAS_RESIDUAL:
         # The sum is rounded to the activation dtype first, as `x + residual` is in torch.
         x = (x.to(tl.float32) + tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32))
@@ -57,18 +58,10 @@ def add_residual_and_norm(x, row, cols, mask, residual_ptr, weight_ptr, out_ptr,
 def scaled_rms_norm(x, weight, hidden, eps, WEIGHT_OFFSET: tl.constexpr):
     """x (a row in the activation dtype) RMS-normed and scaled by weight (float32), in float32."""
     xf = x.to(tl.float32)
-    return scale_by_rstd(x, tl.rsqrt(tl.sum(xf * xf, axis=0) / hidden + eps), weight, WEIGHT_OFFSET)
-
-
-@triton.jit
-def scale_by_rstd(x, rstd, weight, WEIGHT_OFFSET: tl.constexpr):
-    """x (activation dtype) times its rows' 1 / RMS (broadcast), scaled by weight (float32), in float32.
-    With a WEIGHT_OFFSET (Gemma's 1) the scale is offset + weight, applied before the one rounding
-    (ops/norm.offset_rms_norm_torch); without, the normed row is rounded first (rms_norm_torch)."""
-    xf = x.to(tl.float32) * rstd
+    rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / hidden + eps)
     if WEIGHT_OFFSET != 0.0:
-        return xf * (WEIGHT_OFFSET + weight)
-    return weight * xf.to(x.dtype).to(tl.float32)
+        return xf * rstd * (WEIGHT_OFFSET + weight)
+    return weight * (xf * rstd).to(x.dtype).to(tl.float32)
 
 
 def _launch_rms_norm(x, residual, weight, eps, pdl, weight_offset=0.0):
@@ -100,36 +93,34 @@ def triton_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, pdl: bool
 
 
 @triton.jit
-def _qk_rms_norm_kernel(q_ptr, k_ptr, q_weight_ptr, k_weight_ptr, stride_qt, stride_qh, stride_kt, stride_kh,
-                        num_q_heads, head_dim, eps, BLOCK: tl.constexpr, WEIGHT_OFFSET: tl.constexpr,
-                        USE_PDL: tl.constexpr):
+def _qk_rms_norm_kernel(qkv_ptr, q_weight_ptr, k_weight_ptr, stride_t, num_q_heads, head_dim, eps,
+                        BLOCK: tl.constexpr, WEIGHT_OFFSET: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_sync(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)  # q's heads, then k's
+    head = tl.program_id(1)  # q's heads, then k's: adjacent in a row of the qkv projection
     cols = tl.arange(0, BLOCK)
     mask = cols < head_dim
-    is_q = head < num_q_heads
-    q_row = q_ptr + token * stride_qt + head * stride_qh
-    k_row = k_ptr + token * stride_kt + (head - num_q_heads) * stride_kh
-    ptrs = tl.where(is_q, q_row, k_row) + cols
+    ptrs = qkv_ptr + token * stride_t + head * head_dim + cols
     x = tl.load(ptrs, mask=mask, other=0.0)
     q_weight = tl.load(q_weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)  # D values each, cached
     k_weight = tl.load(k_weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    weight = tl.where(is_q, q_weight, k_weight)
-    tl.store(ptrs, scaled_rms_norm(x, weight, head_dim, eps, WEIGHT_OFFSET).to(q_ptr.dtype.element_ty), mask=mask)
+    weight = tl.where(head < num_q_heads, q_weight, k_weight)
+    tl.store(ptrs, scaled_rms_norm(x, weight, head_dim, eps, WEIGHT_OFFSET).to(qkv_ptr.dtype.element_ty),
+             mask=mask)
 
 
-def triton_qk_rms_norm_(q: torch.Tensor, k: torch.Tensor, norm, pdl: bool = False) -> None:
-    """In place on q [T, Hq, D] and k [T, Hkv, D] (views of the qkv projection's rows, say): each head
-    RMS-normed over its D values (Qwen3, Gemma 3; norm: ops/norm.QKNorm), in one launch."""
-    assert q.stride(-1) == 1 and k.stride(-1) == 1 and q.dtype == k.dtype
-    tokens, num_q_heads, head_dim = q.shape
+def triton_qk_rms_norm_(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, num_q_heads: int,
+                        num_kv_heads: int, head_dim: int, eps: float, pdl: bool = False,
+                        weight_offset: float = 0.0) -> None:
+    """In place on the qkv projection's rows [T, (Hq + 2 Hkv) * D]: each q and k head RMS-normed over
+    its D values (Qwen3, Gemma 3), in one launch; the q and k views of a split need two norm launches
+    and two copies (a head's rows are strided there)."""
+    assert qkv.stride(-1) == 1
     block = triton.next_power_of_2(head_dim)
-    if tokens > 0:
-        _qk_rms_norm_kernel[(tokens, num_q_heads + k.shape[1])](
-            q, k, norm.q_weight, norm.k_weight, q.stride(0), q.stride(1), k.stride(0), k.stride(1), num_q_heads,
-            head_dim, norm.eps, BLOCK=block, WEIGHT_OFFSET=norm.weight_offset, num_warps=row_num_warps(block),
-            **pdl_launch(pdl))
+    if qkv.shape[0] > 0:
+        _qk_rms_norm_kernel[(qkv.shape[0], num_q_heads + num_kv_heads)](
+            qkv, q_weight, k_weight, qkv.stride(0), num_q_heads, head_dim, eps, BLOCK=block,
+            WEIGHT_OFFSET=weight_offset, num_warps=row_num_warps(block), **pdl_launch(pdl))
 
 
 def triton_add_rms_norm(
