@@ -16,7 +16,7 @@ Parts (--parts, default kernel,decode,throughput; in this order, one process):
               s of a token's slots a program, gemv_us being the default's) and the router launch
               (router_one_launch_us) beside the router's linear then the routing kernel
   decode      batch-1 decode, 128-token prompt, 256 tokens (gpu_engine.part_decode, best of 3) of
-              dummy:qwen3-30b-a3b, then dummy:qwen3-8b and dummy:llama-3.1-8b; for the MoE the
+              dummy:qwen3-30b-a3b, then dummy:qwen3-8b and dummy:llama-3.1-8b (--decode-presets); for the MoE the
               bandwidth limit counts the bytes a token reads: attention, norms, router and lm_head,
               its 8 routed experts a layer (not the other 120), one embedding row, the KV cache;
               --decode-variants: further runs with other KernelOptions (decode_variants), of the
@@ -166,13 +166,15 @@ def main() -> None:
                              '\'{"direct512": {"decode_attention_tuning_by_batch": {"16": {"DIRECT_KEYS": 512}}}}\'')
     parser.add_argument("--variant-presets", metavar="PRESET,...",
                         help="the presets the decode variants run on (default: the MoE alone)")
+    parser.add_argument("--decode-presets", default="qwen3-30b-a3b,qwen3-8b,llama-3.1-8b", metavar="PRESET,...",
+                        help="the models the decode part runs")
     args = parser.parse_args()
     results["card"] = torch.cuda.get_device_name()
     bandwidth = results["copy_bandwidth_gbps"] = copy_bandwidth_gbps()
     for part in args.parts.split(","):
         start = time.perf_counter()
         {"kernel": lambda: part_kernel(bandwidth),
-         "decode": lambda: part_decode(bandwidth, ["qwen3-30b-a3b", "qwen3-8b", "llama-3.1-8b"],
+         "decode": lambda: part_decode(bandwidth, args.decode_presets.split(","),
                                        variants=args.decode_variants,
                                        variant_presets=args.variant_presets and args.variant_presets.split(",")),
          "throughput": lambda: part_throughput(["qwen3-30b-a3b", "qwen3-8b"]),

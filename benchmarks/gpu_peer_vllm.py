@@ -77,7 +77,7 @@ from peer_vllm_settings import settings_log, vllm_settings  # noqa: E402
 OUT = os.environ.get("OUT", "/tmp/out")
 IN_PROCESS_PARTS = ("decode", "sharegpt", "prefix", "long")
 PARTS = (*IN_PROCESS_PARTS, "online")
-ENGINES = {"g": "goodserve", "v": "vllm"}
+ENGINES = {"g": "goodserve", "v": "vllm", "s": "goodserve-slo"}  # s: online only
 
 
 @dataclass(frozen=True)
@@ -363,10 +363,12 @@ def summarize(report: dict) -> dict:
             numbers["decode_share_of_limit"] = numbers["decode_tok_s"] / report["limit"]["decode_limit_tok_s"]
         if numbers:
             summary[name] = numbers
-    if len(summary) == 2:
-        g, v = summary["goodserve"], summary["vllm"]
-        summary["goodserve_advantage"] = {key: (v[key] / g[key] if key.endswith("_ms") else g[key] / v[key])
-                                          for key in SUMMARY_KEYS if g.get(key) and v.get(key)}
+    for name in ("goodserve", "goodserve-slo"):
+        if name in summary and "vllm" in summary:
+            g, v = summary[name], summary["vllm"]
+            summary[f"{name}_advantage".replace("-", "_")] = {
+                key: (v[key] / g[key] if key.endswith("_ms") else g[key] / v[key])
+                for key in SUMMARY_KEYS if g.get(key) and v.get(key)}
     return summary
 
 
@@ -379,7 +381,9 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma list of {', '.join(PARTS)}")
     parser.add_argument("--order", default="gvvg", help="in-process parts: g = goodserve, v = vLLM, a process each")
-    parser.add_argument("--online-order", default="gv", help="online part: a server each, in this order")
+    parser.add_argument("--online-order", default="gv",
+                        help="online part: a server each, in this order (s: goodserve with the SLO targets, "
+                             "peer_serving.GOODSERVE_FLAGS)")
     parser.add_argument("--online-rates", default="capacity",
                         help="'capacity' (the goodput capacity search) or a comma list of request rates")
     parser.add_argument("--capacity-start-rate", type=float, default=16.0, help="the search's first probe, req/s")
@@ -394,7 +398,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--smoke", action="store_true", help="small sizes, for a tiny model on a CPU")
     args = parser.parse_args()
     args.parts = args.parts.split(",")
-    unknown = set(args.parts) - set(PARTS) or set(args.order + args.online_order) - set(ENGINES)
+    unknown = set(args.parts) - set(PARTS) or set(args.order) - {"g", "v"} or set(args.online_order) - set(ENGINES)
     if unknown:
         parser.error(f"unknown parts or engine letters: {', '.join(sorted(unknown))}")
     if args.engine and not args.json:

@@ -29,6 +29,10 @@ from peer_vllm_settings import server_settings, settings_log
 
 SLO_ATTAINMENT_TARGET = 0.9
 SLO_ARGS = ["--goodput", "ttft:200", "tpot:50", "--slo-attainment-target", str(SLO_ATTAINMENT_TARGET)]
+# goodserve told the same targets: its slo policy (batch sized from the TPOT target, the costliest
+# requests refused first once TTFT is at risk). Refused requests count against its attainment.
+GOODSERVE_FLAGS = {"goodserve": [], "goodserve-slo": ["--scheduler-policy", "slo", "--slo-ttft-ms", "200",
+                                                      "--slo-tpot-ms", "50", "--slo-shed-costly"]}
 
 
 @dataclass
@@ -62,10 +66,10 @@ def engine_env(engine: str, vllm_site: str) -> dict[str, str]:
             "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 
-def start_goodserve(model: str, device: str, tokenizer: str, env: dict[str, str]):
+def start_goodserve(model: str, device: str, tokenizer: str, env: dict[str, str], flags: list[str]):
     from goodserve.server.process import start_server
 
-    args = ["--model", model, "--tokenizer", tokenizer] + (["--device", device] if device != "auto" else [])
+    args = ["--model", model, "--tokenizer", tokenizer, *flags] + (["--device", device] if device != "auto" else [])
     return start_server(args, env)
 
 
@@ -119,16 +123,18 @@ def probe_summary(run: dict) -> dict:
 
 def serve_and_bench(engine: str, plan: OnlinePlan, out_dir: str, filename: str, timeout_s: float,
                     model: str = GOODSERVE_MODEL, device: str = "auto", vllm_site: str = "/tmp/vsite") -> dict:
-    """One engine's server started, loaded by bench, stopped; its result summarized (bench's whole
-    result stays in out_dir/filename, its output in filename.log, the server's in filename.server.log)."""
+    """One engine's server (vllm, or goodserve with GOODSERVE_FLAGS[engine]) started, loaded by bench,
+    stopped; its result summarized (bench's whole result stays in out_dir/filename, its output in
+    filename.log, the server's in filename.server.log)."""
     deadline = time.monotonic() + timeout_s
     os.makedirs(out_dir, exist_ok=True)
-    served_name = model if engine == "goodserve" else GOODSERVE_MODEL  # each server's default name
+    served_name = GOODSERVE_MODEL if engine == "vllm" else model  # each server's default name
     tokenizer = tokenizer_for(served_name, tempfile.mkdtemp(prefix="tok-"))
     start = time.perf_counter()
     client_env, vllm_env = engine_env("goodserve", vllm_site), engine_env("vllm", vllm_site)  # bench is goodserve's
     model_dir = vllm_model_dir() if engine == "vllm" else None
-    server = (start_vllm(model_dir, vllm_env) if model_dir else start_goodserve(model, device, tokenizer, client_env))
+    server = (start_vllm(model_dir, vllm_env) if model_dir
+              else start_goodserve(model, device, tokenizer, client_env, GOODSERVE_FLAGS[engine]))
     result: dict = {"engine": engine, "workload": plan.workload, "num_prompts": plan.num_prompts,
                     "mode": "capacity" if plan.rates is None else "ladder"}
     try:
