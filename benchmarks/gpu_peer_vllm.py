@@ -19,18 +19,20 @@ cache is warm):
   long      one 32,768-token prompt, batch 1: TTFT (time of a 1-token request), 3 fresh prompts
             (a warm-up prompt first, so no kernel compiles inside a measured one). ~10 s
   online    each engine's OpenAI-compatible server at its defaults, `goodserve bench` as the client
-            for both (peer_serving.py): Poisson arrivals of bench's ShareGPT-like workload, 200
-            prompts a probe, goodput capacity at TTFT <= 200 ms and TPOT <= 50 ms (the rate where
-            SLO attainment crosses 90%), or with --online-rates a fixed ladder. Its own order,
-            --online-order (default "gv": one server each). ~2.5-3.5 min an engine: a search takes
-            ~5 probes, each ~6 s of arrivals then the drain of its longest answer (up to ~2,000
-            tokens, 15-25 s), plus the server's start (goodserve ~20 s, vLLM ~70 s).
+            for both (peer_serving.py): Poisson arrivals of bench's ShareGPT-like workload, goodput
+            capacity at TTFT <= 200 ms and TPOT <= 50 ms (the rate where SLO attainment crosses 90%;
+            the search's first probe sends 200 prompts, later ones enough to reach a steady state),
+            or with --online-rates a fixed ladder (each probe enough prompts for 30 s of arrivals at
+            the ladder's highest rate). Its own order, --online-order (default "gv": one server
+            each; "s": goodserve told the same targets, peer_serving.GOODSERVE_FLAGS). A search
+            took 4.3 min for goodserve on an H100 (5 probes, its server up in ~40 s); vLLM's server
+            takes ~100 s to start.
 
-The in-process parts at --order gvvg take ~5 min (goodserve ~45 s a run, vLLM ~100 s); online at
-"gv" ~6 min. Together they pass one device call's 10 minutes, so on the GPU they go in two calls
-back to back: --parts decode,sharegpt,prefix,long, then --parts online. --deadline-s (default 570)
-starts no run past it and stops the one in progress there: the JSON, rewritten after every run,
-keeps what finished.
+The in-process parts at --order gvvg take ~5 min (goodserve ~45 s a run, vLLM ~100 s); an online
+search ~4-6 min an engine. On the GPU each goes in a call of its own, back to back on one warm
+machine: --parts decode,sharegpt,prefix,long, then --parts online --online-order v, then g (and s).
+--deadline-s (default 570) starts no run past it and stops the one in progress there: the JSON,
+rewritten after every run, keeps what finished.
 
 Both engines at their defaults, as their users get them; the settings each resolved are recorded
 (vLLM: max_num_seqs, max_num_batched_tokens, CUDA graphs / compilation, attention backend, and the
@@ -41,8 +43,9 @@ in the synthetic tokenizer peer_model.py writes for both.
   PYTHONPATH=src python3 benchmarks/gpu_peer_vllm.py --order gvvg     (writes $OUT/gpu_peer_vllm.json)
   one engine alone: --engine goodserve|vllm --json FILE
 
-vLLM's packages (/tmp/vsite, --vllm-site, from ../shared/peers/vllm-gpu.sh) go on the path of
-vLLM's processes only: goodserve's run with the packages goodserve installs with.
+vLLM's packages (/tmp/vsite, --vllm-site, from ../shared/peers/vllm-gpu.sh, with
+peer_vllm_server_wheels.sh's added to its deps for the server) go on the path of vLLM's processes
+only: goodserve's run with the packages goodserve installs with.
 
 On the CPU, goodserve's side of every part at small sizes (vLLM's paths need vLLM and a GPU):
 
@@ -58,6 +61,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import platform
 import subprocess
@@ -94,12 +98,16 @@ class Sizes:
     long_prompts: int = 3
     online_prompts: int = 200
     online_workload: tuple[str, ...] = ("--dataset-name", "sharegpt")
+    # A ladder's probes (--online-rates) send enough prompts that arrivals at its highest rate last
+    # this long: 200 at 30 req/s end before the load holds (the capacity search sizes its own probes).
+    ladder_hold_s: float = 30.0
 
 
 # Small enough for a tiny model on a CPU (dummy:tiny holds 1,024 positions).
 SMOKE = Sizes(decode_prompt=16, decode_new_tokens=32, sharegpt_requests=16, sharegpt_max_len=128, prefix_len=256,
               question_len=8, prefix_rounds=2, prefix_hits=3, long_len=768, long_prompts=2, online_prompts=12,
-              online_workload=("--dataset-name", "random", "--random-input-len", "64", "--random-output-len", "16"))
+              online_workload=("--dataset-name", "random", "--random-input-len", "64", "--random-output-len", "16"),
+              ladder_hold_s=0.0)
 
 
 class Prompts:
@@ -301,8 +309,12 @@ def run_in_process(name: str, index: int, args, deadline: Deadline) -> dict:
 
 
 def online_plan(args) -> OnlinePlan:
-    rates = None if args.online_rates == "capacity" else [float(r) for r in args.online_rates.split(",")]
-    return OnlinePlan(list(args.sizes.online_workload), args.sizes.online_prompts, rates, args.capacity_start_rate)
+    sizes = args.sizes
+    if args.online_rates == "capacity":
+        return OnlinePlan(list(sizes.online_workload), sizes.online_prompts, None, args.capacity_start_rate)
+    rates = [float(r) for r in args.online_rates.split(",")]
+    prompts = max(sizes.online_prompts, math.ceil(max(rates) * sizes.ladder_hold_s))
+    return OnlinePlan(list(sizes.online_workload), prompts, rates)
 
 
 def drive(args) -> None:

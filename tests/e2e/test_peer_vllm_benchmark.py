@@ -5,6 +5,7 @@ transformers' AutoTokenizer, as checked here."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -65,3 +66,15 @@ def test_goodserves_side_of_the_prefix_and_online_parts_runs_on_the_cpu(tmp_path
     assert bench["total_input_tokens"] == 64 * sizes["online_prompts"]
     assert bench["total_output_tokens"] == 16 * sizes["online_prompts"]
     assert report["summary"]["goodserve"]["online_capacity_req_s"] > 0
+
+
+def test_a_ladder_probe_sends_enough_prompts_to_hold_its_highest_rate():
+    """Each ladder probe's arrivals last ladder_hold_s at the top rate (200 prompts at 30 req/s end
+    before the load holds); the capacity search keeps its own first probe's size."""
+    import gpu_peer_vllm
+
+    sizes = gpu_peer_vllm.Sizes()
+    ladder = gpu_peer_vllm.online_plan(argparse.Namespace(sizes=sizes, online_rates="24,48", capacity_start_rate=16))
+    assert ladder.rates == [24.0, 48.0] and ladder.num_prompts == 48 * sizes.ladder_hold_s > sizes.online_prompts
+    search = gpu_peer_vllm.online_plan(argparse.Namespace(sizes=sizes, online_rates="capacity", capacity_start_rate=16))
+    assert search.rates is None and search.num_prompts == sizes.online_prompts
