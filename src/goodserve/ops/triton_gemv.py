@@ -51,6 +51,7 @@ import triton
 import triton.language as tl
 
 from goodserve.ops.pdl import pdl_launch, pdl_sync
+from goodserve.ops.triton_ops import silu_times_up
 
 GEMV_MAX_M = 16  # up to one tensor-core tile of rows
 DENSE, INT8, INT4 = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
@@ -195,9 +196,7 @@ def _load_x(x_ptr, offs, mask, up_offset, GLU: tl.constexpr):
     if GLU:
         gate = tl.load(x_ptr + offs, mask=mask, other=0.0)
         up = tl.load(x_ptr + up_offset + offs, mask=mask, other=0.0)
-        gate = gate.to(tl.float32)
-        act = (gate * tl.sigmoid(gate)).to(x_ptr.dtype.element_ty).to(tl.float32) * up.to(tl.float32)
-        return act.to(x_ptr.dtype.element_ty).to(tl.float32)
+        return silu_times_up(gate, up, x_ptr.dtype.element_ty).to(x_ptr.dtype.element_ty).to(tl.float32)
     else:
         return tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
 
@@ -722,11 +721,8 @@ def _store_rows(acc, y_ptr, pid_n, offs_n, n_mask, N, BLOCK_N: tl.constexpr, PAI
     dtype = y_ptr.dtype.element_ty
     if GATED:
         gate, up = tl.split(tl.reshape(acc, (BLOCK_N // 2, 2)))
-        # Rounded as the unfused path rounds them: the projection's output, then silu(gate) (torch
-        # rounds it before the product, and so does ops/triton_ops' kernel), then the product.
-        gate = gate.to(dtype).to(tl.float32)
-        act = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
-        out = act * up.to(dtype).to(tl.float32)
+        # Rounded as the unfused path rounds them: the projection's output, then silu(gate), then the product.
+        out = silu_times_up(gate.to(dtype), up.to(dtype), dtype)
         offs_j = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
         tl.store(y_ptr + offs_j, out.to(dtype), mask=offs_j < N // 2)
     elif PAIRED:

@@ -142,12 +142,19 @@ def _silu_and_mul_kernel(gate_up_ptr, out_ptr, stride_in, stride_out, width, BLO
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < width
-    gate = tl.load(gate_up_ptr + row * stride_in + cols, mask=mask, other=0.0).to(tl.float32)
+    gate = tl.load(gate_up_ptr + row * stride_in + cols, mask=mask, other=0.0)
     up = tl.load(gate_up_ptr + row * stride_in + width + cols, mask=mask, other=0.0)
-    # torch rounds silu(gate) to the activation dtype before the product; so do we.
-    act = (gate * tl.sigmoid(gate)).to(out_ptr.dtype.element_ty)
-    out = act.to(tl.float32) * up.to(tl.float32)
+    out = silu_times_up(gate, up, out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def silu_times_up(gate, up, dtype: tl.constexpr):
+    """SwiGLU's silu(gate) * up in float32, gate and up given in the activation dtype: torch rounds
+    silu(gate) to that dtype before the product, and so does every kernel here that takes SwiGLU
+    in (the product's own rounding is the caller's)."""
+    gate = gate.to(tl.float32)
+    return (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32) * up.to(tl.float32)
 
 
 def triton_silu_and_mul(gate_up: torch.Tensor, pdl: bool = False) -> torch.Tensor:
