@@ -414,6 +414,8 @@ def main() -> None:
     device = "cpu" if SMOKE else "cuda"
     model_layers, num_layers = model_shapes(args.model)
     names = args.shapes.split(",") if args.shapes else list(model_layers)
+    if unknown := set(names) - set(model_layers):
+        parser.error(f"{args.model} has no layer {', '.join(sorted(unknown))}; its layers: {', '.join(model_layers)}")
     shapes = SMOKE_SHAPES if SMOKE else {name: model_layers[name] for name in names}
     shapes = {name: rank_shape(name, shape, args.tensor_parallel) for name, shape in shapes.items()}
     group = SMOKE_GROUP if SMOKE else GROUP

@@ -69,9 +69,10 @@ class KernelOptions:
     # Dense linears, as (out_features, in_features), kept on cuBLAS where the Triton GEMV has a tuned
     # entry (ops/gemv_linear.py routes those shapes' decode rows to it otherwise).
     cublas_linears: tuple[tuple[int, int], ...] = ()
-    # With PDL, each program of those dense GEMVs first asks L2 for up to this many bytes of its weight
-    # slice, before waiting for the kernel ahead of it (ops/triton_gemv._prefetch_rows): the weight read
-    # overlaps decode attention or a norm, which leave HBM idle. 0: no prefetch.
+    # With PDL, each program of the Triton GEMV (those dense linears, int8 ones) first asks L2 for up to
+    # this many bytes of its weight slice, before waiting for the kernel ahead of it
+    # (ops/triton_gemv._prefetch_rows): the weight read overlaps decode attention or a norm, which
+    # leave HBM idle. 0: no prefetch.
     gemv_prefetch_bytes: int = 0
     # How many times over decode attention's splits fill the GPU (ops/triton_attention.default_num_splits).
     decode_attention_waves: int = 2
