@@ -135,6 +135,7 @@ print(compiled.asm["ptx"])
 """
 
 
+@pytest.mark.slow  # a process of its own (Triton's compiler, not its interpreter)
 @pytest.mark.parametrize("lines", [0, 16])
 def test_the_prefetch_compiles_for_sm90_and_comes_before_the_pdl_wait(lines):
     """The weight prefetch is inline PTX, which the interpreter cannot run: compiled here for an H100
