@@ -119,6 +119,11 @@ TUNED_CONFIGS: dict[tuple[str, int, int, int], GemvConfig] = {
     ("dense", 1, 5120, 2048): GemvConfig(1, 8, 256, 4, 1, 1),  # qkv_proj 9.22 us (9.47)
     ("dense", 1, 2048, 4096): GemvConfig(1, 8, 256, 4, 1, 4),  # o_proj 8.91 us (8.30 + 1.70)
     ("dense", 1, 151936, 2048): GemvConfig(1, 16, 512, 4, 1, 1),  # lm_head 195.54 us (202.61)
+    # Qwen3-8B's MLP and lm_head (gpu_gemv.py --model qwen3-8b --sweep, H100, gpu_gemv_sweep_qwen3_8b_f0f9bad_h100.json;
+    # its qkv_proj and o_proj have Llama-3.1-8B's shapes; cuBLAS in brackets)
+    ("dense", 1, 24576, 4096): GemvConfig(1, 16, 512, 8, 1, 1),  # gate_up_proj 65.18 us (67.8)
+    ("dense", 1, 4096, 12288): GemvConfig(1, 8, 256, 8, 1, 2),  # down_proj 36.41 us (37.4)
+    ("dense", 1, 151936, 4096): GemvConfig(1, 8, 512, 4, 1, 1),  # lm_head 387.8 us (415.2)
 }
 
 # default_config's tiles: (format, block_m) -> (block_n, block_k, num_warps, num_stages, programs
