@@ -69,11 +69,6 @@ class KernelOptions:
     # Dense linears, as (out_features, in_features), kept on cuBLAS where the Triton GEMV has a tuned
     # entry (ops/gemv_linear.py routes those shapes' decode rows to it otherwise).
     cublas_linears: tuple[tuple[int, int], ...] = ()
-    # With PDL, each program of the Triton GEMV (those dense linears, int8 ones) first asks L2 for up to
-    # this many bytes of its weight slice, before waiting for the kernel ahead of it
-    # (ops/triton_gemv._prefetch_rows): the weight read overlaps decode attention or a norm, which
-    # leave HBM idle. 0: no prefetch.
-    gemv_prefetch_bytes: int = 0
     # How many times over decode attention's splits fill the GPU (ops/triton_attention.default_num_splits).
     decode_attention_waves: int = 2
     # Decode attention's launch by batch size: max_batch -> ops/triton_attention.DECODE_TUNING overrides
@@ -118,10 +113,9 @@ class KernelOptions:
             raise InvalidRequestError(f"decode_attention_tuning_by_batch maps batch sizes >= 1 to settings among "
                                       f"{DECODE_TUNING_KEYS}, got {table}")
         if (self.decode_attention_waves < 1 or self.int4_tinygemm_max_m < 0 or self.mixed_graph_max_tokens < 0
-                or self.custom_all_reduce_max_bytes < 0 or self.gemv_prefetch_bytes < 0):
+                or self.custom_all_reduce_max_bytes < 0):
             raise InvalidRequestError("decode_attention_waves must be at least 1, int4_tinygemm_max_m, "
-                                      "mixed_graph_max_tokens, custom_all_reduce_max_bytes and "
-                                      "gemv_prefetch_bytes at least 0")
+                                      "mixed_graph_max_tokens and custom_all_reduce_max_bytes at least 0")
 
 
 @dataclass(frozen=True)

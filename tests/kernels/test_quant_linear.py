@@ -9,15 +9,13 @@ from torch import nn
 
 from goodserve import LLM, SamplingParams
 from goodserve.cli import main
-from goodserve.config import KernelOptions
 from goodserve.errors import InvalidRequestError, ModelLoadError
 from goodserve.model.llama import LlamaForCausalLM
 from goodserve.model.spec import ModelSpec
-from goodserve.ops.kernel_choice import KernelChoice
 from goodserve.quant import linear as qlinear
 from goodserve.quant.apply import quantize_model
 from goodserve.quant.checkpoint import load_quantized_into, read_metadata, save_quantized
-from goodserve.quant import schemes, triton_kernels
+from goodserve.quant import schemes
 from goodserve.quant.linear import (TINYGEMM_CHECK_MAX_REL_ERROR, Int4Linear, Int8Linear, int4_scales_and_zeros,
                                     tinygemm_inner_k_tiles, tinygemm_nibbles)
 from helpers import loaded_model
@@ -63,20 +61,6 @@ def test_bf16_kernel_layers_take_decode_batches_and_dequantize_longer_calls(monk
     assert paths == ["_cpu_packed_matmul" if kernel else "_dequantized_matmul"]
     tolerance = 3e-2 if kernel else 1e-4  # bf16 rows, scales and output on the kernel path
     torch.testing.assert_close(out, _reference(module, x), rtol=tolerance, atol=tolerance)
-
-
-def test_int8_layers_hand_the_kernel_options_prefetch_to_the_gemv(monkeypatch):
-    """The GEMV's weight prefetch (KernelOptions.gemv_prefetch_bytes) reaches an int8 layer's CUDA
-    call beside the layer's PDL choice (off here: the interpreter has neither)."""
-    module = Int8Linear.from_linear(nn.Linear(64, 48, bias=False))
-    module.kernels = KernelChoice(triton=True, options=KernelOptions(gemv_prefetch_bytes=8192))
-    calls = []
-    real = triton_kernels.int8_matmul
-    monkeypatch.setattr(triton_kernels, "int8_matmul",
-                        lambda *args: calls.append(args[3:]) or real(*args))
-    x = torch.randn(1, 64)
-    torch.testing.assert_close(module._cuda_matmul(x), _reference(module, x), rtol=1e-4, atol=1e-4)
-    assert calls == [(False, 8192)]
 
 
 @pytest.mark.parametrize("make", [Int8Linear.from_linear, lambda lin: Int4Linear.from_linear(lin, 32)])

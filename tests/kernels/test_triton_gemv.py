@@ -7,8 +7,6 @@ order or group is off by tens of percent); 16-bit inputs within their rounding.
 """
 
 import os
-import subprocess
-import sys
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -99,56 +97,6 @@ def test_split_plan_covers_k_exactly_once():
         splits, steps = split_plan(k, block_k, split_k)
         per_split = steps * block_k
         assert splits <= split_k and (splits - 1) * per_split < k <= splits * per_split
-
-
-def test_prefetch_lines_take_the_rows_share_up_to_the_slice():
-    """Lines of 128 bytes a weight row prefetches, rounded down to a power of two: the program's
-    prefetch_bytes over its rows, at most its K slice of the row."""
-    config = GemvConfig(1, 8, 512, 4, 1, 1)
-    dense, int4 = torch.empty(16, 4096, dtype=torch.bfloat16), torch.empty(16, 2048, dtype=torch.uint8)
-    lines = triton_gemv.prefetch_lines
-    assert lines(dense, 4096, config, 8, 16 << 10) == 16  # 2 KB a row
-    assert lines(dense, 4096, config, 8, 1 << 20) == 64  # the whole 8 KB row
-    assert lines(dense, 4096, config, 2, 1 << 20) == 16  # a quarter of it: its slice
-    assert lines(int4, 4096, config, 8, 1 << 20) == 16  # 2 KB of codes a row
-    assert lines(dense, 4096, config, 8, 3 << 10) == 2  # 3 lines' share -> 2
-    assert lines(dense, 4096, config, 8, 0) == 0 and lines(dense, 4096, config, 8, 512) == 0
-
-
-COMPILE_GEMV_FOR_SM90 = """
-import sys
-import triton
-import triton.language as tl
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from goodserve.ops import triton_gemv
-
-lines = int(sys.argv[1])
-pointers = ["x_ptr", "w_ptr", "s_ptr", "z_ptr", "y_ptr", "part_ptr", "count_ptr"]
-ints = ["M", "N", "K", "stride_xm", "stride_wn", "stride_sn", "stride_ym", "steps_per_split"]
-constants = dict(FORMAT=0, GROUP=1, TILE_K=512, BLOCK_M=1, BLOCK_N=8, BLOCK_K=512, EVEN_K=True, SPLIT=False,
-                 DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32", PREFETCH_LINES=lines, LINE_ELEMENTS=64, USE_PDL=True)
-signature = {**{p: "*bf16" for p in pointers}, **{i: "i32" for i in ints}, **{c: "constexpr" for c in constants}}
-compiled = triton.compile(ASTSource(fn=triton_gemv._gemv_kernel, signature=signature, constexprs=constants),
-                          target=GPUTarget("cuda", 90, 32))
-print(compiled.asm["ptx"])
-"""
-
-
-@pytest.mark.slow  # a process of its own (Triton's compiler, not its interpreter)
-@pytest.mark.parametrize("lines", [0, 16])
-def test_the_prefetch_compiles_for_sm90_and_comes_before_the_pdl_wait(lines):
-    """The weight prefetch is inline PTX, which the interpreter cannot run: compiled here for an H100
-    (no GPU needed), its prefetches must all precede griddepcontrol.wait, and be absent at 0 lines."""
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    ptx = subprocess.run([sys.executable, "-c", COMPILE_GEMV_FOR_SM90, str(lines)], env=env, check=True,
-                         capture_output=True, text=True, timeout=300).stdout.splitlines()
-    prefetches = [i for i, line in enumerate(ptx) if "prefetch.global.L2" in line]
-    (wait,) = [i for i, line in enumerate(ptx) if "griddepcontrol.wait" in line]
-    if lines == 0:
-        assert not prefetches
-    else:  # 8 rows x 16 lines over 128 threads: one each
-        assert prefetches and max(prefetches) < wait
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

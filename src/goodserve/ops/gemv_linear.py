@@ -44,7 +44,7 @@ class GemvLinear(nn.Module):
         rows = x.reshape(-1, self.in_features)
         if not (self.kernels.triton and gemv_wins(self, rows.shape[0])):
             return F.linear(x, self.weight, self.bias)
-        y = dense_gemv(rows, self.weight, self.kernels.pdl, self.kernels.options.gemv_prefetch_bytes)
+        y = dense_gemv(rows, self.weight, self.kernels.pdl)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)

@@ -31,10 +31,6 @@ At small M the time is the time to read W, so the kernel is built around streami
   and sum in arrival order. The cost: M * N * split_k floats written and read back (capped at
   PARTIALS_MAX_SHARE of the weight bytes; ~0.4% at M = 1 for Llama's o_proj), one persistent
   counter buffer per device, and launches of one device must not overlap on two streams.
-- Weight prefetch (prefetch_bytes, with PDL): the weights do not depend on the kernel before, so a
-  program may ask L2 for the start of its slice before it waits for that kernel (_prefetch_rows):
-  the weight read then overlaps a kernel that leaves HBM idle (decode attention, norms) instead
-  of following it. Capped per program, so that the resident programs' requests fit in L2.
 
 Launches are CUDA-graph safe: grid, split and buffers follow from shapes alone, nothing syncs with
 the host. Configs come from TUNED_CONFIGS (benchmarks/gpu_gemv.py --sweep on an H100, keyed by
@@ -59,7 +55,6 @@ FORMATS = {"dense": DENSE, "int8": INT8, "int4": INT4}
 BYTES_PER_WEIGHT = {"dense": 2.0, "int8": 1.0, "int4": 0.5}  # dense: bf16 / fp16 on the GPU
 # Split counters: one per row block of a split launch (lm_head has 128256 / 8 blocks at most).
 MAX_SPLIT_BLOCKS = 1 << 16
-L2_LINE_BYTES = 128
 INTERPRETER_SMS = 4  # CPU (TRITON_INTERPRET): small, so that tests exercise the split path
 
 
@@ -301,25 +296,12 @@ def _rows_times_weights(x_ptr, w_ptr, s_ptr, z_ptr, offs_n, n_mask, M, k_start, 
 
 
 @triton.jit
-def _prefetch_rows(w_ptr, offs_n, n_mask, first_column, last_column, stride_wn, LINES: tl.constexpr,
-                   LINE_ELEMENTS: tl.constexpr):
-    """Ask L2 for the first LINES 128-byte lines of each of the program's weight rows from
-    first_column, none past last_column (w_ptr's elements); rows past N ask for row 0's. A prefetch
-    loads nothing into registers: it only warms L2 for the loads that follow."""
-    columns = tl.minimum(first_column + tl.arange(0, LINES) * LINE_ELEMENTS, last_column)
-    rows = tl.where(n_mask, offs_n, 0).to(tl.int64)
-    ptrs = w_ptr + rows[:, None] * stride_wn + columns[None, :]
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, part_ptr, count_ptr,
                  M, N, K, stride_xm, stride_wn, stride_sn, stride_ym, steps_per_split,
                  FORMAT: tl.constexpr, GROUP: tl.constexpr, TILE_K: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                  SPLIT: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 PREFETCH_LINES: tl.constexpr, LINE_ELEMENTS: tl.constexpr, USE_PDL: tl.constexpr):
+                 USE_PDL: tl.constexpr):
     """Program (row block, K slice) -> y[:, row block] (or its slice's partial); see the module doc.
 
     Slices are whole BLOCK_K steps (k_start a multiple of BLOCK_K, which also tells the compiler
@@ -331,12 +313,6 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, part_ptr, count_ptr,
     n_mask, m_mask = offs_n < N, offs_m < M
     k_start = split * steps_per_split * BLOCK_K
     k_stop = tl.minimum(k_start + steps_per_split * BLOCK_K, K)
-    if PREFETCH_LINES > 0:  # before the wait: the weights are not the previous kernel's output
-        if FORMAT == INT4:  # two codes a byte
-            _prefetch_rows(w_ptr, offs_n, n_mask, k_start // 2, (k_stop - 1) // 2, stride_wn, PREFETCH_LINES,
-                           LINE_ELEMENTS)
-        else:
-            _prefetch_rows(w_ptr, offs_n, n_mask, k_start, k_stop - 1, stride_wn, PREFETCH_LINES, LINE_ELEMENTS)
     pdl_sync(USE_PDL)
     if BLOCK_M == 1:
         acc = _row_times_weights(x_ptr, w_ptr, s_ptr, z_ptr, offs_n, n_mask, k_start, k_stop, stride_wn,
@@ -477,14 +453,12 @@ def _dot_types(x: torch.Tensor) -> tuple[tl.dtype, str]:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, fmt: str, scales: torch.Tensor | None = None,
-         zeros: torch.Tensor | None = None, group: int = 0, pdl: bool = False, prefetch_bytes: int = 0,
-         **overrides) -> torch.Tensor:
+         zeros: torch.Tensor | None = None, group: int = 0, pdl: bool = False, **overrides) -> torch.Tensor:
     """x [M, K] (M <= GEMV_MAX_M) times the weight of format fmt -> [M, N] in x's dtype.
 
     dense: weight [N, K]; int8: weight [N, K] int8, scales [N] float32; int4: weight [N, K // 2]
     uint8, scales and zeros [N, K // group] float32. pdl: launch with PDL (ops/pdl.py).
-    prefetch_bytes: with pdl on CUDA, each program first asks L2 for up to this many bytes of its
-    weight slice (prefetch_lines). overrides: GemvConfig fields.
+    overrides: GemvConfig fields.
     """
     x = x.contiguous()
     m, k = x.shape
@@ -511,25 +485,13 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, fmt: str, scales: torch.Tensor |
         FORMAT=FORMATS[fmt], GROUP=max(group, 1), TILE_K=group if fmt == "int4" else config.block_k,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         EVEN_K=k % config.block_k == 0, SPLIT=splits > 1, DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision,
-        PREFETCH_LINES=prefetch_lines(weight, k, config, steps_per_split, prefetch_bytes) if pdl and x.is_cuda else 0,
-        LINE_ELEMENTS=L2_LINE_BYTES // weight.element_size(), num_warps=config.num_warps,
-        num_stages=config.num_stages, **pdl_launch(pdl))
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch(pdl))
     return y
 
 
-def prefetch_lines(weight: torch.Tensor, k: int, config: GemvConfig, steps_per_split: int, prefetch_bytes: int) -> int:
-    """L2 lines each weight row of a program prefetches, a power of two (0: none): its share of
-    prefetch_bytes, at most its slice of the row (steps_per_split steps of BLOCK_K of the k columns,
-    in the weight's bytes)."""
-    slice_bytes = steps_per_split * config.block_k * weight.shape[1] * weight.element_size() // k
-    lines = min(triton.cdiv(slice_bytes, L2_LINE_BYTES), prefetch_bytes // config.block_n // L2_LINE_BYTES)
-    return 1 << (lines.bit_length() - 1) if lines > 0 else 0
-
-
-def dense_gemv(x: torch.Tensor, weight: torch.Tensor, pdl: bool = False, prefetch_bytes: int = 0,
-               **overrides) -> torch.Tensor:
+def dense_gemv(x: torch.Tensor, weight: torch.Tensor, pdl: bool = False, **overrides) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T for M <= 16: the GEMV without dequantization."""
-    return gemv(x, weight, "dense", pdl=pdl, prefetch_bytes=prefetch_bytes, **overrides)
+    return gemv(x, weight, "dense", pdl=pdl, **overrides)
 
 
 # ---------------------------------------------------------------------------------------------

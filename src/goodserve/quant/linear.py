@@ -151,7 +151,7 @@ class Int8Linear(PerChannelCodes, _QuantizedLinear):
     def _cuda_matmul(self, rows: torch.Tensor) -> torch.Tensor:
         from goodserve.quant.triton_kernels import int8_matmul
 
-        return int8_matmul(rows, self.qweight, self.scales, self.kernels.pdl, self.kernels.options.gemv_prefetch_bytes)
+        return int8_matmul(rows, self.qweight, self.scales, self.kernels.pdl)
 
     def _cpu_packed_matmul(self, rows: torch.Tensor) -> torch.Tensor:
         return torch._weight_int8pack_mm(rows.contiguous(), self.qweight, self.scales.to(rows.dtype))

@@ -81,16 +81,15 @@ def _gemm_block_m(m: int) -> int:
 
 
 def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, pdl: bool = False,
-                prefetch_bytes: int = 0, **gemv_overrides) -> torch.Tensor:
+                **gemv_overrides) -> torch.Tensor:
     """x [M, K] (fp32/fp16/bf16), qweight [N, K] int8, scales [N] fp32 -> [M, N] in x's dtype.
 
-    pdl: launch with PDL (ops/pdl.py). prefetch_bytes: the GEMV's weight prefetch (ops/triton_gemv.gemv).
-    gemv_overrides: GemvConfig fields for the GEMV (block_n, block_k, split_k, ...; the benchmark
-    sweeps them)."""
+    pdl: launch with PDL (ops/pdl.py). gemv_overrides: GemvConfig fields for the GEMV (block_n,
+    block_k, split_k, ...; the benchmark sweeps them)."""
     x = x.contiguous()
     m, k = x.shape
     if m <= GEMV_MAX_M and k % 4 == 0:
-        return gemv(x, qweight, "int8", scales, pdl=pdl, prefetch_bytes=prefetch_bytes, **gemv_overrides)
+        return gemv(x, qweight, "int8", scales, pdl=pdl, **gemv_overrides)
     n = qweight.shape[0]
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     block_m, block_n = _gemm_block_m(m), 64
