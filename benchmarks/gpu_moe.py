@@ -21,6 +21,10 @@ Parts (--parts, default kernel,decode,throughput; in this order, one process):
               its 8 routed experts a layer (not the other 120), one embedding row, the KV cache;
               --decode-variants: further runs with other KernelOptions (decode_variants), of the
               MoE or of --variant-presets
+  grouped-sweep
+              the grouped path alone (sort, both grouped GEMMs) at Qwen3-30B-A3B's shapes, bf16, for 16 to
+              2,048 tokens (random routing): microseconds per call of each candidate GroupedTiles
+              (quant/triton_moe.py) beside grouped_tiles_for's, and the fastest (not in the default parts)
   throughput  500 requests with ShareGPT-like lengths (gpu_engine's workload), offline, output tok/s,
               for dummy:qwen3-30b-a3b and dummy:qwen3-8b
   int8        batch-1 decode as `decode` of dummy:mixtral-8x7b with --quantization int8 (experts
@@ -41,8 +45,10 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import asdict
 
 import torch
+from triton.runtime.errors import OutOfResources
 
 import gpu_engine
 from gpu_engine import copy_bandwidth_gbps, free_gpu, random_prompts, run_offline, sharegpt_like_lengths
@@ -51,7 +57,8 @@ from goodserve.config import KernelOptions
 from goodserve.model.presets import get_preset
 from goodserve.ops.kernel_choice import TORCH_KERNELS, KernelChoice
 from goodserve.quant.moe import moe_torch, route
-from goodserve.quant.triton_moe import moe_kernel_for, triton_fused_moe, triton_route, triton_router
+from goodserve.quant.triton_moe import (GroupedTiles, grouped_tiles_for, moe_kernel_for, triton_fused_moe, triton_route,
+                                         triton_router)
 from result_file import write_result
 
 results: dict = {}
@@ -60,6 +67,9 @@ results: dict = {}
 KERNEL_TOKENS = (1, 2, 4, 8, 64, 512)
 # The decode path's down launch, slots of a token a program takes (gemv_us is the default's).
 DOWN_SLOTS = (2, 4, 8)
+# The grouped sweep's token counts: from past the GEMV path (8 tokens, top 8) to a prefill chunk.
+SWEEP_TOKENS = (16, 32, 64, 128, 256, 512, 1024, 2048)
+SHARED_MEMORY_BYTES = 227 * 1024  # a block's most on sm_90
 INT4_GROUP = 128  # the engine's choice for Mixtral-8x7B's widths (the largest that divides them)
 
 
@@ -69,11 +79,16 @@ def _time_us(fn) -> float:
     return do_bench_cudagraph(fn, rep=200, return_mode="median") * 1e3
 
 
+def _expert_stacks(spec) -> tuple[torch.Tensor, torch.Tensor]:
+    e, h, i = spec.num_experts, spec.hidden_size, spec.moe_intermediate_size
+    return (torch.randn(e * 2 * i, h, device="cuda", dtype=torch.bfloat16) * 0.02,
+            torch.randn(e * h, i, device="cuda", dtype=torch.bfloat16) * 0.02)
+
+
 def part_kernel(bandwidth_gbps: float) -> None:
     spec = get_preset("qwen3-30b-a3b")
-    e, h, i, k = spec.num_experts, spec.hidden_size, spec.moe_intermediate_size, spec.num_experts_per_tok
-    w13 = torch.randn(e * 2 * i, h, device="cuda", dtype=torch.bfloat16) * 0.02
-    w2 = torch.randn(e * h, i, device="cuda", dtype=torch.bfloat16) * 0.02
+    e, h, k = spec.num_experts, spec.hidden_size, spec.num_experts_per_tok
+    w13, w2 = _expert_stacks(spec)
     router = torch.randn(e, h, device="cuda", dtype=torch.bfloat16) * 0.02
     kernels = KernelChoice(triton=True)
     for tokens in KERNEL_TOKENS:
@@ -99,6 +114,43 @@ def part_kernel(bandwidth_gbps: float) -> None:
         row |= {"expert_bytes_read": read, "floor_us": floor_us, "share_of_copy_bandwidth": floor_us / row["fused_us"],
                 "grouped_share": floor_us / row["grouped_us"], "gemv_share": floor_us / row["gemv_us"]}
         results.setdefault("kernel", {})[f"tokens_{tokens}"] = row
+
+
+def sweep_candidates(pairs_per_expert: float):
+    """Tiles to try: BLOCK_M up to twice an expert's mean pairs (16 at least: wider blocks would be
+    padding), the pipeline's stages within a block's shared memory."""
+    for block_m in (16, 32, 64, 128):
+        if block_m > max(16, 2 * pairs_per_expert):
+            continue
+        for block_n in (64, 128, 256):
+            for block_k in (64, 128):
+                for warps, stages in ((4, 3), (8, 3), (8, 4)):
+                    if stages * (block_m + block_n) * block_k * 2 <= SHARED_MEMORY_BYTES:
+                        yield GroupedTiles(block_m, block_n, block_k, warps, stages)
+
+
+def part_grouped_sweep() -> None:
+    spec = get_preset("qwen3-30b-a3b")
+    w13, w2 = _expert_stacks(spec)
+    kernels = KernelChoice(triton=True)
+    for tokens in SWEEP_TOKENS:
+        x = torch.randn(tokens, spec.hidden_size, device="cuda", dtype=torch.bfloat16)
+        weights, ids = route(torch.randn(tokens, spec.num_experts, device="cuda"), spec.num_experts_per_tok, True)
+
+        def time_tiles(tiles: GroupedTiles) -> float:
+            return _time_us(lambda: triton_fused_moe(x, w13, w2, weights, ids, kernels, path="grouped", tiles=tiles))
+
+        default = grouped_tiles_for(ids.numel())
+        timed = []
+        for tiles in sweep_candidates(ids.numel() / spec.num_experts):
+            try:
+                timed.append((time_tiles(tiles), tiles))
+            except OutOfResources:  # registers or shared memory past the card's
+                continue
+        best_us, best = min(timed, key=lambda pair: pair[0])
+        results.setdefault("grouped_sweep", {})[f"tokens_{tokens}"] = {
+            "default": asdict(default), "default_us": time_tiles(default), "best": asdict(best), "best_us": best_us,
+            "candidates": [asdict(tiles) | {"us": us} for us, tiles in timed]}
 
 
 def expert_bytes(spec, quantization: str | None) -> int:
@@ -177,6 +229,7 @@ def main() -> None:
          "decode": lambda: part_decode(bandwidth, args.decode_presets.split(","),
                                        variants=args.decode_variants,
                                        variant_presets=args.variant_presets and args.variant_presets.split(",")),
+         "grouped-sweep": part_grouped_sweep,
          "throughput": lambda: part_throughput(["qwen3-30b-a3b", "qwen3-8b"]),
          "int8": lambda: part_decode(bandwidth, ["mixtral-8x7b"], "int8"),
          "int4": lambda: part_decode(bandwidth, ["mixtral-8x7b"], "int4")}[part]()
@@ -192,6 +245,9 @@ def main() -> None:
             print(f"{key} {preset}: {best:.1f} tok/s, mbu_read {run['mbu_read']:.2f}"
                   + (f", mbu_active {run['mbu_active']:.2f}, limit {run['bandwidth_limit_active_tok_s']:.0f} tok/s"
                      if "mbu_active" in run else ""))
+    for name, row in results.get("grouped_sweep", {}).items():
+        print(f"grouped sweep {name}: best {row['best']} {row['best_us']:.1f} us, "
+              f"grouped_tiles_for's {row['default_us']:.1f} us")
     for preset, run in results.get("throughput_sharegpt_like", {}).items():
         print(f"sharegpt-like 500 requests {preset}: {run['output_tok_s']:.0f} output tok/s")
 

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from goodserve.ops.kernel_choice import TORCH_KERNELS, KernelChoice
 from goodserve.quant.moe import moe_torch, route
 from goodserve.quant import schemes
-from goodserve.quant.triton_moe import (GEMV_MAX_PAIRS, moe_kernel_for, sort_pairs_by_expert, triton_fused_moe,
-                                        triton_route, triton_router)
+from goodserve.quant.triton_moe import (GEMV_MAX_PAIRS, GroupedTiles, moe_kernel_for, sort_pairs_by_expert,
+                                        triton_fused_moe, triton_route, triton_router)
 
 HIDDEN, INTER, EXPERTS = 64, 48, 4
 
@@ -47,6 +47,16 @@ def test_fused_moe_matches_the_reference(num_tokens: int, dtype: torch.dtype):
     ref = reference(x, w13, w2, weights.to(dtype), ids)
     tolerance = 1e-4 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(ours.double(), ref, rtol=tolerance, atol=tolerance * ref.abs().max().item())
+
+
+# Tiles a sweep (benchmarks/gpu_moe.py --parts grouped-sweep) may pick: blocks wider than an expert's
+# pairs, columns and depth past the projections' (96 and 64 wide, 64 and 48 deep here).
+@pytest.mark.parametrize("tiles", [GroupedTiles(32, 128, 128, 8, 4), GroupedTiles(128, 256, 64, 8, 3)])
+def test_the_grouped_gemm_at_other_tiles_matches_the_reference(tiles: GroupedTiles):
+    x, w13, w2, weights, ids = moe_inputs(150, 2, torch.float32)
+    ours = triton_fused_moe(x, w13, w2, weights, ids, KernelChoice(triton=True), path="grouped", tiles=tiles)
+    ref = reference(x, w13, w2, weights, ids)
+    torch.testing.assert_close(ours.double(), ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
 
 
 def routed_inputs(ids: list[list[int]], dtype: torch.dtype, experts: int = 8, seed: int = 4):

@@ -25,6 +25,7 @@ accumulator; int4 codes are dequantized in the tile (scale and zero per group al
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -243,9 +244,21 @@ def _router_kernel(x_ptr, w_ptr, part_ptr, count_ptr, weights_ptr, ids_ptr, num_
         tl.atomic_xchg(count_ptr + token, 0)
 
 
-def block_m_for(num_pairs: int) -> int:
-    """Rows per block: small where most blocks hold one or two pairs (decode), larger for prefill."""
-    return 16 if num_pairs <= 256 else 64
+@dataclass(frozen=True)
+class GroupedTiles:
+    """The grouped GEMM's launch: BLOCK_M sorted pairs (one expert's) by BLOCK_N columns a program,
+    BLOCK_K deep a step; the sort pads each expert's pairs to whole BLOCK_M blocks."""
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+def grouped_tiles_for(num_pairs: int) -> GroupedTiles:
+    """Small blocks where most experts hold a pair or two (decode), larger for prefill. Not yet swept on
+    a card: `benchmarks/gpu_moe.py --parts grouped-sweep` times candidates by token count."""
+    return GroupedTiles(16 if num_pairs <= 256 else 64, 64, 64, num_warps=4, num_stages=3)
 
 
 @triton.jit
@@ -301,13 +314,12 @@ def sort_pairs_by_expert(ids: torch.Tensor, num_experts: int, block_m: int
 
 def _grouped_gemm(a: torch.Tensor, b: Stack, num_experts: int, out: torch.Tensor, sorted_pairs: torch.Tensor,
                   block_experts: torch.Tensor, num_padded: torch.Tensor, num_pairs: int, a_row_divisor: int,
-                  block_m: int, weights: torch.Tensor | None = None) -> None:
+                  tiles: GroupedTiles, weights: torch.Tensor | None = None) -> None:
     """out [num_pairs, N] = a's rows @ the [N, K] weight of each pair's expert in stack b."""
     codes = getattr(b, "qweight", b)
     n, k = stack_rows(b) // num_experts, a.shape[1]
     b_format = _format_of(b)
-    block_n, block_k = 64, 64
-    grid = (block_experts.numel(), triton.cdiv(n, block_n))
+    grid = (block_experts.numel(), triton.cdiv(n, tiles.block_n))
     _grouped_gemm_kernel[grid](
         a, codes, out, weights if weights is not None else out, getattr(b, "scales", out), getattr(b, "zeros", out),
         sorted_pairs, block_experts, num_padded, n, k, num_pairs, a.stride(0), n * codes.stride(0), codes.stride(0),
@@ -315,7 +327,8 @@ def _grouped_gemm(a: torch.Tensor, b: Stack, num_experts: int, out: torch.Tensor
         GROUP_SIZE=getattr(b, "group_size", 1), PACK=2 if b_format == INT4.value else 1,
         PRECISION="ieee" if a.dtype == torch.float32 or not a.is_cuda else None,  # float32 stays exact (no TF32)
         UPCAST_DOT=not a.is_cuda,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages)
 
 
 def _format_of(stack: Stack) -> int:
@@ -420,10 +433,12 @@ def triton_moe(x: torch.Tensor, router_weight: torch.Tensor, w13: Stack, w2: Sta
 
 
 def triton_fused_moe(x: torch.Tensor, w13: Stack, w2: Stack, weights: torch.Tensor, ids: torch.Tensor,
-                     kernels: KernelChoice, path: str | None = None, down_slots: int | None = None) -> torch.Tensor:
+                     kernels: KernelChoice, path: str | None = None, down_slots: int | None = None,
+                     tiles: GroupedTiles | None = None) -> torch.Tensor:
     """x [T, H], w13 [E * 2I, H], w2 [E * H, I] (float, or their codes: quant/moe.py's Stack),
     weights / ids [T, k] -> [T, H]. path: "gemv" or "grouped" (benchmarks force one), else
-    moe_kernel_for's choice; down_slots: the GEMV path's slots per down program (_down_sum)."""
+    moe_kernel_for's choice; down_slots: the GEMV path's slots per down program (_down_sum); tiles:
+    the grouped path's launch (a benchmark's sweep), else grouped_tiles_for's."""
     num_tokens, hidden = x.shape
     num_experts, top_k = stack_rows(w2) // hidden, ids.shape[1]
     num_pairs = num_tokens * top_k
@@ -433,9 +448,9 @@ def triton_fused_moe(x: torch.Tensor, w13: Stack, w2: Stack, weights: torch.Tens
         _pair_gemv(x, w13, num_experts, gate_up, ids.reshape(-1), top_k)
         return _down_sum(gate_up, w2, hidden, weights.contiguous(), ids.contiguous(), down_slots)
     down = x.new_empty(num_pairs, hidden)
-    block_m = block_m_for(num_pairs)
-    sorting = sort_pairs_by_expert(ids, num_experts, block_m)
-    _grouped_gemm(x, w13, num_experts, gate_up, *sorting, num_pairs, top_k, block_m)
-    _grouped_gemm(silu_and_mul(gate_up, kernels), w2, num_experts, down, *sorting, num_pairs, 1, block_m,
+    tiles = tiles or grouped_tiles_for(num_pairs)
+    sorting = sort_pairs_by_expert(ids, num_experts, tiles.block_m)
+    _grouped_gemm(x, w13, num_experts, gate_up, *sorting, num_pairs, top_k, tiles)
+    _grouped_gemm(silu_and_mul(gate_up, kernels), w2, num_experts, down, *sorting, num_pairs, 1, tiles,
                   weights.flatten())
     return down.view(num_tokens, top_k, hidden).sum(dim=1)
