@@ -168,8 +168,9 @@ def test_seeded_sampling_matches_the_synchronous_engine(embedded_llm, stop_token
         assert pipelined() > 0
 
 
-@pytest.mark.parametrize("extra", [{"logprobs": 2}, {"repetition_penalty": 1.3}, {"stop": ["the"]},
-                                   {"min_tokens": 4}])
+@pytest.mark.parametrize("extra", [{"logprobs": 2}, *(pytest.param(extra, marks=pytest.mark.slow)  # one is enough fast
+                                                      for extra in ({"repetition_penalty": 1.3}, {"stop": ["the"]},
+                                                                    {"min_tokens": 4}))])
 def test_host_dependent_sampling_falls_back_to_synchronous(embedded_llm, stop_token, extra):
     engine, tok = embedded_llm.engine, embedded_llm.tokenizer
     traffic = mixed_traffic(tok, stop_token, **extra)
@@ -298,6 +299,7 @@ def story_tokens(embedded_llm) -> list[int]:
     return embedded_llm.generate([STORY], STORY_PARAMS)[0].outputs[0].token_ids
 
 
+@pytest.mark.slow  # a speculating engine; the fast tier keeps async scheduling's greedy and seeded identity
 def test_speculation_still_drafts_under_async_scheduling(story_tokens):
     """A step scheduled ahead of the one in flight cannot carry drafts (they continue tokens not yet
     on the host), so while the speculator may draft the engine does not run ahead: drafts are made
@@ -330,6 +332,7 @@ class _WrongProposer:
         pass
 
 
+@pytest.mark.slow  # a speculating engine; the fast tier keeps async scheduling's greedy and seeded identity
 def test_rejected_speculation_stops_and_steps_run_ahead_again(story_tokens):
     """Once a sequence's drafts keep being rejected the policy plans none for it, so the engine runs
     ahead of the step in flight again, but for the probes' bounded share of steps."""

@@ -1,6 +1,8 @@
 """`goodserve bench --sweep-slo-scale` on a real in-process run: attainment per SLO scale in the
 result, both attainment curves in the HTML report; the slo policy's targets ride on the requests."""
 
+import pytest
+
 from goodserve.bench import command
 from goodserve.bench.capacity import capacity_of
 from goodserve.bench.metrics import attainment_by_slo_scale
@@ -21,6 +23,7 @@ def test_attainment_by_scale_scores_the_same_records_against_scaled_targets():
     assert [p["slo_attainment"] for p in points] == [0.0, 25.0, 75.0, 100.0]
 
 
+@pytest.mark.slow  # a sweep on an engine; the fast tier checks the sweep's points (test above)
 def test_sweep_slo_scale_in_result_and_html(tmp_path):
     out, html = tmp_path / "r.json", tmp_path / "r.html"
     args = bench_args("--backend", "inprocess", "--model", "dummy:tiny", "--device", "cpu",

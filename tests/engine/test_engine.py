@@ -27,6 +27,7 @@ def test_greedy_matches_transformers_raw_and_chat(embedded_llm, hf_embedded):
         assert output.outputs[0].token_ids == hf_greedy(hf_embedded, prompt, 32)
 
 
+@pytest.mark.slow  # batched against alone; the fast tier checks a batch against transformers above
 def test_batch_invariance(embedded_llm):
     """A prompt's greedy tokens do not depend on its batch, chunking or prefix-cache state."""
     tok = embedded_llm.tokenizer
@@ -184,6 +185,7 @@ def test_n_samples_share_the_prompt_through_the_prefix_cache():
     assert not aborted.engine.has_unfinished() and aborted.engine.kv.num_used_blocks == 0
 
 
+@pytest.mark.slow  # the fast tier compares a server's streamed and whole answers (test_server_openai.py)
 def test_offline_text_equals_streamed_text(embedded_llm):
     """Offline generate detokenizes once at the finish; streaming detokenizes token by token. Both
     must give the text the tokenizer decodes from the output ids, for length and stop-token finishes

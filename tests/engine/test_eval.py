@@ -96,6 +96,8 @@ def test_eval_command_fails_a_configuration_over_its_threshold(tmp_path, capsys)
     assert "FAIL  perplexity_increase" in capsys.readouterr().out
 
 
+# two engines; the fast tier checks the budgets (test_default_thresholds_add_budgets_per_lossy_change)
+@pytest.mark.slow
 def test_eval_command_budgets_for_what_the_engine_runs(tmp_path):
     """Unset, a GGUF model on the CPU runs its file's codes: eval holds it to the gguf budget on the
     resolved float32 floor, not to the budget of an exact change."""

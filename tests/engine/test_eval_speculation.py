@@ -36,6 +36,7 @@ def test_eval_command_checks_ngram_against_the_same_engine_without_it(tmp_path, 
         capsys.readouterr().out)
 
 
+@pytest.mark.slow  # two eval runs of the embedded model
 def test_speculation_reuses_the_baseline_run_when_it_is_the_same_engine():
     candidate = EngineConfig(model="smollm2-135m", **{**quality_gate.BASELINE_OPTIONS, "speculative_method": "ngram"})
     settings = quality_gate.EvalSettings(max_text_tokens=64, window=64, prompts=PROMPTS[:1], max_new_tokens=24)

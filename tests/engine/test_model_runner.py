@@ -83,6 +83,7 @@ class EagerMixedGraph(cuda_graphs._MixedGraph):
         self._forward()
 
 
+@pytest.mark.slow  # the fast tier replays decode graphs' inputs (tests below)
 def test_mixed_graph_inputs_give_the_reference_tokens():
     """Steps with prefill chunks through a mixed graph's buffers (padding tokens and sequences, every
     sequence in the prefill kernel, logits of the sampled rows only) under the Triton interpreter
@@ -249,6 +250,7 @@ class VerifyCountingMixedGraph(EagerMixedGraph):
         return super().run(inputs)
 
 
+@pytest.mark.slow  # the fast tier replays the mixed graph without speculation (test above)
 def test_verify_steps_through_mixed_graph_buffers_give_the_speculation_off_tokens():
     """Greedy prompt lookup whose verify steps run in a mixed graph's buffers (a logits row per draft,
     gathered after the forward), under the Triton interpreter, gives the plain-torch path's tokens

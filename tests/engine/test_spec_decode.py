@@ -112,12 +112,14 @@ def test_greedy_alone_is_identical_and_drafts_are_accepted(embedded_llm, spec_ll
     assert spec_llm.engine.kv.num_used_blocks == 0
 
 
+@pytest.mark.slow  # the fast tier keeps speculation's greedy identity alone (above)
 def test_greedy_mixed_batch_is_identical(embedded_llm, spec_llm):
     prompts = [COPY, *OTHERS, COPY + " jumps"]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (40, 25, 33, 12, 30)]
     assert _tokens(spec_llm.generate(prompts, params)) == _tokens(embedded_llm.generate(prompts, params))
 
 
+@pytest.mark.slow  # the fast tier has speculation's greedy identity alone and in a mixed batch
 def test_greedy_with_chunked_prefill_and_prefix_hits_is_identical(embedded_llm):
     """A small token budget chunks the prompts and cuts drafts short; the second round hits the
     prefix cache (including blocks that hold kept drafts)."""
@@ -134,6 +136,7 @@ def check_chunked_and_prefix_hits(llm, embedded_llm, prompts: list[str], params:
     assert llm.engine.kv.num_used_blocks == 0
 
 
+@pytest.mark.slow  # a second speculating engine's worth of requests; the fast tier keeps greedy identity
 def test_sampling_features_keep_working(embedded_llm, spec_llm):
     """Seeds (the same tokens as without speculation), penalties, min_tokens, stop strings, stop
     tokens, max_tokens and logprobs per kept token."""
@@ -177,6 +180,7 @@ def test_abort_mid_speculation_leaks_no_blocks(spec_llm):
     abort_mid_speculation(spec_llm.engine, [COPY, COPY + " jumps", OTHERS[1]], max_steps=20)
 
 
+@pytest.mark.slow  # an engine of its own; the fast tier keeps speculation's greedy identity
 def test_no_drafts_above_the_batch_bound():
     llm = _spec_llm(spec_max_batch=2)
     llm.generate([COPY] * 3, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
@@ -209,6 +213,7 @@ def test_short_rows_become_one_token_rows_over_their_block_tables():
     assert as_one_token_rows(long_row) is long_row  # a prompt: one prefill row
 
 
+@pytest.mark.slow  # a GGUF engine of its own; the fast tier checks the verify rows' shape (test above)
 def test_verify_steps_run_the_native_decode_stack_with_the_plain_decode_tokens(monkeypatch, embedded_gguf_llm):
     """On the CPU default (gguf codes), a verify step's rows go through the one native call as
     decode rows, so each position's logits are a plain decode step's: greedy tokens identical."""

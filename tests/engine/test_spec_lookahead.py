@@ -99,7 +99,8 @@ def test_as_cached_rounds_as_the_int8_cache_does():
 
 
 # ---- the engine ----------------------------------------------------------------------------------
-@pytest.mark.parametrize("prompt", [CHAT[0], pytest.param(CHAT[1], marks=pytest.mark.slow)])  # one is enough fast
+@pytest.mark.slow  # the fast tier keeps the n-gram proposer's greedy identity (test_spec_decode.py)
+@pytest.mark.parametrize("prompt", CHAT[:2])
 def test_greedy_alone_is_identical_and_the_window_drafts(embedded_llm, lookahead_llm, prompt):
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     before = lookahead_llm.engine.stats()
@@ -110,6 +111,7 @@ def test_greedy_alone_is_identical_and_the_window_drafts(embedded_llm, lookahead
     assert lookahead_llm.engine.kv.num_used_blocks == 0
 
 
+@pytest.mark.slow  # the fast tier keeps lookahead's greedy identity alone
 def test_greedy_mixed_batch_with_plain_requests_is_identical(embedded_llm, lookahead_llm):
     """Lookahead rows beside a plain one (max_tokens 1 leaves it no room for drafts or a window)."""
     prompts = [COPY, *OTHERS, CHAT[0]]
@@ -132,6 +134,7 @@ def test_greedy_on_a_random_model_is_identical():
     assert llm.engine.stats().spec_decode_num_draft_tokens > 0
 
 
+@pytest.mark.slow  # the fast tier keeps lookahead's greedy identity
 def test_seeded_sampling_is_the_same_as_without_speculation(embedded_llm, lookahead_llm):
     """At temperature > 0 the drafts are a point mass verified by acceptance.py's rule: a seed
     samples the same tokens with lookahead on or off."""

@@ -59,6 +59,7 @@ def test_n_samples_logprobs_and_stop_strings_follow_the_grammar(embedded_llm):
         assert all(tokenizer.decode([t]) in ("1", "2") or lp.logprob == -9999.0 for t, lp in first.items())
 
 
+@pytest.mark.slow  # the fast tier keeps grammars in mixed batches and under async scheduling
 def test_preemption_and_prefix_cache_keep_grammar_outputs(embedded_llm):
     intro = "Here is a list of people with their names and ages, each written as one JSON object per line. "
     prompts = [intro + p for p in ("A person:", "Another person:", "A third person:", "One more, please:")]

@@ -280,9 +280,9 @@ def copied(cache: LayerKVCache) -> LayerKVCache:
     return LayerKVCache(*(None if x is None else x.clone() for x in (cache.k, cache.v, cache.k_scale, cache.v_scale)))
 
 
-@pytest.mark.parametrize("dtype,kv_dtype", [
-    (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.int8),
-    (torch.bfloat16, torch.float8_e4m3fn),
+@pytest.mark.parametrize("dtype,kv_dtype", [  # two of the four fast
+    pytest.param(torch.float32, torch.float32, marks=pytest.mark.slow), (torch.bfloat16, torch.bfloat16),
+    (torch.float32, torch.int8), pytest.param(torch.bfloat16, torch.float8_e4m3fn, marks=pytest.mark.slow),
 ])
 @pytest.mark.parametrize("num_splits,tuning", [(1, None), (4, None), (4, {"DIRECT_KEYS": 64})])
 def test_decode_with_fused_rotary_equals_the_two_kernels(kernels, dtype, kv_dtype, num_splits, tuning):

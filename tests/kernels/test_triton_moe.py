@@ -76,7 +76,7 @@ DECODE_ROUTINGS = {"1 token top 2": [[5, 2]], "1 token top 5": [[7, 0, 3, 1, 6]]
 
 
 @pytest.mark.parametrize("routing", DECODE_ROUTINGS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, marks=pytest.mark.slow), torch.bfloat16])  # bf16 fast
 def test_decode_gemv_matches_the_cpu_path_and_the_grouped_gemm(routing: str, dtype: torch.dtype):
     x, w13, w2, weights, ids = routed_inputs(DECODE_ROUTINGS[routing], dtype)
     assert moe_kernel_for(ids.numel(), w13, w2) == "gemv"

@@ -64,6 +64,7 @@ def test_generation_config_none_ignores_them_and_a_bad_value_stops_the_start():
         sampling_defaults(_Engine(SamplingDefaults(temperature=-1.0)), ServerConfig())
 
 
+@pytest.mark.slow  # a server of its own; the fast tier checks how the defaults are read and merged
 def test_a_server_samples_with_the_models_recommended_temperature(tmp_path: Path):
     model = tiny_model_dir(tmp_path, {"temperature": 0.0, "eos_token_id": 2})  # recommended: greedy
     server = InProcessServer(["--model", str(model), "--max-model-len", "128"])

@@ -257,6 +257,7 @@ def test_prompts_times_n_count_against_the_waiting_queue(tiny):
 
 # ---- item 8: slow and half-open clients -----------------------------------------------------------
 
+@pytest.mark.slow  # waits out the server's 10 s header deadline
 def test_connections_that_never_finish_their_headers_are_closed(tiny):
     host, port = tiny.url.removeprefix("http://").split(":")
     sockets = [socket.create_connection((host, int(port))) for _ in range(20)]

@@ -159,6 +159,7 @@ def test_responses_text_format_follows_a_json_schema_as_the_chat_path_does(serve
     assert json.loads(response.output_text)["city"] and response.text.format.type == "json_schema"
 
 
+@pytest.mark.slow  # three grammar-bound generations; the fast tier keeps the Responses API's other checks
 def test_responses_function_calls_equal_the_chat_paths_and_their_outputs_come_back(served):
     _, _, client = served
     question = [{"role": "user", "content": "What is the weather in Paris?"}]

@@ -75,6 +75,7 @@ def _delta(before: dict[str, float], after: dict[str, float], name: str) -> floa
     return after.get(name, 0.0) - before.get(name, 0.0)
 
 
+@pytest.mark.slow  # a speculating server of its own
 def test_server_counters_match_a_replay_of_the_requests(spec_server, embedded_llm):
     tokenizer = embedded_llm.tokenizer
     prompts = [tokenizer.encode(COPY), tokenizer.encode("def fibonacci(n):\n")]
@@ -107,6 +108,7 @@ def test_no_counters_without_speculation():
     assert b"spec_decode" not in ServerMetrics(engine, "m", Slo()).render()
 
 
+@pytest.mark.slow  # a bench run; the fast tier checks the server's counters (test above)
 def test_bench_reports_the_runs_speculation(spec_server, tmp_path, capsys):
     """The bench's numbers are the server's counters over the run (its warm-up left out), and the
     rates derive from them."""

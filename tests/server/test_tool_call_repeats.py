@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import json
 
+import pytest
+
 import httpx2
 import jsonschema
 import openai
@@ -115,6 +117,7 @@ def complete_calls(text: str) -> list:
     return calls
 
 
+@pytest.mark.slow  # a server and long generations; the fast tier checks the grammar's ending above
 def test_greedy_required_calls_end_at_the_first_repeat_streamed_and_not(tmp_path):
     reference, forced, chunks, twice = asyncio.run(_ask(tmp_path))
     assert reference.choices[0].finish_reason == "length"  # left alone, the model repeats until max_tokens

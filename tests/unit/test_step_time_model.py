@@ -69,6 +69,7 @@ def test_decode_rows_a_step_budget_holds():
     assert StepTimeFit(a=0.010, b=0.0, c=0.0).max_decode_rows(0.045) == 1 << 30  # rows cost nothing measurable
 
 
+@pytest.mark.slow  # runs the embedded engine; the fast tier checks the fit on given steps (tests above)
 def test_the_engine_fits_its_own_steps():
     """Prompts of several lengths and their decodes: the engine feeds every step, and the fit it
     publishes predicts a positive time for a step (its intercept alone may come out 0 on a loaded

@@ -149,6 +149,7 @@ def test_read_chat_template_takes_a_file_or_the_template_and_refuses_what_is_nei
         read_chat_template("{% if add_generation_prompt %}unclosed")
 
 
+@pytest.mark.slow  # an engine load; the fast tier reads and refuses templates (test above)
 def test_a_chat_template_given_to_the_engine_replaces_the_models(tmp_path):
     from goodserve import LLM, SamplingParams
 
