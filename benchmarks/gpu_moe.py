@@ -73,10 +73,10 @@ SHARED_MEMORY_BYTES = 227 * 1024  # a block's most on sm_90
 INT4_GROUP = 128  # the engine's choice for Mixtral-8x7B's widths (the largest that divides them)
 
 
-def _time_us(fn) -> float:
+def _time_us(fn, rep_ms: int = 200) -> float:
     from triton.testing import do_bench_cudagraph
 
-    return do_bench_cudagraph(fn, rep=200, return_mode="median") * 1e3
+    return do_bench_cudagraph(fn, rep=rep_ms, return_mode="median") * 1e3
 
 
 def _expert_stacks(spec) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,8 +137,9 @@ def part_grouped_sweep() -> None:
         x = torch.randn(tokens, spec.hidden_size, device="cuda", dtype=torch.bfloat16)
         weights, ids = route(torch.randn(tokens, spec.num_experts, device="cuda"), spec.num_experts_per_tok, True)
 
-        def time_tiles(tiles: GroupedTiles) -> float:
-            return _time_us(lambda: triton_fused_moe(x, w13, w2, weights, ids, kernels, path="grouped", tiles=tiles))
+        def time_tiles(tiles: GroupedTiles) -> float:  # a shorter window: hundreds of candidates in one call
+            return _time_us(lambda: triton_fused_moe(x, w13, w2, weights, ids, kernels, path="grouped", tiles=tiles),
+                            rep_ms=50)
 
         default = grouped_tiles_for(ids.numel())
         timed = []
