@@ -28,6 +28,11 @@ LONG = ("Summarize in one sentence: The quick brown fox jumps over the lazy dog.
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
+# The self-int4 drafter's engine takes ~11 s to build: its tests are the full tier's (the fast tier keeps
+# a draft model's greedy identity, test_another_draft_model_greedy_is_identical).
+needs_self_drafter = pytest.mark.slow
+
+
 @pytest.fixture(scope="module")
 def self_draft_llm():
     """self:int4, with a token budget small enough to chunk the prompts and cut drafts short."""
@@ -55,8 +60,7 @@ def _accepted(llm: LLM) -> int:
 
 
 # ---- exactness in the engine ---------------------------------------------------------------------
-# the self-int4 drafter's engine (11 s to build); the fast tier keeps a draft model's greedy identity below
-@pytest.mark.slow
+@needs_self_drafter
 def test_self_int4_greedy_alone_is_identical(embedded_llm, self_draft_llm):
     before = _accepted(self_draft_llm)
     assert _tokens(self_draft_llm.generate(PROMPTS[:1], GREEDY)) == _tokens(embedded_llm.generate(PROMPTS[:1], GREEDY))
@@ -64,8 +68,7 @@ def test_self_int4_greedy_alone_is_identical(embedded_llm, self_draft_llm):
     assert self_draft_llm.engine.kv.num_used_blocks == 0 and _draft_blocks_once_told(self_draft_llm) == 0
 
 
-# the self-int4 drafter's engine (11 s to build); the fast tier keeps a draft model's greedy identity below
-@pytest.mark.slow
+@needs_self_drafter
 def test_self_int4_greedy_mixed_batch_chunked_prefill_and_prefix_hits(embedded_llm, self_draft_llm):
     """Different lengths in one batch, prompts chunked by the 24-token budget; the second round hits
     the prefix cache (the draft prefills its own cache all the same)."""
@@ -117,8 +120,7 @@ def test_the_draft_weights_are_loaded_before_the_pool_is_sized(monkeypatch):
     assert events == ["draft", "pool"]
 
 
-# the self-int4 drafter's engine (11 s to build); the fast tier keeps a draft model's greedy identity below
-@pytest.mark.slow
+@needs_self_drafter
 def test_abort_mid_speculation_frees_target_and_draft_blocks(self_draft_llm):
     engine = self_draft_llm.engine
     accepted = _accepted(self_draft_llm)
@@ -135,8 +137,7 @@ def test_abort_mid_speculation_frees_target_and_draft_blocks(self_draft_llm):
     assert _draft_blocks_once_told(self_draft_llm) == 0
 
 
-# the self-int4 drafter's engine (11 s to build); the fast tier keeps a draft model's greedy identity below
-@pytest.mark.slow
+@needs_self_drafter
 def test_the_drafter_keeps_each_running_sequences_tokens_as_the_scheduler_has_them(self_draft_llm):
     """The drafter in the runner proposes from its own copy of each sequence's tokens (its prompt,
     then what each step kept): mid-run, sampled and greedy, it is the scheduler's."""
@@ -174,8 +175,7 @@ def test_a_failing_request_fails_alone_beside_drafting_ones(monkeypatch):
         assert final[request_id].outputs[0].token_ids == output.outputs[0].token_ids, request_id
 
 
-# the self-int4 drafter's engine (11 s to build); the fast tier keeps a draft model's greedy identity below
-@pytest.mark.slow
+@needs_self_drafter
 def test_sampled_drafts_run_reproducibly_with_logprobs(self_draft_llm):
     """Temperature > 0 verifies with the rejection rule: a seed gives the same tokens twice, every
     kept token has its logprob, and drafts are kept."""

@@ -24,7 +24,7 @@ def runner(slos_ms: dict[str, float], bisections: int = 0) -> TrialRunner:
     return TrialRunner(gate, args, make_console(), bisections)
 
 
-@pytest.mark.slow  # searches on the embedded engine; the fast tier checks what tune plans (test_tune_inputs.py)
+@pytest.mark.slow  # a search of the doubling to its limit; the fast tier keeps a later trial's search (below)
 def test_the_first_search_starts_at_the_rate_an_all_at_once_run_sustained():
     run = runner({"ttft": 60_000, "tpot": 60_000})  # every probe passes: the search doubles to its limit
     trial = run(OPTIONS, "start", "the configuration given", None)
@@ -46,7 +46,6 @@ def test_the_first_search_starts_at_the_rate_an_all_at_once_run_sustained():
         assert p["sustained_request_rate"] <= p["request_rate"]
 
 
-@pytest.mark.slow  # searches on the embedded engine; the fast tier checks what tune plans (test_tune_inputs.py)
 def test_a_later_search_stops_halving_below_half_the_best_capacity():
     run = runner({"ttft": 1e-6})  # no request can meet it: every probe fails
     run.start_rate = 40.0  # the best capacity of an earlier trial
@@ -57,8 +56,8 @@ def test_a_later_search_stops_halving_below_half_the_best_capacity():
     assert run.start_rate == 40.0
 
 
-# "apart" serves from an engine process (the GPU path; the gate runs it on CUDA). Both load the embedded
-# model and run a trial: the full tier's (the fast tier checks what tune plans and replays, test_tune_inputs.py).
+# "apart" serves from an engine process (the GPU path; the gate runs it on CUDA). Both measure the quality
+# baseline and run a trial: the full tier's (the fast tier keeps a trial's search, above).
 @pytest.mark.slow
 @pytest.mark.parametrize("engine_process", [False, True], ids=["one-load", "apart"])
 def test_the_quality_baseline_is_measured_before_a_candidates_engine_loads(monkeypatch, engine_process):
