@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from goodserve.ops.kernel_choice import TORCH_KERNELS, KernelChoice
 from goodserve.quant.moe import moe_torch, route
 from goodserve.quant import schemes
-from goodserve.quant.triton_moe import (GEMV_MAX_PAIRS, GroupedTiles, moe_kernel_for, sort_pairs_by_expert,
+from goodserve.quant.triton_moe import (GEMV_MAX_PAIRS, GroupedTiles, PairTiles, moe_kernel_for, sort_pairs_by_expert,
                                         triton_fused_moe, triton_route, triton_router)
 
 HIDDEN, INTER, EXPERTS = 64, 48, 4
@@ -95,6 +95,17 @@ def test_decode_gemv_matches_the_cpu_path_and_the_grouped_gemm(routing: str, dty
     close_to_cpu, close_to_grouped = (1e-5, 1e-5) if dtype == torch.float32 else (3e-2, 2**-7)
     torch.testing.assert_close(gemv, cpu, rtol=close_to_cpu, atol=close_to_cpu * scale)
     torch.testing.assert_close(gemv, grouped, rtol=close_to_grouped, atol=close_to_grouped * scale)
+
+
+# Tiles the pair sweep may pick (benchmarks/gpu_moe.py --parts pair-sweep): rows past an expert's (96 gate | up,
+# 64 down), steps that do not divide the down projection's depth (48), one or four slots a down program.
+@pytest.mark.parametrize("pair_tiles", [(PairTiles(8, 32, 2), PairTiles(32, 32, 8, 1)),
+                                        (PairTiles(128, 128, 4), PairTiles(8, 64, 2, 4))])
+def test_the_decode_gemv_at_other_tiles_matches_the_reference(pair_tiles: tuple[PairTiles, PairTiles]):
+    x, w13, w2, weights, ids = routed_inputs(DECODE_ROUTINGS["1 token top 8"], torch.float32)
+    ours = triton_fused_moe(x, w13, w2, weights, ids, KernelChoice(triton=True), path="gemv", pair_tiles=pair_tiles)
+    ref = reference(x, w13, w2, weights, ids)
+    torch.testing.assert_close(ours.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
 
 
 def test_gemv_takes_decode_pair_counts_and_float_or_int8_stacks_only():

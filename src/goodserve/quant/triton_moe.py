@@ -25,7 +25,7 @@ accumulator; int4 codes are dequantized in the tile (scale and zero per group al
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -245,6 +245,22 @@ def _router_kernel(x_ptr, w_ptr, part_ptr, count_ptr, weights_ptr, ids_ptr, num_
 
 
 @dataclass(frozen=True)
+class PairTiles:
+    """The GEMV path's launch of one projection: BLOCK_N of an expert's rows a program, BLOCK_K deep a
+    step (ops/triton_gemv's one-row tile); slots: the down launch's slots of a token a program takes
+    (a divisor of top k; None: its greatest common divisor with DOWN_SLOTS_PER_PROGRAM)."""
+    block_n: int
+    block_k: int
+    num_warps: int
+    slots: int | None = None
+
+
+# Measured winners, (format, tokens, N, K) -> PairTiles, from `benchmarks/gpu_moe.py --parts pair-sweep`
+# on an H100 (N, K: one expert's gate | up, 2I x H, or down, H x I); other shapes take pair_tiles_for's default.
+TUNED_PAIR_TILES: dict[tuple[str, int, int, int], PairTiles] = {}
+
+
+@dataclass(frozen=True)
 class GroupedTiles:
     """The grouped GEMM's launch: BLOCK_M sorted pairs (one expert's) by BLOCK_N columns a program,
     BLOCK_K deep a step; the sort pads each expert's pairs to whole BLOCK_M blocks."""
@@ -350,39 +366,41 @@ def moe_kernel_for(num_pairs: int, w13: Stack, w2: Stack) -> str:
     return "gemv" if num_pairs <= GEMV_MAX_PAIRS and _streams_as_words(w13) and _streams_as_words(w2) else "grouped"
 
 
-def _one_row_tiles(stack: Stack, k: int) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps): the GEMV family's one-row tile for the stack's format, BLOCK_K cut
-    to the largest power of two dividing K (whole, unmasked steps)."""
-    block_n, block_k, num_warps = DEFAULT_TILES["int8" if _format_of(stack) == INT8.value else "dense", 1][:3]
-    return block_n, min(block_k, max(k & -k, 16)), num_warps
+def pair_tiles_for(stack: Stack, num_tokens: int, n: int, k: int) -> PairTiles:
+    """TUNED_PAIR_TILES' entry on CUDA where the shape is listed, else the GEMV family's one-row tile
+    for the stack's format, BLOCK_K cut to the largest power of two dividing K (whole, unmasked steps)."""
+    fmt = "int8" if _format_of(stack) == INT8.value else "dense"
+    tuned = TUNED_PAIR_TILES.get((fmt, num_tokens, n, k)) if getattr(stack, "qweight", stack).is_cuda else None
+    if tuned is not None:
+        return tuned
+    block_n, block_k, num_warps = DEFAULT_TILES[fmt, 1][:3]
+    return PairTiles(block_n, min(block_k, max(k & -k, 16)), num_warps)
 
 
 def _pair_gemv(a: torch.Tensor, b: Stack, num_experts: int, out: torch.Tensor, ids: torch.Tensor,
-               a_row_divisor: int) -> None:
+               a_row_divisor: int, tiles: PairTiles) -> None:
     """out [num_pairs, N] = a's rows @ the [N, K] weight of each pair's expert in stack b, one
     program per (pair, BLOCK_N rows)."""
     assert _streams_as_words(b), "the per-pair GEMV takes float stacks and word-aligned int8 ones"
     codes = getattr(b, "qweight", b)
     n, k = stack_rows(b) // num_experts, a.shape[1]
-    block_n, block_k, num_warps = _one_row_tiles(b, k)
-    _pair_gemv_kernel[(ids.numel(), triton.cdiv(n, block_n))](
+    _pair_gemv_kernel[(ids.numel(), triton.cdiv(n, tiles.block_n))](
         a, codes, out, getattr(b, "scales", out), ids, n, k, a.stride(0), codes.stride(0), out.stride(0),
-        A_ROW_DIVISOR=a_row_divisor, B_FORMAT=_format_of(b), BLOCK_N=block_n, BLOCK_K=block_k,
-        EVEN_K=k % block_k == 0, num_warps=num_warps)
+        A_ROW_DIVISOR=a_row_divisor, B_FORMAT=_format_of(b), BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        EVEN_K=k % tiles.block_k == 0, num_warps=tiles.num_warps)
 
 
 def _down_sum(gate_up: torch.Tensor, w2: Stack, hidden: int, weights: torch.Tensor, ids: torch.Tensor,
-              slots_per_program: int | None = None) -> torch.Tensor:
+              tiles: PairTiles) -> torch.Tensor:
     """[T, hidden]: each token's sum over its slots of weight * SwiGLU(gate_up[pair]) @ w2[expert].T in
-    one launch (_down_sum_kernel). slots_per_program: a divisor of top k (None: its greatest common
-    divisor with DOWN_SLOTS_PER_PROGRAM)."""
+    one launch (_down_sum_kernel), tiles.slots of a token's slots a program."""
     assert _streams_as_words(w2), "the down projection's GEMV takes float stacks and word-aligned int8 ones"
     num_tokens, top_k = ids.shape
-    slots = slots_per_program or math.gcd(DOWN_SLOTS_PER_PROGRAM, top_k)
-    assert top_k % slots == 0, f"slots_per_program must divide top k ({top_k}), got {slots}"
+    slots = tiles.slots or math.gcd(DOWN_SLOTS_PER_PROGRAM, top_k)
+    assert top_k % slots == 0, f"a down program's slots must divide top k ({top_k}), got {slots}"
     codes = getattr(w2, "qweight", w2)
     k = gate_up.shape[1] // 2
-    block_n, block_k, num_warps = _one_row_tiles(w2, k)
+    block_n, block_k, num_warps = tiles.block_n, tiles.block_k, tiles.num_warps
     out = gate_up.new_empty(num_tokens, hidden)
     tiles, parts = triton.cdiv(hidden, block_n), top_k // slots
     partials = counters = out  # unused without a split
@@ -434,19 +452,25 @@ def triton_moe(x: torch.Tensor, router_weight: torch.Tensor, w13: Stack, w2: Sta
 
 def triton_fused_moe(x: torch.Tensor, w13: Stack, w2: Stack, weights: torch.Tensor, ids: torch.Tensor,
                      kernels: KernelChoice, path: str | None = None, down_slots: int | None = None,
-                     tiles: GroupedTiles | None = None) -> torch.Tensor:
+                     tiles: GroupedTiles | None = None, pair_tiles: tuple[PairTiles, PairTiles] | None = None
+                     ) -> torch.Tensor:
     """x [T, H], w13 [E * 2I, H], w2 [E * H, I] (float, or their codes: quant/moe.py's Stack),
     weights / ids [T, k] -> [T, H]. path: "gemv" or "grouped" (benchmarks force one), else
-    moe_kernel_for's choice; down_slots: the GEMV path's slots per down program (_down_sum); tiles:
-    the grouped path's launch (a benchmark's sweep), else grouped_tiles_for's."""
+    moe_kernel_for's choice. The launches a benchmark's sweep may set, else the tables': tiles, the
+    grouped path's (grouped_tiles_for); pair_tiles, the GEMV path's gate | up and down
+    (pair_tiles_for); down_slots, the down launch's slots a program (PairTiles.slots)."""
     num_tokens, hidden = x.shape
     num_experts, top_k = stack_rows(w2) // hidden, ids.shape[1]
     num_pairs = num_tokens * top_k
     x = x.contiguous()
-    gate_up = x.new_empty(num_pairs, stack_rows(w13) // num_experts)
+    inter2 = stack_rows(w13) // num_experts
+    gate_up = x.new_empty(num_pairs, inter2)
     if (path or moe_kernel_for(num_pairs, w13, w2)) == "gemv":
-        _pair_gemv(x, w13, num_experts, gate_up, ids.reshape(-1), top_k)
-        return _down_sum(gate_up, w2, hidden, weights.contiguous(), ids.contiguous(), down_slots)
+        gate_up_tiles, down_tiles = pair_tiles or (pair_tiles_for(w13, num_tokens, inter2, hidden),
+                                                   pair_tiles_for(w2, num_tokens, hidden, inter2 // 2))
+        _pair_gemv(x, w13, num_experts, gate_up, ids.reshape(-1), top_k, gate_up_tiles)
+        down_tiles = replace(down_tiles, slots=down_slots or down_tiles.slots)
+        return _down_sum(gate_up, w2, hidden, weights.contiguous(), ids.contiguous(), down_tiles)
     down = x.new_empty(num_pairs, hidden)
     tiles = tiles or grouped_tiles_for(num_pairs)
     sorting = sort_pairs_by_expert(ids, num_experts, tiles.block_m)
