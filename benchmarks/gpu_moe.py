@@ -27,10 +27,8 @@ Parts (--parts, default kernel,decode,throughput; in this order, one process):
               (quant/triton_moe.py) beside grouped_tiles_for's, and the fastest (not in the default parts)
   pair-sweep  the GEMV path's two launches alone (gate | up; SwiGLU, down and the sum over slots) at
               Qwen3-30B-A3B's shapes, bf16, for 1, 2, 4 and 8 tokens: microseconds per launch of each
-              candidate PairTiles (quant/triton_moe.py) beside pair_tiles_for's, the fastest of each
-              as a TUNED_PAIR_TILES table (not in the default parts)
-  pair-decode after pair-sweep: the decode part's MoE run with that table, with none (the one-row
-              default tiles), and with it again (not in the default parts)
+              candidate PairTiles (quant/triton_moe.py) beside pair_tiles_for's, and the fastest
+              (not in the default parts)
   throughput  500 requests with ShareGPT-like lengths (gpu_engine's workload), offline, output tok/s,
               for dummy:qwen3-30b-a3b and dummy:qwen3-8b
   int8        batch-1 decode as `decode` of dummy:mixtral-8x7b with --quantization int8 (experts
@@ -175,51 +173,32 @@ def pair_sweep_candidates(down: bool, top_k: int):
 
 def part_pair_sweep() -> None:
     """Each launch of the GEMV path (gate | up, then down) timed alone at each candidate PairTiles, by
-    token count, beside the tiles pair_tiles_for picks today (current); the winners are
-    results["pair_sweep"]["table"], TUNED_PAIR_TILES' entries."""
+    token count, beside the tiles pair_tiles_for picks (current)."""
     spec = get_preset("qwen3-30b-a3b")
     h, i, e = spec.hidden_size, spec.moe_intermediate_size, spec.num_experts
     w13, w2 = _expert_stacks(spec)
-    table = {}
     for tokens in PAIR_SWEEP_TOKENS:
         x = torch.randn(tokens, h, device="cuda", dtype=torch.bfloat16)
         weights, ids = route(torch.randn(tokens, e, device="cuda"), spec.num_experts_per_tok, True)
         gate_up = torch.randn(ids.numel(), 2 * i, device="cuda", dtype=torch.bfloat16)
         flat_ids = ids.reshape(-1)
-        launches = {  # name -> (stack, N, K, a launch at given tiles)
-            "gate_up": (w13, 2 * i, h, lambda t: triton_moe._pair_gemv(x, w13, e, gate_up, flat_ids, ids.shape[1], t)),
-            "down": (w2, h, i, lambda t: triton_moe._down_sum(gate_up, w2, h, weights, ids, t))}
+        launches = {  # name -> (stack, K, a launch at given tiles)
+            "gate_up": (w13, h, lambda t: triton_moe._pair_gemv(x, w13, e, gate_up, flat_ids, ids.shape[1], t)),
+            "down": (w2, i, lambda t: triton_moe._down_sum(gate_up, w2, h, weights, ids, t))}
         row = {}
-        for name, (stack, n, k, launch) in launches.items():
+        for name, (stack, k, launch) in launches.items():
             timed = []
             for tiles in pair_sweep_candidates(name == "down", ids.shape[1]):
                 try:
                     timed.append((_time_us(lambda: launch(tiles), rep_ms=50), tiles))
                 except OutOfResources:
                     continue
-            current = pair_tiles_for(stack, tokens, n, k)
+            current = pair_tiles_for(stack, k)
             best_us, best = min(timed, key=lambda pair: pair[0])
             row[name] = {"current": asdict(current), "current_us": _time_us(lambda: launch(current), rep_ms=50),
                          "best": asdict(best), "best_us": best_us,
                          "candidates": [asdict(tiles) | {"us": us} for us, tiles in timed]}
-            table[f"dense,{tokens},{n},{k}"] = asdict(best)
         results.setdefault("pair_sweep", {})[f"tokens_{tokens}"] = row
-    results["pair_sweep"]["table"] = table
-
-
-def part_pair_decode(bandwidth_gbps: float) -> None:
-    """The decode part's MoE run with the pair sweep's winners in TUNED_PAIR_TILES, then with the table
-    empty (the one-row default tiles), then the winners again: results["pair_decode"]."""
-    swept = {tuple(int(f) if f.isdigit() else f for f in key.split(",")): PairTiles(**tiles)
-             for key, tiles in results["pair_sweep"]["table"].items()}
-    saved = dict(triton_moe.TUNED_PAIR_TILES)
-    for name, table in (("swept", swept), ("untuned", {}), ("swept_again", swept)):
-        triton_moe.TUNED_PAIR_TILES.clear()
-        triton_moe.TUNED_PAIR_TILES.update(table)
-        part_decode(bandwidth_gbps, ["qwen3-30b-a3b"])
-        results.setdefault("pair_decode", {})[name] = results["decode"].pop("qwen3-30b-a3b")
-    triton_moe.TUNED_PAIR_TILES.clear()
-    triton_moe.TUNED_PAIR_TILES.update(saved)
 
 
 def expert_bytes(spec, quantization: str | None) -> int:
@@ -300,7 +279,6 @@ def main() -> None:
                                        variant_presets=args.variant_presets and args.variant_presets.split(",")),
          "grouped-sweep": part_grouped_sweep,
          "pair-sweep": part_pair_sweep,
-         "pair-decode": lambda: part_pair_decode(bandwidth),
          "throughput": lambda: part_throughput(["qwen3-30b-a3b", "qwen3-8b"]),
          "int8": lambda: part_decode(bandwidth, ["mixtral-8x7b"], "int8"),
          "int4": lambda: part_decode(bandwidth, ["mixtral-8x7b"], "int4")}[part]()
@@ -320,12 +298,9 @@ def main() -> None:
         print(f"grouped sweep {name}: best {row['best']} {row['best_us']:.1f} us, "
               f"grouped_tiles_for's {row['default_us']:.1f} us")
     for tokens, row in results.get("pair_sweep", {}).items():
-        for name, launch in row.items() if tokens != "table" else ():
+        for name, launch in row.items():
             print(f"pair sweep {tokens} {name}: best {launch['best']} {launch['best_us']:.2f} us, "
-                  f"default {launch['default_us']:.2f} us")
-    for name, run in results.get("pair_decode", {}).items():
-        print(f"pair decode {name}: {max(r['decode_tok_s'] for r in run['runs']):.1f} tok/s, "
-              f"mbu_active {run['mbu_active']:.3f}")
+                  f"pair_tiles_for's {launch['current_us']:.2f} us")
     for preset, run in results.get("throughput_sharegpt_like", {}).items():
         print(f"sharegpt-like 500 requests {preset}: {run['output_tok_s']:.0f} output tok/s")
 
