@@ -395,13 +395,14 @@ def _down_sum(gate_up: torch.Tensor, w2: Stack, hidden: int, weights: torch.Tens
     k = gate_up.shape[1] // 2
     block_n, block_k, num_warps = tiles.block_n, tiles.block_k, tiles.num_warps
     out = gate_up.new_empty(num_tokens, hidden)
-    tiles, parts = triton.cdiv(hidden, block_n), top_k // slots
+    row_blocks, parts = triton.cdiv(hidden, block_n), top_k // slots
     partials = counters = out  # unused without a split
     if parts > 1:
-        assert num_tokens * tiles <= MAX_SPLIT_BLOCKS, f"{num_tokens * tiles} row blocks: raise MAX_SPLIT_BLOCKS"
+        blocks = num_tokens * row_blocks
+        assert blocks <= MAX_SPLIT_BLOCKS, f"{blocks} row blocks: raise MAX_SPLIT_BLOCKS"
         partials = torch.empty(parts, num_tokens, hidden, dtype=torch.float32, device=out.device)
         counters = split_counters(out.device)
-    _down_sum_kernel[(tiles, parts, num_tokens)](
+    _down_sum_kernel[(row_blocks, parts, num_tokens)](
         gate_up, codes, out, weights, getattr(w2, "scales", out), ids, partials, counters, hidden, k,
         gate_up.stride(0), codes.stride(0), out.stride(0), TOP_K=top_k, SLOTS=slots, B_FORMAT=_format_of(w2),
         BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, SPLIT=parts > 1, num_warps=num_warps)
@@ -461,7 +462,8 @@ def triton_fused_moe(x: torch.Tensor, w13: Stack, w2: Stack, weights: torch.Tens
         gate_up_tiles, down_tiles = pair_tiles or (pair_tiles_for(w13, hidden),
                                                    pair_tiles_for(w2, gate_up.shape[1] // 2))
         _pair_gemv(x, w13, num_experts, gate_up, ids.reshape(-1), top_k, gate_up_tiles)
-        down_tiles = replace(down_tiles, slots=down_slots or down_tiles.slots)
+        if down_slots:
+            down_tiles = replace(down_tiles, slots=down_slots)
         return _down_sum(gate_up, w2, hidden, weights.contiguous(), ids.contiguous(), down_tiles)
     down = x.new_empty(num_pairs, hidden)
     tiles = tiles or grouped_tiles_for(num_pairs)
