@@ -33,6 +33,7 @@ import triton.language as tl
 
 from goodserve.ops.activation import silu_and_mul
 from goodserve.ops.kernel_choice import KernelChoice
+from goodserve.ops.pdl import pdl_launch, pdl_sync
 from goodserve.ops.triton_gemv import (DEFAULT_TILES, MAX_SPLIT_BLOCKS, _finish_split, _row_times_weights,
                                       default_config, num_sms, split_counters, split_plan)
 from goodserve.quant.moe import Stack, stack_rows
@@ -62,12 +63,13 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, weights_ptr, scales_ptr, zeros_ptr
                          A_ROW_DIVISOR: tl.constexpr, MUL_WEIGHTS: tl.constexpr, B_FORMAT: tl.constexpr,
                          GROUP_SIZE: tl.constexpr, PACK: tl.constexpr, PRECISION: tl.constexpr,
                          UPCAST_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr):
+                         BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
     """C[pair] = A[pair // A_ROW_DIVISOR] @ B[expert].T (times the pair's router weight) for one
     block of sorted pairs and one tile of N. Pairs are token * top_k + slot; padding is num_pairs.
     B_FORMAT: FLOAT; INT8 (B[expert] = codes * scales[expert * n + column]); INT4 (two codes a byte,
     even column low, B = code * scale + zero per group of GROUP_SIZE columns, quant/schemes.py).
     PACK: codes a byte of B (2 for INT4)."""
+    pdl_sync(USE_PDL)
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
@@ -138,8 +140,9 @@ def _store_route(weights_ptr, ids_ptr, row, weights, ids, TOP_K: tl.constexpr, B
 
 @triton.jit
 def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_logits, TOP_K: tl.constexpr,
-                  RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+                  RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
     """One token's routing (_top_k_softmax) from its logits."""
+    pdl_sync(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     experts = tl.arange(0, BLOCK_E)
     logits = tl.load(logits_ptr + row * stride_logits + experts, mask=experts < num_experts).to(tl.float32)
@@ -147,7 +150,8 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_logits, 
     _store_route(weights_ptr, ids_ptr, row, weights, ids, TOP_K, BLOCK_K)
 
 
-def triton_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def triton_route(router_logits: torch.Tensor, top_k: int, renormalize: bool, pdl: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """route's result ([T, k] float32 weights, [T, k] int32 expert ids) in one launch."""
     num_tokens, num_experts = router_logits.shape
     weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=router_logits.device)
@@ -155,18 +159,19 @@ def triton_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> 
     if num_tokens:
         _route_kernel[(num_tokens,)](router_logits, weights, ids, num_experts, router_logits.stride(0), TOP_K=top_k,
                                     RENORMALIZE=renormalize, BLOCK_E=triton.next_power_of_2(num_experts),
-                                    BLOCK_K=triton.next_power_of_2(top_k), num_warps=1)
+                                    BLOCK_K=triton.next_power_of_2(top_k), num_warps=1, **pdl_launch(pdl))
     return weights, ids
 
 
 @triton.jit
 def _pair_gemv_kernel(a_ptr, b_ptr, c_ptr, scales_ptr, ids_ptr, n, k, stride_a, stride_bn, stride_c,
                       A_ROW_DIVISOR: tl.constexpr, B_FORMAT: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+                      BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr):
     """C[pair, tile] = A[pair // A_ROW_DIVISOR] @ B[ids[pair]][tile].T for one pair and one tile of
     BLOCK_N rows of its expert: ops/triton_gemv's one-row stream (_row_times_weights: K-contiguous
     steps on the CUDA cores, in float32, no TF32). B_FORMAT: FLOAT or INT8 (codes times
     scales[expert * n + row])."""
+    pdl_sync(USE_PDL)
     pair, pid_n = tl.program_id(0), tl.program_id(1)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -183,7 +188,7 @@ def _pair_gemv_kernel(a_ptr, b_ptr, c_ptr, scales_ptr, ids_ptr, n, k, stride_a, 
 def _down_sum_kernel(gate_up_ptr, b_ptr, out_ptr, weights_ptr, scales_ptr, ids_ptr, part_ptr, count_ptr, n, k,
                      stride_gu, stride_bn, stride_out, TOP_K: tl.constexpr, SLOTS: tl.constexpr,
                      B_FORMAT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                     SPLIT: tl.constexpr):
+                     SPLIT: tl.constexpr, USE_PDL: tl.constexpr):
     """out[token, tile] = the sum over the token's TOP_K slots of weight * SwiGLU(gate_up[pair]) @
     B[ids[pair]][tile].T, for one tile of BLOCK_N rows: program (tile, SLOTS slots, token). The
     activation is taken in the load (ops/triton_gemv's _load_x), the router weight (rounded to the
@@ -191,6 +196,7 @@ def _down_sum_kernel(gate_up_ptr, b_ptr, out_ptr, weights_ptr, scales_ptr, ids_p
     rounding: the silu_and_mul and the sum kernels drop out of a decode step. With SPLIT, each
     program's slots are a partial that the token's last program of the tile to arrive sums in slot
     order (ops/triton_gemv's deterministic split finish)."""
+    pdl_sync(USE_PDL)
     pid_n, part, token = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < n
@@ -216,11 +222,13 @@ def _down_sum_kernel(gate_up_ptr, b_ptr, out_ptr, weights_ptr, scales_ptr, ids_p
 @triton.jit
 def _router_kernel(x_ptr, w_ptr, part_ptr, count_ptr, weights_ptr, ids_ptr, num_experts, k, stride_x, stride_w,
                    steps_per_split, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
-                   BLOCK_TOP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+                   BLOCK_TOP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                   USE_PDL: tl.constexpr):
     """The router's linear and the routing in one launch: program (tile of BLOCK_N experts, K slice,
     token) stores its slice's float32 partial logits [slices, T, E] (ops/triton_gemv's one-row
     stream); the token's last program to arrive sums them in slice order, rounds the logits to the
     activation dtype as the router's linear leaves them, and routes (_top_k_softmax)."""
+    pdl_sync(USE_PDL)
     pid_n, split, token = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     num_tokens = tl.num_programs(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -274,10 +282,12 @@ def grouped_tiles_for(num_pairs: int) -> GroupedTiles:
 
 @triton.jit
 def _sort_pairs_kernel(ids_ptr, sorted_pairs_ptr, block_experts_ptr, num_padded_ptr, num_pairs, num_experts,
-                       max_blocks, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr):
+                       max_blocks, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr,
+                       USE_PDL: tl.constexpr):
     """One program: count each expert's pairs, lay the experts' runs out padded to whole blocks, write
     each pair at its expert's start plus its rank among that expert's pairs (stable), and each
     block's expert. One launch where the torch ops would take a dozen (a decode step pays each)."""
+    pdl_sync(USE_PDL)
     experts = tl.arange(0, BLOCK_E)
     counts = tl.zeros([BLOCK_E], dtype=tl.int32)
     for start in range(0, num_pairs, BLOCK_P):
@@ -307,7 +317,7 @@ def _sort_pairs_kernel(ids_ptr, sorted_pairs_ptr, block_experts_ptr, num_padded_
         seen += tl.sum(onehot, axis=0)
 
 
-def sort_pairs_by_expert(ids: torch.Tensor, num_experts: int, block_m: int
+def sort_pairs_by_expert(ids: torch.Tensor, num_experts: int, block_m: int, pdl: bool = False
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """ids [T, k] -> (sorted_pairs [max_blocks * block_m]: pair indices grouped by expert, each
     expert's run padded with num_pairs to whole blocks; block_experts [max_blocks]; num_padded [1]:
@@ -319,13 +329,13 @@ def sort_pairs_by_expert(ids: torch.Tensor, num_experts: int, block_m: int
     num_padded = torch.empty(1, dtype=torch.int32, device=ids.device)
     _sort_pairs_kernel[(1,)](ids.flatten().to(torch.int32), sorted_pairs, block_experts, num_padded, num_pairs,
                              num_experts, max_blocks, BLOCK_M=block_m, BLOCK_E=triton.next_power_of_2(num_experts),
-                             BLOCK_P=64, num_warps=4)
+                             BLOCK_P=64, num_warps=4, **pdl_launch(pdl))
     return sorted_pairs, block_experts, num_padded
 
 
 def _grouped_gemm(a: torch.Tensor, b: Stack, num_experts: int, out: torch.Tensor, sorted_pairs: torch.Tensor,
                   block_experts: torch.Tensor, num_padded: torch.Tensor, num_pairs: int, a_row_divisor: int,
-                  tiles: GroupedTiles, weights: torch.Tensor | None = None) -> None:
+                  tiles: GroupedTiles, pdl: bool, weights: torch.Tensor | None = None) -> None:
     """out [num_pairs, N] = a's rows @ the [N, K] weight of each pair's expert in stack b."""
     codes = getattr(b, "qweight", b)
     n, k = stack_rows(b) // num_experts, a.shape[1]
@@ -339,7 +349,7 @@ def _grouped_gemm(a: torch.Tensor, b: Stack, num_experts: int, out: torch.Tensor
         PRECISION="ieee" if a.dtype == torch.float32 or not a.is_cuda else None,  # float32 stays exact (no TF32)
         UPCAST_DOT=not a.is_cuda,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages)
+        num_stages=tiles.num_stages, **pdl_launch(pdl))
 
 
 def _format_of(stack: Stack) -> int:
@@ -371,7 +381,7 @@ def pair_tiles_for(stack: Stack, k: int) -> PairTiles:
 
 
 def _pair_gemv(a: torch.Tensor, b: Stack, num_experts: int, out: torch.Tensor, ids: torch.Tensor,
-               a_row_divisor: int, tiles: PairTiles) -> None:
+               a_row_divisor: int, tiles: PairTiles, pdl: bool = False) -> None:
     """out [num_pairs, N] = a's rows @ the [N, K] weight of each pair's expert in stack b, one
     program per (pair, BLOCK_N rows)."""
     assert _streams_as_words(b), "the per-pair GEMV takes float stacks and word-aligned int8 ones"
@@ -380,11 +390,11 @@ def _pair_gemv(a: torch.Tensor, b: Stack, num_experts: int, out: torch.Tensor, i
     _pair_gemv_kernel[(ids.numel(), triton.cdiv(n, tiles.block_n))](
         a, codes, out, getattr(b, "scales", out), ids, n, k, a.stride(0), codes.stride(0), out.stride(0),
         A_ROW_DIVISOR=a_row_divisor, B_FORMAT=_format_of(b), BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-        EVEN_K=k % tiles.block_k == 0, num_warps=tiles.num_warps)
+        EVEN_K=k % tiles.block_k == 0, num_warps=tiles.num_warps, **pdl_launch(pdl))
 
 
 def _down_sum(gate_up: torch.Tensor, w2: Stack, hidden: int, weights: torch.Tensor, ids: torch.Tensor,
-              tiles: PairTiles) -> torch.Tensor:
+              tiles: PairTiles, pdl: bool = False) -> torch.Tensor:
     """[T, hidden]: each token's sum over its slots of weight * SwiGLU(gate_up[pair]) @ w2[expert].T in
     one launch (_down_sum_kernel), tiles.slots of a token's slots a program."""
     assert _streams_as_words(w2), "the down projection's GEMV takes float stacks and word-aligned int8 ones"
@@ -405,11 +415,12 @@ def _down_sum(gate_up: torch.Tensor, w2: Stack, hidden: int, weights: torch.Tens
     _down_sum_kernel[(row_blocks, parts, num_tokens)](
         gate_up, codes, out, weights, getattr(w2, "scales", out), ids, partials, counters, hidden, k,
         gate_up.stride(0), codes.stride(0), out.stride(0), TOP_K=top_k, SLOTS=slots, B_FORMAT=_format_of(w2),
-        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, SPLIT=parts > 1, num_warps=num_warps)
+        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, SPLIT=parts > 1, num_warps=num_warps,
+        **pdl_launch(pdl))
     return out
 
 
-def triton_router(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, renormalize: bool
+def triton_router(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, renormalize: bool, pdl: bool = False
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """triton_route(x @ router_weight.T, ...) in one launch (_router_kernel), for decode's few tokens:
     the router's [E, H] weight is small, so its GEMV is latency, and the routing launch after it
@@ -429,7 +440,7 @@ def triton_router(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, reno
             router_weight.stride(0), steps_per_split, TOP_K=top_k, RENORMALIZE=renormalize,
             BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_TOP=triton.next_power_of_2(top_k),
             BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=hidden % config.block_k == 0,
-            num_warps=config.num_warps)
+            num_warps=config.num_warps, **pdl_launch(pdl))
     return weights, ids
 
 
@@ -438,9 +449,9 @@ def triton_moe(x: torch.Tensor, router_weight: torch.Tensor, w13: Stack, w2: Sta
     """The MoE block on CUDA: routing, then the experts (triton_fused_moe). Decode's few tokens take the
     router's linear and the routing in one launch (triton_router); more take cuBLAS and triton_route."""
     if moe_kernel_for(x.shape[0] * top_k, w13, w2) == "gemv":
-        weights, ids = triton_router(x, router_weight, top_k, renormalize)
+        weights, ids = triton_router(x, router_weight, top_k, renormalize, kernels.pdl)
     else:
-        weights, ids = triton_route(x @ router_weight.T, top_k, renormalize)
+        weights, ids = triton_route(x @ router_weight.T, top_k, renormalize, kernels.pdl)
     return triton_fused_moe(x, w13, w2, weights, ids, kernels)
 
 
@@ -461,14 +472,14 @@ def triton_fused_moe(x: torch.Tensor, w13: Stack, w2: Stack, weights: torch.Tens
     if (path or moe_kernel_for(num_pairs, w13, w2)) == "gemv":
         gate_up_tiles, down_tiles = pair_tiles or (pair_tiles_for(w13, hidden),
                                                    pair_tiles_for(w2, gate_up.shape[1] // 2))
-        _pair_gemv(x, w13, num_experts, gate_up, ids.reshape(-1), top_k, gate_up_tiles)
+        _pair_gemv(x, w13, num_experts, gate_up, ids.reshape(-1), top_k, gate_up_tiles, kernels.pdl)
         if down_slots:
             down_tiles = replace(down_tiles, slots=down_slots)
-        return _down_sum(gate_up, w2, hidden, weights.contiguous(), ids.contiguous(), down_tiles)
+        return _down_sum(gate_up, w2, hidden, weights.contiguous(), ids.contiguous(), down_tiles, kernels.pdl)
     down = x.new_empty(num_pairs, hidden)
     tiles = tiles or grouped_tiles_for(num_pairs)
-    sorting = sort_pairs_by_expert(ids, num_experts, tiles.block_m)
-    _grouped_gemm(x, w13, num_experts, gate_up, *sorting, num_pairs, top_k, tiles)
-    _grouped_gemm(silu_and_mul(gate_up, kernels), w2, num_experts, down, *sorting, num_pairs, 1, tiles,
+    sorting = sort_pairs_by_expert(ids, num_experts, tiles.block_m, kernels.pdl)
+    _grouped_gemm(x, w13, num_experts, gate_up, *sorting, num_pairs, top_k, tiles, kernels.pdl)
+    _grouped_gemm(silu_and_mul(gate_up, kernels), w2, num_experts, down, *sorting, num_pairs, 1, tiles, kernels.pdl,
                   weights.flatten())
     return down.view(num_tokens, top_k, hidden).sum(dim=1)
