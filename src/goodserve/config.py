@@ -62,6 +62,10 @@ class KernelOptions:
     # "rows_repacked", its copy pairs gate row j with up row j and the kernel writes silu(gate) * up,
     # so the activation kernel drops out of a batch-1 decode step (benchmarks/gpu_int4.py measures it).
     int4_fused_silu_and_mul: bool = False
+    # The residual add + RMSNorm before a MoE block inside its router's launch on the decode GEMV path
+    # (one GPU; quant/triton_moe.triton_norm_router): a layer's norm launch drops out of a decode step
+    # (benchmarks/gpu_moe.py measures it: --decode-variants '{"norm_router": {"moe_norm_router": true}}').
+    moe_norm_router: bool = False
     # int4 with bfloat16 activations: tinygemm up to this many rows, the Triton kernels above it. On an
     # H100 (benchmarks/results/gpu_gemv_h100.json, Llama-3.1-8B shapes) tinygemm was faster at 1 and 4
     # rows, the tuned Triton GEMV at 16. At 0 the layers never build tinygemm's copy of the weights.

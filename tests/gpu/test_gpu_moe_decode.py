@@ -12,7 +12,8 @@ import torch
 from goodserve.ops.kernel_choice import TORCH_KERNELS, KernelChoice
 from goodserve.quant import schemes
 from goodserve.quant.moe import moe_torch, route
-from goodserve.quant.triton_moe import moe_kernel_for, triton_fused_moe, triton_router
+from goodserve.ops.triton_ops import triton_add_rms_norm
+from goodserve.quant.triton_moe import moe_kernel_for, triton_fused_moe, triton_norm_router, triton_router
 
 HIDDEN, INTER, EXPERTS, TOP_K = 2048, 768, 16, 8  # Qwen3-30B-A3B's widths and top k, fewer experts
 
@@ -63,3 +64,21 @@ def test_router_kernel_picks_a_top_k_of_the_routers_bf16_logits(num_tokens, devi
     assert (ids.sort(dim=-1).values.diff(dim=-1) != 0).all()  # k distinct experts
     expected = torch.softmax(logits, dim=-1).gather(1, ids.long())
     torch.testing.assert_close(weights, expected / expected.sum(dim=-1, keepdim=True), rtol=2e-2, atol=1e-3)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 8])
+def test_the_norm_inside_the_router_launch_is_the_norm_launchs_in_bf16(num_tokens, device, cuda_only):
+    """KernelOptions.moe_norm_router's launch compiled, in bf16 at Qwen3-30B-A3B's router (128 experts,
+    top 8): the norm's rows and the new residual bit for bit those of the norm's own launch, and the
+    route the router launch's of those rows."""
+    g = torch.Generator().manual_seed(num_tokens)
+    sublayer_out, residual = (torch.randn(num_tokens, HIDDEN, generator=g).to(device, torch.bfloat16) for _ in "ab")
+    norm_weight = (torch.rand(HIDDEN, generator=g) + 0.5).to(device, torch.bfloat16)
+    router = (torch.randn(128, HIDDEN, generator=g) * 0.02).to(device, torch.bfloat16)
+    for pdl in (False, True):
+        x, new_residual, weights, ids = triton_norm_router(sublayer_out, residual, norm_weight, 1e-6, router, TOP_K,
+                                                           True, pdl)
+        norm_x, norm_residual = triton_add_rms_norm(sublayer_out, residual, norm_weight, 1e-6)
+        assert torch.equal(x, norm_x) and torch.equal(new_residual, norm_residual)
+        router_weights, router_ids = triton_router(norm_x, router, TOP_K, True)
+        assert torch.equal(ids, router_ids) and torch.equal(weights, router_weights)

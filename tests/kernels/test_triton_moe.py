@@ -3,15 +3,23 @@ plain per-token reference written here, and the CPU path (quant/moe.py) against 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
 
+from goodserve.config import KernelOptions
+from goodserve.model.llama import RMSNorm
+from goodserve.model.moe import SparseMoE
+from goodserve.model.presets import get_preset
 from goodserve.ops.kernel_choice import TORCH_KERNELS, KernelChoice
+from goodserve.ops.norm import add_rms_norm_torch
+from goodserve.ops.triton_ops import triton_add_rms_norm
 from goodserve.quant.moe import moe_torch, route
 from goodserve.quant import schemes
 from goodserve.quant.triton_moe import (GEMV_MAX_PAIRS, GroupedTiles, PairTiles, moe_kernel_for, sort_pairs_by_expert,
-                                        triton_fused_moe, triton_route, triton_router)
+                                        triton_fused_moe, triton_norm_router, triton_route, triton_router)
 
 HIDDEN, INTER, EXPERTS = 64, 48, 4
 
@@ -173,3 +181,46 @@ def test_router_kernel_matches_the_routers_linear_then_route(experts, top_k, ren
     ref_weights, ref_ids = route(x @ router.T, top_k, renormalize)
     assert torch.equal(ids.long(), ref_ids)
     torch.testing.assert_close(weights, ref_weights)
+
+
+@pytest.mark.parametrize(("experts", "top_k", "num_tokens"), [(128, 8, 1), (60, 4, 3)])
+def test_the_norm_inside_the_router_launch_is_the_norm_launchs(experts, top_k, num_tokens):
+    """The residual add + RMSNorm inside the router's launch (each of 4 K slices stored by 8 or 4
+    programs) gives the norm launch's rows bit for bit, the reference's up to float32 sums, and routes
+    them as the router's linear and route do, in float32 (the interpreter truncates casts to bf16)."""
+    g = torch.Generator().manual_seed(experts)
+    sublayer_out, residual = torch.randn(2, num_tokens, 1024, generator=g)
+    norm_weight = torch.rand(1024, generator=g) + 0.5
+    router = torch.randn(experts, 1024, generator=g) / 32
+    x, new_residual, weights, ids = triton_norm_router(sublayer_out, residual, norm_weight, 1e-6, router, top_k, True)
+    norm_launch_x, norm_launch_residual = triton_add_rms_norm(sublayer_out, residual, norm_weight, 1e-6)
+    assert torch.equal(x, norm_launch_x) and torch.equal(new_residual, norm_launch_residual)
+    ref_x, ref_residual = add_rms_norm_torch(sublayer_out, residual, norm_weight, 1e-6)
+    assert torch.equal(new_residual, ref_residual)
+    torch.testing.assert_close(x, ref_x)
+    ref_weights, ref_ids = route(x @ router.T, top_k, True)
+    assert torch.equal(ids.long(), ref_ids)
+    torch.testing.assert_close(weights, ref_weights)
+
+
+def test_a_moe_block_takes_its_norm_into_the_router_launch_only_where_asked():
+    """SparseMoE.after_norm with KernelOptions.moe_norm_router: at decode's token counts one launch
+    makes the norm's rows and routes them, and the block's output and residual are those of the norm
+    module, then the block; past the GEMV's pairs, or without the option, the norm launches alone."""
+    spec = dataclasses.replace(get_preset("qwen3-30b-a3b"), hidden_size=128, moe_intermediate_size=32, num_experts=8,
+                               num_experts_per_tok=2)
+    torch.manual_seed(0)
+    moe, norm = SparseMoE(spec), RMSNorm(128, 1e-6)
+    for param in list(moe.parameters()) + [norm.weight]:
+        param.data.normal_(0.5 if param is norm.weight else 0.0, 0.05)
+    sublayer_out, residual = torch.randn(2, 1, 128)
+    fused, separate = (KernelChoice(triton=True, options=KernelOptions(moe_norm_router=on)) for on in (True, False))
+    moe.kernels, norm.kernels = fused, fused
+    assert moe.fuses_norm(sublayer_out, norm)
+    assert not moe.fuses_norm(torch.randn(GEMV_MAX_PAIRS, 128), norm)
+    out, new_residual = moe.after_norm(sublayer_out, residual, norm)
+    moe.kernels, norm.kernels = separate, separate
+    assert not moe.fuses_norm(sublayer_out, norm)
+    x, ref_residual = norm(sublayer_out, residual)
+    assert torch.equal(new_residual, ref_residual)
+    torch.testing.assert_close(out, moe(x))

@@ -169,6 +169,8 @@ class LlamaDecoderLayer(nn.Module):
             x = self.post_attention_layernorm(self.tp.all_reduce(x))
             x, residual = self.pre_feedforward_layernorm(x, residual)
             return self.post_feedforward_layernorm(self.tp.all_reduce(self.mlp(x))), residual
+        if isinstance(self.mlp, SparseMoE):
+            return self.mlp.after_norm(x, residual, self.post_attention_layernorm)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 

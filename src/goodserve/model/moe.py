@@ -137,3 +137,27 @@ class SparseMoE(nn.Module):
             return triton_moe(x, self.gate.weight, w13, w2, self.top_k, self.renormalize, self.kernels)
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
         return moe_torch(x, w13, w2, weights, ids, self.kernels)
+
+    def after_norm(self, sublayer_out: torch.Tensor, residual: torch.Tensor, norm: nn.Module
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this block of norm(sublayer_out, residual)'s normed rows, the new residual). Where
+        fuses_norm, the residual add and the norm run inside the router's launch."""
+        if not self.fuses_norm(sublayer_out, norm):
+            x, residual = norm(sublayer_out, residual)
+            return self(x), residual
+        from goodserve.quant.triton_moe import triton_fused_moe, triton_norm_router
+
+        x, residual, weights, ids = triton_norm_router(sublayer_out, residual, norm.weight, norm.eps, self.gate.weight,
+                                                       self.top_k, self.renormalize, self.kernels.pdl)
+        w13, w2 = self.experts.stacks()
+        return triton_fused_moe(x, w13, w2, weights, ids, self.kernels), residual
+
+    def fuses_norm(self, sublayer_out: torch.Tensor, norm: nn.Module) -> bool:
+        """KernelOptions.moe_norm_router on the decode GEMV path, for a plain RMSNorm on one GPU (under
+        tensor parallelism the norm's input is summed over the ranks first)."""
+        if not (self.kernels.triton and self.kernels.options.moe_norm_router):
+            return False
+        from goodserve.quant.triton_moe import moe_kernel_for
+
+        plain_norm = not norm.weight_offset and norm.tp.size == 1 and norm.weight.dtype == sublayer_out.dtype
+        return plain_norm and moe_kernel_for(sublayer_out.shape[0] * self.top_k, *self.experts.stacks()) == "gemv"

@@ -34,6 +34,7 @@ import triton.language as tl
 from goodserve.ops.activation import silu_and_mul
 from goodserve.ops.kernel_choice import KernelChoice
 from goodserve.ops.pdl import pdl_launch, pdl_sync
+from goodserve.ops.triton_ops import scaled_rms_norm
 from goodserve.ops.triton_gemv import (DEFAULT_TILES, MAX_SPLIT_BLOCKS, _finish_split, _row_times_weights,
                                       default_config, num_sms, split_counters, split_plan)
 from goodserve.quant.moe import Stack, stack_rows
@@ -220,14 +221,38 @@ def _down_sum_kernel(gate_up_ptr, b_ptr, out_ptr, weights_ptr, scales_ptr, ids_p
 
 
 @triton.jit
-def _router_kernel(x_ptr, w_ptr, part_ptr, count_ptr, weights_ptr, ids_ptr, num_experts, k, stride_x, stride_w,
-                   steps_per_split, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
-                   BLOCK_TOP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+def _norm_slice(sub_ptr, res_ptr, norm_w_ptr, x_ptr, new_res_ptr, row_start, k, k_start, k_stop, eps,
+                store_residual, BLOCK_H: tl.constexpr):
+    """The residual add + RMSNorm before the MoE (ops/triton_ops' _rms_norm_kernel, rounded where it
+    rounds) of the row starting at row_start, normed whole, stored in [k_start, k_stop) only: into x,
+    and into the new residual where store_residual. The barrier makes the slice visible to this
+    program's threads; other programs of the slice store the same values."""
+    cols = tl.arange(0, BLOCK_H)
+    in_row = cols < k
+    summed = (tl.load(sub_ptr + row_start + cols, mask=in_row, other=0.0).to(tl.float32)
+              + tl.load(res_ptr + row_start + cols, mask=in_row, other=0.0).to(tl.float32))
+    summed = summed.to(new_res_ptr.dtype.element_ty)
+    weight = tl.load(norm_w_ptr + cols, mask=in_row, other=0.0).to(tl.float32)
+    in_slice = in_row & (cols >= k_start) & (cols < k_stop)
+    tl.store(x_ptr + row_start + cols, scaled_rms_norm(summed, weight, k, eps, 0.0).to(x_ptr.dtype.element_ty),
+             mask=in_slice)
+    if store_residual:
+        tl.store(new_res_ptr + row_start + cols, summed, mask=in_slice)
+    tl.debug_barrier()
+
+
+@triton.jit
+def _router_kernel(x_ptr, w_ptr, part_ptr, count_ptr, weights_ptr, ids_ptr, sub_ptr, res_ptr, norm_w_ptr,
+                   new_res_ptr, num_experts, k, stride_x, stride_w, steps_per_split, eps, TOP_K: tl.constexpr,
+                   RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_TOP: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, NORM: tl.constexpr, BLOCK_H: tl.constexpr,
                    USE_PDL: tl.constexpr):
     """The router's linear and the routing in one launch: program (tile of BLOCK_N experts, K slice,
     token) stores its slice's float32 partial logits [slices, T, E] (ops/triton_gemv's one-row
     stream); the token's last program to arrive sums them in slice order, rounds the logits to the
-    activation dtype as the router's linear leaves them, and routes (_top_k_softmax)."""
+    activation dtype as the router's linear leaves them, and routes (_top_k_softmax). NORM: x is made
+    first, from the sublayer's output and the residual (_norm_slice; the first tile of experts stores
+    the new residual), so the norm's launch drops out of a decode step."""
     pdl_sync(USE_PDL)
     pid_n, split, token = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     num_tokens = tl.num_programs(2)
@@ -235,6 +260,9 @@ def _router_kernel(x_ptr, w_ptr, part_ptr, count_ptr, weights_ptr, ids_ptr, num_
     n_mask = offs_n < num_experts
     k_start = split * steps_per_split * BLOCK_K
     k_stop = tl.minimum(k_start + steps_per_split * BLOCK_K, k)
+    if NORM:
+        _norm_slice(sub_ptr, res_ptr, norm_w_ptr, x_ptr, new_res_ptr, token * stride_x, k, k_start, k_stop, eps,
+                    pid_n == 0, BLOCK_H)
     partial = _row_times_weights(x_ptr + token * stride_x, w_ptr, w_ptr, w_ptr, offs_n, n_mask, k_start, k_stop,
                                  stride_w, 0, FLOAT, 1, BLOCK_K, EVEN_K)
     tl.store(part_ptr + (split * num_tokens + token) * num_experts + offs_n, partial, mask=n_mask)
@@ -420,14 +448,29 @@ def _down_sum(gate_up: torch.Tensor, w2: Stack, hidden: int, weights: torch.Tens
     return out
 
 
-def triton_router(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, renormalize: bool, pdl: bool = False
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+@dataclass(frozen=True)
+class SublayerNorm:
+    """The residual add + RMSNorm that makes the MoE's input: (normed, new residual) =
+    ops/norm.add_rms_norm(sublayer_out, residual, weight, eps), into the two buffers given."""
+    sublayer_out: torch.Tensor
+    residual: torch.Tensor
+    weight: torch.Tensor
+    eps: float
+    new_residual: torch.Tensor
+
+
+def triton_router(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, renormalize: bool, pdl: bool = False,
+                  norm: SublayerNorm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """triton_route(x @ router_weight.T, ...) in one launch (_router_kernel), for decode's few tokens:
     the router's [E, H] weight is small, so its GEMV is latency, and the routing launch after it
-    would be as long again."""
+    would be as long again. With norm, x is an empty buffer the launch fills with the norm's output."""
     num_tokens, hidden = x.shape
     num_experts = router_weight.shape[0]
     assert router_weight.stride(-1) == 1 and x.stride(-1) == 1, "the router's GEMV needs K-contiguous rows"
+    if norm is not None:
+        rows = (x, norm.sublayer_out, norm.residual, norm.new_residual)
+        assert all(t.is_contiguous() and t.shape == x.shape for t in rows), "the norm's rows are x's shape, contiguous"
+        assert len({t.dtype for t in rows + (norm.weight,)}) == 1, "the norm's inputs, weight and x share a dtype"
     config = default_config("dense", 1, num_experts, hidden, 1, num_sms(x.device))
     splits, steps_per_split = split_plan(hidden, config.block_k, config.split_k)
     weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=x.device)
@@ -435,13 +478,26 @@ def triton_router(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, reno
     if num_tokens:
         assert num_tokens <= MAX_SPLIT_BLOCKS
         partials = torch.empty(splits, num_tokens, num_experts, dtype=torch.float32, device=x.device)
+        sub, res, norm_weight, new_res, eps = ((norm.sublayer_out, norm.residual, norm.weight, norm.new_residual,
+                                                norm.eps) if norm else (x, x, x, x, 0.0))  # unread without a norm
         _router_kernel[(triton.cdiv(num_experts, config.block_n), splits, num_tokens)](
-            x, router_weight, partials, split_counters(x.device), weights, ids, num_experts, hidden, x.stride(0),
-            router_weight.stride(0), steps_per_split, TOP_K=top_k, RENORMALIZE=renormalize,
-            BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_TOP=triton.next_power_of_2(top_k),
-            BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=hidden % config.block_k == 0,
+            x, router_weight, partials, split_counters(x.device), weights, ids, sub, res, norm_weight, new_res,
+            num_experts, hidden, x.stride(0), router_weight.stride(0), steps_per_split, eps, TOP_K=top_k,
+            RENORMALIZE=renormalize, BLOCK_E=triton.next_power_of_2(num_experts),
+            BLOCK_TOP=triton.next_power_of_2(top_k), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+            EVEN_K=hidden % config.block_k == 0, NORM=norm is not None, BLOCK_H=triton.next_power_of_2(hidden),
             num_warps=config.num_warps, **pdl_launch(pdl))
     return weights, ids
+
+
+def triton_norm_router(sublayer_out: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                       router_weight: torch.Tensor, top_k: int, renormalize: bool, pdl: bool = False
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x, new residual, weights, ids): ops/norm.add_rms_norm(sublayer_out, residual, norm_weight, eps)
+    and triton_router(x, ...) in one launch, for decode's few tokens."""
+    x, new_residual = torch.empty_like(sublayer_out), torch.empty_like(residual)
+    norm = SublayerNorm(sublayer_out, residual, norm_weight, eps, new_residual)
+    return (x, new_residual) + triton_router(x, router_weight, top_k, renormalize, pdl, norm)
 
 
 def triton_moe(x: torch.Tensor, router_weight: torch.Tensor, w13: Stack, w2: Stack, top_k: int, renormalize: bool,
