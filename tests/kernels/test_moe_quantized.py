@@ -58,7 +58,7 @@ def test_quantized_fused_moe_matches_the_dequantized_reference(num_tokens: int, 
 
 
 @pytest.mark.parametrize("routing", ["1 token top 8", "2 tokens sharing"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, marks=pytest.mark.slow), torch.bfloat16])  # bf16 fast
 def test_int8_decode_gemv_matches_the_dequantized_reference_and_the_grouped_gemm(routing: str, dtype: torch.dtype):
     x, w13, w2, weights, ids = routed_inputs(DECODE_ROUTINGS[routing], dtype)
     (q13, f13), (q2, f2) = quantized(w13, "int8"), quantized(w2, "int8")

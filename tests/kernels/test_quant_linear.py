@@ -243,6 +243,7 @@ def test_lm_head_is_left_alone_by_default_and_checked_before_anything_changes():
     assert isinstance(model.model.layers[0].self_attn.qkv_proj, nn.Linear)
 
 
+@pytest.mark.slow  # builds the embedded model's engine (~6 s)
 def test_int8_lm_head_on_real_weights_keeps_the_logits(embedded_llm):
     """smollm2's own (tied) output table: its rows peak at ~5x their RMS, so an int8 step is ~4% of
     the RMS and the weights (and logits) move by ~1.2%."""

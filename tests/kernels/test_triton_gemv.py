@@ -174,7 +174,7 @@ ROWS_SHAPES = [(40, 256, 64, 8), (33, 512, 128, 16), (70, 256, 32, 32), (64, 128
 
 @pytest.mark.parametrize("layout", ["checkpoint", "repacked"])
 @pytest.mark.parametrize("n,k,group,block_n", ROWS_SHAPES)
-@pytest.mark.parametrize("split_k", [1, 3, None])
+@pytest.mark.parametrize("split_k", [1, pytest.param(3, marks=pytest.mark.slow), None])  # 3: the full tier
 @pytest.mark.parametrize("decode", DECODES)
 def test_int4_rows_matches_dequantized_matmul(poisoned_empty, layout, n, k, group, block_n, split_k, decode):
     args, w = rows_weight(layout, n, k, group, block_n, seed=n + k)

@@ -85,6 +85,7 @@ def test_echo_returns_the_prompt_and_its_prompt_logprobs(served):
         client.completions.create(model=MODEL, prompt=PROMPT, suffix="!")
 
 
+@pytest.mark.slow  # transformers loads the embedded model (~11 s)
 @torch.no_grad()
 def test_embeddings_equal_transformers_last_token_hidden_state(served, hf_embedded):
     _, llm, client = served
