@@ -124,10 +124,10 @@ class Prompts:
 class GoodserveEngine:
     name = "goodserve"
 
-    def __init__(self, model: str, device: str):
+    def __init__(self, model: str, device: str, **engine_args):
         from goodserve import LLM
 
-        self.llm = LLM(model, device=device)
+        self.llm = LLM(model, device=device, **engine_args)
         self.vocab_size = preset_of(model).vocab_size
 
     def settings(self) -> dict:

@@ -96,6 +96,10 @@ class KernelOptions:
     # replay time is within this share of the fastest that does (inf: always the smallest); a mixed
     # batch's leading decodes go to the decode attention kernel (False: the prefill kernel takes them).
     mixed_graph_max_tokens: int = 2048
+    # Eager steps: a prefill chunk of at least this many queries attends through torch's FlashAttention
+    # over its sequence's K/V gathered from the pool (ops/flash_prefill.py), not the Triton prefill
+    # kernel; 0: never.
+    flash_prefill_min_tokens: int = 1024
     graph_time_tolerance: float = 0.03
     decode_kernel_for_mixed_decodes: bool = True
     # Tensor parallelism on CUDA: all-reduces of up to this many bytes take the one-shot all-reduce on
@@ -117,9 +121,10 @@ class KernelOptions:
             raise InvalidRequestError(f"decode_attention_tuning_by_batch maps batch sizes >= 1 to settings among "
                                       f"{DECODE_TUNING_KEYS}, got {table}")
         if (self.decode_attention_waves < 1 or self.int4_tinygemm_max_m < 0 or self.mixed_graph_max_tokens < 0
-                or self.custom_all_reduce_max_bytes < 0):
+                or self.custom_all_reduce_max_bytes < 0 or self.flash_prefill_min_tokens < 0):
             raise InvalidRequestError("decode_attention_waves must be at least 1, int4_tinygemm_max_m, "
-                                      "mixed_graph_max_tokens and custom_all_reduce_max_bytes at least 0")
+                                      "mixed_graph_max_tokens, custom_all_reduce_max_bytes and "
+                                      "flash_prefill_min_tokens at least 0")
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from goodserve.ops import attention
 from goodserve.ops.attention import (
     AttentionMetadata, LayerKVCache, paged_attention_reference, rotary_write_kv_torch, write_kv_torch,
 )
+from goodserve.ops.flash_prefill import flash_prefill
 from goodserve.ops.kernel_choice import KernelChoice, choose_kernels
 from goodserve.ops.rope_scaling import RopeScaling
 from goodserve.ops.rotary import cos_sin_cache
@@ -203,6 +204,26 @@ def test_decode_count_read_on_the_device(kernels):
     assert_close(out, ref, torch.float32)
     graphed = attention.paged_attention(q, cache, replace(meta, leading_decodes=count), 0.25, TRITON)
     assert_close(graphed, ref, torch.float32)
+
+
+def test_flash_prefill_takes_the_last_queries_of_its_keys():
+    """ops/flash_prefill.py's call (its lower-right causal mask, grouped heads, the layout) against the
+    reference; on the CPU, SDPA computes it with the mask materialized (flash itself: tests/gpu)."""
+    q, cache, meta = make_batch([(5, 37)], 6, 2, 32, torch.float32, torch.float32, seed=7)
+    key, value = attention.gather_kv(cache, meta.block_tables[0, :3].long(), 37, torch.float32)
+    assert_close(flash_prefill(q, key, value, 0.3), paged_attention_reference(q, cache, meta, 0.3), torch.float32)
+
+
+def test_a_batch_split_between_flash_and_the_prefill_kernel(kernels):
+    """Two chunks to flash (one on cached context), each run of sequences around them to the Triton
+    kernel, the leading decodes already done: every row is the reference's."""
+    q, cache, meta = make_batch([(1, 20), (1, 33), (7, 7), (24, 40), (5, 21), (18, 18)], 4, 2, 32, torch.float32,
+                                torch.float32, seed=8)
+    meta = replace(meta, num_leading_decodes=2)
+    out = torch.full_like(q, float("nan"))
+    out[:2] = kernels.triton_decode_attention(q[:2], cache, meta.block_tables[:2], meta.seq_lens[:2], 0.3)
+    attention._prefill_with_flash(q, cache, meta, 0.3, [3, 5], out, pdl=False)
+    assert_close(out, paged_attention_reference(q, cache, meta, 0.3), torch.float32)
 
 
 @pytest.mark.parametrize("dtype,kv_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.int8)])

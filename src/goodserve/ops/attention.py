@@ -20,12 +20,14 @@ not masked SDPA.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
 
 from goodserve.native import layer_ops
+from goodserve.ops.flash_prefill import flash_prefill, flash_prefill_sequences
 from goodserve.ops.kernel_choice import KernelChoice
 from goodserve.ops.kv_exchange import KVExchange
 from goodserve.ops.rotary import apply_rotary_torch
@@ -215,9 +217,41 @@ def paged_attention(q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadat
         triton_decode_attention(q[:decodes], cache, meta.block_tables[:decodes], meta.seq_lens[:decodes], scale,
                                 out=out[:decodes], num_decodes=meta.leading_decodes, pdl=pdl, waves=waves,
                                 tuning=kernels.decode_attention_tuning(decodes), window=window, softcap=softcap)
+    flash = flash_prefill_sequences(q, cache.k.shape[2], meta.query_lens_host, meta.num_leading_decodes,
+                                    kernels.options.flash_prefill_min_tokens, window, softcap)
+    if flash:
+        return _prefill_with_flash(q, cache, meta, scale, flash, out, pdl)
     return triton_prefill_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,
                                     first_seq=first_seq, out=out, max_seqs=meta.max_prefill_seqs, pdl=pdl,
                                     window=window, softcap=softcap)
+
+
+def _prefill_with_flash(q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, scale: float,
+                        flash: list[int], out: torch.Tensor, pdl: bool) -> torch.Tensor:
+    """An eager step's prefill sequences (after its leading decodes, already in `out`): those in
+    `flash` through ops/flash_prefill.py, the runs between them through the Triton prefill kernel."""
+    from goodserve.ops.triton_attention import triton_prefill_attention
+
+    starts = [0, *itertools.accumulate(meta.query_lens_host)]
+    for first, end in _runs_between(meta.num_leading_decodes, flash, len(meta.query_lens_host)):
+        tokens = starts[end]  # the kernel computes sequences first..end-1 of this prefix of the batch
+        triton_prefill_attention(q[:tokens], cache, meta.block_tables[:end], meta.seq_lens[:end],
+                                 meta.query_start_loc[: end + 1], scale, first_seq=first, out=out[:tokens], pdl=pdl)
+    for seq in flash:
+        seq_len, rows = meta.seq_lens_host[seq], slice(starts[seq], starts[seq + 1])
+        blocks = meta.block_tables[seq, : -(-seq_len // cache.block_size)].long()
+        out[rows] = flash_prefill(q[rows], *gather_kv(cache, blocks, seq_len, q.dtype), scale)
+    return out
+
+
+def _runs_between(first_seq: int, chosen: list[int], num_seqs: int) -> list[tuple[int, int]]:
+    """The runs [first, end) of sequences from first_seq on that are not in `chosen` (sorted)."""
+    runs, first = [], first_seq
+    for seq in [*chosen, num_seqs]:
+        if seq > first:
+            runs.append((first, seq))
+        first = seq + 1
+    return runs
 
 
 def rotary_write_kv_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
@@ -251,9 +285,11 @@ def write_kv_slots(k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache, rows: 
 
 
 def gather_kv(cache: LayerKVCache, block_ids: torch.Tensor, length: int, dtype: torch.dtype):
-    """The first `length` tokens' K and V of one sequence, [length, Hk, D], dequantized to dtype."""
-    return tuple(gather_blocks(pool, scale, block_ids).flatten(0, 1)[:length].to(dtype)
-                 for pool, scale in ((cache.k, cache.k_scale), (cache.v, cache.v_scale)))
+    """The first `length` tokens' K and V of one sequence, [length, Hk, D], dequantized to dtype. A pool
+    without scales is gathered in its own dtype: no float32 copy of a long context on the way."""
+    pools = ((cache.k, cache.k_scale), (cache.v, cache.v_scale))
+    return tuple((pool.index_select(0, block_ids) if scale is None else gather_blocks(pool, scale, block_ids))
+                 .flatten(0, 1)[:length].to(dtype) for pool, scale in pools)
 
 
 def paged_attention_reference(

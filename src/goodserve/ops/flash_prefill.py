@@ -1,0 +1,52 @@
+"""Long prefill chunks through torch's FlashAttention (scaled_dot_product_attention's flash backend).
+
+The project's Triton prefill kernel (ops/triton_attention.py) reads K/V through the block table a
+64-key tile at a time; on an H100 it reached ~190-230 TFLOP/s on 2K-8K prompts where torch's flash
+backend did the same 2K prompt 2.1x faster (benchmarks/results/gpu_kernels_h100_pdl.json). So an
+eager step's chunks of at least KernelOptions.flash_prefill_min_tokens queries gather their
+sequence's K/V into contiguous tensors (the copy is ~1% of the attention it feeds at those lengths)
+and attend there; shorter chunks, decodes and CUDA-graph steps stay on the Triton kernels.
+
+A chunk's queries are the last q_len of its seq_len positions, so its causal mask is aligned to the
+bottom right (torch.nn.attention.bias.causal_lower_right), which flash supports with grouped-query
+heads. Layers with a sliding window or a soft cap, float32 models and GPUs without flash keep the
+Triton kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def flash_prefill_sequences(q: torch.Tensor, num_kv_heads: int, query_lens: list[int], first_seq: int,
+                            min_tokens: int, window: int | None, softcap: float | None) -> list[int]:
+    """The sequences (from first_seq on) whose chunk goes to flash: those of at least min_tokens
+    queries (0: none), where flash can compute the layer at all."""
+    if min_tokens <= 0 or window is not None or softcap is not None or q.dtype not in FLASH_DTYPES:
+        return []
+    chosen = [i for i in range(first_seq, len(query_lens)) if query_lens[i] >= min_tokens]
+    return chosen if chosen and flash_usable(q, num_kv_heads) else []
+
+
+def flash_usable(q: torch.Tensor, num_kv_heads: int) -> bool:
+    """Whether torch's flash backend takes these heads on this device (else SDPA would fall back to a
+    materialized mask, far slower)."""
+    if not q.is_cuda:
+        return False
+    query = q[:1].transpose(0, 1).unsqueeze(0)
+    key = query[:, :num_kv_heads]
+    params = torch.backends.cuda.SDPAParams(query, key, key, None, 0.0, False, True)
+    return torch.backends.cuda.can_use_flash_attention(params)
+
+
+def flash_prefill(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
+    """q: [L, Hq, D], the last L queries of the S positions in key, value: [S, Hk, D] -> [L, Hq, D]."""
+    query_len, key_len = q.shape[0], key.shape[0]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0), key.transpose(0, 1).unsqueeze(0), value.transpose(0, 1).unsqueeze(0),
+        attn_mask=causal_lower_right(query_len, key_len), scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1)
