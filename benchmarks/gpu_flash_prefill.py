@@ -1,6 +1,6 @@
 """Prefill attention: the Triton prefill kernel against torch's FlashAttention over K/V gathered
 from the pool (ops/flash_prefill.py), by chunk length and context; then the engine's long-prompt
-and shared-prefix TTFT with each threshold (KernelOptions.flash_prefill_min_tokens).
+and shared-prefix TTFT per engine variant (KernelOptions.flash_prefill_min_tokens, the step's token budget).
 
   kernel  Llama-3.1-8B's heads (32 q, 8 KV, head dim 128), bf16, 16-token blocks: one sequence's
           chunk of L queries on C cached tokens through ops/attention.paged_attention, with the
@@ -11,7 +11,7 @@ and shared-prefix TTFT with each threshold (KernelOptions.flash_prefill_min_toke
           prompt, 20-token questions: TTFT of a miss and of hits) and long part (32,768-token prompts).
 
     PYTHONPATH=src python3 benchmarks/gpu_flash_prefill.py [--parts kernel,e2e] \\
-        [--variants '{"triton": 0, "flash_1024": 1024}']
+        [--variants '{"triton": {"kernels": {"flash_prefill_min_tokens": 0}}, "flash": {}}']
 
 Writes $OUT/gpu_flash_prefill.json.
 """
@@ -32,7 +32,14 @@ OUT = os.environ.get("OUT", "/tmp/out")
 # (queries, cached tokens before them)
 KERNEL_CASES = [(256, 0), (512, 0), (1024, 0), (2048, 0), (4096, 0), (8192, 0), (512, 7680), (1024, 7168),
                 (8192, 8192), (8192, 24576), (20, 4096)]
-DEFAULT_VARIANTS = {"triton": 0, "flash_1024": 1024, "flash_512": 512, "triton_again": 0}
+# Steps of 8,192 tokens (vLLM's chunk on an H100) run eagerly, so their chunks can reach flash; at the
+# default 2,048 a chunk replays a mixed-step graph (the Triton kernel) whatever the threshold.
+DEFAULT_VARIANTS = {
+    "triton_8k": {"max_num_batched_tokens": 8192, "kernels": {"flash_prefill_min_tokens": 0}},
+    "flash_8k": {"max_num_batched_tokens": 8192},
+    "flash_8k_again": {"max_num_batched_tokens": 8192},
+    "triton_8k_again": {"max_num_batched_tokens": 8192, "kernels": {"flash_prefill_min_tokens": 0}},
+}
 
 
 def kernel_part() -> list[dict]:
@@ -85,27 +92,27 @@ def cudnn_ms(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: flo
         return None
 
 
-def e2e_variant(min_tokens: int) -> dict:
+def e2e_variant(engine_args: dict) -> dict:
     import gpu_peer_vllm as peer
 
     from goodserve.config import KernelOptions
 
-    engine = peer.GoodserveEngine(peer.GOODSERVE_MODEL, "cuda",
-                                  kernels=KernelOptions(flash_prefill_min_tokens=min_tokens))
+    kernels = KernelOptions(**engine_args.get("kernels", {}))
+    engine = peer.GoodserveEngine(peer.GOODSERVE_MODEL, "cuda", **{**engine_args, "kernels": kernels})
     prompts, sizes = peer.Prompts(engine.vocab_size), peer.Sizes()
     engine.generate([prompts.ids(128)], [16])  # warm-up
-    return {"flash_prefill_min_tokens": min_tokens, "prefix": peer.measure_prefix(engine, prompts, sizes),
-            "long": peer.measure_long(engine, prompts, sizes)}
+    return {"engine_args": engine_args, "flash_prefill_min_tokens": kernels.flash_prefill_min_tokens,
+            "prefix": peer.measure_prefix(engine, prompts, sizes), "long": peer.measure_long(engine, prompts, sizes)}
 
 
 def e2e_part(variants: dict) -> dict:
     results = {}
-    for name, min_tokens in variants.items():
+    for name, engine_args in variants.items():
         with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
             path = f.name
         log = os.path.join(OUT, f"gpu_flash_prefill_{name}.log")
         with open(log, "w") as out:
-            code = subprocess.run([sys.executable, __file__, "--child", str(min_tokens), "--json", path],
+            code = subprocess.run([sys.executable, __file__, "--child", json.dumps(engine_args), "--json", path],
                                   stdout=out, stderr=subprocess.STDOUT).returncode
         results[name] = json.load(open(path)) if code == 0 else {"error": f"exit {code}, see {log}"}
         run = results[name]
@@ -120,12 +127,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--parts", default="kernel,e2e")
     parser.add_argument("--variants", default=json.dumps(DEFAULT_VARIANTS),
-                        help="JSON: name -> flash_prefill_min_tokens, each an engine in its own process")
-    parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
+                        help="JSON: name -> LLM keyword arguments (\"kernels\": KernelOptions fields), each an "
+                             "engine in a process of its own")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--json", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child is not None:
-        json.dump(e2e_variant(args.child), open(args.json, "w"))
+        json.dump(e2e_variant(json.loads(args.child)), open(args.json, "w"))
         return
     from result_file import gpu_names
 

@@ -96,10 +96,12 @@ class KernelOptions:
     # replay time is within this share of the fastest that does (inf: always the smallest); a mixed
     # batch's leading decodes go to the decode attention kernel (False: the prefill kernel takes them).
     mixed_graph_max_tokens: int = 2048
-    # Eager steps: a prefill chunk of at least this many queries attends through torch's FlashAttention
-    # over its sequence's K/V gathered from the pool (ops/flash_prefill.py), not the Triton prefill
-    # kernel; 0: never.
-    flash_prefill_min_tokens: int = 1024
+    # Eager steps (more tokens than the mixed graphs hold): a prefill chunk of at least this many queries
+    # attends through torch's FlashAttention over its sequence's K/V gathered from the pool
+    # (ops/flash_prefill.py), not the Triton prefill kernel; 0: never. On an H100 flash, its gather
+    # included, was faster from 2,048 queries on, with or without cached context before them; at 1,024
+    # without context and below it was slower (benchmarks/results/gpu_flash_prefill_0e71985_h100.json).
+    flash_prefill_min_tokens: int = 2048
     graph_time_tolerance: float = 0.03
     decode_kernel_for_mixed_decodes: bool = True
     # Tensor parallelism on CUDA: all-reduces of up to this many bytes take the one-shot all-reduce on
