@@ -96,6 +96,11 @@ class KernelOptions:
     # replay time is within this share of the fastest that does (inf: always the smallest); a mixed
     # batch's leading decodes go to the decode attention kernel (False: the prefill kernel takes them).
     mixed_graph_max_tokens: int = 2048
+    # Prefill launches of few programs (a prefix hit's question) split each query block's keys over more
+    # programs and merge them (ops/triton_attention.prefill_num_splits); with it, small steps with one
+    # prefill sequence after their decodes replay mixed graphs captured for exactly that, whose prefill
+    # launch is that small (engine/worker/cuda_graphs.py). Off: one program a query block.
+    split_prefill_attention: bool = True
     # Eager steps (more tokens than the mixed graphs hold): a prefill chunk of at least this many queries
     # attends through torch's FlashAttention over its sequence's K/V gathered from the pool
     # (ops/flash_prefill.py), not the Triton prefill kernel; 0: never. On an H100 flash, its gather

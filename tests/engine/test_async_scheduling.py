@@ -32,10 +32,10 @@ class EagerDecodeGraph(cuda_graphs._DecodeGraph):
 def engine_mode(llm, graphs: bool, async_scheduling: bool):
     engine = llm.engine
     runner = runner_of(engine)
-    saved = runner.decode_graphs, engine.config
+    saved = runner.graphs.decode, engine.config
     if graphs:
         sizes = (1, 2, 4, 8)
-        runner.decode_graphs = cuda_graphs.GraphSet({size: EagerDecodeGraph(runner, size, None) for size in sizes},
+        runner.graphs.decode = cuda_graphs.GraphSet({size: EagerDecodeGraph(runner, size, None) for size in sizes},
                                                     dict.fromkeys(sizes, 1.0))
     # The CPU resolves async scheduling off (no graphs there): these stand-in graphs turn it back on.
     engine.config = dataclasses.replace(engine.config, async_scheduling=async_scheduling)
@@ -43,7 +43,7 @@ def engine_mode(llm, graphs: bool, async_scheduling: bool):
     try:
         yield lambda: engine.steps.num_pipelined_steps - start
     finally:
-        runner.decode_graphs, engine.config = saved
+        runner.graphs.decode, engine.config = saved
         assert engine._inflight is None and not engine.has_unfinished()
 
 

@@ -37,12 +37,12 @@ def test_decode_graph_inputs_give_the_eager_tokens(embedded_llm):
               for n in (6, 24, 40)]
     expected = embedded_llm.generate(prompts, params)
     runner = runner_of(embedded_llm)
-    runner.decode_graphs = cuda_graphs.GraphSet({size: EagerDecodeGraph(runner, size, None) for size in (1, 2, 4)},
+    runner.graphs.decode = cuda_graphs.GraphSet({size: EagerDecodeGraph(runner, size, None) for size in (1, 2, 4)},
                                                  {1: 1.0, 2: 1.0, 4: 1.0})
     try:
         got = embedded_llm.generate(prompts, params)
     finally:
-        runner.decode_graphs = cuda_graphs.GraphSet()
+        runner.graphs.decode = cuda_graphs.GraphSet()
     assert EagerDecodeGraph.replays > 0
     for ours, ref in zip(got, expected):
         assert ours.outputs[0].token_ids == ref.outputs[0].token_ids
@@ -63,7 +63,7 @@ def test_decode_graph_inputs_through_fused_rotary_decode_attention_give_the_refe
     expected = LLM(**settings, attention_backend="torch").generate(prompts, params)
     llm = LLM(**settings, attention_backend="triton", kernels=KernelOptions(fuse_rotary_into_decode_attention=True))
     runner = runner_of(llm)
-    runner.decode_graphs = cuda_graphs.GraphSet({size: EagerDecodeGraph(runner, size, None) for size in (1, 2, 4)},
+    runner.graphs.decode = cuda_graphs.GraphSet({size: EagerDecodeGraph(runner, size, None) for size in (1, 2, 4)},
                                                  {1: 1.0, 2: 1.0, 4: 1.0})
     replays = EagerDecodeGraph.replays
     got = llm.generate(prompts, params)
@@ -99,7 +99,7 @@ def test_mixed_graph_inputs_give_the_reference_tokens():
     runner = runner_of(llm)
     counts = cuda_graphs.mixed_graph_token_counts(24, 2048)
     assert counts == [16, 32]  # a 17..24-token step replays the 32-token graph, padded
-    runner.mixed_graphs = cuda_graphs.GraphSet({count: EagerMixedGraph(runner, count, None) for count in counts},
+    runner.graphs.mixed = cuda_graphs.GraphSet({count: EagerMixedGraph(runner, count, None) for count in counts},
                                                 dict.fromkeys(counts, 1.0))
     got = llm.generate(prompts, params)
     assert EagerMixedGraph.replays >= 4
@@ -112,16 +112,17 @@ def test_mixed_graph_inputs_give_the_reference_tokens():
 
 def test_a_mixed_graph_takes_a_bounded_number_of_prefill_sequences(monkeypatch):
     """The prefill kernel's grid in a mixed graph is sized for MIXED_GRAPH_MAX_PREFILL_SEQS sequences
-    after the leading decodes (the padding sequence among them): a batch with more runs eagerly."""
+    after the leading decodes (the padding sequence among them): a batch with more runs eagerly; a
+    batch with one takes a graph sized for just that where there is one."""
     from goodserve import LLM
 
     monkeypatch.setattr(cuda_graphs, "MIXED_GRAPH_MAX_PREFILL_SEQS", 3)
     runner = runner_of(LLM("dummy:tiny", num_kv_blocks=16))
     graph = EagerMixedGraph(runner, 32, None)
-    runner.mixed_graphs = cuda_graphs.GraphSet({32: graph}, {32: 1.0})
+    runner.graphs.mixed = cuda_graphs.GraphSet({32: graph}, {32: 1.0})
 
     def graph_for(flat):
-        return cuda_graphs.graph_for(flat, runner.decode_graphs, runner.mixed_graphs)
+        return cuda_graphs.graph_for(flat, runner.graphs)
 
     def batch(query_lens):
         num_tokens = sum(query_lens)
@@ -133,6 +134,11 @@ def test_a_mixed_graph_takes_a_bounded_number_of_prefill_sequences(monkeypatch):
     assert graph_for(batch([1, 1, 1, 5, 4])) is graph  # three leading decodes, two more
     assert graph_for(batch([1, 5, 1, 4])) is None  # a decode after a chunk counts: three more
     assert graph_for(batch([20, 13])) is None  # 33 tokens: no graph that large
+    # With graphs of one prefill sequence, the batches that have one take them; the rest as before.
+    one_prefill = EagerMixedGraph(runner, 32, None, max_prefill_seqs=2)
+    runner.graphs.one_prefill = cuda_graphs.GraphSet({32: one_prefill}, {32: 1.0})
+    assert graph_for(batch([1, 1, 1, 20])) is one_prefill and graph_for(batch([12])) is one_prefill
+    assert graph_for(batch([1, 1, 1, 5, 4])) is graph
 
 
 def test_the_cuda_warm_up_step_is_a_well_formed_batch():
@@ -232,14 +238,14 @@ def test_steps_verifying_drafts_replay_a_mixed_graph_and_prompt_logits_run_eager
 
     runner = runner_of(LLM("dummy:tiny", num_kv_blocks=16))
     graph = EagerMixedGraph(runner, 16, None)
-    runner.mixed_graphs = cuda_graphs.GraphSet({16: graph}, {16: 1.0})
+    runner.graphs.mixed = cuda_graphs.GraphSet({16: graph}, {16: 1.0})
     flat = FlatBatch(input_ids=[1] * 5, positions=[5, 6, 7, 9, 10], slots=[5, 6, 7, 25, 26], query_lens=[3, 2],
                      seq_lens=[8, 11], block_tables=[[0], [1]], sample_rows=[0, 1], logits_indices=[0, 1, 2, 3, 4],
                      prompt_logit_spans={})
-    assert cuda_graphs.graph_for(flat, runner.decode_graphs, runner.mixed_graphs) is graph
+    assert cuda_graphs.graph_for(flat, runner.graphs) is graph
     assert graph.load(flat, torch.zeros(graph.layout.size, dtype=torch.int32)).logits_indices.tolist() == [0, 1, 2, 3, 4]
     flat.prompt_logit_spans = {0: (0, 2)}
-    assert cuda_graphs.graph_for(flat, runner.decode_graphs, runner.mixed_graphs) is None
+    assert cuda_graphs.graph_for(flat, runner.graphs) is None
 
 
 class VerifyCountingMixedGraph(EagerMixedGraph):
@@ -265,7 +271,7 @@ def test_verify_steps_through_mixed_graph_buffers_give_the_speculation_off_token
               spec_policy="always")
     runner = runner_of(llm)
     counts = cuda_graphs.mixed_graph_token_counts(llm.engine.config.max_num_batched_tokens, 64)
-    runner.mixed_graphs = cuda_graphs.GraphSet({c: VerifyCountingMixedGraph(runner, c, None) for c in counts},
+    runner.graphs.mixed = cuda_graphs.GraphSet({c: VerifyCountingMixedGraph(runner, c, None) for c in counts},
                                                 dict.fromkeys(counts, 1.0))
     got = llm.generate(prompts, params)
     stats = llm.engine.stats()

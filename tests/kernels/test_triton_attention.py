@@ -170,6 +170,20 @@ def test_prefill_mixed_batch_matches_reference(kernels, num_q_heads, num_kv_head
     assert_close(out, paged_attention_reference(q, cache, meta, 0.25), torch.float32)
 
 
+@pytest.mark.parametrize("window", [None, 24])
+def test_prefill_splits_a_blocks_keys_over_programs(kernels, window):
+    """Each query block's keys over up to 4 programs of >= 16 keys (the interpreter's SPLIT_KEYS),
+    merged by the last to finish, with rows that see no key of some split (causal, windowed); a
+    second launch reuses the arrival counters the first left zeroed."""
+    q, cache, meta = make_batch([(3, 70), (18, 60), (1, 50)], 6, 2, 32, torch.float32,
+                                torch.float32, seed=5)
+    ref = paged_attention_reference(q, cache, meta, 0.25, window)
+    for _ in range(2):
+        out = kernels.triton_prefill_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                                               0.25, window=window, num_splits=4)
+        assert_close(out, ref, torch.float32)
+
+
 # Decodes first (one of them at an empty-ish context), then chunks and a decode the prefill kernel keeps.
 LEADING_DECODES = [(1, 30), (1, 1), (1, 150), (20, 37), (5, 5), (1, 17)]
 

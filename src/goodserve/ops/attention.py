@@ -223,7 +223,8 @@ def paged_attention(q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadat
         return _prefill_with_flash(q, cache, meta, scale, flash, out, pdl)
     return triton_prefill_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,
                                     first_seq=first_seq, out=out, max_seqs=meta.max_prefill_seqs, pdl=pdl,
-                                    window=window, softcap=softcap)
+                                    window=window, softcap=softcap,
+                                    num_splits=None if kernels.options.split_prefill_attention else 1)
 
 
 def _prefill_with_flash(q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, scale: float,

@@ -410,6 +410,21 @@ def default_num_splits(batch: int, num_kv_heads: int, max_context: int, device: 
     return min(triton.next_power_of_2(wanted), 32, triton.next_power_of_2(by_length))
 
 
+def prefill_num_splits(programs: int, max_keys: int, device: torch.device, split_keys: int, waves: int = 2) -> int:
+    """Splits of a prefill launch's key ranges, from its grid of `programs` (query blocks x KV heads,
+    a bound from shapes: a captured graph stays valid): enough that they fill the GPU `waves` times
+    over, where they would fill under a quarter of that; else 1 (a launch whose programs mostly exit
+    at once, as a mixed graph's surplus do, would only multiply those). max_keys bounds a sequence's
+    context (the block table's capacity); the kernel sizes each block's splits from its actual keys,
+    >= split_keys each."""
+    if device.type != "cuda":
+        return 1
+    wanted = triton.cdiv(waves * _num_sms(device.index or 0), programs)
+    if wanted < 4:
+        return 1
+    return min(triton.next_power_of_2(wanted), 16, triton.next_power_of_2(triton.cdiv(max_keys, split_keys)))
+
+
 # Launch settings on sm_90; `tuning` overrides them. SPLIT_KEYS: the fewest keys a decode split takes;
 # DIRECT_KEYS: contexts up to this many keys take one split (KernelOptions.decode_attention_tuning_by_batch
 # sets it per batch size).
@@ -417,12 +432,12 @@ DECODE_TUNING = {"BLOCK_N": 64, "SPLIT_KEYS": 64, "DIRECT_KEYS": 0, "num_warps":
 # Tiles by a sweep on an H100 (`gpu_kernels.py --prefill-sweep`,
 # benchmarks/results/gpu_kernels_prefill_sweep_h100.json): 64 x 64 with 4 warps beat 128 x 64 with 8
 # on every bf16 case, verify steps (5 queries a sequence) and 512-2K prompts alike, by 8-30%.
-PREFILL_TUNING = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+PREFILL_TUNING = {"BLOCK_M": 64, "BLOCK_N": 64, "SPLIT_KEYS": 512, "num_warps": 4, "num_stages": 2}
 # float32 dots are exact ("ieee"), so they run on the FMA units, not the tensor cores, where large
 # tiles spill registers: 128 x 64 made an embedded-model verify step 11.3 ms against 1.3 for its
 # decode step (benchmarks/results/gpu_spec_decode_small_verify_h100.json); 16 x 64 is the fastest
 # in the same sweep on every float32 case, 4-50x faster than 128 x 64.
-PREFILL_TUNING_FLOAT32 = {"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+PREFILL_TUNING_FLOAT32 = {"BLOCK_M": 16, "BLOCK_N": 64, "SPLIT_KEYS": 512, "num_warps": 4, "num_stages": 2}
 # The interpreter runs every element in numpy: small tiles keep CPU tests fast.
 INTERPRETER_TUNING = {"BLOCK_M": 16, "BLOCK_N": 16, "SPLIT_KEYS": 16, "DIRECT_KEYS": 0, "num_warps": 4,
                       "num_stages": 1}
@@ -509,6 +524,10 @@ def triton_decode_attention(q: torch.Tensor, cache, block_tables: torch.Tensor, 
 # T // BLOCK_Q + B programs (an upper bound from shapes alone), surplus programs exit at once.
 # A batch's leading one-query sequences (decodes beside prefill chunks) can be left to the decode
 # kernel (first_seq): here each would use GROUP of a tile's BLOCK_M rows.
+# A launch of few tokens (a prefix hit's question) would run few programs, each reading its
+# sequence's whole context alone: with NUM_SPLITS > 1 (chosen from the launch's grid,
+# prefill_num_splits) each block's keys spread over up to NUM_SPLITS programs of >= SPLIT_KEYS keys,
+# and the last of them to finish merges their partial results, as decode attention does.
 
 
 @triton.jit
@@ -535,11 +554,13 @@ def _find_sequence(query_start_loc, first_seq, first_token, num_seqs, program, B
 # The same per-step arguments, plus the sequence counts. first_seq is an int, or with
 # FIRST_SEQ_IN_MEMORY a pointer to it.
 @triton.jit(do_not_specialize=["stride_bt", "stride_bb", "first_seq", "num_seqs", "window"])
-def _prefill_kernel(q_ptr, out_ptr, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens,
+def _prefill_kernel(q_ptr, out_ptr, part_out_ptr, part_lse_ptr, arrivals_ptr, k_cache, v_cache, k_scale, v_scale,
+                    block_tables, seq_lens,
                     query_start_loc, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_bb,
                     first_seq, num_seqs, num_kv_heads, window, softcap, HEAD_DIM: tl.constexpr,
                     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, KV_QUANT: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLIT_KEYS: tl.constexpr,
+                    NUM_SPLITS: tl.constexpr, KV_QUANT: tl.constexpr,
                     UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, FIRST_SEQ_IN_MEMORY: tl.constexpr,
                     SOFTCAP: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_sync(USE_PDL)
@@ -547,6 +568,7 @@ def _prefill_kernel(q_ptr, out_ptr, k_cache, v_cache, k_scale, v_scale, block_ta
         first_seq = tl.load(first_seq)
     program = tl.program_id(0)
     kv_head = tl.program_id(1)
+    split = tl.program_id(2)
     first_seq_token = tl.load(query_start_loc + first_seq)
     seq = _find_sequence(query_start_loc, first_seq, first_seq_token, num_seqs, program, BLOCK_Q)
     q_begin = tl.load(query_start_loc + seq)
@@ -574,32 +596,79 @@ def _prefill_kernel(q_ptr, out_ptr, k_cache, v_cache, k_scale, v_scale, block_ta
         key_end = context + tl.minimum(first_token + BLOCK_Q, q_len)
         key_begin = tl.where(window > 0, tl.maximum(context + first_token - window + 1, 0), 0)
         oldest_key = tl.where(window > 0, query_pos - window + 1, 0)  # [BLOCK_M], per query row
+        # This program's share of the block's keys: split `split` of num_used (1: all of them).
+        split_keys = tl.maximum(tl.cdiv(tl.cdiv(key_end - key_begin, NUM_SPLITS), SPLIT_KEYS), 1) * SPLIT_KEYS
+        num_used = tl.maximum(tl.cdiv(key_end - key_begin, split_keys), 1)
+        if split < num_used:
+            split_begin = key_begin + split * split_keys
+            split_end = tl.minimum(split_begin + split_keys, key_end)
+            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            l_i = tl.zeros([BLOCK_M], tl.float32)
+            acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+            block_table_row = block_tables + seq.to(tl.int64) * stride_bt
+            for tile in range(split_begin // BLOCK_N, tl.cdiv(split_end, BLOCK_N)):
+                pos = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+                valid = (pos >= split_begin) & (pos < split_end)
+                slot = _slots_of(block_table_row, stride_bb, pos, valid, BLOCK_SIZE)
+                key_mask = valid[None, :] & (pos[None, :] <= query_pos[:, None]) & \
+                    (pos[None, :] >= oldest_key[:, None])
+                m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache, v_cache, k_scale, v_scale, slot, kv_head,
+                                             num_kv_heads, HEAD_DIM, valid, key_mask, d, d_mask, qk_scale, softcap,
+                                             q_ptr.dtype.element_ty, KV_QUANT, UPCAST_DOT, DOT_PRECISION, SOFTCAP)
+            out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+            dst = out_ptr + q_tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+            if num_used == 1:
+                tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=io_mask)
+            elif NUM_SPLITS > 1:  # (compiled out of single-split launches)
+                # [T, Hq, S] partials; a row that sees no key of this split stores lse -inf, weight 0.
+                part = (q_tok * (num_kv_heads * GROUP) + head) * NUM_SPLITS
+                tl.store(part_out_ptr + (part + split)[:, None] * HEAD_DIM + d[None, :], out, mask=io_mask)
+                lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+                tl.store(part_lse_ptr + part + split, lse, mask=row_valid)
+                # Every thread's stores precede the (release) arrival; the last arrival (acquire) merges.
+                tl.debug_barrier()
+                arrivals = arrivals_ptr + program * num_kv_heads + kv_head
+                if tl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu") == num_used - 1:
+                    tl.store(arrivals, 0)  # zero again for the next launch (or graph replay)
+                    out = _merge_rows(part_out_ptr, part_lse_ptr, part, num_used, d, row_valid, io_mask, HEAD_DIM,
+                                      BLOCK_M, BLOCK_D)
+                    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        block_table_row = block_tables + seq.to(tl.int64) * stride_bt
-        for tile in range(key_begin // BLOCK_N, tl.cdiv(key_end, BLOCK_N)):
-            pos = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-            valid = (pos >= key_begin) & (pos < key_end)
-            slot = _slots_of(block_table_row, stride_bb, pos, valid, BLOCK_SIZE)
-            key_mask = valid[None, :] & (pos[None, :] <= query_pos[:, None]) & (pos[None, :] >= oldest_key[:, None])
-            m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache, v_cache, k_scale, v_scale, slot, kv_head,
-                                         num_kv_heads, HEAD_DIM, valid, key_mask, d, d_mask, qk_scale, softcap,
-                                         q_ptr.dtype.element_ty, KV_QUANT, UPCAST_DOT, DOT_PRECISION, SOFTCAP)
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(out_ptr + q_tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=io_mask)
+
+@triton.jit
+def _merge_rows(part_out_ptr, part_lse_ptr, part, num_used, d, row_valid, io_mask, HEAD_DIM: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The prefill splits' partial outputs of BLOCK_M rows (their [T, Hq, S] index `part` at split 0),
+    weighted by their log-sum-exps, one split at a time (an online softmax over the splits)."""
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    total = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for s in range(num_used):
+        # .cg reads L2, where the other programs' stores landed, never a stale L1 line.
+        lse = tl.load(part_lse_ptr + part + s, mask=row_valid, other=float("-inf"), cache_modifier=".cg")
+        value = tl.load(part_out_ptr + (part + s)[:, None] * HEAD_DIM + d[None, :], mask=io_mask, other=0.0,
+                        cache_modifier=".cg")
+        m_new = tl.maximum(m, lse)
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_shift)
+        weight = tl.exp2(lse - m_shift)
+        acc = acc * alpha[:, None] + value * weight[:, None]
+        total = total * alpha + weight
+        m = m_new
+    return acc / tl.where(total > 0, total, 1.0)[:, None]
 
 
 def triton_prefill_attention(q: torch.Tensor, cache, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                              query_start_loc: torch.Tensor, scale: float, tuning: dict | None = None,
                              first_seq: int | torch.Tensor = 0, out: torch.Tensor | None = None,
                              max_seqs: int | None = None, pdl: bool = False,
-                             window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                             window: int | None = None, softcap: float | None = None,
+                             num_splits: int | None = None) -> torch.Tensor:
     """q: [T, Hq, D], a varlen batch (any mix of prefill chunks and decodes) -> [T, Hq, D].
     window: a sliding window, each query sees only its last `window` keys; softcap: scores s become
     tanh(s / softcap) * softcap.
+    num_splits: how many programs at most share a query block's keys, a power of two; None:
+    prefill_num_splits (several for launches of few tokens on CUDA, else 1).
 
     first_seq: the sequences before it have one query each and are someone else's (the decode
     kernel's): only the rest are computed, into `out` (allocated when None). An int32 device scalar
@@ -618,15 +687,25 @@ def triton_prefill_attention(q: torch.Tensor, cache, block_tables: torch.Tensor,
     quant = _kv_quant(cache)
     in_memory = isinstance(first_seq, torch.Tensor)
     grid_first_seq = 0 if in_memory else first_seq
-    grid = ((num_tokens - grid_first_seq) // block_q + (max_seqs or num_seqs - grid_first_seq), num_kv_heads)
-    _prefill_kernel[grid](
-        q, out, cache.k, cache.v,
+    num_blocks = (num_tokens - grid_first_seq) // block_q + (max_seqs or num_seqs - grid_first_seq)
+    if num_splits is None:
+        num_splits = prefill_num_splits(num_blocks * num_kv_heads, block_tables.shape[1] * block_size, q.device,
+                                        tune["SPLIT_KEYS"])
+    assert num_splits & (num_splits - 1) == 0, "num_splits must be a power of two"
+    part_out = part_lse = arrivals = out  # unused when num_splits == 1
+    if num_splits > 1:
+        part_out = torch.empty(num_tokens, num_q_heads, num_splits, head_dim, device=q.device, dtype=torch.float32)
+        part_lse = torch.empty(num_tokens, num_q_heads, num_splits, device=q.device, dtype=torch.float32)
+        arrivals = _arrival_counters(q.device, num_blocks * num_kv_heads)
+    _prefill_kernel[(num_blocks, num_kv_heads, num_splits)](
+        q, out, part_out, part_lse, arrivals, cache.k, cache.v,
         *_scales(cache),
         block_tables, seq_lens, query_start_loc, scale * LOG2E, q.stride(0), q.stride(1),
         out.stride(0), out.stride(1), block_tables.stride(0), block_tables.stride(1), first_seq, num_seqs,
         num_kv_heads, window or 0, (softcap or 0.0) * LOG2E, head_dim,
         GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_N=tune["BLOCK_N"], BLOCK_SIZE=block_size, KV_QUANT=quant, UPCAST_DOT=not q.is_cuda,
+        BLOCK_N=tune["BLOCK_N"], BLOCK_SIZE=block_size, SPLIT_KEYS=tune["SPLIT_KEYS"], NUM_SPLITS=num_splits,
+        KV_QUANT=quant, UPCAST_DOT=not q.is_cuda,
         DOT_PRECISION=_dot_precision(q.dtype), FIRST_SEQ_IN_MEMORY=in_memory, SOFTCAP=softcap is not None,
         num_warps=tune["num_warps"],
         num_stages=tune["num_stages"], **pdl_launch(pdl),

@@ -8,6 +8,7 @@ from the engine's KernelOptions (config.py): mixed_graph_max_tokens, graph_time_
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -38,6 +39,11 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 # A mixed graph holds at most this many sequences after the leading decodes (prefill chunks and
 # the decodes among them), the padding sequence included: it bounds the prefill kernel's grid.
 MIXED_GRAPH_MAX_PREFILL_SEQS = 64
+# Steps of up to this many tokens whose decodes are followed by one prefill sequence (a prefix hit's
+# question, a new prompt beside running decodes) replay graphs that hold just that: their prefill
+# launch has a few programs (a graph holding 64 sequences would launch ~70 query blocks, most of them
+# exiting at once), so it splits each block's keys over more (KernelOptions.split_prefill_attention).
+ONE_PREFILL_GRAPH_MAX_TOKENS = 256
 
 
 def mixed_graph_token_counts(max_num_batched_tokens: int, max_tokens: int) -> list[int]:
@@ -63,39 +69,55 @@ def graph_size_for_each_batch(replay_ms: dict[int, float], tolerance: float) -> 
 
 
 
-def capture_graphs(runner: ModelRunner) -> tuple[GraphSet, GraphSet]:
-    """The decode graphs (by sequence count) and the mixed-step graphs (by token count)."""
+@dataclass
+class StepGraphs:
+    """A runner's captured graphs: decode graphs by sequence count, mixed-step graphs by token count,
+    and the mixed graphs of one prefill sequence (ONE_PREFILL_GRAPH_MAX_TOKENS) by token count."""
+
+    decode: GraphSet = field(default_factory=lambda: GraphSet())
+    mixed: GraphSet = field(default_factory=lambda: GraphSet())
+    one_prefill: GraphSet = field(default_factory=lambda: GraphSet())
+
+    def any(self) -> bool:
+        return bool(self.decode.graphs or self.mixed.graphs)
+
+
+def capture_graphs(runner: ModelRunner) -> StepGraphs:
     pool = torch.cuda.graph_pool_handle()
     # largest first, so smaller graphs fit in its memory pool
     config, options = runner.config, runner.config.kernels
     counts = sorted(mixed_graph_token_counts(config.max_num_batched_tokens, options.mixed_graph_max_tokens),
                     reverse=True)
-    tp = runner.model.tp
-    mixed = GraphSet.timed({count: _MixedGraph(runner, count, pool) for count in counts},
-                           options.graph_time_tolerance, tp)
+    tp, tolerance = runner.model.tp, options.graph_time_tolerance
+    mixed = GraphSet.timed({count: _MixedGraph(runner, count, pool) for count in counts}, tolerance, tp)
+    one_prefill = GraphSet.timed({count: _MixedGraph(runner, count, pool, max_prefill_seqs=2) for count in counts
+                                  if count <= ONE_PREFILL_GRAPH_MAX_TOKENS and options.split_prefill_attention},
+                                 tolerance, tp)
     sizes = sorted(graph_batch_sizes(config.max_num_seqs), reverse=True)
-    decode = GraphSet.timed({size: _DecodeGraph(runner, size, pool) for size in sizes},
-                            options.graph_time_tolerance, tp)
-    for graphs, unit in ((decode, "sequence"), (mixed, "token")):
+    decode = GraphSet.timed({size: _DecodeGraph(runner, size, pool) for size in sizes}, tolerance, tp)
+    for graphs, unit in ((decode, "sequence"), (mixed, "token"), (one_prefill, "token one-prefill")):
         for size, chosen in graphs.replaced().items():
             logger.info("batches that fit the %d-%s graph replay the %d one (%.2f ms against %.2f)", size, unit,
                         chosen, graphs.replay_ms[chosen], graphs.replay_ms[size])
-    return decode, mixed
+    return StepGraphs(decode, mixed, one_prefill)
 
 
-def graph_for(flat: FlatBatch, decode_graphs: GraphSet, mixed_graphs: GraphSet) -> _DecodeGraph | _MixedGraph | None:
+def graph_for(flat: FlatBatch, graphs: StepGraphs) -> _DecodeGraph | _MixedGraph | None:
     """The captured graph the batch replays: a decode graph if every sequence computes one token
     and samples, else a mixed-step graph (prefill chunks, and sequences verifying drafts: their logits
-    rows are gathered from the graph's hidden states after it) unless some sequence wants prompt
-    logits. Those steps are rare (a prompt-logprobs request's prefill chunks) and run eagerly, the
-    one path that computes logits over a span."""
+    rows are gathered from the graph's hidden states after it; one holding a single prefill sequence
+    where one does) unless some sequence wants prompt logits. Those steps are rare (a prompt-logprobs
+    request's prefill chunks) and run eagerly, the one path that computes logits over a span."""
     num_seqs = len(flat.seq_lens)
     if max(flat.query_lens) == 1 and len(flat.sample_rows) == num_seqs:
-        return decode_graphs.holding(num_seqs)
+        return graphs.decode.holding(num_seqs)
     if flat.prompt_logit_spans:
         return None
-    graph = mixed_graphs.holding(len(flat.input_ids))
-    return graph if graph is not None and graph.holds(flat) else None
+    for mixed in (graphs.one_prefill, graphs.mixed):
+        graph = mixed.holding(len(flat.input_ids))
+        if graph is not None and graph.holds(flat):
+            return graph
+    return None
 
 
 class GraphSet:
@@ -203,12 +225,12 @@ class _MixedGraph(_StepGraph):
     the first, so their programs exit at once.
     """
 
-    def __init__(self, runner: ModelRunner, num_tokens: int, pool) -> None:
+    def __init__(self, runner: ModelRunner, num_tokens: int, pool, max_prefill_seqs: int | None = None) -> None:
         device, max_blocks = runner.device, runner.max_blocks_per_seq
         self.num_tokens = num_tokens
         # a batch's sequences and one padding sequence
         self.max_seqs = min(num_tokens, runner.config.max_num_seqs) + 1
-        self.max_prefill_seqs = min(MIXED_GRAPH_MAX_PREFILL_SEQS, self.max_seqs)
+        self.max_prefill_seqs = min(max_prefill_seqs or MIXED_GRAPH_MAX_PREFILL_SEQS, self.max_seqs)
         self.layout = InputLayout(num_tokens, self.max_seqs, max_blocks, runner.kv_groups.num_groups)
         self.inputs = torch.zeros(self.layout.size, dtype=torch.int32, device=device)
         views = self.layout.views(self.inputs)

@@ -26,7 +26,7 @@ import torch
 
 from goodserve.config import EngineConfig
 from goodserve.engine.worker.context_parallel import ContextParallel, LocalShare
-from goodserve.engine.worker.cuda_graphs import GraphSet, capture_graphs, graph_for
+from goodserve.engine.worker.cuda_graphs import StepGraphs, capture_graphs, graph_for
 from goodserve.engine.worker.drafter import Drafter
 from goodserve.engine.worker.isolation import rewind_generators
 from goodserve.engine.setup.kv_cache import allocate_kv_cache
@@ -93,13 +93,13 @@ class ModelRunner:
         self._tokens = [torch.zeros(2, max_samples, dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
         self._copied = [torch.cuda.Event() for _ in range(2)] if cuda else [None, None]
         self._turn = 0
-        self.decode_graphs, self.mixed_graphs = GraphSet(), GraphSet()
+        self.graphs = StepGraphs()
         # The torch attention path sizes tensors from the batch's lengths, so it cannot be captured.
         if cuda and num_blocks >= 3 * groups.num_groups:
             self._warm_up_eager_kernels()
             torch.cuda.synchronize(device)
         if cuda and not config.enforce_eager and model.kernels.triton:
-            self.decode_graphs, self.mixed_graphs = capture_graphs(self)
+            self.graphs = capture_graphs(self)
 
     def _warm_up_eager_kernels(self) -> ModelOutput:
         """One eager step of a prefill chunk beside a decode, so the Triton kernels of the eager path
@@ -242,7 +242,7 @@ class ModelRunner:
         """The batch's input tensors on the device, in one host-to-device copy."""
         if self.model.native_decode is not None and len(flat.input_ids) <= CPU_NATIVE_MAX_M:
             flat = as_one_token_rows(flat)  # verify rows too then run the native decode stack
-        graph = None if flat.branches else graph_for(flat, self.decode_graphs, self.mixed_graphs)
+        graph = None if flat.branches else graph_for(flat, self.graphs)
         if graph is not None:
             return graph.load(flat, self._staging_buffer(graph.layout.used(flat)))
         return self._eager_input(flat)

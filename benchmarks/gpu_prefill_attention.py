@@ -1,19 +1,21 @@
-"""Prefill attention: the Triton prefill kernel against torch's FlashAttention over K/V gathered
-from the pool (ops/flash_prefill.py), by chunk length and context; then the engine's long-prompt
-and shared-prefix TTFT per engine variant (KernelOptions.flash_prefill_min_tokens, the step's token budget).
+"""Prefill attention: the Triton prefill kernel (its keys split over programs or not) against torch's
+FlashAttention over K/V gathered from the pool (ops/flash_prefill.py), by chunk length and context;
+then the engine's long-prompt and shared-prefix TTFT per engine variant (KernelOptions
+split_prefill_attention and flash_prefill_min_tokens, the step's token budget).
 
   kernel  Llama-3.1-8B's heads (32 q, 8 KV, head dim 128), bf16, 16-token blocks: one sequence's
-          chunk of L queries on C cached tokens through ops/attention.paged_attention, with the
-          threshold 0 (Triton) and 1 (flash, its gather included); flash on K/V already contiguous
-          and, for chunks without context, cuDNN's attention (heads repeated) as yardsticks. TFLOP/s
-          count the causal half; rel_err is flash against Triton.
+          chunk of L queries on C cached tokens through ops/attention.paged_attention (an eager
+          launch): Triton as the engine launches it, Triton with one program a query block, and
+          flash (its gather included); flash on K/V already contiguous and, for chunks without
+          context, cuDNN's attention (heads repeated) as yardsticks. TFLOP/s count the causal half;
+          rel_err: flash and the split kernel against the unsplit kernel.
   e2e     per variant, in a process of its own: gpu_peer_vllm.py's prefix part (a 4,096-token system
           prompt, 20-token questions: TTFT of a miss and of hits) and long part (32,768-token prompts).
 
-    PYTHONPATH=src python3 benchmarks/gpu_flash_prefill.py [--parts kernel,e2e] \\
+    PYTHONPATH=src python3 benchmarks/gpu_prefill_attention.py [--parts kernel,e2e] \\
         [--variants '{"triton": {"kernels": {"flash_prefill_min_tokens": 0}}, "flash": {}}']
 
-Writes $OUT/gpu_flash_prefill.json.
+Writes $OUT/gpu_prefill_attention.json.
 """
 
 from __future__ import annotations
@@ -31,14 +33,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 OUT = os.environ.get("OUT", "/tmp/out")
 # (queries, cached tokens before them)
 KERNEL_CASES = [(256, 0), (512, 0), (1024, 0), (2048, 0), (4096, 0), (8192, 0), (512, 7680), (1024, 7168),
-                (8192, 8192), (8192, 24576), (20, 4096)]
+                (8192, 8192), (8192, 24576), (20, 4096), (20, 32768), (200, 4096)]
 # Steps of 8,192 tokens (vLLM's chunk on an H100) run eagerly, so their chunks can reach flash; at the
 # default 2,048 a chunk replays a mixed-step graph (the Triton kernel) whatever the threshold.
 DEFAULT_VARIANTS = {
+    "default": {},
+    "unsplit": {"kernels": {"split_prefill_attention": False}},
     "triton_8k": {"max_num_batched_tokens": 8192, "kernels": {"flash_prefill_min_tokens": 0}},
     "flash_8k": {"max_num_batched_tokens": 8192},
-    "flash_8k_again": {"max_num_batched_tokens": 8192},
-    "triton_8k_again": {"max_num_batched_tokens": 8192, "kernels": {"flash_prefill_min_tokens": 0}},
+    "default_again": {},
 }
 
 
@@ -50,26 +53,30 @@ def kernel_part() -> list[dict]:
     from goodserve.ops.flash_prefill import flash_prefill
     from goodserve.ops.kernel_choice import KernelChoice
 
-    def choice(min_tokens: int) -> KernelChoice:
-        return KernelChoice(triton=True, pdl=PDL, options=KernelOptions(flash_prefill_min_tokens=min_tokens))
+    def choice(min_tokens: int, split: bool = True) -> KernelChoice:
+        return KernelChoice(triton=True, pdl=PDL, options=KernelOptions(flash_prefill_min_tokens=min_tokens,
+                                                                        split_prefill_attention=split))
 
     rows = []
     for queries, context in KERNEL_CASES:
         seq_len = queries + context
         q, cache, meta = make_paged(1, [queries], [seq_len], BF16, seed=queries + context)
         scale = D**-0.5
+        unsplit_out = paged_attention(q.clone(), cache, meta, scale, choice(0, split=False))
         triton_out = paged_attention(q.clone(), cache, meta, scale, choice(0))
         flash_out = paged_attention(q.clone(), cache, meta, scale, choice(1))
         key, value = gather_kv(cache, meta.block_tables[0, : -(-seq_len // 16)].long(), seq_len, BF16)
         flops = 4 * HQ * D * (queries * context + queries * (queries + 1) // 2)
         row = {"queries": queries, "context": context, "flops": flops,
                "triton_ms": bench_ms(lambda: paged_attention(q, cache, meta, scale, choice(0))),
+               "triton_unsplit_ms": bench_ms(lambda: paged_attention(q, cache, meta, scale, choice(0, split=False))),
                "flash_ms": bench_ms(lambda: paged_attention(q, cache, meta, scale, choice(1))),
                "flash_contiguous_ms": bench_ms(lambda: flash_prefill(q, key, value, scale)),
-               "flash_vs_triton_rel_err": rel_err(flash_out, triton_out)}
+               "flash_vs_triton_rel_err": rel_err(flash_out, unsplit_out),
+               "split_vs_unsplit_rel_err": rel_err(triton_out, unsplit_out)}
         if context == 0:
             row["cudnn_ms"] = cudnn_ms(q, key, value, scale, bench_ms)
-        for name in ("triton", "flash", "flash_contiguous", "cudnn"):
+        for name in ("triton", "triton_unsplit", "flash", "flash_contiguous", "cudnn"):
             if row.get(f"{name}_ms"):
                 row[f"{name}_tflops"] = flops / (row[f"{name}_ms"] * 1e-3) / 1e12
         print(json.dumps(row), flush=True)
@@ -110,7 +117,7 @@ def e2e_part(variants: dict) -> dict:
     for name, engine_args in variants.items():
         with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
             path = f.name
-        log = os.path.join(OUT, f"gpu_flash_prefill_{name}.log")
+        log = os.path.join(OUT, f"gpu_prefill_attention_{name}.log")
         with open(log, "w") as out:
             code = subprocess.run([sys.executable, __file__, "--child", json.dumps(engine_args), "--json", path],
                                   stdout=out, stderr=subprocess.STDOUT).returncode
@@ -144,7 +151,7 @@ def main() -> None:
         report["kernel"] = kernel_part()
     if "e2e" in parts:
         report["e2e"] = e2e_part(json.loads(args.variants))
-    json.dump(report, open(os.path.join(OUT, "gpu_flash_prefill.json"), "w"), indent=1)
+    json.dump(report, open(os.path.join(OUT, "gpu_prefill_attention.json"), "w"), indent=1)
 
 
 if __name__ == "__main__":
