@@ -41,7 +41,6 @@ DEFAULT_VARIANTS = {
     "unsplit": {"kernels": {"split_prefill_attention": False}},
     "triton_8k": {"max_num_batched_tokens": 8192, "kernels": {"flash_prefill_min_tokens": 0}},
     "flash_8k": {"max_num_batched_tokens": 8192},
-    "default_again": {},
 }
 
 
