@@ -596,43 +596,65 @@ def _prefill_kernel(q_ptr, out_ptr, part_out_ptr, part_lse_ptr, arrivals_ptr, k_
         key_end = context + tl.minimum(first_token + BLOCK_Q, q_len)
         key_begin = tl.where(window > 0, tl.maximum(context + first_token - window + 1, 0), 0)
         oldest_key = tl.where(window > 0, query_pos - window + 1, 0)  # [BLOCK_M], per query row
-        # This program's share of the block's keys: split `split` of num_used (1: all of them).
-        split_keys = tl.maximum(tl.cdiv(tl.cdiv(key_end - key_begin, NUM_SPLITS), SPLIT_KEYS), 1) * SPLIT_KEYS
-        num_used = tl.maximum(tl.cdiv(key_end - key_begin, split_keys), 1)
-        if split < num_used:
-            split_begin = key_begin + split * split_keys
-            split_end = tl.minimum(split_begin + split_keys, key_end)
-            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-            l_i = tl.zeros([BLOCK_M], tl.float32)
-            acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-            block_table_row = block_tables + seq.to(tl.int64) * stride_bt
-            for tile in range(split_begin // BLOCK_N, tl.cdiv(split_end, BLOCK_N)):
-                pos = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-                valid = (pos >= split_begin) & (pos < split_end)
-                slot = _slots_of(block_table_row, stride_bb, pos, valid, BLOCK_SIZE)
-                key_mask = valid[None, :] & (pos[None, :] <= query_pos[:, None]) & \
-                    (pos[None, :] >= oldest_key[:, None])
-                m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache, v_cache, k_scale, v_scale, slot, kv_head,
-                                             num_kv_heads, HEAD_DIM, valid, key_mask, d, d_mask, qk_scale, softcap,
-                                             q_ptr.dtype.element_ty, KV_QUANT, UPCAST_DOT, DOT_PRECISION, SOFTCAP)
+        block_table_row = block_tables + seq.to(tl.int64) * stride_bt
+        dst = out_ptr + q_tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+        if NUM_SPLITS == 1:  # one program a block, all of its keys (every launch but a few programs')
+            m_i, l_i, acc = _attend_keys(q, key_begin, key_end, block_table_row, stride_bb, query_pos, oldest_key,
+                                         k_cache, v_cache, k_scale, v_scale, kv_head, num_kv_heads, d, d_mask,
+                                         qk_scale, softcap, HEAD_DIM, BLOCK_M, BLOCK_D, BLOCK_N, BLOCK_SIZE,
+                                         q_ptr.dtype.element_ty, KV_QUANT, UPCAST_DOT, DOT_PRECISION, SOFTCAP)
             out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-            dst = out_ptr + q_tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
-            if num_used == 1:
-                tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=io_mask)
-            elif NUM_SPLITS > 1:  # (compiled out of single-split launches)
-                # [T, Hq, S] partials; a row that sees no key of this split stores lse -inf, weight 0.
-                part = (q_tok * (num_kv_heads * GROUP) + head) * NUM_SPLITS
-                tl.store(part_out_ptr + (part + split)[:, None] * HEAD_DIM + d[None, :], out, mask=io_mask)
-                lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
-                tl.store(part_lse_ptr + part + split, lse, mask=row_valid)
-                # Every thread's stores precede the (release) arrival; the last arrival (acquire) merges.
-                tl.debug_barrier()
-                arrivals = arrivals_ptr + program * num_kv_heads + kv_head
-                if tl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu") == num_used - 1:
-                    tl.store(arrivals, 0)  # zero again for the next launch (or graph replay)
-                    out = _merge_rows(part_out_ptr, part_lse_ptr, part, num_used, d, row_valid, io_mask, HEAD_DIM,
-                                      BLOCK_M, BLOCK_D)
+            tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=io_mask)
+        else:
+            # This program's share of the block's keys: split `split` of num_used.
+            split_keys = tl.maximum(tl.cdiv(tl.cdiv(key_end - key_begin, NUM_SPLITS), SPLIT_KEYS), 1) * SPLIT_KEYS
+            num_used = tl.maximum(tl.cdiv(key_end - key_begin, split_keys), 1)
+            if split < num_used:
+                split_begin = key_begin + split * split_keys
+                m_i, l_i, acc = _attend_keys(q, split_begin, tl.minimum(split_begin + split_keys, key_end),
+                                             block_table_row, stride_bb, query_pos, oldest_key, k_cache, v_cache,
+                                             k_scale, v_scale, kv_head, num_kv_heads, d, d_mask, qk_scale, softcap,
+                                             HEAD_DIM, BLOCK_M, BLOCK_D, BLOCK_N, BLOCK_SIZE,
+                                             q_ptr.dtype.element_ty, KV_QUANT, UPCAST_DOT, DOT_PRECISION, SOFTCAP)
+                out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+                if num_used == 1:
                     tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=io_mask)
+                else:
+                    # [T, Hq, S] partials; a row that sees no key of this split stores lse -inf, weight 0.
+                    part = (q_tok * (num_kv_heads * GROUP) + head) * NUM_SPLITS
+                    tl.store(part_out_ptr + (part + split)[:, None] * HEAD_DIM + d[None, :], out, mask=io_mask)
+                    lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+                    tl.store(part_lse_ptr + part + split, lse, mask=row_valid)
+                    # Every thread's stores precede the (release) arrival; the last arrival (acquire) merges.
+                    tl.debug_barrier()
+                    arrivals = arrivals_ptr + program * num_kv_heads + kv_head
+                    if tl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu") == num_used - 1:
+                        tl.store(arrivals, 0)  # zero again for the next launch (or graph replay)
+                        out = _merge_rows(part_out_ptr, part_lse_ptr, part, num_used, d, row_valid, io_mask,
+                                          HEAD_DIM, BLOCK_M, BLOCK_D)
+                        tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=io_mask)
+
+
+@triton.jit
+def _attend_keys(q, key_begin, key_end, block_table_row, stride_bb, query_pos, oldest_key, k_cache, v_cache, k_scale,
+                 v_scale, kv_head, num_kv_heads, d, d_mask, qk_scale, softcap, HEAD_DIM: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                 COMPUTE_DTYPE: tl.constexpr, KV_QUANT: tl.constexpr, UPCAST_DOT: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr):
+    """A query block's online softmax over the keys [key_begin, key_end) that each row may see (causal,
+    and its window's): the running max, sum and unnormalized output."""
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for tile in range(key_begin // BLOCK_N, tl.cdiv(key_end, BLOCK_N)):
+        pos = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        valid = (pos >= key_begin) & (pos < key_end)
+        slot = _slots_of(block_table_row, stride_bb, pos, valid, BLOCK_SIZE)
+        key_mask = valid[None, :] & (pos[None, :] <= query_pos[:, None]) & (pos[None, :] >= oldest_key[:, None])
+        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache, v_cache, k_scale, v_scale, slot, kv_head,
+                                     num_kv_heads, HEAD_DIM, valid, key_mask, d, d_mask, qk_scale, softcap,
+                                     COMPUTE_DTYPE, KV_QUANT, UPCAST_DOT, DOT_PRECISION, SOFTCAP)
+    return m_i, l_i, acc
 
 
 @triton.jit
