@@ -597,14 +597,15 @@ def _prefill_kernel(q_ptr, out_ptr, part_out_ptr, part_lse_ptr, arrivals_ptr, k_
         key_begin = tl.where(window > 0, tl.maximum(context + first_token - window + 1, 0), 0)
         oldest_key = tl.where(window > 0, query_pos - window + 1, 0)  # [BLOCK_M], per query row
         block_table_row = block_tables + seq.to(tl.int64) * stride_bt
-        dst = out_ptr + q_tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+        # (the output's addresses come after each branch's loop: live across it they cost registers)
         if NUM_SPLITS == 1:  # one program a block, all of its keys (every launch but a few programs')
             m_i, l_i, acc = _attend_keys(q, key_begin, key_end, block_table_row, stride_bb, query_pos, oldest_key,
                                          k_cache, v_cache, k_scale, v_scale, kv_head, num_kv_heads, d, d_mask,
                                          qk_scale, softcap, HEAD_DIM, BLOCK_M, BLOCK_D, BLOCK_N, BLOCK_SIZE,
                                          q_ptr.dtype.element_ty, KV_QUANT, UPCAST_DOT, DOT_PRECISION, SOFTCAP)
             out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-            tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=io_mask)
+            tl.store(out_ptr + q_tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=io_mask)
         else:
             # This program's share of the block's keys: split `split` of num_used.
             split_keys = tl.maximum(tl.cdiv(tl.cdiv(key_end - key_begin, NUM_SPLITS), SPLIT_KEYS), 1) * SPLIT_KEYS
@@ -617,6 +618,7 @@ def _prefill_kernel(q_ptr, out_ptr, part_out_ptr, part_lse_ptr, arrivals_ptr, k_
                                              HEAD_DIM, BLOCK_M, BLOCK_D, BLOCK_N, BLOCK_SIZE,
                                              q_ptr.dtype.element_ty, KV_QUANT, UPCAST_DOT, DOT_PRECISION, SOFTCAP)
                 out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+                dst = out_ptr + q_tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
                 if num_used == 1:
                     tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=io_mask)
                 else:
