@@ -170,7 +170,7 @@ def test_prefill_mixed_batch_matches_reference(kernels, num_q_heads, num_kv_head
     assert_close(out, paged_attention_reference(q, cache, meta, 0.25), torch.float32)
 
 
-# The windowed case checks the plain causal rows too (its late rows see all their keys): the fast tier takes it.
+# The windowed case is causal too (a window only drops keys further back): the fast tier takes it.
 @pytest.mark.parametrize("window", [pytest.param(None, marks=pytest.mark.slow), 24])
 def test_prefill_splits_a_blocks_keys_over_programs(kernels, window):
     """Each query block's keys over up to 4 programs of >= 16 keys (the interpreter's SPLIT_KEYS),
