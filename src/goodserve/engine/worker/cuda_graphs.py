@@ -69,19 +69,6 @@ def graph_size_for_each_batch(replay_ms: dict[int, float], tolerance: float) -> 
 
 
 
-@dataclass
-class StepGraphs:
-    """A runner's captured graphs: decode graphs by sequence count, mixed-step graphs by token count,
-    and the mixed graphs of one prefill sequence (ONE_PREFILL_GRAPH_MAX_TOKENS) by token count."""
-
-    decode: GraphSet = field(default_factory=lambda: GraphSet())
-    mixed: GraphSet = field(default_factory=lambda: GraphSet())
-    one_prefill: GraphSet = field(default_factory=lambda: GraphSet())
-
-    def any(self) -> bool:
-        return bool(self.decode.graphs or self.mixed.graphs)
-
-
 def capture_graphs(runner: ModelRunner) -> StepGraphs:
     pool = torch.cuda.graph_pool_handle()
     # largest first, so smaller graphs fit in its memory pool
@@ -144,6 +131,19 @@ class GraphSet:
     def replaced(self) -> dict[int, int]:
         """Sizes whose batches replay a larger graph, and that graph's size."""
         return {size: self.size_for[size] for size in self.graphs if self.size_for[size] != size}
+
+
+@dataclass
+class StepGraphs:
+    """A runner's captured graphs: decode graphs by sequence count, mixed-step graphs by token count,
+    and the mixed graphs of one prefill sequence (ONE_PREFILL_GRAPH_MAX_TOKENS) by token count."""
+
+    decode: GraphSet = field(default_factory=GraphSet)
+    mixed: GraphSet = field(default_factory=GraphSet)
+    one_prefill: GraphSet = field(default_factory=GraphSet)
+
+    def captured(self) -> bool:
+        return bool(self.decode.graphs or self.mixed.graphs)
 
 
 class _StepGraph:

@@ -84,7 +84,7 @@ class Worker:
         drafter = Drafter(DraftModelProposer(config, draft)) if draft is not None else None
         self.runner = ModelRunner(config, loaded.model, config.num_kv_blocks, kv_dtype, eos, cp, drafter)
         self.info = ModelInfo(config, loaded.spec, tokenizer, eos, loaded.revision,
-                              self.runner.graphs.any(),
+                              self.runner.graphs.captured(),
                               _all_reduce_name(tp, device), loaded.model.native_decode is not None)
         logger.info(
             "model %s (%s) dtype=%s device=%s kv_cache=%d blocks x %d tokens (%s)%s max_model_len=%d%s%s%s",
