@@ -237,7 +237,7 @@ def test_a_batch_split_between_flash_and_the_prefill_kernel(kernels):
     meta = replace(meta, num_leading_decodes=2)
     out = torch.full_like(q, float("nan"))
     out[:2] = kernels.triton_decode_attention(q[:2], cache, meta.block_tables[:2], meta.seq_lens[:2], 0.3)
-    attention._prefill_with_flash(q, cache, meta, 0.3, [3, 5], out, pdl=False)
+    attention._prefill_with_flash(q, cache, meta, 0.3, [3, 5], out, pdl=False, splits=None)
     assert_close(out, paged_attention_reference(q, cache, meta, 0.3), torch.float32)
 
 

@@ -217,18 +217,18 @@ def paged_attention(q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadat
         triton_decode_attention(q[:decodes], cache, meta.block_tables[:decodes], meta.seq_lens[:decodes], scale,
                                 out=out[:decodes], num_decodes=meta.leading_decodes, pdl=pdl, waves=waves,
                                 tuning=kernels.decode_attention_tuning(decodes), window=window, softcap=softcap)
+    splits = None if kernels.options.split_prefill_attention else 1  # None: the kernel's choice
     flash = flash_prefill_sequences(q, cache.k.shape[2], meta.query_lens_host, meta.num_leading_decodes,
                                     kernels.options.flash_prefill_min_tokens, window, softcap)
     if flash:
-        return _prefill_with_flash(q, cache, meta, scale, flash, out, pdl)
+        return _prefill_with_flash(q, cache, meta, scale, flash, out, pdl, splits)
     return triton_prefill_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,
                                     first_seq=first_seq, out=out, max_seqs=meta.max_prefill_seqs, pdl=pdl,
-                                    window=window, softcap=softcap,
-                                    num_splits=None if kernels.options.split_prefill_attention else 1)
+                                    window=window, softcap=softcap, num_splits=splits)
 
 
 def _prefill_with_flash(q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, scale: float,
-                        flash: list[int], out: torch.Tensor, pdl: bool) -> torch.Tensor:
+                        flash: list[int], out: torch.Tensor, pdl: bool, splits: int | None) -> torch.Tensor:
     """An eager step's prefill sequences (after its leading decodes, already in `out`): those in
     `flash` through ops/flash_prefill.py, the runs between them through the Triton prefill kernel."""
     from goodserve.ops.triton_attention import triton_prefill_attention
@@ -237,7 +237,8 @@ def _prefill_with_flash(q: torch.Tensor, cache: LayerKVCache, meta: AttentionMet
     for first, end in _runs_between(meta.num_leading_decodes, flash, len(meta.query_lens_host)):
         tokens = starts[end]  # the kernel computes sequences first..end-1 of this prefix of the batch
         triton_prefill_attention(q[:tokens], cache, meta.block_tables[:end], meta.seq_lens[:end],
-                                 meta.query_start_loc[: end + 1], scale, first_seq=first, out=out[:tokens], pdl=pdl)
+                                 meta.query_start_loc[: end + 1], scale, first_seq=first, out=out[:tokens], pdl=pdl,
+                                 num_splits=splits)
     for seq in flash:
         seq_len, rows = meta.seq_lens_host[seq], slice(starts[seq], starts[seq + 1])
         blocks = meta.block_tables[seq, : -(-seq_len // cache.block_size)].long()

@@ -70,6 +70,8 @@ def graph_size_for_each_batch(replay_ms: dict[int, float], tolerance: float) -> 
 
 
 def capture_graphs(runner: ModelRunner) -> StepGraphs:
+    """The decode graphs (by sequence count), the mixed-step graphs and those of one prefill sequence
+    (by token count)."""
     pool = torch.cuda.graph_pool_handle()
     # largest first, so smaller graphs fit in its memory pool
     config, options = runner.config, runner.config.kernels
