@@ -295,10 +295,10 @@ def run_offline(llm: LLM, prompts: list[dict], output_lens: list[int]) -> dict:
 
 def graph_choice(runner) -> dict:
     """Each graph's replay time at start-up, and the sizes whose batches replay a larger graph."""
-    return {"graph_replay_ms": dict(runner.decode_graphs.replay_ms),
-            "graph_replayed_instead": runner.decode_graphs.replaced(),
-            "mixed_graph_replay_ms": dict(runner.mixed_graphs.replay_ms),
-            "mixed_graph_replayed_instead": runner.mixed_graphs.replaced()}
+    return {"graph_replay_ms": dict(runner.graphs.decode.replay_ms),
+            "graph_replayed_instead": runner.graphs.decode.replaced(),
+            "mixed_graph_replay_ms": dict(runner.graphs.mixed.replay_ms),
+            "mixed_graph_replayed_instead": runner.graphs.mixed.replaced()}
 
 
 def part_throughput(model: str, max_num_seqs: int, options: dict, only_sharegpt: bool = False) -> None:

@@ -282,7 +282,7 @@ def graph_replay_ms(runner) -> dict:
     return {name: {"replay_ms": {size: round(ms, 4) for size, ms in graphs.replay_ms.items()},
                    "size_for": {n: graphs.size_for[n] for n in (1, 2, 4, 5, 8, 9, 16, 17, 32, 40, 64, 160, 288)
                                 if n < len(graphs.size_for)}}
-            for name, graphs in (("decode", runner.decode_graphs), ("mixed", runner.mixed_graphs))}
+            for name, graphs in (("decode", runner.graphs.decode), ("mixed", runner.graphs.mixed))}
 
 
 def profile_steps(timer: StepTimer, make_step, path: str, steps: int = 10) -> None:

@@ -40,7 +40,7 @@ def _with_stand_in_graphs(target: str, poison: int | None, graphs: bool, *args) 
     def build_with_graphs(runner, *build_args, **build_kwargs) -> None:
         build(runner, *build_args, **build_kwargs)
         sizes = (1, 2, 4, 8)
-        runner.decode_graphs = cuda_graphs.GraphSet({size: EagerDecodeGraph(runner, size, None) for size in sizes},
+        runner.graphs.decode = cuda_graphs.GraphSet({size: EagerDecodeGraph(runner, size, None) for size in sizes},
                                                     dict.fromkeys(sizes, 1.0))
 
     if graphs:

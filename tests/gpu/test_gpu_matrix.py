@@ -105,7 +105,7 @@ def check_mode(llm, mode: str, device: str, record_property) -> None:
     record_property("pipelined_steps", pipelined)
     if device != "cuda":
         return
-    assert bool(llm.engine.executor.worker.runner.decode_graphs.graphs) == (mode != "eager")
+    assert bool(llm.engine.executor.worker.runner.graphs.decode.graphs) == (mode != "eager")
     assert (pipelined > 0) == (mode == "graphs+async")
 
 
