@@ -16,6 +16,8 @@ Triton kernel.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
@@ -30,15 +32,17 @@ def flash_prefill_sequences(q: torch.Tensor, num_kv_heads: int, query_lens: list
     if min_tokens <= 0 or window is not None or softcap is not None or q.dtype not in FLASH_DTYPES:
         return []
     chosen = [i for i in range(first_seq, len(query_lens)) if query_lens[i] >= min_tokens]
-    return chosen if chosen and flash_usable(q, num_kv_heads) else []
+    return chosen if chosen and flash_usable(q.device, q.dtype, q.shape[1], num_kv_heads, q.shape[2]) else []
 
 
-def flash_usable(q: torch.Tensor, num_kv_heads: int) -> bool:
+@functools.cache
+def flash_usable(device: torch.device, dtype: torch.dtype, num_q_heads: int, num_kv_heads: int,
+                 head_dim: int) -> bool:
     """Whether torch's flash backend takes these heads on this device (else SDPA would fall back to a
-    materialized mask, far slower)."""
-    if not q.is_cuda:
+    materialized mask, far slower). Asked once per model shape, not every layer."""
+    if device.type != "cuda":
         return False
-    query = q[:1].transpose(0, 1).unsqueeze(0)
+    query = torch.empty(1, num_q_heads, 1, head_dim, device=device, dtype=dtype)
     key = query[:, :num_kv_heads]
     params = torch.backends.cuda.SDPAParams(query, key, key, None, 0.0, False, True)
     return torch.backends.cuda.can_use_flash_attention(params)

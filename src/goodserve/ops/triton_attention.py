@@ -412,17 +412,12 @@ def default_num_splits(batch: int, num_kv_heads: int, max_context: int, device: 
 
 def prefill_num_splits(programs: int, max_keys: int, device: torch.device, split_keys: int, waves: int = 2) -> int:
     """Splits of a prefill launch's key ranges, from its grid of `programs` (query blocks x KV heads,
-    a bound from shapes: a captured graph stays valid): enough that they fill the GPU `waves` times
-    over, where they would fill under a quarter of that; else 1 (a launch whose programs mostly exit
-    at once, as a mixed graph's surplus do, would only multiply those). max_keys bounds a sequence's
-    context (the block table's capacity); the kernel sizes each block's splits from its actual keys,
-    >= split_keys each."""
-    if device.type != "cuda":
+    a bound from shapes: a captured graph stays valid): decode's rule (default_num_splits, at most 16)
+    where the programs would fill under a third of `waves`; else 1 (a launch whose programs mostly
+    exit at once, as a mixed graph's surplus do, would only multiply those)."""
+    if device.type != "cuda" or 3 * programs >= waves * _num_sms(device.index or 0):
         return 1
-    wanted = triton.cdiv(waves * _num_sms(device.index or 0), programs)
-    if wanted < 4:
-        return 1
-    return min(triton.next_power_of_2(wanted), 16, triton.next_power_of_2(triton.cdiv(max_keys, split_keys)))
+    return min(default_num_splits(programs, 1, max_keys, device, split_keys, waves), 16)
 
 
 # Launch settings on sm_90; `tuning` overrides them. SPLIT_KEYS: the fewest keys a decode split takes;
