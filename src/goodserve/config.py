@@ -66,6 +66,9 @@ class KernelOptions:
     # (one GPU; quant/triton_moe.triton_norm_router): a layer's norm launch drops out of a decode step
     # (benchmarks/gpu_moe.py measures it: --decode-variants '{"norm_router": {"moe_norm_router": true}}').
     moe_norm_router: bool = False
+    # Qwen3's and Gemma 3's q/k norms inside the qkv projection's launch where the decode GEMV takes it
+    # (ops/triton_gemv.py: the last row block of each head norms it), not a launch of their own.
+    gemv_qk_norm: bool = True
     # int4 with bfloat16 activations: tinygemm up to this many rows, the Triton kernels above it. On an
     # H100 (benchmarks/results/gpu_gemv_h100.json, Llama-3.1-8B shapes) tinygemm was faster at 1 and 4
     # rows, the tuned Triton GEMV at 16. At 0 the layers never build tinygemm's copy of the weights.

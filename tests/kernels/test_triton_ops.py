@@ -18,7 +18,7 @@ import torch
 from goodserve.config import KernelOptions
 from goodserve.ops.activation import silu_and_mul, silu_and_mul_torch
 from goodserve.ops.norm import (
-    add_rms_norm, add_rms_norm_torch, offset_rms_norm_torch, qk_rms_norm, rms_norm, rms_norm_torch,
+    HeadNorm, add_rms_norm, add_rms_norm_torch, offset_rms_norm_torch, qk_rms_norm, rms_norm, rms_norm_torch,
 )
 from goodserve.ops.kernel_choice import TORCH_KERNELS, KernelChoice, choose_kernels
 from goodserve.ops.sampler import argmax
@@ -110,9 +110,9 @@ def test_qk_rms_norm_gives_the_same_views_on_either_path(kernels):
     """ops.norm.qk_rms_norm: q [T, Hq, D], k and v [T, Hkv, D] whether Triton normed the rows in place
     or the torch path normed the split views."""
     qkv = torch.randn(3, (4 + 2 * 2) * 32)
-    q_weight, k_weight = torch.rand(32), torch.rand(32)
-    torch_q, torch_k, torch_v = qk_rms_norm(qkv.clone(), q_weight, k_weight, 4, 2, 32, 1e-6, TORCH_KERNELS)
-    q, k, v = qk_rms_norm(qkv, q_weight, k_weight, 4, 2, 32, 1e-6, KernelChoice(triton=True))
+    norm = HeadNorm(torch.rand(32), torch.rand(32), num_q_heads=4, num_kv_heads=2, head_dim=32, eps=1e-6)
+    torch_q, torch_k, torch_v = qk_rms_norm(qkv.clone(), norm, TORCH_KERNELS)
+    q, k, v = qk_rms_norm(qkv, norm, KernelChoice(triton=True))
     assert q.shape == torch_q.shape == (3, 4, 32) and k.shape == v.shape == (3, 2, 32)
     for got, want in ((q, torch_q), (k, torch_k), (v, torch_v)):
         assert_close(got, want)

@@ -37,7 +37,7 @@ from goodserve.model.tensor_parallel import TensorParallel, check_tensor_paralle
 from goodserve.ops.activation import gelu_tanh_and_mul, silu_and_mul
 from goodserve.ops.attention import AttentionMetadata, LayerKVCache, attention
 from goodserve.ops.kernel_choice import TORCH_KERNELS
-from goodserve.ops.norm import add_rms_norm, qk_rms_norm, rms_norm
+from goodserve.ops.norm import HeadNorm, add_rms_norm, qk_rms_norm, rms_norm, split_qkv
 from goodserve.ops.rotary import cos_sin_cache
 from goodserve.quant.linear import Int4Linear
 
@@ -103,20 +103,22 @@ class LlamaAttention(nn.Module):
         self, x: torch.Tensor, positions: torch.Tensor, rotary_cache: torch.Tensor,
         kv_cache: LayerKVCache, meta: AttentionMetadata,
     ) -> torch.Tensor:
-        q, k, v = self.split_heads(self.qkv_proj(x))
+        q, k, v = self.project_heads(x)
         out = attention(q, k, v, positions, rotary_cache, kv_cache, meta, self.scale, self.kernels, self.window,
                         self.softcap)
         return self.o_proj(out.flatten(1))  # a partial sum under TP: the next norm all-reduces it
 
-    def split_heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q [T, Hq, D], k and v [T, Hkv, D]: views of the projection's rows, q and k RMS-normed where
-        the model has q/k norms."""
-        if self.q_norm is not None:
-            return qk_rms_norm(qkv, self.q_norm.weight, self.k_norm.weight, self.num_heads, self.num_kv_heads,
-                               self.head_dim, self.q_norm.eps, self.kernels, self.q_norm.weight_offset)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        return (q.view(-1, self.num_heads, self.head_dim), k.view(-1, self.num_kv_heads, self.head_dim),
-                v.view(-1, self.num_kv_heads, self.head_dim))
+    def project_heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, Hq, D], k and v [T, Hkv, D] of the qkv projection, q and k RMS-normed where the model
+        has q/k norms: by the projection's own launch where the decode GEMV can (GemvLinear.norms_heads)."""
+        if self.q_norm is None:
+            return split_qkv(self.qkv_proj(x), self.num_heads, self.num_kv_heads, self.head_dim)
+        norm = HeadNorm(self.q_norm.weight, self.k_norm.weight, self.num_heads, self.num_kv_heads, self.head_dim,
+                        self.q_norm.eps, self.q_norm.weight_offset)
+        norms_heads = getattr(self.qkv_proj, "norms_heads", None)  # a GemvLinear's (ops/gemv_linear.py)
+        if norms_heads is not None and norms_heads(x, norm):
+            return split_qkv(self.qkv_proj(x, head_norm=norm), self.num_heads, self.num_kv_heads, self.head_dim)
+        return qk_rms_norm(self.qkv_proj(x), norm, self.kernels)
 
 
 class LlamaMLP(nn.Module):

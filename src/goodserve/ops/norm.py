@@ -7,6 +7,8 @@ kernel (native/layer_ops.cpp: one call instead of about eight torch ops).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from goodserve.native import layer_ops
@@ -27,20 +29,39 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, kernels: KernelC
     return rms_norm_torch(x, weight, eps)
 
 
-def qk_rms_norm(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, num_q_heads: int,
-                num_kv_heads: int, head_dim: int, eps: float, kernels: KernelChoice, weight_offset: float = 0.0
+@dataclasses.dataclass(frozen=True)
+class HeadNorm:
+    """Qwen3's and Gemma 3's q/k norms: each head of q and of k RMS-normed over its head_dim values,
+    on the rows of a qkv projection [T, (Hq + 2 Hkv) * D]."""
+
+    q_weight: torch.Tensor
+    k_weight: torch.Tensor
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    eps: float
+    weight_offset: float = 0.0  # Gemma 3: scaled by (1 + weight)
+
+
+def split_qkv(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, head_dim: int
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The qkv projection's rows [T, (Hq + 2 Hkv) * D] as views q [T, Hq, D], k and v [T, Hkv, D]."""
+    q, k, v = qkv.split([num_q_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    return q.view(-1, num_q_heads, head_dim), k.view(-1, num_kv_heads, head_dim), v.view(-1, num_kv_heads, head_dim)
+
+
+def qk_rms_norm(qkv: torch.Tensor, norm: HeadNorm, kernels: KernelChoice
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The qkv projection's rows [T, (Hq + 2 Hkv) * D] split into q [T, Hq, D], k and v [T, Hkv, D], each
-    head of q and k RMS-normed over D (Qwen3, Gemma 3). On the Triton path in place, one launch."""
+    """split_qkv's q, k and v with each head of q and k RMS-normed. On the Triton path in place, one launch."""
     if kernels.triton:
         from goodserve.ops.triton_ops import triton_qk_rms_norm_
 
-        triton_qk_rms_norm_(qkv, q_weight, k_weight, num_q_heads, num_kv_heads, head_dim, eps, kernels.pdl,
-                            weight_offset)
-    q, k, v = qkv.split([num_q_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
-    q, k, v = (t.view(-1, heads, head_dim) for t, heads in ((q, num_q_heads), (k, num_kv_heads), (v, num_kv_heads)))
+        triton_qk_rms_norm_(qkv, norm.q_weight, norm.k_weight, norm.num_q_heads, norm.num_kv_heads, norm.head_dim,
+                            norm.eps, kernels.pdl, norm.weight_offset)
+    q, k, v = split_qkv(qkv, norm.num_q_heads, norm.num_kv_heads, norm.head_dim)
     if not kernels.triton:
-        q, k = rms_norm(q, q_weight, eps, kernels, weight_offset), rms_norm(k, k_weight, eps, kernels, weight_offset)
+        q = rms_norm(q, norm.q_weight, norm.eps, kernels, norm.weight_offset)
+        k = rms_norm(k, norm.k_weight, norm.eps, kernels, norm.weight_offset)
     return q, k, v
 
 
