@@ -64,8 +64,8 @@ class KernelOptions:
     int4_fused_silu_and_mul: bool = False
     # The residual add + RMSNorm before a MoE block inside its router's launch on the decode GEMV path
     # (one GPU; quant/triton_moe.triton_norm_router): a layer's norm launch drops out of a decode step
-    # (benchmarks/gpu_moe.py measures it: --decode-variants '{"norm_router": {"moe_norm_router": true}}').
-    moe_norm_router: bool = False
+    # (benchmarks/gpu_moe.py measures it: --decode-variants '{"separate_norm": {"moe_norm_router": false}}').
+    moe_norm_router: bool = True
     # Qwen3's and Gemma 3's q/k norms inside the qkv projection's launch where the decode GEMV takes it
     # (ops/triton_gemv.py: the last row block of each head norms it), not a launch of their own.
     gemv_qk_norm: bool = True

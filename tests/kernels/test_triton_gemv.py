@@ -95,9 +95,11 @@ def test_split_k_is_deterministic_and_leaves_its_counters_clear():
 
 
 
-@pytest.mark.parametrize("m,block_m,block_n", [(1, 1, 8), (3, 16, 16), pytest.param(1, 1, 32, marks=pytest.mark.slow)])
-@pytest.mark.parametrize("split_k", [1, 2])
-@pytest.mark.parametrize("weight_offset", [0.0, 1.0])
+@pytest.mark.parametrize("m,block_m,block_n,split_k,weight_offset", [
+    (1, 1, 8, 1, 0.0), (1, 1, 8, 2, 0.0), (3, 16, 16, 2, 1.0),  # the full tier: every combination
+    *(pytest.param(*case, marks=pytest.mark.slow) for case in [
+        (1, 1, 8, 1, 1.0), (1, 1, 8, 2, 1.0), (3, 16, 16, 1, 0.0), (3, 16, 16, 1, 1.0), (3, 16, 16, 2, 0.0),
+        (1, 1, 32, 1, 0.0), (1, 1, 32, 2, 1.0)])])
 def test_gemv_norms_q_and_k_heads_in_its_launch(m, block_m, block_n, split_k, weight_offset):
     """A qkv projection's launch with a HeadNorm equals the projection then the separate q/k norm
     kernel (ops/triton_ops.py, itself tested against the torch reference): q and k heads normed,
