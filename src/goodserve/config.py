@@ -64,11 +64,13 @@ class KernelOptions:
     int4_fused_silu_and_mul: bool = False
     # The residual add + RMSNorm before a MoE block inside its router's launch on the decode GEMV path
     # (one GPU; quant/triton_moe.triton_norm_router): a layer's norm launch drops out of a decode step
-    # (benchmarks/gpu_moe.py measures it: --decode-variants '{"separate_norm": {"moe_norm_router": false}}').
-    moe_norm_router: bool = True
+    # (benchmarks/gpu_moe.py measures it: --decode-variants '{"norm_router": {"moe_norm_router": true}}').
+    # Off: +0.5% on Qwen3-30B-A3B in one call, inside the default's spread (benchmarks/BENCHMARKS.md).
+    moe_norm_router: bool = False
     # Qwen3's and Gemma 3's q/k norms inside the qkv projection's launch where the decode GEMV takes it
-    # (ops/triton_gemv.py: the last row block of each head norms it), not a launch of their own.
-    gemv_qk_norm: bool = True
+    # (ops/triton_gemv.py: the last row block of each head norms it), not a launch of their own. Off
+    # until measured against the separate launch (gpu_moe.py --decode-variants '{"qk": {"gemv_qk_norm": true}}').
+    gemv_qk_norm: bool = False
     # int4 with bfloat16 activations: tinygemm up to this many rows, the Triton kernels above it. On an
     # H100 (benchmarks/results/gpu_gemv_h100.json, Llama-3.1-8B shapes) tinygemm was faster at 1 and 4
     # rows, the tuned Triton GEMV at 16. At 0 the layers never build tinygemm's copy of the weights.

@@ -253,11 +253,11 @@ def test_qwen3_gguf_gives_transformers_tokens(tmp_path: Path):
 
 
 @pytest.mark.slow  # a whole model under Triton's interpreter; the kernels alone: tests/kernels
-@pytest.mark.parametrize("kernels", [KernelOptions(), KernelOptions(moe_norm_router=False)],
-                         ids=["default", "separate-norm"])
+@pytest.mark.parametrize("kernels", [KernelOptions(), KernelOptions(moe_norm_router=True)],
+                         ids=["default", "norm-router"])
 def test_triton_path_gives_transformers_tokens(tmp_path: Path, kernels: KernelOptions):
-    """The CUDA path's kernels (the fused MoE, the q/k norms' in-place kernel; by default the norm before
-    each MoE inside its router's launch) under the interpreter, on one prompt (a minute or
+    """The CUDA path's kernels (the fused MoE, the q/k norms' in-place kernel; with moe_norm_router the
+    norm before each MoE inside its router's launch) under the interpreter, on one prompt (a minute or
     more: every kernel runs in Python)."""
     hf_model = save_tiny_model(FAMILIES["qwen3-moe-norm-topk"](), tmp_path)
     assert_greedy_matches(str(tmp_path), hf_model, prompts()[1:2], attention_backend="triton", kernels=kernels)
