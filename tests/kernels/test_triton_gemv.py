@@ -104,9 +104,9 @@ def test_gemv_norms_q_and_k_heads_in_its_launch(m, block_m, block_n, split_k, we
     """A qkv projection's launch with a HeadNorm equals the projection then the separate q/k norm
     kernel (ops/triton_ops.py, itself tested against the torch reference): q and k heads normed,
     v's untouched, the counters clear for the next launch."""
-    heads, kv_heads, head_dim = 4, 2, 32
+    heads, kv_heads, head_dim = 2, 1, 32
     torch.manual_seed(m + split_k)
-    n, k = (heads + 2 * kv_heads) * head_dim, 128
+    n, k = (heads + 2 * kv_heads) * head_dim, 64
     weight, x = torch.randn(n, k), torch.randn(m, k)
     norm = HeadNorm(1 + 0.3 * torch.randn(head_dim), 1 + 0.3 * torch.randn(head_dim), heads, kv_heads, head_dim,
                     1e-6, weight_offset)
