@@ -3,7 +3,8 @@
 Each measurement in a fresh process (the header is cached per process), alternated, min over rounds:
 - gguf's own reader (gguf.GGUFReader) on the embedded GGUF file;
 - goodserve's reader of the same file (model/gguf_reader.py: arrays read in bulk);
-- `LLM("smollm2-135m")` as `goodserve serve` builds it (CPU default), to its first token.
+- importing goodserve's LLM, and from that import to `LLM("smollm2-135m")`'s first token (the CPU
+  default, as `goodserve serve` builds it).
 With --baseline COMMIT the goodserve measurements also run on that commit's src/ (git archive), alternated.
 
     OMP_NUM_THREADS=2 PYTHONPATH=src python benchmarks/cpu_model_load.py --baseline 7f2f157   # $OUT/cpu_model_load.json
@@ -27,8 +28,10 @@ CHILD = {
     "goodserve_reader_s": "from goodserve.model.gguf_reader import open_gguf; "
                           "from goodserve.model.tokenizer_loader import embedded_gguf_path as p; "
                           "t = time.perf_counter(); open_gguf(p()); s = time.perf_counter() - t",
-    "llm_first_token_s": "from goodserve import LLM, SamplingParams; t = time.perf_counter(); "
-                         "LLM('smollm2-135m').generate('Hi', SamplingParams(max_tokens=1)); s = time.perf_counter() - t",
+    "import_s": "t = time.perf_counter(); import goodserve.llm; s = time.perf_counter() - t",
+    "import_to_first_token_s": "t = time.perf_counter(); from goodserve import LLM, SamplingParams; "
+                               "LLM('smollm2-135m').generate('Hi', SamplingParams(max_tokens=1)); "
+                               "s = time.perf_counter() - t",
 }
 
 

@@ -137,6 +137,20 @@ assert load_bench_tokenizer(args.model).encode("Hello there") and load_bench_tok
     _torch_free(script)
 
 
+
+def test_the_engine_never_imports_torchs_compiler():
+    """torch._dynamo takes ~2 s to import and the engine compiles nothing: building the engine's
+    modules (LLM, the server's app) must not pull it in through a torch helper imported at the top."""
+    script = """
+import sys
+import goodserve.llm, goodserve.server.app, goodserve.cli
+loaded = sorted(name for name in sys.modules if name.startswith("torch._dynamo"))
+assert not loaded, loaded[:5]
+"""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SOURCE.parent), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 0, result.stderr
+
 def test_router_never_imports_torch():
     """`goodserve router` relays HTTP: a router host needs no torch (nor a GPU)."""
     _torch_free("""

@@ -20,7 +20,6 @@ import functools
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -50,6 +49,8 @@ def flash_usable(device: torch.device, dtype: torch.dtype, num_q_heads: int, num
 
 def flash_prefill(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
     """q: [L, Hq, D], the last L queries of the S positions in key, value: [S, Hk, D] -> [L, Hq, D]."""
+    from torch.nn.attention.bias import causal_lower_right  # here: importing it loads torch._dynamo (~2 s)
+
     query_len, key_len = q.shape[0], key.shape[0]
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0), key.transpose(0, 1).unsqueeze(0), value.transpose(0, 1).unsqueeze(0),
