@@ -93,9 +93,6 @@ class KernelOptions:
     # and slower at 1024-4096 (gpu_kernels_decode_latency_h100.json).
     decode_attention_tuning_by_batch: dict[int, dict] = field(default_factory=lambda: {
         16: {"DIRECT_KEYS": 512, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3}})
-    # Decode steps of up to this many rows: decode attention first asks L2 for the output projection's
-    # weight (a dense 16-bit one), so its read overlaps the attention (ops/l2_prefetch.py); 0: never.
-    decode_attention_prefetch_max_batch: int = 0
     # Decode-only steps: RoPE and the KV-cache write inside the decode attention kernel (one launch a
     # layer less; ops/triton_attention.NewTokens); off: the separate _rotary_write_kv_kernel first.
     # 0.1-2.7 us faster a layer than the two launches at every measured shape, bit-identical (same file).

@@ -105,7 +105,7 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         q, k, v = self.project_heads(x)
         out = attention(q, k, v, positions, rotary_cache, kv_cache, meta, self.scale, self.kernels, self.window,
-                        self.softcap, next_weight=getattr(self.o_proj, "weight", None))
+                        self.softcap)
         return self.o_proj(out.flatten(1))  # a partial sum under TP: the next norm all-reduces it
 
     def project_heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

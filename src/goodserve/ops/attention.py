@@ -110,14 +110,12 @@ def quantize_int8_per_head(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
               rotary_cache: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, scale: float,
-              kernels: KernelChoice, window: int | None = None, softcap: float | None = None,
-              next_weight: torch.Tensor | None = None) -> torch.Tensor:
+              kernels: KernelChoice, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """One layer: RoPE on q [T, Hq, D] (in place) and k [T, Hk, D], the new K/V into the cache, then
     q attending its context (its last `window` keys, when the layer has one; scores soft-capped at
     `softcap`, when it has one) -> [T, Hq, D]. A
     decode-only step with KernelOptions.fuse_rotary_into_decode_attention does all of it in the
-    decode kernel, and q is left unrotated; up to KernelOptions.decode_attention_prefetch_max_batch
-    rows that kernel also warms L2 with next_weight (the output projection's; ops/l2_prefetch.py)."""
+    decode kernel, and q is left unrotated."""
     meta = meta.for_group(cache.group)
     if meta.branches is not None:
         assert window is None and softcap is None, "side branches attend the whole context, uncapped (the engine " \
@@ -125,15 +123,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torc
         return _with_side_branches(q, k, v, positions, rotary_cache, cache, meta.branches, scale, kernels)
     if kernels.triton:
         if meta.is_decode_only and kernels.options.fuse_rotary_into_decode_attention and meta.kv_exchange is None:
-            from goodserve.ops.l2_prefetch import prefetchable
             from goodserve.ops.triton_attention import NewTokens, triton_decode_attention
 
-            warm = q.shape[0] <= kernels.options.decode_attention_prefetch_max_batch
             return triton_decode_attention(
                 q, cache, meta.block_tables, meta.seq_lens, scale, tuning=kernels.decode_attention_tuning(q.shape[0]),
                 pdl=kernels.pdl, waves=kernels.options.decode_attention_waves, window=window, softcap=softcap,
-                new_tokens=NewTokens(k, v, positions, rotary_cache, meta.slot_mapping),
-                prefetch=prefetchable(next_weight) if warm else None)
+                new_tokens=NewTokens(k, v, positions, rotary_cache, meta.slot_mapping))
         rotary_write_kv(q, k, v, positions, rotary_cache, cache, meta.slot_mapping, kernels)
         _share_new_kv(cache, meta)
         return paged_attention(q, cache, meta, scale, kernels, window, softcap)

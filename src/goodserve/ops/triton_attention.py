@@ -21,7 +21,6 @@ import torch
 import triton
 import triton.language as tl
 
-from goodserve.ops.l2_prefetch import prefetch_to_l2
 from goodserve.ops.pdl import pdl_launch, pdl_sync
 
 LOG2E = 1.4426950408889634
@@ -306,15 +305,11 @@ def _decode_kernel(q_ptr, out_ptr, part_out_ptr, part_lse_ptr, arrivals_ptr, k_c
                    BLOCK_SIZE: tl.constexpr, SPLIT_KEYS: tl.constexpr, DIRECT_KEYS,
                    NUM_SPLITS: tl.constexpr, KV_QUANT: tl.constexpr, UPCAST_DOT: tl.constexpr,
                    DOT_PRECISION: tl.constexpr, BOUNDED: tl.constexpr, ROTARY: tl.constexpr,
-                   BLOCK_HALF: tl.constexpr, SOFTCAP: tl.constexpr, prefetch_ptr, prefetch_bytes,
-                   PREFETCH: tl.constexpr, THREADS: tl.constexpr, USE_PDL: tl.constexpr):
+                   BLOCK_HALF: tl.constexpr, SOFTCAP: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_sync(USE_PDL)
     kv_head = tl.program_id(0)
     seq = tl.program_id(1)
     split = tl.program_id(2)
-    if PREFETCH:  # before the wait: the next kernel's weight is no kernel's output (ops/l2_prefetch.py)
-        prefetch_to_l2(prefetch_ptr, prefetch_bytes, kv_head + num_kv_heads * (seq + tl.num_programs(1) * split),
-                       num_kv_heads * tl.num_programs(1) * NUM_SPLITS, THREADS)
-    pdl_sync(USE_PDL)
     seq_len = tl.load(seq_lens + seq)
     if ROTARY:  # every program, before the lengths arrive: these loads overlap seq_len's
         new_k1, new_k2, new_v1, new_v2, new_slot, rotary_row = _new_kv(
@@ -463,8 +458,7 @@ def triton_decode_attention(q: torch.Tensor, cache, block_tables: torch.Tensor, 
                             scale: float, num_splits: int | None = None, tuning: dict | None = None,
                             out: torch.Tensor | None = None, num_decodes: torch.Tensor | None = None,
                             pdl: bool = False, waves: int = 2, new_tokens: NewTokens | None = None,
-                            window: int | None = None, softcap: float | None = None,
-                            prefetch: torch.Tensor | None = None) -> torch.Tensor:
+                            window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """q: [B, Hq, D], one query per sequence -> [B, Hq, D] (into `out` when given).
     window: a sliding window, each query sees only its last `window` keys; softcap: scores s become
     tanh(s / softcap) * softcap.
@@ -474,9 +468,7 @@ def triton_decode_attention(q: torch.Tensor, cache, block_tables: torch.Tensor, 
     graph's decodes, whose count the host does not know when the launch is recorded).
     new_tokens: RoPE and the cache write fused in (what triton_rotary_write_kv would do first): q is
     then taken unrotated and left so, and the new K/V land in the cache as that kernel stores them.
-    tuning: DECODE_TUNING overrides; DIRECT_KEYS (default 0): contexts up to it take one split.
-    prefetch: bytes for the launch to warm L2 with first (ops/l2_prefetch.prefetchable: the weight the
-    kernel after it reads)."""
+    tuning: DECODE_TUNING overrides; DIRECT_KEYS (default 0): contexts up to it take one split."""
     batch, num_q_heads, head_dim = q.shape
     _check_cache(cache)
     assert seq_lens.shape[0] == batch, "decode attention takes exactly one query per sequence"
@@ -514,8 +506,7 @@ def triton_decode_attention(q: torch.Tensor, cache, block_tables: torch.Tensor, 
         KV_QUANT=_kv_quant(cache), UPCAST_DOT=not q.is_cuda, DOT_PRECISION=_dot_precision(q.dtype),
         BOUNDED=num_decodes is not None, ROTARY=new_tokens is not None,
         BLOCK_HALF=triton.next_power_of_2(max(head_dim // 2, 1)), SOFTCAP=softcap is not None,
-        prefetch_ptr=q if prefetch is None else prefetch, prefetch_bytes=0 if prefetch is None else prefetch.numel(),
-        PREFETCH=prefetch is not None, THREADS=32 * tune["num_warps"], num_warps=tune["num_warps"],
+        num_warps=tune["num_warps"],
         num_stages=tune["num_stages"], **pdl_launch(pdl),
     )
     return out
