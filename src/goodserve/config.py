@@ -67,11 +67,6 @@ class KernelOptions:
     # (benchmarks/gpu_moe.py measures it: --decode-variants '{"norm_router": {"moe_norm_router": true}}').
     # Off: +0.5% on Qwen3-30B-A3B in one call, none in another (H100, benchmarks/BENCHMARKS.md).
     moe_norm_router: bool = False
-    # Qwen3's and Gemma 3's q/k norms inside the qkv projection's launch where the decode GEMV takes it
-    # (ops/triton_gemv.py: the last row block of each head norms it), not a launch of their own. Off:
-    # slower on an H100, Qwen3-30B-A3B batch-1 decode 277.5 tok/s against 292.2 with the norm's own launch
-    # (gpu_moe.py --decode-variants '{"qk": {"gemv_qk_norm": true}}'; benchmarks/BENCHMARKS.md).
-    gemv_qk_norm: bool = False
     # int4 with bfloat16 activations: tinygemm up to this many rows, the Triton kernels above it. On an
     # H100 (benchmarks/results/gpu_gemv_h100.json, Llama-3.1-8B shapes) tinygemm was faster at 1 and 4
     # rows, the tuned Triton GEMV at 16. At 0 the layers never build tinygemm's copy of the weights.

@@ -8,14 +8,12 @@ import pytest
 import torch
 from torch import nn
 
-from goodserve.config import KernelOptions
 from goodserve.model.llama import LlamaAttention
 from goodserve.model.spec import ModelSpec
 from goodserve.model.tensor_parallel import TensorParallel
-from goodserve.ops import gemv_linear, triton_ops
+from goodserve.ops import gemv_linear
 from goodserve.ops.gemv_linear import GemvLinear, gemv_wins
 from goodserve.ops.kernel_choice import KernelChoice
-from goodserve.ops.norm import HeadNorm
 from goodserve.ops.triton_gemv import TUNED_CONFIGS, GemvConfig, dense_gemv
 
 
@@ -35,9 +33,9 @@ def test_gemv_linear_equals_linear(monkeypatch, rows, tuned_rows):
     assert len(calls) == (1 if (rows == 1) == (tuned_rows == 1) else 0)  # the GEMV took exactly its rows
 
 
-def _recording_gemv(calls, x, weight, pdl, head_norm=None):
+def _recording_gemv(calls, x, weight, pdl):
     calls.append(x.shape[0])
-    return dense_gemv(x, weight, pdl, head_norm=head_norm)
+    return dense_gemv(x, weight, pdl)
 
 
 def test_only_measured_shapes_rows_and_16_bit_weights_are_routed(monkeypatch):
@@ -50,10 +48,9 @@ def test_only_measured_shapes_rows_and_16_bit_weights_are_routed(monkeypatch):
 
 
 @pytest.mark.parametrize("weight_offset", [0.0, 1.0])  # Qwen3's q/k norms, Gemma 3's
-def test_attention_norms_q_and_k_heads_in_the_gemv_launch(monkeypatch, weight_offset):
-    """LlamaAttention.project_heads on a qkv projection the GEMV takes: the heads come out normed by
-    its launch (no separate norm launch), equal to nn.Linear then the q/k norm; with
-    KernelOptions.gemv_qk_norm off, the separate norm kernel runs instead."""
+def test_attention_heads_through_the_gemv_and_the_qk_norm_kernel(monkeypatch, weight_offset):
+    """LlamaAttention.project_heads with its qkv projection on the GEMV and the Triton q/k norm: the
+    heads equal nn.Linear's then the torch norm's."""
     spec = ModelSpec(name="tiny", vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4,
                      num_kv_heads=2, head_dim=32, max_position_embeddings=64, qk_norm=True,
                      norm_weight_offset=weight_offset)
@@ -65,22 +62,13 @@ def test_attention_norms_q_and_k_heads_in_the_gemv_launch(monkeypatch, weight_of
     x = torch.randn(1, 64, dtype=torch.bfloat16)
     want = [t.clone() for t in attention.project_heads(x)]  # torch kernels, nn.Linear
     monkeypatch.setitem(TUNED_CONFIGS, ("dense", 1, 256, 64), GemvConfig(1, 16, 32, 4, 1, 2))
-    separate_norms = []
-    monkeypatch.setattr(triton_ops, "triton_qk_rms_norm_",
-                        functools.partial(_recording_norm, separate_norms, triton_ops.triton_qk_rms_norm_))
-    for fused in (True, False):
-        kernels = KernelChoice(triton=True, options=KernelOptions(gemv_qk_norm=fused))
-        attention.kernels = attention.q_norm.kernels = attention.k_norm.kernels = kernels
-        attention.qkv_proj = GemvLinear(attention.qkv_proj, kernels)
-        assert attention.qkv_proj.norms_heads(x, HeadNorm(attention.q_norm.weight, attention.k_norm.weight, 4, 2, 32,
-                                                          1e-6)) == fused
-        with torch.no_grad():
-            got = attention.project_heads(x)
-        for g, w in zip(got, want):
-            torch.testing.assert_close(g, w, rtol=2e-2, atol=2e-2)  # bf16, products summed in another order
-        assert len(separate_norms) == (0 if fused else 1)
-
-
-def _recording_norm(calls, norm, qkv, *args, **kwargs):
-    calls.append(qkv.shape)
-    return norm(qkv, *args, **kwargs)
+    calls = []
+    monkeypatch.setattr(gemv_linear, "dense_gemv", functools.partial(_recording_gemv, calls))
+    kernels = KernelChoice(triton=True)
+    attention.kernels = attention.q_norm.kernels = attention.k_norm.kernels = kernels
+    attention.qkv_proj = GemvLinear(attention.qkv_proj, kernels)
+    with torch.no_grad():
+        got = attention.project_heads(x)
+    assert calls == [1]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=2e-2, atol=2e-2)  # bf16, products summed in another order

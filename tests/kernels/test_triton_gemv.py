@@ -15,9 +15,7 @@ import torch  # noqa: E402
 
 from goodserve.ops import triton_gemv  # noqa: E402
 from goodserve.ops.activation import silu_and_mul_torch  # noqa: E402
-from goodserve.ops.norm import HeadNorm  # noqa: E402
 from goodserve.ops.triton_gemv import GemvConfig, gemv, gemv_config, split_plan  # noqa: E402
-from goodserve.ops.triton_ops import triton_qk_rms_norm_  # noqa: E402
 from goodserve.quant import schemes  # noqa: E402
 
 GROUP = 64
@@ -92,43 +90,6 @@ def test_split_k_is_deterministic_and_leaves_its_counters_clear():
     first = gemv(x, args[0], "int8", *args[1:], split_k=4, block_k=64)
     assert torch.equal(first, gemv(x, args[0], "int8", *args[1:], split_k=4, block_k=64))
     assert not triton_gemv.split_counters(x.device).any()
-
-
-
-@pytest.mark.parametrize("m,block_m,block_n,split_k,weight_offset", [
-    (1, 1, 8, 1, 0.0), (1, 1, 8, 2, 0.0), (3, 16, 16, 2, 1.0),  # the full tier: every combination
-    *(pytest.param(*case, marks=pytest.mark.slow) for case in [
-        (1, 1, 8, 1, 1.0), (1, 1, 8, 2, 1.0), (3, 16, 16, 1, 0.0), (3, 16, 16, 1, 1.0), (3, 16, 16, 2, 0.0),
-        (1, 1, 32, 1, 0.0), (1, 1, 32, 2, 1.0)])])
-def test_gemv_norms_q_and_k_heads_in_its_launch(m, block_m, block_n, split_k, weight_offset):
-    """A qkv projection's launch with a HeadNorm equals the projection then the separate q/k norm
-    kernel (ops/triton_ops.py, itself tested against the torch reference): q and k heads normed,
-    v's untouched, the counters clear for the next launch."""
-    heads, kv_heads, head_dim = 2, 1, 32
-    torch.manual_seed(m + split_k)
-    n, k = (heads + 2 * kv_heads) * head_dim, 64
-    weight, x = torch.randn(n, k), torch.randn(m, k)
-    norm = HeadNorm(1 + 0.3 * torch.randn(head_dim), 1 + 0.3 * torch.randn(head_dim), heads, kv_heads, head_dim,
-                    1e-6, weight_offset)
-    tile = dict(block_m=block_m, block_n=block_n, block_k=32, split_k=split_k)
-    want = gemv(x, weight, "dense", **tile)
-    plain = want.clone()
-    triton_qk_rms_norm_(want, norm.q_weight, norm.k_weight, heads, kv_heads, head_dim, norm.eps,
-                        weight_offset=weight_offset)
-    assert not torch.allclose(want, plain)  # the norm changes q and k
-    for _ in range(2):  # the second launch finds its counters reset
-        got = gemv(x, weight, "dense", head_norm=norm, **tile)
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-        assert torch.equal(got[:, (heads + kv_heads) * head_dim:], plain[:, (heads + kv_heads) * head_dim:])
-    assert not triton_gemv.split_counters(x.device).any()
-
-
-def test_head_norm_needs_row_blocks_that_tile_a_head():
-    norm = HeadNorm(torch.ones(32), torch.ones(32), 4, 2, 32, 1e-6)
-    assert triton_gemv.norms_heads(GemvConfig(1, 8, 32, 4, 1, 1), norm)
-    assert not triton_gemv.norms_heads(GemvConfig(1, 64, 32, 4, 1, 1), norm)  # two heads a block
-    assert not triton_gemv.norms_heads(GemvConfig(1, 8, 32, 4, 1, 1), HeadNorm(torch.ones(48), torch.ones(48), 4, 2, 48,
-                                                                               1e-6))
 
 
 def test_split_plan_covers_k_exactly_once():

@@ -110,15 +110,12 @@ class LlamaAttention(nn.Module):
 
     def project_heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [T, Hq, D], k and v [T, Hkv, D] of the qkv projection, q and k RMS-normed where the model
-        has q/k norms: by the projection's own launch where the decode GEMV can (GemvLinear.norms_heads)."""
+        has q/k norms."""
+        qkv = self.qkv_proj(x)
         if self.q_norm is None:
-            return split_qkv(self.qkv_proj(x), self.num_heads, self.num_kv_heads, self.head_dim)
-        norm = HeadNorm(self.q_norm.weight, self.k_norm.weight, self.num_heads, self.num_kv_heads, self.head_dim,
-                        self.q_norm.eps, self.q_norm.weight_offset)
-        norms_heads = getattr(self.qkv_proj, "norms_heads", None)  # a GemvLinear's (ops/gemv_linear.py)
-        if norms_heads is not None and norms_heads(x, norm):
-            return split_qkv(self.qkv_proj(x, head_norm=norm), self.num_heads, self.num_kv_heads, self.head_dim)
-        return qk_rms_norm(self.qkv_proj(x), norm, self.kernels)
+            return split_qkv(qkv, self.num_heads, self.num_kv_heads, self.head_dim)
+        return qk_rms_norm(qkv, HeadNorm(self.q_norm.weight, self.k_norm.weight, self.num_heads, self.num_kv_heads,
+                                         self.head_dim, self.q_norm.eps, self.q_norm.weight_offset), self.kernels)
 
 
 class LlamaMLP(nn.Module):

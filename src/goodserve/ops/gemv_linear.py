@@ -18,8 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from goodserve.ops.kernel_choice import KernelChoice
-from goodserve.ops.norm import HeadNorm
-from goodserve.ops.triton_gemv import GEMV_MAX_M, TUNED_CONFIGS, dense_gemv, gemv_config, norms_heads, rows_bucket
+from goodserve.ops.triton_gemv import GEMV_MAX_M, TUNED_CONFIGS, dense_gemv, rows_bucket
 
 GEMV_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -41,27 +40,14 @@ class GemvLinear(nn.Module):
         self.weight, self.bias = linear.weight, linear.bias
         self.kernels = kernels
 
-    def forward(self, x: torch.Tensor, head_norm: HeadNorm | None = None) -> torch.Tensor:
-        """head_norm (where norms_heads said so): the rows' q and k heads RMS-normed in the GEMV's launch."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if head_norm is None and not self.takes(rows.shape[0]):
+        if not (self.kernels.triton and gemv_wins(self, rows.shape[0])):
             return F.linear(x, self.weight, self.bias)
-        y = dense_gemv(rows, self.weight, self.kernels.pdl, head_norm=head_norm)
+        y = dense_gemv(rows, self.weight, self.kernels.pdl)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
-
-    def takes(self, rows: int) -> bool:
-        return self.kernels.triton and gemv_wins(self, rows)
-
-    def norms_heads(self, x: torch.Tensor, head_norm: HeadNorm) -> bool:
-        """Whether this projection of x can RMS-norm head_norm's q and k heads in its own launch
-        (KernelOptions.gemv_qk_norm): the GEMV takes the rows, no bias comes after the norm, and the
-        launch's row blocks tile the heads."""
-        rows = x.numel() // self.in_features
-        return (self.kernels.options.gemv_qk_norm and self.bias is None and self.takes(rows)
-                and norms_heads(gemv_config("dense", rows, self.out_features, self.in_features, 0, self.weight.device),
-                                head_norm))
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

@@ -31,9 +31,6 @@ At small M the time is the time to read W, so the kernel is built around streami
   and sum in arrival order. The cost: M * N * split_k floats written and read back (capped at
   PARTIALS_MAX_SHARE of the weight bytes; ~0.4% at M = 1 for Llama's o_proj), one persistent
   counter buffer per device, and launches of one device must not overlap on two streams.
-- q/k norms (Qwen3, Gemma 3): a qkv projection's launch can RMS-norm each q and k head itself. The
-  same arrival counting, per head: the last row block of a head to be stored norms the head's
-  values in y, so the separate norm launch drops out of a decode step.
 
 Launches are CUDA-graph safe: grid, split and buffers follow from shapes alone, nothing syncs with
 the host. Configs come from TUNED_CONFIGS (benchmarks/gpu_gemv.py --sweep on an H100, keyed by
@@ -49,16 +46,14 @@ import torch
 import triton
 import triton.language as tl
 
-from goodserve.ops.norm import HeadNorm
 from goodserve.ops.pdl import pdl_launch, pdl_sync
-from goodserve.ops.triton_ops import scaled_rms_norm, silu_times_up
+from goodserve.ops.triton_ops import silu_times_up
 
 GEMV_MAX_M = 16  # up to one tensor-core tile of rows
 DENSE, INT8, INT4 = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 FORMATS = {"dense": DENSE, "int8": INT8, "int4": INT4}
 BYTES_PER_WEIGHT = {"dense": 2.0, "int8": 1.0, "int4": 0.5}  # dense: bf16 / fp16 on the GPU
-# Split counters: one per row block of a split launch (lm_head has 128256 / 8 blocks at most), then
-# one per normed head.
+# Split counters: one per row block of a split launch (lm_head has 128256 / 8 blocks at most).
 MAX_SPLIT_BLOCKS = 1 << 16
 INTERPRETER_SMS = 4  # CPU (TRITON_INTERPRET): small, so that tests exercise the split path
 
@@ -301,16 +296,13 @@ def _rows_times_weights(x_ptr, w_ptr, s_ptr, z_ptr, offs_n, n_mask, M, k_start, 
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, part_ptr, count_ptr, q_norm_ptr, k_norm_ptr, head_count_ptr,
-                 M, N, K, stride_xm, stride_wn, stride_sn, stride_ym, steps_per_split, num_q_heads, normed_heads,
-                 eps, FORMAT: tl.constexpr, GROUP: tl.constexpr, TILE_K: tl.constexpr,
+def _gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, part_ptr, count_ptr,
+                 M, N, K, stride_xm, stride_wn, stride_sn, stride_ym, steps_per_split,
+                 FORMAT: tl.constexpr, GROUP: tl.constexpr, TILE_K: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                  SPLIT: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 NORM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, WEIGHT_OFFSET: tl.constexpr,
                  USE_PDL: tl.constexpr):
     """Program (row block, K slice) -> y[:, row block] (or its slice's partial); see the module doc.
-    NORM_HEADS: y is a qkv projection's rows, and its first normed_heads heads (q's, then k's) come
-    out RMS-normed (_norm_head_when_whole).
 
     Slices are whole BLOCK_K steps (k_start a multiple of BLOCK_K, which also tells the compiler
     the loads are 16-byte aligned).
@@ -334,51 +326,20 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, part_ptr, count_ptr, q_norm_
     out_mask = n_mask[:, None] & m_mask[None, :]
     y_ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
     if SPLIT:
-        stored = _finish_split(acc, part_ptr, count_ptr, y_ptrs, offs_n, offs_m, out_mask, M, N, pid_n, split)
+        _finish_split(acc, part_ptr, count_ptr, y_ptrs, offs_n, offs_m, out_mask, M, N, pid_n, split)
     else:
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
-        stored = True
-    if NORM_HEADS:
-        head = pid_n // (HEAD_DIM // BLOCK_N)
-        if stored:
-            if head < normed_heads:
-                    _norm_head_when_whole(y_ptr, q_norm_ptr, k_norm_ptr, head_count_ptr, head, num_q_heads, M,
-                                      stride_ym, eps, BLOCK_M, BLOCK_N, HEAD_DIM, WEIGHT_OFFSET)
 
 
 @triton.jit
 def _finish_split(acc, part_ptr, count_ptr, y_ptrs, offs_n, offs_m, out_mask, M, N, pid_n, split):
     """Store this slice's partial; the last slice of a row block to arrive sums all of them in
-    slice order (deterministic) into y and resets the block's counter. Returns whether this
-    program was that last slice."""
+    slice order (deterministic) into y and resets the block's counter."""
     part_offs = offs_m[None, :] * N + offs_n[:, None]
-    last = _arrived_last(acc, part_ptr, count_ptr, part_offs, out_mask, M, N, pid_n, split)
-    if last:
+    if _arrived_last(acc, part_ptr, count_ptr, part_offs, out_mask, M, N, pid_n, split):
         total = _sum_partials(acc, part_ptr, part_offs, out_mask, M, N)
         tl.store(y_ptrs, total.to(y_ptrs.dtype.element_ty), mask=out_mask)
         tl.atomic_xchg(count_ptr + pid_n, 0)
-    return last
-
-
-@triton.jit
-def _norm_head_when_whole(y_ptr, q_norm_ptr, k_norm_ptr, count_ptr, head, num_q_heads, M, stride_ym, eps,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                          WEIGHT_OFFSET: tl.constexpr):
-    """Count this stored row block into its head; the head's last block RMS-norms the whole head in
-    y (its values as stored, in y's dtype, as the separate q/k norm kernel reads them) and resets
-    the head's counter. The q/k norm's own launch drops out of the step."""
-    tl.debug_barrier()  # every thread's rows are stored before the counter says so
-    arrived = tl.atomic_add(count_ptr + head, 1, sem="acq_rel", scope="gpu")
-    if arrived == HEAD_DIM // BLOCK_N - 1:
-        cols = tl.arange(0, HEAD_DIM)
-        offs_m = tl.arange(0, BLOCK_M)
-        mask = (offs_m < M)[:, None]
-        ptrs = y_ptr + offs_m[:, None] * stride_ym + head * HEAD_DIM + cols[None, :]
-        rows = tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")  # other SMs' stores, from L2
-        weight = tl.where(head < num_q_heads, tl.load(q_norm_ptr + cols), tl.load(k_norm_ptr + cols))
-        normed = scaled_rms_norm(rows, weight.to(tl.float32)[None, :], HEAD_DIM, eps, WEIGHT_OFFSET)
-        tl.store(ptrs, normed.to(y_ptr.dtype.element_ty), mask=mask)
-        tl.atomic_xchg(count_ptr + head, 0)
 
 
 @triton.jit
@@ -492,14 +453,12 @@ def _dot_types(x: torch.Tensor) -> tuple[tl.dtype, str]:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, fmt: str, scales: torch.Tensor | None = None,
-         zeros: torch.Tensor | None = None, group: int = 0, pdl: bool = False, head_norm: HeadNorm | None = None,
-         **overrides) -> torch.Tensor:
+         zeros: torch.Tensor | None = None, group: int = 0, pdl: bool = False, **overrides) -> torch.Tensor:
     """x [M, K] (M <= GEMV_MAX_M) times the weight of format fmt -> [M, N] in x's dtype.
 
     dense: weight [N, K]; int8: weight [N, K] int8, scales [N] float32; int4: weight [N, K // 2]
-    uint8, scales and zeros [N, K // group] float32. pdl: launch with PDL (ops/pdl.py). head_norm:
-    y is a qkv projection's rows, its q and k heads RMS-normed in the launch (where norms_heads says
-    the config can). overrides: GemvConfig fields.
+    uint8, scales and zeros [N, K // group] float32. pdl: launch with PDL (ops/pdl.py).
+    overrides: GemvConfig fields.
     """
     x = x.contiguous()
     m, k = x.shape
@@ -509,45 +468,30 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, fmt: str, scales: torch.Tensor |
         assert k % 4 == 0 and weight.stride(0) % 4 == 0 and weight.data_ptr() % 4 == 0, \
             "quantized GEMV: K a multiple of 4 and 4-byte aligned weight rows"
     config = gemv_config(fmt, m, n, k, group, x.device, **overrides)
-    assert head_norm is None or norms_heads(config, head_norm), f"{config} cannot norm heads of {head_norm.head_dim}"
     splits, steps_per_split = split_plan(k, config.block_k, config.split_k)
     n_blocks = triton.cdiv(n, config.block_n)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    partials = counters = head_counters = y  # unused without a split / a head norm
-    if splits > 1 or head_norm is not None:
-        heads = head_norm.num_q_heads + head_norm.num_kv_heads if head_norm is not None else 0
-        assert n_blocks + heads <= MAX_SPLIT_BLOCKS, f"{n_blocks} row blocks: raise MAX_SPLIT_BLOCKS or block_n"
-        counters = split_counters(x.device)
-        head_counters = counters[n_blocks:]  # past the row blocks' split counters
+    partials = counters = y  # unused without a split
     if splits > 1:
+        assert n_blocks <= MAX_SPLIT_BLOCKS, f"{n_blocks} row blocks: raise MAX_SPLIT_BLOCKS or block_n"
         partials = torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
+        counters = split_counters(x.device)
     scales = weight if scales is None else scales  # unused for dense
     zeros = scales if zeros is None else zeros  # unused unless int4
     dot_dtype, dot_precision = _dot_types(x)
-    norm = head_norm or HeadNorm(y, y, 0, 0, 1, 0.0)  # unused without NORM_HEADS
     _gemv_kernel[(n_blocks, splits)](
-        x, weight, scales, zeros, y, partials, counters, norm.q_weight, norm.k_weight, head_counters,
-        m, n, k, x.stride(0), weight.stride(0), scales.stride(0), y.stride(0), steps_per_split, norm.num_q_heads,
-        norm.num_q_heads + norm.num_kv_heads, norm.eps,
+        x, weight, scales, zeros, y, partials, counters, m, n, k, x.stride(0), weight.stride(0),
+        scales.stride(0), y.stride(0), steps_per_split,
         FORMAT=FORMATS[fmt], GROUP=max(group, 1), TILE_K=group if fmt == "int4" else config.block_k,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         EVEN_K=k % config.block_k == 0, SPLIT=splits > 1, DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision,
-        NORM_HEADS=head_norm is not None, HEAD_DIM=norm.head_dim, WEIGHT_OFFSET=norm.weight_offset,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch(pdl))
     return y
 
 
-def norms_heads(config: GemvConfig, head_norm: HeadNorm) -> bool:
-    """Whether a launch of this config can norm head_norm's heads: each head whole row blocks (a
-    power-of-two head_dim, block_n dividing it)."""
-    d = head_norm.head_dim
-    return d & (d - 1) == 0 and d % config.block_n == 0
-
-
-def dense_gemv(x: torch.Tensor, weight: torch.Tensor, pdl: bool = False, head_norm: HeadNorm | None = None,
-               **overrides) -> torch.Tensor:
-    """x [M, K] @ weight [N, K]^T for M <= 16: the GEMV without dequantization (head_norm: see gemv)."""
-    return gemv(x, weight, "dense", pdl=pdl, head_norm=head_norm, **overrides)
+def dense_gemv(x: torch.Tensor, weight: torch.Tensor, pdl: bool = False, **overrides) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T for M <= 16: the GEMV without dequantization."""
+    return gemv(x, weight, "dense", pdl=pdl, **overrides)
 
 
 # ---------------------------------------------------------------------------------------------

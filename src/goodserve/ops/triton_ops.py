@@ -56,10 +56,9 @@ def add_residual_and_norm(x, row, cols, mask, residual_ptr, weight_ptr, out_ptr,
 
 @triton.jit
 def scaled_rms_norm(x, weight, hidden, eps, WEIGHT_OFFSET: tl.constexpr):
-    """x (a row, or rows [R, hidden], in the activation dtype) RMS-normed over its last axis and scaled by
-    weight (float32), in float32."""
+    """x (a row in the activation dtype) RMS-normed and scaled by weight (float32), in float32."""
     xf = x.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(xf * xf, axis=-1, keep_dims=True) / hidden + eps)
+    rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / hidden + eps)
     if WEIGHT_OFFSET != 0.0:
         return xf * rstd * (WEIGHT_OFFSET + weight)
     return weight * (xf * rstd).to(x.dtype).to(tl.float32)
